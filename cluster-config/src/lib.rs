@@ -1,0 +1,254 @@
+//! `cluster-config`: the one file that describes an engram-rack rack.
+//!
+//! What it is: the TOML schema (tables, donors, nodes), parsing with
+//! `deny_unknown_fields`, and a `validate` step whose every rule reports the
+//! file, line, column and key it is about, all problems at once. The result
+//! is a plain [`Config`] the daemons read and never poke at as TOML.
+//!
+//! What it is not: it opens no table files and no sockets (`engram-cluster
+//! check` runs anywhere, before anything is deployed).
+//!
+//! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
+//! path resolution) -> [`Config`].
+
+mod raw;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use engram_protocol::TableDigest;
+use thiserror::Error;
+
+/// Schema version this build reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// A validated rack description.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file it came from.
+    pub path: PathBuf,
+    /// The rack's name.
+    pub rack: String,
+    /// Shared secret every node sends in Hello and every donor requires, if set.
+    pub credential_file: Option<PathBuf>,
+    /// Engram tables.
+    pub tables: Vec<Table>,
+    /// Memory donors.
+    pub donors: Vec<Donor>,
+    /// Inference nodes.
+    pub nodes: Vec<Node>,
+}
+
+/// One Engram table and its pinned version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Table {
+    /// Id used on the wire.
+    pub id: u32,
+    /// Model layer.
+    pub layer: u32,
+    /// Where donors load it from (resolved against the config's directory).
+    pub path: PathBuf,
+    /// Row count.
+    pub rows: u64,
+    /// The pinned version: a donor announcing another digest is never used.
+    pub digest: TableDigest,
+}
+
+/// Whether a donor locks table memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum MlockMode {
+    /// Lock if the memlock limit allows; otherwise warn once and go on.
+    #[default]
+    Try,
+    /// Lock or refuse to start.
+    Require,
+    /// Do not lock.
+    Off,
+}
+
+/// A memory donor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Donor {
+    /// Unique name.
+    pub name: String,
+    /// Data-plane TCP addresses to bind.
+    pub listen: Vec<SocketAddr>,
+    /// Data-plane TCP addresses nodes dial.
+    pub advertise: Vec<SocketAddr>,
+    /// Ids of the tables it holds.
+    pub tables: Vec<u32>,
+    /// RAM it has for tables and headroom, in GiB.
+    pub ram_gib: f64,
+    /// Connection bound.
+    pub max_connections: usize,
+    /// Rows-per-lookup cap.
+    pub max_rows: u32,
+    /// Memory locking.
+    pub mlock: MlockMode,
+    /// Skip recomputing digests at load (fast restarts of trusted files).
+    pub trust_digest: bool,
+    /// Time a new connection has to say Hello.
+    pub hello_timeout: Duration,
+    /// Silent ready connections are closed after this (zero: never).
+    pub idle_timeout: Duration,
+    /// A blocked write closes the connection after this.
+    pub write_timeout: Duration,
+    /// How long a drain (SIGTERM) waits for clients.
+    pub drain_timeout: Duration,
+}
+
+/// Where a node may get a table's rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceRef {
+    /// A donor, by name.
+    Donor(String),
+    /// The node's SSD copy of the table.
+    Ssd,
+    /// The table loaded into the node's own RAM.
+    Local,
+}
+
+impl fmt::Display for SourceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Donor(d) => f.write_str(d),
+            Self::Ssd => f.write_str("ssd"),
+            Self::Local => f.write_str("local"),
+        }
+    }
+}
+
+/// A node's sources for one table, in order of preference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    /// Table id.
+    pub table: u32,
+    /// Sources, first preferred.
+    pub sources: Vec<SourceRef>,
+    /// The node's local copy (for `ssd` and `local`), resolved.
+    pub ssd_path: PathBuf,
+}
+
+/// An inference node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    /// Unique name.
+    pub name: String,
+    /// Per-table routes.
+    pub routes: Vec<Route>,
+    /// Time allowed to connect and handshake with a donor.
+    pub connect_timeout: Duration,
+    /// Hard limit on one lookup.
+    pub lookup_timeout: Duration,
+}
+
+/// Where a problem is and what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// The config file.
+    pub file: PathBuf,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column.
+    pub column: usize,
+    /// The key, as a path (`donor[1].tables[0]`).
+    pub key: String,
+    /// What is wrong and, where it helps, what would be right.
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}: {}",
+            self.file.display(),
+            self.line,
+            self.column,
+            self.key,
+            self.message
+        )
+    }
+}
+
+/// Why a config was not accepted.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The file is not a valid rack config; every problem found is listed.
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<Diagnostic>),
+}
+
+/// Largest config file read.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+impl Config {
+    /// Read and validate a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let io = |source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        if len > MAX_CONFIG_BYTES {
+            return Err(ConfigError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(format!(
+                    "{len} bytes is more than the {MAX_CONFIG_BYTES} accepted"
+                )),
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(io)?;
+        Self::parse(&text, path)
+    }
+
+    /// Validate config text; `path` names it in errors and relative paths resolve against its directory.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        validate::parse(text, path)
+    }
+
+    /// The table with this id.
+    pub fn table(&self, id: u32) -> Option<&Table> {
+        self.tables.iter().find(|t| t.id == id)
+    }
+
+    /// The donor with this name.
+    pub fn donor(&self, name: &str) -> Option<&Donor> {
+        self.donors.iter().find(|d| d.name == name)
+    }
+
+    /// The node with this name.
+    pub fn node(&self, name: &str) -> Option<&Node> {
+        self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// The shared credential, read from its file (trailing newline removed).
+    pub fn credential(&self) -> Result<Option<Vec<u8>>, ConfigError> {
+        let Some(p) = &self.credential_file else {
+            return Ok(None);
+        };
+        let mut bytes = std::fs::read(p).map_err(|source| ConfigError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+            bytes.pop();
+        }
+        if bytes.is_empty() || bytes.len() > engram_protocol::messages::MAX_CREDENTIAL {
+            return Err(ConfigError::Io {
+                path: p.clone(),
+                source: std::io::Error::other("a credential is 1 to 1024 bytes"),
+            });
+        }
+        Ok(Some(bytes))
+    }
+}

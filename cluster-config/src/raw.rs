@@ -1,0 +1,74 @@
+//! The config file as written: serde structs that keep every value's span,
+//! so validation can point at the line. Numbers are read as i64 and range-
+//! checked by `validate`, which gives better messages than a type error.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+pub(crate) type S<T> = Spanned<T>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawConfig {
+    pub version: S<i64>,
+    pub rack: S<RawRack>,
+    #[serde(default, rename = "table")]
+    pub tables: Vec<S<RawTable>>,
+    #[serde(default, rename = "donor")]
+    pub donors: Vec<S<RawDonor>>,
+    #[serde(default, rename = "node")]
+    pub nodes: Vec<S<RawNode>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRack {
+    pub name: S<String>,
+    pub credential_file: Option<S<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTable {
+    pub id: S<i64>,
+    pub layer: S<i64>,
+    pub path: S<String>,
+    pub rows: S<i64>,
+    pub digest: S<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawDonor {
+    pub name: S<String>,
+    pub listen: S<Vec<S<String>>>,
+    pub advertise: Option<S<Vec<S<String>>>>,
+    pub tables: S<Vec<S<i64>>>,
+    pub ram_gib: S<f64>,
+    pub max_connections: Option<S<i64>>,
+    pub max_rows: Option<S<i64>>,
+    pub mlock: Option<S<String>>,
+    pub trust_digest: Option<bool>,
+    pub hello_timeout_ms: Option<S<i64>>,
+    pub idle_timeout_ms: Option<S<i64>>,
+    pub write_timeout_ms: Option<S<i64>>,
+    pub drain_timeout_ms: Option<S<i64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawNode {
+    pub name: S<String>,
+    pub connect_timeout_ms: Option<S<i64>>,
+    pub lookup_timeout_ms: Option<S<i64>>,
+    #[serde(default, rename = "route")]
+    pub routes: Vec<S<RawRoute>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRoute {
+    pub table: S<i64>,
+    pub sources: S<Vec<S<String>>>,
+    pub ssd_path: Option<S<String>>,
+}

@@ -1,0 +1,454 @@
+//! Every rule a rack config must satisfy, each reported with file, line,
+//! column and key; defaults filled in; paths resolved against the file's
+//! directory. All problems are collected, not just the first.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use engram_protocol::TableDigest;
+use engram_protocol::etab::MAX_ROWS;
+use engram_protocol::frame::{DEFAULT_MAX_ROWS, MAX_ROWS_CEILING};
+use engram_protocol::messages::{MAX_NAME, NO_TABLE};
+
+use crate::raw::{RawConfig, RawDonor, RawNode, RawTable, S};
+use crate::{
+    Config, ConfigError, Diagnostic, Donor, MlockMode, Node, Route, SCHEMA_VERSION, SourceRef,
+    Table,
+};
+
+/// Highest layer id accepted.
+pub const MAX_LAYER: i64 = 1023;
+/// Longest timeout accepted, in milliseconds (one day).
+pub const MAX_TIMEOUT_MS: i64 = 86_400_000;
+
+struct Ctx<'a> {
+    text: &'a str,
+    file: &'a Path,
+    diags: Vec<Diagnostic>,
+}
+
+impl Ctx<'_> {
+    fn at(&mut self, span: Range<usize>, key: impl Into<String>, message: impl Into<String>) {
+        let upto = &self.text[..span.start.min(self.text.len())];
+        let line = upto.matches('\n').count() + 1;
+        let column = upto.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        self.diags.push(Diagnostic {
+            file: self.file.to_path_buf(),
+            line,
+            column,
+            key: key.into(),
+            message: message.into(),
+        });
+    }
+
+    fn int(&mut self, v: &S<i64>, key: &str, lo: i64, hi: i64) -> Option<i64> {
+        let x = *v.get_ref();
+        if (lo..=hi).contains(&x) {
+            Some(x)
+        } else {
+            self.at(v.span(), key, format!("{x} is out of range {lo}..={hi}"));
+            None
+        }
+    }
+
+    fn opt_ms(
+        &mut self,
+        v: &Option<S<i64>>,
+        key: &str,
+        default_ms: i64,
+        allow_zero: bool,
+    ) -> Duration {
+        let lo = if allow_zero { 0 } else { 1 };
+        let ms = match v {
+            Some(v) => self.int(v, key, lo, MAX_TIMEOUT_MS).unwrap_or(default_ms),
+            None => default_ms,
+        };
+        Duration::from_millis(ms as u64)
+    }
+
+    fn name(&mut self, v: &S<String>, key: &str) -> String {
+        let n = v.get_ref();
+        let ok_chars = n
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if n.is_empty() || n.len() > MAX_NAME || !ok_chars {
+            self.at(
+                v.span(),
+                key,
+                format!("{n:?} is not a name: 1 to {MAX_NAME} of A-Z a-z 0-9 - _ ."),
+            );
+        }
+        n.clone()
+    }
+
+    fn path(&mut self, v: &S<String>, key: &str, base: &Path) -> PathBuf {
+        if v.get_ref().trim().is_empty() {
+            self.at(v.span(), key, "a path cannot be empty");
+        }
+        base.join(v.get_ref())
+    }
+}
+
+/// Parse and validate config text.
+pub(crate) fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+    let mut cx = Ctx {
+        text,
+        file,
+        diags: Vec::new(),
+    };
+    let raw: RawConfig = match toml::from_str(text) {
+        Ok(r) => r,
+        Err(e) => {
+            let span = e.span().unwrap_or(0..0);
+            let key = text
+                .get(span.clone())
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty() && s.len() < 80);
+            cx.at(
+                span,
+                key.unwrap_or_else(|| "(document)".into()),
+                e.message().trim().to_string(),
+            );
+            return Err(ConfigError::Invalid(cx.diags));
+        }
+    };
+    let base = file.parent().unwrap_or(Path::new(".")).to_path_buf();
+    let config = build(&mut cx, &raw, &base);
+    if cx.diags.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError::Invalid(cx.diags))
+    }
+}
+
+fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
+    if *raw.version.get_ref() != i64::from(SCHEMA_VERSION) {
+        cx.at(
+            raw.version.span(),
+            "version",
+            format!(
+                "schema version {} is not supported (this build reads {SCHEMA_VERSION})",
+                raw.version.get_ref()
+            ),
+        );
+    }
+    let rack = raw.rack.get_ref();
+    let rack_name = cx.name(&rack.name, "rack.name");
+    let credential_file = rack
+        .credential_file
+        .as_ref()
+        .map(|p| cx.path(p, "rack.credential_file", base));
+
+    let tables = tables(cx, &raw.tables, base);
+    let donors = donors(cx, &raw.donors, &tables);
+    let nodes = nodes(cx, &raw.nodes, &tables, &donors, base);
+    Config {
+        path: cx.file.to_path_buf(),
+        rack: rack_name,
+        credential_file,
+        tables,
+        donors,
+        nodes,
+    }
+}
+
+fn tables(cx: &mut Ctx<'_>, raw: &[S<RawTable>], base: &Path) -> Vec<Table> {
+    let mut out = Vec::new();
+    let mut seen = HashSet::new();
+    for (i, t) in raw.iter().enumerate() {
+        let t = t.get_ref();
+        let k = |f: &str| format!("table[{i}].{f}");
+        let id = cx.int(&t.id, &k("id"), 0, i64::from(NO_TABLE) - 1);
+        let layer = cx.int(&t.layer, &k("layer"), 0, MAX_LAYER);
+        let rows = cx.int(&t.rows, &k("rows"), 1, MAX_ROWS as i64);
+        let path = cx.path(&t.path, &k("path"), base);
+        let digest = match t.digest.get_ref().parse::<TableDigest>() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                cx.at(
+                    t.digest.span(),
+                    k("digest"),
+                    format!("{e} (`memory-donor inspect FILE` prints it)"),
+                );
+                None
+            }
+        };
+        // A table with a valid, new id is kept even when other fields are bad
+        // (the config is refused anyway), so references to it raise no echoes.
+        match id {
+            Some(id) if !seen.insert(id) => cx.at(
+                t.id.span(),
+                k("id"),
+                format!("table id {id} is defined twice"),
+            ),
+            Some(id) => out.push(Table {
+                id: id as u32,
+                layer: layer.unwrap_or(0) as u32,
+                path,
+                rows: rows.unwrap_or(1) as u64,
+                digest: digest.unwrap_or(TableDigest([0; 32])),
+            }),
+            None => {}
+        }
+    }
+    out
+}
+
+fn addrs(
+    cx: &mut Ctx<'_>,
+    list: &S<Vec<S<String>>>,
+    key: &str,
+    allow_wildcard: bool,
+) -> Vec<SocketAddr> {
+    let mut out = Vec::new();
+    if list.get_ref().is_empty() {
+        cx.at(list.span(), key, "at least one address is needed");
+    }
+    for (j, a) in list.get_ref().iter().enumerate() {
+        match a.get_ref().parse::<SocketAddr>() {
+            Ok(addr) if !allow_wildcard && (addr.ip().is_unspecified() || addr.port() == 0) => {
+                cx.at(
+                    a.span(),
+                    format!("{key}[{j}]"),
+                    format!("{addr} cannot be dialled: give a concrete address and port"),
+                );
+            }
+            Ok(addr) if out.contains(&addr) => cx.at(
+                a.span(),
+                format!("{key}[{j}]"),
+                format!("{addr} is listed twice"),
+            ),
+            Ok(addr) => out.push(addr),
+            Err(_) => cx.at(
+                a.span(),
+                format!("{key}[{j}]"),
+                format!("{:?} is not IP:PORT", a.get_ref()),
+            ),
+        }
+    }
+    out
+}
+
+fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor> {
+    let mut out = Vec::new();
+    let mut names = HashSet::new();
+    for (i, d) in raw.iter().enumerate() {
+        let d = d.get_ref();
+        let k = |f: &str| format!("donor[{i}].{f}");
+        let name = cx.name(&d.name, &k("name"));
+        if name == "ssd" || name == "local" {
+            cx.at(
+                d.name.span(),
+                k("name"),
+                format!("{name:?} is reserved for the node's own sources"),
+            );
+        }
+        if !names.insert(name.clone()) {
+            cx.at(
+                d.name.span(),
+                k("name"),
+                format!("donor {name:?} is defined twice"),
+            );
+        }
+        let listen = addrs(cx, &d.listen, &k("listen"), true);
+        let advertise = match &d.advertise {
+            Some(a) => addrs(cx, a, &k("advertise"), false),
+            None => {
+                if listen.iter().any(|a| a.ip().is_unspecified()) {
+                    cx.at(
+                        d.listen.span(),
+                        k("listen"),
+                        "a wildcard listen address needs `advertise` (the address nodes dial)",
+                    );
+                }
+                listen.clone()
+            }
+        };
+        let mut held = Vec::new();
+        if d.tables.get_ref().is_empty() {
+            cx.at(
+                d.tables.span(),
+                k("tables"),
+                "a donor holds at least one table",
+            );
+        }
+        for (j, t) in d.tables.get_ref().iter().enumerate() {
+            let id = *t.get_ref();
+            if !tables.iter().any(|x| i64::from(x.id) == id) {
+                let known: Vec<String> = tables.iter().map(|x| x.id.to_string()).collect();
+                cx.at(
+                    t.span(),
+                    format!("{}[{j}]", k("tables")),
+                    format!("table {id} is not defined (defined: {})", known.join(", ")),
+                );
+            } else if held.contains(&(id as u32)) {
+                cx.at(
+                    t.span(),
+                    format!("{}[{j}]", k("tables")),
+                    format!("table {id} is listed twice"),
+                );
+            } else {
+                held.push(id as u32);
+            }
+        }
+        let ram_gib = *d.ram_gib.get_ref();
+        if !(ram_gib.is_finite() && ram_gib > 0.0 && ram_gib <= 1.0e6) {
+            cx.at(
+                d.ram_gib.span(),
+                k("ram_gib"),
+                format!("{ram_gib} is not a RAM size in GiB (0 < ram_gib <= 1e6)"),
+            );
+        }
+        let max_connections = d
+            .max_connections
+            .as_ref()
+            .and_then(|v| cx.int(v, &k("max_connections"), 1, 65_536))
+            .unwrap_or(256) as usize;
+        let max_rows = d
+            .max_rows
+            .as_ref()
+            .and_then(|v| cx.int(v, &k("max_rows"), 48, i64::from(MAX_ROWS_CEILING)))
+            .unwrap_or(i64::from(DEFAULT_MAX_ROWS)) as u32;
+        let mlock = match d.mlock.as_ref().map(|m| (m, m.get_ref().as_str())) {
+            None | Some((_, "try")) => MlockMode::Try,
+            Some((_, "require")) => MlockMode::Require,
+            Some((_, "off")) => MlockMode::Off,
+            Some((m, other)) => {
+                cx.at(
+                    m.span(),
+                    k("mlock"),
+                    format!("{other:?} is not one of \"try\", \"require\", \"off\""),
+                );
+                MlockMode::Try
+            }
+        };
+        out.push(Donor {
+            name,
+            listen,
+            advertise,
+            tables: held,
+            ram_gib,
+            max_connections,
+            max_rows,
+            mlock,
+            trust_digest: d.trust_digest.unwrap_or(false),
+            hello_timeout: cx.opt_ms(&d.hello_timeout_ms, &k("hello_timeout_ms"), 5_000, false),
+            idle_timeout: cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
+            write_timeout: cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),
+            drain_timeout: cx.opt_ms(&d.drain_timeout_ms, &k("drain_timeout_ms"), 5_000, false),
+        });
+    }
+    out
+}
+
+fn nodes(
+    cx: &mut Ctx<'_>,
+    raw: &[S<RawNode>],
+    tables: &[Table],
+    donors: &[Donor],
+    base: &Path,
+) -> Vec<Node> {
+    let mut out = Vec::new();
+    let mut names = HashSet::new();
+    for (i, n) in raw.iter().enumerate() {
+        let n = n.get_ref();
+        let k = |f: &str| format!("node[{i}].{f}");
+        let name = cx.name(&n.name, &k("name"));
+        if !names.insert(name.clone()) {
+            cx.at(
+                n.name.span(),
+                k("name"),
+                format!("node {name:?} is defined twice"),
+            );
+        }
+        let mut routes: Vec<Route> = Vec::new();
+        for (j, r) in n.routes.iter().enumerate() {
+            let r = r.get_ref();
+            let rk = |f: &str| format!("node[{i}].route[{j}].{f}");
+            let id = *r.table.get_ref();
+            let Some(table) = tables.iter().find(|t| i64::from(t.id) == id) else {
+                cx.at(
+                    r.table.span(),
+                    rk("table"),
+                    format!("table {id} is not defined"),
+                );
+                continue;
+            };
+            if routes.iter().any(|x| x.table == table.id) {
+                cx.at(
+                    r.table.span(),
+                    rk("table"),
+                    format!("table {id} has two routes on this node"),
+                );
+            }
+            let mut sources = Vec::new();
+            if r.sources.get_ref().is_empty() {
+                cx.at(
+                    r.sources.span(),
+                    rk("sources"),
+                    "a route needs at least one source",
+                );
+            }
+            for (s_i, s) in r.sources.get_ref().iter().enumerate() {
+                let key = format!("node[{i}].route[{j}].sources[{s_i}]");
+                let src = match s.get_ref().as_str() {
+                    "ssd" => SourceRef::Ssd,
+                    "local" => SourceRef::Local,
+                    d => match donors.iter().find(|x| x.name == d) {
+                        Some(donor) if donor.tables.contains(&table.id) => {
+                            SourceRef::Donor(d.to_string())
+                        }
+                        Some(_) => {
+                            cx.at(
+                                s.span(),
+                                key,
+                                format!("donor {d:?} does not hold table {}", table.id),
+                            );
+                            continue;
+                        }
+                        None => {
+                            cx.at(
+                                s.span(),
+                                key,
+                                format!("{d:?} is neither a donor nor \"ssd\" or \"local\""),
+                            );
+                            continue;
+                        }
+                    },
+                };
+                if sources.contains(&src) {
+                    cx.at(s.span(), key, format!("source {src} is listed twice"));
+                    continue;
+                }
+                sources.push(src);
+            }
+            let ssd_path = match &r.ssd_path {
+                Some(p) => cx.path(p, &rk("ssd_path"), base),
+                None => table.path.clone(),
+            };
+            routes.push(Route {
+                table: table.id,
+                sources,
+                ssd_path,
+            });
+        }
+        out.push(Node {
+            name,
+            routes,
+            connect_timeout: cx.opt_ms(
+                &n.connect_timeout_ms,
+                &k("connect_timeout_ms"),
+                1_000,
+                false,
+            ),
+            lookup_timeout: cx.opt_ms(&n.lookup_timeout_ms, &k("lookup_timeout_ms"), 1_000, false),
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

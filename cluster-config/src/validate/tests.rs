@@ -1,0 +1,455 @@
+//! One test per rule: each bad input names the right line and key.
+
+use super::*;
+
+const D1: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+const D14: &str = "e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4e4";
+
+fn good() -> String {
+    format!(
+        r#"version = 1
+
+[rack]
+name = "demo"
+
+[[table]]
+id = 1
+layer = 1
+path = "tables/layer1.etab"
+rows = 384006168
+digest = "{D1}"
+
+[[table]]
+id = 14
+layer = 14
+path = "/srv/engram/layer14.etab"
+rows = 384016682
+digest = "{D14}"
+
+[[donor]]
+name = "donor-a"
+listen = ["0.0.0.0:7410"]
+advertise = ["10.1.0.5:7410"]
+tables = [1, 14]
+ram_gib = 251.0
+
+[[donor]]
+name = "donor-b"
+listen = ["127.0.0.2:7410"]
+tables = [1]
+ram_gib = 125.5
+max_rows = 4096
+mlock = "require"
+idle_timeout_ms = 0
+
+[[node]]
+name = "gpu-1"
+lookup_timeout_ms = 40
+
+[[node.route]]
+table = 1
+sources = ["donor-b", "donor-a", "ssd"]
+ssd_path = "ssd/layer1.etab"
+
+[[node.route]]
+table = 14
+sources = ["donor-a", "local"]
+"#
+    )
+}
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(text, Path::new("/etc/engram-rack/rack.toml"))
+}
+
+fn diags(text: &str) -> Vec<Diagnostic> {
+    match parse(text) {
+        Err(ConfigError::Invalid(d)) => d,
+        other => panic!("expected diagnostics, got {other:?}"),
+    }
+}
+
+/// Replace `from` (which must occur) in the good config and expect a
+/// diagnostic on `line` whose key contains `key` and message contains `msg`.
+fn expect(from: &str, to: &str, line: usize, key: &str, msg: &str) {
+    let text = good();
+    assert!(text.contains(from), "{from:?} not in the good config");
+    let d = diags(&text.replacen(from, to, 1));
+    assert!(
+        d.iter()
+            .any(|d| d.line == line && d.key.contains(key) && d.message.contains(msg)),
+        "no diagnostic at line {line} for {key:?} containing {msg:?}; got:\n{}",
+        d.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
+fn the_good_config_parses_with_defaults_and_resolved_paths() {
+    let c = parse(&good()).expect("valid");
+    assert_eq!(c.rack, "demo");
+    assert_eq!(c.tables.len(), 2);
+    assert_eq!(
+        c.table(1).map(|t| t.path.clone()),
+        Some(PathBuf::from("/etc/engram-rack/tables/layer1.etab"))
+    );
+    assert_eq!(
+        c.table(14).map(|t| t.path.clone()),
+        Some(PathBuf::from("/srv/engram/layer14.etab"))
+    );
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(
+        a.advertise,
+        vec!["10.1.0.5:7410".parse::<SocketAddr>().expect("addr")]
+    );
+    assert_eq!(
+        (a.max_connections, a.max_rows, a.mlock),
+        (256, DEFAULT_MAX_ROWS, MlockMode::Try)
+    );
+    assert_eq!(a.hello_timeout, Duration::from_secs(5));
+    let b = c.donor("donor-b").expect("donor-b");
+    assert_eq!(
+        b.advertise, b.listen,
+        "advertise defaults to a concrete listen address"
+    );
+    assert_eq!(
+        (b.max_rows, b.mlock, b.idle_timeout),
+        (4096, MlockMode::Require, Duration::ZERO)
+    );
+    let n = c.node("gpu-1").expect("node");
+    assert_eq!(n.lookup_timeout, Duration::from_millis(40));
+    assert_eq!(n.connect_timeout, Duration::from_secs(1));
+    assert_eq!(
+        n.routes[0].sources,
+        vec![
+            SourceRef::Donor("donor-b".into()),
+            SourceRef::Donor("donor-a".into()),
+            SourceRef::Ssd
+        ]
+    );
+    assert_eq!(
+        n.routes[0].ssd_path,
+        PathBuf::from("/etc/engram-rack/ssd/layer1.etab")
+    );
+    assert_eq!(
+        n.routes[1].ssd_path,
+        PathBuf::from("/srv/engram/layer14.etab"),
+        "defaults to the table path"
+    );
+}
+
+#[test]
+fn syntax_errors_and_unknown_keys_point_at_their_line() {
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nram = 3",
+        26,
+        "ram",
+        "unknown field",
+    );
+    expect(
+        "name = \"gpu-1\"",
+        "name = \"gpu-1\"\nlookup_timeout = 40",
+        38,
+        "lookup_timeout",
+        "unknown field",
+    );
+    expect("layer = 14", "layer = = 14", 15, "", "");
+    expect(
+        "version = 1",
+        "version = 1\nversion = 2",
+        2,
+        "",
+        "duplicate",
+    );
+    expect(
+        "rows = 384006168",
+        "rows = \"many\"",
+        10,
+        "many",
+        "expected i64",
+    );
+}
+
+#[test]
+fn schema_version_and_rack_name() {
+    expect("version = 1", "version = 2", 1, "version", "not supported");
+    expect(
+        "name = \"demo\"",
+        "name = \"\"",
+        4,
+        "rack.name",
+        "not a name",
+    );
+    expect(
+        "name = \"demo\"",
+        "name = \"de mo\"",
+        4,
+        "rack.name",
+        "not a name",
+    );
+}
+
+#[test]
+fn table_rules() {
+    expect("id = 14", "id = 1", 14, "table[1].id", "defined twice");
+    expect("id = 14", "id = -3", 14, "table[1].id", "out of range");
+    expect(
+        "layer = 14",
+        "layer = 5000",
+        15,
+        "table[1].layer",
+        "out of range",
+    );
+    expect(
+        "rows = 384016682",
+        "rows = 0",
+        17,
+        "table[1].rows",
+        "out of range",
+    );
+    expect(
+        &format!("digest = \"{D14}\""),
+        "digest = \"abc\"",
+        18,
+        "table[1].digest",
+        "64 hex",
+    );
+    expect(
+        "path = \"/srv/engram/layer14.etab\"",
+        "path = \" \"",
+        16,
+        "table[1].path",
+        "empty",
+    );
+}
+
+#[test]
+fn donor_rules() {
+    expect(
+        "name = \"donor-b\"",
+        "name = \"donor-a\"",
+        28,
+        "donor[1].name",
+        "defined twice",
+    );
+    expect(
+        "name = \"donor-b\"",
+        "name = \"ssd\"",
+        28,
+        "donor[1].name",
+        "reserved",
+    );
+    expect(
+        "listen = [\"127.0.0.2:7410\"]",
+        "listen = [\"127.0.0.2\"]",
+        29,
+        "donor[1].listen[0]",
+        "IP:PORT",
+    );
+    expect(
+        "listen = [\"127.0.0.2:7410\"]",
+        "listen = []",
+        29,
+        "donor[1].listen",
+        "at least one",
+    );
+    expect(
+        "listen = [\"127.0.0.2:7410\"]",
+        "listen = [\"127.0.0.2:7410\", \"127.0.0.2:7410\"]",
+        29,
+        "donor[1].listen[1]",
+        "twice",
+    );
+    expect(
+        "advertise = [\"10.1.0.5:7410\"]\n",
+        "",
+        22,
+        "donor[0].listen",
+        "needs `advertise`",
+    );
+    expect(
+        "advertise = [\"10.1.0.5:7410\"]",
+        "advertise = [\"0.0.0.0:7410\"]",
+        23,
+        "donor[0].advertise[0]",
+        "cannot be dialled",
+    );
+    expect(
+        "tables = [1, 14]",
+        "tables = [1, 7]",
+        24,
+        "donor[0].tables[1]",
+        "table 7 is not defined (defined: 1, 14)",
+    );
+    expect(
+        "tables = [1, 14]",
+        "tables = [1, 1]",
+        24,
+        "donor[0].tables[1]",
+        "listed twice",
+    );
+    expect(
+        "tables = [1]",
+        "tables = []",
+        30,
+        "donor[1].tables",
+        "at least one",
+    );
+    expect(
+        "ram_gib = 125.5",
+        "ram_gib = -1.0",
+        31,
+        "donor[1].ram_gib",
+        "not a RAM size",
+    );
+    expect(
+        "max_rows = 4096",
+        "max_rows = 10",
+        32,
+        "donor[1].max_rows",
+        "out of range",
+    );
+    expect(
+        "mlock = \"require\"",
+        "mlock = \"always\"",
+        33,
+        "donor[1].mlock",
+        "not one of",
+    );
+    expect(
+        "idle_timeout_ms = 0",
+        "idle_timeout_ms = -5",
+        34,
+        "donor[1].idle_timeout_ms",
+        "out of range",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nhello_timeout_ms = 0",
+        26,
+        "donor[0].hello_timeout_ms",
+        "out of range",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nmax_connections = 0",
+        26,
+        "donor[0].max_connections",
+        "out of range",
+    );
+}
+
+#[test]
+fn node_rules() {
+    expect(
+        "name = \"gpu-1\"",
+        "name = \"gpu 1\"",
+        37,
+        "node[0].name",
+        "not a name",
+    );
+    expect(
+        "lookup_timeout_ms = 40",
+        "lookup_timeout_ms = 0",
+        38,
+        "node[0].lookup_timeout_ms",
+        "out of range",
+    );
+    expect(
+        "table = 14\nsources",
+        "table = 99\nsources",
+        46,
+        "node[0].route[1].table",
+        "not defined",
+    );
+    expect(
+        "table = 14\nsources",
+        "table = 1\nsources",
+        46,
+        "node[0].route[1].table",
+        "two routes",
+    );
+    expect(
+        "sources = [\"donor-b\", \"donor-a\", \"ssd\"]",
+        "sources = [\"donor-b\", \"donor-c\", \"ssd\"]",
+        42,
+        "node[0].route[0].sources[1]",
+        "neither a donor",
+    );
+    expect(
+        "sources = [\"donor-a\", \"local\"]",
+        "sources = [\"donor-b\", \"local\"]",
+        47,
+        "node[0].route[1].sources[0]",
+        "does not hold table 14",
+    );
+    expect(
+        "sources = [\"donor-a\", \"local\"]",
+        "sources = [\"local\", \"local\"]",
+        47,
+        "node[0].route[1].sources[1]",
+        "twice",
+    );
+    expect(
+        "sources = [\"donor-a\", \"local\"]",
+        "sources = []",
+        47,
+        "node[0].route[1].sources",
+        "at least one",
+    );
+}
+
+#[test]
+fn all_problems_are_reported_at_once() {
+    let text = good().replacen("layer = 14", "layer = 5000", 1).replacen(
+        "mlock = \"require\"",
+        "mlock = \"x\"",
+        1,
+    );
+    assert_eq!(diags(&text).len(), 2);
+    let shown = ConfigError::Invalid(diags(&text)).to_string();
+    assert!(
+        shown.contains("/etc/engram-rack/rack.toml:15:9: table[1].layer: 5000 is out of range"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn load_reads_files_and_refuses_missing_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path().join("rack.toml");
+    std::fs::write(&p, good()).expect("write");
+    let c = Config::load(&p).expect("loads");
+    assert_eq!(
+        c.table(1).map(|t| t.path.clone()),
+        Some(dir.path().join("tables/layer1.etab"))
+    );
+    assert!(matches!(
+        Config::load(&dir.path().join("nope.toml")),
+        Err(ConfigError::Io { .. })
+    ));
+}
+
+#[test]
+fn credentials_are_read_trimmed_and_bounded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path().join("rack.toml");
+    let text = good().replacen(
+        "name = \"demo\"",
+        "name = \"demo\"\ncredential_file = \"secret\"",
+        1,
+    );
+    std::fs::write(&p, text).expect("write");
+    let c = Config::load(&p).expect("loads");
+    assert!(
+        c.credential().is_err(),
+        "a missing credential file is an error"
+    );
+    std::fs::write(dir.path().join("secret"), "s3cret\n").expect("write");
+    assert_eq!(c.credential().expect("reads"), Some(b"s3cret".to_vec()));
+    std::fs::write(dir.path().join("secret"), "\n").expect("write");
+    assert!(c.credential().is_err(), "an empty credential is an error");
+}

@@ -1,0 +1,331 @@
+//! `memory-donor`: serve Engram tables from RAM; generate, pack, verify and inspect table files.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use cluster_config::{Config, MlockMode};
+use engram_protocol::{Limits, ROW_BYTES};
+use memory_donor::generate::{GenSpec, generate};
+use memory_donor::pack::pack;
+use memory_donor::progress::Progress;
+use memory_donor::serve::{ServeSpec, TableSpec, load_tables, serve};
+use memory_donor::server::ServerConfig;
+use memory_donor::table_file::TableFile;
+
+#[derive(Parser)]
+#[command(
+    name = "memory-donor",
+    version,
+    about = "Keep Engram tables resident in RAM and serve batched row lookups"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Write a deterministic synthetic table (rows are a pure function of seed, layer and row id).
+    Gen {
+        #[arg(long)]
+        layer: u32,
+        #[arg(long)]
+        rows: u64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+        /// Hashing preset to record in the metadata.
+        #[arg(long)]
+        hash_preset: Option<String>,
+        /// Hashing base size to record in the metadata.
+        #[arg(long)]
+        hash_base: Option<u64>,
+        /// Generator threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Build a table from a V4.1 checkpoint (a safetensors file, its directory, or model.safetensors.index.json).
+    Pack {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        layer: u32,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        hash_preset: Option<String>,
+        #[arg(long)]
+        hash_base: Option<u64>,
+    },
+    /// Recompute a table's digest and check every row decodes.
+    Verify {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Print a table's metadata.
+    Inspect {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load tables resident and serve lookups over TCP.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Cluster config; with --name, serves that donor's tables on its addresses.
+    #[arg(long, requires = "name", conflicts_with_all = ["tables", "listen"])]
+    config: Option<PathBuf>,
+    /// Donor name (in the config) or the name announced to clients.
+    #[arg(long)]
+    name: Option<String>,
+    /// A table to serve: FILE, or ID=FILE (the id defaults to the table's layer).
+    #[arg(long = "table", value_name = "[ID=]FILE")]
+    tables: Vec<TableSpec>,
+    /// Address to listen on (repeatable).
+    #[arg(long, value_name = "ADDR")]
+    listen: Vec<SocketAddr>,
+    /// Skip recomputing digests while loading (fast restart of trusted files).
+    #[arg(long)]
+    trust_digest: bool,
+    /// Lock table memory: try (warn if the limit is too low), require, or off.
+    #[arg(long, value_enum)]
+    mlock: Option<MlockMode>,
+    /// Most concurrent connections.
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Most rows in one lookup.
+    #[arg(long)]
+    max_rows: Option<u32>,
+    /// How long a drain (SIGTERM) waits for clients, in milliseconds.
+    #[arg(long)]
+    drain_timeout_ms: Option<u64>,
+    /// File holding the credential every Hello must carry.
+    #[arg(long)]
+    credential_file: Option<PathBuf>,
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Gen {
+            layer,
+            rows,
+            seed,
+            out,
+            hash_preset,
+            hash_base,
+            threads: t,
+        } => {
+            let spec = GenSpec {
+                layer,
+                rows,
+                seed,
+                hash_preset,
+                hash_base,
+                threads: t.unwrap_or_else(threads),
+            };
+            let mut p =
+                Progress::stderr(format!("generating layer {layer}"), rows, ROW_BYTES as u64);
+            let meta = generate(&out, &spec, Some(&mut p))
+                .with_context(|| format!("generating {}", out.display()))?;
+            p.finish();
+            println!(
+                "{}: layer {} rows {} digest {}",
+                out.display(),
+                meta.layer,
+                meta.rows,
+                meta.digest
+            );
+        }
+        Cmd::Pack {
+            checkpoint,
+            layer,
+            out,
+            hash_preset,
+            hash_base,
+        } => {
+            let meta = pack(&checkpoint, layer, &out, hash_preset, hash_base, |rows| {
+                Some(Progress::stderr(
+                    format!("packing layer {layer}"),
+                    rows,
+                    ROW_BYTES as u64,
+                ))
+            })?;
+            println!(
+                "{}: layer {} rows {} digest {}",
+                out.display(),
+                meta.layer,
+                meta.rows,
+                meta.digest
+            );
+        }
+        Cmd::Verify { files } => {
+            let mut failed = 0;
+            for f in &files {
+                let result = TableFile::open(f).and_then(|t| {
+                    let mut p = Progress::stderr(
+                        format!("verifying {}", f.display()),
+                        t.meta.rows,
+                        ROW_BYTES as u64,
+                    );
+                    let d = t.verify(Some(&mut p))?;
+                    p.finish();
+                    Ok((t, d))
+                });
+                match result {
+                    Ok((t, d)) => println!(
+                        "{}: ok: layer {} rows {} digest {d}",
+                        f.display(),
+                        t.meta.layer,
+                        t.meta.rows
+                    ),
+                    Err(e) => {
+                        eprintln!("{e}");
+                        failed += 1;
+                    }
+                }
+            }
+            if failed > 0 {
+                bail!("{failed} of {} tables failed verification", files.len());
+            }
+        }
+        Cmd::Inspect { file, json } => inspect(&file, json)?,
+        Cmd::Serve(args) => {
+            init_tracing();
+            run_serve(args)?;
+        }
+    }
+    Ok(())
+}
+
+fn inspect(file: &std::path::Path, json: bool) -> Result<()> {
+    let t = TableFile::open(file)?;
+    let m = &t.meta;
+    if json {
+        let v = serde_json::json!({
+            "path": file.display().to_string(),
+            "format_version": engram_protocol::etab::FORMAT_VERSION,
+            "encoding": engram_protocol::etab::ENCODING,
+            "layer": m.layer,
+            "rows": m.rows,
+            "pages": t.layout.pages,
+            "data_start": t.layout.data_start,
+            "file_len": t.layout.file_len(),
+            "digest": m.digest.to_hex(),
+            "digest_prefix": format!("{:016x}", m.digest.prefix()),
+            "hash_preset": m.hash_preset,
+            "hash_base": m.hash_base,
+            "source": m.source,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("file:        {}", file.display());
+        println!(
+            "format:      {} v{} ({})",
+            engram_protocol::etab::FORMAT_NAME,
+            engram_protocol::etab::FORMAT_VERSION,
+            engram_protocol::etab::ENCODING
+        );
+        println!("layer:       {}", m.layer);
+        println!(
+            "rows:        {} ({:.2} GiB of rows)",
+            m.rows,
+            (m.rows * ROW_BYTES as u64) as f64 / (1u64 << 30) as f64
+        );
+        println!(
+            "pages:       {} x 4096 bytes from offset {}",
+            t.layout.pages, t.layout.data_start
+        );
+        println!("digest:      {}", m.digest);
+        println!(
+            "hashing:     preset {} base {}",
+            m.hash_preset.as_deref().unwrap_or("-"),
+            m.hash_base.map_or("-".into(), |b| b.to_string())
+        );
+        println!("source:      {}", m.source);
+    }
+    Ok(())
+}
+
+fn run_serve(args: ServeArgs) -> Result<()> {
+    let mut spec = if let Some(path) = &args.config {
+        let config = Config::load(path)?;
+        let name = args.name.as_deref().context("--config needs --name")?;
+        ServeSpec::from_config(&config, name)?
+    } else {
+        if args.tables.is_empty() || args.listen.is_empty() {
+            bail!("give --config FILE --name DONOR, or at least one --table and one --listen");
+        }
+        ServeSpec {
+            server: ServerConfig::new(args.name.clone().unwrap_or_else(|| "memory-donor".into())),
+            listen: args.listen.clone(),
+            tables: args.tables.clone(),
+            trust_digest: false,
+            mlock: MlockMode::Try,
+        }
+    };
+    // Flags override the config.
+    spec.trust_digest |= args.trust_digest;
+    if let Some(m) = args.mlock {
+        spec.mlock = m;
+    }
+    if let Some(n) = args.max_connections {
+        spec.server.max_connections = n.clamp(1, 65_536);
+    }
+    if let Some(r) = args.max_rows {
+        let r = r.clamp(48, engram_protocol::frame::MAX_ROWS_CEILING);
+        spec.server.limits = Limits::for_caps(r, spec.server.limits.max_sections);
+    }
+    if let Some(ms) = args.drain_timeout_ms {
+        spec.server.drain_timeout = Duration::from_millis(ms);
+    }
+    if let Some(f) = &args.credential_file {
+        let c = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+        spec.server.credential = Some(c.trim_ascii_end().to_vec());
+    }
+    let tables = load_tables(&spec)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let shutdown = async {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
+                (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
+            else {
+                tracing::error!("cannot install signal handlers; serving until killed");
+                return std::future::pending().await;
+            };
+            loop {
+                tokio::select! {
+                    _ = term.recv() => { tracing::info!("SIGTERM: draining"); return; }
+                    _ = int.recv() => { tracing::info!("SIGINT: draining"); return; }
+                    _ = hup.recv() => tracing::warn!("SIGHUP: reloading is not implemented in this version; ignoring"),
+                }
+            }
+        };
+        serve(&spec, tables, shutdown).await
+    })?;
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! Progress for long work (generating, packing, verifying, loading a table):
+//! a line at most every couple of seconds and at 100%, with bytes and rate,
+//! handed to a sink (stderr for the tools, the log for the daemon).
+
+use std::time::{Duration, Instant};
+
+/// Where progress lines go.
+pub type ProgressSink = Box<dyn FnMut(&ProgressLine) + Send>;
+
+/// One progress report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgressLine {
+    /// What is being done ("generating layer 1").
+    pub what: String,
+    /// Units done.
+    pub done: u64,
+    /// Units in total.
+    pub total: u64,
+    /// Bytes per second so far.
+    pub bytes_per_sec: f64,
+    /// True for the final report.
+    pub finished: bool,
+}
+
+impl ProgressLine {
+    /// Percent done, 0..=100.
+    pub fn percent(&self) -> f64 {
+        if self.total == 0 {
+            100.0
+        } else {
+            self.done as f64 * 100.0 / self.total as f64
+        }
+    }
+}
+
+impl std::fmt::Display for ProgressLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {:5.1}% ({} of {} rows, {:.0} MB/s){}",
+            self.what,
+            self.percent(),
+            self.done,
+            self.total,
+            self.bytes_per_sec / 1e6,
+            if self.finished { ", done" } else { "" }
+        )
+    }
+}
+
+/// Rate-limits progress reports.
+pub struct Progress {
+    what: String,
+    total: u64,
+    bytes_per_unit: u64,
+    started: Instant,
+    last: Instant,
+    every: Duration,
+    sink: ProgressSink,
+}
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Progress")
+            .field("what", &self.what)
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+impl Progress {
+    /// Report `total` units of `bytes_per_unit` bytes each to `sink`.
+    pub fn new(
+        what: impl Into<String>,
+        total: u64,
+        bytes_per_unit: u64,
+        sink: ProgressSink,
+    ) -> Self {
+        let now = Instant::now();
+        Self {
+            what: what.into(),
+            total,
+            bytes_per_unit,
+            started: now,
+            last: now,
+            every: Duration::from_secs(2),
+            sink,
+        }
+    }
+
+    /// Progress to stderr, one line per report.
+    pub fn stderr(what: impl Into<String>, total: u64, bytes_per_unit: u64) -> Self {
+        Self::new(what, total, bytes_per_unit, Box::new(|l| eprintln!("{l}")))
+    }
+
+    /// Progress to the log at info level.
+    pub fn log(what: impl Into<String>, total: u64, bytes_per_unit: u64) -> Self {
+        Self::new(
+            what,
+            total,
+            bytes_per_unit,
+            Box::new(
+                |l| tracing::info!(what = %l.what, done = l.done, total = l.total, percent = l.percent(), "progress: {l}"),
+            ),
+        )
+    }
+
+    fn line(&self, done: u64, finished: bool) -> ProgressLine {
+        let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+        ProgressLine {
+            what: self.what.clone(),
+            done,
+            total: self.total,
+            bytes_per_sec: (done * self.bytes_per_unit) as f64 / secs,
+            finished,
+        }
+    }
+
+    /// Note that `done` units are complete; reports if enough time has passed.
+    pub fn update(&mut self, done: u64) {
+        if self.last.elapsed() >= self.every {
+            self.last = Instant::now();
+            let line = self.line(done, false);
+            (self.sink)(&line);
+        }
+    }
+
+    /// Final report; returns the elapsed time.
+    pub fn finish(mut self) -> Duration {
+        let line = self.line(self.total, true);
+        (self.sink)(&line);
+        self.started.elapsed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn reports_are_rate_limited_and_the_last_is_final() {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let l2 = Arc::clone(&lines);
+        let mut p = Progress::new(
+            "x",
+            10,
+            264,
+            Box::new(move |l| l2.lock().expect("lock").push(l.clone())),
+        );
+        for i in 0..10 {
+            p.update(i);
+        }
+        p.finish();
+        let lines = lines.lock().expect("lock");
+        assert_eq!(lines.len(), 1, "updates within 2 s are not reported");
+        assert!(lines[0].finished);
+        assert_eq!(lines[0].percent(), 100.0);
+        assert!(lines[0].to_string().contains("10 of 10 rows"));
+    }
+}

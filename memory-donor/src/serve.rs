@@ -1,0 +1,241 @@
+//! `memory-donor serve`: what to serve (from flags or from the cluster
+//! config), loading it resident, binding, the `ready` line, and the run.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cluster_config::Config;
+use engram_protocol::{Limits, TableDigest};
+use thiserror::Error;
+
+use crate::progress::Progress;
+use crate::resident::{LoadError, MlockMode, ResidentTable};
+use crate::server::{self, ServerConfig, Shared};
+
+/// One table to serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableSpec {
+    /// Id to serve it under (default: its layer).
+    pub id: Option<u32>,
+    /// Its file.
+    pub path: PathBuf,
+    /// The digest the config pins, if any.
+    pub pinned: Option<TableDigest>,
+}
+
+impl std::str::FromStr for TableSpec {
+    type Err = String;
+
+    /// `FILE` or `ID=FILE`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('=') {
+            Some((id, path)) if !id.is_empty() && id.chars().all(|c| c.is_ascii_digit()) => {
+                let id = id
+                    .parse()
+                    .map_err(|_| format!("table id {id:?} is not a 32-bit number"))?;
+                Ok(Self {
+                    id: Some(id),
+                    path: path.into(),
+                    pinned: None,
+                })
+            }
+            _ => Ok(Self {
+                id: None,
+                path: s.into(),
+                pinned: None,
+            }),
+        }
+    }
+}
+
+/// Everything `serve` needs.
+#[derive(Debug, Clone)]
+pub struct ServeSpec {
+    /// Data-plane behaviour.
+    pub server: ServerConfig,
+    /// Addresses to bind.
+    pub listen: Vec<SocketAddr>,
+    /// Tables to load.
+    pub tables: Vec<TableSpec>,
+    /// Skip recomputing digests at load.
+    pub trust_digest: bool,
+    /// Memory locking.
+    pub mlock: MlockMode,
+}
+
+/// Why the donor could not start.
+#[derive(Debug, Error)]
+pub enum ServeError {
+    /// The config does not describe this donor.
+    #[error("{0}")]
+    Config(String),
+    /// A table failed to load.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// Two tables would be served under one id.
+    #[error("two tables are served under id {0}; give ids explicitly with --table ID=FILE")]
+    DuplicateId(u32),
+    /// An address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+impl ServeSpec {
+    /// The spec of donor `name` in a cluster config.
+    pub fn from_config(config: &Config, name: &str) -> Result<Self, ServeError> {
+        let d = config.donor(name).ok_or_else(|| {
+            let names: Vec<&str> = config.donors.iter().map(|d| d.name.as_str()).collect();
+            ServeError::Config(format!(
+                "{}: no donor named {name:?} (donors: {})",
+                config.path.display(),
+                names.join(", ")
+            ))
+        })?;
+        let mut server = ServerConfig::new(&d.name);
+        server.limits = Limits::for_caps(d.max_rows, engram_protocol::frame::DEFAULT_MAX_SECTIONS);
+        server.max_connections = d.max_connections;
+        server.hello_timeout = d.hello_timeout;
+        server.idle_timeout = d.idle_timeout;
+        server.write_timeout = d.write_timeout;
+        server.drain_timeout = d.drain_timeout;
+        server.credential = config
+            .credential()
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+        let tables = d
+            .tables
+            .iter()
+            .filter_map(|id| config.table(*id))
+            .map(|t| TableSpec {
+                id: Some(t.id),
+                path: t.path.clone(),
+                pinned: Some(t.digest),
+            })
+            .collect();
+        Ok(Self {
+            server,
+            listen: d.listen.clone(),
+            tables,
+            trust_digest: d.trust_digest,
+            mlock: d.mlock,
+        })
+    }
+}
+
+fn memlock_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only into the struct we pass.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } == 0;
+    ok.then_some(r.rlim_cur)
+}
+
+/// Load every table resident, with progress in the log.
+pub fn load_tables(spec: &ServeSpec) -> Result<Vec<ResidentTable>, ServeError> {
+    let mut tables: Vec<ResidentTable> = Vec::new();
+    let mut unlocked = 0u64;
+    for t in &spec.tables {
+        let what = format!("loading {}", t.path.display());
+        let total = crate::table_file::TableFile::open(&t.path)
+            .map_err(LoadError::from)?
+            .meta
+            .rows;
+        let mut progress = Progress::log(what, total, engram_protocol::ROW_BYTES as u64);
+        let (mut table, report) = ResidentTable::load(
+            0,
+            &t.path,
+            t.pinned,
+            spec.trust_digest,
+            spec.mlock,
+            Some(&mut progress),
+        )?;
+        progress.finish();
+        table.id = t.id.unwrap_or(table.layer);
+        if tables.iter().any(|x| x.id == table.id) {
+            return Err(ServeError::DuplicateId(table.id));
+        }
+        tracing::info!(
+            table = table.id,
+            layer = table.layer,
+            rows = table.rows,
+            digest = %table.digest,
+            verified = report.verified,
+            locked = report.locked,
+            "table resident"
+        );
+        if !report.locked && spec.mlock != MlockMode::Off {
+            unlocked += table.bytes();
+        }
+        tables.push(table);
+    }
+    if unlocked > 0 {
+        let limit = memlock_limit().map_or("unknown".to_string(), |l| {
+            if l == libc::RLIM_INFINITY {
+                "unlimited".into()
+            } else {
+                format!("{l} bytes")
+            }
+        });
+        tracing::warn!(
+            bytes = unlocked,
+            "table memory is not locked (memlock limit: {limit}): it may be swapped out under memory pressure; \
+             set LimitMEMLOCK=infinity in the systemd unit or raise `ulimit -l`"
+        );
+    }
+    Ok(tables)
+}
+
+/// Bind, say `ready`, and serve `tables` until `shutdown` resolves; then drain.
+pub async fn serve(
+    spec: &ServeSpec,
+    tables: Vec<ResidentTable>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Arc<Shared>, ServeError> {
+    let mut listeners = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &spec.listen {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: *addr,
+                source,
+            })?;
+        bound.push(l.local_addr().map_err(|source| ServeError::Bind {
+            addr: *addr,
+            source,
+        })?);
+        listeners.push(l);
+    }
+    let shared = Shared::new(spec.server.clone(), tables);
+    let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
+    // Tests and scripts wait for this exact line, never for a sleep.
+    tracing::info!(donor = %spec.server.name, "ready listen={}", shown.join(","));
+    server::run(listeners, Arc::clone(&shared), shutdown).await;
+    Ok(shared)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_specs_parse_with_and_without_ids() {
+        assert_eq!(
+            "7=/x/a.etab".parse::<TableSpec>(),
+            Ok(TableSpec {
+                id: Some(7),
+                path: "/x/a.etab".into(),
+                pinned: None
+            })
+        );
+        assert_eq!("a=b.etab".parse::<TableSpec>().map(|t| t.id), Ok(None));
+        assert_eq!("/x/a.etab".parse::<TableSpec>().map(|t| t.id), Ok(None));
+        assert!("99999999999=a".parse::<TableSpec>().is_err());
+    }
+}

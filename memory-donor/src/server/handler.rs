@@ -1,0 +1,246 @@
+//! Frame -> action: the donor's answer to each frame of one connection.
+//! No IO here: answers are appended to the connection's write buffer, and
+//! the buffers are reused, so a warm lookup allocates nothing.
+
+use engram_protocol::messages::{begin_rows, encode_ping, finish_rows};
+use engram_protocol::{
+    ErrorCode, ErrorFrame, Frame, FrameError, FrameHeader, Hello, PROTOCOL_VERSION, RowsSection,
+    TableInfo, Welcome,
+};
+
+use super::Shared;
+
+/// What the connection does after a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Keep reading.
+    Continue,
+    /// The handshake completed: switch to the idle timeout.
+    Ready,
+    /// Flush what is buffered and close.
+    Close,
+}
+
+/// Per-connection protocol state.
+#[derive(Debug)]
+pub struct Handler<'a> {
+    shared: &'a Shared,
+    ready: bool,
+    peer_name: String,
+    sections: Vec<RowsSection>,
+    table_index: Vec<usize>,
+}
+
+impl<'a> Handler<'a> {
+    /// A handler for a new connection.
+    pub fn new(shared: &'a Shared) -> Self {
+        Self {
+            shared,
+            ready: false,
+            peer_name: String::new(),
+            sections: Vec::new(),
+            table_index: Vec::new(),
+        }
+    }
+
+    /// The client's name once it said Hello.
+    pub fn peer_name(&self) -> &str {
+        &self.peer_name
+    }
+
+    fn error(
+        &self,
+        out: &mut Vec<u8>,
+        id: u64,
+        code: ErrorCode,
+        table: Option<u32>,
+        detail: u64,
+        msg: &str,
+    ) {
+        self.shared.stats.error(code);
+        ErrorFrame {
+            code,
+            table_id: table,
+            detail,
+            message: msg,
+        }
+        .encode(out, id);
+    }
+
+    /// Answer a frame that failed to parse. Fatal errors close the connection.
+    pub fn frame_error(&mut self, request_id: u64, e: &FrameError, out: &mut Vec<u8>) -> Action {
+        let detail = match e {
+            FrameError::TooLarge { max, .. } => u64::from(*max),
+            FrameError::TooManyRows { max, .. } => u64::from(*max),
+            FrameError::TooManySections { max, .. } => u64::from(*max),
+            _ => 0,
+        };
+        self.error(out, request_id, e.code(), None, detail, &e.to_string());
+        if e.is_fatal() || !self.ready {
+            Action::Close
+        } else {
+            Action::Continue
+        }
+    }
+
+    /// Answer one parsed frame.
+    pub fn handle(&mut self, h: FrameHeader, frame: Frame<'_>, out: &mut Vec<u8>) -> Action {
+        match frame {
+            Frame::Hello(hello) if !self.ready => self.hello(h.request_id, hello, out),
+            Frame::Lookup(l) if self.ready => {
+                self.lookup(h.request_id, l, out);
+                Action::Continue
+            }
+            Frame::Ping if self.ready => {
+                encode_ping(out, h.request_id, true);
+                Action::Continue
+            }
+            Frame::Pong if self.ready => Action::Continue,
+            _ => {
+                let msg = if self.ready {
+                    "unexpected frame kind from a client"
+                } else {
+                    "the first frame on a connection must be Hello"
+                };
+                self.error(
+                    out,
+                    h.request_id,
+                    ErrorCode::Malformed,
+                    None,
+                    h.kind as u64,
+                    msg,
+                );
+                Action::Close
+            }
+        }
+    }
+
+    fn hello(&mut self, id: u64, hello: Hello<'_>, out: &mut Vec<u8>) -> Action {
+        let cfg = &self.shared.config;
+        if hello.version != PROTOCOL_VERSION {
+            let msg = format!(
+                "this donor speaks protocol version {PROTOCOL_VERSION}, the client {}",
+                hello.version
+            );
+            self.error(
+                out,
+                id,
+                ErrorCode::UnsupportedVersion,
+                None,
+                u64::from(PROTOCOL_VERSION),
+                &msg,
+            );
+            return Action::Close;
+        }
+        if let Some(want) = &cfg.credential
+            && !constant_time_eq(want, hello.credential)
+        {
+            self.error(
+                out,
+                id,
+                ErrorCode::Unauthorized,
+                None,
+                0,
+                "wrong or missing credential",
+            );
+            return Action::Close;
+        }
+        self.peer_name = hello.node.to_string();
+        let tables: Vec<TableInfo> = self
+            .shared
+            .tables
+            .iter()
+            .map(|t| TableInfo {
+                table_id: t.id,
+                layer: t.layer,
+                rows: t.rows,
+                digest: t.digest,
+            })
+            .collect();
+        let welcome = Welcome {
+            version: PROTOCOL_VERSION,
+            donor: &cfg.name,
+            max_rows: cfg.limits.max_rows,
+            max_payload: cfg.limits.max_payload,
+            tables: &tables,
+        };
+        if welcome.encode(out, id).is_err() {
+            self.error(
+                out,
+                id,
+                ErrorCode::Internal,
+                None,
+                0,
+                "cannot encode Welcome",
+            );
+            return Action::Close;
+        }
+        self.ready = true;
+        Action::Ready
+    }
+
+    fn lookup(&mut self, id: u64, l: engram_protocol::LookupRef<'_>, out: &mut Vec<u8>) {
+        let tables = &self.shared.tables;
+        self.sections.clear();
+        self.table_index.clear();
+        for s in l.sections() {
+            let found = tables.iter().position(|t| t.id == s.table_id);
+            let status = match found {
+                None => Some(ErrorCode::UnknownTable),
+                Some(i) if tables[i].digest_prefix != s.digest_prefix => {
+                    Some(ErrorCode::VersionMismatch)
+                }
+                Some(i) if s.rows.iter().any(|r| r >= tables[i].rows) => {
+                    Some(ErrorCode::RowOutOfRange)
+                }
+                Some(_) => None,
+            };
+            if let Some(code) = status {
+                self.shared.stats.error(code);
+            }
+            let row_count = if status.is_none() {
+                s.rows.len() as u32
+            } else {
+                0
+            };
+            self.sections.push(RowsSection {
+                table_id: s.table_id,
+                status,
+                row_count,
+            });
+            self.table_index.push(found.unwrap_or(0));
+        }
+        let Ok(start) = begin_rows(out, id, &self.sections) else {
+            self.error(out, id, ErrorCode::Internal, None, 0, "cannot encode Rows");
+            return;
+        };
+        let mut served = 0u64;
+        for ((s, status), &ti) in l.sections().zip(&self.sections).zip(&self.table_index) {
+            if status.status.is_some() {
+                continue;
+            }
+            let table = &tables[ti];
+            for r in s.rows.iter() {
+                // In range: checked above.
+                if let Some(row) = table.row(r) {
+                    out.extend_from_slice(row);
+                }
+            }
+            served += s.rows.len() as u64;
+        }
+        if finish_rows(out, start).is_err() {
+            // Cannot happen (rows were range-checked); never send a frame whose length lies.
+            out.truncate(start.offset());
+            self.error(out, id, ErrorCode::Internal, None, 0, "row count mismatch");
+            return;
+        }
+        self.shared.stats.lookup(served);
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -1,0 +1,292 @@
+//! The donor's data plane over TCP. Three layers: the codec
+//! (`engram_protocol`), the connection (`conn`: socket <-> frames, buffers,
+//! timeouts, one OS thread per connection) and the handler (`handler`:
+//! frame -> answer). `run` accepts connections up to a bound and, when the
+//! shutdown future resolves, drains: Goodbye to every client, in-flight work
+//! finishes, and stragglers are closed at the drain deadline.
+
+mod conn;
+mod handler;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use engram_protocol::{ErrorCode, ErrorFrame, Goodbye, Limits};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::resident::ResidentTable;
+
+/// How the data plane behaves.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Name announced in Welcome.
+    pub name: String,
+    /// Frame, row and section caps.
+    pub limits: Limits,
+    /// Most open connections; further ones get `Busy` and are closed.
+    pub max_connections: usize,
+    /// Time a new connection has to send Hello.
+    pub hello_timeout: Duration,
+    /// A ready connection silent this long is closed (zero: never).
+    pub idle_timeout: Duration,
+    /// A write blocked this long (a client not reading) closes the connection.
+    pub write_timeout: Duration,
+    /// How long a drain waits for clients to finish before closing them.
+    pub drain_timeout: Duration,
+    /// Credential every Hello must carry, if set.
+    pub credential: Option<Vec<u8>>,
+}
+
+impl ServerConfig {
+    /// Defaults for everything but the name.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            limits: Limits::default(),
+            max_connections: 256,
+            hello_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(600),
+            write_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(5),
+            credential: None,
+        }
+    }
+}
+
+/// Counters for the data plane (relaxed atomics: cheap on the lookup path).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Connections accepted.
+    pub connections: AtomicU64,
+    /// Connections refused at the bound.
+    pub refused: AtomicU64,
+    /// Lookups answered.
+    pub lookups: AtomicU64,
+    /// Rows served.
+    pub rows: AtomicU64,
+    errors: [AtomicU64; 16],
+}
+
+impl Stats {
+    fn lookup(&self, rows: u64) {
+        self.lookups.fetch_add(1, Ordering::Relaxed);
+        self.rows.fetch_add(rows, Ordering::Relaxed);
+    }
+
+    fn error(&self, code: ErrorCode) {
+        let i = usize::from(code.to_u16()).min(self.errors.len() - 1);
+        self.errors[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Errors answered with `code`.
+    pub fn errors(&self, code: ErrorCode) -> u64 {
+        let i = usize::from(code.to_u16()).min(self.errors.len() - 1);
+        self.errors[i].load(Ordering::Relaxed)
+    }
+}
+
+/// State shared by every connection.
+#[derive(Debug)]
+pub struct Shared {
+    /// Configuration.
+    pub config: ServerConfig,
+    /// Tables served (read-only).
+    pub tables: Vec<ResidentTable>,
+    /// Counters.
+    pub stats: Stats,
+    draining: AtomicBool,
+    conns: Mutex<HashMap<u64, Arc<Conn>>>,
+    next_conn: AtomicU64,
+}
+
+/// What the drain needs to reach a connection owned by another thread.
+#[derive(Debug)]
+struct Conn {
+    id: u64,
+    peer: SocketAddr,
+    stream: TcpStream,
+    write_lock: Mutex<()>,
+}
+
+impl Shared {
+    /// Shared state for these tables.
+    pub fn new(config: ServerConfig, tables: Vec<ResidentTable>) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            tables,
+            stats: Stats::default(),
+            draining: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+        })
+    }
+
+    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Conn>>> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Open connections.
+    pub fn open_connections(&self) -> usize {
+        self.conns().len()
+    }
+
+    /// True once a drain started.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+}
+
+fn refuse_busy(stream: TcpStream, max: usize) {
+    let mut out = Vec::new();
+    let msg = format!("donor is at its bound of {max} connections");
+    ErrorFrame {
+        code: ErrorCode::Busy,
+        table_id: None,
+        detail: max as u64,
+        message: &msg,
+    }
+    .encode(&mut out, 0);
+    let _ = stream.set_nonblocking(true);
+    let _ = std::io::Write::write_all(&mut &stream, &out);
+}
+
+fn spawn_connection(
+    shared: &Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let write_half = match stream.try_clone() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(%peer, error = %e, "cannot clone accepted socket; dropping connection");
+            return;
+        }
+    };
+    let conn = Arc::new(Conn {
+        id,
+        peer,
+        stream: write_half,
+        write_lock: Mutex::new(()),
+    });
+    shared.conns().insert(id, Arc::clone(&conn));
+    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    let shared2 = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name(format!("conn-{id}"))
+        .spawn(move || {
+            let _permit = permit;
+            if let Err(e) = conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2)) {
+                tracing::debug!(conn = id, %peer, error = %e, "connection ended with an error");
+            }
+            shared2.conns().remove(&id);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(%peer, error = %e, "cannot start a connection thread; dropping connection");
+        shared.conns().remove(&id);
+    }
+}
+
+/// Accept and serve on `listeners` until `shutdown` resolves, then drain.
+pub async fn run(
+    listeners: Vec<TcpListener>,
+    shared: Arc<Shared>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let max = shared.config.max_connections.max(1);
+    let permits = Arc::new(Semaphore::new(max));
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut accepters = Vec::new();
+    for listener in listeners {
+        let (shared, permits, mut stop) = (
+            Arc::clone(&shared),
+            Arc::clone(&permits),
+            stop_tx.subscribe(),
+        );
+        accepters.push(tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = stop.recv() => return,
+                    a = listener.accept() => a,
+                };
+                let (stream, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(stream) = stream.into_std() else {
+                    continue;
+                };
+                let _ = stream.set_nonblocking(false);
+                match Arc::clone(&permits).try_acquire_owned() {
+                    Ok(permit) => spawn_connection(&shared, stream, peer, permit),
+                    Err(_) => {
+                        shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%peer, "connection refused: at the bound");
+                        refuse_busy(stream, max);
+                    }
+                }
+            }
+        }));
+    }
+    shutdown.await;
+    let _ = stop_tx.send(());
+    for a in accepters {
+        let _ = a.await;
+    }
+    drain(&shared, &permits, max).await;
+}
+
+async fn drain(shared: &Arc<Shared>, permits: &Arc<Semaphore>, max: usize) {
+    shared.draining.store(true, Ordering::Relaxed);
+    let grace = shared.config.drain_timeout;
+    let conns: Vec<Arc<Conn>> = shared.conns().values().cloned().collect();
+    tracing::info!(
+        connections = conns.len(),
+        grace_ms = grace.as_millis() as u64,
+        "draining: sending Goodbye"
+    );
+    let mut bye = Vec::new();
+    Goodbye {
+        grace_ms: u32::try_from(grace.as_millis()).unwrap_or(u32::MAX),
+    }
+    .encode(&mut bye);
+    for c in &conns {
+        let _guard = c.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = std::io::Write::write_all(&mut &c.stream, &bye);
+    }
+    // Every permit back means every connection thread has ended.
+    let all = u32::try_from(max).unwrap_or(u32::MAX);
+    if tokio::time::timeout(grace, permits.acquire_many(all))
+        .await
+        .is_err()
+    {
+        let left: Vec<Arc<Conn>> = shared.conns().values().cloned().collect();
+        tracing::warn!(
+            connections = left.len(),
+            "drain deadline passed; closing remaining connections"
+        );
+        for c in left {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), permits.acquire_many(all)).await;
+    }
+    let s = &shared.stats;
+    tracing::info!(
+        lookups = s.lookups.load(Ordering::Relaxed),
+        rows = s.rows.load(Ordering::Relaxed),
+        connections = s.connections.load(Ordering::Relaxed),
+        refused = s.refused.load(Ordering::Relaxed),
+        "drained"
+    );
+}

@@ -1,0 +1,458 @@
+//! Reading and writing `.etab` files: open and check a header, stream the
+//! logical rows in order (for verify and for loading), and write a table
+//! from rows in order (for gen and pack), digest included.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use engram_protocol::etab::{self, EtabError, PAGE_BYTES, ROWS_PER_PAGE, TableLayout, TableMeta};
+use engram_protocol::{DigestBuilder, ROW_BYTES, RowError, TableDigest};
+use thiserror::Error;
+
+use crate::progress::Progress;
+
+/// Pages read or written per IO call: 4 MiB, 15,360 rows.
+pub const CHUNK_PAGES: u64 = 1024;
+
+/// A failure reading or writing a table file, naming the file.
+#[derive(Debug, Error)]
+pub enum TableFileError {
+    /// The OS refused an operation.
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: io::Error,
+    },
+    /// The header is not a valid `.etab` header.
+    #[error("{path}: not a valid .etab table: {source}")]
+    Format { path: PathBuf, source: EtabError },
+    /// A row does not decode.
+    #[error("{path}: row {row} is corrupt: {source}")]
+    CorruptRow {
+        path: PathBuf,
+        row: u64,
+        source: RowError,
+    },
+    /// Bytes between rows that must be zero are not.
+    #[error("{path}: page {page} has non-zero slack bytes (a writer bug or corruption)")]
+    Slack { path: PathBuf, page: u64 },
+    /// The rows hash to another digest than the header's.
+    #[error(
+        "{path}: rows hash to {actual} but the header says {expected}: the file is corrupt or was modified"
+    )]
+    DigestMismatch {
+        path: PathBuf,
+        expected: TableDigest,
+        actual: TableDigest,
+    },
+}
+
+fn io_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(io::Error) -> TableFileError + 'a {
+    move |source| TableFileError::Io {
+        path: path.to_path_buf(),
+        op,
+        source,
+    }
+}
+
+/// An open table file whose header has been checked.
+#[derive(Debug)]
+pub struct TableFile {
+    /// Where it is.
+    pub path: PathBuf,
+    /// What the header says.
+    pub meta: TableMeta,
+    /// Where the pages are.
+    pub layout: TableLayout,
+    file: File,
+}
+
+impl TableFile {
+    /// Open a table file and check its header against its size.
+    pub fn open(path: &Path) -> Result<Self, TableFileError> {
+        let file = File::open(path).map_err(io_err(path, "open"))?;
+        let file_len = file.metadata().map_err(io_err(path, "stat"))?.len();
+        let (meta, layout) = etab::read_header(file_len, |buf, off| file.read_exact_at(buf, off))
+            .map_err(|e| match e {
+            etab::ReadHeaderError::Io(source) => TableFileError::Io {
+                path: path.to_path_buf(),
+                op: "read header",
+                source,
+            },
+            etab::ReadHeaderError::Format(source) => TableFileError::Format {
+                path: path.to_path_buf(),
+                source,
+            },
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            meta,
+            layout,
+            file,
+        })
+    }
+
+    /// Stream the logical rows in order, `CHUNK_PAGES` pages at a time:
+    /// `f(first_row, rows)` gets whole rows, compacted (no page slack).
+    /// With `check_slack`, non-zero slack bytes are an error.
+    pub fn for_each_chunk(
+        &self,
+        check_slack: bool,
+        progress: Option<&mut Progress>,
+        mut f: impl FnMut(u64, &[u8]) -> Result<(), TableFileError>,
+    ) -> Result<(), TableFileError> {
+        let mut progress = progress;
+        let mut pages_buf = vec![0u8; (CHUNK_PAGES * PAGE_BYTES) as usize];
+        let mut rows_buf = vec![0u8; (CHUNK_PAGES * ROWS_PER_PAGE) as usize * ROW_BYTES];
+        let mut page = 0u64;
+        while page < self.layout.pages {
+            let n_pages = CHUNK_PAGES.min(self.layout.pages - page);
+            let buf = &mut pages_buf[..(n_pages * PAGE_BYTES) as usize];
+            let offset = self.layout.data_start + page * PAGE_BYTES;
+            self.file
+                .read_exact_at(buf, offset)
+                .map_err(io_err(&self.path, "read pages"))?;
+            let first_row = page * ROWS_PER_PAGE;
+            let n_rows = (n_pages * ROWS_PER_PAGE).min(self.layout.rows - first_row) as usize;
+            for (i, p) in buf.chunks_exact(PAGE_BYTES as usize).enumerate() {
+                let in_page = (n_rows - i * ROWS_PER_PAGE as usize).min(ROWS_PER_PAGE as usize);
+                let used = in_page * ROW_BYTES;
+                let dst = i * ROWS_PER_PAGE as usize * ROW_BYTES;
+                rows_buf[dst..dst + used].copy_from_slice(&p[..used]);
+                if check_slack && p[used..].iter().any(|&b| b != 0) {
+                    return Err(TableFileError::Slack {
+                        path: self.path.clone(),
+                        page: page + i as u64,
+                    });
+                }
+            }
+            f(first_row, &rows_buf[..n_rows * ROW_BYTES])?;
+            drop_cache(&self.file, offset, n_pages * PAGE_BYTES);
+            page += n_pages;
+            if let Some(p) = progress.as_deref_mut() {
+                p.update(first_row + n_rows as u64);
+            }
+        }
+        Ok(())
+    }
+
+    /// Recompute the digest and check every row decodes and every slack byte is zero.
+    pub fn verify(&self, progress: Option<&mut Progress>) -> Result<TableDigest, TableFileError> {
+        let mut digest = DigestBuilder::new();
+        self.for_each_chunk(true, progress, |first_row, rows| {
+            digest.update(rows);
+            engram_protocol::row::check_rows(rows).map_err(|(i, source)| {
+                TableFileError::CorruptRow {
+                    path: self.path.clone(),
+                    row: first_row + i as u64,
+                    source,
+                }
+            })
+        })?;
+        let actual = digest.finish();
+        if actual != self.meta.digest {
+            return Err(TableFileError::DigestMismatch {
+                path: self.path.clone(),
+                expected: self.meta.digest,
+                actual,
+            });
+        }
+        Ok(actual)
+    }
+}
+
+/// Tell the kernel we are done with a range of the file, so streaming a
+/// 94 GiB table does not push everything else out of the page cache.
+fn drop_cache(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return;
+    };
+    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call's duration.
+    // Its result is advisory, so a failure changes nothing but cache residency.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
+/// Writes a table file from rows fed in order; the digest is computed on the
+/// way and written into the header at the end.
+#[derive(Debug)]
+pub struct TableWriter {
+    path: PathBuf,
+    tmp_path: PathBuf,
+    /// `None` once finished; an unfinished file is removed on drop.
+    file: Option<io::BufWriter<File>>,
+    meta: TableMeta,
+    digest: DigestBuilder,
+    rows_written: u64,
+    page: Vec<u8>,
+    rows_in_page: usize,
+}
+
+impl TableWriter {
+    /// Start writing `meta.rows` rows to `path` (the digest in `meta` is ignored).
+    /// The file appears under its name only once finished and synced.
+    pub fn create(path: &Path, meta: TableMeta) -> Result<Self, TableFileError> {
+        let fmt = |source| TableFileError::Format {
+            path: path.to_path_buf(),
+            source,
+        };
+        let header = etab::encode_header(&meta).map_err(fmt)?;
+        let mut name = path
+            .file_name()
+            .map(|n| n.to_os_string())
+            .unwrap_or_default();
+        name.push(".partial");
+        let tmp_path = path.with_file_name(name);
+        let file = File::create(&tmp_path).map_err(io_err(&tmp_path, "create"))?;
+        let mut file = io::BufWriter::with_capacity(8 << 20, file);
+        file.write_all(&header)
+            .map_err(io_err(&tmp_path, "write header"))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            tmp_path,
+            file: Some(file),
+            meta,
+            digest: DigestBuilder::new(),
+            rows_written: 0,
+            page: vec![0u8; PAGE_BYTES as usize],
+            rows_in_page: 0,
+        })
+    }
+
+    /// Rows written so far.
+    pub fn rows_written(&self) -> u64 {
+        self.rows_written
+    }
+
+    /// Append whole rows, in row order.
+    pub fn write_rows(&mut self, rows: &[u8]) -> Result<(), TableFileError> {
+        let n = (rows.len() / ROW_BYTES) as u64;
+        if !rows.len().is_multiple_of(ROW_BYTES) || self.rows_written + n > self.meta.rows {
+            return Err(TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "write rows",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "more rows than the header declares",
+                ),
+            });
+        }
+        self.digest.update(rows);
+        for row in rows.chunks_exact(ROW_BYTES) {
+            let at = self.rows_in_page * ROW_BYTES;
+            self.page[at..at + ROW_BYTES].copy_from_slice(row);
+            self.rows_in_page += 1;
+            if self.rows_in_page == ROWS_PER_PAGE as usize {
+                self.flush_page()?;
+            }
+        }
+        self.rows_written += n;
+        Ok(())
+    }
+
+    fn flush_page(&mut self) -> Result<(), TableFileError> {
+        // Slack after the last row stays zero: rows only ever overwrite their own slots.
+        let Some(file) = self.file.as_mut() else {
+            return Err(TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "write page",
+                source: io::Error::other("writer already finished"),
+            });
+        };
+        file.write_all(&self.page)
+            .map_err(io_err(&self.tmp_path, "write page"))?;
+        self.page[..self.rows_in_page * ROW_BYTES].fill(0);
+        self.rows_in_page = 0;
+        Ok(())
+    }
+
+    /// Write the last page and the digest, sync, and move the file into place.
+    pub fn finish(mut self) -> Result<TableMeta, TableFileError> {
+        if self.rows_written != self.meta.rows {
+            return Err(TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "finish",
+                source: io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} rows written, header declares {}",
+                        self.rows_written, self.meta.rows
+                    ),
+                ),
+            });
+        }
+        if self.rows_in_page > 0 {
+            self.flush_page()?;
+        }
+        self.meta.digest = self.digest.clone().finish();
+        let header = etab::encode_header(&self.meta).map_err(|source| TableFileError::Format {
+            path: self.tmp_path.clone(),
+            source,
+        })?;
+        let Some(file) = self.file.take() else {
+            return Err(TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "finish",
+                source: io::Error::other("writer already finished"),
+            });
+        };
+        let file = file.into_inner().map_err(|e| TableFileError::Io {
+            path: self.tmp_path.clone(),
+            op: "flush",
+            source: e.into_error(),
+        })?;
+        file.write_all_at(&header, 0)
+            .map_err(io_err(&self.tmp_path, "rewrite header"))?;
+        file.sync_all().map_err(io_err(&self.tmp_path, "sync"))?;
+        std::fs::rename(&self.tmp_path, &self.path)
+            .map_err(io_err(&self.path, "rename into place"))?;
+        Ok(self.meta.clone())
+    }
+}
+
+impl Drop for TableWriter {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            // An unfinished table must not be mistaken for a table later.
+            let _ = std::fs::remove_file(&self.tmp_path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engram_protocol::synthetic::synthetic_rows;
+
+    fn meta(rows: u64) -> TableMeta {
+        TableMeta {
+            layer: 1,
+            rows,
+            digest: TableDigest([0; 32]),
+            hash_preset: None,
+            hash_base: None,
+            source: "test".into(),
+        }
+    }
+
+    fn write(dir: &Path, rows: u64, batch: usize) -> (PathBuf, Vec<u8>) {
+        let path = dir.join("t.etab");
+        let mut data = vec![0u8; rows as usize * ROW_BYTES];
+        synthetic_rows(9, 1, 0, &mut data);
+        let mut w = TableWriter::create(&path, meta(rows)).expect("create");
+        for chunk in data.chunks(batch * ROW_BYTES) {
+            w.write_rows(chunk).expect("write");
+        }
+        let m = w.finish().expect("finish");
+        assert_eq!(m.digest, TableDigest::of_rows(&data));
+        (path, data)
+    }
+
+    #[test]
+    fn written_tables_read_back_row_for_row() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for rows in [1u64, 15, 16, 15 * 1024 + 7, 40_000] {
+            let (path, data) = write(dir.path(), rows, 333);
+            let t = TableFile::open(&path).expect("open");
+            assert_eq!(t.meta.rows, rows);
+            let mut back = Vec::new();
+            t.for_each_chunk(true, None, |first, r| {
+                assert_eq!(first as usize * ROW_BYTES, back.len());
+                back.extend_from_slice(r);
+                Ok(())
+            })
+            .expect("stream");
+            assert_eq!(back, data);
+            assert_eq!(t.verify(None).expect("verify"), t.meta.digest);
+            // Row offsets point at the row.
+            let r = rows - 1;
+            let mut one = [0u8; ROW_BYTES];
+            let off = t.layout.row_offset(r).expect("in range");
+            File::open(&path)
+                .expect("open")
+                .read_exact_at(&mut one, off)
+                .expect("read");
+            assert_eq!(&one[..], &data[r as usize * ROW_BYTES..]);
+        }
+    }
+
+    #[test]
+    fn corruption_is_found() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _) = write(dir.path(), 100, 100);
+        let t = TableFile::open(&path).expect("open");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open rw");
+        // A NaN code in row 20.
+        let off = t.layout.row_offset(20).expect("in range");
+        f.write_all_at(&[0x7F], off + 3).expect("write");
+        assert!(matches!(
+            t.verify(None),
+            Err(TableFileError::CorruptRow { row: 20, .. })
+        ));
+        // A valid but different value: only the digest catches it.
+        f.write_all_at(&[0x01], off + 3).expect("write");
+        assert!(matches!(
+            t.verify(None),
+            Err(TableFileError::DigestMismatch { .. })
+        ));
+        // Slack bytes.
+        f.write_all_at(&[0x01], off + 3).expect("write");
+        f.write_all_at(&[1], t.layout.data_start + 4000)
+            .expect("write");
+        assert!(matches!(
+            t.verify(None),
+            Err(TableFileError::Slack { page: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn truncated_and_foreign_files_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _) = write(dir.path(), 100, 100);
+        let len = std::fs::metadata(&path).expect("stat").len();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open rw");
+        f.set_len(len - 1).expect("truncate");
+        assert!(matches!(
+            TableFile::open(&path),
+            Err(TableFileError::Format { .. })
+        ));
+        std::fs::write(&path, b"hello").expect("write");
+        assert!(matches!(
+            TableFile::open(&path),
+            Err(TableFileError::Format { .. })
+        ));
+        assert!(matches!(
+            TableFile::open(&dir.path().join("missing")),
+            Err(TableFileError::Io { .. })
+        ));
+    }
+
+    #[test]
+    fn writer_refuses_wrong_row_counts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("x.etab");
+        let mut w = TableWriter::create(&path, meta(2)).expect("create");
+        assert!(w.write_rows(&[0u8; 3 * ROW_BYTES]).is_err());
+        w.write_rows(&[0u8; ROW_BYTES]).expect("one row");
+        assert!(w.finish().is_err());
+        assert!(
+            !path.exists(),
+            "an unfinished table never appears under its name"
+        );
+        assert!(
+            !dir.path().join("x.etab.partial").exists(),
+            "and leaves no partial file"
+        );
+    }
+}

@@ -1,0 +1,510 @@
+//! The `.etab` table file: a valid safetensors file holding one `U8` tensor
+//! `pages` of shape `[n_pages, 4096]`. Rows are packed 15 per 4 KiB page
+//! (15 x 264 = 3960 bytes, 136 bytes of zero slack), so a row never straddles
+//! a page and one row is one aligned 4 KiB read. The JSON header is padded
+//! with spaces so the data starts at a 4 KiB-aligned file offset.
+//!
+//! This module builds and parses the header and maps row ids to offsets; it
+//! does no IO. `PROTOCOL.md` documents the format byte by byte.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::digest::TableDigest;
+use crate::row::ROW_BYTES;
+
+/// Page size of the file layout and of one SSD read.
+pub const PAGE_BYTES: u64 = 4096;
+/// Rows packed into one page.
+pub const ROWS_PER_PAGE: u64 = 15;
+/// Value of the `format` metadata key.
+pub const FORMAT_NAME: &str = "engram-etab";
+/// Value of the `format_version` metadata key.
+pub const FORMAT_VERSION: u32 = 1;
+/// Value of the `encoding` metadata key.
+pub const ENCODING: &str = "e4m3_e8m0_32_row264";
+/// Name of the one tensor.
+pub const TENSOR_NAME: &str = "pages";
+/// Largest JSON header accepted (bytes).
+pub const MAX_HEADER_BYTES: u64 = 1 << 20;
+/// Largest row count accepted (2^40 rows is 290 TB: far above any real table).
+pub const MAX_ROWS: u64 = 1 << 40;
+/// Longest free-text metadata value accepted.
+pub const MAX_TEXT: usize = 512;
+
+/// Why a header is not a valid `.etab` header.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum EtabError {
+    /// The file is shorter than its header says.
+    #[error("file is {actual} bytes but its header needs {needed}")]
+    Truncated { needed: u64, actual: u64 },
+    /// The header length is above the bound or leaves the data unaligned.
+    #[error(
+        "header length {0} is not accepted (at most {MAX_HEADER_BYTES} bytes, data 4 KiB-aligned)"
+    )]
+    HeaderLength(u64),
+    /// The header is not JSON of the safetensors shape.
+    #[error("header is not valid safetensors JSON: {0}")]
+    Json(String),
+    /// A required metadata key is missing or has a bad value.
+    #[error("metadata key `{key}`: {reason}")]
+    Metadata { key: &'static str, reason: String },
+    /// The tensor list is not exactly one `pages` U8 tensor of the right shape.
+    #[error("tensor layout: {0}")]
+    Tensor(String),
+    /// The file size does not match the header.
+    #[error("file is {actual} bytes, the header describes {expected}")]
+    FileSize { expected: u64, actual: u64 },
+}
+
+/// What a table file says about its table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableMeta {
+    /// Model layer whose Engram table this is.
+    pub layer: u32,
+    /// Logical rows.
+    pub rows: u64,
+    /// BLAKE3 of the rows in order: the table's version.
+    pub digest: TableDigest,
+    /// Hashing preset name (for example `v41`), where known.
+    pub hash_preset: Option<String>,
+    /// Hashing base size (primes are taken above `base - 1`), where known.
+    pub hash_base: Option<u64>,
+    /// Where the rows came from (free text, for people).
+    pub source: String,
+}
+
+/// Where things are in a table file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableLayout {
+    /// File offset of page 0 (a multiple of 4096).
+    pub data_start: u64,
+    /// Logical rows.
+    pub rows: u64,
+    /// Pages in the `pages` tensor.
+    pub pages: u64,
+}
+
+/// Pages needed for `rows` rows.
+pub const fn pages_for(rows: u64) -> u64 {
+    rows.div_ceil(ROWS_PER_PAGE)
+}
+
+impl TableLayout {
+    /// File offset of a row, or `None` when the row is out of range.
+    pub fn row_offset(&self, row: u64) -> Option<u64> {
+        (row < self.rows).then(|| {
+            self.data_start
+                + (row / ROWS_PER_PAGE) * PAGE_BYTES
+                + (row % ROWS_PER_PAGE) * ROW_BYTES as u64
+        })
+    }
+
+    /// File offset of the page holding a row, and the row's offset inside it.
+    pub fn row_page(&self, row: u64) -> Option<(u64, usize)> {
+        (row < self.rows).then(|| {
+            (
+                self.data_start + (row / ROWS_PER_PAGE) * PAGE_BYTES,
+                (row % ROWS_PER_PAGE) as usize * ROW_BYTES,
+            )
+        })
+    }
+
+    /// Total file length.
+    pub fn file_len(&self) -> u64 {
+        self.data_start + self.pages * PAGE_BYTES
+    }
+}
+
+fn metadata_json(meta: &TableMeta) -> BTreeMap<&'static str, String> {
+    let mut m = BTreeMap::new();
+    m.insert("format", FORMAT_NAME.to_string());
+    m.insert("format_version", FORMAT_VERSION.to_string());
+    m.insert("encoding", ENCODING.to_string());
+    m.insert("layer", meta.layer.to_string());
+    m.insert("rows", meta.rows.to_string());
+    m.insert("rows_per_page", ROWS_PER_PAGE.to_string());
+    m.insert("row_bytes", ROW_BYTES.to_string());
+    m.insert("digest_blake3", meta.digest.to_hex());
+    if let Some(p) = &meta.hash_preset {
+        m.insert("hash_preset", p.clone());
+    }
+    if let Some(b) = meta.hash_base {
+        m.insert("hash_base", b.to_string());
+    }
+    m.insert("source", meta.source.clone());
+    m
+}
+
+/// The file's first `data_start` bytes: the 8-byte header length, the JSON
+/// header, and space padding up to the 4 KiB-aligned data start. The length
+/// depends only on the metadata's text lengths, never on the digest value, so
+/// a writer can put a placeholder first and rewrite it in place.
+pub fn encode_header(meta: &TableMeta) -> Result<Vec<u8>, EtabError> {
+    validate_meta(meta)?;
+    let pages = pages_for(meta.rows);
+    let tensor = serde_json::json!({
+        "dtype": "U8",
+        "shape": [pages, PAGE_BYTES],
+        "data_offsets": [0, pages * PAGE_BYTES],
+    });
+    let header = serde_json::json!({
+        "__metadata__": metadata_json(meta),
+        TENSOR_NAME: tensor,
+    });
+    let mut json = serde_json::to_vec(&header).map_err(|e| EtabError::Json(e.to_string()))?;
+    let unpadded = 8 + json.len() as u64;
+    let data_start = unpadded.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+    json.resize((data_start - 8) as usize, b' ');
+    let mut out = Vec::with_capacity(data_start as usize);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+fn validate_meta(meta: &TableMeta) -> Result<(), EtabError> {
+    if meta.rows == 0 || meta.rows > MAX_ROWS {
+        return Err(EtabError::Metadata {
+            key: "rows",
+            reason: format!("{} is not in 1..={MAX_ROWS}", meta.rows),
+        });
+    }
+    if meta.source.len() > MAX_TEXT {
+        return Err(EtabError::Metadata {
+            key: "source",
+            reason: format!("longer than {MAX_TEXT} bytes"),
+        });
+    }
+    if let Some(p) = &meta.hash_preset
+        && (p.is_empty()
+            || p.len() > 64
+            || !p
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+    {
+        return Err(EtabError::Metadata {
+            key: "hash_preset",
+            reason: format!("{p:?} is not 1..=64 letters, digits, '-' or '_'"),
+        });
+    }
+    Ok(())
+}
+
+/// The JSON header's length from the file's first 8 bytes, bounded and
+/// checked for alignment before anything is read or allocated.
+pub fn header_len(first8: [u8; 8]) -> Result<u64, EtabError> {
+    let n = u64::from_le_bytes(first8);
+    if n > MAX_HEADER_BYTES || !(8 + n).is_multiple_of(PAGE_BYTES) {
+        return Err(EtabError::HeaderLength(n));
+    }
+    Ok(n)
+}
+
+/// Why a header could not be read through a caller's reader.
+#[derive(Debug, Error)]
+pub enum ReadHeaderError {
+    /// The caller's reader failed.
+    #[error("reading the header: {0}")]
+    Io(#[from] std::io::Error),
+    /// The bytes are not a valid header.
+    #[error(transparent)]
+    Format(#[from] EtabError),
+}
+
+/// Read and check a table file's header through `read_at(buf, offset)`,
+/// which must fill `buf` from `offset` (the caller does the IO, so this works
+/// for files, O_DIRECT readers and test buffers alike). At most 8 bytes plus
+/// the bounded header length are read.
+pub fn read_header(
+    file_len: u64,
+    mut read_at: impl FnMut(&mut [u8], u64) -> std::io::Result<()>,
+) -> Result<(TableMeta, TableLayout), ReadHeaderError> {
+    if file_len < 8 {
+        return Err(EtabError::Truncated {
+            needed: 8,
+            actual: file_len,
+        }
+        .into());
+    }
+    let mut first8 = [0u8; 8];
+    read_at(&mut first8, 0)?;
+    let n = header_len(first8)?;
+    if file_len < 8 + n {
+        return Err(EtabError::Truncated {
+            needed: 8 + n,
+            actual: file_len,
+        }
+        .into());
+    }
+    // n <= MAX_HEADER_BYTES (1 MiB), checked by header_len.
+    let mut json = vec![0u8; n as usize];
+    read_at(&mut json, 8)?;
+    Ok(parse_header(&json, file_len)?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TensorInfo {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+}
+
+fn meta_str<'a>(m: &'a BTreeMap<String, String>, key: &'static str) -> Result<&'a str, EtabError> {
+    m.get(key).map(String::as_str).ok_or(EtabError::Metadata {
+        key,
+        reason: "missing".into(),
+    })
+}
+
+fn meta_num<T: std::str::FromStr>(
+    m: &BTreeMap<String, String>,
+    key: &'static str,
+) -> Result<T, EtabError> {
+    let s = meta_str(m, key)?;
+    s.parse().map_err(|_| EtabError::Metadata {
+        key,
+        reason: format!("{s:?} is not a number"),
+    })
+}
+
+fn expect_eq(m: &BTreeMap<String, String>, key: &'static str, want: &str) -> Result<(), EtabError> {
+    let got = meta_str(m, key)?;
+    if got != want {
+        return Err(EtabError::Metadata {
+            key,
+            reason: format!("{got:?}, expected {want:?}"),
+        });
+    }
+    Ok(())
+}
+
+/// Parse and check a header: `json` is the `header_len` bytes after the
+/// first 8, `file_len` the file's size. Every field is checked, and the file
+/// size must be exactly what the header describes.
+pub fn parse_header(json: &[u8], file_len: u64) -> Result<(TableMeta, TableLayout), EtabError> {
+    let data_start = 8 + json.len() as u64;
+    if json.len() as u64 > MAX_HEADER_BYTES || !data_start.is_multiple_of(PAGE_BYTES) {
+        return Err(EtabError::HeaderLength(json.len() as u64));
+    }
+    let mut top: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(json).map_err(|e| EtabError::Json(e.to_string()))?;
+    let metadata = top.remove("__metadata__").ok_or(EtabError::Metadata {
+        key: "__metadata__",
+        reason: "missing".into(),
+    })?;
+    let m: BTreeMap<String, String> = serde_json::from_value(metadata)
+        .map_err(|e| EtabError::Json(format!("__metadata__: {e}")))?;
+    expect_eq(&m, "format", FORMAT_NAME)?;
+    let version: u32 = meta_num(&m, "format_version")?;
+    if version != FORMAT_VERSION {
+        return Err(EtabError::Metadata {
+            key: "format_version",
+            reason: format!("{version} is not supported (this build reads {FORMAT_VERSION})"),
+        });
+    }
+    expect_eq(&m, "encoding", ENCODING)?;
+    expect_eq(&m, "rows_per_page", &ROWS_PER_PAGE.to_string())?;
+    expect_eq(&m, "row_bytes", &ROW_BYTES.to_string())?;
+    let meta = TableMeta {
+        layer: meta_num(&m, "layer")?,
+        rows: meta_num(&m, "rows")?,
+        digest: meta_str(&m, "digest_blake3")?.parse().map_err(
+            |e: crate::digest::DigestParseError| EtabError::Metadata {
+                key: "digest_blake3",
+                reason: e.to_string(),
+            },
+        )?,
+        hash_preset: m.get("hash_preset").cloned(),
+        hash_base: match m.get("hash_base") {
+            Some(_) => Some(meta_num(&m, "hash_base")?),
+            None => None,
+        },
+        source: m.get("source").cloned().unwrap_or_default(),
+    };
+    validate_meta(&meta)?;
+
+    if top.len() != 1 {
+        return Err(EtabError::Tensor(format!(
+            "expected exactly one tensor `{TENSOR_NAME}`, found {}",
+            top.len()
+        )));
+    }
+    let pages_value = top
+        .remove(TENSOR_NAME)
+        .ok_or_else(|| EtabError::Tensor(format!("expected tensor `{TENSOR_NAME}`")))?;
+    let t: TensorInfo =
+        serde_json::from_value(pages_value).map_err(|e| EtabError::Tensor(e.to_string()))?;
+    let pages = pages_for(meta.rows);
+    if t.dtype != "U8" {
+        return Err(EtabError::Tensor(format!("dtype {}, expected U8", t.dtype)));
+    }
+    if t.shape != [pages, PAGE_BYTES] {
+        return Err(EtabError::Tensor(format!(
+            "shape {:?}, expected [{pages}, {PAGE_BYTES}]",
+            t.shape
+        )));
+    }
+    if t.data_offsets != [0, pages * PAGE_BYTES] {
+        return Err(EtabError::Tensor(format!(
+            "data_offsets {:?}, expected [0, {}]",
+            t.data_offsets,
+            pages * PAGE_BYTES
+        )));
+    }
+    let layout = TableLayout {
+        data_start,
+        rows: meta.rows,
+        pages,
+    };
+    if file_len != layout.file_len() {
+        return Err(EtabError::FileSize {
+            expected: layout.file_len(),
+            actual: file_len,
+        });
+    }
+    Ok((meta, layout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(rows: u64) -> TableMeta {
+        TableMeta {
+            layer: 14,
+            rows,
+            digest: TableDigest([0xAB; 32]),
+            hash_preset: Some("v41".into()),
+            hash_base: Some(16_000_000),
+            source: "test".into(),
+        }
+    }
+
+    fn parse(bytes: &[u8], file_len: u64) -> Result<(TableMeta, TableLayout), EtabError> {
+        let read_at = |buf: &mut [u8], off: u64| {
+            let src = bytes
+                .get(off as usize..off as usize + buf.len())
+                .ok_or(std::io::ErrorKind::UnexpectedEof)?;
+            buf.copy_from_slice(src);
+            Ok(())
+        };
+        read_header(file_len, read_at).map_err(|e| match e {
+            ReadHeaderError::Format(f) => f,
+            ReadHeaderError::Io(e) => EtabError::Json(e.to_string()),
+        })
+    }
+
+    #[test]
+    fn header_round_trips_and_is_aligned() {
+        for rows in [1u64, 14, 15, 16, 1_000_000, 384_006_168] {
+            let m = meta(rows);
+            let h = encode_header(&m).expect("encodes");
+            assert_eq!(h.len() % PAGE_BYTES as usize, 0);
+            let file_len = h.len() as u64 + pages_for(rows) * PAGE_BYTES;
+            let (m2, layout) = parse(&h, file_len).expect("parses");
+            assert_eq!(m2, m);
+            assert_eq!(layout.data_start, h.len() as u64);
+            assert_eq!(layout.pages, rows.div_ceil(15));
+            // The length does not depend on the digest.
+            let other = TableMeta {
+                digest: TableDigest([0; 32]),
+                ..m
+            };
+            assert_eq!(encode_header(&other).expect("encodes").len(), h.len());
+        }
+    }
+
+    #[test]
+    fn row_offsets_never_straddle_pages() {
+        let layout = TableLayout {
+            data_start: 4096,
+            rows: 31,
+            pages: 3,
+        };
+        assert_eq!(layout.row_offset(0), Some(4096));
+        assert_eq!(layout.row_offset(14), Some(4096 + 14 * 264));
+        assert_eq!(layout.row_offset(15), Some(8192));
+        assert_eq!(layout.row_offset(30), Some(12288));
+        assert_eq!(layout.row_offset(31), None);
+        assert_eq!(layout.row_page(16), Some((8192, 264)));
+        for r in 0..31 {
+            let off = layout.row_offset(r).expect("in range");
+            assert_eq!(off / 4096, (off + 263) / 4096, "row {r}");
+        }
+    }
+
+    #[test]
+    fn wrong_sizes_and_fields_are_refused() {
+        let h = encode_header(&meta(100)).expect("encodes");
+        let good_len = h.len() as u64 + 7 * PAGE_BYTES;
+        assert!(parse(&h, good_len).is_ok());
+        assert_eq!(
+            parse(&h, good_len - 1),
+            Err(EtabError::FileSize {
+                expected: good_len,
+                actual: good_len - 1
+            })
+        );
+        // Header length prefix: too large, misaligned.
+        assert!(header_len((MAX_HEADER_BYTES + 4096 * 2 - 8).to_le_bytes()).is_err());
+        assert!(header_len(100u64.to_le_bytes()).is_err());
+        // Each field tampered with.
+        let json = String::from_utf8(h[8..].to_vec()).expect("utf8");
+        for (from, to) in [
+            ("\"format\":\"engram-etab\"", "\"format\":\"other-thing\""),
+            ("\"format_version\":\"1\"", "\"format_version\":\"9\""),
+            ("e4m3_e8m0_32_row264", "e2m1_e8m0_32_row136"),
+            ("\"rows\":\"100\"", "\"rows\":\"200\""),
+            ("\"rows\":\"100\"", "\"rows\":\"abc\""),
+            ("\"dtype\":\"U8\"", "\"dtype\":\"F8\""),
+            ("\"layer\":\"14\"", "\"layer\":\"-1\""),
+        ] {
+            assert!(json.contains(from), "{from}");
+            let bad = json.replacen(from, to, 1);
+            let bad = format!("{bad:<width$}", width = json.len());
+            assert_eq!(bad.len(), json.len());
+            assert!(
+                parse_header(bad.as_bytes(), good_len).is_err(),
+                "{to} accepted"
+            );
+        }
+        assert!(parse_header(b"{not json", 0).is_err());
+    }
+
+    #[test]
+    fn zero_rows_and_bad_preset_are_refused() {
+        assert!(encode_header(&meta(0)).is_err());
+        assert!(
+            encode_header(&TableMeta {
+                hash_preset: Some("a b".into()),
+                ..meta(1)
+            })
+            .is_err()
+        );
+        assert!(
+            encode_header(&TableMeta {
+                source: "x".repeat(MAX_TEXT + 1),
+                ..meta(1)
+            })
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn the_safetensors_crate_opens_it() {
+        let rows = 40u64;
+        let h = encode_header(&meta(rows)).expect("encodes");
+        let mut file = h.clone();
+        file.resize(h.len() + (pages_for(rows) * PAGE_BYTES) as usize, 0);
+        let st = safetensors::SafeTensors::deserialize(&file).expect("safetensors parses it");
+        let t = st.tensor(TENSOR_NAME).expect("pages tensor");
+        assert_eq!(t.shape(), &[3, 4096]);
+        assert_eq!(t.dtype(), safetensors::Dtype::U8);
+        let (_, md) = safetensors::SafeTensors::read_metadata(&file).expect("metadata");
+        let md = md.metadata().clone().expect("has __metadata__");
+        assert_eq!(md.get("rows").map(String::as_str), Some("40"));
+    }
+}

@@ -1,0 +1,459 @@
+//! Data-plane framing: a 16-byte little-endian header (payload length, kind,
+//! flags, reserved, request id) followed by the payload. The codec is
+//! incremental: `FrameHeader::peek` says "incomplete" until 16 bytes are there
+//! and checks the payload length against the configured maximum before the
+//! caller buffers or allocates anything; `decode` parses one whole frame into
+//! a borrowed view, and the caller advances its buffer only afterwards.
+//!
+//! Message payloads and their encoders live in `messages`.
+
+use thiserror::Error;
+
+use crate::messages::{ErrorFrame, Goodbye, Hello, LookupRef, RowsRef, WelcomeRef};
+use crate::row::ROW_BYTES;
+
+/// Bytes in every frame header.
+pub const HEADER_LEN: usize = 16;
+/// Data-plane protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Client -> donor, first frame on a connection.
+    Hello = 1,
+    /// Donor -> client, answer to Hello: donor name, tables, limits.
+    Welcome = 2,
+    /// Client -> donor: one or more sections of row ids.
+    Lookup = 3,
+    /// Donor -> client: per-section statuses and the rows.
+    Rows = 4,
+    /// Donor -> client: a request-level typed error.
+    Error = 5,
+    /// Either way: liveness probe.
+    Ping = 6,
+    /// Answer to Ping, same request id.
+    Pong = 7,
+    /// Donor -> client: the donor is draining; send no new requests.
+    Goodbye = 8,
+}
+
+impl FrameKind {
+    /// The kind of a wire byte, if known.
+    pub const fn from_u8(b: u8) -> Option<Self> {
+        Some(match b {
+            1 => Self::Hello,
+            2 => Self::Welcome,
+            3 => Self::Lookup,
+            4 => Self::Rows,
+            5 => Self::Error,
+            6 => Self::Ping,
+            7 => Self::Pong,
+            8 => Self::Goodbye,
+            _ => return None,
+        })
+    }
+}
+
+/// Typed error codes, shared by `Error` frames and Rows section statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// The table id is not served by this donor.
+    UnknownTable,
+    /// The digest prefix does not match the donor's table version.
+    VersionMismatch,
+    /// A row id is at or beyond the table's row count.
+    RowOutOfRange,
+    /// More rows or sections than the donor's configured cap.
+    RequestTooLarge,
+    /// The frame could not be parsed.
+    Malformed,
+    /// The donor is at its connection or request bound.
+    Busy,
+    /// The donor is shutting down.
+    Draining,
+    /// Missing or wrong credentials.
+    Unauthorized,
+    /// The client's protocol version is not spoken here.
+    UnsupportedVersion,
+    /// The donor failed internally.
+    Internal,
+    /// A code this build does not know (from a newer peer).
+    Other(u16),
+}
+
+impl ErrorCode {
+    /// Wire value (never 0: 0 is "OK" in section statuses).
+    pub const fn to_u16(self) -> u16 {
+        match self {
+            Self::UnknownTable => 1,
+            Self::VersionMismatch => 2,
+            Self::RowOutOfRange => 3,
+            Self::RequestTooLarge => 4,
+            Self::Malformed => 5,
+            Self::Busy => 6,
+            Self::Draining => 7,
+            Self::Unauthorized => 8,
+            Self::UnsupportedVersion => 9,
+            Self::Internal => 10,
+            Self::Other(c) => c,
+        }
+    }
+
+    /// The code of a wire value; `None` for 0 (OK).
+    pub const fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            0 => return None,
+            1 => Self::UnknownTable,
+            2 => Self::VersionMismatch,
+            3 => Self::RowOutOfRange,
+            4 => Self::RequestTooLarge,
+            5 => Self::Malformed,
+            6 => Self::Busy,
+            7 => Self::Draining,
+            8 => Self::Unauthorized,
+            9 => Self::UnsupportedVersion,
+            10 => Self::Internal,
+            c => Self::Other(c),
+        })
+    }
+
+    /// Stable lower-case name, for logs and metrics labels.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::UnknownTable => "unknown_table",
+            Self::VersionMismatch => "version_mismatch",
+            Self::RowOutOfRange => "row_out_of_range",
+            Self::RequestTooLarge => "request_too_large",
+            Self::Malformed => "malformed",
+            Self::Busy => "busy",
+            Self::Draining => "draining",
+            Self::Unauthorized => "unauthorized",
+            Self::UnsupportedVersion => "unsupported_version",
+            Self::Internal => "internal",
+            Self::Other(_) => "other",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Other(c) => write!(f, "error code {c}"),
+            c => f.write_str(c.name()),
+        }
+    }
+}
+
+/// Configured bounds, checked before anything is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest payload of any frame, in bytes.
+    pub max_payload: u32,
+    /// Most sections in one Lookup or Rows.
+    pub max_sections: u32,
+    /// Most rows in one Lookup or Rows, all sections together.
+    pub max_rows: u32,
+}
+
+/// Default cap on rows per lookup: a wide prefill sweep, still a bounded answer (4.3 MB).
+pub const DEFAULT_MAX_ROWS: u32 = 16_384;
+/// Default cap on sections per lookup.
+pub const DEFAULT_MAX_SECTIONS: u32 = 64;
+/// Hard ceiling on any configured row cap (a 1 GiB answer).
+pub const MAX_ROWS_CEILING: u32 = (1 << 30) / ROW_BYTES as u32;
+
+impl Limits {
+    /// Limits that fit the largest Lookup and Rows frames for these caps, and every fixed-size frame.
+    pub const fn for_caps(max_rows: u32, max_sections: u32) -> Self {
+        let rows = max_rows as u64;
+        let sections = max_sections as u64;
+        let lookup = 8 + 16 * sections + 8 * rows;
+        let answer = 16 + 12 * sections + ROW_BYTES as u64 * rows;
+        let fixed = crate::messages::MAX_FIXED_PAYLOAD as u64;
+        let mut max = if lookup > answer { lookup } else { answer };
+        if fixed > max {
+            max = fixed;
+        }
+        let max_payload = if max > u32::MAX as u64 {
+            u32::MAX
+        } else {
+            max as u32
+        };
+        Self {
+            max_payload,
+            max_sections,
+            max_rows,
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self::for_caps(DEFAULT_MAX_ROWS, DEFAULT_MAX_SECTIONS)
+    }
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FrameError {
+    /// Unknown frame kind byte.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// Flags or reserved header bits are set.
+    #[error("frame header has non-zero flags or reserved bits")]
+    BadHeader,
+    /// Payload length above the configured maximum.
+    #[error("frame payload of {len} bytes exceeds the maximum of {max}")]
+    TooLarge { len: u32, max: u32 },
+    /// The payload does not parse as its kind.
+    #[error("malformed {kind:?} frame: {reason}")]
+    Malformed {
+        kind: FrameKind,
+        reason: &'static str,
+    },
+    /// More rows than the configured cap (framing is intact).
+    #[error("{rows} rows exceed the cap of {max}")]
+    TooManyRows { rows: u64, max: u32 },
+    /// More sections than the configured cap (framing is intact).
+    #[error("{sections} sections exceed the cap of {max}")]
+    TooManySections { sections: u32, max: u32 },
+    /// A Rows payload whose checksum does not match (framing is intact).
+    #[error(
+        "rows checksum mismatch: frame says {expected:#018x}, payload hashes to {actual:#018x}"
+    )]
+    Checksum { expected: u64, actual: u64 },
+}
+
+impl FrameError {
+    /// True when the byte stream cannot be trusted any more and the
+    /// connection must close; false when only this frame is bad.
+    pub const fn is_fatal(&self) -> bool {
+        !matches!(
+            self,
+            Self::TooManyRows { .. } | Self::TooManySections { .. } | Self::Checksum { .. }
+        )
+    }
+
+    /// The code to answer a peer with.
+    pub const fn code(&self) -> ErrorCode {
+        match self {
+            Self::TooLarge { .. } | Self::TooManyRows { .. } | Self::TooManySections { .. } => {
+                ErrorCode::RequestTooLarge
+            }
+            _ => ErrorCode::Malformed,
+        }
+    }
+}
+
+/// A frame's header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// What the payload is.
+    pub kind: FrameKind,
+    /// Chosen by the client, echoed by the donor; 0 for unsolicited frames.
+    pub request_id: u64,
+    /// Payload bytes after the header.
+    pub payload_len: u32,
+}
+
+impl FrameHeader {
+    /// Parse the header at the front of `buf`: `Ok(None)` when fewer than 16
+    /// bytes are buffered; an error for an unknown kind, set reserved bits or
+    /// a payload length above `limits.max_payload`.
+    pub fn peek(buf: &[u8], limits: &Limits) -> Result<Option<Self>, FrameError> {
+        let Some(h) = buf.get(..HEADER_LEN) else {
+            return Ok(None);
+        };
+        let payload_len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+        let kind = FrameKind::from_u8(h[4]).ok_or(FrameError::UnknownKind(h[4]))?;
+        if h[5] != 0 || h[6] != 0 || h[7] != 0 {
+            return Err(FrameError::BadHeader);
+        }
+        let request_id = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
+        if payload_len > limits.max_payload {
+            return Err(FrameError::TooLarge {
+                len: payload_len,
+                max: limits.max_payload,
+            });
+        }
+        Ok(Some(Self {
+            kind,
+            request_id,
+            payload_len,
+        }))
+    }
+
+    /// Header plus payload.
+    pub const fn frame_len(&self) -> usize {
+        HEADER_LEN + self.payload_len as usize
+    }
+
+    /// Append a header.
+    pub fn write(out: &mut Vec<u8>, kind: FrameKind, request_id: u64, payload_len: u32) {
+        out.extend_from_slice(&payload_len.to_le_bytes());
+        out.extend_from_slice(&[kind as u8, 0, 0, 0]);
+        out.extend_from_slice(&request_id.to_le_bytes());
+    }
+}
+
+/// One parsed frame, borrowing the buffer it came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame<'a> {
+    /// See [`Hello`].
+    Hello(Hello<'a>),
+    /// See [`WelcomeRef`].
+    Welcome(WelcomeRef<'a>),
+    /// See [`LookupRef`].
+    Lookup(LookupRef<'a>),
+    /// See [`RowsRef`].
+    Rows(RowsRef<'a>),
+    /// See [`ErrorFrame`].
+    Error(ErrorFrame<'a>),
+    /// Liveness probe.
+    Ping,
+    /// Answer to Ping.
+    Pong,
+    /// See [`Goodbye`].
+    Goodbye(Goodbye),
+}
+
+impl<'a> Frame<'a> {
+    /// Parse a payload of a known kind.
+    pub fn parse(kind: FrameKind, payload: &'a [u8], limits: &Limits) -> Result<Self, FrameError> {
+        Ok(match kind {
+            FrameKind::Hello => Self::Hello(Hello::parse(payload)?),
+            FrameKind::Welcome => Self::Welcome(WelcomeRef::parse(payload)?),
+            FrameKind::Lookup => Self::Lookup(LookupRef::parse(payload, limits)?),
+            FrameKind::Rows => Self::Rows(RowsRef::parse(payload, limits)?),
+            FrameKind::Error => Self::Error(ErrorFrame::parse(payload)?),
+            FrameKind::Ping | FrameKind::Pong => {
+                if !payload.is_empty() {
+                    return Err(FrameError::Malformed {
+                        kind,
+                        reason: "payload must be empty",
+                    });
+                }
+                if kind == FrameKind::Ping {
+                    Self::Ping
+                } else {
+                    Self::Pong
+                }
+            }
+            FrameKind::Goodbye => Self::Goodbye(Goodbye::parse(payload)?),
+        })
+    }
+}
+
+/// A whole frame found at the front of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decoded<'a> {
+    /// Its header.
+    pub header: FrameHeader,
+    /// Its parsed payload.
+    pub frame: Frame<'a>,
+    /// Bytes it occupies (advance the buffer by this much once done with it).
+    pub len: usize,
+}
+
+/// Decode the frame at the front of `buf`: `Ok(None)` while incomplete.
+/// On an error that is not fatal (see [`FrameError::is_fatal`]) the caller
+/// may skip `FrameHeader::frame_len` bytes and go on.
+pub fn decode<'a>(buf: &'a [u8], limits: &Limits) -> Result<Option<Decoded<'a>>, FrameError> {
+    let Some(header) = FrameHeader::peek(buf, limits)? else {
+        return Ok(None);
+    };
+    let Some(payload) = buf.get(HEADER_LEN..header.frame_len()) else {
+        return Ok(None);
+    };
+    let frame = Frame::parse(header.kind, payload, limits)?;
+    Ok(Some(Decoded {
+        header,
+        frame,
+        len: header.frame_len(),
+    }))
+}
+
+/// A bounds-checked little-endian reader over one payload.
+#[derive(Debug)]
+pub(crate) struct Cursor<'a> {
+    buf: &'a [u8],
+    kind: FrameKind,
+}
+
+impl<'a> Cursor<'a> {
+    pub(crate) fn new(buf: &'a [u8], kind: FrameKind) -> Self {
+        Self { buf, kind }
+    }
+
+    pub(crate) fn malformed(&self, reason: &'static str) -> FrameError {
+        FrameError::Malformed {
+            kind: self.kind,
+            reason,
+        }
+    }
+
+    pub(crate) fn bytes(&mut self, n: usize) -> Result<&'a [u8], FrameError> {
+        if n > self.buf.len() {
+            return Err(self.malformed("payload shorter than its fields"));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N], FrameError> {
+        let b = self.bytes(N)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(b);
+        Ok(a)
+    }
+
+    pub(crate) fn u16(&mut self) -> Result<u16, FrameError> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    pub(crate) fn u32(&mut self) -> Result<u32, FrameError> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    pub(crate) fn u64(&mut self) -> Result<u64, FrameError> {
+        self.array().map(u64::from_le_bytes)
+    }
+
+    pub(crate) fn zero_u16(&mut self) -> Result<(), FrameError> {
+        if self.u16()? != 0 {
+            return Err(self.malformed("reserved field is not zero"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn zero_u32(&mut self) -> Result<(), FrameError> {
+        if self.u32()? != 0 {
+            return Err(self.malformed("reserved field is not zero"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn utf8(&mut self, n: usize) -> Result<&'a str, FrameError> {
+        let b = self.bytes(n)?;
+        std::str::from_utf8(b).map_err(|_| self.malformed("text is not UTF-8"))
+    }
+
+    pub(crate) fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.buf)
+    }
+
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub(crate) fn end(&self) -> Result<(), FrameError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(self.malformed("trailing bytes after the fields"))
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! `engram-protocol`: the engram-rack contract.
+//!
+//! What it is: the 264-byte row encoding and its dequantization (`row`), the
+//! deterministic synthetic rows every test can check against (`synthetic`),
+//! the table version (`digest`), the `.etab` table file layout (`etab`), and
+//! the data-plane frame codec (`frame` for framing, `messages` for payloads).
+//!
+//! What it is not: it does no IO, owns no sockets, runs no async runtime and
+//! reads no clock. Bytes come in, typed values go out, and back; the daemons
+//! do the IO. `PROTOCOL.md` at the repository root documents every byte.
+
+pub mod digest;
+pub mod etab;
+pub mod frame;
+pub mod messages;
+pub mod row;
+pub mod synthetic;
+
+pub use digest::{DigestBuilder, TableDigest};
+pub use frame::{
+    Decoded, ErrorCode, Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits,
+    PROTOCOL_VERSION, decode,
+};
+pub use messages::{
+    EncodeError, ErrorFrame, Goodbye, Hello, LookupRef, LookupSection, RowsRef, RowsSection,
+    TableInfo, Welcome, WelcomeRef,
+};
+pub use row::{ROW_BYTES, ROW_VALUES, RowBytes, RowError};

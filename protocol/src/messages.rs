@@ -1,0 +1,655 @@
+//! Frame payloads: a borrowed view for decoding and an encoder for each kind.
+//! All integers are little-endian; `PROTOCOL.md` gives every byte.
+
+use thiserror::Error;
+
+use crate::digest::TableDigest;
+use crate::frame::{Cursor, ErrorCode, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits};
+use crate::row::ROW_BYTES;
+
+/// First four bytes of every Hello payload.
+pub const HELLO_MAGIC: [u8; 4] = *b"ENGR";
+/// Longest node or donor name, in bytes.
+pub const MAX_NAME: usize = 255;
+/// Longest Hello credential, in bytes.
+pub const MAX_CREDENTIAL: usize = 1024;
+/// Longest Error message, in bytes.
+pub const MAX_MESSAGE: usize = 1024;
+/// Most tables one Welcome may list.
+pub const MAX_WELCOME_TABLES: usize = 1024;
+/// Bytes per table entry in Welcome.
+pub const TABLE_INFO_LEN: usize = 48;
+/// `table_id` of an Error that concerns no table.
+pub const NO_TABLE: u32 = u32::MAX;
+/// Bytes per section header in Lookup.
+pub const LOOKUP_SECTION_LEN: usize = 16;
+/// Bytes per section entry in Rows.
+pub const ROWS_SECTION_LEN: usize = 12;
+/// Bytes before the sections in Lookup (count, reserved).
+pub const LOOKUP_HEAD_LEN: usize = 8;
+/// Bytes before the sections in Rows (checksum, count, reserved).
+pub const ROWS_HEAD_LEN: usize = 16;
+const WELCOME_HEAD_LEN: usize = 16;
+/// Largest payload of the frames whose size does not depend on row caps.
+pub(crate) const MAX_FIXED_PAYLOAD: usize =
+    WELCOME_HEAD_LEN + MAX_NAME + TABLE_INFO_LEN * MAX_WELCOME_TABLES;
+
+/// A value that cannot be put on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("cannot encode frame: {0}")]
+pub struct EncodeError(pub &'static str);
+
+/// The checksum carried by Rows: XXH3-64 (seed 0) of the payload after the checksum field.
+pub fn payload_checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+fn check_len(len: usize, max: usize, what: &'static str) -> Result<(), EncodeError> {
+    if len > max {
+        Err(EncodeError(what))
+    } else {
+        Ok(())
+    }
+}
+
+fn payload_len(len: usize) -> Result<u32, EncodeError> {
+    u32::try_from(len).map_err(|_| EncodeError("payload longer than 4 GiB"))
+}
+
+/// Client -> donor: protocol version, node name, credentials (where the link is not TLS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello<'a> {
+    /// Protocol version the client speaks.
+    pub version: u16,
+    /// The node's name (UTF-8, at most 255 bytes).
+    pub node: &'a str,
+    /// Opaque credential (at most 1024 bytes; empty when none).
+    pub credential: &'a [u8],
+}
+
+impl<'a> Hello<'a> {
+    pub(crate) fn parse(p: &'a [u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Hello);
+        if c.array::<4>()? != HELLO_MAGIC {
+            return Err(c.malformed("bad magic (not an engram-rack client)"));
+        }
+        let version = c.u16()?;
+        c.zero_u16()?;
+        let name_len = usize::from(c.u16()?);
+        let cred_len = usize::from(c.u16()?);
+        if name_len > MAX_NAME || cred_len > MAX_CREDENTIAL {
+            return Err(c.malformed("name or credential too long"));
+        }
+        let node = c.utf8(name_len)?;
+        let credential = c.bytes(cred_len)?;
+        c.end()?;
+        Ok(Self {
+            version,
+            node,
+            credential,
+        })
+    }
+
+    /// Append this Hello as a frame.
+    pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) -> Result<(), EncodeError> {
+        check_len(self.node.len(), MAX_NAME, "node name longer than 255 bytes")?;
+        check_len(
+            self.credential.len(),
+            MAX_CREDENTIAL,
+            "credential longer than 1024 bytes",
+        )?;
+        let len = 12 + self.node.len() + self.credential.len();
+        FrameHeader::write(out, FrameKind::Hello, request_id, payload_len(len)?);
+        out.extend_from_slice(&HELLO_MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&(self.node.len() as u16).to_le_bytes());
+        out.extend_from_slice(&(self.credential.len() as u16).to_le_bytes());
+        out.extend_from_slice(self.node.as_bytes());
+        out.extend_from_slice(self.credential);
+        Ok(())
+    }
+}
+
+/// One table a donor serves, as announced in Welcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableInfo {
+    /// Table id (the cluster config's id).
+    pub table_id: u32,
+    /// Model layer.
+    pub layer: u32,
+    /// Row count.
+    pub rows: u64,
+    /// Full digest (the version).
+    pub digest: TableDigest,
+}
+
+impl TableInfo {
+    fn read(b: &[u8]) -> Option<Self> {
+        let table_id = u32::from_le_bytes(b.get(0..4)?.try_into().ok()?);
+        let layer = u32::from_le_bytes(b.get(4..8)?.try_into().ok()?);
+        let rows = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
+        let digest = TableDigest(b.get(16..48)?.try_into().ok()?);
+        Some(Self {
+            table_id,
+            layer,
+            rows,
+            digest,
+        })
+    }
+}
+
+/// Donor -> client, the answer to Hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcome<'a> {
+    /// Protocol version the donor speaks.
+    pub version: u16,
+    /// The donor's name.
+    pub donor: &'a str,
+    /// The donor's cap on rows per Lookup.
+    pub max_rows: u32,
+    /// The donor's cap on frame payloads.
+    pub max_payload: u32,
+    /// Tables served.
+    pub tables: &'a [TableInfo],
+}
+
+impl Welcome<'_> {
+    /// Append this Welcome as a frame.
+    pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) -> Result<(), EncodeError> {
+        check_len(
+            self.donor.len(),
+            MAX_NAME,
+            "donor name longer than 255 bytes",
+        )?;
+        check_len(
+            self.tables.len(),
+            MAX_WELCOME_TABLES,
+            "more than 1024 tables",
+        )?;
+        let len = WELCOME_HEAD_LEN + self.donor.len() + TABLE_INFO_LEN * self.tables.len();
+        FrameHeader::write(out, FrameKind::Welcome, request_id, payload_len(len)?);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&(self.donor.len() as u16).to_le_bytes());
+        out.extend_from_slice(&(self.tables.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.max_rows.to_le_bytes());
+        out.extend_from_slice(&self.max_payload.to_le_bytes());
+        out.extend_from_slice(self.donor.as_bytes());
+        for t in self.tables {
+            out.extend_from_slice(&t.table_id.to_le_bytes());
+            out.extend_from_slice(&t.layer.to_le_bytes());
+            out.extend_from_slice(&t.rows.to_le_bytes());
+            out.extend_from_slice(&t.digest.0);
+        }
+        Ok(())
+    }
+}
+
+/// A decoded Welcome, borrowing its table list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WelcomeRef<'a> {
+    /// Protocol version the donor speaks.
+    pub version: u16,
+    /// The donor's name.
+    pub donor: &'a str,
+    /// The donor's cap on rows per Lookup.
+    pub max_rows: u32,
+    /// The donor's cap on frame payloads.
+    pub max_payload: u32,
+    tables: &'a [u8],
+}
+
+impl<'a> WelcomeRef<'a> {
+    pub(crate) fn parse(p: &'a [u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Welcome);
+        let version = c.u16()?;
+        let name_len = usize::from(c.u16()?);
+        let n_tables = c.u32()? as usize;
+        let max_rows = c.u32()?;
+        let max_payload = c.u32()?;
+        if name_len > MAX_NAME || n_tables > MAX_WELCOME_TABLES {
+            return Err(c.malformed("name too long or too many tables"));
+        }
+        let donor = c.utf8(name_len)?;
+        let tables = c.bytes(n_tables * TABLE_INFO_LEN)?;
+        c.end()?;
+        Ok(Self {
+            version,
+            donor,
+            max_rows,
+            max_payload,
+            tables,
+        })
+    }
+
+    /// The tables announced, in order.
+    pub fn tables(&self) -> impl Iterator<Item = TableInfo> + 'a {
+        self.tables
+            .chunks_exact(TABLE_INFO_LEN)
+            .filter_map(TableInfo::read)
+    }
+
+    /// Number of tables announced.
+    pub fn table_count(&self) -> usize {
+        self.tables.len() / TABLE_INFO_LEN
+    }
+
+    /// The announced table with this id, if any.
+    pub fn table(&self, table_id: u32) -> Option<TableInfo> {
+        self.tables().find(|t| t.table_id == table_id)
+    }
+}
+
+/// One section of a Lookup to encode: rows of one table at one version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupSection<'a> {
+    /// Table id.
+    pub table_id: u32,
+    /// First 8 bytes of the pinned digest, little-endian.
+    pub digest_prefix: u64,
+    /// Row ids, answered in this order.
+    pub rows: &'a [u64],
+}
+
+/// Append a Lookup frame with these sections.
+pub fn encode_lookup(
+    out: &mut Vec<u8>,
+    request_id: u64,
+    sections: &[LookupSection<'_>],
+) -> Result<(), EncodeError> {
+    if sections.is_empty() {
+        return Err(EncodeError("a lookup needs at least one section"));
+    }
+    let mut len = LOOKUP_HEAD_LEN;
+    for s in sections {
+        if s.rows.is_empty() {
+            return Err(EncodeError("a lookup section needs at least one row"));
+        }
+        u32::try_from(s.rows.len()).map_err(|_| EncodeError("too many rows in one section"))?;
+        len += LOOKUP_SECTION_LEN + 8 * s.rows.len();
+    }
+    let count = u32::try_from(sections.len()).map_err(|_| EncodeError("too many sections"))?;
+    FrameHeader::write(out, FrameKind::Lookup, request_id, payload_len(len)?);
+    out.extend_from_slice(&count.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    for s in sections {
+        out.extend_from_slice(&s.table_id.to_le_bytes());
+        out.extend_from_slice(&(s.rows.len() as u32).to_le_bytes());
+        out.extend_from_slice(&s.digest_prefix.to_le_bytes());
+        for r in s.rows {
+            out.extend_from_slice(&r.to_le_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// A decoded Lookup; its structure and bounds were checked when parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupRef<'a> {
+    section_count: u32,
+    total_rows: u64,
+    body: &'a [u8],
+}
+
+/// One section of a decoded Lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupSectionRef<'a> {
+    /// Table id.
+    pub table_id: u32,
+    /// First 8 bytes of the client's pinned digest, little-endian.
+    pub digest_prefix: u64,
+    /// Row ids.
+    pub rows: RowIds<'a>,
+}
+
+/// Row ids of a section, read in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowIds<'a>(&'a [u8]);
+
+impl<'a> RowIds<'a> {
+    /// Number of row ids.
+    pub fn len(&self) -> usize {
+        self.0.len() / 8
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The row ids in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = u64> + 'a {
+        self.0.chunks_exact(8).map(|c| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(c);
+            u64::from_le_bytes(a)
+        })
+    }
+}
+
+impl<'a> LookupRef<'a> {
+    pub(crate) fn parse(p: &'a [u8], limits: &Limits) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Lookup);
+        let section_count = c.u32()?;
+        c.zero_u32()?;
+        if section_count == 0 {
+            return Err(c.malformed("no sections"));
+        }
+        if section_count > limits.max_sections {
+            return Err(FrameError::TooManySections {
+                sections: section_count,
+                max: limits.max_sections,
+            });
+        }
+        let body = p.get(LOOKUP_HEAD_LEN..).unwrap_or_default();
+        let mut total_rows = 0u64;
+        for _ in 0..section_count {
+            let _table = c.u32()?;
+            let n = u64::from(c.u32()?);
+            let _prefix = c.u64()?;
+            if n == 0 {
+                return Err(c.malformed("empty section"));
+            }
+            total_rows += n;
+            if total_rows > u64::from(limits.max_rows) {
+                return Err(FrameError::TooManyRows {
+                    rows: total_rows,
+                    max: limits.max_rows,
+                });
+            }
+            // n <= max_rows <= 2^32, so n * 8 cannot overflow.
+            c.bytes(n as usize * 8)?;
+        }
+        c.end()?;
+        Ok(Self {
+            section_count,
+            total_rows,
+            body,
+        })
+    }
+
+    /// Number of sections.
+    pub fn section_count(&self) -> u32 {
+        self.section_count
+    }
+
+    /// Rows in all sections together.
+    pub fn total_rows(&self) -> u64 {
+        self.total_rows
+    }
+
+    /// The sections in order.
+    pub fn sections(&self) -> impl Iterator<Item = LookupSectionRef<'a>> + 'a {
+        let mut rest = self.body;
+        std::iter::from_fn(move || {
+            let head = rest.get(..LOOKUP_SECTION_LEN)?;
+            let table_id = u32::from_le_bytes(head[0..4].try_into().ok()?);
+            let n = u32::from_le_bytes(head[4..8].try_into().ok()?) as usize;
+            let digest_prefix = u64::from_le_bytes(head[8..16].try_into().ok()?);
+            let rows = rest.get(LOOKUP_SECTION_LEN..LOOKUP_SECTION_LEN + 8 * n)?;
+            rest = rest.get(LOOKUP_SECTION_LEN + 8 * n..)?;
+            Some(LookupSectionRef {
+                table_id,
+                digest_prefix,
+                rows: RowIds(rows),
+            })
+        })
+    }
+}
+
+/// One section's entry in a Rows answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowsSection {
+    /// Table id, as requested.
+    pub table_id: u32,
+    /// `None` when served, else why not.
+    pub status: Option<ErrorCode>,
+    /// Rows included for this section: the requested count when served, else 0.
+    pub row_count: u32,
+}
+
+/// Where an in-progress Rows frame starts in the output buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowsStart {
+    start: usize,
+    frame_len: usize,
+}
+
+impl RowsStart {
+    /// Offset of the frame in the buffer (truncate to it to abandon the frame).
+    pub fn offset(&self) -> usize {
+        self.start
+    }
+}
+
+/// Start a Rows frame: header, checksum placeholder and the section table.
+/// Append exactly the served rows' bytes next, then call [`finish_rows`].
+pub fn begin_rows(
+    out: &mut Vec<u8>,
+    request_id: u64,
+    sections: &[RowsSection],
+) -> Result<RowsStart, EncodeError> {
+    if sections.is_empty() {
+        return Err(EncodeError("a rows answer needs at least one section"));
+    }
+    let count = u32::try_from(sections.len()).map_err(|_| EncodeError("too many sections"))?;
+    let mut rows = 0usize;
+    for s in sections {
+        if s.status.is_some() && s.row_count != 0 {
+            return Err(EncodeError("a failed section carries no rows"));
+        }
+        rows += s.row_count as usize;
+    }
+    let len = ROWS_HEAD_LEN + ROWS_SECTION_LEN * sections.len() + rows * ROW_BYTES;
+    let start = out.len();
+    out.reserve(HEADER_LEN + len);
+    FrameHeader::write(out, FrameKind::Rows, request_id, payload_len(len)?);
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&count.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    for s in sections {
+        out.extend_from_slice(&s.table_id.to_le_bytes());
+        out.extend_from_slice(&s.status.map_or(0, ErrorCode::to_u16).to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&s.row_count.to_le_bytes());
+    }
+    Ok(RowsStart {
+        start,
+        frame_len: HEADER_LEN + len,
+    })
+}
+
+/// Finish a Rows frame: check its length and write the checksum.
+pub fn finish_rows(out: &mut [u8], start: RowsStart) -> Result<(), EncodeError> {
+    let Some(frame) = out.get_mut(start.start..) else {
+        return Err(EncodeError("rows frame start is past the buffer"));
+    };
+    if frame.len() != start.frame_len {
+        return Err(EncodeError(
+            "row bytes appended do not match the section table",
+        ));
+    }
+    let sum = payload_checksum(&frame[HEADER_LEN + 8..]);
+    frame[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&sum.to_le_bytes());
+    Ok(())
+}
+
+/// A decoded Rows answer whose checksum and structure were verified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowsRef<'a> {
+    section_count: u32,
+    total_rows: u64,
+    sections: &'a [u8],
+    data: &'a [u8],
+}
+
+impl<'a> RowsRef<'a> {
+    pub(crate) fn parse(p: &'a [u8], limits: &Limits) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Rows);
+        let expected = c.u64()?;
+        let section_count = c.u32()?;
+        c.zero_u32()?;
+        if section_count == 0 {
+            return Err(c.malformed("no sections"));
+        }
+        if section_count > limits.max_sections {
+            return Err(FrameError::TooManySections {
+                sections: section_count,
+                max: limits.max_sections,
+            });
+        }
+        let sections = c.bytes(section_count as usize * ROWS_SECTION_LEN)?;
+        let mut total_rows = 0u64;
+        for s in sections.chunks_exact(ROWS_SECTION_LEN) {
+            let status = u16::from_le_bytes([s[4], s[5]]);
+            if s[6] != 0 || s[7] != 0 {
+                return Err(c.malformed("reserved field is not zero"));
+            }
+            let n = u64::from(u32::from_le_bytes([s[8], s[9], s[10], s[11]]));
+            if status != 0 && n != 0 {
+                return Err(c.malformed("a failed section carries rows"));
+            }
+            total_rows += n;
+        }
+        if total_rows > u64::from(limits.max_rows) {
+            return Err(FrameError::TooManyRows {
+                rows: total_rows,
+                max: limits.max_rows,
+            });
+        }
+        if c.remaining() as u64 != total_rows * ROW_BYTES as u64 {
+            return Err(c.malformed("row bytes do not match the section table"));
+        }
+        let data = c.rest();
+        let actual = payload_checksum(&p[8..]);
+        if actual != expected {
+            return Err(FrameError::Checksum { expected, actual });
+        }
+        Ok(Self {
+            section_count,
+            total_rows,
+            sections,
+            data,
+        })
+    }
+
+    /// Number of sections.
+    pub fn section_count(&self) -> u32 {
+        self.section_count
+    }
+
+    /// Rows in all served sections together.
+    pub fn total_rows(&self) -> u64 {
+        self.total_rows
+    }
+
+    /// All row bytes, served sections in order.
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// Each section with its row bytes (empty for a failed section).
+    pub fn sections(&self) -> impl Iterator<Item = (RowsSection, &'a [u8])> + 'a {
+        let mut data = self.data;
+        self.sections.chunks_exact(ROWS_SECTION_LEN).map(move |s| {
+            let table_id = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            let status = ErrorCode::from_u16(u16::from_le_bytes([s[4], s[5]]));
+            let row_count = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+            let n = (row_count as usize * ROW_BYTES).min(data.len());
+            let (mine, rest) = data.split_at(n);
+            data = rest;
+            (
+                RowsSection {
+                    table_id,
+                    status,
+                    row_count,
+                },
+                mine,
+            )
+        })
+    }
+}
+
+/// A request-level typed error (donor -> client).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorFrame<'a> {
+    /// What went wrong.
+    pub code: ErrorCode,
+    /// The table concerned, if any.
+    pub table_id: Option<u32>,
+    /// A number that helps: the offending row id, a cap, a version.
+    pub detail: u64,
+    /// Human-readable explanation (at most 1024 bytes).
+    pub message: &'a str,
+}
+
+impl<'a> ErrorFrame<'a> {
+    pub(crate) fn parse(p: &'a [u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Error);
+        let code = c.u16()?;
+        let msg_len = usize::from(c.u16()?);
+        let table = c.u32()?;
+        let detail = c.u64()?;
+        if msg_len > MAX_MESSAGE {
+            return Err(c.malformed("message too long"));
+        }
+        let message = c.utf8(msg_len)?;
+        c.end()?;
+        let code = ErrorCode::from_u16(code).ok_or_else(|| c.malformed("error code 0"))?;
+        Ok(Self {
+            code,
+            table_id: (table != NO_TABLE).then_some(table),
+            detail,
+            message,
+        })
+    }
+
+    /// Append this Error as a frame; a long message is cut at a character boundary.
+    pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) {
+        let mut end = self.message.len().min(MAX_MESSAGE);
+        while !self.message.is_char_boundary(end) {
+            end -= 1;
+        }
+        let msg = &self.message.as_bytes()[..end];
+        FrameHeader::write(out, FrameKind::Error, request_id, (16 + msg.len()) as u32);
+        out.extend_from_slice(&self.code.to_u16().to_le_bytes());
+        out.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+        out.extend_from_slice(&self.table_id.unwrap_or(NO_TABLE).to_le_bytes());
+        out.extend_from_slice(&self.detail.to_le_bytes());
+        out.extend_from_slice(msg);
+    }
+}
+
+/// Donor -> client: the donor is draining. Finish what is in flight, send nothing new.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Goodbye {
+    /// How long the donor keeps answering in-flight requests, in milliseconds.
+    pub grace_ms: u32,
+}
+
+impl Goodbye {
+    pub(crate) fn parse(p: &[u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Goodbye);
+        let grace_ms = c.u32()?;
+        c.zero_u32()?;
+        c.end()?;
+        Ok(Self { grace_ms })
+    }
+
+    /// Append this Goodbye as a frame (request id 0: unsolicited).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        FrameHeader::write(out, FrameKind::Goodbye, 0, 8);
+        out.extend_from_slice(&self.grace_ms.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+    }
+}
+
+/// Append a Ping or Pong frame.
+pub fn encode_ping(out: &mut Vec<u8>, request_id: u64, pong: bool) {
+    let kind = if pong {
+        FrameKind::Pong
+    } else {
+        FrameKind::Ping
+    };
+    FrameHeader::write(out, kind, request_id, 0);
+}
