@@ -106,6 +106,9 @@ struct ServeArgs {
     /// How long a drain (SIGTERM) waits for clients, in milliseconds.
     #[arg(long)]
     drain_timeout_ms: Option<u64>,
+    /// How long a new connection has to say Hello, in milliseconds.
+    #[arg(long)]
+    hello_timeout_ms: Option<u64>,
     /// File holding the credential every Hello must carry.
     #[arg(long)]
     credential_file: Option<PathBuf>,
@@ -299,6 +302,9 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     }
     if let Some(ms) = args.drain_timeout_ms {
         spec.server.drain_timeout = Duration::from_millis(ms);
+    }
+    if let Some(ms) = args.hello_timeout_ms {
+        spec.server.hello_timeout = Duration::from_millis(ms.max(1));
     }
     if let Some(f) = &args.credential_file {
         let c = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;

@@ -1,0 +1,576 @@
+//! The real `memory-donor` process on 127.0.0.1:0 and the real client.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use engram_protocol::messages::{LookupSection, encode_lookup};
+use engram_protocol::synthetic::{SplitMix64, is_synthetic_row};
+use engram_protocol::{
+    ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, decode,
+};
+use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+use integration_tests::{DonorProcess, gen_table};
+
+const ROWS: u64 = 200_000;
+const SEED: u64 = 11;
+
+fn one_table() -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    TableDigest,
+    DonorProcess,
+) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let donor = DonorProcess::start(&[
+        "--table",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .expect("donor starts");
+    (dir, path, digest, donor)
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn client(donor: &DonorProcess, digest: TableDigest) -> DonorClient {
+    DonorClient::connect(
+        donor.addr,
+        &ClientOptions::new("test-node", vec![(1, digest)]),
+    )
+    .await
+    .expect("connects")
+}
+
+#[test]
+fn ten_thousand_random_rows_match_the_generator_byte_for_byte() {
+    let (_dir, _path, digest, donor) = one_table();
+    rt().block_on(async {
+        let c = client(&donor, digest).await;
+        assert_eq!(c.tables().len(), 1);
+        assert_eq!(c.tables()[0].rows, ROWS);
+        let mut rng = SplitMix64::new(1);
+        let mut checked = 0;
+        // 24- and 48-row batches, as the model asks, plus the first and last rows.
+        for batch in 0..300 {
+            let n = if batch % 2 == 0 { 24 } else { 48 };
+            let mut rows: Vec<u64> = (0..n).map(|_| rng.below(ROWS)).collect();
+            if batch == 0 {
+                rows[0] = 0;
+                rows[1] = ROWS - 1;
+            }
+            let mut out = vec![0u8; rows.len() * ROW_BYTES];
+            c.lookup(
+                &[Request {
+                    table: 1,
+                    rows: &rows,
+                }],
+                &mut out,
+            )
+            .await
+            .expect("lookup");
+            for (r, bytes) in rows.iter().zip(out.chunks_exact(ROW_BYTES)) {
+                assert!(
+                    is_synthetic_row(SEED, 1, *r, bytes),
+                    "row {r} differs from the generator"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 10_000, "{checked}");
+    });
+}
+
+#[test]
+fn pipelined_lookups_on_one_connection_each_get_their_own_rows() {
+    let (_dir, _path, digest, donor) = one_table();
+    rt().block_on(async {
+        let c = std::sync::Arc::new(client(&donor, digest).await);
+        let mut tasks = Vec::new();
+        for t in 0..64u64 {
+            let c = std::sync::Arc::clone(&c);
+            tasks.push(tokio::spawn(async move {
+                let rows: Vec<u64> = (0..24).map(|i| (t * 1000 + i * 7) % ROWS).collect();
+                let mut out = vec![0u8; 24 * ROW_BYTES];
+                c.lookup(
+                    &[Request {
+                        table: 1,
+                        rows: &rows,
+                    }],
+                    &mut out,
+                )
+                .await
+                .expect("lookup");
+                rows.iter()
+                    .zip(out.chunks_exact(ROW_BYTES))
+                    .all(|(r, b)| is_synthetic_row(SEED, 1, *r, b))
+            }));
+        }
+        for t in tasks {
+            assert!(
+                t.await.expect("task"),
+                "a pipelined answer went to the wrong request"
+            );
+        }
+    });
+}
+
+#[test]
+fn a_garbage_connection_does_not_disturb_a_good_client() {
+    let (_dir, _path, digest, donor) = one_table();
+    rt().block_on(async {
+        let c = client(&donor, digest).await;
+        let rows: Vec<u64> = (0..24).collect();
+        let mut out = vec![0u8; 24 * ROW_BYTES];
+        c.lookup(
+            &[Request {
+                table: 1,
+                rows: &rows,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("before");
+        let addr = donor.addr;
+        let garbage = tokio::task::spawn_blocking(move || {
+            let mut rng = SplitMix64::new(99);
+            for i in 0..50 {
+                let Ok(mut s) = TcpStream::connect(addr) else {
+                    continue;
+                };
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut junk = vec![0u8; 16 + (i * 37) % 3000];
+                junk.iter_mut().for_each(|b| *b = rng.next_u64() as u8);
+                if i % 3 == 0 {
+                    // A header claiming a 4 GiB payload.
+                    junk[..16]
+                        .copy_from_slice(&[255, 255, 255, 255, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+                }
+                let _ = s.write_all(&junk);
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink);
+            }
+        });
+        // The good client keeps working while the garbage flows.
+        for i in 0..200u64 {
+            let rows: Vec<u64> = (0..24).map(|k| (i * 24 + k) % ROWS).collect();
+            c.lookup(
+                &[Request {
+                    table: 1,
+                    rows: &rows,
+                }],
+                &mut out,
+            )
+            .await
+            .expect("during garbage");
+            assert!(
+                rows.iter()
+                    .zip(out.chunks_exact(ROW_BYTES))
+                    .all(|(r, b)| is_synthetic_row(SEED, 1, *r, b))
+            );
+        }
+        garbage.await.expect("garbage thread");
+        c.lookup(
+            &[Request {
+                table: 1,
+                rows: &rows,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("after");
+    });
+    assert!(donor.log().contains("ready"), "donor still alive");
+}
+
+/// Send raw frames and read one answer, for what the client refuses to send.
+fn raw_exchange(addr: std::net::SocketAddr, frames: &[u8]) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut hello = Vec::new();
+    Hello {
+        version: PROTOCOL_VERSION,
+        node: "raw",
+        credential: b"",
+    }
+    .encode(&mut hello, 1)
+    .expect("hello");
+    s.write_all(&hello).expect("write hello");
+    s.write_all(frames).expect("write");
+    s.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).expect("read");
+    all
+}
+
+#[test]
+fn a_wrong_digest_prefix_gets_version_mismatch_and_a_wrong_pin_is_refused() {
+    let (_dir, _path, digest, donor) = one_table();
+    let mut lookup = Vec::new();
+    let rows = [1u64, 2, 3];
+    encode_lookup(
+        &mut lookup,
+        7,
+        &[LookupSection {
+            table_id: 1,
+            digest_prefix: digest.prefix() ^ 1,
+            rows: &rows,
+        }],
+    )
+    .expect("encode");
+    let answer = raw_exchange(donor.addr, &lookup);
+    let limits = Limits::default();
+    let welcome = decode(&answer, &limits).expect("valid").expect("welcome");
+    let rows_frame = decode(&answer[welcome.len..], &limits)
+        .expect("valid")
+        .expect("answer");
+    assert_eq!(rows_frame.header.request_id, 7);
+    match rows_frame.frame {
+        Frame::Rows(r) => {
+            let (s, data) = r.sections().next().expect("one section");
+            assert_eq!(s.status, Some(ErrorCode::VersionMismatch));
+            assert!(data.is_empty(), "no rows of another version");
+        }
+        other => panic!("expected Rows, got {other:?}"),
+    }
+    rt().block_on(async {
+        let wrong = TableDigest([7; 32]);
+        let e = DonorClient::connect(donor.addr, &ClientOptions::new("n", vec![(1, wrong)]))
+            .await
+            .expect_err("pin");
+        assert!(
+            matches!(e, ClientError::DigestMismatch { table: 1, .. }),
+            "{e:?}"
+        );
+        assert!(e.retry_elsewhere());
+        let e = DonorClient::connect(donor.addr, &ClientOptions::new("n", vec![(9, digest)]))
+            .await
+            .expect_err("table");
+        assert!(
+            matches!(e, ClientError::TableMissing { table: 9, .. }),
+            "{e:?}"
+        );
+    });
+}
+
+#[test]
+fn out_of_range_rows_and_unknown_tables_get_typed_errors() {
+    let (_dir, _path, digest, donor) = one_table();
+    rt().block_on(async {
+        let c = client(&donor, digest).await;
+        let mut out = vec![0u8; 2 * ROW_BYTES];
+        let e = c
+            .lookup(
+                &[Request {
+                    table: 1,
+                    rows: &[5, ROWS],
+                }],
+                &mut out,
+            )
+            .await
+            .expect_err("out of range");
+        assert!(
+            matches!(
+                e,
+                ClientError::Section {
+                    table: 1,
+                    code: ErrorCode::RowOutOfRange
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(
+            !e.retry_elsewhere(),
+            "out of range at the pinned version is out of range everywhere"
+        );
+        let e = c
+            .lookup(
+                &[Request {
+                    table: 2,
+                    rows: &[5, 6],
+                }],
+                &mut out,
+            )
+            .await
+            .expect_err("not pinned");
+        assert!(matches!(e, ClientError::NotPinned(2)), "{e:?}");
+        // The connection is still good.
+        c.lookup(
+            &[Request {
+                table: 1,
+                rows: &[5, 6],
+            }],
+            &mut out,
+        )
+        .await
+        .expect("still serving");
+    });
+    let mut lookup = Vec::new();
+    encode_lookup(
+        &mut lookup,
+        3,
+        &[LookupSection {
+            table_id: 42,
+            digest_prefix: 0,
+            rows: &[1],
+        }],
+    )
+    .expect("encode");
+    let answer = raw_exchange(donor.addr, &lookup);
+    let limits = Limits::default();
+    let welcome = decode(&answer, &limits).expect("valid").expect("welcome");
+    match decode(&answer[welcome.len..], &limits)
+        .expect("valid")
+        .expect("answer")
+        .frame
+    {
+        Frame::Rows(r) => assert_eq!(
+            r.sections().next().map(|s| s.0.status),
+            Some(Some(ErrorCode::UnknownTable))
+        ),
+        other => panic!("expected Rows, got {other:?}"),
+    }
+}
+
+#[test]
+fn sigterm_drains_with_goodbye_and_no_client_error() {
+    let (_dir, _path, digest, mut donor) = one_table();
+    let served = rt().block_on(async {
+        let c = std::sync::Arc::new(client(&donor, digest).await);
+        // Four workers keep lookups in flight until the donor says Goodbye.
+        let mut workers = Vec::new();
+        for w in 0..4u64 {
+            let c = std::sync::Arc::clone(&c);
+            workers.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                let mut out = vec![0u8; 24 * ROW_BYTES];
+                while !c.is_draining() {
+                    let rows: Vec<u64> =
+                        (0..24).map(|k| (w * 10_000 + n * 24 + k) % ROWS).collect();
+                    match c
+                        .lookup(
+                            &[Request {
+                                table: 1,
+                                rows: &rows,
+                            }],
+                            &mut out,
+                        )
+                        .await
+                    {
+                        Ok(()) => n += 1,
+                        Err(ClientError::Draining) => break,
+                        Err(e) => return Err(e),
+                    }
+                    assert!(
+                        rows.iter()
+                            .zip(out.chunks_exact(ROW_BYTES))
+                            .all(|(r, b)| is_synthetic_row(SEED, 1, *r, b))
+                    );
+                }
+                Ok(n)
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        donor.signal(libc::SIGTERM);
+        let mut total = 0;
+        for w in workers {
+            total += tokio::time::timeout(Duration::from_secs(10), w)
+                .await
+                .expect("workers stop after Goodbye")
+                .expect("worker")
+                .expect("no client error during the drain");
+        }
+        assert!(c.is_draining(), "the client saw Goodbye");
+        total
+    });
+    assert!(served > 0);
+    let status = donor
+        .wait(Duration::from_secs(10))
+        .expect("donor exits after draining");
+    assert!(
+        status.success(),
+        "exit status {status:?}; log:\n{}",
+        donor.log()
+    );
+    assert!(donor.log().contains("drained"), "{}", donor.log());
+}
+
+#[test]
+fn connections_beyond_the_bound_get_busy_and_silent_ones_are_closed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, 1000, 1).expect("gen");
+    let donor = DonorProcess::start(&[
+        "--table",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--max-connections",
+        "2",
+        "--hello-timeout-ms",
+        "300",
+    ])
+    .expect("donor");
+    // A connection that never says Hello is closed after the hello timeout.
+    let mut silent = TcpStream::connect(donor.addr).expect("connect");
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let started = std::time::Instant::now();
+    let mut sink = Vec::new();
+    silent
+        .read_to_end(&mut sink)
+        .expect("closed by the donor, not timed out here");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "closed after {:?}",
+        started.elapsed()
+    );
+    rt().block_on(async {
+        let a = client(&donor, digest).await;
+        let b = client(&donor, digest).await;
+        let e = DonorClient::connect(donor.addr, &ClientOptions::new("c", vec![(1, digest)]))
+            .await
+            .expect_err("busy");
+        assert!(
+            matches!(
+                e,
+                ClientError::Refused {
+                    code: ErrorCode::Busy,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        drop(b);
+        // The freed slot is reusable once the donor notices the close.
+        let mut ok = false;
+        for _ in 0..100 {
+            if DonorClient::connect(donor.addr, &ClientOptions::new("c", vec![(1, digest)]))
+                .await
+                .is_ok()
+            {
+                ok = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(ok, "a slot was freed");
+        let mut out = vec![0u8; ROW_BYTES];
+        a.lookup(
+            &[Request {
+                table: 1,
+                rows: &[3],
+            }],
+            &mut out,
+        )
+        .await
+        .expect("a still served");
+    });
+}
+
+#[test]
+fn serves_from_the_cluster_config_with_a_credential() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (p1, d1) = gen_table(dir.path(), "l1.etab", 1, 5000, 3).expect("gen");
+    let (p14, d14) = gen_table(dir.path(), "l14.etab", 14, 6000, 3).expect("gen");
+    std::fs::write(dir.path().join("secret"), "let-me-in\n").expect("secret");
+    let config = format!(
+        "version = 1\n[rack]\nname = \"t\"\ncredential_file = \"secret\"\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = 5000\ndigest = \"{d1}\"\n\
+         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = 6000\ndigest = \"{d14}\"\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\"]\ntables = [1, 14]\nram_gib = 1.0\n",
+        p1.display(),
+        p14.display()
+    );
+    let cfg = dir.path().join("rack.toml");
+    std::fs::write(&cfg, config).expect("config");
+    let donor = DonorProcess::start(&["--config", &cfg.display().to_string(), "--name", "d"])
+        .expect("donor");
+    rt().block_on(async {
+        let mut opts = ClientOptions::new("n", vec![(1, d1), (14, d14)]);
+        let e = DonorClient::connect(donor.addr, &opts)
+            .await
+            .expect_err("no credential");
+        assert!(
+            matches!(
+                e,
+                ClientError::Refused {
+                    code: ErrorCode::Unauthorized,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        opts.credential = Some(b"let-me-in".to_vec());
+        let c = DonorClient::connect(donor.addr, &opts)
+            .await
+            .expect("connects");
+        assert_eq!(c.donor(), "d");
+        // One message, two tables: 24 rows each.
+        let r1: Vec<u64> = (0..24).map(|i| i * 200).collect();
+        let r14: Vec<u64> = (0..24).map(|i| i * 250 + 1).collect();
+        let mut out = vec![0u8; 48 * ROW_BYTES];
+        c.lookup(
+            &[
+                Request {
+                    table: 1,
+                    rows: &r1,
+                },
+                Request {
+                    table: 14,
+                    rows: &r14,
+                },
+            ],
+            &mut out,
+        )
+        .await
+        .expect("48");
+        let (a, b) = out.split_at(24 * ROW_BYTES);
+        assert!(
+            r1.iter()
+                .zip(a.chunks_exact(ROW_BYTES))
+                .all(|(r, x)| is_synthetic_row(3, 1, *r, x))
+        );
+        assert!(
+            r14.iter()
+                .zip(b.chunks_exact(ROW_BYTES))
+                .all(|(r, x)| is_synthetic_row(3, 14, *r, x))
+        );
+    });
+}
+
+#[test]
+fn a_donor_refuses_a_table_whose_pinned_digest_differs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (p1, _) = gen_table(dir.path(), "l1.etab", 1, 100, 3).expect("gen");
+    let config = format!(
+        "version = 1\n[rack]\nname = \"t\"\n[[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = 100\ndigest = \"{}\"\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\"]\ntables = [1]\nram_gib = 1.0\n",
+        p1.display(),
+        TableDigest([9; 32])
+    );
+    let cfg = dir.path().join("rack.toml");
+    std::fs::write(&cfg, config).expect("config");
+    let out = std::process::Command::new(integration_tests::bin("memory-donor"))
+        .args([
+            "serve",
+            "--config",
+            &cfg.display().to_string(),
+            "--name",
+            "d",
+        ])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("config pins"), "{err}");
+}
