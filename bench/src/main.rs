@@ -1,1 +1,41 @@
-fn main() {}
+//! `engram-bench`: engram-rack measurements, each reported against a
+//! baseline measured in the same run (never as a pass/fail test).
+
+#![allow(clippy::print_stdout)]
+
+mod demo;
+mod floor;
+mod stats;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "engram-bench",
+    version,
+    about = "engram-rack measurements and the local demo"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The local demo: a small table, a donor process, thousands of verified random rows, latencies.
+    Demo(demo::DemoArgs),
+    /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
+    Floor(floor::FloorArgs),
+    /// (internal) The floor's server side.
+    #[command(hide = true)]
+    FloorServer,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Demo(a) => demo::run(&a),
+        Cmd::Floor(a) => floor::run(&a),
+        Cmd::FloorServer => floor::floor_server(),
+    }
+}

@@ -9,4 +9,4 @@
 pub mod client;
 pub mod rowlist;
 
-pub use client::{ClientError, ClientOptions, DonorClient, Request};
+pub use client::{ClientError, ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};

@@ -19,21 +19,22 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use engram_protocol::TableDigest;
 
-/// Path of a workspace binary built in the same profile as this test.
+/// Path of a workspace binary built in the same profile as the running
+/// executable: beside it (`target/<profile>/engram-bench`) or one level up
+/// (`target/<profile>/deps/<test>`).
 pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target directory");
-    let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build the binaries first (cargo build --workspace, same profile as the tests)",
-        path.display()
+    let exe = std::env::current_exe().expect("executable path");
+    let here = exe.parent().expect("executable directory");
+    for dir in [Some(here), here.parent()].into_iter().flatten() {
+        let path = dir.join(name);
+        if path.is_file() {
+            return path;
+        }
+    }
+    panic!(
+        "{name} is missing next to {}: build the binaries first (cargo build --workspace, same profile)",
+        exe.display()
     );
-    path
 }
 
 /// Generate a synthetic table with the real `memory-donor gen`.
@@ -74,7 +75,8 @@ pub fn gen_table(
     Ok((path, digest))
 }
 
-/// A running donor process; killed on drop.
+/// A running service process that announces `ready listen=ADDR[,ADDR]` on
+/// stderr; killed on drop.
 #[derive(Debug)]
 pub struct DonorProcess {
     child: Child,
@@ -88,14 +90,18 @@ pub struct DonorProcess {
 impl DonorProcess {
     /// Start `memory-donor serve ARGS` and wait (at most 60 s) for its `ready` line.
     pub fn start(args: &[&str]) -> Result<Self> {
-        let mut child = Command::new(bin("memory-donor"))
-            .arg("serve")
-            .args(args)
-            .env("RUST_LOG", "info")
+        let mut cmd = Command::new(bin("memory-donor"));
+        cmd.arg("serve").args(args).env("RUST_LOG", "info");
+        Self::spawn(cmd)
+    }
+
+    /// Start any command that prints a `ready listen=` line on stderr, and wait for it.
+    pub fn spawn(mut cmd: Command) -> Result<Self> {
+        let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .context("starting memory-donor serve")?;
+            .with_context(|| format!("starting {cmd:?}"))?;
         let stderr = child.stderr.take().context("no stderr")?;
         let log = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel();

@@ -190,9 +190,7 @@ impl<'a> Handler<'a> {
                 Some(i) if tables[i].digest_prefix != s.digest_prefix => {
                     Some(ErrorCode::VersionMismatch)
                 }
-                Some(i) if s.rows.iter().any(|r| r >= tables[i].rows) => {
-                    Some(ErrorCode::RowOutOfRange)
-                }
+                Some(i) if !prefetch_all(&tables[i], s.rows) => Some(ErrorCode::RowOutOfRange),
                 Some(_) => None,
             };
             if let Some(code) = status {
@@ -236,6 +234,20 @@ impl<'a> Handler<'a> {
         }
         self.shared.stats.lookup(served);
     }
+}
+
+/// Range-check every row and start loading the valid ones into cache, in
+/// one pass; false when a row is out of range.
+fn prefetch_all(
+    table: &crate::resident::ResidentTable,
+    rows: engram_protocol::messages::RowIds<'_>,
+) -> bool {
+    let mut ok = true;
+    for r in rows.iter() {
+        ok &= r < table.rows;
+        table.prefetch(r);
+    }
+    ok
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -1,0 +1,497 @@
+//! `engram-bench floor`: the donor against the network floor, in one run.
+//!
+//! The floor is a raw blocking-socket ping-pong that moves exactly the
+//! donor's request and answer sizes between two processes on loopback and
+//! does nothing else. The donor series sends real lookups of random rows of
+//! a table of at least 1 GiB through the project's client. Series alternate
+//! within each round so that drift in the machine's state hits both alike;
+//! the report gives medians over rounds and the donor/floor ratios.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use engram_protocol::messages::{LookupSection, RowsSection, begin_rows, encode_lookup};
+use engram_protocol::synthetic::{SplitMix64, is_synthetic_row};
+use engram_protocol::{ROW_BYTES, TableDigest};
+use inference_node::{ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};
+use integration_tests::{DonorProcess, bin, gen_table};
+use serde::Serialize;
+
+use crate::stats::{Latency, Summary, median_summary, print_table};
+
+/// Settings of one floor run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FloorArgs {
+    /// Rows per table (default: 1.03 GiB of rows).
+    #[arg(long, default_value_t = 4_200_000)]
+    rows_per_table: u64,
+    /// Timed lookups per series per round.
+    #[arg(long, default_value_t = 20_000)]
+    lookups: usize,
+    /// Untimed lookups before each series.
+    #[arg(long, default_value_t = 2_000)]
+    warmup: usize,
+    /// Rounds (each runs every series once); medians are over rounds.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Where to write the tables (default: a temporary directory).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Do not pin the client and the servers to separate CPUs.
+    #[arg(long)]
+    no_pin: bool,
+}
+
+const SEED: u64 = 2026;
+const TABLES: [(u32, &str); 2] = [(1, "layer1.etab"), (14, "layer14.etab")];
+
+/// Request and answer sizes of a lookup of `sections` x 24 rows, from the real encoders.
+fn sizes(sections: usize) -> Result<(usize, usize)> {
+    let rows: Vec<u64> = (0..24).collect();
+    let secs: Vec<LookupSection<'_>> = (0..sections)
+        .map(|i| LookupSection {
+            table_id: i as u32,
+            digest_prefix: 0,
+            rows: &rows,
+        })
+        .collect();
+    let mut req = Vec::new();
+    encode_lookup(&mut req, 1, &secs)?;
+    let heads: Vec<RowsSection> = (0..sections)
+        .map(|i| RowsSection {
+            table_id: i as u32,
+            status: None,
+            row_count: 24,
+        })
+        .collect();
+    let mut ans = Vec::new();
+    begin_rows(&mut ans, 1, &heads)?;
+    Ok((req.len(), ans.len() + sections * 24 * ROW_BYTES))
+}
+
+/// The floor server: read a request (its first 8 bytes give the request and
+/// answer sizes), write the answer; one thread per connection, blocking IO.
+pub fn floor_server() -> Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    eprintln!("ready listen={}", listener.local_addr()?);
+    let answer = vec![0x5Au8; 1 << 20];
+    for stream in listener.incoming() {
+        let mut s = stream?;
+        s.set_nodelay(true)?;
+        let answer = answer.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                let mut have = 0;
+                let mut want = usize::MAX;
+                while have < want {
+                    match s.read(&mut buf[have..]) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => have += n,
+                    }
+                    if want == usize::MAX && have >= 8 {
+                        want = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+                        if want < 8 || want > buf.len() {
+                            return;
+                        }
+                    }
+                }
+                let resp = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+                if s.write_all(&answer[..resp.min(answer.len())]).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+/// One blocking ping-pong connection to the floor server.
+struct FloorConn {
+    s: TcpStream,
+    req: Vec<u8>,
+    resp: Vec<u8>,
+    /// Poll with non-blocking reads for up to this long before blocking.
+    poll: Duration,
+}
+
+impl FloorConn {
+    fn new(addr: SocketAddr, req_len: usize, resp_len: usize, poll: Duration) -> Result<Self> {
+        let s = TcpStream::connect(addr)?;
+        s.set_nodelay(true)?;
+        let mut req = vec![0xA5u8; req_len];
+        req[..4].copy_from_slice(&(req_len as u32).to_le_bytes());
+        req[4..8].copy_from_slice(&(resp_len as u32).to_le_bytes());
+        Ok(Self {
+            s,
+            req,
+            resp: vec![0u8; resp_len],
+            poll,
+        })
+    }
+
+    fn one(&mut self) -> Result<Duration> {
+        use std::os::fd::AsRawFd;
+        let t = Instant::now();
+        self.s.write_all(&self.req)?;
+        let mut have = 0;
+        while have < self.resp.len() && t.elapsed() < self.poll {
+            let rest = &mut self.resp[have..];
+            // SAFETY: recv writes at most rest.len() bytes into rest.
+            let n = unsafe {
+                libc::recv(
+                    self.s.as_raw_fd(),
+                    rest.as_mut_ptr().cast(),
+                    rest.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match n {
+                0 => bail!("floor server closed the connection"),
+                n if n > 0 => have += n as usize,
+                _ => std::hint::spin_loop(),
+            }
+        }
+        self.s.read_exact(&mut self.resp[have..])?;
+        Ok(t.elapsed())
+    }
+}
+
+/// Random lookups through the client, every answer checked against the generator.
+struct DonorSeries {
+    ids: Vec<Vec<u64>>,
+    out: Vec<u8>,
+    rows_per_table: u64,
+    rng: SplitMix64,
+    n: u64,
+}
+
+impl DonorSeries {
+    fn new(sections: usize, rows_per_table: u64, seed: u64) -> Self {
+        Self {
+            ids: vec![vec![0; 24]; sections],
+            out: vec![0u8; sections * 24 * ROW_BYTES],
+            rows_per_table,
+            rng: SplitMix64::new(seed),
+            n: 0,
+        }
+    }
+
+    async fn one(&mut self, client: &DonorClient) -> Result<Duration> {
+        for v in &mut self.ids {
+            v.iter_mut()
+                .for_each(|r| *r = self.rng.below(self.rows_per_table));
+        }
+        let reqs: Vec<Request<'_>> = self
+            .ids
+            .iter()
+            .zip(TABLES)
+            .map(|(rows, (table, _))| Request { table, rows })
+            .collect();
+        let t = Instant::now();
+        client.lookup(&reqs, &mut self.out).await?;
+        let elapsed = t.elapsed();
+        // Check answers outside the timed window (every 16th lookup).
+        self.n += 1;
+        if self.n.is_multiple_of(16) {
+            for (s, rows) in self.ids.iter().enumerate() {
+                let layer = TABLES[s].0;
+                for (k, r) in rows.iter().enumerate() {
+                    let at = (s * 24 + k) * ROW_BYTES;
+                    if !is_synthetic_row(SEED, layer, *r, &self.out[at..at + ROW_BYTES]) {
+                        bail!("donor returned a wrong row: table {layer} row {r}");
+                    }
+                }
+            }
+        }
+        Ok(elapsed)
+    }
+}
+
+/// Pin the calling thread (and processes it starts afterwards) to one CPU.
+fn pin_to(cpu: usize) -> bool {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it and touches nothing else.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Ratio {
+    rows: usize,
+    what: &'static str,
+    p50: f64,
+    p99: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// The floor, its client polling for this long before blocking.
+    Floor(Duration),
+    /// The donor through `clients[i]`.
+    Donor(usize),
+}
+
+struct Series {
+    kind: Kind,
+    floor: Option<FloorConn>,
+    donor: DonorSeries,
+    result: SeriesResult,
+}
+
+impl Series {
+    fn run(
+        &mut self,
+        n: usize,
+        rt: &tokio::runtime::Runtime,
+        clients: &[DonorClient],
+        lat: &mut Latency,
+    ) -> Result<()> {
+        match (self.kind, self.floor.as_mut()) {
+            (Kind::Floor(_), Some(f)) => {
+                for _ in 0..n {
+                    lat.record(f.one()?);
+                }
+                Ok(())
+            }
+            (Kind::Donor(i), _) => {
+                let (d, c) = (&mut self.donor, &clients[i]);
+                rt.block_on(async {
+                    for _ in 0..n {
+                        lat.record(d.one(c).await?);
+                    }
+                    Ok(())
+                })
+            }
+            (Kind::Floor(_), None) => bail!("floor series without a connection"),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct SeriesResult {
+    series: String,
+    rows: usize,
+    request_bytes: usize,
+    answer_bytes: usize,
+    rounds: Vec<Summary>,
+    median: Summary,
+}
+
+/// Run the floor benchmark.
+pub fn run(args: &FloorArgs) -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let dir = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&dir)?;
+    let gib = (args.rows_per_table * ROW_BYTES as u64) as f64 / (1u64 << 30) as f64;
+    eprintln!(
+        "generating 2 tables of {} rows ({gib:.2} GiB each) in {}",
+        args.rows_per_table,
+        dir.display()
+    );
+    let mut digests: Vec<(u32, TableDigest)> = Vec::new();
+    let mut table_args = Vec::new();
+    for (id, name) in TABLES {
+        let (path, digest) = gen_table(&dir, name, id, args.rows_per_table, SEED)?;
+        digests.push((id, digest));
+        table_args.push(format!("{id}={}", path.display()));
+    }
+    let mut serve_args: Vec<&str> = vec!["--listen", "127.0.0.1:0", "--name", "bench-donor"];
+    for t in &table_args {
+        serve_args.extend(["--table", t.as_str()]);
+    }
+    // Servers on the last CPU, the client on the first: the same placement
+    // for the floor and the donor, run after run.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = !args.no_pin && cpus >= 2 && pin_to(cpus - 1);
+    eprintln!("starting the donor and the floor server");
+    let mut donor = DonorProcess::start(&serve_args)?;
+    let mut floor_cmd = Command::new(bin("engram-bench"));
+    floor_cmd.arg("floor-server");
+    let floor = DonorProcess::spawn(floor_cmd)?;
+    if pinned && !pin_to(0) {
+        bail!("cannot pin the client to CPU 0");
+    }
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let connect = |busy_poll: Duration| {
+        let mut opts = ClientOptions::new("engram-bench", digests.clone());
+        opts.busy_poll = busy_poll;
+        rt.block_on(DonorClient::connect(donor.addr, &opts))
+            .context("connecting to the donor")
+    };
+    // The project's client as it comes (polling, DEFAULT_BUSY_POLL), and
+    // with polling off; the floor's client blocking (the baseline) and
+    // polling alike, so that each way of waiting has its like to compare.
+    let clients = [connect(DEFAULT_BUSY_POLL)?, connect(Duration::ZERO)?];
+    let mut series: Vec<Series> = Vec::new();
+    for sections in [1usize, 2] {
+        let (req, ans) = sizes(sections)?;
+        let rows = sections * 24;
+        for (kind, name) in [
+            (Kind::Floor(Duration::ZERO), "floor, blocking client"),
+            (Kind::Floor(DEFAULT_BUSY_POLL), "floor, polling client"),
+            (Kind::Donor(0), "donor, project client"),
+            (Kind::Donor(1), "donor, client not polling"),
+        ] {
+            let floor_conn = match kind {
+                Kind::Floor(poll) => Some(FloorConn::new(floor.addr, req, ans, poll)?),
+                Kind::Donor(_) => None,
+            };
+            series.push(Series {
+                kind,
+                floor: floor_conn,
+                donor: DonorSeries::new(sections, args.rows_per_table, 7 + series.len() as u64),
+                result: SeriesResult {
+                    series: format!("{name}, {rows} rows"),
+                    rows,
+                    request_bytes: req,
+                    answer_bytes: ans,
+                    rounds: Vec::new(),
+                    median: Summary {
+                        p50_us: 0.0,
+                        p99_us: 0.0,
+                        p999_us: 0.0,
+                        max_us: 0.0,
+                    },
+                },
+            });
+        }
+    }
+    // Warm up every series, then alternate them in chunks so that any drift
+    // of the machine lands on all of them alike.
+    const CHUNK: usize = 250;
+    for s in &mut series {
+        let mut lat = Latency::default();
+        s.run(args.warmup, &rt, &clients, &mut lat)?;
+    }
+    for round in 0..args.rounds {
+        eprintln!("round {} of {}", round + 1, args.rounds);
+        let mut lat: Vec<Latency> = series.iter().map(|_| Latency::default()).collect();
+        let mut done = 0;
+        while done < args.lookups {
+            let n = CHUNK.min(args.lookups - done);
+            for (s, l) in series.iter_mut().zip(&mut lat) {
+                s.run(n, &rt, &clients, l)?;
+            }
+            done += n;
+        }
+        for (s, l) in series.iter_mut().zip(&lat) {
+            s.result.rounds.push(l.summary());
+        }
+    }
+    let results: Vec<SeriesResult> = series
+        .into_iter()
+        .map(|mut s| {
+            s.result.median = median_summary(&s.result.rounds);
+            s.result
+        })
+        .collect();
+    drop(clients);
+    donor.signal(libc::SIGTERM);
+    let clean = donor
+        .wait(Duration::from_secs(10))
+        .is_some_and(|s| s.success());
+    drop(floor);
+
+    // Per size: [floor blocking, floor polling, donor, donor not polling].
+    let mut ratios = Vec::new();
+    for (k, rows) in [(0usize, 24usize), (4, 48)] {
+        let m = |i: usize| results[k + i].median;
+        for (what, num, den) in [
+            ("project client / blocking floor (the target)", 2, 0),
+            ("both polling", 2, 1),
+            ("neither polling", 3, 0),
+        ] {
+            ratios.push(Ratio {
+                rows,
+                what,
+                p50: m(num).p50_us / m(den).p50_us,
+                p99: m(num).p99_us / m(den).p99_us,
+            });
+        }
+    }
+    if args.json {
+        let v = serde_json::json!({
+            "benchmark": "floor",
+            "rows_per_table": args.rows_per_table,
+            "table_gib": gib,
+            "lookups_per_series": args.lookups,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "in_flight": 1,
+            "pinned": pinned,
+            "busy_poll_us": DEFAULT_BUSY_POLL.as_micros() as u64,
+            "series": results,
+            "ratios": ratios,
+            "target": { "p50": 1.15, "p99": 1.3, "met": ratios.iter().filter(|r| r.what.contains("target")).all(|r| r.p50 <= 1.15 && r.p99 <= 1.3) },
+            "donor_exit_clean": clean,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "engram-bench floor: 2 tables x {} rows ({gib:.2} GiB each), {} timed lookups per series after {} warm-up, \
+         1 in flight, loopback TCP{}; medians of {} rounds",
+        args.rows_per_table,
+        args.lookups,
+        args.warmup,
+        if pinned {
+            ", client and servers pinned to separate CPUs"
+        } else {
+            ""
+        },
+        args.rounds
+    );
+    let rows: Vec<Vec<String>> = results
+        .iter()
+        .map(|r| {
+            vec![
+                r.series.clone(),
+                format!("{}/{}", r.request_bytes, r.answer_bytes),
+                format!("{:.1}", r.median.p50_us),
+                format!("{:.1}", r.median.p99_us),
+                format!("{:.1}", r.median.p999_us),
+            ]
+        })
+        .collect();
+    print_table(
+        &["series", "req/ans bytes", "p50 us", "p99 us", "p99.9 us"],
+        &rows,
+    );
+    println!(
+        "(polling clients poll for up to {} us before sleeping)",
+        DEFAULT_BUSY_POLL.as_micros()
+    );
+    for r in &ratios {
+        let verdict = if !r.what.contains("target") {
+            ""
+        } else if r.p50 <= 1.15 && r.p99 <= 1.3 {
+            "  met (p50 <= 1.15, p99 <= 1.30)"
+        } else {
+            "  MISSED (p50 <= 1.15, p99 <= 1.30)"
+        };
+        println!(
+            "{} rows, {}: p50 {:.3}x, p99 {:.3}x{verdict}",
+            r.rows, r.what, r.p50, r.p99
+        );
+    }
+    if !clean {
+        println!(
+            "warning: the donor did not exit cleanly on SIGTERM; its log:\n{}",
+            donor.log()
+        );
+    }
+    Ok(())
+}

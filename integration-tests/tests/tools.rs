@@ -1,0 +1,265 @@
+//! The command-line tools as a user runs them: gen, inspect, verify, fetch,
+//! engram-cluster check, and the table file as other software reads it.
+
+use std::process::{Command, Output};
+
+use engram_protocol::ROW_BYTES;
+use engram_protocol::synthetic::is_synthetic_row;
+use integration_tests::{DonorProcess, bin, gen_table};
+
+fn run(name: &str, args: &[&str]) -> Output {
+    Command::new(bin(name)).args(args).output().expect("runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn inspect_and_verify_report_the_table_and_catch_corruption() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 14, 1000, 5).expect("gen");
+    let p = path.display().to_string();
+    let out = run("memory-donor", &["inspect", &p, "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["layer"], 14);
+    assert_eq!(v["rows"], 1000);
+    assert_eq!(v["pages"], 67);
+    assert_eq!(v["digest"], digest.to_hex());
+    assert_eq!(v["data_start"].as_u64().map(|d| d % 4096), Some(0));
+    let out = run("memory-donor", &["inspect", &p]);
+    assert!(text(&out.stdout).contains(&digest.to_hex()));
+
+    let out = run("memory-donor", &["verify", &p]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("ok"));
+    // Flip one value byte of row 500 to another valid code.
+    let off = v["data_start"].as_u64().expect("offset")
+        + (500 / 15) * 4096
+        + (500 % 15) * ROW_BYTES as u64;
+    let mut bytes = std::fs::read(&path).expect("read");
+    bytes[off as usize] ^= 0x01;
+    std::fs::write(&path, &bytes).expect("write");
+    let out = run("memory-donor", &["verify", &p]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("rows hash to"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Not a table at all.
+    std::fs::write(&path, b"not a table").expect("write");
+    let out = run("memory-donor", &["inspect", &p]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not a valid .etab"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn fetch_prints_writes_and_verifies_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, 5000, 8).expect("gen");
+    let p = path.display().to_string();
+    let donor = DonorProcess::start(&["--table", &p, "--listen", "127.0.0.1:0"]).expect("donor");
+    let addr = donor.addr.to_string();
+    let raw = dir.path().join("rows.bin");
+    let out = run(
+        "inference-node",
+        &[
+            "fetch",
+            "--donor",
+            &addr,
+            "--table",
+            &p,
+            "--table-id",
+            "1",
+            "--rows",
+            "3,4990-4999",
+            "--verify",
+            "--out",
+        ],
+    );
+    assert!(!out.status.success(), "--out needs a value");
+    let out = run(
+        "inference-node",
+        &[
+            "fetch",
+            "--donor",
+            &addr,
+            "--table",
+            &p,
+            "--table-id",
+            "1",
+            "--rows",
+            "3,4990-4999",
+            "--verify",
+            "--out",
+            &raw.display().to_string(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("verified 11 rows"));
+    let data = std::fs::read(&raw).expect("rows");
+    let ids: Vec<u64> = std::iter::once(3).chain(4990..5000).collect();
+    assert_eq!(data.len(), ids.len() * ROW_BYTES);
+    for (id, row) in ids.iter().zip(data.chunks_exact(ROW_BYTES)) {
+        assert!(is_synthetic_row(8, 1, *id, row), "row {id}");
+    }
+    let hex = digest.to_hex();
+    let out = run(
+        "inference-node",
+        &[
+            "fetch",
+            "--donor",
+            &addr,
+            "--digest",
+            &hex,
+            "--table-id",
+            "1",
+            "--rows",
+            "7",
+            "--hex",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let line = text(&out.stdout);
+    assert!(
+        line.starts_with("7 ") && line.trim_end().len() == 2 + 2 * ROW_BYTES,
+        "{line}"
+    );
+    let out = run(
+        "inference-node",
+        &[
+            "fetch",
+            "--donor",
+            &addr,
+            "--digest",
+            &hex,
+            "--table-id",
+            "1",
+            "--rows",
+            "0-1",
+        ],
+    );
+    assert!(text(&out.stdout).lines().count() == 2 && text(&out.stdout).starts_with("row 0: ["));
+    // A wrong digest and an out-of-range row fail with clear messages.
+    let wrong = format!(
+        "{}{}",
+        &hex[..63],
+        if hex.ends_with('0') { '1' } else { '0' }
+    );
+    let out = run(
+        "inference-node",
+        &[
+            "fetch",
+            "--donor",
+            &addr,
+            "--digest",
+            &wrong,
+            "--table-id",
+            "1",
+            "--rows",
+            "1",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not the pinned"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(
+        "inference-node",
+        &[
+            "fetch",
+            "--donor",
+            &addr,
+            "--digest",
+            &hex,
+            "--table-id",
+            "1",
+            "--rows",
+            "5000",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("row_out_of_range"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn engram_cluster_checks_the_shipped_example_and_points_at_bad_lines() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../systemd/rack.toml");
+    let out = run("engram-cluster", &["check", example]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("ok: rack \"rack-a\""));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("rack.toml");
+    let body = std::fs::read_to_string(example).expect("example").replacen(
+        "tables = [1]",
+        "tables = [7]",
+        1,
+    );
+    std::fs::write(&bad, body).expect("write");
+    let out = run("engram-cluster", &["check", &bad.display().to_string()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("rack.toml:35:11:")
+            && err.contains("donor[0].tables[0]: table 7 is not defined"),
+        "{err}"
+    );
+}
+
+/// Python's `safetensors` opens a table file and sees the same rows. Skipped
+/// (with a note) where Python lacks `safetensors` and numpy, unless
+/// ENGRAM_REQUIRE_PYTHON=1 (CI sets it, after installing them).
+#[test]
+fn python_safetensors_opens_a_table() {
+    let probe = Command::new("python3")
+        .args(["-c", "import safetensors, numpy"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        assert!(
+            std::env::var("ENGRAM_REQUIRE_PYTHON").as_deref() != Ok("1"),
+            "ENGRAM_REQUIRE_PYTHON=1 but python3 cannot import safetensors and numpy"
+        );
+        eprintln!("skipped: python3 with safetensors and numpy is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, 40, 3).expect("gen");
+    let script = r#"
+import sys, hashlib
+from safetensors import safe_open
+with safe_open(sys.argv[1], framework="numpy") as f:
+    meta = f.metadata()
+    pages = f.get_tensor("pages")
+    rows = int(meta["rows"])
+    flat = b"".join(bytes(pages[r // 15][(r % 15) * 264:(r % 15) * 264 + 264]) for r in range(rows))
+    print(meta["digest_blake3"], pages.shape[0], pages.shape[1], pages.dtype, flat[:264].hex(), flat[-264:].hex())
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, &path.display().to_string()])
+        .output()
+        .expect("python");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    let f: Vec<&str> = s.split_whitespace().collect();
+    assert_eq!(f[0], digest.to_hex());
+    assert_eq!((f[1], f[2], f[3]), ("3", "4096", "uint8"));
+    let mut first = [0u8; ROW_BYTES];
+    engram_protocol::synthetic::synthetic_row(3, 1, 0, &mut first);
+    let mut last = [0u8; ROW_BYTES];
+    engram_protocol::synthetic::synthetic_row(3, 1, 39, &mut last);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    assert_eq!(f[4], hex(&first));
+    assert_eq!(f[5], hex(&last));
+}
