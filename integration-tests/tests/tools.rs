@@ -218,20 +218,66 @@ fn engram_cluster_checks_the_shipped_example_and_points_at_bad_lines() {
     );
 }
 
-/// Python's `safetensors` opens a table file and sees the same rows. Skipped
-/// (with a note) where Python lacks `safetensors` and numpy, unless
-/// ENGRAM_REQUIRE_PYTHON=1 (CI sets it, after installing them).
+/// True when python3 can import `modules`. Where it cannot, the test is
+/// skipped with a note, unless ENGRAM_REQUIRE_PYTHON=1 (CI sets it, after
+/// installing them), which makes a missing module a failure.
+fn python_has(modules: &str) -> bool {
+    let probe = Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .output();
+    if probe.is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    assert!(
+        std::env::var("ENGRAM_REQUIRE_PYTHON").as_deref() != Ok("1"),
+        "ENGRAM_REQUIRE_PYTHON=1 but python3 cannot import {modules}"
+    );
+    eprintln!("skipped: python3 cannot import {modules}");
+    false
+}
+
+/// A client written in Python from PROTOCOL.md alone fetches rows from the real donor.
+#[test]
+fn a_python_client_written_from_protocol_md_fetches_rows() {
+    if !python_has("xxhash") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, 3000, 4).expect("gen");
+    let donor = DonorProcess::start(&[
+        "--table",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .expect("donor");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/engram_client.py");
+    let out = Command::new("python3")
+        .args([
+            script,
+            &donor.addr.to_string(),
+            "1",
+            &digest.to_hex(),
+            "0,17,2999",
+        ])
+        .output()
+        .expect("python");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 3);
+    for (line, id) in lines.iter().zip([0u64, 17, 2999]) {
+        let mut want = [0u8; ROW_BYTES];
+        engram_protocol::synthetic::synthetic_row(4, 1, id, &mut want);
+        let hex: String = want.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(*line, format!("{id} {hex}"));
+    }
+}
+
+/// Python's `safetensors` opens a table file and sees the same rows.
 #[test]
 fn python_safetensors_opens_a_table() {
-    let probe = Command::new("python3")
-        .args(["-c", "import safetensors, numpy"])
-        .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        assert!(
-            std::env::var("ENGRAM_REQUIRE_PYTHON").as_deref() != Ok("1"),
-            "ENGRAM_REQUIRE_PYTHON=1 but python3 cannot import safetensors and numpy"
-        );
-        eprintln!("skipped: python3 with safetensors and numpy is not installed");
+    if !python_has("safetensors, numpy") {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
