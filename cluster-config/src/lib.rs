@@ -231,24 +231,37 @@ impl Config {
         self.nodes.iter().find(|n| n.name == name)
     }
 
-    /// The shared credential, read from its file (trailing newline removed).
+    /// The shared credential, read from its file (see [`read_credential`]).
     pub fn credential(&self) -> Result<Option<Vec<u8>>, ConfigError> {
-        let Some(p) = &self.credential_file else {
-            return Ok(None);
-        };
-        let mut bytes = std::fs::read(p).map_err(|source| ConfigError::Io {
-            path: p.clone(),
-            source,
-        })?;
-        while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-            bytes.pop();
-        }
-        if bytes.is_empty() || bytes.len() > engram_protocol::messages::MAX_CREDENTIAL {
-            return Err(ConfigError::Io {
-                path: p.clone(),
-                source: std::io::Error::other("a credential is 1 to 1024 bytes"),
-            });
-        }
-        Ok(Some(bytes))
+        self.credential_file
+            .as_deref()
+            .map(read_credential)
+            .transpose()
     }
+}
+
+/// Read a credential file: 1 to 1024 bytes once trailing newlines are
+/// removed; a larger file is refused before it is read whole.
+pub fn read_credential(path: &Path) -> Result<Vec<u8>, ConfigError> {
+    use std::io::Read;
+    let max = engram_protocol::messages::MAX_CREDENTIAL;
+    let io = |source| ConfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(max as u64 + 3)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+        bytes.pop();
+    }
+    if bytes.is_empty() || bytes.len() > max {
+        return Err(io(std::io::Error::other(format!(
+            "a credential is 1 to {max} bytes"
+        ))));
+    }
+    Ok(bytes)
 }

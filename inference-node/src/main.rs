@@ -113,8 +113,8 @@ async fn fetch(args: FetchArgs) -> Result<()> {
     let mut opts = ClientOptions::new(&args.node_name, vec![(args.table_id, digest)]);
     opts.connect_timeout = timeout;
     if let Some(f) = &args.credential_file {
-        let c = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-        opts.credential = Some(c.trim_ascii_end().to_vec());
+        let c = cluster_config::read_credential(f)?;
+        opts.credential = Some(c);
     }
     let client = DonorClient::connect(args.donor, &opts).await?;
     let mut data = vec![0u8; rows.len() * ROW_BYTES];

@@ -14,8 +14,8 @@ pub fn parse_rows(s: &str, max: usize) -> Result<Vec<u64>, String> {
         if hi < lo {
             return Err(format!("range {part:?} runs backwards"));
         }
-        let n = hi - lo + 1;
-        if out.len() as u64 + n > max as u64 {
+        // hi - lo + 1 overflows for 0-u64::MAX: compare without adding.
+        if hi - lo >= (max - out.len()) as u64 {
             return Err(format!("more than {max} rows requested"));
         }
         out.extend(lo..=hi);

@@ -574,3 +574,86 @@ fn a_donor_refuses_a_table_whose_pinned_digest_differs() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("config pins"), "{err}");
 }
+
+#[test]
+fn a_lookup_over_the_row_cap_gets_request_too_large_and_the_connection_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, 1000, 2).expect("gen");
+    let donor = DonorProcess::start(&[
+        "--table",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--max-rows",
+        "48",
+    ])
+    .expect("donor");
+    let big: Vec<u64> = (0..49).collect();
+    let mut frames = Vec::new();
+    encode_lookup(
+        &mut frames,
+        3,
+        &[LookupSection {
+            table_id: 1,
+            digest_prefix: digest.prefix(),
+            rows: &big,
+        }],
+    )
+    .expect("encode");
+    encode_lookup(
+        &mut frames,
+        4,
+        &[LookupSection {
+            table_id: 1,
+            digest_prefix: digest.prefix(),
+            rows: &big[..2],
+        }],
+    )
+    .expect("encode");
+    let answer = raw_exchange(donor.addr, &frames);
+    let limits = Limits::default();
+    let welcome = decode(&answer, &limits).expect("valid").expect("welcome");
+    match welcome.frame {
+        Frame::Welcome(w) => assert_eq!(w.max_rows, 48),
+        other => panic!("expected Welcome, got {other:?}"),
+    }
+    let first = decode(&answer[welcome.len..], &limits)
+        .expect("valid")
+        .expect("error");
+    assert_eq!(first.header.request_id, 3);
+    match first.frame {
+        Frame::Error(e) => {
+            assert_eq!(e.code, ErrorCode::RequestTooLarge);
+            assert_eq!(e.detail, 48);
+        }
+        other => panic!("expected Error, got {other:?}"),
+    }
+    let second = decode(&answer[welcome.len + first.len..], &limits)
+        .expect("valid")
+        .expect("rows");
+    assert_eq!(second.header.request_id, 4);
+    assert!(matches!(second.frame, Frame::Rows(r) if r.total_rows() == 2));
+}
+
+#[test]
+fn an_oversized_frame_gets_an_error_before_the_connection_closes() {
+    let (_dir, _path, _digest, donor) = one_table();
+    let mut header = Vec::new();
+    engram_protocol::FrameHeader::write(
+        &mut header,
+        engram_protocol::FrameKind::Lookup,
+        9,
+        u32::MAX,
+    );
+    let answer = raw_exchange(donor.addr, &header);
+    let limits = Limits::default();
+    let welcome = decode(&answer, &limits).expect("valid").expect("welcome");
+    match decode(&answer[welcome.len..], &limits)
+        .expect("valid")
+        .expect("error")
+        .frame
+    {
+        Frame::Error(e) => assert_eq!(e.code, ErrorCode::RequestTooLarge),
+        other => panic!("expected Error, got {other:?}"),
+    }
+}

@@ -307,8 +307,8 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         spec.server.hello_timeout = Duration::from_millis(ms.max(1));
     }
     if let Some(f) = &args.credential_file {
-        let c = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-        spec.server.credential = Some(c.trim_ascii_end().to_vec());
+        let c = cluster_config::read_credential(f)?;
+        spec.server.credential = Some(c);
     }
     let tables = load_tables(&spec)?;
     let rt = tokio::runtime::Builder::new_current_thread()

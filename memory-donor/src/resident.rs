@@ -121,9 +121,10 @@ impl ResidentTable {
         pinned: Option<TableDigest>,
         trust_digest: bool,
         mlock: MlockMode,
-        progress: Option<&mut Progress>,
+        progress: impl FnOnce(&TableFile) -> Option<Progress>,
     ) -> Result<(Self, LoadReport), LoadError> {
         let file = TableFile::open(path)?;
+        let mut progress = progress(&file);
         let shown = path.display().to_string();
         if let Some(pinned) = pinned
             && pinned != file.meta.digest
@@ -148,7 +149,7 @@ impl ResidentTable {
         // Huge pages cut TLB misses on random row reads; advisory, so failure is fine.
         let _ = mem.advise(memmap2::Advice::HugePage);
         let mut digest = (!trust_digest).then(DigestBuilder::new);
-        file.for_each_chunk(false, progress, |first_row, rows| {
+        file.for_each_chunk(false, progress.as_mut(), |first_row, rows| {
             let at = first_row as usize * ROW_BYTES;
             mem[at..at + rows.len()].copy_from_slice(rows);
             if let Some(d) = digest.as_mut() {
@@ -166,6 +167,9 @@ impl ResidentTable {
                 }
                 .into());
             }
+        }
+        if let Some(p) = progress {
+            p.finish();
         }
         let mem = mem.make_read_only().map_err(|source| LoadError::Memory {
             path: shown.clone(),
@@ -230,7 +234,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, digest) = table(dir.path());
         let (t, report) =
-            ResidentTable::load(7, &path, Some(digest), false, MlockMode::Try, None).expect("load");
+            ResidentTable::load(7, &path, Some(digest), false, MlockMode::Try, |_| None)
+                .expect("load");
         assert!(report.verified);
         assert_eq!((t.id, t.layer, t.rows, t.digest), (7, 1, 10_000, digest));
         for r in [0, 1, 14, 15, 9_999] {
@@ -243,7 +248,7 @@ mod tests {
         assert!(t.row(u64::MAX).is_none());
         let wrong = TableDigest([1; 32]);
         assert!(matches!(
-            ResidentTable::load(7, &path, Some(wrong), false, MlockMode::Off, None),
+            ResidentTable::load(7, &path, Some(wrong), false, MlockMode::Off, |_| None),
             Err(LoadError::Pinned { .. })
         ));
     }
@@ -260,11 +265,11 @@ mod tests {
             .open(&path)
             .expect("open");
         w.write_all_at(&[0x11], off).expect("write");
-        let err =
-            ResidentTable::load(1, &path, None, false, MlockMode::Off, None).expect_err("corrupt");
+        let err = ResidentTable::load(1, &path, None, false, MlockMode::Off, |_| None)
+            .expect_err("corrupt");
         assert!(err.to_string().contains("rows hash to"), "{err}");
         let (t, report) =
-            ResidentTable::load(1, &path, None, true, MlockMode::Off, None).expect("trusted");
+            ResidentTable::load(1, &path, None, true, MlockMode::Off, |_| None).expect("trusted");
         assert!(!report.verified);
         assert_eq!(t.row(5000).expect("row")[0], 0x11);
     }

@@ -141,21 +141,22 @@ pub fn load_tables(spec: &ServeSpec) -> Result<Vec<ResidentTable>, ServeError> {
     let mut tables: Vec<ResidentTable> = Vec::new();
     let mut unlocked = 0u64;
     for t in &spec.tables {
-        let what = format!("loading {}", t.path.display());
-        let total = crate::table_file::TableFile::open(&t.path)
-            .map_err(LoadError::from)?
-            .meta
-            .rows;
-        let mut progress = Progress::log(what, total, engram_protocol::ROW_BYTES as u64);
+        let progress = |f: &crate::table_file::TableFile| {
+            let what = format!("loading {}", t.path.display());
+            Some(Progress::log(
+                what,
+                f.meta.rows,
+                engram_protocol::ROW_BYTES as u64,
+            ))
+        };
         let (mut table, report) = ResidentTable::load(
             0,
             &t.path,
             t.pinned,
             spec.trust_digest,
             spec.mlock,
-            Some(&mut progress),
+            progress,
         )?;
-        progress.finish();
         table.id = t.id.unwrap_or(table.layer);
         if tables.iter().any(|x| x.id == table.id) {
             return Err(ServeError::DuplicateId(table.id));

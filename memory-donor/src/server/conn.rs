@@ -86,6 +86,24 @@ fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
     r
 }
 
+/// Write the last answers (an error frame, usually), then half-close and
+/// discard what the peer still sends for a moment: closing with unread data
+/// would reset the connection and lose the error before the peer reads it.
+fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
+    flush(conn, out)?;
+    stream.shutdown(std::net::Shutdown::Write)?;
+    stream.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let mut sink = [0u8; 4096];
+    let mut left: usize = 64 << 10;
+    while left > 0 {
+        match (&*stream).read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+    Ok(())
+}
+
 fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
     stream.set_read_timeout(if t.is_zero() { None } else { Some(t) })
 }
@@ -108,7 +126,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 Err(e) => {
                     tracing::debug!(conn = conn.id, peer = %conn.peer, error = %e, "bad frame header; closing");
                     handler.frame_error(0, &e, &mut out);
-                    return flush(&conn, &mut out);
+                    return close_gracefully(&conn, &stream, &mut out);
                 }
             };
             if rb.data().len() < header.frame_len() {
@@ -130,7 +148,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                     tracing::debug!(conn = conn.id, peer = %conn.peer, node = handler.peer_name(), "client ready");
                     set_timeout(&stream, cfg.idle_timeout)?;
                 }
-                Action::Close => return flush(&conn, &mut out),
+                Action::Close => return close_gracefully(&conn, &stream, &mut out),
             }
             if out.len() >= FLUSH_AT {
                 flush(&conn, &mut out)?;

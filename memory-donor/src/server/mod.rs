@@ -141,7 +141,14 @@ impl Shared {
     }
 }
 
-fn refuse_busy(stream: TcpStream, max: usize) {
+/// Most connections being refused at once; beyond it they are dropped.
+const MAX_REFUSING: usize = 64;
+
+/// Tell a connection over the bound that the donor is busy, without a
+/// thread: write the error, half-close, and drain briefly so the peer reads
+/// the error rather than a reset.
+async fn refuse_busy(mut stream: tokio::net::TcpStream, max: usize) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut out = Vec::new();
     let msg = format!("donor is at its bound of {max} connections");
     ErrorFrame {
@@ -151,8 +158,14 @@ fn refuse_busy(stream: TcpStream, max: usize) {
         message: &msg,
     }
     .encode(&mut out, 0);
-    let _ = stream.set_nonblocking(true);
-    let _ = std::io::Write::write_all(&mut &stream, &out);
+    let refuse = async {
+        stream.write_all(&out).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<(), std::io::Error>(())
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
 }
 
 fn spawn_connection(
@@ -201,12 +214,14 @@ pub async fn run(
 ) {
     let max = shared.config.max_connections.max(1);
     let permits = Arc::new(Semaphore::new(max));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
     for listener in listeners {
-        let (shared, permits, mut stop) = (
+        let (shared, permits, refusing, mut stop) = (
             Arc::clone(&shared),
             Arc::clone(&permits),
+            Arc::clone(&refusing),
             stop_tx.subscribe(),
         );
         accepters.push(tokio::spawn(async move {
@@ -224,16 +239,24 @@ pub async fn run(
                         continue;
                     }
                 };
-                let Ok(stream) = stream.into_std() else {
-                    continue;
-                };
-                let _ = stream.set_nonblocking(false);
                 match Arc::clone(&permits).try_acquire_owned() {
-                    Ok(permit) => spawn_connection(&shared, stream, peer, permit),
+                    Ok(permit) => {
+                        let Ok(stream) = stream.into_std() else {
+                            continue;
+                        };
+                        let _ = stream.set_nonblocking(false);
+                        spawn_connection(&shared, stream, peer, permit);
+                    }
                     Err(_) => {
                         shared.stats.refused.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(%peer, "connection refused: at the bound");
-                        refuse_busy(stream, max);
+                        // Bounded too: past MAX_REFUSING the connection is just dropped.
+                        if let Ok(p) = Arc::clone(&refusing).try_acquire_owned() {
+                            tokio::spawn(async move {
+                                refuse_busy(stream, max).await;
+                                drop(p);
+                            });
+                        }
                     }
                 }
             }
