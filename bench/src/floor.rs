@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::messages::{LookupSection, RowsSection, begin_rows, encode_lookup};
-use engram_protocol::synthetic::{SplitMix64, is_synthetic_row};
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::{ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};
 use integration_tests::{DonorProcess, bin, gen_table};
@@ -203,11 +203,9 @@ impl DonorSeries {
         if self.n.is_multiple_of(16) {
             for (s, rows) in self.ids.iter().enumerate() {
                 let layer = TABLES[s].0;
-                for (k, r) in rows.iter().enumerate() {
-                    let at = (s * 24 + k) * ROW_BYTES;
-                    if !is_synthetic_row(SEED, layer, *r, &self.out[at..at + ROW_BYTES]) {
-                        bail!("donor returned a wrong row: table {layer} row {r}");
-                    }
+                let bytes = &self.out[s * 24 * ROW_BYTES..(s + 1) * 24 * ROW_BYTES];
+                if let Some(r) = first_mismatch(SEED, layer, rows, bytes) {
+                    bail!("donor returned a wrong row: table {layer} row {r}");
                 }
             }
         }

@@ -11,6 +11,7 @@
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
+pub mod logging;
 mod raw;
 mod validate;
 

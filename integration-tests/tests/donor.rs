@@ -5,7 +5,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use engram_protocol::messages::{LookupSection, encode_lookup};
-use engram_protocol::synthetic::{SplitMix64, is_synthetic_row};
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{
     ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, decode,
 };
@@ -77,13 +77,12 @@ fn ten_thousand_random_rows_match_the_generator_byte_for_byte() {
             )
             .await
             .expect("lookup");
-            for (r, bytes) in rows.iter().zip(out.chunks_exact(ROW_BYTES)) {
-                assert!(
-                    is_synthetic_row(SEED, 1, *r, bytes),
-                    "row {r} differs from the generator"
-                );
-                checked += 1;
-            }
+            assert_eq!(
+                first_mismatch(SEED, 1, &rows, &out),
+                None,
+                "a row differs from the generator"
+            );
+            checked += rows.len();
         }
         assert!(checked >= 10_000, "{checked}");
     });
@@ -109,9 +108,7 @@ fn pipelined_lookups_on_one_connection_each_get_their_own_rows() {
                 )
                 .await
                 .expect("lookup");
-                rows.iter()
-                    .zip(out.chunks_exact(ROW_BYTES))
-                    .all(|(r, b)| is_synthetic_row(SEED, 1, *r, b))
+                first_mismatch(SEED, 1, &rows, &out).is_none()
             }));
         }
         for t in tasks {
@@ -171,11 +168,7 @@ fn a_garbage_connection_does_not_disturb_a_good_client() {
             )
             .await
             .expect("during garbage");
-            assert!(
-                rows.iter()
-                    .zip(out.chunks_exact(ROW_BYTES))
-                    .all(|(r, b)| is_synthetic_row(SEED, 1, *r, b))
-            );
+            assert!(first_mismatch(SEED, 1, &rows, &out).is_none());
         }
         garbage.await.expect("garbage thread");
         c.lookup(
@@ -370,11 +363,7 @@ fn sigterm_drains_with_goodbye_and_no_client_error() {
                         Err(ClientError::Draining) => break,
                         Err(e) => return Err(e),
                     }
-                    assert!(
-                        rows.iter()
-                            .zip(out.chunks_exact(ROW_BYTES))
-                            .all(|(r, b)| is_synthetic_row(SEED, 1, *r, b))
-                    );
+                    assert!(first_mismatch(SEED, 1, &rows, &out).is_none());
                 }
                 Ok(n)
             }));
@@ -535,16 +524,8 @@ fn serves_from_the_cluster_config_with_a_credential() {
         .await
         .expect("48");
         let (a, b) = out.split_at(24 * ROW_BYTES);
-        assert!(
-            r1.iter()
-                .zip(a.chunks_exact(ROW_BYTES))
-                .all(|(r, x)| is_synthetic_row(3, 1, *r, x))
-        );
-        assert!(
-            r14.iter()
-                .zip(b.chunks_exact(ROW_BYTES))
-                .all(|(r, x)| is_synthetic_row(3, 14, *r, x))
-        );
+        assert!(first_mismatch(3, 1, &r1, a).is_none());
+        assert!(first_mismatch(3, 14, &r14, b).is_none());
     });
 }
 

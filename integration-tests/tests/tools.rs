@@ -4,7 +4,7 @@
 use std::process::{Command, Output};
 
 use engram_protocol::ROW_BYTES;
-use engram_protocol::synthetic::is_synthetic_row;
+use engram_protocol::synthetic::first_mismatch;
 use integration_tests::{DonorProcess, bin, gen_table};
 
 fn run(name: &str, args: &[&str]) -> Output {
@@ -67,9 +67,8 @@ fn fetch_prints_writes_and_verifies_rows() {
     let donor = DonorProcess::start(&["--table", &p, "--listen", "127.0.0.1:0"]).expect("donor");
     let addr = donor.addr.to_string();
     let raw = dir.path().join("rows.bin");
-    let out = run(
-        "inference-node",
-        &[
+    let fetch = |extra: &[&str]| {
+        let mut args = vec![
             "fetch",
             "--donor",
             &addr,
@@ -79,36 +78,20 @@ fn fetch_prints_writes_and_verifies_rows() {
             "1",
             "--rows",
             "3,4990-4999",
-            "--verify",
-            "--out",
-        ],
-    );
+        ];
+        args.extend_from_slice(extra);
+        run("inference-node", &args)
+    };
+    let out = fetch(&["--verify", "--out"]);
     assert!(!out.status.success(), "--out needs a value");
-    let out = run(
-        "inference-node",
-        &[
-            "fetch",
-            "--donor",
-            &addr,
-            "--table",
-            &p,
-            "--table-id",
-            "1",
-            "--rows",
-            "3,4990-4999",
-            "--verify",
-            "--out",
-            &raw.display().to_string(),
-        ],
-    );
+    let raw_path = raw.display().to_string();
+    let out = fetch(&["--verify", "--out", &raw_path]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("verified 11 rows"));
     let data = std::fs::read(&raw).expect("rows");
     let ids: Vec<u64> = std::iter::once(3).chain(4990..5000).collect();
     assert_eq!(data.len(), ids.len() * ROW_BYTES);
-    for (id, row) in ids.iter().zip(data.chunks_exact(ROW_BYTES)) {
-        assert!(is_synthetic_row(8, 1, *id, row), "row {id}");
-    }
+    assert_eq!(first_mismatch(8, 1, &ids, &data), None);
     let hex = digest.to_hex();
     let out = run(
         "inference-node",

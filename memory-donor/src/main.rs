@@ -1,6 +1,5 @@
 //! `memory-donor`: serve Engram tables from RAM; generate, pack, verify and inspect table files.
 
-use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -114,16 +113,6 @@ struct ServeArgs {
     credential_file: Option<PathBuf>,
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-}
-
 fn threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -215,7 +204,7 @@ fn main() -> Result<()> {
         }
         Cmd::Inspect { file, json } => inspect(&file, json)?,
         Cmd::Serve(args) => {
-            init_tracing();
+            cluster_config::logging::init_logging("info");
             run_serve(args)?;
         }
     }

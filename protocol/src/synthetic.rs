@@ -70,6 +70,18 @@ pub fn is_synthetic_row(seed: u64, layer: u32, row: u64, bytes: &[u8]) -> bool {
     bytes == want
 }
 
+/// The first of `ids` whose row in `bytes` (rows back to back, in the
+/// order of `ids`) is not the synthetic row, if any.
+pub fn first_mismatch(seed: u64, layer: u32, ids: &[u64], bytes: &[u8]) -> Option<u64> {
+    if bytes.len() != ids.len() * ROW_BYTES {
+        return ids.first().copied().or(Some(0));
+    }
+    ids.iter()
+        .zip(bytes.chunks_exact(ROW_BYTES))
+        .find(|(r, b)| !is_synthetic_row(seed, layer, **r, b))
+        .map(|(r, _)| *r)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +102,14 @@ mod tests {
         assert_ne!(a, b);
         assert!(is_synthetic_row(7, 1, 42, &a));
         assert!(!is_synthetic_row(7, 1, 41, &a));
+        let both = [a, b].concat();
+        assert_eq!(first_mismatch(7, 1, &[42, 42], &both), Some(42));
+        assert_eq!(first_mismatch(7, 1, &[42], &a), None);
+        assert_eq!(
+            first_mismatch(7, 1, &[42, 43], &a),
+            Some(42),
+            "a length mismatch is a mismatch"
+        );
     }
 
     #[test]
