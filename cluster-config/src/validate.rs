@@ -32,7 +32,7 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn at(&mut self, span: Range<usize>, key: impl Into<String>, message: impl Into<String>) {
-        let upto = &self.text[..span.start.min(self.text.len())];
+        let upto = self.text.get(..span.start).unwrap_or(self.text);
         let line = upto.matches('\n').count() + 1;
         let column = upto.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
         self.diags.push(Diagnostic {

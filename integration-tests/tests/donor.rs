@@ -21,15 +21,24 @@ fn one_table() -> (
     TableDigest,
     DonorProcess,
 ) {
+    one_table_with(&[])
+}
+
+/// A 200,000-row table and a donor serving it, with extra `serve` flags.
+fn one_table_with(
+    extra: &[&str],
+) -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    TableDigest,
+    DonorProcess,
+) {
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let donor = DonorProcess::start(&[
-        "--table",
-        &path.display().to_string(),
-        "--listen",
-        "127.0.0.1:0",
-    ])
-    .expect("donor starts");
+    let table = path.display().to_string();
+    let mut args = vec!["--table", &table, "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let donor = DonorProcess::start(&args).expect("donor starts");
     (dir, path, digest, donor)
 }
 
@@ -336,8 +345,11 @@ fn out_of_range_rows_and_unknown_tables_get_typed_errors() {
 
 #[test]
 fn sigterm_drains_with_goodbye_and_no_client_error() {
-    let (_dir, _path, digest, mut donor) = one_table();
-    let served = rt().block_on(async {
+    // A long drain timeout: the donor exits early only because the client,
+    // having seen Goodbye, closes once its requests are answered.
+    let (_dir, _path, digest, mut donor) = one_table_with(&["--drain-timeout-ms", "30000"]);
+    let runtime = rt();
+    let (served, _client) = runtime.block_on(async {
         let c = std::sync::Arc::new(client(&donor, digest).await);
         // Four workers keep lookups in flight until the donor says Goodbye.
         let mut workers = Vec::new();
@@ -379,12 +391,13 @@ fn sigterm_drains_with_goodbye_and_no_client_error() {
                 .expect("no client error during the drain");
         }
         assert!(c.is_draining(), "the client saw Goodbye");
-        total
+        (total, c)
     });
     assert!(served > 0);
+    // The client is still alive here: it closed its side by itself.
     let status = donor
         .wait(Duration::from_secs(10))
-        .expect("donor exits after draining");
+        .expect("donor exits long before its drain timeout");
     assert!(
         status.success(),
         "exit status {status:?}; log:\n{}",
@@ -637,4 +650,121 @@ fn an_oversized_frame_gets_an_error_before_the_connection_closes() {
         Frame::Error(e) => assert_eq!(e.code, ErrorCode::RequestTooLarge),
         other => panic!("expected Error, got {other:?}"),
     }
+}
+
+#[test]
+fn a_trickling_client_is_closed_at_the_hello_deadline() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, _) = gen_table(dir.path(), "t.etab", 1, 100, 2).expect("gen");
+    let donor = DonorProcess::start(&[
+        "--table",
+        &path.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--hello-timeout-ms",
+        "300",
+    ])
+    .expect("donor");
+    let mut hello = Vec::new();
+    Hello {
+        version: PROTOCOL_VERSION,
+        node: "slow",
+        credential: b"",
+    }
+    .encode(&mut hello, 0)
+    .expect("hello");
+    let mut s = TcpStream::connect(donor.addr).expect("connect");
+    let started = std::time::Instant::now();
+    // One byte every 50 ms: each byte would restart a plain read timeout.
+    let mut closed = false;
+    for b in hello.iter().cycle().take(60) {
+        if s.write_all(&[*b]).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let elapsed = started.elapsed();
+    assert!(closed, "still open after {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(2),
+        "closed only after {elapsed:?}"
+    );
+}
+
+#[test]
+fn before_hello_only_a_hello_sized_frame_is_accepted() {
+    let (_dir, _path, _digest, donor) = one_table();
+    let mut s = TcpStream::connect(donor.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut header = Vec::new();
+    engram_protocol::FrameHeader::write(&mut header, engram_protocol::FrameKind::Lookup, 1, 10_000);
+    s.write_all(&header).expect("write");
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).expect("closed after the error");
+    match decode(&answer, &Limits::default())
+        .expect("valid")
+        .expect("error")
+        .frame
+    {
+        Frame::Error(e) => {
+            assert_eq!(e.code, ErrorCode::RequestTooLarge);
+            assert_eq!(
+                e.detail,
+                engram_protocol::messages::MAX_HELLO_PAYLOAD as u64
+            );
+        }
+        other => panic!("expected Error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_hung_donor_times_out_lookups_and_recovers_when_it_resumes() {
+    let (_dir, _path, digest, donor) = one_table();
+    rt().block_on(async {
+        let mut opts = ClientOptions::new("test-node", vec![(1, digest)]);
+        opts.lookup_timeout = Duration::from_millis(200);
+        let c = DonorClient::connect(donor.addr, &opts)
+            .await
+            .expect("connects");
+        let rows: Vec<u64> = (100..124).collect();
+        let mut out = vec![0u8; 24 * ROW_BYTES];
+        donor.signal(libc::SIGSTOP);
+        let t = std::time::Instant::now();
+        let e = c
+            .lookup(
+                &[Request {
+                    table: 1,
+                    rows: &rows,
+                }],
+                &mut out,
+            )
+            .await
+            .expect_err("hung");
+        assert!(matches!(e, ClientError::Timeout(_)), "{e:?}");
+        assert!(e.retry_elsewhere());
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        donor.signal(libc::SIGCONT);
+        // The late answer to the timed-out request is discarded; new ones work.
+        let rows2: Vec<u64> = (500..524).collect();
+        c.lookup(
+            &[Request {
+                table: 1,
+                rows: &rows2,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("resumed");
+        assert_eq!(first_mismatch(SEED, 1, &rows2, &out), None);
+    });
+}
+
+#[test]
+fn sigterm_right_after_ready_exits_cleanly() {
+    let (_dir, _path, _digest, mut donor) = one_table();
+    donor.signal(libc::SIGTERM);
+    let status = donor.wait(Duration::from_secs(10)).expect("exits");
+    assert!(status.success(), "{status:?}\n{}", donor.log());
 }

@@ -299,28 +299,60 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         let c = cluster_config::read_credential(f)?;
         spec.server.credential = Some(c);
     }
-    let tables = load_tables(&spec)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let shutdown = async {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
-                (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-            else {
-                tracing::error!("cannot install signal handlers; serving until killed");
-                return std::future::pending().await;
-            };
-            loop {
-                tokio::select! {
-                    _ = term.recv() => { tracing::info!("SIGTERM: draining"); return; }
-                    _ = int.recv() => { tracing::info!("SIGINT: draining"); return; }
-                    _ = hup.recv() => tracing::warn!("SIGHUP: reloading is not implemented in this version; ignoring"),
-                }
+        // Handlers first: a SIGTERM during a minutes-long load, or right after
+        // the ready line, must stop the donor cleanly, not kill it.
+        let mut signals = Signals::install()?;
+        let loading = tokio::task::spawn_blocking({
+            let spec = spec.clone();
+            move || load_tables(&spec)
+        });
+        let tables = tokio::select! {
+            loaded = loading => loaded??,
+            why = signals.stop() => {
+                tracing::info!("{why} while loading: exiting");
+                // The loading thread cannot be interrupted; nothing is served yet.
+                std::process::exit(0);
             }
         };
-        serve(&spec, tables, shutdown).await
+        serve(&spec, tables, async move {
+            let why = signals.stop().await;
+            tracing::info!("{why}: draining");
+        })
+        .await?;
+        Ok::<(), anyhow::Error>(())
     })?;
     Ok(())
+}
+
+/// The signals the donor acts on.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            hup: signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
+        })
+    }
+
+    /// Wait for SIGTERM or SIGINT; SIGHUP is logged and ignored.
+    async fn stop(&mut self) -> &'static str {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return "SIGTERM",
+                _ = self.int.recv() => return "SIGINT",
+                _ = self.hup.recv() => tracing::warn!("SIGHUP: reloading is not implemented in this version; ignoring"),
+            }
+        }
+    }
 }

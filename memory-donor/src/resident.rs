@@ -20,13 +20,9 @@ pub enum LoadError {
     /// Reading the file failed or it is not a valid table.
     #[error(transparent)]
     File(#[from] TableFileError),
-    /// The file's version is not the one the config pins.
-    #[error("{path}: table digest is {actual} but the config pins {pinned}")]
-    Pinned {
-        path: String,
-        pinned: TableDigest,
-        actual: TableDigest,
-    },
+    /// The file is not the table the config describes (version, layer or rows).
+    #[error("{path}: {what}")]
+    Pinned { path: String, what: String },
     /// Memory could not be had.
     #[error("{path}: cannot hold {bytes} bytes resident: {source}")]
     Memory {
@@ -43,6 +39,41 @@ pub enum LoadError {
         bytes: u64,
         source: std::io::Error,
     },
+}
+
+/// What the cluster config says a table is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    /// The version.
+    pub digest: TableDigest,
+    /// The model layer.
+    pub layer: u32,
+    /// The row count.
+    pub rows: u64,
+}
+
+impl Pin {
+    /// How a file's header differs from this, if it does.
+    pub fn mismatch(&self, meta: &engram_protocol::etab::TableMeta) -> Option<String> {
+        if meta.digest != self.digest {
+            Some(format!(
+                "table digest is {} but the config pins {}",
+                meta.digest, self.digest
+            ))
+        } else if meta.layer != self.layer {
+            Some(format!(
+                "table is layer {} but the config says layer {}",
+                meta.layer, self.layer
+            ))
+        } else if meta.rows != self.rows {
+            Some(format!(
+                "table has {} rows but the config says {}",
+                meta.rows, self.rows
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 /// How a table was loaded.
@@ -112,13 +143,13 @@ impl ResidentTable {
         self.rows * ROW_BYTES as u64
     }
 
-    /// Load `path` resident under `id`. `pinned` is the digest the config
-    /// expects (checked against the header first, then against the rows
-    /// unless `trust_digest`).
+    /// Load `path` resident under `id`. `pinned` is what the config says the
+    /// table is (checked against the header first; the digest then against
+    /// the rows unless `trust_digest`).
     pub fn load(
         id: u32,
         path: &Path,
-        pinned: Option<TableDigest>,
+        pinned: Option<Pin>,
         trust_digest: bool,
         mlock: MlockMode,
         progress: impl FnOnce(&TableFile) -> Option<Progress>,
@@ -126,14 +157,10 @@ impl ResidentTable {
         let file = TableFile::open(path)?;
         let mut progress = progress(&file);
         let shown = path.display().to_string();
-        if let Some(pinned) = pinned
-            && pinned != file.meta.digest
+        if let Some(pin) = pinned
+            && let Some(what) = pin.mismatch(&file.meta)
         {
-            return Err(LoadError::Pinned {
-                path: shown,
-                pinned,
-                actual: file.meta.digest,
-            });
+            return Err(LoadError::Pinned { path: shown, what });
         }
         let bytes = file.meta.rows * ROW_BYTES as u64;
         let len = usize::try_from(bytes).map_err(|_| LoadError::Memory {
@@ -233,9 +260,13 @@ mod tests {
     fn loads_every_row_and_checks_versions() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, digest) = table(dir.path());
-        let (t, report) =
-            ResidentTable::load(7, &path, Some(digest), false, MlockMode::Try, |_| None)
-                .expect("load");
+        let pin = Pin {
+            digest,
+            layer: 1,
+            rows: 10_000,
+        };
+        let (t, report) = ResidentTable::load(7, &path, Some(pin), false, MlockMode::Try, |_| None)
+            .expect("load");
         assert!(report.verified);
         assert_eq!((t.id, t.layer, t.rows, t.digest), (7, 1, 10_000, digest));
         for r in [0, 1, 14, 15, 9_999] {
@@ -246,11 +277,19 @@ mod tests {
         }
         assert!(t.row(10_000).is_none());
         assert!(t.row(u64::MAX).is_none());
-        let wrong = TableDigest([1; 32]);
-        assert!(matches!(
-            ResidentTable::load(7, &path, Some(wrong), false, MlockMode::Off, |_| None),
-            Err(LoadError::Pinned { .. })
-        ));
+        for wrong in [
+            Pin {
+                digest: TableDigest([1; 32]),
+                ..pin
+            },
+            Pin { layer: 14, ..pin },
+            Pin { rows: 9_999, ..pin },
+        ] {
+            assert!(matches!(
+                ResidentTable::load(7, &path, Some(wrong), false, MlockMode::Off, |_| None),
+                Err(LoadError::Pinned { .. })
+            ));
+        }
     }
 
     #[test]

@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use cluster_config::Config;
-use engram_protocol::{Limits, TableDigest};
+use engram_protocol::Limits;
 use thiserror::Error;
 
 use crate::progress::Progress;
-use crate::resident::{LoadError, MlockMode, ResidentTable};
+use crate::resident::{LoadError, MlockMode, Pin, ResidentTable};
 use crate::server::{self, ServerConfig, Shared};
 
 /// One table to serve.
@@ -21,8 +21,8 @@ pub struct TableSpec {
     pub id: Option<u32>,
     /// Its file.
     pub path: PathBuf,
-    /// The digest the config pins, if any.
-    pub pinned: Option<TableDigest>,
+    /// What the config says the table is, if it says.
+    pub pinned: Option<Pin>,
 }
 
 impl std::str::FromStr for TableSpec {
@@ -97,7 +97,7 @@ impl ServeSpec {
             ))
         })?;
         let mut server = ServerConfig::new(&d.name);
-        server.limits = Limits::for_caps(d.max_rows, engram_protocol::frame::DEFAULT_MAX_SECTIONS);
+        server.limits = Limits::for_rows(d.max_rows);
         server.max_connections = d.max_connections;
         server.hello_timeout = d.hello_timeout;
         server.idle_timeout = d.idle_timeout;
@@ -113,7 +113,11 @@ impl ServeSpec {
             .map(|t| TableSpec {
                 id: Some(t.id),
                 path: t.path.clone(),
-                pinned: Some(t.digest),
+                pinned: Some(Pin {
+                    digest: t.digest,
+                    layer: t.layer,
+                    rows: t.rows,
+                }),
             })
             .collect();
         Ok(Self {

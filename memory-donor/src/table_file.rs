@@ -301,16 +301,31 @@ impl TableWriter {
                 source: io::Error::other("writer already finished"),
             });
         };
-        let file = file.into_inner().map_err(|e| TableFileError::Io {
-            path: self.tmp_path.clone(),
-            op: "flush",
-            source: e.into_error(),
-        })?;
-        file.write_all_at(&header, 0)
-            .map_err(io_err(&self.tmp_path, "rewrite header"))?;
-        file.sync_all().map_err(io_err(&self.tmp_path, "sync"))?;
-        std::fs::rename(&self.tmp_path, &self.path)
-            .map_err(io_err(&self.path, "rename into place"))?;
+        let done = (|| {
+            let file = file.into_inner().map_err(|e| TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "flush",
+                source: e.into_error(),
+            })?;
+            file.write_all_at(&header, 0)
+                .map_err(io_err(&self.tmp_path, "rewrite header"))?;
+            file.sync_all().map_err(io_err(&self.tmp_path, "sync"))?;
+            std::fs::rename(&self.tmp_path, &self.path)
+                .map_err(io_err(&self.path, "rename into place"))?;
+            // The rename is durable only once the directory is synced.
+            let dir = self
+                .path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io_err(dir, "sync directory"))
+        })();
+        if done.is_err() {
+            let _ = std::fs::remove_file(&self.tmp_path);
+        }
+        done?;
         Ok(self.meta.clone())
     }
 }

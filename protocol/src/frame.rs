@@ -31,7 +31,7 @@ pub enum FrameKind {
     Rows = 4,
     /// Donor -> client: a request-level typed error.
     Error = 5,
-    /// Either way: liveness probe.
+    /// Client -> donor: liveness probe.
     Ping = 6,
     /// Answer to Ping, same request id.
     Pong = 7,
@@ -185,6 +185,39 @@ impl Limits {
             max_payload,
             max_sections,
             max_rows,
+        }
+    }
+}
+
+impl Limits {
+    /// `for_caps` with the default section cap.
+    pub const fn for_rows(max_rows: u32) -> Self {
+        Self::for_caps(max_rows, DEFAULT_MAX_SECTIONS)
+    }
+
+    /// The same caps, with `max_payload` lowered to the largest frame a
+    /// client sends: a Lookup at the caps (or a Hello, if larger). What a
+    /// donor accepts once the handshake is done.
+    pub const fn for_requests(&self) -> Self {
+        let lookup = 8 + 16 * self.max_sections as u64 + 8 * self.max_rows as u64;
+        let hello = crate::messages::MAX_HELLO_PAYLOAD as u64;
+        let max = if lookup > hello { lookup } else { hello };
+        let max = if max < self.max_payload as u64 {
+            max as u32
+        } else {
+            self.max_payload
+        };
+        Self {
+            max_payload: max,
+            ..*self
+        }
+    }
+
+    /// Only a Hello fits: what a donor accepts before the handshake.
+    pub const fn before_hello(&self) -> Self {
+        Self {
+            max_payload: crate::messages::MAX_HELLO_PAYLOAD as u32,
+            ..*self
         }
     }
 }

@@ -30,6 +30,8 @@ pub const LOOKUP_HEAD_LEN: usize = 8;
 /// Bytes before the sections in Rows (checksum, count, reserved).
 pub const ROWS_HEAD_LEN: usize = 16;
 const WELCOME_HEAD_LEN: usize = 16;
+/// Largest Hello payload.
+pub const MAX_HELLO_PAYLOAD: usize = 12 + MAX_NAME + MAX_CREDENTIAL;
 /// Largest payload of the frames whose size does not depend on row caps.
 pub(crate) const MAX_FIXED_PAYLOAD: usize =
     WELCOME_HEAD_LEN + MAX_NAME + TABLE_INFO_LEN * MAX_WELCOME_TABLES;

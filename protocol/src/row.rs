@@ -165,8 +165,13 @@ pub fn check_rows(rows: &[u8]) -> Result<(), (usize, RowError)> {
     Ok(())
 }
 
-/// Dequantize one row to f32.
-pub fn dequantize_row_f32(row: &RowBytes, out: &mut [f32; ROW_VALUES]) -> Result<(), RowError> {
+/// Dequantize one row, converting each f32 value with `conv`.
+#[inline]
+fn dequantize_row<T>(
+    row: &RowBytes,
+    out: &mut [T; ROW_VALUES],
+    conv: impl Fn(f32) -> T,
+) -> Result<(), RowError> {
     check_row(row)?;
     let (values, scales) = row.split_at(ROW_VALUES);
     for (block, (&scale, out)) in scales
@@ -177,28 +182,20 @@ pub fn dequantize_row_f32(row: &RowBytes, out: &mut [f32; ROW_VALUES]) -> Result
         let s = ue8m0_to_f32(scale).ok_or(RowError::NanScale { index: block })?;
         let codes = &values[block * SCALE_BLOCK..(block + 1) * SCALE_BLOCK];
         for (o, &c) in out.iter_mut().zip(codes) {
-            *o = f32::from_bits(E4M3_F32_BITS[c as usize]) * s;
+            *o = conv(f32::from_bits(E4M3_F32_BITS[c as usize]) * s);
         }
     }
     Ok(())
 }
 
+/// Dequantize one row to f32.
+pub fn dequantize_row_f32(row: &RowBytes, out: &mut [f32; ROW_VALUES]) -> Result<(), RowError> {
+    dequantize_row(row, out, |v| v)
+}
+
 /// Dequantize one row to bf16 bits (f32 value rounded to nearest even).
 pub fn dequantize_row_bf16(row: &RowBytes, out: &mut [u16; ROW_VALUES]) -> Result<(), RowError> {
-    check_row(row)?;
-    let (values, scales) = row.split_at(ROW_VALUES);
-    for (block, (&scale, out)) in scales
-        .iter()
-        .zip(out.chunks_exact_mut(SCALE_BLOCK))
-        .enumerate()
-    {
-        let s = ue8m0_to_f32(scale).ok_or(RowError::NanScale { index: block })?;
-        let codes = &values[block * SCALE_BLOCK..(block + 1) * SCALE_BLOCK];
-        for (o, &c) in out.iter_mut().zip(codes) {
-            *o = f32_to_bf16_bits(f32::from_bits(E4M3_F32_BITS[c as usize]) * s);
-        }
-    }
-    Ok(())
+    dequantize_row(row, out, f32_to_bf16_bits)
 }
 
 /// Dequantize a buffer of whole rows to bf16 bits, 256 values per row.

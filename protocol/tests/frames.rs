@@ -560,3 +560,43 @@ fn default_limits_fit_the_default_caps() {
     finish_rows(&mut r, start).expect("finishes");
     assert!(decode(&r, &l).expect("valid").is_some());
 }
+
+#[test]
+fn request_and_handshake_limits_shrink_the_payload_cap() {
+    let l = Limits::default();
+    let r = l.for_requests();
+    assert_eq!(
+        r.max_payload as usize,
+        8 + 16 * 64 + 8 * DEFAULT_MAX_ROWS as usize
+    );
+    assert_eq!((r.max_rows, r.max_sections), (l.max_rows, l.max_sections));
+    // A full Lookup still fits; a Rows answer of the same size does not.
+    let rows: Vec<u64> = (0..u64::from(DEFAULT_MAX_ROWS) / 64).collect();
+    let sections: Vec<LookupSection<'_>> = (0..64)
+        .map(|t| LookupSection {
+            table_id: t,
+            digest_prefix: 0,
+            rows: &rows,
+        })
+        .collect();
+    let mut buf = Vec::new();
+    encode_lookup(&mut buf, 1, &sections).expect("encodes");
+    assert!(decode(&buf, &r).expect("fits").is_some());
+    let h = l.before_hello();
+    let mut hello = Vec::new();
+    let name = "n".repeat(MAX_NAME);
+    let cred = vec![1u8; MAX_CREDENTIAL];
+    Hello {
+        version: 1,
+        node: &name,
+        credential: &cred,
+    }
+    .encode(&mut hello, 0)
+    .expect("encodes");
+    assert!(
+        decode(&hello, &h)
+            .expect("the largest Hello fits")
+            .is_some()
+    );
+    assert!(matches!(decode(&buf, &h), Err(FrameError::TooLarge { .. })));
+}

@@ -9,7 +9,7 @@
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use engram_protocol::{Frame, FrameHeader, HEADER_LEN};
 
@@ -48,6 +48,11 @@ impl ReadBuf {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
+            // Give back what one large request needed.
+            if self.buf.len() > 4 * INITIAL_BUF {
+                self.buf.truncate(INITIAL_BUF);
+                self.buf.shrink_to_fit();
+            }
         }
     }
 
@@ -89,13 +94,21 @@ fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
 /// Write the last answers (an error frame, usually), then half-close and
 /// discard what the peer still sends for a moment: closing with unread data
 /// would reset the connection and lose the error before the peer reads it.
+/// All of it within 200 ms and 64 KiB, however the peer trickles.
 fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
     flush(conn, out)?;
     stream.shutdown(std::net::Shutdown::Write)?;
-    stream.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let deadline = Instant::now() + Duration::from_millis(200);
     let mut sink = [0u8; 4096];
     let mut left: usize = 64 << 10;
     while left > 0 {
+        let Some(rest) = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+        else {
+            break;
+        };
+        stream.set_read_timeout(Some(rest))?;
         match (&*stream).read(&mut sink) {
             Ok(0) | Err(_) => break,
             Ok(n) => left = left.saturating_sub(n),
@@ -104,6 +117,7 @@ fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::R
     Ok(())
 }
 
+/// Read timeout: zero means none.
 fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
     stream.set_read_timeout(if t.is_zero() { None } else { Some(t) })
 }
@@ -113,19 +127,27 @@ fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
 pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) -> io::Result<()> {
     let cfg = &shared.config;
     stream.set_nodelay(true)?;
-    stream.set_write_timeout(Some(cfg.write_timeout))?;
-    set_timeout(&stream, cfg.hello_timeout)?;
+    stream.set_write_timeout(if cfg.write_timeout.is_zero() {
+        None
+    } else {
+        Some(cfg.write_timeout)
+    })?;
+    // Before the handshake only a Hello fits, and the Hello must arrive by an
+    // absolute deadline (a read timeout alone restarts with every byte).
+    let hello_deadline = (!cfg.hello_timeout.is_zero()).then(|| Instant::now() + cfg.hello_timeout);
+    let (before_hello, requests) = (cfg.limits.before_hello(), cfg.limits.for_requests());
+    let mut limits = before_hello;
     let mut rb = ReadBuf::new(INITIAL_BUF);
     let mut out = Vec::with_capacity(INITIAL_BUF);
     let mut handler = Handler::new(&shared);
     loop {
         loop {
-            let header = match FrameHeader::peek(rb.data(), &cfg.limits) {
+            let header = match FrameHeader::peek(rb.data(), &limits) {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
                     tracing::debug!(conn = conn.id, peer = %conn.peer, error = %e, "bad frame header; closing");
-                    handler.frame_error(0, &e, &mut out);
+                    handler.frame_error(None, &e, &mut out);
                     return close_gracefully(&conn, &stream, &mut out);
                 }
             };
@@ -134,11 +156,11 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 break;
             }
             let payload = &rb.data()[HEADER_LEN..header.frame_len()];
-            let action = match Frame::parse(header.kind, payload, &cfg.limits) {
+            let action = match Frame::parse(header.kind, payload, &limits) {
                 Ok(frame) => handler.handle(header, frame, &mut out),
                 Err(e) => {
                     tracing::debug!(conn = conn.id, peer = %conn.peer, error = %e, "bad frame");
-                    handler.frame_error(header.request_id, &e, &mut out)
+                    handler.frame_error(Some(header), &e, &mut out)
                 }
             };
             rb.consume(header.frame_len());
@@ -146,6 +168,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 Action::Continue => {}
                 Action::Ready => {
                     tracing::debug!(conn = conn.id, peer = %conn.peer, node = handler.peer_name(), "client ready");
+                    limits = requests;
                     set_timeout(&stream, cfg.idle_timeout)?;
                 }
                 Action::Close => return close_gracefully(&conn, &stream, &mut out),
@@ -155,6 +178,17 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
             }
         }
         flush(&conn, &mut out)?;
+        if !handler.is_ready()
+            && let Some(deadline) = hello_deadline
+        {
+            match deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+            {
+                Some(rest) => stream.set_read_timeout(Some(rest))?,
+                None => return Err(io::ErrorKind::TimedOut.into()),
+            }
+        }
         match rb.read_from(&mut stream) {
             Ok(0) => return Ok(()),
             Ok(_) => {}

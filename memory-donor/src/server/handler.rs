@@ -4,8 +4,8 @@
 
 use engram_protocol::messages::{begin_rows, encode_ping, finish_rows};
 use engram_protocol::{
-    ErrorCode, ErrorFrame, Frame, FrameError, FrameHeader, Hello, PROTOCOL_VERSION, RowsSection,
-    TableInfo, Welcome,
+    ErrorCode, ErrorFrame, Frame, FrameError, FrameHeader, FrameKind, Hello, PROTOCOL_VERSION,
+    RowsSection, TableInfo, Welcome,
 };
 
 use super::Shared;
@@ -43,6 +43,11 @@ impl<'a> Handler<'a> {
         }
     }
 
+    /// True once the client completed the handshake.
+    pub fn is_ready(&self) -> bool {
+        self.ready
+    }
+
     /// The client's name once it said Hello.
     pub fn peer_name(&self) -> &str {
         &self.peer_name
@@ -67,16 +72,25 @@ impl<'a> Handler<'a> {
         .encode(out, id);
     }
 
-    /// Answer a frame that failed to parse. Fatal errors close the connection.
-    pub fn frame_error(&mut self, request_id: u64, e: &FrameError, out: &mut Vec<u8>) -> Action {
+    /// Answer a frame that failed to parse (`header` is `None` when even the
+    /// header was bad). Only a Lookup over the caps keeps the connection:
+    /// its framing is intact and the client may split the request.
+    pub fn frame_error(
+        &mut self,
+        header: Option<FrameHeader>,
+        e: &FrameError,
+        out: &mut Vec<u8>,
+    ) -> Action {
         let detail = match e {
             FrameError::TooLarge { max, .. } => u64::from(*max),
             FrameError::TooManyRows { max, .. } => u64::from(*max),
             FrameError::TooManySections { max, .. } => u64::from(*max),
             _ => 0,
         };
-        self.error(out, request_id, e.code(), None, detail, &e.to_string());
-        if e.is_fatal() || !self.ready {
+        let id = header.map_or(0, |h| h.request_id);
+        self.error(out, id, e.code(), None, detail, &e.to_string());
+        let lookup = header.is_some_and(|h| h.kind == FrameKind::Lookup);
+        if e.is_fatal() || !self.ready || !lookup {
             Action::Close
         } else {
             Action::Continue

@@ -198,6 +198,8 @@ fn spawn_connection(
             if let Err(e) = conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2)) {
                 tracing::debug!(conn = id, %peer, error = %e, "connection ended with an error");
             }
+            // Close now, whoever else holds the socket (a drain in progress).
+            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
             shared2.conns().remove(&id);
         });
     if let Err(e) = spawned {
@@ -270,9 +272,40 @@ pub async fn run(
     drain(&shared, &permits, max).await;
 }
 
+/// Send Goodbye without ever blocking: take the connection's write lock
+/// only if free (retrying until `deadline`), and send without waiting for
+/// buffer space. A Goodbye that cannot go out whole closes the connection,
+/// which keeps the stream framed; the client sees a lost connection instead.
+fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
+    use std::os::fd::AsRawFd;
+    let guard = loop {
+        match c.write_lock.try_lock() {
+            Ok(g) => break Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => break None,
+        }
+    };
+    // SAFETY: send(2) reads `bye` and nothing else; the socket stays open while `c` lives.
+    let sent = guard.map(|_g| unsafe {
+        libc::send(
+            c.stream.as_raw_fd(),
+            bye.as_ptr().cast(),
+            bye.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    });
+    if sent != Some(bye.len() as isize) {
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 async fn drain(shared: &Arc<Shared>, permits: &Arc<Semaphore>, max: usize) {
     shared.draining.store(true, Ordering::Relaxed);
     let grace = shared.config.drain_timeout;
+    let deadline = std::time::Instant::now() + grace;
     let conns: Vec<Arc<Conn>> = shared.conns().values().cloned().collect();
     tracing::info!(
         connections = conns.len(),
@@ -284,13 +317,16 @@ async fn drain(shared: &Arc<Shared>, permits: &Arc<Semaphore>, max: usize) {
         grace_ms: u32::try_from(grace.as_millis()).unwrap_or(u32::MAX),
     }
     .encode(&mut bye);
-    for c in &conns {
-        let _guard = c.write_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = std::io::Write::write_all(&mut &c.stream, &bye);
-    }
+    // Off the runtime thread: a connection thread may hold its write lock.
+    let sending = tokio::task::spawn_blocking(move || {
+        for c in &conns {
+            send_goodbye(c, &bye, deadline);
+        }
+    });
+    let _ = tokio::time::timeout_at(deadline.into(), sending).await;
     // Every permit back means every connection thread has ended.
     let all = u32::try_from(max).unwrap_or(u32::MAX);
-    if tokio::time::timeout(grace, permits.acquire_many(all))
+    if tokio::time::timeout_at(deadline.into(), permits.acquire_many(all))
         .await
         .is_err()
     {

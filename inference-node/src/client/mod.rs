@@ -1,0 +1,414 @@
+//! The donor client: one TCP connection to one donor, with the handshake,
+//! pinned table versions, and pipelined lookups (many in flight, answered
+//! by request id), each bounded by a deadline.
+//!
+//! There is no reader task: a waiting request takes the read side and reads
+//! frames for everyone until its own answer arrives, handing the others
+//! theirs; so a lone request (the common case: one per table per token)
+//! pays no task switch. Each request parses and checks its own answer
+//! (checksum included) and copies the rows into the caller's buffer. A
+//! request dropped midway (a cancelled hedge, a deadline) leaves the
+//! connection usable: its half-written frame is finished by the next writer
+//! and its late answer is discarded.
+//!
+//! Layers: `wire` (socket <-> frames, shared read and write state) and this
+//! module (the API: handshake, lookups, pings).
+
+mod error;
+mod wire;
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use engram_protocol::messages::{LookupSection, encode_lookup, encode_ping};
+use engram_protocol::{Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, TableInfo};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+pub use error::ClientError;
+use wire::{Inner, Pending, PendingGuard, ReadState, Reply, WriteState, next_frame, parse};
+
+/// Default `busy_poll`: longer than a loopback or rack-local answer takes
+/// (30-60 us measured), far shorter than a table's window (250 us for
+/// table 1 at 100 tokens/s).
+pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(100);
+
+/// How to connect.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Name sent in Hello.
+    pub node_name: String,
+    /// Credential sent in Hello, if the rack uses one.
+    pub credential: Option<Vec<u8>>,
+    /// Tables and the digests they must have; a donor that differs is refused.
+    pub pinned: Vec<(u32, TableDigest)>,
+    /// Time allowed for connect plus handshake.
+    pub connect_timeout: Duration,
+    /// Deadline of a `lookup` or `ping` (use `lookup_until` for another).
+    pub lookup_timeout: Duration,
+    /// Largest lookup this client sends (rows); answers are bounded by it.
+    pub max_rows: u32,
+    /// Poll the socket without sleeping for up to this long while waiting
+    /// for an answer (zero: always sleep until readable). Waking a sleeping
+    /// thread is most of a loopback round trip, so polling cuts latency at
+    /// the cost of a busy core while a fetch waits; the polling task yields
+    /// between attempts, so other tasks on its runtime keep running.
+    pub busy_poll: Duration,
+}
+
+impl ClientOptions {
+    /// Options with defaults: 1 s to connect, 1 s per lookup, the default
+    /// row cap, no credential, `DEFAULT_BUSY_POLL`.
+    pub fn new(node_name: impl Into<String>, pinned: Vec<(u32, TableDigest)>) -> Self {
+        Self {
+            node_name: node_name.into(),
+            credential: None,
+            pinned,
+            connect_timeout: Duration::from_secs(1),
+            lookup_timeout: Duration::from_secs(1),
+            max_rows: engram_protocol::frame::DEFAULT_MAX_ROWS,
+            busy_poll: DEFAULT_BUSY_POLL,
+        }
+    }
+}
+
+/// One section of a lookup: rows of one pinned table.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// Table id.
+    pub table: u32,
+    /// Row ids, answered in this order.
+    pub rows: &'a [u64],
+}
+
+/// A connection to one donor. Requests may be issued concurrently from many
+/// tasks (`&self`); they are pipelined on the one connection. A Goodbye is
+/// noticed by the next request (or by the one reading when it arrives);
+/// after it the client sends nothing new and closes its side once its last
+/// request is answered.
+#[derive(Debug)]
+pub struct DonorClient {
+    inner: Inner,
+    donor: String,
+    addr: SocketAddr,
+    tables: Vec<TableInfo>,
+    pinned: Vec<(u32, u64)>,
+    lookup_timeout: Duration,
+}
+
+impl DonorClient {
+    /// Connect, say Hello, and check the Welcome against the pinned tables.
+    pub async fn connect(addr: SocketAddr, opts: &ClientOptions) -> Result<Self, ClientError> {
+        let t = opts.connect_timeout;
+        tokio::time::timeout(t, Self::connect_inner(addr, opts))
+            .await
+            .map_err(|_| ClientError::Timeout(t))?
+    }
+
+    async fn connect_inner(addr: SocketAddr, opts: &ClientOptions) -> Result<Self, ClientError> {
+        let connect_err = |e: std::io::Error| ClientError::Connect {
+            addr,
+            message: e.to_string(),
+        };
+        let stream = TcpStream::connect(addr).await.map_err(connect_err)?;
+        stream.set_nodelay(true).map_err(connect_err)?;
+        let fd = stream.as_raw_fd();
+        let (r, mut w) = stream.into_split();
+        let limits = Limits::for_rows(opts.max_rows);
+        let mut out = Vec::with_capacity(1024);
+        let cred = opts.credential.as_deref().unwrap_or_default();
+        Hello {
+            version: PROTOCOL_VERSION,
+            node: &opts.node_name,
+            credential: cred,
+        }
+        .encode(&mut out, 0)
+        .map_err(|e| ClientError::BadRequest(e.to_string()))?;
+        w.write_all(&out)
+            .await
+            .map_err(|e| ClientError::Disconnected(e.to_string()))?;
+        let mut rd = ReadState {
+            r,
+            buf: BytesMut::with_capacity(64 << 10),
+        };
+        let frame = next_frame(&mut rd, &limits, Duration::ZERO).await?;
+        let (donor, tables, max_rows) = match parse(&frame, &limits)?.1 {
+            Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
+                w.donor.to_string(),
+                w.tables().collect::<Vec<_>>(),
+                w.max_rows,
+            ),
+            Frame::Welcome(w) => {
+                return Err(ClientError::Protocol(format!(
+                    "donor speaks protocol version {}, this client {PROTOCOL_VERSION}",
+                    w.version
+                )));
+            }
+            Frame::Error(e) => {
+                return Err(ClientError::Refused {
+                    code: e.code,
+                    message: e.message.to_string(),
+                });
+            }
+            Frame::Goodbye(_) => return Err(ClientError::Draining),
+            _ => return Err(ClientError::Protocol("expected Welcome".into())),
+        };
+        let mut pinned = Vec::new();
+        for &(table, digest) in &opts.pinned {
+            let t = tables.iter().find(|t| t.table_id == table).ok_or_else(|| {
+                ClientError::TableMissing {
+                    donor: donor.clone(),
+                    table,
+                }
+            })?;
+            if t.digest != digest {
+                return Err(ClientError::DigestMismatch {
+                    donor: donor.clone(),
+                    table,
+                    pinned: digest,
+                    advertised: t.digest,
+                });
+            }
+            pinned.push((table, digest.prefix()));
+        }
+        let inner = Inner {
+            // The Hello went out whole: nothing is left to finish.
+            writer: tokio::sync::Mutex::new(WriteState {
+                w,
+                written: out.len(),
+                out,
+            }),
+            reader: tokio::sync::Mutex::new(rd),
+            pending: Mutex::new(Pending::default()),
+            next_id: AtomicU64::new(1),
+            draining: AtomicBool::new(false),
+            // Requests are bounded by the smaller of the two row caps.
+            limits: Limits::for_rows(max_rows.min(opts.max_rows).max(1)),
+            busy_poll: opts.busy_poll,
+            fd,
+        };
+        Ok(Self {
+            inner,
+            donor,
+            addr,
+            tables,
+            pinned,
+            lookup_timeout: opts.lookup_timeout,
+        })
+    }
+
+    /// The donor's name (from Welcome).
+    pub fn donor(&self) -> &str {
+        &self.donor
+    }
+
+    /// The address connected to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The tables the donor announced.
+    pub fn tables(&self) -> &[TableInfo] {
+        &self.tables
+    }
+
+    /// Most rows one lookup may carry on this connection.
+    pub fn max_rows(&self) -> u32 {
+        self.inner.limits.max_rows
+    }
+
+    /// True once the donor said Goodbye: send nothing new here.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Relaxed)
+    }
+
+    /// True once the connection failed or closed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.pending().closed.is_some()
+    }
+
+    /// Send one frame built by `encode` and wait for the frame answering it.
+    async fn request(
+        &self,
+        encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
+    ) -> Reply {
+        let inner = &self.inner;
+        if let Ok(mut rd) = inner.reader.try_lock() {
+            inner.poll_idle(&mut rd)?;
+        }
+        if self.is_draining() {
+            inner.close_if_drained();
+            return Err(ClientError::Draining);
+        }
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = oneshot::channel();
+        {
+            let mut p = inner.pending();
+            if let Some(e) = &p.closed {
+                return Err(e.clone());
+            }
+            p.waiting.insert(id, tx);
+        }
+        let _guard = PendingGuard { inner, id };
+        {
+            let mut ws = inner.writer.lock().await;
+            // A request cancelled mid-write left its tail: finish it first.
+            let mut sent = ws.finish().await;
+            if sent.is_ok() {
+                ws.out.clear();
+                ws.written = 0;
+                encode(&mut ws.out, id)?;
+                sent = ws.finish().await;
+            }
+            if let Err(e) = sent {
+                let err = ClientError::Disconnected(e.to_string());
+                inner.close(err.clone());
+                return Err(err);
+            }
+        }
+        // Either another request reads our answer for us, or we take the
+        // read side and read for everyone until our answer comes.
+        tokio::select! {
+            biased;
+            r = &mut rx => r.unwrap_or_else(|_| Err(ClientError::Disconnected("connection closed".into()))),
+            mut rd = inner.reader.lock() => match rx.try_recv() {
+                Ok(r) => r,
+                Err(_) => inner.lead(&mut rd, id).await,
+            },
+        }
+    }
+
+    /// A well-formed answer of the wrong kind breaks the connection.
+    fn violation(&self, what: &str) -> ClientError {
+        let e = ClientError::Protocol(format!("unexpected answer to {what}"));
+        self.inner.close(e.clone());
+        e
+    }
+
+    /// Fetch rows of one or more pinned tables in one message, within the
+    /// client's lookup timeout. `out` receives the rows back to back,
+    /// sections in order, 264 bytes each; its length must be exactly the
+    /// total row count times 264.
+    pub async fn lookup(
+        &self,
+        requests: &[Request<'_>],
+        out: &mut [u8],
+    ) -> Result<(), ClientError> {
+        self.lookup_until(requests, out, Instant::now() + self.lookup_timeout)
+            .await
+    }
+
+    /// `lookup` with an explicit deadline.
+    pub async fn lookup_until(
+        &self,
+        requests: &[Request<'_>],
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), ClientError> {
+        let budget = deadline.saturating_duration_since(Instant::now());
+        tokio::time::timeout_at(deadline, self.lookup_inner(requests, out))
+            .await
+            .map_err(|_| ClientError::Timeout(budget))?
+    }
+
+    async fn lookup_inner(
+        &self,
+        requests: &[Request<'_>],
+        out: &mut [u8],
+    ) -> Result<(), ClientError> {
+        let total: usize = requests.iter().map(|r| r.rows.len()).sum();
+        let limits = &self.inner.limits;
+        if out.len() != total * ROW_BYTES {
+            return Err(ClientError::BadRequest(format!(
+                "output buffer is {} bytes, {total} rows need {}",
+                out.len(),
+                total * ROW_BYTES
+            )));
+        }
+        if total > limits.max_rows as usize || requests.len() > limits.max_sections as usize {
+            return Err(ClientError::BadRequest(format!(
+                "{total} rows in {} sections exceed this connection's caps of {} rows and {} sections",
+                requests.len(),
+                limits.max_rows,
+                limits.max_sections
+            )));
+        }
+        let mut sections = Vec::with_capacity(requests.len());
+        for r in requests {
+            let prefix = self
+                .pinned
+                .iter()
+                .find(|p| p.0 == r.table)
+                .ok_or(ClientError::NotPinned(r.table))?
+                .1;
+            sections.push(LookupSection {
+                table_id: r.table,
+                digest_prefix: prefix,
+                rows: r.rows,
+            });
+        }
+        let frame = self
+            .request(|buf, id| {
+                encode_lookup(buf, id, &sections)
+                    .map_err(|e| ClientError::BadRequest(e.to_string()))
+            })
+            .await?;
+        let rows = match parse(&frame, limits)?.1 {
+            Frame::Rows(rows) => rows,
+            Frame::Error(e) => {
+                return Err(ClientError::Donor {
+                    code: e.code,
+                    message: e.message.to_string(),
+                });
+            }
+            _ => return Err(self.violation("Lookup")),
+        };
+        if rows.section_count() as usize != requests.len() {
+            return Err(self.violation("Lookup (section count)"));
+        }
+        let mut at = 0;
+        for ((s, data), req) in rows.sections().zip(requests) {
+            if s.table_id != req.table {
+                return Err(self.violation("Lookup (section order)"));
+            }
+            if let Some(code) = s.status {
+                return Err(ClientError::Section {
+                    table: s.table_id,
+                    code,
+                });
+            }
+            if data.len() != req.rows.len() * ROW_BYTES {
+                return Err(self.violation("Lookup (row count)"));
+            }
+            out[at..at + data.len()].copy_from_slice(data);
+            at += data.len();
+        }
+        Ok(())
+    }
+
+    /// Round-trip a Ping within the lookup timeout; returns the time it took.
+    pub async fn ping(&self) -> Result<Duration, ClientError> {
+        let start = Instant::now();
+        let ping = self.request(|buf, id| {
+            encode_ping(buf, id, false);
+            Ok(())
+        });
+        let frame = tokio::time::timeout(self.lookup_timeout, ping)
+            .await
+            .map_err(|_| ClientError::Timeout(self.lookup_timeout))??;
+        match parse(&frame, &self.inner.limits)?.1 {
+            Frame::Pong => Ok(start.elapsed()),
+            Frame::Error(e) => Err(ClientError::Donor {
+                code: e.code,
+                message: e.message.to_string(),
+            }),
+            _ => Err(self.violation("Ping")),
+        }
+    }
+}

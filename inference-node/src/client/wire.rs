@@ -1,0 +1,285 @@
+//! The client's connection layer: socket <-> frames for one donor.
+//!
+//! Writes are cancel-safe: a frame's unsent tail stays in `WriteState` and
+//! the next writer finishes it before its own, so a request dropped halfway
+//! through a write (a lost hedge, a deadline) never leaves the stream
+//! unframed. Reads are done by whichever waiting request holds the read side
+//! (`lead`); `tokio`'s `read_buf` is cancel-safe and bytes read stay in the
+//! shared buffer.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use engram_protocol::{Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, decode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::oneshot;
+
+use super::ClientError;
+
+pub(super) type Reply = Result<Bytes, ClientError>;
+
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    pub waiting: HashMap<u64, oneshot::Sender<Reply>>,
+    pub closed: Option<ClientError>,
+}
+
+/// The read side: whichever request holds it reads frames for everyone.
+#[derive(Debug)]
+pub(super) struct ReadState {
+    pub r: OwnedReadHalf,
+    pub buf: BytesMut,
+}
+
+/// The write side: the frame being written and how much of it went out.
+#[derive(Debug)]
+pub(super) struct WriteState {
+    pub w: OwnedWriteHalf,
+    pub out: Vec<u8>,
+    pub written: usize,
+}
+
+impl WriteState {
+    /// Write what is left of `out`; progress survives cancellation.
+    pub async fn finish(&mut self) -> std::io::Result<()> {
+        while self.written < self.out.len() {
+            let n = self.w.write(&self.out[self.written..]).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            self.written += n;
+        }
+        Ok(())
+    }
+}
+
+/// Parse a whole frame; a checksum failure is `Corrupt`, anything else `Protocol`.
+pub(super) fn parse<'a>(
+    frame: &'a [u8],
+    limits: &Limits,
+) -> Result<(FrameHeader, Frame<'a>), ClientError> {
+    match decode(frame, limits) {
+        Ok(Some(d)) => Ok((d.header, d.frame)),
+        Ok(None) => Err(ClientError::Protocol("incomplete frame".into())),
+        Err(e @ FrameError::Checksum { .. }) => Err(ClientError::Corrupt(e.to_string())),
+        Err(e) => Err(ClientError::Protocol(e.to_string())),
+    }
+}
+
+/// Split the next whole frame off the buffer, if one is there.
+fn split_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Bytes>, ClientError> {
+    match FrameHeader::peek(buf, limits) {
+        Err(e) => Err(ClientError::Protocol(e.to_string())),
+        Ok(Some(h)) if buf.len() >= h.frame_len() => Ok(Some(buf.split_to(h.frame_len()).freeze())),
+        Ok(Some(h)) => {
+            buf.reserve(h.frame_len() - buf.len());
+            Ok(None)
+        }
+        Ok(None) => {
+            buf.reserve(HEADER_LEN);
+            Ok(None)
+        }
+    }
+}
+
+/// One non-blocking `recv` straight from the socket. (tokio's `try_read`
+/// answers from its cached readiness, which only its reactor updates, so it
+/// cannot see data arrive while we spin.)
+fn recv_now(fd: RawFd, buf: &mut BytesMut) -> std::io::Result<usize> {
+    let spare = buf.spare_capacity_mut();
+    // SAFETY: recv writes at most `spare.len()` bytes into the spare capacity
+    // it is given, and returns how many; only those are marked initialized.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            spare.as_mut_ptr().cast(),
+            spare.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the first `n` spare bytes were just written by recv.
+    unsafe { buf.set_len(buf.len() + n as usize) };
+    Ok(n as usize)
+}
+
+fn read_result(n: std::io::Result<usize>) -> Result<(), ClientError> {
+    match n {
+        Ok(0) => Err(ClientError::Disconnected(
+            "donor closed the connection".into(),
+        )),
+        Ok(_) => Ok(()),
+        Err(e) => Err(ClientError::Disconnected(e.to_string())),
+    }
+}
+
+/// Read the next whole frame. With `busy_poll`, first poll the socket
+/// without sleeping for up to that long: waking a sleeping thread is most of
+/// a round trip. The poller yields between attempts so other tasks on the
+/// runtime (the other table's fetch, hedge timers) keep running.
+pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: Duration) -> Reply {
+    let mut poll_until = (!busy_poll.is_zero()).then(|| Instant::now() + busy_poll);
+    loop {
+        if let Some(frame) = split_frame(&mut rd.buf, limits)? {
+            return Ok(frame);
+        }
+        let n = match poll_until {
+            Some(until) => match recv_now(rd.r.as_ref().as_raw_fd(), &mut rd.buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= until {
+                        poll_until = None;
+                    }
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                r => r,
+            },
+            None => rd.r.read_buf(&mut rd.buf).await,
+        };
+        read_result(n)?;
+    }
+}
+
+/// The connection's shared state.
+#[derive(Debug)]
+pub(super) struct Inner {
+    pub writer: tokio::sync::Mutex<WriteState>,
+    pub reader: tokio::sync::Mutex<ReadState>,
+    pub pending: Mutex<Pending>,
+    pub next_id: AtomicU64,
+    pub draining: AtomicBool,
+    pub limits: Limits,
+    pub busy_poll: Duration,
+    /// The socket, for a synchronous half-close (owned by the halves above).
+    pub fd: RawFd,
+}
+
+impl Inner {
+    pub fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fail every waiting request and refuse new ones.
+    pub fn close(&self, why: ClientError) {
+        let mut p = self.pending();
+        if p.closed.is_none() {
+            p.closed = Some(why.clone());
+        }
+        for (_, tx) in p.waiting.drain() {
+            let _ = tx.send(Err(why.clone()));
+        }
+    }
+
+    /// After a Goodbye, once nothing is in flight: close our side so the
+    /// donor's drain does not wait for us.
+    pub fn close_if_drained(&self) {
+        if !self.draining.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut p = self.pending();
+        if p.waiting.is_empty() && p.closed.is_none() {
+            p.closed = Some(ClientError::Draining);
+            // SAFETY: shutdown(2) on our own socket; the fd stays open (owned by the halves).
+            unsafe { libc::shutdown(self.fd, libc::SHUT_WR) };
+        }
+    }
+
+    /// Handle a frame read by the current reader: return it if it answers
+    /// `own`, hand it to the request it answers, or act on it.
+    fn dispatch(&self, frame: Bytes, own: u64) -> Result<Option<Bytes>, ClientError> {
+        let Ok(Some(h)) = FrameHeader::peek(&frame, &self.limits) else {
+            return Err(ClientError::Protocol("unreadable frame header".into()));
+        };
+        match h.kind {
+            FrameKind::Rows | FrameKind::Error | FrameKind::Pong if h.request_id != 0 => {
+                if h.request_id == own {
+                    return Ok(Some(frame));
+                }
+                // No waiter: the request was cancelled (a lost hedge); drop the answer.
+                if let Some(tx) = self.pending().waiting.remove(&h.request_id) {
+                    let _ = tx.send(Ok(frame));
+                }
+                Ok(None)
+            }
+            FrameKind::Goodbye => {
+                self.draining.store(true, Ordering::Relaxed);
+                tracing::debug!("donor said Goodbye");
+                Ok(None)
+            }
+            FrameKind::Error => {
+                // An unsolicited error (request id 0) ends the connection.
+                let msg = match parse(&frame, &self.limits) {
+                    Ok((_, Frame::Error(e))) => format!("{}: {}", e.code, e.message),
+                    _ => "unreadable error frame".into(),
+                };
+                Err(ClientError::Disconnected(format!(
+                    "donor closed the connection: {msg}"
+                )))
+            }
+            k => Err(ClientError::Protocol(format!(
+                "unexpected {k:?} frame from the donor"
+            ))),
+        }
+    }
+
+    /// Read frames for everyone until the one answering `own` arrives.
+    pub async fn lead(&self, rd: &mut ReadState, own: u64) -> Reply {
+        loop {
+            let step = match next_frame(rd, &self.limits, self.busy_poll).await {
+                Ok(frame) => self.dispatch(frame, own),
+                Err(e) => Err(e),
+            };
+            match step {
+                Ok(Some(frame)) => return Ok(frame),
+                Ok(None) => {}
+                Err(e) => {
+                    self.close(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// While nobody reads, take in what the donor sent meanwhile (a Goodbye,
+    /// the end of the connection). Costs no system call unless the reactor
+    /// saw the socket become readable.
+    pub fn poll_idle(&self, rd: &mut ReadState) -> Result<(), ClientError> {
+        let step = (|| -> Result<(), ClientError> {
+            loop {
+                match rd.r.try_read_buf(&mut rd.buf) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    n => read_result(n)?,
+                }
+            }
+            while let Some(frame) = split_frame(&mut rd.buf, &self.limits)? {
+                self.dispatch(frame, 0)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = &step {
+            self.close(e.clone());
+        }
+        step
+    }
+}
+
+/// Removes a request's entry if its future is dropped before the answer
+/// came, and closes a drained connection once its last request is done.
+pub(super) struct PendingGuard<'a> {
+    pub inner: &'a Inner,
+    pub id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.inner.pending().waiting.remove(&self.id);
+        self.inner.close_if_drained();
+    }
+}

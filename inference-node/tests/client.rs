@@ -1,0 +1,267 @@
+//! The client against a scripted donor on 127.0.0.1:0, for what a real
+//! donor will not do on demand: stall reads, answer late, say Goodbye.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use engram_protocol::messages::{RowsSection, begin_rows, finish_rows};
+use engram_protocol::{Frame, Goodbye, Limits, ROW_BYTES, TableDigest, TableInfo, Welcome, decode};
+use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+
+const DIGEST: TableDigest = TableDigest([3; 32]);
+
+/// Read frames from a blocking socket until `n` whole frames arrived; returns them raw.
+fn read_frames(s: &mut TcpStream, buf: &mut Vec<u8>, n: usize) -> Vec<Vec<u8>> {
+    let limits = Limits::for_rows(20_000);
+    let mut out = Vec::new();
+    let mut chunk = vec![0u8; 1 << 16];
+    while out.len() < n {
+        match decode(buf, &limits) {
+            Ok(Some(d)) => {
+                out.push(buf[..d.len].to_vec());
+                buf.drain(..d.len);
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => panic!("the client sent an unframed stream: {e}"),
+        }
+        let k = s.read(&mut chunk).expect("read");
+        assert!(k > 0, "client closed early");
+        buf.extend_from_slice(&chunk[..k]);
+    }
+    out
+}
+
+/// Accept one client, read its Hello, answer Welcome for table 1.
+fn handshake(listener: &TcpListener) -> (TcpStream, Vec<u8>) {
+    let (mut s, _) = listener.accept().expect("accept");
+    s.set_nodelay(true).expect("nodelay");
+    let mut buf = Vec::new();
+    read_frames(&mut s, &mut buf, 1);
+    let mut w = Vec::new();
+    let tables = [TableInfo {
+        table_id: 1,
+        layer: 1,
+        rows: 1 << 20,
+        digest: DIGEST,
+    }];
+    Welcome {
+        version: 1,
+        donor: "scripted",
+        max_rows: 20_000,
+        max_payload: u32::MAX,
+        tables: &tables,
+    }
+    .encode(&mut w, 0)
+    .expect("welcome");
+    s.write_all(&w).expect("write welcome");
+    (s, buf)
+}
+
+fn answer(s: &mut TcpStream, frame: &[u8]) {
+    let d = decode(frame, &Limits::for_rows(20_000))
+        .expect("valid")
+        .expect("whole");
+    let Frame::Lookup(l) = d.frame else {
+        panic!("expected a Lookup, got {:?}", d.frame)
+    };
+    let n = l.total_rows() as u32;
+    let mut out = Vec::new();
+    let start = begin_rows(
+        &mut out,
+        d.header.request_id,
+        &[RowsSection {
+            table_id: 1,
+            status: None,
+            row_count: n,
+        }],
+    )
+    .expect("rows");
+    out.resize(out.len() + n as usize * ROW_BYTES, 0x38);
+    finish_rows(&mut out, start).expect("finish");
+    s.write_all(&out).expect("write rows");
+}
+
+fn set_rcvbuf(listener: &TcpListener, bytes: libc::c_int) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt reads one c_int from a valid pointer.
+    let r = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&raw const bytes).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0, "setsockopt");
+}
+
+fn opts() -> ClientOptions {
+    let mut o = ClientOptions::new("t", vec![(1, DIGEST)]);
+    o.max_rows = 20_000;
+    o
+}
+
+const TIMED_OUT: usize = 40;
+
+#[tokio::test(flavor = "current_thread")]
+async fn lookups_cancelled_mid_write_leave_the_stream_framed() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    // The scripted donor stops reading until told, so big requests block mid-write.
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    // A small receive buffer makes the client's writes block sooner.
+    set_rcvbuf(&listener, 4096);
+    let donor = std::thread::spawn(move || {
+        let (mut s, mut buf) = handshake(&listener);
+        go_rx.recv().expect("go");
+        // Every frame must parse; the good lookup (3 rows) comes last.
+        let mut seen = 0;
+        loop {
+            let f = read_frames(&mut s, &mut buf, 1);
+            seen += 1;
+            let d = decode(&f[0], &Limits::for_rows(20_000))
+                .expect("valid")
+                .expect("whole");
+            if matches!(d.frame, Frame::Lookup(l) if l.total_rows() == 3) {
+                answer(&mut s, &f[0]);
+                return seen;
+            }
+        }
+    });
+    let client = DonorClient::connect(addr, &opts()).await.expect("connect");
+    // 40 x 160 KB is more than the socket buffers take: some write blocks.
+    let rows: Vec<u64> = (0..20_000).collect();
+    let mut out = vec![0u8; rows.len() * ROW_BYTES];
+    for _ in 0..TIMED_OUT {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(50);
+        let e = client
+            .lookup_until(
+                &[Request {
+                    table: 1,
+                    rows: &rows,
+                }],
+                &mut out,
+                deadline,
+            )
+            .await;
+        assert!(matches!(e, Err(ClientError::Timeout(_))), "{e:?}");
+    }
+    go_tx.send(()).expect("go");
+    let small = [1u64, 2, 3];
+    let mut out = vec![0u8; 3 * ROW_BYTES];
+    client
+        .lookup(
+            &[Request {
+                table: 1,
+                rows: &small,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("the connection still works");
+    assert!(out.iter().all(|b| *b == 0x38));
+    let frames = donor.join().expect("donor");
+    // Fewer frames than requests: a timed-out request never got to write its own
+    // frame (it was still finishing an earlier one's tail), so a write was
+    // really cancelled midway, and the stream stayed framed all the same.
+    assert!(
+        frames <= TIMED_OUT,
+        "{frames} frames: no write was cut short, the test proves nothing"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_goodbye_while_idle_is_seen_before_the_next_request_and_closes_the_client() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (bye_tx, bye_rx) = std::sync::mpsc::channel::<()>();
+    let donor = std::thread::spawn(move || {
+        let (mut s, mut buf) = handshake(&listener);
+        let f = read_frames(&mut s, &mut buf, 1);
+        answer(&mut s, &f[0]);
+        let mut bye = Vec::new();
+        Goodbye { grace_ms: 5000 }.encode(&mut bye);
+        s.write_all(&bye).expect("goodbye");
+        bye_tx.send(()).expect("said goodbye");
+        // The client must send nothing more and close its side.
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).expect("the client closes");
+        rest.len()
+    });
+    let client = DonorClient::connect(addr, &opts()).await.expect("connect");
+    let mut out = vec![0u8; ROW_BYTES];
+    client
+        .lookup(
+            &[Request {
+                table: 1,
+                rows: &[9],
+            }],
+            &mut out,
+        )
+        .await
+        .expect("first");
+    // Once the Goodbye is on our side of the socket, let the runtime idle
+    // (its reactor notices the socket became readable), then ask again.
+    tokio::task::spawn_blocking(move || bye_rx.recv())
+        .await
+        .expect("join")
+        .expect("goodbye sent");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let e = client
+        .lookup(
+            &[Request {
+                table: 1,
+                rows: &[9],
+            }],
+            &mut out,
+        )
+        .await;
+    assert!(
+        matches!(e, Err(ClientError::Draining)),
+        "a request after Goodbye: {e:?}"
+    );
+    assert!(client.is_draining());
+    assert_eq!(
+        donor.join().expect("donor"),
+        0,
+        "nothing was sent after the Goodbye"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_wrong_kind_of_answer_closes_the_connection() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let donor = std::thread::spawn(move || {
+        let (mut s, mut buf) = handshake(&listener);
+        let f = read_frames(&mut s, &mut buf, 1);
+        let id = decode(&f[0], &Limits::default())
+            .expect("valid")
+            .expect("whole")
+            .header
+            .request_id;
+        let mut pong = Vec::new();
+        engram_protocol::messages::encode_ping(&mut pong, id, true);
+        s.write_all(&pong).expect("pong");
+    });
+    let client = DonorClient::connect(addr, &opts()).await.expect("connect");
+    let mut out = vec![0u8; ROW_BYTES];
+    let e = client
+        .lookup(
+            &[Request {
+                table: 1,
+                rows: &[9],
+            }],
+            &mut out,
+        )
+        .await
+        .expect_err("pong for a lookup");
+    assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
+    assert!(client.is_closed());
+    donor.join().expect("donor");
+}
