@@ -36,7 +36,7 @@ pub struct FloorArgs {
     #[arg(long, default_value_t = 2_000)]
     warmup: usize,
     /// Rounds (each runs every series once); medians are over rounds.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Where to write the tables (default: a temporary directory).
     #[arg(long)]

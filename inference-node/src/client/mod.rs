@@ -192,6 +192,8 @@ impl DonorClient {
             limits: Limits::for_rows(max_rows.min(opts.max_rows).max(1)),
             busy_poll: opts.busy_poll,
             fd,
+            opened: std::time::Instant::now(),
+            last_read_ns: AtomicU64::new(0),
         };
         Ok(Self {
             inner,
@@ -239,7 +241,9 @@ impl DonorClient {
         encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
     ) -> Reply {
         let inner = &self.inner;
-        if let Ok(mut rd) = inner.reader.try_lock() {
+        if inner.idle()
+            && let Ok(mut rd) = inner.reader.try_lock()
+        {
             inner.poll_idle(&mut rd)?;
         }
         if self.is_draining() {

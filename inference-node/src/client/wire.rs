@@ -120,12 +120,16 @@ fn read_result(n: std::io::Result<usize>) -> Result<(), ClientError> {
     }
 }
 
+/// How long a polling reader keeps the runtime thread before yielding.
+const YIELD_EVERY: Duration = Duration::from_micros(4);
+
 /// Read the next whole frame. With `busy_poll`, first poll the socket
 /// without sleeping for up to that long: waking a sleeping thread is most of
 /// a round trip. The poller yields between attempts so other tasks on the
 /// runtime (the other table's fetch, hedge timers) keep running.
 pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: Duration) -> Reply {
     let mut poll_until = (!busy_poll.is_zero()).then(|| Instant::now() + busy_poll);
+    let mut next_yield = Instant::now() + YIELD_EVERY;
     loop {
         if let Some(frame) = split_frame(&mut rd.buf, limits)? {
             return Ok(frame);
@@ -133,10 +137,16 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
         let n = match poll_until {
             Some(until) => match recv_now(rd.r.as_ref().as_raw_fd(), &mut rd.buf) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= until {
+                    let now = Instant::now();
+                    if now >= until {
                         poll_until = None;
                     }
-                    tokio::task::yield_now().await;
+                    if now >= next_yield {
+                        tokio::task::yield_now().await;
+                        next_yield = Instant::now() + YIELD_EVERY;
+                    } else {
+                        std::hint::spin_loop();
+                    }
                     continue;
                 }
                 r => r,
@@ -159,6 +169,9 @@ pub(super) struct Inner {
     pub busy_poll: Duration,
     /// The socket, for a synchronous half-close (owned by the halves above).
     pub fd: RawFd,
+    /// When the connection opened, and the last frame read, in ns after it.
+    pub opened: Instant,
+    pub last_read_ns: AtomicU64,
 }
 
 impl Inner {
@@ -237,7 +250,10 @@ impl Inner {
                 Err(e) => Err(e),
             };
             match step {
-                Ok(Some(frame)) => return Ok(frame),
+                Ok(Some(frame)) => {
+                    self.last_read_ns.store(self.opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    return Ok(frame);
+                }
                 Ok(None) => {}
                 Err(e) => {
                     self.close(e.clone());
@@ -247,9 +263,16 @@ impl Inner {
         }
     }
 
-    /// While nobody reads, take in what the donor sent meanwhile (a Goodbye,
-    /// the end of the connection). Costs no system call unless the reactor
-    /// saw the socket become readable.
+    /// True when nothing was read for a while: what the donor sent since (a
+    /// Goodbye, the end of the connection) is waiting unread. Back-to-back
+    /// requests skip the check; their readers see such frames anyway.
+    pub fn idle(&self) -> bool {
+        let last = Duration::from_nanos(self.last_read_ns.load(Ordering::Relaxed));
+        self.opened.elapsed().saturating_sub(last) >= Duration::from_millis(1)
+    }
+
+    /// While nobody reads, take in what the donor sent meanwhile. Costs no
+    /// system call unless the reactor saw the socket become readable.
     pub fn poll_idle(&self, rd: &mut ReadState) -> Result<(), ClientError> {
         let step = (|| -> Result<(), ClientError> {
             loop {
