@@ -251,7 +251,8 @@ impl Inner {
             };
             match step {
                 Ok(Some(frame)) => {
-                    self.last_read_ns.store(self.opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    self.last_read_ns
+                        .store(self.opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     return Ok(frame);
                 }
                 Ok(None) => {}
