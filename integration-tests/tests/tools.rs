@@ -93,41 +93,29 @@ fn fetch_prints_writes_and_verifies_rows() {
     assert_eq!(data.len(), ids.len() * ROW_BYTES);
     assert_eq!(first_mismatch(8, 1, &ids, &data), None);
     let hex = digest.to_hex();
-    let out = run(
-        "inference-node",
-        &[
+    let by_digest = |digest: &str, rows: &str, extra: &[&str]| {
+        let mut args = vec![
             "fetch",
             "--donor",
             &addr,
             "--digest",
-            &hex,
+            digest,
             "--table-id",
             "1",
             "--rows",
-            "7",
-            "--hex",
-        ],
-    );
+            rows,
+        ];
+        args.extend_from_slice(extra);
+        run("inference-node", &args)
+    };
+    let out = by_digest(&hex, "7", &["--hex"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let line = text(&out.stdout);
     assert!(
         line.starts_with("7 ") && line.trim_end().len() == 2 + 2 * ROW_BYTES,
         "{line}"
     );
-    let out = run(
-        "inference-node",
-        &[
-            "fetch",
-            "--donor",
-            &addr,
-            "--digest",
-            &hex,
-            "--table-id",
-            "1",
-            "--rows",
-            "0-1",
-        ],
-    );
+    let out = by_digest(&hex, "0-1", &[]);
     assert!(text(&out.stdout).lines().count() == 2 && text(&out.stdout).starts_with("row 0: ["));
     // A wrong digest and an out-of-range row fail with clear messages.
     let wrong = format!(
@@ -135,40 +123,14 @@ fn fetch_prints_writes_and_verifies_rows() {
         &hex[..63],
         if hex.ends_with('0') { '1' } else { '0' }
     );
-    let out = run(
-        "inference-node",
-        &[
-            "fetch",
-            "--donor",
-            &addr,
-            "--digest",
-            &wrong,
-            "--table-id",
-            "1",
-            "--rows",
-            "1",
-        ],
-    );
+    let out = by_digest(&wrong, "1", &[]);
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("not the pinned"),
         "{}",
         text(&out.stderr)
     );
-    let out = run(
-        "inference-node",
-        &[
-            "fetch",
-            "--donor",
-            &addr,
-            "--digest",
-            &hex,
-            "--table-id",
-            "1",
-            "--rows",
-            "5000",
-        ],
-    );
+    let out = by_digest(&hex, "5000", &[]);
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("row_out_of_range"),
