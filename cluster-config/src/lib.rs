@@ -122,7 +122,51 @@ impl fmt::Display for SourceRef {
     }
 }
 
-/// A node's sources for one table, in order of preference.
+/// When a lookup also goes to the next source.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Hedge {
+    /// Never hedge: the next source is asked only after a failure or at the deadline.
+    Off,
+    /// After a fixed delay.
+    Fixed(Duration),
+    /// After this percentile (0 < p < 100) of the source's recent latencies.
+    Percentile(f64),
+}
+
+impl fmt::Display for Hedge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Off => f.write_str("off"),
+            Self::Fixed(d) => write!(f, "{}us", d.as_micros()),
+            Self::Percentile(p) => write!(f, "p{p}"),
+        }
+    }
+}
+
+/// What a lookup returns when every source failed by the hard timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// A typed error (the default).
+    #[default]
+    Fail,
+    /// Zero rows: Engram suppressed for the token, counted and logged.
+    Zeros,
+}
+
+/// How a node reads its SSD copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SsdIo {
+    /// io_uring where the kernel allows it, else the pread pool.
+    #[default]
+    Auto,
+    /// io_uring or refuse to start.
+    Uring,
+    /// A pool of threads issuing pread.
+    Pread,
+}
+
+/// A node's sources for one table, in order of preference, and the knobs
+/// that bound a lookup.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Route {
     /// Table id.
@@ -131,6 +175,16 @@ pub struct Route {
     pub sources: Vec<SourceRef>,
     /// The node's local copy (for `ssd` and `local`), resolved.
     pub ssd_path: PathBuf,
+    /// Skip recomputing the local copy's digest at startup.
+    pub trust_digest: bool,
+    /// Added to the table's window to make a lookup's deadline.
+    pub grace: Duration,
+    /// A lookup never takes longer; then the policy decides.
+    pub hard_timeout: Duration,
+    /// When the next source is asked too.
+    pub hedge: Hedge,
+    /// What happens when every source failed.
+    pub policy: Policy,
 }
 
 /// An inference node.
@@ -142,8 +196,53 @@ pub struct Node {
     pub routes: Vec<Route>,
     /// Time allowed to connect and handshake with a donor.
     pub connect_timeout: Duration,
-    /// Hard limit on one lookup.
+    /// Default hard timeout of a route's lookups.
     pub lookup_timeout: Duration,
+    /// The token rate the model runs at; it sets each table's window.
+    pub tokens_per_second: f64,
+    /// How often an excluded donor is probed for re-admission.
+    pub probe_interval: Duration,
+    /// Consecutive failures that open a donor's circuit breaker.
+    pub breaker_failures: u32,
+    /// Where the node serves Prometheus `/metrics`, if anywhere.
+    pub metrics: Option<SocketAddr>,
+    /// How SSD copies are read.
+    pub ssd_io: SsdIo,
+    /// Open SSD copies with O_DIRECT (bypass the page cache).
+    pub ssd_direct: bool,
+}
+
+/// Blocks in a V4.1 token; a table's window is measured in them.
+pub const MODEL_BLOCKS: u32 = 40;
+
+impl Node {
+    /// Time of one token at the node's rate.
+    pub fn token_time(&self) -> Duration {
+        Duration::from_secs_f64(1.0 / self.tokens_per_second)
+    }
+
+    /// The window a table's rows have (seed 000): the blocks between the
+    /// previous Engram layer this node routes (block 0 for the first) and
+    /// the table's own layer, at one `W/40` each; V4.1's layers 1 and 14
+    /// get `W/40` and `13W/40`.
+    pub fn window(&self, config: &Config, table: u32) -> Option<Duration> {
+        let layer = config.table(table)?.layer;
+        let previous = self
+            .routes
+            .iter()
+            .filter_map(|r| config.table(r.table))
+            .map(|t| t.layer)
+            .filter(|&l| l < layer)
+            .max()
+            .unwrap_or(0);
+        let blocks = (layer - previous).max(1);
+        Some(self.token_time() * blocks / MODEL_BLOCKS)
+    }
+
+    /// The route of a table.
+    pub fn route(&self, table: u32) -> Option<&Route> {
+        self.routes.iter().find(|r| r.table == table)
+    }
 }
 
 /// Where a problem is and what it is.

@@ -61,6 +61,12 @@ pub(crate) struct RawNode {
     pub name: S<String>,
     pub connect_timeout_ms: Option<S<i64>>,
     pub lookup_timeout_ms: Option<S<i64>>,
+    pub tokens_per_second: Option<S<f64>>,
+    pub probe_interval_ms: Option<S<i64>>,
+    pub breaker_failures: Option<S<i64>>,
+    pub metrics: Option<S<String>>,
+    pub ssd_io: Option<S<String>>,
+    pub ssd_direct: Option<bool>,
     #[serde(default, rename = "route")]
     pub routes: Vec<S<RawRoute>>,
 }
@@ -71,4 +77,9 @@ pub(crate) struct RawRoute {
     pub table: S<i64>,
     pub sources: S<Vec<S<String>>>,
     pub ssd_path: Option<S<String>>,
+    pub trust_digest: Option<bool>,
+    pub grace_us: Option<S<i64>>,
+    pub hard_timeout_ms: Option<S<i64>>,
+    pub hedge: Option<S<String>>,
+    pub policy: Option<S<String>>,
 }

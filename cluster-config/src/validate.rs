@@ -13,11 +13,8 @@ use engram_protocol::etab::MAX_ROWS;
 use engram_protocol::frame::{DEFAULT_MAX_ROWS, MAX_ROWS_CEILING};
 use engram_protocol::messages::{MAX_NAME, NO_TABLE};
 
-use crate::raw::{RawConfig, RawDonor, RawNode, RawTable, S};
-use crate::{
-    Config, ConfigError, Diagnostic, Donor, MlockMode, Node, Route, SCHEMA_VERSION, SourceRef,
-    Table,
-};
+use crate::raw::{RawConfig, RawDonor, RawTable, S};
+use crate::{Config, ConfigError, Diagnostic, Donor, MlockMode, SCHEMA_VERSION, Table};
 
 /// Highest layer id accepted.
 pub const MAX_LAYER: i64 = 1023;
@@ -144,7 +141,7 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
 
     let tables = tables(cx, &raw.tables, base);
     let donors = donors(cx, &raw.donors, &tables);
-    let nodes = nodes(cx, &raw.nodes, &tables, &donors, base);
+    let nodes = node::nodes(cx, &raw.nodes, &tables, &donors, base);
     Config {
         path: cx.file.to_path_buf(),
         rack: rack_name,
@@ -344,111 +341,7 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
     out
 }
 
-fn nodes(
-    cx: &mut Ctx<'_>,
-    raw: &[S<RawNode>],
-    tables: &[Table],
-    donors: &[Donor],
-    base: &Path,
-) -> Vec<Node> {
-    let mut out = Vec::new();
-    let mut names = HashSet::new();
-    for (i, n) in raw.iter().enumerate() {
-        let n = n.get_ref();
-        let k = |f: &str| format!("node[{i}].{f}");
-        let name = cx.name(&n.name, &k("name"));
-        if !names.insert(name.clone()) {
-            cx.at(
-                n.name.span(),
-                k("name"),
-                format!("node {name:?} is defined twice"),
-            );
-        }
-        let mut routes: Vec<Route> = Vec::new();
-        for (j, r) in n.routes.iter().enumerate() {
-            let r = r.get_ref();
-            let rk = |f: &str| format!("node[{i}].route[{j}].{f}");
-            let id = *r.table.get_ref();
-            let Some(table) = tables.iter().find(|t| i64::from(t.id) == id) else {
-                cx.at(
-                    r.table.span(),
-                    rk("table"),
-                    format!("table {id} is not defined"),
-                );
-                continue;
-            };
-            if routes.iter().any(|x| x.table == table.id) {
-                cx.at(
-                    r.table.span(),
-                    rk("table"),
-                    format!("table {id} has two routes on this node"),
-                );
-            }
-            let mut sources = Vec::new();
-            if r.sources.get_ref().is_empty() {
-                cx.at(
-                    r.sources.span(),
-                    rk("sources"),
-                    "a route needs at least one source",
-                );
-            }
-            for (s_i, s) in r.sources.get_ref().iter().enumerate() {
-                let key = format!("node[{i}].route[{j}].sources[{s_i}]");
-                let src = match s.get_ref().as_str() {
-                    "ssd" => SourceRef::Ssd,
-                    "local" => SourceRef::Local,
-                    d => match donors.iter().find(|x| x.name == d) {
-                        Some(donor) if donor.tables.contains(&table.id) => {
-                            SourceRef::Donor(d.to_string())
-                        }
-                        Some(_) => {
-                            cx.at(
-                                s.span(),
-                                key,
-                                format!("donor {d:?} does not hold table {}", table.id),
-                            );
-                            continue;
-                        }
-                        None => {
-                            cx.at(
-                                s.span(),
-                                key,
-                                format!("{d:?} is neither a donor nor \"ssd\" or \"local\""),
-                            );
-                            continue;
-                        }
-                    },
-                };
-                if sources.contains(&src) {
-                    cx.at(s.span(), key, format!("source {src} is listed twice"));
-                    continue;
-                }
-                sources.push(src);
-            }
-            let ssd_path = match &r.ssd_path {
-                Some(p) => cx.path(p, &rk("ssd_path"), base),
-                None => table.path.clone(),
-            };
-            routes.push(Route {
-                table: table.id,
-                sources,
-                ssd_path,
-            });
-        }
-        out.push(Node {
-            name,
-            routes,
-            connect_timeout: cx.opt_ms(
-                &n.connect_timeout_ms,
-                &k("connect_timeout_ms"),
-                1_000,
-                false,
-            ),
-            lookup_timeout: cx.opt_ms(&n.lookup_timeout_ms, &k("lookup_timeout_ms"), 1_000, false),
-        });
-    }
-    out
-}
+mod node;
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,264 @@
+//! Rules for `[[node]]` and its `[[node.route]]` tables.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use super::{Ctx, MAX_TIMEOUT_MS};
+use crate::raw::{RawNode, RawRoute, S};
+use crate::{Donor, Hedge, Node, Policy, Route, SourceRef, SsdIo, Table};
+
+/// Fastest token rate accepted (a 100 us token).
+pub const MAX_TOKENS_PER_SECOND: f64 = 10_000.0;
+/// Most consecutive failures a breaker may be set to tolerate.
+pub const MAX_BREAKER_FAILURES: i64 = 1_000;
+/// Longest grace accepted, in microseconds (one second).
+pub const MAX_GRACE_US: i64 = 1_000_000;
+
+pub(super) fn nodes(
+    cx: &mut Ctx<'_>,
+    raw: &[S<RawNode>],
+    tables: &[Table],
+    donors: &[Donor],
+    base: &Path,
+) -> Vec<Node> {
+    let mut out = Vec::new();
+    let mut names = HashSet::new();
+    for (i, n) in raw.iter().enumerate() {
+        let n = n.get_ref();
+        let k = |f: &str| format!("node[{i}].{f}");
+        let name = cx.name(&n.name, &k("name"));
+        if !names.insert(name.clone()) {
+            cx.at(
+                n.name.span(),
+                k("name"),
+                format!("node {name:?} is defined twice"),
+            );
+        }
+        let lookup_timeout = cx.opt_ms(&n.lookup_timeout_ms, &k("lookup_timeout_ms"), 100, false);
+        let mut routes: Vec<Route> = Vec::new();
+        for (j, r) in n.routes.iter().enumerate() {
+            if let Some(route) = route(
+                cx,
+                r.get_ref(),
+                (i, j),
+                tables,
+                donors,
+                base,
+                lookup_timeout,
+            ) {
+                if routes.iter().any(|x| x.table == route.table) {
+                    cx.at(
+                        r.get_ref().table.span(),
+                        format!("node[{i}].route[{j}].table"),
+                        format!("table {} has two routes on this node", route.table),
+                    );
+                }
+                routes.push(route);
+            }
+        }
+        let tokens_per_second = match &n.tokens_per_second {
+            None => 100.0,
+            Some(v) => {
+                let x = *v.get_ref();
+                if x.is_finite() && x > 0.0 && x <= MAX_TOKENS_PER_SECOND {
+                    x
+                } else {
+                    cx.at(
+                        v.span(),
+                        k("tokens_per_second"),
+                        format!("{x} is not a token rate (0 < rate <= {MAX_TOKENS_PER_SECOND})"),
+                    );
+                    100.0
+                }
+            }
+        };
+        let breaker_failures = n
+            .breaker_failures
+            .as_ref()
+            .and_then(|v| cx.int(v, &k("breaker_failures"), 1, MAX_BREAKER_FAILURES))
+            .unwrap_or(3) as u32;
+        let metrics = n
+            .metrics
+            .as_ref()
+            .and_then(|v| address(cx, v, &k("metrics")));
+        let ssd_io = match n.ssd_io.as_ref().map(|m| (m, m.get_ref().as_str())) {
+            None | Some((_, "auto")) => SsdIo::Auto,
+            Some((_, "uring")) => SsdIo::Uring,
+            Some((_, "pread")) => SsdIo::Pread,
+            Some((m, other)) => {
+                cx.at(
+                    m.span(),
+                    k("ssd_io"),
+                    format!("{other:?} is not one of \"auto\", \"uring\", \"pread\""),
+                );
+                SsdIo::Auto
+            }
+        };
+        out.push(Node {
+            name,
+            routes,
+            connect_timeout: cx.opt_ms(
+                &n.connect_timeout_ms,
+                &k("connect_timeout_ms"),
+                1_000,
+                false,
+            ),
+            lookup_timeout,
+            tokens_per_second,
+            probe_interval: cx.opt_ms(&n.probe_interval_ms, &k("probe_interval_ms"), 1_000, false),
+            breaker_failures,
+            metrics,
+            ssd_io,
+            ssd_direct: n.ssd_direct.unwrap_or(true),
+        });
+    }
+    out
+}
+
+fn route(
+    cx: &mut Ctx<'_>,
+    r: &RawRoute,
+    (i, j): (usize, usize),
+    tables: &[Table],
+    donors: &[Donor],
+    base: &Path,
+    lookup_timeout: Duration,
+) -> Option<Route> {
+    let rk = |f: &str| format!("node[{i}].route[{j}].{f}");
+    let id = *r.table.get_ref();
+    let Some(table) = tables.iter().find(|t| i64::from(t.id) == id) else {
+        cx.at(
+            r.table.span(),
+            rk("table"),
+            format!("table {id} is not defined"),
+        );
+        return None;
+    };
+    let mut sources = Vec::new();
+    if r.sources.get_ref().is_empty() {
+        cx.at(
+            r.sources.span(),
+            rk("sources"),
+            "a route needs at least one source",
+        );
+    }
+    for (s_i, s) in r.sources.get_ref().iter().enumerate() {
+        let key = format!("node[{i}].route[{j}].sources[{s_i}]");
+        let src = match s.get_ref().as_str() {
+            "ssd" => SourceRef::Ssd,
+            "local" => SourceRef::Local,
+            d => match donors.iter().find(|x| x.name == d) {
+                Some(donor) if donor.tables.contains(&table.id) => SourceRef::Donor(d.to_string()),
+                Some(_) => {
+                    cx.at(
+                        s.span(),
+                        key,
+                        format!("donor {d:?} does not hold table {}", table.id),
+                    );
+                    continue;
+                }
+                None => {
+                    cx.at(
+                        s.span(),
+                        key,
+                        format!("{d:?} is neither a donor nor \"ssd\" or \"local\""),
+                    );
+                    continue;
+                }
+            },
+        };
+        if sources.contains(&src) {
+            cx.at(s.span(), key, format!("source {src} is listed twice"));
+            continue;
+        }
+        sources.push(src);
+    }
+    let ssd_path = match &r.ssd_path {
+        Some(p) => cx.path(p, &rk("ssd_path"), base),
+        None => table.path.clone(),
+    };
+    let grace = match &r.grace_us {
+        Some(v) => cx.int(v, &rk("grace_us"), 0, MAX_GRACE_US).unwrap_or(0) as u64,
+        None => 100,
+    };
+    let hedge = match &r.hedge {
+        None => Hedge::Percentile(99.0),
+        Some(h) => parse_hedge(h.get_ref()).unwrap_or_else(|why| {
+            cx.at(h.span(), rk("hedge"), why);
+            Hedge::Off
+        }),
+    };
+    let policy = match r.policy.as_ref().map(|m| (m, m.get_ref().as_str())) {
+        None | Some((_, "fail")) => Policy::Fail,
+        Some((_, "zeros")) => Policy::Zeros,
+        Some((m, other)) => {
+            cx.at(
+                m.span(),
+                rk("policy"),
+                format!("{other:?} is not one of \"fail\", \"zeros\""),
+            );
+            Policy::Fail
+        }
+    };
+    Some(Route {
+        table: table.id,
+        sources,
+        ssd_path,
+        trust_digest: r.trust_digest.unwrap_or(false),
+        grace: Duration::from_micros(grace),
+        hard_timeout: cx.opt_ms(
+            &r.hard_timeout_ms,
+            &rk("hard_timeout_ms"),
+            lookup_timeout.as_millis() as i64,
+            false,
+        ),
+        hedge,
+        policy,
+    })
+}
+
+/// `off`, `pNN` (a percentile of recent latencies, e.g. `p99`, `p99.9`), or
+/// a fixed delay: `250us`, `2ms`.
+pub fn parse_hedge(s: &str) -> Result<Hedge, String> {
+    let bad = || {
+        format!(
+            "{s:?} is not a hedge: \"off\", a percentile like \"p99\" (0 < p < 100), \
+             or a delay like \"250us\" or \"2ms\" (up to {MAX_TIMEOUT_MS} ms)"
+        )
+    };
+    if s == "off" {
+        return Ok(Hedge::Off);
+    }
+    if let Some(p) = s.strip_prefix('p') {
+        return match p.parse::<f64>() {
+            Ok(p) if p > 0.0 && p < 100.0 => Ok(Hedge::Percentile(p)),
+            _ => Err(bad()),
+        };
+    }
+    let (num, unit_us) = if let Some(n) = s.strip_suffix("us") {
+        (n, 1)
+    } else if let Some(n) = s.strip_suffix("ms") {
+        (n, 1_000)
+    } else {
+        return Err(bad());
+    };
+    match num.parse::<u64>() {
+        Ok(n) if n > 0 && n.saturating_mul(unit_us) <= MAX_TIMEOUT_MS as u64 * 1_000 => {
+            Ok(Hedge::Fixed(Duration::from_micros(n * unit_us)))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// One address to bind: `IP:PORT` (port 0 picks a free one).
+pub(super) fn address(cx: &mut Ctx<'_>, v: &S<String>, key: &str) -> Option<SocketAddr> {
+    match v.get_ref().parse::<SocketAddr>() {
+        Ok(a) => Some(a),
+        Err(_) => {
+            cx.at(v.span(), key, format!("{:?} is not IP:PORT", v.get_ref()));
+            None
+        }
+    }
+}
