@@ -1,12 +1,20 @@
 //! `inference-node`: the GPU machine's side of engram-rack.
 //!
 //! What it is: the Engram memory client. `client` is the donor client (TCP,
-//! handshake, pinned versions, pipelined lookups into caller buffers).
+//! handshake, pinned versions, pipelined lookups into caller buffers);
+//! `source` puts every place rows can come from (local RAM, donors, the SSD
+//! copy) behind one trait; `router` picks among a table's sources per
+//! lookup, with deadlines, hedging, circuit breakers, probes and the
+//! table's policy when everything fails.
 //!
-//! What it is not: a donor. It shares only `engram-protocol` (the contract)
-//! and `cluster-config` with `memory-donor`.
+//! What it is not: a donor. It uses `memory-donor` only as a library, for
+//! its table loader and file reader (so the node loads and verifies a local
+//! copy exactly as a donor does); the donor never depends on the node.
 
 pub mod client;
+pub mod metrics;
+pub mod router;
 pub mod rowlist;
+pub mod source;
 
 pub use client::{ClientError, ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};

@@ -1,0 +1,187 @@
+//! The node's Prometheus metrics: per table and per source. Routers take
+//! their handles once at construction (each is an `Arc` around atomics), so
+//! the lookup path updates counters without allocating or hashing labels.
+//!
+//! The fetch histogram is time observed by the node (queueing, network,
+//! the donor's work); the donor's own service time is the donor's
+//! `engram_donor_service_seconds`.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of a per-table series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TableLabels {
+    /// Table id.
+    pub table: String,
+}
+
+/// Labels of a per-table, per-source series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    /// Table id.
+    pub table: String,
+    /// Source name (a donor, `ssd`, `local`).
+    pub source: String,
+}
+
+/// Labels of a per-source series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceOnly {
+    /// Source name.
+    pub source: String,
+}
+
+type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn fetch_histogram() -> Histogram {
+    // 5 us .. ~160 ms.
+    Histogram::new(exponential_buckets(5e-6, 2.0, 16))
+}
+
+/// Every series the node exports.
+#[derive(Debug)]
+pub struct NodeMetrics {
+    registry: Mutex<Registry>,
+    /// Client-observed fetch time per table and source (successful fetches).
+    pub fetch_seconds: HistFamily<SourceLabels>,
+    /// Lookups per table, whatever their outcome.
+    pub lookups: Family<TableLabels, Counter>,
+    /// Lookups answered after the table's deadline.
+    pub deadline_misses: Family<TableLabels, Counter>,
+    /// Lookups also sent to another source after the hedge delay.
+    pub hedges_sent: Family<TableLabels, Counter>,
+    /// Lookups won by a source that was asked as a hedge.
+    pub hedges_won: Family<SourceLabels, Counter>,
+    /// Lookups sent to the next source after a failure.
+    pub failovers: Family<TableLabels, Counter>,
+    /// Failures per table and source, by kind.
+    pub source_errors: Family<ErrorLabels, Counter>,
+    /// 0 closed, 1 half-open, 2 open.
+    pub breaker_state: Family<SourceOnly, Gauge>,
+    /// Answers refused because the source serves another table version.
+    pub version_mismatches: Family<SourceLabels, Counter>,
+    /// Answers discarded because a checksum or row check failed.
+    pub checksum_failures: Family<SourceLabels, Counter>,
+    /// Rows delivered, by the source that delivered them.
+    pub rows_served: Family<SourceLabels, Counter>,
+    /// Lookups answered with zeros under the `zeros` policy.
+    pub zeros_served: Family<TableLabels, Counter>,
+    /// Lookups that failed under the `fail` policy.
+    pub failed_lookups: Family<TableLabels, Counter>,
+}
+
+/// Labels of an error series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// Table id.
+    pub table: String,
+    /// Source name.
+    pub source: String,
+    /// `timeout`, `unavailable`, `version`, `corrupt`, `draining`, `failed`, `bad_request`.
+    pub kind: String,
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NodeMetrics {
+    /// All series, registered under `engram_node_`.
+    pub fn new() -> Self {
+        let m = Self {
+            registry: Mutex::new(Registry::with_prefix("engram_node")),
+            fetch_seconds: Family::new_with_constructor(fetch_histogram),
+            lookups: Family::default(),
+            deadline_misses: Family::default(),
+            hedges_sent: Family::default(),
+            hedges_won: Family::default(),
+            failovers: Family::default(),
+            source_errors: Family::default(),
+            breaker_state: Family::default(),
+            version_mismatches: Family::default(),
+            checksum_failures: Family::default(),
+            rows_served: Family::default(),
+            zeros_served: Family::default(),
+            failed_lookups: Family::default(),
+        };
+        {
+            let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
+            r.register(
+                "fetch_seconds",
+                "Time from sending a lookup to a source to its valid answer, seen by the node",
+                m.fetch_seconds.clone(),
+            );
+            r.register("lookups", "Lookups per table", m.lookups.clone());
+            r.register(
+                "deadline_misses",
+                "Lookups answered after the table's window plus grace",
+                m.deadline_misses.clone(),
+            );
+            r.register(
+                "hedges_sent",
+                "Lookups also sent to the next source",
+                m.hedges_sent.clone(),
+            );
+            r.register("hedges_won", "Lookups won by a hedge", m.hedges_won.clone());
+            r.register(
+                "failovers",
+                "Lookups sent to the next source after a failure",
+                m.failovers.clone(),
+            );
+            r.register(
+                "source_errors",
+                "Failed attempts by kind",
+                m.source_errors.clone(),
+            );
+            r.register(
+                "breaker_state",
+                "Circuit breaker per source: 0 closed, 1 half-open, 2 open",
+                m.breaker_state.clone(),
+            );
+            r.register(
+                "version_mismatches",
+                "Answers refused: the source serves another table version",
+                m.version_mismatches.clone(),
+            );
+            r.register(
+                "checksum_failures",
+                "Answers discarded: checksum or row check failed",
+                m.checksum_failures.clone(),
+            );
+            r.register(
+                "rows_served",
+                "Rows delivered, by source",
+                m.rows_served.clone(),
+            );
+            r.register(
+                "zeros_served",
+                "Lookups answered with zeros (policy zeros: Engram suppressed)",
+                m.zeros_served.clone(),
+            );
+            r.register(
+                "failed_lookups",
+                "Lookups failed after every source (policy fail)",
+                m.failed_lookups.clone(),
+            );
+        }
+        m
+    }
+
+    /// The text exposition of every series.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
+        out
+    }
+}

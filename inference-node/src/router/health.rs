@@ -1,0 +1,279 @@
+//! What the node knows of one source's health, shared by every table's
+//! router that uses it: the circuit breaker, version exclusions per table,
+//! and recent latencies (for percentile hedging). Probes run from here.
+//!
+//! Breaker: `Closed` counts consecutive failures; at the threshold it opens
+//! and the source gets no traffic. A probe that passes (the source answers
+//! and serves the pinned versions) half-opens it: traffic flows again, the
+//! first success or a second passing probe closes it, and any failure opens
+//! it again. A version mismatch excludes the source for that table until a
+//! probe sees the pinned digest again.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cluster_config::Hedge;
+use engram_protocol::TableDigest;
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::source::{RowSource, SourceError};
+
+/// Latencies kept for percentile hedging.
+const WINDOW: usize = 256;
+/// Fewer samples than this and a percentile is not trusted.
+const MIN_SAMPLES: usize = 32;
+/// The cached percentile is recomputed after this many new samples.
+const RESORT_EVERY: u32 = 32;
+
+/// The breaker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Breaker {
+    /// Traffic flows.
+    Closed,
+    /// On trial after a passing probe.
+    HalfOpen,
+    /// No traffic until a probe passes.
+    Open,
+}
+
+impl Breaker {
+    /// 0 closed, 1 half-open, 2 open (the metrics gauge).
+    pub fn as_gauge(self) -> i64 {
+        match self {
+            Self::Closed => 0,
+            Self::HalfOpen => 1,
+            Self::Open => 2,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    breaker: Breaker,
+    failures: u32,
+    excluded: Vec<u32>,
+    lat_us: Vec<u32>,
+    next: usize,
+    since_sort: u32,
+    cached: Option<(f64, Duration)>,
+}
+
+/// One source with its health.
+#[derive(Debug)]
+pub struct SourceHealth {
+    /// The source.
+    pub source: Arc<dyn RowSource>,
+    pinned: Vec<(u32, TableDigest)>,
+    threshold: u32,
+    state: Mutex<State>,
+    gauge: Gauge,
+}
+
+impl SourceHealth {
+    /// `pinned`: the tables this node reads from it and their versions;
+    /// `threshold`: consecutive failures that open the breaker.
+    pub fn new(
+        source: Arc<dyn RowSource>,
+        pinned: Vec<(u32, TableDigest)>,
+        threshold: u32,
+        gauge: Gauge,
+    ) -> Self {
+        Self {
+            source,
+            pinned,
+            threshold: threshold.max(1),
+            state: Mutex::new(State {
+                breaker: Breaker::Closed,
+                failures: 0,
+                excluded: Vec::new(),
+                lat_us: Vec::with_capacity(WINDOW),
+                next: 0,
+                since_sort: 0,
+                cached: None,
+            }),
+            gauge,
+        }
+    }
+
+    fn st(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set(&self, st: &mut State, b: Breaker) {
+        if st.breaker != b {
+            tracing::info!(source = self.source.name(), from = ?st.breaker, to = ?b, "breaker");
+            st.breaker = b;
+            self.gauge.set(b.as_gauge());
+        }
+    }
+
+    /// The breaker's state now.
+    pub fn breaker(&self) -> Breaker {
+        self.st().breaker
+    }
+
+    /// Whether a lookup of `table` may go to this source now.
+    pub fn admissible(&self, table: u32) -> bool {
+        let st = self.st();
+        st.breaker != Breaker::Open && !st.excluded.contains(&table) && self.source.accepting()
+    }
+
+    /// Why not, for error messages.
+    pub fn why_not(&self, table: u32) -> &'static str {
+        let st = self.st();
+        if st.excluded.contains(&table) {
+            "excluded: serves another version"
+        } else if st.breaker == Breaker::Open {
+            "circuit breaker open"
+        } else {
+            "draining"
+        }
+    }
+
+    /// A lookup succeeded in `latency`.
+    pub fn on_success(&self, latency: Duration) {
+        let mut st = self.st();
+        st.failures = 0;
+        if st.breaker == Breaker::HalfOpen {
+            self.set(&mut st, Breaker::Closed);
+        }
+        let us = latency.as_micros().min(u128::from(u32::MAX)) as u32;
+        if st.lat_us.len() < WINDOW {
+            st.lat_us.push(us);
+        } else {
+            let i = st.next;
+            st.lat_us[i] = us;
+        }
+        st.next = (st.next + 1) % WINDOW;
+        st.since_sort += 1;
+    }
+
+    /// A lookup of `table` failed. Returns true when this opened the breaker.
+    pub fn on_failure(&self, table: u32, err: &SourceError) -> bool {
+        let mut st = self.st();
+        match err {
+            SourceError::VersionMismatch { .. } => {
+                if !st.excluded.contains(&table) {
+                    tracing::warn!(source = self.source.name(), table, error = %err, "excluded until it serves the pinned version");
+                    st.excluded.push(table);
+                }
+                false
+            }
+            // A Goodbye is not a fault: the source stops taking lookups.
+            SourceError::Draining | SourceError::BadRequest(_) => false,
+            _ => {
+                st.failures += 1;
+                let open = st.breaker == Breaker::HalfOpen || st.failures >= self.threshold;
+                if open && st.breaker != Breaker::Open {
+                    tracing::warn!(source = self.source.name(), failures = st.failures, error = %err, "circuit breaker opens");
+                    self.set(&mut st, Breaker::Open);
+                    return true;
+                }
+                false
+            }
+        }
+    }
+
+    /// The delay after which a lookup sent here is hedged, if any; `None`
+    /// when hedging is off or too few latencies are known yet.
+    pub fn hedge_delay(&self, hedge: Hedge) -> Option<Duration> {
+        match hedge {
+            Hedge::Off => None,
+            Hedge::Fixed(d) => Some(d),
+            Hedge::Percentile(p) => {
+                let mut st = self.st();
+                if st.lat_us.len() < MIN_SAMPLES {
+                    return None;
+                }
+                match st.cached {
+                    Some((cp, d)) if cp == p && st.since_sort < RESORT_EVERY => Some(d),
+                    _ => {
+                        let mut v = st.lat_us.clone();
+                        v.sort_unstable();
+                        let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+                        let d = Duration::from_micros(u64::from(v[i.min(v.len() - 1)]));
+                        st.cached = Some((p, d));
+                        st.since_sort = 0;
+                        Some(d)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether a probe has something to find out.
+    pub fn needs_probe(&self) -> bool {
+        let st = self.st();
+        st.breaker != Breaker::Closed || !st.excluded.is_empty() || !self.source.accepting()
+    }
+
+    /// Probe once and apply what it found.
+    pub async fn probe(&self) {
+        let res = self.source.probe().await;
+        let mut st = self.st();
+        match res {
+            Ok(tables) => {
+                let mut all_pinned = true;
+                for &(table, digest) in &self.pinned {
+                    let matches = tables.iter().any(|&(t, d)| t == table && d == digest);
+                    if matches {
+                        if st.excluded.contains(&table) {
+                            tracing::info!(
+                                source = self.source.name(),
+                                table,
+                                "serves the pinned version again: re-admitted"
+                            );
+                        }
+                        st.excluded.retain(|&t| t != table);
+                    } else {
+                        all_pinned = false;
+                        if !st.excluded.contains(&table) {
+                            tracing::warn!(
+                                source = self.source.name(),
+                                table,
+                                "probe: not at the pinned version; excluded"
+                            );
+                            st.excluded.push(table);
+                        }
+                    }
+                }
+                if all_pinned {
+                    match st.breaker {
+                        Breaker::Open => self.set(&mut st, Breaker::HalfOpen),
+                        Breaker::HalfOpen => self.set(&mut st, Breaker::Closed),
+                        Breaker::Closed => {}
+                    }
+                    st.failures = 0;
+                }
+            }
+            Err(SourceError::VersionMismatch { table, .. }) => {
+                if !st.excluded.contains(&table) {
+                    st.excluded.push(table);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(source = self.source.name(), error = %e, "probe failed");
+                if st.breaker == Breaker::HalfOpen {
+                    self.set(&mut st, Breaker::Open);
+                }
+            }
+        }
+    }
+
+    /// Probe every `interval` while there is something to find out, until
+    /// the last other reference to this health record is dropped.
+    pub async fn probe_loop(self: Arc<Self>, interval: Duration) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if Arc::strong_count(&self) == 1 {
+                return;
+            }
+            if self.needs_probe() {
+                self.probe().await;
+            }
+        }
+    }
+}

@@ -1,0 +1,517 @@
+//! The router of one table: which source answers a lookup, and when to ask
+//! another.
+//!
+//! A lookup starts at the first admissible source in the configured order
+//! (breaker not open, not excluded for its version, not draining). The
+//! next source is asked too when the current one fails (failover), or when
+//! the hedge delay passes without an answer (hedge); the hedge never waits
+//! past the table's deadline (its window at the node's token rate plus the
+//! grace), since another source may answer in time. The first answer that
+//! passes its checks wins; the others are cancelled. At the hard timeout,
+//! or when every source has failed, the table's policy decides: a typed
+//! error (`fail`) or zero rows (`zeros`, counted and logged). Rows that
+//! fail a check never reach the caller.
+
+pub mod health;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use cluster_config::{Hedge, Policy};
+use engram_protocol::ROW_BYTES;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+use thiserror::Error;
+use tokio::time::Instant;
+
+pub use health::{Breaker, SourceHealth};
+
+use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
+use crate::source::SourceError;
+
+/// How one table's lookups are bounded.
+#[derive(Debug, Clone)]
+pub struct RouteSettings {
+    /// Table id.
+    pub table: u32,
+    /// The table's window at the node's token rate.
+    pub window: Duration,
+    /// Added to the window to make the deadline.
+    pub grace: Duration,
+    /// A lookup never takes longer.
+    pub hard_timeout: Duration,
+    /// When the next source is asked too.
+    pub hedge: Hedge,
+    /// What happens when every source failed.
+    pub policy: Policy,
+    /// Time hedges and deadlines to the microsecond (tokio's timers count
+    /// whole milliseconds, longer than table 1's window at 100 tokens/s):
+    /// the last stretch of a wait yields in a loop instead of sleeping.
+    /// Off only for tests under paused time.
+    pub precise_timers: bool,
+}
+
+/// How a lookup went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// The source whose rows were returned (`None`: zeros by policy).
+    pub source: Option<String>,
+    /// Sources asked as hedges.
+    pub hedges: u32,
+    /// Sources asked after a failure.
+    pub failovers: u32,
+    /// Whether the answer came after the deadline.
+    pub late: bool,
+    /// Time from the start of the lookup to its answer.
+    pub elapsed: Duration,
+}
+
+impl Fetched {
+    /// True when the rows are zeros by policy (Engram suppressed).
+    pub fn is_zeros(&self) -> bool {
+        self.source.is_none()
+    }
+}
+
+/// Why a lookup failed (policy `fail`, or a request no source can answer).
+#[derive(Debug, Clone, Error)]
+pub enum RouterError {
+    /// Every source failed or was unavailable by the hard timeout.
+    #[error("table {table}: no source answered within {elapsed:?}: {}", describe(.attempts))]
+    AllFailed {
+        table: u32,
+        elapsed: Duration,
+        attempts: Vec<(String, String)>,
+    },
+    /// The request is wrong (out-of-range row, buffer size): no source can answer it.
+    #[error("table {table}: bad request: {message}")]
+    BadRequest { table: u32, message: String },
+}
+
+fn describe(attempts: &[(String, String)]) -> String {
+    if attempts.is_empty() {
+        return "no source configured".into();
+    }
+    attempts
+        .iter()
+        .map(|(s, e)| format!("{s}: {e}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Per-source metric handles, taken once.
+#[derive(Debug)]
+struct SourceSeries {
+    fetch: Histogram,
+    rows: Counter,
+    hedges_won: Counter,
+    versions: Counter,
+    checksums: Counter,
+    errors: [Counter; 7],
+}
+
+#[derive(Debug)]
+struct TableSeries {
+    lookups: Counter,
+    misses: Counter,
+    hedges: Counter,
+    failovers: Counter,
+    zeros: Counter,
+    failed: Counter,
+}
+
+const ERROR_KINDS: [&str; 7] = [
+    "timeout",
+    "unavailable",
+    "version",
+    "corrupt",
+    "draining",
+    "failed",
+    "bad_request",
+];
+
+fn error_kind(e: &SourceError) -> usize {
+    match e {
+        SourceError::Timeout => 0,
+        SourceError::Unavailable(_) => 1,
+        SourceError::VersionMismatch { .. } => 2,
+        SourceError::Corrupt(_) => 3,
+        SourceError::Draining => 4,
+        SourceError::Failed(_) => 5,
+        SourceError::BadRequest(_) => 6,
+    }
+}
+
+type Attempt<'a> = Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
+
+/// An attempt in flight: which source, whether it was a hedge, when sent.
+struct InFlight<'a> {
+    fut: Attempt<'a>,
+    source: usize,
+    hedge: bool,
+    sent: Instant,
+}
+
+/// One table's sources and how to use them.
+#[derive(Debug)]
+pub struct Router {
+    settings: RouteSettings,
+    sources: Vec<Arc<SourceHealth>>,
+    series: Vec<SourceSeries>,
+    table: TableSeries,
+    buffers: Mutex<Vec<Vec<u8>>>,
+    zeros_warned_ms: AtomicU64,
+    started: std::time::Instant,
+}
+
+impl Router {
+    /// A router over `sources` in order of preference.
+    pub fn new(settings: RouteSettings, sources: Vec<Arc<SourceHealth>>, m: &NodeMetrics) -> Self {
+        let t = settings.table.to_string();
+        let tl = TableLabels { table: t.clone() };
+        let series = sources
+            .iter()
+            .map(|s| {
+                let l = SourceLabels {
+                    table: t.clone(),
+                    source: s.source.name().to_string(),
+                };
+                SourceSeries {
+                    fetch: m.fetch_seconds.get_or_create(&l).clone(),
+                    rows: m.rows_served.get_or_create(&l).clone(),
+                    hedges_won: m.hedges_won.get_or_create(&l).clone(),
+                    versions: m.version_mismatches.get_or_create(&l).clone(),
+                    checksums: m.checksum_failures.get_or_create(&l).clone(),
+                    errors: ERROR_KINDS.map(|kind| {
+                        m.source_errors
+                            .get_or_create(&ErrorLabels {
+                                table: t.clone(),
+                                source: l.source.clone(),
+                                kind: kind.into(),
+                            })
+                            .clone()
+                    }),
+                }
+            })
+            .collect();
+        let table = TableSeries {
+            lookups: m.lookups.get_or_create(&tl).clone(),
+            misses: m.deadline_misses.get_or_create(&tl).clone(),
+            hedges: m.hedges_sent.get_or_create(&tl).clone(),
+            failovers: m.failovers.get_or_create(&tl).clone(),
+            zeros: m.zeros_served.get_or_create(&tl).clone(),
+            failed: m.failed_lookups.get_or_create(&tl).clone(),
+        };
+        Self {
+            settings,
+            sources,
+            series,
+            table,
+            buffers: Mutex::new(Vec::new()),
+            zeros_warned_ms: AtomicU64::new(0),
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// The table it routes.
+    pub fn table(&self) -> u32 {
+        self.settings.table
+    }
+
+    /// Its settings.
+    pub fn settings(&self) -> &RouteSettings {
+        &self.settings
+    }
+
+    /// Its sources, in order, with their health.
+    pub fn sources(&self) -> &[Arc<SourceHealth>] {
+        &self.sources
+    }
+
+    fn buffer(&self, len: usize) -> Vec<u8> {
+        let mut b = self
+            .buffers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
+        b.resize(len, 0);
+        b
+    }
+
+    fn recycle(&self, b: Vec<u8>) {
+        let mut pool = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < self.sources.len() + 2 {
+            pool.push(b);
+        }
+    }
+
+    fn attempt<'a>(
+        &'a self,
+        i: usize,
+        rows: &'a [u64],
+        hard: Instant,
+        hedge: bool,
+    ) -> InFlight<'a> {
+        let mut buf = self.buffer(rows.len() * ROW_BYTES);
+        let src = self.sources[i].source.clone();
+        let table = self.settings.table;
+        InFlight {
+            fut: Box::pin(async move {
+                let res = src.fetch(table, rows, &mut buf, hard).await;
+                (res, buf)
+            }),
+            source: i,
+            hedge,
+            sent: Instant::now(),
+        }
+    }
+
+    /// Attempts still out when the lookup ends: those sent before the
+    /// winner (or out at the hard timeout) were too slow, and that counts
+    /// against their breaker; a healthy source rarely loses to a hedge it
+    /// started ahead of several times in a row, a hung one always does.
+    fn slow(&self, inflight: Vec<InFlight<'_>>, winner_sent: Option<Instant>) {
+        for a in inflight {
+            if winner_sent.is_none_or(|w| a.sent < w) {
+                self.failure(a.source, &SourceError::Timeout);
+            }
+        }
+    }
+
+    /// Fetch `rows` of the table into `out` (`rows.len() * 264` bytes).
+    pub async fn fetch(&self, rows: &[u64], out: &mut [u8]) -> Result<Fetched, RouterError> {
+        let s = &self.settings;
+        let start = Instant::now();
+        let deadline = start + s.window + s.grace;
+        let hard = start + s.hard_timeout;
+        self.table.lookups.inc();
+        if out.len() != rows.len() * ROW_BYTES {
+            return Err(RouterError::BadRequest {
+                table: s.table,
+                message: format!(
+                    "output buffer is {} bytes, {} rows need {}",
+                    out.len(),
+                    rows.len(),
+                    rows.len() * ROW_BYTES
+                ),
+            });
+        }
+        let mut failed: Vec<(String, String)> = Vec::new();
+        let order: Vec<usize> = (0..self.sources.len())
+            .filter(|&i| {
+                let ok = self.sources[i].admissible(s.table);
+                if !ok {
+                    failed.push((
+                        self.sources[i].source.name().to_string(),
+                        self.sources[i].why_not(s.table).to_string(),
+                    ));
+                }
+                ok
+            })
+            .collect();
+        let mut next = 0;
+        let mut hedges = 0u32;
+        let mut failovers = 0u32;
+        let mut inflight: Vec<InFlight<'_>> = Vec::with_capacity(order.len());
+        let mut launch_at = None;
+        if let Some(&first) = order.first() {
+            inflight.push(self.attempt(first, rows, hard, false));
+            next = 1;
+            launch_at = self.next_launch(first, start, deadline);
+        }
+        while !inflight.is_empty() {
+            let can_launch = next < order.len();
+            let hedge_at = launch_at.unwrap_or(hard);
+            let done = tokio::select! {
+                biased;
+                d = next_done(&mut inflight) => d,
+                () = self.sleep_until(hedge_at), if can_launch && launch_at.is_some() => {
+                    let i = order[next];
+                    next += 1;
+                    hedges += 1;
+                    self.table.hedges.inc();
+                    inflight.push(self.attempt(i, rows, hard, true));
+                    let now = Instant::now();
+                    launch_at = self.next_launch(i, now, deadline.max(now));
+                    continue;
+                }
+                () = self.sleep_until(hard) => break,
+            };
+            let (a, (res, buf)) = done;
+            let (i, was_hedge, sent) = (a.source, a.hedge, a.sent);
+            let res = res.and_then(|()| {
+                engram_protocol::row::check_rows(&buf)
+                    .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
+            });
+            match res {
+                Ok(()) => {
+                    let now = Instant::now();
+                    out.copy_from_slice(&buf);
+                    self.recycle(buf);
+                    let latency = now - sent;
+                    self.sources[i].on_success(latency);
+                    let ser = &self.series[i];
+                    ser.fetch.observe(latency.as_secs_f64());
+                    ser.rows.inc_by(rows.len() as u64);
+                    if was_hedge {
+                        ser.hedges_won.inc();
+                    }
+                    let late = now > deadline;
+                    if late {
+                        self.table.misses.inc();
+                    }
+                    self.slow(inflight, Some(sent));
+                    return Ok(Fetched {
+                        source: Some(self.sources[i].source.name().to_string()),
+                        hedges,
+                        failovers,
+                        late,
+                        elapsed: now - start,
+                    });
+                }
+                Err(e) => {
+                    self.recycle(buf);
+                    self.failure(i, &e);
+                    failed.push((self.sources[i].source.name().to_string(), e.to_string()));
+                    if !e.retry_elsewhere() {
+                        return Err(RouterError::BadRequest {
+                            table: s.table,
+                            message: e.to_string(),
+                        });
+                    }
+                    if next < order.len() {
+                        let j = order[next];
+                        next += 1;
+                        failovers += 1;
+                        self.table.failovers.inc();
+                        inflight.push(self.attempt(j, rows, hard, false));
+                        let now = Instant::now();
+                        launch_at = self.next_launch(j, now, deadline.max(now));
+                    }
+                }
+            }
+        }
+        // Hard timeout (attempts still out) or every source failed.
+        self.slow(inflight, None);
+        self.give_up(rows, out, start, failed)
+    }
+
+    async fn sleep_until(&self, t: Instant) {
+        if !self.settings.precise_timers {
+            return tokio::time::sleep_until(t).await;
+        }
+        // Sleep while a timer tick is short enough, then yield until due.
+        const SPIN: Duration = Duration::from_micros(1_500);
+        if let Some(early) = t.checked_sub(SPIN)
+            && early > Instant::now()
+        {
+            tokio::time::sleep_until(early).await;
+        }
+        while Instant::now() < t {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// When to ask the source after `i` if `i` has not answered.
+    fn next_launch(&self, i: usize, from: Instant, deadline: Instant) -> Option<Instant> {
+        match self.sources[i].hedge_delay(self.settings.hedge) {
+            Some(d) => Some((from + d).min(deadline)),
+            None if self.settings.hedge == Hedge::Off => (from < deadline).then_some(deadline),
+            // A percentile without enough history yet: wait for the deadline.
+            None => Some(deadline),
+        }
+    }
+
+    fn failure(&self, i: usize, e: &SourceError) {
+        let ser = &self.series[i];
+        ser.errors[error_kind(e)].inc();
+        match e {
+            SourceError::VersionMismatch { .. } => {
+                ser.versions.inc();
+            }
+            SourceError::Corrupt(_) => {
+                ser.checksums.inc();
+            }
+            _ => {}
+        }
+        self.sources[i].on_failure(self.settings.table, e);
+    }
+
+    fn give_up(
+        &self,
+        rows: &[u64],
+        out: &mut [u8],
+        start: Instant,
+        mut failed: Vec<(String, String)>,
+    ) -> Result<Fetched, RouterError> {
+        let elapsed = start.elapsed();
+        if elapsed >= self.settings.hard_timeout {
+            failed.push((
+                "(all)".into(),
+                format!("hard timeout {:?}", self.settings.hard_timeout),
+            ));
+        }
+        match self.settings.policy {
+            Policy::Fail => {
+                self.table.failed.inc();
+                Err(RouterError::AllFailed {
+                    table: self.settings.table,
+                    elapsed,
+                    attempts: failed,
+                })
+            }
+            Policy::Zeros => {
+                out.fill(0);
+                self.table.zeros.inc();
+                self.warn_zeros(rows.len(), &failed);
+                Ok(Fetched {
+                    source: None,
+                    hedges: 0,
+                    failovers: 0,
+                    late: true,
+                    elapsed,
+                })
+            }
+        }
+    }
+
+    /// Loud, but at most once a second.
+    fn warn_zeros(&self, rows: usize, failed: &[(String, String)]) {
+        let now_ms = self.started.elapsed().as_millis() as u64 + 1_000;
+        let last = self.zeros_warned_ms.load(Ordering::Relaxed);
+        if now_ms >= last + 1_000
+            && self
+                .zeros_warned_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                table = self.settings.table,
+                rows,
+                served_zeros_total = self.table.zeros.get(),
+                why = %describe(failed),
+                "every source failed: serving zeros (Engram suppressed for this token)"
+            );
+        }
+    }
+}
+
+/// The first attempt to finish, removed from the set.
+async fn next_done<'a>(
+    inflight: &mut Vec<InFlight<'a>>,
+) -> (InFlight<'a>, (Result<(), SourceError>, Vec<u8>)) {
+    std::future::poll_fn(|cx| {
+        for k in 0..inflight.len() {
+            if let Poll::Ready(r) = inflight[k].fut.as_mut().poll(cx) {
+                return Poll::Ready((inflight.swap_remove(k), r));
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}

@@ -1,0 +1,146 @@
+//! A memory donor as a row source: one pipelined data-plane connection,
+//! made on first use and again after it is lost. A Goodbye stops new
+//! lookups at once; the probe makes a fresh connection (a restarted donor)
+//! and installs it when the donor welcomes us with the pinned versions.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use engram_protocol::TableDigest;
+use tokio::time::Instant;
+
+use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+use crate::client::{ClientError, ClientOptions, DonorClient, Request};
+
+/// A donor reached over TCP.
+#[derive(Debug)]
+pub struct DonorSource {
+    name: String,
+    addrs: Vec<SocketAddr>,
+    opts: ClientOptions,
+    current: Mutex<Option<Arc<DonorClient>>>,
+    connecting: tokio::sync::Mutex<()>,
+}
+
+impl DonorSource {
+    /// A donor known by `name`, dialled at `addrs` in order, with the tables
+    /// (and their pinned digests) this node routes to it in `opts`.
+    pub fn new(name: impl Into<String>, addrs: Vec<SocketAddr>, opts: ClientOptions) -> Self {
+        Self {
+            name: name.into(),
+            addrs,
+            opts,
+            current: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn live(&self) -> Option<Arc<DonorClient>> {
+        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        cur.as_ref()
+            .filter(|c| !c.is_closed() && !c.is_draining())
+            .cloned()
+    }
+
+    fn install(&self, client: Arc<DonorClient>) {
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
+    }
+
+    async fn dial(&self) -> Result<DonorClient, ClientError> {
+        let mut last = ClientError::Disconnected("no address to dial".into());
+        for &addr in &self.addrs {
+            match DonorClient::connect(addr, &self.opts).await {
+                Ok(c) => return Ok(c),
+                // A donor at the wrong version answers the same on every address.
+                Err(e @ ClientError::DigestMismatch { .. }) => return Err(e),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// The live connection, or a new one (one dial at a time).
+    async fn client(&self) -> Result<Arc<DonorClient>, SourceError> {
+        if let Some(c) = self.live() {
+            return Ok(c);
+        }
+        if self.draining() {
+            return Err(SourceError::Draining);
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(c) = self.live() {
+            return Ok(c);
+        }
+        let c = Arc::new(self.dial().await?);
+        self.install(c.clone());
+        Ok(c)
+    }
+
+    fn forget(&self, client: &Arc<DonorClient>) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
+            *cur = None;
+        }
+    }
+
+    fn draining(&self) -> bool {
+        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        cur.as_ref().is_some_and(|c| c.is_draining())
+    }
+}
+
+impl RowSource for DonorSource {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> SourceKind {
+        SourceKind::Donor
+    }
+
+    fn accepting(&self) -> bool {
+        !self.draining()
+    }
+
+    fn fetch<'a>(
+        &'a self,
+        table: u32,
+        rows: &'a [u64],
+        out: &'a mut [u8],
+        deadline: Instant,
+    ) -> FetchFuture<'a> {
+        Box::pin(async move {
+            let client = tokio::time::timeout_at(deadline, self.client())
+                .await
+                .map_err(|_| SourceError::Timeout)??;
+            let res = client
+                .lookup_until(&[Request { table, rows }], out, deadline)
+                .await
+                .map_err(SourceError::from);
+            if let Err(SourceError::VersionMismatch { .. }) = res {
+                // The Welcome this connection got is stale: the next lookup
+                // or probe dials again and reads the donor's versions anew.
+                self.forget(&client);
+            }
+            res
+        })
+    }
+
+    fn probe(&self) -> ProbeFuture<'_> {
+        Box::pin(async move {
+            // Always a fresh connection: it reads the donor's versions anew
+            // and proves it accepts clients now (a restarted donor).
+            let fresh = Arc::new(self.dial().await?);
+            fresh.ping().await?;
+            let tables: Vec<(u32, TableDigest)> = fresh
+                .tables()
+                .iter()
+                .map(|t| (t.table_id, t.digest))
+                .collect();
+            if self.live().is_none() {
+                self.install(fresh);
+            }
+            Ok(tables)
+        })
+    }
+}

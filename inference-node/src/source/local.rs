@@ -1,0 +1,77 @@
+//! The table resident in the node's own RAM, loaded (and its digest
+//! verified) with the memory donor's loader: the same code path that a donor
+//! trusts, so a node with RAM to spare serves itself exactly as a donor would.
+
+use std::path::Path;
+
+use memory_donor::resident::{LoadError, MlockMode, Pin, ResidentTable};
+use tokio::time::Instant;
+
+use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+
+/// A table in local RAM.
+#[derive(Debug)]
+pub struct LocalRam {
+    table: ResidentTable,
+}
+
+impl LocalRam {
+    /// Load `path` as table `id`; it must be what `pin` says (digest
+    /// recomputed unless `trust_digest`).
+    pub fn load(id: u32, path: &Path, pin: Pin, trust_digest: bool) -> Result<Self, LoadError> {
+        let (table, _) =
+            ResidentTable::load(id, path, Some(pin), trust_digest, MlockMode::Try, |_| None)?;
+        Ok(Self { table })
+    }
+
+    /// Copy rows out; no await point, so it is also the synchronous API.
+    pub fn read(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
+        let t = &self.table;
+        if table != t.id {
+            return Err(SourceError::BadRequest(format!(
+                "this copy holds table {}, not {table}",
+                t.id
+            )));
+        }
+        if out.len() != rows.len() * engram_protocol::ROW_BYTES {
+            return Err(SourceError::BadRequest("output buffer size".into()));
+        }
+        for &r in rows {
+            t.prefetch(r);
+        }
+        for (&r, dst) in rows
+            .iter()
+            .zip(out.chunks_exact_mut(engram_protocol::ROW_BYTES))
+        {
+            let row = t.row(r).ok_or_else(|| {
+                SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
+            })?;
+            dst.copy_from_slice(row);
+        }
+        Ok(())
+    }
+}
+
+impl RowSource for LocalRam {
+    fn name(&self) -> &str {
+        "local"
+    }
+
+    fn kind(&self) -> SourceKind {
+        SourceKind::Local
+    }
+
+    fn fetch<'a>(
+        &'a self,
+        table: u32,
+        rows: &'a [u64],
+        out: &'a mut [u8],
+        _deadline: Instant,
+    ) -> FetchFuture<'a> {
+        Box::pin(async move { self.read(table, rows, out) })
+    }
+
+    fn probe(&self) -> ProbeFuture<'_> {
+        Box::pin(async move { Ok(vec![(self.table.id, self.table.digest)]) })
+    }
+}

@@ -1,0 +1,155 @@
+//! Row sources: everything that can answer "these rows of this table" for
+//! the router, behind one trait. `LocalRam` (the table resident in the
+//! node's own RAM), `Donor` (a memory donor over the data plane) and `Ssd`
+//! (the node's `.etab` copy, read with io_uring or a pread pool). Tests add
+//! their own (a fake transport with fault injection).
+//!
+//! A source fills the caller's buffer with exactly the rows asked for, or
+//! fails with a [`SourceError`] that says whether another source may do
+//! better and whether the failure counts against the source's breaker.
+
+mod donor;
+mod local;
+pub mod ssd;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+use engram_protocol::TableDigest;
+use thiserror::Error;
+use tokio::time::Instant;
+
+pub use donor::DonorSource;
+pub use local::LocalRam;
+pub use ssd::SsdSource;
+
+use crate::client::ClientError;
+
+/// What kind of place rows come from (a metrics label and a log field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SourceKind {
+    /// The node's own RAM.
+    Local,
+    /// A memory donor.
+    Donor,
+    /// The node's SSD copy.
+    Ssd,
+}
+
+impl fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Local => "local",
+            Self::Donor => "donor",
+            Self::Ssd => "ssd",
+        })
+    }
+}
+
+/// Why a source did not deliver.
+#[derive(Debug, Clone, Error)]
+pub enum SourceError {
+    /// No answer by the deadline.
+    #[error("no answer by the deadline")]
+    Timeout,
+    /// The source cannot be reached (connect refused, connection lost).
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// The source serves another version of the table.
+    #[error("table {table}: {detail}")]
+    VersionMismatch { table: u32, detail: String },
+    /// The answer failed its checks (checksum, row encoding): discarded.
+    #[error("corrupt answer: {0}")]
+    Corrupt(String),
+    /// The source is draining (Goodbye) and takes no new lookups.
+    #[error("draining")]
+    Draining,
+    /// The source answered with an error that another source may not have.
+    #[error("{0}")]
+    Failed(String),
+    /// The request itself is wrong (row out of range, too many rows): no
+    /// source will do better.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+}
+
+impl SourceError {
+    /// True when another source may well succeed.
+    pub fn retry_elsewhere(&self) -> bool {
+        !matches!(self, Self::BadRequest(_))
+    }
+}
+
+impl From<ClientError> for SourceError {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Timeout(_) => Self::Timeout,
+            ClientError::Connect { .. } | ClientError::Disconnected(_) => {
+                Self::Unavailable(e.to_string())
+            }
+            ClientError::DigestMismatch {
+                table,
+                pinned,
+                advertised,
+                ..
+            } => Self::VersionMismatch {
+                table,
+                detail: format!("serves digest {advertised}, not the pinned {pinned}"),
+            },
+            ClientError::Section {
+                table,
+                code: engram_protocol::ErrorCode::VersionMismatch,
+            } => Self::VersionMismatch {
+                table,
+                detail: "the donor's table changed version".into(),
+            },
+            ClientError::Corrupt(m) => Self::Corrupt(m),
+            ClientError::Draining => Self::Draining,
+            ClientError::NotPinned(_) | ClientError::BadRequest(_) => {
+                Self::BadRequest(e.to_string())
+            }
+            ref other if !other.retry_elsewhere() => Self::BadRequest(e.to_string()),
+            ClientError::Refused {
+                code: engram_protocol::ErrorCode::Draining,
+                ..
+            } => Self::Draining,
+            _ => Self::Failed(e.to_string()),
+        }
+    }
+}
+
+/// A boxed fetch in progress (sources are used as trait objects).
+pub type FetchFuture<'a> = Pin<Box<dyn Future<Output = Result<(), SourceError>> + Send + 'a>>;
+
+/// What a health probe found: the digest of each table the source serves.
+pub type ProbeFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<(u32, TableDigest)>, SourceError>> + Send + 'a>>;
+
+/// A place rows can come from.
+pub trait RowSource: Send + Sync + fmt::Debug {
+    /// Its name in logs and metrics (a donor's name, `ssd`, `local`).
+    fn name(&self) -> &str;
+
+    /// What kind of source it is.
+    fn kind(&self) -> SourceKind;
+
+    /// False while it takes no new lookups (a donor that said Goodbye).
+    fn accepting(&self) -> bool {
+        true
+    }
+
+    /// Fill `out` (`rows.len() * 264` bytes) with the rows of `table`, in
+    /// order, or fail by `deadline`.
+    fn fetch<'a>(
+        &'a self,
+        table: u32,
+        rows: &'a [u64],
+        out: &'a mut [u8],
+        deadline: Instant,
+    ) -> FetchFuture<'a>;
+
+    /// Check health and versions out of band, for re-admission after
+    /// failures: the tables it serves now, with their digests.
+    fn probe(&self) -> ProbeFuture<'_>;
+}

@@ -1,0 +1,592 @@
+//! The router under paused tokio time, driven by a fake source with fault
+//! injection: hedging at the right moment, failover, breakers that open,
+//! half-open and close, re-admission by probes, version exclusion, corrupt
+//! answers never returned, the hard timeout and both policies.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cluster_config::{Hedge, Policy};
+use engram_protocol::synthetic::{first_mismatch, synthetic_row};
+use engram_protocol::{ROW_BYTES, TableDigest};
+use inference_node::metrics::NodeMetrics;
+use inference_node::router::{Breaker, RouteSettings, Router, RouterError, SourceHealth};
+use inference_node::source::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+use tokio::time::Instant;
+
+const TABLE: u32 = 1;
+const SEED: u64 = 7;
+const PINNED: TableDigest = TableDigest([1; 32]);
+const OTHER: TableDigest = TableDigest([2; 32]);
+
+/// What a fake source does with the next lookups.
+#[derive(Debug, Clone)]
+enum Fault {
+    /// Answer correctly after a delay.
+    Ok(Duration),
+    /// Never answer (a hung process with an open socket).
+    Hang,
+    /// Fail after a delay with this error.
+    Fail(Duration, SourceError),
+    /// Deliver rows that fail the row check (corrupt bytes past the checksum).
+    BadBytes(Duration),
+}
+
+#[derive(Debug)]
+struct Fake {
+    name: String,
+    fault: Mutex<Fault>,
+    digest: Mutex<TableDigest>,
+    healthy: AtomicBool,
+    draining: AtomicBool,
+    calls: AtomicU32,
+}
+
+impl Fake {
+    fn new(name: &str, fault: Fault) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.into(),
+            fault: Mutex::new(fault),
+            digest: Mutex::new(PINNED),
+            healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
+            calls: AtomicU32::new(0),
+        })
+    }
+
+    fn set(&self, f: Fault) {
+        *self.fault.lock().expect("lock") = f;
+    }
+
+    fn calls(&self) -> u32 {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+impl RowSource for Fake {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> SourceKind {
+        SourceKind::Donor
+    }
+
+    fn accepting(&self) -> bool {
+        !self.draining.load(Ordering::SeqCst)
+    }
+
+    fn fetch<'a>(
+        &'a self,
+        table: u32,
+        rows: &'a [u64],
+        out: &'a mut [u8],
+        deadline: Instant,
+    ) -> FetchFuture<'a> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let fault = self.fault.lock().expect("lock").clone();
+        Box::pin(async move {
+            assert_eq!(table, TABLE);
+            let work = async {
+                match fault {
+                    Fault::Ok(d) | Fault::BadBytes(d) => {
+                        tokio::time::sleep(d).await;
+                        for (r, o) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
+                            let o: &mut [u8; ROW_BYTES] = o.try_into().expect("row");
+                            synthetic_row(SEED, 1, *r, o);
+                        }
+                        if matches!(fault, Fault::BadBytes(_)) {
+                            out[5] = 0x7F; // an E4M3 NaN: corrupt
+                        }
+                        Ok(())
+                    }
+                    Fault::Hang => std::future::pending().await,
+                    Fault::Fail(d, e) => {
+                        tokio::time::sleep(d).await;
+                        Err(e)
+                    }
+                }
+            };
+            tokio::time::timeout_at(deadline, work)
+                .await
+                .map_err(|_| SourceError::Timeout)?
+        })
+    }
+
+    fn probe(&self) -> ProbeFuture<'_> {
+        Box::pin(async move {
+            if self.healthy.load(Ordering::SeqCst) {
+                Ok(vec![(TABLE, *self.digest.lock().expect("lock"))])
+            } else {
+                Err(SourceError::Unavailable("probe refused".into()))
+            }
+        })
+    }
+}
+
+/// Test time unit: tokio's timer (and so paused time) counts whole
+/// milliseconds, so the tests run the router's logic on a millisecond scale
+/// with its tokio timers (`precise_timers: false`).
+fn us(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn settings(hedge: Hedge, policy: Policy) -> RouteSettings {
+    RouteSettings {
+        table: TABLE,
+        window: us(250),
+        grace: us(50),
+        hard_timeout: us(2_000),
+        hedge,
+        policy,
+        precise_timers: false,
+    }
+}
+
+struct Rig {
+    router: Router,
+    health: Vec<Arc<SourceHealth>>,
+    metrics: Arc<NodeMetrics>,
+}
+
+fn rig(sources: &[&Arc<Fake>], s: RouteSettings) -> Rig {
+    let metrics = Arc::new(NodeMetrics::new());
+    let health: Vec<Arc<SourceHealth>> = sources
+        .iter()
+        .map(|f| {
+            let src: Arc<dyn RowSource> = (*f).clone();
+            Arc::new(SourceHealth::new(
+                src,
+                vec![(TABLE, PINNED)],
+                3,
+                metrics
+                    .breaker_state
+                    .get_or_create(&inference_node::metrics::SourceOnly {
+                        source: f.name.clone(),
+                    })
+                    .clone(),
+            ))
+        })
+        .collect();
+    let router = Router::new(s, health.clone(), &metrics);
+    Rig {
+        router,
+        health,
+        metrics,
+    }
+}
+
+const ROWS: [u64; 24] = [
+    3,
+    99,
+    1000,
+    7,
+    12345,
+    5,
+    6,
+    77,
+    1 << 20,
+    42,
+    43,
+    44,
+    9,
+    10,
+    11,
+    12,
+    13,
+    14,
+    15,
+    16,
+    17,
+    18,
+    19,
+    20,
+];
+
+async fn fetch(
+    r: &Rig,
+) -> (
+    Result<inference_node::router::Fetched, RouterError>,
+    Vec<u8>,
+) {
+    let mut out = vec![0xAAu8; ROWS.len() * ROW_BYTES];
+    let res = r.router.fetch(&ROWS, &mut out).await;
+    (res, out)
+}
+
+fn assert_rows(out: &[u8]) {
+    assert_eq!(
+        first_mismatch(SEED, 1, &ROWS, out),
+        None,
+        "wrong rows returned"
+    );
+}
+
+fn metric(r: &Rig, needle: &str) -> String {
+    let text = r.metrics.render();
+    text.lines()
+        .find(|l| l.starts_with(needle))
+        .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
+        .unwrap_or_else(|| panic!("no series {needle} in:\n{text}"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_primary_answers_alone_when_it_is_fast() {
+    let a = Fake::new("a", Fault::Ok(us(40)));
+    let b = Fake::new("b", Fault::Ok(us(40)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    let (res, out) = fetch(&r).await;
+    let f = res.expect("fetched");
+    assert_eq!(f.source.as_deref(), Some("a"));
+    assert_eq!((f.hedges, f.failovers, f.late), (0, 0, false));
+    assert_eq!(f.elapsed, us(40));
+    assert_eq!(b.calls(), 0);
+    assert_rows(&out);
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_rows_served_total{table=\"1\",source=\"a\"}"
+        ),
+        "24"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_goes_out_at_the_hedge_delay_and_its_rows_win() {
+    let a = Fake::new("a", Fault::Ok(us(1_000)));
+    let b = Fake::new("b", Fault::Ok(us(60)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    let (res, out) = fetch(&r).await;
+    let f = res.expect("fetched");
+    assert_eq!(f.source.as_deref(), Some("b"));
+    assert_eq!(f.hedges, 1);
+    // Hedge sent at 100 us, answered 60 us later.
+    assert_eq!(f.elapsed, us(160));
+    assert!(!f.late);
+    assert_rows(&out);
+    assert_eq!(
+        metric(&r, "engram_node_hedges_sent_total{table=\"1\"}"),
+        "1"
+    );
+    assert_eq!(
+        metric(&r, "engram_node_hedges_won_total{table=\"1\",source=\"b\"}"),
+        "1"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_hedge_never_waits_past_the_deadline() {
+    let a = Fake::new("a", Fault::Ok(us(5_000)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(2_000)), Policy::Fail));
+    let f = fetch(&r).await.0.expect("fetched");
+    // Deadline = window 250 + grace 50: the hedge goes then, not at 2 ms.
+    assert_eq!(f.elapsed, us(310));
+    assert!(f.late);
+    assert_eq!(
+        metric(&r, "engram_node_deadline_misses_total{table=\"1\"}"),
+        "1"
+    );
+
+    // Hedging off: the next source still gets the lookup at the deadline.
+    let r = rig(&[&a, &b], settings(Hedge::Off, Policy::Fail));
+    let f = fetch(&r).await.0.expect("fetched");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(310)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn percentile_hedging_follows_recent_latencies() {
+    let a = Fake::new("a", Fault::Ok(us(80)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Percentile(99.0), Policy::Fail));
+    for _ in 0..40 {
+        assert_eq!(fetch(&r).await.0.expect("ok").source.as_deref(), Some("a"));
+    }
+    assert_eq!(
+        b.calls(),
+        0,
+        "no hedge while the primary is at its usual speed"
+    );
+    // Now the primary slows down: the hedge goes at its p99 (80 us).
+    a.set(Fault::Ok(us(400)));
+    let f = fetch(&r).await.0.expect("ok");
+    assert_eq!(
+        (f.source.as_deref(), f.elapsed, f.hedges),
+        (Some("b"), us(90), 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_moves_to_the_next_source_at_once() {
+    let a = Fake::new(
+        "a",
+        Fault::Fail(us(20), SourceError::Unavailable("refused".into())),
+    );
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    let (res, out) = fetch(&r).await;
+    let f = res.expect("fetched");
+    assert_eq!(
+        (f.source.as_deref(), f.failovers, f.elapsed),
+        (Some("b"), 1, us(50))
+    );
+    assert_rows(&out);
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_source_errors_total{table=\"1\",source=\"a\",kind=\"unavailable\"}"
+        ),
+        "1"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_breaker_opens_half_opens_on_a_probe_and_closes_on_success() {
+    let a = Fake::new(
+        "a",
+        Fault::Fail(us(5), SourceError::Unavailable("down".into())),
+    );
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    a.healthy.store(false, Ordering::SeqCst);
+    for _ in 0..3 {
+        fetch(&r).await.0.expect("b answers");
+    }
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    assert_eq!(metric(&r, "engram_node_breaker_state{source=\"a\"}"), "2");
+    // Open: no traffic at all.
+    for _ in 0..5 {
+        assert_eq!(fetch(&r).await.0.expect("ok").elapsed, us(30));
+    }
+    assert_eq!(a.calls(), 3);
+    // A failing probe keeps it open.
+    r.health[0].probe().await;
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    // The donor comes back: the probe half-opens, a good lookup closes.
+    a.healthy.store(true, Ordering::SeqCst);
+    a.set(Fault::Ok(us(20)));
+    r.health[0].probe().await;
+    assert_eq!(r.health[0].breaker(), Breaker::HalfOpen);
+    let f = fetch(&r).await.0.expect("ok");
+    assert_eq!(f.source.as_deref(), Some("a"));
+    assert_eq!(r.health[0].breaker(), Breaker::Closed);
+    assert_eq!(metric(&r, "engram_node_breaker_state{source=\"a\"}"), "0");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_while_half_open_opens_again() {
+    let a = Fake::new("a", Fault::Fail(us(5), SourceError::Timeout));
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    for _ in 0..3 {
+        fetch(&r).await.0.expect("ok");
+    }
+    r.health[0].probe().await;
+    assert_eq!(r.health[0].breaker(), Breaker::HalfOpen);
+    fetch(&r).await.0.expect("ok");
+    assert_eq!(
+        r.health[0].breaker(),
+        Breaker::Open,
+        "one failure on trial reopens"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn background_probes_readmit_a_quiet_source_within_two_intervals() {
+    let a = Fake::new(
+        "a",
+        Fault::Fail(us(5), SourceError::Unavailable("down".into())),
+    );
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    for _ in 0..3 {
+        fetch(&r).await.0.expect("ok");
+    }
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    let interval = us(1_000);
+    tokio::spawn(r.health[0].clone().probe_loop(interval));
+    let healed = Instant::now();
+    while r.health[0].breaker() != Breaker::Closed {
+        tokio::time::sleep(us(1)).await;
+        assert!(healed.elapsed() <= 2 * interval + us(1), "not re-admitted");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_source_loses_every_race_and_its_breaker_opens() {
+    let a = Fake::new("a", Fault::Hang);
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    for _ in 0..3 {
+        let f = fetch(&r).await.0.expect("the hedge answers");
+        assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(130)));
+    }
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    // Now lookups go straight to b.
+    assert_eq!(fetch(&r).await.0.expect("ok").elapsed, us(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_version_mismatch_excludes_the_source_until_its_digest_matches() {
+    let a = Fake::new(
+        "a",
+        Fault::Fail(
+            us(5),
+            SourceError::VersionMismatch {
+                table: TABLE,
+                detail: "other".into(),
+            },
+        ),
+    );
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    *a.digest.lock().expect("lock") = OTHER;
+    fetch(&r).await.0.expect("b answers");
+    assert!(!r.health[0].admissible(TABLE));
+    assert_eq!(
+        r.health[0].breaker(),
+        Breaker::Closed,
+        "not a fault, a version"
+    );
+    fetch(&r).await.0.expect("ok");
+    assert_eq!(a.calls(), 1, "excluded: never asked again");
+    r.health[0].probe().await;
+    assert!(!r.health[0].admissible(TABLE), "still the wrong digest");
+    *a.digest.lock().expect("lock") = PINNED;
+    a.set(Fault::Ok(us(10)));
+    r.health[0].probe().await;
+    assert!(r.health[0].admissible(TABLE));
+    assert_eq!(fetch(&r).await.0.expect("ok").source.as_deref(), Some("a"));
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_version_mismatches_total{table=\"1\",source=\"a\"}"
+        ),
+        "1"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn corrupt_answers_are_never_returned() {
+    let a = Fake::new("a", Fault::BadBytes(us(10)));
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let c = Fake::new(
+        "c",
+        Fault::Fail(us(10), SourceError::Corrupt("checksum".into())),
+    );
+    let r = rig(&[&a, &c, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    let (res, out) = fetch(&r).await;
+    let f = res.expect("b answers");
+    assert_eq!((f.source.as_deref(), f.failovers), (Some("b"), 2));
+    assert_rows(&out);
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_checksum_failures_total{table=\"1\",source=\"a\"}"
+        ),
+        "1"
+    );
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_checksum_failures_total{table=\"1\",source=\"c\"}"
+        ),
+        "1"
+    );
+    // With nothing good left, the caller gets an error, never the bytes.
+    let r = rig(&[&a], settings(Hedge::Off, Policy::Fail));
+    let (res, out) = fetch(&r).await;
+    assert!(matches!(res, Err(RouterError::AllFailed { .. })), "{res:?}");
+    assert!(
+        out.iter().all(|&b| b == 0xAA),
+        "the caller's buffer is untouched"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_draining_source_gets_no_new_lookups() {
+    let a = Fake::new("a", Fault::Ok(us(10)));
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
+    a.draining.store(true, Ordering::SeqCst);
+    let f = fetch(&r).await.0.expect("ok");
+    assert_eq!(
+        (f.source.as_deref(), f.elapsed, f.failovers),
+        (Some("b"), us(30), 0)
+    );
+    assert_eq!(a.calls(), 0);
+    assert_eq!(r.health[0].breaker(), Breaker::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_hard_timeout_bounds_a_lookup_and_the_policy_decides() {
+    let a = Fake::new("a", Fault::Hang);
+    let b = Fake::new("b", Fault::Hang);
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    let start = Instant::now();
+    let (res, out) = fetch(&r).await;
+    assert_eq!(start.elapsed(), us(2_000));
+    match res {
+        Err(RouterError::AllFailed {
+            table, attempts, ..
+        }) => {
+            assert_eq!(table, TABLE);
+            assert!(
+                attempts.iter().any(|(_, e)| e.contains("hard timeout")),
+                "{attempts:?}"
+            );
+        }
+        other => panic!("expected AllFailed, got {other:?}"),
+    }
+    assert!(out.iter().all(|&b| b == 0xAA));
+    assert_eq!(
+        metric(&r, "engram_node_failed_lookups_total{table=\"1\"}"),
+        "1"
+    );
+
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Zeros));
+    let (res, out) = fetch(&r).await;
+    let f = res.expect("zeros by policy");
+    assert!(f.is_zeros());
+    assert!(out.iter().all(|&b| b == 0));
+    assert_eq!(
+        metric(&r, "engram_node_zeros_served_total{table=\"1\"}"),
+        "1"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_every_source_fails_fast_the_policy_answers_without_waiting() {
+    let e = SourceError::Unavailable("refused".into());
+    let a = Fake::new("a", Fault::Fail(us(5), e.clone()));
+    let b = Fake::new("b", Fault::Fail(us(5), e));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Zeros));
+    let f = fetch(&r).await.0.expect("zeros");
+    assert!(f.is_zeros());
+    assert_eq!(f.elapsed, us(10));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    let err = fetch(&r).await.0.expect_err("fails");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("a: unavailable: refused") && msg.contains("b: unavailable"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bad_request_is_not_retried_elsewhere() {
+    let a = Fake::new(
+        "a",
+        Fault::Fail(
+            us(5),
+            SourceError::BadRequest("row 9e9 out of range".into()),
+        ),
+    );
+    let b = Fake::new("b", Fault::Ok(us(5)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Zeros));
+    let err = fetch(&r).await.0.expect_err("bad request");
+    assert!(matches!(err, RouterError::BadRequest { .. }), "{err:?}");
+    assert_eq!(b.calls(), 0);
+    assert_eq!(r.health[0].breaker(), Breaker::Closed);
+}
