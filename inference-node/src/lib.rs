@@ -12,6 +12,7 @@
 //! copy exactly as a donor does); the donor never depends on the node.
 
 pub mod client;
+pub mod memory;
 pub mod metrics;
 pub mod router;
 pub mod rowlist;

@@ -210,6 +210,17 @@ impl SourceHealth {
     /// Probe once and apply what it found.
     pub async fn probe(&self) {
         let res = self.source.probe().await;
+        self.apply(res, false);
+    }
+
+    /// The first probe, at startup: a source that does not answer starts
+    /// with its breaker open (lookups skip it until a probe passes).
+    pub async fn probe_at_start(&self) {
+        let res = self.source.probe().await;
+        self.apply(res, true);
+    }
+
+    fn apply(&self, res: Result<Vec<(u32, TableDigest)>, SourceError>, at_start: bool) {
         let mut st = self.st();
         match res {
             Ok(tables) => {
@@ -250,6 +261,10 @@ impl SourceHealth {
                 if !st.excluded.contains(&table) {
                     st.excluded.push(table);
                 }
+            }
+            Err(e) if at_start => {
+                tracing::warn!(source = self.source.name(), error = %e, "not reachable at startup: excluded until a probe passes");
+                self.set(&mut st, Breaker::Open);
             }
             Err(e) => {
                 tracing::debug!(source = self.source.name(), error = %e, "probe failed");

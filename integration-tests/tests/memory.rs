@@ -1,0 +1,259 @@
+//! The node's memory against real donor processes and real SSD copies:
+//! failover to the SSD copy when a donor is killed, re-admission when it
+//! comes back, a donor at the wrong version never used, both SSD engines
+//! reading exactly the generator's rows, and copies that are not what the
+//! config pins refused at startup.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cluster_config::{Config, SsdIo};
+use engram_protocol::synthetic::first_mismatch;
+use engram_protocol::{ROW_BYTES, TableDigest};
+use inference_node::memory::{Memory, MemoryError};
+use inference_node::metrics::NodeMetrics;
+use inference_node::router::Router;
+use inference_node::source::ssd::{SsdOptions, SsdReader};
+use integration_tests::{DonorProcess, gen_table};
+use memory_donor::resident::Pin;
+
+const ROWS: u64 = 30_000;
+const SEED: u64 = 5;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A port free on 127.0.0.1 now (so a restarted donor can bind it again).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+fn write_config(dir: &Path, table: &Path, digest: TableDigest, port: u16, sources: &str) -> Config {
+    let text = format!(
+        "version = 1\n[rack]\nname = \"t\"\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{port}\"]\ntables = [1]\nram_gib = 1.0\n\
+         [[node]]\nname = \"n\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
+         [[node.route]]\ntable = 1\nsources = [{sources}]\nhedge = \"off\"\n",
+        table.display()
+    );
+    let path = dir.join("rack.toml");
+    std::fs::write(&path, text).expect("config");
+    Config::load(&path).expect("valid config")
+}
+
+fn donor(config: &Config) -> DonorProcess {
+    DonorProcess::start(&[
+        "--config",
+        &config.path.display().to_string(),
+        "--name",
+        "d",
+    ])
+    .expect("donor starts")
+}
+
+/// Fetch 24 random rows, check them, and say who served them.
+async fn fetch_one(router: &Router, i: u64) -> String {
+    let rows = random_rows(i);
+    let mut out = vec![0u8; 24 * ROW_BYTES];
+    let f = router.fetch(&rows, &mut out).await.expect("fetch");
+    assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
+    f.source.expect("rows, not zeros")
+}
+
+fn random_rows(seed: u64) -> Vec<u64> {
+    let mut s = engram_protocol::synthetic::SplitMix64::new(seed);
+    (0..24).map(|_| s.below(ROWS)).collect()
+}
+
+#[test]
+fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
+    let mut d = donor(&config);
+    rt().block_on(async {
+        let metrics = NodeMetrics::new();
+        let mem = Memory::from_config(&config, "n", &metrics)
+            .await
+            .expect("memory");
+        let router = mem.router(1).expect("router");
+        let fetch = |i| fetch_one(router, i);
+        for i in 0..20 {
+            assert_eq!(fetch(i).await, "d");
+        }
+        d.signal(libc::SIGKILL);
+        d.wait(Duration::from_secs(10)).expect("killed");
+        for i in 20..40 {
+            assert_eq!(
+                fetch(i).await,
+                "ssd",
+                "every lookup is served, by the SSD copy"
+            );
+        }
+        let text = metrics.render();
+        assert!(
+            text.contains("engram_node_breaker_state{source=\"d\"} 2"),
+            "breaker open:\n{text}"
+        );
+        // The donor returns on the same address: probes re-admit it.
+        let _d2 = donor(&config);
+        let back = Instant::now();
+        let mut i = 40;
+        loop {
+            if fetch(i).await == "d" {
+                break;
+            }
+            i += 1;
+            assert!(
+                back.elapsed() < Duration::from_secs(20),
+                "never re-admitted"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            metrics
+                .render()
+                .contains("engram_node_breaker_state{source=\"d\"} 0")
+        );
+    });
+}
+
+#[test]
+fn a_donor_at_another_version_is_never_used() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let other = tempfile::tempdir().expect("tempdir");
+    let (other_table, other_digest) =
+        gen_table(other.path(), "l1.etab", 1, ROWS, SEED + 1).expect("gen");
+    assert_ne!(digest, other_digest);
+    let port = free_port();
+    // The donor serves the other version (its own config pins that one).
+    let donor_cfg = write_config(other.path(), &other_table, other_digest, port, "\"d\"");
+    let _d = donor(&donor_cfg);
+    let config = write_config(dir.path(), &table, digest, port, "\"d\", \"ssd\"");
+    rt().block_on(async {
+        let metrics = NodeMetrics::new();
+        let mem = Memory::from_config(&config, "n", &metrics)
+            .await
+            .expect("memory");
+        let router = mem.router(1).expect("router");
+        assert!(!router.sources()[0].admissible(1), "excluded at startup");
+        for i in 0..10 {
+            let rows = random_rows(i);
+            let mut out = vec![0u8; 24 * ROW_BYTES];
+            let f = router.fetch(&rows, &mut out).await.expect("fetch");
+            assert_eq!(f.source.as_deref(), Some("ssd"));
+            assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+        }
+    });
+}
+
+#[test]
+fn both_ssd_engines_read_the_generators_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let pin = Pin {
+        digest,
+        layer: 1,
+        rows: ROWS,
+    };
+    for io in [SsdIo::Auto, SsdIo::Pread] {
+        let opts = SsdOptions {
+            io,
+            ..SsdOptions::default()
+        };
+        let mut r = SsdReader::open(&table, Some(pin), false, opts).expect("open");
+        if io == SsdIo::Pread {
+            assert_eq!(r.engine_name(), "pread");
+        }
+        // A prefill-sized batch (more than one submit's worth) and many small ones.
+        let mut s = engram_protocol::synthetic::SplitMix64::new(9);
+        let big: Vec<u64> = (0..1000).map(|_| s.below(ROWS)).collect();
+        let mut out = vec![0u8; big.len() * ROW_BYTES];
+        r.read(&big, &mut out).expect("read");
+        assert_eq!(
+            first_mismatch(SEED, 1, &big, &out),
+            None,
+            "{}",
+            r.engine_name()
+        );
+        for i in 0..200 {
+            let rows = random_rows(i);
+            let mut out = vec![0u8; 24 * ROW_BYTES];
+            r.read(&rows, &mut out).expect("read");
+            assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+        }
+        let e = r
+            .read(&[ROWS], &mut [0u8; ROW_BYTES])
+            .expect_err("out of range");
+        assert!(e.to_string().contains("out of range"), "{e}");
+    }
+}
+
+#[test]
+fn copies_that_are_not_what_the_config_pins_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let wrong = Pin {
+        digest: TableDigest([9; 32]),
+        layer: 1,
+        rows: ROWS,
+    };
+    let e = SsdReader::open(&table, Some(wrong), false, SsdOptions::default())
+        .expect_err("another version");
+    assert!(e.to_string().contains("pins"), "{e}");
+    // Same header, one row byte changed: the recomputed digest catches it.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&table)
+            .expect("open");
+        f.write_at(&[0x11], 8192 + 3).expect("write");
+    }
+    let pin = Pin {
+        digest,
+        layer: 1,
+        rows: ROWS,
+    };
+    let e =
+        SsdReader::open(&table, Some(pin), false, SsdOptions::default()).expect_err("corrupt copy");
+    assert!(e.to_string().contains("corrupt or was modified"), "{e}");
+    // A node whose only source is that copy does not start.
+    let config = write_config(dir.path(), &table, digest, free_port(), "\"ssd\"");
+    rt().block_on(async {
+        let e = Memory::from_config(&config, "n", &NodeMetrics::new())
+            .await
+            .expect_err("refused");
+        assert!(matches!(e, MemoryError::Ssd { table: 1, .. }), "{e}");
+    });
+}
+
+#[test]
+fn a_node_with_a_local_copy_serves_itself() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let config = write_config(dir.path(), &table, digest, free_port(), "\"local\"");
+    rt().block_on(async {
+        let mem = Memory::from_config(&config, "n", &NodeMetrics::new())
+            .await
+            .expect("memory");
+        let rows = random_rows(1);
+        let mut out = vec![0u8; 24 * ROW_BYTES];
+        let f = mem
+            .router(1)
+            .expect("router")
+            .fetch(&rows, &mut out)
+            .await
+            .expect("fetch");
+        assert_eq!(f.source.as_deref(), Some("local"));
+        assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+    });
+}
