@@ -5,6 +5,7 @@
 
 mod demo;
 mod floor;
+mod ssd;
 mod stats;
 
 use anyhow::Result;
@@ -27,6 +28,8 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),
+    /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
+    Ssd(ssd::SsdArgs),
     /// (internal) The floor's server side.
     #[command(hide = true)]
     FloorServer,
@@ -36,6 +39,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo::run(&a),
         Cmd::Floor(a) => floor::run(&a),
+        Cmd::Ssd(a) => ssd::run(&a),
         Cmd::FloorServer => floor::floor_server(),
     }
 }
