@@ -87,7 +87,6 @@ fn drop_cache(file: &std::fs::File) {
 struct Mmapped {
     map: memmap2::Mmap,
     layout: engram_protocol::etab::TableLayout,
-    file: std::fs::File,
 }
 
 impl Mmapped {
@@ -116,14 +115,19 @@ pub fn run(args: &SsdArgs) -> Result<()> {
         .strip_prefix("synthetic seed=")
         .and_then(|s| s.split_whitespace().next())
         .and_then(|s| s.parse().ok());
-    let file = std::fs::File::open(&args.file)?;
-    // SAFETY: the file is not modified while mapped (the benchmark owns it).
-    let map = unsafe { memmap2::Mmap::map(&file)? };
-    let mm = Mmapped {
-        map,
-        layout: table.layout,
-        file,
+    // Mapped anew each round after the cache is dropped: pages still mapped
+    // would survive the drop.
+    let map_cold = || -> Result<Mmapped> {
+        let file = std::fs::File::open(&args.file)?;
+        drop_cache(&file);
+        // SAFETY: the file is not modified while mapped (the benchmark owns it).
+        let map = unsafe { memmap2::Mmap::map(&file)? };
+        Ok(Mmapped {
+            map,
+            layout: table.layout,
+        })
     };
+    let mut mm: Option<Mmapped> = None;
     let open = |io, threads| {
         SsdReader::open(
             &args.file,
@@ -155,13 +159,14 @@ pub fn run(args: &SsdArgs) -> Result<()> {
         for (s, l) in lat.iter_mut().enumerate() {
             let mut rng = SplitMix64::new(1000 * round as u64 + s as u64);
             if s == 0 {
-                drop_cache(&mm.file);
+                drop(mm.take());
+                mm = Some(map_cold()?);
             }
             for b in 0..args.batches {
                 let rows: Vec<u64> = (0..24).map(|_| rng.below(meta.rows)).collect();
                 let t = Instant::now();
                 match s {
-                    0 => mm.read(&rows, &mut out)?,
+                    0 => mm.as_ref().context("mapped")?.read(&rows, &mut out)?,
                     1 => seq4.read(&rows, &mut out)?,
                     2 => uring.read(&rows, &mut out)?,
                     _ => pool24.read(&rows, &mut out)?,
