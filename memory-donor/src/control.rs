@@ -23,6 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
 
 use crate::status::{DonorStatus, LoadState, Phase};
 
@@ -57,12 +58,25 @@ impl Default for ControlLimits {
 #[derive(Debug, Clone)]
 pub struct ControlService {
     status: Arc<DonorStatus>,
+    health: HealthReporter,
 }
 
 impl ControlService {
-    /// A service answering from `status`.
-    pub fn new(status: Arc<DonorStatus>) -> Self {
-        Self { status }
+    /// A service answering from `status` and keeping `health` in step with it.
+    pub fn new(status: Arc<DonorStatus>, health: HealthReporter) -> Self {
+        Self { status, health }
+    }
+}
+
+/// Report `phase` as the health of the donor ("") and of `DonorControl`.
+async fn publish(health: &HealthReporter, phase: Phase) {
+    let now = if phase == Phase::Serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    for name in ["", pb::SERVICE_NAME] {
+        health.set_service_status(name, now).await;
     }
 }
 
@@ -155,6 +169,8 @@ impl DonorControl for ControlService {
         request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::DrainResponse>, Status> {
         let started = self.status.request_drain();
+        // Before answering: whoever gets this answer then sees NOT_SERVING.
+        publish(&self.health, self.status.phase()).await;
         tracing::info!(
             peer = ?request.remote_addr(),
             started,
@@ -247,14 +263,6 @@ fn bounded_incoming(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-fn serving(phase: Phase) -> ServingStatus {
-    if phase == Phase::Serving {
-        ServingStatus::Serving
-    } else {
-        ServingStatus::NotServing
-    }
-}
-
 /// Serve health and `DonorControl` on `listener` until `shutdown` resolves.
 /// Health follows the donor's phase: SERVING only while [`Phase::Serving`].
 pub async fn serve_control(
@@ -266,19 +274,16 @@ pub async fn serve_control(
     let (reporter, health) = tonic_health::server::health_reporter();
     let mut phases = status.watch_phase();
     // Set before the first connection is accepted: the reporter starts at SERVING.
-    let now = serving(*phases.borrow_and_update());
-    for name in ["", pb::SERVICE_NAME] {
-        reporter.set_service_status(name, now).await;
-    }
+    let now = *phases.borrow_and_update();
+    publish(&reporter, now).await;
+    let follower = reporter.clone();
     tokio::spawn(async move {
         while phases.changed().await.is_ok() {
-            let now = serving(*phases.borrow_and_update());
-            for name in ["", pb::SERVICE_NAME] {
-                reporter.set_service_status(name, now).await;
-            }
+            let now = *phases.borrow_and_update();
+            publish(&follower, now).await;
         }
     });
-    let control = DonorControlServer::new(ControlService::new(status))
+    let control = DonorControlServer::new(ControlService::new(status, reporter))
         .max_decoding_message_size(limits.max_request)
         .max_encoding_message_size(16 << 20);
     tonic::transport::Server::builder()

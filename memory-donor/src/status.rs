@@ -249,12 +249,19 @@ impl DonorStatus {
         self.phase.subscribe()
     }
 
-    /// Ask for a drain (the control plane's Drain, or a signal); false when
-    /// one was already asked for.
+    /// Ask for a drain (the control plane's Drain, or a signal) and enter
+    /// [`Phase::Draining`] unless failed; false when one was already asked for.
     pub fn request_drain(&self) -> bool {
         if self.drain_requested.swap(true, Ordering::AcqRel) {
             return false;
         }
+        self.phase.send_if_modified(|p| {
+            let change = *p != Phase::Failed && *p != Phase::Draining;
+            if change {
+                *p = Phase::Draining;
+            }
+            change
+        });
         self.drain.notify_one();
         true
     }
@@ -312,7 +319,6 @@ mod tests {
         assert!(s.request_drain());
         assert!(!s.request_drain());
         s.drain_requested().await;
-        s.set_phase(Phase::Draining);
         phases.changed().await.expect("changed");
         assert_eq!(*phases.borrow(), Phase::Draining);
     }
