@@ -5,13 +5,16 @@
 //! file, line, column and key it is about, all problems at once. The result
 //! is a plain [`Config`] the daemons read and never poke at as TOML.
 //!
-//! What it is not: it opens no table files and no sockets (`engram-cluster
-//! check` runs anywhere, before anything is deployed).
+//! What it is not: the config itself opens no table files and no sockets
+//! (`engram-cluster check` runs anywhere, before anything is deployed).
+//! Beside it live two small pieces both daemons share: `logging` and
+//! `ops` (the Prometheus `/metrics` HTTP endpoint).
 //!
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
 pub mod logging;
+pub mod ops;
 mod raw;
 mod validate;
 
@@ -99,6 +102,24 @@ pub struct Donor {
     pub write_timeout: Duration,
     /// How long a drain (SIGTERM) waits for clients.
     pub drain_timeout: Duration,
+    /// The control plane's gRPC address to bind (health, tables, stats, drain).
+    pub control: Option<SocketAddr>,
+    /// The Prometheus `/metrics` HTTP address to bind.
+    pub metrics: Option<SocketAddr>,
+}
+
+impl Donor {
+    /// The control-plane address a node dials: `control` itself, or, when it
+    /// binds a wildcard IP, the first advertised data-plane IP on its port.
+    pub fn control_endpoint(&self) -> Option<SocketAddr> {
+        let c = self.control?;
+        if !c.ip().is_unspecified() {
+            return Some(c);
+        }
+        self.advertise
+            .first()
+            .map(|a| SocketAddr::new(a.ip(), c.port()))
+    }
 }
 
 /// Where a node may get a table's rows.

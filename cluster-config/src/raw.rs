@@ -53,6 +53,8 @@ pub(crate) struct RawDonor {
     pub idle_timeout_ms: Option<S<i64>>,
     pub write_timeout_ms: Option<S<i64>>,
     pub drain_timeout_ms: Option<S<i64>>,
+    pub control: Option<S<String>>,
+    pub metrics: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]

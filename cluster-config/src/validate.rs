@@ -205,28 +205,76 @@ fn addrs(
         cx.at(list.span(), key, "at least one address is needed");
     }
     for (j, a) in list.get_ref().iter().enumerate() {
-        match a.get_ref().parse::<SocketAddr>() {
-            Ok(addr) if !allow_wildcard && (addr.ip().is_unspecified() || addr.port() == 0) => {
-                cx.at(
-                    a.span(),
-                    format!("{key}[{j}]"),
-                    format!("{addr} cannot be dialled: give a concrete address and port"),
-                );
-            }
-            Ok(addr) if out.contains(&addr) => cx.at(
+        match addr(cx, a, &format!("{key}[{j}]"), allow_wildcard) {
+            Some(addr) if out.contains(&addr) => cx.at(
                 a.span(),
                 format!("{key}[{j}]"),
                 format!("{addr} is listed twice"),
             ),
-            Ok(addr) => out.push(addr),
-            Err(_) => cx.at(
-                a.span(),
-                format!("{key}[{j}]"),
-                format!("{:?} is not IP:PORT", a.get_ref()),
-            ),
+            Some(addr) => out.push(addr),
+            None => {}
         }
     }
     out
+}
+
+/// One `IP:PORT`; with `allow_wildcard`, a bindable one (`0.0.0.0`, port 0).
+fn addr(cx: &mut Ctx<'_>, a: &S<String>, key: &str, allow_wildcard: bool) -> Option<SocketAddr> {
+    match a.get_ref().parse::<SocketAddr>() {
+        Ok(addr) if !allow_wildcard && (addr.ip().is_unspecified() || addr.port() == 0) => {
+            cx.at(
+                a.span(),
+                key,
+                format!("{addr} cannot be dialled: give a concrete address and port"),
+            );
+            None
+        }
+        Ok(addr) => Some(addr),
+        Err(_) => {
+            cx.at(a.span(), key, format!("{:?} is not IP:PORT", a.get_ref()));
+            None
+        }
+    }
+}
+
+/// True when binding both would collide: same port on the same or a wildcard IP.
+fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.port() != 0
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// A donor's control and metrics addresses: bindable, distinct from the
+/// data plane and from each other.
+fn ops_addrs(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    listen: &[SocketAddr],
+    k: &dyn Fn(&str) -> String,
+) -> (Option<SocketAddr>, Option<SocketAddr>) {
+    let mut taken: Vec<(SocketAddr, &str)> = listen.iter().map(|a| (*a, "listen")).collect();
+    let mut out = [None, None];
+    for (slot, (name, raw)) in out
+        .iter_mut()
+        .zip([("control", &d.control), ("metrics", &d.metrics)])
+    {
+        let Some(raw) = raw else { continue };
+        let Some(a) = addr(cx, raw, &k(name), true) else {
+            continue;
+        };
+        if let Some((b, other)) = taken.iter().find(|(b, _)| overlaps(a, *b)) {
+            cx.at(
+                raw.span(),
+                k(name),
+                format!("{a} collides with {other} address {b}: give it a port of its own"),
+            );
+            continue;
+        }
+        taken.push((a, name));
+        *slot = Some(a);
+    }
+    let [control, metrics] = out;
+    (control, metrics)
 }
 
 fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor> {
@@ -322,6 +370,7 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
                 MlockMode::Try
             }
         };
+        let (control, metrics) = ops_addrs(cx, d, &listen, &k);
         out.push(Donor {
             name,
             listen,
@@ -336,6 +385,8 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
             idle_timeout: cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
             write_timeout: cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),
             drain_timeout: cx.opt_ms(&d.drain_timeout_ms, &k("drain_timeout_ms"), 5_000, false),
+            control,
+            metrics,
         });
     }
     out

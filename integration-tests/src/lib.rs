@@ -12,8 +12,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -75,27 +74,22 @@ pub fn gen_table(
     Ok((path, digest))
 }
 
-/// A running service process that announces `ready listen=ADDR[,ADDR]` on
-/// stderr; killed on drop.
-#[derive(Debug)]
-pub struct DonorProcess {
-    child: Child,
-    /// The first address it listens on.
-    pub addr: SocketAddr,
-    /// Every address it listens on.
-    pub addrs: Vec<SocketAddr>,
-    log: Arc<Mutex<Vec<String>>>,
+/// A process's stderr lines so far, and whether it has closed.
+#[derive(Debug, Default)]
+struct Log {
+    lines: Mutex<(Vec<String>, bool)>,
+    grew: Condvar,
 }
 
-impl DonorProcess {
-    /// Start `memory-donor serve ARGS` and wait (at most 60 s) for its `ready` line.
-    pub fn start(args: &[&str]) -> Result<Self> {
-        let mut cmd = Command::new(bin("memory-donor"));
-        cmd.arg("serve").args(args).env("RUST_LOG", "info");
-        Self::spawn(cmd)
-    }
+/// A started process whose stderr is collected; killed on drop.
+#[derive(Debug)]
+pub struct Process {
+    child: Child,
+    log: Arc<Log>,
+}
 
-    /// Start any command that prints a `ready listen=` line on stderr, and wait for it.
+impl Process {
+    /// Start `cmd`, collecting its stderr.
     pub fn spawn(mut cmd: Command) -> Result<Self> {
         let mut child = cmd
             .stdout(Stdio::null())
@@ -103,43 +97,78 @@ impl DonorProcess {
             .spawn()
             .with_context(|| format!("starting {cmd:?}"))?;
         let stderr = child.stderr.take().context("no stderr")?;
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
+        let log = Arc::new(Log::default());
         let log2 = Arc::clone(&log);
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("ready listen=").nth(1) {
-                    let addrs = rest
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or_default()
-                        .to_string();
-                    let _ = tx.send(addrs);
-                }
-                log2.lock().unwrap().push(line);
+                log2.lines.lock().unwrap().0.push(line);
+                log2.grew.notify_all();
             }
+            log2.lines.lock().unwrap().1 = true;
+            log2.grew.notify_all();
         });
-        let addrs = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
+        Ok(Self { child, log })
+    }
+
+    /// Wait (at most `timeout`) for a log line `f` accepts, and return what it gives.
+    pub fn wait_line<T>(
+        &self,
+        timeout: Duration,
+        mut f: impl FnMut(&str) -> Option<T>,
+    ) -> Result<T> {
+        let end = Instant::now() + timeout;
+        let mut seen = 0;
+        let mut guard = self.log.lines.lock().unwrap();
+        loop {
+            for line in &guard.0[seen..] {
+                if let Some(t) = f(line) {
+                    return Ok(t);
+                }
+            }
+            seen = guard.0.len();
+            let now = Instant::now();
+            if guard.1 || now >= end {
+                let why = if guard.1 { "exited" } else { "timed out" };
                 bail!(
-                    "donor never became ready; its log:\n{}",
-                    log.lock().unwrap().join("\n")
+                    "{why} before the awaited line; log:\n{}",
+                    guard.0.join("\n")
                 );
             }
+            guard = self.log.grew.wait_timeout(guard, end - now).unwrap().0;
+        }
+    }
+
+    /// The `ops control=ADDR metrics=ADDR` line (at most 60 s away).
+    pub fn ops(&self) -> Result<OpsAddrs> {
+        self.wait_line(Duration::from_secs(60), |l| {
+            l.contains(" ops control=").then(|| OpsAddrs::parse(l))
+        })
+    }
+
+    /// Wait (at most 60 s) for the `ready listen=` line.
+    pub fn ready(self) -> Result<DonorProcess> {
+        let addrs = self.wait_line(Duration::from_secs(60), |line| {
+            let rest = line.split("ready listen=").nth(1)?;
+            Some(
+                rest.split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        });
+        let addrs = match addrs {
+            Ok(a) => a,
+            Err(e) => bail!("donor never became ready: {e}"),
         };
         let addrs: Vec<SocketAddr> = addrs
             .split(',')
             .map(str::parse)
             .collect::<Result<_, _>>()
             .context("parsing the ready line")?;
-        Ok(Self {
-            child,
+        Ok(DonorProcess {
             addr: addrs[0],
             addrs,
-            log,
+            process: self,
         })
     }
 
@@ -165,13 +194,117 @@ impl DonorProcess {
 
     /// The log so far.
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
+        self.log.lines.lock().unwrap().0.join("\n")
     }
 }
 
-impl Drop for DonorProcess {
+impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Where a donor's control plane and metrics listen (from its `ops` line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpsAddrs {
+    /// gRPC control plane.
+    pub control: Option<SocketAddr>,
+    /// Prometheus `/metrics`.
+    pub metrics: Option<SocketAddr>,
+}
+
+impl OpsAddrs {
+    fn parse(line: &str) -> Self {
+        let field = |key: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse().ok())
+        };
+        Self {
+            control: field("control="),
+            metrics: field("metrics="),
+        }
+    }
+
+    /// The control plane's URI for tonic clients.
+    pub fn control_uri(&self) -> String {
+        format!(
+            "http://{}",
+            self.control.expect("the donor runs a control plane")
+        )
+    }
+}
+
+/// A running service process that announced `ready listen=ADDR[,ADDR]` on
+/// stderr; killed on drop. It derefs to its [`Process`].
+#[derive(Debug)]
+pub struct DonorProcess {
+    process: Process,
+    /// The first address it listens on.
+    pub addr: SocketAddr,
+    /// Every address it listens on.
+    pub addrs: Vec<SocketAddr>,
+}
+
+impl DonorProcess {
+    /// Start `memory-donor serve ARGS` and wait (at most 60 s) for its `ready` line.
+    pub fn start(args: &[&str]) -> Result<Self> {
+        Self::launch(args)?.ready()
+    }
+
+    /// Start `memory-donor serve ARGS` without waiting for anything.
+    pub fn launch(args: &[&str]) -> Result<Process> {
+        let mut cmd = Command::new(bin("memory-donor"));
+        cmd.arg("serve").args(args).env("RUST_LOG", "info");
+        Process::spawn(cmd)
+    }
+
+    /// Start any command that prints a `ready listen=` line on stderr, and wait for it.
+    pub fn spawn(cmd: Command) -> Result<Self> {
+        Process::spawn(cmd)?.ready()
+    }
+}
+
+impl std::ops::Deref for DonorProcess {
+    type Target = Process;
+
+    fn deref(&self) -> &Process {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for DonorProcess {
+    fn deref_mut(&mut self) -> &mut Process {
+        &mut self.process
+    }
+}
+
+/// `GET /metrics` over plain TCP; the whole response, head and body.
+pub fn scrape(addr: SocketAddr) -> Result<String> {
+    exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+}
+
+/// Send `request` on a new connection and read until the server closes.
+pub fn exchange(addr: SocketAddr, request: &[u8]) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    // The server may close before reading everything (an oversized head).
+    let _ = s.write_all(request);
+    let mut out = Vec::new();
+    match s.read_to_end(&mut out) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// The value of the sample `series` (name and labels exactly as exposed).
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().ok())?
+    })
 }

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -11,8 +12,9 @@ use engram_protocol::{Limits, ROW_BYTES};
 use memory_donor::generate::{GenSpec, generate};
 use memory_donor::pack::pack;
 use memory_donor::progress::Progress;
-use memory_donor::serve::{ServeSpec, TableSpec, load_tables, serve};
+use memory_donor::serve::{OpsServers, ServeSpec, TableSpec, load_tables, serve};
 use memory_donor::server::ServerConfig;
+use memory_donor::status::Phase;
 use memory_donor::table_file::TableFile;
 
 #[derive(Parser)]
@@ -111,6 +113,12 @@ struct ServeArgs {
     /// File holding the credential every Hello must carry.
     #[arg(long)]
     credential_file: Option<PathBuf>,
+    /// Serve the gRPC control plane (health, ListTables, Stats, Drain) here.
+    #[arg(long, value_name = "ADDR")]
+    control: Option<SocketAddr>,
+    /// Serve Prometheus metrics (GET /metrics) here.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
 }
 
 fn threads() -> usize {
@@ -275,6 +283,8 @@ fn run_serve(args: ServeArgs) -> Result<()> {
             tables: args.tables.clone(),
             trust_digest: false,
             mlock: MlockMode::Try,
+            control: None,
+            metrics: None,
         }
     };
     // Flags override the config.
@@ -295,6 +305,12 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     if let Some(ms) = args.hello_timeout_ms {
         spec.server.hello_timeout = Duration::from_millis(ms.max(1));
     }
+    if args.control.is_some() {
+        spec.control = args.control;
+    }
+    if args.metrics.is_some() {
+        spec.metrics = args.metrics;
+    }
     if let Some(f) = &args.credential_file {
         let c = cluster_config::read_credential(f)?;
         spec.server.credential = Some(c);
@@ -306,23 +322,44 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         // Handlers first: a SIGTERM during a minutes-long load, or right after
         // the ready line, must stop the donor cleanly, not kill it.
         let mut signals = Signals::install()?;
+        // Then the control plane and metrics, so load progress and
+        // NOT_SERVING are visible while the tables load.
+        let status = spec.status();
+        let ops = OpsServers::start(&spec, &status).await?;
         let loading = tokio::task::spawn_blocking({
-            let spec = spec.clone();
-            move || load_tables(&spec)
+            let (spec, status) = (spec.clone(), Arc::clone(&status));
+            move || load_tables(&spec, &status)
         });
         let tables = tokio::select! {
-            loaded = loading => loaded??,
+            loaded = loading => match loaded? {
+                Ok(t) => t,
+                Err(e) => {
+                    status.set_phase(Phase::Failed);
+                    ops.stop().await;
+                    return Err(e.into());
+                }
+            },
             why = signals.stop() => {
                 tracing::info!("{why} while loading: exiting");
                 // The loading thread cannot be interrupted; nothing is served yet.
                 std::process::exit(0);
             }
+            () = status.drain_requested() => {
+                tracing::info!("drain requested while loading: exiting");
+                status.set_phase(Phase::Draining);
+                ops.stop().await;
+                std::process::exit(0);
+            }
         };
-        serve(&spec, tables, async move {
-            let why = signals.stop().await;
-            tracing::info!("{why}: draining");
+        let drain_status = Arc::clone(&status);
+        serve(&spec, tables, &status, &ops.describe(), async move {
+            tokio::select! {
+                why = signals.stop() => tracing::info!("{why}: draining"),
+                () = drain_status.drain_requested() => tracing::info!("drain requested: draining"),
+            }
         })
         .await?;
+        ops.stop().await;
         Ok::<(), anyhow::Error>(())
     })?;
     Ok(())

@@ -1,6 +1,7 @@
 //! Progress for long work (generating, packing, verifying, loading a table):
 //! a line at most every couple of seconds and at 100%, with bytes and rate,
-//! handed to a sink (stderr for the tools, the log for the daemon).
+//! handed to a sink (stderr for the tools, the log for the daemon), and
+//! optionally every update, unthrottled, to a tap (the donor's load state).
 
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,7 @@ pub struct Progress {
     last: Instant,
     every: Duration,
     sink: ProgressSink,
+    tap: Option<Box<dyn FnMut(u64) + Send>>,
 }
 
 impl std::fmt::Debug for Progress {
@@ -85,7 +87,14 @@ impl Progress {
             last: now,
             every: Duration::from_secs(2),
             sink,
+            tap: None,
         }
+    }
+
+    /// Also hand every update's units done to `tap`, unthrottled (keep it cheap).
+    pub fn with_tap(mut self, tap: impl FnMut(u64) + Send + 'static) -> Self {
+        self.tap = Some(Box::new(tap));
+        self
     }
 
     /// Progress to stderr, one line per report.
@@ -118,6 +127,9 @@ impl Progress {
 
     /// Note that `done` units are complete; reports if enough time has passed.
     pub fn update(&mut self, done: u64) {
+        if let Some(tap) = self.tap.as_mut() {
+            tap(done);
+        }
         if self.last.elapsed() >= self.every {
             self.last = Instant::now();
             let line = self.line(done, false);
@@ -127,6 +139,9 @@ impl Progress {
 
     /// Final report; returns the elapsed time.
     pub fn finish(mut self) -> Duration {
+        if let Some(tap) = self.tap.as_mut() {
+            tap(self.total);
+        }
         let line = self.line(self.total, true);
         (self.sink)(&line);
         self.started.elapsed()

@@ -1,5 +1,7 @@
 //! `memory-donor serve`: what to serve (from flags or from the cluster
-//! config), loading it resident, binding, the `ready` line, and the run.
+//! config), the operations servers (control plane and metrics, bound before
+//! loading), loading the tables resident with their state visible, binding
+//! the data plane, the `ready` line, and the run.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,9 +12,11 @@ use cluster_config::Config;
 use engram_protocol::Limits;
 use thiserror::Error;
 
+use crate::control::{ControlLimits, serve_control};
 use crate::progress::Progress;
 use crate::resident::{LoadError, MlockMode, Pin, ResidentTable};
 use crate::server::{self, ServerConfig, Shared};
+use crate::status::{DonorStatus, LoadState, Phase};
 
 /// One table to serve.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +67,10 @@ pub struct ServeSpec {
     pub trust_digest: bool,
     /// Memory locking.
     pub mlock: MlockMode,
+    /// Control-plane (gRPC) address to bind.
+    pub control: Option<SocketAddr>,
+    /// Prometheus `/metrics` address to bind.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Why the donor could not start.
@@ -86,6 +94,16 @@ pub enum ServeError {
 }
 
 impl ServeSpec {
+    /// The shared state of a donor about to load this spec's tables.
+    pub fn status(&self) -> Arc<DonorStatus> {
+        DonorStatus::new(
+            self.server.name.clone(),
+            self.server.drain_timeout,
+            self.tables.iter().map(|t| (t.id, t.path.clone())),
+            !self.trust_digest,
+        )
+    }
+
     /// The spec of donor `name` in a cluster config.
     pub fn from_config(config: &Config, name: &str) -> Result<Self, ServeError> {
         let d = config.donor(name).ok_or_else(|| {
@@ -126,7 +144,94 @@ impl ServeSpec {
             tables,
             trust_digest: d.trust_digest,
             mlock: d.mlock,
+            control: d.control,
+            metrics: d.metrics,
         })
+    }
+}
+
+/// The control-plane and metrics servers, bound and running.
+#[derive(Debug)]
+pub struct OpsServers {
+    /// Where the control plane listens, if it does.
+    pub control: Option<SocketAddr>,
+    /// Where `/metrics` is served, if it is.
+    pub metrics: Option<SocketAddr>,
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), ServeError> {
+    let err = |source| ServeError::Bind { addr, source };
+    let l = tokio::net::TcpListener::bind(addr).await.map_err(err)?;
+    let bound = l.local_addr().map_err(err)?;
+    Ok((l, bound))
+}
+
+impl OpsServers {
+    /// Bind the spec's control and metrics addresses and serve them from
+    /// `status`; logs `ops control=ADDR metrics=ADDR` (`-` for none) once bound.
+    pub async fn start(spec: &ServeSpec, status: &Arc<DonorStatus>) -> Result<Self, ServeError> {
+        let (stop, _) = tokio::sync::watch::channel(false);
+        let stopped = |stop: &tokio::sync::watch::Sender<bool>| {
+            let mut rx = stop.subscribe();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let mut ops = Self {
+            control: None,
+            metrics: None,
+            stop,
+            tasks: Vec::new(),
+        };
+        if let Some(addr) = spec.control {
+            let (l, bound) = bind(addr).await?;
+            let (status, stopped) = (Arc::clone(status), stopped(&ops.stop));
+            ops.tasks.push(tokio::spawn(async move {
+                if let Err(e) = serve_control(l, status, ControlLimits::default(), stopped).await {
+                    tracing::error!(error = %e, "control plane stopped");
+                }
+            }));
+            ops.control = Some(bound);
+        }
+        if let Some(addr) = spec.metrics {
+            let (l, bound) = bind(addr).await?;
+            let render = crate::metrics::donor_metrics(Arc::clone(status));
+            let stopped = stopped(&ops.stop);
+            ops.tasks
+                .push(tokio::spawn(cluster_config::ops::serve_metrics(
+                    l, render, stopped,
+                )));
+            ops.metrics = Some(bound);
+        }
+        if ops.control.is_some() || ops.metrics.is_some() {
+            // Tests read the real ports from this line (they bind port 0).
+            tracing::info!(donor = %spec.server.name, "ops{}", ops.describe());
+        }
+        Ok(ops)
+    }
+
+    /// ` control=ADDR metrics=ADDR` (`-` for none), or nothing when neither runs.
+    pub fn describe(&self) -> String {
+        if self.control.is_none() && self.metrics.is_none() {
+            return String::new();
+        }
+        let show = |a: Option<SocketAddr>| a.map_or("-".to_string(), |a| a.to_string());
+        format!(
+            " control={} metrics={}",
+            show(self.control),
+            show(self.metrics)
+        )
+    }
+
+    /// Stop both servers, letting answers in flight (a Drain's) go out
+    /// for at most two seconds.
+    pub async fn stop(self) {
+        self.stop.send_replace(true);
+        for t in self.tasks {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), t).await;
+        }
     }
 }
 
@@ -140,31 +245,29 @@ fn memlock_limit() -> Option<u64> {
     ok.then_some(r.rlim_cur)
 }
 
-/// Load every table resident, with progress in the log.
-pub fn load_tables(spec: &ServeSpec) -> Result<Vec<ResidentTable>, ServeError> {
+/// Load every table resident, with progress in the log and in `status`
+/// (one entry per table of `spec`, in order).
+pub fn load_tables(
+    spec: &ServeSpec,
+    status: &Arc<DonorStatus>,
+) -> Result<Vec<ResidentTable>, ServeError> {
     let mut tables: Vec<ResidentTable> = Vec::new();
     let mut unlocked = 0u64;
-    for t in &spec.tables {
-        let progress = |f: &crate::table_file::TableFile| {
-            let what = format!("loading {}", t.path.display());
-            Some(Progress::log(
-                what,
-                f.meta.rows,
-                engram_protocol::ROW_BYTES as u64,
-            ))
+    for (i, st) in status.tables.iter().enumerate().take(spec.tables.len()) {
+        let loaded = load_one(spec, i, status).and_then(|(table, report)| {
+            if tables.iter().any(|x| x.id == table.id) {
+                return Err(ServeError::DuplicateId(table.id));
+            }
+            Ok((table, report))
+        });
+        let (table, report) = match loaded {
+            Ok(x) => x,
+            Err(e) => {
+                st.failed(e.to_string());
+                return Err(e);
+            }
         };
-        let (mut table, report) = ResidentTable::load(
-            0,
-            &t.path,
-            t.pinned,
-            spec.trust_digest,
-            spec.mlock,
-            progress,
-        )?;
-        table.id = t.id.unwrap_or(table.layer);
-        if tables.iter().any(|x| x.id == table.id) {
-            return Err(ServeError::DuplicateId(table.id));
-        }
+        st.set_state(LoadState::Ready);
         tracing::info!(
             table = table.id,
             layer = table.layer,
@@ -196,10 +299,43 @@ pub fn load_tables(spec: &ServeSpec) -> Result<Vec<ResidentTable>, ServeError> {
     Ok(tables)
 }
 
-/// Bind, say `ready`, and serve `tables` until `shutdown` resolves; then drain.
+/// Load table `i` of `spec`, reporting into `status.tables[i]`.
+fn load_one(
+    spec: &ServeSpec,
+    i: usize,
+    status: &Arc<DonorStatus>,
+) -> Result<(ResidentTable, crate::resident::LoadReport), ServeError> {
+    let t = &spec.tables[i];
+    let progress = |f: &crate::table_file::TableFile| {
+        let m = &f.meta;
+        status.tables[i].opened(t.id.unwrap_or(m.layer), m.layer, m.rows, m.digest);
+        let what = format!("loading {}", t.path.display());
+        let (status, total) = (Arc::clone(status), m.rows);
+        Some(
+            Progress::log(what, total, engram_protocol::ROW_BYTES as u64)
+                .with_tap(move |done| status.tables[i].progress(done, total)),
+        )
+    };
+    let (mut table, report) = ResidentTable::load(
+        0,
+        &t.path,
+        t.pinned,
+        spec.trust_digest,
+        spec.mlock,
+        progress,
+    )?;
+    table.id = t.id.unwrap_or(table.layer);
+    Ok((table, report))
+}
+
+/// Bind, say `ready` (with `announce` appended), and serve `tables` until
+/// `shutdown` resolves; then drain. Counters go to `status`, whose phase
+/// is `Serving` from the ready line until the drain starts.
 pub async fn serve(
     spec: &ServeSpec,
     tables: Vec<ResidentTable>,
+    status: &Arc<DonorStatus>,
+    announce: &str,
     shutdown: impl Future<Output = ()>,
 ) -> Result<Arc<Shared>, ServeError> {
     let mut listeners = Vec::new();
@@ -217,10 +353,16 @@ pub async fn serve(
         })?);
         listeners.push(l);
     }
-    let shared = Shared::new(spec.server.clone(), tables);
+    let shared = Shared::with_stats(spec.server.clone(), tables, Arc::clone(&status.stats));
     let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
+    status.set_phase(Phase::Serving);
     // Tests and scripts wait for this exact line, never for a sleep.
-    tracing::info!(donor = %spec.server.name, "ready listen={}", shown.join(","));
+    tracing::info!(donor = %spec.server.name, "ready listen={}{announce}", shown.join(","));
+    let shutdown = async {
+        shutdown.await;
+        status.request_drain();
+        status.set_phase(Phase::Draining);
+    };
     server::run(listeners, Arc::clone(&shared), shutdown).await;
     Ok(shared)
 }

@@ -8,7 +8,12 @@
 //! What it is not: it does no IO, owns no sockets, runs no async runtime and
 //! reads no clock. Bytes come in, typed values go out, and back; the daemons
 //! do the IO. `PROTOCOL.md` at the repository root documents every byte.
+//!
+//! With the `control` feature, `control` holds the generated gRPC types and
+//! stubs of the donor's control plane (the IO lives in tonic, not here).
 
+#[cfg(feature = "control")]
+pub mod control;
 pub mod digest;
 pub mod etab;
 pub mod frame;

@@ -1,7 +1,6 @@
 //! Rules for `[[node]]` and its `[[node.route]]` tables.
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
@@ -82,7 +81,7 @@ pub(super) fn nodes(
         let metrics = n
             .metrics
             .as_ref()
-            .and_then(|v| address(cx, v, &k("metrics")));
+            .and_then(|v| super::addr(cx, v, &k("metrics"), true));
         let ssd_io = match n.ssd_io.as_ref().map(|m| (m, m.get_ref().as_str())) {
             None | Some((_, "auto")) => SsdIo::Auto,
             Some((_, "uring")) => SsdIo::Uring,
@@ -249,16 +248,5 @@ pub fn parse_hedge(s: &str) -> Result<Hedge, String> {
             Ok(Hedge::Fixed(Duration::from_micros(n * unit_us)))
         }
         _ => Err(bad()),
-    }
-}
-
-/// One address to bind: `IP:PORT` (port 0 picks a free one).
-pub(super) fn address(cx: &mut Ctx<'_>, v: &S<String>, key: &str) -> Option<SocketAddr> {
-    match v.get_ref().parse::<SocketAddr>() {
-        Ok(a) => Some(a),
-        Err(_) => {
-            cx.at(v.span(), key, format!("{:?} is not IP:PORT", v.get_ref()));
-            None
-        }
     }
 }

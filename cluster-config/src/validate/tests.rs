@@ -561,3 +561,79 @@ fn node_knob_rules() {
         Ok(Hedge::Fixed(Duration::from_millis(2)))
     );
 }
+
+#[test]
+fn control_and_metrics_addresses() {
+    let text = good().replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\ncontrol = \"0.0.0.0:7411\"\nmetrics = \"0.0.0.0:9410\"",
+        1,
+    );
+    let c = parse(&text).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    let addr = |s: &str| s.parse::<SocketAddr>().expect("addr");
+    assert_eq!(a.control, Some(addr("0.0.0.0:7411")));
+    assert_eq!(a.metrics, Some(addr("0.0.0.0:9410")));
+    assert_eq!(
+        a.control_endpoint(),
+        Some(addr("10.1.0.5:7411")),
+        "a wildcard control address is dialled at the advertised IP"
+    );
+    let b = c.donor("donor-b").expect("donor-b");
+    assert_eq!(
+        (b.control, b.metrics, b.control_endpoint()),
+        (None, None, None)
+    );
+    // Another IP on the data plane's port is its own address.
+    let other_ip = good().replacen(
+        "ram_gib = 125.5",
+        "ram_gib = 125.5\ncontrol = \"127.0.0.3:7410\"",
+        1,
+    );
+    let c = parse(&other_ip).expect("valid");
+    let b = c.donor("donor-b").expect("donor-b");
+    assert_eq!(b.control_endpoint(), Some(addr("127.0.0.3:7410")));
+
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\ncontrol = \"localhost:7411\"",
+        26,
+        "donor[0].control",
+        "not IP:PORT",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nmetrics = \"9410\"",
+        26,
+        "donor[0].metrics",
+        "not IP:PORT",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\ncontrol = \"10.1.0.5:7410\"",
+        26,
+        "donor[0].control",
+        "collides with listen address 0.0.0.0:7410",
+    );
+    expect(
+        "ram_gib = 125.5",
+        "ram_gib = 125.5\nmetrics = \"0.0.0.0:7410\"",
+        32,
+        "donor[1].metrics",
+        "collides with listen address 127.0.0.2:7410",
+    );
+    expect(
+        "ram_gib = 125.5",
+        "ram_gib = 125.5\ncontrol = \"127.0.0.2:7411\"\nmetrics = \"127.0.0.2:7411\"",
+        33,
+        "donor[1].metrics",
+        "collides with control address 127.0.0.2:7411",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\ncontrol = [\"0.0.0.0:7411\"]",
+        26,
+        "",
+        "invalid type",
+    );
+}

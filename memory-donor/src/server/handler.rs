@@ -194,6 +194,7 @@ impl<'a> Handler<'a> {
     }
 
     fn lookup(&mut self, id: u64, l: engram_protocol::LookupRef<'_>, out: &mut Vec<u8>) {
+        let began = std::time::Instant::now();
         let tables = &self.shared.tables;
         self.sections.clear();
         self.table_index.clear();
@@ -246,7 +247,8 @@ impl<'a> Handler<'a> {
             self.error(out, id, ErrorCode::Internal, None, 0, "row count mismatch");
             return;
         }
-        self.shared.stats.lookup(served);
+        let bytes = (out.len() - start.offset()) as u64;
+        self.shared.stats.lookup(served, bytes, began.elapsed());
     }
 }
 

@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use crate::resident::ResidentTable;
+pub use crate::stats::Stats;
 
 /// How the data plane behaves.
 #[derive(Debug, Clone)]
@@ -58,38 +59,6 @@ impl ServerConfig {
     }
 }
 
-/// Counters for the data plane (relaxed atomics: cheap on the lookup path).
-#[derive(Debug, Default)]
-pub struct Stats {
-    /// Connections accepted.
-    pub connections: AtomicU64,
-    /// Connections refused at the bound.
-    pub refused: AtomicU64,
-    /// Lookups answered.
-    pub lookups: AtomicU64,
-    /// Rows served.
-    pub rows: AtomicU64,
-    errors: [AtomicU64; 16],
-}
-
-impl Stats {
-    fn lookup(&self, rows: u64) {
-        self.lookups.fetch_add(1, Ordering::Relaxed);
-        self.rows.fetch_add(rows, Ordering::Relaxed);
-    }
-
-    fn error(&self, code: ErrorCode) {
-        let i = usize::from(code.to_u16()).min(self.errors.len() - 1);
-        self.errors[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Errors answered with `code`.
-    pub fn errors(&self, code: ErrorCode) -> u64 {
-        let i = usize::from(code.to_u16()).min(self.errors.len() - 1);
-        self.errors[i].load(Ordering::Relaxed)
-    }
-}
-
 /// State shared by every connection.
 #[derive(Debug)]
 pub struct Shared {
@@ -97,8 +66,8 @@ pub struct Shared {
     pub config: ServerConfig,
     /// Tables served (read-only).
     pub tables: Vec<ResidentTable>,
-    /// Counters.
-    pub stats: Stats,
+    /// Counters (shared with the control plane, which exists before the tables do).
+    pub stats: Arc<Stats>,
     draining: AtomicBool,
     conns: Mutex<HashMap<u64, Arc<Conn>>>,
     next_conn: AtomicU64,
@@ -114,12 +83,21 @@ struct Conn {
 }
 
 impl Shared {
-    /// Shared state for these tables.
+    /// Shared state for these tables, with fresh counters.
     pub fn new(config: ServerConfig, tables: Vec<ResidentTable>) -> Arc<Self> {
+        Self::with_stats(config, tables, Arc::default())
+    }
+
+    /// Shared state for these tables, counting into `stats`.
+    pub fn with_stats(
+        config: ServerConfig,
+        tables: Vec<ResidentTable>,
+        stats: Arc<Stats>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             config,
             tables,
-            stats: Stats::default(),
+            stats,
             draining: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
@@ -190,6 +168,7 @@ fn spawn_connection(
     });
     shared.conns().insert(id, Arc::clone(&conn));
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    shared.stats.open.fetch_add(1, Ordering::Relaxed);
     let shared2 = Arc::clone(shared);
     let spawned = std::thread::Builder::new()
         .name(format!("conn-{id}"))
@@ -201,10 +180,12 @@ fn spawn_connection(
             // Close now, whoever else holds the socket (a drain in progress).
             let _ = conn.stream.shutdown(std::net::Shutdown::Both);
             shared2.conns().remove(&id);
+            shared2.stats.open.fetch_sub(1, Ordering::Relaxed);
         });
     if let Err(e) = spawned {
         tracing::warn!(%peer, error = %e, "cannot start a connection thread; dropping connection");
         shared.conns().remove(&id);
+        shared.stats.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

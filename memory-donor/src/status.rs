@@ -1,0 +1,325 @@
+//! What the donor is doing, readable at any moment by the control plane and
+//! `/metrics`: its phase (loading, serving, draining, failed), each table's
+//! load state and progress, the data-plane counters, and the drain request
+//! a control client can make. It exists before any table is loaded, so
+//! health and progress are visible during a minutes-long load.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engram_protocol::{ROW_BYTES, TableDigest};
+use tokio::sync::{Notify, watch};
+
+use crate::stats::Stats;
+
+/// The donor's phase, as health checks see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Tables are loading or verifying: NOT_SERVING.
+    Loading,
+    /// Every table is resident and verified: SERVING.
+    Serving,
+    /// A drain started: NOT_SERVING.
+    Draining,
+    /// A table failed to load; the donor is about to exit: NOT_SERVING.
+    Failed,
+}
+
+/// Where one table's load is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadState {
+    /// Reading rows into memory (hashing them unless the digest is trusted).
+    Loading,
+    /// Every row is in memory; digest compared, memory being locked.
+    Verifying,
+    /// Resident and served.
+    Ready,
+    /// Loading failed.
+    Failed,
+}
+
+impl LoadState {
+    /// Every state, in order (metrics show one series per state).
+    pub const ALL: [Self; 4] = [Self::Loading, Self::Verifying, Self::Ready, Self::Failed];
+
+    /// Lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Loading => "loading",
+            Self::Verifying => "verifying",
+            Self::Ready => "ready",
+            Self::Failed => "failed",
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::Verifying,
+            2 => Self::Ready,
+            3 => Self::Failed,
+            _ => Self::Loading,
+        }
+    }
+
+    fn to_u8(self) -> u8 {
+        match self {
+            Self::Loading => 0,
+            Self::Verifying => 1,
+            Self::Ready => 2,
+            Self::Failed => 3,
+        }
+    }
+}
+
+/// What a table's header says, once read.
+#[derive(Debug, Clone, Default)]
+struct Header {
+    id: Option<u32>,
+    layer: u32,
+    rows: u64,
+    digest: Option<TableDigest>,
+    error: Option<String>,
+}
+
+/// One table's load, updated by the loader and read by anyone.
+#[derive(Debug)]
+pub struct TableStatus {
+    /// The file.
+    pub path: PathBuf,
+    /// True when the digest is recomputed while loading.
+    pub verify: bool,
+    header: Mutex<Header>,
+    state: AtomicU8,
+    rows_done: AtomicU64,
+}
+
+/// A table's load at one moment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableView {
+    /// Id it is served under (the configured id; else its layer once known; else 0).
+    pub id: u32,
+    /// Model layer (0 until the header is read).
+    pub layer: u32,
+    /// Rows (0 until the header is read).
+    pub rows: u64,
+    /// Version (none until the header is read).
+    pub digest: Option<TableDigest>,
+    /// Load state.
+    pub state: LoadState,
+    /// Row bytes in memory so far.
+    pub bytes_done: u64,
+    /// Row bytes in all.
+    pub bytes_total: u64,
+    /// Why loading failed.
+    pub error: Option<String>,
+    /// The file.
+    pub path: PathBuf,
+    /// True when the digest is recomputed while loading.
+    pub verify: bool,
+}
+
+impl TableStatus {
+    fn header(&self) -> std::sync::MutexGuard<'_, Header> {
+        self.header.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The file's header was read: the table's identity is known.
+    pub fn opened(&self, id: u32, layer: u32, rows: u64, digest: TableDigest) {
+        let mut h = self.header();
+        h.id = Some(id);
+        h.layer = layer;
+        h.rows = rows;
+        h.digest = Some(digest);
+    }
+
+    /// `rows` rows are in memory; all of them moves the table to verifying.
+    pub fn progress(&self, rows: u64, total: u64) {
+        self.rows_done.store(rows, Ordering::Relaxed);
+        if rows >= total {
+            self.set_state(LoadState::Verifying);
+        }
+    }
+
+    /// Move to `state`.
+    pub fn set_state(&self, state: LoadState) {
+        self.state.store(state.to_u8(), Ordering::Relaxed);
+    }
+
+    /// Loading failed because of `why`.
+    pub fn failed(&self, why: String) {
+        self.header().error = Some(why);
+        self.set_state(LoadState::Failed);
+    }
+
+    /// The load state now.
+    pub fn state(&self) -> LoadState {
+        LoadState::from_u8(self.state.load(Ordering::Relaxed))
+    }
+
+    /// Everything at one moment.
+    pub fn view(&self) -> TableView {
+        let h = self.header().clone();
+        let state = self.state();
+        let bytes_total = h.rows * ROW_BYTES as u64;
+        let done = self.rows_done.load(Ordering::Relaxed) * ROW_BYTES as u64;
+        TableView {
+            id: h.id.unwrap_or(0),
+            layer: h.layer,
+            rows: h.rows,
+            digest: h.digest,
+            state,
+            bytes_done: if state == LoadState::Ready {
+                bytes_total
+            } else {
+                done.min(bytes_total)
+            },
+            bytes_total,
+            error: h.error,
+            path: self.path.clone(),
+            verify: self.verify,
+        }
+    }
+}
+
+/// The donor's state, shared by the loader, the data plane and the control plane.
+#[derive(Debug)]
+pub struct DonorStatus {
+    /// Name announced in Welcome.
+    pub name: String,
+    /// When the donor started.
+    pub started: Instant,
+    /// How long a drain waits for clients.
+    pub drain_timeout: Duration,
+    /// Data-plane counters.
+    pub stats: Arc<Stats>,
+    /// Tables, in load order.
+    pub tables: Vec<TableStatus>,
+    phase: watch::Sender<Phase>,
+    drain_requested: AtomicBool,
+    drain: Notify,
+}
+
+impl DonorStatus {
+    /// A donor about to load `tables` (`(configured id, file)` each).
+    pub fn new(
+        name: impl Into<String>,
+        drain_timeout: Duration,
+        tables: impl IntoIterator<Item = (Option<u32>, PathBuf)>,
+        verify: bool,
+    ) -> Arc<Self> {
+        let tables = tables
+            .into_iter()
+            .map(|(id, path)| TableStatus {
+                path,
+                verify,
+                header: Mutex::new(Header {
+                    id,
+                    ..Header::default()
+                }),
+                state: AtomicU8::new(LoadState::Loading.to_u8()),
+                rows_done: AtomicU64::new(0),
+            })
+            .collect();
+        Arc::new(Self {
+            name: name.into(),
+            started: Instant::now(),
+            drain_timeout,
+            stats: Arc::default(),
+            tables,
+            phase: watch::channel(Phase::Loading).0,
+            drain_requested: AtomicBool::new(false),
+            drain: Notify::new(),
+        })
+    }
+
+    /// The phase now.
+    pub fn phase(&self) -> Phase {
+        *self.phase.borrow()
+    }
+
+    /// Move to `phase` (watchers are told).
+    pub fn set_phase(&self, phase: Phase) {
+        self.phase.send_replace(phase);
+    }
+
+    /// Watch phase changes.
+    pub fn watch_phase(&self) -> watch::Receiver<Phase> {
+        self.phase.subscribe()
+    }
+
+    /// Ask for a drain (the control plane's Drain, or a signal) and enter
+    /// [`Phase::Draining`] unless failed; false when one was already asked for.
+    pub fn request_drain(&self) -> bool {
+        if self.drain_requested.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.phase.send_if_modified(|p| {
+            let change = *p != Phase::Failed && *p != Phase::Draining;
+            if change {
+                *p = Phase::Draining;
+            }
+            change
+        });
+        self.drain.notify_one();
+        true
+    }
+
+    /// Resolves once a drain is asked for.
+    pub async fn drain_requested(&self) {
+        if self.drain_requested.load(Ordering::Acquire) {
+            return;
+        }
+        self.drain.notified().await;
+    }
+
+    /// True once a drain was asked for.
+    pub fn is_drain_requested(&self) -> bool {
+        self.drain_requested.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_views_follow_the_load() {
+        let s = DonorStatus::new(
+            "d",
+            Duration::from_secs(1),
+            [(Some(7), PathBuf::from("/t.etab"))],
+            true,
+        );
+        let t = &s.tables[0];
+        let v = t.view();
+        assert_eq!(
+            (v.id, v.rows, v.state, v.digest),
+            (7, 0, LoadState::Loading, None)
+        );
+        t.opened(7, 1, 100, TableDigest([3; 32]));
+        t.progress(40, 100);
+        let v = t.view();
+        assert_eq!((v.bytes_done, v.bytes_total), (40 * 264, 100 * 264));
+        assert_eq!(v.state, LoadState::Loading);
+        t.progress(100, 100);
+        assert_eq!(t.state(), LoadState::Verifying);
+        t.set_state(LoadState::Ready);
+        assert_eq!(t.view().bytes_done, 100 * 264);
+        t.failed("boom".into());
+        assert_eq!(t.view().error.as_deref(), Some("boom"));
+    }
+
+    #[tokio::test]
+    async fn a_drain_is_requested_once() {
+        let s = DonorStatus::new("d", Duration::from_secs(1), [], false);
+        let mut phases = s.watch_phase();
+        assert_eq!(s.phase(), Phase::Loading);
+        assert!(s.request_drain());
+        assert!(!s.request_drain());
+        s.drain_requested().await;
+        phases.changed().await.expect("changed");
+        assert_eq!(*phases.borrow(), Phase::Draining);
+    }
+}
