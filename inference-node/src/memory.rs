@@ -5,6 +5,7 @@
 //! source for re-admission.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use cluster_config::{Config, ConfigError, SourceRef};
@@ -98,8 +99,10 @@ impl Memory {
             opts.credential = credential.clone();
             opts.connect_timeout = node.connect_timeout;
             opts.lookup_timeout = node.lookup_timeout;
-            let src: Arc<dyn RowSource> =
-                Arc::new(DonorSource::new(d.name.clone(), d.advertise.clone(), opts));
+            let src: Arc<dyn RowSource> = Arc::new(
+                DonorSource::new(d.name.clone(), d.advertise.clone(), opts)
+                    .with_control(d.control_endpoint()),
+            );
             let h = SourceHealth::new(src, pinned, node.breaker_failures, gauge(&d.name));
             donors.insert(d.name.clone(), Arc::new(h));
         }
@@ -209,6 +212,27 @@ impl Memory {
     pub fn routers(&self) -> &[Arc<Router>] {
         &self.routers
     }
+}
+
+/// Serve the node's Prometheus `/metrics` on `addr` (the node's `metrics`
+/// key); returns the bound address and the server task.
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    metrics: Arc<NodeMetrics>,
+) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let render: cluster_config::ops::Render = Arc::new(move || metrics.render());
+    let task = tokio::spawn(cluster_config::ops::serve_metrics_with(
+        listener,
+        render,
+        cluster_config::ops::HttpLimits {
+            content_type: "text/plain; version=0.0.4; charset=utf-8",
+            ..Default::default()
+        },
+        std::future::pending(),
+    ));
+    Ok((bound, task))
 }
 
 async fn blocking<T: Send + 'static>(

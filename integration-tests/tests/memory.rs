@@ -58,6 +58,18 @@ fn donor(config: &Config) -> DonorProcess {
     .expect("donor starts")
 }
 
+/// GET /metrics over plain TCP: the whole answer, head included.
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
+}
+
 /// Fetch 24 random rows, check them, and say who served them.
 async fn fetch_one(router: &Router, i: u64) -> String {
     let rows = random_rows(i);
@@ -79,10 +91,16 @@ fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
     let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
     let mut d = donor(&config);
     rt().block_on(async {
-        let metrics = NodeMetrics::new();
+        let metrics = std::sync::Arc::new(NodeMetrics::new());
         let mem = Memory::from_config(&config, "n", &metrics)
             .await
             .expect("memory");
+        let (http, _server) = inference_node::memory::serve_metrics(
+            "127.0.0.1:0".parse().expect("addr"),
+            metrics.clone(),
+        )
+        .await
+        .expect("metrics server");
         let router = mem.router(1).expect("router");
         let fetch = |i| fetch_one(router, i);
         for i in 0..20 {
@@ -97,11 +115,13 @@ fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
                 "every lookup is served, by the SSD copy"
             );
         }
-        let text = metrics.render();
+        let text = scrape(http).await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
         assert!(
             text.contains("engram_node_breaker_state{source=\"d\"} 2"),
             "breaker open:\n{text}"
         );
+        assert!(text.contains("engram_node_rows_served_total{table=\"1\",source=\"ssd\"} 480"));
         // The donor returns on the same address: probes re-admit it.
         let _d2 = donor(&config);
         let back = Instant::now();

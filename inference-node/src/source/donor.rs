@@ -1,7 +1,10 @@
 //! A memory donor as a row source: one pipelined data-plane connection,
 //! made on first use and again after it is lost. A Goodbye stops new
-//! lookups at once; the probe makes a fresh connection (a restarted donor)
-//! and installs it when the donor welcomes us with the pinned versions.
+//! lookups at once. The probe asks the donor's control plane (when its
+//! address is known) for its health (`grpc.health.v1`, SERVING) and its
+//! tables' digests (`ListTables`), then makes a fresh data-plane connection
+//! (a restarted donor) and installs it when the donor welcomes us with the
+//! pinned versions.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -18,6 +21,7 @@ pub struct DonorSource {
     name: String,
     addrs: Vec<SocketAddr>,
     opts: ClientOptions,
+    control: Option<SocketAddr>,
     current: Mutex<Option<Arc<DonorClient>>>,
     connecting: tokio::sync::Mutex<()>,
 }
@@ -30,9 +34,60 @@ impl DonorSource {
             name: name.into(),
             addrs,
             opts,
+            control: None,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// Probe the control plane at `addr` too.
+    pub fn with_control(mut self, addr: Option<SocketAddr>) -> Self {
+        self.control = addr;
+        self
+    }
+
+    /// Health SERVING and the tables' digests, from the control plane.
+    async fn control_probe(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<Vec<(u32, TableDigest)>, SourceError> {
+        use engram_protocol::control::ListTablesRequest;
+        use engram_protocol::control::donor_control_client::DonorControlClient;
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::health_client::HealthClient;
+        let down = |e: String| SourceError::Unavailable(format!("control plane {addr}: {e}"));
+        let t = self.opts.connect_timeout;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| down(e.to_string()))?
+            .connect_timeout(t)
+            .timeout(t)
+            .connect()
+            .await
+            .map_err(|e| down(e.to_string()))?;
+        let health = HealthClient::new(channel.clone())
+            .check(HealthCheckRequest {
+                service: engram_protocol::control::SERVICE_NAME.into(),
+            })
+            .await
+            .map_err(|e| down(e.to_string()))?
+            .into_inner();
+        if health.status != ServingStatus::Serving as i32 {
+            return Err(down("health is not SERVING".into()));
+        }
+        let list = DonorControlClient::new(channel)
+            .list_tables(ListTablesRequest {})
+            .await
+            .map_err(|e| down(e.to_string()))?
+            .into_inner();
+        if list.draining {
+            return Err(SourceError::Draining);
+        }
+        Ok(list
+            .tables
+            .iter()
+            .filter_map(|t| t.digest.parse().ok().map(|d| (t.id, d)))
+            .collect())
     }
 
     fn live(&self) -> Option<Arc<DonorClient>> {
@@ -128,15 +183,21 @@ impl RowSource for DonorSource {
 
     fn probe(&self) -> ProbeFuture<'_> {
         Box::pin(async move {
+            let advertised = match self.control {
+                Some(addr) => Some(self.control_probe(addr).await?),
+                None => None,
+            };
             // Always a fresh connection: it reads the donor's versions anew
             // and proves it accepts clients now (a restarted donor).
             let fresh = Arc::new(self.dial().await?);
             fresh.ping().await?;
-            let tables: Vec<(u32, TableDigest)> = fresh
-                .tables()
-                .iter()
-                .map(|t| (t.table_id, t.digest))
-                .collect();
+            let tables: Vec<(u32, TableDigest)> = advertised.unwrap_or_else(|| {
+                fresh
+                    .tables()
+                    .iter()
+                    .map(|t| (t.table_id, t.digest))
+                    .collect()
+            });
             if self.live().is_none() {
                 self.install(fresh);
             }
