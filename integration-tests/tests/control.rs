@@ -254,6 +254,31 @@ fn stats_and_metrics_count_lookups_and_survive_garbage() {
         assert!(s.uptime_seconds > 0.0);
         c
     });
+    // The operator's view of the same numbers.
+    let ctl = |what: &str| {
+        let control = ops.control.expect("control").to_string();
+        let out = std::process::Command::new(integration_tests::bin("memory-donor"))
+            .args(["ctl", &control, what])
+            .output()
+            .expect("ctl runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, text) = ctl("health");
+    assert!(ok && text.contains("(donor): SERVING"), "{text}");
+    let (ok, text) = ctl("stats");
+    assert!(ok && text.contains("lookups 11 rows 240"), "{text}");
+    assert!(text.contains("errors row_out_of_range (3): 1"), "{text}");
+    let (ok, text) = ctl("tables");
+    assert!(
+        ok && text.contains(&format!(
+            "table 1 layer 1 rows {ROWS} digest {} READY 100.0%",
+            digest.to_hex()
+        )),
+        "{text}"
+    );
     let page = scrape(metrics).expect("scrape");
     let (head, body) = page.split_once("\r\n\r\n").expect("a head");
     assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");

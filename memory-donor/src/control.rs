@@ -138,7 +138,7 @@ impl DonorControl for ControlService {
                 .errors_seen()
                 .map(|(code, count)| pb::ErrorCount {
                     code: u32::from(code.to_u16()),
-                    name: code.to_string(),
+                    name: code.name().to_string(),
                     count,
                 })
                 .collect(),

@@ -1,5 +1,7 @@
 //! `memory-donor`: serve Engram tables from RAM; generate, pack, verify and inspect table files.
 
+mod ctl;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -76,6 +78,13 @@ enum Cmd {
     },
     /// Load tables resident and serve lookups over TCP.
     Serve(ServeArgs),
+    /// Ask a running donor's control plane (at ADDR, its --control address).
+    Ctl {
+        /// The control plane's IP:PORT (or http://IP:PORT).
+        addr: String,
+        #[command(subcommand)]
+        cmd: ctl::CtlCmd,
+    },
 }
 
 #[derive(clap::Args)]
@@ -211,6 +220,14 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Inspect { file, json } => inspect(&file, json)?,
+        Cmd::Ctl { addr, cmd } => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            if !rt.block_on(ctl::run(&addr, cmd))? {
+                std::process::exit(1);
+            }
+        }
         Cmd::Serve(args) => {
             cluster_config::logging::init_logging("info");
             run_serve(args)?;

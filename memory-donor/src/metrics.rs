@@ -91,7 +91,7 @@ impl Collector for DonorCollector {
                 MetricType::Counter,
             )?;
             for (code, n) in s.errors_seen() {
-                let labels = [("code", code.to_string())];
+                let labels = [("code", code.name())];
                 ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
             }
         }
