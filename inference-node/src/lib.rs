@@ -11,6 +11,7 @@
 //! its table loader and file reader (so the node loads and verifies a local
 //! copy exactly as a donor does); the donor never depends on the node.
 
+pub mod canary;
 pub mod client;
 pub mod memory;
 pub mod metrics;

@@ -277,3 +277,94 @@ fn a_node_with_a_local_copy_serves_itself() {
         assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
     });
 }
+
+#[test]
+fn a_draining_donor_hands_over_without_a_failed_lookup() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
+    let mut d = donor(&config);
+    rt().block_on(async {
+        let metrics = NodeMetrics::new();
+        let mem = Memory::from_config(&config, "n", &metrics)
+            .await
+            .expect("memory");
+        let router = mem.router(1).expect("router");
+        for i in 0..10 {
+            assert_eq!(fetch_one(router, i).await, "d");
+        }
+        d.signal(libc::SIGTERM);
+        // Every lookup succeeds with the right rows (fetch_one checks both);
+        // once the Goodbye is seen, the SSD copy serves.
+        let start = Instant::now();
+        let mut i = 10;
+        while fetch_one(router, i).await == "d" {
+            i += 1;
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "still on the draining donor"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        for j in 0..20 {
+            assert_eq!(fetch_one(router, 1000 + j).await, "ssd");
+        }
+        let text = metrics.render();
+        assert!(
+            text.contains("engram_node_failed_lookups_total{table=\"1\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("engram_node_breaker_state{source=\"d\"} 0"),
+            "a Goodbye is not a fault:\n{text}"
+        );
+    });
+    // The node closed its side once drained: the donor exits cleanly.
+    let status = d.wait(Duration::from_secs(10)).expect("donor exits");
+    assert!(status.success(), "{status:?}\n{}", d.log());
+}
+
+#[test]
+fn the_canary_runs_token_paced_lookups_and_reports_sources() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
+    let run = || {
+        let out = std::process::Command::new(integration_tests::bin("inference-node"))
+            .args(["canary", "--config"])
+            .arg(&config.path)
+            .args([
+                "--name",
+                "n",
+                "--tokens",
+                "200",
+                "--tokens-per-second",
+                "400",
+            ])
+            .args(["--metrics", "127.0.0.1:0"])
+            .output()
+            .expect("canary runs");
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("metrics listen=127.0.0.1:"), "{text}");
+        text
+    };
+    let mut d = donor(&config);
+    let text = run();
+    let last = text.lines().last().expect("summary");
+    assert!(last.starts_with("200 tokens"), "{last}");
+    assert!(last.contains("failed 0 [d=200]"), "{last}");
+    d.signal(libc::SIGKILL);
+    d.wait(Duration::from_secs(10)).expect("killed");
+    let text = run();
+    let last = text.lines().last().expect("summary");
+    assert!(last.contains("failed 0 [ssd=200]"), "{last}");
+    let e = std::process::Command::new(integration_tests::bin("inference-node"))
+        .args(["canary", "--config"])
+        .arg(&config.path)
+        .args(["--name", "nobody"])
+        .output()
+        .expect("runs");
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("node \"nobody\" is not in"));
+}
