@@ -28,17 +28,31 @@ fn rt() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
-/// A port free on 127.0.0.1 now (so a restarted donor can bind it again).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+/// Two ports free on 127.0.0.1 now (so a restarted donor can bind them again).
+fn ports() -> (u16, u16) {
+    let a = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let b = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    (
+        a.local_addr().expect("addr").port(),
+        b.local_addr().expect("addr").port(),
+    )
 }
 
-fn write_config(dir: &Path, table: &Path, digest: TableDigest, port: u16, sources: &str) -> Config {
+/// A config with one table, donor `d` on 127.0.0.1 (data plane `port`,
+/// control plane `port + 1`... any free one: `ports.1`) and node `n`.
+fn write_config(
+    dir: &Path,
+    table: &Path,
+    digest: TableDigest,
+    ports: (u16, u16),
+    sources: &str,
+) -> Config {
+    let (port, control) = ports;
     let text = format!(
         "version = 1\n[rack]\nname = \"t\"\n\
          [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{port}\"]\ntables = [1]\nram_gib = 1.0\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{port}\"]\ncontrol = \"127.0.0.1:{control}\"\n\
+         tables = [1]\nram_gib = 1.0\n\
          [[node]]\nname = \"n\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
          [[node.route]]\ntable = 1\nsources = [{sources}]\nhedge = \"off\"\n",
         table.display()
@@ -88,7 +102,7 @@ fn random_rows(seed: u64) -> Vec<u64> {
 fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
     let mut d = donor(&config);
     rt().block_on(async {
         let metrics = std::sync::Arc::new(NodeMetrics::new());
@@ -153,7 +167,7 @@ fn a_donor_at_another_version_is_never_used() {
     let (other_table, other_digest) =
         gen_table(other.path(), "l1.etab", 1, ROWS, SEED + 1).expect("gen");
     assert_ne!(digest, other_digest);
-    let port = free_port();
+    let port = ports();
     // The donor serves the other version (its own config pins that one).
     let donor_cfg = write_config(other.path(), &other_table, other_digest, port, "\"d\"");
     let _d = donor(&donor_cfg);
@@ -247,7 +261,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
         SsdReader::open(&table, Some(pin), false, SsdOptions::default()).expect_err("corrupt copy");
     assert!(e.to_string().contains("corrupt or was modified"), "{e}");
     // A node whose only source is that copy does not start.
-    let config = write_config(dir.path(), &table, digest, free_port(), "\"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), "\"ssd\"");
     rt().block_on(async {
         let e = Memory::from_config(&config, "n", &NodeMetrics::new())
             .await
@@ -260,7 +274,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
 fn a_node_with_a_local_copy_serves_itself() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, free_port(), "\"local\"");
+    let config = write_config(dir.path(), &table, digest, ports(), "\"local\"");
     rt().block_on(async {
         let mem = Memory::from_config(&config, "n", &NodeMetrics::new())
             .await
@@ -282,7 +296,7 @@ fn a_node_with_a_local_copy_serves_itself() {
 fn a_draining_donor_hands_over_without_a_failed_lookup() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
     let mut d = donor(&config);
     rt().block_on(async {
         let metrics = NodeMetrics::new();
@@ -328,7 +342,7 @@ fn a_draining_donor_hands_over_without_a_failed_lookup() {
 fn the_canary_runs_token_paced_lookups_and_reports_sources() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, free_port(), "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
     let run = || {
         let out = std::process::Command::new(integration_tests::bin("inference-node"))
             .args(["canary", "--config"])
