@@ -145,6 +145,7 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
     let tables = tables(cx, &raw.tables, base);
     let donors = donors(cx, &raw.donors, &tables);
     let nodes = nodes(cx, &raw.nodes, &tables, &donors, base);
+    let model = raw.model.as_ref().map(|m| model::model(cx, m, base));
     Config {
         path: cx.file.to_path_buf(),
         rack: rack_name,
@@ -152,6 +153,7 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
         tables,
         donors,
         nodes,
+        model,
     }
 }
 
@@ -450,5 +452,6 @@ fn nodes(
     out
 }
 
+mod model;
 #[cfg(test)]
 mod tests;
