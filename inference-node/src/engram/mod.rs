@@ -1,0 +1,11 @@
+//! Engram math on the inference node (ENGRAM.md sections 2 to 5): the token
+//! map, row addressing (from `engram_protocol::hashing`), dequantized rows
+//! and their fusion into the hidden state.
+//!
+//! Layers: `tokenmap` (raw -> compressed ids), `weights` (the fusion
+//! weights, from a checkpoint or a seed), `fusion` (the CPU path and the
+//! backend choice), `gpu` (the CUDA path, behind the `cuda` feature).
+
+pub mod tokenmap;
+
+pub use tokenmap::{TokenMap, TokenMapError};
