@@ -71,11 +71,7 @@ pub fn table_shape(
             "--rows {r} differs from the {} rows that {preset} gives layer {layer}",
             want
         )),
-        _ => Ok((
-            want,
-            preset.name().map(str::to_string),
-            Some(preset.base()),
-        )),
+        _ => Ok((want, preset.name().map(str::to_string), Some(preset.base()))),
     }
 }
 

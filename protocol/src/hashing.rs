@@ -223,7 +223,7 @@ pub fn is_prime(n: u64) -> bool {
 /// The smallest prime above `start` that is not in `used`.
 fn next_unused_prime(start: u64, used: &HashSet<u64>) -> u64 {
     let mut c = start + 1;
-    while !(is_prime(c) && !used.contains(&c)) {
+    while !is_prime(c) || used.contains(&c) {
         c += 1;
     }
     c
@@ -399,6 +399,7 @@ pub fn hash_sequence(
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // positions index several arrays at once
 mod tests {
     use super::*;
     use proptest::prelude::*;
@@ -429,7 +430,10 @@ mod tests {
         // No prime is used twice across the two layers.
         let all: HashSet<u64> = p.layers.iter().flat_map(|l| l.primes).collect();
         assert_eq!(all.len(), 2 * COLUMNS);
-        assert_eq!(HashParams::new(Preset::Base(V41_BASE)).unwrap().layers, p.layers);
+        assert_eq!(
+            HashParams::new(Preset::Base(V41_BASE)).unwrap().layers,
+            p.layers
+        );
     }
 
     #[test]
@@ -441,7 +445,10 @@ mod tests {
         let got: Vec<u64> = p.layers.iter().flat_map(|l| l.primes).collect();
         assert_eq!(got, want);
         // A prime base is itself the first prime (above base - 1).
-        assert_eq!(HashParams::new(Preset::Base(1009)).unwrap().layers[0].primes[0], 1009);
+        assert_eq!(
+            HashParams::new(Preset::Base(1009)).unwrap().layers[0].primes[0],
+            1009
+        );
         assert!(HashParams::new(Preset::Base(1)).is_err());
         assert!(HashParams::new(Preset::Base(MAX_BASE + 1)).is_err());
     }
@@ -458,7 +465,12 @@ mod tests {
 
     #[test]
     fn primality_matches_trial_division() {
-        let slow = |n: u64| n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0);
+        let slow = |n: u64| {
+            n >= 2
+                && (2..)
+                    .take_while(|d| d * d <= n)
+                    .all(|d| !n.is_multiple_of(d))
+        };
         for n in 0..20_000 {
             assert_eq!(is_prime(n), slow(n), "{n}");
         }

@@ -106,9 +106,9 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &S<RawModel>, base: &Path) -> Model {
             WeightsSource::Seed(0)
         }
         (Some(w), None) => WeightsSource::Checkpoint(cx.path(w, "model.weights", base)),
-        (None, Some(s)) => WeightsSource::Seed(
-            cx.int(s, "model.weights_seed", 0, i64::MAX).unwrap_or(0) as u64,
-        ),
+        (None, Some(s)) => {
+            WeightsSource::Seed(cx.int(s, "model.weights_seed", 0, i64::MAX).unwrap_or(0) as u64)
+        }
         (None, None) => {
             cx.at(
                 span,
@@ -315,6 +315,11 @@ mod tests {
             "model.fusion",
             "\"gpu-or-cpu\"",
         );
-        expect(&format!("[model]\n{w}colour = 1\n"), 6, "colour", "unknown field");
+        expect(
+            &format!("[model]\n{w}colour = 1\n"),
+            6,
+            "colour",
+            "unknown field",
+        );
     }
 }

@@ -6,6 +6,12 @@
 //! weights, from a checkpoint or a seed), `fusion` (the CPU path and the
 //! backend choice), `gpu` (the CUDA path, behind the `cuda` feature).
 
+pub mod fusion;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod tokenmap;
+pub mod weights;
 
+pub use fusion::{CpuFusion, Fusion, FusionError, backend};
 pub use tokenmap::{TokenMap, TokenMapError};
+pub use weights::{FusionShape, FusionWeights, WeightsError};
