@@ -147,11 +147,7 @@ pub fn apply_gates(shape: FusionShape, h: &mut [f32], w: &[f32], kv: &[f32]) {
 }
 
 /// Dequantize one position's 24 rows into `e` [6144] as bf16 values.
-pub fn dequantize_position(
-    rows: &[u8],
-    position: usize,
-    e: &mut [f32],
-) -> Result<(), FusionError> {
+pub fn dequantize_position(rows: &[u8], position: usize, e: &mut [f32]) -> Result<(), FusionError> {
     let mut bf = [0u16; ROW_VALUES];
     for (column, (row, out)) in rows
         .chunks_exact(ROW_BYTES)
@@ -213,12 +209,7 @@ fn matvec_block(wkv: &[f32], e: &[f32], p: usize, kv_len: usize, kv: &mut [f32])
             match p {
                 BLOCK => matvec_avx2::<BLOCK>(wkv, e, kv_len, kv),
                 _ => (0..p).for_each(|i| {
-                    matvec_avx2::<1>(
-                        wkv,
-                        &e[i * ENGRAM_DIM..],
-                        kv_len,
-                        &mut kv[i * kv_len..],
-                    );
+                    matvec_avx2::<1>(wkv, &e[i * ENGRAM_DIM..], kv_len, &mut kv[i * kv_len..]);
                 }),
             }
         }
@@ -277,7 +268,11 @@ impl Fusion for CpuFusion {
         for block in live_positions.chunks(BLOCK) {
             for (slot, &p) in block.iter().enumerate() {
                 let r = &rows[p * POSITION_ROW_BYTES..(p + 1) * POSITION_ROW_BYTES];
-                dequantize_position(r, p, &mut self.e[slot * ENGRAM_DIM..(slot + 1) * ENGRAM_DIM])?;
+                dequantize_position(
+                    r,
+                    p,
+                    &mut self.e[slot * ENGRAM_DIM..(slot + 1) * ENGRAM_DIM],
+                )?;
             }
             matvec_block(&lw.wkv, &self.e, block.len(), kv_len, &mut self.kv);
             for (slot, &p) in block.iter().enumerate() {

@@ -153,7 +153,10 @@ impl TokenMap {
     /// A map from its ids, checked to be the dense first-appearance numbering.
     pub fn from_ids(map: Vec<u32>) -> Result<Self, (usize, String)> {
         if map.is_empty() || map.len() > MAX_RAW_VOCAB {
-            return Err((0, format!("{} raw ids is not 1..={MAX_RAW_VOCAB}", map.len())));
+            return Err((
+                0,
+                format!("{} raw ids is not 1..={MAX_RAW_VOCAB}", map.len()),
+            ));
         }
         let mut next = 0u32;
         for (i, &id) in map.iter().enumerate() {

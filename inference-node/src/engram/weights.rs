@@ -16,8 +16,8 @@ use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
-use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits};
 use engram_protocol::row::ue8m0_to_f32;
+use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use thiserror::Error;
@@ -147,7 +147,10 @@ impl FusionWeights {
         let mut load = |layer: u32| -> Result<LayerWeights, WeightsError> {
             let p = format!("layers.{layer}.engram");
             let wname = format!("{p}.wkv.weight");
-            let scales = [format!("{p}.wkv.weight_scale_inv"), format!("{p}.wkv.scale")];
+            let scales = [
+                format!("{p}.wkv.weight_scale_inv"),
+                format!("{p}.wkv.scale"),
+            ];
             let wkv = ck.matrix(&wname, &scales, shape.kv_len(), ENGRAM_DIM)?;
             let q = ck.matrix(&format!("{p}.q_weight"), &[], shape.streams, shape.hidden)?;
             let k = ck.matrix(&format!("{p}.k_weight"), &[], shape.streams, shape.hidden)?;
@@ -271,10 +274,12 @@ impl Checkpoint {
         rows: usize,
         cols: usize,
     ) -> Result<Vec<f32>, WeightsError> {
-        let file = self.file_of(name)?.ok_or_else(|| WeightsError::Checkpoint {
-            path: self.root.clone(),
-            reason: format!("index has no tensor `{name}`"),
-        })?;
+        let file = self
+            .file_of(name)?
+            .ok_or_else(|| WeightsError::Checkpoint {
+                path: self.root.clone(),
+                reason: format!("index has no tensor `{name}`"),
+            })?;
         let mut scale = None;
         for s in scale_names {
             if let Some(sf) = self.file_of(s)? {
@@ -305,7 +310,9 @@ impl Checkpoint {
         let data = t.data();
         let out = match t.dtype() {
             Dtype::F32 => values(data, n, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            Dtype::BF16 => values(data, n, 2, |b| bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+            Dtype::BF16 => values(data, n, 2, |b| {
+                bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+            }),
             Dtype::F16 => values(data, n, 2, |b| {
                 half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
             }),
@@ -357,16 +364,26 @@ fn fp8_blocks(
         return Err(format!("scale shape {sshape:?} is not 2-D"));
     };
     if sr == 0 || sc == 0 || sr > rows || sc > cols {
-        return Err(format!("scale shape {sshape:?} does not tile [{rows}, {cols}]"));
+        return Err(format!(
+            "scale shape {sshape:?} does not tile [{rows}, {cols}]"
+        ));
     }
     let (br, bc) = (rows.div_ceil(sr), cols.div_ceil(sc));
     if rows.div_ceil(br) != sr || cols.div_ceil(bc) != sc {
-        return Err(format!("scale shape {sshape:?} does not tile [{rows}, {cols}]"));
+        return Err(format!(
+            "scale shape {sshape:?} does not tile [{rows}, {cols}]"
+        ));
     }
     let scales: Vec<f32> = match sdt {
-        Dtype::F32 => values(sdata, sr * sc, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        Dtype::BF16 => values(sdata, sr * sc, 2, |b| bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-        Dtype::F8_E8M0 => values(sdata, sr * sc, 1, |b| ue8m0_to_f32(b[0]).unwrap_or(f32::NAN)),
+        Dtype::F32 => values(sdata, sr * sc, 4, |b| {
+            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        }),
+        Dtype::BF16 => values(sdata, sr * sc, 2, |b| {
+            bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+        }),
+        Dtype::F8_E8M0 => values(sdata, sr * sc, 1, |b| {
+            ue8m0_to_f32(b[0]).unwrap_or(f32::NAN)
+        }),
         other => return Err(format!("scale dtype {other:?} is not F32, BF16 or F8_E8M0")),
     }
     .ok_or("scale tensor holds the wrong byte count")?;

@@ -42,7 +42,13 @@ fn reference(w: &FusionWeights, li: usize, rows: &[u8], live: &[bool], h: &[f32]
             let ms_k = key.iter().map(|x| x * x).sum::<f64>() / n;
             let sum: f64 = (0..hd).map(|d| hs[d] * f64::from(ws[d]) * key[d]).sum();
             let dot = sum / (ms_h + 1e-20).sqrt() / (ms_k + 1e-20).sqrt() / n.sqrt();
-            let sign = if dot > 0.0 { 1.0 } else if dot < 0.0 { -1.0 } else { 0.0 };
+            let sign = if dot > 0.0 {
+                1.0
+            } else if dot < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
             let g = 1.0 / (1.0 + (-(sign * dot.abs().max(1e-6).sqrt())).exp());
             for d in 0..hd {
                 hs[d] += g * value[d];

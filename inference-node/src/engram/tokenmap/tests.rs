@@ -6,8 +6,7 @@ use super::*;
 /// GPT-2's byte-level alphabet: printable bytes stand for themselves, the
 /// others for 256, 257, ... in byte order.
 fn byte_level(bytes: &[u8]) -> String {
-    let printable =
-        |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
     let mut table = [' '; 256];
     let mut n = 0u32;
     for b in 0..=255u8 {
@@ -25,7 +24,11 @@ fn byte_level(bytes: &[u8]) -> String {
 fn vocab() -> Vec<(String, u32, &'static str)> {
     let bl = |s: &str| byte_level(s.as_bytes());
     vec![
-        ("<｜begin▁of▁sentence｜>".into(), 0, "special, NFKC turns ｜ into |"),
+        (
+            "<｜begin▁of▁sentence｜>".into(),
+            0,
+            "special, NFKC turns ｜ into |",
+        ),
         ("<｜end▁of▁sentence｜>".into(), 1, "special"),
         ("<｜▁pad▁｜>".into(), 2, "special: the pad"),
         (bl("Hello"), 3, "lowercased"),
@@ -34,26 +37,58 @@ fn vocab() -> Vec<(String, u32, &'static str)> {
         (bl("é"), 4, "accent dropped"),
         (bl("e"), 4, "same key"),
         (bl("É"), 4, "accent dropped, lowercased"),
-        (byte_level(b"\xc3"), 5, "partial UTF-8: key is the raw token"),
+        (
+            byte_level(b"\xc3"),
+            5,
+            "partial UTF-8: key is the raw token",
+        ),
         (byte_level(b"\xa9"), 6, "partial UTF-8: raw token is ©"),
-        (bl("©"), 6, "decodes to ©, the same key as the raw token above"),
+        (
+            bl("©"),
+            6,
+            "decodes to ©, the same key as the raw token above",
+        ),
         (bl(" "), 7, "exactly one space stays a space"),
         (bl("   "), 7, "a run of spaces is one space"),
         (bl("\n"), 7, "newline collapses to a space"),
         (bl("\t\r\n "), 7, "mixed run"),
-        ("\u{301}".into(), 8, "a lone combining mark normalizes to empty: key is the text"),
+        (
+            "\u{301}".into(),
+            8,
+            "a lone combining mark normalizes to empty: key is the text",
+        ),
         (bl("\u{3000}"), 7, "ideographic space: NFKC gives a space"),
-        (bl("\u{85}"), 9, "NEL is stripped, not collapsed: empty, key is the text"),
+        (
+            bl("\u{85}"),
+            9,
+            "NEL is stripped, not collapsed: empty, key is the text",
+        ),
         (bl("ﬁ"), 10, "NFKC ligature"),
         (bl("fi"), 10, "same key"),
-        (bl(" Hello  World\n"), 11, "inner run collapsed, ends stripped"),
-        (bl("İ"), 12, "dotted capital I: NFD, mark dropped, lowercased"),
+        (
+            bl(" Hello  World\n"),
+            11,
+            "inner run collapsed, ends stripped",
+        ),
+        (
+            bl("İ"),
+            12,
+            "dotted capital I: NFD, mark dropped, lowercased",
+        ),
         (bl("i"), 12, "same key"),
         (bl("ΣΑΣ"), 13, "lowercased per character: no final sigma"),
         (bl("σας"), 14, "final sigma is its own letter"),
-        (bl("\u{E000}"), 7, "V4.1's sentinel turns U+E000 into a space"),
+        (
+            bl("\u{E000}"),
+            7,
+            "V4.1's sentinel turns U+E000 into a space",
+        ),
         (bl("ab"), 15, "new"),
-        ("HeLLo".into(), 3, "an added (non-special) token keys like the vocabulary"),
+        (
+            "HeLLo".into(),
+            3,
+            "an added (non-special) token keys like the vocabulary",
+        ),
     ]
 }
 
@@ -71,8 +106,10 @@ fn tokenizer_json() -> String {
                 "rstrip": false, "normalized": false, "special": true})
         })
         .collect();
-    added.push(serde_json::json!({"id": last, "content": v[last].0, "single_word": false,
-        "lstrip": false, "rstrip": false, "normalized": false, "special": false}));
+    added.push(
+        serde_json::json!({"id": last, "content": v[last].0, "single_word": false,
+        "lstrip": false, "rstrip": false, "normalized": false, "special": false}),
+    );
     serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -106,7 +143,11 @@ fn the_map_matches_the_hand_worked_keys() {
     let v = vocab();
     assert_eq!(map.raw_len(), v.len());
     for (raw, (tok, want, why)) in v.iter().enumerate() {
-        assert_eq!(map.get(raw as u32), Some(*want), "raw id {raw} {tok:?}: {why}");
+        assert_eq!(
+            map.get(raw as u32),
+            Some(*want),
+            "raw id {raw} {tok:?}: {why}"
+        );
     }
     assert_eq!(map.compressed_len(), 16);
     assert_eq!(map.get(v.len() as u32), None);
@@ -158,7 +199,9 @@ fn map_files_round_trip_and_are_checked() {
     ] {
         std::fs::write(&path, text).expect("write");
         match TokenMap::load(&path) {
-            Err(TokenMapError::Map { line: l, reason, .. }) => {
+            Err(TokenMapError::Map {
+                line: l, reason, ..
+            }) => {
                 assert_eq!(l, line, "{text:?}");
                 assert!(reason.contains(msg), "{text:?}: {reason}");
             }

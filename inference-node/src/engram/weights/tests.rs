@@ -143,16 +143,36 @@ fn fp8_with_block_scales_through_an_index() {
         f32s(&sc1),
     );
     // Layer 14: UE8M0 scales over 1 x 32 blocks, as the Engram tables use.
-    let sc14: Vec<u8> = (0..kv * ENGRAM_DIM / 32).map(|j| 120 + (j % 9) as u8).collect();
-    let s14 = ("scale", Dtype::F8_E8M0, vec![kv, ENGRAM_DIM / 32], sc14.clone());
-    write(&dir.path().join("a.safetensors"), &layer_tensors(1, Some(s1)));
-    write(&dir.path().join("b.safetensors"), &layer_tensors(14, Some(s14)));
+    let sc14: Vec<u8> = (0..kv * ENGRAM_DIM / 32)
+        .map(|j| 120 + (j % 9) as u8)
+        .collect();
+    let s14 = (
+        "scale",
+        Dtype::F8_E8M0,
+        vec![kv, ENGRAM_DIM / 32],
+        sc14.clone(),
+    );
+    write(
+        &dir.path().join("a.safetensors"),
+        &layer_tensors(1, Some(s1)),
+    );
+    write(
+        &dir.path().join("b.safetensors"),
+        &layer_tensors(14, Some(s14)),
+    );
     let mut map = serde_json::Map::new();
     for (shard, layer) in [("a.safetensors", 1), ("b.safetensors", 14)] {
-        for t in layer_tensors(layer, Some(("weight_scale_inv", Dtype::F32, vec![], vec![]))) {
+        for t in layer_tensors(
+            layer,
+            Some(("weight_scale_inv", Dtype::F32, vec![], vec![])),
+        ) {
             map.insert(t.name, shard.into());
         }
-        let scale = if layer == 1 { "weight_scale_inv" } else { "scale" };
+        let scale = if layer == 1 {
+            "weight_scale_inv"
+        } else {
+            "scale"
+        };
         map.insert(format!("layers.{layer}.engram.wkv.{scale}"), shard.into());
     }
     let index = serde_json::json!({"metadata": {}, "weight_map": map});
@@ -163,7 +183,11 @@ fn fp8_with_block_scales_through_an_index() {
     for (r, c_) in [(0usize, 0usize), (3, 200), (23, 6143)] {
         let code = c[r * ENGRAM_DIM + c_];
         let v = e4m3_to_f32(code).unwrap();
-        assert_eq!(w.layers[0].wkv[r * ENGRAM_DIM + c_], v * sc1[c_ / 128], "({r}, {c_})");
+        assert_eq!(
+            w.layers[0].wkv[r * ENGRAM_DIM + c_],
+            v * sc1[c_ / 128],
+            "({r}, {c_})"
+        );
         let s = ue8m0_to_f32(sc14[r * (ENGRAM_DIM / 32) + c_ / 32]).unwrap();
         assert_eq!(w.layers[1].wkv[r * ENGRAM_DIM + c_], v * s, "({r}, {c_})");
     }
@@ -180,42 +204,60 @@ fn fp8_with_block_scales_through_an_index() {
     });
     t.extend(layer_tensors(14, None));
     write(&lone, &t);
-    let e = FusionWeights::from_checkpoint(&lone, SHAPE).expect_err("no scales").to_string();
+    let e = FusionWeights::from_checkpoint(&lone, SHAPE)
+        .expect_err("no scales")
+        .to_string();
     assert!(e.contains("none of"), "{e}");
 }
 
 #[test]
 fn bad_checkpoints_are_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
-    assert!(FusionWeights::from_checkpoint(dir.path(), SHAPE).is_err(), "empty directory");
+    assert!(
+        FusionWeights::from_checkpoint(dir.path(), SHAPE).is_err(),
+        "empty directory"
+    );
     let junk = dir.path().join("junk.safetensors");
     std::fs::write(&junk, b"\xff\xff\xff\xff\xff\xff\xff\xffjunk").expect("write");
-    let e = FusionWeights::from_checkpoint(&junk, SHAPE).expect_err("junk").to_string();
+    let e = FusionWeights::from_checkpoint(&junk, SHAPE)
+        .expect_err("junk")
+        .to_string();
     assert!(e.contains("not safetensors"), "{e}");
     let idx = dir.path().join("x.json");
-    std::fs::write(&idx, r#"{"weight_map": {"layers.1.engram.wkv.weight": "../evil"}}"#)
-        .expect("write");
-    let e = FusionWeights::from_checkpoint(&idx, SHAPE).expect_err("escape").to_string();
+    std::fs::write(
+        &idx,
+        r#"{"weight_map": {"layers.1.engram.wkv.weight": "../evil"}}"#,
+    )
+    .expect("write");
+    let e = FusionWeights::from_checkpoint(&idx, SHAPE)
+        .expect_err("escape")
+        .to_string();
     assert!(e.contains("leaves the checkpoint"), "{e}");
     // A missing tensor and a wrong dtype are named.
     let path = dir.path().join("m.safetensors");
     let mut t = layer_tensors(1, None);
     t.retain(|t| !t.name.ends_with("k_weight"));
     write(&path, &t);
-    let e = FusionWeights::from_checkpoint(&path, SHAPE).expect_err("missing").to_string();
+    let e = FusionWeights::from_checkpoint(&path, SHAPE)
+        .expect_err("missing")
+        .to_string();
     assert!(e.contains("k_weight"), "{e}");
     let mut t = layer_tensors(1, None);
     t[0].dtype = Dtype::I32;
     t[0].data.resize(SHAPE.state_len() * 4, 0);
     write(&path, &t);
-    let e = FusionWeights::from_checkpoint(&path, SHAPE).expect_err("dtype").to_string();
+    let e = FusionWeights::from_checkpoint(&path, SHAPE)
+        .expect_err("dtype")
+        .to_string();
     assert!(e.contains("I32"), "{e}");
     // Non-finite weights are refused.
     let mut t = layer_tensors(1, None);
     t[0].data[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
     t.extend(layer_tensors(14, None));
     write(&path, &t);
-    let e = FusionWeights::from_checkpoint(&path, SHAPE).expect_err("inf").to_string();
+    let e = FusionWeights::from_checkpoint(&path, SHAPE)
+        .expect_err("inf")
+        .to_string();
     assert!(e.contains("not finite"), "{e}");
 }
 
