@@ -46,11 +46,11 @@ pub enum FusionError {
         got: usize,
     },
     /// A row of a live position is corrupt.
-    #[error("position {position}, column {column}: {source}")]
+    #[error("position {position}, column {column}: {error}")]
     Row {
         position: usize,
         column: usize,
-        source: RowError,
+        error: RowError,
     },
     /// The GPU backend is not available or failed.
     #[error("gpu: {0}")]
@@ -154,10 +154,10 @@ pub fn dequantize_position(rows: &[u8], position: usize, e: &mut [f32]) -> Resul
         .zip(e.chunks_exact_mut(ROW_VALUES))
         .enumerate()
     {
-        let bad = |source| FusionError::Row {
+        let bad = |error| FusionError::Row {
             position,
             column,
-            source,
+            error,
         };
         let row: &RowBytes = row.try_into().map_err(|_| {
             bad(RowError::Length {

@@ -348,7 +348,7 @@ impl GpuFusion {
         if bad[0] != u32::MAX {
             let (position, column) = (bad[0] as usize / COLUMNS, bad[0] as usize % COLUMNS);
             let off = (position * COLUMNS + column) * engram_protocol::ROW_BYTES;
-            let source = staged
+            let error = staged
                 .get(off..off + engram_protocol::ROW_BYTES)
                 .and_then(|r| r.try_into().ok())
                 .and_then(|r| engram_protocol::row::check_row(r).err())
@@ -356,7 +356,7 @@ impl GpuFusion {
             return Err(FusionError::Row {
                 position,
                 column,
-                source,
+                error,
             });
         }
         s.memcpy_dtoh(&self.d_h.slice(..hidden.len()), &mut self.host_h)
@@ -397,11 +397,11 @@ impl Fusion for GpuFusion {
                 FusionError::Row {
                     position,
                     column,
-                    source,
+                    error,
                 } => FusionError::Row {
                     position: position + first,
                     column,
-                    source,
+                    error,
                 },
                 e => e,
             })?;

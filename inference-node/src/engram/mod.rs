@@ -2,10 +2,11 @@
 //! map, row addressing (from `engram_protocol::hashing`), dequantized rows
 //! and their fusion into the hidden state.
 //!
-//! Layers: `tokenmap` (raw -> compressed ids), `weights` (the fusion
+//! Layers: `addresses` (what `inference-node addresses` prints), `tokenmap` (raw -> compressed ids), `weights` (the fusion
 //! weights, from a checkpoint or a seed), `fusion` (the CPU path and the
 //! backend choice), `gpu` (the CUDA path, behind the `cuda` feature).
 
+pub mod addresses;
 pub mod fusion;
 #[cfg(feature = "cuda")]
 pub mod gpu;
