@@ -270,6 +270,8 @@ fn gpu_check(a: &GpuCheckArgs) -> Result<()> {
     use std::time::Instant;
 
     let shape = FusionShape::new(a.hidden, a.streams)?;
+    // Fail fast, before building gigabytes of weights, where no GPU is usable.
+    inference_node::engram::gpu::probe()?;
     let positions = a.positions.clamp(1, CHUNK);
     println!(
         "seeded weights, hidden {} streams {}; building...",
