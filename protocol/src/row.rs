@@ -205,6 +205,19 @@ pub fn dequantize_row_bf16(row: &RowBytes, out: &mut [u16; ROW_VALUES]) -> Resul
         return dequantize_row(row, out, f32_to_bf16_bits);
     }
     check_row(row)?;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        unsafe { bf16_blocks_avx2(values, scales, out) };
+        return Ok(());
+    }
+    bf16_blocks(values, scales, out);
+    Ok(())
+}
+
+/// The bf16 values of a row whose scales are all in `FAST_SCALES`.
+#[inline(always)]
+fn bf16_blocks(values: &[u8], scales: &[u8], out: &mut [u16; ROW_VALUES]) {
     for ((&scale, out), codes) in scales
         .iter()
         .zip(out.chunks_exact_mut(SCALE_BLOCK))
@@ -223,7 +236,12 @@ pub fn dequantize_row_bf16(row: &RowBytes, out: &mut [u16; ROW_VALUES]) -> Resul
             *o = ((mag * s).to_bits() >> 16) as u16 | ((c & 0x80) << 8) as u16;
         }
     }
-    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn bf16_blocks_avx2(values: &[u8], scales: &[u8], out: &mut [u16; ROW_VALUES]) {
+    bf16_blocks(values, scales, out);
 }
 
 /// Dequantize a buffer of whole rows to bf16 bits, 256 values per row.
