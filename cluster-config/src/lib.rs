@@ -1,6 +1,6 @@
 //! `cluster-config`: the one file that describes an engram-rack rack.
 //!
-//! What it is: the TOML schema (tables, donors, nodes), parsing with
+//! What it is: the TOML schema (tables, donors, nodes, model), parsing with
 //! `deny_unknown_fields`, and a `validate` step whose every rule reports the
 //! file, line, column and key it is about, all problems at once. The result
 //! is a plain [`Config`] the daemons read and never poke at as TOML.
@@ -14,6 +14,7 @@
 //! path resolution) -> [`Config`].
 
 pub mod logging;
+pub mod model;
 pub mod ops;
 mod raw;
 mod validate;
@@ -44,6 +45,8 @@ pub struct Config {
     pub donors: Vec<Donor>,
     /// Inference nodes.
     pub nodes: Vec<Node>,
+    /// The model's Engram parameters (`[model]`), if given.
+    pub model: Option<model::Model>,
 }
 
 /// One Engram table and its pinned version.

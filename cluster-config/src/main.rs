@@ -53,6 +53,12 @@ fn main() -> ExitCode {
                         println!("  node {}: table {} <- {}", n.name, r.table, s.join(" -> "));
                     }
                 }
+                if let Some(m) = &c.model {
+                    println!(
+                        "  model: hashing {}, hidden {} x {} streams, fusion {}",
+                        m.hashing, m.hidden, m.streams, m.fusion
+                    );
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {

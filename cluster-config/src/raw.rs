@@ -18,6 +18,7 @@ pub(crate) struct RawConfig {
     pub donors: Vec<S<RawDonor>>,
     #[serde(default, rename = "node")]
     pub nodes: Vec<S<RawNode>>,
+    pub model: Option<S<crate::model::RawModel>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -142,6 +142,7 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
     let tables = tables(cx, &raw.tables, base);
     let donors = donors(cx, &raw.donors, &tables);
     let nodes = node::nodes(cx, &raw.nodes, &tables, &donors, base);
+    let model = raw.model.as_ref().map(|m| model::model(cx, m, base));
     Config {
         path: cx.file.to_path_buf(),
         rack: rack_name,
@@ -149,6 +150,7 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
         tables,
         donors,
         nodes,
+        model,
     }
 }
 
@@ -394,5 +396,6 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
 
 mod node;
 
+mod model;
 #[cfg(test)]
 mod tests;

@@ -1,11 +1,13 @@
 //! `inference-node`: the GPU machine's side of engram-rack.
 //!
-//! What it is: the Engram memory client. `client` is the donor client (TCP,
-//! handshake, pinned versions, pipelined lookups into caller buffers);
-//! `source` puts every place rows can come from (local RAM, donors, the SSD
-//! copy) behind one trait; `router` picks among a table's sources per
-//! lookup, with deadlines, hedging, circuit breakers, probes and the
-//! table's policy when everything fails.
+//! What it is: the Engram memory client and the Engram math. `client` is the
+//! donor client (TCP, handshake, pinned versions, pipelined lookups into
+//! caller buffers); `source` puts every place rows can come from (local RAM,
+//! donors, the SSD copy) behind one trait; `router` picks among a table's
+//! sources per lookup, with deadlines, hedging, circuit breakers, probes and
+//! the table's policy when everything fails; `engram` computes what the
+//! model computes (token map, row addresses, dequantization, fusion on CPU
+//! or GPU).
 //!
 //! What it is not: a donor. It uses `memory-donor` only as a library, for
 //! its table loader and file reader (so the node loads and verifies a local
@@ -13,6 +15,7 @@
 
 pub mod canary;
 pub mod client;
+pub mod engram;
 pub mod memory;
 pub mod metrics;
 pub mod router;

@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::thread;
 
 use engram_protocol::etab::TableMeta;
+use engram_protocol::hashing::{HashParams, Preset};
 use engram_protocol::synthetic::synthetic_rows;
 use engram_protocol::{ROW_BYTES, TableDigest};
 
@@ -32,6 +33,46 @@ pub struct GenSpec {
     pub hash_base: Option<u64>,
     /// Generator threads (at least 1).
     pub threads: usize,
+}
+
+/// The row count and hashing metadata of a table to generate: `rows` as
+/// given, or the sum of the layer's 24 primes when a hashing preset
+/// (`v41`) or base size is given; both at once must agree.
+pub fn table_shape(
+    layer: u32,
+    rows: Option<u64>,
+    hash_preset: Option<String>,
+    hash_base: Option<u64>,
+) -> Result<(u64, Option<String>, Option<u64>), String> {
+    let preset = match (hash_preset.as_deref(), hash_base) {
+        (Some(name), base) => {
+            let p: Preset = name.parse().map_err(|e| format!("--hash-preset: {e}"))?;
+            if let Some(b) = base
+                && b != p.base()
+            {
+                return Err(format!(
+                    "--hash-base {b} contradicts --hash-preset {name} (base {})",
+                    p.base()
+                ));
+            }
+            Some(p)
+        }
+        (None, Some(b)) => Some(Preset::from_base(b).map_err(|e| format!("--hash-base: {e}"))?),
+        (None, None) => None,
+    };
+    let Some(preset) = preset else {
+        let rows = rows.ok_or("give --rows, --hash-preset v41 or --hash-base N")?;
+        return Ok((rows, None, None));
+    };
+    let params = HashParams::new(preset).map_err(|e| e.to_string())?;
+    let want = params.layer(layer).map_err(|e| e.to_string())?.rows;
+    match rows {
+        Some(r) if r != want => Err(format!(
+            "--rows {r} differs from the {} rows that {preset} gives layer {layer}",
+            want
+        )),
+        _ => Ok((want, preset.name().map(str::to_string), Some(preset.base()))),
+    }
 }
 
 /// Write the synthetic table `spec` to `path`; returns the metadata written.
@@ -103,6 +144,26 @@ mod tests {
     use super::*;
     use crate::table_file::TableFile;
     use engram_protocol::synthetic::is_synthetic_row;
+
+    #[test]
+    fn table_shape_follows_the_preset() {
+        assert_eq!(table_shape(1, Some(7), None, None), Ok((7, None, None)));
+        assert!(table_shape(1, None, None, None).is_err());
+        assert_eq!(
+            table_shape(14, None, Some("v41".into()), None),
+            Ok((384_016_682, Some("v41".into()), Some(16_000_000)))
+        );
+        let small = HashParams::new(Preset::Base(1000)).unwrap().layers[0].rows;
+        assert_eq!(
+            table_shape(1, Some(small), None, Some(1000)),
+            Ok((small, None, Some(1000)))
+        );
+        assert!(table_shape(1, Some(small + 1), None, Some(1000)).is_err());
+        assert!(table_shape(2, None, None, Some(1000)).is_err());
+        assert!(table_shape(1, None, Some("v4".into()), None).is_err());
+        assert!(table_shape(1, None, Some("v41".into()), Some(1000)).is_err());
+        assert!(table_shape(1, None, None, Some(0)).is_err());
+    }
 
     #[test]
     fn generated_tables_hold_the_synthetic_rows_for_any_thread_count() {

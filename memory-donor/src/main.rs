@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use cluster_config::{Config, MlockMode};
 use engram_protocol::{Limits, ROW_BYTES};
-use memory_donor::generate::{GenSpec, generate};
+use memory_donor::generate::{GenSpec, generate, table_shape};
 use memory_donor::pack::pack;
 use memory_donor::progress::Progress;
 use memory_donor::serve::{OpsServers, ServeSpec, TableSpec, load_tables, serve};
@@ -36,16 +36,17 @@ enum Cmd {
     Gen {
         #[arg(long)]
         layer: u32,
-        #[arg(long)]
-        rows: u64,
+        /// Rows (default: the sum of the layer's primes under --hash-preset or --hash-base).
+        #[arg(long, required_unless_present_any = ["hash_preset", "hash_base"])]
+        rows: Option<u64>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
         out: PathBuf,
-        /// Hashing preset to record in the metadata.
+        /// Hashing preset (`v41`): sizes the table and is recorded in the metadata.
         #[arg(long)]
         hash_preset: Option<String>,
-        /// Hashing base size to record in the metadata.
+        /// Hashing base size (primes above base - 1): sizes the table and is recorded.
         #[arg(long)]
         hash_base: Option<u64>,
         /// Generator threads (default: all cores).
@@ -146,6 +147,8 @@ fn main() -> Result<()> {
             hash_base,
             threads: t,
         } => {
+            let (rows, hash_preset, hash_base) =
+                table_shape(layer, rows, hash_preset, hash_base).map_err(anyhow::Error::msg)?;
             let spec = GenSpec {
                 layer,
                 rows,

@@ -26,7 +26,7 @@ const PACK_CHUNK_ROWS: usize = 15 * 1024;
 /// Rows and hashing base of V4.1 Flash's two tables, to label packed tables.
 const V41_TABLES: [(u32, u64); 2] = [(1, 384_006_168), (14, 384_016_682)];
 /// V4.1's hashing base size: primes are taken above 15,999,999.
-pub const V41_HASH_BASE: u64 = 16_000_000;
+pub use engram_protocol::hashing::V41_BASE as V41_HASH_BASE;
 
 /// Why a checkpoint could not be packed.
 #[derive(Debug, Error)]

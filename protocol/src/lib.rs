@@ -2,8 +2,9 @@
 //!
 //! What it is: the 264-byte row encoding and its dequantization (`row`), the
 //! deterministic synthetic rows every test can check against (`synthetic`),
-//! the table version (`digest`), the `.etab` table file layout (`etab`), and
-//! the data-plane frame codec (`frame` for framing, `messages` for payloads).
+//! the table version (`digest`), the `.etab` table file layout (`etab`),
+//! Engram row addressing from compressed token ids (`hashing`), and the
+//! data-plane frame codec (`frame` for framing, `messages` for payloads).
 //!
 //! What it is not: it does no IO, owns no sockets, runs no async runtime and
 //! reads no clock. Bytes come in, typed values go out, and back; the daemons
@@ -17,6 +18,7 @@ pub mod control;
 pub mod digest;
 pub mod etab;
 pub mod frame;
+pub mod hashing;
 pub mod messages;
 pub mod row;
 pub mod synthetic;

@@ -1,0 +1,325 @@
+//! Rules of the `[model]` table, each reported with line and key.
+
+use std::path::Path;
+
+use engram_protocol::hashing::{COLUMNS, Preset, V41_COMPRESSED_VOCAB};
+use engram_protocol::row::ROW_VALUES;
+
+use super::Ctx;
+use crate::model::{
+    FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES, Model, RawModel,
+    TokenMapSource, WeightsSource,
+};
+use crate::raw::S;
+
+/// Validate `[model]`.
+pub(super) fn model(cx: &mut Ctx<'_>, raw: &S<RawModel>, base: &Path) -> Model {
+    let span = raw.span();
+    let m = raw.get_ref();
+    let hashing = match (&m.hash_preset, &m.hash_base) {
+        (Some(p), Some(_)) => {
+            cx.at(
+                p.span(),
+                "model.hash_preset",
+                "give `hash_preset` or `hash_base`, not both",
+            );
+            Preset::V41
+        }
+        (Some(p), None) => match p.get_ref().as_str() {
+            "v41" => Preset::V41,
+            other => {
+                cx.at(
+                    p.span(),
+                    "model.hash_preset",
+                    format!("{other:?} is not a preset (known: \"v41\"; or set `hash_base`)"),
+                );
+                Preset::V41
+            }
+        },
+        (None, Some(b)) => {
+            let lo = engram_protocol::hashing::MIN_BASE as i64;
+            let hi = engram_protocol::hashing::MAX_BASE as i64;
+            match cx.int(b, "model.hash_base", lo, hi) {
+                Some(b) => Preset::Base(b as u64),
+                None => Preset::V41,
+            }
+        }
+        (None, None) => Preset::V41,
+    };
+    let token_map = match (&m.tokenizer, &m.token_map) {
+        (Some(t), Some(_)) => {
+            cx.at(
+                t.span(),
+                "model.tokenizer",
+                "give `tokenizer` or `token_map`, not both",
+            );
+            TokenMapSource::None
+        }
+        (Some(t), None) => TokenMapSource::Tokenizer(cx.path(t, "model.tokenizer", base)),
+        (None, Some(t)) => TokenMapSource::Map(cx.path(t, "model.token_map", base)),
+        (None, None) => TokenMapSource::None,
+    };
+    let vocab_max = i64::from(V41_COMPRESSED_VOCAB);
+    let compressed_vocab = match &m.compressed_vocab {
+        Some(v) => cx
+            .int(v, "model.compressed_vocab", 1, vocab_max)
+            .map(|v| v as u32),
+        None => (hashing == Preset::V41).then_some(V41_COMPRESSED_VOCAB),
+    };
+    let pad_token = m
+        .pad_token
+        .as_ref()
+        .and_then(|v| cx.int(v, "model.pad_token", 0, i64::from(MAX_RAW_VOCAB) - 1))
+        .unwrap_or(2) as u32;
+    let hidden = m
+        .hidden
+        .as_ref()
+        .and_then(|v| cx.int(v, "model.hidden", 1, i64::from(MAX_HIDDEN)))
+        .unwrap_or(5120) as u32;
+    let streams = m
+        .streams
+        .as_ref()
+        .and_then(|v| cx.int(v, "model.streams", 1, i64::from(MAX_STREAMS)))
+        .unwrap_or(4) as u32;
+    let wkv_bytes =
+        (u64::from(streams) + 1) * u64::from(hidden) * (COLUMNS * ROW_VALUES) as u64 * 4;
+    if wkv_bytes > MAX_WKV_BYTES {
+        let at = m.hidden.as_ref().map_or(span.clone(), |h| h.span());
+        cx.at(
+            at,
+            "model.hidden",
+            format!(
+                "a fusion matrix of ({streams} + 1) x {hidden} x {} f32 is {:.1} GiB, over the {} GiB accepted",
+                COLUMNS * ROW_VALUES,
+                wkv_bytes as f64 / f64::from(1u32 << 30),
+                MAX_WKV_BYTES >> 30
+            ),
+        );
+    }
+    let weights = match (&m.weights, &m.weights_seed) {
+        (Some(w), Some(_)) => {
+            cx.at(
+                w.span(),
+                "model.weights",
+                "give `weights` or `weights_seed`, not both",
+            );
+            WeightsSource::Seed(0)
+        }
+        (Some(w), None) => WeightsSource::Checkpoint(cx.path(w, "model.weights", base)),
+        (None, Some(s)) => {
+            WeightsSource::Seed(cx.int(s, "model.weights_seed", 0, i64::MAX).unwrap_or(0) as u64)
+        }
+        (None, None) => {
+            cx.at(
+                span,
+                "model",
+                "fusion weights are needed: `weights = \"CHECKPOINT\"` or `weights_seed = N`",
+            );
+            WeightsSource::Seed(0)
+        }
+    };
+    let fusion = match &m.fusion {
+        None => FusionBackend::default(),
+        Some(f) => FusionBackend::parse(f.get_ref()).unwrap_or_else(|| {
+            cx.at(
+                f.span(),
+                "model.fusion",
+                format!(
+                    "{:?} is not one of \"cpu\", \"gpu\", \"gpu-or-cpu\"",
+                    f.get_ref()
+                ),
+            );
+            FusionBackend::default()
+        }),
+    };
+    Model {
+        hashing,
+        token_map,
+        compressed_vocab,
+        pad_token,
+        hidden,
+        streams,
+        weights,
+        fusion,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::{Config, ConfigError};
+
+    const HEAD: &str = "version = 1\n[rack]\nname = \"r\"\n";
+
+    fn parse(model: &str) -> Result<Config, ConfigError> {
+        Config::parse(
+            &format!("{HEAD}{model}"),
+            Path::new("/etc/engram-rack/rack.toml"),
+        )
+    }
+
+    /// Expect a diagnostic on `line` (of the whole file) for `key` containing `msg`.
+    fn expect(model: &str, line: usize, key: &str, msg: &str) {
+        let d = match parse(model) {
+            Err(ConfigError::Invalid(d)) => d,
+            other => panic!("expected diagnostics, got {other:?}"),
+        };
+        assert!(
+            d.iter()
+                .any(|d| d.line == line && d.key == key && d.message.contains(msg)),
+            "no diagnostic at line {line} for {key} containing {msg:?}; got {d:?}"
+        );
+    }
+
+    #[test]
+    fn no_model_table_is_fine() {
+        assert_eq!(parse("").expect("valid").model, None);
+    }
+
+    #[test]
+    fn defaults_are_v41() {
+        let m = parse("[model]\nweights_seed = 7\n")
+            .expect("valid")
+            .model
+            .expect("model");
+        assert_eq!(
+            m,
+            Model {
+                hashing: Preset::V41,
+                token_map: TokenMapSource::None,
+                compressed_vocab: Some(99_092),
+                pad_token: 2,
+                hidden: 5120,
+                streams: 4,
+                weights: WeightsSource::Seed(7),
+                fusion: FusionBackend::Cpu,
+            }
+        );
+    }
+
+    #[test]
+    fn every_key_is_read_and_paths_resolve() {
+        let m = parse(
+            "[model]\nhash_base = 1000\ntoken_map = \"map.txt\"\ncompressed_vocab = 500\n\
+             pad_token = 0\nhidden = 64\nstreams = 2\nweights = \"/models/v41\"\nfusion = \"gpu-or-cpu\"\n",
+        )
+        .expect("valid")
+        .model
+        .expect("model");
+        assert_eq!(m.hashing, Preset::Base(1000));
+        assert_eq!(
+            m.token_map,
+            TokenMapSource::Map(PathBuf::from("/etc/engram-rack/map.txt"))
+        );
+        assert_eq!(
+            (m.compressed_vocab, m.pad_token, m.hidden, m.streams),
+            (Some(500), 0, 64, 2)
+        );
+        assert_eq!(
+            m.weights,
+            WeightsSource::Checkpoint(PathBuf::from("/models/v41"))
+        );
+        assert_eq!(m.fusion, FusionBackend::GpuOrCpu);
+        let m = parse("[model]\nhash_base = 1000\ntokenizer = \"t.json\"\nweights_seed = 1\n")
+            .expect("valid")
+            .model
+            .expect("model");
+        assert_eq!(m.compressed_vocab, None, "no default size outside v41");
+        assert_eq!(
+            m.token_map,
+            TokenMapSource::Tokenizer(PathBuf::from("/etc/engram-rack/t.json"))
+        );
+    }
+
+    #[test]
+    fn each_rule_names_its_line_and_key() {
+        let w = "weights_seed = 1\n";
+        expect(
+            &format!("[model]\n{w}hash_preset = \"v40\"\n"),
+            6,
+            "model.hash_preset",
+            "not a preset",
+        );
+        expect(
+            &format!("[model]\n{w}hash_preset = \"v41\"\nhash_base = 9\n"),
+            6,
+            "model.hash_preset",
+            "not both",
+        );
+        expect(
+            &format!("[model]\n{w}hash_base = 1\n"),
+            6,
+            "model.hash_base",
+            "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}tokenizer = \"a\"\ntoken_map = \"b\"\n"),
+            6,
+            "model.tokenizer",
+            "not both",
+        );
+        expect(
+            &format!("[model]\n{w}tokenizer = \" \"\n"),
+            6,
+            "model.tokenizer",
+            "empty",
+        );
+        expect(
+            &format!("[model]\n{w}compressed_vocab = 99093\n"),
+            6,
+            "model.compressed_vocab",
+            "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}pad_token = -1\n"),
+            6,
+            "model.pad_token",
+            "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}hidden = 0\n"),
+            6,
+            "model.hidden",
+            "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}hidden = 65536\nstreams = 64\n"),
+            6,
+            "model.hidden",
+            "GiB accepted",
+        );
+        expect(
+            &format!("[model]\n{w}streams = 65\n"),
+            6,
+            "model.streams",
+            "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}weights = \"x\"\n"),
+            6,
+            "model.weights",
+            "not both",
+        );
+        expect("[model]\nhidden = 64\n", 4, "model", "weights are needed");
+        expect(
+            "[model]\nweights_seed = -3\n",
+            5,
+            "model.weights_seed",
+            "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}fusion = \"tpu\"\n"),
+            6,
+            "model.fusion",
+            "\"gpu-or-cpu\"",
+        );
+        expect(
+            &format!("[model]\n{w}colour = 1\n"),
+            6,
+            "colour",
+            "unknown field",
+        );
+    }
+}

@@ -1,0 +1,18 @@
+//! Engram math on the inference node (ENGRAM.md sections 2 to 5): the token
+//! map, row addressing (from `engram_protocol::hashing`), dequantized rows
+//! and their fusion into the hidden state.
+//!
+//! Layers: `addresses` (what `inference-node addresses` prints), `tokenmap` (raw -> compressed ids), `weights` (the fusion
+//! weights, from a checkpoint or a seed), `fusion` (the CPU path and the
+//! backend choice), `gpu` (the CUDA path, behind the `cuda` feature).
+
+pub mod addresses;
+pub mod fusion;
+#[cfg(feature = "cuda")]
+pub mod gpu;
+pub mod tokenmap;
+pub mod weights;
+
+pub use fusion::{CpuFusion, Fusion, FusionError, backend};
+pub use tokenmap::{TokenMap, TokenMapError};
+pub use weights::{FusionShape, FusionWeights, WeightsError};

@@ -1,0 +1,251 @@
+//! The compressed vocabulary (ENGRAM.md section 2): raw token id ->
+//! compressed id, built from the model's `tokenizer.json` exactly as V4.1
+//! builds it, or loaded from a precomputed map file.
+//!
+//! Map file format: UTF-8 text, one decimal compressed id per line, line `i`
+//! (0-based) for raw id `i`; a final newline is optional. The ids must be the
+//! dense first-appearance numbering (raw id 0 maps to 0, and every id is at
+//! most one more than the largest before it). `inference-node token-map`
+//! writes one from a tokenizer.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use thiserror::Error;
+use tokenizers::Tokenizer;
+use unicode_normalization::UnicodeNormalization;
+use unicode_normalization::char::is_combining_mark;
+
+/// Most raw ids a tokenizer or map may have.
+pub const MAX_RAW_VOCAB: usize = cluster_config::model::MAX_RAW_VOCAB as usize;
+/// Largest tokenizer.json read.
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+/// Largest map file read (8 bytes per line is ample for 7-digit ids).
+pub const MAX_MAP_BYTES: u64 = MAX_RAW_VOCAB as u64 * 9;
+
+/// V4.1's normalizer protects a lone space from `Strip` with this private-use
+/// sentinel and turns every sentinel back into a space at the end; doing the
+/// same keeps texts that hold U+E000 themselves identical to V4.1's keys.
+const SENTINEL: char = '\u{E000}';
+
+/// Why a token map cannot be built or loaded.
+#[derive(Debug, Error)]
+pub enum TokenMapError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    /// The tokenizer could not be loaded or could not decode an id.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A map file is malformed.
+    #[error("{path}: line {line}: {reason}")]
+    Map {
+        path: String,
+        line: usize,
+        reason: String,
+    },
+    /// The vocabulary is empty or larger than accepted.
+    #[error("a vocabulary of {0} raw ids is not accepted (1..={MAX_RAW_VOCAB})")]
+    VocabSize(usize),
+    /// The map's compressed size is not the one the model was trained with.
+    #[error(
+        "the token map has {actual} compressed ids but the model expects {expected}: \
+         a different map would change every hash"
+    )]
+    CompressedSize { expected: u32, actual: u32 },
+}
+
+/// Raw id -> compressed id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenMap {
+    map: Vec<u32>,
+    compressed: u32,
+}
+
+/// V4.1's key normalizer: NFKC, NFD, drop combining marks, lowercase, every
+/// run of `[ \t\r\n]` to one space, then strip leading and trailing
+/// whitespace, except that a string that is exactly one space stays one.
+pub fn normalize(text: &str) -> String {
+    let nfkc: String = text.nfkc().collect();
+    let mut folded = String::with_capacity(nfkc.len());
+    for c in nfkc.nfd().filter(|c| !is_combining_mark(*c)) {
+        // Per character, as the tokenizers `Lowercase` normalizer does (no
+        // context-dependent final sigma).
+        folded.extend(c.to_lowercase());
+    }
+    let mut collapsed = String::with_capacity(folded.len());
+    let mut in_run = false;
+    for c in folded.chars() {
+        if matches!(c, ' ' | '\t' | '\r' | '\n') {
+            if !in_run {
+                collapsed.push(' ');
+            }
+            in_run = true;
+        } else {
+            collapsed.push(c);
+            in_run = false;
+        }
+    }
+    if collapsed == " " {
+        return collapsed;
+    }
+    collapsed
+        .trim_matches(char::is_whitespace)
+        .replace(SENTINEL, " ")
+}
+
+/// The key of one decoded token (step 2 of the section): the raw token string
+/// for partial UTF-8, else the normalized text, else the text itself.
+fn key(text: String, raw_token: impl FnOnce() -> Option<String>) -> String {
+    if text.contains('\u{FFFD}') {
+        return raw_token().unwrap_or(text);
+    }
+    let norm = normalize(&text);
+    if norm.is_empty() { text } else { norm }
+}
+
+impl TokenMap {
+    /// Build the map from a loaded tokenizer: every raw id in
+    /// `0..vocab_size(with added tokens)`, decoded alone with special tokens
+    /// kept, keyed and numbered by first appearance.
+    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Self, TokenMapError> {
+        let n = tok.get_vocab_size(true);
+        if n == 0 || n > MAX_RAW_VOCAB {
+            return Err(TokenMapError::VocabSize(n));
+        }
+        let mut ids: HashMap<String, u32> = HashMap::with_capacity(n);
+        let mut map = Vec::with_capacity(n);
+        for t in 0..n as u32 {
+            let text = tok
+                .decode(&[t], false)
+                .map_err(|e| TokenMapError::Tokenizer(format!("decoding id {t}: {e}")))?;
+            let k = key(text, || tok.id_to_token(t));
+            let next = ids.len() as u32;
+            map.push(*ids.entry(k).or_insert(next));
+        }
+        let compressed = ids.len() as u32;
+        Ok(Self { map, compressed })
+    }
+
+    /// Build the map from a `tokenizer.json` file.
+    pub fn from_tokenizer_file(path: &Path) -> Result<Self, TokenMapError> {
+        let len = std::fs::metadata(path)
+            .map_err(|source| TokenMapError::Io {
+                path: path.display().to_string(),
+                source,
+            })?
+            .len();
+        if len > MAX_TOKENIZER_BYTES {
+            return Err(TokenMapError::Tokenizer(format!(
+                "{} is {len} bytes, more than the {MAX_TOKENIZER_BYTES} accepted",
+                path.display()
+            )));
+        }
+        let tok = Tokenizer::from_file(path)
+            .map_err(|e| TokenMapError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Self::from_tokenizer(&tok)
+    }
+
+    /// A map from its ids, checked to be the dense first-appearance numbering.
+    pub fn from_ids(map: Vec<u32>) -> Result<Self, (usize, String)> {
+        if map.is_empty() || map.len() > MAX_RAW_VOCAB {
+            return Err((
+                0,
+                format!("{} raw ids is not 1..={MAX_RAW_VOCAB}", map.len()),
+            ));
+        }
+        let mut next = 0u32;
+        for (i, &id) in map.iter().enumerate() {
+            if id == next {
+                next += 1;
+            } else if id > next {
+                return Err((
+                    i,
+                    format!(
+                        "raw id {i} maps to {id}, but the next new compressed id is {next} \
+                         (ids are numbered by first appearance)"
+                    ),
+                ));
+            }
+        }
+        Ok(Self {
+            map,
+            compressed: next,
+        })
+    }
+
+    /// Load a precomputed map file (format in the module docs).
+    pub fn load(path: &Path) -> Result<Self, TokenMapError> {
+        let name = path.display().to_string();
+        let io = |source| TokenMapError::Io {
+            path: name.clone(),
+            source,
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        let bad = |line: usize, reason: String| TokenMapError::Map {
+            path: name.clone(),
+            line,
+            reason,
+        };
+        if len > MAX_MAP_BYTES {
+            return Err(bad(
+                0,
+                format!("{len} bytes is more than the {MAX_MAP_BYTES} accepted"),
+            ));
+        }
+        let text = std::fs::read_to_string(path).map_err(io)?;
+        let body = text.strip_suffix('\n').unwrap_or(&text);
+        let mut ids = Vec::new();
+        for (i, line) in body.split('\n').enumerate() {
+            let line = line.strip_suffix('\r').unwrap_or(line);
+            let id = line
+                .parse::<u32>()
+                .map_err(|_| bad(i + 1, format!("{line:?} is not a compressed id")))?;
+            ids.push(id);
+        }
+        Self::from_ids(ids).map_err(|(i, reason)| bad(i + 1, reason))
+    }
+
+    /// Write the map in the file format [`TokenMap::load`] reads.
+    pub fn write(&self, mut out: impl Write) -> std::io::Result<()> {
+        for id in &self.map {
+            writeln!(out, "{id}")?;
+        }
+        out.flush()
+    }
+
+    /// Refuse a map whose compressed size is not `expected`.
+    pub fn check_size(&self, expected: u32) -> Result<(), TokenMapError> {
+        if self.compressed == expected {
+            Ok(())
+        } else {
+            Err(TokenMapError::CompressedSize {
+                expected,
+                actual: self.compressed,
+            })
+        }
+    }
+
+    /// The compressed id of a raw id, or `None` when it is out of range.
+    #[inline]
+    pub fn get(&self, raw: u32) -> Option<u32> {
+        self.map.get(raw as usize).copied()
+    }
+
+    /// Raw ids covered.
+    pub fn raw_len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Distinct compressed ids.
+    pub fn compressed_len(&self) -> u32 {
+        self.compressed
+    }
+}
+
+#[cfg(test)]
+mod tests;

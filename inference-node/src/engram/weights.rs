@@ -1,0 +1,405 @@
+//! The fusion weights of the two Engram layers (ENGRAM.md section 5), held
+//! in f32: `wkv` [(S+1)*H x 6144] and `w = q_weight .* k_weight` [S x H].
+//!
+//! From a checkpoint (a safetensors file, its directory, or
+//! `model.safetensors.index.json`), tensors `layers.{L}.engram.wkv.weight`,
+//! `layers.{L}.engram.q_weight` and `layers.{L}.engram.k_weight`, in BF16,
+//! F16 or F32; `wkv` may also be F8_E4M3 with a block-scale tensor named
+//! `layers.{L}.engram.wkv.weight_scale_inv` or `layers.{L}.engram.wkv.scale`
+//! (F32, BF16 or F8_E8M0) of shape [ceil(rows/br), ceil(cols/bc)] for any
+//! block shape br x bc (128 x 128 in DeepSeek checkpoints); a value is
+//! `e4m3(code) * scale[block]`. `q_weight`/`k_weight` are [S, H] or [S*H].
+//! Or generated from a seed (tests and demos): deterministic, bf16-valued.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Component, Path, PathBuf};
+
+use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
+use engram_protocol::row::ue8m0_to_f32;
+use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use thiserror::Error;
+
+/// Values of one position's Engram input: 24 rows of 256.
+pub const ENGRAM_DIM: usize = COLUMNS * ROW_VALUES;
+/// Largest `model.safetensors.index.json` read.
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// Largest fusion matrix accepted, in f32 bytes per layer.
+const MAX_WKV_BYTES: u64 = cluster_config::model::MAX_WKV_BYTES;
+
+/// Why fusion weights cannot be had.
+#[derive(Debug, Error)]
+pub enum WeightsError {
+    /// A file could not be opened or mapped.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The checkpoint lacks a tensor or holds one of the wrong kind.
+    #[error("{path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+    /// The shape asked for is not accepted.
+    #[error("fusion shape: {0}")]
+    Shape(String),
+}
+
+/// Hidden size and residual streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusionShape {
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Streams S.
+    pub streams: usize,
+}
+
+impl FusionShape {
+    /// A shape, checked against the config's bounds.
+    pub fn new(hidden: usize, streams: usize) -> Result<Self, WeightsError> {
+        let s = Self { hidden, streams };
+        let max_h = cluster_config::model::MAX_HIDDEN as usize;
+        let max_s = cluster_config::model::MAX_STREAMS as usize;
+        if !(1..=max_h).contains(&hidden) || !(1..=max_s).contains(&streams) {
+            return Err(WeightsError::Shape(format!(
+                "hidden {hidden} and streams {streams} must be in 1..={max_h} and 1..={max_s}"
+            )));
+        }
+        if s.kv_len() as u64 * ENGRAM_DIM as u64 * 4 > MAX_WKV_BYTES {
+            return Err(WeightsError::Shape(format!(
+                "a ({streams} + 1) x {hidden} x {ENGRAM_DIM} matrix is over {MAX_WKV_BYTES} bytes"
+            )));
+        }
+        Ok(s)
+    }
+
+    /// Rows of `wkv`: (S + 1) * H.
+    pub fn kv_len(&self) -> usize {
+        (self.streams + 1) * self.hidden
+    }
+
+    /// Values of one position's hidden state: S * H.
+    pub fn state_len(&self) -> usize {
+        self.streams * self.hidden
+    }
+}
+
+/// One layer's weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerWeights {
+    /// [(S+1)*H x ENGRAM_DIM], row-major.
+    pub wkv: Vec<f32>,
+    /// `q_weight .* k_weight`, [S x H].
+    pub w: Vec<f32>,
+}
+
+/// Both Engram layers' weights (layers 1 and 14, in that order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FusionWeights {
+    /// Shapes.
+    pub shape: FusionShape,
+    /// Layers 1 and 14.
+    pub layers: [LayerWeights; 2],
+}
+
+/// splitmix64: a small, well-mixed, reproducible stream for seeded weights.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform value in [-1, 1) rounded to bf16.
+fn uniform_bf16(state: &mut u64) -> f32 {
+    let u = (splitmix(state) >> 40) as f32 / (1u64 << 24) as f32;
+    bf16_bits_to_f32(f32_to_bf16_bits(2.0 * u - 1.0))
+}
+
+impl FusionWeights {
+    /// Deterministic weights of model-like scale: `wkv` uniform with
+    /// standard deviation about 1/sqrt(6144 * 3), `q_weight` and `k_weight`
+    /// near 1; every value a bf16 value.
+    pub fn from_seed(seed: u64, shape: FusionShape) -> Self {
+        let scale = 1.0 / (ENGRAM_DIM as f32).sqrt();
+        let layers = ENGRAM_LAYERS.map(|layer| {
+            let mut st = seed ^ (u64::from(layer) << 56);
+            let wkv = (0..shape.kv_len() * ENGRAM_DIM)
+                .map(|_| bf16_bits_to_f32(f32_to_bf16_bits(uniform_bf16(&mut st) * scale)))
+                .collect();
+            let w = (0..shape.state_len())
+                .map(|_| {
+                    let q = bf16_bits_to_f32(f32_to_bf16_bits(1.0 + 0.25 * uniform_bf16(&mut st)));
+                    let k = bf16_bits_to_f32(f32_to_bf16_bits(1.0 + 0.25 * uniform_bf16(&mut st)));
+                    q * k
+                })
+                .collect();
+            LayerWeights { wkv, w }
+        });
+        Self { shape, layers }
+    }
+
+    /// Load both layers from a checkpoint (see the module docs).
+    pub fn from_checkpoint(checkpoint: &Path, shape: FusionShape) -> Result<Self, WeightsError> {
+        let mut ck = Checkpoint::open(checkpoint)?;
+        let mut load = |layer: u32| -> Result<LayerWeights, WeightsError> {
+            let p = format!("layers.{layer}.engram");
+            let wname = format!("{p}.wkv.weight");
+            let scales = [
+                format!("{p}.wkv.weight_scale_inv"),
+                format!("{p}.wkv.scale"),
+            ];
+            let wkv = ck.matrix(&wname, &scales, shape.kv_len(), ENGRAM_DIM)?;
+            let q = ck.matrix(&format!("{p}.q_weight"), &[], shape.streams, shape.hidden)?;
+            let k = ck.matrix(&format!("{p}.k_weight"), &[], shape.streams, shape.hidden)?;
+            let w = q.iter().zip(&k).map(|(q, k)| q * k).collect();
+            Ok(LayerWeights { wkv, w })
+        };
+        let first = load(ENGRAM_LAYERS[0])?;
+        let second = load(ENGRAM_LAYERS[1])?;
+        Ok(Self {
+            shape,
+            layers: [first, second],
+        })
+    }
+}
+
+/// The files of a checkpoint, mapped on demand.
+struct Checkpoint {
+    root: PathBuf,
+    /// Tensor name -> file, from the index; `None` for a single file.
+    index: Option<BTreeMap<String, String>>,
+    maps: BTreeMap<PathBuf, Mmap>,
+}
+
+impl Checkpoint {
+    fn open(path: &Path) -> Result<Self, WeightsError> {
+        let err = |reason: String| WeightsError::Checkpoint {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let io = |source| WeightsError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let (root, index_path) = if path.is_dir() {
+            let idx = path.join("model.safetensors.index.json");
+            let single = path.join("model.safetensors");
+            if idx.is_file() {
+                (path.to_path_buf(), Some(idx))
+            } else if single.is_file() {
+                (single, None)
+            } else {
+                return Err(err(
+                    "directory holds neither model.safetensors.index.json nor model.safetensors"
+                        .into(),
+                ));
+            }
+        } else if path.extension().is_some_and(|e| e == "json") {
+            let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+            (dir, Some(path.to_path_buf()))
+        } else {
+            (path.to_path_buf(), None)
+        };
+        let index = match index_path {
+            None => None,
+            Some(idx) => {
+                let len = std::fs::metadata(&idx).map_err(io)?.len();
+                if len > MAX_INDEX_BYTES {
+                    return Err(err(format!(
+                        "index is {len} bytes, more than the {MAX_INDEX_BYTES} accepted"
+                    )));
+                }
+                #[derive(serde::Deserialize)]
+                struct Index {
+                    weight_map: BTreeMap<String, String>,
+                }
+                let text = std::fs::read(&idx).map_err(io)?;
+                let parsed: Index = serde_json::from_slice(&text)
+                    .map_err(|e| err(format!("index is not valid JSON: {e}")))?;
+                Some(parsed.weight_map)
+            }
+        };
+        Ok(Self {
+            root,
+            index,
+            maps: BTreeMap::new(),
+        })
+    }
+
+    /// The file holding `name`, or `None` when the index does not list it.
+    fn file_of(&self, name: &str) -> Result<Option<PathBuf>, WeightsError> {
+        let Some(index) = &self.index else {
+            return Ok(Some(self.root.clone()));
+        };
+        let Some(file) = index.get(name) else {
+            return Ok(None);
+        };
+        let rel = Path::new(file);
+        if !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+            return Err(WeightsError::Checkpoint {
+                path: self.root.clone(),
+                reason: format!("index names shard {file:?}, which leaves the checkpoint"),
+            });
+        }
+        Ok(Some(self.root.join(rel)))
+    }
+
+    fn mapped(&mut self, file: &Path) -> Result<&Mmap, WeightsError> {
+        if !self.maps.contains_key(file) {
+            let io = |source| WeightsError::Io {
+                path: file.to_path_buf(),
+                source,
+            };
+            let f = File::open(file).map_err(io)?;
+            // SAFETY: read-only private mapping; a checkpoint changed while it
+            // is read gives wrong weights, never unsafety in this process.
+            let m = unsafe { Mmap::map(&f) }.map_err(io)?;
+            self.maps.insert(file.to_path_buf(), m);
+        }
+        self.maps.get(file).ok_or_else(|| WeightsError::Checkpoint {
+            path: file.to_path_buf(),
+            reason: "mapping vanished".into(),
+        })
+    }
+
+    /// Tensor `name` as f32 values of shape [rows, cols] (or flat rows*cols),
+    /// dequantized with the first of `scale_names` present when it is FP8.
+    fn matrix(
+        &mut self,
+        name: &str,
+        scale_names: &[String],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<f32>, WeightsError> {
+        let file = self
+            .file_of(name)?
+            .ok_or_else(|| WeightsError::Checkpoint {
+                path: self.root.clone(),
+                reason: format!("index has no tensor `{name}`"),
+            })?;
+        let mut scale = None;
+        for s in scale_names {
+            if let Some(sf) = self.file_of(s)? {
+                let m = self.mapped(&sf)?;
+                let st = parse(m, &sf)?;
+                if let Ok(t) = st.tensor(s) {
+                    scale = Some((s.clone(), t.dtype(), t.shape().to_vec(), t.data().to_vec()));
+                    break;
+                }
+            }
+        }
+        let m = self.mapped(&file)?;
+        let st = parse(m, &file)?;
+        let err = |reason: String| WeightsError::Checkpoint {
+            path: file.clone(),
+            reason,
+        };
+        let t = st
+            .tensor(name)
+            .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
+        let shape = t.shape();
+        if !(shape == [rows, cols] || shape == [rows * cols]) {
+            return Err(err(format!(
+                "tensor `{name}` has shape {shape:?}, expected [{rows}, {cols}]"
+            )));
+        }
+        let n = rows * cols;
+        let data = t.data();
+        let out = match t.dtype() {
+            Dtype::F32 => values(data, n, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            Dtype::BF16 => values(data, n, 2, |b| {
+                bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+            }),
+            Dtype::F16 => values(data, n, 2, |b| {
+                half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+            }),
+            Dtype::F8_E4M3 => {
+                let (sname, sdt, sshape, sdata) = scale.ok_or_else(|| {
+                    err(format!(
+                        "tensor `{name}` is F8_E4M3 but none of {scale_names:?} is present"
+                    ))
+                })?;
+                fp8_blocks(data, rows, cols, sdt, &sshape, &sdata)
+                    .map_err(|r| err(format!("tensor `{name}` with `{sname}`: {r}")))?
+            }
+            other => {
+                return Err(err(format!(
+                    "tensor `{name}` is {other:?}; accepted: BF16, F16, F32, F8_E4M3 with scales"
+                )));
+            }
+        };
+        let out = out.ok_or_else(|| err(format!("tensor `{name}` holds the wrong byte count")))?;
+        if let Some(i) = out.iter().position(|v| !v.is_finite()) {
+            return Err(err(format!("tensor `{name}` value {i} is not finite")));
+        }
+        Ok(out)
+    }
+}
+
+fn parse<'a>(m: &'a Mmap, path: &Path) -> Result<SafeTensors<'a>, WeightsError> {
+    SafeTensors::deserialize(m).map_err(|e| WeightsError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: format!("not safetensors: {e}"),
+    })
+}
+
+/// `n` values of `width` bytes each, or `None` when the byte count differs.
+fn values(data: &[u8], n: usize, width: usize, f: impl Fn(&[u8]) -> f32) -> Option<Vec<f32>> {
+    (data.len() == n * width).then(|| data.chunks_exact(width).map(f).collect())
+}
+
+/// Dequantize an FP8 E4M3 [rows, cols] matrix with block scales.
+fn fp8_blocks(
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    sdt: Dtype,
+    sshape: &[usize],
+    sdata: &[u8],
+) -> Result<Option<Vec<f32>>, String> {
+    let [sr, sc] = *sshape else {
+        return Err(format!("scale shape {sshape:?} is not 2-D"));
+    };
+    if sr == 0 || sc == 0 || sr > rows || sc > cols {
+        return Err(format!(
+            "scale shape {sshape:?} does not tile [{rows}, {cols}]"
+        ));
+    }
+    let (br, bc) = (rows.div_ceil(sr), cols.div_ceil(sc));
+    if rows.div_ceil(br) != sr || cols.div_ceil(bc) != sc {
+        return Err(format!(
+            "scale shape {sshape:?} does not tile [{rows}, {cols}]"
+        ));
+    }
+    let scales: Vec<f32> = match sdt {
+        Dtype::F32 => values(sdata, sr * sc, 4, |b| {
+            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        }),
+        Dtype::BF16 => values(sdata, sr * sc, 2, |b| {
+            bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+        }),
+        Dtype::F8_E8M0 => values(sdata, sr * sc, 1, |b| {
+            ue8m0_to_f32(b[0]).unwrap_or(f32::NAN)
+        }),
+        other => return Err(format!("scale dtype {other:?} is not F32, BF16 or F8_E8M0")),
+    }
+    .ok_or("scale tensor holds the wrong byte count")?;
+    if data.len() != rows * cols {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(rows * cols);
+    for (r, row) in data.chunks_exact(cols).enumerate() {
+        let srow = &scales[(r / br) * sc..(r / br + 1) * sc];
+        for (c, &code) in row.iter().enumerate() {
+            let v = e4m3_to_f32(code).ok_or_else(|| format!("value ({r}, {c}) is an FP8 NaN"))?;
+            out.push(v * srow[c / bc]);
+        }
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests;

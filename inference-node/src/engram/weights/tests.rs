@@ -1,0 +1,277 @@
+//! Loading fusion weights from checkpoints written here, in every accepted
+//! encoding, single file and sharded.
+
+use std::collections::HashMap;
+
+use safetensors::tensor::TensorView;
+
+use super::*;
+
+struct T {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+fn write(path: &Path, tensors: &[T]) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|t| {
+            let v = TensorView::new(t.dtype, t.shape.clone(), &t.data).expect("view");
+            (t.name.clone(), v)
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None::<HashMap<String, String>>).expect("serialize");
+    std::fs::write(path, bytes).expect("write");
+}
+
+fn bf16(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| f32_to_bf16_bits(*x).to_le_bytes())
+        .collect()
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f16s(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+        .collect()
+}
+
+const SHAPE: FusionShape = FusionShape {
+    hidden: 8,
+    streams: 2,
+};
+
+/// FP8 codes for the wkv of SHAPE, a pattern that avoids NaN codes.
+fn codes() -> Vec<u8> {
+    (0..SHAPE.kv_len() * ENGRAM_DIM)
+        .map(|i| (i * 37 % 251) as u8 & 0xF7)
+        .collect()
+}
+
+/// Tensors for one layer: wkv in FP8 with `scale` tensors, q as F32, k as F16 (flat).
+fn layer_tensors(layer: u32, scale: Option<(&str, Dtype, Vec<usize>, Vec<u8>)>) -> Vec<T> {
+    let p = format!("layers.{layer}.engram");
+    let n = SHAPE.state_len();
+    let q: Vec<f32> = (0..n).map(|i| 1.0 + i as f32 / 64.0).collect();
+    let k: Vec<f32> = (0..n).map(|i| 0.5 - i as f32 / 128.0).collect();
+    let mut out = vec![
+        T {
+            name: format!("{p}.q_weight"),
+            dtype: Dtype::F32,
+            shape: vec![SHAPE.streams, SHAPE.hidden],
+            data: f32s(&q),
+        },
+        T {
+            name: format!("{p}.k_weight"),
+            dtype: Dtype::F16,
+            shape: vec![n],
+            data: f16s(&k),
+        },
+    ];
+    let wkv_shape = vec![SHAPE.kv_len(), ENGRAM_DIM];
+    match scale {
+        Some((suffix, dt, shape, data)) => {
+            out.push(T {
+                name: format!("{p}.wkv.weight"),
+                dtype: Dtype::F8_E4M3,
+                shape: wkv_shape,
+                data: codes(),
+            });
+            out.push(T {
+                name: format!("{p}.wkv.{suffix}"),
+                dtype: dt,
+                shape,
+                data,
+            });
+        }
+        None => {
+            let v: Vec<f32> = (0..SHAPE.kv_len() * ENGRAM_DIM)
+                .map(|i| ((i % 97) as f32 - 48.0) / 256.0)
+                .collect();
+            out.push(T {
+                name: format!("{p}.wkv.weight"),
+                dtype: Dtype::BF16,
+                shape: wkv_shape,
+                data: bf16(&v),
+            });
+        }
+    }
+    out
+}
+
+#[test]
+fn single_file_bf16_f32_f16() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("model.safetensors");
+    let mut t = layer_tensors(1, None);
+    t.extend(layer_tensors(14, None));
+    write(&path, &t);
+    // The directory finds model.safetensors.
+    let w = FusionWeights::from_checkpoint(dir.path(), SHAPE).expect("load");
+    for lw in &w.layers {
+        assert_eq!(lw.wkv.len(), SHAPE.kv_len() * ENGRAM_DIM);
+        assert_eq!(lw.wkv[1], -47.0 / 256.0);
+        let i = 5;
+        let want = (1.0 + i as f32 / 64.0) * half::f16::from_f32(0.5 - i as f32 / 128.0).to_f32();
+        assert_eq!(lw.w[i], want);
+    }
+    // A shape that disagrees with the config is refused, naming the tensor.
+    let e = FusionWeights::from_checkpoint(&path, FusionShape::new(8, 3).unwrap())
+        .expect_err("wrong shape")
+        .to_string();
+    assert!(e.contains("wkv.weight") && e.contains("shape"), "{e}");
+}
+
+#[test]
+fn fp8_with_block_scales_through_an_index() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kv = SHAPE.kv_len();
+    // Layer 1: DeepSeek-style F32 scale_inv over 128 x 128 blocks.
+    let sc1: Vec<f32> = (0..kv.div_ceil(128) * ENGRAM_DIM.div_ceil(128))
+        .map(|j| 0.5 + j as f32)
+        .collect();
+    let s1 = (
+        "weight_scale_inv",
+        Dtype::F32,
+        vec![kv.div_ceil(128), ENGRAM_DIM.div_ceil(128)],
+        f32s(&sc1),
+    );
+    // Layer 14: UE8M0 scales over 1 x 32 blocks, as the Engram tables use.
+    let sc14: Vec<u8> = (0..kv * ENGRAM_DIM / 32)
+        .map(|j| 120 + (j % 9) as u8)
+        .collect();
+    let s14 = (
+        "scale",
+        Dtype::F8_E8M0,
+        vec![kv, ENGRAM_DIM / 32],
+        sc14.clone(),
+    );
+    write(
+        &dir.path().join("a.safetensors"),
+        &layer_tensors(1, Some(s1)),
+    );
+    write(
+        &dir.path().join("b.safetensors"),
+        &layer_tensors(14, Some(s14)),
+    );
+    let mut map = serde_json::Map::new();
+    for (shard, layer) in [("a.safetensors", 1), ("b.safetensors", 14)] {
+        for t in layer_tensors(
+            layer,
+            Some(("weight_scale_inv", Dtype::F32, vec![], vec![])),
+        ) {
+            map.insert(t.name, shard.into());
+        }
+        let scale = if layer == 1 {
+            "weight_scale_inv"
+        } else {
+            "scale"
+        };
+        map.insert(format!("layers.{layer}.engram.wkv.{scale}"), shard.into());
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    let idx = dir.path().join("model.safetensors.index.json");
+    std::fs::write(&idx, index.to_string()).expect("write");
+    let w = FusionWeights::from_checkpoint(dir.path(), SHAPE).expect("load");
+    let c = codes();
+    for (r, c_) in [(0usize, 0usize), (3, 200), (23, 6143)] {
+        let code = c[r * ENGRAM_DIM + c_];
+        let v = e4m3_to_f32(code).unwrap();
+        assert_eq!(
+            w.layers[0].wkv[r * ENGRAM_DIM + c_],
+            v * sc1[c_ / 128],
+            "({r}, {c_})"
+        );
+        let s = ue8m0_to_f32(sc14[r * (ENGRAM_DIM / 32) + c_ / 32]).unwrap();
+        assert_eq!(w.layers[1].wkv[r * ENGRAM_DIM + c_], v * s, "({r}, {c_})");
+    }
+
+    // FP8 without any scale tensor is refused.
+    let lone = dir.path().join("lone.safetensors");
+    let mut t = layer_tensors(1, None);
+    t.retain(|t| !t.name.ends_with("wkv.weight"));
+    t.push(T {
+        name: "layers.1.engram.wkv.weight".into(),
+        dtype: Dtype::F8_E4M3,
+        shape: vec![kv, ENGRAM_DIM],
+        data: c,
+    });
+    t.extend(layer_tensors(14, None));
+    write(&lone, &t);
+    let e = FusionWeights::from_checkpoint(&lone, SHAPE)
+        .expect_err("no scales")
+        .to_string();
+    assert!(e.contains("none of"), "{e}");
+}
+
+#[test]
+fn bad_checkpoints_are_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    assert!(
+        FusionWeights::from_checkpoint(dir.path(), SHAPE).is_err(),
+        "empty directory"
+    );
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"\xff\xff\xff\xff\xff\xff\xff\xffjunk").expect("write");
+    let e = FusionWeights::from_checkpoint(&junk, SHAPE)
+        .expect_err("junk")
+        .to_string();
+    assert!(e.contains("not safetensors"), "{e}");
+    let idx = dir.path().join("x.json");
+    std::fs::write(
+        &idx,
+        r#"{"weight_map": {"layers.1.engram.wkv.weight": "../evil"}}"#,
+    )
+    .expect("write");
+    let e = FusionWeights::from_checkpoint(&idx, SHAPE)
+        .expect_err("escape")
+        .to_string();
+    assert!(e.contains("leaves the checkpoint"), "{e}");
+    // A missing tensor and a wrong dtype are named.
+    let path = dir.path().join("m.safetensors");
+    let mut t = layer_tensors(1, None);
+    t.retain(|t| !t.name.ends_with("k_weight"));
+    write(&path, &t);
+    let e = FusionWeights::from_checkpoint(&path, SHAPE)
+        .expect_err("missing")
+        .to_string();
+    assert!(e.contains("k_weight"), "{e}");
+    let mut t = layer_tensors(1, None);
+    t[0].dtype = Dtype::I32;
+    t[0].data.resize(SHAPE.state_len() * 4, 0);
+    write(&path, &t);
+    let e = FusionWeights::from_checkpoint(&path, SHAPE)
+        .expect_err("dtype")
+        .to_string();
+    assert!(e.contains("I32"), "{e}");
+    // Non-finite weights are refused.
+    let mut t = layer_tensors(1, None);
+    t[0].data[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    t.extend(layer_tensors(14, None));
+    write(&path, &t);
+    let e = FusionWeights::from_checkpoint(&path, SHAPE)
+        .expect_err("inf")
+        .to_string();
+    assert!(e.contains("not finite"), "{e}");
+}
+
+#[test]
+fn seeded_weights_are_deterministic_and_bf16_valued() {
+    let a = FusionWeights::from_seed(3, SHAPE);
+    assert_eq!(a, FusionWeights::from_seed(3, SHAPE));
+    assert_ne!(a, FusionWeights::from_seed(4, SHAPE));
+    assert_ne!(a.layers[0], a.layers[1]);
+    for v in &a.layers[0].wkv {
+        assert_eq!(bf16_bits_to_f32(f32_to_bf16_bits(*v)), *v);
+        assert!(v.abs() <= 1.0 / (ENGRAM_DIM as f32).sqrt());
+    }
+    assert!(a.layers[0].w.iter().all(|w| (0.5..1.6).contains(w)));
+    assert!(FusionShape::new(0, 4).is_err());
+    assert!(FusionShape::new(65_536, 64).is_err());
+}
