@@ -12,6 +12,7 @@
 //! What it is not: the client. Inference nodes use `inference-node`; the
 //! two crates share only `engram-protocol` and `cluster-config`.
 
+pub mod checkpoint;
 pub mod control;
 pub mod generate;
 pub mod metrics;

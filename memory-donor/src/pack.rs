@@ -4,9 +4,9 @@
 //! safetensors file or a sharded checkpoint (`model.safetensors.index.json`).
 //! Inputs are memory-mapped and streamed; nothing is held whole in RAM.
 
-use std::collections::BTreeMap;
+use crate::checkpoint::{CheckpointError, CheckpointFiles};
 use std::fs::File;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use engram_protocol::etab::TableMeta;
 use engram_protocol::row::{ROW_SCALES, ROW_VALUES};
@@ -18,8 +18,6 @@ use thiserror::Error;
 use crate::progress::Progress;
 use crate::table_file::{TableFileError, TableWriter};
 
-/// Largest `model.safetensors.index.json` read.
-const MAX_INDEX_BYTES: u64 = 64 << 20;
 /// Rows packed per step.
 const PACK_CHUNK_ROWS: usize = 15 * 1024;
 
@@ -64,63 +62,24 @@ pub fn tensor_names(layer: u32) -> (String, String) {
 
 /// Which file holds each of `names`: the file itself, or via the index.
 fn locate(checkpoint: &Path, names: &[&str]) -> Result<Vec<PathBuf>, PackError> {
-    let ck_err = |reason: String| PackError::Checkpoint {
-        path: checkpoint.to_path_buf(),
-        reason,
-    };
-    let mut index = None;
-    if checkpoint.is_dir() {
-        let idx = checkpoint.join("model.safetensors.index.json");
-        let single = checkpoint.join("model.safetensors");
-        if idx.is_file() {
-            index = Some(idx);
-        } else if single.is_file() {
-            return Ok(names.iter().map(|_| single.clone()).collect());
-        } else {
-            return Err(ck_err(
-                "directory holds neither model.safetensors.index.json nor model.safetensors".into(),
-            ));
-        }
-    } else if checkpoint.extension().is_some_and(|e| e == "json") {
-        index = Some(checkpoint.to_path_buf());
-    }
-    let Some(index) = index else {
-        return Ok(names.iter().map(|_| checkpoint.to_path_buf()).collect());
-    };
-    let io = |what: &'static str| {
-        let path = index.clone();
-        move |source| PackError::Io { path, what, source }
-    };
-    let len = std::fs::metadata(&index).map_err(io("stat"))?.len();
-    if len > MAX_INDEX_BYTES {
-        return Err(ck_err(format!(
-            "index is {len} bytes, more than the {MAX_INDEX_BYTES} accepted"
-        )));
-    }
-    let text = std::fs::read(&index).map_err(io("read index"))?;
-    #[derive(serde::Deserialize)]
-    struct Index {
-        weight_map: BTreeMap<String, String>,
-    }
-    let parsed: Index = serde_json::from_slice(&text)
-        .map_err(|e| ck_err(format!("index is not valid JSON: {e}")))?;
-    let dir = index.parent().unwrap_or(Path::new("."));
+    let files = CheckpointFiles::open(checkpoint)?;
     names
         .iter()
-        .map(|name| {
-            let file = parsed
-                .weight_map
-                .get(*name)
-                .ok_or_else(|| ck_err(format!("index has no tensor `{name}`")))?;
-            let rel = Path::new(file);
-            if !rel.components().all(|c| matches!(c, Component::Normal(_))) {
-                return Err(ck_err(format!(
-                    "index names shard {file:?}, which leaves the checkpoint directory"
-                )));
-            }
-            Ok(dir.join(rel))
-        })
+        .map(|n| files.require(n).map_err(PackError::from))
         .collect()
+}
+
+impl From<CheckpointError> for PackError {
+    fn from(e: CheckpointError) -> Self {
+        match e {
+            CheckpointError::Io { path, source } => Self::Io {
+                path,
+                what: "read index",
+                source,
+            },
+            CheckpointError::Layout { path, reason } => Self::Checkpoint { path, reason },
+        }
+    }
 }
 
 fn map(path: &Path) -> Result<Mmap, PackError> {

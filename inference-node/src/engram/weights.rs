@@ -11,9 +11,11 @@
 //! `e4m3(code) * scale[block]`. `q_weight`/`k_weight` are [S, H] or [S*H].
 //! Or generated from a seed (tests and demos): deterministic, bf16-valued.
 
+use engram_protocol::synthetic::SplitMix64;
+use memory_donor::checkpoint::{CheckpointError, CheckpointFiles};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
 use engram_protocol::row::ue8m0_to_f32;
@@ -24,8 +26,6 @@ use thiserror::Error;
 
 /// Values of one position's Engram input: 24 rows of 256.
 pub const ENGRAM_DIM: usize = COLUMNS * ROW_VALUES;
-/// Largest `model.safetensors.index.json` read.
-const MAX_INDEX_BYTES: u64 = 64 << 20;
 /// Largest fusion matrix accepted, in f32 bytes per layer.
 const MAX_WKV_BYTES: u64 = cluster_config::model::MAX_WKV_BYTES;
 
@@ -103,18 +103,9 @@ pub struct FusionWeights {
     pub layers: [LayerWeights; 2],
 }
 
-/// splitmix64: a small, well-mixed, reproducible stream for seeded weights.
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// A uniform value in [-1, 1) rounded to bf16.
-fn uniform_bf16(state: &mut u64) -> f32 {
-    let u = (splitmix(state) >> 40) as f32 / (1u64 << 24) as f32;
+fn uniform_bf16(rng: &mut SplitMix64) -> f32 {
+    let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
     bf16_bits_to_f32(f32_to_bf16_bits(2.0 * u - 1.0))
 }
 
@@ -125,7 +116,7 @@ impl FusionWeights {
     pub fn from_seed(seed: u64, shape: FusionShape) -> Self {
         let scale = 1.0 / (ENGRAM_DIM as f32).sqrt();
         let layers = ENGRAM_LAYERS.map(|layer| {
-            let mut st = seed ^ (u64::from(layer) << 56);
+            let mut st = SplitMix64::new(seed ^ (u64::from(layer) << 56));
             let wkv = (0..shape.kv_len() * ENGRAM_DIM)
                 .map(|_| bf16_bits_to_f32(f32_to_bf16_bits(uniform_bf16(&mut st) * scale)))
                 .collect();
@@ -168,83 +159,30 @@ impl FusionWeights {
 
 /// The files of a checkpoint, mapped on demand.
 struct Checkpoint {
-    root: PathBuf,
-    /// Tensor name -> file, from the index; `None` for a single file.
-    index: Option<BTreeMap<String, String>>,
+    files: CheckpointFiles,
     maps: BTreeMap<PathBuf, Mmap>,
+}
+
+impl From<CheckpointError> for WeightsError {
+    fn from(e: CheckpointError) -> Self {
+        match e {
+            CheckpointError::Io { path, source } => Self::Io { path, source },
+            CheckpointError::Layout { path, reason } => Self::Checkpoint { path, reason },
+        }
+    }
 }
 
 impl Checkpoint {
     fn open(path: &Path) -> Result<Self, WeightsError> {
-        let err = |reason: String| WeightsError::Checkpoint {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let io = |source| WeightsError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let (root, index_path) = if path.is_dir() {
-            let idx = path.join("model.safetensors.index.json");
-            let single = path.join("model.safetensors");
-            if idx.is_file() {
-                (path.to_path_buf(), Some(idx))
-            } else if single.is_file() {
-                (single, None)
-            } else {
-                return Err(err(
-                    "directory holds neither model.safetensors.index.json nor model.safetensors"
-                        .into(),
-                ));
-            }
-        } else if path.extension().is_some_and(|e| e == "json") {
-            let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-            (dir, Some(path.to_path_buf()))
-        } else {
-            (path.to_path_buf(), None)
-        };
-        let index = match index_path {
-            None => None,
-            Some(idx) => {
-                let len = std::fs::metadata(&idx).map_err(io)?.len();
-                if len > MAX_INDEX_BYTES {
-                    return Err(err(format!(
-                        "index is {len} bytes, more than the {MAX_INDEX_BYTES} accepted"
-                    )));
-                }
-                #[derive(serde::Deserialize)]
-                struct Index {
-                    weight_map: BTreeMap<String, String>,
-                }
-                let text = std::fs::read(&idx).map_err(io)?;
-                let parsed: Index = serde_json::from_slice(&text)
-                    .map_err(|e| err(format!("index is not valid JSON: {e}")))?;
-                Some(parsed.weight_map)
-            }
-        };
         Ok(Self {
-            root,
-            index,
+            files: CheckpointFiles::open(path)?,
             maps: BTreeMap::new(),
         })
     }
 
     /// The file holding `name`, or `None` when the index does not list it.
     fn file_of(&self, name: &str) -> Result<Option<PathBuf>, WeightsError> {
-        let Some(index) = &self.index else {
-            return Ok(Some(self.root.clone()));
-        };
-        let Some(file) = index.get(name) else {
-            return Ok(None);
-        };
-        let rel = Path::new(file);
-        if !rel.components().all(|c| matches!(c, Component::Normal(_))) {
-            return Err(WeightsError::Checkpoint {
-                path: self.root.clone(),
-                reason: format!("index names shard {file:?}, which leaves the checkpoint"),
-            });
-        }
-        Ok(Some(self.root.join(rel)))
+        Ok(self.files.file_of(name)?)
     }
 
     fn mapped(&mut self, file: &Path) -> Result<&Mmap, WeightsError> {
@@ -277,7 +215,7 @@ impl Checkpoint {
         let file = self
             .file_of(name)?
             .ok_or_else(|| WeightsError::Checkpoint {
-                path: self.root.clone(),
+                path: self.files.root().to_path_buf(),
                 reason: format!("index has no tensor `{name}`"),
             })?;
         let mut scale = None;
