@@ -183,12 +183,22 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    match cli.cmd {
+    let res = match cli.cmd {
         Cmd::Fetch(args) => rt.block_on(fetch(args)),
         Cmd::Canary(args) => rt.block_on(canary(args)),
         Cmd::Addresses(args) => addresses(args),
         Cmd::TokenMap(args) => token_map(args),
         Cmd::GpuCheck(args) => gpu_check(&args),
+    };
+    match res {
+        // Output piped into `head` and the like: the reader has what it wanted.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            Ok(())
+        }
+        other => other,
     }
 }
 
