@@ -308,3 +308,85 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
         (name == series).then(|| value.parse().ok())?
     })
 }
+
+/// A fake systemd notification socket: a unix datagram socket in a
+/// directory the test owns, whose messages are collected with the time
+/// they arrived.
+#[derive(Debug)]
+pub struct NotifySocket {
+    /// The socket's path (give it to a daemon as `NOTIFY_SOCKET`).
+    pub path: PathBuf,
+    got: Arc<(Mutex<Vec<(Instant, String)>>, Condvar)>,
+}
+
+impl NotifySocket {
+    /// Bind `dir/notify.sock` and start collecting.
+    pub fn bind(dir: &Path) -> Result<Self> {
+        let path = dir.join("notify.sock");
+        let sock = std::os::unix::net::UnixDatagram::bind(&path)?;
+        let got: Arc<(Mutex<Vec<(Instant, String)>>, Condvar)> = Arc::default();
+        let got2 = Arc::clone(&got);
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 8192];
+            while let Ok(n) = sock.recv(&mut buf) {
+                let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                got2.0.lock().unwrap().push((Instant::now(), msg));
+                got2.1.notify_all();
+            }
+        });
+        Ok(Self { path, got })
+    }
+
+    /// Every message so far, with its arrival time.
+    pub fn messages(&self) -> Vec<(Instant, String)> {
+        self.got.0.lock().unwrap().clone()
+    }
+
+    /// Wait (at most `timeout`) until the messages so far satisfy `f`.
+    pub fn wait(
+        &self,
+        timeout: Duration,
+        mut f: impl FnMut(&[(Instant, String)]) -> bool,
+    ) -> Result<()> {
+        let end = Instant::now() + timeout;
+        let mut g = self.got.0.lock().unwrap();
+        loop {
+            if f(&g) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= end {
+                let all: Vec<&str> = g.iter().map(|(_, m)| m.as_str()).collect();
+                bail!("timed out; notifications so far:\n{}", all.join("\n---\n"));
+            }
+            g = self.got.1.wait_timeout(g, end - now).unwrap().0;
+        }
+    }
+
+    /// Wait for a message containing the line `line` (e.g. `READY=1`) and return its index.
+    pub fn wait_line(&self, timeout: Duration, line: &str) -> Result<usize> {
+        let mut at = 0;
+        self.wait(timeout, |m| {
+            match m.iter().position(|(_, s)| s.lines().any(|l| l == line)) {
+                Some(i) => {
+                    at = i;
+                    true
+                }
+                None => false,
+            }
+        })?;
+        Ok(at)
+    }
+}
+
+impl Process {
+    /// Start `memory-donor serve ARGS` with extra environment variables.
+    pub fn launch_donor_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+        let mut cmd = Command::new(bin("memory-donor"));
+        cmd.arg("serve").args(args).env("RUST_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Self::spawn(cmd)
+    }
+}
