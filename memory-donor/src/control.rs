@@ -299,7 +299,11 @@ fn bounded_incoming(
                 a = listener.accept() => match a {
                     Ok(x) => x,
                     Err(e) => {
-                        tracing::warn!(error = %e, "control: accept failed");
+                        static LIMIT: cluster_config::logging::RateLimit =
+                            cluster_config::logging::RateLimit::new(1);
+                        if let Some(suppressed) = LIMIT.allow() {
+                            tracing::warn!(error = %e, suppressed, "control: accept failed");
+                        }
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }

@@ -215,8 +215,12 @@ impl Loop {
             Err(e) => {
                 tracing::error!(
                     config = %src.path.display(),
-                    "reload: the config was rejected; the running config stays:\n{e}"
+                    "reload: the config was rejected; the running config stays"
                 );
+                // One journal entry per diagnostic (FILE:LINE:COLUMN: KEY: MESSAGE).
+                for line in e.to_string().lines() {
+                    tracing::error!(config = %src.path.display(), "reload: {line}");
+                }
                 return;
             }
         };

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
+use cluster_config::logging::RateLimit;
 use engram_protocol::{ErrorCode, ErrorFrame, Goodbye, Limits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -177,6 +178,10 @@ impl Shared {
     }
 }
 
+/// Per-connection warnings: a flood of connections must not flood the journal.
+static CONN_WARN: RateLimit = RateLimit::new(5);
+static ACCEPT_WARN: RateLimit = RateLimit::new(1);
+
 /// Most connections being refused at once; beyond it they are dropped.
 const MAX_REFUSING: usize = 64;
 
@@ -214,7 +219,9 @@ fn spawn_connection(
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "cannot clone accepted socket; dropping connection");
+            if let Some(suppressed) = CONN_WARN.allow() {
+                tracing::warn!(%peer, error = %e, suppressed, "cannot clone accepted socket; dropping connection");
+            }
             return;
         }
     };
@@ -241,7 +248,9 @@ fn spawn_connection(
             shared2.stats.open.fetch_sub(1, Ordering::Relaxed);
         });
     if let Err(e) = spawned {
-        tracing::warn!(%peer, error = %e, "cannot start a connection thread; dropping connection");
+        if let Some(suppressed) = CONN_WARN.allow() {
+            tracing::warn!(conn = id, %peer, error = %e, suppressed, "cannot start a connection thread; dropping connection");
+        }
         shared.conns().remove(&id);
         shared.stats.open.fetch_sub(1, Ordering::Relaxed);
     }
@@ -274,7 +283,9 @@ pub async fn run(
                     Ok(x) => x,
                     Err(e) => {
                         // Out of file descriptors and the like: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
+                        if let Some(suppressed) = ACCEPT_WARN.allow() {
+                            tracing::warn!(error = %e, suppressed, "accept failed");
+                        }
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
