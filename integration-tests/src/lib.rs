@@ -180,6 +180,25 @@ impl Process {
         }
     }
 
+    /// Send SIGSTOP and wait (at most 10 s) until the kernel shows the
+    /// process stopped: a signal is delivered asynchronously, and a request
+    /// sent right after `kill` may otherwise still be answered.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let stat = format!("/proc/{}/stat", self.child.id());
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            let state = std::fs::read_to_string(&stat).unwrap_or_default();
+            // "PID (comm) STATE ...": the state follows the last ')'.
+            let s = state.rsplit(')').next().unwrap_or_default().trim_start();
+            if s.starts_with('T') {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("the process did not stop");
+    }
+
     /// Wait for the process to exit; `None` if it is still running after `timeout`.
     pub fn wait(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let end = Instant::now() + timeout;
@@ -309,6 +328,9 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// Notifications received, with their arrival times, and a signal for each.
+type Notifications = (Mutex<Vec<(Instant, String)>>, Condvar);
+
 /// A fake systemd notification socket: a unix datagram socket in a
 /// directory the test owns, whose messages are collected with the time
 /// they arrived.
@@ -316,7 +338,7 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
 pub struct NotifySocket {
     /// The socket's path (give it to a daemon as `NOTIFY_SOCKET`).
     pub path: PathBuf,
-    got: Arc<(Mutex<Vec<(Instant, String)>>, Condvar)>,
+    got: Arc<Notifications>,
 }
 
 impl NotifySocket {
@@ -324,7 +346,7 @@ impl NotifySocket {
     pub fn bind(dir: &Path) -> Result<Self> {
         let path = dir.join("notify.sock");
         let sock = std::os::unix::net::UnixDatagram::bind(&path)?;
-        let got: Arc<(Mutex<Vec<(Instant, String)>>, Condvar)> = Arc::default();
+        let got: Arc<Notifications> = Arc::default();
         let got2 = Arc::clone(&got);
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 8192];

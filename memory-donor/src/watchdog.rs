@@ -10,13 +10,16 @@
 //!
 //! The probe keeps one connection (one of `max_connections`), reconnecting
 //! when it is dropped; its lookups count in the donor's statistics like
-//! any other (one per watchdog period, half of `WatchdogSec=`).
+//! any other (one per watchdog period, half of `WatchdogSec=`). When it
+//! must reconnect while the donor is at its connection bound, the `Busy`
+//! answer from the accept loop counts as alive: a full donor is not a
+//! wedged one.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use engram_protocol::messages::{LookupSection, encode_lookup};
-use engram_protocol::{Frame, Hello, Limits, PROTOCOL_VERSION, TableInfo, decode};
+use engram_protocol::{ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, TableInfo, decode};
 use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -33,6 +36,9 @@ pub enum ProbeError {
     /// The donor answered with something other than what was asked.
     #[error("unexpected answer: {0}")]
     Answer(String),
+    /// The donor is at its connection bound (its accept loop said so).
+    #[error("the donor is at its connection bound")]
+    Busy,
 }
 
 /// One row of every table, asked of the donor itself.
@@ -99,7 +105,11 @@ impl SelfProbe {
                     Err(_) => self.conn = None,
                 }
             }
-            self.connect().await?;
+            match self.connect().await {
+                Err(ProbeError::Busy) => return Ok(()),
+                Err(e) => return Err(e),
+                Ok(()) => {}
+            }
             self.lookup().await
         })
         .await;
@@ -130,10 +140,12 @@ impl SelfProbe {
         };
         let tables = conn
             .answer(|f| match f {
-                Frame::Welcome(w) => Ok(w.tables().collect::<Vec<_>>()),
+                Frame::Welcome(w) => Ok(Some(w.tables().collect::<Vec<_>>())),
+                Frame::Error(e) if e.code == ErrorCode::Busy => Ok(None),
                 other => Err(describe(&other)),
             })
-            .await?;
+            .await?
+            .ok_or(ProbeError::Busy)?;
         conn.tables = tables;
         self.conn = Some(conn);
         Ok(())

@@ -238,14 +238,16 @@ fn spawn_connection(
     let spawned = std::thread::Builder::new()
         .name(format!("conn-{id}"))
         .spawn(move || {
-            let _permit = permit;
             if let Err(e) = conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2)) {
                 tracing::debug!(conn = id, %peer, error = %e, "connection ended with an error");
             }
-            // Close now, whoever else holds the socket (a drain in progress).
-            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+            // The slot is free before the peer sees the close: a client that
+            // saw it and reconnects at once finds room.
             shared2.conns().remove(&id);
             shared2.stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+            // Close now, whoever else holds the socket (a drain in progress).
+            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
         });
     if let Err(e) = spawned {
         if let Some(suppressed) = CONN_WARN.allow() {
