@@ -7,15 +7,19 @@
 //!
 //! What it is not: the config itself opens no table files and no sockets
 //! (`engram-cluster check` runs anywhere, before anything is deployed).
-//! Beside it live two small pieces both daemons share: `logging` and
-//! `ops` (the Prometheus `/metrics` HTTP endpoint).
+//! Beside it live the small pieces both daemons share: `logging`, `notify`
+//! (systemd's readiness and watchdog protocol) and `ops` (the Prometheus
+//! `/metrics` HTTP endpoint); and `plan`, the capacity and timing plan
+//! `engram-cluster plan` prints.
 //!
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
 pub mod logging;
 pub mod model;
+pub mod notify;
 pub mod ops;
+pub mod plan;
 mod raw;
 mod validate;
 
@@ -89,6 +93,10 @@ pub struct Donor {
     pub tables: Vec<u32>,
     /// RAM it has for tables and headroom, in GiB.
     pub ram_gib: f64,
+    /// RAM kept free beside the tables (OS, the service, buffers), in GiB.
+    pub headroom_gib: f64,
+    /// Log filter (`info`, `memory_donor=debug,info`); `RUST_LOG` wins at start.
+    pub log_level: Option<String>,
     /// Connection bound.
     pub max_connections: usize,
     /// Rows-per-lookup cap.
@@ -111,7 +119,18 @@ pub struct Donor {
     pub metrics: Option<SocketAddr>,
 }
 
+/// GiB a donor keeps free beside its tables unless `headroom_gib` says otherwise.
+pub const DEFAULT_HEADROOM_GIB: f64 = 2.0;
+
+/// Bytes in a GiB.
+pub const GIB: f64 = (1u64 << 30) as f64;
+
 impl Donor {
+    /// Bytes of RAM the donor may fill with tables: `ram_gib - headroom_gib`.
+    pub fn table_budget_bytes(&self) -> u64 {
+        ((self.ram_gib - self.headroom_gib).max(0.0) * GIB) as u64
+    }
+
     /// The control-plane address a node dials: `control` itself, or, when it
     /// binds a wildcard IP, the first advertised data-plane IP on its port.
     pub fn control_endpoint(&self) -> Option<SocketAddr> {

@@ -95,7 +95,10 @@ pub async fn serve_metrics_with(
         let (stream, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
-                tracing::warn!(error = %e, "metrics: accept failed");
+                static LIMIT: crate::logging::RateLimit = crate::logging::RateLimit::new(1);
+                if let Some(suppressed) = LIMIT.allow() {
+                    tracing::warn!(error = %e, suppressed, "metrics: accept failed");
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }

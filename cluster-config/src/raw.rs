@@ -46,6 +46,8 @@ pub(crate) struct RawDonor {
     pub advertise: Option<S<Vec<S<String>>>>,
     pub tables: S<Vec<S<i64>>>,
     pub ram_gib: S<f64>,
+    pub headroom_gib: Option<S<f64>>,
+    pub log_level: Option<S<String>>,
     pub max_connections: Option<S<i64>>,
     pub max_rows: Option<S<i64>>,
     pub mlock: Option<S<String>>,

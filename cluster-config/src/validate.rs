@@ -349,6 +349,30 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
                 format!("{ram_gib} is not a RAM size in GiB (0 < ram_gib <= 1e6)"),
             );
         }
+        let headroom_gib = match &d.headroom_gib {
+            None => crate::DEFAULT_HEADROOM_GIB,
+            Some(h) => {
+                let v = *h.get_ref();
+                if !(v.is_finite() && v >= 0.0 && v < ram_gib.max(0.0)) {
+                    cx.at(
+                        h.span(),
+                        k("headroom_gib"),
+                        format!("{v} is not a headroom in GiB (0 <= headroom_gib < ram_gib)"),
+                    );
+                }
+                v
+            }
+        };
+        let log_level = d.log_level.as_ref().map(|l| {
+            if let Err(e) = crate::logging::valid_filter(l.get_ref()) {
+                cx.at(
+                    l.span(),
+                    k("log_level"),
+                    format!("{:?} is not a log filter: {e}", l.get_ref()),
+                );
+            }
+            l.get_ref().clone()
+        });
         let max_connections = d
             .max_connections
             .as_ref()
@@ -379,6 +403,8 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
             advertise,
             tables: held,
             ram_gib,
+            headroom_gib,
+            log_level,
             max_connections,
             max_rows,
             mlock,

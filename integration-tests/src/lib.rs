@@ -180,6 +180,25 @@ impl Process {
         }
     }
 
+    /// Send SIGSTOP and wait (at most 10 s) until the kernel shows the
+    /// process stopped: a signal is delivered asynchronously, and a request
+    /// sent right after `kill` may otherwise still be answered.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let stat = format!("/proc/{}/stat", self.child.id());
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            let state = std::fs::read_to_string(&stat).unwrap_or_default();
+            // "PID (comm) STATE ...": the state follows the last ')'.
+            let s = state.rsplit(')').next().unwrap_or_default().trim_start();
+            if s.starts_with('T') {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("the process did not stop");
+    }
+
     /// Wait for the process to exit; `None` if it is still running after `timeout`.
     pub fn wait(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let end = Instant::now() + timeout;
@@ -307,4 +326,89 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
         let (name, value) = l.rsplit_once(' ')?;
         (name == series).then(|| value.parse().ok())?
     })
+}
+
+/// Notifications received, with their arrival times, and a signal for each.
+type Notifications = (Mutex<Vec<(Instant, String)>>, Condvar);
+
+/// A fake systemd notification socket: a unix datagram socket in a
+/// directory the test owns, whose messages are collected with the time
+/// they arrived.
+#[derive(Debug)]
+pub struct NotifySocket {
+    /// The socket's path (give it to a daemon as `NOTIFY_SOCKET`).
+    pub path: PathBuf,
+    got: Arc<Notifications>,
+}
+
+impl NotifySocket {
+    /// Bind `dir/notify.sock` and start collecting.
+    pub fn bind(dir: &Path) -> Result<Self> {
+        let path = dir.join("notify.sock");
+        let sock = std::os::unix::net::UnixDatagram::bind(&path)?;
+        let got: Arc<Notifications> = Arc::default();
+        let got2 = Arc::clone(&got);
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 8192];
+            while let Ok(n) = sock.recv(&mut buf) {
+                let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                got2.0.lock().unwrap().push((Instant::now(), msg));
+                got2.1.notify_all();
+            }
+        });
+        Ok(Self { path, got })
+    }
+
+    /// Every message so far, with its arrival time.
+    pub fn messages(&self) -> Vec<(Instant, String)> {
+        self.got.0.lock().unwrap().clone()
+    }
+
+    /// Wait (at most `timeout`) until the messages so far satisfy `f`.
+    pub fn wait(
+        &self,
+        timeout: Duration,
+        mut f: impl FnMut(&[(Instant, String)]) -> bool,
+    ) -> Result<()> {
+        let end = Instant::now() + timeout;
+        let mut g = self.got.0.lock().unwrap();
+        loop {
+            if f(&g) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= end {
+                let all: Vec<&str> = g.iter().map(|(_, m)| m.as_str()).collect();
+                bail!("timed out; notifications so far:\n{}", all.join("\n---\n"));
+            }
+            g = self.got.1.wait_timeout(g, end - now).unwrap().0;
+        }
+    }
+
+    /// Wait for a message containing the line `line` (e.g. `READY=1`) and return its index.
+    pub fn wait_line(&self, timeout: Duration, line: &str) -> Result<usize> {
+        let mut at = 0;
+        self.wait(timeout, |m| {
+            match m.iter().position(|(_, s)| s.lines().any(|l| l == line)) {
+                Some(i) => {
+                    at = i;
+                    true
+                }
+                None => false,
+            }
+        })?;
+        Ok(at)
+    }
+}
+
+impl Process {
+    /// Start `memory-donor serve ARGS` with extra environment variables.
+    pub fn launch_donor_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+        let mut cmd = Command::new(bin("memory-donor"));
+        cmd.arg("serve").args(args).env("RUST_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Self::spawn(cmd)
+    }
 }

@@ -730,7 +730,7 @@ fn a_hung_donor_times_out_lookups_and_recovers_when_it_resumes() {
             .expect("connects");
         let rows: Vec<u64> = (100..124).collect();
         let mut out = vec![0u8; 24 * ROW_BYTES];
-        donor.signal(libc::SIGSTOP);
+        donor.stop();
         let t = std::time::Instant::now();
         let e = c
             .lookup(

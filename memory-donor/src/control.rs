@@ -25,7 +25,8 @@ use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-use crate::status::{DonorStatus, LoadState, Phase};
+use crate::status::{DonorStatus, LoadState, Order, Phase};
+use crate::swap::{SwapError, SwapRequest};
 
 /// Bounds of the control server.
 #[derive(Debug, Clone)]
@@ -178,8 +179,66 @@ impl DonorControl for ControlService {
         );
         Ok(Response::new(pb::DrainResponse {
             started,
-            grace_ms: u64::try_from(self.status.drain_timeout.as_millis()).unwrap_or(u64::MAX),
+            grace_ms: u64::try_from(self.status.drain_timeout().as_millis()).unwrap_or(u64::MAX),
         }))
+    }
+
+    async fn swap_table(
+        &self,
+        request: Request<pb::SwapTableRequest>,
+    ) -> Result<Response<pb::SwapTableResponse>, Status> {
+        let peer = request.remote_addr();
+        let r = request.into_inner();
+        let expected = if r.expected_digest.is_empty() {
+            None
+        } else {
+            Some(
+                r.expected_digest
+                    .parse()
+                    .map_err(|e| Status::invalid_argument(format!("expected_digest: {e}")))?,
+            )
+        };
+        if r.path.is_empty() {
+            return Err(Status::invalid_argument("path is empty"));
+        }
+        if self.status.phase() != Phase::Serving {
+            return Err(swap_status(&SwapError::NotServing));
+        }
+        let req = SwapRequest {
+            table: r.table_id,
+            path: r.path.into(),
+            expected,
+            in_place: r.in_place,
+        };
+        tracing::info!(peer = ?peer, table = req.table, path = %req.path.display(), in_place = req.in_place, "swap requested over the control plane");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.status.order(Order::Swap(req, tx)).is_err() {
+            return Err(Status::unavailable("too many orders waiting; try again"));
+        }
+        let accepted = rx
+            .await
+            .map_err(|_| Status::unavailable("the donor stopped before answering"))?
+            .map_err(|e| swap_status(&e))?;
+        Ok(Response::new(pb::SwapTableResponse {
+            old_digest: accepted.old.to_hex(),
+            new_digest: accepted.new.to_hex(),
+            bytes: accepted.bytes,
+            in_place: accepted.in_place,
+        }))
+    }
+}
+
+fn swap_status(e: &SwapError) -> Status {
+    let msg = e.to_string();
+    match e {
+        SwapError::NotServing | SwapError::Busy => Status::unavailable(msg),
+        SwapError::UnknownTable(_) => Status::not_found(msg),
+        SwapError::BadFile(_) => Status::invalid_argument(msg),
+        SwapError::WrongVersion { .. } | SwapError::AlreadyServed { .. } => {
+            Status::failed_precondition(msg)
+        }
+        SwapError::NoRoom(_) => Status::resource_exhausted(msg),
+        SwapError::Load(_) => Status::internal(msg),
     }
 }
 
@@ -240,7 +299,11 @@ fn bounded_incoming(
                 a = listener.accept() => match a {
                     Ok(x) => x,
                     Err(e) => {
-                        tracing::warn!(error = %e, "control: accept failed");
+                        static LIMIT: cluster_config::logging::RateLimit =
+                            cluster_config::logging::RateLimit::new(1);
+                        if let Some(suppressed) = LIMIT.allow() {
+                            tracing::warn!(error = %e, suppressed, "control: accept failed");
+                        }
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }

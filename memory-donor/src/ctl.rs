@@ -1,17 +1,20 @@
 //! `memory-donor ctl`: call a running donor's control plane (health,
-//! ListTables, Stats, Drain) and print the answer, for operators and scripts.
+//! ListTables, Stats, Drain, SwapTable) and print the answer, for operators
+//! and scripts.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use engram_protocol::control::donor_control_client::DonorControlClient;
-use engram_protocol::control::{DrainRequest, ListTablesRequest, SERVICE_NAME, StatsRequest};
+use engram_protocol::control::{
+    DrainRequest, ListTablesRequest, SERVICE_NAME, StatsRequest, SwapTableRequest,
+};
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
 /// What to ask.
-#[derive(Debug, Clone, Copy, clap::Subcommand)]
+#[derive(Debug, Clone, clap::Subcommand)]
 pub enum CtlCmd {
     /// Health of the donor and of DonorControl (exit code 1 unless SERVING).
     Health,
@@ -21,6 +24,21 @@ pub enum CtlCmd {
     Stats,
     /// Start a drain (as SIGTERM does).
     Drain,
+    /// Load another version of a table and switch to it (watch `tables`).
+    Swap {
+        /// The table's id.
+        #[arg(long)]
+        table: u32,
+        /// The new version's file, as the donor sees it.
+        #[arg(long)]
+        path: String,
+        /// The digest the file must have (64 hex digits).
+        #[arg(long)]
+        digest: Option<String>,
+        /// Unload the old version first (the table is not served meanwhile).
+        #[arg(long)]
+        in_place: bool,
+    },
 }
 
 async fn channel(addr: &str) -> Result<Channel> {
@@ -112,6 +130,30 @@ pub async fn run(addr: &str, cmd: CtlCmd) -> Result<bool> {
                 println!("errors {} ({}): {}", e.name, e.code, e.count);
             }
             println!("uptime {:.0} s", s.uptime_seconds);
+        }
+        CtlCmd::Swap {
+            table,
+            path,
+            digest,
+            in_place,
+        } => {
+            let r = c
+                .swap_table(SwapTableRequest {
+                    table_id: table,
+                    path,
+                    expected_digest: digest.unwrap_or_default(),
+                    in_place,
+                })
+                .await
+                .map_err(|s| anyhow::anyhow!("swap refused: {}: {}", s.code(), s.message()))?
+                .into_inner();
+            println!(
+                "swapping table {table}{}: {} -> {} ({} bytes); `tables` shows the new digest once switched",
+                if r.in_place { " in place" } else { "" },
+                r.old_digest,
+                r.new_digest,
+                r.bytes
+            );
         }
         CtlCmd::Drain => {
             let d = c.drain(DrainRequest {}).await?.into_inner();

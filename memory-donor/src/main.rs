@@ -9,14 +9,16 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use cluster_config::notify::Notifier;
 use cluster_config::{Config, MlockMode};
-use engram_protocol::{Limits, ROW_BYTES};
+use engram_protocol::ROW_BYTES;
 use memory_donor::generate::{GenSpec, generate, table_shape};
 use memory_donor::pack::pack;
 use memory_donor::progress::Progress;
-use memory_donor::serve::{OpsServers, ServeSpec, TableSpec, load_tables, serve};
-use memory_donor::server::ServerConfig;
-use memory_donor::status::Phase;
+use memory_donor::reload::ReloadSource;
+use memory_donor::serve::{OpsServers, Overrides, ServeSpec, TableSpec, load_tables, serve};
+use memory_donor::status::{DonorStatus, Order, Phase};
+use memory_donor::supervise::Ops;
 use memory_donor::table_file::TableFile;
 
 #[derive(Parser)]
@@ -231,10 +233,7 @@ fn main() -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Cmd::Serve(args) => {
-            cluster_config::logging::init_logging("info");
-            run_serve(args)?;
-        }
+        Cmd::Serve(args) => run_serve(args)?,
     }
     Ok(())
 }
@@ -289,100 +288,96 @@ fn inspect(file: &std::path::Path, json: bool) -> Result<()> {
 }
 
 fn run_serve(args: ServeArgs) -> Result<()> {
-    let mut spec = if let Some(path) = &args.config {
+    let overrides = Overrides {
+        trust_digest: args.trust_digest,
+        mlock: args.mlock,
+        max_connections: args.max_connections,
+        max_rows: args.max_rows,
+        drain_timeout_ms: args.drain_timeout_ms,
+        hello_timeout_ms: args.hello_timeout_ms,
+        credential_file: args.credential_file.clone(),
+        control: args.control,
+        metrics: args.metrics,
+    };
+    let (mut spec, reload) = if let Some(path) = &args.config {
         let config = Config::load(path)?;
         let name = args.name.as_deref().context("--config needs --name")?;
-        ServeSpec::from_config(&config, name)?
+        let spec = ServeSpec::from_config(&config, name)?;
+        let reload = ReloadSource {
+            path: path.clone(),
+            name: name.to_string(),
+            overrides: overrides.clone(),
+        };
+        (spec, Some(reload))
     } else {
         if args.tables.is_empty() || args.listen.is_empty() {
             bail!("give --config FILE --name DONOR, or at least one --table and one --listen");
         }
-        ServeSpec {
-            server: ServerConfig::new(args.name.clone().unwrap_or_else(|| "memory-donor".into())),
-            listen: args.listen.clone(),
-            tables: args.tables.clone(),
-            trust_digest: false,
-            mlock: MlockMode::Try,
-            control: None,
-            metrics: None,
-        }
+        let name = args.name.as_deref().unwrap_or("memory-donor");
+        let spec = ServeSpec::from_flags(name, args.listen.clone(), args.tables.clone());
+        (spec, None)
     };
-    // Flags override the config.
-    spec.trust_digest |= args.trust_digest;
-    if let Some(m) = args.mlock {
-        spec.mlock = m;
+    overrides.apply(&mut spec)?;
+    let log_level = cluster_config::logging::init_logging("info");
+    if std::env::var_os("RUST_LOG").is_none()
+        && let Some(level) = &spec.log_level
+        && let Err(e) = log_level.set(level)
+    {
+        tracing::warn!(level = %level, error = %e, "log_level not applied");
     }
-    if let Some(n) = args.max_connections {
-        spec.server.max_connections = n.clamp(1, 65_536);
-    }
-    if let Some(r) = args.max_rows {
-        let r = r.clamp(48, engram_protocol::frame::MAX_ROWS_CEILING);
-        spec.server.limits = Limits::for_caps(r, spec.server.limits.max_sections);
-    }
-    if let Some(ms) = args.drain_timeout_ms {
-        spec.server.drain_timeout = Duration::from_millis(ms);
-    }
-    if let Some(ms) = args.hello_timeout_ms {
-        spec.server.hello_timeout = Duration::from_millis(ms.max(1));
-    }
-    if args.control.is_some() {
-        spec.control = args.control;
-    }
-    if args.metrics.is_some() {
-        spec.metrics = args.metrics;
-    }
-    if let Some(f) = &args.credential_file {
-        let c = cluster_config::read_credential(f)?;
-        spec.server.credential = Some(c);
-    }
+    let notifier = Arc::new(Notifier::from_env().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "systemd notifications disabled");
+        Notifier::disabled()
+    }));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         // Handlers first: a SIGTERM during a minutes-long load, or right after
         // the ready line, must stop the donor cleanly, not kill it.
-        let mut signals = Signals::install()?;
+        let signals = Signals::install()?;
         // Then the control plane and metrics, so load progress and
         // NOT_SERVING are visible while the tables load.
         let status = spec.status();
+        tokio::spawn(signals.forward(Arc::clone(&status)));
+        let _ = notifier.status("loading tables");
         let ops = OpsServers::start(&spec, &status).await?;
         let loading = tokio::task::spawn_blocking({
-            let (spec, status) = (spec.clone(), Arc::clone(&status));
-            move || load_tables(&spec, &status)
+            let (spec, status, notifier) =
+                (spec.clone(), Arc::clone(&status), Arc::clone(&notifier));
+            move || load_tables(&spec, &status, &notifier)
         });
         let tables = tokio::select! {
             loaded = loading => match loaded? {
                 Ok(t) => t,
                 Err(e) => {
                     status.set_phase(Phase::Failed);
+                    let _ = notifier.status(&format!("failed: {e}"));
                     ops.stop().await;
                     return Err(e.into());
                 }
             },
-            why = signals.stop() => {
-                tracing::info!("{why} while loading: exiting");
+            () = status.drain_requested() => {
+                tracing::info!("stop requested while loading: exiting");
+                let _ = notifier.stopping("stopping while loading");
+                ops.stop().await;
                 // The loading thread cannot be interrupted; nothing is served yet.
                 std::process::exit(0);
             }
-            () = status.drain_requested() => {
-                tracing::info!("drain requested while loading: exiting");
-                status.set_phase(Phase::Draining);
-                ops.stop().await;
-                std::process::exit(0);
-            }
         };
-        let drain_status = Arc::clone(&status);
-        serve(&spec, tables, &status, &ops.describe(), async move {
-            tokio::select! {
-                why = signals.stop() => tracing::info!("{why}: draining"),
-                () = drain_status.drain_requested() => tracing::info!("drain requested: draining"),
-            }
-        })
-        .await?;
+        let announce = ops.describe();
+        let run = Ops {
+            notifier,
+            log_level,
+            reload,
+        };
+        serve(spec, tables, &status, &announce, run).await?;
         ops.stop().await;
         Ok::<(), anyhow::Error>(())
-    })?;
-    Ok(())
+    });
+    // A swap still loading in a blocking thread is abandoned, not waited for.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    result
 }
 
 /// The signals the donor acts on.
@@ -402,13 +397,25 @@ impl Signals {
         })
     }
 
-    /// Wait for SIGTERM or SIGINT; SIGHUP is logged and ignored.
-    async fn stop(&mut self) -> &'static str {
+    /// SIGTERM and SIGINT request a drain; SIGHUP orders a reload (carried
+    /// out once the tables are loaded, when it comes during the load).
+    async fn forward(mut self, status: Arc<DonorStatus>) {
         loop {
-            tokio::select! {
-                _ = self.term.recv() => return "SIGTERM",
-                _ = self.int.recv() => return "SIGINT",
-                _ = self.hup.recv() => tracing::warn!("SIGHUP: reloading is not implemented in this version; ignoring"),
+            let why = tokio::select! {
+                _ = self.term.recv() => "SIGTERM",
+                _ = self.int.recv() => "SIGINT",
+                _ = self.hup.recv() => {
+                    tracing::info!("SIGHUP: reloading the config");
+                    if status.order(Order::Reload).is_err() {
+                        tracing::warn!("SIGHUP: too many orders waiting; ignored");
+                    }
+                    continue;
+                }
+            };
+            if status.request_drain() {
+                tracing::info!("{why}: draining");
+            } else {
+                tracing::info!("{why}: already draining");
             }
         }
     }

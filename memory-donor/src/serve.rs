@@ -1,14 +1,16 @@
 //! `memory-donor serve`: what to serve (from flags or from the cluster
 //! config), the operations servers (control plane and metrics, bound before
-//! loading), loading the tables resident with their state visible, binding
-//! the data plane, the `ready` line, and the run.
+//! loading), loading the tables resident with their state visible (and in
+//! systemd's status line), binding the data plane, the `ready` line and
+//! READY=1, and the run (`supervise`: orders, watchdog, drain).
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cluster_config::Config;
+use cluster_config::notify::Notifier;
 use engram_protocol::Limits;
 use thiserror::Error;
 
@@ -71,6 +73,59 @@ pub struct ServeSpec {
     pub control: Option<SocketAddr>,
     /// Prometheus `/metrics` address to bind.
     pub metrics: Option<SocketAddr>,
+    /// Log filter from the config, if it sets one.
+    pub log_level: Option<String>,
+    /// Bytes the tables may take (`ram_gib - headroom_gib`), when configured.
+    pub ram_budget: Option<u64>,
+}
+
+/// Serve flags that override the config (at start and on every reload).
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub trust_digest: bool,
+    pub mlock: Option<MlockMode>,
+    pub max_connections: Option<usize>,
+    pub max_rows: Option<u32>,
+    pub drain_timeout_ms: Option<u64>,
+    pub hello_timeout_ms: Option<u64>,
+    pub credential_file: Option<PathBuf>,
+    pub control: Option<SocketAddr>,
+    pub metrics: Option<SocketAddr>,
+}
+
+impl Overrides {
+    /// Apply these flags over `spec`.
+    pub fn apply(&self, spec: &mut ServeSpec) -> Result<(), ServeError> {
+        spec.trust_digest |= self.trust_digest;
+        if let Some(m) = self.mlock {
+            spec.mlock = m;
+        }
+        if let Some(n) = self.max_connections {
+            spec.server.max_connections = n.clamp(1, 65_536);
+        }
+        if let Some(r) = self.max_rows {
+            let r = r.clamp(48, engram_protocol::frame::MAX_ROWS_CEILING);
+            spec.server.limits = Limits::for_caps(r, spec.server.limits.max_sections);
+        }
+        if let Some(ms) = self.drain_timeout_ms {
+            spec.server.drain_timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = self.hello_timeout_ms {
+            spec.server.hello_timeout = Duration::from_millis(ms.max(1));
+        }
+        if self.control.is_some() {
+            spec.control = self.control;
+        }
+        if self.metrics.is_some() {
+            spec.metrics = self.metrics;
+        }
+        if let Some(f) = &self.credential_file {
+            let c = cluster_config::read_credential(f)
+                .map_err(|e| ServeError::Config(e.to_string()))?;
+            spec.server.credential = Some(c);
+        }
+        Ok(())
+    }
 }
 
 /// Why the donor could not start.
@@ -102,6 +157,21 @@ impl ServeSpec {
             self.tables.iter().map(|t| (t.id, t.path.clone())),
             !self.trust_digest,
         )
+    }
+
+    /// A spec from flags alone: these tables on these addresses.
+    pub fn from_flags(name: &str, listen: Vec<SocketAddr>, tables: Vec<TableSpec>) -> Self {
+        Self {
+            server: ServerConfig::new(name),
+            listen,
+            tables,
+            trust_digest: false,
+            mlock: MlockMode::Try,
+            control: None,
+            metrics: None,
+            log_level: None,
+            ram_budget: None,
+        }
     }
 
     /// The spec of donor `name` in a cluster config.
@@ -146,6 +216,8 @@ impl ServeSpec {
             mlock: d.mlock,
             control: d.control,
             metrics: d.metrics,
+            log_level: d.log_level.clone(),
+            ram_budget: Some(d.table_budget_bytes()),
         })
     }
 }
@@ -230,7 +302,7 @@ impl OpsServers {
     pub async fn stop(self) {
         self.stop.send_replace(true);
         for t in self.tasks {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), t).await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
         }
     }
 }
@@ -245,16 +317,22 @@ fn memlock_limit() -> Option<u64> {
     ok.then_some(r.rlim_cur)
 }
 
-/// Load every table resident, with progress in the log and in `status`
-/// (one entry per table of `spec`, in order).
+/// How much more time a load that is making progress asks systemd for.
+const LOAD_EXTEND: Duration = Duration::from_secs(120);
+
+/// Load every table resident, with progress in the log, in `status` (one
+/// entry per table of `spec`, in order) and in systemd's status line (each
+/// percent also extends the start timeout: a slow load that moves is fine,
+/// a stuck one times out).
 pub fn load_tables(
     spec: &ServeSpec,
     status: &Arc<DonorStatus>,
+    notifier: &Arc<Notifier>,
 ) -> Result<Vec<ResidentTable>, ServeError> {
     let mut tables: Vec<ResidentTable> = Vec::new();
     let mut unlocked = 0u64;
     for (i, st) in status.tables.iter().enumerate().take(spec.tables.len()) {
-        let loaded = load_one(spec, i, status).and_then(|(table, report)| {
+        let loaded = load_one(spec, i, status, notifier).and_then(|(table, report)| {
             if tables.iter().any(|x| x.id == table.id) {
                 return Err(ServeError::DuplicateId(table.id));
             }
@@ -304,16 +382,28 @@ fn load_one(
     spec: &ServeSpec,
     i: usize,
     status: &Arc<DonorStatus>,
+    notifier: &Arc<Notifier>,
 ) -> Result<(ResidentTable, crate::resident::LoadReport), ServeError> {
     let t = &spec.tables[i];
     let progress = |f: &crate::table_file::TableFile| {
         let m = &f.meta;
-        status.tables[i].opened(t.id.unwrap_or(m.layer), m.layer, m.rows, m.digest);
+        let id = t.id.unwrap_or(m.layer);
+        status.tables[i].opened(id, m.layer, m.rows, m.digest);
         let what = format!("loading {}", t.path.display());
-        let (status, total) = (Arc::clone(status), m.rows);
+        let (status, total, notifier) = (Arc::clone(status), m.rows, Arc::clone(notifier));
+        let mut last_pct = u64::MAX;
         Some(
-            Progress::log(what, total, engram_protocol::ROW_BYTES as u64)
-                .with_tap(move |done| status.tables[i].progress(done, total)),
+            Progress::log(what, total, engram_protocol::ROW_BYTES as u64).with_tap(move |done| {
+                status.tables[i].progress(done, total);
+                let pct = done * 100 / total.max(1);
+                if pct != last_pct {
+                    last_pct = pct;
+                    let line = format!("loading table {id}: {pct}%");
+                    if let Err(e) = notifier.extend_timeout(LOAD_EXTEND, &line) {
+                        tracing::debug!(error = %e, "sd_notify");
+                    }
+                }
+            }),
         )
     };
     let (mut table, report) = ResidentTable::load(
@@ -328,42 +418,48 @@ fn load_one(
     Ok((table, report))
 }
 
-/// Bind, say `ready` (with `announce` appended), and serve `tables` until
-/// `shutdown` resolves; then drain. Counters go to `status`, whose phase
-/// is `Serving` from the ready line until the drain starts.
+/// Bind the data plane, say `ready` (with `announce` appended) and
+/// READY=1, and serve `tables` until a drain is requested (`status`); then
+/// drain. Counters go to `status`, whose phase is `Serving` from the ready
+/// line until the drain starts. Reloads, swaps and the watchdog are
+/// `supervise`'s.
 pub async fn serve(
-    spec: &ServeSpec,
+    spec: ServeSpec,
     tables: Vec<ResidentTable>,
     status: &Arc<DonorStatus>,
     announce: &str,
-    shutdown: impl Future<Output = ()>,
+    ops: crate::supervise::Ops,
 ) -> Result<Arc<Shared>, ServeError> {
     let mut listeners = Vec::new();
     let mut bound = Vec::new();
     for addr in &spec.listen {
-        let l = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                addr: *addr,
-                source,
-            })?;
-        bound.push(l.local_addr().map_err(|source| ServeError::Bind {
-            addr: *addr,
-            source,
-        })?);
+        let (l, a) = bind(*addr).await?;
+        bound.push(a);
         listeners.push(l);
     }
+    let count = tables.len();
     let shared = Shared::with_stats(spec.server.clone(), tables, Arc::clone(&status.stats));
     let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
     status.set_phase(Phase::Serving);
     // Tests and scripts wait for this exact line, never for a sleep.
     tracing::info!(donor = %spec.server.name, "ready listen={}{announce}", shown.join(","));
-    let shutdown = async {
-        shutdown.await;
-        status.request_drain();
-        status.set_phase(Phase::Draining);
-    };
-    server::run(listeners, Arc::clone(&shared), shutdown).await;
+    // Every table is loaded and verified, every listener bound.
+    if let Err(e) = ops
+        .notifier
+        .ready(&format!("serving {count} tables, 0 connections"))
+    {
+        tracing::warn!(error = %e, "sd_notify READY=1 failed");
+    }
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(server::run(listeners, Arc::clone(&shared), async move {
+        let _ = stop_rx.await;
+    }));
+    let first = bound.first().copied();
+    crate::supervise::run(spec, Arc::clone(&shared), Arc::clone(status), first, ops).await;
+    let _ = stop_tx.send(());
+    if server.await.is_err() {
+        tracing::error!("the data plane task failed while draining");
+    }
     Ok(shared)
 }
 

@@ -2,7 +2,9 @@
 //! `/metrics`: its phase (loading, serving, draining, failed), each table's
 //! load state and progress, the data-plane counters, and the drain request
 //! a control client can make. It exists before any table is loaded, so
-//! health and progress are visible during a minutes-long load.
+//! health and progress are visible during a minutes-long load. It also
+//! carries orders (a reload, a table swap) from the signal handler and the
+//! control plane to the serving loop, which alone changes what is served.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
@@ -10,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engram_protocol::{ROW_BYTES, TableDigest};
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc, watch};
 
 use crate::stats::Stats;
 
@@ -76,6 +78,7 @@ impl LoadState {
 /// What a table's header says, once read.
 #[derive(Debug, Clone, Default)]
 struct Header {
+    path: PathBuf,
     id: Option<u32>,
     layer: u32,
     rows: u64,
@@ -86,8 +89,6 @@ struct Header {
 /// One table's load, updated by the loader and read by anyone.
 #[derive(Debug)]
 pub struct TableStatus {
-    /// The file.
-    pub path: PathBuf,
     /// True when the digest is recomputed while loading.
     pub verify: bool,
     header: Mutex<Header>,
@@ -147,6 +148,29 @@ impl TableStatus {
         self.state.store(state.to_u8(), Ordering::Relaxed);
     }
 
+    /// A new version replaced the table: `path`, `rows` and `digest` are
+    /// what is served now (in place: loading starts from zero).
+    pub fn replaced(&self, path: PathBuf, rows: u64, digest: TableDigest, state: LoadState) {
+        let mut h = self.header();
+        h.path = path;
+        h.rows = rows;
+        h.digest = Some(digest);
+        h.error = None;
+        drop(h);
+        self.rows_done.store(0, Ordering::Relaxed);
+        self.set_state(state);
+    }
+
+    /// Record why a swap failed, keeping the state (the old version may still serve).
+    pub fn note_error(&self, why: String) {
+        self.header().error = Some(why);
+    }
+
+    /// The file served (or loading).
+    pub fn path(&self) -> PathBuf {
+        self.header().path.clone()
+    }
+
     /// Loading failed because of `why`.
     pub fn failed(&self, why: String) {
         self.header().error = Some(why);
@@ -177,7 +201,7 @@ impl TableStatus {
             },
             bytes_total,
             error: h.error,
-            path: self.path.clone(),
+            path: h.path,
             verify: self.verify,
         }
     }
@@ -190,8 +214,7 @@ pub struct DonorStatus {
     pub name: String,
     /// When the donor started.
     pub started: Instant,
-    /// How long a drain waits for clients.
-    pub drain_timeout: Duration,
+    drain_timeout_ms: AtomicU64,
     /// Data-plane counters.
     pub stats: Arc<Stats>,
     /// Tables, in load order.
@@ -199,7 +222,21 @@ pub struct DonorStatus {
     phase: watch::Sender<Phase>,
     drain_requested: AtomicBool,
     drain: Notify,
+    orders: mpsc::Sender<Order>,
+    order_rx: Mutex<Option<mpsc::Receiver<Order>>>,
 }
+
+/// Something the serving loop is asked to do.
+#[derive(Debug)]
+pub enum Order {
+    /// Re-read the config file (SIGHUP).
+    Reload,
+    /// Load another version of a table and switch to it (the control plane).
+    Swap(crate::swap::SwapRequest, crate::swap::Reply),
+}
+
+/// Orders waiting for the serving loop; more are refused.
+const MAX_ORDERS: usize = 16;
 
 impl DonorStatus {
     /// A donor about to load `tables` (`(configured id, file)` each).
@@ -209,12 +246,13 @@ impl DonorStatus {
         tables: impl IntoIterator<Item = (Option<u32>, PathBuf)>,
         verify: bool,
     ) -> Arc<Self> {
+        let (orders, order_rx) = mpsc::channel(MAX_ORDERS);
         let tables = tables
             .into_iter()
             .map(|(id, path)| TableStatus {
-                path,
                 verify,
                 header: Mutex::new(Header {
+                    path,
                     id,
                     ..Header::default()
                 }),
@@ -225,13 +263,44 @@ impl DonorStatus {
         Arc::new(Self {
             name: name.into(),
             started: Instant::now(),
-            drain_timeout,
+            drain_timeout_ms: AtomicU64::new(
+                u64::try_from(drain_timeout.as_millis()).unwrap_or(u64::MAX),
+            ),
             stats: Arc::default(),
             tables,
             phase: watch::channel(Phase::Loading).0,
             drain_requested: AtomicBool::new(false),
             drain: Notify::new(),
+            orders,
+            order_rx: Mutex::new(Some(order_rx)),
         })
+    }
+
+    /// Queue an order for the serving loop; false when the queue is full.
+    /// Orders given while tables load are carried out once serving starts.
+    pub fn order(&self, order: Order) -> Result<(), Order> {
+        self.orders.try_send(order).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(o) | mpsc::error::TrySendError::Closed(o) => o,
+        })
+    }
+
+    /// The receiving end of the orders (the serving loop takes it once).
+    pub fn take_orders(&self) -> Option<mpsc::Receiver<Order>> {
+        self.order_rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// How long a drain waits for clients.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// A reload changed the drain timeout.
+    pub fn set_drain_timeout(&self, t: Duration) {
+        let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX);
+        self.drain_timeout_ms.store(ms, Ordering::Relaxed);
     }
 
     /// The phase now.

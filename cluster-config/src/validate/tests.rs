@@ -637,3 +637,34 @@ fn control_and_metrics_addresses() {
         "invalid type",
     );
 }
+
+#[test]
+fn headroom_and_log_level() {
+    let c = parse(&good()).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!((a.headroom_gib, a.log_level.as_deref()), (2.0, None));
+    assert_eq!(a.table_budget_bytes(), (249u64) << 30);
+    let text = good().replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nheadroom_gib = 10.5\nlog_level = \"memory_donor=debug,info\"",
+        1,
+    );
+    let c = parse(&text).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(a.headroom_gib, 10.5);
+    assert_eq!(a.log_level.as_deref(), Some("memory_donor=debug,info"));
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nheadroom_gib = 251.0",
+        26,
+        "donor[0].headroom_gib",
+        "not a headroom",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nlog_level = \"x=loud\"",
+        26,
+        "donor[0].log_level",
+        "not a log filter",
+    );
+}

@@ -125,7 +125,7 @@ fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
 /// Serve one connection until the peer closes, a timeout passes, a fatal
 /// frame arrives, or the drain force-closes it.
 pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) -> io::Result<()> {
-    let cfg = &shared.config;
+    let cfg = shared.config();
     stream.set_nodelay(true)?;
     stream.set_write_timeout(if cfg.write_timeout.is_zero() {
         None
@@ -139,7 +139,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
     let mut limits = before_hello;
     let mut rb = ReadBuf::new(INITIAL_BUF);
     let mut out = Vec::with_capacity(INITIAL_BUF);
-    let mut handler = Handler::new(&shared);
+    let mut handler = Handler::new(&shared, Arc::clone(&cfg));
     loop {
         loop {
             let header = match FrameHeader::peek(rb.data(), &limits) {

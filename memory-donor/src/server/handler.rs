@@ -8,7 +8,9 @@ use engram_protocol::{
     RowsSection, TableInfo, Welcome,
 };
 
-use super::Shared;
+use std::sync::Arc;
+
+use super::{ServerConfig, Shared};
 
 /// What the connection does after a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +27,7 @@ pub enum Action {
 #[derive(Debug)]
 pub struct Handler<'a> {
     shared: &'a Shared,
+    config: Arc<ServerConfig>,
     ready: bool,
     peer_name: String,
     sections: Vec<RowsSection>,
@@ -32,10 +35,11 @@ pub struct Handler<'a> {
 }
 
 impl<'a> Handler<'a> {
-    /// A handler for a new connection.
-    pub fn new(shared: &'a Shared) -> Self {
+    /// A handler for a new connection under `config`.
+    pub fn new(shared: &'a Shared, config: Arc<ServerConfig>) -> Self {
         Self {
             shared,
+            config,
             ready: false,
             peer_name: String::new(),
             sections: Vec::new(),
@@ -130,7 +134,7 @@ impl<'a> Handler<'a> {
     }
 
     fn hello(&mut self, id: u64, hello: Hello<'_>, out: &mut Vec<u8>) -> Action {
-        let cfg = &self.shared.config;
+        let cfg = Arc::clone(&self.config);
         if hello.version != PROTOCOL_VERSION {
             let msg = format!(
                 "this donor speaks protocol version {PROTOCOL_VERSION}, the client {}",
@@ -162,7 +166,7 @@ impl<'a> Handler<'a> {
         self.peer_name = hello.node.to_string();
         let tables: Vec<TableInfo> = self
             .shared
-            .tables
+            .tables()
             .iter()
             .map(|t| TableInfo {
                 table_id: t.id,
@@ -195,7 +199,10 @@ impl<'a> Handler<'a> {
 
     fn lookup(&mut self, id: u64, l: engram_protocol::LookupRef<'_>, out: &mut Vec<u8>) {
         let began = std::time::Instant::now();
-        let tables = &self.shared.tables;
+        // One snapshot for the digest checks and the row copies: a swap
+        // waits until this answer is encoded.
+        let shared = self.shared;
+        let tables = shared.tables();
         self.sections.clear();
         self.table_index.clear();
         for s in l.sections() {

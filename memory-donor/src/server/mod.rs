@@ -4,6 +4,11 @@
 //! frame -> answer). `run` accepts connections up to a bound and, when the
 //! shutdown future resolves, drains: Goodbye to every client, in-flight work
 //! finishes, and stragglers are closed at the drain deadline.
+//!
+//! What can change while serving: the tables (a hot swap replaces one under
+//! a write lock; every lookup holds the read lock from its digest check to
+//! its last row, so no answer mixes versions), and the configuration (new
+//! connections take a snapshot of it; the connection bound can be raised).
 
 mod conn;
 mod handler;
@@ -11,10 +16,11 @@ mod handler;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
+use cluster_config::logging::RateLimit;
 use engram_protocol::{ErrorCode, ErrorFrame, Goodbye, Limits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -62,16 +68,21 @@ impl ServerConfig {
 /// State shared by every connection.
 #[derive(Debug)]
 pub struct Shared {
-    /// Configuration.
-    pub config: ServerConfig,
-    /// Tables served (read-only).
-    pub tables: Vec<ResidentTable>,
+    config: RwLock<Arc<ServerConfig>>,
+    tables: RwLock<Vec<ResidentTable>>,
     /// Counters (shared with the control plane, which exists before the tables do).
     pub stats: Arc<Stats>,
     draining: AtomicBool,
     conns: Mutex<HashMap<u64, Arc<Conn>>>,
     next_conn: AtomicU64,
+    /// One permit per connection; `permits_total` of them exist.
+    permits: Arc<Semaphore>,
+    permits_total: AtomicUsize,
 }
+
+/// What applying a new configuration could not change live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotApplied(pub Vec<String>);
 
 /// What the drain needs to reach a connection owned by another thread.
 #[derive(Debug)]
@@ -94,14 +105,62 @@ impl Shared {
         tables: Vec<ResidentTable>,
         stats: Arc<Stats>,
     ) -> Arc<Self> {
+        let max = config.max_connections.max(1);
         Arc::new(Self {
-            config,
-            tables,
+            config: RwLock::new(Arc::new(config)),
+            tables: RwLock::new(tables),
             stats,
             draining: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            permits: Arc::new(Semaphore::new(max)),
+            permits_total: AtomicUsize::new(max),
         })
+    }
+
+    /// The configuration now (a connection keeps the one it started with).
+    pub fn config(&self) -> Arc<ServerConfig> {
+        Arc::clone(&self.config.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Apply `new` to connections accepted from now on. The name cannot
+    /// change, and the connection bound can only be raised live; what was
+    /// not applied is returned.
+    pub fn set_config(&self, mut new: ServerConfig) -> NotApplied {
+        let old = self.config();
+        let mut kept = Vec::new();
+        if new.name != old.name {
+            kept.push(format!(
+                "name {:?} -> {:?} (restart to rename)",
+                old.name, new.name
+            ));
+            new.name.clone_from(&old.name);
+        }
+        let total = self.permits_total.load(Ordering::Relaxed);
+        let want = new.max_connections.max(1);
+        if want > total {
+            self.permits.add_permits(want - total);
+            self.permits_total.store(want, Ordering::Relaxed);
+        } else if want < total {
+            kept.push(format!(
+                "max_connections {total} -> {want} (lowering takes effect at restart)"
+            ));
+            new.max_connections = total;
+        }
+        *self.config.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        NotApplied(kept)
+    }
+
+    /// The tables, read-locked: hold the guard for as long as one answer
+    /// must see one version of them.
+    pub fn tables(&self) -> RwLockReadGuard<'_, Vec<ResidentTable>> {
+        self.tables.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The tables, write-locked (a swap). Lookups wait while it is held:
+    /// keep it to a pointer swap, and drop replaced tables after releasing it.
+    pub fn tables_mut(&self) -> RwLockWriteGuard<'_, Vec<ResidentTable>> {
+        self.tables.write().unwrap_or_else(|p| p.into_inner())
     }
 
     fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Conn>>> {
@@ -118,6 +177,10 @@ impl Shared {
         self.draining.load(Ordering::Relaxed)
     }
 }
+
+/// Per-connection warnings: a flood of connections must not flood the journal.
+static CONN_WARN: RateLimit = RateLimit::new(5);
+static ACCEPT_WARN: RateLimit = RateLimit::new(1);
 
 /// Most connections being refused at once; beyond it they are dropped.
 const MAX_REFUSING: usize = 64;
@@ -156,7 +219,9 @@ fn spawn_connection(
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "cannot clone accepted socket; dropping connection");
+            if let Some(suppressed) = CONN_WARN.allow() {
+                tracing::warn!(%peer, error = %e, suppressed, "cannot clone accepted socket; dropping connection");
+            }
             return;
         }
     };
@@ -173,17 +238,21 @@ fn spawn_connection(
     let spawned = std::thread::Builder::new()
         .name(format!("conn-{id}"))
         .spawn(move || {
-            let _permit = permit;
             if let Err(e) = conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2)) {
                 tracing::debug!(conn = id, %peer, error = %e, "connection ended with an error");
             }
-            // Close now, whoever else holds the socket (a drain in progress).
-            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+            // The slot is free before the peer sees the close: a client that
+            // saw it and reconnects at once finds room.
             shared2.conns().remove(&id);
             shared2.stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+            // Close now, whoever else holds the socket (a drain in progress).
+            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
         });
     if let Err(e) = spawned {
-        tracing::warn!(%peer, error = %e, "cannot start a connection thread; dropping connection");
+        if let Some(suppressed) = CONN_WARN.allow() {
+            tracing::warn!(conn = id, %peer, error = %e, suppressed, "cannot start a connection thread; dropping connection");
+        }
         shared.conns().remove(&id);
         shared.stats.open.fetch_sub(1, Ordering::Relaxed);
     }
@@ -195,8 +264,7 @@ pub async fn run(
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()>,
 ) {
-    let max = shared.config.max_connections.max(1);
-    let permits = Arc::new(Semaphore::new(max));
+    let permits = Arc::clone(&shared.permits);
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
@@ -217,7 +285,9 @@ pub async fn run(
                     Ok(x) => x,
                     Err(e) => {
                         // Out of file descriptors and the like: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
+                        if let Some(suppressed) = ACCEPT_WARN.allow() {
+                            tracing::warn!(error = %e, suppressed, "accept failed");
+                        }
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
@@ -235,6 +305,7 @@ pub async fn run(
                         tracing::debug!(%peer, "connection refused: at the bound");
                         // Bounded too: past MAX_REFUSING the connection is just dropped.
                         if let Ok(p) = Arc::clone(&refusing).try_acquire_owned() {
+                            let max = shared.permits_total.load(Ordering::Relaxed);
                             tokio::spawn(async move {
                                 refuse_busy(stream, max).await;
                                 drop(p);
@@ -250,7 +321,7 @@ pub async fn run(
     for a in accepters {
         let _ = a.await;
     }
-    drain(&shared, &permits, max).await;
+    drain(&shared).await;
 }
 
 /// Send Goodbye without ever blocking: take the connection's write lock
@@ -283,9 +354,11 @@ fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
     }
 }
 
-async fn drain(shared: &Arc<Shared>, permits: &Arc<Semaphore>, max: usize) {
+async fn drain(shared: &Arc<Shared>) {
     shared.draining.store(true, Ordering::Relaxed);
-    let grace = shared.config.drain_timeout;
+    let permits = &shared.permits;
+    let max = shared.permits_total.load(Ordering::Relaxed);
+    let grace = shared.config().drain_timeout;
     let deadline = std::time::Instant::now() + grace;
     let conns: Vec<Arc<Conn>> = shared.conns().values().cloned().collect();
     tracing::info!(

@@ -1,0 +1,393 @@
+//! The rack's capacity and timing plan (`engram-cluster plan`): per donor,
+//! the RAM its tables need plus headroom against the RAM it declares (and
+//! whether it could hot-swap its largest table alongside the old version);
+//! per node, each table's sources in order, its window at the node's token
+//! rate, and the slowdown predicted from assumed per-source latencies with
+//! seed 000's model: a table whose rows arrive `f` after the token starts,
+//! with a window `w`, adds `max(0, f - w)` to the token time `W`;
+//! `T = W + extra`, tokens/s = 1000 / T (ms).
+//!
+//! A table's fetch time is its first source's latency (the plan is for the
+//! healthy rack; failover adds the next source's latency on top).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::{Config, GIB, SourceRef};
+
+/// Assumed latency of one table's fetch, per kind of source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Latencies {
+    /// The node's own RAM.
+    pub local: Duration,
+    /// Any donor without a latency of its own.
+    pub donor: Duration,
+    /// The node's SSD copy (a whole batch, its rows read in parallel).
+    pub ssd: Duration,
+    /// Per donor, by name.
+    pub donors: HashMap<String, Duration>,
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        Self {
+            local: Duration::from_micros(5),
+            donor: Duration::from_micros(100),
+            ssd: Duration::from_micros(400),
+            donors: HashMap::new(),
+        }
+    }
+}
+
+/// A `--latency-us` value that is not `NAME=MICROS[,NAME=MICROS...]`.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("{0:?} is not NAME=MICROSECONDS (NAME: local, ssd, donor, or a donor's name)")]
+pub struct LatencyError(pub String);
+
+impl Latencies {
+    /// Apply `local=5,ssd=350,donor=100,donor-a=80` over the current values.
+    pub fn apply(&mut self, spec: &str) -> Result<(), LatencyError> {
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let bad = || LatencyError(item.to_string());
+            let (name, us) = item.split_once('=').ok_or_else(bad)?;
+            let us: f64 = us.trim().parse().map_err(|_| bad())?;
+            if !(us.is_finite() && (0.0..=1e9).contains(&us)) {
+                return Err(bad());
+            }
+            let d = Duration::from_secs_f64(us / 1e6);
+            match name.trim() {
+                "" => return Err(bad()),
+                "local" => self.local = d,
+                "ssd" => self.ssd = d,
+                "donor" => self.donor = d,
+                donor => {
+                    self.donors.insert(donor.to_string(), d);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The latency assumed for `source`.
+    pub fn of(&self, source: &SourceRef) -> Duration {
+        match source {
+            SourceRef::Local => self.local,
+            SourceRef::Ssd => self.ssd,
+            SourceRef::Donor(d) => self.donors.get(d).copied().unwrap_or(self.donor),
+        }
+    }
+}
+
+/// One donor's RAM.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DonorPlan {
+    pub name: String,
+    /// `(table id, bytes)` for each table it holds.
+    pub tables: Vec<(u32, u64)>,
+    /// Bytes of all its tables (rows x 264).
+    pub table_bytes: u64,
+    /// Headroom kept free, in bytes.
+    pub headroom_bytes: u64,
+    /// `table_bytes + headroom_bytes`.
+    pub need_bytes: u64,
+    /// The RAM it declares (`ram_gib`), in bytes.
+    pub ram_bytes: u64,
+    /// True when the tables and headroom fit.
+    pub fits: bool,
+    /// True when its largest table could also be loaded a second time (a
+    /// hot swap keeps both versions until the switch).
+    pub swap_fits: bool,
+}
+
+/// One table on one node.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TablePlan {
+    pub table: u32,
+    pub layer: u32,
+    /// Sources in order of preference.
+    pub sources: Vec<String>,
+    /// Time its rows have, at the node's rate, in microseconds.
+    pub window_us: f64,
+    /// Assumed fetch time (its first source's latency), in microseconds.
+    pub fetch_us: f64,
+    /// `max(0, fetch - window)`, in microseconds.
+    pub over_us: f64,
+}
+
+/// One node's predicted token time.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NodePlan {
+    pub name: String,
+    pub tokens_per_second: f64,
+    /// `W`, in milliseconds.
+    pub token_ms: f64,
+    pub tables: Vec<TablePlan>,
+    /// Sum of the tables' overshoots, in milliseconds.
+    pub extra_ms: f64,
+    /// `extra / W`.
+    pub slowdown: f64,
+    /// `1000 / (W + extra)`.
+    pub predicted_tokens_per_second: f64,
+}
+
+/// The whole rack's plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    pub rack: String,
+    pub donors: Vec<DonorPlan>,
+    pub nodes: Vec<NodePlan>,
+}
+
+impl Plan {
+    /// Plan `config` with these latencies.
+    pub fn new(config: &Config, lat: &Latencies) -> Self {
+        let donors = config
+            .donors
+            .iter()
+            .map(|d| {
+                let tables: Vec<(u32, u64)> = d
+                    .tables
+                    .iter()
+                    .filter_map(|id| config.table(*id))
+                    .map(|t| (t.id, t.rows * engram_protocol::ROW_BYTES as u64))
+                    .collect();
+                let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
+                let largest = tables.iter().map(|t| t.1).max().unwrap_or(0);
+                let headroom_bytes = (d.headroom_gib * GIB) as u64;
+                let ram_bytes = (d.ram_gib * GIB) as u64;
+                let need_bytes = table_bytes + headroom_bytes;
+                DonorPlan {
+                    name: d.name.clone(),
+                    tables,
+                    table_bytes,
+                    headroom_bytes,
+                    need_bytes,
+                    ram_bytes,
+                    fits: need_bytes <= ram_bytes,
+                    swap_fits: need_bytes + largest <= ram_bytes,
+                }
+            })
+            .collect();
+        let nodes = config
+            .nodes
+            .iter()
+            .map(|n| {
+                let w = n.token_time().as_secs_f64() * 1e3;
+                let tables: Vec<TablePlan> = n
+                    .routes
+                    .iter()
+                    .map(|r| {
+                        let window_us = n
+                            .window(config, r.table)
+                            .map_or(0.0, |d| d.as_secs_f64() * 1e6);
+                        let fetch_us = r
+                            .sources
+                            .first()
+                            .map_or(0.0, |s| lat.of(s).as_secs_f64() * 1e6);
+                        TablePlan {
+                            table: r.table,
+                            layer: config.table(r.table).map_or(0, |t| t.layer),
+                            sources: r.sources.iter().map(ToString::to_string).collect(),
+                            window_us,
+                            fetch_us,
+                            over_us: (fetch_us - window_us).max(0.0),
+                        }
+                    })
+                    .collect();
+                let extra_ms = tables.iter().map(|t| t.over_us).sum::<f64>() / 1e3;
+                NodePlan {
+                    name: n.name.clone(),
+                    tokens_per_second: n.tokens_per_second,
+                    token_ms: w,
+                    tables,
+                    extra_ms,
+                    slowdown: extra_ms / w,
+                    predicted_tokens_per_second: 1000.0 / (w + extra_ms),
+                }
+            })
+            .collect();
+        Self {
+            rack: config.rack.clone(),
+            donors,
+            nodes,
+        }
+    }
+
+    /// True when every donor's tables and headroom fit its RAM.
+    pub fn fits(&self) -> bool {
+        self.donors.iter().all(|d| d.fits)
+    }
+
+    /// The plan as a readable table.
+    pub fn render(&self) -> String {
+        use std::fmt::Write;
+        let gib = |b: u64| b as f64 / GIB;
+        let mut s = String::new();
+        let _ = writeln!(s, "rack {}", self.rack);
+        let _ = writeln!(s, "\ndonors (GiB)");
+        let _ = writeln!(
+            s,
+            "  {:<16} {:<12} {:>9} {:>9} {:>9} {:>9} {:>9}  {:<9} fits",
+            "donor", "tables", "tables", "headroom", "need", "ram", "free", "swap room"
+        );
+        for d in &self.donors {
+            let ids: Vec<String> = d.tables.iter().map(|t| t.0.to_string()).collect();
+            let free = gib(d.ram_bytes) - gib(d.need_bytes);
+            let _ = writeln!(
+                s,
+                "  {:<16} {:<12} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2}  {:<9} {}",
+                d.name,
+                ids.join(","),
+                gib(d.table_bytes),
+                gib(d.headroom_bytes),
+                gib(d.need_bytes),
+                gib(d.ram_bytes),
+                free,
+                if d.swap_fits { "yes" } else { "in place" },
+                if d.fits { "ok" } else { "NO: does not fit" }
+            );
+        }
+        for n in &self.nodes {
+            let _ = writeln!(
+                s,
+                "\nnode {} at {} tokens/s (W = {:.3} ms)",
+                n.name, n.tokens_per_second, n.token_ms
+            );
+            let _ = writeln!(
+                s,
+                "  {:<6} {:<6} {:<32} {:>10} {:>10} {:>10}",
+                "table", "layer", "sources", "window us", "fetch us", "over us"
+            );
+            for t in &n.tables {
+                let _ = writeln!(
+                    s,
+                    "  {:<6} {:<6} {:<32} {:>10.1} {:>10.1} {:>10.1}",
+                    t.table,
+                    t.layer,
+                    t.sources.join(" -> "),
+                    t.window_us,
+                    t.fetch_us,
+                    t.over_us
+                );
+            }
+            let _ = writeln!(
+                s,
+                "  predicted: extra {:.3} ms, T = {:.3} ms, {:.1} tokens/s ({:.2}% slower)",
+                n.extra_ms,
+                n.token_ms + n.extra_ms,
+                n.predicted_tokens_per_second,
+                n.slowdown * 100.0
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    const D: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+
+    /// Two V4.1 tables, `donor-a` holding table 1 and `big` both.
+    fn config(tps: f64, ram_a: f64, sources1: &str) -> Config {
+        let text = format!(
+            "version = 1\n[rack]\nname = \"r\"\n\
+             [[table]]\nid = 1\nlayer = 1\npath = \"/t1\"\nrows = 384006168\ndigest = \"{D}\"\n\
+             [[table]]\nid = 14\nlayer = 14\npath = \"/t14\"\nrows = 384016682\ndigest = \"{D}\"\n\
+             [[donor]]\nname = \"donor-a\"\nlisten = [\"10.0.0.1:1\"]\ntables = [1]\nram_gib = {ram_a}\n\
+             [[donor]]\nname = \"big\"\nlisten = [\"10.0.0.2:1\"]\ntables = [1, 14]\nram_gib = 512.0\nheadroom_gib = 8\n\
+             [[node]]\nname = \"n\"\ntokens_per_second = {tps}\n\
+             [[node.route]]\ntable = 1\nsources = [{sources1}]\nssd_path = \"/s1\"\n\
+             [[node.route]]\ntable = 14\nsources = [\"big\", \"ssd\"]\nssd_path = \"/s14\"\n"
+        );
+        Config::parse(&text, Path::new("/r.toml")).expect("valid")
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-6 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn seed_000_numbers() {
+        // 100 tokens/s: W = 10 ms, table 1 has 250 us, table 14 3250 us.
+        let c = config(100.0, 128.0, "\"donor-a\", \"ssd\"");
+        let mut lat = Latencies::default();
+        lat.apply("donor-a=340").expect("latency");
+        let p = Plan::new(&c, &lat);
+        let n = &p.nodes[0];
+        assert!(close(n.token_ms, 10.0));
+        assert!(close(n.tables[0].window_us, 250.0), "{:?}", n.tables[0]);
+        assert!(close(n.tables[1].window_us, 3250.0), "{:?}", n.tables[1]);
+        assert!(close(n.tables[0].over_us, 90.0));
+        assert_eq!(n.tables[1].over_us, 0.0, "big's 100 us fits 3250 us");
+        assert!(close(n.extra_ms, 0.09));
+        // 1000 / 10.09 = 99.108...
+        assert!(close(n.predicted_tokens_per_second, 1000.0 / 10.09));
+        assert!(p.render().contains("99.1 tokens/s"), "{}", p.render());
+        // Seed 000: 0.34 ms over a 10 ms token is about 96.7 tokens/s.
+        lat.apply("donor-a=590").expect("latency");
+        let n = &Plan::new(&c, &lat).nodes[0];
+        assert!(close(n.extra_ms, 0.34));
+        assert!((n.predicted_tokens_per_second - 96.7).abs() < 0.05);
+        // A 4 ms round trip misses both windows: 3.75 + 0.75 ms.
+        lat.apply("donor-a=4000,big=4000").expect("latency");
+        let n = &Plan::new(&c, &lat).nodes[0];
+        assert!(close(n.extra_ms, 4.5), "{n:?}");
+    }
+
+    #[test]
+    fn the_first_source_sets_the_fetch_time() {
+        let c = config(100.0, 128.0, "\"local\", \"donor-a\"");
+        let p = Plan::new(&c, &Latencies::default());
+        assert!(close(p.nodes[0].tables[0].fetch_us, 5.0));
+        let c = config(100.0, 128.0, "\"ssd\"");
+        let p = Plan::new(&c, &Latencies::default());
+        assert!(close(p.nodes[0].tables[0].fetch_us, 400.0));
+        assert!(close(p.nodes[0].extra_ms, 0.15));
+        assert_eq!(p.nodes[0].tables[0].sources, vec!["ssd".to_string()]);
+    }
+
+    #[test]
+    fn donor_ram_against_tables_and_headroom() {
+        // Table 1: 384,006,168 rows x 264 B = 94.41 GiB; + 2 GiB headroom.
+        let c = config(100.0, 128.0, "\"donor-a\"");
+        let p = Plan::new(&c, &Latencies::default());
+        let a = &p.donors[0];
+        assert_eq!(a.table_bytes, 384_006_168 * 264);
+        assert_eq!(a.headroom_bytes, 2 << 30);
+        assert!(a.fits && !a.swap_fits, "{a:?}");
+        let big = &p.donors[1];
+        assert_eq!(big.headroom_bytes, 8 << 30);
+        assert!(big.fits && big.swap_fits, "{big:?}");
+        assert!(p.fits());
+        let c = config(96.0, 96.0, "\"donor-a\"");
+        let p = Plan::new(&c, &Latencies::default());
+        assert!(!p.donors[0].fits && !p.fits());
+        assert!(p.render().contains("NO: does not fit"));
+    }
+
+    #[test]
+    fn latency_specs() {
+        let mut l = Latencies::default();
+        l.apply("donor-a=80, ssd=350,local=2.5,donor=120")
+            .expect("ok");
+        assert_eq!(
+            l.of(&SourceRef::Donor("donor-a".into())),
+            Duration::from_micros(80)
+        );
+        assert_eq!(
+            l.of(&SourceRef::Donor("other".into())),
+            Duration::from_micros(120)
+        );
+        assert_eq!(l.of(&SourceRef::Ssd), Duration::from_micros(350));
+        assert_eq!(l.of(&SourceRef::Local), Duration::from_nanos(2500));
+        for bad in ["ssd", "ssd=x", "=5", "ssd=-1", "ssd=inf"] {
+            assert!(l.apply(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! The files in `systemd/`: both units pass `systemd-analyze verify` (with
+//! their ExecStart pointed at the binaries just built), carry the settings
+//! the operations design asks for, and the example rack config plans.
+//!
+//! `systemd-analyze verify` runs offline, without systemd as PID 1, given
+//! `--man=no --generators=no`; an unknown key is only a warning (exit code
+//! 0), so any output fails the test too. Without `systemd-analyze` the
+//! verify test is skipped unless `ENGRAM_REQUIRE_SYSTEMD_ANALYZE=1` (CI).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use integration_tests::bin;
+
+fn systemd_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd")
+}
+
+const UNITS: [&str; 2] = ["memory-donor.service", "inference-node.service"];
+
+fn settings(unit: &str) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(systemd_dir().join(unit)).expect("unit file");
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with('#') && !l.starts_with('['))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}
+
+fn secs(v: &str) -> u64 {
+    if let Some(m) = v.strip_suffix("min") {
+        m.parse::<u64>().expect("minutes") * 60
+    } else {
+        v.trim_end_matches('s').parse().expect("seconds")
+    }
+}
+
+#[test]
+fn units_carry_the_operations_settings() {
+    for unit in UNITS {
+        let s = settings(unit);
+        let get = |k: &str| {
+            s.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+                .unwrap_or_else(|| panic!("{unit}: {k}= missing"))
+        };
+        for (k, v) in [
+            ("Type", "notify"),
+            ("NotifyAccess", "main"),
+            ("Restart", "on-failure"),
+            ("LimitMEMLOCK", "infinity"),
+            ("User", "engram-rack"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "yes"),
+            ("NoNewPrivileges", "yes"),
+            ("PrivateTmp", "yes"),
+            ("ExecReload", "/bin/kill -HUP $MAINPID"),
+            ("CapabilityBoundingSet", ""),
+        ] {
+            assert_eq!(get(k), v, "{unit}: {k}");
+        }
+        assert!(get("ExecStart").contains(" serve --config /etc/engram-rack/rack.toml --name %H"));
+        assert!(get("ReadOnlyPaths").starts_with("/var/lib/engram-rack/"));
+        assert!(secs(get("WatchdogSec")) >= 10);
+        // Above the default drain timeout (5 s) with room for the last answers.
+        assert!(
+            secs(get("TimeoutStopSec")) >= 5 + 10,
+            "{unit}: TimeoutStopSec"
+        );
+    }
+}
+
+#[test]
+fn units_pass_systemd_analyze_verify() {
+    let analyze = ["/usr/bin/systemd-analyze", "/bin/systemd-analyze"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file());
+    let Some(analyze) = analyze else {
+        assert!(
+            std::env::var_os("ENGRAM_REQUIRE_SYSTEMD_ANALYZE").is_none(),
+            "systemd-analyze is required (apt-get install systemd)"
+        );
+        eprintln!("skipped: systemd-analyze not installed");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let built = bin("memory-donor");
+    let bin_dir = built.parent().expect("bin dir").display().to_string();
+    let mut paths = Vec::new();
+    for unit in UNITS {
+        let text = std::fs::read_to_string(systemd_dir().join(unit)).expect("unit");
+        assert!(text.contains("/usr/local/bin/"), "{unit}");
+        let path = dir.path().join(unit);
+        std::fs::write(&path, text.replace("/usr/local/bin", &bin_dir)).expect("copy");
+        paths.push(path);
+    }
+    // Make sure the other binary is there too (verify checks ExecStart).
+    bin("inference-node");
+    let out = Command::new(analyze)
+        .args(["verify", "--man=no", "--generators=no"])
+        .args(&paths)
+        .env("SYSTEMD_LOG_LEVEL", "warning")
+        .output()
+        .expect("runs systemd-analyze");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    let complaints: Vec<&str> = said
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        // A container may not let it read PID 1's environment; not about our units.
+        .filter(|l| !l.contains("$container of PID 1"))
+        .collect();
+    assert!(
+        complaints.is_empty(),
+        "systemd-analyze verify: {complaints:#?}"
+    );
+}
+
+#[test]
+fn the_sysusers_and_tmpfiles_snippets_name_the_user_and_directories() {
+    let users =
+        std::fs::read_to_string(systemd_dir().join("sysusers.d/engram-rack.conf")).expect("file");
+    assert!(users.lines().any(|l| l.starts_with("u engram-rack ")));
+    let dirs =
+        std::fs::read_to_string(systemd_dir().join("tmpfiles.d/engram-rack.conf")).expect("file");
+    for d in [
+        "/etc/engram-rack",
+        "/var/lib/engram-rack/tables",
+        "/var/lib/engram-rack/ssd",
+    ] {
+        assert!(
+            dirs.lines()
+                .any(|l| l.starts_with("d ") && l.split_whitespace().nth(1) == Some(d)),
+            "{d}"
+        );
+    }
+}
+
+#[test]
+fn the_example_rack_config_plans() {
+    let out = Command::new(bin("engram-cluster"))
+        .arg("plan")
+        .arg(systemd_dir().join("rack.toml"))
+        .output()
+        .expect("runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("donor-a") && text.contains("node gpu-1"),
+        "{text}"
+    );
+    assert!(text.contains("100.0 tokens/s"), "{text}");
+    let json = Command::new(bin("engram-cluster"))
+        .arg("plan")
+        .arg(systemd_dir().join("rack.toml"))
+        .args(["--json", "--latency-us", "donor-a=340"])
+        .output()
+        .expect("runs");
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
+    let tps = v["nodes"][0]["predicted_tokens_per_second"]
+        .as_f64()
+        .expect("tokens/s");
+    assert!((tps - 1000.0 / 10.09).abs() < 1e-6, "{tps}");
+    assert_eq!(v["donors"][0]["fits"], serde_json::Value::Bool(true));
+}
+
+#[test]
+fn plan_fails_when_a_donor_is_short_of_ram() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = std::fs::read_to_string(systemd_dir().join("rack.toml")).expect("rack.toml");
+    let short = text.replacen("ram_gib = 128.0", "ram_gib = 96.0", 1);
+    assert_ne!(short, text);
+    let path = dir.path().join("rack.toml");
+    std::fs::write(&path, short).expect("write");
+    let out = Command::new(bin("engram-cluster"))
+        .arg("plan")
+        .arg(&path)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("donor donor-a") && err.contains("ram_gib is 96.00"),
+        "{err}"
+    );
+}

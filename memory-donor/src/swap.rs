@@ -1,0 +1,385 @@
+//! Table hot swap: load another version of a served table next to the old
+//! one, verify it, then switch under the tables' write lock (a pointer
+//! move; lookups in flight finish on the old version first, later ones see
+//! the new one). Clients pinned to the old digest get `VersionMismatch`
+//! from the switch on; new connections see the new digest in Welcome.
+//!
+//! RAM: both versions are resident until the switch. A swap is refused up
+//! front when the donor's table budget (`ram_gib - headroom_gib`, when it
+//! runs from the cluster config) or the machine's available memory would
+//! not hold the new version beside everything loaded, unless asked to swap
+//! *in place*: the old version is unloaded first (the table is not served,
+//! `UnknownTable`, until the new one is loaded).
+//!
+//! `prepare` does every check that can fail fast (the caller answers with
+//! its result); `run` does the load and the switch.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cluster_config::notify::Notifier;
+use engram_protocol::{ROW_BYTES, TableDigest};
+use thiserror::Error;
+use tokio::sync::oneshot;
+
+use crate::progress::Progress;
+use crate::resident::{MlockMode, Pin, ResidentTable};
+use crate::server::Shared;
+use crate::status::{DonorStatus, LoadState};
+use crate::table_file::TableFile;
+
+/// A request to serve another version of a table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwapRequest {
+    /// The table's data-plane id.
+    pub table: u32,
+    /// The new version's file.
+    pub path: PathBuf,
+    /// The digest the file must have, if known.
+    pub expected: Option<TableDigest>,
+    /// Unload the old version first (a short outage of this table).
+    pub in_place: bool,
+}
+
+/// A swap that passed its checks and is being loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwapAccepted {
+    /// The version served until the switch.
+    pub old: TableDigest,
+    /// The version being loaded.
+    pub new: TableDigest,
+    /// Row bytes of the new version.
+    pub bytes: u64,
+    /// True when the old version is unloaded first.
+    pub in_place: bool,
+}
+
+/// Where the answer to a swap order goes.
+pub type Reply = oneshot::Sender<Result<SwapAccepted, SwapError>>;
+
+/// Why a swap was refused or failed.
+#[derive(Debug, Error)]
+pub enum SwapError {
+    /// Tables are still loading, or the donor drains.
+    #[error("the donor is not serving (loading or draining)")]
+    NotServing,
+    /// Another swap is being loaded.
+    #[error("another swap is under way; try again when it is done")]
+    Busy,
+    /// The donor does not serve that table.
+    #[error("table {0} is not served by this donor")]
+    UnknownTable(u32),
+    /// The file cannot be used.
+    #[error("{0}")]
+    BadFile(String),
+    /// The file is not the expected version.
+    #[error("{path}: digest is {actual}, not the expected {expected}")]
+    WrongVersion {
+        path: String,
+        expected: TableDigest,
+        actual: TableDigest,
+    },
+    /// The file is the version already served.
+    #[error("table {table} is already at digest {digest}")]
+    AlreadyServed { table: u32, digest: TableDigest },
+    /// Not enough RAM.
+    #[error("{0}")]
+    NoRoom(String),
+    /// Loading the new version failed.
+    #[error("loading the new version failed: {0}")]
+    Load(String),
+}
+
+/// What a swap needs from the serving loop.
+#[derive(Debug, Clone)]
+pub struct SwapContext {
+    pub shared: Arc<Shared>,
+    pub status: Arc<DonorStatus>,
+    pub notifier: Arc<Notifier>,
+    pub trust_digest: bool,
+    pub mlock: MlockMode,
+    /// Bytes the tables may take in all (`ram_gib - headroom_gib`), when known.
+    pub budget: Option<u64>,
+}
+
+/// A checked swap, ready to load.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    req: SwapRequest,
+    accepted: SwapAccepted,
+    layer: u32,
+    rows: u64,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / GIB)
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Check `req` against what is served, the file's header and the RAM there is.
+pub fn prepare(cx: &SwapContext, req: SwapRequest) -> Result<Prepared, SwapError> {
+    let (old, old_bytes, old_layer, in_use) = {
+        let tables = cx.shared.tables();
+        let t = tables
+            .iter()
+            .find(|t| t.id == req.table)
+            .ok_or(SwapError::UnknownTable(req.table))?;
+        let in_use: u64 = tables.iter().map(ResidentTable::bytes).sum();
+        (t.digest, t.bytes(), t.layer, in_use)
+    };
+    let file = TableFile::open(&req.path).map_err(|e| SwapError::BadFile(e.to_string()))?;
+    let m = &file.meta;
+    let shown = req.path.display().to_string();
+    if let Some(expected) = req.expected
+        && expected != m.digest
+    {
+        return Err(SwapError::WrongVersion {
+            path: shown,
+            expected,
+            actual: m.digest,
+        });
+    }
+    if m.layer != old_layer {
+        return Err(SwapError::BadFile(format!(
+            "{shown} is layer {}, table {} is layer {old_layer}",
+            m.layer, req.table
+        )));
+    }
+    if m.digest == old {
+        return Err(SwapError::AlreadyServed {
+            table: req.table,
+            digest: old,
+        });
+    }
+    let bytes = m.rows * ROW_BYTES as u64;
+    let avail = mem_available();
+    // Room for the new version: beside everything (alongside), or in the
+    // place of the old one (in place).
+    let (room_budget, room_machine) = if req.in_place {
+        (
+            cx.budget.map(|b| b.saturating_sub(in_use - old_bytes)),
+            avail.map(|a| a + old_bytes),
+        )
+    } else {
+        (cx.budget.map(|b| b.saturating_sub(in_use)), avail)
+    };
+    let how = if req.in_place {
+        "in place of"
+    } else {
+        "beside"
+    };
+    if let Some(room) = room_budget
+        && bytes > room
+    {
+        return Err(SwapError::NoRoom(format!(
+            "table {}: the new version ({}) does not fit {how} the tables loaded ({}) within the \
+             donor's table budget of {} (ram_gib - headroom_gib){}",
+            req.table,
+            gib(bytes),
+            gib(in_use),
+            gib(cx.budget.unwrap_or(0)),
+            if req.in_place {
+                ""
+            } else {
+                "; swap in place (a short outage of this table) to need one version only"
+            }
+        )));
+    }
+    if let Some(room) = room_machine
+        && bytes > room
+    {
+        return Err(SwapError::NoRoom(format!(
+            "table {}: the new version ({}) needs more than the {} of memory available{}",
+            req.table,
+            gib(bytes),
+            gib(room),
+            if req.in_place {
+                ""
+            } else {
+                "; swap in place (a short outage of this table) to need one version only"
+            }
+        )));
+    }
+    let accepted = SwapAccepted {
+        old,
+        new: m.digest,
+        bytes,
+        in_place: req.in_place,
+    };
+    Ok(Prepared {
+        req,
+        accepted,
+        layer: m.layer,
+        rows: m.rows,
+    })
+}
+
+impl Prepared {
+    /// What was accepted.
+    pub fn accepted(&self) -> SwapAccepted {
+        self.accepted
+    }
+}
+
+/// The status entry of table `id`.
+fn status_index(status: &DonorStatus, id: u32) -> Option<usize> {
+    status.tables.iter().position(|t| t.view().id == id)
+}
+
+/// Load the new version and switch to it.
+pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
+    let began = Instant::now();
+    let id = p.req.table;
+    let si = status_index(&cx.status, id);
+    let new = p.accepted.new;
+    tracing::info!(
+        table = id,
+        path = %p.req.path.display(),
+        old = %p.accepted.old,
+        new = %new,
+        in_place = p.req.in_place,
+        "swap: loading the new version"
+    );
+    if p.req.in_place {
+        let old = {
+            let mut tables = cx.shared.tables_mut();
+            tables
+                .iter()
+                .position(|t| t.id == id)
+                .map(|i| tables.remove(i))
+        };
+        // Unmapped here, outside the lock.
+        drop(old);
+        if let Some(i) = si {
+            cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Loading);
+        }
+        tracing::warn!(
+            table = id,
+            "swap in place: table unloaded; not served until the new version is loaded"
+        );
+    }
+    let loaded = {
+        let (cx2, p2) = (cx.clone(), p.clone());
+        tokio::task::spawn_blocking(move || load(&cx2, &p2, si)).await
+    };
+    let table = match loaded {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return Err(failed(&cx, &p, si, e)),
+        Err(e) => return Err(failed(&cx, &p, si, e.to_string())),
+    };
+    let old = {
+        let mut tables = cx.shared.tables_mut();
+        match tables.iter().position(|t| t.id == id) {
+            Some(i) => Some(std::mem::replace(&mut tables[i], table)),
+            None => {
+                tables.push(table);
+                None
+            }
+        }
+    };
+    drop(old);
+    if let Some(i) = si {
+        cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Ready);
+    }
+    let took = began.elapsed();
+    tracing::info!(
+        table = id,
+        old = %p.accepted.old,
+        new = %new,
+        rows = p.rows,
+        took_ms = took.as_millis() as u64,
+        "table swapped"
+    );
+    let _ = cx
+        .notifier
+        .status(&format!("table {id} swapped to {}", short(new)));
+    Ok(())
+}
+
+fn short(d: TableDigest) -> String {
+    d.to_hex().chars().take(12).collect()
+}
+
+fn failed(cx: &SwapContext, p: &Prepared, si: Option<usize>, why: String) -> SwapError {
+    let msg = format!(
+        "swap of table {} to {} from {} failed: {why}",
+        p.req.table,
+        p.accepted.new,
+        p.req.path.display()
+    );
+    if let Some(i) = si {
+        if p.req.in_place {
+            cx.status.tables[i].failed(msg.clone());
+        } else {
+            cx.status.tables[i].note_error(msg.clone());
+        }
+    }
+    if p.req.in_place {
+        tracing::error!(table = p.req.table, "{msg}; the table is NOT served now");
+    } else {
+        tracing::error!(
+            table = p.req.table,
+            "{msg}; the old version is still served"
+        );
+    }
+    let _ = cx.notifier.status(&msg);
+    SwapError::Load(why)
+}
+
+/// Load the new version (blocking), with its progress in the log, in
+/// systemd's status line, and (in place) in the table's load state.
+fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTable, String> {
+    let id = p.req.table;
+    let pin = Pin {
+        digest: p.accepted.new,
+        layer: p.layer,
+        rows: p.rows,
+    };
+    let (status, notifier, in_place) = (
+        Arc::clone(&cx.status),
+        Arc::clone(&cx.notifier),
+        p.req.in_place,
+    );
+    let progress = move |f: &TableFile| {
+        let total = f.meta.rows;
+        let mut last_pct = u64::MAX;
+        Some(
+            Progress::log(
+                format!("swap: loading {}", p.req.path.display()),
+                total,
+                ROW_BYTES as u64,
+            )
+            .with_tap(move |done| {
+                if in_place && let Some(i) = si {
+                    status.tables[i].progress(done, total);
+                }
+                let pct = done * 100 / total.max(1);
+                if pct != last_pct {
+                    last_pct = pct;
+                    let _ = notifier.status(&format!("swapping table {id}: {pct}%"));
+                }
+            }),
+        )
+    };
+    let (mut table, _report) = ResidentTable::load(
+        id,
+        &p.req.path,
+        Some(pin),
+        cx.trust_digest,
+        cx.mlock,
+        progress,
+    )
+    .map_err(|e| e.to_string())?;
+    table.id = id;
+    Ok(table)
+}
