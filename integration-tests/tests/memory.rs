@@ -38,8 +38,11 @@ fn ports() -> (u16, u16) {
     )
 }
 
-/// A config with one table, donor `d` on 127.0.0.1 (data plane `port`,
-/// control plane `port + 1`... any free one: `ports.1`) and node `n`.
+/// A config with one table, donor `d` on 127.0.0.1 (data plane `ports.0`,
+/// control plane `ports.1`) and node `n`. The node runs at 1 token/s, so
+/// table 1's window is 25 ms: on a loaded machine a slow lookup is not
+/// handed to the SSD copy at the deadline. These tests check who serves and
+/// what, not how fast (the router's timing is tested under paused time).
 fn write_config(
     dir: &Path,
     table: &Path,
@@ -54,6 +57,7 @@ fn write_config(
          [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{port}\"]\ncontrol = \"127.0.0.1:{control}\"\n\
          tables = [1]\nram_gib = 1.0\n\
          [[node]]\nname = \"n\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
+         tokens_per_second = 1\n\
          [[node.route]]\ntable = 1\nsources = [{sources}]\nhedge = \"off\"\n",
         table.display()
     );
