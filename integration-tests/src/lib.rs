@@ -36,6 +36,35 @@ pub fn bin(name: &str) -> PathBuf {
     );
 }
 
+/// A two-worker tokio runtime, for tests that drive the async client.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A blocking data-plane connection that has said Hello as `node` (the
+/// Welcome is left unread), with a 5 s read timeout: for tests that send
+/// what the client never would.
+pub fn hello_stream(addr: SocketAddr, node: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut hello = Vec::new();
+    engram_protocol::Hello {
+        version: engram_protocol::PROTOCOL_VERSION,
+        node,
+        credential: b"",
+    }
+    .encode(&mut hello, 1)
+    .expect("hello");
+    s.write_all(&hello).expect("write hello");
+    s
+}
+
 /// Generate a synthetic table with the real `memory-donor gen`.
 pub fn gen_table(
     dir: &Path,

@@ -1,7 +1,7 @@
 //! The donor's control plane (gRPC health, ListTables, Stats, Drain) and
 //! its `/metrics`, against the real `memory-donor` process on loopback.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -10,8 +10,9 @@ use engram_protocol::control::{
     DrainRequest, ListTablesRequest, LoadState, SERVICE_NAME, StatsRequest,
 };
 use engram_protocol::synthetic::first_mismatch;
-use engram_protocol::{ErrorCode, Hello, PROTOCOL_VERSION, ROW_BYTES, TableDigest};
+use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+use integration_tests::runtime as rt;
 use integration_tests::{DonorProcess, OpsAddrs, exchange, gen_table, sample, scrape};
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -20,14 +21,6 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
 const SEED: u64 = 5;
 const OPS: [&str; 4] = ["--control", "127.0.0.1:0", "--metrics", "127.0.0.1:0"];
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
 
 async fn health(ops: &OpsAddrs) -> HealthClient<Channel> {
     let channel = Channel::from_shared(ops.control_uri())
@@ -372,18 +365,7 @@ fn stats_and_metrics_count_lookups_and_survive_garbage() {
 /// A data-plane connection that says Hello and then never closes, to hold a
 /// drain open until its deadline.
 fn stubborn_connection(addr: std::net::SocketAddr) -> TcpStream {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    let mut hello = Vec::new();
-    Hello {
-        version: PROTOCOL_VERSION,
-        node: "stubborn",
-        credential: b"",
-    }
-    .encode(&mut hello, 1)
-    .expect("hello");
-    s.write_all(&hello).expect("hello");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
+    let mut s = integration_tests::hello_stream(addr, "stubborn");
     let mut first = [0u8; 16];
     s.read_exact(&mut first).expect("welcome");
     s

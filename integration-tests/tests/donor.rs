@@ -10,6 +10,7 @@ use engram_protocol::{
     ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, decode,
 };
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+use integration_tests::runtime as rt;
 use integration_tests::{DonorProcess, gen_table};
 
 const ROWS: u64 = 200_000;
@@ -40,14 +41,6 @@ fn one_table_with(
     args.extend_from_slice(extra);
     let donor = DonorProcess::start(&args).expect("donor starts");
     (dir, path, digest, donor)
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 async fn client(donor: &DonorProcess, digest: TableDigest) -> DonorClient {
@@ -195,18 +188,7 @@ fn a_garbage_connection_does_not_disturb_a_good_client() {
 
 /// Send raw frames and read one answer, for what the client refuses to send.
 fn raw_exchange(addr: std::net::SocketAddr, frames: &[u8]) -> Vec<u8> {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    let mut hello = Vec::new();
-    Hello {
-        version: PROTOCOL_VERSION,
-        node: "raw",
-        credential: b"",
-    }
-    .encode(&mut hello, 1)
-    .expect("hello");
-    s.write_all(&hello).expect("write hello");
+    let mut s = integration_tests::hello_stream(addr, "raw");
     s.write_all(frames).expect("write");
     s.shutdown(std::net::Shutdown::Write).expect("half close");
     let mut all = Vec::new();

@@ -14,19 +14,12 @@ use inference_node::memory::{Memory, MemoryError};
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::source::ssd::{SsdOptions, SsdReader};
+use integration_tests::runtime as rt;
 use integration_tests::{DonorProcess, gen_table};
 use memory_donor::resident::Pin;
 
 const ROWS: u64 = 30_000;
 const SEED: u64 = 5;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
 
 /// Two ports free on 127.0.0.1 now (so a restarted donor can bind them again).
 fn ports() -> (u16, u16) {
@@ -76,18 +69,6 @@ fn donor(config: &Config) -> DonorProcess {
     .expect("donor starts")
 }
 
-/// GET /metrics over plain TCP: the whole answer, head included.
-async fn scrape(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    out
-}
-
 /// Fetch 24 random rows, check them, and say who served them.
 async fn fetch_one(router: &Router, i: u64) -> String {
     let rows = random_rows(i);
@@ -133,7 +114,7 @@ fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
                 "every lookup is served, by the SSD copy"
             );
         }
-        let text = scrape(http).await;
+        let text = integration_tests::scrape(http).expect("scrape");
         assert!(text.starts_with("HTTP/1.1 200"), "{text}");
         assert!(
             text.contains("engram_node_breaker_state{source=\"d\"} 2"),

@@ -13,17 +13,10 @@ use engram_protocol::control::{ListTablesRequest, SwapTableRequest};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+use integration_tests::runtime as rt;
 use integration_tests::{DonorProcess, OpsAddrs, gen_table};
 use tonic::Code;
 use tonic::transport::Channel;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
 
 async fn connect(
     addr: std::net::SocketAddr,
