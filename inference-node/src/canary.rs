@@ -87,11 +87,11 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<Vec<(u32, TableReport)>, MemoryError> {
     let memory = Memory::from_config(config, name, &metrics).await?;
-    let node = config.node(name).ok_or_else(|| MemoryError::UnknownNode {
-        name: name.into(),
-        known: String::new(),
-    })?;
-    let rate = spec.tokens_per_second.unwrap_or(node.tokens_per_second);
+    // `from_config` found the node; its rate is the default.
+    let rate = spec
+        .tokens_per_second
+        .or_else(|| config.node(name).map(|n| n.tokens_per_second))
+        .unwrap_or(100.0);
     let token = Duration::from_secs_f64(1.0 / rate.max(1e-3));
     let routers: Vec<(Arc<Router>, u64)> = memory
         .routers()

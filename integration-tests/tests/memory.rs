@@ -165,11 +165,7 @@ fn a_donor_at_another_version_is_never_used() {
         let router = mem.router(1).expect("router");
         assert!(!router.sources()[0].admissible(1), "excluded at startup");
         for i in 0..10 {
-            let rows = random_rows(i);
-            let mut out = vec![0u8; 24 * ROW_BYTES];
-            let f = router.fetch(&rows, &mut out).await.expect("fetch");
-            assert_eq!(f.source.as_deref(), Some("ssd"));
-            assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+            assert_eq!(fetch_one(router, i).await, "ssd");
         }
     });
 }
@@ -264,16 +260,8 @@ fn a_node_with_a_local_copy_serves_itself() {
         let mem = Memory::from_config(&config, "n", &NodeMetrics::new())
             .await
             .expect("memory");
-        let rows = random_rows(1);
-        let mut out = vec![0u8; 24 * ROW_BYTES];
-        let f = mem
-            .router(1)
-            .expect("router")
-            .fetch(&rows, &mut out)
-            .await
-            .expect("fetch");
-        assert_eq!(f.source.as_deref(), Some("local"));
-        assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+        let router = mem.router(1).expect("router");
+        assert_eq!(fetch_one(router, 1).await, "local");
     });
 }
 
