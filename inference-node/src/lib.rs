@@ -18,6 +18,7 @@ pub mod client;
 pub mod engram;
 pub mod memory;
 pub mod metrics;
+pub mod model;
 pub mod router;
 pub mod rowlist;
 pub mod source;

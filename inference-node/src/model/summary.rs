@@ -1,0 +1,283 @@
+//! The end-of-run summary: what the run measured, next to what seed 000's
+//! formula predicts from the fetch times the same run measured.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use cluster_config::plan::predict;
+use serde::Serialize;
+
+use super::{BLOCKS, LoopSpec, StepRecord, TableSlot};
+
+/// One table over the run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TableSummary {
+    /// Table id.
+    pub table: u32,
+    /// Engram layer.
+    pub layer: u32,
+    /// Its window in blocks.
+    pub window_blocks: u32,
+    /// Steps served, by source (`a+b` for a wide fetch that used several).
+    pub by_source: BTreeMap<String, u64>,
+    /// Steps whose fetch failed.
+    pub failed: u64,
+    /// Steps answered with zeros by policy.
+    pub zeros: u64,
+    /// Hedges sent.
+    pub hedges: u64,
+    /// Failovers.
+    pub failovers: u64,
+    /// Answers after the router's deadline.
+    pub late: u64,
+    /// Rows fetched.
+    pub rows: u64,
+    /// Fetch time (ready - step start) per decode step, microseconds.
+    #[serde(skip)]
+    pub fetch_us: Vec<f64>,
+    /// Its stall per decode step, microseconds.
+    #[serde(skip)]
+    pub stall_us: Vec<f64>,
+    /// Fetch-time percentiles (p50, p99, max), microseconds.
+    pub fetch_p50_us: f64,
+    pub fetch_p99_us: f64,
+    pub fetch_max_us: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Target rate.
+    pub target_tokens_per_second: f64,
+    /// Positions per decode step at most (batch x (1 + drafts)).
+    pub positions_per_step: usize,
+    /// Step time `W`, milliseconds.
+    pub w_ms: f64,
+    /// Steps run (prefill included).
+    pub steps: u64,
+    /// Positions decoded (prefill excluded).
+    pub tokens: u64,
+    /// Positions prefilled.
+    pub prefill_positions: u64,
+    /// Wall time of the prefill step, milliseconds.
+    pub prefill_ms: f64,
+    /// Wall time of the whole run, seconds.
+    pub elapsed_s: f64,
+    /// Wall time of the decode steps, seconds.
+    pub decode_s: f64,
+    /// Decoded positions per second of decode time.
+    pub tokens_per_second: f64,
+    /// Decode time over its stall-free time, minus one.
+    pub slowdown: f64,
+    /// Stall per decode step: p50, p99, max (microseconds).
+    pub stall_p50_us: f64,
+    pub stall_p99_us: f64,
+    pub stall_max_us: f64,
+    /// Decode steps with any stall.
+    pub stalled_steps: u64,
+    /// Total overrun (compute past its blocks), milliseconds.
+    pub overrun_ms: f64,
+    /// Seed 000's formula over each decode step's measured fetch times:
+    /// tokens/s and slowdown.
+    pub predicted_tokens_per_second: f64,
+    pub predicted_slowdown: f64,
+    /// Measured tokens/s over predicted.
+    pub measured_over_predicted: f64,
+    /// Steps with a failed table.
+    pub failed_steps: u64,
+    /// Per table.
+    pub tables: Vec<TableSummary>,
+    #[serde(skip)]
+    stalls_us: Vec<f64>,
+    #[serde(skip)]
+    predicted_ms: f64,
+    #[serde(skip)]
+    decode_steps: u64,
+}
+
+/// The `q` quantile (0..=1) of `v` (0 for none).
+pub fn quantile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[((s.len() - 1) as f64 * q).round() as usize]
+}
+
+impl Summary {
+    /// An empty summary.
+    pub fn new(spec: &LoopSpec, slots: [TableSlot; 2], w: Duration) -> Self {
+        Self {
+            target_tokens_per_second: spec.tokens_per_second,
+            positions_per_step: spec.batch * (spec.speculate + 1),
+            w_ms: w.as_secs_f64() * 1e3,
+            steps: 0,
+            tokens: 0,
+            prefill_positions: 0,
+            prefill_ms: 0.0,
+            elapsed_s: 0.0,
+            decode_s: 0.0,
+            tokens_per_second: 0.0,
+            slowdown: 0.0,
+            stall_p50_us: 0.0,
+            stall_p99_us: 0.0,
+            stall_max_us: 0.0,
+            stalled_steps: 0,
+            overrun_ms: 0.0,
+            predicted_tokens_per_second: 0.0,
+            predicted_slowdown: 0.0,
+            measured_over_predicted: 0.0,
+            failed_steps: 0,
+            tables: slots
+                .iter()
+                .map(|s| TableSummary {
+                    table: s.table,
+                    layer: s.layer,
+                    window_blocks: s.window_blocks,
+                    ..TableSummary::default()
+                })
+                .collect(),
+            stalls_us: Vec::new(),
+            predicted_ms: 0.0,
+            decode_steps: 0,
+        }
+    }
+
+    /// Count one step.
+    pub fn add(&mut self, r: &StepRecord) {
+        self.steps += 1;
+        self.overrun_ms += r.overrun_us / 1e3;
+        if r.tables.iter().any(|t| t.error.is_some()) {
+            self.failed_steps += 1;
+        }
+        for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
+            match (&rec.source, &rec.error) {
+                (_, Some(_)) => t.failed += 1,
+                (Some(s), None) if s == "zeros" => {
+                    t.zeros += 1;
+                    *t.by_source.entry(s.clone()).or_default() += 1;
+                }
+                (Some(s), None) => *t.by_source.entry(s.clone()).or_default() += 1,
+                (None, None) => {}
+            }
+            t.hedges += u64::from(rec.hedges);
+            t.failovers += u64::from(rec.failovers);
+            t.late += u64::from(rec.late);
+            t.rows += rec.unique_rows as u64;
+        }
+        if r.kind == "prefill" {
+            self.prefill_positions += r.positions.len() as u64;
+            self.prefill_ms += r.time_us / 1e3;
+            return;
+        }
+        self.decode_steps += 1;
+        self.tokens += r.positions.len() as u64;
+        self.stalls_us.push(r.stall_us);
+        self.decode_s += r.time_us / 1e6;
+        if r.stall_us > 0.0 {
+            self.stalled_steps += 1;
+        }
+        let w_ms = r.w_us / 1e3;
+        let tables: Vec<(f64, f64)> = self
+            .tables
+            .iter_mut()
+            .zip(&r.tables)
+            .map(|(t, rec)| {
+                t.fetch_us.push(rec.ready_us);
+                t.stall_us.push(rec.stall_us);
+                (
+                    w_ms * f64::from(t.window_blocks) / f64::from(BLOCKS),
+                    rec.ready_us / 1e3,
+                )
+            })
+            .collect();
+        self.predicted_ms += predict(w_ms, &tables).time_ms;
+    }
+
+    /// Close the run at `now` (its wall time).
+    pub fn finish(&mut self, now: Duration) {
+        self.elapsed_s = now.as_secs_f64();
+        let ideal_s = self.decode_steps as f64 * self.w_ms / 1e3;
+        if self.decode_s > 0.0 {
+            self.tokens_per_second = self.tokens as f64 / self.decode_s;
+            self.slowdown = self.decode_s / ideal_s - 1.0;
+        }
+        if self.predicted_ms > 0.0 {
+            self.predicted_tokens_per_second = self.tokens as f64 / (self.predicted_ms / 1e3);
+            self.predicted_slowdown = self.predicted_ms / 1e3 / ideal_s - 1.0;
+            self.measured_over_predicted =
+                self.tokens_per_second / self.predicted_tokens_per_second;
+        }
+        self.stall_p50_us = quantile(&self.stalls_us, 0.5);
+        self.stall_p99_us = quantile(&self.stalls_us, 0.99);
+        self.stall_max_us = quantile(&self.stalls_us, 1.0);
+        for t in &mut self.tables {
+            t.fetch_p50_us = quantile(&t.fetch_us, 0.5);
+            t.fetch_p99_us = quantile(&t.fetch_us, 0.99);
+            t.fetch_max_us = quantile(&t.fetch_us, 1.0);
+        }
+    }
+
+    /// The summary for people.
+    pub fn render(&self) -> String {
+        let mut s = format!(
+            "{} tokens in {} steps ({:.1} s; target {} tokens/s, W = {:.3} ms, {} positions per step)\n",
+            self.tokens,
+            self.steps,
+            self.elapsed_s,
+            self.target_tokens_per_second,
+            self.w_ms,
+            self.positions_per_step,
+        );
+        if self.prefill_positions > 0 {
+            s += &format!(
+                "prefill: {} positions in one sweep, {:.2} ms\n",
+                self.prefill_positions, self.prefill_ms
+            );
+        }
+        s += &format!(
+            "measured:  {:.1} tokens/s, slowdown {:+.2}% vs no stall; stall p50 {:.0} us, p99 {:.0} us, max {:.0} us ({} of {} steps stalled); overrun {:.2} ms\n",
+            self.tokens_per_second,
+            self.slowdown * 100.0,
+            self.stall_p50_us,
+            self.stall_p99_us,
+            self.stall_max_us,
+            self.stalled_steps,
+            self.decode_steps,
+            self.overrun_ms,
+        );
+        s += &format!(
+            "predicted: {:.1} tokens/s, slowdown {:+.2}% (seed 000's formula on the measured fetch times); measured/predicted {:.3}\n",
+            self.predicted_tokens_per_second,
+            self.predicted_slowdown * 100.0,
+            self.measured_over_predicted,
+        );
+        for t in &self.tables {
+            let sources: Vec<String> = t
+                .by_source
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            s += &format!(
+                "table {} (layer {}, window {}W/40): fetch p50 {:.0} us p99 {:.0} us max {:.0} us; sources [{}]; hedges {} failovers {} late {} zeros {} failed {}\n",
+                t.table,
+                t.layer,
+                t.window_blocks,
+                t.fetch_p50_us,
+                t.fetch_p99_us,
+                t.fetch_max_us,
+                sources.join(" "),
+                t.hedges,
+                t.failovers,
+                t.late,
+                t.zeros,
+                t.failed,
+            );
+        }
+        if self.failed_steps > 0 {
+            s += &format!("{} steps had a table fail\n", self.failed_steps);
+        }
+        s
+    }
+}

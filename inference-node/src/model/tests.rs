@@ -1,0 +1,436 @@
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use engram_protocol::hashing::Preset;
+use engram_protocol::synthetic::synthetic_row;
+
+use super::clock::FakeClock;
+use super::*;
+use crate::engram::{CpuFusion, FusionShape, FusionWeights};
+
+const MS: Duration = Duration::from_millis(1);
+
+/// Rows from the generator, ready `delay(slot, call)` after the fetch starts.
+struct FakeFetcher<'a, D: Fn(usize, usize) -> Duration> {
+    clock: &'a FakeClock,
+    delay: D,
+    calls: [usize; 2],
+    /// (slot, rows asked) per call.
+    log: RefCell<Vec<(usize, usize)>>,
+    fail_slot: Option<usize>,
+}
+
+impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
+    fn new(clock: &'a FakeClock, delay: D) -> Self {
+        Self {
+            clock,
+            delay,
+            calls: [0; 2],
+            log: RefCell::new(Vec::new()),
+            fail_slot: None,
+        }
+    }
+}
+
+impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
+    type Pending = (usize, Vec<u64>, Duration);
+
+    fn start(&mut self, slot: usize, rows: Vec<u64>) -> Self::Pending {
+        let ready = self.clock.now() + (self.delay)(slot, self.calls[slot]);
+        self.calls[slot] += 1;
+        self.log.borrow_mut().push((slot, rows.len()));
+        (slot, rows, ready)
+    }
+
+    fn wait(&mut self, (slot, rows, ready): Self::Pending) -> Fetch {
+        if self.fail_slot == Some(slot) {
+            return Fetch {
+                ready,
+                error: Some("every source failed".into()),
+                messages: 1,
+                ..Fetch::default()
+            };
+        }
+        let layer = [1, 14][slot];
+        let mut bytes = vec![0; rows.len() * ROW_BYTES];
+        for (r, out) in rows.iter().zip(bytes.chunks_exact_mut(ROW_BYTES)) {
+            synthetic_row(7, layer, *r, out.try_into().expect("one row"));
+        }
+        Fetch {
+            bytes,
+            ready,
+            sources: vec!["fake".into()],
+            messages: 1,
+            ..Fetch::default()
+        }
+    }
+}
+
+/// Fusion that takes `cost` of fake time per call.
+#[derive(Debug)]
+struct SlowFusion<'a> {
+    inner: CpuFusion,
+    clock: &'a FakeClock,
+    cost: Duration,
+}
+
+impl Fusion for SlowFusion<'_> {
+    fn name(&self) -> &'static str {
+        "slow"
+    }
+    fn shape(&self) -> FusionShape {
+        self.inner.shape()
+    }
+    fn fuse(
+        &mut self,
+        layer: u32,
+        rows: &[u8],
+        live: &[bool],
+        hidden: &mut [f32],
+    ) -> Result<(), FusionError> {
+        self.clock.advance(self.cost);
+        self.inner.fuse(layer, rows, live, hidden)
+    }
+}
+
+fn params() -> HashParams {
+    HashParams::new(Preset::from_base(1000).expect("base")).expect("params")
+}
+
+fn cpu() -> CpuFusion {
+    let shape = FusionShape::new(8, 2).expect("shape");
+    CpuFusion::new(Arc::new(FusionWeights::from_seed(3, shape)))
+}
+
+fn tokens(n: usize) -> Tokens {
+    let mut t = input::builtin().expect("built-in");
+    t.raw.truncate(n);
+    t.compressed.truncate(n);
+    t
+}
+
+fn run_fake<D: Fn(usize, usize) -> Duration>(
+    spec: &LoopSpec,
+    toks: &Tokens,
+    delay: D,
+    fusion_cost: Duration,
+) -> (Summary, Vec<StepRecord>, Vec<(usize, usize)>) {
+    let clock = FakeClock::default();
+    let mut fetcher = FakeFetcher::new(&clock, delay);
+    let mut fusion = SlowFusion {
+        inner: cpu(),
+        clock: &clock,
+        cost: fusion_cost,
+    };
+    let mut steps = Vec::new();
+    let s = run(
+        &clock,
+        &mut fetcher,
+        &mut fusion,
+        &params(),
+        v41_slots(1, 14),
+        toks,
+        spec,
+        &AtomicBool::new(false),
+        &mut |r| {
+            steps.push(r.clone());
+            Ok(())
+        },
+    )
+    .expect("run");
+    let log = fetcher.log.into_inner();
+    (s, steps, log)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+#[test]
+fn a_late_table_costs_its_overshoot_and_the_stall_shifts_later_blocks() {
+    // 100 tokens/s: W = 10 ms; block 1 starts at 0.25 ms, block 14 at 3.5 ms.
+    let spec = LoopSpec {
+        max_tokens: Some(4),
+        ..LoopSpec::default()
+    };
+    let delays = [
+        [0.1, 1.0],   // both in time
+        [2.0, 5.0],   // layer 1 late by 1.75; block 14 moves to 5.25: in time
+        [2.0, 6.0],   // layer 1 late by 1.75, layer 14 by 0.75
+        [0.25, 20.0], // layer 14 late by 16.5
+    ];
+    let (s, steps, _) = run_fake(
+        &spec,
+        &tokens(50),
+        |slot, call| Duration::from_secs_f64(delays[call][slot] / 1e3),
+        Duration::ZERO,
+    );
+    let want = [(0.0, 0.0), (1750.0, 0.0), (1750.0, 750.0), (0.0, 16_500.0)];
+    for (r, (a, b)) in steps.iter().zip(want) {
+        assert!(
+            close(r.tables[0].stall_us, a),
+            "step {}: {:?}",
+            r.step,
+            r.tables[0]
+        );
+        assert!(
+            close(r.tables[1].stall_us, b),
+            "step {}: {:?}",
+            r.step,
+            r.tables[1]
+        );
+        assert!(close(r.stall_us, a + b));
+        assert!(
+            close(r.time_us, 10_000.0 + a + b),
+            "step {}: {}",
+            r.step,
+            r.time_us
+        );
+        assert!(close(r.w_us, 10_000.0) && close(r.overrun_us, 0.0));
+        assert!(close(r.tables[0].window_us, 250.0) && close(r.tables[1].window_us, 3250.0));
+        assert_eq!(r.tables[0].source.as_deref(), Some("fake"));
+    }
+    assert!(close(steps[2].tables[1].ready_us, 6000.0));
+    // Steps follow each other with no gap.
+    assert!(close(steps[1].start_us, 10_000.0) && close(steps[2].start_us, 21_750.0));
+    assert_eq!(s.tokens, 4);
+    assert_eq!(s.stalled_steps, 3);
+    assert!(close(s.stall_max_us, 16_500.0));
+    let total_ms = 40.0 + 1.75 + 2.5 + 16.5;
+    assert!(
+        (s.tokens_per_second - 4000.0 / total_ms).abs() < 1e-6,
+        "{}",
+        s.tokens_per_second
+    );
+    assert!((s.slowdown - (total_ms / 40.0 - 1.0)).abs() < 1e-9);
+    // Seed 000's formula on the same fetch times: (2 - 0.25) + (6 - 3.25)
+    // for step 2, (20 - 3.25) for step 3; it takes table 14's window as
+    // 13W/40 from the step's start, so it is the more pessimistic.
+    let predicted_ms = 40.0 + 1.75 + (1.75 + 1.75) + 2.75 + 16.75;
+    assert!((s.predicted_tokens_per_second - 4000.0 / predicted_ms).abs() < 1e-6);
+    assert_eq!(s.tables[0].by_source.get("fake"), Some(&4));
+}
+
+#[test]
+fn fusion_fits_its_blocks_and_only_work_past_the_step_is_overrun() {
+    let spec = LoopSpec {
+        max_tokens: Some(2),
+        ..LoopSpec::default()
+    };
+    let fast = |_: usize, _: usize| Duration::from_micros(100);
+    let (_, steps, _) = run_fake(&spec, &tokens(10), fast, 3 * MS);
+    assert!(
+        steps
+            .iter()
+            .all(|r| close(r.time_us, 10_000.0) && close(r.overrun_us, 0.0))
+    );
+    assert!(close(steps[0].fusion_us, 6000.0));
+    // 9 ms per layer: block 1 ends at 9.25, block 14 at 18.25: 8.25 past W.
+    let (s, steps, _) = run_fake(&spec, &tokens(10), fast, 9 * MS);
+    assert!(close(steps[0].overrun_us, 8250.0), "{:?}", steps[0]);
+    assert!(close(steps[0].stall_us, 0.0));
+    assert!((s.overrun_ms - 16.5).abs() < 1e-9);
+}
+
+fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
+    steps
+        .iter()
+        .flat_map(|r| r.positions.iter())
+        .map(|p| ((p.seq, p.index), p.checksum.clone()))
+        .collect()
+}
+
+#[test]
+fn prefill_speculation_and_decode_fuse_bit_identical_outputs() {
+    let toks = tokens(120);
+    let instant = |_: usize, _: usize| Duration::ZERO;
+    let (_, decode, log) = run_fake(&LoopSpec::default(), &toks, instant, Duration::ZERO);
+    assert_eq!(decode.len(), 120);
+    assert!(log.iter().all(|&(_, n)| n <= 24));
+    let reference = checksums(&decode);
+    assert_eq!(reference.len(), 120);
+
+    // Fusion changed the states: a run whose layer-14 fetch fails differs.
+    let clock = FakeClock::default();
+    let mut failing = FakeFetcher::new(&clock, instant);
+    failing.fail_slot = Some(1);
+    let mut unfused = Vec::new();
+    let s = run(
+        &clock,
+        &mut failing,
+        &mut cpu(),
+        &params(),
+        v41_slots(1, 14),
+        &toks,
+        &LoopSpec::default(),
+        &AtomicBool::new(false),
+        &mut |r| {
+            unfused.push(r.clone());
+            Ok(())
+        },
+    )
+    .expect("run");
+    assert_eq!(s.failed_steps, 120);
+    assert_eq!(s.tables[1].failed, 120);
+    assert!(unfused[5].tables[1].error.is_some() && unfused[5].tables[1].source.is_none());
+    let differ = checksums(&unfused)
+        .iter()
+        .filter(|(k, v)| reference.get(k) != Some(v))
+        .count();
+    assert!(differ > 100, "{differ}");
+
+    // A 50-position prefill, then decode.
+    let spec = LoopSpec {
+        prefill: 50,
+        ..LoopSpec::default()
+    };
+    let (s, steps, log) = run_fake(&spec, &toks, instant, Duration::ZERO);
+    assert_eq!(steps[0].kind, "prefill");
+    assert_eq!(steps[0].positions.len(), 50);
+    assert_eq!(steps[0].tables[0].rows, 50 * 24);
+    // Real text repeats: the sweep asks for fewer distinct rows than it needs.
+    assert!(steps[0].tables[0].unique_rows < 50 * 24);
+    assert_eq!(log[0].1, steps[0].tables[0].unique_rows);
+    assert_eq!((s.prefill_positions, s.tokens), (50, 70));
+    assert_eq!(checksums(&steps), reference);
+
+    // Speculation: 3 draft positions verified with each token.
+    let spec = LoopSpec {
+        speculate: 3,
+        ..LoopSpec::default()
+    };
+    let (s, steps, log) = run_fake(&spec, &toks, instant, Duration::ZERO);
+    assert_eq!(steps.len(), 30);
+    assert!(
+        steps
+            .iter()
+            .all(|r| r.kind == "verify" && r.positions.len() == 4)
+    );
+    assert!(
+        steps
+            .iter()
+            .all(|r| r.tables[0].rows == 4 * 24 || r.positions.len() < 4)
+    );
+    assert_eq!(log.len(), 60, "one message per table per step");
+    assert_eq!(s.tokens, 120);
+    assert_eq!(checksums(&steps), reference);
+}
+
+#[test]
+fn a_batch_is_one_message_per_table_per_step_and_matches_each_sequence_alone() {
+    let toks = tokens(120);
+    let instant = |_: usize, _: usize| Duration::ZERO;
+    let spec = LoopSpec {
+        batch: 3,
+        ..LoopSpec::default()
+    };
+    let (s, steps, log) = run_fake(&spec, &toks, instant, Duration::ZERO);
+    assert_eq!(steps.len(), 40);
+    assert_eq!(log.len(), 80);
+    assert!(steps.iter().all(|r| r.positions.len() == 3));
+    assert_eq!(s.tokens, 120);
+    let batched = checksums(&steps);
+    for seq in 0..3u32 {
+        let part = Tokens {
+            raw: toks.raw[seq as usize * 40..(seq as usize + 1) * 40].to_vec(),
+            compressed: toks.compressed[seq as usize * 40..(seq as usize + 1) * 40].to_vec(),
+            ..toks.clone()
+        };
+        let (_, alone, _) = run_fake(&LoopSpec::default(), &part, instant, Duration::ZERO);
+        for ((_, index), sum) in checksums(&alone) {
+            assert_eq!(
+                batched.get(&(seq, index)),
+                Some(&sum),
+                "seq {seq} position {index}"
+            );
+        }
+    }
+}
+
+#[test]
+fn token_limits_stop_and_bad_specs_are_refused() {
+    let toks = tokens(100);
+    let instant = |_: usize, _: usize| Duration::ZERO;
+    let spec = LoopSpec {
+        max_tokens: Some(10),
+        speculate: 3,
+        ..LoopSpec::default()
+    };
+    let (s, steps, _) = run_fake(&spec, &toks, instant, Duration::ZERO);
+    assert_eq!(s.tokens, 10);
+    assert_eq!(steps.last().map(|r| r.positions.len()), Some(2));
+
+    let clock = FakeClock::default();
+    let mut f = FakeFetcher::new(&clock, instant);
+    let stop = AtomicBool::new(false);
+    let mut n = 0;
+    let s = run(
+        &clock,
+        &mut f,
+        &mut cpu(),
+        &params(),
+        v41_slots(1, 14),
+        &toks,
+        &LoopSpec::default(),
+        &stop,
+        &mut |_| {
+            n += 1;
+            if n == 7 {
+                stop.store(true, Ordering::Relaxed);
+            }
+            Ok(())
+        },
+    )
+    .expect("run");
+    assert_eq!(s.tokens, 7);
+
+    for bad in [
+        LoopSpec {
+            tokens_per_second: 0.0,
+            ..LoopSpec::default()
+        },
+        LoopSpec {
+            tokens_per_second: f64::NAN,
+            ..LoopSpec::default()
+        },
+        LoopSpec {
+            batch: 0,
+            ..LoopSpec::default()
+        },
+        LoopSpec {
+            batch: 101,
+            ..LoopSpec::default()
+        },
+    ] {
+        let r = run(
+            &clock,
+            &mut f,
+            &mut cpu(),
+            &params(),
+            v41_slots(1, 14),
+            &toks,
+            &bad,
+            &AtomicBool::new(false),
+            &mut |_| Ok(()),
+        );
+        assert!(matches!(r, Err(LoopError::Spec(_))), "{bad:?}");
+    }
+    // An id the hashing refuses names its place.
+    let mut t = toks.clone();
+    t.compressed[5] = 1 << 40;
+    let e = run(
+        &clock,
+        &mut f,
+        &mut cpu(),
+        &params(),
+        v41_slots(1, 14),
+        &t,
+        &LoopSpec::default(),
+        &AtomicBool::new(false),
+        &mut |_| Ok(()),
+    )
+    .expect_err("bad id")
+    .to_string();
+    assert!(e.contains("position 5"), "{e}");
+}
