@@ -43,7 +43,11 @@ pub fn predict(token_ms: f64, tables: &[(f64, f64)]) -> Prediction {
         extra_ms,
         time_ms,
         tokens_per_second: if time_ms > 0.0 { 1000.0 / time_ms } else { 0.0 },
-        slowdown: if token_ms > 0.0 { extra_ms / token_ms } else { 0.0 },
+        slowdown: if token_ms > 0.0 {
+            extra_ms / token_ms
+        } else {
+            0.0
+        },
     }
 }
 

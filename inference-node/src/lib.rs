@@ -22,5 +22,6 @@ pub mod model;
 pub mod router;
 pub mod rowlist;
 pub mod source;
+pub mod timer;
 
 pub use client::{ClientError, ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};

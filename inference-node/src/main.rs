@@ -2,6 +2,8 @@
 //! from a donor, `addresses` of a token sequence, `token-map` from a
 //! tokenizer, and `gpu-check` (GPU fusion against the CPU path).
 
+mod cmd;
+
 use std::fs::File;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -47,6 +49,8 @@ enum Cmd {
     Addresses(AddressArgs),
     /// Build the compressed-vocabulary map from a tokenizer.json and write it as a map file.
     TokenMap(TokenMapArgs),
+    /// Run the model loop over an input at a token rate: trace, status lines, summary vs seed 000's formula.
+    Run(cmd::run::RunArgs),
     /// Compare GPU fusion with the CPU path and measure its throughput (needs --features cuda).
     GpuCheck(GpuCheckArgs),
 }
@@ -186,6 +190,7 @@ fn main() -> Result<()> {
     let res = match cli.cmd {
         Cmd::Fetch(args) => rt.block_on(fetch(args)),
         Cmd::Canary(args) => rt.block_on(canary(args)),
+        Cmd::Run(args) => rt.block_on(cmd::run::run(args)),
         Cmd::Addresses(args) => addresses(args),
         Cmd::TokenMap(args) => token_map(args),
         Cmd::GpuCheck(args) => gpu_check(&args),

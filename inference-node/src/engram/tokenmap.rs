@@ -133,21 +133,7 @@ impl TokenMap {
 
     /// Build the map from a `tokenizer.json` file.
     pub fn from_tokenizer_file(path: &Path) -> Result<Self, TokenMapError> {
-        let len = std::fs::metadata(path)
-            .map_err(|source| TokenMapError::Io {
-                path: path.display().to_string(),
-                source,
-            })?
-            .len();
-        if len > MAX_TOKENIZER_BYTES {
-            return Err(TokenMapError::Tokenizer(format!(
-                "{} is {len} bytes, more than the {MAX_TOKENIZER_BYTES} accepted",
-                path.display()
-            )));
-        }
-        let tok = Tokenizer::from_file(path)
-            .map_err(|e| TokenMapError::Tokenizer(format!("{}: {e}", path.display())))?;
-        Self::from_tokenizer(&tok)
+        Self::from_tokenizer(&load_tokenizer(path)?)
     }
 
     /// A map from its ids, checked to be the dense first-appearance numbering.
@@ -245,6 +231,25 @@ impl TokenMap {
     pub fn compressed_len(&self) -> u32 {
         self.compressed
     }
+}
+
+/// Load a `tokenizer.json` (at most `MAX_TOKENIZER_BYTES`).
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, TokenMapError> {
+    let len = std::fs::metadata(path)
+        .map_err(|source| TokenMapError::Io {
+            path: path.display().to_string(),
+            source,
+        })?
+        .len();
+    if len > MAX_TOKENIZER_BYTES {
+        return Err(TokenMapError::Tokenizer(format!(
+            "{} is {len} bytes, more than the {MAX_TOKENIZER_BYTES} accepted",
+            path.display()
+        )));
+    }
+    let tok = Tokenizer::from_file(path)
+        .map_err(|e| TokenMapError::Tokenizer(format!("{}: {e}", path.display())))?;
+    Ok(tok)
 }
 
 #[cfg(test)]

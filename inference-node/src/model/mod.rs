@@ -27,6 +27,7 @@
 pub mod clock;
 pub mod fetch;
 pub mod input;
+pub mod node;
 pub mod summary;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -442,7 +443,9 @@ pub fn run<C: Clock, F: Fetcher>(
                     ..Fetch::default()
                 },
             };
-            let this_stall = clock.now().saturating_sub(blocked_at);
+            // The stall is the wait for the rows; the loop's own wake-up
+            // after them is absorbed by the blocks after (or shows as overrun).
+            let this_stall = f.ready.saturating_sub(blocked_at);
             stall += this_stall;
             let fused_from = clock.now();
             let usable = f.error.is_none();

@@ -281,3 +281,102 @@ impl Summary {
         s
     }
 }
+
+/// One second of a run, for status lines and timelines.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Second {
+    /// Which second (from the run's start).
+    pub second: u64,
+    /// Positions decoded in it.
+    pub tokens: u64,
+    /// Steps in it.
+    pub steps: u64,
+    /// Stall p99 and max over its steps, microseconds.
+    pub stall_p99_us: f64,
+    pub stall_max_us: f64,
+    /// Rows served, by source, over both tables.
+    pub rows_by_source: BTreeMap<String, u64>,
+    /// Failovers and hedges.
+    pub failovers: u64,
+    pub hedges: u64,
+    /// Steps with a failed table.
+    pub failed: u64,
+    #[serde(skip)]
+    stalls: Vec<f64>,
+}
+
+impl Second {
+    /// A status line.
+    pub fn line(&self) -> String {
+        let src: Vec<String> = self
+            .rows_by_source
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        format!(
+            "t={:>4}s {:>6} tokens/s  stall p99 {:>7.0} us max {:>7.0} us  rows [{}]  failovers {} hedges {} failed {}",
+            self.second,
+            self.tokens,
+            self.stall_p99_us,
+            self.stall_max_us,
+            src.join(" "),
+            self.failovers,
+            self.hedges,
+            self.failed
+        )
+    }
+}
+
+/// Cuts a run into seconds (by each step's end).
+#[derive(Debug, Default)]
+pub struct Seconds {
+    current: Second,
+}
+
+impl Seconds {
+    /// Count a step; returns the seconds it closed (empty ones included).
+    pub fn add(&mut self, r: &StepRecord) -> Vec<Second> {
+        let sec = ((r.start_us + r.time_us) / 1e6) as u64;
+        let mut closed = Vec::new();
+        while sec > self.current.second {
+            let next = self.current.second + 1;
+            closed.push(self.close(next));
+        }
+        let c = &mut self.current;
+        c.steps += 1;
+        c.tokens += r.decoded() as u64;
+        c.stalls.push(r.stall_us);
+        for t in &r.tables {
+            if t.error.is_some() {
+                continue;
+            }
+            let name = t.source.clone().unwrap_or_default();
+            *c.rows_by_source.entry(name).or_default() += t.unique_rows as u64;
+            c.failovers += u64::from(t.failovers);
+            c.hedges += u64::from(t.hedges);
+        }
+        c.failed += u64::from(r.tables.iter().any(|t| t.error.is_some()));
+        closed
+    }
+
+    fn close(&mut self, next: u64) -> Second {
+        let mut s = std::mem::replace(
+            &mut self.current,
+            Second {
+                second: next,
+                ..Second::default()
+            },
+        );
+        s.stall_p99_us = quantile(&s.stalls, 0.99);
+        s.stall_max_us = quantile(&s.stalls, 1.0);
+        s
+    }
+
+    /// The last, partial second.
+    pub fn finish(mut self) -> Option<Second> {
+        (self.current.steps > 0).then(|| {
+            let n = self.current.second + 1;
+            self.close(n)
+        })
+    }
+}

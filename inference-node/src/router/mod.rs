@@ -49,8 +49,8 @@ pub struct RouteSettings {
     /// What happens when every source failed.
     pub policy: Policy,
     /// Time hedges and deadlines to the microsecond (tokio's timers count
-    /// whole milliseconds, longer than table 1's window at 100 tokens/s):
-    /// the last stretch of a wait yields in a loop instead of sleeping.
+    /// whole milliseconds, longer than table 1's window at 100 tokens/s)
+    /// with the node's precise timer thread (`crate::timer`).
     /// Off only for tests under paused time.
     pub precise_timers: bool,
 }
@@ -405,16 +405,7 @@ impl Router {
         if !self.settings.precise_timers {
             return tokio::time::sleep_until(t).await;
         }
-        // Sleep while a timer tick is short enough, then yield until due.
-        const SPIN: Duration = Duration::from_micros(1_500);
-        if let Some(early) = t.checked_sub(SPIN)
-            && early > Instant::now()
-        {
-            tokio::time::sleep_until(early).await;
-        }
-        while Instant::now() < t {
-            tokio::task::yield_now().await;
-        }
+        crate::timer::sleep_until(t.into_std()).await;
     }
 
     /// When to ask the source after `i` if `i` has not answered.

@@ -1,0 +1,20 @@
+//! Subcommands that run the node's model: `run` (a paced run over an
+//! input, with a trace and a summary) and `serve` (the daemon).
+
+pub mod run;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set `stop` on SIGINT or SIGTERM (the run ends after its current step).
+pub fn stop_on_signals(stop: Arc<AtomicBool>) {
+    tokio::spawn(async move {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+}

@@ -1,0 +1,164 @@
+//! `inference-node run`: the model loop over an input at a token rate,
+//! with a per-second status line, an optional JSONL trace (one line per
+//! step) and a summary next to seed 000's prediction.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::{Context, Result, bail};
+use inference_node::metrics::NodeMetrics;
+use inference_node::model::node::{InputChoice, NodeModel};
+use inference_node::model::summary::Seconds;
+use inference_node::model::{LoopSpec, MAX_BATCH, MAX_SPECULATE};
+
+/// Arguments of `run`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// The cluster config.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// This node's name in it.
+    #[arg(long)]
+    pub name: String,
+    /// A text file, tokenized with the config's tokenizer (or a word-level
+    /// tokenizer built from the text). Default: the built-in text.
+    #[arg(long, conflicts_with = "ids")]
+    pub input: Option<PathBuf>,
+    /// A file of raw token ids (whitespace or comma separated).
+    #[arg(long)]
+    pub ids: Option<PathBuf>,
+    /// Positions to decode (the input repeats when shorter). Default: the input once.
+    #[arg(long)]
+    pub tokens: Option<u64>,
+    /// Token rate (default: the node's tokens_per_second).
+    #[arg(long)]
+    pub tokens_per_second: Option<f64>,
+    /// Write one JSON line per step here.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Sequences decoding together (one message per table per step).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Positions of each sequence prefilled in one sweep before decoding.
+    #[arg(long, default_value_t = 0)]
+    pub prefill: usize,
+    /// Draft positions verified with each token ((k+1) x 24 rows per table per step).
+    #[arg(long, default_value_t = 0)]
+    pub speculate: usize,
+    /// Serve /metrics here (default: the node's `metrics` key, if set).
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// No per-second status lines.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Run it.
+pub async fn run(args: RunArgs) -> Result<()> {
+    if !(1..=MAX_BATCH).contains(&args.batch) {
+        bail!("--batch {} is not in 1..={MAX_BATCH}", args.batch);
+    }
+    if args.speculate > MAX_SPECULATE {
+        bail!("--speculate {} is over {MAX_SPECULATE}", args.speculate);
+    }
+    let config = cluster_config::Config::load(&args.config)?;
+    let node = config
+        .node(&args.name)
+        .with_context(|| format!("node {:?} is not in {}", args.name, args.config.display()))?;
+    let metrics = Arc::new(NodeMetrics::new());
+    if let Some(addr) = args.metrics.or(node.metrics) {
+        let (bound, _task) = inference_node::memory::serve_metrics(addr, metrics.clone())
+            .await
+            .with_context(|| format!("binding the metrics address {addr}"))?;
+        eprintln!("metrics listen={bound}");
+    }
+    let mut trace = match &args.trace {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let mut nm = NodeModel::from_config(&config, &args.name, args.tokens_per_second, &metrics)
+        .await
+        .with_context(|| format!("node {:?} cannot start", args.name))?;
+    let input = match (&args.input, &args.ids) {
+        (Some(p), _) => InputChoice::Text(p.clone()),
+        (None, Some(p)) => InputChoice::Ids(p.clone()),
+        (None, None) => InputChoice::Builtin,
+    };
+    let per_seq = args
+        .tokens
+        .map_or(0, |t| t.div_ceil(args.batch as u64) as usize);
+    let min_len = (per_seq + args.prefill).saturating_mul(args.batch);
+    let tokens = nm.tokens(&input, min_len)?;
+    let spec = LoopSpec {
+        tokens_per_second: nm.tokens_per_second(),
+        max_tokens: args.tokens,
+        batch: args.batch,
+        prefill: args.prefill,
+        speculate: args.speculate,
+        ..LoopSpec::default()
+    };
+    eprintln!(
+        "running {} tokens from {} at {} tokens/s (fusion: {}, batch {}, prefill {}, speculate {})",
+        args.tokens.map_or(tokens.raw.len() as u64, |t| t),
+        tokens.origin,
+        spec.tokens_per_second,
+        nm.fusion_name(),
+        spec.batch,
+        spec.prefill,
+        spec.speculate
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    super::stop_on_signals(stop.clone());
+    let handle = tokio::runtime::Handle::current();
+    let quiet = args.quiet;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("model-loop".into())
+        .spawn(move || {
+            let mut seconds = Seconds::default();
+            let mut on_step = |r: &inference_node::model::StepRecord| -> std::io::Result<()> {
+                if let Some(t) = trace.as_mut() {
+                    serde_json::to_writer(&mut *t, r)?;
+                    t.write_all(b"\n")?;
+                }
+                for s in seconds.add(r) {
+                    if !quiet {
+                        eprintln!("{}", s.line());
+                    }
+                }
+                Ok(())
+            };
+            let res = nm.run(handle, &tokens, &spec, &stop, &mut on_step);
+            if let (Some(last), false) = (seconds.finish(), quiet) {
+                eprintln!("{}", last.line());
+            }
+            let flushed = trace.as_mut().map_or(Ok(()), Write::flush);
+            // The receiver only goes away when the process is ending.
+            let _ = tx.send((res, flushed, nm));
+        })
+        .context("starting the loop thread")?;
+    let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
+    flushed.context("writing the trace")?;
+    let summary = res?;
+    drop(nm);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", summary.render());
+    }
+    if summary.failed_steps > 0 {
+        bail!(
+            "{} steps had a table with no usable rows (policy fail); see the trace for each error",
+            summary.failed_steps
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,339 @@
+//! The model loop on a real node: built from the cluster config (the
+//! node's routes for layers 1 and 14, its `[model]` table, its token rate),
+//! with the rows fetched through the node's routers.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use cluster_config::Config;
+use cluster_config::model::{Model, TokenMapSource, WeightsSource};
+use engram_protocol::hashing::HashParams;
+use thiserror::Error;
+use tokenizers::Tokenizer;
+
+use super::clock::RealClock;
+use super::fetch::RouterFetcher;
+use super::input::{self, InputError, Tokens};
+use super::{LoopError, LoopSpec, StepRecord, Summary, TableSlot};
+use crate::engram::tokenmap::{TokenMap, load_tokenizer};
+use crate::engram::{Fusion, FusionShape, FusionWeights, backend};
+use crate::memory::{Memory, MemoryError};
+use crate::metrics::NodeMetrics;
+use crate::router::Router;
+
+/// Why the node's model cannot start.
+#[derive(Debug, Error)]
+pub enum SetupError {
+    /// The config lacks what the loop needs, or contradicts it.
+    #[error("{0}")]
+    Config(String),
+    /// The memory could not be built.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// A table has no source it could use at start.
+    #[error("table {table} (layer {layer}) has no usable source at start: {why}")]
+    NoSource { table: u32, layer: u32, why: String },
+    /// The token map, tokenizer or input failed.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// The fusion weights or backend failed.
+    #[error("fusion: {0}")]
+    Fusion(String),
+}
+
+/// Where the tokens come from.
+#[derive(Debug, Clone)]
+pub enum InputChoice {
+    /// The built-in text.
+    Builtin,
+    /// A text file.
+    Text(PathBuf),
+    /// A file of raw token ids.
+    Ids(PathBuf),
+}
+
+/// A node ready to run its model loop.
+pub struct NodeModel {
+    memory: Memory,
+    routers: [Arc<Router>; 2],
+    slots: [TableSlot; 2],
+    params: HashParams,
+    model: Model,
+    fusion: Box<dyn Fusion>,
+    chunk_rows: usize,
+    tokens_per_second: f64,
+    tokenizer: Option<(Tokenizer, TokenMap)>,
+    map: Option<TokenMap>,
+}
+
+impl std::fmt::Debug for NodeModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeModel")
+            .field("slots", &self.slots)
+            .field("fusion", &self.fusion.name())
+            .field("tokens_per_second", &self.tokens_per_second)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeModel {
+    /// Build node `name` of `config` at `tokens_per_second` (default: the
+    /// node's own): check the `[model]` table against the tables, load the
+    /// token map and fusion weights, build the memory (every source opened
+    /// and probed), and refuse to start when a table has no usable source.
+    /// Must run inside a tokio runtime.
+    pub async fn from_config(
+        config: &Config,
+        name: &str,
+        tokens_per_second: Option<f64>,
+        metrics: &NodeMetrics,
+    ) -> Result<Self, SetupError> {
+        let cfg = |s: String| SetupError::Config(s);
+        let model = config.model.clone().ok_or_else(|| {
+            cfg(format!(
+                "{}: the model loop needs a [model] table (hash_base or hash_preset, weights_seed or weights, hidden, streams)",
+                config.path.display()
+            ))
+        })?;
+        let mut config = config.clone();
+        let node = config
+            .nodes
+            .iter_mut()
+            .find(|n| n.name == name)
+            .ok_or_else(|| cfg(format!("node {name:?} is not in {}", config.path.display())))?;
+        if let Some(r) = tokens_per_second {
+            if !(r.is_finite() && r > 0.0 && r <= 100_000.0) {
+                return Err(cfg(format!(
+                    "{r} tokens/s is not a rate (0 < rate <= 100000)"
+                )));
+            }
+            node.tokens_per_second = r;
+        }
+        let rate = node.tokens_per_second;
+        let node = node.clone();
+        let params = HashParams::new(model.hashing).map_err(|e| cfg(e.to_string()))?;
+
+        // The node must route a table for each Engram layer, sized as the hashing addresses it.
+        let mut table_of = [None, None];
+        for (slot, lh) in table_of.iter_mut().zip(&params.layers) {
+            let t = node
+                .routes
+                .iter()
+                .filter_map(|r| config.table(r.table))
+                .find(|t| t.layer == lh.layer)
+                .ok_or_else(|| {
+                    cfg(format!(
+                        "node {name:?} routes no table of layer {}: the model needs layers 1 and 14",
+                        lh.layer
+                    ))
+                })?;
+            if t.rows != lh.rows {
+                return Err(cfg(format!(
+                    "table {} (layer {}) has {} rows but the hashing ({}) addresses {}: \
+                     generate it with `memory-donor gen --hash-base {}` or set [model] to the table's hashing",
+                    t.id,
+                    t.layer,
+                    t.rows,
+                    model
+                        .hashing
+                        .name()
+                        .map_or_else(|| format!("base {}", model.hashing.base()), str::to_string),
+                    lh.rows,
+                    model.hashing.base(),
+                )));
+            }
+            *slot = Some(t.id);
+        }
+        let [Some(t1), Some(t14)] = table_of else {
+            return Err(cfg("the model needs both Engram layers".into()));
+        };
+        let slots = super::v41_slots(t1, t14);
+
+        // Token map: from the tokenizer (which also tokenizes text), a map file, or none.
+        let (tokenizer, map) = match &model.token_map {
+            TokenMapSource::Tokenizer(p) => {
+                let tok = load_tokenizer(p).map_err(InputError::from)?;
+                let map = TokenMap::from_tokenizer(&tok).map_err(InputError::from)?;
+                if let Some(n) = model.compressed_vocab {
+                    map.check_size(n).map_err(InputError::from)?;
+                }
+                (Some((tok, map)), None)
+            }
+            TokenMapSource::Map(p) => {
+                let map = TokenMap::load(p).map_err(InputError::from)?;
+                if let Some(n) = model.compressed_vocab {
+                    map.check_size(n).map_err(InputError::from)?;
+                }
+                (None, Some(map))
+            }
+            TokenMapSource::None => (None, None),
+        };
+
+        let shape = FusionShape::new(model.hidden as usize, model.streams as usize)
+            .map_err(|e| SetupError::Fusion(e.to_string()))?;
+        let weights = match &model.weights {
+            WeightsSource::Seed(s) => FusionWeights::from_seed(*s, shape),
+            WeightsSource::Checkpoint(p) => {
+                let p = p.clone();
+                tokio::task::spawn_blocking(move || FusionWeights::from_checkpoint(&p, shape))
+                    .await
+                    .map_err(|e| SetupError::Fusion(e.to_string()))?
+                    .map_err(|e| SetupError::Fusion(e.to_string()))?
+            }
+        };
+        let fusion = backend(model.fusion, Arc::new(weights))
+            .map_err(|e| SetupError::Fusion(e.to_string()))?;
+
+        let memory = Memory::from_config(&config, name, metrics).await?;
+        let router = |t: u32| {
+            memory
+                .router(t)
+                .cloned()
+                .ok_or_else(|| cfg(format!("table {t} has no router")))
+        };
+        let routers = [router(t1)?, router(t14)?];
+        for (r, s) in routers.iter().zip(&slots) {
+            let sources = r.sources();
+            if !sources.iter().any(|h| h.admissible(s.table)) {
+                let why = if sources.is_empty() {
+                    "no source configured".to_string()
+                } else {
+                    sources
+                        .iter()
+                        .map(|h| format!("{}: {}", h.source.name(), h.why_not(s.table)))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                };
+                return Err(SetupError::NoSource {
+                    table: s.table,
+                    layer: s.layer,
+                    why,
+                });
+            }
+        }
+        let chunk_rows = config
+            .donors
+            .iter()
+            .map(|d| d.max_rows as usize)
+            .min()
+            .unwrap_or(engram_protocol::frame::DEFAULT_MAX_ROWS as usize)
+            .max(24);
+        Ok(Self {
+            memory,
+            routers,
+            slots,
+            params,
+            model,
+            fusion,
+            chunk_rows,
+            tokens_per_second: rate,
+            tokenizer,
+            map,
+        })
+    }
+
+    /// The run's tokens, repeated until there are at least `min_len`.
+    pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Tokens, SetupError> {
+        let pad = self.model.pad_token;
+        let from_text = |text: &str, origin: String| -> Result<Tokens, InputError> {
+            match &self.tokenizer {
+                Some((tok, map)) => input::tokenize(tok, map, text, pad, origin),
+                None if self.map.is_some() => Err(InputError::Tokenizer(
+                    "the config's token map has no tokenizer to read text with: give --ids FILE, or set [model] tokenizer".into(),
+                )),
+                None => {
+                    let tok = input::word_tokenizer(text)?;
+                    let map = TokenMap::from_tokenizer(&tok)?;
+                    input::tokenize(&tok, &map, text, pad, format!("{origin} (built-in word tokenizer)"))
+                }
+            }
+        };
+        let mut t = match input {
+            InputChoice::Builtin => from_text(input::BUILTIN_TEXT, "the built-in text".into())?,
+            InputChoice::Text(p) => from_text(&input::read_text(p)?, p.display().to_string())?,
+            InputChoice::Ids(p) => {
+                let raw = input::read_ids(p)?;
+                let origin = p.display().to_string();
+                match (&self.tokenizer, &self.map) {
+                    (Some((_, map)), _) | (None, Some(map)) => {
+                        input::compress(map, raw, pad, origin)?
+                    }
+                    (None, None) => {
+                        // No map: the ids are compressed ids already.
+                        let compressed = raw.iter().map(|&i| i64::from(i)).collect();
+                        Tokens {
+                            raw,
+                            compressed,
+                            pad: i64::from(pad),
+                            origin,
+                        }
+                    }
+                }
+            }
+        };
+        let n = t.raw.len();
+        let min_len = min_len.min(input::MAX_TOKENS);
+        while t.raw.len() < min_len {
+            let k = (min_len - t.raw.len()).min(n);
+            t.raw.extend_from_within(..k);
+            t.compressed.extend_from_within(..k);
+        }
+        Ok(t)
+    }
+
+    /// The tables the loop uses.
+    pub fn slots(&self) -> [TableSlot; 2] {
+        self.slots
+    }
+
+    /// The routers, layer 1's then layer 14's.
+    pub fn routers(&self) -> &[Arc<Router>; 2] {
+        &self.routers
+    }
+
+    /// The memory (every router of the node).
+    pub fn memory(&self) -> &Memory {
+        &self.memory
+    }
+
+    /// The target rate.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens_per_second
+    }
+
+    /// The fusion backend's name.
+    pub fn fusion_name(&self) -> &'static str {
+        self.fusion.name()
+    }
+
+    /// Run the loop on this thread (not a runtime thread: it sleeps and
+    /// blocks), fetching on `handle`'s runtime.
+    pub fn run(
+        &mut self,
+        handle: tokio::runtime::Handle,
+        tokens: &Tokens,
+        spec: &LoopSpec,
+        stop: &AtomicBool,
+        on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
+    ) -> Result<Summary, LoopError> {
+        let clock = RealClock::start();
+        let mut fetcher = RouterFetcher::new(
+            handle,
+            self.routers.clone(),
+            clock.origin(),
+            self.chunk_rows,
+        );
+        super::run(
+            &clock,
+            &mut fetcher,
+            self.fusion.as_mut(),
+            &self.params,
+            self.slots,
+            tokens,
+            spec,
+            stop,
+            on_step,
+        )
+    }
+}
