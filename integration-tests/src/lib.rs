@@ -73,17 +73,38 @@ pub fn gen_table(
     rows: u64,
     seed: u64,
 ) -> Result<(PathBuf, TableDigest)> {
+    gen_with(dir, name, layer, &["--rows", &rows.to_string()], seed)
+}
+
+/// Generate a synthetic table sized by a hashing base (`gen --hash-base`):
+/// exactly the rows the model loop addresses with `[model] hash_base`.
+pub fn gen_hashed_table(
+    dir: &Path,
+    name: &str,
+    layer: u32,
+    base: u64,
+    seed: u64,
+) -> Result<(PathBuf, TableDigest)> {
+    gen_with(dir, name, layer, &["--hash-base", &base.to_string()], seed)
+}
+
+fn gen_with(
+    dir: &Path,
+    name: &str,
+    layer: u32,
+    size: &[&str],
+    seed: u64,
+) -> Result<(PathBuf, TableDigest)> {
     let path = dir.join(name);
     let out = Command::new(bin("memory-donor"))
         .args([
             "gen",
             "--layer",
             &layer.to_string(),
-            "--rows",
-            &rows.to_string(),
             "--seed",
             &seed.to_string(),
         ])
+        .args(size)
         .arg("--out")
         .arg(&path)
         .output()

@@ -1,0 +1,193 @@
+//! `inference-node run` against real donor processes: the trace and
+//! summary, fused outputs identical to a run on local RAM (with a wide
+//! prefill cut into several messages), and a clear refusal to start when a
+//! table has no usable source.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use engram_protocol::hashing::{HashParams, Preset};
+use integration_tests::{DonorProcess, bin, gen_hashed_table};
+
+const BASE: u64 = 1000;
+const SEED: u64 = 11;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+/// Two tables (layers 1 and 14), donor `d` serving both (frame cap 500
+/// rows), donor `gone` that never runs, and three nodes: `n` (donor, then
+/// SSD), `ref` (local RAM), `stranded` (only the absent donor).
+fn setup(dir: &Path) -> PathBuf {
+    let params = HashParams::new(Preset::from_base(BASE).expect("base")).expect("params");
+    let (l1, d1) = gen_hashed_table(dir, "l1.etab", 1, BASE, SEED).expect("gen 1");
+    let (l14, d14) = gen_hashed_table(dir, "l14.etab", 14, BASE, SEED).expect("gen 14");
+    let [r1, r14] = [params.layers[0].rows, params.layers[1].rows];
+    let route = |t: u32, path: &Path, sources: &str| {
+        format!(
+            "[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = \"{}\"\n",
+            path.display()
+        )
+    };
+    let node = |name: &str, sources: &str| {
+        format!(
+            "[[node]]\nname = \"{name}\"\ntokens_per_second = 50\nprobe_interval_ms = 200\n{}{}",
+            route(1, &l1, sources),
+            route(14, &l14, sources)
+        )
+    };
+    let text = format!(
+        "version = 1\n[rack]\nname = \"t\"\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {r1}\ndigest = \"{d1}\"\n\
+         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = {r14}\ndigest = \"{d14}\"\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n\
+         [[donor]]\nname = \"gone\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\n\
+         {}{}{}\
+         [model]\nhash_base = {BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n",
+        l1.display(),
+        l14.display(),
+        free_port(),
+        free_port(),
+        node("n", "\"d\", \"ssd\""),
+        node("ref", "\"local\""),
+        node("stranded", "\"gone\""),
+    );
+    let path = dir.join("rack.toml");
+    std::fs::write(&path, text).expect("config");
+    path
+}
+
+/// Run the node; returns (exit ok, stdout, stderr).
+fn run(config: &Path, name: &str, extra: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin("inference-node"))
+        .arg("run")
+        .arg("--config")
+        .arg(config)
+        .args(["--name", name, "--quiet"])
+        .args(extra)
+        .output()
+        .expect("inference-node runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn trace(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("trace")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+fn checksums(steps: &[serde_json::Value]) -> BTreeMap<(u64, u64), String> {
+    steps
+        .iter()
+        .flat_map(|s| s["positions"].as_array().expect("positions").iter())
+        .map(|p| {
+            (
+                (
+                    p["seq"].as_u64().expect("seq"),
+                    p["index"].as_u64().expect("index"),
+                ),
+                p["checksum"].as_str().expect("checksum").to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_paced_run_traces_every_step_and_fuses_what_local_ram_fuses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = setup(dir.path());
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let args = |t: &Path| {
+        vec![
+            "--tokens".to_string(),
+            "120".into(),
+            "--prefill".into(),
+            "60".into(),
+            "--json".into(),
+            "--trace".into(),
+            t.display().to_string(),
+        ]
+    };
+    let t_node = dir.path().join("node.jsonl");
+    let a = args(&t_node);
+    let (ok, out, err) = run(
+        &config,
+        "n",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(ok, "{err}");
+    let summary: serde_json::Value = serde_json::from_str(&out).expect("summary JSON");
+    assert_eq!(summary["tokens"], 120);
+    assert_eq!(summary["prefill_positions"], 60);
+    assert_eq!(summary["failed_steps"], 0);
+    assert!(
+        summary["predicted_tokens_per_second"]
+            .as_f64()
+            .expect("prediction")
+            > 0.0
+    );
+    let steps = trace(&t_node);
+    assert_eq!(steps.len(), 121, "one prefill step and 120 decode steps");
+    assert_eq!(steps[0]["kind"], "prefill");
+    let t0 = &steps[0]["tables"][0];
+    assert!(
+        t0["unique_rows"].as_u64().expect("rows") > 500 && t0["messages"].as_u64().expect("n") >= 2,
+        "a wide prefill is cut at the donor's frame cap: {t0}"
+    );
+    for s in &steps[1..] {
+        assert_eq!(s["kind"], "decode");
+        assert_eq!(s["w_us"], 20_000.0);
+        for t in s["tables"].as_array().expect("tables") {
+            assert_eq!(t["rows"], 24);
+            let src = t["source"].as_str().expect("served");
+            assert!(src == "d" || src == "ssd", "{t}");
+        }
+    }
+    let served_by_donor = steps[1..]
+        .iter()
+        .filter(|s| s["tables"][0]["source"] == "d")
+        .count();
+    assert!(served_by_donor > 100, "the donor serves: {served_by_donor}");
+
+    // The same input on local RAM fuses bit-identical outputs.
+    let t_ref = dir.path().join("ref.jsonl");
+    let a = args(&t_ref);
+    let (ok, _, err) = run(
+        &config,
+        "ref",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(ok, "{err}");
+    let reference = checksums(&trace(&t_ref));
+    assert_eq!(reference.len(), 180);
+    assert_eq!(checksums(&steps), reference);
+}
+
+#[test]
+fn a_table_with_no_usable_source_stops_the_node_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = setup(dir.path());
+    let (ok, _, err) = run(&config, "stranded", &["--tokens", "5"]);
+    assert!(!ok);
+    assert!(
+        err.contains("has no usable source at start") && err.contains("gone"),
+        "{err}"
+    );
+    // Bad flags are refused before anything starts.
+    let (ok, _, err) = run(&config, "n", &["--batch", "0"]);
+    assert!(!ok && err.contains("--batch"), "{err}");
+    let (ok, _, err) = run(&config, "nobody", &[]);
+    assert!(!ok && err.contains("nobody"), "{err}");
+}
