@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use inference_node::metrics::NodeMetrics;
-use inference_node::model::node::{InputChoice, NodeModel};
+use inference_node::model::node::{Backbone, InputChoice, NodeModel};
 use inference_node::model::summary::Seconds;
 use inference_node::model::{LoopSpec, MAX_BATCH, MAX_SPECULATE};
 
@@ -51,6 +51,9 @@ pub struct RunArgs {
     /// Serve /metrics here (default: the node's `metrics` key, if set).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// Where the backbone's stand-in compute runs: `cpu` (a precise wait) or `gpu` (a busy kernel; needs --features cuda).
+    #[arg(long, value_enum, default_value_t = Backbone::Cpu)]
+    pub backbone: Backbone,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -119,6 +122,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     super::stop_on_signals(stop.clone());
     let handle = tokio::runtime::Handle::current();
     let quiet = args.quiet;
+    let backbone = args.backbone;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("model-loop".into())
@@ -136,7 +140,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
                 Ok(())
             };
-            let res = nm.run(handle, &tokens, &spec, &stop, &mut on_step);
+            let res = nm.run(handle, &tokens, &spec, backbone, &stop, &mut on_step);
             if let (Some(last), false) = (seconds.finish(), quiet) {
                 eprintln!("{}", last.line());
             }

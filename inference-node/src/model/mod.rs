@@ -26,6 +26,8 @@
 
 pub mod clock;
 pub mod fetch;
+#[cfg(feature = "cuda")]
+pub mod gpu_clock;
 pub mod input;
 pub mod node;
 pub mod summary;

@@ -42,6 +42,16 @@ pub enum SetupError {
     Fusion(String),
 }
 
+/// Where the backbone's stand-in compute runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Backbone {
+    /// A precise wait on the CPU (sleeps, spins only the last 100 us).
+    #[default]
+    Cpu,
+    /// A busy kernel on GPU 0 (`--features cuda`).
+    Gpu,
+}
+
 /// Where the tokens come from.
 #[derive(Debug, Clone)]
 pub enum InputChoice {
@@ -308,24 +318,50 @@ impl NodeModel {
     }
 
     /// Run the loop on this thread (not a runtime thread: it sleeps and
-    /// blocks), fetching on `handle`'s runtime.
+    /// blocks), fetching on `handle`'s runtime, with the backbone stand-in
+    /// on the CPU (a precise wait) or the GPU (a busy kernel).
     pub fn run(
         &mut self,
+        handle: tokio::runtime::Handle,
+        tokens: &Tokens,
+        spec: &LoopSpec,
+        backbone: Backbone,
+        stop: &AtomicBool,
+        on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
+    ) -> Result<Summary, LoopError> {
+        match backbone {
+            Backbone::Cpu => {
+                let clock = RealClock::start();
+                self.run_with(&clock, clock.origin(), handle, tokens, spec, stop, on_step)
+            }
+            #[cfg(feature = "cuda")]
+            Backbone::Gpu => {
+                let clock = super::gpu_clock::GpuClock::new(0)
+                    .map_err(|e| LoopError::Spec(format!("GPU backbone: {e}")))?;
+                let origin = clock.real().origin();
+                self.run_with(&clock, origin, handle, tokens, spec, stop, on_step)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Backbone::Gpu => Err(LoopError::Spec(
+                "GPU backbone: this build has no GPU support (build with --features cuda)".into(),
+            )),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)] // run's arguments plus its clock
+    fn run_with<C: super::clock::Clock>(
+        &mut self,
+        clock: &C,
+        origin: std::time::Instant,
         handle: tokio::runtime::Handle,
         tokens: &Tokens,
         spec: &LoopSpec,
         stop: &AtomicBool,
         on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
     ) -> Result<Summary, LoopError> {
-        let clock = RealClock::start();
-        let mut fetcher = RouterFetcher::new(
-            handle,
-            self.routers.clone(),
-            clock.origin(),
-            self.chunk_rows,
-        );
+        let mut fetcher = RouterFetcher::new(handle, self.routers.clone(), origin, self.chunk_rows);
         super::run(
-            &clock,
+            clock,
             &mut fetcher,
             self.fusion.as_mut(),
             &self.params,
