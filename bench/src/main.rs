@@ -10,7 +10,7 @@ mod stats;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use engram_bench::model;
+use engram_bench::{model, plot};
 
 #[derive(Parser)]
 #[command(
@@ -33,6 +33,9 @@ enum Cmd {
     Ssd(ssd::SsdArgs),
     /// Seed 000's timing model for one V4.1 token: windows, overshoot, tokens/s, slowdown.
     Model(model::ModelArgs),
+    /// (internal) Write a sample heatmap and timeline (SVG and PNG) to look at.
+    #[command(hide = true)]
+    PlotSample(plot::PlotSampleArgs),
     /// (internal) The floor's server side.
     #[command(hide = true)]
     FloorServer,
@@ -44,6 +47,7 @@ fn main() -> Result<()> {
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Model(a) => model::run(&a),
+        Cmd::PlotSample(a) => plot::run_sample(&a),
         Cmd::FloorServer => floor::floor_server(),
     }
 }

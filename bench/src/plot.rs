@@ -15,6 +15,7 @@
 mod font;
 mod heatmap;
 pub mod raster;
+mod sample;
 mod timeline;
 
 use std::fmt::Write as _;
@@ -22,6 +23,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 pub use heatmap::{Heatmap, SlowdownClass};
+pub use sample::{PlotSampleArgs, run_sample};
 pub use timeline::{Panel, Series, Timeline};
 
 use raster::Canvas;
