@@ -10,6 +10,7 @@ mod stats;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use engram_bench::{model, plot};
 
 #[derive(Parser)]
 #[command(
@@ -30,6 +31,11 @@ enum Cmd {
     Floor(floor::FloorArgs),
     /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
     Ssd(ssd::SsdArgs),
+    /// Seed 000's timing model for one V4.1 token: windows, overshoot, tokens/s, slowdown.
+    Model(model::ModelArgs),
+    /// (internal) Write a sample heatmap and timeline (SVG and PNG) to look at.
+    #[command(hide = true)]
+    PlotSample(plot::PlotSampleArgs),
     /// (internal) The floor's server side.
     #[command(hide = true)]
     FloorServer,
@@ -40,6 +46,8 @@ fn main() -> Result<()> {
         Cmd::Demo(a) => demo::run(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
+        Cmd::Model(a) => model::run(&a),
+        Cmd::PlotSample(a) => plot::run_sample(&a),
         Cmd::FloorServer => floor::floor_server(),
     }
 }
