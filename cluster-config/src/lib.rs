@@ -249,11 +249,19 @@ pub struct Node {
     pub breaker_failures: u32,
     /// Where the node serves Prometheus `/metrics`, if anywhere.
     pub metrics: Option<SocketAddr>,
+    /// Where `inference-node serve` serves its gRPC API and health.
+    pub api: SocketAddr,
+    /// Log filter (reloadable), if set.
+    pub log_level: Option<String>,
     /// How SSD copies are read.
     pub ssd_io: SsdIo,
     /// Open SSD copies with O_DIRECT (bypass the page cache).
     pub ssd_direct: bool,
 }
+
+/// Where the node daemon serves its API unless the config says otherwise (this host only).
+pub const DEFAULT_NODE_API: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 7420);
 
 /// Blocks in a V4.1 token; a table's window is measured in them.
 pub const MODEL_BLOCKS: u32 = 40;

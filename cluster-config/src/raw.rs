@@ -70,6 +70,8 @@ pub(crate) struct RawNode {
     pub probe_interval_ms: Option<S<i64>>,
     pub breaker_failures: Option<S<i64>>,
     pub metrics: Option<S<String>>,
+    pub api: Option<S<String>>,
+    pub log_level: Option<S<String>>,
     pub ssd_io: Option<S<String>>,
     pub ssd_direct: Option<bool>,
     #[serde(default, rename = "route")]

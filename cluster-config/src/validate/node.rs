@@ -82,6 +82,21 @@ pub(super) fn nodes(
             .metrics
             .as_ref()
             .and_then(|v| super::addr(cx, v, &k("metrics"), true));
+        let api = n
+            .api
+            .as_ref()
+            .and_then(|v| super::addr(cx, v, &k("api"), true))
+            .unwrap_or(crate::DEFAULT_NODE_API);
+        let log_level = n.log_level.as_ref().map(|l| {
+            if let Err(e) = crate::logging::valid_filter(l.get_ref()) {
+                cx.at(
+                    l.span(),
+                    k("log_level"),
+                    format!("{:?} is not a log filter: {e}", l.get_ref()),
+                );
+            }
+            l.get_ref().clone()
+        });
         let ssd_io = match n.ssd_io.as_ref().map(|m| (m, m.get_ref().as_str())) {
             None | Some((_, "auto")) => SsdIo::Auto,
             Some((_, "uring")) => SsdIo::Uring,
@@ -109,6 +124,8 @@ pub(super) fn nodes(
             probe_interval: cx.opt_ms(&n.probe_interval_ms, &k("probe_interval_ms"), 1_000, false),
             breaker_failures,
             metrics,
+            api,
+            log_level,
             ssd_io,
             ssd_direct: n.ssd_direct.unwrap_or(true),
         });

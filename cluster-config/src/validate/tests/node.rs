@@ -167,3 +167,30 @@ fn node_knob_rules() {
         Ok(Hedge::Fixed(Duration::from_millis(2)))
     );
 }
+
+#[test]
+fn node_api_and_log_level() {
+    let c = parse(&good()).expect("valid");
+    let n = c.node("gpu-1").expect("gpu-1");
+    assert_eq!(
+        (n.api, n.log_level.as_deref()),
+        (crate::DEFAULT_NODE_API, None)
+    );
+    let text = good().replacen(
+        "name = \"gpu-1\"",
+        "name = \"gpu-1\"\napi = \"0.0.0.0:9000\"\nlog_level = \"inference_node=debug\"",
+        1,
+    );
+    let c = parse(&text).expect("valid");
+    let n = c.node("gpu-1").expect("gpu-1");
+    assert_eq!(n.api.port(), 9000);
+    assert_eq!(n.log_level.as_deref(), Some("inference_node=debug"));
+    for (bad, key) in [
+        ("api = \"nowhere\"", "node[0].api"),
+        ("log_level = \"x=loud\"", "node[0].log_level"),
+    ] {
+        let text = good().replacen("name = \"gpu-1\"", &format!("name = \"gpu-1\"\n{bad}"), 1);
+        let d = diags(&text);
+        assert!(d.iter().any(|d| d.key == key), "{bad}: {d:?}");
+    }
+}
