@@ -1,10 +1,12 @@
 //! The router under paused tokio time, driven by a fake source with fault
 //! injection: hedging at the right moment, failover, breakers that open,
 //! half-open and close, re-admission by probes, version exclusion, corrupt
-//! answers never returned, the hard timeout and both policies.
+//! answers never returned, the hard timeout and both policies, and
+//! reconfiguration while lookups run.
 
 mod fake;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cluster_config::{Hedge, Policy};
@@ -372,4 +374,110 @@ async fn a_bad_request_is_not_retried_elsewhere() {
     assert!(matches!(err, RouterError::BadRequest { .. }), "{err:?}");
     assert_eq!(b.calls(), 0);
     assert_eq!(r.health[0].breaker(), Breaker::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reconfiguration_applies_from_the_next_lookup() {
+    let a = Fake::new("a", Fault::Hang);
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    let f = fetch(&r).await.0.expect("the hedge answers");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(110)));
+
+    // Hedging off and a longer grace: b is asked at the new deadline.
+    let mut s = settings(Hedge::Off, Policy::Fail);
+    s.grace = us(150);
+    r.router.reconfigure(s, r.health.clone(), &r.metrics);
+    let now = r.router.settings();
+    assert_eq!((now.hedge, now.grace), (Hedge::Off, us(150)));
+    let f = fetch(&r).await.0.expect("b at the deadline");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(410)));
+
+    // A shorter window, no grace: the deadline moves in.
+    let mut s = settings(Hedge::Off, Policy::Fail);
+    (s.window, s.grace) = (us(100), us(0));
+    r.router.reconfigure(s, r.health.clone(), &r.metrics);
+    let f = fetch(&r).await.0.expect("b at the deadline");
+    assert_eq!(f.elapsed, us(110));
+
+    // Policy zeros and a shorter hard timeout, over a hung source alone
+    // (a lost three races: its breaker is open).
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    let c = Fake::new("c", Fault::Hang);
+    let mut s = settings(Hedge::Off, Policy::Zeros);
+    s.hard_timeout = us(500);
+    r.router
+        .reconfigure(s, vec![health(&r.metrics, &c)], &r.metrics);
+    assert_eq!(r.router.settings().policy, Policy::Zeros);
+    let start = Instant::now();
+    let f = fetch(&r).await.0.expect("zeros by policy");
+    assert!(f.is_zeros());
+    assert_eq!(start.elapsed(), us(500));
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconfigured_sources_are_asked_in_their_new_order() {
+    let a = Fake::new("a", Fault::Ok(us(10)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let c = Fake::new("c", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    assert_eq!(fetch(&r).await.0.expect("ok").source.as_deref(), Some("a"));
+
+    // a removed, b first, c added.
+    let hc = health(&r.metrics, &c);
+    let s = settings(Hedge::Fixed(us(100)), Policy::Fail);
+    r.router
+        .reconfigure(s, vec![r.health[1].clone(), hc.clone()], &r.metrics);
+    let names: Vec<String> = r
+        .router
+        .sources()
+        .iter()
+        .map(|h| h.source.name().to_string())
+        .collect();
+    assert_eq!(names, ["b", "c"]);
+    assert!(
+        Arc::ptr_eq(&r.router.sources()[0], &r.health[1]),
+        "b's health is kept"
+    );
+    let (res, out) = fetch(&r).await;
+    assert_eq!(res.expect("ok").source.as_deref(), Some("b"));
+    assert_rows(&out);
+    b.set(Fault::Fail(us(5), SourceError::Unavailable("down".into())));
+    let f = fetch(&r).await.0.expect("c answers");
+    assert_eq!((f.source.as_deref(), f.failovers), (Some("c"), 1));
+    assert_eq!(a.calls(), 1, "a removed: never asked again");
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_rows_served_total{table=\"1\",source=\"c\"}"
+        ),
+        "24"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lookup_in_flight_finishes_with_what_it_started_with() {
+    let a = Fake::new("a", Fault::Ok(us(400)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a], settings(Hedge::Off, Policy::Fail));
+    let hb = health(&r.metrics, &b);
+    let reconfigure = async {
+        tokio::time::sleep(us(50)).await;
+        let mut s = settings(Hedge::Fixed(us(100)), Policy::Zeros);
+        s.hard_timeout = us(200);
+        r.router
+            .reconfigure(s, vec![hb.clone(), r.health[0].clone()], &r.metrics);
+    };
+    let ((res, out), ()) = tokio::join!(fetch(&r), reconfigure);
+    // Started on [a], no hedge, a 2 ms hard timeout: a answers late, alone.
+    let f = res.expect("a answers");
+    assert_eq!(
+        (f.source.as_deref(), f.elapsed, f.hedges, f.late),
+        (Some("a"), us(400), 0, true)
+    );
+    assert_rows(&out);
+    assert_eq!(b.calls(), 0);
+    // The next lookup uses the new sources.
+    let f = fetch(&r).await.0.expect("b answers");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(10)));
 }
