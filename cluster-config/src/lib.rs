@@ -196,6 +196,15 @@ pub enum Policy {
     Zeros,
 }
 
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Fail => "fail",
+            Self::Zeros => "zeros",
+        })
+    }
+}
+
 /// How a node reads its SSD copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SsdIo {

@@ -3,15 +3,27 @@
 //! breaker per donor, whichever tables it serves), each SSD copy and local
 //! copy opened (and its digest checked) at startup, and a probe loop per
 //! source for re-admission.
+//!
+//! [`Memory::reload`] applies a new config to the live routers (see
+//! `reload`); startup and reload build sources through the same code
+//! (`build`), a reload reusing what it already has.
 
-use std::collections::HashMap;
+mod reload;
+#[cfg(test)]
+mod tests;
+
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use cluster_config::{Config, ConfigError, SourceRef};
+use cluster_config::{Config, ConfigError, Node, SourceRef, SsdIo, Table};
+use engram_protocol::TableDigest;
 use memory_donor::resident::{LoadError, Pin};
 use thiserror::Error;
 use tokio::task::JoinHandle;
+
+pub use reload::{ReloadReport, TableChanges};
 
 use crate::client::ClientOptions;
 use crate::metrics::{NodeMetrics, SourceOnly};
@@ -19,7 +31,7 @@ use crate::router::{RouteSettings, Router, SourceHealth};
 use crate::source::ssd::{SsdError, SsdOptions, SsdReader};
 use crate::source::{DonorSource, LocalRam, RowSource, SsdSource};
 
-/// Why the memory could not be set up.
+/// Why the memory could not be set up or reloaded.
 #[derive(Debug, Error)]
 pub enum MemoryError {
     /// The node is not in the config.
@@ -37,18 +49,96 @@ pub enum MemoryError {
     /// Something failed that should not (a thread could not start).
     #[error("table {table}: {message}")]
     Internal { table: u32, message: String },
+    /// A reload would change what only a restart can (the tables routed,
+    /// their versions and shapes).
+    #[error("table {table}: {what}; restart the node to apply this config")]
+    RestartNeeded { table: u32, what: String },
+}
+
+/// What a donor connection was made with: a reload keeps the connection
+/// (and its breaker) while all of it is unchanged.
+#[derive(Debug, Clone, PartialEq)]
+struct DonorSpec {
+    name: String,
+    advertise: Vec<SocketAddr>,
+    control: Option<SocketAddr>,
+    pinned: Vec<(u32, TableDigest)>,
+    connect_timeout: Duration,
+    lookup_timeout: Duration,
+    credential: Option<Vec<u8>>,
+}
+
+/// What a copy of a table on this node was opened with: a reload keeps
+/// the copy while all of it is unchanged.
+#[derive(Debug, Clone, PartialEq)]
+struct CopySpec {
+    table: u32,
+    local: bool,
+    path: PathBuf,
+    /// SSD engine settings (defaults for a local copy).
+    io: SsdIo,
+    direct: bool,
+}
+
+/// The sources the node's routes use, with what each was made from.
+#[derive(Debug, Default)]
+struct Pool {
+    donors: Vec<(DonorSpec, Arc<SourceHealth>)>,
+    copies: Vec<(CopySpec, Arc<SourceHealth>)>,
+}
+
+impl Pool {
+    fn donor(&self, name: &str) -> Option<&(DonorSpec, Arc<SourceHealth>)> {
+        self.donors.iter().find(|(s, _)| s.name == name)
+    }
+
+    fn copy(&self, spec: &CopySpec) -> Option<&Arc<SourceHealth>> {
+        self.copies.iter().find(|(s, _)| s == spec).map(|(_, h)| h)
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Arc<SourceHealth>> {
+        self.donors
+            .iter()
+            .map(|(_, h)| h)
+            .chain(self.copies.iter().map(|(_, h)| h))
+    }
+
+    fn holds(&self, h: &Arc<SourceHealth>) -> bool {
+        self.all().any(|x| Arc::ptr_eq(x, h))
+    }
+}
+
+/// A node's routes as a config describes them, over a new pool.
+struct Built {
+    pool: Pool,
+    /// One per routed table, in the config's order.
+    routes: Vec<(RouteSettings, Vec<Arc<SourceHealth>>)>,
+    /// Donor sources made now (not taken from the previous pool).
+    fresh: Vec<Arc<SourceHealth>>,
+}
+
+/// What a reload may replace.
+#[derive(Debug)]
+struct Live {
+    pool: Pool,
+    probes: Vec<JoinHandle<()>>,
+    probe_interval: Duration,
+    breaker_failures: u32,
 }
 
 /// Every router of one node.
 #[derive(Debug)]
 pub struct Memory {
     routers: Vec<Arc<Router>>,
-    probes: Vec<JoinHandle<()>>,
+    /// The routed tables as at startup: a reload cannot change them.
+    tables: Vec<Table>,
+    /// Held for a whole reload, so two never interleave.
+    live: tokio::sync::Mutex<Live>,
 }
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        for p in &self.probes {
+        for p in &self.live.get_mut().probes {
             p.abort();
         }
     }
@@ -64,143 +154,34 @@ impl Memory {
         name: &str,
         metrics: &NodeMetrics,
     ) -> Result<Self, MemoryError> {
-        let node = config.node(name).ok_or_else(|| MemoryError::UnknownNode {
-            name: name.into(),
-            known: config
-                .nodes
-                .iter()
-                .map(|n| n.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })?;
-        let credential = config.credential()?;
-        let gauge = |source: &str| {
-            metrics
-                .breaker_state
-                .get_or_create(&SourceOnly {
-                    source: source.to_string(),
-                })
-                .clone()
-        };
-
-        // One source (and breaker) per donor, pinned to every table routed to it.
-        let mut donors: HashMap<String, Arc<SourceHealth>> = HashMap::new();
-        for d in &config.donors {
-            let pinned: Vec<_> = node
-                .routes
-                .iter()
-                .filter(|r| r.sources.contains(&SourceRef::Donor(d.name.clone())))
-                .filter_map(|r| config.table(r.table).map(|t| (t.id, t.digest)))
-                .collect();
-            if pinned.is_empty() {
-                continue;
-            }
-            let mut opts = ClientOptions::new(node.name.clone(), pinned.clone());
-            opts.credential = credential.clone();
-            opts.connect_timeout = node.connect_timeout;
-            opts.lookup_timeout = node.lookup_timeout;
-            let src: Arc<dyn RowSource> = Arc::new(
-                DonorSource::new(d.name.clone(), d.advertise.clone(), opts)
-                    .with_control(d.control_endpoint()),
-            );
-            let h = SourceHealth::new(src, pinned, node.breaker_failures, gauge(&d.name));
-            donors.insert(d.name.clone(), Arc::new(h));
-        }
-
-        let mut routers = Vec::new();
-        let mut all: Vec<Arc<SourceHealth>> = donors.values().cloned().collect();
-        for route in &node.routes {
-            let Some(table) = config.table(route.table) else {
-                continue;
-            };
-            let pin = Pin {
-                digest: table.digest,
-                layer: table.layer,
-                rows: table.rows,
-            };
-            let mut sources = Vec::new();
-            for s in &route.sources {
-                let health = match s {
-                    SourceRef::Donor(d) => match donors.get(d) {
-                        Some(h) => h.clone(),
-                        None => continue,
-                    },
-                    SourceRef::Ssd => {
-                        let path = route.ssd_path.clone();
-                        let opts = SsdOptions {
-                            io: node.ssd_io,
-                            direct: node.ssd_direct,
-                            ..SsdOptions::default()
-                        };
-                        let trust = route.trust_digest;
-                        let reader = blocking(table.id, move || {
-                            SsdReader::open(&path, Some(pin), trust, opts)
-                        })
-                        .await?
-                        .map_err(|source| MemoryError::Ssd {
-                            table: table.id,
-                            source,
-                        })?;
-                        tracing::info!(table = table.id, path = %route.ssd_path.display(), engine = reader.engine_name(), direct = reader.is_direct(), "SSD copy ready");
-                        let src = SsdSource::new(table.id, reader).map_err(|e| {
-                            MemoryError::Internal {
-                                table: table.id,
-                                message: format!("starting the SSD reader: {e}"),
-                            }
-                        })?;
-                        let src: Arc<dyn RowSource> = Arc::new(src);
-                        let h = SourceHealth::new(
-                            src,
-                            vec![(table.id, table.digest)],
-                            node.breaker_failures,
-                            gauge("ssd"),
-                        );
-                        Arc::new(h)
-                    }
-                    SourceRef::Local => {
-                        let path = route.ssd_path.clone();
-                        let trust = route.trust_digest;
-                        let id = table.id;
-                        let local = blocking(id, move || LocalRam::load(id, &path, pin, trust))
-                            .await?
-                            .map_err(|source| MemoryError::Local { table: id, source })?;
-                        tracing::info!(table = id, path = %route.ssd_path.display(), "local copy loaded");
-                        let src: Arc<dyn RowSource> = Arc::new(local);
-                        let h = SourceHealth::new(
-                            src,
-                            vec![(table.id, table.digest)],
-                            node.breaker_failures,
-                            gauge("local"),
-                        );
-                        Arc::new(h)
-                    }
-                };
-                if !matches!(s, SourceRef::Donor(_)) {
-                    all.push(health.clone());
-                }
-                sources.push(health);
-            }
-            let settings = RouteSettings {
-                table: table.id,
-                window: node.window(config, table.id).unwrap_or_default(),
-                grace: route.grace,
-                hard_timeout: route.hard_timeout,
-                hedge: route.hedge,
-                policy: route.policy,
-                precise_timers: true,
-            };
-            routers.push(Arc::new(Router::new(settings, sources, metrics)));
-        }
-
+        let node = find_node(config, name)?;
+        let built = build(config, node, metrics, &Pool::default()).await?;
         // A donor that is down at startup starts excluded, not on a first lookup's time.
-        for h in donors.values() {
+        for h in &built.fresh {
             h.probe_at_start().await;
         }
-        let probes = all
+        let routers = built
+            .routes
             .into_iter()
-            .map(|h| tokio::spawn(h.probe_loop(node.probe_interval)))
+            .map(|(settings, sources)| Arc::new(Router::new(settings, sources, metrics)))
             .collect();
-        Ok(Self { routers, probes })
+        let tables = node
+            .routes
+            .iter()
+            .filter_map(|r| config.table(r.table))
+            .cloned()
+            .collect();
+        let probes = spawn_probes(&built.pool, node.probe_interval);
+        Ok(Self {
+            routers,
+            tables,
+            live: tokio::sync::Mutex::new(Live {
+                pool: built.pool,
+                probes,
+                probe_interval: node.probe_interval,
+                breaker_failures: node.breaker_failures,
+            }),
+        })
     }
 
     /// The router of a table.
@@ -208,10 +189,193 @@ impl Memory {
         self.routers.iter().find(|r| r.table() == table)
     }
 
-    /// Every router, in the config's route order.
+    /// Every router, in the config's route order at startup.
     pub fn routers(&self) -> &[Arc<Router>] {
         &self.routers
     }
+}
+
+fn find_node<'a>(config: &'a Config, name: &str) -> Result<&'a Node, MemoryError> {
+    config.node(name).ok_or_else(|| MemoryError::UnknownNode {
+        name: name.into(),
+        known: config
+            .nodes
+            .iter()
+            .map(|n| n.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+/// The sources and route settings of `node`, taking every source `old`
+/// already has with the same spec and making the others: donor sources
+/// (not yet probed), SSD and local copies (opened and checked). Changes
+/// nothing outside what it returns, so a failure leaves `old` as it was.
+async fn build(
+    config: &Config,
+    node: &Node,
+    metrics: &NodeMetrics,
+    old: &Pool,
+) -> Result<Built, MemoryError> {
+    let credential = config.credential()?;
+    let mut pool = Pool::default();
+    let mut fresh = Vec::new();
+
+    // One source (and breaker) per donor, pinned to every table routed to it.
+    for d in &config.donors {
+        let pinned: Vec<_> = node
+            .routes
+            .iter()
+            .filter(|r| r.sources.contains(&SourceRef::Donor(d.name.clone())))
+            .filter_map(|r| config.table(r.table).map(|t| (t.id, t.digest)))
+            .collect();
+        if pinned.is_empty() {
+            continue;
+        }
+        let spec = DonorSpec {
+            name: d.name.clone(),
+            advertise: d.advertise.clone(),
+            control: d.control_endpoint(),
+            pinned,
+            connect_timeout: node.connect_timeout,
+            lookup_timeout: node.lookup_timeout,
+            credential: credential.clone(),
+        };
+        let health = match old.donor(&d.name) {
+            Some((s, h)) if *s == spec => h.clone(),
+            _ => {
+                let mut opts = ClientOptions::new(node.name.clone(), spec.pinned.clone());
+                opts.credential = spec.credential.clone();
+                opts.connect_timeout = spec.connect_timeout;
+                opts.lookup_timeout = spec.lookup_timeout;
+                let src: Arc<dyn RowSource> = Arc::new(
+                    DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
+                        .with_control(spec.control),
+                );
+                let h = Arc::new(SourceHealth::new(
+                    src,
+                    spec.pinned.clone(),
+                    node.breaker_failures,
+                    breaker_gauge(metrics, &d.name),
+                ));
+                fresh.push(h.clone());
+                h
+            }
+        };
+        pool.donors.push((spec, health));
+    }
+
+    let mut routes = Vec::new();
+    for route in &node.routes {
+        let Some(table) = config.table(route.table) else {
+            continue;
+        };
+        let mut sources = Vec::new();
+        for s in &route.sources {
+            let local = match s {
+                SourceRef::Donor(d) => {
+                    if let Some((_, h)) = pool.donor(d) {
+                        sources.push(h.clone());
+                    }
+                    continue;
+                }
+                SourceRef::Ssd => false,
+                SourceRef::Local => true,
+            };
+            let spec = CopySpec {
+                table: table.id,
+                local,
+                path: route.ssd_path.clone(),
+                io: if local { SsdIo::default() } else { node.ssd_io },
+                direct: !local && node.ssd_direct,
+            };
+            let health = match pool.copy(&spec).or_else(|| old.copy(&spec)) {
+                Some(h) => h.clone(),
+                None => open_copy(&spec, table, route.trust_digest, node, metrics).await?,
+            };
+            if pool.copy(&spec).is_none() {
+                pool.copies.push((spec, health.clone()));
+            }
+            sources.push(health);
+        }
+        let settings = RouteSettings {
+            table: table.id,
+            window: node.window(config, table.id).unwrap_or_default(),
+            grace: route.grace,
+            hard_timeout: route.hard_timeout,
+            hedge: route.hedge,
+            policy: route.policy,
+            precise_timers: true,
+        };
+        routes.push((settings, sources));
+    }
+    Ok(Built {
+        pool,
+        routes,
+        fresh,
+    })
+}
+
+/// Open (SSD) or load (local RAM) a table's copy, checking it is the pinned table.
+async fn open_copy(
+    spec: &CopySpec,
+    table: &Table,
+    trust: bool,
+    node: &Node,
+    metrics: &NodeMetrics,
+) -> Result<Arc<SourceHealth>, MemoryError> {
+    let pin = Pin {
+        digest: table.digest,
+        layer: table.layer,
+        rows: table.rows,
+    };
+    let id = table.id;
+    let path = spec.path.clone();
+    let src: Arc<dyn RowSource> = if spec.local {
+        let local = blocking(id, move || LocalRam::load(id, &path, pin, trust))
+            .await?
+            .map_err(|source| MemoryError::Local { table: id, source })?;
+        tracing::info!(table = id, path = %spec.path.display(), "local copy loaded");
+        Arc::new(local)
+    } else {
+        let opts = SsdOptions {
+            io: spec.io,
+            direct: spec.direct,
+            ..SsdOptions::default()
+        };
+        let reader = blocking(id, move || SsdReader::open(&path, Some(pin), trust, opts))
+            .await?
+            .map_err(|source| MemoryError::Ssd { table: id, source })?;
+        tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), "SSD copy ready");
+        let src = SsdSource::new(id, reader).map_err(|e| MemoryError::Internal {
+            table: id,
+            message: format!("starting the SSD reader: {e}"),
+        })?;
+        Arc::new(src)
+    };
+    let name = src.name().to_string();
+    Ok(Arc::new(SourceHealth::new(
+        src,
+        vec![(id, table.digest)],
+        node.breaker_failures,
+        breaker_gauge(metrics, &name),
+    )))
+}
+
+fn breaker_gauge(metrics: &NodeMetrics, source: &str) -> prometheus_client::metrics::gauge::Gauge {
+    metrics
+        .breaker_state
+        .get_or_create(&SourceOnly {
+            source: source.to_string(),
+        })
+        .clone()
+}
+
+/// A probe loop per source, for re-admission.
+fn spawn_probes(pool: &Pool, interval: Duration) -> Vec<JoinHandle<()>> {
+    pool.all()
+        .map(|h| tokio::spawn(h.clone().probe_loop(interval)))
+        .collect()
 }
 
 /// Serve the node's Prometheus `/metrics` on `addr` (the node's `metrics`

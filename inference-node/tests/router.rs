@@ -1,235 +1,20 @@
 //! The router under paused tokio time, driven by a fake source with fault
 //! injection: hedging at the right moment, failover, breakers that open,
 //! half-open and close, re-admission by probes, version exclusion, corrupt
-//! answers never returned, the hard timeout and both policies.
+//! answers never returned, the hard timeout and both policies, and
+//! reconfiguration while lookups run.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+mod fake;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use cluster_config::{Hedge, Policy};
-use engram_protocol::synthetic::{first_mismatch, synthetic_row};
-use engram_protocol::{ROW_BYTES, TableDigest};
-use inference_node::metrics::NodeMetrics;
-use inference_node::router::{Breaker, RouteSettings, Router, RouterError, SourceHealth};
-use inference_node::source::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+use inference_node::router::{Breaker, RouterError};
+use inference_node::source::SourceError;
 use tokio::time::Instant;
 
-const TABLE: u32 = 1;
-const SEED: u64 = 7;
-const PINNED: TableDigest = TableDigest([1; 32]);
-const OTHER: TableDigest = TableDigest([2; 32]);
-
-/// What a fake source does with the next lookups.
-#[derive(Debug, Clone)]
-enum Fault {
-    /// Answer correctly after a delay.
-    Ok(Duration),
-    /// Never answer (a hung process with an open socket).
-    Hang,
-    /// Fail after a delay with this error.
-    Fail(Duration, SourceError),
-    /// Deliver rows that fail the row check (corrupt bytes past the checksum).
-    BadBytes(Duration),
-}
-
-#[derive(Debug)]
-struct Fake {
-    name: String,
-    fault: Mutex<Fault>,
-    digest: Mutex<TableDigest>,
-    healthy: AtomicBool,
-    draining: AtomicBool,
-    calls: AtomicU32,
-}
-
-impl Fake {
-    fn new(name: &str, fault: Fault) -> Arc<Self> {
-        Arc::new(Self {
-            name: name.into(),
-            fault: Mutex::new(fault),
-            digest: Mutex::new(PINNED),
-            healthy: AtomicBool::new(true),
-            draining: AtomicBool::new(false),
-            calls: AtomicU32::new(0),
-        })
-    }
-
-    fn set(&self, f: Fault) {
-        *self.fault.lock().expect("lock") = f;
-    }
-
-    fn calls(&self) -> u32 {
-        self.calls.load(Ordering::SeqCst)
-    }
-}
-
-impl RowSource for Fake {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn kind(&self) -> SourceKind {
-        SourceKind::Donor
-    }
-
-    fn accepting(&self) -> bool {
-        !self.draining.load(Ordering::SeqCst)
-    }
-
-    fn fetch<'a>(
-        &'a self,
-        table: u32,
-        rows: &'a [u64],
-        out: &'a mut [u8],
-        deadline: Instant,
-    ) -> FetchFuture<'a> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let fault = self.fault.lock().expect("lock").clone();
-        Box::pin(async move {
-            assert_eq!(table, TABLE);
-            let work = async {
-                match fault {
-                    Fault::Ok(d) | Fault::BadBytes(d) => {
-                        tokio::time::sleep(d).await;
-                        for (r, o) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
-                            let o: &mut [u8; ROW_BYTES] = o.try_into().expect("row");
-                            synthetic_row(SEED, 1, *r, o);
-                        }
-                        if matches!(fault, Fault::BadBytes(_)) {
-                            out[5] = 0x7F; // an E4M3 NaN: corrupt
-                        }
-                        Ok(())
-                    }
-                    Fault::Hang => std::future::pending().await,
-                    Fault::Fail(d, e) => {
-                        tokio::time::sleep(d).await;
-                        Err(e)
-                    }
-                }
-            };
-            tokio::time::timeout_at(deadline, work)
-                .await
-                .map_err(|_| SourceError::Timeout)?
-        })
-    }
-
-    fn probe(&self) -> ProbeFuture<'_> {
-        Box::pin(async move {
-            if self.healthy.load(Ordering::SeqCst) {
-                Ok(vec![(TABLE, *self.digest.lock().expect("lock"))])
-            } else {
-                Err(SourceError::Unavailable("probe refused".into()))
-            }
-        })
-    }
-}
-
-/// Test time unit: tokio's timer (and so paused time) counts whole
-/// milliseconds, so the tests run the router's logic on a millisecond scale
-/// with its tokio timers (`precise_timers: false`).
-fn us(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-fn settings(hedge: Hedge, policy: Policy) -> RouteSettings {
-    RouteSettings {
-        table: TABLE,
-        window: us(250),
-        grace: us(50),
-        hard_timeout: us(2_000),
-        hedge,
-        policy,
-        precise_timers: false,
-    }
-}
-
-struct Rig {
-    router: Router,
-    health: Vec<Arc<SourceHealth>>,
-    metrics: Arc<NodeMetrics>,
-}
-
-fn rig(sources: &[&Arc<Fake>], s: RouteSettings) -> Rig {
-    let metrics = Arc::new(NodeMetrics::new());
-    let health: Vec<Arc<SourceHealth>> = sources
-        .iter()
-        .map(|f| {
-            let src: Arc<dyn RowSource> = (*f).clone();
-            Arc::new(SourceHealth::new(
-                src,
-                vec![(TABLE, PINNED)],
-                3,
-                metrics
-                    .breaker_state
-                    .get_or_create(&inference_node::metrics::SourceOnly {
-                        source: f.name.clone(),
-                    })
-                    .clone(),
-            ))
-        })
-        .collect();
-    let router = Router::new(s, health.clone(), &metrics);
-    Rig {
-        router,
-        health,
-        metrics,
-    }
-}
-
-const ROWS: [u64; 24] = [
-    3,
-    99,
-    1000,
-    7,
-    12345,
-    5,
-    6,
-    77,
-    1 << 20,
-    42,
-    43,
-    44,
-    9,
-    10,
-    11,
-    12,
-    13,
-    14,
-    15,
-    16,
-    17,
-    18,
-    19,
-    20,
-];
-
-async fn fetch(
-    r: &Rig,
-) -> (
-    Result<inference_node::router::Fetched, RouterError>,
-    Vec<u8>,
-) {
-    let mut out = vec![0xAAu8; ROWS.len() * ROW_BYTES];
-    let res = r.router.fetch(&ROWS, &mut out).await;
-    (res, out)
-}
-
-fn assert_rows(out: &[u8]) {
-    assert_eq!(
-        first_mismatch(SEED, 1, &ROWS, out),
-        None,
-        "wrong rows returned"
-    );
-}
-
-fn metric(r: &Rig, needle: &str) -> String {
-    let text = r.metrics.render();
-    text.lines()
-        .find(|l| l.starts_with(needle))
-        .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
-        .unwrap_or_else(|| panic!("no series {needle} in:\n{text}"))
-}
+use fake::*;
 
 #[tokio::test(start_paused = true)]
 async fn the_primary_answers_alone_when_it_is_fast() {
@@ -589,4 +374,110 @@ async fn a_bad_request_is_not_retried_elsewhere() {
     assert!(matches!(err, RouterError::BadRequest { .. }), "{err:?}");
     assert_eq!(b.calls(), 0);
     assert_eq!(r.health[0].breaker(), Breaker::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reconfiguration_applies_from_the_next_lookup() {
+    let a = Fake::new("a", Fault::Hang);
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    let f = fetch(&r).await.0.expect("the hedge answers");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(110)));
+
+    // Hedging off and a longer grace: b is asked at the new deadline.
+    let mut s = settings(Hedge::Off, Policy::Fail);
+    s.grace = us(150);
+    r.router.reconfigure(s, r.health.clone(), &r.metrics);
+    let now = r.router.settings();
+    assert_eq!((now.hedge, now.grace), (Hedge::Off, us(150)));
+    let f = fetch(&r).await.0.expect("b at the deadline");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(410)));
+
+    // A shorter window, no grace: the deadline moves in.
+    let mut s = settings(Hedge::Off, Policy::Fail);
+    (s.window, s.grace) = (us(100), us(0));
+    r.router.reconfigure(s, r.health.clone(), &r.metrics);
+    let f = fetch(&r).await.0.expect("b at the deadline");
+    assert_eq!(f.elapsed, us(110));
+
+    // Policy zeros and a shorter hard timeout, over a hung source alone
+    // (a lost three races: its breaker is open).
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    let c = Fake::new("c", Fault::Hang);
+    let mut s = settings(Hedge::Off, Policy::Zeros);
+    s.hard_timeout = us(500);
+    r.router
+        .reconfigure(s, vec![health(&r.metrics, &c)], &r.metrics);
+    assert_eq!(r.router.settings().policy, Policy::Zeros);
+    let start = Instant::now();
+    let f = fetch(&r).await.0.expect("zeros by policy");
+    assert!(f.is_zeros());
+    assert_eq!(start.elapsed(), us(500));
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconfigured_sources_are_asked_in_their_new_order() {
+    let a = Fake::new("a", Fault::Ok(us(10)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let c = Fake::new("c", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    assert_eq!(fetch(&r).await.0.expect("ok").source.as_deref(), Some("a"));
+
+    // a removed, b first, c added.
+    let hc = health(&r.metrics, &c);
+    let s = settings(Hedge::Fixed(us(100)), Policy::Fail);
+    r.router
+        .reconfigure(s, vec![r.health[1].clone(), hc.clone()], &r.metrics);
+    let names: Vec<String> = r
+        .router
+        .sources()
+        .iter()
+        .map(|h| h.source.name().to_string())
+        .collect();
+    assert_eq!(names, ["b", "c"]);
+    assert!(
+        Arc::ptr_eq(&r.router.sources()[0], &r.health[1]),
+        "b's health is kept"
+    );
+    let (res, out) = fetch(&r).await;
+    assert_eq!(res.expect("ok").source.as_deref(), Some("b"));
+    assert_rows(&out);
+    b.set(Fault::Fail(us(5), SourceError::Unavailable("down".into())));
+    let f = fetch(&r).await.0.expect("c answers");
+    assert_eq!((f.source.as_deref(), f.failovers), (Some("c"), 1));
+    assert_eq!(a.calls(), 1, "a removed: never asked again");
+    assert_eq!(
+        metric(
+            &r,
+            "engram_node_rows_served_total{table=\"1\",source=\"c\"}"
+        ),
+        "24"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lookup_in_flight_finishes_with_what_it_started_with() {
+    let a = Fake::new("a", Fault::Ok(us(400)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a], settings(Hedge::Off, Policy::Fail));
+    let hb = health(&r.metrics, &b);
+    let reconfigure = async {
+        tokio::time::sleep(us(50)).await;
+        let mut s = settings(Hedge::Fixed(us(100)), Policy::Zeros);
+        s.hard_timeout = us(200);
+        r.router
+            .reconfigure(s, vec![hb.clone(), r.health[0].clone()], &r.metrics);
+    };
+    let ((res, out), ()) = tokio::join!(fetch(&r), reconfigure);
+    // Started on [a], no hedge, a 2 ms hard timeout: a answers late, alone.
+    let f = res.expect("a answers");
+    assert_eq!(
+        (f.source.as_deref(), f.elapsed, f.hedges, f.late),
+        (Some("a"), us(400), 0, true)
+    );
+    assert_rows(&out);
+    assert_eq!(b.calls(), 0);
+    // The next lookup uses the new sources.
+    let f = fetch(&r).await.0.expect("b answers");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(10)));
 }

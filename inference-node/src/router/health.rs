@@ -9,6 +9,7 @@
 //! it again. A version mismatch excludes the source for that table until a
 //! probe sees the pinned digest again.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,7 +65,7 @@ pub struct SourceHealth {
     /// The source.
     pub source: Arc<dyn RowSource>,
     pinned: Vec<(u32, TableDigest)>,
-    threshold: u32,
+    threshold: AtomicU32,
     state: Mutex<State>,
     gauge: Gauge,
 }
@@ -78,10 +79,12 @@ impl SourceHealth {
         threshold: u32,
         gauge: Gauge,
     ) -> Self {
+        // The series may be a replaced source's: start it at this one's state.
+        gauge.set(Breaker::Closed.as_gauge());
         Self {
             source,
             pinned,
-            threshold: threshold.max(1),
+            threshold: AtomicU32::new(threshold.max(1)),
             state: Mutex::new(State {
                 breaker: Breaker::Closed,
                 failures: 0,
@@ -93,6 +96,11 @@ impl SourceHealth {
             }),
             gauge,
         }
+    }
+
+    /// Consecutive failures that open the breaker from now on.
+    pub fn set_threshold(&self, threshold: u32) {
+        self.threshold.store(threshold.max(1), Ordering::Relaxed);
     }
 
     fn st(&self) -> std::sync::MutexGuard<'_, State> {
@@ -163,7 +171,8 @@ impl SourceHealth {
             SourceError::Draining | SourceError::BadRequest(_) => false,
             _ => {
                 st.failures += 1;
-                let open = st.breaker == Breaker::HalfOpen || st.failures >= self.threshold;
+                let open = st.breaker == Breaker::HalfOpen
+                    || st.failures >= self.threshold.load(Ordering::Relaxed);
                 if open && st.breaker != Breaker::Open {
                     tracing::warn!(source = self.source.name(), failures = st.failures, error = %err, "circuit breaker opens");
                     self.set(&mut st, Breaker::Open);

@@ -11,13 +11,17 @@
 //! or when every source has failed, the table's policy decides: a typed
 //! error (`fail`) or zero rows (`zeros`, counted and logged). Rows that
 //! fail a check never reach the caller.
+//!
+//! Settings and sources can be replaced while lookups run
+//! ([`Router::reconfigure`], used by a config reload): each lookup takes one
+//! snapshot of both when it starts, so it never sees half of a change.
 
 pub mod health;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -34,7 +38,7 @@ use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
 use crate::source::SourceError;
 
 /// How one table's lookups are bounded.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RouteSettings {
     /// Table id.
     pub table: u32,
@@ -156,23 +160,19 @@ struct InFlight<'a> {
     sent: Instant,
 }
 
-/// One table's sources and how to use them.
+/// What a lookup uses: the settings and the sources with their series.
+/// Replaced whole by [`Router::reconfigure`]; a lookup keeps the one it
+/// started with.
 #[derive(Debug)]
-pub struct Router {
+struct RouteState {
     settings: RouteSettings,
     sources: Vec<Arc<SourceHealth>>,
     series: Vec<SourceSeries>,
-    table: TableSeries,
-    buffers: Mutex<Vec<Vec<u8>>>,
-    zeros_warned_ms: AtomicU64,
-    started: std::time::Instant,
 }
 
-impl Router {
-    /// A router over `sources` in order of preference.
-    pub fn new(settings: RouteSettings, sources: Vec<Arc<SourceHealth>>, m: &NodeMetrics) -> Self {
+impl RouteState {
+    fn new(settings: RouteSettings, sources: Vec<Arc<SourceHealth>>, m: &NodeMetrics) -> Self {
         let t = settings.table.to_string();
-        let tl = TableLabels { table: t.clone() };
         let series = sources
             .iter()
             .map(|s| {
@@ -198,6 +198,31 @@ impl Router {
                 }
             })
             .collect();
+        Self {
+            settings,
+            sources,
+            series,
+        }
+    }
+}
+
+/// One table's sources and how to use them.
+#[derive(Debug)]
+pub struct Router {
+    table_id: u32,
+    state: RwLock<Arc<RouteState>>,
+    table: TableSeries,
+    buffers: Mutex<Vec<Vec<u8>>>,
+    zeros_warned_ms: AtomicU64,
+    started: std::time::Instant,
+}
+
+impl Router {
+    /// A router over `sources` in order of preference.
+    pub fn new(settings: RouteSettings, sources: Vec<Arc<SourceHealth>>, m: &NodeMetrics) -> Self {
+        let tl = TableLabels {
+            table: settings.table.to_string(),
+        };
         let table = TableSeries {
             lookups: m.lookups.get_or_create(&tl).clone(),
             misses: m.deadline_misses.get_or_create(&tl).clone(),
@@ -207,9 +232,8 @@ impl Router {
             failed: m.failed_lookups.get_or_create(&tl).clone(),
         };
         Self {
-            settings,
-            sources,
-            series,
+            table_id: settings.table,
+            state: RwLock::new(Arc::new(RouteState::new(settings, sources, m))),
             table,
             buffers: Mutex::new(Vec::new()),
             zeros_warned_ms: AtomicU64::new(0),
@@ -219,17 +243,35 @@ impl Router {
 
     /// The table it routes.
     pub fn table(&self) -> u32 {
-        self.settings.table
+        self.table_id
     }
 
-    /// Its settings.
-    pub fn settings(&self) -> &RouteSettings {
-        &self.settings
+    fn state(&self) -> Arc<RouteState> {
+        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Its sources, in order, with their health.
-    pub fn sources(&self) -> &[Arc<SourceHealth>] {
-        &self.sources
+    /// Its settings now.
+    pub fn settings(&self) -> RouteSettings {
+        self.state().settings.clone()
+    }
+
+    /// Its sources now, in order, with their health.
+    pub fn sources(&self) -> Vec<Arc<SourceHealth>> {
+        self.state().sources.clone()
+    }
+
+    /// Use `settings` and `sources` from the next lookup on; lookups in
+    /// flight finish with what they started with. The table cannot change:
+    /// `settings.table` is ignored.
+    pub fn reconfigure(
+        &self,
+        mut settings: RouteSettings,
+        sources: Vec<Arc<SourceHealth>>,
+        m: &NodeMetrics,
+    ) {
+        settings.table = self.table_id;
+        let next = Arc::new(RouteState::new(settings, sources, m));
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = next;
     }
 
     fn buffer(&self, len: usize) -> Vec<u8> {
@@ -243,23 +285,24 @@ impl Router {
         b
     }
 
-    fn recycle(&self, b: Vec<u8>) {
+    fn recycle(&self, st: &RouteState, b: Vec<u8>) {
         let mut pool = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        if pool.len() < self.sources.len() + 2 {
+        if pool.len() < st.sources.len() + 2 {
             pool.push(b);
         }
     }
 
     fn attempt<'a>(
-        &'a self,
+        &self,
+        st: &RouteState,
         i: usize,
         rows: &'a [u64],
         hard: Instant,
         hedge: bool,
     ) -> InFlight<'a> {
         let mut buf = self.buffer(rows.len() * ROW_BYTES);
-        let src = self.sources[i].source.clone();
-        let table = self.settings.table;
+        let src = st.sources[i].source.clone();
+        let table = st.settings.table;
         InFlight {
             fut: Box::pin(async move {
                 let res = src.fetch(table, rows, &mut buf, hard).await;
@@ -275,17 +318,21 @@ impl Router {
     /// winner (or out at the hard timeout) were too slow, and that counts
     /// against their breaker; a healthy source rarely loses to a hedge it
     /// started ahead of several times in a row, a hung one always does.
-    fn slow(&self, inflight: Vec<InFlight<'_>>, winner_sent: Option<Instant>) {
+    fn slow(st: &RouteState, inflight: Vec<InFlight<'_>>, winner_sent: Option<Instant>) {
         for a in inflight {
             if winner_sent.is_none_or(|w| a.sent < w) {
-                self.failure(a.source, &SourceError::Timeout);
+                Self::failure(st, a.source, &SourceError::Timeout);
             }
         }
     }
 
     /// Fetch `rows` of the table into `out` (`rows.len() * 264` bytes).
     pub async fn fetch(&self, rows: &[u64], out: &mut [u8]) -> Result<Fetched, RouterError> {
-        let s = &self.settings;
+        // One snapshot for the whole lookup: a reconfiguration meanwhile
+        // applies from the next one.
+        let state = self.state();
+        let st = &*state;
+        let s = &st.settings;
         let start = Instant::now();
         let deadline = start + s.window + s.grace;
         let hard = start + s.hard_timeout;
@@ -302,13 +349,13 @@ impl Router {
             });
         }
         let mut failed: Vec<(String, String)> = Vec::new();
-        let order: Vec<usize> = (0..self.sources.len())
+        let order: Vec<usize> = (0..st.sources.len())
             .filter(|&i| {
-                let ok = self.sources[i].admissible(s.table);
+                let ok = st.sources[i].admissible(s.table);
                 if !ok {
                     failed.push((
-                        self.sources[i].source.name().to_string(),
-                        self.sources[i].why_not(s.table).to_string(),
+                        st.sources[i].source.name().to_string(),
+                        st.sources[i].why_not(s.table).to_string(),
                     ));
                 }
                 ok
@@ -320,9 +367,9 @@ impl Router {
         let mut inflight: Vec<InFlight<'_>> = Vec::with_capacity(order.len());
         let mut launch_at = None;
         if let Some(&first) = order.first() {
-            inflight.push(self.attempt(first, rows, hard, false));
+            inflight.push(self.attempt(st, first, rows, hard, false));
             next = 1;
-            launch_at = self.next_launch(first, start, deadline);
+            launch_at = Self::next_launch(st, first, start, deadline);
         }
         while !inflight.is_empty() {
             let can_launch = next < order.len();
@@ -330,17 +377,17 @@ impl Router {
             let done = tokio::select! {
                 biased;
                 d = next_done(&mut inflight) => d,
-                () = self.sleep_until(hedge_at), if can_launch && launch_at.is_some() => {
+                () = sleep_until(s.precise_timers, hedge_at), if can_launch && launch_at.is_some() => {
                     let i = order[next];
                     next += 1;
                     hedges += 1;
                     self.table.hedges.inc();
-                    inflight.push(self.attempt(i, rows, hard, true));
+                    inflight.push(self.attempt(st, i, rows, hard, true));
                     let now = Instant::now();
-                    launch_at = self.next_launch(i, now, deadline.max(now));
+                    launch_at = Self::next_launch(st, i, now, deadline.max(now));
                     continue;
                 }
-                () = self.sleep_until(hard) => break,
+                () = sleep_until(s.precise_timers, hard) => break,
             };
             let (a, (res, buf)) = done;
             let (i, was_hedge, sent) = (a.source, a.hedge, a.sent);
@@ -352,10 +399,10 @@ impl Router {
                 Ok(()) => {
                     let now = Instant::now();
                     out.copy_from_slice(&buf);
-                    self.recycle(buf);
+                    self.recycle(st, buf);
                     let latency = now - sent;
-                    self.sources[i].on_success(latency);
-                    let ser = &self.series[i];
+                    st.sources[i].on_success(latency);
+                    let ser = &st.series[i];
                     ser.fetch.observe(latency.as_secs_f64());
                     ser.rows.inc_by(rows.len() as u64);
                     if was_hedge {
@@ -365,9 +412,9 @@ impl Router {
                     if late {
                         self.table.misses.inc();
                     }
-                    self.slow(inflight, Some(sent));
+                    Self::slow(st, inflight, Some(sent));
                     return Ok(Fetched {
-                        source: Some(self.sources[i].source.name().to_string()),
+                        source: Some(st.sources[i].source.name().to_string()),
                         hedges,
                         failovers,
                         late,
@@ -375,9 +422,9 @@ impl Router {
                     });
                 }
                 Err(e) => {
-                    self.recycle(buf);
-                    self.failure(i, &e);
-                    failed.push((self.sources[i].source.name().to_string(), e.to_string()));
+                    self.recycle(st, buf);
+                    Self::failure(st, i, &e);
+                    failed.push((st.sources[i].source.name().to_string(), e.to_string()));
                     if !e.retry_elsewhere() {
                         return Err(RouterError::BadRequest {
                             table: s.table,
@@ -389,37 +436,30 @@ impl Router {
                         next += 1;
                         failovers += 1;
                         self.table.failovers.inc();
-                        inflight.push(self.attempt(j, rows, hard, false));
+                        inflight.push(self.attempt(st, j, rows, hard, false));
                         let now = Instant::now();
-                        launch_at = self.next_launch(j, now, deadline.max(now));
+                        launch_at = Self::next_launch(st, j, now, deadline.max(now));
                     }
                 }
             }
         }
         // Hard timeout (attempts still out) or every source failed.
-        self.slow(inflight, None);
-        self.give_up(rows, out, start, failed)
-    }
-
-    async fn sleep_until(&self, t: Instant) {
-        if !self.settings.precise_timers {
-            return tokio::time::sleep_until(t).await;
-        }
-        crate::timer::sleep_until(t.into_std()).await;
+        Self::slow(st, inflight, None);
+        self.give_up(st, rows, out, start, failed)
     }
 
     /// When to ask the source after `i` if `i` has not answered.
-    fn next_launch(&self, i: usize, from: Instant, deadline: Instant) -> Option<Instant> {
-        match self.sources[i].hedge_delay(self.settings.hedge) {
+    fn next_launch(st: &RouteState, i: usize, from: Instant, deadline: Instant) -> Option<Instant> {
+        match st.sources[i].hedge_delay(st.settings.hedge) {
             Some(d) => Some((from + d).min(deadline)),
-            None if self.settings.hedge == Hedge::Off => (from < deadline).then_some(deadline),
+            None if st.settings.hedge == Hedge::Off => (from < deadline).then_some(deadline),
             // A percentile without enough history yet: wait for the deadline.
             None => Some(deadline),
         }
     }
 
-    fn failure(&self, i: usize, e: &SourceError) {
-        let ser = &self.series[i];
+    fn failure(st: &RouteState, i: usize, e: &SourceError) {
+        let ser = &st.series[i];
         ser.errors[error_kind(e)].inc();
         match e {
             SourceError::VersionMismatch { .. } => {
@@ -430,28 +470,29 @@ impl Router {
             }
             _ => {}
         }
-        self.sources[i].on_failure(self.settings.table, e);
+        st.sources[i].on_failure(st.settings.table, e);
     }
 
     fn give_up(
         &self,
+        st: &RouteState,
         rows: &[u64],
         out: &mut [u8],
         start: Instant,
         mut failed: Vec<(String, String)>,
     ) -> Result<Fetched, RouterError> {
         let elapsed = start.elapsed();
-        if elapsed >= self.settings.hard_timeout {
+        if elapsed >= st.settings.hard_timeout {
             failed.push((
                 "(all)".into(),
-                format!("hard timeout {:?}", self.settings.hard_timeout),
+                format!("hard timeout {:?}", st.settings.hard_timeout),
             ));
         }
-        match self.settings.policy {
+        match st.settings.policy {
             Policy::Fail => {
                 self.table.failed.inc();
                 Err(RouterError::AllFailed {
-                    table: self.settings.table,
+                    table: self.table_id,
                     elapsed,
                     attempts: failed,
                 })
@@ -482,7 +523,7 @@ impl Router {
                 .is_ok()
         {
             tracing::warn!(
-                table = self.settings.table,
+                table = self.table_id,
                 rows,
                 served_zeros_total = self.table.zeros.get(),
                 why = %describe(failed),
@@ -490,6 +531,15 @@ impl Router {
             );
         }
     }
+}
+
+/// Sleep until `t`; `precise`: on the node's precise timer thread, else
+/// on tokio's (whole milliseconds; paused time in tests).
+async fn sleep_until(precise: bool, t: Instant) {
+    if !precise {
+        return tokio::time::sleep_until(t).await;
+    }
+    crate::timer::sleep_until(t.into_std()).await;
 }
 
 /// The first attempt to finish, removed from the set.

@@ -106,6 +106,11 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(r.hard_timeout, Duration::from_millis(7));
     assert_eq!(r.hedge, Hedge::Fixed(Duration::from_micros(150)));
     assert_eq!((r.policy, r.trust_digest), (Policy::Zeros, true));
+    // Both print as the config spells them (a reload's log line).
+    assert_eq!(
+        (r.hedge.to_string(), r.policy.to_string()),
+        ("150us".into(), "zeros".into())
+    );
     assert_eq!(
         n.window(&c, 1),
         Some(Duration::from_micros(62) + Duration::from_nanos(500))
