@@ -20,6 +20,8 @@ pub mod etab;
 pub mod frame;
 pub mod hashing;
 pub mod messages;
+#[cfg(feature = "control")]
+pub mod node_api;
 pub mod row;
 pub mod synthetic;
 

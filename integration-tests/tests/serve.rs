@@ -1,0 +1,303 @@
+//! `inference-node serve`, the node daemon, under a fake systemd: READY=1
+//! once every source is open, sequences submitted over gRPC streamed back
+//! step by step (fused outputs identical to `inference-node run`), each
+//! table's sources and state, bad requests refused, SIGHUP applying a new
+//! config live and refusing an invalid one, watchdog pings from the
+//! serving path (and none once it is stalled), and SIGTERM draining.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use engram_protocol::node_api::engram_node_client::EngramNodeClient;
+use engram_protocol::node_api::{
+    GenerateRequest, TablesRequest, TablesResponse, generate_event, generate_request,
+};
+use integration_tests::{DonorProcess, NotifySocket, bin, model_rack};
+
+const TEXT: &str = "The rack hums in the corner of the room. The node asks for the rows early, \
+                    and the rows are ready before the block needs them.";
+
+fn rt() -> tokio::runtime::Runtime {
+    integration_tests::runtime()
+}
+
+/// Start the daemon for node `n` with the fake notify socket and `env`.
+fn serve(config: &Path, notify: &NotifySocket, env: &[(&str, &str)]) -> DonorProcess {
+    let mut cmd = Command::new(bin("inference-node"));
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(config)
+        .args(["--name", "n", "--listen", "127.0.0.1:0", "--drain-timeout-ms", "5000"])
+        .env("RUST_LOG", "info")
+        .env("NOTIFY_SOCKET", &notify.path);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    DonorProcess::spawn(cmd).expect("the daemon starts")
+}
+
+async fn client(addr: std::net::SocketAddr) -> EngramNodeClient<tonic::transport::Channel> {
+    EngramNodeClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connects")
+}
+
+async fn tables(addr: std::net::SocketAddr) -> TablesResponse {
+    client(addr)
+        .await
+        .tables(TablesRequest {})
+        .await
+        .expect("tables")
+        .into_inner()
+}
+
+/// Submit `req`; the checksums of its steps and its summary's token count.
+async fn generate(addr: std::net::SocketAddr, req: GenerateRequest) -> (Vec<String>, Vec<String>, u64) {
+    let mut stream = client(addr)
+        .await
+        .generate(req)
+        .await
+        .expect("accepted")
+        .into_inner();
+    let (mut sums, mut sources, mut tokens) = (Vec::new(), Vec::new(), 0);
+    while let Some(ev) = stream.message().await.expect("stream") {
+        match ev.event.expect("an event") {
+            generate_event::Event::Step(s) => {
+                sums.extend(s.positions.iter().map(|p| p.checksum.clone()));
+                sources.extend(s.tables.iter().map(|t| t.source.clone()));
+            }
+            generate_event::Event::Summary(s) => {
+                assert_eq!(s.failed_steps, 0);
+                let json: serde_json::Value = serde_json::from_str(&s.json).expect("summary JSON");
+                assert_eq!(json["tokens"], s.tokens);
+                tokens = s.tokens;
+            }
+        }
+    }
+    (sums, sources, tokens)
+}
+
+fn text_request(max_tokens: u64) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::Text(TEXT.into())),
+        max_tokens,
+        prefill: 0,
+        speculate: 0,
+    }
+}
+
+#[test]
+fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    let mut node = serve(&config, &notify, &[("WATCHDOG_USEC", "1000000")]);
+    notify.wait_line(Duration::from_secs(30), "READY=1").expect("READY=1");
+    let addr = node.addr;
+    rt().block_on(async {
+        let t = tables(addr).await;
+        assert_eq!(t.tokens_per_second, 50.0);
+        assert_eq!(t.fusion, "cpu");
+        assert_eq!(t.tables.len(), 2);
+        for (tab, (id, layer)) in t.tables.iter().zip([(1, 1), (14, 14)]) {
+            assert_eq!((tab.table, tab.layer), (id, layer));
+            let names: Vec<&str> = tab.sources.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(names, ["d", "ssd"]);
+            assert!(tab.sources.iter().all(|s| s.admissible && s.breaker == "closed"));
+            assert_eq!(tab.policy, "fail");
+        }
+
+        // A sequence, streamed step by step.
+        let (sums, sources, tokens) = generate(addr, text_request(40)).await;
+        assert_eq!((sums.len(), tokens), (40, 40));
+        assert!(sources.iter().filter(|s| *s == "d").count() > 60, "{sources:?}");
+
+        // `run` over the same text fuses the same outputs.
+        let input = dir.path().join("text.txt");
+        std::fs::write(&input, TEXT).expect("text");
+        let trace = dir.path().join("ref.jsonl");
+        let out = Command::new(bin("inference-node"))
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .args(["--name", "ref", "--quiet", "--tokens", "40"])
+            .arg("--input")
+            .arg(&input)
+            .arg("--trace")
+            .arg(&trace)
+            .output()
+            .expect("run");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let reference: Vec<String> = std::fs::read_to_string(&trace)
+            .expect("trace")
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("json");
+                v["positions"][0]["checksum"].as_str().expect("sum").to_string()
+            })
+            .collect();
+        assert_eq!(sums, reference);
+
+        // Bad requests are refused with a reason.
+        let mut c = client(addr).await;
+        let e = c
+            .generate(GenerateRequest {
+                input: None,
+                max_tokens: 1,
+                prefill: 0,
+                speculate: 0,
+            })
+            .await
+            .expect_err("no input");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        let e = c
+            .generate(GenerateRequest {
+                speculate: 1_000,
+                ..text_request(1)
+            })
+            .await
+            .expect_err("too many drafts");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    });
+
+    // Idle, the daemon proves its serving path and pings the watchdog.
+    notify
+        .wait(Duration::from_secs(10), |m| {
+            m.iter().filter(|(_, s)| s.lines().any(|l| l == "WATCHDOG=1")).count() >= 2
+        })
+        .expect("watchdog pings while healthy");
+
+    // SIGHUP applies a new rate, policy and hedge live.
+    let text = std::fs::read_to_string(&config).expect("config");
+    let changed = text
+        .replacen("tokens_per_second = 50", "tokens_per_second = 25", 1)
+        .replacen("sources = [\"d\", \"ssd\"]", "sources = [\"d\", \"ssd\"]\npolicy = \"zeros\"\nhedge = \"off\"", 1);
+    std::fs::write(&config, &changed).expect("write");
+    node.signal(libc::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    rt().block_on(async {
+        loop {
+            let t = tables(addr).await;
+            if t.tokens_per_second == 25.0 && t.tables[0].policy == "zeros" {
+                assert_eq!(t.tables[0].hedge, "off");
+                assert_eq!(t.tables[1].policy, "fail", "only table 1's route changed");
+                assert!((t.tables[0].window_us - 1000.0).abs() < 1.0, "W/40 at 25 tokens/s");
+                break;
+            }
+            assert!(Instant::now() < deadline, "the reload was not applied: {t:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    // An invalid config is refused and the old one kept.
+    std::fs::write(&config, "version = 1\n[rack\n").expect("write");
+    node.signal(libc::SIGHUP);
+    node.wait_line(Duration::from_secs(10), |l| l.contains("keeping the old one").then_some(()))
+        .expect("refusal logged");
+    rt().block_on(async {
+        let t = tables(addr).await;
+        assert_eq!(t.tokens_per_second, 25.0);
+        let (sums, _, _) = generate(addr, text_request(5)).await;
+        assert_eq!(sums.len(), 5, "still serving");
+    });
+
+    // SIGTERM: STOPPING=1 and a clean exit.
+    node.signal(libc::SIGTERM);
+    let status = node.wait(Duration::from_secs(15)).expect("exits");
+    assert!(status.success(), "{}", node.log());
+    notify.wait_line(Duration::from_secs(1), "STOPPING=1").expect("STOPPING=1");
+}
+
+#[test]
+fn a_stalled_model_loop_misses_its_watchdog() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    let node = serve(
+        &config,
+        &notify,
+        &[("WATCHDOG_USEC", "400000"), (inference_node::daemon::TEST_STALL_ENV, "1500")],
+    );
+    notify.wait_line(Duration::from_secs(30), "READY=1").expect("READY=1");
+    let pings = |from: Instant| {
+        notify
+            .messages()
+            .iter()
+            .filter(|(t, m)| *t >= from && m.lines().any(|l| l == "WATCHDOG=1"))
+            .count()
+    };
+    let start = Instant::now();
+    notify
+        .wait(Duration::from_secs(10), |m| {
+            m.iter().any(|(_, s)| s.lines().any(|l| l == "WATCHDOG=1"))
+        })
+        .expect("pings while healthy");
+    // The stall begins 1.5 s after start; give it a period to take hold.
+    let log_seen = node
+        .wait_line(Duration::from_secs(10), |l| l.contains("stops here").then_some(()));
+    assert!(log_seen.is_ok(), "{}", node.log());
+    let quiet_from = Instant::now() + Duration::from_millis(300);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(pings(quiet_from), 0, "no ping while the loop is stalled");
+    assert!(pings(start) >= 1);
+    // The API still answers: it is the loop that is wedged, and only the watchdog can tell.
+    rt().block_on(async {
+        let t = tables(node.addr).await;
+        assert_eq!(t.tables.len(), 2);
+    });
+}
+
+/// The unit's own `ExecStart=` (binary and config paths swapped for the
+/// test's, `%H` for the node's name) starts the daemon under a fake
+/// systemd, and its stop is clean.
+#[test]
+fn the_units_command_line_starts_the_daemon() {
+    let unit = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd/inference-node.service"),
+    )
+    .expect("unit file");
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("ExecStart=");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    // The unit serves the config's api address: give node `n` a free one.
+    let port = integration_tests::free_port().expect("port");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let text = text.replacen(
+        "name = \"n\"\n",
+        &format!("name = \"n\"\napi = \"127.0.0.1:{port}\"\n"),
+        1,
+    );
+    std::fs::write(&config, text).expect("write");
+    let mut words = exec.split_whitespace();
+    assert_eq!(words.next(), Some("/usr/local/bin/inference-node"));
+    let mut cmd = Command::new(bin("inference-node"));
+    for w in words {
+        match w {
+            "/etc/engram-rack/rack.toml" => cmd.arg(&config),
+            "%H" => cmd.arg("n"),
+            other => cmd.arg(other),
+        };
+    }
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    cmd.env("NOTIFY_SOCKET", &notify.path).env("RUST_LOG", "info");
+    let mut node = DonorProcess::spawn(cmd).expect("the unit's command starts the daemon");
+    assert_eq!(node.addr.port(), port);
+    notify.wait_line(Duration::from_secs(30), "READY=1").expect("READY=1");
+    // ExecReload is `kill -HUP $MAINPID`.
+    assert!(unit.contains("ExecReload=/bin/kill -HUP $MAINPID"));
+    node.signal(libc::SIGHUP);
+    node.wait_line(Duration::from_secs(10), |l| l.contains("config applied").then_some(()))
+        .expect("reloaded");
+    node.signal(libc::SIGTERM);
+    let status = node.wait(Duration::from_secs(15)).expect("exits");
+    assert!(status.success(), "{}", node.log());
+}
