@@ -97,7 +97,10 @@ pub struct LoopContext {
 impl Daemon {
     /// Start the loop thread over `nm`. The thread ends when every handle
     /// is dropped.
-    pub fn start(nm: NodeModel, cx: LoopContext) -> std::io::Result<(Self, std::thread::JoinHandle<()>)> {
+    pub fn start(
+        nm: NodeModel,
+        cx: LoopContext,
+    ) -> std::io::Result<(Self, std::thread::JoinHandle<()>)> {
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
         let shared = Arc::new(Shared {
             queued: AtomicU32::new(0),
@@ -131,7 +134,8 @@ impl Daemon {
 
     /// Whether a sequence is running or waiting.
     pub fn busy(&self) -> bool {
-        self.shared.running.load(Ordering::Relaxed) || self.shared.queued.load(Ordering::Relaxed) > 0
+        self.shared.running.load(Ordering::Relaxed)
+            || self.shared.queued.load(Ordering::Relaxed) > 0
     }
 
     /// Apply a new config between sequences; the reply says what changed,
@@ -148,12 +152,16 @@ impl Daemon {
             .await
             .map_err(|e| e.to_string())?
             .map_err(|_| "the model loop has stopped".to_string())?;
-        rx.await.map_err(|_| "the model loop has stopped".to_string())?
+        rx.await
+            .map_err(|_| "the model loop has stopped".to_string())?
     }
 }
 
 fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopContext) {
-    let period = cx.notifier.watchdog().map_or(IDLE_CHECK, |w| (w / 2).max(Duration::from_millis(10)));
+    let period = cx
+        .notifier
+        .watchdog()
+        .map_or(IDLE_CHECK, |w| (w / 2).max(Duration::from_millis(10)));
     let stall_at = std::env::var(TEST_STALL_ENV)
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
@@ -186,16 +194,26 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
                 shared.queued.fetch_sub(1, Ordering::Relaxed);
                 shared.running.store(true, Ordering::Relaxed);
                 shared.abort.store(false, Ordering::Relaxed);
-                generate(&mut nm, &cx, &shared, &input, max_tokens, prefill, speculate, &events, &mut || {
-                    ping(&mut last_ping)
-                });
+                generate(
+                    &mut nm,
+                    &cx,
+                    &shared,
+                    &input,
+                    max_tokens,
+                    prefill,
+                    speculate,
+                    &events,
+                    &mut || ping(&mut last_ping),
+                );
                 shared.running.store(false, Ordering::Relaxed);
             }
             Ok(Order::Reload { config, reply }) => {
                 let r = nm.reload(&cx.handle, &config, &cx.name, &cx.metrics);
                 if r.is_ok() {
-                    *shared.tokens_per_second.lock().unwrap_or_else(|p| p.into_inner()) =
-                        nm.tokens_per_second();
+                    *shared
+                        .tokens_per_second
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()) = nm.tokens_per_second();
                 }
                 // The caller may have gone; the reload stands either way.
                 let _ = reply.send(r);
@@ -209,7 +227,9 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
                         ..LoopSpec::default()
                     };
                     let stop = AtomicBool::new(false);
-                    match nm.run(cx.handle.clone(), t, &spec, cx.backbone, &stop, &mut |_| Ok(())) {
+                    match nm.run(cx.handle.clone(), t, &spec, cx.backbone, &stop, &mut |_| {
+                        Ok(())
+                    }) {
                         Ok(_) => ping(&mut last_ping),
                         Err(e) => tracing::warn!(error = %e, "self-check failed; no watchdog ping"),
                     }
@@ -249,23 +269,30 @@ fn generate(
     };
     let stop = AtomicBool::new(false);
     let mut cut_off = false;
-    let res = nm.run(cx.handle.clone(), &tokens, &spec, cx.backbone, &stop, &mut |r| {
-        ping();
-        match events.try_send(Ok(api::GenerateEvent {
-            event: Some(api::generate_event::Event::Step(step_proto(r))),
-        })) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                cut_off = true;
+    let res = nm.run(
+        cx.handle.clone(),
+        &tokens,
+        &spec,
+        cx.backbone,
+        &stop,
+        &mut |r| {
+            ping();
+            match events.try_send(Ok(api::GenerateEvent {
+                event: Some(api::generate_event::Event::Step(step_proto(r))),
+            })) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    cut_off = true;
+                    stop.store(true, Ordering::Relaxed);
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => stop.store(true, Ordering::Relaxed),
+            }
+            if shared.abort.load(Ordering::Relaxed) {
                 stop.store(true, Ordering::Relaxed);
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => stop.store(true, Ordering::Relaxed),
-        }
-        if shared.abort.load(Ordering::Relaxed) {
-            stop.store(true, Ordering::Relaxed);
-        }
-        Ok(())
-    });
+            Ok(())
+        },
+    );
     let last = match res {
         _ if cut_off => Err(Status::resource_exhausted(format!(
             "the caller read too slowly ({STREAM_BUFFER} steps behind): the sequence was stopped"
@@ -401,11 +428,15 @@ impl api::engram_node_server::EngramNode for Daemon {
                     TrySendError::Full(_) => Status::resource_exhausted(format!(
                         "{QUEUE_DEPTH} sequences are already waiting"
                     )),
-                    TrySendError::Disconnected(_) => Status::unavailable("the model loop has stopped"),
+                    TrySendError::Disconnected(_) => {
+                        Status::unavailable("the model loop has stopped")
+                    }
                 });
             }
         }
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn tables(

@@ -15,6 +15,7 @@
 
 pub mod canary;
 pub mod client;
+pub mod daemon;
 pub mod engram;
 pub mod memory;
 pub mod metrics;

@@ -49,6 +49,8 @@ enum Cmd {
     Addresses(AddressArgs),
     /// Build the compressed-vocabulary map from a tokenizer.json and write it as a map file.
     TokenMap(TokenMapArgs),
+    /// The node daemon: gRPC API (submit sequences, stream per-token records, table state), health, /metrics, systemd notify.
+    Serve(cmd::serve::ServeArgs),
     /// Run the model loop over an input at a token rate: trace, status lines, summary vs seed 000's formula.
     Run(cmd::run::RunArgs),
     /// Compare GPU fusion with the CPU path and measure its throughput (needs --features cuda).
@@ -182,7 +184,7 @@ struct FetchArgs {
 }
 
 fn main() -> Result<()> {
-    cluster_config::logging::init_logging("warn");
+    let log = cluster_config::logging::init_logging("warn");
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -191,6 +193,7 @@ fn main() -> Result<()> {
         Cmd::Fetch(args) => rt.block_on(fetch(args)),
         Cmd::Canary(args) => rt.block_on(canary(args)),
         Cmd::Run(args) => rt.block_on(cmd::run::run(args)),
+        Cmd::Serve(args) => rt.block_on(cmd::serve::run(args, log)),
         Cmd::Addresses(args) => addresses(args),
         Cmd::TokenMap(args) => token_map(args),
         Cmd::GpuCheck(args) => gpu_check(&args),

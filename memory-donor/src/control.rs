@@ -244,7 +244,7 @@ fn swap_status(e: &SwapError) -> Status {
 
 /// A control connection holding one of the bounded slots while it lives.
 #[derive(Debug)]
-struct BoundedConn {
+pub struct BoundedConn {
     stream: TcpStream,
     _permit: OwnedSemaphorePermit,
 }
@@ -285,8 +285,10 @@ impl AsyncWrite for BoundedConn {
     }
 }
 
-/// Accept on `listener` into a stream of bounded connections.
-fn bounded_incoming(
+/// Accept on `listener` into a stream of bounded connections (at most
+/// `max` open; more are closed on accept). The node daemon serves its API
+/// through it too.
+pub fn bounded_incoming(
     listener: TcpListener,
     max: usize,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<BoundedConn>> {

@@ -2,6 +2,7 @@
 //! input, with a trace and a summary) and `serve` (the daemon).
 
 pub mod run;
+pub mod serve;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -102,7 +102,9 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
 
     let (reporter, health) = tonic_health::server::health_reporter();
     for name in ["", SERVICE_NAME] {
-        reporter.set_service_status(name, ServingStatus::Serving).await;
+        reporter
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -148,7 +150,9 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
     let _ = notifier.stopping("draining");
     daemon.drain();
     for name in ["", SERVICE_NAME] {
-        reporter.set_service_status(name, ServingStatus::NotServing).await;
+        reporter
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
     }
     let deadline = Instant::now() + Duration::from_millis(args.drain_timeout_ms);
     while daemon.busy() && Instant::now() < deadline {

@@ -61,6 +61,10 @@ pub enum InputChoice {
     Text(PathBuf),
     /// A file of raw token ids.
     Ids(PathBuf),
+    /// Text given inline (the daemon's requests).
+    InlineText(String),
+    /// Raw token ids given inline.
+    InlineIds(Vec<u32>),
 }
 
 /// A node ready to run its model loop.
@@ -262,9 +266,13 @@ impl NodeModel {
         let mut t = match input {
             InputChoice::Builtin => from_text(input::BUILTIN_TEXT, "the built-in text".into())?,
             InputChoice::Text(p) => from_text(&input::read_text(p)?, p.display().to_string())?,
-            InputChoice::Ids(p) => {
-                let raw = input::read_ids(p)?;
-                let origin = p.display().to_string();
+            InputChoice::InlineText(text) => from_text(text, "the request's text".into())?,
+            InputChoice::Ids(_) | InputChoice::InlineIds(_) => {
+                let (raw, origin) = match input {
+                    InputChoice::Ids(p) => (input::read_ids(p)?, p.display().to_string()),
+                    InputChoice::InlineIds(ids) => (ids.clone(), "the request's ids".to_string()),
+                    _ => return Err(SetupError::Config("unreachable input kind".into())),
+                };
                 match (&self.tokenizer, &self.map) {
                     (Some((_, map)), _) | (None, Some(map)) => {
                         input::compress(map, raw, pad, origin)?
@@ -290,6 +298,36 @@ impl NodeModel {
             t.compressed.extend_from_within(..k);
         }
         Ok(t)
+    }
+
+    /// Apply a new config between sequences: what its routes change (see
+    /// `Memory::reload`) and the node's token rate. The `[model]` table,
+    /// and which tables the node routes, need a restart. All or nothing.
+    pub fn reload(
+        &mut self,
+        handle: &tokio::runtime::Handle,
+        config: &Config,
+        name: &str,
+        metrics: &NodeMetrics,
+    ) -> Result<String, String> {
+        if config.model.as_ref() != Some(&self.model) {
+            return Err("the [model] table changed: restart the node to apply it".into());
+        }
+        let node = config
+            .node(name)
+            .ok_or_else(|| format!("node {name:?} is not in the new config"))?;
+        let report = handle
+            .block_on(self.memory.reload(config, name, metrics))
+            .map_err(|e| e.to_string())?;
+        let mut changes = report.to_string();
+        if node.tokens_per_second != self.tokens_per_second {
+            changes.push_str(&format!(
+                "; tokens/s {} -> {}",
+                self.tokens_per_second, node.tokens_per_second
+            ));
+            self.tokens_per_second = node.tokens_per_second;
+        }
+        Ok(changes)
     }
 
     /// The tables the loop uses.
