@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::TableDigest;
+use engram_protocol::hashing::{HashParams, Preset};
 
 /// Path of a workspace binary built in the same profile as the running
 /// executable: beside it (`target/<profile>/engram-bench`) or one level up
@@ -461,4 +462,58 @@ impl Process {
         }
         Self::spawn(cmd)
     }
+}
+
+/// Hashing base of [`model_rack`]'s tables.
+pub const MODEL_BASE: u64 = 1000;
+/// Generator seed of [`model_rack`]'s tables.
+pub const MODEL_SEED: u64 = 11;
+
+/// A port free on 127.0.0.1 now.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Two tables (layers 1 and 14), donor `d` serving both (frame cap 500
+/// rows), donor `gone` that never runs, and three nodes: `n` (donor, then
+/// SSD), `ref` (local RAM), `stranded` (only the absent donor).
+pub fn model_rack(dir: &Path) -> Result<PathBuf> {
+    let params = HashParams::new(Preset::from_base(MODEL_BASE)?)?;
+    let (l1, d1) = gen_hashed_table(dir, "l1.etab", 1, MODEL_BASE, MODEL_SEED)?;
+    let (l14, d14) = gen_hashed_table(dir, "l14.etab", 14, MODEL_BASE, MODEL_SEED)?;
+    let [r1, r14] = [params.layers[0].rows, params.layers[1].rows];
+    let route = |t: u32, path: &Path, sources: &str| {
+        format!(
+            "[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = \"{}\"\n",
+            path.display()
+        )
+    };
+    let node = |name: &str, sources: &str| {
+        format!(
+            "[[node]]\nname = \"{name}\"\ntokens_per_second = 50\nprobe_interval_ms = 200\n{}{}",
+            route(1, &l1, sources),
+            route(14, &l14, sources)
+        )
+    };
+    let text = format!(
+        "version = 1\n[rack]\nname = \"t\"\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {r1}\ndigest = \"{d1}\"\n\
+         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = {r14}\ndigest = \"{d14}\"\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n\
+         [[donor]]\nname = \"gone\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\n\
+         {}{}{}\
+         [model]\nhash_base = {MODEL_BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n",
+        l1.display(),
+        l14.display(),
+        free_port()?,
+        free_port()?,
+        node("n", "\"d\", \"ssd\""),
+        node("ref", "\"local\""),
+        node("stranded", "\"gone\""),
+    );
+    let path = dir.join("rack.toml");
+    std::fs::write(&path, text)?;
+    Ok(path)
 }

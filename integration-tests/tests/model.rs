@@ -4,63 +4,10 @@
 //! table has no usable source.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use engram_protocol::hashing::{HashParams, Preset};
-use integration_tests::{DonorProcess, bin, gen_hashed_table};
-
-const BASE: u64 = 1000;
-const SEED: u64 = 11;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port()
-}
-
-/// Two tables (layers 1 and 14), donor `d` serving both (frame cap 500
-/// rows), donor `gone` that never runs, and three nodes: `n` (donor, then
-/// SSD), `ref` (local RAM), `stranded` (only the absent donor).
-fn setup(dir: &Path) -> PathBuf {
-    let params = HashParams::new(Preset::from_base(BASE).expect("base")).expect("params");
-    let (l1, d1) = gen_hashed_table(dir, "l1.etab", 1, BASE, SEED).expect("gen 1");
-    let (l14, d14) = gen_hashed_table(dir, "l14.etab", 14, BASE, SEED).expect("gen 14");
-    let [r1, r14] = [params.layers[0].rows, params.layers[1].rows];
-    let route = |t: u32, path: &Path, sources: &str| {
-        format!(
-            "[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = \"{}\"\n",
-            path.display()
-        )
-    };
-    let node = |name: &str, sources: &str| {
-        format!(
-            "[[node]]\nname = \"{name}\"\ntokens_per_second = 50\nprobe_interval_ms = 200\n{}{}",
-            route(1, &l1, sources),
-            route(14, &l14, sources)
-        )
-    };
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {r1}\ndigest = \"{d1}\"\n\
-         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = {r14}\ndigest = \"{d14}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n\
-         [[donor]]\nname = \"gone\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\n\
-         {}{}{}\
-         [model]\nhash_base = {BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n",
-        l1.display(),
-        l14.display(),
-        free_port(),
-        free_port(),
-        node("n", "\"d\", \"ssd\""),
-        node("ref", "\"local\""),
-        node("stranded", "\"gone\""),
-    );
-    let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
-    path
-}
+use integration_tests::{DonorProcess, bin, model_rack};
 
 /// Run the node; returns (exit ok, stdout, stderr).
 fn run(config: &Path, name: &str, extra: &[&str]) -> (bool, String, String) {
@@ -106,7 +53,7 @@ fn checksums(steps: &[serde_json::Value]) -> BTreeMap<(u64, u64), String> {
 #[test]
 fn a_paced_run_traces_every_step_and_fuses_what_local_ram_fuses() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = setup(dir.path());
+    let config = model_rack(dir.path()).expect("rack");
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     let args = |t: &Path| {
@@ -178,7 +125,7 @@ fn a_paced_run_traces_every_step_and_fuses_what_local_ram_fuses() {
 #[test]
 fn a_table_with_no_usable_source_stops_the_node_at_start() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = setup(dir.path());
+    let config = model_rack(dir.path()).expect("rack");
     let (ok, _, err) = run(&config, "stranded", &["--tokens", "5"]);
     assert!(!ok);
     assert!(

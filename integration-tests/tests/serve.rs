@@ -28,7 +28,14 @@ fn serve(config: &Path, notify: &NotifySocket, env: &[(&str, &str)]) -> DonorPro
     cmd.arg("serve")
         .arg("--config")
         .arg(config)
-        .args(["--name", "n", "--listen", "127.0.0.1:0", "--drain-timeout-ms", "5000"])
+        .args([
+            "--name",
+            "n",
+            "--listen",
+            "127.0.0.1:0",
+            "--drain-timeout-ms",
+            "5000",
+        ])
         .env("RUST_LOG", "info")
         .env("NOTIFY_SOCKET", &notify.path);
     for (k, v) in env {
@@ -53,7 +60,10 @@ async fn tables(addr: std::net::SocketAddr) -> TablesResponse {
 }
 
 /// Submit `req`; the checksums of its steps and its summary's token count.
-async fn generate(addr: std::net::SocketAddr, req: GenerateRequest) -> (Vec<String>, Vec<String>, u64) {
+async fn generate(
+    addr: std::net::SocketAddr,
+    req: GenerateRequest,
+) -> (Vec<String>, Vec<String>, u64) {
     let mut stream = client(addr)
         .await
         .generate(req)
@@ -95,7 +105,9 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
         .expect("donor starts");
     let notify = NotifySocket::bind(dir.path()).expect("notify socket");
     let mut node = serve(&config, &notify, &[("WATCHDOG_USEC", "1000000")]);
-    notify.wait_line(Duration::from_secs(30), "READY=1").expect("READY=1");
+    notify
+        .wait_line(Duration::from_secs(30), "READY=1")
+        .expect("READY=1");
     let addr = node.addr;
     rt().block_on(async {
         let t = tables(addr).await;
@@ -106,14 +118,21 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
             assert_eq!((tab.table, tab.layer), (id, layer));
             let names: Vec<&str> = tab.sources.iter().map(|s| s.name.as_str()).collect();
             assert_eq!(names, ["d", "ssd"]);
-            assert!(tab.sources.iter().all(|s| s.admissible && s.breaker == "closed"));
+            assert!(
+                tab.sources
+                    .iter()
+                    .all(|s| s.admissible && s.breaker == "closed")
+            );
             assert_eq!(tab.policy, "fail");
         }
 
         // A sequence, streamed step by step.
         let (sums, sources, tokens) = generate(addr, text_request(40)).await;
         assert_eq!((sums.len(), tokens), (40, 40));
-        assert!(sources.iter().filter(|s| *s == "d").count() > 60, "{sources:?}");
+        assert!(
+            sources.iter().filter(|s| *s == "d").count() > 60,
+            "{sources:?}"
+        );
 
         // `run` over the same text fuses the same outputs.
         let input = dir.path().join("text.txt");
@@ -130,13 +149,20 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
             .arg(&trace)
             .output()
             .expect("run");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let reference: Vec<String> = std::fs::read_to_string(&trace)
             .expect("trace")
             .lines()
             .map(|l| {
                 let v: serde_json::Value = serde_json::from_str(l).expect("json");
-                v["positions"][0]["checksum"].as_str().expect("sum").to_string()
+                v["positions"][0]["checksum"]
+                    .as_str()
+                    .expect("sum")
+                    .to_string()
             })
             .collect();
         assert_eq!(sums, reference);
@@ -166,7 +192,10 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
     // Idle, the daemon proves its serving path and pings the watchdog.
     notify
         .wait(Duration::from_secs(10), |m| {
-            m.iter().filter(|(_, s)| s.lines().any(|l| l == "WATCHDOG=1")).count() >= 2
+            m.iter()
+                .filter(|(_, s)| s.lines().any(|l| l == "WATCHDOG=1"))
+                .count()
+                >= 2
         })
         .expect("watchdog pings while healthy");
 
@@ -174,7 +203,11 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
     let text = std::fs::read_to_string(&config).expect("config");
     let changed = text
         .replacen("tokens_per_second = 50", "tokens_per_second = 25", 1)
-        .replacen("sources = [\"d\", \"ssd\"]", "sources = [\"d\", \"ssd\"]\npolicy = \"zeros\"\nhedge = \"off\"", 1);
+        .replacen(
+            "sources = [\"d\", \"ssd\"]",
+            "sources = [\"d\", \"ssd\"]\npolicy = \"zeros\"\nhedge = \"off\"",
+            1,
+        );
     std::fs::write(&config, &changed).expect("write");
     node.signal(libc::SIGHUP);
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -184,18 +217,26 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
             if t.tokens_per_second == 25.0 && t.tables[0].policy == "zeros" {
                 assert_eq!(t.tables[0].hedge, "off");
                 assert_eq!(t.tables[1].policy, "fail", "only table 1's route changed");
-                assert!((t.tables[0].window_us - 1000.0).abs() < 1.0, "W/40 at 25 tokens/s");
+                assert!(
+                    (t.tables[0].window_us - 1000.0).abs() < 1.0,
+                    "W/40 at 25 tokens/s"
+                );
                 break;
             }
-            assert!(Instant::now() < deadline, "the reload was not applied: {t:?}");
+            assert!(
+                Instant::now() < deadline,
+                "the reload was not applied: {t:?}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
     // An invalid config is refused and the old one kept.
     std::fs::write(&config, "version = 1\n[rack\n").expect("write");
     node.signal(libc::SIGHUP);
-    node.wait_line(Duration::from_secs(10), |l| l.contains("keeping the old one").then_some(()))
-        .expect("refusal logged");
+    node.wait_line(Duration::from_secs(10), |l| {
+        l.contains("keeping the old one").then_some(())
+    })
+    .expect("refusal logged");
     rt().block_on(async {
         let t = tables(addr).await;
         assert_eq!(t.tokens_per_second, 25.0);
@@ -207,7 +248,9 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
     node.signal(libc::SIGTERM);
     let status = node.wait(Duration::from_secs(15)).expect("exits");
     assert!(status.success(), "{}", node.log());
-    notify.wait_line(Duration::from_secs(1), "STOPPING=1").expect("STOPPING=1");
+    notify
+        .wait_line(Duration::from_secs(1), "STOPPING=1")
+        .expect("STOPPING=1");
 }
 
 #[test]
@@ -220,9 +263,14 @@ fn a_stalled_model_loop_misses_its_watchdog() {
     let node = serve(
         &config,
         &notify,
-        &[("WATCHDOG_USEC", "400000"), (inference_node::daemon::TEST_STALL_ENV, "1500")],
+        &[
+            ("WATCHDOG_USEC", "400000"),
+            (inference_node::daemon::TEST_STALL_ENV, "1500"),
+        ],
     );
-    notify.wait_line(Duration::from_secs(30), "READY=1").expect("READY=1");
+    notify
+        .wait_line(Duration::from_secs(30), "READY=1")
+        .expect("READY=1");
     let pings = |from: Instant| {
         notify
             .messages()
@@ -237,8 +285,9 @@ fn a_stalled_model_loop_misses_its_watchdog() {
         })
         .expect("pings while healthy");
     // The stall begins 1.5 s after start; give it a period to take hold.
-    let log_seen = node
-        .wait_line(Duration::from_secs(10), |l| l.contains("stops here").then_some(()));
+    let log_seen = node.wait_line(Duration::from_secs(10), |l| {
+        l.contains("stops here").then_some(())
+    });
     assert!(log_seen.is_ok(), "{}", node.log());
     let quiet_from = Instant::now() + Duration::from_millis(300);
     std::thread::sleep(Duration::from_millis(1500));
@@ -288,15 +337,20 @@ fn the_units_command_line_starts_the_daemon() {
         };
     }
     let notify = NotifySocket::bind(dir.path()).expect("notify socket");
-    cmd.env("NOTIFY_SOCKET", &notify.path).env("RUST_LOG", "info");
+    cmd.env("NOTIFY_SOCKET", &notify.path)
+        .env("RUST_LOG", "info");
     let mut node = DonorProcess::spawn(cmd).expect("the unit's command starts the daemon");
     assert_eq!(node.addr.port(), port);
-    notify.wait_line(Duration::from_secs(30), "READY=1").expect("READY=1");
+    notify
+        .wait_line(Duration::from_secs(30), "READY=1")
+        .expect("READY=1");
     // ExecReload is `kill -HUP $MAINPID`.
     assert!(unit.contains("ExecReload=/bin/kill -HUP $MAINPID"));
     node.signal(libc::SIGHUP);
-    node.wait_line(Duration::from_secs(10), |l| l.contains("config applied").then_some(()))
-        .expect("reloaded");
+    node.wait_line(Duration::from_secs(10), |l| {
+        l.contains("config applied").then_some(())
+    })
+    .expect("reloaded");
     node.signal(libc::SIGTERM);
     let status = node.wait(Duration::from_secs(15)).expect("exits");
     assert!(status.success(), "{}", node.log());
