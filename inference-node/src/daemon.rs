@@ -127,7 +127,8 @@ impl Daemon {
         self.shared.draining.store(true, Ordering::Relaxed);
     }
 
-    /// End the running sequence after its current step.
+    /// End the running sequence after its current step, and start no
+    /// other (the drain deadline).
     pub fn abort(&self) {
         self.shared.abort.store(true, Ordering::Relaxed);
     }
@@ -192,8 +193,12 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
                 events,
             }) => {
                 shared.queued.fetch_sub(1, Ordering::Relaxed);
+                if shared.abort.load(Ordering::Relaxed) {
+                    // Past the drain deadline: what still waits is not started.
+                    let _ = events.try_send(Err(Status::unavailable("the node is draining")));
+                    continue;
+                }
                 shared.running.store(true, Ordering::Relaxed);
-                shared.abort.store(false, Ordering::Relaxed);
                 generate(
                     &mut nm,
                     &cx,
