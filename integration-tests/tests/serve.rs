@@ -24,6 +24,15 @@ fn rt() -> tokio::runtime::Runtime {
 
 /// Start the daemon for node `n` with the fake notify socket and `env`.
 fn serve(config: &Path, notify: &NotifySocket, env: &[(&str, &str)]) -> DonorProcess {
+    serve_with(config, notify, env, "5000")
+}
+
+fn serve_with(
+    config: &Path,
+    notify: &NotifySocket,
+    env: &[(&str, &str)],
+    drain_ms: &str,
+) -> DonorProcess {
     let mut cmd = Command::new(bin("inference-node"));
     cmd.arg("serve")
         .arg("--config")
@@ -34,7 +43,7 @@ fn serve(config: &Path, notify: &NotifySocket, env: &[(&str, &str)]) -> DonorPro
             "--listen",
             "127.0.0.1:0",
             "--drain-timeout-ms",
-            "5000",
+            drain_ms,
         ])
         .env("RUST_LOG", "info")
         .env("NOTIFY_SOCKET", &notify.path);
@@ -352,6 +361,60 @@ fn the_units_command_line_starts_the_daemon() {
     })
     .expect("reloaded");
     node.signal(libc::SIGTERM);
+    let status = node.wait(Duration::from_secs(15)).expect("exits");
+    assert!(status.success(), "{}", node.log());
+}
+
+#[test]
+fn sigterm_lets_the_running_sequence_end_by_the_drain_deadline_and_refuses_new_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    let mut node = serve_with(&config, &notify, &[], "1000");
+    notify
+        .wait_line(Duration::from_secs(30), "READY=1")
+        .expect("READY=1");
+    let addr = node.addr;
+    rt().block_on(async {
+        // 1,000 tokens at 50 tokens/s would take 20 s.
+        let mut stream = client(addr)
+            .await
+            .generate(text_request(1_000))
+            .await
+            .expect("accepted")
+            .into_inner();
+        let first = stream.message().await.expect("stream").expect("a step");
+        assert!(matches!(first.event, Some(generate_event::Event::Step(_))));
+        let sent = Instant::now();
+        node.signal(libc::SIGTERM);
+        notify
+            .wait_line(Duration::from_secs(5), "STOPPING=1")
+            .expect("STOPPING=1");
+        let e = client(addr)
+            .await
+            .generate(text_request(5))
+            .await
+            .expect_err("refused while draining");
+        assert_eq!(e.code(), tonic::Code::Unavailable);
+        let mut steps = 1;
+        let mut summary = None;
+        while let Some(ev) = stream.message().await.expect("stream") {
+            match ev.event.expect("event") {
+                generate_event::Event::Step(_) => steps += 1,
+                generate_event::Event::Summary(s) => summary = Some(s),
+            }
+        }
+        let s = summary.expect("the stopped sequence still gets its summary");
+        assert_eq!(s.tokens, steps);
+        assert!(steps < 1_000, "stopped at the deadline, not run to the end");
+        assert!(
+            sent.elapsed() < Duration::from_secs(8),
+            "{:?}",
+            sent.elapsed()
+        );
+    });
     let status = node.wait(Duration::from_secs(15)).expect("exits");
     assert!(status.success(), "{}", node.log());
 }
