@@ -5,6 +5,7 @@
 
 mod demo;
 mod floor;
+mod rack;
 mod ssd;
 mod stats;
 
@@ -25,7 +26,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The local demo: a small table, a donor process, thousands of verified random rows, latencies.
+    /// The local rack: two donors and an SSD copy, the node at 100 tokens/s, the primary donor killed and restarted; a per-second timeline.
     Demo(demo::DemoArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),

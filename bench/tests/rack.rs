@@ -1,0 +1,76 @@
+//! `engram-bench demo` as a user runs it, on
+//! small tables and short runs. They need the workspace's binaries built in
+//! the same profile (`cargo build --workspace`).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn bench(args: &[&str], dir: &Path, dir_flag: &str) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_engram-bench"))
+        .args(args)
+        .arg(dir_flag)
+        .arg(dir)
+        .output()
+        .expect("engram-bench runs")
+}
+
+fn is_png(path: &Path) -> bool {
+    let b = std::fs::read(path).unwrap_or_default();
+    b.len() > 8 && b[..8] == *b"\x89PNG\r\n\x1a\n"
+}
+
+#[test]
+fn demo_survives_a_killed_donor_and_leaves_no_process_behind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = bench(
+        &["demo", "--seconds", "6", "--hash-base", "1000"],
+        dir.path(),
+        "--dir",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "second  tokens/s  stall p99 us",
+        "failovers",
+        "kill -9 donor-a",
+        "restart donor-a",
+        "outputs identical to local RAM: 600/600 positions",
+        "none of them is left running",
+    ] {
+        assert!(text.contains(want), "{want:?} missing:\n{text}");
+    }
+    // One line per second of the run (6 s and a partial one, at least).
+    let seconds = text
+        .lines()
+        .filter(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.len() >= 7 && w.iter().take(7).all(|x| x.parse::<f64>().is_ok())
+        })
+        .count();
+    assert!(seconds >= 6, "{seconds} timeline lines:\n{text}");
+    assert!(is_png(&dir.path().join("timeline.png")));
+    let svg = std::fs::read_to_string(dir.path().join("timeline.svg")).expect("svg");
+    assert!(svg.contains("kill -9 donor-a"));
+
+    // Every process it started is gone: both donors, the restarted one and both nodes.
+    let pids: Vec<u32> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("processes started (pids): "))
+        .expect("the pid line")
+        .split_whitespace()
+        .map(|p| p.parse().expect("a pid"))
+        .collect();
+    assert_eq!(pids.len(), 5, "{text}");
+    for pid in pids {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd);
+        assert!(
+            !cmd.contains("memory-donor") && !cmd.contains("inference-node"),
+            "{pid} still runs: {cmd}"
+        );
+    }
+}
