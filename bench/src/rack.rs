@@ -439,6 +439,22 @@ pub fn start_node(config: &Path, name: &str, args: &[String], stdout: &Path) -> 
     Child::spawn(&format!("node {name}"), cmd, out.into())
 }
 
+/// Run a node to its end (at most `timeout`); its stdout is in `stdout`.
+pub fn run_node(
+    config: &Path,
+    name: &str,
+    args: &[String],
+    stdout: &Path,
+    timeout: Duration,
+) -> Result<()> {
+    let mut node = start_node(config, name, args, stdout)?;
+    let st = node.wait_exit(timeout)?;
+    if !st.success() {
+        bail!("node {name} failed ({st}):\n{}", node.log());
+    }
+    Ok(())
+}
+
 /// Seconds since `t`, for messages.
 pub fn since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64()

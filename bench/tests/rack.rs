@@ -1,4 +1,4 @@
-//! `engram-bench demo` as a user runs it, on
+//! `engram-bench demo` and `engram-bench paced` as a user runs them, on
 //! small tables and short runs. They need the workspace's binaries built in
 //! the same profile (`cargo build --workspace`).
 
@@ -73,4 +73,52 @@ fn demo_survives_a_killed_donor_and_leaves_no_process_behind() {
             "{pid} still runs: {cmd}"
         );
     }
+}
+
+#[test]
+fn paced_writes_every_point_measured_and_predicted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = bench(
+        &[
+            "paced",
+            "--rates",
+            "50,200",
+            "--seconds-per-point",
+            "1",
+            "--repeat",
+            "1",
+            "--hash-base",
+            "1000",
+        ],
+        dir.path(),
+        "--out",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("meas/pred") && text.contains("fusion: CPU"),
+        "{text}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("paced.json")).expect("json"))
+            .expect("valid JSON");
+    let points = v["points"].as_array().expect("points");
+    assert_eq!(points.len(), 6, "{v}");
+    for p in points {
+        for k in ["measured_tokens_per_second", "predicted_tokens_per_second"] {
+            assert!(p[k].as_f64().is_some_and(|x| x > 0.0), "{k} in {p}");
+        }
+    }
+    let sources: Vec<&str> = points.iter().filter_map(|p| p["source"].as_str()).collect();
+    assert_eq!(sources, ["local", "local", "donor", "donor", "ssd", "ssd"]);
+    assert!(is_png(&dir.path().join("paced.png")));
+    assert!(
+        std::fs::read_to_string(dir.path().join("paced.svg"))
+            .expect("svg")
+            .starts_with("<svg")
+    );
 }
