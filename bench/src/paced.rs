@@ -346,7 +346,7 @@ fn heatmap(r: &Report, rates: &[f64]) -> Heatmap {
     };
     Heatmap {
         title: format!(
-            "inference-node run: slowdown per source and token rate (measured, pred = seed 000 on measured fetches; median of {})",
+            "inference-node run: slowdown by source and rate (median of {})",
             r.repeat
         ),
         rows: SOURCES.iter().map(|s| s.1.to_string()).collect(),
