@@ -1,132 +1,439 @@
-//! `engram-bench demo`: the README's first command. Generates a small
-//! table, starts a real donor process on loopback, fetches thousands of
-//! random rows through the client in 24-row lookups (one per table per
-//! token, as the model asks), checks every byte against the generator,
-//! shows the version check refusing a wrong digest, prints latencies, and
-//! drains the donor with SIGTERM. It leaves no process behind.
+//! `engram-bench demo`: the README's first command, a rack on loopback.
+//! Generates a table pair (layers 1 and 14, reused on later runs), writes a
+//! rack config with two donors serving both tables and an SSD copy, runs a
+//! reference node on local RAM, then runs the real node at 100 tokens/s
+//! over the built-in text while the primary donor is killed with SIGKILL
+//! at a third of the run and restarted at two thirds. Prints a per-second
+//! timeline from the node's trace (and writes it as PNG and SVG), the
+//! node's summary, and checks that every position fused exactly what the
+//! reference fused. Every process it starts is gone when it ends.
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use engram_bench::plot::{Panel, Series, Timeline};
 use engram_protocol::ROW_BYTES;
-use engram_protocol::synthetic::{SplitMix64, first_mismatch};
-use inference_node::{ClientError, ClientOptions, DonorClient, Request};
-use integration_tests::{DonorProcess, gen_table};
+use inference_node::model::StepRecord;
+use inference_node::model::summary::{Second, Seconds};
 
-use crate::stats::Latency;
+use crate::rack::{self, Child, NodeSpec, RackSpec};
 
 /// Settings of the demo.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Rows in the demo table.
-    #[arg(long, default_value_t = 500_000)]
-    rows: u64,
-    /// 24-row lookups to make.
-    #[arg(long, default_value_t = 2_000)]
-    lookups: usize,
-    /// Where to put the table (default: a temporary directory).
-    #[arg(long)]
-    dir: Option<PathBuf>,
+    /// Work directory: tables (reused while their digest matches), config, traces, charts.
+    #[arg(long, default_value = "target/demo-rack")]
+    dir: PathBuf,
+    /// Length of the run at the token rate (donor-a is killed at 1/3, restarted at 2/3).
+    #[arg(long, default_value_t = 30)]
+    seconds: u64,
+    /// Token rate of the node.
+    #[arg(long, default_value_t = 100.0)]
+    tokens_per_second: f64,
+    /// Hashing base of the tables (20000: about 480k rows, 127 MB per table).
+    #[arg(long, default_value_t = 20_000)]
+    hash_base: u64,
 }
 
-const SEED: u64 = 42;
+/// Rate of the reference run on local RAM: only its outputs matter.
+const REFERENCE_RATE: f64 = 5000.0;
+const SOURCES: [&str; 3] = ["donor-a", "donor-b", "ssd"];
 
-/// Run the demo.
+/// Run the demo; every process it started is gone when this returns.
 pub fn run(args: &DemoArgs) -> Result<()> {
-    let tmp = tempfile::tempdir()?;
-    let dir = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    std::fs::create_dir_all(&dir)?;
-    let t = Instant::now();
-    let (path, digest) = gen_table(&dir, "layer1.etab", 1, args.rows, SEED)?;
-    let mb = (args.rows * ROW_BYTES as u64) as f64 / 1e6;
-    println!(
-        "1. generated {} ({} rows, {mb:.0} MB) in {:.1?}",
-        path.display(),
-        args.rows,
-        t.elapsed()
-    );
-    println!("   digest (the table's version): {digest}");
-
-    let mut donor = DonorProcess::start(&[
-        "--table",
-        &format!("1={}", path.display()),
-        "--listen",
-        "127.0.0.1:0",
-        "--name",
-        "demo-donor",
-    ])?;
-    println!(
-        "2. memory-donor loaded it resident, verified its digest, and listens on {}",
-        donor.addr
-    );
-
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let (lat, rows_checked) = rt.block_on(async {
-        let client = DonorClient::connect(
-            donor.addr,
-            &ClientOptions::new("demo-node", vec![(1, digest)]),
-        )
-        .await
-        .context("connecting to the donor")?;
-        let mut rng = SplitMix64::new(1);
-        let mut rows = vec![0u64; 24];
-        let mut out = vec![0u8; 24 * ROW_BYTES];
-        let mut lat = Latency::default();
-        let mut checked = 0u64;
-        for _ in 0..args.lookups {
-            rows.iter_mut().for_each(|r| *r = rng.below(args.rows));
-            let t = Instant::now();
-            client
-                .lookup(
-                    &[Request {
-                        table: 1,
-                        rows: &rows,
-                    }],
-                    &mut out,
-                )
-                .await?;
-            lat.record(t.elapsed());
-            if let Some(r) = first_mismatch(SEED, 1, &rows, &out) {
-                bail!("row {r} differs from the generator");
-            }
-            checked += rows.len() as u64;
-        }
-        // A client pinned to another version is refused before any row moves.
-        let mut wrong = digest;
-        wrong.0[0] ^= 0xFF;
-        match DonorClient::connect(
-            donor.addr,
-            &ClientOptions::new("demo-node", vec![(1, wrong)]),
-        )
-        .await
-        {
-            Err(ClientError::DigestMismatch { .. }) => {}
-            other => bail!("a wrong pinned digest was not refused: {other:?}"),
-        }
-        Ok::<_, anyhow::Error>((lat, checked))
-    })?;
-    let s = lat.summary();
-    println!(
-        "3. fetched {} lookups x 24 random rows = {rows_checked} rows; every byte matches the generator",
-        lat.len()
-    );
-    println!(
-        "   lookup latency (one 24-row message, loopback TCP): p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us, max {:.1} us",
-        s.p50_us, s.p99_us, s.p999_us, s.max_us
-    );
-    println!("   a client pinned to another digest was refused (the version check)");
-    donor.signal(libc::SIGTERM);
-    match donor.wait(Duration::from_secs(10)) {
-        Some(st) if st.success() => {
-            println!("4. SIGTERM: the donor said Goodbye, drained and exited cleanly")
-        }
-        other => bail!(
-            "the donor did not exit cleanly ({other:?}); its log:\n{}",
-            donor.log()
-        ),
+    if args.seconds < 3 {
+        bail!(
+            "--seconds {} is too short to kill and restart a donor (3 or more)",
+            args.seconds
+        );
+    }
+    if !(args.tokens_per_second.is_finite() && args.tokens_per_second > 0.0) {
+        bail!(
+            "--tokens-per-second {} is not a rate",
+            args.tokens_per_second
+        );
+    }
+    rack::kill_children_on_interrupt()?;
+    let mut pids = Vec::new();
+    let res = demo(args, &mut pids);
+    // Every guard has dropped by now: each child is killed and reaped.
+    let left: Vec<String> = pids
+        .iter()
+        .filter(|(pid, prog, _)| !rack::gone(*pid, prog))
+        .map(|(pid, _, name)| format!("{name} ({pid})"))
+        .collect();
+    let list: Vec<String> = pids.iter().map(|(p, _, _)| p.to_string()).collect();
+    println!("processes started (pids): {}", list.join(" "));
+    if left.is_empty() {
+        println!("none of them is left running");
+    } else {
+        println!("still running: {}", left.join(", "));
+    }
+    res?;
+    rack::check_interrupted()?;
+    if !left.is_empty() {
+        bail!("processes were left behind");
     }
     Ok(())
+}
+
+/// `(pid, program, name)` of each process started.
+type Started = Vec<(u32, &'static str, String)>;
+
+fn demo(args: &DemoArgs, pids: &mut Started) -> Result<()> {
+    let t_all = Instant::now();
+    let dir = &rack::work_dir(&args.dir)?;
+    let t = Instant::now();
+    let tables = rack::table_pair(dir, args.hash_base)?;
+    let mb = tables.tables[0].rows as f64 * ROW_BYTES as f64 / 1e6;
+    println!(
+        "1. tables (hash base {}): layer 1 and layer 14, {} and {} rows ({mb:.0} MB each), {} in {:.1} s",
+        args.hash_base,
+        tables.tables[0].rows,
+        tables.tables[1].rows,
+        if tables.reused {
+            "already there (digests match), reused"
+        } else {
+            "generated"
+        },
+        rack::since(t),
+    );
+    let spec = RackSpec {
+        donors: &["donor-a", "donor-b"],
+        nodes: vec![
+            NodeSpec {
+                name: "rack",
+                sources: &SOURCES,
+            },
+            NodeSpec {
+                name: "ref",
+                sources: &["local"],
+            },
+        ],
+        probe_interval_ms: 500,
+        trust_copies: false,
+    };
+    let rk = rack::write_config(dir, &tables, &spec)?;
+    println!("2. rack config {}:", rk.config.display());
+    for d in &rk.donors {
+        println!(
+            "   {} serves both tables on {} (control plane {})",
+            d.name, d.listen, d.control
+        );
+    }
+    println!(
+        "   node \"rack\" routes both tables to donor-a, then donor-b, then its SSD copy; probes every 500 ms"
+    );
+    println!("   node \"ref\" reads both tables into its own RAM (the reference)");
+
+    let tokens = (args.seconds as f64 * args.tokens_per_second).round() as u64;
+    let ready_timeout = Duration::from_secs(120);
+
+    // The donors load while the reference runs.
+    let t = Instant::now();
+    let config = rk.config.clone();
+    let launch = |name: &str, extra: &[&str]| Child::launch_donor(&config, name, extra);
+    let donor_a = launch("donor-a", &[])?;
+    pids.push((donor_a.pid(), "memory-donor", "donor-a".into()));
+    let donor_b = launch("donor-b", &[])?;
+    pids.push((donor_b.pid(), "memory-donor", "donor-b".into()));
+
+    let ref_trace = dir.join("ref.jsonl");
+    let ref_args = vec![
+        "--tokens".to_string(),
+        tokens.to_string(),
+        "--tokens-per-second".into(),
+        REFERENCE_RATE.to_string(),
+        "--quiet".into(),
+        "--trace".into(),
+        ref_trace.display().to_string(),
+    ];
+    let t_ref = Instant::now();
+    let mut reference = rack::start_node(&config, "ref", &ref_args, &dir.join("ref-summary.txt"))?;
+    pids.push((reference.pid(), "inference-node", "node ref".into()));
+    expect_success(&mut reference, Duration::from_secs(300))?;
+    drop(reference);
+    println!(
+        "3. reference: node \"ref\" fused {tokens} positions from local RAM in {:.1} s",
+        rack::since(t_ref)
+    );
+    for d in [&donor_a, &donor_b] {
+        d.wait_ready(ready_timeout)?;
+    }
+    println!(
+        "4. donor-a (pid {}) and donor-b (pid {}) loaded both tables, verified their digests and are ready ({:.1} s after start)",
+        donor_a.pid(),
+        donor_b.pid(),
+        rack::since(t)
+    );
+
+    // The run, with donor-a killed and restarted on the node's own clock.
+    let trace = dir.join("rack.jsonl");
+    let node_args = vec![
+        "--tokens".to_string(),
+        tokens.to_string(),
+        "--tokens-per-second".into(),
+        args.tokens_per_second.to_string(),
+        "--trace".into(),
+        trace.display().to_string(),
+    ];
+    let mut node = rack::start_node(&config, "rack", &node_args, &dir.join("rack-summary.txt"))?;
+    pids.push((node.pid(), "inference-node", "node rack".into()));
+    node.wait_line(ready_timeout, |l| l.starts_with("running ").then_some(()))
+        .context("the node did not start its loop")?;
+    let origin = Instant::now();
+    println!(
+        "5. node \"rack\" runs {tokens} tokens at {} tokens/s (pid {})",
+        args.tokens_per_second,
+        node.pid()
+    );
+    let kill_at = (args.seconds as f64 / 3.0).round() as u64;
+    let restart_at = (2.0 * args.seconds as f64 / 3.0).round() as u64;
+    wait_second(&node, kill_at)?;
+    donor_a.signal(libc::SIGKILL);
+    let killed = rack::since(origin);
+    let mut donor_a = donor_a;
+    let st = donor_a.wait_exit(Duration::from_secs(10))?;
+    drop(donor_a);
+    println!("   t={killed:>5.1} s  kill -9 donor-a ({st})");
+    wait_second(&node, restart_at)?;
+    let restarted = rack::since(origin);
+    // A restart of files it verified a minute ago: the digest is trusted.
+    let donor_a = launch("donor-a", &["--trust-digest"])?;
+    pids.push((donor_a.pid(), "memory-donor", "donor-a (restarted)".into()));
+    println!(
+        "   t={restarted:>5.1} s  restart donor-a (pid {}, --trust-digest)",
+        donor_a.pid()
+    );
+    donor_a.wait_ready(ready_timeout)?;
+    println!("   t={:>5.1} s  donor-a ready again", rack::since(origin));
+    let status = node.wait_exit(Duration::from_secs(args.seconds * 4 + 60))?;
+    let node_log = node.log();
+    drop(node);
+
+    // The timeline from the trace.
+    let steps = read_trace(&trace)?;
+    let seconds = per_second(&steps);
+    println!();
+    print!("{}", timeline_table(&seconds));
+    let back = first_use_after(&steps, "donor-a", restarted);
+    let timeline = timeline_chart(&seconds, args.tokens_per_second, killed, restarted);
+    let (svg, png) = timeline
+        .write_both(&dir.join("timeline"))
+        .with_context(|| format!("writing the timeline into {}", dir.display()))?;
+    println!();
+    println!("6. the node's summary:");
+    let summary = std::fs::read_to_string(dir.join("rack-summary.txt")).unwrap_or_default();
+    for l in summary.lines() {
+        println!("   {l}");
+    }
+    if let Some(b) = back {
+        println!(
+            "   donor-a served again from t={b:.1} s ({:.1} s after its restart)",
+            b - restarted
+        );
+    } else {
+        println!("   donor-a did not serve again before the run ended");
+    }
+
+    // Same outputs as local RAM, position by position.
+    let reference = checksums(&read_trace(&ref_trace)?);
+    let got = checksums(&steps);
+    let same = reference
+        .iter()
+        .filter(|(k, v)| got.get(*k).is_some_and(|g| !g.is_empty() && g == *v))
+        .count();
+    println!(
+        "7. outputs identical to local RAM: {same}/{} positions",
+        reference.len()
+    );
+    println!("8. timeline: {} and {}", png.display(), svg.display());
+
+    for d in [&donor_b, &donor_a] {
+        d.signal(libc::SIGTERM);
+    }
+    let mut stopped = true;
+    for mut d in [donor_b, donor_a] {
+        stopped &= d.wait_exit(Duration::from_secs(10))?.success();
+    }
+    println!(
+        "9. donors stopped with SIGTERM{}; {:.1} s in all",
+        if stopped { " (clean exits)" } else { "" },
+        rack::since(t_all)
+    );
+
+    if !status.success() {
+        bail!("the node failed ({status}):\n{node_log}");
+    }
+    let failed = steps
+        .iter()
+        .filter(|s| s.tables.iter().any(|t| t.error.is_some()))
+        .count();
+    if failed > 0 {
+        bail!("{failed} steps had a table with no usable rows");
+    }
+    if reference.len() as u64 != tokens || got.len() != reference.len() || same != reference.len() {
+        bail!(
+            "outputs differ from local RAM: {same} of {} positions identical ({} in the run, {tokens} asked)",
+            reference.len(),
+            got.len()
+        );
+    }
+    Ok(())
+}
+
+fn expect_success(c: &mut Child, timeout: Duration) -> Result<ExitStatus> {
+    let st = c.wait_exit(timeout)?;
+    if !st.success() {
+        bail!("{} failed ({st}):\n{}", c.name(), c.log());
+    }
+    Ok(st)
+}
+
+/// Wait until the node's status line for second `at - 1` (so `at` seconds
+/// into its loop have passed).
+fn wait_second(node: &Child, at: u64) -> Result<()> {
+    let want = at.saturating_sub(1);
+    node.wait_line(Duration::from_secs(at * 4 + 60), |l| {
+        let s = l.strip_prefix("t=")?.trim_start();
+        let n: u64 = s.split('s').next()?.parse().ok()?;
+        (n >= want).then_some(())
+    })
+    .with_context(|| format!("waiting for second {at} of the node's run"))
+}
+
+/// The trace's steps.
+pub fn read_trace(path: &Path) -> Result<Vec<StepRecord>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Cut the steps into seconds.
+fn per_second(steps: &[StepRecord]) -> Vec<Second> {
+    let mut s = Seconds::default();
+    let mut out = Vec::new();
+    for r in steps {
+        out.extend(s.add(r));
+    }
+    out.extend(s.finish());
+    out
+}
+
+/// Position `(seq, index)` -> checksum of its fused output.
+fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
+    steps
+        .iter()
+        .flat_map(|s| &s.positions)
+        .map(|p| ((p.seq, p.index), p.checksum.clone()))
+        .collect()
+}
+
+/// When (seconds into the run) `source` first served a table after `from`.
+fn first_use_after(steps: &[StepRecord], source: &str, from: f64) -> Option<f64> {
+    steps
+        .iter()
+        .filter(|s| s.start_us / 1e6 >= from)
+        .find(|s| s.tables.iter().any(|t| t.source.as_deref() == Some(source)))
+        .map(|s| s.start_us / 1e6)
+}
+
+/// The source columns: the route's order, then any other name seen.
+fn source_columns(seconds: &[Second]) -> Vec<String> {
+    let mut cols: Vec<String> = SOURCES.iter().map(|s| s.to_string()).collect();
+    for s in seconds {
+        for k in s.rows_by_source.keys() {
+            if !cols.contains(k) {
+                cols.push(k.clone());
+            }
+        }
+    }
+    cols
+}
+
+/// The timeline as a table, one line per second.
+fn timeline_table(seconds: &[Second]) -> String {
+    let cols = source_columns(seconds);
+    let mut out = format!("{:>6} {:>9} {:>13}", "second", "tokens/s", "stall p99 us");
+    for c in &cols {
+        out += &format!(" {:>9}", c);
+    }
+    out += &format!(" {:>9}\n", "failovers");
+    let last = seconds.len().saturating_sub(1);
+    for (i, s) in seconds.iter().enumerate() {
+        out += &format!("{:>6} {:>9} {:>13.0}", s.second, s.tokens, s.stall_p99_us);
+        for c in &cols {
+            out += &format!(" {:>9}", s.rows_by_source.get(c).copied().unwrap_or(0));
+        }
+        out += &format!(" {:>9}", s.failovers);
+        if i == last {
+            out += "  (partial second)";
+        }
+        out += "\n";
+    }
+    out += &format!(
+        "{:>6} {:>9} {:>13} {:^w$} {:>9}\n",
+        "",
+        "",
+        "",
+        "rows served per second",
+        "",
+        w = cols.len() * 10 - 1
+    );
+    out
+}
+
+/// The timeline chart: tokens/s, stall p99, rows per source; events for
+/// the kill and the restart. The last (partial) second is left out.
+fn timeline_chart(seconds: &[Second], target: f64, killed: f64, restarted: f64) -> Timeline {
+    let full = &seconds[..seconds.len().saturating_sub(1)];
+    let mid = |s: &Second| s.second as f64 + 0.5;
+    let series = |name: &str, f: &dyn Fn(&Second) -> f64| Series {
+        name: name.to_string(),
+        points: full.iter().map(|s| (mid(s), f(s))).collect(),
+    };
+    let rows = source_columns(seconds)
+        .into_iter()
+        .map(|c| {
+            series(&c, &|s: &Second| {
+                s.rows_by_source.get(&c).copied().unwrap_or(0) as f64
+            })
+        })
+        .collect();
+    Timeline {
+        title: "engram-bench demo: node \"rack\", donor-a killed and restarted".into(),
+        x_label: "time into the run (s)".into(),
+        panels: vec![
+            Panel {
+                title: "token rate".into(),
+                unit: "tokens/s".into(),
+                series: vec![
+                    series("measured", &|s: &Second| s.tokens as f64),
+                    series("target", &|_| target),
+                ],
+            },
+            Panel {
+                title: "stall p99 per second".into(),
+                unit: "us".into(),
+                series: vec![series("stall p99", &|s: &Second| s.stall_p99_us)],
+            },
+            Panel {
+                title: "rows per source".into(),
+                unit: "rows/s".into(),
+                series: rows,
+            },
+        ],
+        events: vec![
+            (killed, "kill -9 donor-a".into()),
+            (restarted, "restart donor-a".into()),
+        ],
+    }
 }

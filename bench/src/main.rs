@@ -5,6 +5,8 @@
 
 mod demo;
 mod floor;
+mod paced;
+mod rack;
 mod ssd;
 mod stats;
 
@@ -25,8 +27,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The local demo: a small table, a donor process, thousands of verified random rows, latencies.
+    /// The local rack: two donors and an SSD copy, the node at 100 tokens/s, the primary donor killed and restarted; a per-second timeline.
     Demo(demo::DemoArgs),
+    /// The real node against local RAM, a donor over TCP and the SSD copy across token rates, next to seed 000's prediction.
+    Paced(paced::PacedArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),
     /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
@@ -44,6 +48,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo::run(&a),
+        Cmd::Paced(a) => paced::run(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Model(a) => model::run(&a),

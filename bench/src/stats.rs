@@ -26,11 +26,6 @@ impl Latency {
         let _ = self.0.record(ns);
     }
 
-    /// Samples recorded.
-    pub fn len(&self) -> u64 {
-        self.0.len()
-    }
-
     /// p50, p99, p99.9 and max in microseconds.
     pub fn summary(&self) -> Summary {
         let us = |q: f64| self.0.value_at_quantile(q) as f64 / 1000.0;

@@ -141,9 +141,15 @@ pub struct Process {
 
 impl Process {
     /// Start `cmd`, collecting its stderr.
-    pub fn spawn(mut cmd: Command) -> Result<Self> {
+    pub fn spawn(cmd: Command) -> Result<Self> {
+        Self::spawn_with_stdout(cmd, Stdio::null())
+    }
+
+    /// Start `cmd` with its stdout sent to `stdout` (a file, say),
+    /// collecting its stderr.
+    pub fn spawn_with_stdout(mut cmd: Command, stdout: Stdio) -> Result<Self> {
         let mut child = cmd
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("starting {cmd:?}"))?;
@@ -221,6 +227,11 @@ impl Process {
             addrs,
             process: self,
         })
+    }
+
+    /// Its process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
     }
 
     /// Send a signal (`libc::SIGTERM`, `libc::SIGKILL`, ...).

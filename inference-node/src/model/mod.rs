@@ -38,7 +38,7 @@ use std::time::Duration;
 use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::{COLUMNS, HashError, HashParams, PositionRows, SequenceHasher};
 use engram_protocol::synthetic::SplitMix64;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::engram::fusion::{Fusion, FusionError, POSITION_ROW_BYTES};
@@ -167,7 +167,7 @@ pub trait Fetcher {
 }
 
 /// One position of a step in the trace.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PositionRecord {
     /// Sequence.
     pub seq: u32,
@@ -181,7 +181,7 @@ pub struct PositionRecord {
 }
 
 /// One table of a step in the trace. Times are microseconds from the step's start.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TableRecord {
     /// Table id.
     pub table: u32,
@@ -209,17 +209,18 @@ pub struct TableRecord {
     /// Answered after the router's deadline.
     pub late: bool,
     /// Why it failed.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 
-/// One step (token) in the trace.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One step (token) in the trace: one JSON line of `inference-node run
+/// --trace`, read back by reports (`engram-bench demo`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     /// Step index.
     pub step: u64,
     /// `prefill`, `decode` or `verify` (decode with draft positions).
-    pub kind: &'static str,
+    pub kind: StepKind,
     /// Start, in microseconds from the run's start.
     pub start_us: f64,
     /// Target step time `W`.
@@ -238,10 +239,22 @@ pub struct StepRecord {
     pub positions: Vec<PositionRecord>,
 }
 
+/// What a step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepKind {
+    /// Many positions of each sequence fetched and fused in one sweep.
+    Prefill,
+    /// One position per sequence.
+    Decode,
+    /// A position and its draft positions, verified together.
+    Verify,
+}
+
 impl StepRecord {
     /// Decoded positions in it (none for prefill).
     pub fn decoded(&self) -> usize {
-        if self.kind == "prefill" {
+        if self.kind == StepKind::Prefill {
             0
         } else {
             self.positions.len()
@@ -511,11 +524,11 @@ pub fn run<C: Clock, F: Fetcher>(
         let rec = StepRecord {
             step,
             kind: if prefill {
-                "prefill"
+                StepKind::Prefill
             } else if spec.speculate > 0 {
-                "verify"
+                StepKind::Verify
             } else {
-                "decode"
+                StepKind::Decode
             },
             start_us: us(t0),
             w_us: us(w),

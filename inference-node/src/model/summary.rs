@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use cluster_config::plan::predict;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use super::{BLOCKS, LoopSpec, StepRecord, TableSlot};
+use super::{BLOCKS, LoopSpec, StepKind, StepRecord, TableSlot};
 
 /// One table over the run.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TableSummary {
     /// Table id.
     pub table: u32,
@@ -44,8 +44,8 @@ pub struct TableSummary {
     pub fetch_max_us: f64,
 }
 
-/// The whole run.
-#[derive(Debug, Clone, Serialize)]
+/// The whole run (`inference-node run --json` prints it; reports read it back).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     /// Target rate.
     pub target_tokens_per_second: f64,
@@ -166,7 +166,7 @@ impl Summary {
             t.late += u64::from(rec.late);
             t.rows += rec.unique_rows as u64;
         }
-        if r.kind == "prefill" {
+        if r.kind == StepKind::Prefill {
             self.prefill_positions += r.positions.len() as u64;
             self.prefill_ms += r.time_us / 1e3;
             return;

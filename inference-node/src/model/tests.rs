@@ -286,7 +286,7 @@ fn prefill_speculation_and_decode_fuse_bit_identical_outputs() {
         ..LoopSpec::default()
     };
     let (s, steps, log) = run_fake(&spec, &toks, instant, Duration::ZERO);
-    assert_eq!(steps[0].kind, "prefill");
+    assert_eq!(steps[0].kind, StepKind::Prefill);
     assert_eq!(steps[0].positions.len(), 50);
     assert_eq!(steps[0].tables[0].rows, 50 * 24);
     // Real text repeats: the sweep asks for fewer distinct rows than it needs.
@@ -305,7 +305,7 @@ fn prefill_speculation_and_decode_fuse_bit_identical_outputs() {
     assert!(
         steps
             .iter()
-            .all(|r| r.kind == "verify" && r.positions.len() == 4)
+            .all(|r| r.kind == StepKind::Verify && r.positions.len() == 4)
     );
     assert!(
         steps
@@ -433,4 +433,24 @@ fn token_limits_stop_and_bad_specs_are_refused() {
     .expect_err("bad id")
     .to_string();
     assert!(e.contains("position 5"), "{e}");
+}
+
+#[test]
+fn trace_lines_read_back_as_the_records_written() {
+    let spec = LoopSpec {
+        max_tokens: Some(6),
+        prefill: 4,
+        ..LoopSpec::default()
+    };
+    let (_, steps, _) = run_fake(&spec, &tokens(20), |_, _| 2 * MS, Duration::ZERO);
+    for r in &steps {
+        let line = serde_json::to_string(r).expect("JSON");
+        let back: StepRecord = serde_json::from_str(&line).expect("reads back");
+        assert_eq!(&back, r);
+    }
+    let bad = serde_json::to_string(&steps[1])
+        .expect("JSON")
+        .replace("\"decode\"", "\"sideways\"");
+    let e = serde_json::from_str::<StepRecord>(&bad).expect_err("unknown kind");
+    assert!(e.to_string().contains("sideways"), "{e}");
 }

@@ -1,0 +1,461 @@
+//! The local rack that `demo` and `paced` run on: a table pair sized by a
+//! hashing base, generated once and reused while its digest matches; a rack
+//! config on loopback addresses; and the child processes (generator,
+//! donors, nodes), each killed on every exit path: when its [`Child`]
+//! guard drops (an error, a panic) and on SIGINT or SIGTERM, which kill
+//! every registered child at once.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use integration_tests::{DonorProcess, Process, bin};
+use serde::{Deserialize, Serialize};
+
+/// Seed of the synthetic rows.
+pub const SEED: u64 = 7;
+/// Fusion of the rack's `[model]`: small, so CPU fusion stays far below a
+/// token's budget even at 1000 tokens/s.
+pub const HIDDEN: u32 = 16;
+pub const STREAMS: u32 = 4;
+
+/// One generated table file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TableFile {
+    /// Engram layer (1 or 14).
+    pub layer: u32,
+    /// Where it is.
+    pub path: PathBuf,
+    /// Rows in it.
+    pub rows: u64,
+    /// Its digest (the version a config pins).
+    pub digest: String,
+}
+
+/// Layers 1 and 14, sized by one hashing base.
+#[derive(Debug, Clone)]
+pub struct TablePair {
+    /// The hashing base both are sized by.
+    pub base: u64,
+    /// Layer 1's, then layer 14's.
+    pub tables: [TableFile; 2],
+    /// Whether they were already there (digest recorded at generation
+    /// equal to the file's).
+    pub reused: bool,
+}
+
+/// What `memory-donor inspect --json` says of a file (the fields used here).
+#[derive(Debug, Deserialize)]
+struct Inspected {
+    layer: u32,
+    rows: u64,
+    digest: String,
+    hash_base: Option<u64>,
+}
+
+fn inspect(path: &Path) -> Result<Inspected> {
+    let out = Command::new(bin("memory-donor"))
+        .arg("inspect")
+        .arg(path)
+        .arg("--json")
+        .output()
+        .context("running memory-donor inspect")?;
+    if !out.status.success() {
+        bail!(
+            "memory-donor inspect {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("reading memory-donor inspect --json")
+}
+
+/// Create `dir` and return its absolute path (the config's paths must not
+/// depend on where a process starts).
+pub fn work_dir(dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::canonicalize(dir).with_context(|| format!("resolving {}", dir.display()))
+}
+
+/// The table pair for `base` in `dir`: the files there when `tables.json`
+/// (written after each generation) records the digest each file has,
+/// otherwise freshly generated with `memory-donor gen --hash-base`.
+pub fn table_pair(dir: &Path, base: u64) -> Result<TablePair> {
+    let manifest_path = dir.join("tables.json");
+    let mut manifest: BTreeMap<String, String> = std::fs::read(&manifest_path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let mut reused = true;
+    let mut tables = Vec::new();
+    for layer in [1u32, 14] {
+        let name = format!("layer{layer}-base{base}-seed{SEED}.etab");
+        let path = dir.join(&name);
+        let known = manifest.get(&name).cloned();
+        let found = match (&known, path.is_file()) {
+            (Some(d), true) => inspect(&path)
+                .ok()
+                .filter(|i| &i.digest == d && i.layer == layer && i.hash_base == Some(base)),
+            _ => None,
+        };
+        let info = match found {
+            Some(i) => i,
+            None => {
+                reused = false;
+                generate(&path, layer, base)?;
+                let i = inspect(&path)?;
+                manifest.insert(name, i.digest.clone());
+                std::fs::write(&manifest_path, serde_json::to_vec_pretty(&manifest)?)
+                    .with_context(|| format!("writing {}", manifest_path.display()))?;
+                i
+            }
+        };
+        tables.push(TableFile {
+            layer,
+            path,
+            rows: info.rows,
+            digest: info.digest,
+        });
+    }
+    let [t1, t14]: [TableFile; 2] = tables
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("two layers make two tables"))?;
+    Ok(TablePair {
+        base,
+        tables: [t1, t14],
+        reused,
+    })
+}
+
+/// `memory-donor gen` as a registered child (so an interrupt stops it too).
+fn generate(path: &Path, layer: u32, base: u64) -> Result<()> {
+    let mut cmd = Command::new(bin("memory-donor"));
+    cmd.args(["gen", "--layer", &layer.to_string()])
+        .args(["--hash-base", &base.to_string()])
+        .args(["--seed", &SEED.to_string()])
+        .arg("--out")
+        .arg(path);
+    let mut generator = Child::spawn("memory-donor gen", cmd, Stdio::null())?;
+    let status = generator.wait_exit(Duration::from_secs(600))?;
+    if !status.success() {
+        bail!("memory-donor gen failed ({status}):\n{}", generator.log());
+    }
+    Ok(())
+}
+
+/// A port nobody listens on at `ip` right now (the kernel's pick).
+pub fn free_port(ip: Ipv4Addr) -> Result<u16> {
+    let l = std::net::TcpListener::bind((ip, 0))
+        .with_context(|| format!("binding {ip}:0 (is the loopback address usable?)"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// One node of the rack and the sources of both its routes.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    pub name: &'static str,
+    pub sources: &'static [&'static str],
+}
+
+/// What to write into the rack config.
+#[derive(Debug, Clone)]
+pub struct RackSpec {
+    /// Donors, each serving both tables on its own loopback address
+    /// (127.0.0.2, 127.0.0.3, ...) with a control plane.
+    pub donors: &'static [&'static str],
+    /// Nodes.
+    pub nodes: Vec<NodeSpec>,
+    /// How often a node probes an excluded source.
+    pub probe_interval_ms: u64,
+    /// Skip recomputing the digest of a node's SSD copy (or local RAM copy) at start.
+    pub trust_copies: bool,
+}
+
+/// A donor as written into the config.
+#[derive(Debug, Clone)]
+pub struct DonorAddrs {
+    pub name: String,
+    pub listen: SocketAddr,
+    pub control: SocketAddr,
+}
+
+/// The written config.
+#[derive(Debug, Clone)]
+pub struct Rack {
+    /// The config file.
+    pub config: PathBuf,
+    /// Its donors.
+    pub donors: Vec<DonorAddrs>,
+}
+
+/// Write `dir/rack.toml` for `tables` as `spec` says.
+pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<Rack> {
+    let [t1, t14] = &tables.tables;
+    let mut text = String::from("version = 1\n[rack]\nname = \"local\"\n");
+    for (id, t) in [(1, t1), (14, t14)] {
+        write!(
+            text,
+            "\n[[table]]\nid = {id}\nlayer = {}\npath = \"{}\"\nrows = {}\ndigest = \"{}\"\n",
+            t.layer,
+            t.path.display(),
+            t.rows,
+            t.digest
+        )?;
+    }
+    let mut donors = Vec::new();
+    for (i, name) in spec.donors.iter().enumerate() {
+        let ip = Ipv4Addr::new(127, 0, 0, 2 + i as u8);
+        let listen = SocketAddr::from((ip, free_port(ip)?));
+        let mut control = SocketAddr::from((ip, free_port(ip)?));
+        while control == listen {
+            control = SocketAddr::from((ip, free_port(ip)?));
+        }
+        write!(
+            text,
+            "\n[[donor]]\nname = \"{name}\"\nlisten = [\"{listen}\"]\ntables = [1, 14]\n\
+             ram_gib = 2.0\ncontrol = \"{control}\"\n"
+        )?;
+        donors.push(DonorAddrs {
+            name: (*name).to_string(),
+            listen,
+            control,
+        });
+    }
+    for n in &spec.nodes {
+        let sources: Vec<String> = n.sources.iter().map(|s| format!("\"{s}\"")).collect();
+        write!(
+            text,
+            "\n[[node]]\nname = \"{}\"\ntokens_per_second = 100\nprobe_interval_ms = {}\n",
+            n.name, spec.probe_interval_ms
+        )?;
+        for (id, t) in [(1, t1), (14, t14)] {
+            write!(
+                text,
+                "[[node.route]]\ntable = {id}\nsources = [{}]\nssd_path = \"{}\"\ntrust_digest = {}\n",
+                sources.join(", "),
+                t.path.display(),
+                spec.trust_copies
+            )?;
+        }
+    }
+    write!(
+        text,
+        "\n[model]\nhash_base = {}\nweights_seed = 1\nhidden = {HIDDEN}\nstreams = {STREAMS}\nfusion = \"cpu\"\n",
+        tables.base
+    )?;
+    let config = dir.join("rack.toml");
+    std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
+    Ok(Rack { config, donors })
+}
+
+/// Pids of the children alive now; the interrupt handler kills them.
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+fn children() -> std::sync::MutexGuard<'static, Vec<u32>> {
+    // A panic while holding it leaves a plain list of pids, still usable.
+    CHILDREN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn sigkill(pid: u32) {
+    // SAFETY: kill(2) on a child this process has not reaped yet (its
+    // guard holds the registry's lock until after the wait) has no memory
+    // effects.
+    unsafe {
+        libc::kill(pid as i32, libc::SIGKILL);
+    }
+}
+
+/// From now on, SIGINT and SIGTERM kill every registered child (the
+/// waits on them then fail, and the command exits non-zero).
+pub fn kill_children_on_interrupt() -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    let (mut int, mut term) = rt.block_on(async {
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        ))
+    })?;
+    std::thread::Builder::new()
+        .name("interrupt".into())
+        .spawn(move || {
+            rt.block_on(async {
+                loop {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
+                    INTERRUPTED.store(true, Ordering::SeqCst);
+                    eprintln!("interrupted: stopping every process this run started");
+                    for &pid in children().iter() {
+                        sigkill(pid);
+                    }
+                }
+            });
+        })?;
+    Ok(())
+}
+
+/// Fail if an interrupt came.
+pub fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+/// A child process, registered for the interrupt handler while it lives;
+/// dropping it kills it (SIGKILL) and reaps it.
+#[derive(Debug)]
+pub struct Child {
+    name: String,
+    pid: u32,
+    process: Option<Process>,
+}
+
+impl Child {
+    /// Start `cmd` (stdout to `stdout`, stderr collected).
+    pub fn spawn(name: &str, cmd: Command, stdout: Stdio) -> Result<Self> {
+        Ok(Self::register(
+            name,
+            Process::spawn_with_stdout(cmd, stdout)?,
+        ))
+    }
+
+    /// Guard an already started process.
+    pub fn register(name: &str, process: Process) -> Self {
+        let pid = process.id();
+        let mut list = children();
+        list.push(pid);
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            sigkill(pid);
+        }
+        Self {
+            name: name.to_string(),
+            pid,
+            process: Some(process),
+        }
+    }
+
+    /// Start `memory-donor serve --config CONFIG --name NAME [EXTRA]`
+    /// (see [`Child::wait_ready`]).
+    pub fn launch_donor(config: &Path, name: &str, extra: &[&str]) -> Result<Self> {
+        let config = config.to_str().context("the config's path is not UTF-8")?;
+        let mut args = vec!["--config", config, "--name", name];
+        args.extend_from_slice(extra);
+        Ok(Self::register(name, DonorProcess::launch(&args)?))
+    }
+
+    /// Wait (at most `timeout`) for its `ready listen=` line.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        self.wait_line(timeout, |l| l.contains("ready listen=").then_some(()))
+            .with_context(|| format!("{} did not become ready", self.name))
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn process(&self) -> &Process {
+        // Only `Drop` takes it out.
+        self.process.as_ref().expect("present until dropped")
+    }
+
+    /// Wait (at most `timeout`) for a stderr line `f` accepts.
+    pub fn wait_line<T>(&self, timeout: Duration, f: impl FnMut(&str) -> Option<T>) -> Result<T> {
+        let r = self.process().wait_line(timeout, f);
+        check_interrupted()?;
+        r
+    }
+
+    /// Wait (at most `timeout`) for it to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        let name = self.name.clone();
+        let st = self
+            .process
+            .as_mut()
+            .expect("present until dropped")
+            .wait(timeout);
+        check_interrupted()?;
+        st.with_context(|| format!("{name} still runs after {timeout:?}"))
+    }
+
+    /// Send `sig`.
+    pub fn signal(&self, sig: i32) {
+        self.process().signal(sig);
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        self.process().log()
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // Hold the registry while killing and reaping, so the interrupt
+        // handler never signals a pid that was reaped (and maybe reused).
+        let mut list = children();
+        list.retain(|&p| p != self.pid);
+        drop(self.process.take());
+    }
+}
+
+/// Whether process `pid` is gone (no `/proc` entry, or a different program now).
+pub fn gone(pid: u32, program: &str) -> bool {
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        Err(_) => true,
+        Ok(c) => !String::from_utf8_lossy(&c).contains(program),
+    }
+}
+
+/// `inference-node run --config CONFIG --name NAME ARGS`, stdout to `stdout`.
+pub fn start_node(config: &Path, name: &str, args: &[String], stdout: &Path) -> Result<Child> {
+    let mut cmd = Command::new(bin("inference-node"));
+    cmd.arg("run")
+        .arg("--config")
+        .arg(config)
+        .args(["--name", name])
+        .args(args);
+    let out =
+        std::fs::File::create(stdout).with_context(|| format!("creating {}", stdout.display()))?;
+    Child::spawn(&format!("node {name}"), cmd, out.into())
+}
+
+/// Run a node to its end (at most `timeout`); its stdout is in `stdout`.
+pub fn run_node(
+    config: &Path,
+    name: &str,
+    args: &[String],
+    stdout: &Path,
+    timeout: Duration,
+) -> Result<()> {
+    let mut node = start_node(config, name, args, stdout)?;
+    let st = node.wait_exit(timeout)?;
+    if !st.success() {
+        bail!("node {name} failed ({st}):\n{}", node.log());
+    }
+    Ok(())
+}
+
+/// Seconds since `t`, for messages.
+pub fn since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64()
+}
