@@ -314,7 +314,7 @@ fn generate(
 fn step_proto(r: &StepRecord) -> api::Step {
     api::Step {
         step: r.step,
-        kind: r.kind.into(),
+        kind: r.kind.as_str().into(),
         start_us: r.start_us,
         w_us: r.w_us,
         tables: r

@@ -251,6 +251,17 @@ pub enum StepKind {
     Verify,
 }
 
+impl StepKind {
+    /// As the trace spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+            Self::Verify => "verify",
+        }
+    }
+}
+
 impl StepRecord {
     /// Decoded positions in it (none for prefill).
     pub fn decoded(&self) -> usize {

@@ -204,11 +204,16 @@ fn a_late_table_costs_its_overshoot_and_the_stall_shifts_later_blocks() {
         s.tokens_per_second
     );
     assert!((s.slowdown - (total_ms / 40.0 - 1.0)).abs() < 1e-9);
-    // Seed 000's formula on the same fetch times: (2 - 0.25) + (6 - 3.25)
-    // for step 2, (20 - 3.25) for step 3; it takes table 14's window as
-    // 13W/40 from the step's start, so it is the more pessimistic.
-    let predicted_ms = 40.0 + 1.75 + (1.75 + 1.75) + 2.75 + 16.75;
-    assert!((s.predicted_tokens_per_second - 4000.0 / predicted_ms).abs() < 1e-6);
+    // Seed 000's formula, each fetch timed from its window's start (layer
+    // 14's window starts after block 1, pushed back by layer 1's stall),
+    // gives exactly the loop's stalls: (2 - 0.25) + (6 - 2.0 - 3.25) for
+    // step 2, (20 - 0.25 - 3.25) for step 3.
+    assert!((s.predicted_tokens_per_second - s.tokens_per_second).abs() < 1e-6);
+    assert!((s.measured_over_predicted - 1.0).abs() < 1e-9);
+    // Timed from the step's start, the overshoots add up: step 2 pays
+    // 1.75 + 2.75, step 3 pays 16.75.
+    let from_start_ms = 40.0 + 1.75 + (1.75 + 1.75) + 2.75 + 16.75;
+    assert!((s.predicted_from_start_tokens_per_second - 4000.0 / from_start_ms).abs() < 1e-6);
     assert_eq!(s.tables[0].by_source.get("fake"), Some(&4));
 }
 
