@@ -457,7 +457,6 @@ pub fn run<C: Clock, F: Fetcher>(
         for (l, slot) in slots.iter().enumerate() {
             let block_start = t0 + w * slot.layer / BLOCKS + stall;
             clock.sleep_until(block_start);
-            let blocked_at = clock.now();
             let f = match pending[l].take() {
                 Some(p) => {
                     let f = fetcher.wait(p);
@@ -469,9 +468,12 @@ pub fn run<C: Clock, F: Fetcher>(
                     ..Fetch::default()
                 },
             };
-            // The stall is the wait for the rows; the loop's own wake-up
-            // after them is absorbed by the blocks after (or shows as overrun).
-            let this_stall = f.ready.saturating_sub(blocked_at);
+            // The stall is how long the block would wait for the rows on
+            // the model's schedule (its start, pushed back by the stalls
+            // before it). The loop thread's own lateness (waking up,
+            // fusing) is not stall: later blocks absorb it, or it shows as
+            // overrun at the step's end.
+            let this_stall = f.ready.saturating_sub(block_start);
             stall += this_stall;
             let fused_from = clock.now();
             let usable = f.error.is_none();
