@@ -241,7 +241,11 @@ fn fusion_fits_its_blocks_and_only_work_past_the_step_is_overrun() {
     // started at 3.5 ms and waited 1 ms; the thread's lateness is not stall.
     let late14 = |slot: usize, _: usize| Duration::from_micros([100, 4_500][slot]);
     let (s, steps, _) = run_fake(&spec, &tokens(10), late14, 5 * MS);
-    assert!(close(steps[0].tables[1].stall_us, 1000.0), "{:?}", steps[0].tables[1]);
+    assert!(
+        close(steps[0].tables[1].stall_us, 1000.0),
+        "{:?}",
+        steps[0].tables[1]
+    );
     assert!(close(steps[0].time_us, 11_000.0) && close(steps[0].overrun_us, 0.0));
     assert!((s.measured_over_predicted - 1.0).abs() < 1e-9);
 }
