@@ -15,6 +15,7 @@ use inference_node::model::Summary;
 use serde::Serialize;
 
 use crate::rack::{self, Child, NodeSpec, RackSpec};
+use crate::stats::median;
 
 /// Settings of `engram-bench paced`.
 #[derive(Debug, Clone, clap::Args)]
@@ -109,19 +110,6 @@ struct Report {
     target: String,
     points: Vec<Point>,
     missed: usize,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 impl Point {

@@ -119,7 +119,7 @@ pub async fn run(
             .zip(bufs.iter_mut())
             .zip(reports.iter_mut())
             .map(|(((router, _), (rows, out)), rep)| one(router, rows, out, rep));
-        join_all(fetches).await;
+        crate::join::join_all(fetches).await;
         k += 1;
         if last_status.elapsed() >= Duration::from_secs(1) {
             last_status = Instant::now();
@@ -168,33 +168,4 @@ fn line(
         ));
     }
     s
-}
-
-/// Run futures concurrently on this task (a token's tables are fetched together).
-async fn join_all<F: Future<Output = ()>>(futs: impl Iterator<Item = F>) {
-    join_all_results(futs).await;
-}
-
-/// Run futures concurrently on this task; their outputs, in order.
-pub(crate) async fn join_all_results<F: Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut futs: Vec<std::pin::Pin<Box<F>>> = futs.map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
 }
