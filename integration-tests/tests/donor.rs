@@ -385,7 +385,11 @@ fn sigterm_drains_with_goodbye_and_no_client_error() {
         "exit status {status:?}; log:\n{}",
         donor.log()
     );
-    assert!(donor.log().contains("drained"), "{}", donor.log());
+    // The log is read by another thread: wait for its last lines, not a snapshot.
+    let drained = donor.wait_line(Duration::from_secs(5), |l| {
+        l.contains("drained").then_some(())
+    });
+    assert!(drained.is_ok(), "{}", donor.log());
 }
 
 #[test]

@@ -129,7 +129,11 @@ fn ready_after_loading_status_progress_watchdog_pings_and_stopping() {
         .expect("STOPPING=1 on SIGTERM");
     let status = donor.wait(Duration::from_secs(10)).expect("exits");
     assert!(status.success(), "{status:?}\n{}", donor.log());
-    assert!(donor.log().contains("drained"));
+    // The log is read by another thread: wait for its last lines, not a snapshot.
+    let drained = donor.wait_line(Duration::from_secs(5), |l| {
+        l.contains("drained").then_some(())
+    });
+    assert!(drained.is_ok(), "{}", donor.log());
 }
 
 #[test]
