@@ -481,3 +481,44 @@ async fn a_lookup_in_flight_finishes_with_what_it_started_with() {
     let f = fetch(&r).await.0.expect("b answers");
     assert_eq!((f.source.as_deref(), f.elapsed), (Some("b"), us(10)));
 }
+
+#[tokio::test(start_paused = true)]
+async fn at_the_hard_timeout_the_copy_still_gets_its_read() {
+    // Hedging off and both donors hung: the second donor is asked at the
+    // deadline, the copy never before the hard timeout, then it is.
+    let a = Fake::new("a", Fault::Hang);
+    let b = Fake::new("b", Fault::Hang);
+    let ssd = Fake::copy("ssd", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b, &ssd], settings(Hedge::Off, Policy::Fail));
+    let (res, out) = fetch(&r).await;
+    let f = res.expect("the copy answers after the hard timeout");
+    assert_eq!(f.source.as_deref(), Some("ssd"));
+    // Hard timeout 2000, then one read of the copy.
+    assert_eq!(f.elapsed, us(2_030));
+    assert!(f.late);
+    assert_rows(&out);
+    assert_eq!(ssd.calls(), 1);
+
+    // A copy already in flight at the hard timeout is waited for, not
+    // dropped; the donors still out are.
+    let slow_ssd = Fake::copy("ssd", Fault::Ok(us(2_500)));
+    let r = rig(
+        &[&a, &slow_ssd],
+        settings(Hedge::Fixed(us(100)), Policy::Fail),
+    );
+    let f = fetch(&r).await.0.expect("the copy in flight answers");
+    assert_eq!((f.source.as_deref(), f.elapsed), (Some("ssd"), us(2_600)));
+
+    // A copy that hangs too is bounded by one more hard timeout.
+    let dead = Fake::copy("ssd", Fault::Hang);
+    let r = rig(&[&a, &dead], settings(Hedge::Off, Policy::Fail));
+    let start = Instant::now();
+    assert!(fetch(&r).await.0.is_err());
+    assert_eq!(start.elapsed(), us(4_000));
+
+    // No copy in the route: the hard timeout is the end.
+    let r = rig(&[&a, &b], settings(Hedge::Off, Policy::Fail));
+    let start = Instant::now();
+    assert!(fetch(&r).await.0.is_err());
+    assert_eq!(start.elapsed(), us(2_000));
+}

@@ -7,7 +7,10 @@
 //! the hedge delay passes without an answer (hedge); the hedge never waits
 //! past the table's deadline (its window at the node's token rate plus the
 //! grace), since another source may answer in time. The first answer that
-//! passes its checks wins; the others are cancelled. At the hard timeout,
+//! passes its checks wins; the others are cancelled. At the hard timeout
+//! the donors are given up on, but the node's own copy (`ssd`, `local`), in
+//! flight or not yet asked, gets its read (bounded by one more hard
+//! timeout): no lookup fails while the copy is readable. When that is over,
 //! or when every source has failed, the table's policy decides: a typed
 //! error (`fail`) or zero rows (`zeros`, counted and logged). Rows that
 //! fail a check never reach the caller.
@@ -35,7 +38,7 @@ use tokio::time::Instant;
 pub use health::{Breaker, SourceHealth};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
-use crate::source::SourceError;
+use crate::source::{SourceError, SourceKind};
 
 /// How one table's lookups are bounded.
 #[derive(Debug, Clone, PartialEq)]
@@ -292,6 +295,15 @@ impl Router {
         }
     }
 
+    /// Whether source `i` is the node's own copy (`ssd` or `local`): the
+    /// last resort, which gets one read past the hard timeout.
+    fn is_copy(st: &RouteState, i: usize) -> bool {
+        st.sources[i].source.kind() != SourceKind::Donor
+    }
+
+    /// Send the lookup to source `i`. A donor gets until the hard timeout;
+    /// the node's own copy until one more hard timeout after it (its read
+    /// normally takes well under a millisecond; the bound is for a dead disk).
     fn attempt<'a>(
         &self,
         st: &RouteState,
@@ -303,9 +315,14 @@ impl Router {
         let mut buf = self.buffer(rows.len() * ROW_BYTES);
         let src = st.sources[i].source.clone();
         let table = st.settings.table;
+        let until = if Self::is_copy(st, i) {
+            hard + st.settings.hard_timeout
+        } else {
+            hard
+        };
         InFlight {
             fut: Box::pin(async move {
-                let res = src.fetch(table, rows, &mut buf, hard).await;
+                let res = src.fetch(table, rows, &mut buf, until).await;
                 (res, buf)
             }),
             source: i,
@@ -371,8 +388,10 @@ impl Router {
             next = 1;
             launch_at = Self::next_launch(st, first, start, deadline);
         }
+        // Past the hard timeout only the node's own copy is waited for.
+        let mut past_hard = false;
         while !inflight.is_empty() {
-            let can_launch = next < order.len();
+            let can_launch = next < order.len() && !past_hard;
             let hedge_at = launch_at.unwrap_or(hard);
             let done = tokio::select! {
                 biased;
@@ -387,7 +406,30 @@ impl Router {
                     launch_at = Self::next_launch(st, i, now, deadline.max(now));
                     continue;
                 }
-                () = sleep_until(s.precise_timers, hard) => break,
+                () = sleep_until(s.precise_timers, hard), if !past_hard => {
+                    // The donors are out of time. The node's own copy, in
+                    // flight or not yet asked, gets its read: a lookup never
+                    // fails while the copy can be read, and takes at most the
+                    // hard timeout plus one read of it.
+                    past_hard = true;
+                    let (copies, donors): (Vec<_>, Vec<_>) =
+                        inflight.into_iter().partition(|a| Self::is_copy(st, a.source));
+                    Self::slow(st, donors, None);
+                    inflight = copies;
+                    if inflight.is_empty() {
+                        match order[next..].iter().position(|&i| Self::is_copy(st, i)) {
+                            Some(k) => {
+                                let i = order[next + k];
+                                next += k + 1;
+                                failovers += 1;
+                                self.table.failovers.inc();
+                                inflight.push(self.attempt(st, i, rows, hard, false));
+                            }
+                            None => break,
+                        }
+                    }
+                    continue;
+                }
             };
             let (a, (res, buf)) = done;
             let (i, was_hedge, sent) = (a.source, a.hedge, a.sent);
@@ -431,9 +473,13 @@ impl Router {
                             message: e.to_string(),
                         });
                     }
-                    if next < order.len() {
-                        let j = order[next];
-                        next += 1;
+                    // Past the hard timeout, only a copy is still worth asking.
+                    let ahead = order[next..]
+                        .iter()
+                        .position(|&j| !past_hard || Self::is_copy(st, j));
+                    if let Some(k) = ahead {
+                        let j = order[next + k];
+                        next += k + 1;
                         failovers += 1;
                         self.table.failovers.inc();
                         inflight.push(self.attempt(st, j, rows, hard, false));

@@ -39,6 +39,7 @@ pub struct Fake {
     pub healthy: AtomicBool,
     pub draining: AtomicBool,
     pub calls: AtomicU32,
+    pub kind: SourceKind,
 }
 
 impl Fake {
@@ -50,7 +51,15 @@ impl Fake {
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             calls: AtomicU32::new(0),
+            kind: SourceKind::Donor,
         })
+    }
+
+    /// A fake of the node's own copy (kind `ssd`).
+    pub fn copy(name: &str, fault: Fault) -> Arc<Self> {
+        let mut f = Arc::into_inner(Self::new(name, fault)).expect("just made");
+        f.kind = SourceKind::Ssd;
+        Arc::new(f)
     }
 
     pub fn set(&self, f: Fault) {
@@ -68,7 +77,7 @@ impl RowSource for Fake {
     }
 
     fn kind(&self) -> SourceKind {
-        SourceKind::Donor
+        self.kind
     }
 
     fn accepting(&self) -> bool {
