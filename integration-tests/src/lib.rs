@@ -8,6 +8,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+pub mod drill;
+pub mod netns;
+pub mod proxy;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -60,7 +60,14 @@ pub struct RunArgs {
     /// No per-second status lines.
     #[arg(long)]
     pub quiet: bool,
+    /// Every N steps, a `progress steps=S end_us=E monotonic_us=M` line on
+    /// stderr: the step's end on the run's clock and on CLOCK_MONOTONIC, so
+    /// a script can act at a chosen token and place its own events on the
+    /// trace's time axis (failover drills do).
+    #[arg(long, value_name = "N")]
+    pub progress_every: Option<std::num::NonZeroU64>,
 }
+
 
 /// Run it.
 pub async fn run(args: RunArgs) -> Result<()> {
@@ -123,6 +130,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let handle = tokio::runtime::Handle::current();
     let quiet = args.quiet;
     let backbone = args.backbone;
+    let progress = args.progress_every.map(std::num::NonZeroU64::get);
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("model-loop".into())
@@ -132,6 +140,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 if let Some(t) = trace.as_mut() {
                     serde_json::to_writer(&mut *t, r)?;
                     t.write_all(b"\n")?;
+                }
+                if let Some(n) = progress
+                    && (r.step + 1) % n == 0
+                {
+                    eprintln!(
+                        "progress steps={} end_us={:.0} monotonic_us={}",
+                        r.step + 1,
+                        r.start_us + r.time_us,
+                        inference_node::model::clock::monotonic_us()
+                    );
                 }
                 for s in seconds.add(r) {
                     if !quiet {

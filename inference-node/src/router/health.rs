@@ -266,8 +266,9 @@ impl SourceHealth {
                     st.failures = 0;
                 }
             }
-            Err(SourceError::VersionMismatch { table, .. }) => {
+            Err(e @ SourceError::VersionMismatch { table, .. }) => {
                 if !st.excluded.contains(&table) {
+                    tracing::warn!(source = self.source.name(), table, error = %e, "probe: serves another version; excluded");
                     st.excluded.push(table);
                 }
             }

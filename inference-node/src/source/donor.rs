@@ -198,9 +198,12 @@ impl RowSource for DonorSource {
                     .map(|t| (t.table_id, t.digest))
                     .collect()
             });
-            if self.live().is_none() {
-                self.install(fresh);
-            }
+            // A probe runs only while the source is in trouble (breaker not
+            // closed, excluded, draining): the connection lookups used may
+            // be the trouble (stuck in retransmission after a partition), so
+            // the one just proven takes its place. Lookups still on the old
+            // one finish or time out on it.
+            self.install(fresh);
             Ok(tables)
         })
     }

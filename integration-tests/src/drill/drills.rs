@@ -1,0 +1,459 @@
+//! The drills. Each starts its rack, runs the paced node for [`SECONDS`],
+//! injects its faults at chosen points of the run (as token counts: a
+//! second at 100 tokens/s is token 100), and returns its [`Report`] once
+//! every invariant has been checked; an error says which one broke, with
+//! the timeline.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+
+use super::storm::Storm;
+use super::{Env, Outcome, Placement, Plan, Rack, Report, Version};
+use crate::netns::NetNs;
+use crate::proxy::Faults;
+use crate::sample;
+
+/// Length of each drill's run at its token rate, seconds.
+pub const SECONDS: f64 = 6.0;
+/// When the fault starts and when it ends (the donor is healthy again),
+/// seconds into the run.
+const FAULT_AT: f64 = 2.0;
+const HEAL_AT: f64 = 4.0;
+
+/// How the drills run.
+#[derive(Debug, Clone, Copy)]
+pub struct Opts {
+    /// The node's token rate.
+    pub tokens_per_second: f64,
+}
+
+impl Opts {
+    /// Positions in a run of `seconds`.
+    pub fn tokens(&self, seconds: f64) -> u64 {
+        (seconds * self.tokens_per_second).round() as u64
+    }
+}
+
+/// A drill.
+pub type DrillFn = fn(&Env, &Opts) -> Result<Report>;
+
+/// Every drill: name, what it does, the function.
+pub const ALL: &[(&str, &str, DrillFn)] = &[
+    ("kill-9", "kill -9 the primary donor mid-run, restart it", kill_9),
+    ("sigstop", "SIGSTOP both donors (hung, sockets open; hedging off), then SIGCONT", sigstop),
+    ("wrong-version", "restart the primary with another table version, then with the pinned one", wrong_version),
+    ("partition", "cut the primary's link (its network namespace), heal it", partition),
+    ("slow-link", "30 ms added to every answer of the primary (proxy); hedging at p99", slow_link),
+    ("corrupt", "flip a payload byte in every answer of the primary (proxy)", corrupt),
+    ("cut", "truncate answers mid-frame, then drop connections on every lookup (proxy)", cut),
+    ("all-down-ssd", "kill -9 both donors; the SSD copy serves; restart them", all_down_ssd),
+    ("all-down-fail", "kill -9 both donors with no SSD copy, policy fail", all_down_fail),
+    ("all-down-zeros", "kill -9 both donors with no SSD copy, policy zeros; restart them", all_down_zeros),
+    ("sigterm", "SIGTERM the primary (drain: Goodbye), restart it", sigterm),
+    ("storm", "random bytes, oversized lengths and silent connections at the primary", storm),
+];
+
+/// The drill named `name`.
+pub fn find(name: &str) -> Option<DrillFn> {
+    ALL.iter().find(|(n, _, _)| *n == name).map(|(_, _, f)| *f)
+}
+
+fn about(name: &str) -> &'static str {
+    ALL.iter()
+        .find(|(n, _, _)| *n == name)
+        .map_or("", |(_, a, _)| a)
+}
+
+/// The node's run and its end; `expect_ok`: it must exit 0.
+fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<Outcome> {
+    let out = run.finish(Duration::from_secs_f64(SECONDS * 4.0 + 60.0))?;
+    if expect_ok && !out.success {
+        bail!("the node failed:\n{}", out.log);
+    }
+    let want = o.tokens(SECONDS);
+    if expect_ok && out.steps.len() as u64 != want {
+        bail!("the node ran {} steps, not {want}", out.steps.len());
+    }
+    Ok(out)
+}
+
+fn kill_9(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = Plan::new("kill-9");
+    let mut rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    let st = rack.end("donor-a", libc::SIGKILL)?;
+    let killed = run.event(format!("kill -9 donor-a ({st})"));
+    run.at_second(HEAL_AT)?;
+    run.event("restart donor-a");
+    rack.restart("donor-a", Version::Pinned)?;
+    let healthy = run.event("donor-a ready");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("kill-9", about("kill-9"), env, &plan, &out)?;
+    r.never_used("donor-a", killed, healthy)?;
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("sigstop");
+    // No hedge: a hung donor is left only at the deadline (the next donor)
+    // and at the hard timeout (the SSD copy), the slowest path there is.
+    plan.hedge = "off";
+    let rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    rack.stop("donor-a")?;
+    rack.stop("donor-b")?;
+    run.event("SIGSTOP donor-a and donor-b");
+    run.at_second(HEAL_AT)?;
+    rack.signal("donor-a", libc::SIGCONT)?;
+    rack.signal("donor-b", libc::SIGCONT)?;
+    let healthy = run.event("SIGCONT both");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("sigstop", about("sigstop"), env, &plan, &out)?;
+    let ssd = r.between(0.0, healthy).filter(|s| super::report::served_by(s, "ssd")).count();
+    ensure!(ssd > 0, "the SSD copy never served while both donors hung");
+    r.figure("steps served from SSD while both hung", ssd.to_string());
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn wrong_version(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = Plan::new("wrong-version");
+    let mut rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    rack.end("donor-a", libc::SIGKILL)?;
+    let killed = run.event("kill -9 donor-a");
+    rack.restart("donor-a", Version::Other)?;
+    run.event("donor-a ready with another table version");
+    run.at_second(HEAL_AT)?;
+    rack.end("donor-a", libc::SIGKILL)?;
+    run.event("kill -9 donor-a");
+    rack.restart("donor-a", Version::Pinned)?;
+    let healthy = run.event("donor-a ready with the pinned version");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("wrong-version", about("wrong-version"), env, &plan, &out)?;
+    r.never_used("donor-a", killed, healthy)?;
+    ensure!(
+        out.log.contains("serves another version; excluded")
+            || out.log.contains("not at the pinned version; excluded"),
+        "the node never logged that it excluded donor-a for its version:\n{}",
+        out.log
+    );
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn partition(env: &Env, o: &Opts) -> Result<Report> {
+    NetNs::check().map_err(|e| anyhow::anyhow!("the partition drill needs network namespaces: {e}"))?;
+    let mut plan = Plan::new("partition");
+    for d in &mut plan.donors {
+        d.placement = Placement::Netns;
+    }
+    let rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    rack.partition("donor-a")?;
+    let cut = run.event("link of donor-a down");
+    run.at_second(HEAL_AT)?;
+    rack.heal("donor-a")?;
+    let healthy = run.event("link of donor-a up");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("partition", about("partition"), env, &plan, &out)?;
+    // Lookups already on their way when the link went down may land.
+    r.never_used("donor-a", cut + 50_000.0, healthy)?;
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn slow_link(env: &Env, o: &Opts) -> Result<Report> {
+    const DELAY: Duration = Duration::from_millis(30);
+    let mut plan = Plan::new("slow-link");
+    plan.donors[0].proxied = true;
+    let rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    let proxy = rack.proxy("donor-a")?;
+    proxy.set(Faults {
+        delay: DELAY,
+        ..Faults::default()
+    });
+    let slow = run.event("donor-a's link: +30 ms on every answer");
+    run.at_second(HEAL_AT)?;
+    proxy.set(Faults::default());
+    let healthy = run.event("donor-a's link back to normal");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("slow-link", about("slow-link"), env, &plan, &out)?;
+    let worst = r.between(slow, healthy).map(|s| s.stall_us).fold(0.0, f64::max);
+    let hedged: u64 = r
+        .between(slow, healthy)
+        .flat_map(|s| &s.tables)
+        .map(|t| u64::from(t.hedges))
+        .sum();
+    r.figure(
+        "worst stall while slow",
+        format!("{:.2} ms, against {} ms added to donor-a's answers; {hedged} hedges", worst / 1e3, DELAY.as_millis()),
+    );
+    ensure!(hedged > 0, "no hedge went out while donor-a was slow");
+    ensure!(
+        worst < DELAY.as_secs_f64() * 1e6 / 2.0,
+        "hedging did not bound the stall: {:.2} ms while donor-a answered {} ms late",
+        worst / 1e3,
+        DELAY.as_millis()
+    );
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn corrupt(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("corrupt");
+    plan.donors[0].proxied = true;
+    let rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    let proxy = rack.proxy("donor-a")?;
+    proxy.set(Faults {
+        corrupt_rows: true,
+        ..Faults::default()
+    });
+    run.event("donor-a's answers corrupted (one payload byte each)");
+    run.at_second(HEAL_AT - 0.1)?;
+    let m = run.metrics()?;
+    let bad: f64 = [1, 14]
+        .iter()
+        .filter_map(|t| {
+            sample(
+                &m,
+                &format!("engram_node_checksum_failures_total{{table=\"{t}\",source=\"donor-a\"}}"),
+            )
+        })
+        .sum();
+    run.at_second(HEAL_AT)?;
+    proxy.set(Faults::default());
+    let healthy = run.event("donor-a's answers intact again");
+    let corrupted = proxy.stats().corrupted;
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("corrupt", about("corrupt"), env, &plan, &out)?;
+    r.figure(
+        "corrupted answers",
+        format!("{corrupted} sent by the proxy, {bad} counted by the node as checksum failures, none used"),
+    );
+    ensure!(corrupted > 0 && bad > 0.0, "no corrupted answer reached the node (proxy {corrupted}, node {bad})");
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn cut(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("cut");
+    plan.donors[0].proxied = true;
+    let rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    let proxy = rack.proxy("donor-a")?;
+    proxy.set(Faults {
+        truncate_rows: true,
+        ..Faults::default()
+    });
+    run.event("donor-a's answers truncated mid-frame, connection closed");
+    run.at_second((FAULT_AT + HEAL_AT) / 2.0)?;
+    proxy.set(Faults {
+        drop_on_lookup: true,
+        ..Faults::default()
+    });
+    run.event("donor-a's connections dropped on every lookup");
+    run.at_second(HEAL_AT)?;
+    proxy.set(Faults::default());
+    let healthy = run.event("donor-a's link intact again");
+    let stats = proxy.stats();
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("cut", about("cut"), env, &plan, &out)?;
+    r.figure(
+        "cut by the proxy",
+        format!("{} answers truncated, {} connections dropped on a lookup", stats.truncated, stats.dropped),
+    );
+    ensure!(stats.truncated > 0 && stats.dropped > 0, "the proxy cut nothing: {stats:?}");
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn all_down_ssd(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = Plan::new("all-down-ssd");
+    let mut rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    rack.end("donor-a", libc::SIGKILL)?;
+    rack.end("donor-b", libc::SIGKILL)?;
+    let down = run.event("kill -9 donor-a and donor-b");
+    run.at_second(HEAL_AT)?;
+    run.event("restart both");
+    rack.restart("donor-a", Version::Pinned)?;
+    let healthy = run.event("donor-a ready");
+    rack.restart("donor-b", Version::Pinned)?;
+    run.event("donor-b ready");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("all-down-ssd", about("all-down-ssd"), env, &plan, &out)?;
+    // Give lookups in flight at the kill a moment to fail over.
+    let from = down + 50_000.0;
+    let not_ssd = r
+        .between(from, healthy)
+        .filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some("ssd")))
+        .count();
+    ensure!(not_ssd == 0, "{not_ssd} steps were not served from SSD while both donors were down");
+    let n = r.between(from, healthy).count();
+    r.figure("served from SSD while both donors were down", format!("{n} steps"));
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn all_down_fail(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("all-down-fail");
+    plan.sources = vec!["donor-a", "donor-b"];
+    let mut rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    rack.end("donor-a", libc::SIGKILL)?;
+    rack.end("donor-b", libc::SIGKILL)?;
+    let down = run.event("kill -9 donor-a and donor-b");
+    let out = finish(run, o, false)?;
+    ensure!(!out.success, "the node exited 0 although steps failed");
+    ensure!(
+        out.log.contains("steps had a table with no usable rows"),
+        "the node's exit does not say why:\n{}",
+        out.log
+    );
+    let r = Report::check("all-down-fail", about("all-down-fail"), env, &plan, &out)?;
+    let early = r.between(0.0, down).filter(|s| super::report::failed(s)).count();
+    ensure!(early == 0, "{early} steps failed before the donors went down");
+    let late = r.between(down + 50_000.0, f64::INFINITY).filter(|s| !super::report::failed(s)).count();
+    ensure!(late == 0, "{late} steps were served after both donors went down (from where?)");
+    let err = out
+        .steps
+        .iter()
+        .flat_map(|s| &s.tables)
+        .find_map(|t| t.error.clone())
+        .context("no step failed")?;
+    ensure!(
+        err.contains("donor-a") && err.contains("donor-b"),
+        "the error does not name both donors: {err}"
+    );
+    let mut r = r;
+    r.figure("failed steps", format!("{} (every one after the kill); first error: {err}", r.failed));
+    Ok(r)
+}
+
+fn all_down_zeros(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("all-down-zeros");
+    plan.sources = vec!["donor-a", "donor-b"];
+    plan.policy = "zeros";
+    let mut rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    rack.end("donor-a", libc::SIGKILL)?;
+    rack.end("donor-b", libc::SIGKILL)?;
+    let down = run.event("kill -9 donor-a and donor-b");
+    run.at_second(HEAL_AT)?;
+    let m = run.metrics()?;
+    let counted: f64 = [1, 14]
+        .iter()
+        .filter_map(|t| sample(&m, &format!("engram_node_zeros_served_total{{table=\"{t}\"}}")))
+        .sum();
+    run.event("restart both");
+    rack.restart("donor-a", Version::Pinned)?;
+    let healthy = run.event("donor-a ready");
+    rack.restart("donor-b", Version::Pinned)?;
+    run.event("donor-b ready");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("all-down-zeros", about("all-down-zeros"), env, &plan, &out)?;
+    ensure!(r.zeros > 0, "no zeros were served while every donor was down");
+    let stray = r.between(0.0, down).filter(|s| super::report::zeros(s)).count();
+    ensure!(stray == 0, "{stray} steps got zeros before the donors went down");
+    ensure!(counted > 0.0, "engram_node_zeros_served_total stayed 0");
+    ensure!(
+        out.log.contains("serving zeros"),
+        "the node did not warn that it served zeros:\n{}",
+        out.log
+    );
+    r.figure("steps with zeros (Engram suppressed)", format!("{} in the trace; {counted} lookups counted by the node", r.zeros));
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn sigterm(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = Plan::new("sigterm");
+    let mut rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    run.event("SIGTERM donor-a");
+    let st = rack.end("donor-a", libc::SIGTERM)?;
+    run.event(format!("donor-a exited ({st})"));
+    ensure!(st.success(), "donor-a's drain did not end cleanly: {st}");
+    run.at_second(HEAL_AT)?;
+    rack.restart("donor-a", Version::Pinned)?;
+    let healthy = run.event("donor-a ready");
+    let m = run.metrics()?;
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("sigterm", about("sigterm"), env, &plan, &out)?;
+    let failovers: u64 = out.steps.iter().flat_map(|s| &s.tables).map(|t| u64::from(t.failovers)).sum();
+    let errors: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("engram_node_source_errors_total{") && l.contains("source=\"donor-a\""))
+        .filter(|l| !l.contains("kind=\"draining\""))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum();
+    r.figure("errors", format!("{failovers} failovers, {errors} lookup errors at donor-a"));
+    ensure!(failovers == 0 && errors == 0.0, "a drain must cost no failover and no error: {failovers} failovers, {errors} errors");
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+fn storm(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("storm");
+    plan.max_connections = 16;
+    plan.hello_timeout_ms = 300;
+    // A donor slowed by the storm would show as a hedge won elsewhere.
+    plan.hedge = "2ms";
+    let rack = Rack::start(env, plan.clone())?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    let storm = Storm::start(rack.listen("donor-a")?, 2 * plan.max_connections);
+    let from = run.event("storm at donor-a: random bytes, oversized lengths, 32 silent connections");
+    let mut open_max = 0.0f64;
+    let end_step = o.tokens(HEAL_AT);
+    let mut step = o.tokens(FAULT_AT);
+    while step < end_step {
+        step = (step + o.tokens(0.1).max(1)).min(end_step);
+        run.at_step(step)?;
+        let m = rack.donor_metrics("donor-a")?;
+        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
+    }
+    let stats = storm.stop();
+    let to = run.event("storm over");
+    let m = rack.donor_metrics("donor-a")?;
+    let refused = sample(&m, "engram_donor_connections_refused_total").unwrap_or(0.0);
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("storm", about("storm"), env, &plan, &out)?;
+    let elsewhere = r.between(from, to).filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some("donor-a"))).count();
+    let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
+    let worst_before = r.between(0.0, from).map(|s| s.stall_us).fold(0.0, f64::max);
+    r.figure(
+        "storm",
+        format!(
+            "{} connections, {} KiB of random bytes, {} oversized headers; donor-a had at most {open_max} of {} connections open and refused {refused}",
+            stats.connections,
+            stats.garbage_bytes / 1024,
+            stats.oversized,
+            plan.max_connections
+        ),
+    );
+    r.figure(
+        "node during the storm",
+        format!("worst stall {:.2} ms (before it {:.2} ms); {elsewhere} steps not served by donor-a", worst_in / 1e3, worst_before / 1e3),
+    );
+    ensure!(open_max <= plan.max_connections as f64, "donor-a held {open_max} connections, over its bound {}", plan.max_connections);
+    ensure!(refused > 0.0, "the storm never reached donor-a's connection bound");
+    ensure!(elsewhere == 0, "{elsewhere} steps during the storm were not served by donor-a");
+    Ok(r)
+}

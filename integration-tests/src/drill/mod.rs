@@ -1,0 +1,570 @@
+//! Failover drills: a rack of real `memory-donor` processes and a real
+//! `inference-node run`, faults injected at chosen tokens (kill -9,
+//! SIGSTOP, a donor at another table version, a partitioned link, a slow,
+//! corrupting or cutting link through [`crate::proxy`], SIGTERM, a storm of
+//! malformed traffic), and the node's trace checked against invariants:
+//! every fused output equal to a local-RAM reference, no failed token while
+//! the SSD copy exists, every stall within the hard timeout plus one SSD
+//! read, and a healthy donor re-admitted within two probe intervals.
+//!
+//! Layers: [`Env`] (tables, the reference outputs, the SSD read time),
+//! [`Plan`] and [`Rack`] (a config and its donors, proxies and network
+//! namespaces), [`node::NodeRun`] (the paced node, its progress and the
+//! drill's events on the node's clock), [`report::Report`] (timeline,
+//! figures, checks) and [`drills`] (the drills themselves). The tests in
+//! `tests/drills.rs` and `engram-bench drill` run the same drills.
+
+pub mod drills;
+pub mod node;
+pub mod report;
+mod storm;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use engram_protocol::hashing::{HashParams, Preset};
+
+use crate::netns::NetNs;
+use crate::proxy::FaultProxy;
+use crate::{DonorProcess, Process, bin, gen_hashed_table};
+
+pub use node::{Event, NodeRun, Outcome};
+pub use report::Report;
+
+/// Hashing base of the drill tables (about 24k rows each: they load in a
+/// blink, so a restart is quick and the drill measures the node).
+pub const BASE: u64 = 1000;
+/// Seed of the pinned tables' rows.
+pub const SEED: u64 = 21;
+/// Seed of the other version (same layers and sizes, other rows).
+pub const OTHER_SEED: u64 = 22;
+/// Slack allowed beyond a bound for the scheduler of a loaded machine (a
+/// woken task, a reader thread), in microseconds.
+pub const SCHED_ALLOWANCE_US: f64 = 5_000.0;
+/// Progress lines every this many steps (the resolution of "at token N").
+pub const PROGRESS_EVERY: u64 = 5;
+
+/// One table file.
+#[derive(Debug, Clone)]
+pub struct TableFile {
+    /// Table id (1 or 14, the Engram layer).
+    pub id: u32,
+    /// Its path.
+    pub path: PathBuf,
+    /// Rows.
+    pub rows: u64,
+    /// Digest (its version).
+    pub digest: String,
+}
+
+/// What every drill shares: the tables (the pinned version and another),
+/// the outputs of a local-RAM reference run, and how long one SSD read of
+/// a step's rows takes on this machine.
+#[derive(Debug)]
+pub struct Env {
+    /// Work directory.
+    pub dir: PathBuf,
+    /// The pinned tables, layer 1 then layer 14.
+    pub tables: [TableFile; 2],
+    /// Another version of both.
+    pub other: [TableFile; 2],
+    /// Position `(seq, index)` -> checksum of its fused output, from local RAM.
+    pub reference: BTreeMap<(u32, u32), String>,
+    /// Longest fetch of a step's rows from the SSD copy in a paced
+    /// calibration run (microseconds): "one SSD fetch" in the stall bound.
+    pub ssd_fetch_us: f64,
+    /// Positions the reference covers.
+    pub max_tokens: u64,
+}
+
+impl Env {
+    /// Generate the tables in `dir`, run the reference (`max_tokens`
+    /// positions) and the SSD calibration.
+    pub fn prepare(dir: &Path, max_tokens: u64) -> Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let dir = std::fs::canonicalize(dir)?;
+        NetNs::remove_stale();
+        let params = HashParams::new(Preset::from_base(BASE)?)?;
+        let make = |seed: u64, tag: &str| -> Result<[TableFile; 2]> {
+            let mut out = Vec::new();
+            for (i, layer) in [1u32, 14].into_iter().enumerate() {
+                let name = format!("{tag}-layer{layer}.etab");
+                let (path, digest) = gen_hashed_table(&dir, &name, layer, BASE, seed)?;
+                out.push(TableFile {
+                    id: layer,
+                    path,
+                    rows: params.layers[i].rows,
+                    digest: digest.to_string(),
+                });
+            }
+            let [a, b]: [TableFile; 2] = out.try_into().map_err(|_| anyhow::anyhow!("two"))?;
+            Ok([a, b])
+        };
+        let tables = make(SEED, "pinned")?;
+        let other = make(OTHER_SEED, "other")?;
+        let mut env = Self {
+            dir: dir.clone(),
+            tables,
+            other,
+            reference: BTreeMap::new(),
+            ssd_fetch_us: 0.0,
+            max_tokens,
+        };
+        // The reference and the calibration run side by side.
+        let plan = Plan::new("prepare");
+        let config = dir.join("prepare.toml");
+        let nodes = [
+            ("ref", vec!["local".to_string()]),
+            ("cal", vec!["ssd".to_string()]),
+        ];
+        std::fs::write(&config, config_text(&env, &plan, &[], &nodes, false)?)?;
+        let reference = NodeRun::start(&config, "ref", max_tokens, 5_000.0, &dir.join("ref"))?;
+        let calibration = NodeRun::start(&config, "cal", 300, 100.0, &dir.join("cal"))?;
+        let r = reference.finish(Duration::from_secs(120))?;
+        let c = calibration.finish(Duration::from_secs(120))?;
+        for (name, o) in [("reference", &r), ("calibration", &c)] {
+            if !o.success {
+                bail!("the {name} run failed:\n{}", o.log);
+            }
+        }
+        env.reference = report::checksums(&r.steps);
+        if env.reference.len() as u64 != max_tokens {
+            bail!(
+                "the reference fused {} positions, not {max_tokens}",
+                env.reference.len()
+            );
+        }
+        env.ssd_fetch_us = c
+            .steps
+            .iter()
+            .flat_map(|s| &s.tables)
+            .map(|t| t.ready_us)
+            .fold(0.0, f64::max);
+        Ok(env)
+    }
+}
+
+/// Where a donor runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// On a loopback address of its own (127.0.0.x).
+    Loopback,
+    /// In a network namespace of its own, over a veth pair (root only):
+    /// its link can be cut.
+    Netns,
+}
+
+/// One donor of a drill's rack.
+#[derive(Debug, Clone)]
+pub struct DonorPlan {
+    /// Its name.
+    pub name: &'static str,
+    /// Where it runs.
+    pub placement: Placement,
+    /// Whether the node reaches it through a fault-injecting proxy.
+    pub proxied: bool,
+}
+
+/// The rack and the node's knobs for one drill.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Name (the work subdirectory).
+    pub name: String,
+    /// Donors, each serving both tables.
+    pub donors: Vec<DonorPlan>,
+    /// The node's route for both tables, first preferred.
+    pub sources: Vec<&'static str>,
+    /// `hedge` of both routes.
+    pub hedge: &'static str,
+    /// `hard_timeout_ms` of both routes.
+    pub hard_timeout_ms: u64,
+    /// The node's `probe_interval_ms`.
+    pub probe_interval_ms: u64,
+    /// The node's `breaker_failures`.
+    pub breaker_failures: u32,
+    /// `policy` of both routes.
+    pub policy: &'static str,
+    /// Each donor's connection bound.
+    pub max_connections: usize,
+    /// Each donor's `hello_timeout_ms`.
+    pub hello_timeout_ms: u64,
+}
+
+impl Plan {
+    /// Two donors on loopback, route donor-a, donor-b, ssd; hedge p99, hard
+    /// timeout 20 ms, probes every 200 ms, breaker after 3 failures, policy
+    /// fail.
+    pub fn new(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            donors: vec![
+                DonorPlan {
+                    name: "donor-a",
+                    placement: Placement::Loopback,
+                    proxied: false,
+                },
+                DonorPlan {
+                    name: "donor-b",
+                    placement: Placement::Loopback,
+                    proxied: false,
+                },
+            ],
+            sources: vec!["donor-a", "donor-b", "ssd"],
+            hedge: "p99",
+            hard_timeout_ms: 20,
+            probe_interval_ms: 200,
+            breaker_failures: 3,
+            policy: "fail",
+            max_connections: 64,
+            hello_timeout_ms: 1_000,
+        }
+    }
+
+    /// Whether the route has the node's own copy.
+    pub fn has_copy(&self) -> bool {
+        self.sources.iter().any(|s| *s == "ssd" || *s == "local")
+    }
+}
+
+/// A donor's addresses as the config writes them.
+#[derive(Debug, Clone)]
+struct DonorAddrs {
+    name: &'static str,
+    listen: SocketAddr,
+    advertise: SocketAddr,
+    metrics: SocketAddr,
+}
+
+/// The config: tables (`other`: the other version), donors, and nodes with
+/// their routes.
+fn config_text(
+    env: &Env,
+    plan: &Plan,
+    donors: &[DonorAddrs],
+    nodes: &[(&str, Vec<String>)],
+    other: bool,
+) -> Result<String> {
+    let tables = if other { &env.other } else { &env.tables };
+    let mut t = String::from("version = 1\n[rack]\nname = \"drill\"\n");
+    for f in tables {
+        write!(
+            t,
+            "\n[[table]]\nid = {}\nlayer = {}\npath = \"{}\"\nrows = {}\ndigest = \"{}\"\n",
+            f.id,
+            f.id,
+            f.path.display(),
+            f.rows,
+            f.digest
+        )?;
+    }
+    for d in donors {
+        write!(
+            t,
+            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{}\"]\nadvertise = [\"{}\"]\nmetrics = \"{}\"\n\
+             tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
+             drain_timeout_ms = 2000\n",
+            d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
+        )?;
+    }
+    for (name, sources) in nodes {
+        let list: Vec<String> = sources.iter().map(|s| format!("\"{s}\"")).collect();
+        write!(
+            t,
+            "\n[[node]]\nname = \"{name}\"\ntokens_per_second = 100\nprobe_interval_ms = {}\n\
+             breaker_failures = {}\nconnect_timeout_ms = 200\n",
+            plan.probe_interval_ms, plan.breaker_failures
+        )?;
+        for f in &env.tables {
+            write!(
+                t,
+                "[[node.route]]\ntable = {}\nsources = [{}]\nssd_path = \"{}\"\nhedge = \"{}\"\n\
+                 hard_timeout_ms = {}\npolicy = \"{}\"\n",
+                f.id,
+                list.join(", "),
+                f.path.display(),
+                plan.hedge,
+                plan.hard_timeout_ms,
+                plan.policy
+            )?;
+        }
+    }
+    write!(
+        t,
+        "\n[model]\nhash_base = {BASE}\nweights_seed = 5\nhidden = 16\nstreams = 4\nfusion = \"cpu\"\n"
+    )?;
+    Ok(t)
+}
+
+/// A port free on `ip` now.
+fn free_port(ip: Ipv4Addr) -> Result<u16> {
+    let l = std::net::TcpListener::bind((ip, 0))
+        .with_context(|| format!("binding {ip}:0 (is the address usable?)"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Kill the child with SIGKILL when the thread that started it ends (an
+/// interrupted drill leaves nothing behind).
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+/// Which version of the tables a donor is started with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    /// The pinned one.
+    Pinned,
+    /// Another one (the node must never use it).
+    Other,
+}
+
+/// One donor of a running rack.
+#[derive(Debug)]
+struct Donor {
+    plan: DonorPlan,
+    addrs: DonorAddrs,
+    proxy: Option<FaultProxy>,
+    netns: Option<NetNs>,
+    process: Option<DonorProcess>,
+}
+
+/// A drill's rack: the config, and its donors running.
+#[derive(Debug)]
+pub struct Rack {
+    /// The drill's plan.
+    pub plan: Plan,
+    /// Work directory of this drill.
+    pub dir: PathBuf,
+    /// The config (the pinned tables): the node and donors read it.
+    pub config: PathBuf,
+    /// The same config with the other version's tables.
+    pub other_config: PathBuf,
+    donors: Vec<Donor>,
+}
+
+impl Rack {
+    /// Write the configs, build namespaces and proxies, start every donor
+    /// and wait for each to be ready.
+    pub fn start(env: &Env, plan: Plan) -> Result<Self> {
+        let dir = env.dir.join(&plan.name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let mut donors = Vec::new();
+        for (i, d) in plan.donors.iter().enumerate() {
+            let (netns, ip) = match d.placement {
+                Placement::Loopback => (None, Ipv4Addr::new(127, 0, 0, 2 + i as u8)),
+                Placement::Netns => {
+                    let ns = NetNs::create(d.name)
+                        .with_context(|| format!("a network namespace for {}", d.name))?;
+                    let ip = ns.addr();
+                    (Some(ns), ip)
+                }
+            };
+            // In a namespace of its own any port is free.
+            let port = |k: u16| -> Result<u16> {
+                match d.placement {
+                    Placement::Loopback => free_port(ip),
+                    Placement::Netns => Ok(7400 + k),
+                }
+            };
+            let listen = SocketAddr::from((ip, port(0)?));
+            let mut metrics = SocketAddr::from((ip, port(1)?));
+            while metrics == listen {
+                metrics = SocketAddr::from((ip, port(1)?));
+            }
+            let proxy = if d.proxied {
+                Some(FaultProxy::start("127.0.0.1:0".parse()?, listen)?)
+            } else {
+                None
+            };
+            let advertise = proxy.as_ref().map_or(listen, FaultProxy::addr);
+            donors.push(Donor {
+                plan: d.clone(),
+                addrs: DonorAddrs {
+                    name: d.name,
+                    listen,
+                    advertise,
+                    metrics,
+                },
+                proxy,
+                netns,
+                process: None,
+            });
+        }
+        let addrs: Vec<DonorAddrs> = donors.iter().map(|d| d.addrs.clone()).collect();
+        let sources: Vec<String> = plan.sources.iter().map(|s| s.to_string()).collect();
+        let nodes = [("n", sources)];
+        let config = dir.join("rack.toml");
+        std::fs::write(&config, config_text(env, &plan, &addrs, &nodes, false)?)?;
+        let other_config = dir.join("other.toml");
+        std::fs::write(&other_config, config_text(env, &plan, &addrs, &nodes, true)?)?;
+        let mut rack = Self {
+            plan,
+            dir,
+            config,
+            other_config,
+            donors,
+        };
+        let names: Vec<&'static str> = rack.donors.iter().map(|d| d.plan.name).collect();
+        for name in &names {
+            rack.launch(name, Version::Pinned)?;
+        }
+        for name in &names {
+            rack.wait_ready(name)?;
+        }
+        Ok(rack)
+    }
+
+    fn donor(&self, name: &str) -> Result<&Donor> {
+        self.donors
+            .iter()
+            .find(|d| d.plan.name == name)
+            .with_context(|| format!("no donor {name} in this rack"))
+    }
+
+    fn donor_mut(&mut self, name: &str) -> Result<&mut Donor> {
+        self.donors
+            .iter_mut()
+            .find(|d| d.plan.name == name)
+            .with_context(|| format!("no donor {name} in this rack"))
+    }
+
+    /// Start donor `name` serving `version` (without waiting).
+    fn launch(&mut self, name: &str, version: Version) -> Result<()> {
+        let config = match version {
+            Version::Pinned => self.config.clone(),
+            Version::Other => self.other_config.clone(),
+        };
+        let d = self.donor_mut(name)?;
+        if d.process.is_some() {
+            bail!("{name} is already running");
+        }
+        let mut cmd = match &d.netns {
+            Some(ns) => ns.command(bin("memory-donor")),
+            None => {
+                let mut c = Command::new(bin("memory-donor"));
+                die_with_parent(&mut c);
+                c
+            }
+        };
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .args(["--name", name])
+            .env("RUST_LOG", "info");
+        let p = Process::spawn(cmd)?;
+        // Parsed once the ready line is there.
+        d.process = Some(DonorProcess {
+            addr: d.addrs.listen,
+            addrs: vec![d.addrs.listen],
+            process: p,
+        });
+        Ok(())
+    }
+
+    /// Wait (at most 60 s) for donor `name`'s ready line.
+    fn wait_ready(&self, name: &str) -> Result<()> {
+        let d = self.donor(name)?;
+        let p = d.process.as_ref().context("not running")?;
+        p.wait_line(Duration::from_secs(60), |l| {
+            l.contains("ready listen=").then_some(())
+        })
+        .with_context(|| format!("{name} did not become ready"))
+    }
+
+    /// Start donor `name` again with `version` and wait until it is ready.
+    pub fn restart(&mut self, name: &str, version: Version) -> Result<()> {
+        self.launch(name, version)?;
+        self.wait_ready(name)
+    }
+
+    /// Send `sig` to donor `name`.
+    pub fn signal(&self, name: &str, sig: i32) -> Result<()> {
+        let d = self.donor(name)?;
+        d.process.as_ref().context("not running")?.signal(sig);
+        Ok(())
+    }
+
+    /// SIGSTOP donor `name` and wait until the kernel shows it stopped.
+    pub fn stop(&self, name: &str) -> Result<()> {
+        self.donor(name)?
+            .process
+            .as_ref()
+            .context("not running")?
+            .stop();
+        Ok(())
+    }
+
+    /// Send `sig` (SIGKILL, SIGTERM) and wait (at most 10 s) for the exit;
+    /// the exit status.
+    pub fn end(&mut self, name: &str, sig: i32) -> Result<std::process::ExitStatus> {
+        let d = self.donor_mut(name)?;
+        let mut p = d.process.take().context("not running")?;
+        p.signal(sig);
+        let st = p
+            .wait(Duration::from_secs(10))
+            .with_context(|| format!("{name} still runs 10 s after signal {sig}"))?;
+        Ok(st)
+    }
+
+    /// The log of donor `name` (its running process).
+    pub fn log(&self, name: &str) -> Result<String> {
+        Ok(self
+            .donor(name)?
+            .process
+            .as_ref()
+            .context("not running")?
+            .log())
+    }
+
+    /// Cut donor `name`'s link (it must run in a namespace).
+    pub fn partition(&self, name: &str) -> Result<()> {
+        self.netns(name)?.link_down()
+    }
+
+    /// Bring donor `name`'s link back.
+    pub fn heal(&self, name: &str) -> Result<()> {
+        self.netns(name)?.link_up()
+    }
+
+    fn netns(&self, name: &str) -> Result<&NetNs> {
+        self.donor(name)?
+            .netns
+            .as_ref()
+            .with_context(|| format!("{name} does not run in a network namespace"))
+    }
+
+    /// The proxy in front of donor `name`.
+    pub fn proxy(&self, name: &str) -> Result<&FaultProxy> {
+        self.donor(name)?
+            .proxy
+            .as_ref()
+            .with_context(|| format!("{name} is not behind a proxy"))
+    }
+
+    /// Where donor `name` listens (behind any proxy).
+    pub fn listen(&self, name: &str) -> Result<SocketAddr> {
+        Ok(self.donor(name)?.addrs.listen)
+    }
+
+    /// Donor `name`'s Prometheus text.
+    pub fn donor_metrics(&self, name: &str) -> Result<String> {
+        crate::scrape(self.donor(name)?.addrs.metrics)
+    }
+
+    /// Start the node `n` for `tokens` positions at `rate` tokens/s.
+    pub fn run_node(&self, tokens: u64, rate: f64) -> Result<NodeRun> {
+        NodeRun::start(&self.config, "n", tokens, rate, &self.dir.join("node"))
+    }
+}

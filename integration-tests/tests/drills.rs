@@ -1,0 +1,112 @@
+//! Failover drills against the real binaries: each starts its own rack of
+//! donors on loopback addresses (or in network namespaces it creates), runs
+//! the paced node, injects its fault at chosen tokens and checks the
+//! invariants (`integration_tests::drill`). Every drill prints its timeline.
+//! The tables, the local-RAM reference and the SSD calibration are made
+//! once per run of this file.
+
+use std::sync::OnceLock;
+
+use integration_tests::drill::drills::{self, Opts, SECONDS};
+use integration_tests::drill::{Env, Report};
+use integration_tests::netns::NetNs;
+
+const OPTS: Opts = Opts {
+    tokens_per_second: 100.0,
+};
+
+fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("drills-{}", std::process::id()));
+        Env::prepare(&dir, OPTS.tokens(SECONDS)).expect("the drills' tables and reference")
+    })
+}
+
+fn drill(name: &str) -> Report {
+    let f = drills::find(name).expect("a drill of that name");
+    match f(env(), &OPTS) {
+        Ok(r) => {
+            println!("{}", r.timeline(0.5));
+            r
+        }
+        Err(e) => panic!("drill {name}: {e:#}"),
+    }
+}
+
+#[test]
+fn drill_kill_9() {
+    drill("kill-9");
+}
+
+#[test]
+fn drill_sigstop() {
+    drill("sigstop");
+}
+
+#[test]
+fn drill_wrong_version() {
+    drill("wrong-version");
+}
+
+#[test]
+fn drill_partition() {
+    if let Err(why) = NetNs::check() {
+        if std::env::var_os("ENGRAM_REQUIRE_NETNS").is_some() {
+            panic!("network namespaces are required (ENGRAM_REQUIRE_NETNS): {why}");
+        }
+        eprintln!("skipped: {why}");
+        return;
+    }
+    drill("partition");
+}
+
+#[test]
+fn drill_slow_link() {
+    drill("slow-link");
+}
+
+#[test]
+fn drill_corrupt() {
+    drill("corrupt");
+}
+
+#[test]
+fn drill_cut() {
+    drill("cut");
+}
+
+#[test]
+fn drill_all_down_ssd() {
+    drill("all-down-ssd");
+}
+
+#[test]
+fn drill_all_down_fail() {
+    drill("all-down-fail");
+}
+
+#[test]
+fn drill_all_down_zeros() {
+    drill("all-down-zeros");
+}
+
+#[test]
+fn drill_sigterm() {
+    drill("sigterm");
+}
+
+#[test]
+fn drill_storm() {
+    drill("storm");
+}
+
+#[test]
+fn every_drill_has_a_test() {
+    let src = include_str!("drills.rs");
+    for (name, _, _) in drills::ALL {
+        let call = format!("drill(\"{name}\")");
+        assert!(src.contains(&call), "no test runs drill {name}");
+    }
+}
