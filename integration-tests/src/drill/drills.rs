@@ -83,8 +83,8 @@ fn kill_9(env: &Env, o: &Opts) -> Result<Report> {
     let mut rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
-    let st = rack.end("donor-a", libc::SIGKILL)?;
-    let killed = run.event(format!("kill -9 donor-a ({st})"));
+    let killed = run.event("kill -9 donor-a");
+    rack.end("donor-a", libc::SIGKILL)?;
     run.at_second(HEAL_AT)?;
     run.event("restart donor-a");
     rack.restart("donor-a", Version::Pinned)?;
@@ -104,9 +104,9 @@ fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
     let rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
+    run.event("SIGSTOP donor-a and donor-b");
     rack.stop("donor-a")?;
     rack.stop("donor-b")?;
-    run.event("SIGSTOP donor-a and donor-b");
     run.at_second(HEAL_AT)?;
     rack.signal("donor-a", libc::SIGCONT)?;
     rack.signal("donor-b", libc::SIGCONT)?;
@@ -125,13 +125,13 @@ fn wrong_version(env: &Env, o: &Opts) -> Result<Report> {
     let mut rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
-    rack.end("donor-a", libc::SIGKILL)?;
     let killed = run.event("kill -9 donor-a");
+    rack.end("donor-a", libc::SIGKILL)?;
     rack.restart("donor-a", Version::Other)?;
     run.event("donor-a ready with another table version");
     run.at_second(HEAL_AT)?;
-    rack.end("donor-a", libc::SIGKILL)?;
     run.event("kill -9 donor-a");
+    rack.end("donor-a", libc::SIGKILL)?;
     rack.restart("donor-a", Version::Pinned)?;
     let healthy = run.event("donor-a ready with the pinned version");
     let out = finish(run, o, true)?;
@@ -156,11 +156,16 @@ fn partition(env: &Env, o: &Opts) -> Result<Report> {
     let rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
-    rack.partition("donor-a")?;
     let cut = run.event("link of donor-a down");
+    rack.partition("donor-a")?;
     run.at_second(HEAL_AT)?;
     rack.heal("donor-a")?;
-    let healthy = run.event("link of donor-a up");
+    run.event("link of donor-a up");
+    // The path is back once the root namespace can reach the donor again
+    // (its neighbour entry resolves: up to the kernel's ARP retransmit
+    // time, 1 s by default): that is when the donor is healthy.
+    let back = rack.wait_reachable("donor-a", Duration::from_secs(10))?;
+    let healthy = run.event(format!("donor-a reachable again ({:.0} ms after the link came up)", back.as_secs_f64() * 1e3));
     let out = finish(run, o, true)?;
     let mut r = Report::check("partition", about("partition"), env, &plan, &out)?;
     // Lookups already on their way when the link went down may land.
@@ -284,9 +289,9 @@ fn all_down_ssd(env: &Env, o: &Opts) -> Result<Report> {
     let mut rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
+    let down = run.event("kill -9 donor-a and donor-b");
     rack.end("donor-a", libc::SIGKILL)?;
     rack.end("donor-b", libc::SIGKILL)?;
-    let down = run.event("kill -9 donor-a and donor-b");
     run.at_second(HEAL_AT)?;
     run.event("restart both");
     rack.restart("donor-a", Version::Pinned)?;
@@ -314,9 +319,9 @@ fn all_down_fail(env: &Env, o: &Opts) -> Result<Report> {
     let mut rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
+    let down = run.event("kill -9 donor-a and donor-b");
     rack.end("donor-a", libc::SIGKILL)?;
     rack.end("donor-b", libc::SIGKILL)?;
-    let down = run.event("kill -9 donor-a and donor-b");
     let out = finish(run, o, false)?;
     ensure!(!out.success, "the node exited 0 although steps failed");
     ensure!(
@@ -351,9 +356,9 @@ fn all_down_zeros(env: &Env, o: &Opts) -> Result<Report> {
     let mut rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
+    let down = run.event("kill -9 donor-a and donor-b");
     rack.end("donor-a", libc::SIGKILL)?;
     rack.end("donor-b", libc::SIGKILL)?;
-    let down = run.event("kill -9 donor-a and donor-b");
     run.at_second(HEAL_AT)?;
     let m = run.metrics()?;
     let counted: f64 = [1, 14]
@@ -386,27 +391,60 @@ fn sigterm(env: &Env, o: &Opts) -> Result<Report> {
     let mut rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
-    run.event("SIGTERM donor-a");
+    let before = donor_errors(&run.metrics()?, "donor-a");
+    let term = run.event("SIGTERM donor-a");
     let st = rack.end("donor-a", libc::SIGTERM)?;
-    run.event(format!("donor-a exited ({st})"));
+    let gone = run.event(format!("donor-a exited ({st})"));
     ensure!(st.success(), "donor-a's drain did not end cleanly: {st}");
+    let after = donor_errors(&run.metrics()?, "donor-a");
     run.at_second(HEAL_AT)?;
     rack.restart("donor-a", Version::Pinned)?;
     let healthy = run.event("donor-a ready");
-    let m = run.metrics()?;
     let out = finish(run, o, true)?;
     let mut r = Report::check("sigterm", about("sigterm"), env, &plan, &out)?;
-    let failovers: u64 = out.steps.iter().flat_map(|s| &s.tables).map(|t| u64::from(t.failovers)).sum();
-    let errors: f64 = m
-        .lines()
-        .filter(|l| l.starts_with("engram_node_source_errors_total{") && l.contains("source=\"donor-a\""))
-        .filter(|l| !l.contains("kind=\"draining\""))
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+    let failovers: u64 = r
+        .between(term, healthy)
+        .flat_map(|s| &s.tables)
+        .map(|t| u64::from(t.failovers))
         .sum();
-    r.figure("errors", format!("{failovers} failovers, {errors} lookup errors at donor-a"));
-    ensure!(failovers == 0 && errors == 0.0, "a drain must cost no failover and no error: {failovers} failovers, {errors} errors");
+    // A lookup that met a closing connection fails as unavailable (or a
+    // plain failure); a hedge race lost to donor-b counts as a timeout and
+    // is not the drain's doing.
+    let broken: f64 = ["unavailable", "failed", "corrupt"]
+        .iter()
+        .map(|k| after.get(*k).unwrap_or(&0.0) - before.get(*k).unwrap_or(&0.0))
+        .sum();
+    r.figure(
+        "drain",
+        format!(
+            "donor-a exited {:.0} ms after SIGTERM; {failovers} failovers and {broken} lookups on a closing connection meanwhile",
+            (gone - term) / 1e3
+        ),
+    );
+    ensure!(
+        failovers == 0 && broken == 0.0,
+        "a drain must cost no failover and no broken lookup: {failovers} failovers, {broken} broken lookups ({before:?} -> {after:?})"
+    );
+    r.never_used("donor-a", gone, healthy)?;
     r.readmitted("donor-a", healthy)?;
     Ok(r)
+}
+
+/// `engram_node_source_errors_total` of `donor` by kind, both tables summed.
+fn donor_errors(metrics: &str, donor: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let src = format!("source=\"{donor}\"");
+    for l in metrics.lines() {
+        if !(l.starts_with("engram_node_source_errors_total{") && l.contains(&src)) {
+            continue;
+        }
+        let kind = l.split("kind=\"").nth(1).and_then(|k| k.split('"').next());
+        let value = l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok());
+        if let (Some(k), Some(v)) = (kind, value) {
+            *out.entry(k.to_string()).or_default() += v;
+        }
+    }
+    out
 }
 
 fn storm(env: &Env, o: &Opts) -> Result<Report> {
@@ -435,7 +473,17 @@ fn storm(env: &Env, o: &Opts) -> Result<Report> {
     let refused = sample(&m, "engram_donor_connections_refused_total").unwrap_or(0.0);
     let out = finish(run, o, true)?;
     let mut r = Report::check("storm", about("storm"), env, &plan, &out)?;
-    let elsewhere = r.between(from, to).filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some("donor-a"))).count();
+    let during: Vec<_> = r.between(from, to).collect();
+    let elsewhere = during
+        .iter()
+        .filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some("donor-a")))
+        .count();
+    let failovers: u64 = during
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| u64::from(t.failovers))
+        .sum();
+    let steps = during.len();
     let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
     let worst_before = r.between(0.0, from).map(|s| s.stall_us).fold(0.0, f64::max);
     r.figure(
@@ -450,10 +498,20 @@ fn storm(env: &Env, o: &Opts) -> Result<Report> {
     );
     r.figure(
         "node during the storm",
-        format!("worst stall {:.2} ms (before it {:.2} ms); {elsewhere} steps not served by donor-a", worst_in / 1e3, worst_before / 1e3),
+        format!(
+            "worst stall {:.2} ms (before it {:.2} ms); {} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
+            worst_in / 1e3,
+            worst_before / 1e3,
+            steps - elsewhere
+        ),
     );
     ensure!(open_max <= plan.max_connections as f64, "donor-a held {open_max} connections, over its bound {}", plan.max_connections);
     ensure!(refused > 0.0, "the storm never reached donor-a's connection bound");
-    ensure!(elsewhere == 0, "{elsewhere} steps during the storm were not served by donor-a");
+    // The node's connection to donor-a never broke: no lookup failed there.
+    ensure!(failovers == 0, "{failovers} failovers during the storm: the node's connection to donor-a was hurt");
+    ensure!(
+        elsewhere * 10 <= steps,
+        "{elsewhere} of {steps} steps during the storm were not served by donor-a"
+    );
     Ok(r)
 }

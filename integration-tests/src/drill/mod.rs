@@ -545,6 +545,21 @@ impl Rack {
             .with_context(|| format!("{name} does not run in a network namespace"))
     }
 
+    /// Wait (at most `timeout`) until a TCP connect from here to donor
+    /// `name` succeeds; how long that took.
+    pub fn wait_reachable(&self, name: &str, timeout: Duration) -> Result<Duration> {
+        let addr = self.listen(name)?;
+        let start = std::time::Instant::now();
+        while start.elapsed() < timeout {
+            // The donor closes it unanswered after its hello timeout.
+            if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(50)).is_ok() {
+                return Ok(start.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        bail!("{name} at {addr} is still unreachable after {timeout:?}")
+    }
+
     /// The proxy in front of donor `name`.
     pub fn proxy(&self, name: &str) -> Result<&FaultProxy> {
         self.donor(name)?

@@ -59,7 +59,8 @@ pub struct Outcome {
 
 impl NodeRun {
     /// Start node `name` of `config` for `tokens` positions at `rate`
-    /// tokens/s; files go to `stem.jsonl` (trace) and `stem.txt` (summary).
+    /// tokens/s; files go to `stem.jsonl` (trace), `stem.txt` (summary) and `stem.log`
+    /// (its stderr, when it is over; `ENGRAM_DRILL_NODE_LOG` sets its log filter).
     /// Returns once its loop runs.
     pub fn start(config: &Path, name: &str, tokens: u64, rate: f64, stem: &Path) -> Result<Self> {
         let trace = stem.with_extension("jsonl");
@@ -76,7 +77,10 @@ impl NodeRun {
             .arg(&trace)
             .args(["--progress-every", &PROGRESS_EVERY.to_string()])
             .args(["--metrics", "127.0.0.1:0"])
-            .env("RUST_LOG", "info");
+            .env(
+                "RUST_LOG",
+                std::env::var("ENGRAM_DRILL_NODE_LOG").unwrap_or_else(|_| "info".into()),
+            );
         let out = std::fs::File::create(&summary)
             .with_context(|| format!("creating {}", summary.display()))?;
         let process = Process::spawn_with_stdout(cmd, out.into())?;
@@ -167,11 +171,15 @@ impl NodeRun {
             .process
             .wait_line(Duration::from_secs(5), |l| l.contains("\u{0}").then_some(()));
         let steps = read_trace(&self.trace)?;
+        let log = self.process.log();
+        let log_path = self.trace.with_extension("log");
+        std::fs::write(&log_path, &log)
+            .with_context(|| format!("writing {}", log_path.display()))?;
         Ok(Outcome {
             steps,
             events: self.events,
             success: st.success(),
-            log: self.process.log(),
+            log,
             summary: std::fs::read_to_string(&self.summary).unwrap_or_default(),
             tokens: self.tokens,
             rate: self.rate,
