@@ -230,6 +230,28 @@ impl DonorClient {
         self.inner.draining.load(Ordering::Relaxed)
     }
 
+    /// Like [`Self::is_draining`], but first takes in what the donor sent
+    /// while nobody was reading (no system call unless the socket is
+    /// readable): a Goodbye that arrived between two lookups is seen before
+    /// the next one is sent, so the router moves away without a failover.
+    pub fn poll_draining(&self) -> bool {
+        let inner = &self.inner;
+        if !self.is_draining()
+            && inner.idle()
+            && let Ok(mut rd) = inner.reader.try_lock()
+        {
+            // A read error closes the connection; the next lookup sees it.
+            let _ = inner.poll_idle(&mut rd);
+        }
+        let draining = self.is_draining();
+        if draining {
+            // Nothing in flight: close our side now, so the donor's drain
+            // does not wait for us.
+            inner.close_if_drained();
+        }
+        draining
+    }
+
     /// True once the connection failed or closed.
     pub fn is_closed(&self) -> bool {
         self.inner.pending().closed.is_some()

@@ -140,7 +140,7 @@ impl DonorSource {
 
     fn draining(&self) -> bool {
         let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        cur.as_ref().is_some_and(|c| c.is_draining())
+        cur.as_ref().is_some_and(|c| c.poll_draining())
     }
 }
 
