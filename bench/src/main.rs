@@ -4,6 +4,7 @@
 #![allow(clippy::print_stdout)]
 
 mod demo;
+mod drill;
 mod floor;
 mod paced;
 mod rack;
@@ -29,6 +30,8 @@ struct Cli {
 enum Cmd {
     /// The local rack: two donors and an SSD copy, the node at 100 tokens/s, the primary donor killed and restarted; a per-second timeline.
     Demo(demo::DemoArgs),
+    /// Failover drills on a local rack: donors killed, hung, partitioned, slowed, corrupting, swapped, drained and stormed; a timeline and chart per drill.
+    Drill(drill::DrillArgs),
     /// The real node against local RAM, a donor over TCP and the SSD copy across token rates, next to seed 000's prediction.
     Paced(paced::PacedArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
@@ -48,6 +51,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo::run(&a),
+        Cmd::Drill(a) => drill::run(&a),
         Cmd::Paced(a) => paced::run(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),

@@ -178,6 +178,45 @@ async fn a_failure_while_half_open_opens_again() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_lost_race_on_trial_counts_but_does_not_reopen_at_once() {
+    // Back from a restart, the primary is slower than its peer for a while.
+    let a = Fake::new("a", Fault::Hang);
+    let b = Fake::new("b", Fault::Ok(us(30)));
+    let r = rig(&[&a, &b], settings(Hedge::Fixed(us(100)), Policy::Fail));
+    for _ in 0..3 {
+        fetch(&r).await.0.expect("the hedge answers");
+    }
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    r.health[0].probe().await;
+    assert_eq!(r.health[0].breaker(), Breaker::HalfOpen);
+    a.set(Fault::Ok(us(300)));
+    for _ in 0..2 {
+        assert_eq!(fetch(&r).await.0.expect("ok").source.as_deref(), Some("b"));
+        assert_eq!(
+            r.health[0].breaker(),
+            Breaker::HalfOpen,
+            "a lost race on trial is not a failure"
+        );
+    }
+    // Its answers speed up: the trial succeeds and the breaker closes.
+    a.set(Fault::Ok(us(40)));
+    assert_eq!(fetch(&r).await.0.expect("ok").source.as_deref(), Some("a"));
+    assert_eq!(r.health[0].breaker(), Breaker::Closed);
+
+    // Losing every race still opens it, on trial too.
+    a.set(Fault::Hang);
+    for _ in 0..3 {
+        fetch(&r).await.0.expect("the hedge answers");
+    }
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+    r.health[0].probe().await;
+    for _ in 0..3 {
+        fetch(&r).await.0.expect("the hedge answers");
+    }
+    assert_eq!(r.health[0].breaker(), Breaker::Open);
+}
+
+#[tokio::test(start_paused = true)]
 async fn background_probes_readmit_a_quiet_source_within_two_intervals() {
     let a = Fake::new(
         "a",

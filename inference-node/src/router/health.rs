@@ -6,7 +6,7 @@
 //! and the source gets no traffic. A probe that passes (the source answers
 //! and serves the pinned versions) half-opens it: traffic flows again, the
 //! first success or a second passing probe closes it, and any failure opens
-//! it again. A version mismatch excludes the source for that table until a
+//! it again (a lost hedge race only counts towards the threshold). A version mismatch excludes the source for that table until a
 //! probe sees the pinned digest again.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -181,6 +181,23 @@ impl SourceHealth {
                 false
             }
         }
+    }
+
+    /// A lookup sent here lost the race to a source asked after it (a
+    /// hedge or a failover). It counts towards the threshold like a
+    /// failure, but even on trial (half-open) it takes `threshold` of them
+    /// to open the breaker again: a donor just back from a restart may be
+    /// slower than its peer for its first answers without being wrong.
+    /// Returns true when this opened the breaker.
+    pub fn on_lost_race(&self) -> bool {
+        let mut st = self.st();
+        st.failures += 1;
+        if st.failures >= self.threshold.load(Ordering::Relaxed) && st.breaker != Breaker::Open {
+            tracing::warn!(source = self.source.name(), failures = st.failures, "circuit breaker opens: lost every race");
+            self.set(&mut st, Breaker::Open);
+            return true;
+        }
+        false
     }
 
     /// The delay after which a lookup sent here is hedged, if any; `None`

@@ -337,8 +337,15 @@ impl Router {
     /// started ahead of several times in a row, a hung one always does.
     fn slow(st: &RouteState, inflight: Vec<InFlight<'_>>, winner_sent: Option<Instant>) {
         for a in inflight {
-            if winner_sent.is_none_or(|w| a.sent < w) {
-                Self::failure(st, a.source, &SourceError::Timeout);
+            match winner_sent {
+                // Out of time: a plain failure.
+                None => Self::failure(st, a.source, &SourceError::Timeout),
+                // Beaten by a source asked after it: slower, not wrong.
+                Some(w) if a.sent < w => {
+                    st.series[a.source].errors[error_kind(&SourceError::Timeout)].inc();
+                    st.sources[a.source].on_lost_race();
+                }
+                Some(_) => {}
             }
         }
     }
