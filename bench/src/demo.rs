@@ -8,8 +8,7 @@
 //! node's summary, and checks that every position fused exactly what the
 //! reference fused. Every process it starts is gone when it ends.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
@@ -18,6 +17,8 @@ use engram_bench::plot::{Panel, Series, Timeline};
 use engram_protocol::ROW_BYTES;
 use inference_node::model::StepRecord;
 use inference_node::model::summary::{Second, Seconds};
+use integration_tests::drill::node::read_trace;
+use integration_tests::drill::report::checksums;
 
 use crate::rack::{self, Child, NodeSpec, RackSpec};
 
@@ -305,18 +306,6 @@ fn wait_second(node: &Child, at: u64) -> Result<()> {
     .with_context(|| format!("waiting for second {at} of the node's run"))
 }
 
-/// The trace's steps.
-pub fn read_trace(path: &Path) -> Result<Vec<StepRecord>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines()
-        .enumerate()
-        .map(|(i, l)| {
-            serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1))
-        })
-        .collect()
-}
-
 /// Cut the steps into seconds.
 fn per_second(steps: &[StepRecord]) -> Vec<Second> {
     let mut s = Seconds::default();
@@ -326,15 +315,6 @@ fn per_second(steps: &[StepRecord]) -> Vec<Second> {
     }
     out.extend(s.finish());
     out
-}
-
-/// Position `(seq, index)` -> checksum of its fused output.
-fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
-    steps
-        .iter()
-        .flat_map(|s| &s.positions)
-        .map(|p| ((p.seq, p.index), p.checksum.clone()))
-        .collect()
 }
 
 /// When (seconds into the run) `source` first served a table after `from`.

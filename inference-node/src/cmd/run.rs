@@ -68,7 +68,6 @@ pub struct RunArgs {
     pub progress_every: Option<std::num::NonZeroU64>,
 }
 
-
 /// Run it.
 pub async fn run(args: RunArgs) -> Result<()> {
     if !(1..=MAX_BATCH).contains(&args.batch) {
@@ -142,7 +141,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     t.write_all(b"\n")?;
                 }
                 if let Some(n) = progress
-                    && (r.step + 1) % n == 0
+                    && (r.step + 1).is_multiple_of(n)
                 {
                     eprintln!(
                         "progress steps={} end_us={:.0} monotonic_us={}",

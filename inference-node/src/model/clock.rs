@@ -86,6 +86,19 @@ impl Clock for FakeClock {
     }
 }
 
+/// CLOCK_MONOTONIC now, in microseconds (the same clock in every process).
+pub fn monotonic_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only the timespec it is given.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+    }
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,17 +127,4 @@ mod tests {
         c.advance(Duration::from_micros(10));
         assert_eq!(c.now(), Duration::from_micros(5_010));
     }
-}
-
-/// CLOCK_MONOTONIC now, in microseconds (the same clock in every process).
-pub fn monotonic_us() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes only the timespec it is given.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
-    }
-    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
 }

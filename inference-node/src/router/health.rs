@@ -193,7 +193,11 @@ impl SourceHealth {
         let mut st = self.st();
         st.failures += 1;
         if st.failures >= self.threshold.load(Ordering::Relaxed) && st.breaker != Breaker::Open {
-            tracing::warn!(source = self.source.name(), failures = st.failures, "circuit breaker opens: lost every race");
+            tracing::warn!(
+                source = self.source.name(),
+                failures = st.failures,
+                "circuit breaker opens: lost every race"
+            );
             self.set(&mut st, Breaker::Open);
             return true;
         }

@@ -40,18 +40,66 @@ pub type DrillFn = fn(&Env, &Opts) -> Result<Report>;
 
 /// Every drill: name, what it does, the function.
 pub const ALL: &[(&str, &str, DrillFn)] = &[
-    ("kill-9", "kill -9 the primary donor mid-run, restart it", kill_9),
-    ("sigstop", "SIGSTOP both donors (hung, sockets open; hedging off), then SIGCONT", sigstop),
-    ("wrong-version", "restart the primary with another table version, then with the pinned one", wrong_version),
-    ("partition", "cut the primary's link (its network namespace), heal it", partition),
-    ("slow-link", "30 ms added to every answer of the primary (proxy); hedging at p99", slow_link),
-    ("corrupt", "flip a payload byte in every answer of the primary (proxy)", corrupt),
-    ("cut", "truncate answers mid-frame, then drop connections on every lookup (proxy)", cut),
-    ("all-down-ssd", "kill -9 both donors; the SSD copy serves; restart them", all_down_ssd),
-    ("all-down-fail", "kill -9 both donors with no SSD copy, policy fail", all_down_fail),
-    ("all-down-zeros", "kill -9 both donors with no SSD copy, policy zeros; restart them", all_down_zeros),
-    ("sigterm", "SIGTERM the primary (drain: Goodbye), restart it", sigterm),
-    ("storm", "random bytes, oversized lengths and silent connections at the primary", storm),
+    (
+        "kill-9",
+        "kill -9 the primary donor mid-run, restart it",
+        kill_9,
+    ),
+    (
+        "sigstop",
+        "SIGSTOP both donors (hung, sockets open; hedging off), then SIGCONT",
+        sigstop,
+    ),
+    (
+        "wrong-version",
+        "restart the primary with another table version, then with the pinned one",
+        wrong_version,
+    ),
+    (
+        "partition",
+        "cut the primary's link (its network namespace), heal it",
+        partition,
+    ),
+    (
+        "slow-link",
+        "30 ms added to every answer of the primary (proxy); hedging at p99",
+        slow_link,
+    ),
+    (
+        "corrupt",
+        "flip a payload byte in every answer of the primary (proxy)",
+        corrupt,
+    ),
+    (
+        "cut",
+        "truncate answers mid-frame, then drop connections on every lookup (proxy)",
+        cut,
+    ),
+    (
+        "all-down-ssd",
+        "kill -9 both donors; the SSD copy serves; restart them",
+        all_down_ssd,
+    ),
+    (
+        "all-down-fail",
+        "kill -9 both donors with no SSD copy, policy fail",
+        all_down_fail,
+    ),
+    (
+        "all-down-zeros",
+        "kill -9 both donors with no SSD copy, policy zeros; restart them",
+        all_down_zeros,
+    ),
+    (
+        "sigterm",
+        "SIGTERM the primary (drain: Goodbye), restart it",
+        sigterm,
+    ),
+    (
+        "storm",
+        "random bytes, oversized lengths and silent connections at the primary",
+        storm,
+    ),
 ];
 
 /// The drill named `name`.
@@ -78,11 +126,45 @@ fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<Outcome> {
     Ok(out)
 }
 
-fn kill_9(env: &Env, o: &Opts) -> Result<Report> {
-    let plan = Plan::new("kill-9");
-    let mut rack = Rack::start(env, plan.clone())?;
+/// Start the plan's rack and the node, and wait for the fault's moment.
+fn begin(env: &Env, plan: &Plan, o: &Opts) -> Result<(Rack, super::NodeRun)> {
+    let rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
+    Ok((rack, run))
+}
+
+/// `kill -9` both donors; when.
+fn kill_both(rack: &mut Rack, run: &mut super::NodeRun) -> Result<f64> {
+    let at = run.event("kill -9 donor-a and donor-b");
+    rack.end("donor-a", libc::SIGKILL)?;
+    rack.end("donor-b", libc::SIGKILL)?;
+    Ok(at)
+}
+
+/// Restart both donors at the heal's moment; when donor-a was ready.
+fn restart_both(rack: &mut Rack, run: &mut super::NodeRun) -> Result<f64> {
+    run.at_second(HEAL_AT)?;
+    run.event("restart both");
+    rack.restart("donor-a", Version::Pinned)?;
+    let ready = run.event("donor-a ready");
+    rack.restart("donor-b", Version::Pinned)?;
+    run.event("donor-b ready");
+    Ok(ready)
+}
+
+/// A node counter summed over tables 1 and 14 (`labels`: more labels
+/// after the table's, e.g. `,source="donor-a"`).
+fn both_tables(metrics: &str, name: &str, labels: &str) -> f64 {
+    [1, 14]
+        .iter()
+        .filter_map(|t| sample(metrics, &format!("{name}{{table=\"{t}\"{labels}}}")))
+        .sum()
+}
+
+fn kill_9(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = Plan::new("kill-9");
+    let (mut rack, mut run) = begin(env, &plan, o)?;
     let killed = run.event("kill -9 donor-a");
     rack.end("donor-a", libc::SIGKILL)?;
     run.at_second(HEAL_AT)?;
@@ -101,9 +183,7 @@ fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
     // No hedge: a hung donor is left only at the deadline (the next donor)
     // and at the hard timeout (the SSD copy), the slowest path there is.
     plan.hedge = "off";
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (rack, mut run) = begin(env, &plan, o)?;
     run.event("SIGSTOP donor-a and donor-b");
     rack.stop("donor-a")?;
     rack.stop("donor-b")?;
@@ -113,7 +193,10 @@ fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
     let healthy = run.event("SIGCONT both");
     let out = finish(run, o, true)?;
     let mut r = Report::check("sigstop", about("sigstop"), env, &plan, &out)?;
-    let ssd = r.between(0.0, healthy).filter(|s| super::report::served_by(s, "ssd")).count();
+    let ssd = r
+        .between(0.0, healthy)
+        .filter(|s| super::report::served_by(s, "ssd"))
+        .count();
     ensure!(ssd > 0, "the SSD copy never served while both donors hung");
     r.figure("steps served from SSD while both hung", ssd.to_string());
     r.readmitted("donor-a", healthy)?;
@@ -122,9 +205,7 @@ fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
 
 fn wrong_version(env: &Env, o: &Opts) -> Result<Report> {
     let plan = Plan::new("wrong-version");
-    let mut rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (mut rack, mut run) = begin(env, &plan, o)?;
     let killed = run.event("kill -9 donor-a");
     rack.end("donor-a", libc::SIGKILL)?;
     rack.restart("donor-a", Version::Other)?;
@@ -148,14 +229,13 @@ fn wrong_version(env: &Env, o: &Opts) -> Result<Report> {
 }
 
 fn partition(env: &Env, o: &Opts) -> Result<Report> {
-    NetNs::check().map_err(|e| anyhow::anyhow!("the partition drill needs network namespaces: {e}"))?;
+    NetNs::check()
+        .map_err(|e| anyhow::anyhow!("the partition drill needs network namespaces: {e}"))?;
     let mut plan = Plan::new("partition");
     for d in &mut plan.donors {
         d.placement = Placement::Netns;
     }
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (rack, mut run) = begin(env, &plan, o)?;
     let cut = run.event("link of donor-a down");
     rack.partition("donor-a")?;
     run.at_second(HEAL_AT)?;
@@ -165,7 +245,10 @@ fn partition(env: &Env, o: &Opts) -> Result<Report> {
     // (its neighbour entry resolves: up to the kernel's ARP retransmit
     // time, 1 s by default): that is when the donor is healthy.
     let back = rack.wait_reachable("donor-a", Duration::from_secs(10))?;
-    let healthy = run.event(format!("donor-a reachable again ({:.0} ms after the link came up)", back.as_secs_f64() * 1e3));
+    let healthy = run.event(format!(
+        "donor-a reachable again ({:.0} ms after the link came up)",
+        back.as_secs_f64() * 1e3
+    ));
     let out = finish(run, o, true)?;
     let mut r = Report::check("partition", about("partition"), env, &plan, &out)?;
     // Lookups already on their way when the link went down may land.
@@ -178,9 +261,7 @@ fn slow_link(env: &Env, o: &Opts) -> Result<Report> {
     const DELAY: Duration = Duration::from_millis(30);
     let mut plan = Plan::new("slow-link");
     plan.donors[0].proxied = true;
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (rack, mut run) = begin(env, &plan, o)?;
     let proxy = rack.proxy("donor-a")?;
     proxy.set(Faults {
         delay: DELAY,
@@ -192,7 +273,10 @@ fn slow_link(env: &Env, o: &Opts) -> Result<Report> {
     let healthy = run.event("donor-a's link back to normal");
     let out = finish(run, o, true)?;
     let mut r = Report::check("slow-link", about("slow-link"), env, &plan, &out)?;
-    let worst = r.between(slow, healthy).map(|s| s.stall_us).fold(0.0, f64::max);
+    let worst = r
+        .between(slow, healthy)
+        .map(|s| s.stall_us)
+        .fold(0.0, f64::max);
     let hedged: u64 = r
         .between(slow, healthy)
         .flat_map(|s| &s.tables)
@@ -200,7 +284,11 @@ fn slow_link(env: &Env, o: &Opts) -> Result<Report> {
         .sum();
     r.figure(
         "worst stall while slow",
-        format!("{:.2} ms, against {} ms added to donor-a's answers; {hedged} hedges", worst / 1e3, DELAY.as_millis()),
+        format!(
+            "{:.2} ms, against {} ms added to donor-a's answers; {hedged} hedges",
+            worst / 1e3,
+            DELAY.as_millis()
+        ),
     );
     ensure!(hedged > 0, "no hedge went out while donor-a was slow");
     ensure!(
@@ -216,9 +304,7 @@ fn slow_link(env: &Env, o: &Opts) -> Result<Report> {
 fn corrupt(env: &Env, o: &Opts) -> Result<Report> {
     let mut plan = Plan::new("corrupt");
     plan.donors[0].proxied = true;
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (rack, mut run) = begin(env, &plan, o)?;
     let proxy = rack.proxy("donor-a")?;
     proxy.set(Faults {
         corrupt_rows: true,
@@ -227,15 +313,11 @@ fn corrupt(env: &Env, o: &Opts) -> Result<Report> {
     run.event("donor-a's answers corrupted (one payload byte each)");
     run.at_second(HEAL_AT - 0.1)?;
     let m = run.metrics()?;
-    let bad: f64 = [1, 14]
-        .iter()
-        .filter_map(|t| {
-            sample(
-                &m,
-                &format!("engram_node_checksum_failures_total{{table=\"{t}\",source=\"donor-a\"}}"),
-            )
-        })
-        .sum();
+    let bad = both_tables(
+        &m,
+        "engram_node_checksum_failures_total",
+        ",source=\"donor-a\"",
+    );
     run.at_second(HEAL_AT)?;
     proxy.set(Faults::default());
     let healthy = run.event("donor-a's answers intact again");
@@ -246,7 +328,10 @@ fn corrupt(env: &Env, o: &Opts) -> Result<Report> {
         "corrupted answers",
         format!("{corrupted} sent by the proxy, {bad} counted by the node as checksum failures, none used"),
     );
-    ensure!(corrupted > 0 && bad > 0.0, "no corrupted answer reached the node (proxy {corrupted}, node {bad})");
+    ensure!(
+        corrupted > 0 && bad > 0.0,
+        "no corrupted answer reached the node (proxy {corrupted}, node {bad})"
+    );
     r.readmitted("donor-a", healthy)?;
     Ok(r)
 }
@@ -254,9 +339,7 @@ fn corrupt(env: &Env, o: &Opts) -> Result<Report> {
 fn cut(env: &Env, o: &Opts) -> Result<Report> {
     let mut plan = Plan::new("cut");
     plan.donors[0].proxied = true;
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (rack, mut run) = begin(env, &plan, o)?;
     let proxy = rack.proxy("donor-a")?;
     proxy.set(Faults {
         truncate_rows: true,
@@ -277,27 +360,24 @@ fn cut(env: &Env, o: &Opts) -> Result<Report> {
     let mut r = Report::check("cut", about("cut"), env, &plan, &out)?;
     r.figure(
         "cut by the proxy",
-        format!("{} answers truncated, {} connections dropped on a lookup", stats.truncated, stats.dropped),
+        format!(
+            "{} answers truncated, {} connections dropped on a lookup",
+            stats.truncated, stats.dropped
+        ),
     );
-    ensure!(stats.truncated > 0 && stats.dropped > 0, "the proxy cut nothing: {stats:?}");
+    ensure!(
+        stats.truncated > 0 && stats.dropped > 0,
+        "the proxy cut nothing: {stats:?}"
+    );
     r.readmitted("donor-a", healthy)?;
     Ok(r)
 }
 
 fn all_down_ssd(env: &Env, o: &Opts) -> Result<Report> {
     let plan = Plan::new("all-down-ssd");
-    let mut rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
-    let down = run.event("kill -9 donor-a and donor-b");
-    rack.end("donor-a", libc::SIGKILL)?;
-    rack.end("donor-b", libc::SIGKILL)?;
-    run.at_second(HEAL_AT)?;
-    run.event("restart both");
-    rack.restart("donor-a", Version::Pinned)?;
-    let healthy = run.event("donor-a ready");
-    rack.restart("donor-b", Version::Pinned)?;
-    run.event("donor-b ready");
+    let (mut rack, mut run) = begin(env, &plan, o)?;
+    let down = kill_both(&mut rack, &mut run)?;
+    let healthy = restart_both(&mut rack, &mut run)?;
     let out = finish(run, o, true)?;
     let mut r = Report::check("all-down-ssd", about("all-down-ssd"), env, &plan, &out)?;
     // Give lookups in flight at the kill a moment to fail over.
@@ -306,9 +386,15 @@ fn all_down_ssd(env: &Env, o: &Opts) -> Result<Report> {
         .between(from, healthy)
         .filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some("ssd")))
         .count();
-    ensure!(not_ssd == 0, "{not_ssd} steps were not served from SSD while both donors were down");
+    ensure!(
+        not_ssd == 0,
+        "{not_ssd} steps were not served from SSD while both donors were down"
+    );
     let n = r.between(from, healthy).count();
-    r.figure("served from SSD while both donors were down", format!("{n} steps"));
+    r.figure(
+        "served from SSD while both donors were down",
+        format!("{n} steps"),
+    );
     r.readmitted("donor-a", healthy)?;
     Ok(r)
 }
@@ -316,12 +402,8 @@ fn all_down_ssd(env: &Env, o: &Opts) -> Result<Report> {
 fn all_down_fail(env: &Env, o: &Opts) -> Result<Report> {
     let mut plan = Plan::new("all-down-fail");
     plan.sources = vec!["donor-a", "donor-b"];
-    let mut rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
-    let down = run.event("kill -9 donor-a and donor-b");
-    rack.end("donor-a", libc::SIGKILL)?;
-    rack.end("donor-b", libc::SIGKILL)?;
+    let (mut rack, mut run) = begin(env, &plan, o)?;
+    let down = kill_both(&mut rack, &mut run)?;
     let out = finish(run, o, false)?;
     ensure!(!out.success, "the node exited 0 although steps failed");
     ensure!(
@@ -330,10 +412,22 @@ fn all_down_fail(env: &Env, o: &Opts) -> Result<Report> {
         out.log
     );
     let r = Report::check("all-down-fail", about("all-down-fail"), env, &plan, &out)?;
-    let early = r.between(0.0, down).filter(|s| super::report::failed(s)).count();
-    ensure!(early == 0, "{early} steps failed before the donors went down");
-    let late = r.between(down + 50_000.0, f64::INFINITY).filter(|s| !super::report::failed(s)).count();
-    ensure!(late == 0, "{late} steps were served after both donors went down (from where?)");
+    let early = r
+        .between(0.0, down)
+        .filter(|s| super::report::failed(s))
+        .count();
+    ensure!(
+        early == 0,
+        "{early} steps failed before the donors went down"
+    );
+    let late = r
+        .between(down + 50_000.0, f64::INFINITY)
+        .filter(|s| !super::report::failed(s))
+        .count();
+    ensure!(
+        late == 0,
+        "{late} steps were served after both donors went down (from where?)"
+    );
     let err = out
         .steps
         .iter()
@@ -345,7 +439,13 @@ fn all_down_fail(env: &Env, o: &Opts) -> Result<Report> {
         "the error does not name both donors: {err}"
     );
     let mut r = r;
-    r.figure("failed steps", format!("{} (every one after the kill); first error: {err}", r.failed));
+    r.figure(
+        "failed steps",
+        format!(
+            "{} (every one after the kill); first error: {err}",
+            r.failed
+        ),
+    );
     Ok(r)
 }
 
@@ -353,44 +453,46 @@ fn all_down_zeros(env: &Env, o: &Opts) -> Result<Report> {
     let mut plan = Plan::new("all-down-zeros");
     plan.sources = vec!["donor-a", "donor-b"];
     plan.policy = "zeros";
-    let mut rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
-    let down = run.event("kill -9 donor-a and donor-b");
-    rack.end("donor-a", libc::SIGKILL)?;
-    rack.end("donor-b", libc::SIGKILL)?;
+    let (mut rack, mut run) = begin(env, &plan, o)?;
+    let down = kill_both(&mut rack, &mut run)?;
     run.at_second(HEAL_AT)?;
     let m = run.metrics()?;
-    let counted: f64 = [1, 14]
-        .iter()
-        .filter_map(|t| sample(&m, &format!("engram_node_zeros_served_total{{table=\"{t}\"}}")))
-        .sum();
-    run.event("restart both");
-    rack.restart("donor-a", Version::Pinned)?;
-    let healthy = run.event("donor-a ready");
-    rack.restart("donor-b", Version::Pinned)?;
-    run.event("donor-b ready");
+    let counted = both_tables(&m, "engram_node_zeros_served_total", "");
+    let healthy = restart_both(&mut rack, &mut run)?;
     let out = finish(run, o, true)?;
     let mut r = Report::check("all-down-zeros", about("all-down-zeros"), env, &plan, &out)?;
-    ensure!(r.zeros > 0, "no zeros were served while every donor was down");
-    let stray = r.between(0.0, down).filter(|s| super::report::zeros(s)).count();
-    ensure!(stray == 0, "{stray} steps got zeros before the donors went down");
+    ensure!(
+        r.zeros > 0,
+        "no zeros were served while every donor was down"
+    );
+    let stray = r
+        .between(0.0, down)
+        .filter(|s| super::report::zeros(s))
+        .count();
+    ensure!(
+        stray == 0,
+        "{stray} steps got zeros before the donors went down"
+    );
     ensure!(counted > 0.0, "engram_node_zeros_served_total stayed 0");
     ensure!(
         out.log.contains("serving zeros"),
         "the node did not warn that it served zeros:\n{}",
         out.log
     );
-    r.figure("steps with zeros (Engram suppressed)", format!("{} in the trace; {counted} lookups counted by the node", r.zeros));
+    r.figure(
+        "steps with zeros (Engram suppressed)",
+        format!(
+            "{} in the trace; {counted} lookups counted by the node",
+            r.zeros
+        ),
+    );
     r.readmitted("donor-a", healthy)?;
     Ok(r)
 }
 
 fn sigterm(env: &Env, o: &Opts) -> Result<Report> {
     let plan = Plan::new("sigterm");
-    let mut rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (mut rack, mut run) = begin(env, &plan, o)?;
     let before = donor_errors(&run.metrics()?, "donor-a");
     let term = run.event("SIGTERM donor-a");
     let st = rack.end("donor-a", libc::SIGTERM)?;
@@ -453,11 +555,10 @@ fn storm(env: &Env, o: &Opts) -> Result<Report> {
     plan.hello_timeout_ms = 300;
     // A donor slowed by the storm would show as a hedge won elsewhere.
     plan.hedge = "2ms";
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
+    let (rack, mut run) = begin(env, &plan, o)?;
     let storm = Storm::start(rack.listen("donor-a")?, 2 * plan.max_connections);
-    let from = run.event("storm at donor-a: random bytes, oversized lengths, 32 silent connections");
+    let from =
+        run.event("storm at donor-a: random bytes, oversized lengths, 32 silent connections");
     let mut open_max = 0.0f64;
     let end_step = o.tokens(HEAL_AT);
     let mut step = o.tokens(FAULT_AT);
@@ -476,7 +577,11 @@ fn storm(env: &Env, o: &Opts) -> Result<Report> {
     let during: Vec<_> = r.between(from, to).collect();
     let elsewhere = during
         .iter()
-        .filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some("donor-a")))
+        .filter(|s| {
+            s.tables
+                .iter()
+                .any(|t| t.source.as_deref() != Some("donor-a"))
+        })
         .count();
     let failovers: u64 = during
         .iter()
@@ -505,10 +610,20 @@ fn storm(env: &Env, o: &Opts) -> Result<Report> {
             steps - elsewhere
         ),
     );
-    ensure!(open_max <= plan.max_connections as f64, "donor-a held {open_max} connections, over its bound {}", plan.max_connections);
-    ensure!(refused > 0.0, "the storm never reached donor-a's connection bound");
+    ensure!(
+        open_max <= plan.max_connections as f64,
+        "donor-a held {open_max} connections, over its bound {}",
+        plan.max_connections
+    );
+    ensure!(
+        refused > 0.0,
+        "the storm never reached donor-a's connection bound"
+    );
     // The node's connection to donor-a never broke: no lookup failed there.
-    ensure!(failovers == 0, "{failovers} failovers during the storm: the node's connection to donor-a was hurt");
+    ensure!(
+        failovers == 0,
+        "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
+    );
     ensure!(
         elsewhere * 10 <= steps,
         "{elsewhere} of {steps} steps during the storm were not served by donor-a"

@@ -408,7 +408,10 @@ impl Rack {
         let config = dir.join("rack.toml");
         std::fs::write(&config, config_text(env, &plan, &addrs, &nodes, false)?)?;
         let other_config = dir.join("other.toml");
-        std::fs::write(&other_config, config_text(env, &plan, &addrs, &nodes, true)?)?;
+        std::fs::write(
+            &other_config,
+            config_text(env, &plan, &addrs, &nodes, true)?,
+        )?;
         let mut rack = Self {
             plan,
             dir,

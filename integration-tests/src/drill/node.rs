@@ -167,9 +167,9 @@ impl NodeRun {
             .wait(timeout)
             .with_context(|| format!("the node still runs after {timeout:?}"))?;
         // The reader thread may still be collecting the last lines.
-        let _ = self
-            .process
-            .wait_line(Duration::from_secs(5), |l| l.contains("\u{0}").then_some(()));
+        let _ = self.process.wait_line(Duration::from_secs(5), |l| {
+            l.contains("\u{0}").then_some(())
+        });
         let steps = read_trace(&self.trace)?;
         let log = self.process.log();
         let log_path = self.trace.with_extension("log");
@@ -225,6 +225,9 @@ mod tests {
             Some((15, 150_012.0, 99_000_123.0))
         );
         assert_eq!(parse_progress("t=   1s ..."), None);
-        assert_eq!(parse_progress("progress steps=x end_us=1 monotonic_us=2"), None);
+        assert_eq!(
+            parse_progress("progress steps=x end_us=1 monotonic_us=2"),
+            None
+        );
     }
 }

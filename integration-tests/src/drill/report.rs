@@ -48,14 +48,18 @@ pub fn failed(s: &StepRecord) -> bool {
 
 /// Whether a step had a table served as zeros by policy.
 pub fn zeros(s: &StepRecord) -> bool {
-    s.tables.iter().any(|t| t.source.as_deref() == Some("zeros"))
+    s.tables
+        .iter()
+        .any(|t| t.source.as_deref() == Some("zeros"))
 }
 
 /// Whether `source` served a table of the step.
 pub fn served_by(s: &StepRecord, source: &str) -> bool {
-    s.tables
-        .iter()
-        .any(|t| t.source.as_deref().is_some_and(|x| x.split('+').any(|p| p == source)))
+    s.tables.iter().any(|t| {
+        t.source
+            .as_deref()
+            .is_some_and(|x| x.split('+').any(|p| p == source))
+    })
 }
 
 /// The steps cut into buckets of `width_s` by their end.
@@ -134,7 +138,9 @@ impl Report {
             rate: out.rate,
             figures: Vec::new(),
             worst_stall_us: out.steps.iter().map(|s| s.stall_us).fold(0.0, f64::max),
-            stall_bound_us: plan.hard_timeout_ms as f64 * 1e3 + env.ssd_fetch_us + SCHED_ALLOWANCE_US,
+            stall_bound_us: plan.hard_timeout_ms as f64 * 1e3
+                + env.ssd_fetch_us
+                + SCHED_ALLOWANCE_US,
             readmitted: Vec::new(),
             readmit_bound_s: (2.0 * plan.probe_interval_ms as f64 * 1e3
                 + 1e6 / out.rate
@@ -291,19 +297,29 @@ impl Report {
         for c in &cols {
             let _ = write!(t, " {:>9}", c);
         }
-        let _ = writeln!(t, " {:>9} {:>6} {:>6} {:>6}  events", "failovers", "hedges", "failed", "zeros");
+        let _ = writeln!(
+            t,
+            " {:>9} {:>6} {:>6} {:>6}  events",
+            "failovers", "hedges", "failed", "zeros"
+        );
         let bs = buckets(&self.steps, width_s);
         let mut events = self.events.iter().peekable();
         for b in &bs {
             let _ = write!(
                 t,
                 "{:>7.1} {:>9.0} {:>9.2} ms",
-                b.start_s, b.tokens_per_second, b.stall_max_us / 1e3
+                b.start_s,
+                b.tokens_per_second,
+                b.stall_max_us / 1e3
             );
             for c in &cols {
                 let _ = write!(t, " {:>9}", b.rows_by_source.get(c).copied().unwrap_or(0));
             }
-            let _ = write!(t, " {:>9} {:>6} {:>6} {:>6} ", b.failovers, b.hedges, b.failed, b.zeros);
+            let _ = write!(
+                t,
+                " {:>9} {:>6} {:>6} {:>6} ",
+                b.failovers, b.hedges, b.failed, b.zeros
+            );
             let end_us = (b.start_s + width_s) * 1e6;
             let mut here = Vec::new();
             while let Some(e) = events.next_if(|e| e.at_us < end_us) {

@@ -76,7 +76,8 @@ impl Storm {
                 }
                 if let Some(mut s) = connect(addr, &c) {
                     if s.write_all(&buf).is_ok() {
-                        c.garbage_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                        c.garbage_bytes
+                            .fetch_add(buf.len() as u64, Ordering::Relaxed);
                     }
                     drain(&mut s);
                 }
