@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
-use super::storm::Storm;
+use super::storm::storm;
 use super::{Env, Outcome, Placement, Plan, Rack, Report, Version};
 use crate::netns::NetNs;
 use crate::proxy::Faults;
@@ -18,8 +18,8 @@ use crate::sample;
 pub const SECONDS: f64 = 6.0;
 /// When the fault starts and when it ends (the donor is healthy again),
 /// seconds into the run.
-const FAULT_AT: f64 = 2.0;
-const HEAL_AT: f64 = 4.0;
+pub(super) const FAULT_AT: f64 = 2.0;
+pub(super) const HEAL_AT: f64 = 4.0;
 
 /// How the drills run.
 #[derive(Debug, Clone, Copy)]
@@ -107,14 +107,14 @@ pub fn find(name: &str) -> Option<DrillFn> {
     ALL.iter().find(|(n, _, _)| *n == name).map(|(_, _, f)| *f)
 }
 
-fn about(name: &str) -> &'static str {
+pub(super) fn about(name: &str) -> &'static str {
     ALL.iter()
         .find(|(n, _, _)| *n == name)
         .map_or("", |(_, a, _)| a)
 }
 
 /// The node's run and its end; `expect_ok`: it must exit 0.
-fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<Outcome> {
+pub(super) fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<Outcome> {
     let out = run.finish(Duration::from_secs_f64(SECONDS * 4.0 + 60.0))?;
     if expect_ok && !out.success {
         bail!("the node failed:\n{}", out.log);
@@ -127,7 +127,7 @@ fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<Outcome> {
 }
 
 /// Start the plan's rack and the node, and wait for the fault's moment.
-fn begin(env: &Env, plan: &Plan, o: &Opts) -> Result<(Rack, super::NodeRun)> {
+pub(super) fn begin(env: &Env, plan: &Plan, o: &Opts) -> Result<(Rack, super::NodeRun)> {
     let rack = Rack::start(env, plan.clone())?;
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
@@ -547,86 +547,4 @@ fn donor_errors(metrics: &str, donor: &str) -> std::collections::BTreeMap<String
         }
     }
     out
-}
-
-fn storm(env: &Env, o: &Opts) -> Result<Report> {
-    let mut plan = Plan::new("storm");
-    plan.max_connections = 16;
-    plan.hello_timeout_ms = 300;
-    // A donor slowed by the storm would show as a hedge won elsewhere.
-    plan.hedge = "2ms";
-    let (rack, mut run) = begin(env, &plan, o)?;
-    let storm = Storm::start(rack.listen("donor-a")?, 2 * plan.max_connections);
-    let from =
-        run.event("storm at donor-a: random bytes, oversized lengths, 32 silent connections");
-    let mut open_max = 0.0f64;
-    let end_step = o.tokens(HEAL_AT);
-    let mut step = o.tokens(FAULT_AT);
-    while step < end_step {
-        step = (step + o.tokens(0.1).max(1)).min(end_step);
-        run.at_step(step)?;
-        let m = rack.donor_metrics("donor-a")?;
-        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
-    }
-    let stats = storm.stop();
-    let to = run.event("storm over");
-    let m = rack.donor_metrics("donor-a")?;
-    let refused = sample(&m, "engram_donor_connections_refused_total").unwrap_or(0.0);
-    let out = finish(run, o, true)?;
-    let mut r = Report::check("storm", about("storm"), env, &plan, &out)?;
-    let during: Vec<_> = r.between(from, to).collect();
-    let elsewhere = during
-        .iter()
-        .filter(|s| {
-            s.tables
-                .iter()
-                .any(|t| t.source.as_deref() != Some("donor-a"))
-        })
-        .count();
-    let failovers: u64 = during
-        .iter()
-        .flat_map(|s| &s.tables)
-        .map(|t| u64::from(t.failovers))
-        .sum();
-    let steps = during.len();
-    let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
-    let worst_before = r.between(0.0, from).map(|s| s.stall_us).fold(0.0, f64::max);
-    r.figure(
-        "storm",
-        format!(
-            "{} connections, {} KiB of random bytes, {} oversized headers; donor-a had at most {open_max} of {} connections open and refused {refused}",
-            stats.connections,
-            stats.garbage_bytes / 1024,
-            stats.oversized,
-            plan.max_connections
-        ),
-    );
-    r.figure(
-        "node during the storm",
-        format!(
-            "worst stall {:.2} ms (before it {:.2} ms); {} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
-            worst_in / 1e3,
-            worst_before / 1e3,
-            steps - elsewhere
-        ),
-    );
-    ensure!(
-        open_max <= plan.max_connections as f64,
-        "donor-a held {open_max} connections, over its bound {}",
-        plan.max_connections
-    );
-    ensure!(
-        refused > 0.0,
-        "the storm never reached donor-a's connection bound"
-    );
-    // The node's connection to donor-a never broke: no lookup failed there.
-    ensure!(
-        failovers == 0,
-        "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
-    );
-    ensure!(
-        elsewhere * 10 <= steps,
-        "{elsewhere} of {steps} steps during the storm were not served by donor-a"
-    );
-    Ok(r)
 }

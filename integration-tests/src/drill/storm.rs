@@ -2,7 +2,8 @@
 //! bytes, frame headers announcing oversized payloads, and half-open
 //! connections that never send a byte (kept at `idle` open, reopened as the
 //! donor closes them). Bounded: a fixed number of threads, every socket
-//! with timeouts, all stopped and joined by [`Storm::stop`].
+//! with timeouts, all stopped and joined by [`Storm::stop`]. And the
+//! drill that aims it at a donor while the node is being served.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -10,6 +11,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use anyhow::{Result, ensure};
+
+use super::drills::{FAULT_AT, HEAL_AT, Opts, about, begin, finish};
+use super::{Env, Plan, Report};
+use crate::sample;
 
 /// What the storm did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -145,4 +152,88 @@ impl Storm {
             oversized: self.counters.oversized.load(Ordering::Relaxed),
         }
     }
+}
+
+/// The storm drill: the donor stays within its connection bound and the
+/// node's connection to it is unhurt.
+pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
+    let mut plan = Plan::new("storm");
+    plan.max_connections = 16;
+    plan.hello_timeout_ms = 300;
+    // A donor slowed by the storm would show as a hedge won elsewhere.
+    plan.hedge = "2ms";
+    let (rack, mut run) = begin(env, &plan, o)?;
+    let storm = Storm::start(rack.listen("donor-a")?, 2 * plan.max_connections);
+    let from =
+        run.event("storm at donor-a: random bytes, oversized lengths, 32 silent connections");
+    let mut open_max = 0.0f64;
+    let end_step = o.tokens(HEAL_AT);
+    let mut step = o.tokens(FAULT_AT);
+    while step < end_step {
+        step = (step + o.tokens(0.1).max(1)).min(end_step);
+        run.at_step(step)?;
+        let m = rack.donor_metrics("donor-a")?;
+        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
+    }
+    let stats = storm.stop();
+    let to = run.event("storm over");
+    let m = rack.donor_metrics("donor-a")?;
+    let refused = sample(&m, "engram_donor_connections_refused_total").unwrap_or(0.0);
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("storm", about("storm"), env, &plan, &out)?;
+    let during: Vec<_> = r.between(from, to).collect();
+    let elsewhere = during
+        .iter()
+        .filter(|s| {
+            s.tables
+                .iter()
+                .any(|t| t.source.as_deref() != Some("donor-a"))
+        })
+        .count();
+    let failovers: u64 = during
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| u64::from(t.failovers))
+        .sum();
+    let steps = during.len();
+    let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
+    let worst_before = r.between(0.0, from).map(|s| s.stall_us).fold(0.0, f64::max);
+    r.figure(
+        "storm",
+        format!(
+            "{} connections, {} KiB of random bytes, {} oversized headers; donor-a had at most {open_max} of {} connections open and refused {refused}",
+            stats.connections,
+            stats.garbage_bytes / 1024,
+            stats.oversized,
+            plan.max_connections
+        ),
+    );
+    r.figure(
+        "node during the storm",
+        format!(
+            "worst stall {:.2} ms (before it {:.2} ms); {} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
+            worst_in / 1e3,
+            worst_before / 1e3,
+            steps - elsewhere
+        ),
+    );
+    ensure!(
+        open_max <= plan.max_connections as f64,
+        "donor-a held {open_max} connections, over its bound {}",
+        plan.max_connections
+    );
+    ensure!(
+        refused > 0.0,
+        "the storm never reached donor-a's connection bound"
+    );
+    // The node's connection to donor-a never broke: no lookup failed there.
+    ensure!(
+        failovers == 0,
+        "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
+    );
+    ensure!(
+        elsewhere * 10 <= steps,
+        "{elsewhere} of {steps} steps during the storm were not served by donor-a"
+    );
+    Ok(r)
 }
