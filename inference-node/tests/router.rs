@@ -548,7 +548,8 @@ async fn at_the_hard_timeout_the_copy_still_gets_its_read() {
     let f = fetch(&r).await.0.expect("the copy in flight answers");
     assert_eq!((f.source.as_deref(), f.elapsed), (Some("ssd"), us(2_600)));
 
-    // A copy that hangs too is bounded by one more hard timeout.
+    // A copy that hangs too is bounded by one more hard timeout (at
+    // least COPY_READ_LIMIT, 1 s; this test counts in milliseconds).
     let dead = Fake::copy("ssd", Fault::Hang);
     let r = rig(&[&a, &dead], settings(Hedge::Off, Policy::Fail));
     let start = Instant::now();

@@ -10,7 +10,8 @@
 //! passes its checks wins; the others are cancelled. At the hard timeout
 //! the donors are given up on, but the node's own copy (`ssd`, `local`), in
 //! flight or not yet asked, gets its read (bounded by one more hard
-//! timeout): no lookup fails while the copy is readable. When that is over,
+//! timeout, at least [`COPY_READ_LIMIT`]): no lookup fails while the copy
+//! is readable. When that is over,
 //! or when every source has failed, the table's policy decides: a typed
 //! error (`fail`) or zero rows (`zeros`, counted and logged). Rows that
 //! fail a check never reach the caller.
@@ -39,6 +40,11 @@ pub use health::{Breaker, SourceHealth};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
 use crate::source::{SourceError, SourceKind};
+
+/// The least time the node's own copy gets past the hard timeout: a read
+/// that is slow (a cold disk, writeback in the way: tens of milliseconds
+/// on a VM) still beats a failed token; only a dead disk hits it.
+pub const COPY_READ_LIMIT: Duration = Duration::from_secs(1);
 
 /// How one table's lookups are bounded.
 #[derive(Debug, Clone, PartialEq)]
@@ -302,8 +308,9 @@ impl Router {
     }
 
     /// Send the lookup to source `i`. A donor gets until the hard timeout;
-    /// the node's own copy until one more hard timeout after it (its read
-    /// normally takes well under a millisecond; the bound is for a dead disk).
+    /// the node's own copy until one more hard timeout after it, at least
+    /// [`COPY_READ_LIMIT`] (its read normally takes well under a
+    /// millisecond; the bound is for a dead disk).
     fn attempt<'a>(
         &self,
         st: &RouteState,
@@ -316,7 +323,7 @@ impl Router {
         let src = st.sources[i].source.clone();
         let table = st.settings.table;
         let until = if Self::is_copy(st, i) {
-            hard + st.settings.hard_timeout
+            hard + st.settings.hard_timeout.max(COPY_READ_LIMIT)
         } else {
             hard
         };

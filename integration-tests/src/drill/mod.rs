@@ -96,6 +96,13 @@ impl Env {
             for (i, layer) in [1u32, 14].into_iter().enumerate() {
                 let name = format!("{tag}-layer{layer}.etab");
                 let (path, digest) = gen_hashed_table(&dir, &name, layer, BASE, seed)?;
+                // On disk before the node reads it with O_DIRECT: a read of
+                // pages still dirty in the page cache waits for their
+                // writeback (tens of milliseconds on a fresh VM), which is
+                // not what a deployed copy, written long ago, sees.
+                std::fs::File::open(&path)
+                    .and_then(|f| f.sync_all())
+                    .with_context(|| format!("syncing {}", path.display()))?;
                 out.push(TableFile {
                     id: layer,
                     path,
