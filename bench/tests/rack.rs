@@ -1,4 +1,4 @@
-//! `engram-bench demo` and `engram-bench paced` as a user runs them, on
+//! `engram-bench demo`, `paced` and `drill` as a user runs them, on
 //! small tables and short runs. They need the workspace's binaries built in
 //! the same profile (`cargo build --workspace`).
 
@@ -121,4 +121,53 @@ fn paced_writes_every_point_measured_and_predicted() {
             .expect("svg")
             .starts_with("<svg")
     );
+}
+
+#[test]
+fn drill_runs_a_chosen_drill_with_its_timeline_chart_and_summary() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = bench(&["drill", "--only", "kill-9"], dir.path(), "--dir");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "drill kill-9:",
+        "worst stall",
+        "kill -9 donor-a",
+        "donor-a ready",
+        "outputs identical to local RAM: 600/600 positions",
+        "donor-a re-admitted",
+        "drills at 100 tokens/s:",
+    ] {
+        assert!(text.contains(want), "{want:?} missing:\n{text}");
+    }
+    let summary = text
+        .lines()
+        .find(|l| l.starts_with("kill-9 "))
+        .expect("a summary line");
+    assert!(summary.contains("passed"), "{summary}");
+    let png = dir.path().join("kill-9").join("timeline.png");
+    assert!(is_png(&png), "{} is not a PNG", png.display());
+    let json: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("drills.json")).expect("drills.json"),
+    )
+    .expect("json");
+    assert_eq!(json[0]["drill"], "kill-9");
+    assert_eq!(json[0]["passed"], true);
+    assert!(json[0]["worst_stall_ms"].as_f64().expect("a stall") > 0.0);
+
+    // A drill that does not exist, and rates out of range: clear errors, nothing run.
+    let bad = bench(&["drill", "--only", "kill-7"], dir.path(), "--dir");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert!(
+        err.contains("no drill named \"kill-7\"") && err.contains("kill-9"),
+        "{err}"
+    );
+    let bad = bench(&["drill", "--tokens-per-second", "0"], dir.path(), "--dir");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--tokens-per-second 0"));
 }
