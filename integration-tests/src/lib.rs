@@ -199,6 +199,21 @@ impl Process {
         }
     }
 
+    /// Wait (at most `timeout`) until its stderr has closed and every line
+    /// is collected (after it exited, the reader thread may still lag).
+    pub fn wait_log_closed(&self, timeout: Duration) {
+        let end = Instant::now() + timeout;
+        let mut guard = self.log.lines.lock().unwrap();
+        while !guard.1 && Instant::now() < end {
+            guard = self
+                .log
+                .grew
+                .wait_timeout(guard, end.saturating_duration_since(Instant::now()))
+                .unwrap()
+                .0;
+        }
+    }
+
     /// The `ops control=ADDR metrics=ADDR` line (at most 60 s away).
     pub fn ops(&self) -> Result<OpsAddrs> {
         self.wait_line(Duration::from_secs(60), |l| {

@@ -6,8 +6,9 @@
 //! and the source gets no traffic. A probe that passes (the source answers
 //! and serves the pinned versions) half-opens it: traffic flows again, the
 //! first success or a second passing probe closes it, and any failure opens
-//! it again (a lost hedge race only counts towards the threshold). A version mismatch excludes the source for that table until a
-//! probe sees the pinned digest again.
+//! it again (a lost hedge race only counts towards the threshold). A
+//! version mismatch excludes the source for that table until a probe sees
+//! the pinned digest again.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};

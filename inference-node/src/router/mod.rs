@@ -307,6 +307,23 @@ impl Router {
         st.sources[i].source.kind() != SourceKind::Donor
     }
 
+    /// The next source in `order` from `*next` to ask, advancing `*next`
+    /// past it; past the hard timeout only a copy is still worth asking.
+    fn next_source(
+        st: &RouteState,
+        order: &[usize],
+        next: &mut usize,
+        past_hard: bool,
+    ) -> Option<usize> {
+        let k = order
+            .get(*next..)?
+            .iter()
+            .position(|&i| !past_hard || Self::is_copy(st, i))?;
+        let i = order[*next + k];
+        *next += k + 1;
+        Some(i)
+    }
+
     /// Send the lookup to source `i`. A donor gets until the hard timeout;
     /// the node's own copy until one more hard timeout after it, at least
     /// [`COPY_READ_LIMIT`] (its read normally takes well under a
@@ -431,10 +448,8 @@ impl Router {
                     Self::slow(st, donors, None);
                     inflight = copies;
                     if inflight.is_empty() {
-                        match order[next..].iter().position(|&i| Self::is_copy(st, i)) {
-                            Some(k) => {
-                                let i = order[next + k];
-                                next += k + 1;
+                        match Self::next_source(st, &order, &mut next, past_hard) {
+                            Some(i) => {
                                 failovers += 1;
                                 self.table.failovers.inc();
                                 inflight.push(self.attempt(st, i, rows, hard, false));
@@ -487,13 +502,7 @@ impl Router {
                             message: e.to_string(),
                         });
                     }
-                    // Past the hard timeout, only a copy is still worth asking.
-                    let ahead = order[next..]
-                        .iter()
-                        .position(|&j| !past_hard || Self::is_copy(st, j));
-                    if let Some(k) = ahead {
-                        let j = order[next + k];
-                        next += k + 1;
+                    if let Some(j) = Self::next_source(st, &order, &mut next, past_hard) {
                         failovers += 1;
                         self.table.failovers.inc();
                         inflight.push(self.attempt(st, j, rows, hard, false));

@@ -166,10 +166,7 @@ impl NodeRun {
             .process
             .wait(timeout)
             .with_context(|| format!("the node still runs after {timeout:?}"))?;
-        // The reader thread may still be collecting the last lines.
-        let _ = self.process.wait_line(Duration::from_secs(5), |l| {
-            l.contains("\u{0}").then_some(())
-        });
+        self.process.wait_log_closed(Duration::from_secs(5));
         let steps = read_trace(&self.trace)?;
         let log = self.process.log();
         let log_path = self.trace.with_extension("log");
