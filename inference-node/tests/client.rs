@@ -234,6 +234,45 @@ async fn a_goodbye_while_idle_is_seen_before_the_next_request_and_closes_the_cli
 }
 
 #[tokio::test(flavor = "current_thread")]
+async fn a_goodbye_then_a_close_while_idle_reads_as_draining_not_as_a_failure() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (bye_tx, bye_rx) = std::sync::mpsc::channel::<()>();
+    let donor = std::thread::spawn(move || {
+        let (mut s, mut buf) = handshake(&listener);
+        let f = read_frames(&mut s, &mut buf, 1);
+        answer(&mut s, &f[0]);
+        let mut bye = Vec::new();
+        Goodbye { grace_ms: 5000 }.encode(&mut bye);
+        s.write_all(&bye).expect("goodbye");
+        // The drain ends at once: the connection closes behind the Goodbye.
+        s.shutdown(std::net::Shutdown::Both).expect("close");
+        bye_tx.send(()).expect("said goodbye and closed");
+    });
+    let client = DonorClient::connect(addr, &opts()).await.expect("connect");
+    let mut out = vec![0u8; ROW_BYTES];
+    let req = [Request {
+        table: 1,
+        rows: &[9],
+    }];
+    client.lookup(&req, &mut out).await.expect("first");
+    tokio::task::spawn_blocking(move || bye_rx.recv())
+        .await
+        .expect("join")
+        .expect("goodbye sent");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Both the Goodbye and the end of the stream wait on our side: the
+    // Goodbye is read first, so the lookup is refused as draining.
+    let e = client.lookup(&req, &mut out).await;
+    assert!(
+        matches!(e, Err(ClientError::Draining)),
+        "a request after Goodbye and close: {e:?}"
+    );
+    assert!(client.is_draining());
+    donor.join().expect("donor");
+}
+
+#[tokio::test(flavor = "current_thread")]
 async fn a_wrong_kind_of_answer_closes_the_connection() {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");

@@ -266,7 +266,13 @@ impl DonorClient {
         if inner.idle()
             && let Ok(mut rd) = inner.reader.try_lock()
         {
-            inner.poll_idle(&mut rd)?;
+            // After a Goodbye (and our half-close) the donor closing its
+            // side is the drain ending, not a failure.
+            if let Err(e) = inner.poll_idle(&mut rd)
+                && !self.is_draining()
+            {
+                return Err(e);
+            }
         }
         if self.is_draining() {
             inner.close_if_drained();

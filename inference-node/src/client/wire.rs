@@ -276,16 +276,24 @@ impl Inner {
     /// system call unless the reactor saw the socket become readable.
     pub fn poll_idle(&self, rd: &mut ReadState) -> Result<(), ClientError> {
         let step = (|| -> Result<(), ClientError> {
+            let mut ended = Ok(());
             loop {
                 match rd.r.try_read_buf(&mut rd.buf) {
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    n => read_result(n)?,
+                    n => {
+                        ended = read_result(n);
+                        if ended.is_err() {
+                            break;
+                        }
+                    }
                 }
             }
+            // What came before the end is taken in first: a Goodbye followed
+            // by the close is a drain, not just a lost connection.
             while let Some(frame) = split_frame(&mut rd.buf, &self.limits)? {
                 self.dispatch(frame, 0)?;
             }
-            Ok(())
+            ended
         })();
         if let Err(e) = &step {
             self.close(e.clone());
