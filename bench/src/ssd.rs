@@ -21,8 +21,8 @@ use clap::Args;
 use cluster_config::SsdIo;
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
+use engram_store::table_file::TableFile;
 use inference_node::source::ssd::{SsdOptions, SsdReader};
-use memory_donor::table_file::TableFile;
 
 use crate::stats::{Latency, Summary, median_summary, print_table};
 

@@ -7,18 +7,16 @@
 //!
 //! What it is not: the config itself opens no table files and no sockets
 //! (`engram-cluster check` runs anywhere, before anything is deployed).
-//! Beside it live the small pieces both daemons share: `logging`, `notify`
-//! (systemd's readiness and watchdog protocol) and `ops` (the Prometheus
-//! `/metrics` HTTP endpoint); and `plan`, the capacity and timing plan
+//! Beside it live the small pieces both daemons share (`daemon`: logging,
+//! systemd's readiness and watchdog protocol, the Prometheus `/metrics`
+//! endpoint, the bounded accept loop of their gRPC servers); and `plan`, the capacity and timing plan
 //! `engram-cluster plan` prints.
 //!
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
-pub mod logging;
+pub mod daemon;
 pub mod model;
-pub mod notify;
-pub mod ops;
 pub mod plan;
 mod raw;
 mod validate;

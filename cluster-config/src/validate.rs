@@ -364,7 +364,7 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
             }
         };
         let log_level = d.log_level.as_ref().map(|l| {
-            if let Err(e) = crate::logging::valid_filter(l.get_ref()) {
+            if let Err(e) = crate::daemon::logging::valid_filter(l.get_ref()) {
                 cx.at(
                     l.span(),
                     k("log_level"),

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
-use cluster_config::notify::Notifier;
+use cluster_config::daemon::notify::Notifier;
 use engram_protocol::node_api as api;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;

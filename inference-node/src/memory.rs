@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use cluster_config::{Config, ConfigError, Node, SourceRef, SsdIo, Table};
 use engram_protocol::TableDigest;
-use memory_donor::resident::{LoadError, Pin};
+use engram_store::resident::{ExpectedTable, LoadError};
 use thiserror::Error;
 use tokio::task::JoinHandle;
 
@@ -324,7 +324,7 @@ async fn open_copy(
     node: &Node,
     metrics: &NodeMetrics,
 ) -> Result<Arc<SourceHealth>, MemoryError> {
-    let pin = Pin {
+    let pin = ExpectedTable {
         digest: table.digest,
         layer: table.layer,
         rows: table.rows,
@@ -386,11 +386,11 @@ pub async fn serve_metrics(
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let render: cluster_config::ops::Render = Arc::new(move || metrics.render());
-    let task = tokio::spawn(cluster_config::ops::serve_metrics_with(
+    let render: cluster_config::daemon::metrics::Render = Arc::new(move || metrics.render());
+    let task = tokio::spawn(cluster_config::daemon::metrics::serve_metrics_with(
         listener,
         render,
-        cluster_config::ops::HttpLimits {
+        cluster_config::daemon::metrics::HttpLimits {
             content_type: "text/plain; version=0.0.4; charset=utf-8",
             ..Default::default()
         },

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use cluster_config::{Config, SsdIo};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_store::resident::ExpectedTable;
 use inference_node::memory::{Memory, MemoryError};
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::source::ssd::{SsdOptions, SsdReader};
 use integration_tests::runtime as rt;
 use integration_tests::{DonorProcess, gen_table};
-use memory_donor::resident::Pin;
 
 const ROWS: u64 = 30_000;
 const SEED: u64 = 5;
@@ -174,7 +174,7 @@ fn a_donor_at_another_version_is_never_used() {
 fn both_ssd_engines_read_the_generators_rows() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let pin = Pin {
+    let pin = ExpectedTable {
         digest,
         layer: 1,
         rows: ROWS,
@@ -216,7 +216,7 @@ fn both_ssd_engines_read_the_generators_rows() {
 fn copies_that_are_not_what_the_config_pins_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let wrong = Pin {
+    let wrong = ExpectedTable {
         digest: TableDigest([9; 32]),
         layer: 1,
         rows: ROWS,
@@ -233,7 +233,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
             .expect("open");
         f.write_at(&[0x11], 8192 + 3).expect("write");
     }
-    let pin = Pin {
+    let pin = ExpectedTable {
         digest,
         layer: 1,
         rows: ROWS,

@@ -10,17 +10,12 @@
 //! most its own connection.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use engram_protocol::control as pb;
 use engram_protocol::control::donor_control_server::{DonorControl, DonorControlServer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -242,92 +237,6 @@ fn swap_status(e: &SwapError) -> Status {
     }
 }
 
-/// A control connection holding one of the bounded slots while it lives.
-#[derive(Debug)]
-pub struct BoundedConn {
-    stream: TcpStream,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Connected for BoundedConn {
-    type ConnectInfo = TcpConnectInfo;
-
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.stream.connect_info()
-    }
-}
-
-impl AsyncRead for BoundedConn {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for BoundedConn {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-}
-
-/// Accept on `listener` into a stream of bounded connections (at most
-/// `max` open; more are closed on accept). The node daemon serves its API
-/// through it too.
-pub fn bounded_incoming(
-    listener: TcpListener,
-    max: usize,
-) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<BoundedConn>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    let permits = Arc::new(Semaphore::new(max.max(1)));
-    tokio::spawn(async move {
-        loop {
-            let (stream, peer) = tokio::select! {
-                () = tx.closed() => return,
-                a = listener.accept() => match a {
-                    Ok(x) => x,
-                    Err(e) => {
-                        static LIMIT: cluster_config::logging::RateLimit =
-                            cluster_config::logging::RateLimit::new(1);
-                        if let Some(suppressed) = LIMIT.allow() {
-                            tracing::warn!(error = %e, suppressed, "control: accept failed");
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-                tracing::debug!(%peer, "control: too many connections; closing");
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let conn = BoundedConn {
-                stream,
-                _permit: permit,
-            };
-            if tx.send(Ok(conn)).await.is_err() {
-                return;
-            }
-        }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
-}
-
 /// Serve health and `DonorControl` on `listener` until `shutdown` resolves.
 /// Health follows the donor's phase: SERVING only while [`Phase::Serving`].
 pub async fn serve_control(
@@ -361,6 +270,9 @@ pub async fn serve_control(
         .http2_max_header_list_size(16 << 10)
         .add_service(health)
         .add_service(control)
-        .serve_with_incoming_shutdown(bounded_incoming(listener, limits.max_connections), shutdown)
+        .serve_with_incoming_shutdown(
+            cluster_config::daemon::accept::bounded_incoming(listener, limits.max_connections),
+            shutdown,
+        )
         .await
 }

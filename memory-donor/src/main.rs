@@ -9,17 +9,17 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use cluster_config::notify::Notifier;
+use cluster_config::daemon::notify::Notifier;
 use cluster_config::{Config, MlockMode};
 use engram_protocol::ROW_BYTES;
-use memory_donor::generate::{GenSpec, generate, table_shape};
-use memory_donor::pack::pack;
-use memory_donor::progress::Progress;
+use engram_store::generate::{GenSpec, generate, table_shape};
+use engram_store::pack::pack;
+use engram_store::progress::Progress;
+use engram_store::table_file::TableFile;
 use memory_donor::reload::ReloadSource;
 use memory_donor::serve::{OpsServers, Overrides, ServeSpec, TableSpec, load_tables, serve};
 use memory_donor::status::{DonorStatus, Order, Phase};
 use memory_donor::supervise::Ops;
-use memory_donor::table_file::TableFile;
 
 #[derive(Parser)]
 #[command(
@@ -318,7 +318,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         (spec, None)
     };
     overrides.apply(&mut spec)?;
-    let log_level = cluster_config::logging::init_logging("info");
+    let log_level = cluster_config::daemon::logging::init_logging("info");
     if std::env::var_os("RUST_LOG").is_none()
         && let Some(level) = &spec.log_level
         && let Err(e) = log_level.set(level)

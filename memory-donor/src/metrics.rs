@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use cluster_config::ops::{Render, render_registry};
+use cluster_config::daemon::metrics::{Render, render_registry};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -188,7 +188,7 @@ impl Collector for DonorCollector {
 }
 
 /// The donor's registry (prefix `engram_donor`) as a render function for
-/// [`cluster_config::ops::serve_metrics`].
+/// [`cluster_config::daemon::metrics::serve_metrics`].
 pub fn donor_metrics(status: Arc<DonorStatus>) -> Render {
     let mut registry = Registry::with_prefix("engram_donor");
     registry.register_collector(Box::new(DonorCollector::new(status)));

@@ -112,8 +112,8 @@ pub fn plan(running: &ServeSpec, new: ServeSpec, served: &[Served]) -> ReloadPla
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::resident::Pin;
     use crate::serve::TableSpec;
+    use engram_store::resident::ExpectedTable;
 
     fn spec(tables: &[(u32, &str, u8)]) -> ServeSpec {
         let mut s = ServeSpec::from_flags("d", vec!["127.0.0.1:1".parse().expect("addr")], vec![]);
@@ -122,7 +122,7 @@ mod tests {
             .map(|&(id, path, d)| TableSpec {
                 id: Some(id),
                 path: path.into(),
-                pinned: Some(Pin {
+                pinned: Some(ExpectedTable {
                     digest: TableDigest([d; 32]),
                     layer: id,
                     rows: 10,

@@ -10,15 +10,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_config::Config;
-use cluster_config::notify::Notifier;
+use cluster_config::daemon::notify::Notifier;
 use engram_protocol::Limits;
 use thiserror::Error;
 
 use crate::control::{ControlLimits, serve_control};
-use crate::progress::Progress;
-use crate::resident::{LoadError, MlockMode, Pin, ResidentTable};
 use crate::server::{self, ServerConfig, Shared};
 use crate::status::{DonorStatus, LoadState, Phase};
+use cluster_config::MlockMode;
+use engram_store::progress::Progress;
+use engram_store::resident::{ExpectedTable, LoadError, ResidentTable};
 
 /// One table to serve.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,7 +29,7 @@ pub struct TableSpec {
     /// Its file.
     pub path: PathBuf,
     /// What the config says the table is, if it says.
-    pub pinned: Option<Pin>,
+    pub pinned: Option<ExpectedTable>,
 }
 
 impl std::str::FromStr for TableSpec {
@@ -201,7 +202,7 @@ impl ServeSpec {
             .map(|t| TableSpec {
                 id: Some(t.id),
                 path: t.path.clone(),
-                pinned: Some(Pin {
+                pinned: Some(ExpectedTable {
                     digest: t.digest,
                     layer: t.layer,
                     rows: t.rows,
@@ -271,10 +272,9 @@ impl OpsServers {
             let (l, bound) = bind(addr).await?;
             let render = crate::metrics::donor_metrics(Arc::clone(status));
             let stopped = stopped(&ops.stop);
-            ops.tasks
-                .push(tokio::spawn(cluster_config::ops::serve_metrics(
-                    l, render, stopped,
-                )));
+            ops.tasks.push(tokio::spawn(
+                cluster_config::daemon::metrics::serve_metrics(l, render, stopped),
+            ));
             ops.metrics = Some(bound);
         }
         if ops.control.is_some() || ops.metrics.is_some() {
@@ -377,15 +377,25 @@ pub fn load_tables(
     Ok(tables)
 }
 
+/// The store's locking mode for the config's `mlock`.
+pub(crate) fn lock_mode(mode: MlockMode) -> engram_store::resident::MlockMode {
+    use engram_store::resident::MlockMode as Store;
+    match mode {
+        MlockMode::Try => Store::Try,
+        MlockMode::Require => Store::Require,
+        MlockMode::Off => Store::Off,
+    }
+}
+
 /// Load table `i` of `spec`, reporting into `status.tables[i]`.
 fn load_one(
     spec: &ServeSpec,
     i: usize,
     status: &Arc<DonorStatus>,
     notifier: &Arc<Notifier>,
-) -> Result<(ResidentTable, crate::resident::LoadReport), ServeError> {
+) -> Result<(ResidentTable, engram_store::resident::LoadReport), ServeError> {
     let t = &spec.tables[i];
-    let progress = |f: &crate::table_file::TableFile| {
+    let progress = |f: &engram_store::table_file::TableFile| {
         let m = &f.meta;
         let id = t.id.unwrap_or(m.layer);
         status.tables[i].opened(id, m.layer, m.rows, m.digest);
@@ -411,7 +421,7 @@ fn load_one(
         &t.path,
         t.pinned,
         spec.trust_digest,
-        spec.mlock,
+        lock_mode(spec.mlock),
         progress,
     )?;
     table.id = t.id.unwrap_or(table.layer);

@@ -14,8 +14,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::logging::{LogLevel, RateLimit};
-use cluster_config::notify::Notifier;
+use cluster_config::daemon::logging::{LogLevel, RateLimit};
+use cluster_config::daemon::notify::Notifier;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 

@@ -18,16 +18,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cluster_config::notify::Notifier;
+use cluster_config::daemon::notify::Notifier;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use thiserror::Error;
 use tokio::sync::oneshot;
 
-use crate::progress::Progress;
-use crate::resident::{MlockMode, Pin, ResidentTable};
 use crate::server::Shared;
 use crate::status::{DonorStatus, LoadState};
-use crate::table_file::TableFile;
+use cluster_config::MlockMode;
+use engram_store::progress::Progress;
+use engram_store::resident::{ExpectedTable, ResidentTable};
+use engram_store::table_file::TableFile;
 
 /// A request to serve another version of a table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -340,7 +341,7 @@ fn failed(cx: &SwapContext, p: &Prepared, si: Option<usize>, why: String) -> Swa
 /// systemd's status line, and (in place) in the table's load state.
 fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTable, String> {
     let id = p.req.table;
-    let pin = Pin {
+    let pin = ExpectedTable {
         digest: p.accepted.new,
         layer: p.layer,
         rows: p.rows,
@@ -376,7 +377,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         &p.req.path,
         Some(pin),
         cx.trust_digest,
-        cx.mlock,
+        crate::serve::lock_mode(cx.mlock),
         progress,
     )
     .map_err(|e| e.to_string())?;

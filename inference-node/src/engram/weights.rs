@@ -12,7 +12,7 @@
 //! Or generated from a seed (tests and demos): deterministic, bf16-valued.
 
 use engram_protocol::synthetic::SplitMix64;
-use memory_donor::checkpoint::{CheckpointError, CheckpointFiles};
+use engram_store::checkpoint::{CheckpointError, CheckpointFiles};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};

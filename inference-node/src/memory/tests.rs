@@ -9,7 +9,7 @@ use std::time::Duration;
 use cluster_config::{Config, Hedge, Policy};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ROW_BYTES, TableDigest};
-use memory_donor::generate::{GenSpec, generate};
+use engram_store::generate::{GenSpec, generate};
 
 use super::{Memory, MemoryError};
 use crate::metrics::NodeMetrics;

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use memory_donor::resident::{LoadError, MlockMode, Pin, ResidentTable};
+use engram_store::resident::{ExpectedTable, LoadError, MlockMode, ResidentTable};
 use tokio::time::Instant;
 
 use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
@@ -18,7 +18,12 @@ pub struct LocalRam {
 impl LocalRam {
     /// Load `path` as table `id`; it must be what `pin` says (digest
     /// recomputed unless `trust_digest`).
-    pub fn load(id: u32, path: &Path, pin: Pin, trust_digest: bool) -> Result<Self, LoadError> {
+    pub fn load(
+        id: u32,
+        path: &Path,
+        pin: ExpectedTable,
+        trust_digest: bool,
+    ) -> Result<Self, LoadError> {
         let (table, _) =
             ResidentTable::load(id, path, Some(pin), trust_digest, MlockMode::Try, |_| None)?;
         Ok(Self { table })

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use cluster_config::SsdIo;
 use engram_protocol::etab::{PAGE_BYTES, TableLayout};
 use engram_protocol::{ROW_BYTES, TableDigest};
-use memory_donor::resident::Pin;
-use memory_donor::table_file::{TableFile, TableFileError};
+use engram_store::resident::ExpectedTable;
+use engram_store::table_file::{TableFile, TableFileError};
 use thiserror::Error;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -262,7 +262,7 @@ impl SsdReader {
     /// digest is recomputed over every row unless `trust_digest`.
     pub fn open(
         path: &Path,
-        pin: Option<Pin>,
+        pin: Option<ExpectedTable>,
         trust_digest: bool,
         opts: SsdOptions,
     ) -> Result<Self, SsdError> {

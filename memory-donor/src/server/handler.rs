@@ -262,7 +262,7 @@ impl<'a> Handler<'a> {
 /// Range-check every row and start loading the valid ones into cache, in
 /// one pass; false when a row is out of range.
 fn prefetch_all(
-    table: &crate::resident::ResidentTable,
+    table: &engram_store::resident::ResidentTable,
     rows: engram_protocol::messages::RowIds<'_>,
 ) -> bool {
     let mut ok = true;

@@ -20,13 +20,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use cluster_config::logging::RateLimit;
+use cluster_config::daemon::logging::RateLimit;
 use engram_protocol::{ErrorCode, ErrorFrame, Goodbye, Limits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use crate::resident::ResidentTable;
 pub use crate::stats::Stats;
+use engram_store::resident::ResidentTable;
 
 /// How the data plane behaves.
 #[derive(Debug, Clone)]

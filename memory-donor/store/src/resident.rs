@@ -6,7 +6,6 @@
 
 use std::path::Path;
 
-pub use cluster_config::MlockMode;
 use engram_protocol::{DigestBuilder, ROW_BYTES, TableDigest};
 use memmap2::{Mmap, MmapMut};
 use thiserror::Error;
@@ -41,9 +40,22 @@ pub enum LoadError {
     },
 }
 
-/// What the cluster config says a table is.
+/// Whether to lock a resident table's memory (`mlock`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MlockMode {
+    /// Lock if the memlock limit allows; otherwise go on unlocked.
+    #[default]
+    Try,
+    /// Lock or refuse to load.
+    Require,
+    /// Do not lock.
+    Off,
+}
+
+/// What the cluster config says a table is: its version, layer and size,
+/// checked against a file's header before anything else is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pin {
+pub struct ExpectedTable {
     /// The version.
     pub digest: TableDigest,
     /// The model layer.
@@ -52,7 +64,7 @@ pub struct Pin {
     pub rows: u64,
 }
 
-impl Pin {
+impl ExpectedTable {
     /// How a file's header differs from this, if it does.
     pub fn mismatch(&self, meta: &engram_protocol::etab::TableMeta) -> Option<String> {
         if meta.digest != self.digest {
@@ -149,7 +161,7 @@ impl ResidentTable {
     pub fn load(
         id: u32,
         path: &Path,
-        pinned: Option<Pin>,
+        pinned: Option<ExpectedTable>,
         trust_digest: bool,
         mlock: MlockMode,
         progress: impl FnOnce(&TableFile) -> Option<Progress>,
@@ -260,7 +272,7 @@ mod tests {
     fn loads_every_row_and_checks_versions() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, digest) = table(dir.path());
-        let pin = Pin {
+        let pin = ExpectedTable {
             digest,
             layer: 1,
             rows: 10_000,
@@ -278,12 +290,12 @@ mod tests {
         assert!(t.row(10_000).is_none());
         assert!(t.row(u64::MAX).is_none());
         for wrong in [
-            Pin {
+            ExpectedTable {
                 digest: TableDigest([1; 32]),
                 ..pin
             },
-            Pin { layer: 14, ..pin },
-            Pin { rows: 9_999, ..pin },
+            ExpectedTable { layer: 14, ..pin },
+            ExpectedTable { rows: 9_999, ..pin },
         ] {
             assert!(matches!(
                 ResidentTable::load(7, &path, Some(wrong), false, MlockMode::Off, |_| None),

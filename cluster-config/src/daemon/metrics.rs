@@ -95,7 +95,8 @@ pub async fn serve_metrics_with(
         let (stream, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
-                static LIMIT: crate::logging::RateLimit = crate::logging::RateLimit::new(1);
+                static LIMIT: crate::daemon::logging::RateLimit =
+                    crate::daemon::logging::RateLimit::new(1);
                 if let Some(suppressed) = LIMIT.allow() {
                     tracing::warn!(error = %e, suppressed, "metrics: accept failed");
                 }

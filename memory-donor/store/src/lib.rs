@@ -1,0 +1,20 @@
+//! `engram-store`: the Engram table store that both daemons use.
+//!
+//! What it is: `.etab` table files (`table_file`: open, check, stream,
+//! verify, write), tables held resident in RAM (`resident`), reading V4.1
+//! checkpoints (`checkpoint`) and packing them into tables (`pack`), the
+//! synthetic table generator (`generate`), and the progress reporting the
+//! long-running ones share (`progress`).
+//!
+//! What it is not: a server or a client. It opens files and maps memory,
+//! never a socket; the wire format lives in `engram-protocol` (which this
+//! crate builds on, adding the IO), the serving in `memory-donor`, the
+//! fetching in `inference-node`. Both daemons depend on it and never on
+//! each other.
+
+pub mod checkpoint;
+pub mod generate;
+pub mod pack;
+pub mod progress;
+pub mod resident;
+pub mod table_file;
