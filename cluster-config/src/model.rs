@@ -1,5 +1,5 @@
 //! The optional `[model]` table: what the inference node needs to compute
-//! Engram exactly as the model does (ENGRAM.md sections 2, 3 and 5): the
+//! Engram exactly as the model does (docs/ENGRAM.md sections 2, 3 and 5): the
 //! hashing preset, where the token map comes from, the shapes, the fusion
 //! weights and which backend fuses.
 //!

@@ -1,4 +1,4 @@
-//! Engram row addressing (ENGRAM.md section 3): 24 row ids per Engram layer
+//! Engram row addressing (docs/ENGRAM.md section 3): 24 row ids per Engram layer
 //! per token position, from the compressed ids of the token and the three
 //! before it.
 //!

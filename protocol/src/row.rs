@@ -1,5 +1,5 @@
 //! The 264-byte Engram row: 256 FP8 E4M3FN codes followed by 8 UE8M0 scales,
-//! scale `j` covering values `32j..32j+31` (ENGRAM.md section 4).
+//! scale `j` covering values `32j..32j+31` (docs/ENGRAM.md section 4).
 //!
 //! Dequantization is exact in f32 (an E4M3 value has 4 significant bits and a
 //! power-of-two scale only moves the exponent), except that the largest

@@ -1,4 +1,4 @@
-//! Fusion (ENGRAM.md section 5): per position and Engram layer, the 24 rows
+//! Fusion (docs/ENGRAM.md section 5): per position and Engram layer, the 24 rows
 //! dequantized to bf16 values (as V4.1 rounds them) form `e` [6144];
 //! `kv = wkv * e`; `key` = the first S*H values as [S, H], `value` = the last
 //! H; per stream `dot = sum(h*w*key) * rsqrt(mean(h^2)+eps) *

@@ -1,4 +1,4 @@
-//! Engram math on the inference node (ENGRAM.md sections 2 to 5): the token
+//! Engram math on the inference node (docs/ENGRAM.md sections 2 to 5): the token
 //! map, row addressing (from `engram_protocol::hashing`), dequantized rows
 //! and their fusion into the hidden state.
 //!

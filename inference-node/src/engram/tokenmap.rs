@@ -1,4 +1,4 @@
-//! The compressed vocabulary (ENGRAM.md section 2): raw token id ->
+//! The compressed vocabulary (docs/ENGRAM.md section 2): raw token id ->
 //! compressed id, built from the model's `tokenizer.json` exactly as V4.1
 //! builds it, or loaded from a precomputed map file.
 //!

@@ -1,4 +1,4 @@
-//! The fusion weights of the two Engram layers (ENGRAM.md section 5), held
+//! The fusion weights of the two Engram layers (docs/ENGRAM.md section 5), held
 //! in f32: `wkv` [(S+1)*H x 6144] and `w = q_weight .* k_weight` [S x H].
 //!
 //! From a checkpoint (a safetensors file, its directory, or

@@ -1,4 +1,4 @@
-//! The CPU fusion against a straightforward f64 implementation of ENGRAM.md
+//! The CPU fusion against a straightforward f64 implementation of docs/ENGRAM.md
 //! section 5, on random inputs and on edge cases.
 
 use engram_protocol::row::dequantize_row_f32;

@@ -1,5 +1,5 @@
 //! The token map against a small tokenizer built here, whose expected
-//! compressed ids were worked out by hand from ENGRAM.md section 2.
+//! compressed ids were worked out by hand from docs/ENGRAM.md section 2.
 
 use super::*;
 
