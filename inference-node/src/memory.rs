@@ -346,10 +346,12 @@ async fn open_copy(
         let reader = blocking(id, move || SsdReader::open(&path, Some(pin), trust, opts))
             .await?
             .map_err(|source| MemoryError::Ssd { table: id, source })?;
-        tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), "SSD copy ready");
-        let src = SsdSource::new(id, reader).map_err(|e| MemoryError::Internal {
-            table: id,
-            message: format!("starting the SSD reader: {e}"),
+        tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), page_checksums = reader.checks_pages(), "SSD copy ready");
+        let src = SsdSource::new(id, reader, metrics.ssd_engine.clone()).map_err(|e| {
+            MemoryError::Internal {
+                table: id,
+                message: format!("starting the SSD reader: {e}"),
+            }
         })?;
         Arc::new(src)
     };

@@ -75,6 +75,21 @@ pub struct NodeMetrics {
     pub zeros_served: Family<TableLabels, Counter>,
     /// Lookups that failed under the `fail` policy.
     pub failed_lookups: Family<TableLabels, Counter>,
+    /// 1 for the engine reading each table's SSD copy now (0 for the rest).
+    pub ssd_engine: Family<SsdLabels, Gauge>,
+}
+
+/// Labels of the SSD engine series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SsdLabels {
+    /// Table id.
+    pub table: String,
+    /// `io_uring` or `pread`.
+    pub engine: String,
+    /// `true` when reads bypass the page cache (O_DIRECT).
+    pub direct: String,
+    /// `true` when each page read is checked against its checksum.
+    pub page_checksums: String,
 }
 
 /// Labels of an error series.
@@ -112,6 +127,7 @@ impl NodeMetrics {
             rows_served: Family::default(),
             zeros_served: Family::default(),
             failed_lookups: Family::default(),
+            ssd_engine: Family::default(),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
@@ -171,6 +187,11 @@ impl NodeMetrics {
                 "failed_lookups",
                 "Lookups failed after every source (policy fail)",
                 m.failed_lookups.clone(),
+            );
+            r.register(
+                "ssd_engine",
+                "The engine reading each table's SSD copy (1 in use), whether reads are O_DIRECT and pages checked",
+                m.ssd_engine.clone(),
             );
         }
         m

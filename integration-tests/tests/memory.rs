@@ -14,7 +14,7 @@ use engram_store::resident::ExpectedTable;
 use inference_node::memory::{Memory, MemoryError};
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
-use inference_node::source::ssd::{SsdOptions, SsdReader};
+use inference_node::source::ssd::{SsdEngine, SsdOptions, SsdReader};
 use integration_tests::runtime as rt;
 use integration_tests::{DonorProcess, gen_table};
 
@@ -167,6 +167,18 @@ fn a_donor_at_another_version_is_never_used() {
         for i in 0..10 {
             assert_eq!(fetch_one(router, i).await, "ssd");
         }
+        // The copy's engine is in the metrics, as the reader reports it.
+        let text = metrics.render();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("engram_node_ssd_engine{") && l.ends_with(" 1"))
+            .unwrap_or_else(|| panic!("no SSD engine in\n{text}"));
+        assert!(line.contains("table=\"1\""), "{line}");
+        assert!(line.contains("page_checksums=\"true\""), "{line}");
+        assert!(
+            line.contains("engine=\"io_uring\"") || line.contains("engine=\"pread\""),
+            "{line}"
+        );
     });
 }
 
@@ -179,15 +191,43 @@ fn both_ssd_engines_read_the_generators_rows() {
         layer: 1,
         rows: ROWS,
     };
-    for io in [SsdIo::Auto, SsdIo::Pread] {
+    // What this machine allows, found out independently of the reader: an
+    // aligned O_DIRECT read of the file, and an io_uring instance.
+    let direct = direct_read_works(&table);
+    let uring = SsdReader::open(
+        &table,
+        Some(pin),
+        true,
+        SsdOptions {
+            io: SsdIo::Uring,
+            ..SsdOptions::default()
+        },
+    )
+    .is_ok();
+    if std::env::var_os("ENGRAM_REQUIRE_DIRECT_IO").is_some() {
+        assert!(direct, "O_DIRECT reads fail on {}", table.display());
+        assert!(uring, "io_uring is unavailable");
+    }
+    for io in [SsdIo::Auto, SsdIo::Uring, SsdIo::Pread] {
         let opts = SsdOptions {
             io,
             ..SsdOptions::default()
         };
-        let mut r = SsdReader::open(&table, Some(pin), false, opts).expect("open");
-        if io == SsdIo::Pread {
-            assert_eq!(r.engine_name(), "pread");
+        if io == SsdIo::Uring && !uring {
+            continue;
         }
+        let mut r = SsdReader::open(&table, Some(pin), false, opts).expect("open");
+        // The engine asked for (or, for auto, io_uring wherever it works)
+        // really reads, with O_DIRECT wherever the file system allows it.
+        let want = match io {
+            SsdIo::Pread => SsdEngine::Pread,
+            SsdIo::Uring => SsdEngine::Uring,
+            SsdIo::Auto if uring => SsdEngine::Uring,
+            SsdIo::Auto => SsdEngine::Pread,
+        };
+        assert_eq!(r.engine(), want, "{io:?}");
+        assert_eq!(r.is_direct(), direct, "{io:?}");
+        assert!(r.checks_pages(), "a generated table has page checksums");
         // A prefill-sized batch (more than one submit's worth) and many small ones.
         let mut s = engram_protocol::synthetic::SplitMix64::new(9);
         let big: Vec<u64> = (0..1000).map(|_| s.below(ROWS)).collect();
@@ -209,7 +249,34 @@ fn both_ssd_engines_read_the_generators_rows() {
             .read(&[ROWS], &mut [0u8; ROW_BYTES])
             .expect_err("out of range");
         assert!(e.to_string().contains("out of range"), "{e}");
+        assert_eq!(
+            r.ring_stats(),
+            Default::default(),
+            "{io:?}: nothing went wrong"
+        );
     }
+}
+
+/// True when an aligned O_DIRECT read of `path`'s second page works here.
+fn direct_read_works(path: &Path) -> bool {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    else {
+        return false;
+    };
+    let layout = std::alloc::Layout::from_size_align(4096, 4096).expect("layout");
+    // SAFETY: a non-zero size; freed below with the same layout.
+    let ptr = unsafe { std::alloc::alloc(layout) };
+    assert!(!ptr.is_null());
+    // SAFETY: 4096 bytes just allocated, only used here.
+    let buf = unsafe { std::slice::from_raw_parts_mut(ptr, 4096) };
+    let ok = f.read_at(buf, 4096).is_ok();
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(ptr, layout) };
+    ok
 }
 
 #[test]

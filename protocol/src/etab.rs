@@ -2,7 +2,11 @@
 //! `pages` of shape `[n_pages, 4096]`. Rows are packed 15 per 4 KiB page
 //! (15 x 264 = 3960 bytes, 136 bytes of zero slack), so a row never straddles
 //! a page and one row is one aligned 4 KiB read. The JSON header is padded
-//! with spaces so the data starts at a 4 KiB-aligned file offset.
+//! with spaces so the data starts at a 4 KiB-aligned file offset. A second
+//! tensor `page_xxh3` (`U64`, `[n_pages]`, after the pages) holds each
+//! page's XXH3-64, so a reader of single pages (the SSD copy) checks every
+//! page it reads; files written before it existed have only `pages` and
+//! stay valid.
 //!
 //! This module builds and parses the header and maps row ids to offsets; it
 //! does no IO. `PROTOCOL.md` documents the format byte by byte.
@@ -25,8 +29,12 @@ pub const FORMAT_NAME: &str = "engram-etab";
 pub const FORMAT_VERSION: u32 = 1;
 /// Value of the `encoding` metadata key.
 pub const ENCODING: &str = "e4m3_e8m0_32_row264";
-/// Name of the one tensor.
+/// Name of the rows tensor.
 pub const TENSOR_NAME: &str = "pages";
+/// Name of the page checksums tensor.
+pub const SUMS_TENSOR_NAME: &str = "page_xxh3";
+/// Bytes of one page checksum.
+pub const SUM_BYTES: u64 = 8;
 /// Largest JSON header accepted (bytes).
 pub const MAX_HEADER_BYTES: u64 = 1 << 20;
 /// Largest row count accepted (2^40 rows is 290 TB: far above any real table).
@@ -51,7 +59,8 @@ pub enum EtabError {
     /// A required metadata key is missing or has a bad value.
     #[error("metadata key `{key}`: {reason}")]
     Metadata { key: &'static str, reason: String },
-    /// The tensor list is not exactly one `pages` U8 tensor of the right shape.
+    /// The tensors are not `pages` (U8) and, optionally, `page_xxh3` (U64)
+    /// of the right shapes and places.
     #[error("tensor layout: {0}")]
     Tensor(String),
     /// The file size does not match the header.
@@ -85,6 +94,14 @@ pub struct TableLayout {
     pub rows: u64,
     /// Pages in the `pages` tensor.
     pub pages: u64,
+    /// True when the file has the `page_xxh3` tensor.
+    pub page_sums: bool,
+}
+
+/// The checksum of one 4 KiB page, as stored in `page_xxh3`: XXH3-64
+/// (seed 0) over all 4096 bytes, slack included.
+pub fn page_checksum(page: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(page)
 }
 
 /// Pages needed for `rows` rows.
@@ -112,9 +129,26 @@ impl TableLayout {
         })
     }
 
+    /// File offset of the `page_xxh3` tensor (right after the pages), if
+    /// the file has one.
+    pub fn sums_start(&self) -> Option<u64> {
+        self.page_sums
+            .then(|| self.data_start + self.pages * PAGE_BYTES)
+    }
+
+    /// Index of the page at file offset `offset` (a page's start).
+    pub fn page_index(&self, offset: u64) -> u64 {
+        (offset - self.data_start) / PAGE_BYTES
+    }
+
     /// Total file length.
     pub fn file_len(&self) -> u64 {
-        self.data_start + self.pages * PAGE_BYTES
+        let sums = if self.page_sums {
+            self.pages * SUM_BYTES
+        } else {
+            0
+        };
+        self.data_start + self.pages * PAGE_BYTES + sums
     }
 }
 
@@ -141,22 +175,50 @@ fn metadata_json(meta: &TableMeta) -> BTreeMap<&'static str, String> {
 /// The file's first `data_start` bytes: the 8-byte header length, the JSON
 /// header, and space padding up to the 4 KiB-aligned data start. The length
 /// depends only on the metadata's text lengths, never on the digest value, so
-/// a writer can put a placeholder first and rewrite it in place.
-pub fn encode_header(meta: &TableMeta) -> Result<Vec<u8>, EtabError> {
+/// a writer can put a placeholder first and rewrite it in place. With
+/// `page_sums` the header also lists the `page_xxh3` tensor.
+pub fn encode_header(meta: &TableMeta, page_sums: bool) -> Result<Vec<u8>, EtabError> {
+    let json = header_json(meta, page_sums)?;
+    let unpadded = 8 + json.len() as u64;
+    pad_header(json, unpadded.div_ceil(PAGE_BYTES) * PAGE_BYTES)
+}
+
+/// The header of `meta` padded to exactly `data_start` bytes, for rewriting
+/// an existing file's header in place; an error when it does not fit.
+pub fn encode_header_at(
+    meta: &TableMeta,
+    page_sums: bool,
+    data_start: u64,
+) -> Result<Vec<u8>, EtabError> {
+    let json = header_json(meta, page_sums)?;
+    if 8 + json.len() as u64 > data_start {
+        return Err(EtabError::HeaderLength(json.len() as u64));
+    }
+    pad_header(json, data_start)
+}
+
+fn header_json(meta: &TableMeta, page_sums: bool) -> Result<Vec<u8>, EtabError> {
     validate_meta(meta)?;
     let pages = pages_for(meta.rows);
-    let tensor = serde_json::json!({
-        "dtype": "U8",
-        "shape": [pages, PAGE_BYTES],
-        "data_offsets": [0, pages * PAGE_BYTES],
-    });
-    let header = serde_json::json!({
+    let mut header = serde_json::json!({
         "__metadata__": metadata_json(meta),
-        TENSOR_NAME: tensor,
+        TENSOR_NAME: {
+            "dtype": "U8",
+            "shape": [pages, PAGE_BYTES],
+            "data_offsets": [0, pages * PAGE_BYTES],
+        },
     });
-    let mut json = serde_json::to_vec(&header).map_err(|e| EtabError::Json(e.to_string()))?;
-    let unpadded = 8 + json.len() as u64;
-    let data_start = unpadded.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+    if page_sums {
+        header[SUMS_TENSOR_NAME] = serde_json::json!({
+            "dtype": "U64",
+            "shape": [pages],
+            "data_offsets": [pages * PAGE_BYTES, pages * (PAGE_BYTES + SUM_BYTES)],
+        });
+    }
+    serde_json::to_vec(&header).map_err(|e| EtabError::Json(e.to_string()))
+}
+
+fn pad_header(mut json: Vec<u8>, data_start: u64) -> Result<Vec<u8>, EtabError> {
     json.resize((data_start - 8) as usize, b' ');
     let mut out = Vec::with_capacity(data_start as usize);
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());
@@ -281,6 +343,36 @@ fn expect_eq(m: &BTreeMap<String, String>, key: &'static str, want: &str) -> Res
     Ok(())
 }
 
+fn check_tensor(
+    name: &str,
+    value: serde_json::Value,
+    dtype: &str,
+    shape: &[u64],
+    offsets: [u64; 2],
+) -> Result<(), EtabError> {
+    let t: TensorInfo =
+        serde_json::from_value(value).map_err(|e| EtabError::Tensor(format!("{name}: {e}")))?;
+    if t.dtype != dtype {
+        return Err(EtabError::Tensor(format!(
+            "{name}: dtype {}, expected {dtype}",
+            t.dtype
+        )));
+    }
+    if t.shape != shape {
+        return Err(EtabError::Tensor(format!(
+            "{name}: shape {:?}, expected {shape:?}",
+            t.shape
+        )));
+    }
+    if t.data_offsets != offsets {
+        return Err(EtabError::Tensor(format!(
+            "{name}: data_offsets {:?}, expected {offsets:?}",
+            t.data_offsets
+        )));
+    }
+    Ok(())
+}
+
 /// Parse and check a header: `json` is the `header_len` bytes after the
 /// first 8, `file_len` the file's size. Every field is checked, and the file
 /// size must be exactly what the header describes.
@@ -326,38 +418,41 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<(TableMeta, TableLayou
     };
     validate_meta(&meta)?;
 
-    if top.len() != 1 {
-        return Err(EtabError::Tensor(format!(
-            "expected exactly one tensor `{TENSOR_NAME}`, found {}",
-            top.len()
-        )));
-    }
+    let pages = pages_for(meta.rows);
     let pages_value = top
         .remove(TENSOR_NAME)
         .ok_or_else(|| EtabError::Tensor(format!("expected tensor `{TENSOR_NAME}`")))?;
-    let t: TensorInfo =
-        serde_json::from_value(pages_value).map_err(|e| EtabError::Tensor(e.to_string()))?;
-    let pages = pages_for(meta.rows);
-    if t.dtype != "U8" {
-        return Err(EtabError::Tensor(format!("dtype {}, expected U8", t.dtype)));
-    }
-    if t.shape != [pages, PAGE_BYTES] {
+    check_tensor(
+        TENSOR_NAME,
+        pages_value,
+        "U8",
+        &[pages, PAGE_BYTES],
+        [0, pages * PAGE_BYTES],
+    )?;
+    let page_sums = match top.remove(SUMS_TENSOR_NAME) {
+        Some(v) => {
+            let end = pages * (PAGE_BYTES + SUM_BYTES);
+            check_tensor(
+                SUMS_TENSOR_NAME,
+                v,
+                "U64",
+                &[pages],
+                [pages * PAGE_BYTES, end],
+            )?;
+            true
+        }
+        None => false,
+    };
+    if let Some(other) = top.keys().next() {
         return Err(EtabError::Tensor(format!(
-            "shape {:?}, expected [{pages}, {PAGE_BYTES}]",
-            t.shape
-        )));
-    }
-    if t.data_offsets != [0, pages * PAGE_BYTES] {
-        return Err(EtabError::Tensor(format!(
-            "data_offsets {:?}, expected [0, {}]",
-            t.data_offsets,
-            pages * PAGE_BYTES
+            "unexpected tensor `{other}` (a table has `{TENSOR_NAME}` and, optionally, `{SUMS_TENSOR_NAME}`)"
         )));
     }
     let layout = TableLayout {
         data_start,
         rows: meta.rows,
         pages,
+        page_sums,
     };
     if file_len != layout.file_len() {
         return Err(EtabError::FileSize {
@@ -401,7 +496,7 @@ mod tests {
     fn header_round_trips_and_is_aligned() {
         for rows in [1u64, 14, 15, 16, 1_000_000, 384_006_168] {
             let m = meta(rows);
-            let h = encode_header(&m).expect("encodes");
+            let h = encode_header(&m, false).expect("encodes");
             assert_eq!(h.len() % PAGE_BYTES as usize, 0);
             let file_len = h.len() as u64 + pages_for(rows) * PAGE_BYTES;
             let (m2, layout) = parse(&h, file_len).expect("parses");
@@ -413,8 +508,61 @@ mod tests {
                 digest: TableDigest([0; 32]),
                 ..m
             };
-            assert_eq!(encode_header(&other).expect("encodes").len(), h.len());
+            assert_eq!(
+                encode_header(&other, false).expect("encodes").len(),
+                h.len()
+            );
         }
+    }
+
+    #[test]
+    fn page_sums_tensor_round_trips_and_is_checked() {
+        let m = meta(100);
+        let plain = encode_header(&m, false).expect("encodes");
+        let with = encode_header(&m, true).expect("encodes");
+        assert_eq!(plain.len(), with.len(), "the tensor fits in the padding");
+        let pages = pages_for(100);
+        let len = with.len() as u64 + pages * (PAGE_BYTES + SUM_BYTES);
+        let (_, layout) = parse(&with, len).expect("parses");
+        assert!(layout.page_sums);
+        assert_eq!(
+            layout.sums_start(),
+            Some(with.len() as u64 + pages * PAGE_BYTES)
+        );
+        assert_eq!(layout.file_len(), len);
+        let (_, old) = parse(&plain, len - pages * SUM_BYTES).expect("parses");
+        assert!(!old.page_sums);
+        assert_eq!(old.sums_start(), None);
+        // A file whose sums are missing from its end is refused.
+        assert!(matches!(
+            parse(&with, len - 8),
+            Err(EtabError::FileSize { .. })
+        ));
+        // Rewriting a header in place: same size, or refused when it does not fit.
+        let at = encode_header_at(&m, true, plain.len() as u64).expect("fits");
+        assert_eq!(at, with);
+        assert!(encode_header_at(&m, true, 64).is_err());
+        // The sums tensor is checked like the pages tensor; no third tensor.
+        let json = String::from_utf8(with[8..].to_vec()).expect("utf8");
+        for (from, to) in [
+            ("\"dtype\":\"U64\"", "\"dtype\":\"U32\""),
+            ("\"shape\":[7]", "\"shape\":[8]"),
+            ("\"page_xxh3\"", "\"other_one\""),
+        ] {
+            assert!(json.contains(from), "{from} in {json}");
+            let bad = json.replacen(from, to, 1);
+            let bad = format!("{bad:<width$}", width = json.len());
+            assert!(parse_header(bad.as_bytes(), len).is_err(), "{to} accepted");
+        }
+    }
+
+    #[test]
+    fn page_checksum_is_xxh3_of_the_whole_page() {
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        let zero = page_checksum(&page);
+        assert_eq!(zero, xxhash_rust::xxh3::xxh3_64(&page));
+        page[4095] = 1;
+        assert_ne!(page_checksum(&page), zero, "slack bytes count");
     }
 
     #[test]
@@ -423,6 +571,7 @@ mod tests {
             data_start: 4096,
             rows: 31,
             pages: 3,
+            page_sums: false,
         };
         assert_eq!(layout.row_offset(0), Some(4096));
         assert_eq!(layout.row_offset(14), Some(4096 + 14 * 264));
@@ -438,7 +587,7 @@ mod tests {
 
     #[test]
     fn wrong_sizes_and_fields_are_refused() {
-        let h = encode_header(&meta(100)).expect("encodes");
+        let h = encode_header(&meta(100), false).expect("encodes");
         let good_len = h.len() as u64 + 7 * PAGE_BYTES;
         assert!(parse(&h, good_len).is_ok());
         assert_eq!(
@@ -476,19 +625,25 @@ mod tests {
 
     #[test]
     fn zero_rows_and_bad_preset_are_refused() {
-        assert!(encode_header(&meta(0)).is_err());
+        assert!(encode_header(&meta(0), false).is_err());
         assert!(
-            encode_header(&TableMeta {
-                hash_preset: Some("a b".into()),
-                ..meta(1)
-            })
+            encode_header(
+                &TableMeta {
+                    hash_preset: Some("a b".into()),
+                    ..meta(1)
+                },
+                false
+            )
             .is_err()
         );
         assert!(
-            encode_header(&TableMeta {
-                source: "x".repeat(MAX_TEXT + 1),
-                ..meta(1)
-            })
+            encode_header(
+                &TableMeta {
+                    source: "x".repeat(MAX_TEXT + 1),
+                    ..meta(1)
+                },
+                false
+            )
             .is_err()
         );
     }
@@ -496,13 +651,19 @@ mod tests {
     #[test]
     fn the_safetensors_crate_opens_it() {
         let rows = 40u64;
-        let h = encode_header(&meta(rows)).expect("encodes");
+        let h = encode_header(&meta(rows), true).expect("encodes");
         let mut file = h.clone();
-        file.resize(h.len() + (pages_for(rows) * PAGE_BYTES) as usize, 0);
+        file.resize(
+            h.len() + (pages_for(rows) * (PAGE_BYTES + SUM_BYTES)) as usize,
+            0,
+        );
         let st = safetensors::SafeTensors::deserialize(&file).expect("safetensors parses it");
         let t = st.tensor(TENSOR_NAME).expect("pages tensor");
         assert_eq!(t.shape(), &[3, 4096]);
         assert_eq!(t.dtype(), safetensors::Dtype::U8);
+        let sums = st.tensor(SUMS_TENSOR_NAME).expect("page_xxh3 tensor");
+        assert_eq!(sums.shape(), &[3]);
+        assert_eq!(sums.dtype(), safetensors::Dtype::U64);
         let (_, md) = safetensors::SafeTensors::read_metadata(&file).expect("metadata");
         let md = md.metadata().clone().expect("has __metadata__");
         assert_eq!(md.get("rows").map(String::as_str), Some("40"));

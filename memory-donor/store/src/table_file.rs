@@ -1,13 +1,17 @@
 //! Reading and writing `.etab` files: open and check a header, stream the
-//! logical rows in order (for verify and for loading), and write a table
-//! from rows in order (for gen and pack), digest included.
+//! logical rows in order (for verify and for loading), read the page
+//! checksums, and write a table from rows in order (for gen and pack),
+//! digest and page checksums included; [`add_page_sums`] rewrites a file
+//! made before page checksums existed.
 
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use engram_protocol::etab::{self, EtabError, PAGE_BYTES, ROWS_PER_PAGE, TableLayout, TableMeta};
+use engram_protocol::etab::{
+    self, EtabError, PAGE_BYTES, ROWS_PER_PAGE, SUM_BYTES, TableLayout, TableMeta, page_checksum,
+};
 use engram_protocol::{DigestBuilder, ROW_BYTES, RowError, TableDigest};
 use thiserror::Error;
 
@@ -35,6 +39,16 @@ pub enum TableFileError {
         path: PathBuf,
         row: u64,
         source: RowError,
+    },
+    /// A page does not hash to its checksum in `page_xxh3`.
+    #[error(
+        "{path}: page {page} hashes to {actual:016x} but its checksum is {expected:016x}: the file is corrupt"
+    )]
+    PageChecksum {
+        path: PathBuf,
+        page: u64,
+        expected: u64,
+        actual: u64,
     },
     /// Bytes between rows that must be zero are not.
     #[error("{path}: page {page} has non-zero slack bytes (a writer bug or corruption)")]
@@ -95,16 +109,60 @@ impl TableFile {
         })
     }
 
+    /// True when the file carries page checksums (`page_xxh3`).
+    pub fn has_page_sums(&self) -> bool {
+        self.layout.page_sums
+    }
+
+    /// For a file without page checksums: a warning that says how to add them.
+    pub fn page_sums_hint(&self) -> Option<String> {
+        (!self.layout.page_sums).then(|| {
+            format!(
+                "{}: no page checksums: reads of single pages (the SSD copy) cannot be checked; \
+                 add them with `memory-donor verify --write-page-checksums {}`",
+                self.path.display(),
+                self.path.display()
+            )
+        })
+    }
+
+    /// The page checksums (one per page), or `None` for a file without them.
+    pub fn read_page_sums(&self) -> Result<Option<Vec<u64>>, TableFileError> {
+        let Some(start) = self.layout.sums_start() else {
+            return Ok(None);
+        };
+        // The header check tied the file's size to the page count, so this
+        // is 1/512 of a file that exists.
+        let mut sums = Vec::with_capacity(self.layout.pages as usize);
+        let mut buf = vec![0u8; (CHUNK_PAGES * SUM_BYTES) as usize];
+        let mut page = 0;
+        while page < self.layout.pages {
+            let n = CHUNK_PAGES.min(self.layout.pages - page);
+            let buf = &mut buf[..(n * SUM_BYTES) as usize];
+            self.file
+                .read_exact_at(buf, start + page * SUM_BYTES)
+                .map_err(io_err(&self.path, "read page checksums"))?;
+            sums.extend(
+                buf.chunks_exact(SUM_BYTES as usize)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8-byte chunks"))),
+            );
+            page += n;
+        }
+        Ok(Some(sums))
+    }
+
     /// Stream the logical rows in order, `CHUNK_PAGES` pages at a time:
     /// `f(first_row, rows)` gets whole rows, compacted (no page slack).
-    /// With `check_slack`, non-zero slack bytes are an error.
+    /// With `check`, non-zero slack bytes and pages that do not match their
+    /// checksum (where the file has them) are errors.
     pub fn for_each_chunk(
         &self,
-        check_slack: bool,
+        check: bool,
         progress: Option<&mut Progress>,
         mut f: impl FnMut(u64, &[u8]) -> Result<(), TableFileError>,
     ) -> Result<(), TableFileError> {
         let mut progress = progress;
+        let mut sums_buf = vec![0u8; (CHUNK_PAGES * SUM_BYTES) as usize];
         let mut pages_buf = vec![0u8; (CHUNK_PAGES * PAGE_BYTES) as usize];
         let mut rows_buf = vec![0u8; (CHUNK_PAGES * ROWS_PER_PAGE) as usize * ROW_BYTES];
         let mut page = 0u64;
@@ -115,6 +173,16 @@ impl TableFile {
             self.file
                 .read_exact_at(buf, offset)
                 .map_err(io_err(&self.path, "read pages"))?;
+            let sums = match self.layout.sums_start() {
+                Some(start) if check => {
+                    let sums = &mut sums_buf[..(n_pages * SUM_BYTES) as usize];
+                    self.file
+                        .read_exact_at(sums, start + page * SUM_BYTES)
+                        .map_err(io_err(&self.path, "read page checksums"))?;
+                    Some(&*sums)
+                }
+                _ => None,
+            };
             let first_row = page * ROWS_PER_PAGE;
             let n_rows = (n_pages * ROWS_PER_PAGE).min(self.layout.rows - first_row) as usize;
             for (i, p) in buf.chunks_exact(PAGE_BYTES as usize).enumerate() {
@@ -122,7 +190,24 @@ impl TableFile {
                 let used = in_page * ROW_BYTES;
                 let dst = i * ROWS_PER_PAGE as usize * ROW_BYTES;
                 rows_buf[dst..dst + used].copy_from_slice(&p[..used]);
-                if check_slack && p[used..].iter().any(|&b| b != 0) {
+                if let Some(sums) = sums {
+                    let at = i * SUM_BYTES as usize;
+                    let expected = u64::from_le_bytes(
+                        sums[at..at + SUM_BYTES as usize]
+                            .try_into()
+                            .expect("8-byte slice"),
+                    );
+                    let actual = page_checksum(p);
+                    if actual != expected {
+                        return Err(TableFileError::PageChecksum {
+                            path: self.path.clone(),
+                            page: page + i as u64,
+                            expected,
+                            actual,
+                        });
+                    }
+                }
+                if check && p[used..].iter().any(|&b| b != 0) {
                     return Err(TableFileError::Slack {
                         path: self.path.clone(),
                         page: page + i as u64,
@@ -139,7 +224,8 @@ impl TableFile {
         Ok(())
     }
 
-    /// Recompute the digest and check every row decodes and every slack byte is zero.
+    /// Recompute the digest and check every row decodes, every slack byte is
+    /// zero and every page matches its checksum (where the file has them).
     pub fn verify(&self, progress: Option<&mut Progress>) -> Result<TableDigest, TableFileError> {
         let mut digest = DigestBuilder::new();
         self.for_each_chunk(true, progress, |first_row, rows| {
@@ -179,13 +265,19 @@ fn drop_cache(file: &File, offset: u64, len: u64) {
 }
 
 /// Writes a table file from rows fed in order; the digest is computed on the
-/// way and written into the header at the end.
+/// way and written into the header at the end, and each page's checksum
+/// into the `page_xxh3` tensor as the page is written.
 #[derive(Debug)]
 pub struct TableWriter {
     path: PathBuf,
     tmp_path: PathBuf,
     /// `None` once finished; an unfinished file is removed on drop.
     file: Option<io::BufWriter<File>>,
+    /// The same file, for positional writes of the checksums.
+    sums_file: File,
+    sums_start: u64,
+    sums: Vec<u8>,
+    pages_summed: u64,
     meta: TableMeta,
     digest: DigestBuilder,
     rows_written: u64,
@@ -201,7 +293,8 @@ impl TableWriter {
             path: path.to_path_buf(),
             source,
         };
-        let header = etab::encode_header(&meta).map_err(fmt)?;
+        let header = etab::encode_header(&meta, true).map_err(fmt)?;
+        let sums_start = header.len() as u64 + etab::pages_for(meta.rows) * PAGE_BYTES;
         let mut name = path
             .file_name()
             .map(|n| n.to_os_string())
@@ -209,6 +302,7 @@ impl TableWriter {
         name.push(".partial");
         let tmp_path = path.with_file_name(name);
         let file = File::create(&tmp_path).map_err(io_err(&tmp_path, "create"))?;
+        let sums_file = file.try_clone().map_err(io_err(&tmp_path, "create"))?;
         let mut file = io::BufWriter::with_capacity(8 << 20, file);
         file.write_all(&header)
             .map_err(io_err(&tmp_path, "write header"))?;
@@ -216,6 +310,10 @@ impl TableWriter {
             path: path.to_path_buf(),
             tmp_path,
             file: Some(file),
+            sums_file,
+            sums_start,
+            sums: Vec::with_capacity((CHUNK_PAGES * SUM_BYTES) as usize),
+            pages_summed: 0,
             meta,
             digest: DigestBuilder::new(),
             rows_written: 0,
@@ -266,13 +364,38 @@ impl TableWriter {
         };
         file.write_all(&self.page)
             .map_err(io_err(&self.tmp_path, "write page"))?;
+        self.sums
+            .extend_from_slice(&page_checksum(&self.page).to_le_bytes());
+        if self.sums.len() == self.sums.capacity() {
+            self.flush_sums()?;
+        }
         self.page[..self.rows_in_page * ROW_BYTES].fill(0);
         self.rows_in_page = 0;
         Ok(())
     }
 
+    fn flush_sums(&mut self) -> Result<(), TableFileError> {
+        let at = self.sums_start + self.pages_summed * SUM_BYTES;
+        self.sums_file
+            .write_all_at(&self.sums, at)
+            .map_err(io_err(&self.tmp_path, "write page checksums"))?;
+        self.pages_summed += self.sums.len() as u64 / SUM_BYTES;
+        self.sums.clear();
+        Ok(())
+    }
+
     /// Write the last page and the digest, sync, and move the file into place.
-    pub fn finish(mut self) -> Result<TableMeta, TableFileError> {
+    pub fn finish(self) -> Result<TableMeta, TableFileError> {
+        self.finish_inner(None)
+    }
+
+    /// Like [`finish`](Self::finish), but the rows must hash to `expected`;
+    /// otherwise nothing is moved into place.
+    pub fn finish_expecting(self, expected: TableDigest) -> Result<TableMeta, TableFileError> {
+        self.finish_inner(Some(expected))
+    }
+
+    fn finish_inner(mut self, expected: Option<TableDigest>) -> Result<TableMeta, TableFileError> {
         if self.rows_written != self.meta.rows {
             return Err(TableFileError::Io {
                 path: self.tmp_path.clone(),
@@ -289,11 +412,22 @@ impl TableWriter {
         if self.rows_in_page > 0 {
             self.flush_page()?;
         }
+        self.flush_sums()?;
         self.meta.digest = self.digest.clone().finish();
-        let header = etab::encode_header(&self.meta).map_err(|source| TableFileError::Format {
-            path: self.tmp_path.clone(),
-            source,
-        })?;
+        if let Some(expected) = expected
+            && expected != self.meta.digest
+        {
+            return Err(TableFileError::DigestMismatch {
+                path: self.path.clone(),
+                expected,
+                actual: self.meta.digest,
+            });
+        }
+        let header =
+            etab::encode_header(&self.meta, true).map_err(|source| TableFileError::Format {
+                path: self.tmp_path.clone(),
+                source,
+            })?;
         let Some(file) = self.file.take() else {
             return Err(TableFileError::Io {
                 path: self.tmp_path.clone(),
@@ -328,6 +462,65 @@ impl TableWriter {
         done?;
         Ok(self.meta.clone())
     }
+}
+
+/// Rewrite a table file made before page checksums existed with its
+/// `page_xxh3` tensor: every row is checked and the digest recomputed on
+/// the way (the file is verified), the new file is written beside the old
+/// one and moves into its place only once complete, synced and matching the
+/// old digest. Needs free space for one more copy of the table.
+pub fn add_page_sums(
+    path: &Path,
+    progress: Option<&mut Progress>,
+) -> Result<TableMeta, TableFileError> {
+    let table = TableFile::open(path)?;
+    if table.has_page_sums() {
+        table.verify(progress)?;
+        return Ok(table.meta);
+    }
+    let mut writer = TableWriter::create(path, table.meta.clone())?;
+    table.for_each_chunk(true, progress, |first_row, rows| {
+        engram_protocol::row::check_rows(rows).map_err(|(i, source)| {
+            TableFileError::CorruptRow {
+                path: path.to_path_buf(),
+                row: first_row + i as u64,
+                source,
+            }
+        })?;
+        writer.write_rows(rows)
+    })?;
+    writer.finish_expecting(table.meta.digest)
+}
+
+/// Remove a file's page checksums in place (the header loses `page_xxh3`,
+/// the file its last `pages x 8` bytes): the file as builds that predate
+/// page checksums wrote it, for those builds to read, and for tests of how
+/// such files are handled.
+pub fn remove_page_sums(path: &Path) -> Result<(), TableFileError> {
+    let table = TableFile::open(path)?;
+    if !table.has_page_sums() {
+        return Ok(());
+    }
+    let header =
+        etab::encode_header_at(&table.meta, false, table.layout.data_start).map_err(|source| {
+            TableFileError::Format {
+                path: path.to_path_buf(),
+                source,
+            }
+        })?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(io_err(path, "open for writing"))?;
+    let layout = TableLayout {
+        page_sums: false,
+        ..table.layout
+    };
+    file.write_all_at(&header, 0)
+        .map_err(io_err(path, "rewrite header"))?;
+    file.set_len(layout.file_len())
+        .map_err(io_err(path, "truncate"))?;
+    file.sync_all().map_err(io_err(path, "sync"))
 }
 
 impl Drop for TableWriter {
@@ -397,9 +590,90 @@ mod tests {
     }
 
     #[test]
+    fn written_pages_carry_checksums_that_catch_a_flipped_byte() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, data) = write(dir.path(), 100, 7);
+        let t = TableFile::open(&path).expect("open");
+        assert!(t.has_page_sums() && t.page_sums_hint().is_none());
+        let sums = t.read_page_sums().expect("read").expect("present");
+        assert_eq!(sums.len(), 7);
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        for (i, &sum) in sums.iter().enumerate() {
+            page.fill(0);
+            let rows = &data[i * 15 * ROW_BYTES..((i + 1) * 15 * ROW_BYTES).min(data.len())];
+            page[..rows.len()].copy_from_slice(rows);
+            assert_eq!(sum, page_checksum(&page), "page {i}");
+        }
+        // One flipped bit in page 3, row bytes or slack: found and named.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open rw");
+        for at in [3 * PAGE_BYTES + 100, 3 * PAGE_BYTES + 4000] {
+            let off = t.layout.data_start + at;
+            let mut b = [0u8; 1];
+            f.read_exact_at(&mut b, off).expect("read");
+            f.write_all_at(&[b[0] ^ 0x10], off).expect("write");
+            assert!(matches!(
+                t.verify(None),
+                Err(TableFileError::PageChecksum { page: 3, .. })
+            ));
+            f.write_all_at(&b, off).expect("restore");
+            assert!(t.verify(None).is_ok());
+        }
+    }
+
+    #[test]
+    fn old_files_gain_page_checksums_and_keep_their_digest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, data) = write(dir.path(), 1000, 1000);
+        let with_len = std::fs::metadata(&path).expect("stat").len();
+        remove_page_sums(&path).expect("strip");
+        let old = TableFile::open(&path).expect("an old file still opens");
+        assert!(!old.has_page_sums());
+        assert_eq!(old.read_page_sums().expect("read"), None);
+        let hint = old.page_sums_hint().expect("a hint");
+        assert!(hint.contains("--write-page-checksums"), "{hint}");
+        assert_eq!(
+            old.verify(None).expect("verifies"),
+            TableDigest::of_rows(&data)
+        );
+        let meta = add_page_sums(&path, None).expect("add");
+        assert_eq!(meta, old.meta);
+        let new = TableFile::open(&path).expect("open");
+        assert!(new.has_page_sums());
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), with_len);
+        assert_eq!(new.verify(None).expect("verifies"), old.meta.digest);
+        // A second run only verifies.
+        assert_eq!(add_page_sums(&path, None).expect("again"), meta);
+    }
+
+    #[test]
+    fn a_corrupt_old_file_is_left_as_it_was() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _) = write(dir.path(), 100, 100);
+        remove_page_sums(&path).expect("strip");
+        let t = TableFile::open(&path).expect("open");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open rw");
+        f.write_all_at(&[0x01], t.layout.row_offset(20).expect("row") + 3)
+            .expect("write");
+        let before = std::fs::read(&path).expect("read");
+        let e = add_page_sums(&path, None).expect_err("digest differs");
+        assert!(matches!(e, TableFileError::DigestMismatch { .. }), "{e}");
+        assert_eq!(std::fs::read(&path).expect("read"), before);
+        assert!(!dir.path().join("t.etab.partial").exists());
+    }
+
+    #[test]
     fn corruption_is_found() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, _) = write(dir.path(), 100, 100);
+        // Without page checksums, so each row check is reached.
+        remove_page_sums(&path).expect("strip");
         let t = TableFile::open(&path).expect("open");
         let f = std::fs::OpenOptions::new()
             .write(true)

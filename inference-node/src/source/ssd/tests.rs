@@ -1,0 +1,256 @@
+//! The SSD reader under injected faults: interrupted waits, a full
+//! submission queue, a ring that keeps failing, stale completions, and
+//! pages flipped on disk. In every case no wrong row is ever returned and
+//! the next batch is right.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use cluster_config::SsdIo;
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
+use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_store::generate::{GenSpec, generate};
+use engram_store::resident::ExpectedTable;
+use io_uring::{IoUring, squeue};
+
+use super::uring::{MAX_RESETS, Ring, RingFactory};
+use super::*;
+
+const SEED: u64 = 31;
+const ROWS: u64 = 15 * 700 + 4;
+
+fn table(dir: &Path) -> (PathBuf, TableDigest) {
+    let path = dir.join("t.etab");
+    let spec = GenSpec {
+        layer: 1,
+        rows: ROWS,
+        seed: SEED,
+        hash_preset: None,
+        hash_base: None,
+        threads: 1,
+    };
+    let meta = generate(&path, &spec, None).expect("generate");
+    (path, meta.digest)
+}
+
+fn pin(digest: TableDigest) -> Option<ExpectedTable> {
+    Some(ExpectedTable {
+        digest,
+        layer: 1,
+        rows: ROWS,
+    })
+}
+
+/// What the faulty rings do; shared by every ring a factory makes.
+#[derive(Debug, Default)]
+struct Script {
+    /// Waits that hand entries to the kernel, then report EINTR.
+    interrupt_every: Option<u64>,
+    /// Pushes that report a full queue (every Nth).
+    full_every: Option<u64>,
+    /// Every wait hands entries to the kernel, then fails with EIO, and no
+    /// completion is ever handed back (a ring that stopped working).
+    always_fail: bool,
+    /// Each reap also yields a completion of an earlier batch.
+    replay_stale: bool,
+    waits: u64,
+    pushes: u64,
+    /// User data of the batch before the current one.
+    earlier: Vec<u64>,
+    current: Vec<u64>,
+}
+
+struct FaultyRing {
+    ring: IoUring,
+    script: Arc<Mutex<Script>>,
+}
+
+impl Ring for FaultyRing {
+    unsafe fn push(&mut self, entry: &squeue::Entry) -> bool {
+        let mut s = self.script.lock().expect("script");
+        s.pushes += 1;
+        if s.full_every.is_some_and(|n| s.pushes.is_multiple_of(n)) {
+            return false;
+        }
+        // SAFETY: forwarded from the caller.
+        let ok = unsafe { self.ring.submission().push(entry) }.is_ok();
+        let ud = entry.get_user_data();
+        if s.current.first().is_some_and(|&c| c >> 32 != ud >> 32) {
+            s.earlier = std::mem::take(&mut s.current);
+        }
+        s.current.push(ud);
+        ok
+    }
+
+    fn submit_and_wait(&mut self, want: usize) -> std::io::Result<usize> {
+        let mut s = self.script.lock().expect("script");
+        s.waits += 1;
+        let interrupted = s.interrupt_every.is_some_and(|n| s.waits.is_multiple_of(n));
+        if s.always_fail || interrupted {
+            // The reads really go to the kernel: they are in flight while
+            // the caller sees the error.
+            self.ring.submit()?;
+            let errno = if s.always_fail {
+                libc::EIO
+            } else {
+                libc::EINTR
+            };
+            return Err(std::io::Error::from_raw_os_error(errno));
+        }
+        self.ring.submit_and_wait(want)
+    }
+
+    fn reap(&mut self, into: &mut Vec<(u64, i32)>) {
+        let s = self.script.lock().expect("script");
+        if s.always_fail {
+            return;
+        }
+        if s.replay_stale
+            && let Some(&old) = s.earlier.first()
+        {
+            // A full page's worth, as if an earlier read had just landed.
+            into.push((old, pages::PAGE as i32));
+        }
+        into.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+    }
+}
+
+fn faulty(script: Script) -> (RingFactory, Arc<Mutex<Script>>) {
+    let script = Arc::new(Mutex::new(script));
+    let shared = Arc::clone(&script);
+    let factory: RingFactory = Box::new(move || {
+        Ok(Box::new(FaultyRing {
+            ring: IoUring::new(MAX_IN_FLIGHT as u32)?,
+            script: Arc::clone(&shared),
+        }) as Box<dyn Ring>)
+    });
+    (factory, script)
+}
+
+fn open(path: &Path, digest: TableDigest, io: SsdIo, rings: RingFactory) -> SsdReader {
+    let opts = SsdOptions {
+        io,
+        ..SsdOptions::default()
+    };
+    SsdReader::open_with(path, pin(digest), false, opts, rings).expect("open")
+}
+
+fn random_rows(rng: &mut SplitMix64, n: usize) -> Vec<u64> {
+    (0..n).map(|_| rng.below(ROWS)).collect()
+}
+
+/// Read `batches` random batches (one prefill-sized), checking every row.
+fn read_and_check(r: &mut SsdReader, batches: usize) {
+    let mut rng = SplitMix64::new(batches as u64);
+    for b in 0..batches {
+        let n = if b == 0 { 600 } else { 24 };
+        let rows = random_rows(&mut rng, n);
+        let mut out = vec![0u8; n * ROW_BYTES];
+        r.read(&rows, &mut out).expect("read");
+        assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "batch {b}");
+    }
+}
+
+#[test]
+fn interrupted_waits_and_a_full_queue_never_return_a_wrong_row() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let (rings, script) = faulty(Script {
+        interrupt_every: Some(2),
+        full_every: Some(7),
+        ..Script::default()
+    });
+    let mut r = open(&path, digest, SsdIo::Uring, rings);
+    read_and_check(&mut r, 300);
+    let stats = r.ring_stats();
+    assert!(stats.interrupted > 100, "{stats:?}");
+    assert_eq!(stats.resets, 0, "EINTR and a full queue are retried");
+    assert_eq!(r.engine(), SsdEngine::Uring);
+    assert!(script.lock().expect("script").pushes > 300 * 24);
+}
+
+#[test]
+fn completions_of_an_earlier_batch_are_never_taken_for_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let (rings, _) = faulty(Script {
+        replay_stale: true,
+        ..Script::default()
+    });
+    let mut r = open(&path, digest, SsdIo::Uring, rings);
+    read_and_check(&mut r, 200);
+    assert!(r.ring_stats().stale > 100, "{:?}", r.ring_stats());
+}
+
+#[test]
+fn a_ring_that_keeps_failing_is_given_up_and_the_next_batches_are_right() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let (rings, script) = faulty(Script {
+        always_fail: true,
+        ..Script::default()
+    });
+    let mut r = open(&path, digest, SsdIo::Uring, rings);
+    let rows: Vec<u64> = (0..24).map(|i| i * 400).collect();
+    let mut out = vec![0u8; rows.len() * ROW_BYTES];
+    for i in 0..MAX_RESETS {
+        out.fill(0);
+        let e = r.read(&rows, &mut out).expect_err("the ring fails");
+        assert!(matches!(e, SourceError::Failed(_)), "{e}");
+        assert_eq!(r.ring_stats().resets, i + 1);
+    }
+    // Given up on: the pread pool reads from now on, and reads right.
+    assert_eq!(r.engine(), SsdEngine::Pread);
+    assert!(script.lock().expect("script").waits >= u64::from(MAX_RESETS) * 3);
+    read_and_check(&mut r, 100);
+}
+
+#[test]
+fn a_page_flipped_on_disk_is_never_used_by_either_engine() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    for io in [SsdIo::Uring, SsdIo::Pread] {
+        let mut r = open(&path, digest, io, Box::new(uring::real_ring));
+        assert!(r.checks_pages());
+        let layout = TableFile::open(&path).expect("open").layout;
+        // Row 15 * 40 + 3 lives in page 40; flip a byte of its neighbour row.
+        let victim = 15 * 40 + 3;
+        let (offset, in_page) = layout.row_page(victim + 1).expect("row");
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open rw");
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, offset + in_page as u64 + 5)
+            .expect("read");
+        f.write_all_at(&[b[0] ^ 0x01], offset + in_page as u64 + 5)
+            .expect("flip");
+        f.sync_all().expect("sync");
+        let rows = [7, victim, 15 * 90];
+        let mut out = vec![0u8; rows.len() * ROW_BYTES];
+        let e = r.read(&rows, &mut out).expect_err("corrupt page");
+        assert!(matches!(e, SourceError::Corrupt(_)), "{io:?}: {e}");
+        assert!(e.to_string().contains("page 40"), "{e}");
+        assert_eq!(r.checksum_failures(), 1);
+        // Rows of other pages still read right.
+        let rows = [7, 15 * 90, 15 * 41];
+        let mut out = vec![0u8; rows.len() * ROW_BYTES];
+        r.read(&rows, &mut out).expect("other pages");
+        assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+        f.write_all_at(&b, offset + in_page as u64 + 5)
+            .expect("restore");
+        f.sync_all().expect("sync");
+    }
+}
+
+#[test]
+fn a_copy_without_page_checksums_still_reads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    engram_store::table_file::remove_page_sums(&path).expect("strip");
+    let mut r = open(&path, digest, SsdIo::Auto, Box::new(uring::real_ring));
+    assert!(!r.checks_pages());
+    read_and_check(&mut r, 50);
+}
