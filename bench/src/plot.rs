@@ -7,20 +7,23 @@
 //! drawing area ([`Chart::draw`]); the same drawing goes to plotters' SVG
 //! back end (text stays text) and to its bitmap back end, which writes the
 //! PNG. Text in the PNG uses DejaVu Sans Mono, embedded from `bench/fonts/`
-//! and registered with plotters at first use, so no system font is needed;
-//! the SVG names the generic `monospace` family, which its viewer resolves.
+//! and registered with plotters at first use, so no system font is needed
+//! (its glyphs are placed by [`text`], which mends plotters' spacing); the
+//! SVG names the generic `monospace` family, which its viewer resolves.
 //!
 //! Not a general plotting library: charts are laid out for the reports the
 //! bench writes, with labels cut to fixed lengths.
 
 mod heatmap;
 mod sample;
+mod text;
 mod timeline;
 
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use ab_glyph::FontRef;
 use plotters::coord::Shift;
 use plotters::prelude::{
     BitMapBackend, DrawingArea, DrawingAreaErrorKind, DrawingBackend, IntoDrawingArea, IntoFont,
@@ -105,6 +108,11 @@ fn register_fonts() -> io::Result<()> {
     }
 }
 
+/// The embedded font, for the PNG's text.
+fn font_ref() -> io::Result<FontRef<'static>> {
+    FontRef::try_from_slice(FONT).map_err(|e| io::Error::other(format!("the embedded font: {e}")))
+}
+
 /// The font every chart writes in.
 fn font() -> FontDesc<'static> {
     (FontFamily::Monospace, TEXT_SIZE).into_font()
@@ -117,14 +125,13 @@ fn text_style(color: Rgb, h: HPos, v: VPos) -> TextStyle<'static> {
 
 /// Width in pixels of `text` in the chart font.
 fn text_width(text: &str) -> i32 {
-    // Without the font (it did not parse: drawing says so), a monospace guess.
-    let guess = || (text.chars().count() as f64 * TEXT_SIZE * 0.52) as i32;
-    if register_fonts().is_err() {
-        return guess();
-    }
-    font()
-        .box_size(text)
-        .map_or_else(|_| guess(), |(w, _)| i32::try_from(w).unwrap_or(i32::MAX))
+    static FONT_REF: OnceLock<Option<FontRef<'static>>> = OnceLock::new();
+    let width = match FONT_REF.get_or_init(|| font_ref().ok()) {
+        Some(f) => text::advance_width(f, TEXT_SIZE, text),
+        // The font does not parse (drawing says so): a monospace guess.
+        None => text.chars().count() as f64 * TEXT_SIZE * 0.52,
+    };
+    width.ceil().min(f64::from(i32::MAX)) as i32
 }
 
 /// A layout length as a chart side.
@@ -157,7 +164,8 @@ fn write_both(chart: &impl Chart, stem: &Path) -> io::Result<(PathBuf, PathBuf)>
     let svg_path = stem.with_extension("svg");
     let png_path = stem.with_extension("png");
     std::fs::write(&svg_path, svg(chart)?)?;
-    draw_on(BitMapBackend::new(&png_path, chart.size()), chart)?;
+    let bitmap = BitMapBackend::new(&png_path, chart.size());
+    draw_on(text::GlyphText::new(bitmap, font_ref()?), chart)?;
     Ok((svg_path, png_path))
 }
 
@@ -287,5 +295,12 @@ mod tests {
         register_fonts().expect("DejaVu Sans Mono parses");
         let (one, ten) = (text_width("m"), text_width(&"m".repeat(10)));
         assert!(one > 5 && (ten - 10 * one).abs() <= 10, "{one} {ten}");
+        // plotters measures the same widths (its axis labels are placed by them).
+        let plotters = font().box_size("13.5% (pred 13.5%)").expect("measured");
+        let ours = text_width("13.5% (pred 13.5%)");
+        assert!(
+            (i64::from(plotters.0) - i64::from(ours)).abs() <= 1,
+            "{plotters:?} {ours}"
+        );
     }
 }
