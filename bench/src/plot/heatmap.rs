@@ -5,7 +5,15 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::{Anchor, BLACK, INK, MUTED, Rgb, Scene, WHITE, percent, text_px, truncate};
+use plotters::coord::Shift;
+use plotters::prelude::{DrawingArea, DrawingBackend, Rectangle, Text};
+use plotters::style::Color;
+use plotters::style::text_anchor::{HPos, VPos};
+
+use super::{
+    BLACK, Chart, DrawResult, INK, MUTED, Rgb, WHITE, percent, side, text_style, text_width,
+    truncate,
+};
 
 /// Measured and predicted slowdowns (fractions: `0.034` is 3.4%) per source and token rate.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -78,16 +86,15 @@ impl SlowdownClass {
     }
 }
 
-const M: f64 = 20.0;
-const SCALE: u32 = 2;
-const LINE: f64 = 14.0; // text height at SCALE
-const TITLE_H: f64 = 40.0;
-const HEADER_H: f64 = 30.0;
-const CELL_H: f64 = 48.0;
-const LEGEND_H: f64 = 60.0;
+const M: i32 = 20;
+const TITLE_H: i32 = 40;
+const HEADER_H: i32 = 30;
+const CELL_H: i32 = 48;
+const LEGEND_H: i32 = 60;
 const MAX_LABEL: usize = 24;
 const MAX_COL_LABEL: usize = 16;
 const MAX_TITLE: usize = 80;
+const NOTE: &str = "cell: measured (pred predicted), darker = slower";
 
 fn cell(grid: &[Vec<Option<f64>>], r: usize, c: usize) -> Option<f64> {
     grid.get(r)?
@@ -97,13 +104,13 @@ fn cell(grid: &[Vec<Option<f64>>], r: usize, c: usize) -> Option<f64> {
         .filter(|v| v.is_finite())
 }
 
-/// Where the grid sits.
+/// Where the grid sits, in pixels from the top left.
 struct Layout {
-    grid_x: f64,
-    grid_y: f64,
-    cell_w: f64,
-    width: f64,
-    height: f64,
+    grid_x: i32,
+    grid_y: i32,
+    cell_w: i32,
+    width: i32,
+    height: i32,
 }
 
 impl Heatmap {
@@ -126,105 +133,145 @@ impl Heatmap {
     }
 
     fn layout(&self) -> Layout {
-        let chars = |v: &[String], max: usize| v.iter().map(|s| s.chars().count().min(max)).max();
-        let label_w = text_px(chars(&self.rows, MAX_LABEL).unwrap_or(0), SCALE) + 16.0;
-        let cell_chars = (0..self.rows.len())
+        let widest = |v: &[String], max: usize| {
+            v.iter()
+                .map(|s| text_width(&truncate(s, max)))
+                .max()
+                .unwrap_or(0)
+        };
+        let label_w = widest(&self.rows, MAX_LABEL) + 16;
+        let cell_text_w = (0..self.rows.len())
             .flat_map(|r| (0..self.cols.len()).map(move |c| (r, c)))
-            .map(|(r, c)| self.cell_text(r, c).chars().count())
-            .chain(chars(&self.cols, MAX_COL_LABEL))
+            .map(|(r, c)| text_width(&self.cell_text(r, c)))
             .max()
             .unwrap_or(0);
-        let cell_w = (text_px(cell_chars, SCALE) + 24.0).max(100.0);
-        let grid_w = label_w + cell_w * self.cols.len() as f64;
-        let legend_w = text_px(56, SCALE);
-        let title_w = text_px(self.title.chars().count().min(MAX_TITLE), SCALE);
+        let cell_w = (cell_text_w.max(widest(&self.cols, MAX_COL_LABEL)) + 24).max(100);
+        let cols = i32::try_from(self.cols.len()).unwrap_or(i32::MAX);
+        let rows = i32::try_from(self.rows.len()).unwrap_or(i32::MAX);
+        let grid_w = label_w.saturating_add(cell_w.saturating_mul(cols));
+        let legend_w = legend_entries()
+            .map(|(label, _)| text_width(label) + 56)
+            .sum::<i32>()
+            .max(text_width(NOTE));
+        let title_w = text_width(&truncate(&self.title, MAX_TITLE));
         Layout {
             grid_x: M + label_w,
             grid_y: M + TITLE_H + HEADER_H,
             cell_w,
-            width: 2.0 * M + grid_w.max(legend_w).max(title_w),
-            height: 2.0 * M + TITLE_H + HEADER_H + CELL_H * self.rows.len() as f64 + LEGEND_H,
+            width: (2 * M).saturating_add(grid_w.max(legend_w).max(title_w)),
+            height: (2 * M + TITLE_H + HEADER_H + LEGEND_H)
+                .saturating_add(CELL_H.saturating_mul(rows)),
         }
     }
 
-    fn cell_rect(&self, l: &Layout, row: usize, col: usize) -> (f64, f64, f64, f64) {
-        let x = l.grid_x + l.cell_w * col as f64;
-        let y = l.grid_y + CELL_H * row as f64;
+    /// `(x, y, w, h)` of a cell.
+    fn cell_rect(&self, l: &Layout, row: usize, col: usize) -> (i32, i32, i32, i32) {
+        let at =
+            |i: usize, step: i32| i32::try_from(i).map_or(i32::MAX, |i| i.saturating_mul(step));
+        let x = l.grid_x.saturating_add(at(col, l.cell_w));
+        let y = l.grid_y.saturating_add(at(row, CELL_H));
         (x, y, l.cell_w, CELL_H)
     }
 
-    /// The chart laid out for drawing.
-    pub fn scene(&self) -> Scene {
-        let l = self.layout();
-        let mut s = Scene::new(l.width, l.height);
-        let title = truncate(&self.title, MAX_TITLE);
-        s.text(M, M + LINE, &title, SCALE, Anchor::Start, INK);
-        for (c, label) in self.cols.iter().enumerate() {
-            let (x, _, w, _) = self.cell_rect(&l, 0, c);
-            let label = truncate(label, MAX_COL_LABEL);
-            s.text(
-                x + w / 2.0,
-                l.grid_y - 10.0,
-                &label,
-                SCALE,
-                Anchor::Middle,
-                INK,
-            );
-        }
-        for (r, label) in self.rows.iter().enumerate() {
-            let (_, y, _, h) = self.cell_rect(&l, r, 0);
-            let label = truncate(label, MAX_LABEL);
-            let baseline = y + (h + LINE) / 2.0;
-            s.text(l.grid_x - 12.0, baseline, &label, SCALE, Anchor::End, INK);
-            for c in 0..self.cols.len() {
-                let (x, y, w, h) = self.cell_rect(&l, r, c);
-                let (m, p) = self.cell(r, c);
-                let fill = m.or(p).map_or(MISSING, SlowdownClass::color);
-                s.rect(x, y, w, h, fill, Some(WHITE));
-                let ink = if fill.luma() < 110.0 { WHITE } else { BLACK };
-                let text = self.cell_text(r, c);
-                s.text(x + w / 2.0, baseline, &text, SCALE, Anchor::Middle, ink);
-            }
-        }
-        self.legend(&mut s, &l);
-        s
-    }
-
-    fn legend(&self, s: &mut Scene, l: &Layout) {
-        let y = l.grid_y + CELL_H * self.rows.len() as f64 + 20.0;
+    fn legend<DB: DrawingBackend>(
+        &self,
+        area: &DrawingArea<DB, Shift>,
+        l: &Layout,
+    ) -> DrawResult<DB> {
+        let rows = i32::try_from(self.rows.len()).unwrap_or(i32::MAX);
+        let y = l.grid_y.saturating_add(CELL_H.saturating_mul(rows)) + 20;
         let mut x = M;
-        for (class, v) in [
-            (SlowdownClass::NoStall, 0.0),
-            (SlowdownClass::Some, 0.15),
-            (SlowdownClass::High, 0.6),
-        ] {
-            s.rect(x, y, 24.0, 16.0, SlowdownClass::color(v), Some(MUTED));
-            s.text(x + 32.0, y + 15.0, class.label(), SCALE, Anchor::Start, INK);
-            x += 32.0 + text_px(class.label().len(), SCALE) + 24.0;
+        for (label, v) in legend_entries() {
+            let swatch = [(x, y), (x + 24, y + 16)];
+            area.draw(&Rectangle::new(
+                swatch,
+                SlowdownClass::color(v).rgb().filled(),
+            ))?;
+            area.draw(&Rectangle::new(swatch, MUTED.rgb()))?;
+            let style = text_style(INK, HPos::Left, VPos::Center);
+            area.draw(&Text::new(label, (x + 32, y + 8), style))?;
+            x += 32 + text_width(label) + 24;
         }
-        let note = "cell: measured (pred predicted), darker = slower";
-        s.text(M, y + 40.0, note, SCALE, Anchor::Start, MUTED);
+        let style = text_style(MUTED, HPos::Left, VPos::Center);
+        area.draw(&Text::new(NOTE, (M, y + 34), style))
     }
 
     /// The chart as an SVG document.
-    pub fn svg(&self) -> String {
-        self.scene().svg()
-    }
-
-    /// The chart as PNG bytes.
-    pub fn png(&self) -> Vec<u8> {
-        self.scene().png()
+    pub fn svg(&self) -> io::Result<String> {
+        super::svg(self)
     }
 
     /// Write `stem.svg` and `stem.png`; returns both paths.
     pub fn write_both(&self, stem: &Path) -> io::Result<(PathBuf, PathBuf)> {
-        self.scene().write_both(stem)
+        super::write_both(self, stem)
+    }
+}
+
+/// The legend: each class's label and a slowdown that shows its colour.
+fn legend_entries() -> impl Iterator<Item = (&'static str, f64)> {
+    [
+        (SlowdownClass::NoStall, 0.0),
+        (SlowdownClass::Some, 0.15),
+        (SlowdownClass::High, 0.6),
+    ]
+    .into_iter()
+    .map(|(c, v)| (c.label(), v))
+}
+
+impl Chart for Heatmap {
+    fn size(&self) -> (u32, u32) {
+        let l = self.layout();
+        (side(l.width), side(l.height))
+    }
+
+    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
+        let l = self.layout();
+        let title = truncate(&self.title, MAX_TITLE);
+        area.draw(&Text::new(
+            title,
+            (M, M),
+            text_style(INK, HPos::Left, VPos::Top),
+        ))?;
+        for (c, label) in self.cols.iter().enumerate() {
+            let (x, _, w, _) = self.cell_rect(&l, 0, c);
+            let style = text_style(INK, HPos::Center, VPos::Bottom);
+            area.draw(&Text::new(
+                truncate(label, MAX_COL_LABEL),
+                (x + w / 2, l.grid_y - 8),
+                style,
+            ))?;
+        }
+        for (r, label) in self.rows.iter().enumerate() {
+            let (_, y, _, h) = self.cell_rect(&l, r, 0);
+            let style = text_style(INK, HPos::Right, VPos::Center);
+            area.draw(&Text::new(
+                truncate(label, MAX_LABEL),
+                (l.grid_x - 12, y + h / 2),
+                style,
+            ))?;
+            for c in 0..self.cols.len() {
+                let (x, y, w, h) = self.cell_rect(&l, r, c);
+                let (m, p) = self.cell(r, c);
+                let fill = m.or(p).map_or(MISSING, SlowdownClass::color);
+                let corners = [(x, y), (x + w, y + h)];
+                area.draw(&Rectangle::new(corners, fill.rgb().filled()))?;
+                area.draw(&Rectangle::new(corners, WHITE.rgb()))?;
+                let ink = if fill.luma() < 110.0 { WHITE } else { BLACK };
+                let style = text_style(ink, HPos::Center, VPos::Center);
+                area.draw(&Text::new(
+                    self.cell_text(r, c),
+                    (x + w / 2, y + h / 2),
+                    style,
+                ))?;
+            }
+        }
+        self.legend(area, &l)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::raster::tests::decode;
+    use super::super::tests::{render, texts};
     use super::*;
 
     fn sample() -> Heatmap {
@@ -265,16 +312,16 @@ mod tests {
     }
 
     #[test]
-    fn cells_are_coloured_by_class() {
+    fn cells_are_coloured_by_class_and_sized_by_layout() {
         let h = sample();
         let l = h.layout();
-        let canvas = h.scene().canvas();
+        let (svg, png) = render(&h);
+        assert_eq!(png.dimensions(), (side(l.width), side(l.height)));
         // Above the text, at the cell's horizontal middle.
         let at = |r, c| {
             let (x, y, w, _) = h.cell_rect(&l, r, c);
-            canvas
-                .get((x + w / 2.0) as u32, (y + 6.0) as u32)
-                .expect("inside")
+            let p = png.get_pixel((x + w / 2).unsigned_abs(), (y + 6).unsigned_abs());
+            Rgb(p[0], p[1], p[2])
         };
         let green = at(0, 1);
         assert!(
@@ -285,35 +332,42 @@ mod tests {
         assert!(red.0 > red.1 + 60 && red.0 > red.2 + 60, "{red:?}");
         let amber = at(2, 0);
         assert!(amber.0 > 200 && amber.1 > 150 && amber.2 < 160, "{amber:?}");
-    }
+        // Text is drawn in the cell: dark pixels around its middle.
+        let (x, y, w, hh) = h.cell_rect(&l, 2, 0);
+        let dark = (x + 4..x + w - 4)
+            .flat_map(|x| (y + 4..y + hh - 4).map(move |y| (x, y)))
+            .filter(|&(x, y)| png.get_pixel(x.unsigned_abs(), y.unsigned_abs())[0] < 100)
+            .count();
+        assert!(dark > 50, "cell text drawn: {dark} dark pixels");
 
-    #[test]
-    fn png_and_svg_are_well_formed() {
-        let h = sample();
-        let (w, hh, _) = decode(&h.png());
-        let l = h.layout();
-        assert_eq!((w, hh), (l.width.ceil() as u32, l.height.ceil() as u32));
-        let svg = h.svg();
-        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        assert!(svg.contains("slowdown &lt;by source&gt; &amp; rate"));
-        assert!(svg.contains("3.4% (pred 3.1%)"));
+        let texts = texts(&svg);
+        assert_eq!(texts[0], "slowdown &lt;by source&gt; &amp; rate");
+        for text in ["3.4% (pred 3.1%)", "pred 45.0%", "SSD copy", "1000", NOTE] {
+            assert!(texts.contains(&text), "{text}");
+        }
+        for (label, _) in legend_entries() {
+            assert!(
+                texts.contains(&label.replace('>', "&gt;").as_str()),
+                "{label}"
+            );
+        }
     }
 
     #[test]
     fn empty_ragged_and_nan_inputs_do_not_panic() {
-        let empty = Heatmap::default();
-        decode(&empty.png());
-        assert!(empty.svg().ends_with("</svg>\n"));
+        let (svg, png) = render(&Heatmap::default());
+        assert!(svg.ends_with("</svg>\n"));
+        assert!(png.width() > 100);
         let odd = Heatmap {
             title: "x".repeat(500),
-            rows: vec!["r".repeat(200), "s".into()],
+            rows: vec!["r".repeat(200), "s\u{7}".into()],
             cols: vec!["c".into(), "d".into(), "e".into()],
             measured: vec![vec![Some(f64::NAN)], vec![]],
             predicted: vec![vec![Some(f64::INFINITY), Some(-1.0)]],
         };
         assert_eq!(odd.cell_text(0, 0), "n/a");
-        let (w, _, _) = decode(&odd.png());
-        assert!(w < 2000, "long labels are cut: {w}");
-        assert!(!odd.svg().contains("NaN"));
+        let (svg, png) = render(&odd);
+        assert!(png.width() < 2000, "long labels are cut: {}", png.width());
+        assert!(!svg.contains("NaN") && !svg.contains('\u{7}'));
     }
 }

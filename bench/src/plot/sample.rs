@@ -163,8 +163,8 @@ mod tests {
         let out = dir.path().join("plots");
         run_sample(&PlotSampleArgs { out: out.clone() }).expect("written");
         for f in ["sample-heatmap", "sample-timeline"] {
-            let png = std::fs::read(out.join(format!("{f}.png"))).expect("png");
-            super::super::raster::tests::decode(&png);
+            let png = super::super::tests::read_png(&out.join(format!("{f}.png")));
+            assert!(png.width() > 500 && png.height() > 200, "{f}");
             let svg = std::fs::read_to_string(out.join(format!("{f}.svg"))).expect("svg");
             assert!(svg.starts_with("<svg"));
         }
