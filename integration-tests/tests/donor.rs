@@ -616,29 +616,6 @@ fn a_lookup_over_the_row_cap_gets_request_too_large_and_the_connection_goes_on()
 }
 
 #[test]
-fn an_oversized_frame_gets_an_error_before_the_connection_closes() {
-    let (_dir, _path, _digest, donor) = one_table();
-    let mut header = Vec::new();
-    engram_protocol::FrameHeader::write(
-        &mut header,
-        engram_protocol::FrameKind::Lookup,
-        9,
-        u32::MAX,
-    );
-    let answer = raw_exchange(donor.addr, &header);
-    let limits = Limits::default();
-    let welcome = decode(&answer, &limits).expect("valid").expect("welcome");
-    match decode(&answer[welcome.len..], &limits)
-        .expect("valid")
-        .expect("error")
-        .frame
-    {
-        Frame::Error(e) => assert_eq!(e.code, ErrorCode::RequestTooLarge),
-        other => panic!("expected Error, got {other:?}"),
-    }
-}
-
-#[test]
 fn a_trickling_client_is_closed_at_the_hello_deadline() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, _) = gen_table(dir.path(), "t.etab", 1, 100, 2).expect("gen");
@@ -676,33 +653,6 @@ fn a_trickling_client_is_closed_at_the_hello_deadline() {
         elapsed < Duration::from_secs(2),
         "closed only after {elapsed:?}"
     );
-}
-
-#[test]
-fn before_hello_only_a_hello_sized_frame_is_accepted() {
-    let (_dir, _path, _digest, donor) = one_table();
-    let mut s = TcpStream::connect(donor.addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    let mut header = Vec::new();
-    engram_protocol::FrameHeader::write(&mut header, engram_protocol::FrameKind::Lookup, 1, 10_000);
-    s.write_all(&header).expect("write");
-    let mut answer = Vec::new();
-    s.read_to_end(&mut answer).expect("closed after the error");
-    match decode(&answer, &Limits::default())
-        .expect("valid")
-        .expect("error")
-        .frame
-    {
-        Frame::Error(e) => {
-            assert_eq!(e.code, ErrorCode::RequestTooLarge);
-            assert_eq!(
-                e.detail,
-                engram_protocol::messages::MAX_HELLO_PAYLOAD as u64
-            );
-        }
-        other => panic!("expected Error, got {other:?}"),
-    }
 }
 
 #[test]

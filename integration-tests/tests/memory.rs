@@ -291,7 +291,8 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
     let e = SsdReader::open(&table, Some(wrong), false, SsdOptions::default())
         .expect_err("another version");
     assert!(e.to_string().contains("pins"), "{e}");
-    // Same header, one row byte changed: the recomputed digest catches it.
+    // Same header, one row byte changed: verifying the copy at open catches
+    // it (its page checksum first, the digest where a file has none).
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new()
@@ -307,7 +308,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
     };
     let e =
         SsdReader::open(&table, Some(pin), false, SsdOptions::default()).expect_err("corrupt copy");
-    assert!(e.to_string().contains("corrupt or was modified"), "{e}");
+    assert!(e.to_string().contains("page 1 hashes to"), "{e}");
     // A node whose only source is that copy does not start.
     let config = write_config(dir.path(), &table, digest, ports(), "\"ssd\"");
     rt().block_on(async {
@@ -421,4 +422,63 @@ fn the_canary_runs_token_paced_lookups_and_reports_sources() {
         .expect("runs");
     assert!(!e.status.success());
     assert!(String::from_utf8_lossy(&e.stderr).contains("node \"nobody\" is not in"));
+}
+
+#[test]
+fn a_page_flipped_on_disk_under_a_running_node_is_never_used() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    // The node's SSD copy is its own file; the donor serves from the table.
+    let copy = dir.path().join("copy.etab");
+    std::fs::copy(&table, &copy).expect("copy");
+    let port = ports();
+    let config = write_config(dir.path(), &table, digest, port, "\"ssd\", \"d\"");
+    let text = std::fs::read_to_string(&config.path).expect("read config");
+    std::fs::write(
+        &config.path,
+        format!("{text}ssd_path = \"{}\"\n", copy.display()),
+    )
+    .expect("config");
+    let config = Config::load(&config.path).expect("valid config");
+    let _d = donor(&config);
+    rt().block_on(async {
+        let metrics = NodeMetrics::new();
+        let mem = Memory::from_config(&config, "n", &metrics)
+            .await
+            .expect("memory");
+        let router = mem.router(1).expect("router");
+        // The copy serves first while it reads right.
+        assert_eq!(fetch_one(router, 1).await, "ssd");
+        // One byte of page 100 flips on disk while the node runs.
+        let layout = engram_store::table_file::TableFile::open(&copy)
+            .expect("open")
+            .layout;
+        let victim = 100 * 15 + 4;
+        let (offset, in_page) = layout.row_page(victim).expect("row");
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&copy)
+            .expect("open rw");
+        let mut b = [0u8; 1];
+        let at = offset + in_page as u64 + 17;
+        f.read_exact_at(&mut b, at).expect("read");
+        f.write_all_at(&[b[0] ^ 0x04], at).expect("flip");
+        f.sync_all().expect("sync");
+        for i in 0..20u64 {
+            let mut rows = random_rows(100 + i);
+            rows[(i % 24) as usize] = victim;
+            let mut out = vec![0u8; 24 * ROW_BYTES];
+            let got = router.fetch(&rows, &mut out).await.expect("fetch");
+            assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
+            assert_eq!(got.source.as_deref(), Some("d"), "the donor serves instead");
+        }
+        let text = metrics.render();
+        let failures = text
+            .lines()
+            .find(|l| l.starts_with("engram_node_checksum_failures") && l.contains("\"ssd\""))
+            .unwrap_or_else(|| panic!("no SSD checksum failures in\n{text}"));
+        assert!(!failures.ends_with(" 0"), "{failures}");
+    });
 }

@@ -219,23 +219,26 @@ fn a_python_client_written_from_protocol_md_fetches_rows() {
     }
 }
 
-/// Python's `safetensors` opens a table file and sees the same rows.
+/// Python's `safetensors` opens a table file and sees the same rows, and
+/// its page checksums are XXH3-64 of each page.
 #[test]
 fn python_safetensors_opens_a_table() {
-    if !python_has("safetensors, numpy") {
+    if !python_has("safetensors, numpy, xxhash") {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, digest) = gen_table(dir.path(), "t.etab", 1, 40, 3).expect("gen");
     let script = r#"
-import sys, hashlib
+import sys, hashlib, xxhash
 from safetensors import safe_open
 with safe_open(sys.argv[1], framework="numpy") as f:
     meta = f.metadata()
     pages = f.get_tensor("pages")
+    sums = f.get_tensor("page_xxh3")
     rows = int(meta["rows"])
     flat = b"".join(bytes(pages[r // 15][(r % 15) * 264:(r % 15) * 264 + 264]) for r in range(rows))
-    print(meta["digest_blake3"], pages.shape[0], pages.shape[1], pages.dtype, flat[:264].hex(), flat[-264:].hex())
+    ok = all(xxhash.xxh3_64_intdigest(bytes(pages[p])) == int(sums[p]) for p in range(pages.shape[0]))
+    print(meta["digest_blake3"], pages.shape[0], pages.shape[1], pages.dtype, flat[:264].hex(), flat[-264:].hex(), sums.dtype, ok)
 "#;
     let out = Command::new("python3")
         .args(["-c", script, &path.display().to_string()])
@@ -253,4 +256,5 @@ with safe_open(sys.argv[1], framework="numpy") as f:
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     assert_eq!(f[4], hex(&first));
     assert_eq!(f[5], hex(&last));
+    assert_eq!((f[6], f[7]), ("uint64", "True"), "page checksums");
 }

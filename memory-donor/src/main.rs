@@ -15,7 +15,7 @@ use engram_protocol::ROW_BYTES;
 use engram_store::generate::{GenSpec, generate, table_shape};
 use engram_store::pack::pack;
 use engram_store::progress::Progress;
-use engram_store::table_file::TableFile;
+use engram_store::table_file::{TableFile, add_page_sums};
 use memory_donor::reload::ReloadSource;
 use memory_donor::serve::{OpsServers, Overrides, ServeSpec, TableSpec, load_tables, serve};
 use memory_donor::status::{DonorStatus, Order, Phase};
@@ -68,10 +68,16 @@ enum Cmd {
         #[arg(long)]
         hash_base: Option<u64>,
     },
-    /// Recompute a table's digest and check every row decodes.
+    /// Recompute a table's digest and check every row decodes and every
+    /// page matches its checksum.
     Verify {
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Give files made before page checksums existed their `page_xxh3`
+        /// tensor (verifying them on the way; needs room for one more copy
+        /// of the file while it is rewritten).
+        #[arg(long)]
+        write_page_checksums: bool,
     },
     /// Print a table's metadata.
     Inspect {
@@ -194,26 +200,46 @@ fn main() -> Result<()> {
                 meta.digest
             );
         }
-        Cmd::Verify { files } => {
+        Cmd::Verify {
+            files,
+            write_page_checksums,
+        } => {
             let mut failed = 0;
             for f in &files {
                 let result = TableFile::open(f).and_then(|t| {
+                    let what = if write_page_checksums && !t.has_page_sums() {
+                        "adding page checksums to"
+                    } else {
+                        "verifying"
+                    };
                     let mut p = Progress::stderr(
-                        format!("verifying {}", f.display()),
+                        format!("{what} {}", f.display()),
                         t.meta.rows,
                         ROW_BYTES as u64,
                     );
-                    let d = t.verify(Some(&mut p))?;
+                    let d = if write_page_checksums {
+                        add_page_sums(f, Some(&mut p))?.digest
+                    } else {
+                        t.verify(Some(&mut p))?
+                    };
                     p.finish();
+                    let t = TableFile::open(f)?;
                     Ok((t, d))
                 });
                 match result {
-                    Ok((t, d)) => println!(
-                        "{}: ok: layer {} rows {} digest {d}",
-                        f.display(),
-                        t.meta.layer,
-                        t.meta.rows
-                    ),
+                    Ok((t, d)) => {
+                        let sums = if t.has_page_sums() {
+                            "page checksums ok"
+                        } else {
+                            "no page checksums (add them with --write-page-checksums)"
+                        };
+                        println!(
+                            "{}: ok: layer {} rows {} digest {d}; {sums}",
+                            f.display(),
+                            t.meta.layer,
+                            t.meta.rows
+                        );
+                    }
                     Err(e) => {
                         eprintln!("{e}");
                         failed += 1;
@@ -251,6 +277,7 @@ fn inspect(file: &std::path::Path, json: bool) -> Result<()> {
             "pages": t.layout.pages,
             "data_start": t.layout.data_start,
             "file_len": t.layout.file_len(),
+            "page_checksums": t.has_page_sums().then_some("xxh3_64"),
             "digest": m.digest.to_hex(),
             "digest_prefix": format!("{:016x}", m.digest.prefix()),
             "hash_preset": m.hash_preset,
@@ -275,6 +302,14 @@ fn inspect(file: &std::path::Path, json: bool) -> Result<()> {
         println!(
             "pages:       {} x 4096 bytes from offset {}",
             t.layout.pages, t.layout.data_start
+        );
+        println!(
+            "checksums:   {}",
+            if t.has_page_sums() {
+                "XXH3-64 per page (page_xxh3)"
+            } else {
+                "none (add with `memory-donor verify --write-page-checksums`)"
+            }
         );
         println!("digest:      {}", m.digest);
         println!(

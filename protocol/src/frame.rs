@@ -79,6 +79,9 @@ pub enum ErrorCode {
     UnsupportedVersion,
     /// The donor failed internally.
     Internal,
+    /// A frame's declared payload is larger than the receiver accepts (and
+    /// is not a Lookup after the handshake): the connection closes.
+    FrameTooLarge,
     /// A code this build does not know (from a newer peer).
     Other(u16),
 }
@@ -97,6 +100,7 @@ impl ErrorCode {
             Self::Unauthorized => 8,
             Self::UnsupportedVersion => 9,
             Self::Internal => 10,
+            Self::FrameTooLarge => 11,
             Self::Other(c) => c,
         }
     }
@@ -115,6 +119,7 @@ impl ErrorCode {
             8 => Self::Unauthorized,
             9 => Self::UnsupportedVersion,
             10 => Self::Internal,
+            11 => Self::FrameTooLarge,
             c => Self::Other(c),
         })
     }
@@ -132,6 +137,7 @@ impl ErrorCode {
             Self::Unauthorized => "unauthorized",
             Self::UnsupportedVersion => "unsupported_version",
             Self::Internal => "internal",
+            Self::FrameTooLarge => "frame_too_large",
             Self::Other(_) => "other",
         }
     }
@@ -272,9 +278,8 @@ impl FrameError {
     /// The code to answer a peer with.
     pub const fn code(&self) -> ErrorCode {
         match self {
-            Self::TooLarge { .. } | Self::TooManyRows { .. } | Self::TooManySections { .. } => {
-                ErrorCode::RequestTooLarge
-            }
+            Self::TooManyRows { .. } | Self::TooManySections { .. } => ErrorCode::RequestTooLarge,
+            Self::TooLarge { .. } => ErrorCode::FrameTooLarge,
             _ => ErrorCode::Malformed,
         }
     }
@@ -296,6 +301,22 @@ impl FrameHeader {
     /// bytes are buffered; an error for an unknown kind, set reserved bits or
     /// a payload length above `limits.max_payload`.
     pub fn peek(buf: &[u8], limits: &Limits) -> Result<Option<Self>, FrameError> {
+        let Some(h) = Self::peek_unbounded(buf)? else {
+            return Ok(None);
+        };
+        if h.payload_len > limits.max_payload {
+            return Err(FrameError::TooLarge {
+                len: h.payload_len,
+                max: limits.max_payload,
+            });
+        }
+        Ok(Some(h))
+    }
+
+    /// Like [`peek`](Self::peek), but the payload length is left for the
+    /// caller to check (a donor skips an oversized Lookup's payload instead
+    /// of closing, so it needs the header's kind and request id first).
+    pub fn peek_unbounded(buf: &[u8]) -> Result<Option<Self>, FrameError> {
         let Some(h) = buf.get(..HEADER_LEN) else {
             return Ok(None);
         };
@@ -305,12 +326,6 @@ impl FrameHeader {
             return Err(FrameError::BadHeader);
         }
         let request_id = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
-        if payload_len > limits.max_payload {
-            return Err(FrameError::TooLarge {
-                len: payload_len,
-                max: limits.max_payload,
-            });
-        }
         Ok(Some(Self {
             kind,
             request_id,

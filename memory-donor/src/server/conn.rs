@@ -140,9 +140,19 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
     let mut rb = ReadBuf::new(INITIAL_BUF);
     let mut out = Vec::with_capacity(INITIAL_BUF);
     let mut handler = Handler::new(&shared, Arc::clone(&cfg));
+    // Bytes of a refused oversized Lookup still to discard as they arrive.
+    let mut skip = 0usize;
     loop {
         loop {
-            let header = match FrameHeader::peek(rb.data(), &limits) {
+            if skip > 0 {
+                let n = skip.min(rb.data().len());
+                rb.consume(n);
+                skip -= n;
+                if skip > 0 {
+                    break;
+                }
+            }
+            let header = match FrameHeader::peek_unbounded(rb.data()) {
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
@@ -151,11 +161,27 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                     return close_gracefully(&conn, &stream, &mut out);
                 }
             };
+            if header.payload_len > limits.max_payload {
+                tracing::debug!(conn = conn.id, peer = %conn.peer, kind = ?header.kind, len = header.payload_len, "oversized frame");
+                match handler.oversized(header, limits.max_payload, &mut out) {
+                    Action::Skip(n) => {
+                        rb.consume(HEADER_LEN);
+                        skip = n;
+                        continue;
+                    }
+                    _ => return close_gracefully(&conn, &stream, &mut out),
+                }
+            }
             if rb.data().len() < header.frame_len() {
                 rb.reserve_frame(header.frame_len());
                 break;
             }
             let payload = &rb.data()[HEADER_LEN..header.frame_len()];
+            if let Some(action) = handler.refuse_kind(header, &mut out) {
+                tracing::debug!(conn = conn.id, peer = %conn.peer, kind = ?header.kind, id = header.request_id, "frame refused by kind; closing");
+                debug_assert_eq!(action, Action::Close);
+                return close_gracefully(&conn, &stream, &mut out);
+            }
             let action = match Frame::parse(header.kind, payload, &limits) {
                 Ok(frame) => handler.handle(header, frame, &mut out),
                 Err(e) => {
@@ -165,7 +191,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
             };
             rb.consume(header.frame_len());
             match action {
-                Action::Continue => {}
+                Action::Continue | Action::Skip(_) => {}
                 Action::Ready => {
                     tracing::debug!(conn = conn.id, peer = %conn.peer, node = handler.peer_name(), "client ready");
                     limits = requests;

@@ -17,6 +17,9 @@ use super::{ServerConfig, Shared};
 pub enum Action {
     /// Keep reading.
     Continue,
+    /// Discard the next this-many bytes unread (an oversized Lookup's
+    /// payload, already refused), then keep reading.
+    Skip(usize),
     /// The handshake completed: switch to the idle timeout.
     Ready,
     /// Flush what is buffered and close.
@@ -76,6 +79,44 @@ impl<'a> Handler<'a> {
         .encode(out, id);
     }
 
+    /// Answer a frame whose declared payload is larger than `max`. After
+    /// the handshake a Lookup that large is over the row or section cap
+    /// whatever it holds: it is refused as `request_too_large` and its
+    /// payload skipped, so the connection stays (as for a Lookup over the
+    /// caps that fits the frame cap). Any other frame is `frame_too_large`
+    /// and the connection closes.
+    pub fn oversized(&mut self, h: FrameHeader, max: u32, out: &mut Vec<u8>) -> Action {
+        if self.ready && h.kind == FrameKind::Lookup && h.request_id != 0 {
+            let max_rows = self.config.limits.max_rows;
+            let msg = format!(
+                "a Lookup of {} bytes is over the caps ({max_rows} rows, {} sections)",
+                h.payload_len, self.config.limits.max_sections
+            );
+            self.error(
+                out,
+                h.request_id,
+                ErrorCode::RequestTooLarge,
+                None,
+                u64::from(max_rows),
+                &msg,
+            );
+            return Action::Skip(h.payload_len as usize);
+        }
+        let e = FrameError::TooLarge {
+            len: h.payload_len,
+            max,
+        };
+        self.error(
+            out,
+            h.request_id,
+            e.code(),
+            None,
+            u64::from(max),
+            &e.to_string(),
+        );
+        Action::Close
+    }
+
     /// Answer a frame that failed to parse (`header` is `None` when even the
     /// header was bad). Only a Lookup over the caps keeps the connection:
     /// its framing is intact and the client may split the request.
@@ -99,6 +140,33 @@ impl<'a> Handler<'a> {
         } else {
             Action::Continue
         }
+    }
+
+    /// Refuse a frame by its header alone, before its payload is parsed:
+    /// anything but a Hello first, a donor's frame kind from a client, a
+    /// second Hello, and a request with id 0 (reserved for unsolicited
+    /// frames, so its answer could not be told from one). `malformed` with
+    /// the frame's kind as detail, and the connection closes.
+    pub fn refuse_kind(&mut self, h: FrameHeader, out: &mut Vec<u8>) -> Option<Action> {
+        let msg = match h.kind {
+            FrameKind::Hello if !self.ready => return None,
+            _ if !self.ready => "the first frame on a connection must be Hello",
+            FrameKind::Lookup | FrameKind::Ping if h.request_id == 0 => {
+                "request id 0 is reserved for unsolicited frames"
+            }
+            FrameKind::Lookup | FrameKind::Ping | FrameKind::Pong => return None,
+            FrameKind::Hello => "Hello again after the handshake",
+            FrameKind::Welcome | FrameKind::Rows | FrameKind::Error | FrameKind::Goodbye => {
+                "a donor's frame kind from a client"
+            }
+        };
+        let id = if matches!(h.kind, FrameKind::Lookup | FrameKind::Ping) {
+            0
+        } else {
+            h.request_id
+        };
+        self.error(out, id, ErrorCode::Malformed, None, h.kind as u64, msg);
+        Some(Action::Close)
     }
 
     /// Answer one parsed frame.

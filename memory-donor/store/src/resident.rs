@@ -167,6 +167,9 @@ impl ResidentTable {
         progress: impl FnOnce(&TableFile) -> Option<Progress>,
     ) -> Result<(Self, LoadReport), LoadError> {
         let file = TableFile::open(path)?;
+        if let Some(hint) = file.page_sums_hint() {
+            tracing::warn!("{hint}");
+        }
         let mut progress = progress(&file);
         let shown = path.display().to_string();
         if let Some(pin) = pinned
