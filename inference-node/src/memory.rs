@@ -373,10 +373,16 @@ fn breaker_gauge(metrics: &NodeMetrics, source: &str) -> prometheus_client::metr
         .clone()
 }
 
-/// A probe loop per source, for re-admission.
+/// A probe loop per source, for re-admission, and a tend loop, so what a
+/// source sends unasked (a donor's Goodbye) is read whatever its breaker.
 fn spawn_probes(pool: &Pool, interval: Duration) -> Vec<JoinHandle<()>> {
     pool.all()
-        .map(|h| tokio::spawn(h.clone().probe_loop(interval)))
+        .flat_map(|h| {
+            [
+                tokio::spawn(h.clone().probe_loop(interval)),
+                tokio::spawn(h.clone().tend_loop(crate::source::TEND_INTERVAL)),
+            ]
+        })
         .collect()
 }
 

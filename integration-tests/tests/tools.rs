@@ -31,10 +31,12 @@ fn inspect_and_verify_report_the_table_and_catch_corruption() {
     let out = run("memory-donor", &["inspect", &p]);
     assert!(text(&out.stdout).contains(&digest.to_hex()));
 
+    assert_eq!(v["page_checksums"], "xxh3_64");
     let out = run("memory-donor", &["verify", &p]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).contains("ok"));
-    // Flip one value byte of row 500 to another valid code.
+    assert!(text(&out.stdout).contains("page checksums ok"));
+    // Flip one value byte of row 500 to another valid code: its page's
+    // checksum names the page.
     let off = v["data_start"].as_u64().expect("offset")
         + (500 / 15) * 4096
         + (500 % 15) * ROW_BYTES as u64;
@@ -44,9 +46,46 @@ fn inspect_and_verify_report_the_table_and_catch_corruption() {
     let out = run("memory-donor", &["verify", &p]);
     assert!(!out.status.success());
     assert!(
-        text(&out.stderr).contains("rows hash to"),
+        text(&out.stderr).contains("page 33 hashes to"),
         "{}",
         text(&out.stderr)
+    );
+    // The same file as written before page checksums existed: the digest
+    // catches the flip, and adding checksums refuses to bless it.
+    engram_store::table_file::remove_page_sums(&path).expect("strip");
+    for args in [
+        &["verify", &p][..],
+        &["verify", "--write-page-checksums", &p],
+    ] {
+        let out = run("memory-donor", args);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("rows hash to"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    // Healed, it verifies without checksums (saying so), gains them, and
+    // verifies with them.
+    bytes[off as usize] ^= 0x01;
+    std::fs::write(&path, &bytes).expect("write");
+    engram_store::table_file::remove_page_sums(&path).expect("strip");
+    let out = run("memory-donor", &["verify", &p]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("no page checksums (add them with --write-page-checksums)"));
+    let out = run("memory-donor", &["inspect", &p]);
+    assert!(
+        text(&out.stdout).contains("none (add with"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = run("memory-donor", &["verify", "--write-page-checksums", &p]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("page checksums ok"));
+    assert_eq!(
+        std::fs::read(&path).expect("read"),
+        bytes,
+        "the file as gen wrote it"
     );
     // Not a table at all.
     std::fs::write(&path, b"not a table").expect("write");

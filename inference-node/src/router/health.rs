@@ -307,6 +307,21 @@ impl SourceHealth {
         }
     }
 
+    /// Tend the source every `every` ([`RowSource::tend`]), whatever its
+    /// breaker state, until the last other reference to this health record
+    /// is dropped.
+    pub async fn tend_loop(self: Arc<Self>, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if Arc::strong_count(&self) == 1 {
+                return;
+            }
+            self.source.tend();
+        }
+    }
+
     /// Probe every `interval` while there is something to find out, until
     /// the last other reference to this health record is dropped.
     pub async fn probe_loop(self: Arc<Self>, interval: Duration) {

@@ -157,6 +157,12 @@ impl RowSource for DonorSource {
         !self.draining()
     }
 
+    fn tend(&self) {
+        // Reads a Goodbye waiting on the idle connection; a drained
+        // connection is closed at once, so the donor's drain can end.
+        let _ = self.draining();
+    }
+
     fn fetch<'a>(
         &'a self,
         table: u32,

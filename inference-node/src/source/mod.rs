@@ -26,6 +26,12 @@ pub use ssd::SsdSource;
 
 use crate::client::ClientError;
 
+/// How often each source is tended ([`RowSource::tend`]): a donor that
+/// drains while the node routes nothing to it (its breaker open, or a
+/// replica that is not asked) sees the node close its connection within
+/// this, instead of waiting out its drain timeout.
+pub const TEND_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// What kind of place rows come from (a metrics label and a log field).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SourceKind {
@@ -138,6 +144,12 @@ pub trait RowSource: Send + Sync + fmt::Debug {
     fn accepting(&self) -> bool {
         true
     }
+
+    /// Take in what the source sent unasked while nothing was routed to it
+    /// (a donor's Goodbye or close) and close what it has finished with,
+    /// whatever its breaker says. Called every [`TEND_INTERVAL`]; cheap when
+    /// there is nothing to read.
+    fn tend(&self) {}
 
     /// Fill `out` (`rows.len() * 264` bytes) with the rows of `table`, in
     /// order, or fail by `deadline`.
