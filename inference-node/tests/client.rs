@@ -304,3 +304,54 @@ async fn a_wrong_kind_of_answer_closes_the_connection() {
     assert!(client.is_closed());
     donor.join().expect("donor");
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_goodbye_after_timed_out_lookups_is_seen_by_polling_and_closes_the_client() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let donor = std::thread::spawn(move || {
+        let (mut s, mut buf) = handshake(&listener);
+        // Hung: the lookups are read but answered only after they timed out.
+        let frames = read_frames(&mut s, &mut buf, 3);
+        go_rx.recv().expect("the client gave up");
+        for f in &frames {
+            answer(&mut s, f);
+        }
+        let mut bye = Vec::new();
+        Goodbye { grace_ms: 5000 }.encode(&mut bye);
+        s.write_all(&bye).expect("goodbye");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).expect("the client closes");
+        rest.len()
+    });
+    let client = DonorClient::connect(addr, &opts()).await.expect("connect");
+    let mut out = vec![0u8; ROW_BYTES];
+    let req = [Request {
+        table: 1,
+        rows: &[9],
+    }];
+    for _ in 0..3 {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+        let e = client.lookup_until(&req, &mut out, deadline).await;
+        assert!(matches!(e, Err(ClientError::Timeout(_))), "{e:?}");
+    }
+    go_tx.send(()).expect("go");
+    // Nobody sends a lookup any more (an open breaker): polling alone, as
+    // the node's tending does, finds the Goodbye and closes the connection.
+    let started = std::time::Instant::now();
+    while !client.poll_draining() {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "no Goodbye seen"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        donor.join().expect("donor"),
+        0,
+        "closed without sending more"
+    );
+}

@@ -46,6 +46,11 @@ fn drill_sigstop() {
 }
 
 #[test]
+fn drill_hung_sigterm() {
+    drill("hung-sigterm");
+}
+
+#[test]
 fn drill_wrong_version() {
     drill("wrong-version");
 }

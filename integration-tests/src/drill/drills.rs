@@ -96,6 +96,11 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         sigterm,
     ),
     (
+        "hung-sigterm",
+        "SIGSTOP the primary until the node opens its breaker, then SIGCONT + SIGTERM (drain while excluded)",
+        hung_sigterm,
+    ),
+    (
         "storm",
         "random bytes, oversized lengths and silent connections at the primary",
         storm,
@@ -526,6 +531,50 @@ fn sigterm(env: &Env, o: &Opts) -> Result<Report> {
     ensure!(
         failovers == 0 && broken == 0.0,
         "a drain must cost no failover and no broken lookup: {failovers} failovers, {broken} broken lookups ({before:?} -> {after:?})"
+    );
+    r.never_used("donor-a", gone, healthy)?;
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+/// The longest a drain may take once the node has excluded the donor: the
+/// node still reads the Goodbye on its idle connection and closes it.
+const EXCLUDED_DRAIN_MS: f64 = 100.0;
+
+fn hung_sigterm(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = Plan::new("hung-sigterm");
+    let (mut rack, mut run) = begin(env, &plan, o)?;
+    run.event("SIGSTOP donor-a");
+    rack.stop("donor-a")?;
+    // Until the node's breaker for donor-a opens: it routes nothing there.
+    let open = "engram_node_breaker_state{source=\"donor-a\"} 2";
+    let waited = std::time::Instant::now();
+    while !run.metrics()?.lines().any(|l| l == open) {
+        ensure!(
+            waited.elapsed() < Duration::from_secs(5),
+            "the node did not open donor-a's breaker within 5 s of SIGSTOP"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    run.event("donor-a's breaker open");
+    rack.signal("donor-a", libc::SIGCONT)?;
+    let term = run.event("SIGCONT + SIGTERM donor-a");
+    let st = rack.end("donor-a", libc::SIGTERM)?;
+    let gone = run.event(format!("donor-a exited ({st})"));
+    ensure!(st.success(), "donor-a's drain did not end cleanly: {st}");
+    let drain_ms = (gone - term) / 1e3;
+    run.at_second(HEAL_AT)?;
+    rack.restart("donor-a", Version::Pinned)?;
+    let healthy = run.event("donor-a ready");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check("hung-sigterm", about("hung-sigterm"), env, &plan, &out)?;
+    r.figure(
+        "drain while excluded",
+        format!("donor-a exited {drain_ms:.0} ms after SIGTERM (bound {EXCLUDED_DRAIN_MS:.0} ms)"),
+    );
+    ensure!(
+        drain_ms <= EXCLUDED_DRAIN_MS,
+        "donor-a exited {drain_ms:.0} ms after SIGTERM: the node held its excluded connection (bound {EXCLUDED_DRAIN_MS:.0} ms)"
     );
     r.never_used("donor-a", gone, healthy)?;
     r.readmitted("donor-a", healthy)?;
