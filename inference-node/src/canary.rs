@@ -119,7 +119,7 @@ pub async fn run(
             .zip(bufs.iter_mut())
             .zip(reports.iter_mut())
             .map(|(((router, _), (rows, out)), rep)| one(router, rows, out, rep));
-        crate::join::join_all(fetches).await;
+        futures_util::future::join_all(fetches).await;
         k += 1;
         if last_status.elapsed() >= Duration::from_secs(1) {
             last_status = Instant::now();

@@ -17,7 +17,6 @@ pub mod canary;
 pub mod client;
 pub mod daemon;
 pub mod engram;
-mod join;
 pub mod memory;
 pub mod metrics;
 pub mod model;

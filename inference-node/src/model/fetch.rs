@@ -92,7 +92,7 @@ impl Fetcher for RouterFetcher {
                         .chunks(chunk)
                         .zip(bytes.chunks_mut(chunk * ROW_BYTES))
                         .map(|(r, out)| router.fetch(r, out));
-                    crate::join::join_all_results(futs).await
+                    futures_util::future::join_all(futs).await
                 };
                 f.bytes = std::mem::take(&mut bytes);
                 for res in results {

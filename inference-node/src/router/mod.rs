@@ -21,25 +21,23 @@
 //! snapshot of both when it starts, so it never sees half of a change.
 
 pub mod health;
+mod lookup;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::task::Poll;
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
-use engram_protocol::ROW_BYTES;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 use thiserror::Error;
 use tokio::time::Instant;
 
 pub use health::{Breaker, SourceHealth};
+use lookup::{Event, Lookup};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
-use crate::source::{SourceError, SourceKind};
+use crate::source::SourceError;
 
 /// The least time the node's own copy gets past the hard timeout: a read
 /// that is slow (a cold disk, writeback in the way: tens of milliseconds
@@ -157,16 +155,6 @@ fn error_kind(e: &SourceError) -> usize {
         SourceError::Failed(_) => 5,
         SourceError::BadRequest(_) => 6,
     }
-}
-
-type Attempt<'a> = Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
-
-/// An attempt in flight: which source, whether it was a hedge, when sent.
-struct InFlight<'a> {
-    fut: Attempt<'a>,
-    source: usize,
-    hedge: bool,
-    sent: Instant,
 }
 
 /// What a lookup uses: the settings and the sources with their series.
@@ -301,284 +289,25 @@ impl Router {
         }
     }
 
-    /// Whether source `i` is the node's own copy (`ssd` or `local`): the
-    /// last resort, which gets one read past the hard timeout.
-    fn is_copy(st: &RouteState, i: usize) -> bool {
-        st.sources[i].source.kind() != SourceKind::Donor
-    }
-
-    /// The next source in `order` from `*next` to ask, advancing `*next`
-    /// past it; past the hard timeout only a copy is still worth asking.
-    fn next_source(
-        st: &RouteState,
-        order: &[usize],
-        next: &mut usize,
-        past_hard: bool,
-    ) -> Option<usize> {
-        let k = order
-            .get(*next..)?
-            .iter()
-            .position(|&i| !past_hard || Self::is_copy(st, i))?;
-        let i = order[*next + k];
-        *next += k + 1;
-        Some(i)
-    }
-
-    /// Send the lookup to source `i`. A donor gets until the hard timeout;
-    /// the node's own copy until one more hard timeout after it, at least
-    /// [`COPY_READ_LIMIT`] (its read normally takes well under a
-    /// millisecond; the bound is for a dead disk).
-    fn attempt<'a>(
-        &self,
-        st: &RouteState,
-        i: usize,
-        rows: &'a [u64],
-        hard: Instant,
-        hedge: bool,
-    ) -> InFlight<'a> {
-        let mut buf = self.buffer(rows.len() * ROW_BYTES);
-        let src = st.sources[i].source.clone();
-        let table = st.settings.table;
-        let until = if Self::is_copy(st, i) {
-            hard + st.settings.hard_timeout.max(COPY_READ_LIMIT)
-        } else {
-            hard
-        };
-        InFlight {
-            fut: Box::pin(async move {
-                let res = src.fetch(table, rows, &mut buf, until).await;
-                (res, buf)
-            }),
-            source: i,
-            hedge,
-            sent: Instant::now(),
-        }
-    }
-
-    /// Attempts still out when the lookup ends: those sent before the
-    /// winner (or out at the hard timeout) were too slow, and that counts
-    /// against their breaker; a healthy source rarely loses to a hedge it
-    /// started ahead of several times in a row, a hung one always does.
-    fn slow(st: &RouteState, inflight: Vec<InFlight<'_>>, winner_sent: Option<Instant>) {
-        for a in inflight {
-            match winner_sent {
-                // Out of time: a plain failure.
-                None => Self::failure(st, a.source, &SourceError::Timeout),
-                // Beaten by a source asked after it: slower, not wrong.
-                Some(w) if a.sent < w => {
-                    st.series[a.source].errors[error_kind(&SourceError::Timeout)].inc();
-                    st.sources[a.source].on_lost_race();
-                }
-                Some(_) => {}
-            }
-        }
-    }
-
     /// Fetch `rows` of the table into `out` (`rows.len() * 264` bytes).
     pub async fn fetch(&self, rows: &[u64], out: &mut [u8]) -> Result<Fetched, RouterError> {
         // One snapshot for the whole lookup: a reconfiguration meanwhile
         // applies from the next one.
         let state = self.state();
-        let st = &*state;
-        let s = &st.settings;
-        let start = Instant::now();
-        let deadline = start + s.window + s.grace;
-        let hard = start + s.hard_timeout;
         self.table.lookups.inc();
-        if out.len() != rows.len() * ROW_BYTES {
-            return Err(RouterError::BadRequest {
-                table: s.table,
-                message: format!(
-                    "output buffer is {} bytes, {} rows need {}",
-                    out.len(),
-                    rows.len(),
-                    rows.len() * ROW_BYTES
-                ),
-            });
-        }
-        let mut failed: Vec<(String, String)> = Vec::new();
-        let order: Vec<usize> = (0..st.sources.len())
-            .filter(|&i| {
-                let ok = st.sources[i].admissible(s.table);
-                if !ok {
-                    failed.push((
-                        st.sources[i].source.name().to_string(),
-                        st.sources[i].why_not(s.table).to_string(),
-                    ));
-                }
-                ok
-            })
-            .collect();
-        let mut next = 0;
-        let mut hedges = 0u32;
-        let mut failovers = 0u32;
-        let mut inflight: Vec<InFlight<'_>> = Vec::with_capacity(order.len());
-        let mut launch_at = None;
-        if let Some(&first) = order.first() {
-            inflight.push(self.attempt(st, first, rows, hard, false));
-            next = 1;
-            launch_at = Self::next_launch(st, first, start, deadline);
-        }
-        // Past the hard timeout only the node's own copy is waited for.
-        let mut past_hard = false;
-        while !inflight.is_empty() {
-            let can_launch = next < order.len() && !past_hard;
-            let hedge_at = launch_at.unwrap_or(hard);
-            let done = tokio::select! {
-                biased;
-                d = next_done(&mut inflight) => d,
-                () = sleep_until(s.precise_timers, hedge_at), if can_launch && launch_at.is_some() => {
-                    let i = order[next];
-                    next += 1;
-                    hedges += 1;
-                    self.table.hedges.inc();
-                    inflight.push(self.attempt(st, i, rows, hard, true));
-                    let now = Instant::now();
-                    launch_at = Self::next_launch(st, i, now, deadline.max(now));
-                    continue;
-                }
-                () = sleep_until(s.precise_timers, hard), if !past_hard => {
-                    // The donors are out of time. The node's own copy, in
-                    // flight or not yet asked, gets its read: a lookup never
-                    // fails while the copy can be read, and takes at most the
-                    // hard timeout plus one read of it.
-                    past_hard = true;
-                    let (copies, donors): (Vec<_>, Vec<_>) =
-                        inflight.into_iter().partition(|a| Self::is_copy(st, a.source));
-                    Self::slow(st, donors, None);
-                    inflight = copies;
-                    if inflight.is_empty() {
-                        match Self::next_source(st, &order, &mut next, past_hard) {
-                            Some(i) => {
-                                failovers += 1;
-                                self.table.failovers.inc();
-                                inflight.push(self.attempt(st, i, rows, hard, false));
-                            }
-                            None => break,
-                        }
-                    }
-                    continue;
-                }
-            };
-            let (a, (res, buf)) = done;
-            let (i, was_hedge, sent) = (a.source, a.hedge, a.sent);
-            let res = res.and_then(|()| {
-                engram_protocol::row::check_rows(&buf)
-                    .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
-            });
-            match res {
-                Ok(()) => {
-                    let now = Instant::now();
-                    out.copy_from_slice(&buf);
-                    self.recycle(st, buf);
-                    let latency = now - sent;
-                    st.sources[i].on_success(latency);
-                    let ser = &st.series[i];
-                    ser.fetch.observe(latency.as_secs_f64());
-                    ser.rows.inc_by(rows.len() as u64);
-                    if was_hedge {
-                        ser.hedges_won.inc();
-                    }
-                    let late = now > deadline;
-                    if late {
-                        self.table.misses.inc();
-                    }
-                    Self::slow(st, inflight, Some(sent));
-                    return Ok(Fetched {
-                        source: Some(st.sources[i].source.name().to_string()),
-                        hedges,
-                        failovers,
-                        late,
-                        elapsed: now - start,
-                    });
-                }
-                Err(e) => {
-                    self.recycle(st, buf);
-                    Self::failure(st, i, &e);
-                    failed.push((st.sources[i].source.name().to_string(), e.to_string()));
-                    if !e.retry_elsewhere() {
-                        return Err(RouterError::BadRequest {
-                            table: s.table,
-                            message: e.to_string(),
-                        });
-                    }
-                    if let Some(j) = Self::next_source(st, &order, &mut next, past_hard) {
-                        failovers += 1;
-                        self.table.failovers.inc();
-                        inflight.push(self.attempt(st, j, rows, hard, false));
-                        let now = Instant::now();
-                        launch_at = Self::next_launch(st, j, now, deadline.max(now));
+        let mut lookup = Lookup::begin(self, &state, rows, out.len())?;
+        while !lookup.is_over() {
+            match lookup.next_event().await {
+                Event::Answer(a) => {
+                    if let Some(done) = lookup.answered(a, out)? {
+                        return Ok(done);
                     }
                 }
+                Event::HedgeDue => lookup.hedge(),
+                Event::HardTimeout => lookup.past_hard_timeout(),
             }
         }
-        // Hard timeout (attempts still out) or every source failed.
-        Self::slow(st, inflight, None);
-        self.give_up(st, rows, out, start, failed)
-    }
-
-    /// When to ask the source after `i` if `i` has not answered.
-    fn next_launch(st: &RouteState, i: usize, from: Instant, deadline: Instant) -> Option<Instant> {
-        match st.sources[i].hedge_delay(st.settings.hedge) {
-            Some(d) => Some((from + d).min(deadline)),
-            None if st.settings.hedge == Hedge::Off => (from < deadline).then_some(deadline),
-            // A percentile without enough history yet: wait for the deadline.
-            None => Some(deadline),
-        }
-    }
-
-    fn failure(st: &RouteState, i: usize, e: &SourceError) {
-        let ser = &st.series[i];
-        ser.errors[error_kind(e)].inc();
-        match e {
-            SourceError::VersionMismatch { .. } => {
-                ser.versions.inc();
-            }
-            SourceError::Corrupt(_) => {
-                ser.checksums.inc();
-            }
-            _ => {}
-        }
-        st.sources[i].on_failure(st.settings.table, e);
-    }
-
-    fn give_up(
-        &self,
-        st: &RouteState,
-        rows: &[u64],
-        out: &mut [u8],
-        start: Instant,
-        mut failed: Vec<(String, String)>,
-    ) -> Result<Fetched, RouterError> {
-        let elapsed = start.elapsed();
-        if elapsed >= st.settings.hard_timeout {
-            failed.push((
-                "(all)".into(),
-                format!("hard timeout {:?}", st.settings.hard_timeout),
-            ));
-        }
-        match st.settings.policy {
-            Policy::Fail => {
-                self.table.failed.inc();
-                Err(RouterError::AllFailed {
-                    table: self.table_id,
-                    elapsed,
-                    attempts: failed,
-                })
-            }
-            Policy::Zeros => {
-                out.fill(0);
-                self.table.zeros.inc();
-                self.warn_zeros(rows.len(), &failed);
-                Ok(Fetched {
-                    source: None,
-                    hedges: 0,
-                    failovers: 0,
-                    late: true,
-                    elapsed,
-                })
-            }
-        }
+        lookup.give_up(out)
     }
 
     /// Loud, but at most once a second.
@@ -609,19 +338,4 @@ async fn sleep_until(precise: bool, t: Instant) {
         return tokio::time::sleep_until(t).await;
     }
     crate::timer::sleep_until(t.into_std()).await;
-}
-
-/// The first attempt to finish, removed from the set.
-async fn next_done<'a>(
-    inflight: &mut Vec<InFlight<'a>>,
-) -> (InFlight<'a>, (Result<(), SourceError>, Vec<u8>)) {
-    std::future::poll_fn(|cx| {
-        for k in 0..inflight.len() {
-            if let Poll::Ready(r) = inflight[k].fut.as_mut().poll(cx) {
-                return Poll::Ready((inflight.swap_remove(k), r));
-            }
-        }
-        Poll::Pending
-    })
-    .await
 }

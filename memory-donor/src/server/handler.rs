@@ -341,9 +341,9 @@ fn prefetch_all(
     ok
 }
 
+/// Equal in time that does not depend on where the bytes differ (the
+/// length is not secret: it is bounded and on the wire anyway).
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use subtle::ConstantTimeEq;
+    a.ct_eq(b).into()
 }

@@ -1,0 +1,387 @@
+//! One lookup through a router, step by step: [`Lookup::begin`] asks the
+//! first admissible source; then each [`Event`] is handled by its own
+//! step: an answer ([`Lookup::answered`]: the winner, or a failover), the
+//! hedge delay ([`Lookup::hedge`]: the next source too), the hard timeout
+//! ([`Lookup::past_hard_timeout`]: only the node's own copy is still waited
+//! for); when nothing is left in flight, [`Lookup::give_up`] applies the
+//! table's policy.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use engram_protocol::ROW_BYTES;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::time::Instant;
+
+use super::{
+    COPY_READ_LIMIT, Fetched, Hedge, Policy, RouteState, Router, RouterError, error_kind,
+    sleep_until,
+};
+use crate::source::{SourceError, SourceKind};
+
+type Attempt<'a> = Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
+
+/// An attempt in flight: which source, whether it was a hedge, when sent.
+pub(super) struct InFlight<'a> {
+    fut: Attempt<'a>,
+    source: usize,
+    hedge: bool,
+    sent: Instant,
+}
+
+/// An attempt that finished.
+pub(super) struct Answered {
+    source: usize,
+    hedge: bool,
+    sent: Instant,
+    result: Result<(), SourceError>,
+    buf: Vec<u8>,
+}
+
+impl Future for InFlight<'_> {
+    type Output = Answered;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answered> {
+        let (source, hedge, sent) = (self.source, self.hedge, self.sent);
+        self.fut.as_mut().poll(cx).map(|(result, buf)| Answered {
+            source,
+            hedge,
+            sent,
+            result,
+            buf,
+        })
+    }
+}
+
+/// What happened next.
+pub(super) enum Event {
+    /// An attempt finished.
+    Answer(Answered),
+    /// The hedge delay passed with no answer: ask the next source too.
+    HedgeDue,
+    /// The hard timeout passed.
+    HardTimeout,
+}
+
+/// One lookup's state.
+pub(super) struct Lookup<'r, 'a> {
+    router: &'r Router,
+    st: &'r RouteState,
+    rows: &'a [u64],
+    start: Instant,
+    deadline: Instant,
+    hard: Instant,
+    /// Admissible sources, in the configured order; `next` is the first
+    /// not asked yet.
+    order: Vec<usize>,
+    next: usize,
+    inflight: FuturesUnordered<InFlight<'a>>,
+    /// When the next source is asked too, if the ones out stay silent.
+    hedge_at: Option<Instant>,
+    /// Past the hard timeout only the node's own copy is waited for.
+    past_hard: bool,
+    hedges: u32,
+    failovers: u32,
+    /// Sources that failed or were not admissible, and why.
+    failed: Vec<(String, String)>,
+}
+
+impl<'r, 'a> Lookup<'r, 'a> {
+    /// Check the request, find the admissible sources and ask the first.
+    pub(super) fn begin(
+        router: &'r Router,
+        st: &'r RouteState,
+        rows: &'a [u64],
+        out_len: usize,
+    ) -> Result<Self, RouterError> {
+        let s = &st.settings;
+        if out_len != rows.len() * ROW_BYTES {
+            return Err(RouterError::BadRequest {
+                table: s.table,
+                message: format!(
+                    "output buffer is {out_len} bytes, {} rows need {}",
+                    rows.len(),
+                    rows.len() * ROW_BYTES
+                ),
+            });
+        }
+        let start = Instant::now();
+        let mut failed = Vec::new();
+        let order: Vec<usize> = (0..st.sources.len())
+            .filter(|&i| {
+                let ok = st.sources[i].admissible(s.table);
+                if !ok {
+                    failed.push((
+                        st.sources[i].source.name().to_string(),
+                        st.sources[i].why_not(s.table).to_string(),
+                    ));
+                }
+                ok
+            })
+            .collect();
+        let mut l = Self {
+            router,
+            st,
+            rows,
+            start,
+            deadline: start + s.window + s.grace,
+            hard: start + s.hard_timeout,
+            order,
+            next: 0,
+            inflight: FuturesUnordered::new(),
+            hedge_at: None,
+            past_hard: false,
+            hedges: 0,
+            failovers: 0,
+            failed,
+        };
+        if let Some(first) = l.take_next() {
+            l.launch(first, false, start);
+        }
+        Ok(l)
+    }
+
+    /// True when nothing is in flight any more.
+    pub(super) fn is_over(&self) -> bool {
+        self.inflight.is_empty()
+    }
+
+    /// Wait for the next answer, the hedge delay or the hard timeout.
+    pub(super) async fn next_event(&mut self) -> Event {
+        let precise = self.st.settings.precise_timers;
+        let can_hedge = self.next < self.order.len() && !self.past_hard;
+        let hedge_at = self.hedge_at.filter(|_| can_hedge);
+        let (hard, past_hard) = (self.hard, self.past_hard);
+        tokio::select! {
+            biased;
+            Some(a) = self.inflight.next() => Event::Answer(a),
+            () = sleep_until(precise, hedge_at.unwrap_or(hard)), if hedge_at.is_some() => Event::HedgeDue,
+            () = sleep_until(precise, hard), if !past_hard => Event::HardTimeout,
+        }
+    }
+
+    /// The hedge delay passed: ask the next source too.
+    pub(super) fn hedge(&mut self) {
+        if let Some(i) = self.take_next() {
+            self.hedges += 1;
+            self.router.table.hedges.inc();
+            self.launch(i, true, Instant::now());
+        }
+    }
+
+    /// The donors are out of time. The node's own copy, in flight or not
+    /// yet asked, gets its read: a lookup never fails while the copy can be
+    /// read, and takes at most the hard timeout plus one read of it.
+    pub(super) fn past_hard_timeout(&mut self) {
+        self.past_hard = true;
+        let (copies, donors): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
+            .into_iter()
+            .partition(|a| self.is_copy(a.source));
+        self.slow(donors, None);
+        self.inflight.extend(copies);
+        if self.inflight.is_empty() {
+            self.failover();
+        }
+    }
+
+    /// An attempt finished: the winner's rows go to `out` (`Some`), or the
+    /// next source is asked (`None`). A request no source can answer is an
+    /// error at once.
+    pub(super) fn answered(
+        &mut self,
+        a: Answered,
+        out: &mut [u8],
+    ) -> Result<Option<Fetched>, RouterError> {
+        let checked = a.result.and_then(|()| {
+            engram_protocol::row::check_rows(&a.buf)
+                .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
+        });
+        let st = self.st;
+        match checked {
+            Ok(()) => {
+                let now = Instant::now();
+                out.copy_from_slice(&a.buf);
+                self.router.recycle(st, a.buf);
+                let latency = now - a.sent;
+                st.sources[a.source].on_success(latency);
+                let ser = &st.series[a.source];
+                ser.fetch.observe(latency.as_secs_f64());
+                ser.rows.inc_by(self.rows.len() as u64);
+                if a.hedge {
+                    ser.hedges_won.inc();
+                }
+                let late = now > self.deadline;
+                if late {
+                    self.router.table.misses.inc();
+                }
+                let others = std::mem::take(&mut self.inflight);
+                self.slow(others, Some(a.sent));
+                Ok(Some(Fetched {
+                    source: Some(st.sources[a.source].source.name().to_string()),
+                    hedges: self.hedges,
+                    failovers: self.failovers,
+                    late,
+                    elapsed: now - self.start,
+                }))
+            }
+            Err(e) => {
+                self.router.recycle(st, a.buf);
+                self.failure(a.source, &e);
+                self.failed.push((
+                    st.sources[a.source].source.name().to_string(),
+                    e.to_string(),
+                ));
+                if !e.retry_elsewhere() {
+                    return Err(RouterError::BadRequest {
+                        table: st.settings.table,
+                        message: e.to_string(),
+                    });
+                }
+                self.failover();
+                Ok(None)
+            }
+        }
+    }
+
+    /// Nothing is in flight and no answer won (every source failed, or the
+    /// hard timeout passed): the table's policy decides.
+    pub(super) fn give_up(mut self, out: &mut [u8]) -> Result<Fetched, RouterError> {
+        let others = std::mem::take(&mut self.inflight);
+        self.slow(others, None);
+        let st = self.st;
+        let elapsed = self.start.elapsed();
+        if elapsed >= st.settings.hard_timeout {
+            self.failed.push((
+                "(all)".into(),
+                format!("hard timeout {:?}", st.settings.hard_timeout),
+            ));
+        }
+        let router = self.router;
+        match st.settings.policy {
+            Policy::Fail => {
+                router.table.failed.inc();
+                Err(RouterError::AllFailed {
+                    table: router.table_id,
+                    elapsed,
+                    attempts: self.failed,
+                })
+            }
+            Policy::Zeros => {
+                out.fill(0);
+                router.table.zeros.inc();
+                router.warn_zeros(self.rows.len(), &self.failed);
+                Ok(Fetched {
+                    source: None,
+                    hedges: 0,
+                    failovers: 0,
+                    late: true,
+                    elapsed,
+                })
+            }
+        }
+    }
+
+    /// Whether source `i` is the node's own copy (`ssd` or `local`): the
+    /// last resort, which gets one read past the hard timeout.
+    fn is_copy(&self, i: usize) -> bool {
+        self.st.sources[i].source.kind() != SourceKind::Donor
+    }
+
+    /// The next source in order not asked yet, if any is worth asking
+    /// (past the hard timeout only a copy is).
+    fn take_next(&mut self) -> Option<usize> {
+        let k = self
+            .order
+            .get(self.next..)?
+            .iter()
+            .position(|&i| !self.past_hard || self.is_copy(i))?;
+        let i = self.order[self.next + k];
+        self.next += k + 1;
+        Some(i)
+    }
+
+    /// A source failed (or the donors ran out of time): ask the next one.
+    fn failover(&mut self) {
+        if let Some(j) = self.take_next() {
+            self.failovers += 1;
+            self.router.table.failovers.inc();
+            self.launch(j, false, Instant::now());
+        }
+    }
+
+    /// Send the lookup to source `i` and set when the one after it is
+    /// asked. A donor gets until the hard timeout; the node's own copy until
+    /// one more hard timeout after it, at least [`COPY_READ_LIMIT`] (its
+    /// read normally takes well under a millisecond; the bound is for a
+    /// dead disk).
+    fn launch(&mut self, i: usize, hedge: bool, now: Instant) {
+        let st = self.st;
+        let mut buf = self.router.buffer(self.rows.len() * ROW_BYTES);
+        let src = st.sources[i].source.clone();
+        let (table, rows) = (st.settings.table, self.rows);
+        let until = if self.is_copy(i) {
+            self.hard + st.settings.hard_timeout.max(COPY_READ_LIMIT)
+        } else {
+            self.hard
+        };
+        self.inflight.push(InFlight {
+            fut: Box::pin(async move {
+                let res = src.fetch(table, rows, &mut buf, until).await;
+                (res, buf)
+            }),
+            source: i,
+            hedge,
+            sent: Instant::now(),
+        });
+        self.hedge_at = self.hedge_delay_after(i, now, self.deadline.max(now));
+    }
+
+    /// When to ask the source after `i` if `i` has not answered.
+    fn hedge_delay_after(&self, i: usize, from: Instant, deadline: Instant) -> Option<Instant> {
+        let hedge = self.st.settings.hedge;
+        match self.st.sources[i].hedge_delay(hedge) {
+            Some(d) => Some((from + d).min(deadline)),
+            None if hedge == Hedge::Off => (from < deadline).then_some(deadline),
+            // A percentile without enough history yet: wait for the deadline.
+            None => Some(deadline),
+        }
+    }
+
+    /// Attempts still out when the lookup ends: those sent before the
+    /// winner (or out at the hard timeout) were too slow, and that counts
+    /// against their breaker; a healthy source rarely loses to a hedge it
+    /// started ahead of several times in a row, a hung one always does.
+    fn slow(&self, left: impl IntoIterator<Item = InFlight<'a>>, winner_sent: Option<Instant>) {
+        for a in left {
+            match winner_sent {
+                // Out of time: a plain failure.
+                None => self.failure(a.source, &SourceError::Timeout),
+                // Beaten by a source asked after it: slower, not wrong.
+                Some(w) if a.sent < w => {
+                    self.st.series[a.source].errors[error_kind(&SourceError::Timeout)].inc();
+                    self.st.sources[a.source].on_lost_race();
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Count a failure of source `i` (and remember it for the error).
+    fn failure(&self, i: usize, e: &SourceError) {
+        let st = self.st;
+        let ser = &st.series[i];
+        ser.errors[error_kind(e)].inc();
+        match e {
+            SourceError::VersionMismatch { .. } => {
+                ser.versions.inc();
+            }
+            SourceError::Corrupt(_) => {
+                ser.checksums.inc();
+            }
+            _ => {}
+        }
+        st.sources[i].on_failure(st.settings.table, e);
+    }
+}
