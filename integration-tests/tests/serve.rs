@@ -239,6 +239,21 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
+    // systemd 253+ ends a reload only for RELOADING=1 with MONOTONIC_USEC,
+    // then READY=1.
+    notify
+        .wait(Duration::from_secs(5), |m| {
+            let reloading = m.iter().position(|(_, s)| {
+                s.lines().any(|l| l == "RELOADING=1")
+                    && s.lines().any(|l| l.starts_with("MONOTONIC_USEC="))
+            });
+            reloading.is_some_and(|i| {
+                m[i + 1..]
+                    .iter()
+                    .any(|(_, s)| s.lines().any(|l| l == "READY=1"))
+            })
+        })
+        .expect("RELOADING=1 with MONOTONIC_USEC, then READY=1");
     // An invalid config is refused and the old one kept.
     std::fs::write(&config, "version = 1\n[rack\n").expect("write");
     node.signal(libc::SIGHUP);

@@ -191,12 +191,12 @@ fn apply_log_level(log: &LogLevel, level: Option<&str>) {
 
 async fn reload(args: &ServeArgs, daemon: &Daemon, log: &LogLevel, notifier: &Notifier) {
     tracing::info!("SIGHUP: reloading {}", args.config.display());
-    let _ = notifier.notify("RELOADING=1");
+    let _ = notifier.reloading();
     let config = match cluster_config::Config::load(&args.config) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!("SIGHUP: the new config is not valid; keeping the old one:\n{e}");
-            let _ = notifier.notify("READY=1\nSTATUS=reload refused: invalid config");
+            let _ = notifier.ready("reload refused: invalid config");
             return;
         }
     };
@@ -205,11 +205,11 @@ async fn reload(args: &ServeArgs, daemon: &Daemon, log: &LogLevel, notifier: &No
         Ok(changes) => {
             apply_log_level(log, level.as_deref());
             tracing::info!(changes = %changes, "SIGHUP: config applied");
-            let _ = notifier.notify("READY=1\nSTATUS=serving (config reloaded)");
+            let _ = notifier.ready("serving (config reloaded)");
         }
         Err(e) => {
             tracing::error!(error = %e, "SIGHUP: reload refused; keeping the old config");
-            let _ = notifier.notify("READY=1\nSTATUS=reload refused");
+            let _ = notifier.ready("reload refused");
         }
     }
 }
