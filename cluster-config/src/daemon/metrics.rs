@@ -1,24 +1,32 @@
-//! The rack daemons' Prometheus endpoint: a deliberately tiny HTTP/1.1
-//! server that answers `GET /metrics` with whatever a render function
-//! returns, shared by the donor and the inference node so both behave the
-//! same towards scrapers.
+//! The rack daemons' Prometheus endpoint: `GET /metrics` answered with
+//! whatever a render function returns, over hyper's HTTP/1.1 server, shared
+//! by the donor and the inference node so both behave the same towards
+//! scrapers.
 //!
 //! What it is: one request per connection (`Connection: close`), the
-//! request head bounded in size and time, a bounded number of scrapers at
-//! once, typed answers for the rest (404 other paths, 405 other methods,
-//! 400 malformed, 408 too slow, 431 head too large). Nothing a peer sends
-//! can panic it or hold it up beyond its timeouts.
+//! request head bounded in size and time (hyper answers 400 to what does
+//! not parse and 431 to a head too large, and closes a connection whose
+//! head is not in within the read timeout), a bounded number of scrapers
+//! at once (more are closed on accept), 404 for other paths and 405 for
+//! other methods. Nothing a peer sends can panic it or hold it up beyond
+//! its timeouts.
 //!
 //! What it is not: a general web server (no keep-alive, no bodies, no TLS).
 //! The metrics themselves live in each daemon; [`render_registry`] turns a
 //! `prometheus-client` registry into a render function.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -110,128 +118,65 @@ pub async fn serve_metrics_with(
         };
         let (render, limits) = (Arc::clone(&render), Arc::clone(&limits));
         tokio::spawn(async move {
-            answer(stream, &render, &limits).await;
+            answer(stream, render, &limits).await;
             drop(permit);
         });
     }
 }
 
-/// What a request head asks for, or why it cannot be answered.
-#[derive(Debug, PartialEq, Eq)]
-enum Route {
-    Metrics,
-    NotFound,
-    BadMethod,
-    Malformed,
+/// Serve one scraper: one request, answered by [`respond`], within the
+/// head's read timeout and the whole exchange's (read plus write) bound.
+async fn answer(stream: TcpStream, render: Render, limits: &HttpLimits) {
+    let content_type = limits.content_type;
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let page = respond(req.method(), req.uri().path(), &render, content_type);
+        async move { Ok::<_, Infallible>(page) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.read_timeout)
+        .max_buf_size(limits.max_head.max(MIN_HEAD_BUF))
+        .keep_alive(false)
+        .serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(limits.read_timeout + limits.write_timeout, conn).await;
 }
 
-/// Route a complete request head (`GET /metrics HTTP/1.1\r\n...`).
-fn route(head: &[u8]) -> Route {
-    let line_end = head.iter().position(|&b| b == b'\n').unwrap_or(head.len());
-    let Ok(line) = std::str::from_utf8(&head[..line_end]) else {
-        return Route::Malformed;
-    };
-    let mut parts = line.trim_end_matches('\r').split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Route::Malformed;
-    };
-    let token = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphabetic());
-    if !token(method) || !version.starts_with("HTTP/1.") || !target.starts_with('/') {
-        return Route::Malformed;
-    }
-    if method != "GET" {
-        return Route::BadMethod;
-    }
-    let path = target.split(['?', '#']).next().unwrap_or(target);
-    if path == "/metrics" {
-        Route::Metrics
-    } else {
-        Route::NotFound
-    }
-}
+/// hyper's smallest read buffer.
+const MIN_HEAD_BUF: usize = 8192;
 
-/// Read until the end of the request head. `Ok(None)`: the head did not fit.
-async fn read_head(stream: &mut TcpStream, max: usize) -> std::io::Result<Option<Vec<u8>>> {
-    let mut buf = vec![0u8; max];
-    let mut len = 0;
-    loop {
-        if len == buf.len() {
-            return Ok(None);
-        }
-        let n = stream.read(&mut buf[len..]).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        // Look only where the new bytes could complete a terminator.
-        let from = len.saturating_sub(3);
-        len += n;
-        let seen = &buf[from..len];
-        if seen.windows(4).any(|w| w == b"\r\n\r\n") || seen.windows(2).any(|w| w == b"\n\n") {
-            buf.truncate(len);
-            return Ok(Some(buf));
-        }
+/// The answer to `method path`: the metrics for `GET /metrics`, 404 for
+/// other paths, 405 (with `Allow`) for other methods.
+fn respond(
+    method: &Method,
+    path: &str,
+    render: &Render,
+    content_type: &'static str,
+) -> Response<Full<Bytes>> {
+    let plain = |status: StatusCode, text: &'static str| {
+        let mut r = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
+        *r.status_mut() = status;
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        r
+    };
+    if path != "/metrics" {
+        return plain(StatusCode::NOT_FOUND, "only /metrics is served here\n");
     }
-}
-
-async fn answer(mut stream: TcpStream, render: &Render, limits: &HttpLimits) {
-    let head = tokio::time::timeout(limits.read_timeout, read_head(&mut stream, limits.max_head));
-    let (status, content_type, body) = match head.await {
-        Err(_) => (
-            408,
-            "text/plain",
-            "request head not received in time\n".into(),
-        ),
-        Ok(Err(_)) => return,
-        Ok(Ok(None)) => (431, "text/plain", "request head too large\n".into()),
-        Ok(Ok(Some(head))) => match route(&head) {
-            Route::Metrics => (200, limits.content_type, render()),
-            Route::NotFound => (404, "text/plain", "only /metrics is served here\n".into()),
-            Route::BadMethod => (405, "text/plain", "only GET is allowed\n".into()),
-            Route::Malformed => (400, "text/plain", "not an HTTP/1 request\n".into()),
-        },
-    };
-    let reason = match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        _ => "Request Header Fields Too Large",
-    };
-    let allow = if status == 405 { "Allow: GET\r\n" } else { "" };
-    let response = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let write = async {
-        stream.write_all(response.as_bytes()).await?;
-        stream.shutdown().await
-    };
-    let _ = tokio::time::timeout(limits.write_timeout, write).await;
+    if method != Method::GET {
+        let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "only GET is allowed\n");
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET"));
+        return r;
+    }
+    let mut r = Response::new(Full::new(Bytes::from(render())));
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn requests_are_routed_by_method_and_path() {
-        assert_eq!(route(b"GET /metrics HTTP/1.1\r\n\r\n"), Route::Metrics);
-        assert_eq!(route(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n"), Route::Metrics);
-        assert_eq!(route(b"GET / HTTP/1.1\r\n\r\n"), Route::NotFound);
-        assert_eq!(route(b"GET /metricsx HTTP/1.1\r\n\r\n"), Route::NotFound);
-        assert_eq!(route(b"POST /metrics HTTP/1.1\r\n\r\n"), Route::BadMethod);
-        assert_eq!(route(b"GET /metrics\r\n\r\n"), Route::Malformed);
-        assert_eq!(route(b"GET /metrics SPDY/3\r\n\r\n"), Route::Malformed);
-        assert_eq!(
-            route(b"\xff\xfe /metrics HTTP/1.1\r\n\r\n"),
-            Route::Malformed
-        );
-        assert_eq!(route(b"G\0T /metrics HTTP/1.1\r\n\r\n"), Route::Malformed);
-        assert_eq!(route(b""), Route::Malformed);
-    }
 
     type Stop = (
         tokio::sync::oneshot::Sender<()>,
@@ -249,6 +194,8 @@ mod tests {
         (addr, (tx, task))
     }
 
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     async fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         let _ = s.write_all(request).await;
@@ -261,16 +208,17 @@ mod tests {
     async fn answers_metrics_and_refuses_the_rest() {
         let (addr, _stop) = server(HttpLimits::default()).await;
         let ok = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        let lower = ok.to_ascii_lowercase();
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
-        assert!(ok.contains(&format!("Content-Type: {OPENMETRICS_CONTENT_TYPE}\r\n")));
-        assert!(ok.contains("Content-Length: 11\r\n"), "{ok}");
-        assert!(ok.contains("Connection: close\r\n"));
+        assert!(lower.contains(&format!("content-type: {OPENMETRICS_CONTENT_TYPE}\r\n")));
+        assert!(lower.contains("content-length: 11\r\n"), "{ok}");
+        assert!(lower.contains("connection: close\r\n"), "{ok}");
         assert!(ok.ends_with("\r\n\r\nup 1\n# EOF\n"), "{ok}");
         let nf = exchange(addr, b"GET /other HTTP/1.1\r\n\r\n").await;
         assert!(nf.starts_with("HTTP/1.1 404 "), "{nf}");
         let post = exchange(addr, b"POST /metrics HTTP/1.1\r\n\r\n").await;
         assert!(
-            post.starts_with("HTTP/1.1 405 ") && post.contains("Allow: GET"),
+            post.starts_with("HTTP/1.1 405 ") && post.to_ascii_lowercase().contains("allow: get"),
             "{post}"
         );
         let junk = exchange(addr, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\r\n\r\n").await;
@@ -283,7 +231,7 @@ mod tests {
         );
         // Still answering after all that.
         let again = exchange(addr, b"GET /metrics HTTP/1.0\n\n").await;
-        assert!(again.starts_with("HTTP/1.1 200 OK\r\n"), "{again}");
+        assert!(again.starts_with("HTTP/1.0 200 OK\r\n"), "{again}");
     }
 
     #[tokio::test]
@@ -300,9 +248,15 @@ mod tests {
         let _b = TcpStream::connect(addr).await.expect("b");
         let third = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
         assert_eq!(third, "", "over the bound: closed without an answer");
+        // The silent one is closed at the read timeout.
+        let started = std::time::Instant::now();
         let mut out = Vec::new();
-        a.read_to_end(&mut out).await.expect("read");
-        assert!(String::from_utf8_lossy(&out).starts_with("HTTP/1.1 408 "));
+        let _ = a.read_to_end(&mut out).await;
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+            "closed after {took:?}"
+        );
         // Shut down: the listener is closed.
         let _ = stop.send(());
         task.await.expect("server task");
