@@ -1,9 +1,11 @@
 //! Plumbing both daemons share, in one place: logging (`logging`),
 //! systemd's readiness and watchdog protocol (`notify`), the Prometheus
-//! `/metrics` endpoint (`metrics`) and the bounded accept loop of their gRPC
-//! servers (`accept`).
+//! `/metrics` endpoint (`metrics`), the bounded accept loop of their gRPC
+//! servers (`accept`), and the latency histogram every percentile is
+//! computed with (`latency`).
 
 pub mod accept;
+pub mod latency;
 pub mod logging;
 pub mod metrics;
 pub mod notify;

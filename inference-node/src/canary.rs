@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_config::Config;
+use cluster_config::daemon::latency::Latency;
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::SplitMix64;
 use tokio::time::Instant;
@@ -43,19 +44,14 @@ pub struct TableReport {
     pub failed: u64,
     /// Answers after the deadline.
     pub late: u64,
-    /// Latencies in microseconds (for percentiles).
-    pub latencies_us: Vec<u64>,
+    /// Latencies of the answered lookups (for percentiles).
+    pub latency: Latency,
 }
 
 impl TableReport {
-    /// The `q` quantile (0..=1) of the latencies, in microseconds.
+    /// The `q` quantile (0..=1) of the latencies, in whole microseconds.
     pub fn quantile_us(&self, q: f64) -> u64 {
-        let mut v = self.latencies_us.clone();
-        if v.is_empty() {
-            return 0;
-        }
-        v.sort_unstable();
-        v[((v.len() - 1) as f64 * q).round() as usize]
+        self.latency.quantile(q).as_micros() as u64
     }
 }
 
@@ -63,7 +59,7 @@ async fn one(router: &Router, rows: &[u64], out: &mut [u8], rep: &mut TableRepor
     rep.lookups += 1;
     match router.fetch(rows, out).await {
         Ok(f) => {
-            rep.latencies_us.push(f.elapsed.as_micros() as u64);
+            rep.latency.record(f.elapsed);
             rep.late += u64::from(f.late);
             match f.source {
                 Some(s) => *rep.by_source.entry(s).or_default() += 1,

@@ -93,12 +93,15 @@ async fn percentile_hedging_follows_recent_latencies() {
         0,
         "no hedge while the primary is at its usual speed"
     );
-    // Now the primary slows down: the hedge goes at its p99 (80 us).
+    // Now the primary slows down: the hedge goes at its p99 (80 us, to the
+    // latency histogram's 1% precision), and b answers 10 us later.
     a.set(Fault::Ok(us(400)));
     let f = fetch(&r).await.0.expect("ok");
-    assert_eq!(
-        (f.source.as_deref(), f.elapsed, f.hedges),
-        (Some("b"), us(90), 1)
+    assert_eq!((f.source.as_deref(), f.hedges), (Some("b"), 1));
+    assert!(
+        f.elapsed >= us(90) && f.elapsed <= us(91),
+        "hedged at {:?}",
+        f.elapsed - us(10)
     );
 }
 

@@ -149,7 +149,7 @@ impl DonorControl for ControlService {
                 p90_us: us(t.quantile_ns(0.9)),
                 p99_us: us(t.quantile_ns(0.99)),
                 p999_us: us(t.quantile_ns(0.999)),
-                max_us: us(t.max_ns as f64),
+                max_us: us(t.max_ns() as f64),
                 mean_us: if count == 0 {
                     0.0
                 } else {

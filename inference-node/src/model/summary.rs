@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use cluster_config::daemon::latency::Latency;
 use cluster_config::plan::predict;
 use serde::{Deserialize, Serialize};
 
@@ -32,12 +33,9 @@ pub struct TableSummary {
     pub late: u64,
     /// Rows fetched.
     pub rows: u64,
-    /// Fetch time (ready - step start) per decode step, microseconds.
+    /// Fetch time (ready - step start) over the decode steps.
     #[serde(skip)]
-    pub fetch_us: Vec<f64>,
-    /// Its stall per decode step, microseconds.
-    #[serde(skip)]
-    pub stall_us: Vec<f64>,
+    pub fetch: Latency,
     /// Fetch-time percentiles (p50, p99, max), microseconds.
     pub fetch_p50_us: f64,
     pub fetch_p99_us: f64,
@@ -92,23 +90,13 @@ pub struct Summary {
     /// Per table.
     pub tables: Vec<TableSummary>,
     #[serde(skip)]
-    stalls_us: Vec<f64>,
+    stalls: Latency,
     #[serde(skip)]
     predicted_ms: f64,
     #[serde(skip)]
     predicted_from_start_ms: f64,
     #[serde(skip)]
     decode_steps: u64,
-}
-
-/// The `q` quantile (0..=1) of `v` (0 for none).
-pub fn quantile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[((s.len() - 1) as f64 * q).round() as usize]
 }
 
 impl Summary {
@@ -145,7 +133,7 @@ impl Summary {
                     ..TableSummary::default()
                 })
                 .collect(),
-            stalls_us: Vec::new(),
+            stalls: Latency::new(),
             predicted_ms: 0.0,
             predicted_from_start_ms: 0.0,
             decode_steps: 0,
@@ -181,7 +169,7 @@ impl Summary {
         }
         self.decode_steps += 1;
         self.tokens += r.positions.len() as u64;
-        self.stalls_us.push(r.stall_us);
+        self.stalls.record_us(r.stall_us);
         self.decode_s += r.time_us / 1e6;
         if r.stall_us > 0.0 {
             self.stalled_steps += 1;
@@ -197,8 +185,7 @@ impl Summary {
         let mut tables = Vec::with_capacity(r.tables.len());
         let mut from_start = Vec::with_capacity(r.tables.len());
         for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
-            t.fetch_us.push(rec.ready_us);
-            t.stall_us.push(rec.stall_us);
+            t.fetch.record_us(rec.ready_us);
             let window_ms = block_ms * f64::from(t.window_blocks);
             let ready_ms = rec.ready_us / 1e3;
             tables.push((window_ms, (ready_ms - window_start_ms).max(0.0)));
@@ -226,13 +213,13 @@ impl Summary {
             self.predicted_from_start_tokens_per_second =
                 self.tokens as f64 / (self.predicted_from_start_ms / 1e3);
         }
-        self.stall_p50_us = quantile(&self.stalls_us, 0.5);
-        self.stall_p99_us = quantile(&self.stalls_us, 0.99);
-        self.stall_max_us = quantile(&self.stalls_us, 1.0);
+        self.stall_p50_us = self.stalls.quantile_us(0.5);
+        self.stall_p99_us = self.stalls.quantile_us(0.99);
+        self.stall_max_us = self.stalls.quantile_us(1.0);
         for t in &mut self.tables {
-            t.fetch_p50_us = quantile(&t.fetch_us, 0.5);
-            t.fetch_p99_us = quantile(&t.fetch_us, 0.99);
-            t.fetch_max_us = quantile(&t.fetch_us, 1.0);
+            t.fetch_p50_us = t.fetch.quantile_us(0.5);
+            t.fetch_p99_us = t.fetch.quantile_us(0.99);
+            t.fetch_max_us = t.fetch.quantile_us(1.0);
         }
     }
 
@@ -323,7 +310,7 @@ pub struct Second {
     /// Steps with a failed table.
     pub failed: u64,
     #[serde(skip)]
-    stalls: Vec<f64>,
+    stalls: Latency,
 }
 
 impl Second {
@@ -366,7 +353,7 @@ impl Seconds {
         let c = &mut self.current;
         c.steps += 1;
         c.tokens += r.decoded() as u64;
-        c.stalls.push(r.stall_us);
+        c.stalls.record_us(r.stall_us);
         for t in &r.tables {
             if t.error.is_some() {
                 continue;
@@ -388,8 +375,8 @@ impl Seconds {
                 ..Second::default()
             },
         );
-        s.stall_p99_us = quantile(&s.stalls, 0.99);
-        s.stall_max_us = quantile(&s.stalls, 1.0);
+        s.stall_p99_us = s.stalls.quantile_us(0.99);
+        s.stall_max_us = s.stalls.quantile_us(1.0);
         s
     }
 

@@ -196,7 +196,12 @@ fn a_late_table_costs_its_overshoot_and_the_stall_shifts_later_blocks() {
     assert!(close(steps[1].start_us, 10_000.0) && close(steps[2].start_us, 21_750.0));
     assert_eq!(s.tokens, 4);
     assert_eq!(s.stalled_steps, 3);
-    assert!(close(s.stall_max_us, 16_500.0));
+    // Percentiles come from the latency histogram (to 0.1%).
+    assert!(
+        (s.stall_max_us - 16_500.0).abs() <= 16.5,
+        "{}",
+        s.stall_max_us
+    );
     let total_ms = 40.0 + 1.75 + 2.5 + 16.5;
     assert!(
         (s.tokens_per_second - 4000.0 / total_ms).abs() < 1e-6,

@@ -15,17 +15,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_config::Hedge;
+use cluster_config::daemon::latency::Latency;
 use engram_protocol::TableDigest;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::source::{RowSource, SourceError};
 
-/// Latencies kept for percentile hedging.
-const WINDOW: usize = 256;
+/// Latencies kept for percentile hedging: the last 128 to 256 (two epochs
+/// of 128, the older one dropped when the newer one is full).
+const EPOCH: u64 = 128;
 /// Fewer samples than this and a percentile is not trusted.
-const MIN_SAMPLES: usize = 32;
+const MIN_SAMPLES: u64 = 32;
 /// The cached percentile is recomputed after this many new samples.
-const RESORT_EVERY: u32 = 32;
+const RECOMPUTE_EVERY: u32 = 32;
 
 /// The breaker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,9 +56,12 @@ struct State {
     breaker: Breaker,
     failures: u32,
     excluded: Vec<u32>,
-    lat_us: Vec<u32>,
-    next: usize,
-    since_sort: u32,
+    /// This epoch's latencies, the previous epoch's, and both together
+    /// (rebuilt when the percentile is recomputed).
+    recent: Latency,
+    older: Latency,
+    both: Latency,
+    since_recompute: u32,
     cached: Option<(f64, Duration)>,
 }
 
@@ -90,9 +95,10 @@ impl SourceHealth {
                 breaker: Breaker::Closed,
                 failures: 0,
                 excluded: Vec::new(),
-                lat_us: Vec::with_capacity(WINDOW),
-                next: 0,
-                since_sort: 0,
+                recent: Latency::coarse(),
+                older: Latency::coarse(),
+                both: Latency::coarse(),
+                since_recompute: 0,
                 cached: None,
             }),
             gauge,
@@ -146,15 +152,13 @@ impl SourceHealth {
         if st.breaker == Breaker::HalfOpen {
             self.set(&mut st, Breaker::Closed);
         }
-        let us = latency.as_micros().min(u128::from(u32::MAX)) as u32;
-        if st.lat_us.len() < WINDOW {
-            st.lat_us.push(us);
-        } else {
-            let i = st.next;
-            st.lat_us[i] = us;
+        if st.recent.count() >= EPOCH {
+            let st = &mut *st;
+            std::mem::swap(&mut st.older, &mut st.recent);
+            st.recent.clear();
         }
-        st.next = (st.next + 1) % WINDOW;
-        st.since_sort += 1;
+        st.recent.record(latency);
+        st.since_recompute += 1;
     }
 
     /// A lookup of `table` failed. Returns true when this opened the breaker.
@@ -213,18 +217,19 @@ impl SourceHealth {
             Hedge::Fixed(d) => Some(d),
             Hedge::Percentile(p) => {
                 let mut st = self.st();
-                if st.lat_us.len() < MIN_SAMPLES {
+                if st.recent.count() + st.older.count() < MIN_SAMPLES {
                     return None;
                 }
                 match st.cached {
-                    Some((cp, d)) if cp == p && st.since_sort < RESORT_EVERY => Some(d),
+                    Some((cp, d)) if cp == p && st.since_recompute < RECOMPUTE_EVERY => Some(d),
                     _ => {
-                        let mut v = st.lat_us.clone();
-                        v.sort_unstable();
-                        let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
-                        let d = Duration::from_micros(u64::from(v[i.min(v.len() - 1)]));
+                        let st = &mut *st;
+                        st.both.clear();
+                        st.both.add(&st.older);
+                        st.both.add(&st.recent);
+                        let d = st.both.quantile(p / 100.0);
                         st.cached = Some((p, d));
-                        st.since_sort = 0;
+                        st.since_recompute = 0;
                         Some(d)
                     }
                 }
