@@ -273,6 +273,23 @@ pub const DEFAULT_NODE_API: SocketAddr =
 /// Blocks in a V4.1 token; a table's window is measured in them.
 pub const MODEL_BLOCKS: u32 = 40;
 
+/// The Engram layers of V4.1 (0-based), in order.
+pub const V41_ENGRAM_LAYERS: [u32; 2] = [1, 14];
+
+/// The window of the table of Engram layer `layer`, in blocks (seed 000):
+/// the blocks between the previous Engram layer among `layers` (block 0
+/// for the first) and its own, at least one. V4.1's layers 1 and 14 get 1
+/// and 13. The one place windows are counted.
+pub fn window_blocks(layer: u32, layers: impl IntoIterator<Item = u32>) -> u32 {
+    let previous = layers.into_iter().filter(|&l| l < layer).max().unwrap_or(0);
+    (layer - previous).max(1)
+}
+
+/// `blocks` of a token's [`MODEL_BLOCKS`] blocks, for a token of `token`.
+pub fn window(token: Duration, blocks: u32) -> Duration {
+    token * blocks / MODEL_BLOCKS
+}
+
 impl Node {
     /// Time of one token at the node's rate.
     pub fn token_time(&self) -> Duration {
@@ -285,16 +302,12 @@ impl Node {
     /// get `W/40` and `13W/40`.
     pub fn window(&self, config: &Config, table: u32) -> Option<Duration> {
         let layer = config.table(table)?.layer;
-        let previous = self
+        let layers = self
             .routes
             .iter()
             .filter_map(|r| config.table(r.table))
-            .map(|t| t.layer)
-            .filter(|&l| l < layer)
-            .max()
-            .unwrap_or(0);
-        let blocks = (layer - previous).max(1);
-        Some(self.token_time() * blocks / MODEL_BLOCKS)
+            .map(|t| t.layer);
+        Some(window(self.token_time(), window_blocks(layer, layers)))
     }
 
     /// The route of a table.
@@ -422,4 +435,21 @@ pub fn read_credential(path: &Path) -> Result<Vec<u8>, ConfigError> {
         ))));
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+
+    #[test]
+    fn windows_count_the_blocks_since_the_previous_engram_layer() {
+        assert_eq!(window_blocks(1, V41_ENGRAM_LAYERS), 1);
+        assert_eq!(window_blocks(14, V41_ENGRAM_LAYERS), 13);
+        // A node that routes only layer 14 has all 14 blocks before it.
+        assert_eq!(window_blocks(14, [14]), 14);
+        assert_eq!(window_blocks(0, [0]), 1, "at least one block");
+        let w = Duration::from_millis(10);
+        assert_eq!(window(w, 1), Duration::from_micros(250));
+        assert_eq!(window(w, 13), Duration::from_micros(3250));
+    }
 }

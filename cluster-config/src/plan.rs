@@ -54,7 +54,10 @@ pub fn predict(token_ms: f64, tables: &[(f64, f64)]) -> Prediction {
 /// The V4.1 windows (layers 1 and 14) of a token of `token_ms`: `W/40` and `13W/40`.
 pub fn v41_windows_ms(token_ms: f64) -> [f64; 2] {
     let blocks = f64::from(crate::MODEL_BLOCKS);
-    [token_ms / blocks, 13.0 * token_ms / blocks]
+    crate::V41_ENGRAM_LAYERS.map(|l| {
+        let n = crate::window_blocks(l, crate::V41_ENGRAM_LAYERS);
+        f64::from(n) * token_ms / blocks
+    })
 }
 
 /// Assumed latency of one table's fetch, per kind of source.

@@ -30,18 +30,18 @@ pub mod fetch;
 pub mod gpu_clock;
 pub mod input;
 pub mod node;
+mod step;
 pub mod summary;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use engram_protocol::ROW_BYTES;
-use engram_protocol::hashing::{COLUMNS, HashError, HashParams, PositionRows, SequenceHasher};
+use engram_protocol::hashing::{HashError, HashParams};
 use engram_protocol::synthetic::SplitMix64;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::engram::fusion::{Fusion, FusionError, POSITION_ROW_BYTES};
+use crate::engram::fusion::{Fusion, FusionError};
 use clock::Clock;
 pub use input::Tokens;
 pub use summary::Summary;
@@ -62,18 +62,13 @@ pub struct TableSlot {
 
 /// The two V4.1 slots for tables `t1` (layer 1) and `t14` (layer 14).
 pub fn v41_slots(t1: u32, t14: u32) -> [TableSlot; 2] {
-    [
-        TableSlot {
-            table: t1,
-            layer: 1,
-            window_blocks: 1,
-        },
-        TableSlot {
-            table: t14,
-            layer: 14,
-            window_blocks: 13,
-        },
-    ]
+    let layers = cluster_config::V41_ENGRAM_LAYERS;
+    let slot = |table, layer| TableSlot {
+        table,
+        layer,
+        window_blocks: cluster_config::window_blocks(layer, layers),
+    };
+    [slot(t1, layers[0]), slot(t14, layers[1])]
 }
 
 /// How the loop runs.
@@ -128,6 +123,10 @@ pub enum LoopError {
     /// Fusion failed (a row that does not decode, a GPU error).
     #[error("step {step}: fusion: {error}")]
     Fusion { step: u64, error: FusionError },
+    /// A fetch did not hold the rows its positions need (a fetcher bug:
+    /// no row is ever stood in for another).
+    #[error("step {step}: {what}")]
+    Rows { step: u64, what: String },
     /// The trace could not be written.
     #[error("writing the trace: {0}")]
     Trace(#[from] std::io::Error),
@@ -299,21 +298,6 @@ pub fn checksum(state: &[f32]) -> String {
         .collect()
 }
 
-/// A position waiting for its step.
-#[derive(Debug, Clone, Copy)]
-struct Work {
-    seq: u32,
-    index: u32,
-    raw: u32,
-    rows: Option<PositionRows>,
-}
-
-/// Cut `n` tokens into `batch` contiguous sequences of equal length.
-fn split(n: usize, batch: usize) -> Vec<std::ops::Range<usize>> {
-    let len = n / batch;
-    (0..batch).map(|i| i * len..(i + 1) * len).collect()
-}
-
 /// Run the loop over `tokens`; `on_step` gets each step's record (the
 /// trace and status lines); `stop` ends the run after the current step.
 #[allow(clippy::too_many_arguments)] // the loop's whole context, each used once
@@ -328,6 +312,20 @@ pub fn run<C: Clock, F: Fetcher>(
     stop: &AtomicBool,
     on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
 ) -> Result<Summary, LoopError> {
+    check_spec(spec, tokens, &slots)?;
+    let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, tokens, spec)?;
+    let mut summary = Summary::new(spec, slots, lp.w);
+    while !stop.load(Ordering::Relaxed) {
+        let Some(rec) = lp.step()? else { break };
+        summary.add(&rec);
+        on_step(&rec)?;
+    }
+    summary.finish(clock.now());
+    Ok(summary)
+}
+
+/// Refuse a spec the loop cannot run.
+fn check_spec(spec: &LoopSpec, tokens: &Tokens, slots: &[TableSlot; 2]) -> Result<(), LoopError> {
     if !(spec.tokens_per_second.is_finite() && spec.tokens_per_second > 0.0) {
         return Err(LoopError::Spec(format!(
             "a rate of {} tokens/s is not usable",
@@ -346,219 +344,10 @@ pub fn run<C: Clock, F: Fetcher>(
             spec.batch
         )));
     }
-    for s in &slots {
-        if !(1..BLOCKS).contains(&s.layer) {
-            return Err(LoopError::Spec(format!("layer {} has no block", s.layer)));
-        }
+    if let Some(s) = slots.iter().find(|s| !(1..BLOCKS).contains(&s.layer)) {
+        return Err(LoopError::Spec(format!("layer {} has no block", s.layer)));
     }
-    let w = Duration::from_secs_f64(1.0 / spec.tokens_per_second);
-    let state_len = fusion.shape().state_len();
-    let seqs = split(tokens.raw.len(), spec.batch);
-    let mut hashers = seqs
-        .iter()
-        .map(|_| SequenceHasher::new(params, tokens.pad))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| LoopError::Hash {
-            seq: 0,
-            index: 0,
-            error,
-        })?;
-    let mut next = vec![0usize; seqs.len()];
-    let mut summary = Summary::new(spec, slots, w);
-    let mut decoded = 0u64;
-    let mut step = 0u64;
-    let mut hidden: Vec<f32> = Vec::new();
-    let mut rowbuf: Vec<u8> = Vec::new();
-    let mut live: Vec<bool> = Vec::new();
-
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            break;
-        }
-        let prefill = step == 0 && spec.prefill > 0;
-        let mut take = if prefill {
-            spec.prefill
-        } else {
-            spec.speculate + 1
-        };
-        if !prefill && let Some(max) = spec.max_tokens {
-            let left = max.saturating_sub(decoded);
-            if left == 0 {
-                break;
-            }
-            // The last step takes what is left, spread over the batch.
-            take = take.min(left.div_ceil(seqs.len() as u64) as usize);
-        }
-        let t0 = clock.now();
-
-        // 1. Map and hash.
-        let mut work = Vec::new();
-        for (s, range) in seqs.iter().enumerate() {
-            let mut n = take;
-            if let Some(max) = spec.max_tokens.filter(|_| !prefill) {
-                n = n.min(max.saturating_sub(decoded + work.len() as u64) as usize);
-            }
-            for _ in 0..n {
-                let i = range.start + next[s];
-                if i >= range.end {
-                    break;
-                }
-                let mut rows = [[0u64; COLUMNS]; 2];
-                let live = hashers[s]
-                    .push(tokens.compressed[i], &mut rows)
-                    .map_err(|error| LoopError::Hash {
-                        seq: s,
-                        index: next[s],
-                        error,
-                    })?;
-                work.push(Work {
-                    seq: s as u32,
-                    index: next[s] as u32,
-                    raw: tokens.raw[i],
-                    rows: live.then_some(rows),
-                });
-                next[s] += 1;
-            }
-        }
-        if work.is_empty() {
-            break;
-        }
-
-        // 2. Start both fetches (distinct rows, one message per table).
-        let mut unique: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
-        for (l, u) in unique.iter_mut().enumerate() {
-            u.extend(work.iter().filter_map(|p| p.rows).flat_map(|r| r[l]));
-            u.sort_unstable();
-            u.dedup();
-        }
-        let needed = work.iter().filter(|p| p.rows.is_some()).count() * COLUMNS;
-        let mut pending: [Option<F::Pending>; 2] = [None, None];
-        for (l, p) in pending.iter_mut().enumerate() {
-            if !unique[l].is_empty() {
-                *p = Some(fetcher.start(l, unique[l].clone()));
-            }
-        }
-
-        hidden.resize(work.len() * state_len, 0.0);
-        for (p, wk) in work.iter().enumerate() {
-            initial_state(
-                spec.hidden_seed,
-                wk.raw,
-                &mut hidden[p * state_len..(p + 1) * state_len],
-            );
-        }
-        live.clear();
-        live.extend(work.iter().map(|p| p.rows.is_some()));
-
-        // 3-4. The blocks, waiting for each table at its layer's block.
-        let mut stall = Duration::ZERO;
-        let mut fusion_time = Duration::ZERO;
-        let mut records = Vec::with_capacity(2);
-        for (l, slot) in slots.iter().enumerate() {
-            let block_start = t0 + w * slot.layer / BLOCKS + stall;
-            clock.sleep_until(block_start);
-            let f = match pending[l].take() {
-                Some(p) => {
-                    let f = fetcher.wait(p);
-                    clock.sleep_until(f.ready);
-                    f
-                }
-                None => Fetch {
-                    ready: t0,
-                    ..Fetch::default()
-                },
-            };
-            // The stall is how long the block would wait for the rows on
-            // the model's schedule (its start, pushed back by the stalls
-            // before it). The loop thread's own lateness (waking up,
-            // fusing) is not stall: later blocks absorb it, or it shows as
-            // overrun at the step's end.
-            let this_stall = f.ready.saturating_sub(block_start);
-            stall += this_stall;
-            let fused_from = clock.now();
-            let usable = f.error.is_none();
-            if usable && live.iter().any(|&x| x) {
-                rowbuf.clear();
-                rowbuf.resize(work.len() * POSITION_ROW_BYTES, 0);
-                for (p, wk) in work.iter().enumerate() {
-                    let Some(rows) = wk.rows else { continue };
-                    for (c, r) in rows[l].iter().enumerate() {
-                        // Every row of a live position is in `unique[l]`.
-                        let k = unique[l].binary_search(r).unwrap_or(0);
-                        let dst = p * POSITION_ROW_BYTES + c * ROW_BYTES;
-                        rowbuf[dst..dst + ROW_BYTES]
-                            .copy_from_slice(&f.bytes[k * ROW_BYTES..(k + 1) * ROW_BYTES]);
-                    }
-                }
-                if !f.zeros {
-                    fusion
-                        .fuse(slot.layer, &rowbuf, &live, &mut hidden)
-                        .map_err(|error| LoopError::Fusion { step, error })?;
-                }
-            }
-            fusion_time += clock.now().saturating_sub(fused_from);
-            records.push(TableRecord {
-                table: slot.table,
-                layer: slot.layer,
-                rows: needed,
-                unique_rows: unique[l].len(),
-                messages: f.messages,
-                window_us: us(w * slot.window_blocks / BLOCKS),
-                ready_us: us(f.ready.saturating_sub(t0)),
-                stall_us: us(this_stall),
-                source: if f.error.is_some() {
-                    None
-                } else if f.sources.is_empty() {
-                    Some("none".into())
-                } else {
-                    Some(f.sources.join("+"))
-                },
-                hedges: f.hedges,
-                failovers: f.failovers,
-                late: f.late,
-                error: f.error.clone(),
-            });
-        }
-        let end = t0 + w + stall;
-        clock.sleep_until(end);
-        let done = clock.now();
-
-        // 5. Checksums and the record.
-        let positions = work
-            .iter()
-            .enumerate()
-            .map(|(p, wk)| PositionRecord {
-                seq: wk.seq,
-                index: wk.index,
-                id: wk.raw,
-                checksum: checksum(&hidden[p * state_len..(p + 1) * state_len]),
-            })
-            .collect();
-        let rec = StepRecord {
-            step,
-            kind: if prefill {
-                StepKind::Prefill
-            } else if spec.speculate > 0 {
-                StepKind::Verify
-            } else {
-                StepKind::Decode
-            },
-            start_us: us(t0),
-            w_us: us(w),
-            tables: records,
-            stall_us: us(stall),
-            overrun_us: us(done.saturating_sub(end)),
-            time_us: us(done - t0),
-            fusion_us: us(fusion_time),
-            positions,
-        };
-        decoded += rec.decoded() as u64;
-        summary.add(&rec);
-        on_step(&rec)?;
-        step += 1;
-    }
-    summary.finish(clock.now());
-    Ok(summary)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use engram_protocol::synthetic::synthetic_row;
 use super::clock::FakeClock;
 use super::*;
 use crate::engram::{CpuFusion, FusionShape, FusionWeights};
+use engram_protocol::ROW_BYTES;
 
 const MS: Duration = Duration::from_millis(1);
 
