@@ -107,3 +107,61 @@ fn the_checksum_test_vector_holds() {
         10819433604875713650
     );
 }
+
+/// Every error code in the table of section 3.6 is the codec's, by number
+/// and name, and the codec has no code the table leaves out.
+#[test]
+fn the_error_code_table_is_the_codecs() {
+    use engram_protocol::ErrorCode;
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../PROTOCOL.md"))
+        .expect("PROTOCOL.md");
+    let start = doc.find("| code | name |").expect("the error code table");
+    let rows: Vec<(u16, String)> = doc[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let code = cells[1].parse().expect("a code number");
+            (code, cells[2].trim_matches('`').to_string())
+        })
+        .collect();
+    let mut want = Vec::new();
+    for n in 1..=u16::MAX {
+        match ErrorCode::from_u16(n) {
+            Some(ErrorCode::Other(_)) | None => break,
+            Some(c) => want.push((n, c.name().to_string())),
+        }
+    }
+    assert_eq!(rows, want);
+}
+
+/// The `.etab` header shown in section 2 is what the writer puts in a file.
+#[test]
+fn the_table_header_example_is_the_writers() {
+    use engram_protocol::etab::{TableMeta, encode_header};
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../PROTOCOL.md"))
+        .expect("PROTOCOL.md");
+    let mut table = vec![0u8; 100 * ROW_BYTES];
+    synthetic_rows(1, 1, 0, &mut table);
+    let meta = TableMeta {
+        layer: 1,
+        rows: 100,
+        digest: TableDigest::of_rows(&table),
+        hash_preset: None,
+        hash_base: None,
+        source: "synthetic seed=1 layer=1".into(),
+    };
+    let header = encode_header(&meta, true).expect("header");
+    let json = std::str::from_utf8(&header[8..]).expect("utf8").trim_end();
+    // The document breaks the one-line JSON into lines for reading.
+    let start = doc.find("{\"__metadata__\"").expect("the header example");
+    let shown: String = doc[start..]
+        .lines()
+        .take_while(|l| !l.trim_start().starts_with("```"))
+        .map(|l| l.split("      (then").next().unwrap_or(l).trim())
+        .collect();
+    assert_eq!(shown, json);
+    assert_eq!(header.len(), 4096);
+    assert_eq!(&header[..8], &0x0ff8u64.to_le_bytes());
+}
