@@ -7,9 +7,11 @@
 //! within each round so that drift in the machine's state hits both alike;
 //! the report gives medians over rounds and the donor/floor ratios.
 
+mod report;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -21,7 +23,8 @@ use inference_node::{ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};
 use integration_tests::{DonorProcess, bin, gen_table};
 use serde::Serialize;
 
-use crate::stats::{Latency, Summary, median_summary, print_table};
+use self::report::Report;
+use crate::stats::{Latency, Summary, median_summary};
 
 /// Settings of one floor run.
 #[derive(Debug, Clone, clap::Args)]
@@ -223,14 +226,6 @@ fn pin_to(cpu: usize) -> bool {
     }
 }
 
-#[derive(Debug, Serialize)]
-struct Ratio {
-    rows: usize,
-    what: &'static str,
-    p50: f64,
-    p99: f64,
-}
-
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     /// The floor, its client polling for this long before blocking.
@@ -288,7 +283,46 @@ struct SeriesResult {
 /// Run the floor benchmark.
 pub fn run(args: &FloorArgs) -> Result<()> {
     let tmp = tempfile::tempdir()?;
-    let dir = args.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let tables = generate_tables(args, tmp.path())?;
+    let servers = Servers::start(&tables, args.no_pin)?;
+    let pinned = servers.pinned;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let clients = connect_clients(&rt, servers.donor.addr, &tables.digests)?;
+    let series = build_series(servers.floor.addr, args.rows_per_table)?;
+    let results = measure(series, args, &rt, &clients)?;
+    drop(clients);
+    let (donor, clean) = servers.stop();
+    let ratios = report::ratios(&results);
+    let report = Report {
+        args,
+        gib: tables.gib,
+        pinned,
+        results,
+        ratios,
+        clean,
+    };
+    if args.json {
+        return report.print_json();
+    }
+    report.print_text(&donor);
+    Ok(())
+}
+
+/// The tables the donor serves.
+struct Tables {
+    /// Size of each table in GiB.
+    gib: f64,
+    /// `(table id, digest)` of each, as the clients pin them.
+    digests: Vec<(u32, TableDigest)>,
+    /// `ID=PATH` of each, for the donor's `--table`.
+    table_args: Vec<String>,
+}
+
+/// Generate the tables in `--dir`, or in `tmp` without one.
+fn generate_tables(args: &FloorArgs, tmp: &Path) -> Result<Tables> {
+    let dir = args.dir.clone().unwrap_or_else(|| tmp.to_path_buf());
     std::fs::create_dir_all(&dir)?;
     let gib = (args.rows_per_table * ROW_BYTES as u64) as f64 / (1u64 << 30) as f64;
     eprintln!(
@@ -303,36 +337,82 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         digests.push((id, digest));
         table_args.push(format!("{id}={}", path.display()));
     }
-    let mut serve_args: Vec<&str> = vec!["--listen", "127.0.0.1:0", "--name", "bench-donor"];
-    for t in &table_args {
-        serve_args.extend(["--table", t.as_str()]);
-    }
-    // Servers on the last CPU, the client on the first: the same placement
-    // for the floor and the donor, run after run.
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let pinned = !args.no_pin && cpus >= 2 && pin_to(cpus - 1);
-    eprintln!("starting the donor and the floor server");
-    let mut donor = DonorProcess::start(&serve_args)?;
-    let mut floor_cmd = Command::new(bin("engram-bench"));
-    floor_cmd.arg("floor-server");
-    let floor = DonorProcess::spawn(floor_cmd)?;
-    if pinned && !pin_to(0) {
-        bail!("cannot pin the client to CPU 0");
+    Ok(Tables {
+        gib,
+        digests,
+        table_args,
+    })
+}
+
+/// The donor and the floor server, each a child process.
+struct Servers {
+    floor: DonorProcess,
+    donor: DonorProcess,
+    /// Whether the servers run on the last CPU and this thread on CPU 0.
+    pinned: bool,
+}
+
+impl Servers {
+    /// Start the donor on `tables` and the floor server, then pin this thread (unless `no_pin`).
+    fn start(tables: &Tables, no_pin: bool) -> Result<Self> {
+        let mut serve_args: Vec<&str> = vec!["--listen", "127.0.0.1:0", "--name", "bench-donor"];
+        for t in &tables.table_args {
+            serve_args.extend(["--table", t.as_str()]);
+        }
+        // Servers on the last CPU, the client on the first: the same placement
+        // for the floor and the donor, run after run.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let pinned = !no_pin && cpus >= 2 && pin_to(cpus - 1);
+        eprintln!("starting the donor and the floor server");
+        let donor = DonorProcess::start(&serve_args)?;
+        let mut floor_cmd = Command::new(bin("engram-bench"));
+        floor_cmd.arg("floor-server");
+        let floor = DonorProcess::spawn(floor_cmd)?;
+        if pinned && !pin_to(0) {
+            bail!("cannot pin the client to CPU 0");
+        }
+        Ok(Self {
+            floor,
+            donor,
+            pinned,
+        })
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    /// Stop both; the donor comes back for its log, with whether it exited cleanly on SIGTERM.
+    fn stop(self) -> (DonorProcess, bool) {
+        let Self {
+            floor, mut donor, ..
+        } = self;
+        donor.signal(libc::SIGTERM);
+        let clean = donor
+            .wait(Duration::from_secs(10))
+            .is_some_and(|s| s.success());
+        drop(floor);
+        (donor, clean)
+    }
+}
+
+/// Connect the two clients to the donor: `[polling, not polling]`.
+fn connect_clients(
+    rt: &tokio::runtime::Runtime,
+    donor: SocketAddr,
+    digests: &[(u32, TableDigest)],
+) -> Result<[DonorClient; 2]> {
     let connect = |busy_poll: Duration| {
-        let mut opts = ClientOptions::new("engram-bench", digests.clone());
+        let mut opts = ClientOptions::new("engram-bench", digests.to_vec());
         opts.busy_poll = busy_poll;
-        rt.block_on(DonorClient::connect(donor.addr, &opts))
+        rt.block_on(DonorClient::connect(donor, &opts))
             .context("connecting to the donor")
     };
     // The project's client as it comes (polling, DEFAULT_BUSY_POLL), and
     // with polling off; the floor's client blocking (the baseline) and
     // polling alike, so that each way of waiting has its like to compare.
-    let clients = [connect(DEFAULT_BUSY_POLL)?, connect(Duration::ZERO)?];
+    Ok([connect(DEFAULT_BUSY_POLL)?, connect(Duration::ZERO)?])
+}
+
+/// The series, in the order [`ratios`] reads them: per size (24 rows, then
+/// 48), floor blocking, floor polling, donor, donor not polling.
+fn build_series(floor: SocketAddr, rows_per_table: u64) -> Result<Vec<Series>> {
     let mut series: Vec<Series> = Vec::new();
     for sections in [1usize, 2] {
         let (req, ans) = sizes(sections)?;
@@ -344,152 +424,74 @@ pub fn run(args: &FloorArgs) -> Result<()> {
             (Kind::Donor(1), "donor, client not polling"),
         ] {
             let floor_conn = match kind {
-                Kind::Floor(poll) => Some(FloorConn::new(floor.addr, req, ans, poll)?),
+                Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
                 Kind::Donor(_) => None,
             };
             series.push(Series {
                 kind,
                 floor: floor_conn,
-                donor: DonorSeries::new(sections, args.rows_per_table, 7 + series.len() as u64),
+                donor: DonorSeries::new(sections, rows_per_table, 7 + series.len() as u64),
                 result: SeriesResult {
                     series: format!("{name}, {rows} rows"),
                     rows,
                     request_bytes: req,
                     answer_bytes: ans,
                     rounds: Vec::new(),
-                    median: Summary {
-                        p50_us: 0.0,
-                        p99_us: 0.0,
-                        p999_us: 0.0,
-                        max_us: 0.0,
-                    },
+                    median: Summary::default(),
                 },
             });
         }
     }
+    Ok(series)
+}
+
+/// Lookups a series runs before the next series takes its turn.
+const CHUNK: usize = 250;
+
+/// Warm up every series, run the rounds, and take each series' medians over rounds.
+fn measure(
+    mut series: Vec<Series>,
+    args: &FloorArgs,
+    rt: &tokio::runtime::Runtime,
+    clients: &[DonorClient],
+) -> Result<Vec<SeriesResult>> {
     // Warm up every series, then alternate them in chunks so that any drift
     // of the machine lands on all of them alike.
-    const CHUNK: usize = 250;
     for s in &mut series {
         let mut lat = Latency::default();
-        s.run(args.warmup, &rt, &clients, &mut lat)?;
+        s.run(args.warmup, rt, clients, &mut lat)?;
     }
     for round in 0..args.rounds {
         eprintln!("round {} of {}", round + 1, args.rounds);
-        let mut lat: Vec<Latency> = series.iter().map(|_| Latency::default()).collect();
-        let mut done = 0;
-        while done < args.lookups {
-            let n = CHUNK.min(args.lookups - done);
-            for (s, l) in series.iter_mut().zip(&mut lat) {
-                s.run(n, &rt, &clients, l)?;
-            }
-            done += n;
-        }
-        for (s, l) in series.iter_mut().zip(&lat) {
-            s.result.rounds.push(l.summary());
-        }
+        measure_round(&mut series, args.lookups, rt, clients)?;
     }
-    let results: Vec<SeriesResult> = series
+    Ok(series
         .into_iter()
         .map(|mut s| {
             s.result.median = median_summary(&s.result.rounds);
             s.result
         })
-        .collect();
-    drop(clients);
-    donor.signal(libc::SIGTERM);
-    let clean = donor
-        .wait(Duration::from_secs(10))
-        .is_some_and(|s| s.success());
-    drop(floor);
+        .collect())
+}
 
-    // Per size: [floor blocking, floor polling, donor, donor not polling].
-    let mut ratios = Vec::new();
-    for (k, rows) in [(0usize, 24usize), (4, 48)] {
-        let m = |i: usize| results[k + i].median;
-        for (what, num, den) in [
-            ("project client / blocking floor (the target)", 2, 0),
-            ("both polling", 2, 1),
-            ("neither polling", 3, 0),
-        ] {
-            ratios.push(Ratio {
-                rows,
-                what,
-                p50: m(num).p50_us / m(den).p50_us,
-                p99: m(num).p99_us / m(den).p99_us,
-            });
+/// One round: `lookups` timed lookups per series, the series taking turns in chunks.
+fn measure_round(
+    series: &mut [Series],
+    lookups: usize,
+    rt: &tokio::runtime::Runtime,
+    clients: &[DonorClient],
+) -> Result<()> {
+    let mut lat: Vec<Latency> = series.iter().map(|_| Latency::default()).collect();
+    let mut done = 0;
+    while done < lookups {
+        let n = CHUNK.min(lookups - done);
+        for (s, l) in series.iter_mut().zip(&mut lat) {
+            s.run(n, rt, clients, l)?;
         }
+        done += n;
     }
-    if args.json {
-        let v = serde_json::json!({
-            "benchmark": "floor",
-            "rows_per_table": args.rows_per_table,
-            "table_gib": gib,
-            "lookups_per_series": args.lookups,
-            "warmup": args.warmup,
-            "rounds": args.rounds,
-            "in_flight": 1,
-            "pinned": pinned,
-            "busy_poll_us": DEFAULT_BUSY_POLL.as_micros() as u64,
-            "series": results,
-            "ratios": ratios,
-            "target": { "p50": 1.15, "p99": 1.3, "met": ratios.iter().filter(|r| r.what.contains("target")).all(|r| r.p50 <= 1.15 && r.p99 <= 1.3) },
-            "donor_exit_clean": clean,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    println!(
-        "engram-bench floor: 2 tables x {} rows ({gib:.2} GiB each), {} timed lookups per series after {} warm-up, \
-         1 in flight, loopback TCP{}; medians of {} rounds",
-        args.rows_per_table,
-        args.lookups,
-        args.warmup,
-        if pinned {
-            ", client and servers pinned to separate CPUs"
-        } else {
-            ""
-        },
-        args.rounds
-    );
-    let rows: Vec<Vec<String>> = results
-        .iter()
-        .map(|r| {
-            vec![
-                r.series.clone(),
-                format!("{}/{}", r.request_bytes, r.answer_bytes),
-                format!("{:.1}", r.median.p50_us),
-                format!("{:.1}", r.median.p99_us),
-                format!("{:.1}", r.median.p999_us),
-            ]
-        })
-        .collect();
-    print_table(
-        &["series", "req/ans bytes", "p50 us", "p99 us", "p99.9 us"],
-        &rows,
-    );
-    println!(
-        "(polling clients poll for up to {} us before sleeping)",
-        DEFAULT_BUSY_POLL.as_micros()
-    );
-    for r in &ratios {
-        let verdict = if !r.what.contains("target") {
-            ""
-        } else if r.p50 <= 1.15 && r.p99 <= 1.3 {
-            "  met (p50 <= 1.15, p99 <= 1.30)"
-        } else {
-            "  MISSED (p50 <= 1.15, p99 <= 1.30)"
-        };
-        println!(
-            "{} rows, {}: p50 {:.3}x, p99 {:.3}x{verdict}",
-            r.rows, r.what, r.p50, r.p99
-        );
-    }
-    if !clean {
-        println!(
-            "warning: the donor did not exit cleanly on SIGTERM; its log:\n{}",
-            donor.log()
-        );
+    for (s, l) in series.iter_mut().zip(&lat) {
+        s.result.rounds.push(l.summary());
     }
     Ok(())
 }
