@@ -141,10 +141,12 @@ fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
             NodeSpec {
                 name: "rack",
                 sources: &SOURCES,
+                ssd_ioprio: None,
             },
             NodeSpec {
                 name: "ref",
                 sources: &["local"],
+                ssd_ioprio: None,
             },
         ],
         probe_interval_ms: 500,

@@ -3,10 +3,12 @@
 
 #![allow(clippy::print_stdout)]
 
+mod contention;
 mod demo;
 mod drill;
 mod floor;
 mod paced;
+mod paced_contention;
 mod rack;
 mod ssd;
 mod stats;

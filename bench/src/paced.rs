@@ -20,9 +20,10 @@ use crate::stats::median;
 /// Settings of `engram-bench paced`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PacedArgs {
-    /// Token rates to run at.
-    #[arg(long, value_delimiter = ',', default_value = "25,50,100,200,400,1000")]
-    rates: Vec<f64>,
+    /// Token rates to run at (default 25,50,100,200,400,1000; with
+    /// --contention 100,400).
+    #[arg(long, value_delimiter = ',')]
+    rates: Option<Vec<f64>>,
     /// Length of each run at its rate (tokens = rate x seconds).
     #[arg(long, default_value_t = 4.0)]
     seconds_per_point: f64,
@@ -38,6 +39,10 @@ pub struct PacedArgs {
     /// Hashing base of the tables (20000: about 480k rows, 127 MB per table).
     #[arg(long, default_value_t = 20_000)]
     hash_base: u64,
+    /// Instead: the SSD copy alone, idle and beside a sequential reader on
+    /// the same drive, at each I/O priority (`paced-contention.json`).
+    #[arg(long)]
+    contention: bool,
 }
 
 /// (node, label, sources of both routes).
@@ -138,9 +143,14 @@ impl Point {
 
 /// Run it.
 pub fn run(args: &PacedArgs) -> Result<()> {
-    if args.rates.is_empty()
-        || args
-            .rates
+    let default_rates: &[f64] = if args.contention {
+        &[100.0, 400.0]
+    } else {
+        &[25.0, 50.0, 100.0, 200.0, 400.0, 1000.0]
+    };
+    let rates = args.rates.as_deref().unwrap_or(default_rates);
+    if rates.is_empty()
+        || rates
             .iter()
             .any(|r| !(r.is_finite() && *r > 0.0 && *r <= 100_000.0))
     {
@@ -155,13 +165,26 @@ pub fn run(args: &PacedArgs) -> Result<()> {
     rack::kill_children_on_interrupt()?;
     let t_all = Instant::now();
     let out = &rack::work_dir(&args.out)?;
+    if args.contention {
+        return crate::paced_contention::run(
+            out,
+            args.hash_base,
+            rates,
+            args.seconds_per_point,
+            args.json,
+        );
+    }
     let tables = rack::table_pair(out, args.hash_base)?;
     let rows = [tables.tables[0].rows, tables.tables[1].rows];
     let spec = RackSpec {
         donors: &["donor-a"],
         nodes: SOURCES
             .iter()
-            .map(|&(name, _, sources)| NodeSpec { name, sources })
+            .map(|&(name, _, sources)| NodeSpec {
+                name,
+                sources,
+                ssd_ioprio: None,
+            })
             .collect(),
         probe_interval_ms: 1000,
         // Every run starts a node: its copies were verified at generation.
@@ -192,10 +215,10 @@ pub fn run(args: &PacedArgs) -> Result<()> {
 
     let runs_dir = out.join("runs");
     std::fs::create_dir_all(&runs_dir)?;
-    let mut runs: Vec<Vec<Vec<Run>>> = vec![vec![Vec::new(); args.rates.len()]; SOURCES.len()];
+    let mut runs: Vec<Vec<Vec<Run>>> = vec![vec![Vec::new(); rates.len()]; SOURCES.len()];
     for rep in 0..args.repeat {
         for (si, (node, label, _)) in SOURCES.iter().enumerate() {
-            for (ri, &rate) in args.rates.iter().enumerate() {
+            for (ri, &rate) in rates.iter().enumerate() {
                 let tokens = (rate * args.seconds_per_point).round().max(1.0) as u64;
                 let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
                 let a = vec![
@@ -227,7 +250,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
 
     let mut points = Vec::new();
     for (si, (node, label, _)) in SOURCES.iter().enumerate() {
-        for (ri, &rate) in args.rates.iter().enumerate() {
+        for (ri, &rate) in rates.iter().enumerate() {
             points.push(Point::of(
                 (node, label),
                 rate,
@@ -249,7 +272,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         missed,
     };
     std::fs::write(out.join("paced.json"), serde_json::to_vec_pretty(&report)?)?;
-    let (svg, png) = heatmap(&report, &args.rates)
+    let (svg, png) = heatmap(&report, rates)
         .write_both(&out.join("paced"))
         .with_context(|| format!("writing the heatmap into {}", out.display()))?;
     if args.json {

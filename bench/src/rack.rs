@@ -161,6 +161,8 @@ pub fn free_port(ip: Ipv4Addr) -> Result<u16> {
 pub struct NodeSpec {
     pub name: &'static str,
     pub sources: &'static [&'static str],
+    /// The routes' `ssd_ioprio`, if not the default.
+    pub ssd_ioprio: Option<&'static str>,
 }
 
 /// What to write into the rack config.
@@ -242,6 +244,9 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
                 t.path.display(),
                 spec.trust_copies
             )?;
+            if let Some(p) = n.ssd_ioprio {
+                writeln!(text, "ssd_ioprio = \"{p}\"")?;
+            }
         }
     }
     write!(

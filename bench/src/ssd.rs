@@ -24,6 +24,7 @@ use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_store::table_file::TableFile;
 use inference_node::source::ssd::{SsdOptions, SsdReader};
 
+use crate::contention::{self, ContentionSpec};
 use crate::stats::{Latency, Summary, median_summary, print_table};
 
 /// Arguments of `engram-bench ssd`.
@@ -44,6 +45,13 @@ pub struct SsdArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
+    /// Read beside a busy drive instead: idle, then beside a sequential
+    /// reader and beside a writer with fsync, at each I/O priority.
+    #[arg(long)]
+    contention: bool,
+    /// With --contention: seconds per series.
+    #[arg(long, default_value_t = 8.0)]
+    seconds: f64,
 }
 
 const SEED: u64 = 0x55D;
@@ -99,9 +107,47 @@ impl Mmapped {
     }
 }
 
+/// `--contention`: the batch read beside a busy drive, at each priority.
+fn run_contention(args: &SsdArgs) -> Result<()> {
+    let spec = ContentionSpec {
+        table: args.file.clone(),
+        seconds: args.seconds,
+        max_batches: args.batches as u64 * args.rounds as u64,
+    };
+    contention::check(&spec)?;
+    let series = contention::run_series(&spec)?;
+    if args.json {
+        let target = |load| {
+            contention::ratios(&series, load).map(|(vs_idle, vs_be)| {
+                serde_json::json!({
+                    "realtime_p99_vs_idle": vs_idle,
+                    "best_effort_p99_vs_realtime": vs_be,
+                    "met": vs_idle <= contention::TARGET_VS_IDLE
+                        && vs_be >= contention::TARGET_VS_BEST_EFFORT,
+                })
+            })
+        };
+        let v = serde_json::json!({
+            "benchmark": "ssd-contention",
+            "file": args.file,
+            "seconds_per_series": args.seconds,
+            "series": series,
+            "sequential_reader": target(contention::Load::Reader),
+            "writer": target(contention::Load::Writer),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        contention::print(&spec, &series);
+    }
+    Ok(())
+}
+
 /// Run the benchmark.
 pub fn run(args: &SsdArgs) -> Result<()> {
     ensure_file(args)?;
+    if args.contention {
+        return run_contention(args);
+    }
     let table = TableFile::open(&args.file)?;
     let meta = table.meta.clone();
     if meta.rows < 1_000_000 {
@@ -137,6 +183,7 @@ pub fn run(args: &SsdArgs) -> Result<()> {
                 io,
                 direct: true,
                 pread_threads: threads,
+                ..SsdOptions::default()
             },
         )
     };

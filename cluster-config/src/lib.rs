@@ -215,6 +215,75 @@ pub enum SsdIo {
     Pread,
 }
 
+/// The Linux I/O scheduling class of the node's SSD reads (`ioprio_set(2)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoClass {
+    /// Served before every best-effort request: the read window is
+    /// protected from other I/O on the drive. Needs CAP_SYS_NICE.
+    RealTime,
+    /// The kernel's default class.
+    BestEffort,
+    /// Served only when the drive has nothing else to do.
+    Idle,
+}
+
+/// An I/O priority: a class and, for real-time and best-effort, a level
+/// (0 highest .. 7 lowest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SsdIoprio {
+    /// The class.
+    pub class: IoClass,
+    /// The level within it (0 for idle, which has none).
+    pub level: u8,
+}
+
+impl SsdIoprio {
+    /// The default of a route: real-time, level 4.
+    pub const DEFAULT: Self = Self {
+        class: IoClass::RealTime,
+        level: 4,
+    };
+
+    /// Parse `realtime`, `realtime:N`, `best-effort`, `best-effort:N` or
+    /// `idle` (N 0..=7, 4 when left out).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "{s:?} is not an I/O priority: \"realtime\", \"best-effort\" or \"idle\", \
+                 optionally with a level 0 (highest) to 7, as in \"realtime:2\""
+            )
+        };
+        let (class, level) = match s.split_once(':') {
+            Some((c, l)) => (
+                c,
+                Some(l.parse::<u8>().ok().filter(|&l| l <= 7).ok_or_else(bad)?),
+            ),
+            None => (s, None),
+        };
+        let class = match class {
+            "realtime" => IoClass::RealTime,
+            "best-effort" => IoClass::BestEffort,
+            "idle" if level.is_none() => IoClass::Idle,
+            _ => return Err(bad()),
+        };
+        let level = match class {
+            IoClass::Idle => 0,
+            _ => level.unwrap_or(4),
+        };
+        Ok(Self { class, level })
+    }
+}
+
+impl fmt::Display for SsdIoprio {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.class {
+            IoClass::RealTime => write!(f, "realtime:{}", self.level),
+            IoClass::BestEffort => write!(f, "best-effort:{}", self.level),
+            IoClass::Idle => f.write_str("idle"),
+        }
+    }
+}
+
 /// A node's sources for one table, in order of preference, and the knobs
 /// that bound a lookup.
 #[derive(Debug, Clone, PartialEq)]
@@ -235,6 +304,8 @@ pub struct Route {
     pub hedge: Hedge,
     /// What happens when every source failed.
     pub policy: Policy,
+    /// The I/O priority of the SSD copy's reads.
+    pub ssd_ioprio: SsdIoprio,
 }
 
 /// An inference node.

@@ -89,4 +89,5 @@ pub(crate) struct RawRoute {
     pub hard_timeout_ms: Option<S<i64>>,
     pub hedge: Option<S<String>>,
     pub policy: Option<S<String>>,
+    pub ssd_ioprio: Option<S<String>>,
 }

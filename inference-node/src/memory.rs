@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::{Config, ConfigError, Node, SourceRef, SsdIo, Table};
+use cluster_config::{Config, ConfigError, Node, SourceRef, SsdIo, SsdIoprio, Table};
 use engram_protocol::TableDigest;
 use engram_store::resident::{ExpectedTable, LoadError};
 use thiserror::Error;
@@ -78,6 +78,7 @@ struct CopySpec {
     /// SSD engine settings (defaults for a local copy).
     io: SsdIo,
     direct: bool,
+    ioprio: SsdIoprio,
 }
 
 /// The sources the node's routes use, with what each was made from.
@@ -288,6 +289,7 @@ async fn build(
                 path: route.ssd_path.clone(),
                 io: if local { SsdIo::default() } else { node.ssd_io },
                 direct: !local && node.ssd_direct,
+                ioprio: route.ssd_ioprio,
             };
             let health = match pool.copy(&spec).or_else(|| old.copy(&spec)) {
                 Some(h) => h.clone(),
@@ -341,12 +343,13 @@ async fn open_copy(
         let opts = SsdOptions {
             io: spec.io,
             direct: spec.direct,
+            ioprio: spec.ioprio,
             ..SsdOptions::default()
         };
         let reader = blocking(id, move || SsdReader::open(&path, Some(pin), trust, opts))
             .await?
             .map_err(|source| MemoryError::Ssd { table: id, source })?;
-        tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), page_checksums = reader.checks_pages(), "SSD copy ready");
+        tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), page_checksums = reader.checks_pages(), ioprio = %reader.ioprio(), "SSD copy ready");
         let src = SsdSource::new(id, reader, metrics.ssd_engine.clone()).map_err(|e| {
             MemoryError::Internal {
                 table: id,

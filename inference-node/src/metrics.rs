@@ -90,6 +90,8 @@ pub struct SsdLabels {
     pub direct: String,
     /// `true` when each page read is checked against its checksum.
     pub page_checksums: String,
+    /// The reads' I/O priority (`realtime:4`, `best-effort:4`, `idle`).
+    pub ioprio: String,
 }
 
 /// Labels of an error series.
@@ -190,7 +192,7 @@ impl NodeMetrics {
             );
             r.register(
                 "ssd_engine",
-                "The engine reading each table's SSD copy (1 in use), whether reads are O_DIRECT and pages checked",
+                "The engine reading each table's SSD copy (1 in use), whether reads are O_DIRECT and pages checked, and the I/O priority they have",
                 m.ssd_engine.clone(),
             );
         }

@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod drill;
+pub mod load;
 pub mod netns;
 pub mod proxy;
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::{Ctx, MAX_TIMEOUT_MS};
 use crate::raw::{RawNode, RawRoute, S};
-use crate::{Donor, Hedge, Node, Policy, Route, SourceRef, SsdIo, Table};
+use crate::{Donor, Hedge, Node, Policy, Route, SourceRef, SsdIo, SsdIoprio, Table};
 
 /// Fastest token rate accepted (a 100 us token).
 pub const MAX_TOKENS_PER_SECOND: f64 = 10_000.0;
@@ -218,6 +218,13 @@ fn route(
             Policy::Fail
         }
     };
+    let ssd_ioprio = match &r.ssd_ioprio {
+        None => SsdIoprio::DEFAULT,
+        Some(p) => SsdIoprio::parse(p.get_ref()).unwrap_or_else(|why| {
+            cx.at(p.span(), rk("ssd_ioprio"), why);
+            SsdIoprio::DEFAULT
+        }),
+    };
     Some(Route {
         table: table.id,
         sources,
@@ -232,6 +239,7 @@ fn route(
         ),
         hedge,
         policy,
+        ssd_ioprio,
     })
 }
 

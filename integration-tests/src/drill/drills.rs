@@ -81,6 +81,11 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         all_down_ssd,
     ),
     (
+        "all-down-ssd-busy",
+        "kill -9 both donors while a sequential reader keeps the SSD copy's drive busy; restart them",
+        all_down_ssd_busy,
+    ),
+    (
         "all-down-fail",
         "kill -9 both donors with no SSD copy, policy fail",
         all_down_fail,
@@ -399,6 +404,88 @@ fn all_down_ssd(env: &Env, o: &Opts) -> Result<Report> {
     r.figure(
         "served from SSD while both donors were down",
         format!("{n} steps"),
+    );
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+/// The file the busy drive's sequential reader streams.
+const LOAD_FILE_BYTES: u64 = 1 << 30;
+
+/// `all-down-ssd` while a sequential reader (1 MiB O_DIRECT reads, 32 in
+/// flight) keeps the SSD copy's drive busy. The copy reads at its default
+/// priority (real-time, where the node may use it); "one SSD fetch" of the
+/// stall bound is calibrated under the same load.
+fn all_down_ssd_busy(env: &Env, o: &Opts) -> Result<Report> {
+    let load_file = env.dir.join("load.bin");
+    crate::load::data_file(&load_file, LOAD_FILE_BYTES)?;
+    let reader = crate::load::Streamer::reader(&load_file)?;
+    let meter = crate::load::Meter::start(&reader);
+    let cal = super::NodeRun::start(
+        &env.dir.join("prepare.toml"),
+        "cal",
+        100,
+        o.tokens_per_second,
+        &env.dir.join("cal-busy"),
+    )?
+    .finish(Duration::from_secs(120))?;
+    ensure!(cal.success, "the busy calibration run failed:\n{}", cal.log);
+    let busy_fetch_us = cal
+        .steps
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| t.ready_us)
+        .fold(0.0, f64::max);
+    let mut plan = Plan::new("all-down-ssd-busy");
+    plan.ssd_fetch_us = Some(busy_fetch_us);
+    let (mut rack, mut run) = begin(env, &plan, o)?;
+    let down = kill_both(&mut rack, &mut run)?;
+    let metrics = run.metrics()?;
+    let healthy = restart_both(&mut rack, &mut run)?;
+    let out = finish(run, o, true)?;
+    let load_mib_s = meter.mib_per_second(&reader);
+    reader.stop()?;
+    let mut r = Report::check(
+        "all-down-ssd-busy",
+        about("all-down-ssd-busy"),
+        env,
+        &plan,
+        &out,
+    )?;
+    let from = down + 50_000.0;
+    let n = r
+        .between(from, healthy)
+        .filter(|s| s.tables.iter().all(|t| t.source.as_deref() == Some("ssd")))
+        .count();
+    ensure!(
+        n > 0,
+        "the SSD copy never served while both donors were down"
+    );
+    let ioprio = metrics
+        .lines()
+        .find(|l| l.starts_with("engram_node_ssd_engine{") && l.ends_with(" 1"))
+        .and_then(|l| l.split("ioprio=\"").nth(1))
+        .and_then(|p| p.split('"').next())
+        .context("no SSD engine in the node's metrics")?
+        .to_string();
+    if inference_node::source::ssd::ioprio::permitted(cluster_config::SsdIoprio::DEFAULT) {
+        // This process may read at real-time, so the node it started does.
+        ensure!(
+            ioprio.starts_with("realtime"),
+            "the SSD copy read at {ioprio}, not real-time"
+        );
+    }
+    r.figure(
+        "SSD fetch, longest",
+        format!(
+            "{:.2} ms with the drive busy ({ioprio}), {:.2} ms idle",
+            busy_fetch_us / 1e3,
+            env.ssd_fetch_us / 1e3
+        ),
+    );
+    r.figure(
+        "sequential reader",
+        format!("{load_mib_s:.0} MiB/s beside the node; {n} steps served from SSD"),
     );
     r.readmitted("donor-a", healthy)?;
     Ok(r)

@@ -201,6 +201,9 @@ pub struct Plan {
     pub max_connections: usize,
     /// Each donor's `hello_timeout_ms`.
     pub hello_timeout_ms: u64,
+    /// "One SSD fetch" of the stall bound, when not the environment's idle
+    /// calibration (a drill on a busy drive calibrates under its load).
+    pub ssd_fetch_us: Option<f64>,
 }
 
 impl Plan {
@@ -230,6 +233,7 @@ impl Plan {
             policy: "fail",
             max_connections: 64,
             hello_timeout_ms: 1_000,
+            ssd_fetch_us: None,
         }
     }
 

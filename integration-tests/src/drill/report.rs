@@ -139,7 +139,7 @@ impl Report {
             figures: Vec::new(),
             worst_stall_us: out.steps.iter().map(|s| s.stall_us).fold(0.0, f64::max),
             stall_bound_us: plan.hard_timeout_ms as f64 * 1e3
-                + env.ssd_fetch_us
+                + plan.ssd_fetch_us.unwrap_or(env.ssd_fetch_us)
                 + SCHED_ALLOWANCE_US,
             readmitted: Vec::new(),
             readmit_bound_s: (2.0 * plan.probe_interval_ms as f64 * 1e3
@@ -174,7 +174,7 @@ impl Report {
                 r.worst_stall_us / 1e3,
                 r.stall_bound_us / 1e3,
                 plan.hard_timeout_ms,
-                env.ssd_fetch_us / 1e3,
+                plan.ssd_fetch_us.unwrap_or(env.ssd_fetch_us) / 1e3,
                 SCHED_ALLOWANCE_US / 1e3
             ),
         ));

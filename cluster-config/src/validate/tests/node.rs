@@ -1,6 +1,7 @@
 //! Rules of `[[node]]` and its routes.
 
 use super::*;
+use crate::{IoClass, SsdIoprio};
 
 #[test]
 fn node_rules() {
@@ -78,6 +79,8 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(r.grace, Duration::from_micros(100));
     assert_eq!(r.hedge, Hedge::Percentile(99.0));
     assert_eq!((r.policy, r.trust_digest), (Policy::Fail, false));
+    assert_eq!(r.ssd_ioprio, SsdIoprio::DEFAULT);
+    assert_eq!(r.ssd_ioprio.to_string(), "realtime:4");
     // 100 tokens/s: W = 10 ms; table 1 (layer 1) gets W/40, table 14 13W/40.
     assert_eq!(n.window(&c, 1), Some(Duration::from_micros(250)));
     assert_eq!(n.window(&c, 14), Some(Duration::from_micros(3250)));
@@ -91,7 +94,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     let text = text.replacen(
         "ssd_path = \"ssd/layer1.etab\"",
         "ssd_path = \"ssd/layer1.etab\"\ngrace_us = 0\nhard_timeout_ms = 7\nhedge = \"150us\"\n\
-         policy = \"zeros\"\ntrust_digest = true",
+         policy = \"zeros\"\ntrust_digest = true\nssd_ioprio = \"best-effort:2\"",
         1,
     );
     let c = parse(&text).expect("valid");
@@ -106,6 +109,13 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(r.hard_timeout, Duration::from_millis(7));
     assert_eq!(r.hedge, Hedge::Fixed(Duration::from_micros(150)));
     assert_eq!((r.policy, r.trust_digest), (Policy::Zeros, true));
+    assert_eq!(
+        r.ssd_ioprio,
+        SsdIoprio {
+            class: IoClass::BestEffort,
+            level: 2
+        }
+    );
     // Both print as the config spells them (a reload's log line).
     assert_eq!(
         (r.hedge.to_string(), r.policy.to_string()),
@@ -146,7 +156,7 @@ fn node_knob_rules() {
         );
     }
     let route = |line: &str| format!("ssd_path = \"ssd/layer1.etab\"\n{line}");
-    let cases: [(&str, &str, &str); 8] = [
+    let cases: [(&str, &str, &str); 12] = [
         ("grace_us = -1", "grace_us", "out of range"),
         ("hard_timeout_ms = 0", "hard_timeout_ms", "out of range"),
         ("hedge = \"p100\"", "hedge", "not a hedge"),
@@ -155,6 +165,22 @@ fn node_knob_rules() {
         ("hedge = \"5s\"", "hedge", "not a hedge"),
         ("hedge = \"99999999999ms\"", "hedge", "not a hedge"),
         ("policy = \"drop\"", "policy", "not one of"),
+        ("ssd_ioprio = \"rt\"", "ssd_ioprio", "not an I/O priority"),
+        (
+            "ssd_ioprio = \"realtime:8\"",
+            "ssd_ioprio",
+            "not an I/O priority",
+        ),
+        (
+            "ssd_ioprio = \"idle:3\"",
+            "ssd_ioprio",
+            "not an I/O priority",
+        ),
+        (
+            "ssd_ioprio = \"best-effort:\"",
+            "ssd_ioprio",
+            "not an I/O priority",
+        ),
     ];
     for (line, key, msg) in cases {
         expect(
@@ -164,6 +190,15 @@ fn node_knob_rules() {
             &format!("node[0].route[0].{key}"),
             msg,
         );
+    }
+    for (text, class, level) in [
+        ("realtime", IoClass::RealTime, 4),
+        ("realtime:0", IoClass::RealTime, 0),
+        ("best-effort:7", IoClass::BestEffort, 7),
+        ("idle", IoClass::Idle, 0),
+    ] {
+        let p = SsdIoprio::parse(text).expect(text);
+        assert_eq!((p.class, p.level), (class, level), "{text}");
     }
     assert_eq!(parse_hedge("off"), Ok(Hedge::Off));
     assert_eq!(parse_hedge("p99.9"), Ok(Hedge::Percentile(99.9)));

@@ -15,6 +15,7 @@
 //! [`SsdReader`] is synchronous (one batch at a time, buffers reused);
 //! [`SsdSource`] runs one on its own thread for the router.
 
+pub mod ioprio;
 mod pages;
 mod pread;
 #[cfg(test)]
@@ -29,7 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use cluster_config::SsdIo;
+use cluster_config::{SsdIo, SsdIoprio};
 use engram_protocol::etab::TableLayout;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
@@ -78,6 +79,9 @@ pub struct SsdOptions {
     pub direct: bool,
     /// Threads of the pread pool.
     pub pread_threads: usize,
+    /// The I/O priority of the reads (real-time falls back to best-effort
+    /// where the process may not use it).
+    pub ioprio: SsdIoprio,
 }
 
 impl Default for SsdOptions {
@@ -86,6 +90,7 @@ impl Default for SsdOptions {
             io: SsdIo::Auto,
             direct: true,
             pread_threads: DEFAULT_PREAD_THREADS,
+            ioprio: SsdIoprio::DEFAULT,
         }
     }
 }
@@ -123,6 +128,7 @@ pub struct SsdReader {
     sums: Option<Vec<u64>>,
     direct: bool,
     pread_threads: usize,
+    ioprio: SsdIoprio,
     engine: Engine,
     plan: Vec<PageRead>,
     checksum_failures: u64,
@@ -183,13 +189,13 @@ impl SsdReader {
         };
         let (file, direct) = open_for_reads(path, opts.direct, &table.layout).map_err(io_err)?;
         let file = Arc::new(file);
-        let pool = || PreadPool::new(file.clone(), opts.pread_threads).map_err(io_err);
+        let ioprio = ioprio::effective(opts.ioprio);
+        let pool = || PreadPool::new(file.clone(), opts.pread_threads, ioprio).map_err(io_err);
+        let uring = |new_ring| UringEngine::new(new_ring, ioprio::value(ioprio));
         let engine = match opts.io {
             SsdIo::Pread => Engine::Pread(pool()?),
-            SsdIo::Uring => Engine::Uring(Box::new(
-                UringEngine::new(new_ring).map_err(SsdError::NoUring)?,
-            )),
-            SsdIo::Auto => match UringEngine::new(new_ring) {
+            SsdIo::Uring => Engine::Uring(Box::new(uring(new_ring).map_err(SsdError::NoUring)?)),
+            SsdIo::Auto => match uring(new_ring) {
                 Ok(e) => Engine::Uring(Box::new(e)),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "io_uring unavailable; reading the SSD copy with a pread pool");
@@ -205,6 +211,7 @@ impl SsdReader {
             sums,
             direct,
             pread_threads: opts.pread_threads,
+            ioprio,
             engine,
             plan: Vec::with_capacity(MAX_IN_FLIGHT),
             checksum_failures: 0,
@@ -228,6 +235,20 @@ impl SsdReader {
     /// Whether reads bypass the page cache.
     pub fn is_direct(&self) -> bool {
         self.direct
+    }
+
+    /// The I/O priority the reads have.
+    pub fn ioprio(&self) -> SsdIoprio {
+        self.ioprio
+    }
+
+    /// The pread pool's thread ids (none for io_uring), to read their I/O
+    /// priority back from the kernel.
+    pub fn pread_thread_ids(&self) -> Vec<libc::pid_t> {
+        match &self.engine {
+            Engine::Pread(pool) => pool.thread_ids().to_vec(),
+            Engine::Uring(_) => Vec::new(),
+        }
     }
 
     /// Whether each page read is checked against its checksum.
@@ -298,7 +319,7 @@ impl SsdReader {
         if let Engine::Uring(ring) = &self.engine
             && ring.is_broken()
         {
-            match PreadPool::new(self.file.clone(), self.pread_threads) {
+            match PreadPool::new(self.file.clone(), self.pread_threads, self.ioprio) {
                 Ok(pool) => {
                     self.retired_ring = ring.stats();
                     tracing::error!(path = %self.path.display(), "io_uring keeps failing; reading the SSD copy with a pread pool from now on");
@@ -388,6 +409,7 @@ impl SsdSource {
             engine: engine.name().to_string(),
             direct: r.is_direct().to_string(),
             page_checksums: r.checks_pages().to_string(),
+            ioprio: r.ioprio().to_string(),
         };
         let mut engine = reader.engine();
         engines.get_or_create(&labels(&reader, engine)).set(1);

@@ -12,8 +12,10 @@ use std::os::unix::fs::FileExt;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
+use cluster_config::SsdIoprio;
 use engram_protocol::ROW_BYTES;
 
+use super::ioprio;
 use super::pages::{PAGE, PageError, PageRead, Pages};
 
 type Answer = (u64, usize, Result<[u8; ROW_BYTES], PageError>);
@@ -24,6 +26,7 @@ pub struct PreadPool {
     jobs: Option<mpsc::Sender<Job>>,
     done_rx: mpsc::Receiver<Answer>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    tids: Vec<libc::pid_t>,
     generation: u64,
 }
 
@@ -34,27 +37,44 @@ struct Job {
 }
 
 impl PreadPool {
-    /// Start `threads` readers of `file`.
-    pub fn new(file: Arc<File>, threads: usize) -> std::io::Result<Self> {
+    /// Start `threads` readers of `file`, each reading at `prio` (the
+    /// caller checked it is permitted).
+    pub fn new(file: Arc<File>, threads: usize, prio: SsdIoprio) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let (done_tx, done_rx) = mpsc::channel();
+        let (tid_tx, tid_rx) = mpsc::channel();
         let mut handles = Vec::new();
         for i in 0..threads.max(1) {
             let rx = rx.clone();
             let done = done_tx.clone();
             let file = file.clone();
+            let tid_tx = tid_tx.clone();
             let h = std::thread::Builder::new()
                 .name(format!("ssd-pread-{i}"))
-                .spawn(move || reader_thread(&file, &rx, &done))?;
+                .spawn(move || {
+                    if let Err(e) = ioprio::set_current_thread(prio) {
+                        tracing::warn!(error = %e, ioprio = %prio, "a pread thread could not set its I/O priority");
+                    }
+                    let _ = tid_tx.send(ioprio::current_tid());
+                    reader_thread(&file, &rx, &done);
+                })?;
             handles.push(h);
         }
+        drop(tid_tx);
+        let tids = tid_rx.iter().take(handles.len()).collect();
         Ok(Self {
             jobs: Some(tx),
             done_rx,
             threads: handles,
+            tids,
             generation: 0,
         })
+    }
+
+    /// The pool's thread ids.
+    pub fn thread_ids(&self) -> &[libc::pid_t] {
+        &self.tids
     }
 
     /// Read every page of `plan`, each row into its place in `out`; the

@@ -53,6 +53,8 @@ struct Script {
     always_fail: bool,
     /// Each reap also yields a completion of an earlier batch.
     replay_stale: bool,
+    /// The I/O priority field of every SQE pushed.
+    ioprios: Vec<u16>,
     waits: u64,
     pushes: u64,
     /// User data of the batch before the current one.
@@ -75,6 +77,7 @@ impl Ring for FaultyRing {
         // SAFETY: forwarded from the caller.
         let ok = unsafe { self.ring.submission().push(entry) }.is_ok();
         let ud = entry.get_user_data();
+        s.ioprios.push(sqe_ioprio(entry));
         if s.current.first().is_some_and(|&c| c >> 32 != ud >> 32) {
             s.earlier = std::mem::take(&mut s.current);
         }
@@ -113,6 +116,17 @@ impl Ring for FaultyRing {
         }
         into.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
     }
+}
+
+/// The `ioprio` field of an SQE: bytes 2..4 of the kernel's
+/// `struct io_uring_sqe` (the io-uring crate keeps it private).
+fn sqe_ioprio(entry: &squeue::Entry) -> u16 {
+    const SQE: usize = 64;
+    assert_eq!(size_of::<squeue::Entry>(), SQE);
+    // SAFETY: `Entry` is `repr(C)` around the 64-byte kernel SQE; reading
+    // its bytes reads initialized plain data.
+    let bytes: &[u8; SQE] = unsafe { &*(entry as *const squeue::Entry).cast::<[u8; SQE]>() };
+    u16::from_le_bytes([bytes[2], bytes[3]])
 }
 
 fn faulty(script: Script) -> (RingFactory, Arc<Mutex<Script>>) {
@@ -253,4 +267,73 @@ fn a_copy_without_page_checksums_still_reads() {
     let mut r = open(&path, digest, SsdIo::Auto, Box::new(uring::real_ring));
     assert!(!r.checks_pages());
     read_and_check(&mut r, 50);
+}
+
+#[test]
+fn every_io_uring_read_carries_the_configured_priority() {
+    use cluster_config::{IoClass, SsdIoprio};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let rt = SsdIoprio::DEFAULT;
+    let be = SsdIoprio {
+        class: IoClass::BestEffort,
+        level: 6,
+    };
+    // Real-time where this process may use it (root, CAP_SYS_NICE), else
+    // the documented fall-back to best-effort at the same level.
+    let rt_or_be = if ioprio::permitted(rt) {
+        rt
+    } else {
+        SsdIoprio {
+            class: IoClass::BestEffort,
+            level: rt.level,
+        }
+    };
+    for (wanted, got) in [(be, be), (rt, rt_or_be)] {
+        let (rings, script) = faulty(Script::default());
+        let opts = SsdOptions {
+            io: SsdIo::Uring,
+            ioprio: wanted,
+            ..SsdOptions::default()
+        };
+        let mut r = SsdReader::open_with(&path, pin(digest), false, opts, rings).expect("open");
+        assert_eq!(r.ioprio(), got);
+        read_and_check(&mut r, 20);
+        let seen = std::mem::take(&mut script.lock().expect("script").ioprios);
+        assert!(seen.len() >= 20 * 24);
+        assert!(
+            seen.iter().all(|&p| p == ioprio::value(got)),
+            "{wanted}: SQE priorities {:?}",
+            &seen[..4]
+        );
+    }
+}
+
+#[test]
+fn every_pread_thread_has_the_configured_priority() {
+    use cluster_config::{IoClass, SsdIoprio};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    for wanted in [
+        SsdIoprio::DEFAULT,
+        SsdIoprio {
+            class: IoClass::Idle,
+            level: 0,
+        },
+    ] {
+        let opts = SsdOptions {
+            io: SsdIo::Pread,
+            pread_threads: 6,
+            ioprio: wanted,
+            ..SsdOptions::default()
+        };
+        let mut r = SsdReader::open(&path, pin(digest), false, opts).expect("open");
+        let tids = r.pread_thread_ids();
+        assert_eq!(tids.len(), 6);
+        for tid in tids {
+            let p = ioprio::of_thread(tid).expect("ioprio_get");
+            assert_eq!(p, ioprio::value(r.ioprio()), "thread {tid} ({wanted})");
+        }
+        read_and_check(&mut r, 10);
+    }
 }

@@ -78,6 +78,8 @@ pub struct RingStats {
 /// Reads pages through io_uring.
 pub(crate) struct UringEngine {
     ring: Box<dyn Ring>,
+    /// Every read's I/O priority (the kernel's encoding).
+    ioprio: u16,
     new_ring: RingFactory,
     pages: Pages,
     generation: u32,
@@ -96,10 +98,11 @@ fn untag(user_data: u64) -> (u32, usize) {
 }
 
 impl UringEngine {
-    pub(crate) fn new(mut new_ring: RingFactory) -> std::io::Result<Self> {
+    pub(crate) fn new(mut new_ring: RingFactory, ioprio: u16) -> std::io::Result<Self> {
         let ring = new_ring()?;
         Ok(Self {
             ring,
+            ioprio,
             new_ring,
             pages: Pages::new(24),
             generation: 0,
@@ -150,6 +153,7 @@ impl UringEngine {
         for (i, read) in plan.iter().enumerate() {
             let entry = opcode::Read::new(types::Fd(fd), self.pages.page_ptr(i), PAGE as u32)
                 .offset(read.offset)
+                .ioprio(self.ioprio)
                 .build()
                 .user_data(tag(self.generation, i));
             // SAFETY: the page stays allocated and untouched until its
