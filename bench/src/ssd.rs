@@ -74,6 +74,9 @@ fn ensure_file(args: &SsdArgs) -> Result<()> {
         .args(["--rows", &args.rows.to_string()])
         .arg("--out")
         .arg(&args.file)
+        // Its summary line is progress, not the benchmark's output (which
+        // may be JSON).
+        .stdout(std::io::stderr())
         .status()
         .context("running memory-donor gen")?;
     if !status.success() {
