@@ -350,12 +350,8 @@ async fn open_copy(
             .await?
             .map_err(|source| MemoryError::Ssd { table: id, source })?;
         tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), page_checksums = reader.checks_pages(), ioprio = %reader.ioprio(), "SSD copy ready");
-        let src = SsdSource::new(id, reader, metrics.ssd_engine.clone()).map_err(|e| {
-            MemoryError::Internal {
-                table: id,
-                message: format!("starting the SSD reader: {e}"),
-            }
-        })?;
+        let src = SsdSource::new(id, reader, metrics.ssd_engine.clone())
+            .map_err(|source| MemoryError::Ssd { table: id, source })?;
         Arc::new(src)
     };
     let name = src.name().to_string();

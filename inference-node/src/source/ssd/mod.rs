@@ -125,7 +125,7 @@ pub struct SsdReader {
     file: Arc<File>,
     layout: TableLayout,
     digest: TableDigest,
-    sums: Option<Vec<u64>>,
+    sums: Option<Arc<[u64]>>,
     direct: bool,
     pread_threads: usize,
     ioprio: SsdIoprio,
@@ -182,7 +182,7 @@ impl SsdReader {
         if let Some(hint) = table.page_sums_hint() {
             tracing::warn!("{hint}");
         }
-        let sums = table.read_page_sums()?;
+        let sums = table.read_page_sums()?.map(Arc::from);
         let io_err = |source| SsdError::Io {
             path: path.to_path_buf(),
             source,
@@ -212,6 +212,40 @@ impl SsdReader {
             direct,
             pread_threads: opts.pread_threads,
             ioprio,
+            engine,
+            plan: Vec::with_capacity(MAX_IN_FLIGHT),
+            checksum_failures: 0,
+            retired_ring: RingStats::default(),
+        })
+    }
+
+    /// Another reader of the same copy, with its own engine of the same
+    /// kind (its own ring and buffers, or its own pread pool) and the
+    /// checksums shared: a second batch can be read while this one's is.
+    pub fn another(&self) -> Result<Self, SsdError> {
+        let io_err = |source| SsdError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let engine = match self.engine {
+            Engine::Uring(_) => Engine::Uring(Box::new(
+                UringEngine::new(Box::new(uring::real_ring), ioprio::value(self.ioprio))
+                    .map_err(SsdError::NoUring)?,
+            )),
+            Engine::Pread(_) => Engine::Pread(
+                PreadPool::new(self.file.clone(), self.pread_threads, self.ioprio)
+                    .map_err(io_err)?,
+            ),
+        };
+        Ok(Self {
+            path: self.path.clone(),
+            file: self.file.clone(),
+            layout: self.layout,
+            digest: self.digest,
+            sums: self.sums.clone(),
+            direct: self.direct,
+            pread_threads: self.pread_threads,
+            ioprio: self.ioprio,
             engine,
             plan: Vec::with_capacity(MAX_IN_FLIGHT),
             checksum_failures: 0,
@@ -385,7 +419,13 @@ struct Job {
     reply: oneshot::Sender<Result<Vec<u8>, SourceError>>,
 }
 
-/// An SSD copy as a row source: an [`SsdReader`] on its own thread.
+/// Readers per copy, each on its own thread: a lookup can start while an
+/// earlier batch (a hedge nobody waits for any more, on a busy drive) is
+/// still being read.
+pub const READERS: usize = 2;
+
+/// An SSD copy as a row source: [`READERS`] readers, each on its own
+/// thread, taking lookups from one queue.
 #[derive(Debug)]
 pub struct SsdSource {
     table: u32,
@@ -395,45 +435,44 @@ pub struct SsdSource {
 }
 
 impl SsdSource {
-    /// Serve table `table` from `reader`; `engines` shows which engine reads
-    /// it (1 for the one in use), kept up to date if it ever changes.
+    /// Serve table `table` from `reader` and [`READERS`]` - 1` more of the
+    /// same copy; `engines` shows which engine reads it (1 for each in use),
+    /// kept up to date if it ever changes.
     pub fn new(
         table: u32,
-        mut reader: SsdReader,
+        reader: SsdReader,
+        engines: Family<SsdLabels, Gauge>,
+    ) -> Result<Self, SsdError> {
+        let mut readers = Vec::with_capacity(READERS);
+        for _ in 1..READERS {
+            readers.push(reader.another()?);
+        }
+        readers.insert(0, reader);
+        Self::with_readers(table, readers, engines).map_err(|source| SsdError::Io {
+            path: PathBuf::from(format!("the SSD reader threads of table {table}")),
+            source,
+        })
+    }
+
+    /// Serve table `table` from `readers` (at least one, of one copy).
+    fn with_readers(
+        table: u32,
+        readers: Vec<SsdReader>,
         engines: Family<SsdLabels, Gauge>,
     ) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
-        let digest = reader.digest();
-        let labels = move |r: &SsdReader, engine: SsdEngine| SsdLabels {
-            table: table.to_string(),
-            engine: engine.name().to_string(),
-            direct: r.is_direct().to_string(),
-            page_checksums: r.checks_pages().to_string(),
-            ioprio: r.ioprio().to_string(),
-        };
-        let mut engine = reader.engine();
-        engines.get_or_create(&labels(&reader, engine)).set(1);
-        let uring = Arc::new(AtomicBool::new(engine == SsdEngine::Uring));
-        let shown = Arc::clone(&uring);
-        std::thread::Builder::new()
-            .name(format!("ssd-{table}"))
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    // A cancelled fetch (a hedge that lost) is skipped.
-                    if job.reply.is_closed() {
-                        continue;
-                    }
-                    let mut out = vec![0u8; job.rows.len() * ROW_BYTES];
-                    let res = reader.read(&job.rows, &mut out).map(|()| out);
-                    let _ = job.reply.send(res);
-                    if reader.engine() != engine {
-                        engines.get_or_create(&labels(&reader, engine)).set(0);
-                        engine = reader.engine();
-                        engines.get_or_create(&labels(&reader, engine)).set(1);
-                        shown.store(engine == SsdEngine::Uring, Ordering::Relaxed);
-                    }
-                }
-            })?;
+        let rx = Arc::new(Mutex::new(rx));
+        let first = readers
+            .first()
+            .ok_or_else(|| std::io::Error::other("no reader"))?;
+        let digest = first.digest();
+        let uring = Arc::new(AtomicBool::new(first.engine() == SsdEngine::Uring));
+        for (i, reader) in readers.into_iter().enumerate() {
+            let (rx, engines, shown) = (Arc::clone(&rx), engines.clone(), Arc::clone(&uring));
+            std::thread::Builder::new()
+                .name(format!("ssd-{table}-{i}"))
+                .spawn(move || serve_jobs(table, reader, &rx, &engines, &shown))?;
+        }
         Ok(Self {
             table,
             digest,
@@ -448,6 +487,44 @@ impl SsdSource {
             SsdEngine::Uring
         } else {
             SsdEngine::Pread
+        }
+    }
+}
+
+/// One reader's thread: take the next lookup from the queue, read it, answer.
+fn serve_jobs(
+    table: u32,
+    mut reader: SsdReader,
+    jobs: &Mutex<mpsc::Receiver<Job>>,
+    engines: &Family<SsdLabels, Gauge>,
+    shown: &AtomicBool,
+) {
+    let labels = |r: &SsdReader, engine: SsdEngine| SsdLabels {
+        table: table.to_string(),
+        engine: engine.name().to_string(),
+        direct: r.is_direct().to_string(),
+        page_checksums: r.checks_pages().to_string(),
+        ioprio: r.ioprio().to_string(),
+    };
+    let mut engine = reader.engine();
+    engines.get_or_create(&labels(&reader, engine)).set(1);
+    loop {
+        let job = match jobs.lock().map(|q| q.recv()) {
+            Ok(Ok(job)) => job,
+            _ => return,
+        };
+        // A cancelled fetch (a hedge that lost) is skipped.
+        if job.reply.is_closed() {
+            continue;
+        }
+        let mut out = vec![0u8; job.rows.len() * ROW_BYTES];
+        let res = reader.read(&job.rows, &mut out).map(|()| out);
+        let _ = job.reply.send(res);
+        if reader.engine() != engine {
+            engines.get_or_create(&labels(&reader, engine)).set(0);
+            engine = reader.engine();
+            engines.get_or_create(&labels(&reader, engine)).set(1);
+            shown.store(engine == SsdEngine::Uring, Ordering::Relaxed);
         }
     }
 }

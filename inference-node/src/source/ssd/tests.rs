@@ -55,6 +55,11 @@ struct Script {
     replay_stale: bool,
     /// The I/O priority field of every SQE pushed.
     ioprios: Vec<u16>,
+    /// The first wait that finds it hands its reads to the kernel, then
+    /// blocks until it is released (a batch held on a busy drive).
+    gate: Option<mpsc::Receiver<()>>,
+    /// Set once a wait is held at the gate.
+    held: bool,
     waits: u64,
     pushes: u64,
     /// User data of the batch before the current one.
@@ -86,6 +91,12 @@ impl Ring for FaultyRing {
     }
 
     fn submit_and_wait(&mut self, want: usize) -> std::io::Result<usize> {
+        let gate = self.script.lock().expect("script").gate.take();
+        if let Some(gate) = gate {
+            self.ring.submit()?;
+            self.script.lock().expect("script").held = true;
+            let _ = gate.recv();
+        }
         let mut s = self.script.lock().expect("script");
         s.waits += 1;
         let interrupted = s.interrupt_every.is_some_and(|n| s.waits.is_multiple_of(n));
@@ -131,14 +142,18 @@ fn sqe_ioprio(entry: &squeue::Entry) -> u16 {
 
 fn faulty(script: Script) -> (RingFactory, Arc<Mutex<Script>>) {
     let script = Arc::new(Mutex::new(script));
-    let shared = Arc::clone(&script);
-    let factory: RingFactory = Box::new(move || {
+    (faulty_with(&script), script)
+}
+
+/// Rings that all follow `script`.
+fn faulty_with(script: &Arc<Mutex<Script>>) -> RingFactory {
+    let shared = Arc::clone(script);
+    Box::new(move || {
         Ok(Box::new(FaultyRing {
             ring: IoUring::new(MAX_IN_FLIGHT as u32)?,
             script: Arc::clone(&shared),
         }) as Box<dyn Ring>)
-    });
-    (factory, script)
+    })
 }
 
 fn open(path: &Path, digest: TableDigest, io: SsdIo, rings: RingFactory) -> SsdReader {
@@ -336,4 +351,46 @@ fn every_pread_thread_has_the_configured_priority() {
         }
         read_and_check(&mut r, 10);
     }
+}
+
+#[tokio::test]
+async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let (release, gate) = mpsc::channel();
+    let script = Arc::new(Mutex::new(Script {
+        gate: Some(gate),
+        ..Script::default()
+    }));
+    let readers = (0..READERS)
+        .map(|_| {
+            let opts = SsdOptions {
+                io: SsdIo::Uring,
+                ..SsdOptions::default()
+            };
+            SsdReader::open_with(&path, pin(digest), false, opts, faulty_with(&script))
+                .expect("open")
+        })
+        .collect();
+    let src = SsdSource::with_readers(1, readers, Family::default()).expect("source");
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    let (rows_a, rows_b) = ([1u64, 2, 3], [400u64, 500, 600]);
+    let (mut out_a, mut out_b) = ([0u8; 3 * ROW_BYTES], [0u8; 3 * ROW_BYTES]);
+    let mut a = Box::pin(src.fetch(1, &rows_a, &mut out_a, deadline));
+    // A is queued and taken by a reader, which the gate holds mid-batch.
+    let short = std::time::Duration::from_millis(5);
+    while !script.lock().expect("script").held {
+        assert!(
+            tokio::time::timeout(short, &mut a).await.is_err(),
+            "A ended"
+        );
+    }
+    // B is read by another reader while A's batch is still held.
+    src.fetch(1, &rows_b, &mut out_b, deadline)
+        .await
+        .expect("B is not stuck behind A");
+    assert_eq!(first_mismatch(SEED, 1, &rows_b, &out_b), None);
+    release.send(()).expect("release A");
+    a.await.expect("A");
+    assert_eq!(first_mismatch(SEED, 1, &rows_a, &out_a), None);
 }
