@@ -17,12 +17,14 @@
 
 pub mod daemon;
 pub mod model;
+pub mod pki;
 pub mod plan;
 mod raw;
+pub mod tls;
 mod validate;
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -49,7 +51,130 @@ pub struct Config {
     pub nodes: Vec<Node>,
     /// The model's Engram parameters (`[model]`), if given.
     pub model: Option<model::Model>,
+    /// The rack's PKI (`[rack.tls]`), if it has one: TLS and QUIC on every plane.
+    pub tls: Option<TlsSettings>,
+    /// Whether plaintext (`tcp`, an unencrypted control plane) may bind
+    /// anything but loopback.
+    pub plaintext: Plaintext,
 }
+
+/// The rack's PKI: where its CA and the hosts' certificates are.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsSettings {
+    /// Where `engram-cluster pki` writes and the daemons read by default
+    /// (`pki` beside the config unless `dir` says otherwise).
+    pub dir: PathBuf,
+    /// The rack CA's certificate (PEM); default `DIR/ca.pem`.
+    pub ca: PathBuf,
+    /// Identities that may operate donors (Drain, SwapTable).
+    pub operators: Vec<String>,
+}
+
+/// One host's certificate files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The rack CA (PEM).
+    pub ca: PathBuf,
+    /// The host's certificate (PEM).
+    pub cert: PathBuf,
+    /// The host's private key (PEM, PKCS#8).
+    pub key: PathBuf,
+}
+
+/// `rack.plaintext`: may plaintext bind a non-loopback address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Plaintext {
+    /// Plaintext only on loopback (the default).
+    #[default]
+    LoopbackOnly,
+    /// Plaintext anywhere (`plaintext = "allow"`): the operator accepts
+    /// rows and credentials in the clear on this network.
+    Allow,
+}
+
+/// How one data-plane address is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Transport {
+    /// Plain TCP (frames in the clear; the Hello credential authenticates).
+    Tcp,
+    /// TLS 1.3 over TCP with mutual certificate authentication.
+    Tls,
+    /// QUIC (TLS 1.3 inside), ALPN `engram/1`.
+    Quic,
+}
+
+impl Transport {
+    /// Every transport, in the node's order of preference for a donor that
+    /// offers several: TLS, then QUIC, then TCP.
+    pub const PREFERENCE: [Self; 3] = [Self::Tls, Self::Quic, Self::Tcp];
+
+    /// The name in configs and URLs (`tcp`, `tls`, `quic`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Tls => "tls",
+            Self::Quic => "quic",
+        }
+    }
+
+    /// Parse `tcp`, `tls` or `quic`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "tcp" => Some(Self::Tcp),
+            "tls" => Some(Self::Tls),
+            "quic" => Some(Self::Quic),
+            _ => None,
+        }
+    }
+
+    /// True for TLS and QUIC.
+    pub fn is_secure(self) -> bool {
+        self != Self::Tcp
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A data-plane address and how it is spoken: `tls://10.0.0.11:7410`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// The transport.
+    pub transport: Transport,
+    /// The address.
+    pub addr: SocketAddr,
+}
+
+impl Endpoint {
+    /// An endpoint.
+    pub fn new(transport: Transport, addr: SocketAddr) -> Self {
+        Self { transport, addr }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}", self.transport, self.addr)
+    }
+}
+
+/// How a node reaches one donor: over which of its transports, and over
+/// which link (a Thunderbolt IP link, say).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Link {
+    /// The transport to use, when not the donor's most secure one.
+    pub transport: Option<Transport>,
+    /// Source address of the node's connections to the donor.
+    pub bind: Option<IpAddr>,
+    /// Network interface the connections must use (`SO_BINDTODEVICE`).
+    pub interface: Option<String>,
+}
+
+/// Longest interface name Linux accepts (IFNAMSIZ - 1).
+pub const MAX_INTERFACE_NAME: usize = 15;
 
 /// One Engram table and its pinned version.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,10 +208,19 @@ pub enum MlockMode {
 pub struct Donor {
     /// Unique name.
     pub name: String,
-    /// Data-plane TCP addresses to bind.
-    pub listen: Vec<SocketAddr>,
-    /// Data-plane TCP addresses nodes dial.
-    pub advertise: Vec<SocketAddr>,
+    /// Data-plane addresses to bind, each with its transport.
+    pub listen: Vec<Endpoint>,
+    /// Data-plane addresses nodes dial, each with its transport.
+    pub advertise: Vec<Endpoint>,
+    /// Node identities allowed on its TLS and QUIC data plane (default: every node).
+    pub clients: Vec<String>,
+    /// `SwapTable` loads only files under these directories (`table_dir`,
+    /// or the directories of its configured tables).
+    pub table_dirs: Vec<PathBuf>,
+    /// Its certificate, when not `DIR/NAME.pem`.
+    pub tls_cert: Option<PathBuf>,
+    /// Its key, when not `DIR/NAME.key`.
+    pub tls_key: Option<PathBuf>,
     /// Ids of the tables it holds.
     pub tables: Vec<u32>,
     /// RAM it has for tables and headroom, in GiB.
@@ -138,7 +272,22 @@ impl Donor {
         }
         self.advertise
             .first()
-            .map(|a| SocketAddr::new(a.ip(), c.port()))
+            .map(|a| SocketAddr::new(a.addr.ip(), c.port()))
+    }
+
+    /// The address to dial for `transport`, or for the most secure
+    /// transport advertised when `None` (TLS, then QUIC, then TCP).
+    pub fn endpoints(&self, transport: Option<Transport>) -> Vec<Endpoint> {
+        let pick = transport.or_else(|| {
+            Transport::PREFERENCE
+                .into_iter()
+                .find(|t| self.advertise.iter().any(|e| e.transport == *t))
+        });
+        self.advertise
+            .iter()
+            .filter(|e| Some(e.transport) == pick)
+            .copied()
+            .collect()
     }
 }
 
@@ -335,11 +484,17 @@ pub struct Node {
     pub ssd_io: SsdIo,
     /// Open SSD copies with O_DIRECT (bypass the page cache).
     pub ssd_direct: bool,
+    /// Per donor: which transport and link to use (`[[node.link]]`).
+    pub links: Vec<(String, Link)>,
+    /// Its certificate, when not `DIR/NAME.pem`.
+    pub tls_cert: Option<PathBuf>,
+    /// Its key, when not `DIR/NAME.key`.
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Where the node daemon serves its API unless the config says otherwise (this host only).
 pub const DEFAULT_NODE_API: SocketAddr =
-    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 7420);
+    SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 7420);
 
 /// Blocks in a V4.1 token; a table's window is measured in them.
 pub const MODEL_BLOCKS: u32 = 40;
@@ -384,6 +539,15 @@ impl Node {
     /// The route of a table.
     pub fn route(&self, table: u32) -> Option<&Route> {
         self.routes.iter().find(|r| r.table == table)
+    }
+
+    /// How this node reaches donor `donor` (defaults when no `[[node.link]]` names it).
+    pub fn link(&self, donor: &str) -> Link {
+        self.links
+            .iter()
+            .find(|(d, _)| d == donor)
+            .map(|(_, l)| l.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -471,6 +635,32 @@ impl Config {
     /// The node with this name.
     pub fn node(&self, name: &str) -> Option<&Node> {
         self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// The certificate files of `host` (a donor, node or operator), when
+    /// the rack has a PKI: `DIR/HOST.pem` and `DIR/HOST.key` unless the
+    /// host's `tls_cert` / `tls_key` say otherwise.
+    pub fn tls_files(&self, host: &str) -> Option<TlsFiles> {
+        let tls = self.tls.as_ref()?;
+        let (cert, key) = if let Some(d) = self.donor(host) {
+            (d.tls_cert.clone(), d.tls_key.clone())
+        } else if let Some(n) = self.node(host) {
+            (n.tls_cert.clone(), n.tls_key.clone())
+        } else {
+            (None, None)
+        };
+        Some(TlsFiles {
+            ca: tls.ca.clone(),
+            cert: cert.unwrap_or_else(|| tls.dir.join(format!("{host}.pem"))),
+            key: key.unwrap_or_else(|| tls.dir.join(format!("{host}.key"))),
+        })
+    }
+
+    /// True when `name` is one of `[rack.tls] operators`.
+    pub fn is_operator(&self, name: &str) -> bool {
+        self.tls
+            .as_ref()
+            .is_some_and(|t| t.operators.iter().any(|o| o == name))
     }
 
     /// The shared credential, read from its file (see [`read_credential`]).

@@ -359,7 +359,7 @@ mod tests {
     /// Two V4.1 tables, `donor-a` holding table 1 and `big` both.
     fn config(tps: f64, ram_a: f64, sources1: &str) -> Config {
         let text = format!(
-            "version = 1\n[rack]\nname = \"r\"\n\
+            "version = 1\n[rack]\nname = \"r\"\ntls = {{}}\n\
              [[table]]\nid = 1\nlayer = 1\npath = \"/t1\"\nrows = 384006168\ndigest = \"{D}\"\n\
              [[table]]\nid = 14\nlayer = 14\npath = \"/t14\"\nrows = 384016682\ndigest = \"{D}\"\n\
              [[donor]]\nname = \"donor-a\"\nlisten = [\"10.0.0.1:1\"]\ntables = [1]\nram_gib = {ram_a}\n\

@@ -26,6 +26,17 @@ pub(crate) struct RawConfig {
 pub(crate) struct RawRack {
     pub name: S<String>,
     pub credential_file: Option<S<String>>,
+    pub plaintext: Option<S<String>>,
+    pub tls: Option<S<RawTls>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTls {
+    pub dir: Option<S<String>>,
+    pub ca: Option<S<String>>,
+    #[serde(default)]
+    pub operators: Vec<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -58,6 +69,19 @@ pub(crate) struct RawDonor {
     pub drain_timeout_ms: Option<S<i64>>,
     pub control: Option<S<String>>,
     pub metrics: Option<S<String>>,
+    pub clients: Option<S<Vec<S<String>>>>,
+    pub table_dir: Option<S<String>>,
+    pub tls_cert: Option<S<String>>,
+    pub tls_key: Option<S<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawLink {
+    pub donor: S<String>,
+    pub transport: Option<S<String>>,
+    pub bind: Option<S<String>>,
+    pub interface: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,6 +100,10 @@ pub(crate) struct RawNode {
     pub ssd_direct: Option<bool>,
     #[serde(default, rename = "route")]
     pub routes: Vec<S<RawRoute>>,
+    #[serde(default, rename = "link")]
+    pub links: Vec<S<RawLink>>,
+    pub tls_cert: Option<S<String>>,
+    pub tls_key: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -13,8 +13,11 @@ use engram_protocol::etab::MAX_ROWS;
 use engram_protocol::frame::{DEFAULT_MAX_ROWS, MAX_ROWS_CEILING};
 use engram_protocol::messages::{MAX_NAME, NO_TABLE};
 
-use crate::raw::{RawConfig, RawDonor, RawTable, S};
-use crate::{Config, ConfigError, Diagnostic, Donor, MlockMode, SCHEMA_VERSION, Table};
+use crate::raw::{RawConfig, RawDonor, RawTable, RawTls, S};
+use crate::{
+    Config, ConfigError, Diagnostic, Donor, Endpoint, MlockMode, Plaintext, SCHEMA_VERSION, Table,
+    TlsSettings, Transport,
+};
 
 /// Highest layer id accepted.
 pub const MAX_LAYER: i64 = 1023;
@@ -139,10 +142,30 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
         .as_ref()
         .map(|p| cx.path(p, "rack.credential_file", base));
 
+    let plaintext = match rack.plaintext.as_ref().map(|p| (p, p.get_ref().as_str())) {
+        None | Some((_, "loopback")) => Plaintext::LoopbackOnly,
+        Some((_, "allow")) => Plaintext::Allow,
+        Some((p, other)) => {
+            cx.at(
+                p.span(),
+                "rack.plaintext",
+                format!("{other:?} is not one of \"loopback\" (the default), \"allow\""),
+            );
+            Plaintext::LoopbackOnly
+        }
+    };
+    let tls = rack.tls.as_ref().map(|t| tls(cx, t.get_ref(), base));
+    let default_transport = if tls.is_some() {
+        Transport::Tls
+    } else {
+        Transport::Tcp
+    };
+
     let tables = tables(cx, &raw.tables, base);
-    let donors = donors(cx, &raw.donors, &tables);
+    let donors = donors(cx, &raw.donors, &tables, default_transport, base);
     let nodes = node::nodes(cx, &raw.nodes, &tables, &donors, base);
     let model = raw.model.as_ref().map(|m| model::model(cx, m, base));
+    security::check(cx, raw, tls.as_ref(), plaintext, &donors, &nodes);
     Config {
         path: cx.file.to_path_buf(),
         rack: rack_name,
@@ -151,7 +174,31 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
         donors,
         nodes,
         model,
+        tls,
+        plaintext,
     }
+}
+
+fn tls(cx: &mut Ctx<'_>, t: &RawTls, base: &Path) -> TlsSettings {
+    let dir = match &t.dir {
+        Some(d) => cx.path(d, "rack.tls.dir", base),
+        None => base.join("pki"),
+    };
+    let ca = match &t.ca {
+        Some(c) => cx.path(c, "rack.tls.ca", base),
+        None => dir.join("ca.pem"),
+    };
+    let mut operators = Vec::new();
+    for (i, o) in t.operators.iter().enumerate() {
+        let key = format!("rack.tls.operators[{i}]");
+        let name = cx.name(o, &key);
+        if operators.contains(&name) {
+            cx.at(o.span(), key, format!("operator {name:?} is listed twice"));
+        } else {
+            operators.push(name);
+        }
+    }
+    TlsSettings { dir, ca, operators }
 }
 
 fn tables(cx: &mut Ctx<'_>, raw: &[S<RawTable>], base: &Path) -> Vec<Table> {
@@ -196,36 +243,80 @@ fn tables(cx: &mut Ctx<'_>, raw: &[S<RawTable>], base: &Path) -> Vec<Table> {
     out
 }
 
-fn addrs(
+/// Data-plane addresses: `[tcp|tls|quic://]IP:PORT`, `default` when the
+/// scheme is left out.
+fn endpoints(
     cx: &mut Ctx<'_>,
     list: &S<Vec<S<String>>>,
     key: &str,
     allow_wildcard: bool,
-) -> Vec<SocketAddr> {
-    let mut out = Vec::new();
+    default: Transport,
+) -> Vec<Endpoint> {
+    let mut out: Vec<Endpoint> = Vec::new();
     if list.get_ref().is_empty() {
         cx.at(list.span(), key, "at least one address is needed");
     }
     for (j, a) in list.get_ref().iter().enumerate() {
-        match addr(cx, a, &format!("{key}[{j}]"), allow_wildcard) {
-            Some(addr) if out.contains(&addr) => cx.at(
-                a.span(),
-                format!("{key}[{j}]"),
-                format!("{addr} is listed twice"),
-            ),
-            Some(addr) => out.push(addr),
-            None => {}
+        let key = format!("{key}[{j}]");
+        let text = a.get_ref();
+        let (transport, rest) = match text.split_once("://") {
+            Some((scheme, rest)) => match Transport::parse(scheme) {
+                Some(t) => (t, rest),
+                None => {
+                    cx.at(
+                        a.span(),
+                        key,
+                        format!(
+                            "{scheme:?} is not a transport: \"tcp://\", \"tls://\" or \"quic://\""
+                        ),
+                    );
+                    continue;
+                }
+            },
+            None => (default, text.as_str()),
+        };
+        let Some(addr) = addr_str(cx, rest, a.span(), &key, allow_wildcard) else {
+            continue;
+        };
+        let e = Endpoint::new(transport, addr);
+        // TCP and TLS share TCP's port space; QUIC is UDP.
+        let udp = |t: Transport| t == Transport::Quic;
+        if out.contains(&e) {
+            cx.at(a.span(), key, format!("{e} is listed twice"));
+            continue;
         }
+        if let Some(b) = out
+            .iter()
+            .find(|b| udp(b.transport) == udp(transport) && overlaps(b.addr, addr))
+        {
+            cx.at(
+                a.span(),
+                key,
+                format!("{e} collides with {b}: give each its own address or port"),
+            );
+            continue;
+        }
+        out.push(e);
     }
     out
 }
 
 /// One `IP:PORT`; with `allow_wildcard`, a bindable one (`0.0.0.0`, port 0).
 fn addr(cx: &mut Ctx<'_>, a: &S<String>, key: &str, allow_wildcard: bool) -> Option<SocketAddr> {
-    match a.get_ref().parse::<SocketAddr>() {
+    addr_str(cx, a.get_ref(), a.span(), key, allow_wildcard)
+}
+
+fn addr_str(
+    cx: &mut Ctx<'_>,
+    text: &str,
+    span: Range<usize>,
+    key: &str,
+    allow_wildcard: bool,
+) -> Option<SocketAddr> {
+    match text.parse::<SocketAddr>() {
         Ok(addr) if !allow_wildcard && (addr.ip().is_unspecified() || addr.port() == 0) => {
             cx.at(
-                a.span(),
+                span,
                 key,
                 format!("{addr} cannot be dialled: give a concrete address and port"),
             );
@@ -233,7 +324,7 @@ fn addr(cx: &mut Ctx<'_>, a: &S<String>, key: &str, allow_wildcard: bool) -> Opt
         }
         Ok(addr) => Some(addr),
         Err(_) => {
-            cx.at(a.span(), key, format!("{:?} is not IP:PORT", a.get_ref()));
+            cx.at(span, key, format!("{text:?} is not IP:PORT"));
             None
         }
     }
@@ -251,10 +342,14 @@ fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
 fn ops_addrs(
     cx: &mut Ctx<'_>,
     d: &RawDonor,
-    listen: &[SocketAddr],
+    listen: &[Endpoint],
     k: &dyn Fn(&str) -> String,
 ) -> (Option<SocketAddr>, Option<SocketAddr>) {
-    let mut taken: Vec<(SocketAddr, &str)> = listen.iter().map(|a| (*a, "listen")).collect();
+    let mut taken: Vec<(SocketAddr, &str)> = listen
+        .iter()
+        .filter(|e| e.transport != Transport::Quic)
+        .map(|e| (e.addr, "listen"))
+        .collect();
     let mut out = [None, None];
     for (slot, (name, raw)) in out
         .iter_mut()
@@ -279,7 +374,13 @@ fn ops_addrs(
     (control, metrics)
 }
 
-fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor> {
+fn donors(
+    cx: &mut Ctx<'_>,
+    raw: &[S<RawDonor>],
+    tables: &[Table],
+    default_transport: Transport,
+    base: &Path,
+) -> Vec<Donor> {
     let mut out = Vec::new();
     let mut names = HashSet::new();
     for (i, d) in raw.iter().enumerate() {
@@ -300,11 +401,23 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
                 format!("donor {name:?} is defined twice"),
             );
         }
-        let listen = addrs(cx, &d.listen, &k("listen"), true);
+        let listen = endpoints(cx, &d.listen, &k("listen"), true, default_transport);
         let advertise = match &d.advertise {
-            Some(a) => addrs(cx, a, &k("advertise"), false),
+            Some(a) => {
+                let ads = endpoints(cx, a, &k("advertise"), false, default_transport);
+                for (j, e) in ads.iter().enumerate() {
+                    if !listen.iter().any(|l| l.transport == e.transport) {
+                        cx.at(
+                            a.get_ref()[j.min(a.get_ref().len() - 1)].span(),
+                            format!("{}[{j}]", k("advertise")),
+                            format!("{e}: the donor listens on no {} address", e.transport),
+                        );
+                    }
+                }
+                ads
+            }
             None => {
-                if listen.iter().any(|a| a.ip().is_unspecified()) {
+                if listen.iter().any(|a| a.addr.ip().is_unspecified()) {
                     cx.at(
                         d.listen.span(),
                         k("listen"),
@@ -397,6 +510,42 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
             }
         };
         let (control, metrics) = ops_addrs(cx, d, &listen, &k);
+        let clients = match &d.clients {
+            None => Vec::new(),
+            Some(list) => {
+                if list.get_ref().is_empty() {
+                    cx.at(
+                        list.span(),
+                        k("clients"),
+                        "an empty list would admit no node: leave `clients` out to admit every node",
+                    );
+                }
+                list.get_ref()
+                    .iter()
+                    .enumerate()
+                    .map(|(j, c)| cx.name(c, &format!("{}[{j}]", k("clients"))))
+                    .collect()
+            }
+        };
+        let table_dirs = match &d.table_dir {
+            Some(p) => vec![cx.path(p, &k("table_dir"), base)],
+            None => {
+                let mut dirs: Vec<PathBuf> = Vec::new();
+                for t in tables.iter().filter(|t| held.contains(&t.id)) {
+                    if let Some(p) = t.path.parent()
+                        && !dirs.iter().any(|d| d == p)
+                    {
+                        dirs.push(p.to_path_buf());
+                    }
+                }
+                dirs
+            }
+        };
+        let tls_cert = d
+            .tls_cert
+            .as_ref()
+            .map(|p| cx.path(p, &k("tls_cert"), base));
+        let tls_key = d.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
         out.push(Donor {
             name,
             listen,
@@ -415,12 +564,17 @@ fn donors(cx: &mut Ctx<'_>, raw: &[S<RawDonor>], tables: &[Table]) -> Vec<Donor>
             drain_timeout: cx.opt_ms(&d.drain_timeout_ms, &k("drain_timeout_ms"), 5_000, false),
             control,
             metrics,
+            clients,
+            table_dirs,
+            tls_cert,
+            tls_key,
         });
     }
     out
 }
 
 mod node;
+mod security;
 
 mod model;
 #[cfg(test)]

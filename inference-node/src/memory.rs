@@ -235,7 +235,11 @@ async fn build(
         }
         let spec = DonorSpec {
             name: d.name.clone(),
-            advertise: d.advertise.clone(),
+            advertise: d
+                .endpoints(node.link(&d.name).transport)
+                .iter()
+                .map(|e| e.addr)
+                .collect(),
             control: d.control_endpoint(),
             pinned,
             connect_timeout: node.connect_timeout,

@@ -211,7 +211,7 @@ impl ServeSpec {
             .collect();
         Ok(Self {
             server,
-            listen: d.listen.clone(),
+            listen: d.listen.iter().map(|e| e.addr).collect(),
             tables,
             trust_digest: d.trust_digest,
             mlock: d.mlock,

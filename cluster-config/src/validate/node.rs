@@ -5,8 +5,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{Ctx, MAX_TIMEOUT_MS};
-use crate::raw::{RawNode, RawRoute, S};
-use crate::{Donor, Hedge, Node, Policy, Route, SourceRef, SsdIo, SsdIoprio, Table};
+use crate::raw::{RawLink, RawNode, RawRoute, S};
+use crate::{
+    Donor, Hedge, Link, MAX_INTERFACE_NAME, Node, Policy, Route, SourceRef, SsdIo, SsdIoprio,
+    Table, Transport,
+};
 
 /// Fastest token rate accepted (a 100 us token).
 pub const MAX_TOKENS_PER_SECOND: f64 = 10_000.0;
@@ -110,6 +113,25 @@ pub(super) fn nodes(
                 SsdIo::Auto
             }
         };
+        let mut links: Vec<(String, Link)> = Vec::new();
+        for (j, l) in n.links.iter().enumerate() {
+            if let Some((donor, link)) = link(cx, l.get_ref(), (i, j), donors) {
+                if links.iter().any(|(d, _)| *d == donor) {
+                    cx.at(
+                        l.get_ref().donor.span(),
+                        format!("node[{i}].link[{j}].donor"),
+                        format!("donor {donor:?} has two links on this node"),
+                    );
+                    continue;
+                }
+                links.push((donor, link));
+            }
+        }
+        let tls_cert = n
+            .tls_cert
+            .as_ref()
+            .map(|p| cx.path(p, &k("tls_cert"), base));
+        let tls_key = n.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
         out.push(Node {
             name,
             routes,
@@ -128,9 +150,103 @@ pub(super) fn nodes(
             log_level,
             ssd_io,
             ssd_direct: n.ssd_direct.unwrap_or(true),
+            links,
+            tls_cert,
+            tls_key,
         });
     }
     out
+}
+
+/// `[[node.link]]`: a donor of the rack, one of its advertised transports,
+/// an IP to bind and an interface name Linux would accept.
+fn link(
+    cx: &mut Ctx<'_>,
+    l: &RawLink,
+    (i, j): (usize, usize),
+    donors: &[Donor],
+) -> Option<(String, Link)> {
+    let lk = |f: &str| format!("node[{i}].link[{j}].{f}");
+    let name = l.donor.get_ref();
+    let Some(donor) = donors.iter().find(|d| &d.name == name) else {
+        cx.at(
+            l.donor.span(),
+            lk("donor"),
+            format!("{name:?} is not a donor of this rack"),
+        );
+        return None;
+    };
+    let transport = l
+        .transport
+        .as_ref()
+        .and_then(|t| match Transport::parse(t.get_ref()) {
+            Some(tr) if donor.advertise.iter().any(|e| e.transport == tr) => Some(tr),
+            Some(tr) => {
+                let offered: Vec<String> = donor.advertise.iter().map(|e| e.to_string()).collect();
+                cx.at(
+                    t.span(),
+                    lk("transport"),
+                    format!(
+                        "donor {name:?} advertises no {tr} address (it advertises {})",
+                        offered.join(", ")
+                    ),
+                );
+                None
+            }
+            None => {
+                cx.at(
+                    t.span(),
+                    lk("transport"),
+                    format!("{:?} is not one of \"tcp\", \"tls\", \"quic\"", t.get_ref()),
+                );
+                None
+            }
+        });
+    let bind = l.bind.as_ref().and_then(|b| match b.get_ref().parse() {
+        Ok(ip) => Some(ip),
+        Err(_) => {
+            cx.at(
+                b.span(),
+                lk("bind"),
+                format!(
+                    "{:?} is not an IP address (the source address of the link)",
+                    b.get_ref()
+                ),
+            );
+            None
+        }
+    });
+    let interface = l.interface.as_ref().and_then(|f| {
+        let name = f.get_ref();
+        let ok = !name.is_empty()
+            && name.len() <= MAX_INTERFACE_NAME
+            && name != "."
+            && name != ".."
+            && name
+                .chars()
+                .all(|c| c.is_ascii_graphic() && c != '/' && c != ':');
+        if ok {
+            Some(name.clone())
+        } else {
+            cx.at(
+                f.span(),
+                lk("interface"),
+                format!(
+                    "{name:?} is not a network interface name: 1 to {MAX_INTERFACE_NAME} printable \
+                     characters without '/', ':' or spaces"
+                ),
+            );
+            None
+        }
+    });
+    Some((
+        name.clone(),
+        Link {
+            transport,
+            bind,
+            interface,
+        },
+    ))
 }
 
 fn route(

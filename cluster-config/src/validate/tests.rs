@@ -13,7 +13,7 @@ fn good() -> String {
 
 [rack]
 name = "demo"
-
+tls = {{ operators = ["alice"] }}
 [[table]]
 id = 1
 layer = 1
@@ -104,7 +104,10 @@ fn the_good_config_parses_with_defaults_and_resolved_paths() {
     let a = c.donor("donor-a").expect("donor-a");
     assert_eq!(
         a.advertise,
-        vec!["10.1.0.5:7410".parse::<SocketAddr>().expect("addr")]
+        vec![Endpoint::new(
+            Transport::Tls,
+            "10.1.0.5:7410".parse::<SocketAddr>().expect("addr")
+        )]
     );
     assert_eq!(
         (a.max_connections, a.max_rows, a.mlock),

@@ -1,0 +1,1 @@
+//! The rack PKI (filled in below).

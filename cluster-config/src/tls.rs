@@ -1,0 +1,1 @@
+//! TLS material shared by both daemons (filled in below).
