@@ -1,1 +1,360 @@
-//! TLS material shared by both daemons (filled in below).
+//! TLS material both daemons share: a host's certificate, key and the rack
+//! CA loaded and checked, rustls configurations built from them (TLS 1.3
+//! only, the ring provider, mutual authentication), the identity a peer's
+//! certificate proves, and a holder that a SIGHUP reloads without ever
+//! replacing good material with bad.
+//!
+//! Identities are DNS names: the first dNSName of a certificate's subject
+//! alternative names is its holder's name in the config (a donor, a node
+//! or an operator). `engram-cluster pki issue` writes certificates that way.
+
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use rustls::RootCertStore;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::WebPkiClientVerifier;
+use rustls::sign::CertifiedKey;
+use thiserror::Error;
+
+use crate::TlsFiles;
+
+/// The ALPN protocol of the data plane over TLS and QUIC.
+pub const ALPN: &[u8] = b"engram/1";
+
+/// Largest PEM file read (a certificate chain or a key).
+pub const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// Why TLS material was not accepted.
+#[derive(Debug, Error)]
+pub enum TlsError {
+    /// A file could not be read.
+    #[error("{path}: {message}")]
+    File { path: String, message: String },
+    /// The material is unusable (no certificate, a key of another certificate...).
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+    /// rustls refused to build a configuration.
+    #[error("TLS configuration: {0}")]
+    Config(String),
+}
+
+fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
+    use std::io::Read;
+    let err = |message: String| TlsError::File {
+        path: path.display().to_string(),
+        message,
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(|e| err(e.to_string()))?
+        .take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| err(e.to_string()))?;
+    if bytes.len() as u64 > MAX_PEM_BYTES {
+        return Err(err(format!("larger than {MAX_PEM_BYTES} bytes")));
+    }
+    Ok(bytes)
+}
+
+fn certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let invalid = |message: String| TlsError::Invalid {
+        path: path.display().to_string(),
+        message,
+    };
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(format!("not a PEM certificate: {e}")))?;
+    if certs.is_empty() {
+        return Err(invalid("holds no certificate".into()));
+    }
+    Ok(certs)
+}
+
+/// The crypto provider of every TLS configuration here (ring).
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// One host's loaded and checked TLS material.
+#[derive(Debug, Clone)]
+pub struct Material {
+    /// Where it came from.
+    pub files: TlsFiles,
+    /// The host's certificate chain (its own certificate first).
+    pub chain: Vec<CertificateDer<'static>>,
+    /// The rack CA's certificates.
+    pub ca: Vec<CertificateDer<'static>>,
+    /// The PEM texts, for libraries that take PEM (tonic's client).
+    pub cert_pem: Vec<u8>,
+    /// The key, PEM.
+    pub key_pem: Vec<u8>,
+    /// The CA, PEM.
+    pub ca_pem: Vec<u8>,
+    /// The name the certificate proves (its first dNSName).
+    pub identity: String,
+    key: Arc<PrivateKeyDer<'static>>,
+}
+
+impl Material {
+    /// Load `files` and check them: the key is the certificate's, the
+    /// certificate chains to the CA and is valid now, and it names a host.
+    pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
+        let (cert_pem, key_pem, ca_pem) = (
+            read_pem(&files.cert)?,
+            read_pem(&files.key)?,
+            read_pem(&files.ca)?,
+        );
+        let chain = certs(&files.cert, &cert_pem)?;
+        let ca = certs(&files.ca, &ca_pem)?;
+        let key_path = files.key.display().to_string();
+        let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::Invalid {
+            path: key_path.clone(),
+            message: format!("not a PEM private key: {e}"),
+        })?;
+        let signer = provider()
+            .key_provider
+            .load_private_key(key.clone_key())
+            .map_err(|e| TlsError::Invalid {
+                path: key_path.clone(),
+                message: format!("unusable key: {e}"),
+            })?;
+        CertifiedKey::new(chain.clone(), signer)
+            .keys_match()
+            .map_err(|e| TlsError::Invalid {
+                path: key_path,
+                message: format!("this key is not the key of {}: {e}", files.cert.display()),
+            })?;
+        let cert_path = files.cert.display().to_string();
+        let identity = identity(&chain[0]).ok_or_else(|| TlsError::Invalid {
+            path: cert_path.clone(),
+            message: "the certificate names no host (no dNSName subject alternative name)".into(),
+        })?;
+        let m = Self {
+            files: files.clone(),
+            chain,
+            ca,
+            cert_pem,
+            key_pem,
+            ca_pem,
+            identity,
+            key: Arc::new(key),
+        };
+        // Our own certificate must pass what peers will check.
+        m.client_verifier()?
+            .verify_client_cert(&m.chain[0], &m.chain[1..], UnixTime::now())
+            .map_err(|e| TlsError::Invalid {
+                path: cert_path,
+                message: format!(
+                    "does not verify against the rack CA {}: {e}",
+                    files.ca.display()
+                ),
+            })?;
+        Ok(m)
+    }
+
+    fn roots(&self) -> Result<RootCertStore, TlsError> {
+        let mut roots = RootCertStore::empty();
+        for c in &self.ca {
+            roots.add(c.clone()).map_err(|e| TlsError::Invalid {
+                path: self.files.ca.display().to_string(),
+                message: format!("not a usable CA certificate: {e}"),
+            })?;
+        }
+        Ok(roots)
+    }
+
+    fn client_verifier(
+        &self,
+    ) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+        WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider())
+            .build()
+            .map_err(|e| TlsError::Config(e.to_string()))
+    }
+
+    /// A server configuration: TLS 1.3, client certificates required and
+    /// chained to the rack CA, ALPN `alpn` (none when empty). Which names
+    /// may connect is the caller's check, after the handshake
+    /// ([`peer_identity`]).
+    pub fn server_config(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let mut c = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
+            .with_client_cert_verifier(self.client_verifier()?)
+            .with_single_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Ok(Arc::new(c))
+    }
+
+    /// A client configuration: TLS 1.3, the rack CA as the only root, this
+    /// host's certificate as its client certificate, ALPN `alpn`.
+    pub fn client_config(&self, alpn: &[&[u8]]) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+        let mut c = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
+            .with_root_certificates(self.roots()?)
+            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Ok(Arc::new(c))
+    }
+}
+
+/// The dNSName subject alternative names of a certificate, in order.
+pub fn dns_names(cert: &CertificateDer<'_>) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, x)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+        return Vec::new();
+    };
+    let Ok(Some(san)) = x.subject_alternative_name() else {
+        return Vec::new();
+    };
+    san.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::DNSName(d) => Some(d.to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The name a certificate proves: its first dNSName.
+pub fn identity(cert: &CertificateDer<'_>) -> Option<String> {
+    dns_names(cert).into_iter().next()
+}
+
+/// The identity of a verified peer, from its certificate chain as a TLS
+/// connection reports it (`None` when it presented none).
+pub fn peer_identity(chain: Option<&[CertificateDer<'_>]>) -> Option<String> {
+    chain.and_then(|c| c.first()).and_then(identity)
+}
+
+/// The server name a client checks a donor's certificate against.
+pub fn server_name(name: &str) -> Result<ServerName<'static>, TlsError> {
+    ServerName::try_from(name.to_string()).map_err(|e| TlsError::Config(format!("{name:?}: {e}")))
+}
+
+/// A host's TLS material, replaceable while running: a reload loads and
+/// checks the files again and swaps them in only if they pass, so new
+/// connections use new material and live ones keep theirs.
+#[derive(Debug)]
+pub struct Reloadable {
+    current: RwLock<Arc<Material>>,
+}
+
+impl Reloadable {
+    /// Load `files` now.
+    pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
+        Ok(Self {
+            current: RwLock::new(Arc::new(Material::load(files)?)),
+        })
+    }
+
+    /// The material now.
+    pub fn get(&self) -> Arc<Material> {
+        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Load `files` again (they may be new paths); on any problem the old
+    /// material stays and the error says why.
+    pub fn reload(&self, files: &TlsFiles) -> Result<Arc<Material>, TlsError> {
+        let m = Arc::new(Material::load(files)?);
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&m);
+        Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+
+    struct Ca {
+        pem: String,
+        issuer: Issuer<'static, KeyPair>,
+    }
+
+    fn ca() -> Ca {
+        let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let key = KeyPair::generate().expect("key");
+        let cert = p.self_signed(&key).expect("self-signed");
+        Ca {
+            pem: cert.pem(),
+            issuer: Issuer::new(p, key),
+        }
+    }
+
+    fn leaf(ca: &Ca, name: &str) -> (String, String) {
+        let mut p = CertificateParams::new(vec![name.to_string()]).expect("params");
+        p.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = KeyPair::generate().expect("key");
+        let cert = p.signed_by(&key, &ca.issuer).expect("signed");
+        (cert.pem(), key.serialize_pem())
+    }
+
+    fn write(dir: &Path, name: &str, ca: &Ca, pair: &(String, String)) -> TlsFiles {
+        let f = TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join(format!("{name}.pem")),
+            key: dir.join(format!("{name}.key")),
+        };
+        std::fs::write(&f.ca, &ca.pem).expect("write");
+        std::fs::write(&f.cert, &pair.0).expect("write");
+        std::fs::write(&f.key, &pair.1).expect("write");
+        f
+    }
+
+    #[test]
+    fn material_is_checked_and_a_bad_reload_keeps_the_old() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rack = ca();
+        let files = write(dir.path(), "donor-a", &rack, &leaf(&rack, "donor-a"));
+        let held = Reloadable::load(&files).expect("good material loads");
+        assert_eq!(held.get().identity, "donor-a");
+        held.get().server_config(&[ALPN]).expect("server config");
+        held.get().client_config(&[ALPN]).expect("client config");
+
+        // A certificate from another CA is refused, and the old one kept.
+        let other = ca();
+        std::fs::write(&files.cert, leaf(&other, "donor-a").0).expect("write");
+        let e = held.reload(&files).expect_err("another CA");
+        assert!(e.to_string().contains("key"), "{e}");
+        let (cert, key) = leaf(&other, "donor-a");
+        std::fs::write(&files.cert, cert).expect("write");
+        std::fs::write(&files.key, key).expect("write");
+        let e = held.reload(&files).expect_err("another CA");
+        assert!(
+            e.to_string()
+                .contains("does not verify against the rack CA"),
+            "{e}"
+        );
+        assert_eq!(held.get().identity, "donor-a");
+
+        // A key of another certificate is refused.
+        let (cert, _) = leaf(&rack, "donor-a");
+        std::fs::write(&files.cert, cert).expect("write");
+        let e = held.reload(&files).expect_err("mismatched key");
+        assert!(e.to_string().contains("is not the key of"), "{e}");
+
+        // Garbage is refused with the file's name.
+        std::fs::write(&files.ca, "not pem").expect("write");
+        let e = held.reload(&files).expect_err("garbage");
+        assert!(e.to_string().contains("ca.pem"), "{e}");
+
+        // A good new pair replaces the old one.
+        let rack2 = ca();
+        let files2 = write(dir.path(), "donor-a", &rack2, &leaf(&rack2, "donor-a"));
+        held.reload(&files2).expect("new material");
+        assert_eq!(held.get().ca_pem, rack2.pem.as_bytes());
+    }
+}
