@@ -24,4 +24,5 @@ pub mod stats;
 pub mod status;
 pub mod supervise;
 pub mod swap;
+pub mod tls;
 pub mod watchdog;

@@ -374,6 +374,12 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         // Then the control plane and metrics, so load progress and
         // NOT_SERVING are visible while the tables load.
         let status = spec.status();
+        if let Some((files, access)) = &spec.tls {
+            let tls = memory_donor::tls::DonorTls::load(files, access.clone())
+                .context("loading the donor's TLS certificate ([rack.tls])")?;
+            tracing::info!(identity = %tls.material().identity, cert = %files.cert.display(), "TLS material loaded");
+            let _ = status.tls.set(tls);
+        }
         tokio::spawn(signals.forward(Arc::clone(&status)));
         let _ = notifier.status("loading tables");
         let ops = OpsServers::start(&spec, &status).await?;

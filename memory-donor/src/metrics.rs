@@ -80,6 +80,18 @@ impl Collector for DonorCollector {
         let s = self.status.stats.snapshot();
         let e = &mut encoder;
         counter(e, "lookups", "Lookups answered.", s.lookups)?;
+        {
+            let mut m = e.encode_descriptor(
+                "refusals",
+                "Peers turned away by a security check, by plane (data, control) and reason.",
+                None,
+                MetricType::Counter,
+            )?;
+            for ((plane, reason), n) in self.status.stats.refusals() {
+                let labels = [("plane", plane), ("reason", reason)];
+                ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+            }
+        }
         counter(e, "rows", "Rows served.", s.rows)?;
         counter(e, "bytes", "Bytes of Rows frames written.", s.bytes)?;
         {

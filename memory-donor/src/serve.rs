@@ -9,14 +9,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::Config;
 use cluster_config::daemon::notify::Notifier;
+use cluster_config::{Config, Endpoint, TlsFiles, Transport};
 use engram_protocol::Limits;
 use thiserror::Error;
 
 use crate::control::{ControlLimits, serve_control};
 use crate::server::{self, ServerConfig, Shared};
 use crate::status::{DonorStatus, LoadState, Phase};
+use crate::tls::Access;
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
 use engram_store::resident::{ExpectedTable, LoadError, ResidentTable};
@@ -62,8 +63,10 @@ impl std::str::FromStr for TableSpec {
 pub struct ServeSpec {
     /// Data-plane behaviour.
     pub server: ServerConfig,
-    /// Addresses to bind.
-    pub listen: Vec<SocketAddr>,
+    /// Addresses to bind, each with its transport.
+    pub listen: Vec<Endpoint>,
+    /// The certificate files and access rules, when the rack has a PKI.
+    pub tls: Option<(TlsFiles, Access)>,
     /// Tables to load.
     pub tables: Vec<TableSpec>,
     /// Skip recomputing digests at load.
@@ -164,7 +167,11 @@ impl ServeSpec {
     pub fn from_flags(name: &str, listen: Vec<SocketAddr>, tables: Vec<TableSpec>) -> Self {
         Self {
             server: ServerConfig::new(name),
-            listen,
+            listen: listen
+                .into_iter()
+                .map(|a| Endpoint::new(Transport::Tcp, a))
+                .collect(),
+            tls: None,
             tables,
             trust_digest: false,
             mlock: MlockMode::Try,
@@ -211,7 +218,10 @@ impl ServeSpec {
             .collect();
         Ok(Self {
             server,
-            listen: d.listen.iter().map(|e| e.addr).collect(),
+            listen: d.listen.clone(),
+            tls: config
+                .tls_files(name)
+                .map(|f| (f, Access::from_config(config, name))),
             tables,
             trust_digest: d.trust_digest,
             mlock: d.mlock,
@@ -442,14 +452,43 @@ pub async fn serve(
 ) -> Result<Arc<Shared>, ServeError> {
     let mut listeners = Vec::new();
     let mut bound = Vec::new();
-    for addr in &spec.listen {
-        let (l, a) = bind(*addr).await?;
-        bound.push(a);
-        listeners.push(l);
+    for e in &spec.listen {
+        let listener = match e.transport {
+            Transport::Tcp => {
+                let (l, a) = bind(e.addr).await?;
+                bound.push(Endpoint::new(e.transport, a));
+                server::Listener::Tcp(l)
+            }
+            Transport::Tls => {
+                let (l, a) = bind(e.addr).await?;
+                bound.push(Endpoint::new(e.transport, a));
+                server::Listener::Tls(l)
+            }
+            Transport::Quic => {
+                return Err(ServeError::Config(format!(
+                    "{e}: QUIC is not served by this build"
+                )));
+            }
+        };
+        listeners.push(listener);
     }
     let count = tables.len();
     let shared = Shared::with_stats(spec.server.clone(), tables, Arc::clone(&status.stats));
-    let shown: Vec<String> = bound.iter().map(ToString::to_string).collect();
+    if let Some(tls) = status.tls.get() {
+        shared.set_tls(Arc::clone(tls));
+    } else if spec.listen.iter().any(|e| e.transport.is_secure()) {
+        return Err(ServeError::Config(
+            "a tls:// or quic:// address needs the rack's PKI ([rack.tls])".into(),
+        ));
+    }
+    // Plain `IP:PORT` for TCP (what scripts have always read), URLs for the rest.
+    let shown: Vec<String> = bound
+        .iter()
+        .map(|e| match e.transport {
+            Transport::Tcp => e.addr.to_string(),
+            _ => e.to_string(),
+        })
+        .collect();
     status.set_phase(Phase::Serving);
     // Tests and scripts wait for this exact line, never for a sleep.
     tracing::info!(donor = %spec.server.name, "ready listen={}{announce}", shown.join(","));
@@ -464,7 +503,11 @@ pub async fn serve(
     let server = tokio::spawn(server::run(listeners, Arc::clone(&shared), async move {
         let _ = stop_rx.await;
     }));
-    let first = bound.first().copied();
+    // The watchdog's probe dials a TCP or TLS listener (QUIC has its own path).
+    let first = bound
+        .iter()
+        .find(|e| e.transport != Transport::Quic)
+        .copied();
     crate::supervise::run(spec, Arc::clone(&shared), Arc::clone(status), first, ops).await;
     let _ = stop_tx.send(());
     if server.await.is_err() {

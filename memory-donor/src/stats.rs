@@ -105,6 +105,7 @@ pub struct Stats {
     /// Time from a whole Lookup frame to its answer encoded.
     pub service: ServiceTime,
     errors: [AtomicU64; ERROR_SLOTS],
+    refusals: Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
 }
 
 impl Stats {
@@ -125,6 +126,20 @@ impl Stats {
 
     fn slot(code: ErrorCode) -> usize {
         usize::from(code.to_u16()).min(ERROR_SLOTS - 1)
+    }
+
+    /// A peer turned away by a security check on `plane` (`data`,
+    /// `control`) for `reason` (a short snake_case word). Rare: a lock and
+    /// a map are fine here.
+    pub fn refusal(&self, plane: &'static str, reason: &'static str) {
+        let mut m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        *m.entry((plane, reason)).or_default() += 1;
+    }
+
+    /// Refusals so far, by plane and reason.
+    pub fn refusals(&self) -> Vec<((&'static str, &'static str), u64)> {
+        let m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter().map(|(k, v)| (*k, *v)).collect()
     }
 
     /// Errors answered with `code`.

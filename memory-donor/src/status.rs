@@ -224,6 +224,8 @@ pub struct DonorStatus {
     drain: Notify,
     orders: mpsc::Sender<Order>,
     order_rx: Mutex<Option<mpsc::Receiver<Order>>>,
+    /// The TLS state, set once at start when the rack has a PKI.
+    pub tls: std::sync::OnceLock<Arc<crate::tls::DonorTls>>,
 }
 
 /// Something the serving loop is asked to do.
@@ -273,6 +275,7 @@ impl DonorStatus {
             drain: Notify::new(),
             orders,
             order_rx: Mutex::new(Some(order_rx)),
+            tls: std::sync::OnceLock::new(),
         })
     }
 

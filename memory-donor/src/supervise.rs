@@ -10,7 +10,6 @@
 //! integration tests use it to show that the watchdog pings stop. Never
 //! set it in production.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,15 +64,23 @@ pub async fn run(
     spec: ServeSpec,
     shared: Arc<Shared>,
     status: Arc<DonorStatus>,
-    probe_addr: Option<SocketAddr>,
+    probe_addr: Option<cluster_config::Endpoint>,
     ops: Ops,
 ) {
     let watchdog = ops.notifier.watchdog();
     // sd_watchdog_enabled(3): ping at half the timeout.
     let period = watchdog.map_or(STATUS_EVERY, |w| (w / 2).max(Duration::from_millis(1)));
-    let probe = probe_addr
-        .filter(|_| watchdog.is_some())
-        .map(|a| SelfProbe::new(a, &spec.server.name, spec.server.credential.clone()));
+    let probe = probe_addr.filter(|_| watchdog.is_some()).map(|e| {
+        let tls = (e.transport == cluster_config::Transport::Tls)
+            .then(|| shared.tls().cloned())
+            .flatten();
+        SelfProbe::new(
+            e.addr,
+            &spec.server.name,
+            spec.server.credential.clone(),
+            tls,
+        )
+    });
     let mut orders = status.take_orders();
     let mut lp = Loop {
         spec,
@@ -236,6 +243,22 @@ impl Loop {
         }
         if let Some(p) = self.probe.as_mut() {
             p.set_credential(plan.spec.server.credential.clone());
+        }
+        match (self.status.tls.get(), &plan.spec.tls) {
+            (Some(tls), Some((files, access))) => match tls.reload(files, access.clone()) {
+                Ok(m) => tracing::info!(
+                    identity = %m.identity,
+                    cert = %files.cert.display(),
+                    "reload: TLS certificate and key loaded; new connections use them"
+                ),
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "reload: the new TLS certificate or key was refused; the old ones stay"
+                ),
+            },
+            (None, Some(_)) => not_applied.push("[rack.tls] added".into()),
+            (Some(_), None) => not_applied.push("[rack.tls] removed".into()),
+            (None, None) => {}
         }
         for what in &not_applied {
             tracing::warn!("reload: {what}: needs a restart; not applied");

@@ -16,7 +16,10 @@
 //! wedged one.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::tls::DonorTls;
 
 use engram_protocol::messages::{LookupSection, encode_lookup};
 use engram_protocol::{ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, TableInfo, decode};
@@ -44,6 +47,8 @@ pub enum ProbeError {
 /// One row of every table, asked of the donor itself.
 #[derive(Debug)]
 pub struct SelfProbe {
+    tls: Option<Arc<DonorTls>>,
+    donor: String,
     addr: SocketAddr,
     name: String,
     credential: Option<Vec<u8>>,
@@ -51,9 +56,13 @@ pub struct SelfProbe {
     next_row: u64,
 }
 
+/// The probe's stream: plain TCP or TLS.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + std::fmt::Debug {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + std::fmt::Debug> Io for T {}
+
 #[derive(Debug)]
 struct ProbeConn {
-    stream: TcpStream,
+    stream: Box<dyn Io>,
     buf: Vec<u8>,
     tables: Vec<TableInfo>,
     next_id: u64,
@@ -77,9 +86,17 @@ pub fn reachable(bound: SocketAddr) -> SocketAddr {
 
 impl SelfProbe {
     /// A probe of the listener at `addr` (as bound), saying `name` and
-    /// `credential` in its Hello.
-    pub fn new(addr: SocketAddr, name: &str, credential: Option<Vec<u8>>) -> Self {
+    /// `credential` in its Hello; over TLS with the donor's own
+    /// certificate when `tls` is given (a TLS listener).
+    pub fn new(
+        addr: SocketAddr,
+        name: &str,
+        credential: Option<Vec<u8>>,
+        tls: Option<Arc<DonorTls>>,
+    ) -> Self {
         Self {
+            tls,
+            donor: name.to_string(),
             addr: reachable(addr),
             name: format!("{name}-watchdog"),
             credential,
@@ -121,8 +138,23 @@ impl SelfProbe {
     }
 
     async fn connect(&mut self) -> Result<(), ProbeError> {
-        let mut stream = TcpStream::connect(self.addr).await?;
-        stream.set_nodelay(true)?;
+        let tcp = TcpStream::connect(self.addr).await?;
+        tcp.set_nodelay(true)?;
+        let mut stream: Box<dyn Io> = match &self.tls {
+            None => Box::new(tcp),
+            Some(tls) => {
+                let config = tls
+                    .material()
+                    .client_config(&[cluster_config::tls::ALPN])
+                    .map_err(|e| ProbeError::Answer(e.to_string()))?;
+                let name = cluster_config::tls::server_name(&self.donor)
+                    .map_err(|e| ProbeError::Answer(e.to_string()))?;
+                let s = tokio_rustls::TlsConnector::from(config)
+                    .connect(name, tcp)
+                    .await?;
+                Box::new(s)
+            }
+        };
         let mut out = Vec::new();
         Hello {
             version: PROTOCOL_VERSION,

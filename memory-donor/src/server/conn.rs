@@ -79,16 +79,147 @@ impl ReadBuf {
     }
 }
 
-/// Write buffered answers under the connection's write lock (a drain's
-/// Goodbye may be written from another thread).
-fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
-    if out.is_empty() {
-        return Ok(());
+/// Ciphertext read from the socket and not yet given to rustls.
+#[derive(Debug)]
+struct TlsIn {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl TlsIn {
+    fn new() -> Self {
+        Self {
+            buf: vec![0; INITIAL_BUF],
+            start: 0,
+            end: 0,
+        }
     }
+}
+
+fn tls_error(e: rustls::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
+}
+
+/// Read more plaintext into `rb`: straight from the socket, or through the
+/// connection's TLS session. The session is locked only while bytes move
+/// through it, never during a blocking read, so a drain's Goodbye from
+/// another thread is never held up by a silent peer. Ciphertext waits in
+/// `tin` until the frame buffer has room: a pipelining client is bounded
+/// by the same buffers and flow control as over plain TCP.
+fn fill(
+    stream: &mut TcpStream,
+    conn: &Conn,
+    rb: &mut ReadBuf,
+    tin: &mut TlsIn,
+) -> io::Result<usize> {
+    let Some(session) = &conn.tls else {
+        return rb.read_from(stream);
+    };
+    loop {
+        if rb.end == rb.buf.len() {
+            rb.reserve_frame(rb.end - rb.start + HEADER_LEN);
+        }
+        {
+            let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
+            match s.reader().read(&mut rb.buf[rb.end..]) {
+                // The peer's close_notify.
+                Ok(0) => return Ok(0),
+                Ok(n) => {
+                    rb.end += n;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            if tin.start < tin.end {
+                let mut pending = &tin.buf[tin.start..tin.end];
+                let n = s.read_tls(&mut pending)?;
+                tin.start += n;
+                if let Err(e) = s.process_new_packets() {
+                    // Tell the peer why (an alert) before closing.
+                    let _ = s.write_tls(&mut &*stream);
+                    return Err(tls_error(e));
+                }
+                continue;
+            }
+        }
+        let n = stream.read(&mut tin.buf)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        (tin.start, tin.end) = (0, n);
+    }
+}
+
+/// Write buffered answers under the connection's write lock (a drain's
+/// Goodbye may be written from another thread); over TLS, encrypt them
+/// first, in the same critical section, so records go out in order.
+fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
+    let Some(session) = &conn.tls else {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let r = (&conn.stream).write_all(out);
+        out.clear();
+        return r;
+    };
     let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
-    let r = (&conn.stream).write_all(out);
-    out.clear();
-    r
+    let mut cipher = Vec::new();
+    {
+        let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
+        if !out.is_empty() {
+            s.writer().write_all(out)?;
+            out.clear();
+        }
+        while s.wants_write() {
+            s.write_tls(&mut cipher)?;
+        }
+    }
+    (&conn.stream).write_all(&cipher)
+}
+
+/// Run the TLS handshake to completion by `deadline` (an absolute bound: a
+/// peer trickling bytes cannot stretch it).
+fn handshake(stream: &mut TcpStream, conn: &Conn, deadline: Instant) -> io::Result<()> {
+    let Some(session) = &conn.tls else {
+        return Ok(());
+    };
+    let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        while s.wants_write() {
+            s.write_tls(stream)?;
+        }
+        if !s.is_handshaking() {
+            return Ok(());
+        }
+        let rest = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or(io::ErrorKind::TimedOut)?;
+        stream.set_read_timeout(Some(rest))?;
+        if s.read_tls(stream)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if let Err(e) = s.process_new_packets() {
+            let _ = s.write_tls(stream);
+            return Err(tls_error(e));
+        }
+    }
+}
+
+/// A plaintext engram client on a TLS port: its first bytes are a Hello
+/// frame's header, not a TLS record. Peeked, not consumed.
+fn plaintext_hello(stream: &TcpStream) -> bool {
+    let mut head = [0u8; HEADER_LEN];
+    match stream.peek(&mut head) {
+        Ok(n) if n >= 8 => matches!(
+            FrameHeader::peek_unbounded(&[&head[..n], &[0u8; HEADER_LEN][n..]].concat()),
+            Ok(Some(h)) if h.kind == engram_protocol::FrameKind::Hello
+        ),
+        _ => false,
+    }
 }
 
 /// Write the last answers (an error frame, usually), then half-close and
@@ -97,6 +228,13 @@ fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
 /// All of it within 200 ms and 64 KiB, however the peer trickles.
 fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
     flush(conn, out)?;
+    if let Some(session) = &conn.tls {
+        session
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send_close_notify();
+        flush(conn, out)?;
+    }
     stream.shutdown(std::net::Shutdown::Write)?;
     let deadline = Instant::now() + Duration::from_millis(200);
     let mut sink = [0u8; 4096];
@@ -122,6 +260,84 @@ fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
     stream.set_read_timeout(if t.is_zero() { None } else { Some(t) })
 }
 
+/// The TLS handshake and the client's identity: `Ok(Some(name))` for an
+/// allowed client, `Ok(None)` when the connection was refused and closed
+/// here (logged and counted), `Err` for a failed handshake.
+fn admit(
+    stream: &mut TcpStream,
+    conn: &Conn,
+    shared: &Shared,
+    deadline: Instant,
+) -> io::Result<Option<String>> {
+    let stats = &shared.stats;
+    // The peek waits for the first bytes: within the deadline too.
+    let rest = deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .unwrap_or(Duration::from_millis(1));
+    stream.set_read_timeout(Some(rest))?;
+    if plaintext_hello(stream) {
+        stats.refusal("data", "plaintext_on_tls_port");
+        if let Some(suppressed) = super::CONN_WARN.allow() {
+            tracing::warn!(conn = conn.id, peer = %conn.peer, suppressed, "a plaintext client on a TLS port: refused (it must dial tls://)");
+        }
+        let mut out = Vec::new();
+        engram_protocol::ErrorFrame {
+            code: engram_protocol::ErrorCode::Unauthorized,
+            table_id: None,
+            detail: 0,
+            message: "this port speaks TLS: dial it as tls:// with a rack certificate",
+        }
+        .encode(&mut out, 0);
+        let _ = (&*stream).write_all(&out);
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return Ok(None);
+    }
+    if let Err(e) = handshake(stream, conn, deadline) {
+        let reason = match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => "handshake_timeout",
+            _ => "handshake_failed",
+        };
+        stats.refusal("data", reason);
+        if let Some(suppressed) = super::CONN_WARN.allow() {
+            tracing::warn!(conn = conn.id, peer = %conn.peer, error = %e, suppressed, "TLS handshake failed");
+        }
+        return Err(e);
+    }
+    let Some(session) = &conn.tls else {
+        return Ok(None);
+    };
+    let identity = {
+        let s = session.lock().unwrap_or_else(|p| p.into_inner());
+        cluster_config::tls::peer_identity(s.peer_certificates())
+    };
+    let allowed = identity
+        .as_deref()
+        .is_some_and(|i| shared.tls().is_some_and(|t| t.data_allowed(i)));
+    let who = identity.clone().unwrap_or_else(|| "(no name)".into());
+    if !allowed {
+        stats.refusal("data", "client_not_allowed");
+        if let Some(suppressed) = super::CONN_WARN.allow() {
+            tracing::warn!(conn = conn.id, peer = %conn.peer, identity = %who, suppressed, "TLS client not allowed on this donor: refused");
+        }
+        let mut out = Vec::new();
+        let msg = format!(
+            "{who} is not allowed on donor {} (the donor's `clients` in the rack config)",
+            shared.config().name
+        );
+        engram_protocol::ErrorFrame {
+            code: engram_protocol::ErrorCode::Unauthorized,
+            table_id: None,
+            detail: 0,
+            message: &msg,
+        }
+        .encode(&mut out, 0);
+        let _ = close_gracefully(conn, stream, &mut out);
+        return Ok(None);
+    }
+    Ok(identity)
+}
+
 /// Serve one connection until the peer closes, a timeout passes, a fatal
 /// frame arrives, or the drain force-closes it.
 pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) -> io::Result<()> {
@@ -134,12 +350,21 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
     })?;
     // Before the handshake only a Hello fits, and the Hello must arrive by an
     // absolute deadline (a read timeout alone restarts with every byte).
+    // Over TLS the same deadline covers the TLS handshake too.
     let hello_deadline = (!cfg.hello_timeout.is_zero()).then(|| Instant::now() + cfg.hello_timeout);
     let (before_hello, requests) = (cfg.limits.before_hello(), cfg.limits.for_requests());
     let mut limits = before_hello;
     let mut rb = ReadBuf::new(INITIAL_BUF);
+    let mut tin = TlsIn::new();
     let mut out = Vec::with_capacity(INITIAL_BUF);
     let mut handler = Handler::new(&shared, Arc::clone(&cfg));
+    if conn.tls.is_some() {
+        let deadline = hello_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(10));
+        match admit(&mut stream, &conn, &shared, deadline)? {
+            Some(identity) => handler.set_identity(identity),
+            None => return Ok(()),
+        }
+    }
     // Bytes of a refused oversized Lookup still to discard as they arrive.
     let mut skip = 0usize;
     loop {
@@ -156,6 +381,12 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
+                    if conn.tls.is_none() && rb.data().starts_with(&[0x16, 0x03]) {
+                        shared.stats.refusal("data", "tls_on_plaintext_port");
+                        if let Some(suppressed) = super::CONN_WARN.allow() {
+                            tracing::warn!(conn = conn.id, peer = %conn.peer, suppressed, "a TLS client on a plaintext port: refused (it must dial tcp://)");
+                        }
+                    }
                     tracing::debug!(conn = conn.id, peer = %conn.peer, error = %e, "bad frame header; closing");
                     handler.frame_error(None, &e, &mut out);
                     return close_gracefully(&conn, &stream, &mut out);
@@ -215,7 +446,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 None => return Err(io::ErrorKind::TimedOut.into()),
             }
         }
-        match rb.read_from(&mut stream) {
+        match fill(&mut stream, &conn, &mut rb, &mut tin) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -33,6 +33,8 @@ pub struct Handler<'a> {
     config: Arc<ServerConfig>,
     ready: bool,
     peer_name: String,
+    /// A TLS client's certificate identity: it replaces the credential.
+    identity: Option<String>,
     sections: Vec<RowsSection>,
     table_index: Vec<usize>,
 }
@@ -45,9 +47,16 @@ impl<'a> Handler<'a> {
             config,
             ready: false,
             peer_name: String::new(),
+            identity: None,
             sections: Vec::new(),
             table_index: Vec::new(),
         }
+    }
+
+    /// The client proved `identity` with its certificate: its Hello needs
+    /// no credential, and it is known by that name.
+    pub fn set_identity(&mut self, identity: String) {
+        self.identity = Some(identity);
     }
 
     /// True once the client completed the handshake.
@@ -219,6 +228,7 @@ impl<'a> Handler<'a> {
             return Action::Close;
         }
         if let Some(want) = &cfg.credential
+            && self.identity.is_none()
             && !constant_time_eq(want, hello.credential)
         {
             self.error(
@@ -231,7 +241,10 @@ impl<'a> Handler<'a> {
             );
             return Action::Close;
         }
-        self.peer_name = hello.node.to_string();
+        self.peer_name = match &self.identity {
+            Some(id) => id.clone(),
+            None => hello.node.to_string(),
+        };
         let tables: Vec<TableInfo> = self
             .shared
             .tables()

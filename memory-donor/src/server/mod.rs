@@ -26,6 +26,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 pub use crate::stats::Stats;
+use crate::tls::DonorTls;
 use engram_store::resident::ResidentTable;
 
 /// How the data plane behaves.
@@ -78,6 +79,7 @@ pub struct Shared {
     /// One permit per connection; `permits_total` of them exist.
     permits: Arc<Semaphore>,
     permits_total: AtomicUsize,
+    tls: std::sync::OnceLock<Arc<DonorTls>>,
 }
 
 /// What applying a new configuration could not change live.
@@ -91,6 +93,8 @@ struct Conn {
     peer: SocketAddr,
     stream: TcpStream,
     write_lock: Mutex<()>,
+    /// The TLS session of a `tls://` connection.
+    tls: Option<Mutex<rustls::ServerConnection>>,
 }
 
 impl Shared {
@@ -115,7 +119,18 @@ impl Shared {
             next_conn: AtomicU64::new(1),
             permits: Arc::new(Semaphore::new(max)),
             permits_total: AtomicUsize::new(max),
+            tls: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Serve TLS and QUIC with this state (once, before `run`).
+    pub fn set_tls(&self, tls: Arc<DonorTls>) {
+        let _ = self.tls.set(tls);
+    }
+
+    /// The TLS state, when the donor has one.
+    pub fn tls(&self) -> Option<&Arc<DonorTls>> {
+        self.tls.get()
     }
 
     /// The configuration now (a connection keeps the one it started with).
@@ -214,8 +229,25 @@ fn spawn_connection(
     stream: TcpStream,
     peer: SocketAddr,
     permit: tokio::sync::OwnedSemaphorePermit,
+    tls: bool,
 ) {
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let tls = match (tls, shared.tls()) {
+        (false, _) => None,
+        (true, Some(t)) => match rustls::ServerConnection::new(t.data_config()) {
+            Ok(s) => Some(Mutex::new(s)),
+            Err(e) => {
+                if let Some(suppressed) = CONN_WARN.allow() {
+                    tracing::warn!(%peer, error = %e, suppressed, "cannot start a TLS session; dropping connection");
+                }
+                return;
+            }
+        },
+        (true, None) => {
+            tracing::error!(%peer, "a TLS listener without TLS material; dropping connection");
+            return;
+        }
+    };
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
@@ -230,6 +262,7 @@ fn spawn_connection(
         peer,
         stream: write_half,
         write_lock: Mutex::new(()),
+        tls,
     });
     shared.conns().insert(id, Arc::clone(&conn));
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
@@ -258,9 +291,18 @@ fn spawn_connection(
     }
 }
 
+/// A bound data-plane listener.
+#[derive(Debug)]
+pub enum Listener {
+    /// Plain TCP.
+    Tcp(TcpListener),
+    /// TLS 1.3 over TCP (needs [`Shared::set_tls`]).
+    Tls(TcpListener),
+}
+
 /// Accept and serve on `listeners` until `shutdown` resolves, then drain.
 pub async fn run(
-    listeners: Vec<TcpListener>,
+    listeners: Vec<Listener>,
     shared: Arc<Shared>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -269,6 +311,10 @@ pub async fn run(
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
     for listener in listeners {
+        let (listener, tls) = match listener {
+            Listener::Tcp(l) => (l, false),
+            Listener::Tls(l) => (l, true),
+        };
         let (shared, permits, refusing, mut stop) = (
             Arc::clone(&shared),
             Arc::clone(&permits),
@@ -298,7 +344,7 @@ pub async fn run(
                             continue;
                         };
                         let _ = stream.set_nonblocking(false);
-                        spawn_connection(&shared, stream, peer, permit);
+                        spawn_connection(&shared, stream, peer, permit, tls);
                     }
                     Err(_) => {
                         shared.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -338,6 +384,43 @@ fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
                 std::thread::sleep(Duration::from_millis(1));
             }
             Err(std::sync::TryLockError::WouldBlock) => break None,
+        }
+    };
+    // Over TLS the Goodbye is a record of the session (never waiting for it
+    // either: a connection thread holds it only while bytes move through it).
+    let mut sealed = Vec::new();
+    let bye = match &c.tls {
+        None => bye,
+        Some(session) => {
+            // A handshake holds the session throughout: such a connection
+            // is simply closed.
+            let locked = loop {
+                match session.try_lock() {
+                    Ok(s) => break Some(s),
+                    Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock)
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => break None,
+                }
+            };
+            let (Some(mut s), Some(_)) = (locked, guard.as_ref()) else {
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                return;
+            };
+            if s.is_handshaking() || std::io::Write::write_all(&mut s.writer(), bye).is_err() {
+                drop(s);
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                return;
+            }
+            while s.wants_write() {
+                if s.write_tls(&mut sealed).is_err() {
+                    break;
+                }
+            }
+            &sealed[..]
         }
     };
     // SAFETY: send(2) reads `bye` and nothing else; the socket stays open while `c` lives.
