@@ -165,7 +165,10 @@ mod tests {
         );
 
         let mut moved = spec(&[(1, "/a", 1), (7, "/c", 3)]);
-        moved.listen = vec!["127.0.0.1:2".parse().expect("addr")];
+        moved.listen = vec![cluster_config::Endpoint::new(
+            cluster_config::Transport::Tcp,
+            "127.0.0.1:2".parse().expect("addr"),
+        )];
         let p = plan(&running, moved, &now);
         assert_eq!(p.spec.listen, running.listen);
         let all = p.restart.join("; ");
