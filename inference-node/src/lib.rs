@@ -24,5 +24,6 @@ pub mod router;
 pub mod rowlist;
 pub mod source;
 pub mod timer;
+pub mod tls;
 
 pub use client::{ClientError, ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};

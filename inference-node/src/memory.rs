@@ -25,11 +25,12 @@ use tokio::task::JoinHandle;
 
 pub use reload::{ReloadReport, TableChanges};
 
-use crate::client::ClientOptions;
+use crate::client::{ClientOptions, TlsClient, Transport};
 use crate::metrics::{NodeMetrics, SourceOnly};
 use crate::router::{RouteSettings, Router, SourceHealth};
 use crate::source::ssd::{SsdError, SsdOptions, SsdReader};
 use crate::source::{DonorSource, LocalRam, RowSource, SsdSource};
+use crate::tls::NodeTls;
 
 /// Why the memory could not be set up or reloaded.
 #[derive(Debug, Error)]
@@ -49,6 +50,9 @@ pub enum MemoryError {
     /// Something failed that should not (a thread could not start).
     #[error("table {table}: {message}")]
     Internal { table: u32, message: String },
+    /// The node's TLS certificate, key or CA cannot be used.
+    #[error("TLS: {0}")]
+    Tls(String),
     /// A reload would change what only a restart can (the tables routed,
     /// their versions and shapes).
     #[error("table {table}: {what}; restart the node to apply this config")]
@@ -60,7 +64,11 @@ pub enum MemoryError {
 #[derive(Debug, Clone, PartialEq)]
 struct DonorSpec {
     name: String,
+    transport: Transport,
     advertise: Vec<SocketAddr>,
+    tls: Option<TlsClient>,
+    bind: Option<std::net::IpAddr>,
+    interface: Option<String>,
     control: Option<SocketAddr>,
     pinned: Vec<(u32, TableDigest)>,
     connect_timeout: Duration,
@@ -121,6 +129,8 @@ struct Built {
 /// What a reload may replace.
 #[derive(Debug)]
 struct Live {
+    /// The node's TLS state (when the rack has a PKI), reloaded in place.
+    tls: Option<Arc<NodeTls>>,
     pool: Pool,
     probes: Vec<JoinHandle<()>>,
     probe_interval: Duration,
@@ -156,7 +166,13 @@ impl Memory {
         metrics: &NodeMetrics,
     ) -> Result<Self, MemoryError> {
         let node = find_node(config, name)?;
-        let built = build(config, node, metrics, &Pool::default()).await?;
+        let tls = match config.tls_files(&node.name) {
+            Some(files) => {
+                Some(NodeTls::load(&files).map_err(|e| MemoryError::Tls(e.to_string()))?)
+            }
+            None => None,
+        };
+        let built = build(config, node, metrics, &Pool::default(), tls.as_ref()).await?;
         // A donor that is down at startup starts excluded, not on a first lookup's time.
         for h in &built.fresh {
             h.probe_at_start().await;
@@ -177,6 +193,7 @@ impl Memory {
             routers,
             tables,
             live: tokio::sync::Mutex::new(Live {
+                tls,
                 pool: built.pool,
                 probes,
                 probe_interval: node.probe_interval,
@@ -217,6 +234,7 @@ async fn build(
     node: &Node,
     metrics: &NodeMetrics,
     old: &Pool,
+    tls: Option<&Arc<NodeTls>>,
 ) -> Result<Built, MemoryError> {
     let credential = config.credential()?;
     let mut pool = Pool::default();
@@ -233,13 +251,30 @@ async fn build(
         if pinned.is_empty() {
             continue;
         }
+        let link = node.link(&d.name);
+        let endpoints = d.endpoints(link.transport);
+        let transport = endpoints.first().map_or(Transport::Tcp, |e| e.transport);
+        let tls = match (transport.is_secure(), tls) {
+            (false, _) => None,
+            (true, Some(t)) => Some(TlsClient {
+                tls: Arc::clone(t),
+                server_name: cluster_config::tls::server_name(&d.name)
+                    .map_err(|e| MemoryError::Tls(e.to_string()))?,
+            }),
+            (true, None) => {
+                return Err(MemoryError::Tls(format!(
+                    "donor {} is reached over {transport}, which needs [rack.tls]",
+                    d.name
+                )));
+            }
+        };
         let spec = DonorSpec {
             name: d.name.clone(),
-            advertise: d
-                .endpoints(node.link(&d.name).transport)
-                .iter()
-                .map(|e| e.addr)
-                .collect(),
+            transport,
+            tls,
+            bind: link.bind,
+            interface: link.interface.clone(),
+            advertise: endpoints.iter().map(|e| e.addr).collect(),
             control: d.control_endpoint(),
             pinned,
             connect_timeout: node.connect_timeout,
@@ -253,6 +288,10 @@ async fn build(
                 opts.credential = spec.credential.clone();
                 opts.connect_timeout = spec.connect_timeout;
                 opts.lookup_timeout = spec.lookup_timeout;
+                opts.transport = spec.transport;
+                opts.tls = spec.tls.clone();
+                opts.bind = spec.bind;
+                opts.interface = spec.interface.clone();
                 let src: Arc<dyn RowSource> = Arc::new(
                     DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
                         .with_control(spec.control),

@@ -17,13 +17,13 @@
 mod error;
 mod wire;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::BytesMut;
+pub use cluster_config::Transport;
 use engram_protocol::messages::{LookupSection, encode_lookup, encode_ping};
 use engram_protocol::{Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, TableInfo};
 use tokio::io::AsyncWriteExt;
@@ -60,6 +60,32 @@ pub struct ClientOptions {
     /// the cost of a busy core while a fetch waits; the polling task yields
     /// between attempts, so other tasks on its runtime keep running.
     pub busy_poll: Duration,
+    /// How the donor is spoken to at the address given to `connect`.
+    pub transport: Transport,
+    /// The TLS client configuration and the donor's name its certificate
+    /// must carry (needed for `tls` and `quic`).
+    pub tls: Option<TlsClient>,
+    /// Source address of the connection (a link's own IP).
+    pub bind: Option<IpAddr>,
+    /// Network interface the connection must use (`SO_BINDTODEVICE`).
+    pub interface: Option<String>,
+}
+
+/// What a TLS or QUIC client needs: the node's TLS state (the rack CA, its
+/// certificate; reloadable) and the name the donor's certificate must carry.
+#[derive(Debug, Clone)]
+pub struct TlsClient {
+    /// The node's TLS state; each connection takes its configuration now.
+    pub tls: Arc<crate::tls::NodeTls>,
+    /// The donor's name.
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl PartialEq for TlsClient {
+    /// The same node state and donor name (the material inside may be reloaded).
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.tls, &other.tls) && self.server_name == other.server_name
+    }
 }
 
 impl ClientOptions {
@@ -74,6 +100,75 @@ impl ClientOptions {
             lookup_timeout: Duration::from_secs(1),
             max_rows: engram_protocol::frame::DEFAULT_MAX_ROWS,
             busy_poll: DEFAULT_BUSY_POLL,
+            transport: Transport::Tcp,
+            tls: None,
+            bind: None,
+            interface: None,
+        }
+    }
+}
+
+/// A TCP connection to `addr` from the link `opts` names, if any.
+async fn dial(addr: SocketAddr, opts: &ClientOptions) -> std::io::Result<TcpStream> {
+    if opts.bind.is_none() && opts.interface.is_none() {
+        return TcpStream::connect(addr).await;
+    }
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    if let Some(dev) = &opts.interface {
+        socket.bind_device(Some(dev.as_bytes())).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("binding to interface {dev}: {e}"))
+        })?;
+    }
+    if let Some(ip) = opts.bind {
+        socket
+            .bind(SocketAddr::new(ip, 0))
+            .map_err(|e| std::io::Error::new(e.kind(), format!("binding to {ip}: {e}")))?;
+    }
+    socket.connect(addr).await
+}
+
+/// Run a TLS client handshake over `stream` to completion. Bytes the donor
+/// sends right after it stay in the session.
+async fn tls_handshake(
+    stream: &mut TcpStream,
+    session: &mut rustls::ClientConnection,
+) -> Result<(), String> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 16 << 10];
+    let mut cipher = Vec::new();
+    loop {
+        while session.wants_write() {
+            cipher.clear();
+            session.write_tls(&mut cipher).map_err(|e| e.to_string())?;
+            stream.write_all(&cipher).await.map_err(|e| e.to_string())?;
+        }
+        if !session.is_handshaking() {
+            return Ok(());
+        }
+        let n = stream.read(&mut buf).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the donor closed the connection during the TLS handshake".into());
+        }
+        let mut input = &buf[..n];
+        while !input.is_empty() {
+            session.read_tls(&mut input).map_err(|e| e.to_string())?;
+            if let Err(e) = session.process_new_packets() {
+                // Send our alert, then say what went wrong, with the usual cause.
+                cipher.clear();
+                let _ = session.write_tls(&mut cipher);
+                let _ = stream.write_all(&cipher).await;
+                let hint = match e {
+                    rustls::Error::InvalidMessage(_) => {
+                        " (is this a plaintext tcp:// port of the donor?)"
+                    }
+                    _ => "",
+                };
+                return Err(format!("{e}{hint}"));
+            }
         }
     }
 }
@@ -116,10 +211,35 @@ impl DonorClient {
             addr,
             message: e.to_string(),
         };
-        let stream = TcpStream::connect(addr).await.map_err(connect_err)?;
+        let mut stream = dial(addr, opts).await.map_err(connect_err)?;
         stream.set_nodelay(true).map_err(connect_err)?;
+        let session = match opts.transport {
+            Transport::Tcp => None,
+            Transport::Tls => {
+                let tls = opts.tls.as_ref().ok_or_else(|| {
+                    ClientError::BadRequest(
+                        "a tls:// donor needs the rack's PKI ([rack.tls])".into(),
+                    )
+                })?;
+                let mut session =
+                    rustls::ClientConnection::new(tls.tls.client_config(), tls.server_name.clone())
+                        .map_err(|e| connect_err(std::io::Error::other(e)))?;
+                tls_handshake(&mut stream, &mut session)
+                    .await
+                    .map_err(|message| ClientError::Connect {
+                        addr,
+                        message: format!("TLS handshake: {message}"),
+                    })?;
+                Some(Arc::new(Mutex::new(session)))
+            }
+            Transport::Quic => {
+                return Err(ClientError::BadRequest(
+                    "QUIC is dialled with DonorClient::connect_quic".into(),
+                ));
+            }
+        };
         let fd = stream.as_raw_fd();
-        let (r, mut w) = stream.into_split();
+        let (r, w) = stream.into_split();
         let limits = Limits::for_rows(opts.max_rows);
         let mut out = Vec::with_capacity(1024);
         let cred = opts.credential.as_deref().unwrap_or_default();
@@ -130,13 +250,17 @@ impl DonorClient {
         }
         .encode(&mut out, 0)
         .map_err(|e| ClientError::BadRequest(e.to_string()))?;
-        w.write_all(&out)
+        let mut ws = WriteState {
+            w,
+            out,
+            written: 0,
+            tls: session.clone(),
+        };
+        ws.seal()?;
+        ws.finish()
             .await
             .map_err(|e| ClientError::Disconnected(e.to_string()))?;
-        let mut rd = ReadState {
-            r,
-            buf: BytesMut::with_capacity(64 << 10),
-        };
+        let mut rd = ReadState::new(r, session);
         let frame = next_frame(&mut rd, &limits, Duration::ZERO).await?;
         let (donor, tables, max_rows) = match parse(&frame, &limits)?.1 {
             Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
@@ -179,11 +303,7 @@ impl DonorClient {
         }
         let inner = Inner {
             // The Hello went out whole: nothing is left to finish.
-            writer: tokio::sync::Mutex::new(WriteState {
-                w,
-                written: out.len(),
-                out,
-            }),
+            writer: tokio::sync::Mutex::new(ws),
             reader: tokio::sync::Mutex::new(rd),
             pending: Mutex::new(Pending::default()),
             next_id: AtomicU64::new(1),
@@ -296,6 +416,10 @@ impl DonorClient {
                 ws.out.clear();
                 ws.written = 0;
                 encode(&mut ws.out, id)?;
+                if let Err(e) = ws.seal() {
+                    inner.close(e.clone());
+                    return Err(e);
+                }
                 sent = ws.finish().await;
             }
             if let Err(e) = sent {

@@ -29,11 +29,87 @@ pub(super) struct Pending {
     pub closed: Option<ClientError>,
 }
 
+/// A TLS session shared by the read and write sides. Each side locks it
+/// only while bytes move through it (never across an await), so a reader
+/// waiting for the donor never holds up a writer.
+pub(super) type Session = std::sync::Arc<Mutex<rustls::ClientConnection>>;
+
+fn lock(s: &Session) -> std::sync::MutexGuard<'_, rustls::ClientConnection> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The read side: whichever request holds it reads frames for everyone.
 #[derive(Debug)]
 pub(super) struct ReadState {
     pub r: OwnedReadHalf,
+    /// Whole plaintext frames are split off here.
     pub buf: BytesMut,
+    /// Over TLS: the session, and ciphertext read but not yet decrypted.
+    pub tls: Option<Session>,
+    pub cipher: BytesMut,
+}
+
+impl ReadState {
+    /// A read side over `r`, through `tls` when given.
+    pub fn new(r: OwnedReadHalf, tls: Option<Session>) -> Self {
+        Self {
+            r,
+            buf: BytesMut::with_capacity(64 << 10),
+            tls,
+            cipher: BytesMut::new(),
+        }
+    }
+
+    /// Where socket reads go: the frame buffer, or the ciphertext buffer.
+    fn target(&mut self) -> &mut BytesMut {
+        if self.tls.is_some() {
+            if self.cipher.capacity() - self.cipher.len() < 4096 {
+                self.cipher.reserve(64 << 10);
+            }
+            &mut self.cipher
+        } else {
+            &mut self.buf
+        }
+    }
+
+    /// Over TLS: move what can be decrypted into the frame buffer. True
+    /// when anything moved (call again before reading the socket).
+    fn decrypt(&mut self) -> Result<bool, ClientError> {
+        let Some(tls) = &self.tls else {
+            return Ok(false);
+        };
+        let mut s = lock(tls);
+        let mut moved = false;
+        if !self.cipher.is_empty() {
+            let mut pending = &self.cipher[..];
+            let n = s
+                .read_tls(&mut pending)
+                .map_err(|e| ClientError::Disconnected(format!("TLS: {e}")))?;
+            let _ = self.cipher.split_to(n);
+            moved |= n > 0;
+            s.process_new_packets()
+                .map_err(|e| ClientError::Disconnected(format!("TLS: {e}")))?;
+        }
+        loop {
+            let mut reader = s.reader();
+            match std::io::BufRead::fill_buf(&mut reader) {
+                Ok([]) => {
+                    return Err(ClientError::Disconnected(
+                        "donor closed the connection".into(),
+                    ));
+                }
+                Ok(chunk) => {
+                    let n = chunk.len();
+                    self.buf.extend_from_slice(chunk);
+                    std::io::BufRead::consume(&mut reader, n);
+                    moved = true;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(ClientError::Disconnected(format!("TLS: {e}"))),
+            }
+        }
+        Ok(moved)
+    }
 }
 
 /// The write side: the frame being written and how much of it went out.
@@ -42,9 +118,28 @@ pub(super) struct WriteState {
     pub w: OwnedWriteHalf,
     pub out: Vec<u8>,
     pub written: usize,
+    /// Over TLS: the session `out` is sealed with.
+    pub tls: Option<Session>,
 }
 
 impl WriteState {
+    /// Over TLS, replace the plaintext frame in `out` by its records (and
+    /// whatever else the session has to send). Done before the first byte
+    /// goes out, under the writer's lock, so records leave in order.
+    pub fn seal(&mut self) -> Result<(), ClientError> {
+        let Some(tls) = &self.tls else {
+            return Ok(());
+        };
+        let mut s = lock(tls);
+        let tls_err = |e: std::io::Error| ClientError::Disconnected(format!("TLS: {e}"));
+        std::io::Write::write_all(&mut s.writer(), &self.out).map_err(tls_err)?;
+        self.out.clear();
+        while s.wants_write() {
+            s.write_tls(&mut self.out).map_err(tls_err)?;
+        }
+        Ok(())
+    }
+
     /// Write what is left of `out`; progress survives cancellation.
     pub async fn finish(&mut self) -> std::io::Result<()> {
         while self.written < self.out.len() {
@@ -134,8 +229,12 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
         if let Some(frame) = split_frame(&mut rd.buf, limits)? {
             return Ok(frame);
         }
+        if rd.decrypt()? {
+            continue;
+        }
+        let fd = rd.r.as_ref().as_raw_fd();
         let n = match poll_until {
-            Some(until) => match recv_now(rd.r.as_ref().as_raw_fd(), &mut rd.buf) {
+            Some(until) => match recv_now(fd, rd.target()) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     let now = Instant::now();
                     if now >= until {
@@ -151,7 +250,11 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
                 }
                 r => r,
             },
-            None => rd.r.read_buf(&mut rd.buf).await,
+            None => {
+                let has_tls = rd.tls.is_some();
+                let ReadState { r, buf, cipher, .. } = rd;
+                r.read_buf(if has_tls { cipher } else { buf }).await
+            }
         };
         read_result(n)?;
     }
@@ -278,7 +381,13 @@ impl Inner {
         let step = (|| -> Result<(), ClientError> {
             let mut ended = Ok(());
             loop {
-                match rd.r.try_read_buf(&mut rd.buf) {
+                let has_tls = rd.tls.is_some();
+                let ReadState { r, buf, cipher, .. } = &mut *rd;
+                let into = if has_tls { cipher } else { buf };
+                if into.capacity() - into.len() < 4096 {
+                    into.reserve(64 << 10);
+                }
+                match r.try_read_buf(into) {
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     n => {
                         ended = read_result(n);
@@ -288,6 +397,7 @@ impl Inner {
                     }
                 }
             }
+            while rd.decrypt()? {}
             // What came before the end is taken in first: a Goodbye followed
             // by the close is a drain, not just a lost connection.
             while let Some(frame) = split_frame(&mut rd.buf, &self.limits)? {

@@ -83,13 +83,33 @@ impl Memory {
         let mut live = self.live.lock().await;
         let node = find_node(config, name)?;
         self.check_tables(config, node)?;
-        let built = build(config, node, metrics, &live.pool).await?;
+        let mut report = ReloadReport::default();
+        // New certificates first: connections made from now on use them.
+        // Bad ones are refused and the old ones stay (the rest still applies).
+        match (&live.tls, config.tls_files(&node.name)) {
+            (Some(tls), Some(files)) => match tls.reload(&files) {
+                Ok(m) => report
+                    .node
+                    .push(format!("TLS certificate reloaded ({})", m.identity)),
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "reload: the new TLS certificate or key was refused; the old ones stay"
+                ),
+            },
+            (None, Some(_)) | (Some(_), None) => {
+                return Err(MemoryError::RestartNeeded {
+                    table: 0,
+                    what: "[rack.tls] was added or removed".into(),
+                });
+            }
+            (None, None) => {}
+        }
+        let built = build(config, node, metrics, &live.pool, live.tls.as_ref()).await?;
 
         // Nothing has changed yet; from here on nothing fails.
         for h in &built.fresh {
             h.probe_at_start().await;
         }
-        let mut report = ReloadReport::default();
         if live.probe_interval != node.probe_interval {
             report.node.push(format!(
                 "probe interval {:?} -> {:?}",
