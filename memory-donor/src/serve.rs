@@ -452,6 +452,7 @@ pub async fn serve(
 ) -> Result<Arc<Shared>, ServeError> {
     let mut listeners = Vec::new();
     let mut bound = Vec::new();
+    let mut quic = Vec::new();
     for e in &spec.listen {
         let listener = match e.transport {
             Transport::Tcp => {
@@ -465,9 +466,8 @@ pub async fn serve(
                 server::Listener::Tls(l)
             }
             Transport::Quic => {
-                return Err(ServeError::Config(format!(
-                    "{e}: QUIC is not served by this build"
-                )));
+                quic.push(e.addr);
+                continue;
             }
         };
         listeners.push(listener);
@@ -480,6 +480,16 @@ pub async fn serve(
         return Err(ServeError::Config(
             "a tls:// or quic:// address needs the rack's PKI ([rack.tls])".into(),
         ));
+    }
+    for addr in quic {
+        let config = server::quic::server_config(&shared).map_err(ServeError::Config)?;
+        let endpoint = quinn::Endpoint::server(config, addr)
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        let a = endpoint
+            .local_addr()
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        bound.push(Endpoint::new(Transport::Quic, a));
+        listeners.push(server::Listener::Quic(endpoint));
     }
     // Plain `IP:PORT` for TCP (what scripts have always read), URLs for the rest.
     let shown: Vec<String> = bound

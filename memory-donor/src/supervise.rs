@@ -246,11 +246,14 @@ impl Loop {
         }
         match (self.status.tls.get(), &plan.spec.tls) {
             (Some(tls), Some((files, access))) => match tls.reload(files, access.clone()) {
-                Ok(m) => tracing::info!(
+                Ok(m) => {
+                    self.shared.refresh_quic();
+                    tracing::info!(
                     identity = %m.identity,
                     cert = %files.cert.display(),
                     "reload: TLS certificate and key loaded; new connections use them"
-                ),
+                    );
+                }
                 Err(e) => tracing::error!(
                     error = %e,
                     "reload: the new TLS certificate or key was refused; the old ones stay"

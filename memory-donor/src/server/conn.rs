@@ -11,73 +11,11 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engram_protocol::{Frame, FrameHeader, HEADER_LEN};
+use engram_protocol::{FrameHeader, HEADER_LEN};
 
-use super::handler::{Action, Handler};
+use super::handler::Handler;
+use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
 use super::{Conn, Shared};
-
-/// Initial read and write buffer size.
-const INITIAL_BUF: usize = 64 << 10;
-/// Write out buffered answers once they pass this size, even mid-batch.
-const FLUSH_AT: usize = 256 << 10;
-
-/// A read buffer with explicit start and end, zero-filled once when it grows
-/// (not on every read) and bounded by the largest frame allowed.
-#[derive(Debug)]
-struct ReadBuf {
-    buf: Vec<u8>,
-    start: usize,
-    end: usize,
-}
-
-impl ReadBuf {
-    fn new(size: usize) -> Self {
-        Self {
-            buf: vec![0; size],
-            start: 0,
-            end: 0,
-        }
-    }
-
-    fn data(&self) -> &[u8] {
-        &self.buf[self.start..self.end]
-    }
-
-    fn consume(&mut self, n: usize) {
-        self.start = (self.start + n).min(self.end);
-        if self.start == self.end {
-            self.start = 0;
-            self.end = 0;
-            // Give back what one large request needed.
-            if self.buf.len() > 4 * INITIAL_BUF {
-                self.buf.truncate(INITIAL_BUF);
-                self.buf.shrink_to_fit();
-            }
-        }
-    }
-
-    /// Make room for a frame of `frame_len` bytes (already bounded by the
-    /// codec's maximum) to be fully buffered.
-    fn reserve_frame(&mut self, frame_len: usize) {
-        if self.start + frame_len > self.buf.len() {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-        }
-        if frame_len > self.buf.len() {
-            self.buf.resize(frame_len, 0);
-        }
-    }
-
-    fn read_from(&mut self, r: &mut impl Read) -> io::Result<usize> {
-        if self.end == self.buf.len() {
-            self.reserve_frame(self.end - self.start + HEADER_LEN);
-        }
-        let n = r.read(&mut self.buf[self.end..])?;
-        self.end += n;
-        Ok(n)
-    }
-}
 
 /// Ciphertext read from the socket and not yet given to rustls.
 #[derive(Debug)]
@@ -352,9 +290,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
     // absolute deadline (a read timeout alone restarts with every byte).
     // Over TLS the same deadline covers the TLS handshake too.
     let hello_deadline = (!cfg.hello_timeout.is_zero()).then(|| Instant::now() + cfg.hello_timeout);
-    let (before_hello, requests) = (cfg.limits.before_hello(), cfg.limits.for_requests());
-    let mut limits = before_hello;
-    let mut rb = ReadBuf::new(INITIAL_BUF);
+    let rb = ReadBuf::new(INITIAL_BUF);
     let mut tin = TlsIn::new();
     let mut out = Vec::with_capacity(INITIAL_BUF);
     let mut handler = Handler::new(&shared, Arc::clone(&cfg));
@@ -365,77 +301,25 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
             None => return Ok(()),
         }
     }
-    // Bytes of a refused oversized Lookup still to discard as they arrive.
-    let mut skip = 0usize;
+    let mut pump = Pump::new(
+        handler,
+        rb,
+        cfg.limits,
+        conn.id,
+        conn.peer,
+        conn.tls.is_none(),
+    );
     loop {
         loop {
-            if skip > 0 {
-                let n = skip.min(rb.data().len());
-                rb.consume(n);
-                skip -= n;
-                if skip > 0 {
-                    break;
-                }
-            }
-            let header = match FrameHeader::peek_unbounded(rb.data()) {
-                Ok(Some(h)) => h,
-                Ok(None) => break,
-                Err(e) => {
-                    if conn.tls.is_none() && rb.data().starts_with(&[0x16, 0x03]) {
-                        shared.stats.refusal("data", "tls_on_plaintext_port");
-                        if let Some(suppressed) = super::CONN_WARN.allow() {
-                            tracing::warn!(conn = conn.id, peer = %conn.peer, suppressed, "a TLS client on a plaintext port: refused (it must dial tcp://)");
-                        }
-                    }
-                    tracing::debug!(conn = conn.id, peer = %conn.peer, error = %e, "bad frame header; closing");
-                    handler.frame_error(None, &e, &mut out);
-                    return close_gracefully(&conn, &stream, &mut out);
-                }
-            };
-            if header.payload_len > limits.max_payload {
-                tracing::debug!(conn = conn.id, peer = %conn.peer, kind = ?header.kind, len = header.payload_len, "oversized frame");
-                match handler.oversized(header, limits.max_payload, &mut out) {
-                    Action::Skip(n) => {
-                        rb.consume(HEADER_LEN);
-                        skip = n;
-                        continue;
-                    }
-                    _ => return close_gracefully(&conn, &stream, &mut out),
-                }
-            }
-            if rb.data().len() < header.frame_len() {
-                rb.reserve_frame(header.frame_len());
-                break;
-            }
-            let payload = &rb.data()[HEADER_LEN..header.frame_len()];
-            if let Some(action) = handler.refuse_kind(header, &mut out) {
-                tracing::debug!(conn = conn.id, peer = %conn.peer, kind = ?header.kind, id = header.request_id, "frame refused by kind; closing");
-                debug_assert_eq!(action, Action::Close);
-                return close_gracefully(&conn, &stream, &mut out);
-            }
-            let action = match Frame::parse(header.kind, payload, &limits) {
-                Ok(frame) => handler.handle(header, frame, &mut out),
-                Err(e) => {
-                    tracing::debug!(conn = conn.id, peer = %conn.peer, error = %e, "bad frame");
-                    handler.frame_error(Some(header), &e, &mut out)
-                }
-            };
-            rb.consume(header.frame_len());
-            match action {
-                Action::Continue | Action::Skip(_) => {}
-                Action::Ready => {
-                    tracing::debug!(conn = conn.id, peer = %conn.peer, node = handler.peer_name(), "client ready");
-                    limits = requests;
-                    set_timeout(&stream, cfg.idle_timeout)?;
-                }
-                Action::Close => return close_gracefully(&conn, &stream, &mut out),
-            }
-            if out.len() >= FLUSH_AT {
-                flush(&conn, &mut out)?;
+            match pump.step(&shared, &mut out) {
+                Step::NeedInput => break,
+                Step::Flush => flush(&conn, &mut out)?,
+                Step::Ready => set_timeout(&stream, cfg.idle_timeout)?,
+                Step::Close => return close_gracefully(&conn, &stream, &mut out),
             }
         }
         flush(&conn, &mut out)?;
-        if !handler.is_ready()
+        if !pump.handler.is_ready()
             && let Some(deadline) = hello_deadline
         {
             match deadline
@@ -446,7 +330,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 None => return Err(io::ErrorKind::TimedOut.into()),
             }
         }
-        match fill(&mut stream, &conn, &mut rb, &mut tin) {
+        match fill(&mut stream, &conn, &mut pump.rb, &mut tin) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -12,6 +12,8 @@
 
 mod conn;
 mod handler;
+mod pump;
+pub mod quic;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -80,6 +82,12 @@ pub struct Shared {
     permits: Arc<Semaphore>,
     permits_total: AtomicUsize,
     tls: std::sync::OnceLock<Arc<DonorTls>>,
+    /// QUIC connections open (also counted in `stats.open`).
+    quic_open: AtomicUsize,
+    /// The QUIC endpoints being served (a certificate reload reaches them here).
+    quic_endpoints: Mutex<Vec<quinn::Endpoint>>,
+    /// True once a drain started: QUIC sessions say Goodbye on their own streams.
+    drain_tx: tokio::sync::watch::Sender<bool>,
 }
 
 /// What applying a new configuration could not change live.
@@ -120,12 +128,37 @@ impl Shared {
             permits: Arc::new(Semaphore::new(max)),
             permits_total: AtomicUsize::new(max),
             tls: std::sync::OnceLock::new(),
+            quic_open: AtomicUsize::new(0),
+            quic_endpoints: Mutex::new(Vec::new()),
+            drain_tx: tokio::sync::watch::channel(false).0,
         })
+    }
+
+    fn drain_signal(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.drain_tx.subscribe()
     }
 
     /// Serve TLS and QUIC with this state (once, before `run`).
     pub fn set_tls(&self, tls: Arc<DonorTls>) {
         let _ = self.tls.set(tls);
+    }
+
+    /// After a certificate reload: new QUIC handshakes use the new
+    /// material too (TLS connections take it per connection already).
+    pub fn refresh_quic(&self) {
+        let endpoints = self
+            .quic_endpoints
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for e in endpoints {
+            match quic::server_config(self) {
+                Ok(c) => e.set_server_config(Some(c)),
+                Err(err) => {
+                    tracing::error!(error = %err, "QUIC endpoint keeps its old certificate")
+                }
+            }
+        }
     }
 
     /// The TLS state, when the donor has one.
@@ -182,9 +215,9 @@ impl Shared {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Open connections.
+    /// Open connections (TCP, TLS and QUIC).
     pub fn open_connections(&self) -> usize {
-        self.conns().len()
+        self.conns().len() + self.quic_open.load(Ordering::Relaxed)
     }
 
     /// True once a drain started.
@@ -298,6 +331,8 @@ pub enum Listener {
     Tcp(TcpListener),
     /// TLS 1.3 over TCP (needs [`Shared::set_tls`]).
     Tls(TcpListener),
+    /// QUIC (needs [`Shared::set_tls`]; see [`quic::server_config`]).
+    Quic(quinn::Endpoint),
 }
 
 /// Accept and serve on `listeners` until `shutdown` resolves, then drain.
@@ -310,10 +345,26 @@ pub async fn run(
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
+    let mut quic = Vec::new();
     for listener in listeners {
         let (listener, tls) = match listener {
             Listener::Tcp(l) => (l, false),
             Listener::Tls(l) => (l, true),
+            Listener::Quic(endpoint) => {
+                quic.push(endpoint.clone());
+                shared
+                    .quic_endpoints
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(endpoint.clone());
+                accepters.push(tokio::spawn(quic::accept_loop(
+                    endpoint,
+                    Arc::clone(&shared),
+                    Arc::clone(&permits),
+                    stop_tx.subscribe(),
+                )));
+                continue;
+            }
         };
         let (shared, permits, refusing, mut stop) = (
             Arc::clone(&shared),
@@ -367,7 +418,10 @@ pub async fn run(
     for a in accepters {
         let _ = a.await;
     }
-    drain(&shared).await;
+    drain(&shared, &quic).await;
+    for endpoint in quic {
+        endpoint.close(quinn::VarInt::from_u32(0), b"donor stopped");
+    }
 }
 
 /// Send Goodbye without ever blocking: take the connection's write lock
@@ -437,8 +491,9 @@ fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
     }
 }
 
-async fn drain(shared: &Arc<Shared>) {
+async fn drain(shared: &Arc<Shared>, quic: &[quinn::Endpoint]) {
     shared.draining.store(true, Ordering::Relaxed);
+    shared.drain_tx.send_replace(true);
     let permits = &shared.permits;
     let max = shared.permits_total.load(Ordering::Relaxed);
     let grace = shared.config().drain_timeout;
@@ -474,6 +529,9 @@ async fn drain(shared: &Arc<Shared>) {
         );
         for c in left {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+        for endpoint in quic {
+            endpoint.close(quinn::VarInt::from_u32(0), b"drain deadline passed");
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), permits.acquire_many(all)).await;
     }

@@ -1,0 +1,296 @@
+//! The data plane over QUIC (quinn), ALPN `engram/1`, with the same
+//! identities as TLS. Stream use: a node opens one long-lived
+//! bidirectional stream per session and speaks the TCP protocol on it
+//! unchanged (Hello, Welcome, pipelined Lookups answered by request id), so
+//! a lookup costs no stream set-up and the handler is the one every
+//! transport uses. A connection may hold a few such streams (each its own
+//! session, with its own Hello).
+//!
+//! Bounds: one connection permit per QUIC connection (the same
+//! `max_connections` as TCP and TLS), at most [`MAX_HANDSHAKES`] handshakes
+//! in progress (more are refused at once, before any crypto), each within
+//! the hello timeout, [`MAX_STREAMS`] streams per connection, and the idle
+//! timeout as QUIC's own. 0-RTT is not accepted: see PROTOCOL.md.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use engram_protocol::Goodbye;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use super::handler::Handler;
+use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
+use super::{CONN_WARN, Shared};
+
+/// QUIC handshakes in progress at once; more are refused.
+pub const MAX_HANDSHAKES: usize = 64;
+/// Concurrent bidirectional streams (sessions) per QUIC connection.
+pub const MAX_STREAMS: u32 = 4;
+
+/// The quinn server configuration for the donor's TLS state now.
+pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
+    let tls = shared
+        .tls()
+        .ok_or("a quic:// address needs the rack's PKI ([rack.tls])")?;
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls.data_config())
+        .map_err(|e| e.to_string())?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let cfg = shared.config();
+    let mut transport = quinn::TransportConfig::default();
+    transport.max_concurrent_bidi_streams(MAX_STREAMS.into());
+    transport.max_concurrent_uni_streams(0u32.into());
+    if !cfg.idle_timeout.is_zero() {
+        transport.max_idle_timeout(quinn::IdleTimeout::try_from(cfg.idle_timeout).ok());
+    }
+    config.transport_config(Arc::new(transport));
+    Ok(config)
+}
+
+/// Accept QUIC connections on `endpoint` until `stop` fires.
+pub(super) async fn accept_loop(
+    endpoint: quinn::Endpoint,
+    shared: Arc<Shared>,
+    permits: Arc<Semaphore>,
+    mut stop: tokio::sync::broadcast::Receiver<()>,
+) {
+    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    loop {
+        let incoming = tokio::select! {
+            _ = stop.recv() => break,
+            i = endpoint.accept() => match i {
+                Some(i) => i,
+                None => break,
+            },
+        };
+        let peer = incoming.remote_address();
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%peer, "QUIC connection refused: at the bound");
+            incoming.refuse();
+            continue;
+        };
+        let Ok(handshake) = Arc::clone(&handshakes).try_acquire_owned() else {
+            shared.stats.refusal("data", "handshake_limit");
+            if let Some(suppressed) = CONN_WARN.allow() {
+                tracing::warn!(%peer, suppressed, "QUIC handshake refused: {MAX_HANDSHAKES} already in progress");
+            }
+            incoming.refuse();
+            continue;
+        };
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            serve_connection(incoming, peer, shared, permit, handshake).await;
+        });
+    }
+    // New connections are refused from now on; live ones drain.
+    endpoint.set_server_config(None);
+}
+
+/// Hand a connection's handshake to quinn, bounded by the hello timeout,
+/// and check the client's identity.
+async fn admit(
+    incoming: quinn::Incoming,
+    peer: SocketAddr,
+    shared: &Shared,
+) -> Option<(quinn::Connection, String)> {
+    let stats = &shared.stats;
+    let timeout = shared.config().hello_timeout.max(Duration::from_millis(1));
+    let connecting = match incoming.accept() {
+        Ok(c) => c,
+        Err(e) => {
+            stats.refusal("data", "handshake_failed");
+            tracing::debug!(%peer, error = %e, "QUIC connection not accepted");
+            return None;
+        }
+    };
+    let conn = match tokio::time::timeout(timeout, connecting).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            stats.refusal("data", "handshake_failed");
+            if let Some(suppressed) = CONN_WARN.allow() {
+                tracing::warn!(%peer, error = %e, suppressed, "QUIC handshake failed");
+            }
+            return None;
+        }
+        Err(_) => {
+            stats.refusal("data", "handshake_timeout");
+            if let Some(suppressed) = CONN_WARN.allow() {
+                tracing::warn!(%peer, suppressed, "QUIC handshake timed out");
+            }
+            return None;
+        }
+    };
+    let identity = conn
+        .peer_identity()
+        .and_then(|any| {
+            any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                .ok()
+        })
+        .and_then(|chain| cluster_config::tls::peer_identity(Some(&chain[..])));
+    let who = identity.clone().unwrap_or_else(|| "(no name)".into());
+    match identity {
+        Some(id) if shared.tls().is_some_and(|t| t.data_allowed(&id)) => Some((conn, id)),
+        _ => {
+            stats.refusal("data", "client_not_allowed");
+            if let Some(suppressed) = CONN_WARN.allow() {
+                tracing::warn!(%peer, identity = %who, suppressed, "QUIC client not allowed on this donor: refused");
+            }
+            let why = format!(
+                "{who} is not allowed on donor {} (the donor's `clients` in the rack config)",
+                shared.config().name
+            );
+            conn.close(quinn::VarInt::from_u32(1), why.as_bytes());
+            None
+        }
+    }
+}
+
+async fn serve_connection(
+    incoming: quinn::Incoming,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    permit: OwnedSemaphorePermit,
+    handshake: OwnedSemaphorePermit,
+) {
+    let admitted = admit(incoming, peer, &shared).await;
+    drop(handshake);
+    let Some((conn, identity)) = admitted else {
+        return;
+    };
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    shared.stats.open.fetch_add(1, Ordering::Relaxed);
+    shared.quic_open.fetch_add(1, Ordering::Relaxed);
+    let mut streams = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            s = conn.accept_bi() => s,
+            // Finished sessions are reaped as they end.
+            Some(_) = streams.join_next(), if !streams.is_empty() => continue,
+        };
+        match accepted {
+            Ok((send, recv)) => {
+                let (shared, identity) = (Arc::clone(&shared), identity.clone());
+                streams.spawn(async move {
+                    if let Err(e) = serve_stream(send, recv, &shared, identity, id, peer).await {
+                        tracing::debug!(conn = id, %peer, error = %e, "QUIC session ended with an error");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::debug!(conn = id, %peer, error = %e, "QUIC connection closed");
+                break;
+            }
+        }
+    }
+    streams.abort_all();
+    while streams.join_next().await.is_some() {}
+    shared.quic_open.fetch_sub(1, Ordering::Relaxed);
+    shared.stats.open.fetch_sub(1, Ordering::Relaxed);
+    drop(permit);
+}
+
+/// Write `out` within the write timeout.
+async fn write(
+    send: &mut quinn::SendStream,
+    out: &mut Vec<u8>,
+    limit: Duration,
+) -> Result<(), String> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let w = send.write_all(out);
+    let r = if limit.is_zero() {
+        w.await.map_err(|e| e.to_string())
+    } else {
+        tokio::time::timeout(limit, w)
+            .await
+            .map_err(|_| "write timed out".to_string())?
+            .map_err(|e| e.to_string())
+    };
+    out.clear();
+    r
+}
+
+/// One session on one stream: the same frames as over TCP.
+async fn serve_stream(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    shared: &Arc<Shared>,
+    identity: String,
+    id: u64,
+    peer: SocketAddr,
+) -> Result<(), String> {
+    let cfg = shared.config();
+    let mut handler = Handler::new(shared, Arc::clone(&cfg));
+    handler.set_identity(identity);
+    let mut pump = Pump::new(
+        handler,
+        ReadBuf::new(INITIAL_BUF),
+        cfg.limits,
+        id,
+        peer,
+        false,
+    );
+    let mut out = Vec::with_capacity(INITIAL_BUF);
+    let hello_deadline = Instant::now() + cfg.hello_timeout.max(Duration::from_millis(1));
+    let mut draining = shared.drain_signal();
+    let mut said_goodbye = false;
+    loop {
+        loop {
+            match pump.step(shared, &mut out) {
+                Step::NeedInput => break,
+                Step::Flush | Step::Ready => write(&mut send, &mut out, cfg.write_timeout).await?,
+                Step::Close => {
+                    write(&mut send, &mut out, cfg.write_timeout).await?;
+                    let _ = send.finish();
+                    // Let the peer read the last answer before the stream goes.
+                    let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
+                    return Ok(());
+                }
+            }
+        }
+        write(&mut send, &mut out, cfg.write_timeout).await?;
+        let wait = if pump.handler.is_ready() {
+            (!cfg.idle_timeout.is_zero()).then(|| Instant::now() + cfg.idle_timeout)
+        } else {
+            Some(hello_deadline)
+        };
+        let rb = &mut pump.rb;
+        if rb.end == rb.buf.len() {
+            rb.reserve_frame(rb.end - rb.start + engram_protocol::HEADER_LEN);
+        }
+        let end = rb.end;
+        tokio::select! {
+            r = recv.read(&mut rb.buf[end..]) => match r {
+                Ok(Some(n)) => rb.end += n,
+                Ok(None) => {
+                    let _ = send.finish();
+                    return Ok(());
+                }
+                Err(e) => return Err(e.to_string()),
+            },
+            _ = draining.wait_for(|d| *d), if !said_goodbye => {
+                said_goodbye = true;
+                let grace = cfg.drain_timeout;
+                Goodbye {
+                    grace_ms: u32::try_from(grace.as_millis()).unwrap_or(u32::MAX),
+                }
+                .encode(&mut out);
+            }
+            _ = sleep_until(wait) => {
+                return Err(if pump.handler.is_ready() { "idle timeout" } else { "no Hello in time" }.into());
+            }
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
