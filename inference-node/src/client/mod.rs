@@ -32,7 +32,10 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 pub use error::ClientError;
-use wire::{Inner, Pending, PendingGuard, ReadState, Reply, WriteState, next_frame, parse};
+use wire::{
+    Inner, Pending, PendingGuard, ReadHalf, ReadState, Reply, WriteHalf, WriteState, next_frame,
+    parse,
+};
 
 /// Default `busy_poll`: longer than a loopback or rack-local answer takes
 /// (30-60 us measured), far shorter than a table's window (250 us for
@@ -131,6 +134,83 @@ async fn dial(addr: SocketAddr, opts: &ClientOptions) -> std::io::Result<TcpStre
     socket.connect(addr).await
 }
 
+/// A UDP socket for a QUIC connection to `addr`, bound to the link `opts` names.
+fn quic_socket(addr: SocketAddr, opts: &ClientOptions) -> std::io::Result<std::net::UdpSocket> {
+    let any: IpAddr = if addr.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    let socket = std::net::UdpSocket::bind(SocketAddr::new(opts.bind.unwrap_or(any), 0))?;
+    if let Some(dev) = &opts.interface {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setsockopt reads `dev.len()` bytes from `dev`, which outlives the call.
+        let r = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_BINDTODEVICE,
+                dev.as_ptr().cast(),
+                dev.len() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("binding to interface {dev}: {e}"),
+            ));
+        }
+    }
+    Ok(socket)
+}
+
+/// A QUIC connection to `addr` and the stream its session runs on.
+async fn dial_quic(
+    addr: SocketAddr,
+    opts: &ClientOptions,
+) -> Result<
+    (
+        quinn::Endpoint,
+        quinn::Connection,
+        quinn::SendStream,
+        quinn::RecvStream,
+    ),
+    ClientError,
+> {
+    let err = |message: String| ClientError::Connect { addr, message };
+    let tls = opts.tls.as_ref().ok_or_else(|| {
+        ClientError::BadRequest("a quic:// donor needs the rack's PKI ([rack.tls])".into())
+    })?;
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls.tls.client_config())
+        .map_err(|e| err(format!("QUIC: {e}")))?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    let mut transport = quinn::TransportConfig::default();
+    // The node's side of a long-lived session: keep it open while idle.
+    transport.keep_alive_interval(Some(Duration::from_secs(5)));
+    transport.max_concurrent_uni_streams(0u32.into());
+    config.transport_config(Arc::new(transport));
+    let socket = quic_socket(addr, opts).map_err(|e| err(e.to_string()))?;
+    let endpoint = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        None,
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )
+    .map_err(|e| err(e.to_string()))?;
+    let name = tls.server_name.to_str();
+    let conn = endpoint
+        .connect_with(config, addr, &name)
+        .map_err(|e| err(format!("QUIC: {e}")))?
+        .await
+        .map_err(|e| err(format!("QUIC handshake: {e}")))?;
+    let (send, recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| err(format!("QUIC stream: {e}")))?;
+    Ok((endpoint, conn, send, recv))
+}
+
 /// Run a TLS client handshake over `stream` to completion. Bytes the donor
 /// sends right after it stay in the session.
 async fn tls_handshake(
@@ -211,35 +291,44 @@ impl DonorClient {
             addr,
             message: e.to_string(),
         };
-        let mut stream = dial(addr, opts).await.map_err(connect_err)?;
-        stream.set_nodelay(true).map_err(connect_err)?;
-        let session = match opts.transport {
-            Transport::Tcp => None,
-            Transport::Tls => {
-                let tls = opts.tls.as_ref().ok_or_else(|| {
-                    ClientError::BadRequest(
-                        "a tls:// donor needs the rack's PKI ([rack.tls])".into(),
-                    )
-                })?;
-                let mut session =
-                    rustls::ClientConnection::new(tls.tls.client_config(), tls.server_name.clone())
-                        .map_err(|e| connect_err(std::io::Error::other(e)))?;
-                tls_handshake(&mut stream, &mut session)
-                    .await
-                    .map_err(|message| ClientError::Connect {
-                        addr,
-                        message: format!("TLS handshake: {message}"),
-                    })?;
-                Some(Arc::new(Mutex::new(session)))
-            }
+        let (r, w, fd, session, quic) = match opts.transport {
             Transport::Quic => {
-                return Err(ClientError::BadRequest(
-                    "QUIC is dialled with DonorClient::connect_quic".into(),
-                ));
+                let (endpoint, conn, send, recv) = dial_quic(addr, opts).await?;
+                let (r, w): (Box<dyn ReadHalf>, Box<dyn WriteHalf>) =
+                    (Box::new(recv), Box::new(send));
+                (r, w, None, None, Some((endpoint, conn)))
+            }
+            transport => {
+                let mut stream = dial(addr, opts).await.map_err(connect_err)?;
+                stream.set_nodelay(true).map_err(connect_err)?;
+                let session = match transport {
+                    Transport::Tls => {
+                        let tls = opts.tls.as_ref().ok_or_else(|| {
+                            ClientError::BadRequest(
+                                "a tls:// donor needs the rack's PKI ([rack.tls])".into(),
+                            )
+                        })?;
+                        let mut session = rustls::ClientConnection::new(
+                            tls.tls.client_config(),
+                            tls.server_name.clone(),
+                        )
+                        .map_err(|e| connect_err(std::io::Error::other(e)))?;
+                        tls_handshake(&mut stream, &mut session)
+                            .await
+                            .map_err(|message| ClientError::Connect {
+                                addr,
+                                message: format!("TLS handshake: {message}"),
+                            })?;
+                        Some(Arc::new(Mutex::new(session)))
+                    }
+                    _ => None,
+                };
+                let fd = stream.as_raw_fd();
+                let (r, w) = stream.into_split();
+                let (r, w): (Box<dyn ReadHalf>, Box<dyn WriteHalf>) = (Box::new(r), Box::new(w));
+                (r, w, Some(fd), session, None)
             }
         };
-        let fd = stream.as_raw_fd();
-        let (r, w) = stream.into_split();
         let limits = Limits::for_rows(opts.max_rows);
         let mut out = Vec::with_capacity(1024);
         let cred = opts.credential.as_deref().unwrap_or_default();
@@ -260,7 +349,7 @@ impl DonorClient {
         ws.finish()
             .await
             .map_err(|e| ClientError::Disconnected(e.to_string()))?;
-        let mut rd = ReadState::new(r, session);
+        let mut rd = ReadState::new(r, fd, session);
         let frame = next_frame(&mut rd, &limits, Duration::ZERO).await?;
         let (donor, tables, max_rows) = match parse(&frame, &limits)?.1 {
             Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
@@ -312,6 +401,7 @@ impl DonorClient {
             limits: Limits::for_rows(max_rows.min(opts.max_rows).max(1)),
             busy_poll: opts.busy_poll,
             fd,
+            quic,
             opened: std::time::Instant::now(),
             last_read_ns: AtomicU64::new(0),
         };

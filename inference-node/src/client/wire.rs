@@ -8,7 +8,7 @@
 //! shared buffer.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -16,7 +16,18 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use engram_protocol::{Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, decode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+/// The byte stream under a connection: a TCP socket's halves, or a QUIC stream's.
+pub(super) trait ReadHalf:
+    tokio::io::AsyncRead + Unpin + Send + Sync + std::fmt::Debug
+{
+}
+impl<T: tokio::io::AsyncRead + Unpin + Send + Sync + std::fmt::Debug> ReadHalf for T {}
+/// See [`ReadHalf`].
+pub(super) trait WriteHalf:
+    tokio::io::AsyncWrite + Unpin + Send + Sync + std::fmt::Debug
+{
+}
+impl<T: tokio::io::AsyncWrite + Unpin + Send + Sync + std::fmt::Debug> WriteHalf for T {}
 use tokio::sync::oneshot;
 
 use super::ClientError;
@@ -41,7 +52,9 @@ fn lock(s: &Session) -> std::sync::MutexGuard<'_, rustls::ClientConnection> {
 /// The read side: whichever request holds it reads frames for everyone.
 #[derive(Debug)]
 pub(super) struct ReadState {
-    pub r: OwnedReadHalf,
+    pub r: Box<dyn ReadHalf>,
+    /// The TCP socket, for busy-polling (none over QUIC).
+    pub fd: Option<RawFd>,
     /// Whole plaintext frames are split off here.
     pub buf: BytesMut,
     /// Over TLS: the session, and ciphertext read but not yet decrypted.
@@ -51,9 +64,10 @@ pub(super) struct ReadState {
 
 impl ReadState {
     /// A read side over `r`, through `tls` when given.
-    pub fn new(r: OwnedReadHalf, tls: Option<Session>) -> Self {
+    pub fn new(r: Box<dyn ReadHalf>, fd: Option<RawFd>, tls: Option<Session>) -> Self {
         Self {
             r,
+            fd,
             buf: BytesMut::with_capacity(64 << 10),
             tls,
             cipher: BytesMut::new(),
@@ -115,7 +129,7 @@ impl ReadState {
 /// The write side: the frame being written and how much of it went out.
 #[derive(Debug)]
 pub(super) struct WriteState {
-    pub w: OwnedWriteHalf,
+    pub w: Box<dyn WriteHalf>,
     pub out: Vec<u8>,
     pub written: usize,
     /// Over TLS: the session `out` is sealed with.
@@ -232,9 +246,8 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
         if rd.decrypt()? {
             continue;
         }
-        let fd = rd.r.as_ref().as_raw_fd();
-        let n = match poll_until {
-            Some(until) => match recv_now(fd, rd.target()) {
+        let n = match (poll_until, rd.fd) {
+            (Some(until), Some(fd)) => match recv_now(fd, rd.target()) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     let now = Instant::now();
                     if now >= until {
@@ -250,7 +263,7 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
                 }
                 r => r,
             },
-            None => {
+            _ => {
                 let has_tls = rd.tls.is_some();
                 let ReadState { r, buf, cipher, .. } = rd;
                 r.read_buf(if has_tls { cipher } else { buf }).await
@@ -271,7 +284,9 @@ pub(super) struct Inner {
     pub limits: Limits,
     pub busy_poll: Duration,
     /// The socket, for a synchronous half-close (owned by the halves above).
-    pub fd: RawFd,
+    pub fd: Option<RawFd>,
+    /// Over QUIC: the connection (closed once drained) and its endpoint.
+    pub quic: Option<(quinn::Endpoint, quinn::Connection)>,
     /// When the connection opened, and the last frame read, in ns after it.
     pub opened: Instant,
     pub last_read_ns: AtomicU64,
@@ -302,8 +317,13 @@ impl Inner {
         let mut p = self.pending();
         if p.waiting.is_empty() && p.closed.is_none() {
             p.closed = Some(ClientError::Draining);
-            // SAFETY: shutdown(2) on our own socket; the fd stays open (owned by the halves).
-            unsafe { libc::shutdown(self.fd, libc::SHUT_WR) };
+            if let Some(fd) = self.fd {
+                // SAFETY: shutdown(2) on our own socket; the fd stays open (owned by the halves).
+                unsafe { libc::shutdown(fd, libc::SHUT_WR) };
+            }
+            if let Some((_, conn)) = &self.quic {
+                conn.close(quinn::VarInt::from_u32(0), b"drained");
+            }
         }
     }
 
@@ -387,9 +407,10 @@ impl Inner {
                 if into.capacity() - into.len() < 4096 {
                     into.reserve(64 << 10);
                 }
-                match r.try_read_buf(into) {
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    n => {
+                // One poll: what has arrived, never a wait.
+                match futures_util::FutureExt::now_or_never(r.read_buf(into)) {
+                    None => break,
+                    Some(n) => {
                         ended = read_result(n);
                         if ended.is_err() {
                             break;
