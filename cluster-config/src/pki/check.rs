@@ -152,15 +152,25 @@ impl Checker {
         let key = host.to_string();
         let missing = |p: &Path| matches!(p.symlink_metadata(), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
         let (no_cert, no_key) = (missing(cert_path), missing(key_path));
-        if no_cert || no_key {
-            // Both missing: a plain issue writes them; one: it needs --force.
-            let fix = self.issue(no_cert != no_key);
-            for (gone, p) in [(no_cert, cert_path), (no_key, key_path)] {
-                if gone {
-                    self.push(Severity::Error, &key, p, format!("missing: {fix}"));
-                }
+        match (no_cert, no_key) {
+            // Never issued: a plain issue writes both.
+            (true, true) => {
+                let msg = format!(
+                    "missing, as is its key {}: {}",
+                    key_path.display(),
+                    self.issue(false)
+                );
+                self.push(Severity::Error, &key, cert_path, msg);
+                return;
             }
-            return;
+            // One without the other: issue replaces both only with --force.
+            (true, false) | (false, true) => {
+                let gone = if no_cert { cert_path } else { key_path };
+                let msg = format!("missing: {}", self.issue(true));
+                self.push(Severity::Error, &key, gone, msg);
+                return;
+            }
+            (false, false) => {}
         }
         let reissue = self.issue(true);
         let der = match read_pem_cert(cert_path) {

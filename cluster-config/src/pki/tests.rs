@@ -322,6 +322,8 @@ fn check_finds_a_key_that_does_not_match() {
 fn check_finds_missing_and_unreadable_files() {
     let rack = Rack::issued();
     std::fs::remove_file(rack.pki("gpu-1.key")).expect("rm");
+    std::fs::remove_file(rack.pki("alice.pem")).expect("rm");
+    std::fs::remove_file(rack.pki("alice.key")).expect("rm");
     let b = rack.dir.path().join("certs/b.pem");
     std::fs::write(&b, "not a certificate\n").expect("write");
     let errors = rack.errors();
@@ -333,8 +335,21 @@ fn check_finds_missing_and_unreadable_files() {
         "missing: run `engram-cluster pki issue --config ",
     );
     assert!(
-        errors.iter().any(|f| f.message.ends_with("--force`")),
-        "a lone certificate needs --force: {errors:?}"
+        errors[1].message.ends_with("--force`"),
+        "a lone certificate needs --force: {}",
+        errors[1]
+    );
+    find(
+        &errors,
+        Severity::Error,
+        "rack.tls.operators[0] (alice)",
+        &rack.pki("alice.pem"),
+        "missing, as is its key",
+    );
+    assert!(
+        errors[2].message.ends_with(".toml`"),
+        "never issued: a plain issue: {}",
+        errors[2]
     );
     find(
         &errors,
@@ -355,7 +370,7 @@ fn check_finds_missing_and_unreadable_files() {
         &ca.cert,
         "missing: run `engram-cluster pki init --config",
     );
-    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert_eq!(errors.len(), 4, "{errors:?}");
 }
 
 #[test]
