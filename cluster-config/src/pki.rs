@@ -303,7 +303,7 @@ pub fn issue_at(
     force: bool,
 ) -> Result<Vec<Issued>, PkiError> {
     let ca = CaFiles::of(config).ok_or_else(|| PkiError::NoTls(config.path.clone()))?;
-    let issuer = load_issuer(&ca)?;
+    let issuer = load_issuer(&ca, &config.path)?;
     // Decide every host before writing anything, so a refusal leaves no
     // half-issued rack behind.
     let mut plan = Vec::new();
@@ -387,13 +387,23 @@ fn leaf(
 
 /// The CA as a signer: its certificate's name and key id, its key, which
 /// must be the certificate's.
-fn load_issuer(ca: &CaFiles) -> Result<Issuer<'static, KeyPair>, PkiError> {
+fn load_issuer(ca: &CaFiles, config: &Path) -> Result<Issuer<'static, KeyPair>, PkiError> {
     let invalid = |path: &Path, why: String| PkiError::Invalid {
         path: path.to_path_buf(),
         why,
     };
-    let der = read_pem_cert(&ca.cert)?;
-    let key = read_key(&ca.key)?;
+    let missing = |e: PkiError| match e {
+        PkiError::Io { path, source } if source.kind() == std::io::ErrorKind::NotFound => invalid(
+            &path,
+            format!(
+                "missing: run `engram-cluster pki init --config {}` first",
+                config.display()
+            ),
+        ),
+        e => e,
+    };
+    let der = read_pem_cert(&ca.cert).map_err(missing)?;
+    let key = read_key(&ca.key).map_err(missing)?;
     let (_, cert) = x509_parser::parse_x509_certificate(&der)
         .map_err(|e| invalid(&ca.cert, format!("not an X.509 certificate: {e}")))?;
     if !cert.is_ca() {

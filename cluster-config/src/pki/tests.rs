@@ -208,6 +208,23 @@ fn init_refuses_to_overwrite_a_ca_without_force() {
 }
 
 #[test]
+fn issue_needs_a_ca() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = Config::parse(&rack_text(None), &dir.path().join("rack.toml")).expect("valid");
+    match issue(&config, DEFAULT_DAYS, false) {
+        Err(e @ PkiError::Invalid { .. }) => {
+            let shown = e.to_string();
+            assert!(
+                shown.contains("ca.pem: missing: run `engram-cluster pki init"),
+                "{shown}"
+            );
+        }
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    assert!(!dir.path().join("pki").exists(), "nothing written");
+}
+
+#[test]
 fn issue_needs_a_pki() {
     let dir = tempfile::tempdir().expect("tempdir");
     let text = rack_text(None)
