@@ -9,8 +9,9 @@
 //! (`engram-cluster check` runs anywhere, before anything is deployed).
 //! Beside it live the small pieces both daemons share (`daemon`: logging,
 //! systemd's readiness and watchdog protocol, the Prometheus `/metrics`
-//! endpoint, the bounded accept loop of their gRPC servers); and `plan`, the capacity and timing plan
-//! `engram-cluster plan` prints.
+//! endpoint, the bounded accept loop of their gRPC servers); `plan`, the capacity and timing plan
+//! `engram-cluster plan` prints; and `pki`, the rack CA and the hosts'
+//! certificates (`engram-cluster pki`, and the check of their files).
 //!
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].

@@ -76,7 +76,13 @@ fn diags(text: &str) -> Vec<Diagnostic> {
 fn expect(from: &str, to: &str, line: usize, key: &str, msg: &str) {
     let text = good();
     assert!(text.contains(from), "{from:?} not in the good config");
-    let d = diags(&text.replacen(from, to, 1));
+    expect_in(&text.replacen(from, to, 1), line, key, msg);
+}
+
+/// Expect a diagnostic on `line` whose key contains `key` and message
+/// contains `msg` for config `text`.
+fn expect_in(text: &str, line: usize, key: &str, msg: &str) {
+    let d = diags(text);
     assert!(
         d.iter()
             .any(|d| d.line == line && d.key.contains(key) && d.message.contains(msg)),
@@ -507,3 +513,4 @@ fn headroom_and_log_level() {
 }
 
 mod node;
+mod security;

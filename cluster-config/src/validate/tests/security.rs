@@ -1,0 +1,356 @@
+//! Rules of `[rack.tls]`, transports, `rack.plaintext`, donor `clients`
+//! and `[[node.link]]`.
+
+use super::*;
+use crate::{Link, Plaintext};
+
+const TLS: &str = "tls = { operators = [\"alice\"] }";
+const LISTEN_A: &str = "listen = [\"0.0.0.0:7410\"]\nadvertise = [\"10.1.0.5:7410\"]";
+
+/// The good config without `[rack.tls]`, `extra` in its place (line 5).
+fn without_tls(extra: &str) -> String {
+    good().replacen(TLS, extra, 1)
+}
+
+/// The good config with donor-a's listen and advertise lines (22, 23) replaced.
+fn donor_a(listen: &str, advertise: &str) -> String {
+    good().replacen(
+        LISTEN_A,
+        &format!("listen = [{listen}]\nadvertise = [{advertise}]"),
+        1,
+    )
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().expect("addr")
+}
+
+#[test]
+fn plaintext_beyond_loopback_needs_rack_plaintext_allow() {
+    let tcp = donor_a("\"tcp://0.0.0.0:7410\"", "\"tcp://10.1.0.5:7410\"");
+    expect_in(
+        &tcp,
+        22,
+        "donor[0].listen",
+        "plaintext on a non-loopback address",
+    );
+    let allowed = tcp.replacen(
+        "name = \"demo\"",
+        "name = \"demo\"\nplaintext = \"allow\"",
+        1,
+    );
+    let c = parse(&allowed).expect("allowed");
+    assert_eq!(c.plaintext, Plaintext::Allow);
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(
+        a.listen,
+        [Endpoint::new(Transport::Tcp, addr("0.0.0.0:7410"))]
+    );
+    // Without [rack.tls] a bare address is plaintext, and so is the control plane.
+    let plain = without_tls("").replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\ncontrol = \"10.1.0.5:7411\"",
+        1,
+    );
+    expect_in(
+        &plain,
+        22,
+        "donor[0].listen",
+        "tcp://0.0.0.0:7410 is plaintext",
+    );
+    expect_in(
+        &plain,
+        26,
+        "donor[0].control",
+        "plaintext and unauthenticated",
+    );
+    let loopback = without_tls("").replacen(LISTEN_A, "listen = [\"127.0.0.1:7410\"]", 1);
+    let c = parse(&loopback).expect("plaintext on loopback is fine");
+    assert_eq!(
+        (c.tls.as_ref(), c.plaintext),
+        (None, Plaintext::LoopbackOnly)
+    );
+    expect(
+        "name = \"demo\"",
+        "name = \"demo\"\nplaintext = \"sometimes\"",
+        5,
+        "rack.plaintext",
+        "not one of",
+    );
+}
+
+#[test]
+fn secure_transports_need_rack_tls() {
+    let text = without_tls("plaintext = \"allow\"").replacen(
+        "listen = [\"127.0.0.2:7410\"]",
+        "listen = [\"tls://127.0.0.2:7410\"]",
+        1,
+    );
+    expect_in(&text, 29, "donor[1].listen", "needs the rack's PKI");
+    let text = without_tls("plaintext = \"allow\"").replacen(
+        "ram_gib = 125.5",
+        "ram_gib = 125.5\ntls_cert = \"b.pem\"",
+        1,
+    );
+    expect_in(&text, 32, "donor[1].tls_cert", "need [rack.tls]");
+    let text = without_tls("plaintext = \"allow\"").replacen(
+        "lookup_timeout_ms = 40",
+        "lookup_timeout_ms = 40\ntls_key = \"gpu.key\"",
+        1,
+    );
+    expect_in(&text, 39, "node[0].tls_key", "needs [rack.tls]");
+    expect(
+        "listen = [\"127.0.0.2:7410\"]",
+        "listen = [\"udp://127.0.0.2:7410\"]",
+        29,
+        "donor[1].listen[0]",
+        "not a transport",
+    );
+    expect(
+        "advertise = [\"10.1.0.5:7410\"]",
+        "advertise = [\"quic://10.1.0.5:7410\"]",
+        23,
+        "donor[0].advertise[0]",
+        "listens on no quic address",
+    );
+    // TLS and QUIC may share a port: one is TCP, the other UDP.
+    let both = donor_a(
+        "\"tls://0.0.0.0:7410\", \"quic://0.0.0.0:7410\"",
+        "\"tls://10.1.0.5:7410\", \"quic://10.1.0.5:7410\"",
+    );
+    assert!(parse(&both).is_ok());
+    let text = donor_a(
+        "\"tls://0.0.0.0:7410\", \"tcp://10.1.0.5:7410\"",
+        "\"tls://10.1.0.5:7410\"",
+    );
+    expect_in(
+        &text,
+        22,
+        "donor[0].listen[1]",
+        "collides with tls://0.0.0.0:7410",
+    );
+}
+
+#[test]
+fn tls_settings_and_certificate_files() {
+    let c = parse(&good()).expect("valid");
+    let tls = c.tls.as_ref().expect("tls");
+    assert_eq!(tls.dir, PathBuf::from("/etc/engram-rack/pki"));
+    assert_eq!(tls.ca, PathBuf::from("/etc/engram-rack/pki/ca.pem"));
+    assert!(c.is_operator("alice") && !c.is_operator("gpu-1"));
+    let files = c.tls_files("donor-a").expect("files");
+    assert_eq!(
+        (files.cert, files.key),
+        (
+            PathBuf::from("/etc/engram-rack/pki/donor-a.pem"),
+            PathBuf::from("/etc/engram-rack/pki/donor-a.key")
+        )
+    );
+    let text = good()
+        .replacen(TLS, "tls = { dir = \"/srv/pki\", ca = \"ca/root.pem\" }", 1)
+        .replacen(
+            "ram_gib = 125.5",
+            "ram_gib = 125.5\ntls_cert = \"certs/b.pem\"\ntls_key = \"/secret/b.key\"",
+            1,
+        );
+    let c = parse(&text).expect("valid");
+    let tls = c.tls.as_ref().expect("tls");
+    assert_eq!(tls.ca, PathBuf::from("/etc/engram-rack/ca/root.pem"));
+    assert!(!c.is_operator("alice"));
+    let files = c.tls_files("donor-b").expect("files");
+    assert_eq!(files.cert, PathBuf::from("/etc/engram-rack/certs/b.pem"));
+    assert_eq!(files.key, PathBuf::from("/secret/b.key"));
+    assert_eq!(
+        c.tls_files("gpu-1").map(|f| f.cert),
+        Some(PathBuf::from("/srv/pki/gpu-1.pem"))
+    );
+    let c = parse(&without_tls("plaintext = \"allow\"")).expect("valid");
+    assert_eq!(c.tls_files("donor-a"), None, "no PKI, no files");
+}
+
+#[test]
+fn identities_must_be_dns_names_of_their_own() {
+    expect(
+        TLS,
+        "tls = { operators = [\"al_ice\"] }",
+        5,
+        "rack.tls.operators[0]",
+        "not a DNS name",
+    );
+    expect(
+        TLS,
+        "tls = { operators = [\"gpu-1\"] }",
+        5,
+        "rack.tls.operators[0]",
+        "already a donor or node",
+    );
+    expect(
+        TLS,
+        "tls = { operators = [\"alice\", \"alice\"] }",
+        5,
+        "rack.tls.operators[1]",
+        "listed twice",
+    );
+    expect(
+        "name = \"donor-a\"",
+        "name = \"donor_a\"",
+        21,
+        "donor[0].name",
+        "not a DNS name",
+    );
+    expect(
+        "name = \"gpu-1\"",
+        "name = \"gpu_1\"",
+        37,
+        "node[0].name",
+        "not a DNS name",
+    );
+}
+
+#[test]
+fn donor_clients_are_nodes() {
+    let text = good().replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nclients = [\"gpu-1\"]",
+        1,
+    );
+    let c = parse(&text).expect("valid");
+    assert_eq!(c.donor("donor-a").expect("donor-a").clients, ["gpu-1"]);
+    assert!(c.donor("donor-b").expect("donor-b").clients.is_empty());
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nclients = [\"gpu-1\", \"gpu-9\"]",
+        26,
+        "donor[0].clients[1]",
+        "\"gpu-9\" is not a node of this rack",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nclients = []",
+        26,
+        "donor[0].clients",
+        "an empty list would admit no node",
+    );
+}
+
+/// The good config with `link` (TOML lines) as gpu-1's `[[node.link]]`,
+/// starting on line 39.
+fn with_link(link: &str) -> String {
+    good().replacen(
+        "lookup_timeout_ms = 40",
+        &format!("lookup_timeout_ms = 40\n[[node.link]]\n{link}"),
+        1,
+    )
+}
+
+#[test]
+fn node_link_rules() {
+    expect_in(
+        &with_link("donor = \"donor-z\""),
+        40,
+        "node[0].link[0].donor",
+        "\"donor-z\" is not a donor of this rack",
+    );
+    expect_in(
+        &with_link("donor = \"donor-a\"\ntransport = \"quic\""),
+        41,
+        "node[0].link[0].transport",
+        "advertises no quic address (it advertises tls://10.1.0.5:7410)",
+    );
+    expect_in(
+        &with_link("donor = \"donor-a\"\ntransport = \"udp\""),
+        41,
+        "node[0].link[0].transport",
+        "not one of",
+    );
+    expect_in(
+        &with_link("donor = \"donor-a\"\ninterface = \"tb/0\""),
+        41,
+        "node[0].link[0].interface",
+        "not a network interface name",
+    );
+    expect_in(
+        &with_link("donor = \"donor-a\"\ninterface = \"thunderbolt-bridge0\""),
+        41,
+        "node[0].link[0].interface",
+        "not a network interface name",
+    );
+    expect_in(
+        &with_link("donor = \"donor-a\"\nbind = \"10.0.0.300\""),
+        41,
+        "node[0].link[0].bind",
+        "not an IP address",
+    );
+    expect_in(
+        &with_link("donor = \"donor-a\"\n[[node.link]]\ndonor = \"donor-a\""),
+        42,
+        "node[0].link[1].donor",
+        "has two links",
+    );
+}
+
+#[test]
+fn links_and_endpoints_prefer_tls_then_quic_then_tcp() {
+    let all = donor_a(
+        "\"tcp://0.0.0.0:7400\", \"quic://0.0.0.0:7410\", \"tls://0.0.0.0:7410\"",
+        "\"tcp://10.1.0.5:7400\", \"quic://10.1.0.5:7410\", \"tls://10.1.0.5:7410\"",
+    )
+    .replacen(
+        "name = \"demo\"",
+        "name = \"demo\"\nplaintext = \"allow\"",
+        1,
+    );
+    let text = all.replacen(
+        "lookup_timeout_ms = 40",
+        "lookup_timeout_ms = 40\n[[node.link]]\ndonor = \"donor-a\"\ntransport = \"tcp\"\n\
+         bind = \"10.1.0.9\"\ninterface = \"thunderbolt0\"",
+        1,
+    );
+    let c = parse(&text).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    let n = c.node("gpu-1").expect("gpu-1");
+    let at = |t, s| vec![Endpoint::new(t, addr(s))];
+    assert_eq!(a.endpoints(None), at(Transport::Tls, "10.1.0.5:7410"));
+    assert_eq!(
+        a.endpoints(Some(Transport::Quic)),
+        at(Transport::Quic, "10.1.0.5:7410")
+    );
+    let link = n.link("donor-a");
+    assert_eq!(
+        link,
+        Link {
+            transport: Some(Transport::Tcp),
+            bind: Some("10.1.0.9".parse().expect("ip")),
+            interface: Some("thunderbolt0".into()),
+        }
+    );
+    assert_eq!(
+        a.endpoints(link.transport),
+        at(Transport::Tcp, "10.1.0.5:7400")
+    );
+    let b = c.donor("donor-b").expect("donor-b");
+    assert_eq!(n.link("donor-b"), Link::default(), "no link: defaults");
+    assert_eq!(b.endpoints(n.link("donor-b").transport), b.advertise);
+
+    // Without TLS, QUIC comes first; with neither, TCP.
+    let quic_tcp = donor_a(
+        "\"tcp://0.0.0.0:7400\", \"quic://0.0.0.0:7410\"",
+        "\"tcp://10.1.0.5:7400\", \"quic://10.1.0.5:7410\"",
+    )
+    .replacen(
+        "name = \"demo\"",
+        "name = \"demo\"\nplaintext = \"allow\"",
+        1,
+    );
+    let c = parse(&quic_tcp).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(a.endpoints(None), at(Transport::Quic, "10.1.0.5:7410"));
+    let tcp = donor_a("\"tcp://0.0.0.0:7400\"", "\"tcp://10.1.0.5:7400\"").replacen(
+        "name = \"demo\"",
+        "name = \"demo\"\nplaintext = \"allow\"",
+        1,
+    );
+    let c = parse(&tcp).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(a.endpoints(None), at(Transport::Tcp, "10.1.0.5:7400"));
+}
