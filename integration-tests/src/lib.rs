@@ -237,14 +237,25 @@ impl Process {
             Ok(a) => a,
             Err(e) => bail!("donor never became ready: {e}"),
         };
-        let addrs: Vec<SocketAddr> = addrs
-            .split(',')
-            .map(str::parse)
-            .collect::<Result<_, _>>()
-            .context("parsing the ready line")?;
+        // `IP:PORT` for TCP, `tls://IP:PORT` and `quic://IP:PORT` for the rest.
+        let mut endpoints = Vec::new();
+        for a in addrs.split(',') {
+            let (transport, addr) = match a.split_once("://") {
+                Some((t, rest)) => (
+                    cluster_config::Transport::parse(t)
+                        .with_context(|| format!("transport of {a:?} in the ready line"))?,
+                    rest,
+                ),
+                None => (cluster_config::Transport::Tcp, a),
+            };
+            let addr: SocketAddr = addr.parse().context("parsing the ready line")?;
+            endpoints.push(cluster_config::Endpoint::new(transport, addr));
+        }
+        let addrs: Vec<SocketAddr> = endpoints.iter().map(|e| e.addr).collect();
         Ok(DonorProcess {
             addr: addrs[0],
             addrs,
+            endpoints,
             process: self,
         })
     }
@@ -346,6 +357,39 @@ pub struct DonorProcess {
     pub addr: SocketAddr,
     /// Every address it listens on.
     pub addrs: Vec<SocketAddr>,
+    /// Every address it listens on, with its transport.
+    pub endpoints: Vec<cluster_config::Endpoint>,
+}
+
+impl DonorProcess {
+    /// The address it listens on for `transport`.
+    pub fn endpoint(&self, transport: cluster_config::Transport) -> Option<SocketAddr> {
+        self.endpoints
+            .iter()
+            .find(|e| e.transport == transport)
+            .map(|e| e.addr)
+    }
+}
+
+/// The rack PKI of `config` made as an operator would: `engram-cluster pki
+/// init --config` then `pki issue --config` (certificates for every donor,
+/// node and operator under its `[rack.tls]` directory).
+pub fn rack_pki(config: &Path) -> Result<()> {
+    for args in [["pki", "init"], ["pki", "issue"]] {
+        let out = Command::new(bin("engram-cluster"))
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "engram-cluster {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    Ok(())
 }
 
 impl DonorProcess {

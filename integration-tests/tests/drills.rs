@@ -48,6 +48,16 @@ fn drill_kill_9() {
 }
 
 #[test]
+fn drill_kill_9_tls() {
+    drill("kill-9-tls");
+}
+
+#[test]
+fn drill_kill_9_quic() {
+    drill("kill-9-quic");
+}
+
+#[test]
 fn drill_sigstop() {
     drill("sigstop");
 }

@@ -46,6 +46,16 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         kill_9,
     ),
     (
+        "kill-9-tls",
+        "kill -9 the primary donor mid-run, restart it: every donor over TLS",
+        kill_9_tls,
+    ),
+    (
+        "kill-9-quic",
+        "kill -9 the primary donor mid-run, restart it: every donor over QUIC",
+        kill_9_quic,
+    ),
+    (
         "sigstop",
         "SIGSTOP both donors (hung, sockets open; hedging off), then SIGCONT",
         sigstop,
@@ -173,7 +183,26 @@ fn both_tables(metrics: &str, name: &str, labels: &str) -> f64 {
 }
 
 fn kill_9(env: &Env, o: &Opts) -> Result<Report> {
-    let plan = Plan::new("kill-9");
+    kill_9_over(env, o, "kill-9", cluster_config::Transport::Tcp)
+}
+
+fn kill_9_tls(env: &Env, o: &Opts) -> Result<Report> {
+    kill_9_over(env, o, "kill-9-tls", cluster_config::Transport::Tls)
+}
+
+fn kill_9_quic(env: &Env, o: &Opts) -> Result<Report> {
+    kill_9_over(env, o, "kill-9-quic", cluster_config::Transport::Quic)
+}
+
+/// kill -9 donor-a and restart it, every donor on `transport`.
+fn kill_9_over(
+    env: &Env,
+    o: &Opts,
+    name: &str,
+    transport: cluster_config::Transport,
+) -> Result<Report> {
+    let mut plan = Plan::new(name);
+    plan.transport = transport;
     let (mut rack, mut run) = begin(env, &plan, o)?;
     let killed = run.event("kill -9 donor-a");
     rack.end("donor-a", libc::SIGKILL)?;
@@ -182,7 +211,7 @@ fn kill_9(env: &Env, o: &Opts) -> Result<Report> {
     rack.restart("donor-a", Version::Pinned)?;
     let healthy = run.event("donor-a ready");
     let out = finish(run, o, true)?;
-    let mut r = Report::check("kill-9", about("kill-9"), env, &plan, &out)?;
+    let mut r = Report::check(name, about(name), env, &plan, &out)?;
     r.never_used("donor-a", killed, healthy)?;
     r.readmitted("donor-a", healthy)?;
     Ok(r)

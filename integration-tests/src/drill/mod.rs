@@ -204,6 +204,8 @@ pub struct Plan {
     /// "One SSD fetch" of the stall bound, when not the environment's idle
     /// calibration (a drill on a busy drive calibrates under its load).
     pub ssd_fetch_us: Option<f64>,
+    /// The donors' data-plane transport (TLS and QUIC: the rack gets a PKI).
+    pub transport: cluster_config::Transport,
 }
 
 impl Plan {
@@ -234,6 +236,7 @@ impl Plan {
             max_connections: 64,
             hello_timeout_ms: 1_000,
             ssd_fetch_us: None,
+            transport: cluster_config::Transport::Tcp,
         }
     }
 
@@ -263,6 +266,15 @@ fn config_text(
 ) -> Result<String> {
     let tables = if other { &env.other } else { &env.tables };
     let mut t = String::from("version = 1\n[rack]\nname = \"drill\"\n");
+    let netns = plan.donors.iter().any(|d| d.placement == Placement::Netns);
+    if netns && plan.transport == cluster_config::Transport::Tcp {
+        // Plain TCP over the namespaces' veth links: said explicitly.
+        t.push_str("plaintext = \"allow\"\n");
+    }
+    if plan.transport.is_secure() {
+        t.push_str("[rack.tls]\n");
+    }
+    let scheme = plan.transport.as_str();
     for f in tables {
         write!(
             t,
@@ -277,7 +289,7 @@ fn config_text(
     for d in donors {
         write!(
             t,
-            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{}\"]\nadvertise = [\"{}\"]\nmetrics = \"{}\"\n\
+            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"]\nadvertise = [\"{scheme}://{}\"]\nmetrics = \"{}\"\n\
              tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
              drain_timeout_ms = 2000\n",
             d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
@@ -423,6 +435,9 @@ impl Rack {
             &other_config,
             config_text(env, &plan, &addrs, &nodes, true)?,
         )?;
+        if plan.transport.is_secure() {
+            crate::rack_pki(&config)?;
+        }
         let mut rack = Self {
             plan,
             dir,
@@ -460,6 +475,7 @@ impl Rack {
             Version::Pinned => self.config.clone(),
             Version::Other => self.other_config.clone(),
         };
+        let transport = self.plan.transport;
         let d = self.donor_mut(name)?;
         if d.process.is_some() {
             bail!("{name} is already running");
@@ -482,6 +498,7 @@ impl Rack {
         d.process = Some(DonorProcess {
             addr: d.addrs.listen,
             addrs: vec![d.addrs.listen],
+            endpoints: vec![cluster_config::Endpoint::new(transport, d.addrs.listen)],
             process: p,
         });
         Ok(())
