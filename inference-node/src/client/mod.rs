@@ -165,6 +165,23 @@ fn quic_socket(addr: SocketAddr, opts: &ClientOptions) -> std::io::Result<std::n
     Ok(socket)
 }
 
+/// Why a QUIC connection ended, from its close, in place of `e`: a donor
+/// that turns a client away closes the connection with code 1 and a reason.
+fn quic_refusal(conn: &quinn::Connection, e: ClientError) -> ClientError {
+    match conn.close_reason() {
+        Some(quinn::ConnectionError::ApplicationClosed(close))
+            if close.error_code == 1u32.into() =>
+        {
+            ClientError::Refused {
+                code: engram_protocol::ErrorCode::Unauthorized,
+                message: String::from_utf8_lossy(&close.reason).into_owned(),
+            }
+        }
+        Some(reason) => ClientError::Disconnected(format!("QUIC: {reason}")),
+        None => e,
+    }
+}
+
 /// A QUIC connection to `addr` and the stream its session runs on.
 async fn dial_quic(
     addr: SocketAddr,
@@ -350,7 +367,11 @@ impl DonorClient {
             .await
             .map_err(|e| ClientError::Disconnected(e.to_string()))?;
         let mut rd = ReadState::new(r, fd, session);
-        let frame = next_frame(&mut rd, &limits, Duration::ZERO).await?;
+        let frame = match next_frame(&mut rd, &limits, Duration::ZERO).await {
+            Ok(f) => f,
+            // Over QUIC the donor's reason travels in the connection's close.
+            Err(e) => return Err(quic.as_ref().map_or(e.clone(), |(_, c)| quic_refusal(c, e))),
+        };
         let (donor, tables, max_rows) = match parse(&frame, &limits)?.1 {
             Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
                 w.donor.to_string(),

@@ -1,0 +1,439 @@
+//! The secure data plane against a real donor process: rows over TLS and
+//! QUIC equal the table's bytes; intruders (another CA, an expired
+//! certificate, a name the donor does not allow, plaintext on a TLS port,
+//! TLS on a plaintext port) are turned away clearly, logged and counted,
+//! while a live node keeps being served; and SIGHUP rotates certificates
+//! without dropping live connections, refusing bad ones.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cluster_config::{Config, Transport};
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
+use engram_protocol::{ROW_BYTES, TableDigest};
+use inference_node::client::{ClientError, ClientOptions, DonorClient, Request, TlsClient};
+use inference_node::memory::Memory;
+use inference_node::metrics::NodeMetrics;
+use inference_node::router::Router;
+use inference_node::tls::NodeTls;
+use integration_tests::{DonorProcess, gen_table, rack_pki, runtime as rt, sample, scrape};
+
+const ROWS: u64 = 20_000;
+const SEED: u64 = 9;
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+/// A rack with PKI: donor `d` on tcp, tls and quic (loopback), admitting
+/// nodes `n-tls`, `n-quic` and `n-tcp`; node `n-out` exists but is not
+/// admitted. Each node reaches `d` over the transport its name says.
+fn write_config(dir: &Path, table: &Path, digest: TableDigest) -> Config {
+    let (tcp, tls, quic, metrics) = (free_port(), free_port(), free_port(), free_port());
+    let mut text = format!(
+        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\noperators = [\"op\"]\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
+         [[donor]]\nname = \"d\"\n\
+         listen = [\"tcp://127.0.0.1:{tcp}\", \"tls://127.0.0.1:{tls}\", \"quic://127.0.0.1:{quic}\"]\n\
+         metrics = \"127.0.0.1:{metrics}\"\ntables = [1]\nram_gib = 1.0\nhello_timeout_ms = 2000\n\
+         clients = [\"n-tls\", \"n-quic\", \"n-tcp\"]\n",
+        table.display()
+    );
+    for (node, transport) in [
+        ("n-tls", "tls"),
+        ("n-quic", "quic"),
+        ("n-tcp", "tcp"),
+        ("n-out", "tls"),
+    ] {
+        text.push_str(&format!(
+            "[[node]]\nname = \"{node}\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
+             tokens_per_second = 1\n\
+             [[node.route]]\ntable = 1\nsources = [\"d\", \"ssd\"]\nhedge = \"off\"\n\
+             [[node.link]]\ndonor = \"d\"\ntransport = \"{transport}\"\n"
+        ));
+    }
+    let path = dir.join("rack.toml");
+    std::fs::write(&path, text).expect("config");
+    let config = Config::load(&path).expect("valid config");
+    rack_pki(&path).expect("rack PKI");
+    config
+}
+
+struct Rack {
+    _dir: tempfile::TempDir,
+    config: Config,
+    digest: TableDigest,
+    donor: DonorProcess,
+}
+
+impl Rack {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+        let config = write_config(dir.path(), &table, digest);
+        let donor = DonorProcess::start(&[
+            "--config",
+            &config.path.display().to_string(),
+            "--name",
+            "d",
+        ])
+        .expect("donor starts");
+        Self {
+            _dir: dir,
+            config,
+            digest,
+            donor,
+        }
+    }
+
+    fn addr(&self, t: Transport) -> std::net::SocketAddr {
+        self.donor.endpoint(t).expect("listens on it")
+    }
+
+    fn metrics(&self) -> String {
+        let addr = self
+            .config
+            .donor("d")
+            .and_then(|d| d.metrics)
+            .expect("metrics");
+        scrape(addr).expect("scrape")
+    }
+
+    fn refusals(&self, reason: &str) -> f64 {
+        sample(
+            &self.metrics(),
+            &format!("engram_donor_refusals_total{{plane=\"data\",reason=\"{reason}\"}}"),
+        )
+        .unwrap_or(0.0)
+    }
+
+    /// Client options of node `node` (its own certificate files unless `files`).
+    fn opts(
+        &self,
+        node: &str,
+        transport: Transport,
+        files: Option<cluster_config::TlsFiles>,
+    ) -> ClientOptions {
+        let mut o = ClientOptions::new(node, vec![(1, self.digest)]);
+        o.transport = transport;
+        o.connect_timeout = Duration::from_secs(5);
+        let files = files
+            .or_else(|| self.config.tls_files(node))
+            .expect("tls files");
+        o.tls = Some(TlsClient {
+            tls: NodeTls::load(&files).expect("node material"),
+            server_name: cluster_config::tls::server_name("d").expect("name"),
+        });
+        o
+    }
+}
+
+fn random_rows(seed: u64) -> Vec<u64> {
+    let mut s = SplitMix64::new(seed);
+    (0..24).map(|_| s.below(ROWS)).collect()
+}
+
+/// One checked lookup through a router; who served it.
+async fn fetch(router: &Router, i: u64) -> String {
+    let rows = random_rows(i);
+    let mut out = vec![0u8; rows.len() * ROW_BYTES];
+    let f = router.fetch(&rows, &mut out).await.expect("fetch");
+    assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
+    f.source.expect("rows")
+}
+
+/// One checked lookup straight through a client.
+async fn lookup(c: &DonorClient, i: u64) {
+    let rows = random_rows(i);
+    let mut out = vec![0u8; rows.len() * ROW_BYTES];
+    c.lookup(
+        &[Request {
+            table: 1,
+            rows: &rows,
+        }],
+        &mut out,
+    )
+    .await
+    .expect("lookup");
+    assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
+}
+
+#[test]
+fn rows_over_tls_quic_and_tcp_equal_the_table() {
+    let rack = Rack::start();
+    rt().block_on(async {
+        let metrics = Arc::new(NodeMetrics::new());
+        for node in ["n-tls", "n-quic", "n-tcp"] {
+            let mem = Memory::from_config(&rack.config, node, &metrics)
+                .await
+                .expect("memory");
+            let router = mem.router(1).expect("router");
+            for i in 0..500 {
+                assert_eq!(fetch(router, i).await, "d", "{node}: served by the donor");
+            }
+        }
+    });
+    let log = rack.donor.log();
+    assert!(log.contains("tls://127.0.0.1:"), "{log}");
+    assert!(log.contains("quic://127.0.0.1:"), "{log}");
+}
+
+#[test]
+fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
+    let rack = Rack::start();
+    let tls = rack.addr(Transport::Tls);
+    rt().block_on(async {
+        let live = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, None))
+            .await
+            .expect("the live node connects");
+        let mut i = 0;
+        let mut keep_going = async || {
+            for _ in 0..20 {
+                i += 1;
+                lookup(&live, i).await;
+            }
+        };
+        keep_going().await;
+
+        // A node name the donor does not allow: a clear refusal inside TLS.
+        let e = DonorClient::connect(tls, &rack.opts("n-out", Transport::Tls, None))
+            .await
+            .expect_err("n-out is not allowed");
+        assert!(
+            matches!(&e, ClientError::Refused { message, .. } if message.contains("n-out is not allowed on donor d")),
+            "{e}"
+        );
+        let e = DonorClient::connect(rack.addr(Transport::Quic), &rack.opts("n-out", Transport::Quic, None))
+            .await
+            .expect_err("n-out is not allowed over QUIC either");
+        assert!(e.to_string().contains("n-out is not allowed"), "{e}");
+        keep_going().await;
+
+        // A certificate from another CA: the handshake fails.
+        let other = tempfile::tempdir().expect("tempdir");
+        let other_cfg = other.path().join("rack.toml");
+        std::fs::copy(&rack.config.path, &other_cfg).expect("copy config");
+        rack_pki(&other_cfg).expect("another rack's PKI");
+        let other_files = Config::load(&other_cfg)
+            .expect("config")
+            .tls_files("n-tls");
+        let e = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, other_files.clone()))
+            .await
+            .expect_err("another CA");
+        assert!(e.to_string().contains("TLS") || e.to_string().contains("certificate"), "{e}");
+        let e = DonorClient::connect(rack.addr(Transport::Quic), &rack.opts("n-tls", Transport::Quic, other_files))
+            .await
+            .expect_err("another CA over QUIC");
+        assert!(!e.to_string().is_empty());
+        keep_going().await;
+
+        // An expired certificate, signed by the rack's own CA.
+        let expired = expired_files(&rack.config);
+        let e = raw_tls_connect(tls, &expired, &rack.config).await;
+        assert!(e.is_err(), "an expired certificate is refused");
+        keep_going().await;
+
+        // A plaintext client on the TLS port is told what the port speaks.
+        let answer = plaintext_hello(tls);
+        assert!(answer.contains("this port speaks TLS"), "{answer:?}");
+        keep_going().await;
+
+        // A TLS client on the plaintext port is told what it probably did.
+        let e = DonorClient::connect(rack.addr(Transport::Tcp), &rack.opts("n-tls", Transport::Tls, None))
+            .await
+            .expect_err("TLS on a plaintext port");
+        assert!(e.to_string().contains("plaintext tcp:// port"), "{e}");
+        keep_going().await;
+    });
+    // Every refusal is counted, by reason.
+    assert!(
+        rack.refusals("client_not_allowed") >= 2.0,
+        "{}",
+        rack.metrics()
+    );
+    assert!(
+        rack.refusals("handshake_failed") >= 3.0,
+        "{}",
+        rack.metrics()
+    );
+    assert_eq!(rack.refusals("plaintext_on_tls_port"), 1.0);
+    assert_eq!(rack.refusals("tls_on_plaintext_port"), 1.0);
+    // And logged, with the identity where there is one.
+    let log = rack.donor.log();
+    assert!(log.contains("identity=n-out"), "{log}");
+    assert!(log.contains("TLS handshake failed"), "{log}");
+}
+
+/// A plaintext Hello on `addr`; what came back, as text.
+fn plaintext_hello(addr: std::net::SocketAddr) -> String {
+    use std::io::Read;
+    let mut s = integration_tests::hello_stream(addr, "plain");
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// Certificates for the config's hosts, signed by its CA, that expired a day ago.
+fn expired_files(config: &Config) -> cluster_config::TlsFiles {
+    let tls = config.tls.as_ref().expect("tls");
+    let dir = config.path.parent().expect("dir").join("expired");
+    let text = std::fs::read_to_string(&config.path).expect("config text");
+    let text = text.replace(
+        "[rack.tls]\n",
+        &format!(
+            "[rack.tls]\ndir = \"expired\"\nca = \"{}\"\n",
+            tls.ca.display()
+        ),
+    );
+    let path = config.path.parent().expect("dir").join("expired.toml");
+    std::fs::write(&path, text).expect("write");
+    let expired_cfg = Config::load(&path).expect("config");
+    let past = std::time::SystemTime::now() - Duration::from_secs(3 * 86_400);
+    cluster_config::pki::issue_at(&expired_cfg, past, 1, true).expect("issue expired");
+    cluster_config::TlsFiles {
+        ca: tls.ca.clone(),
+        cert: dir.join("n-tls.pem"),
+        key: dir.join("n-tls.key"),
+    }
+}
+
+/// A TLS handshake (and a read) to the donor with the certificate in
+/// `files`, bypassing the node's own checks of its material.
+async fn raw_tls_connect(
+    addr: std::net::SocketAddr,
+    files: &cluster_config::TlsFiles,
+    _config: &Config,
+) -> std::io::Result<()> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let read = |p: &PathBuf| std::fs::read(p).expect("read");
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&read(&files.ca)) {
+        roots.add(c.expect("ca")).expect("root");
+    }
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(&files.cert))
+        .map(|c| c.expect("cert"))
+        .collect();
+    let key = PrivateKeyDer::from_pem_slice(&read(&files.key)).expect("key");
+    let config = rustls::ClientConfig::builder_with_provider(cluster_config::tls::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .expect("client auth");
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = cluster_config::tls::server_name("d").expect("name");
+    let mut s = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await?;
+    // The donor's verdict on our certificate arrives after our Finished.
+    s.write_all(b"x").await?;
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf).await? {
+        0 => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        _ => Ok(()),
+    }
+}
+
+#[test]
+fn sighup_rotates_certificates_and_keeps_live_connections() {
+    let rack = Rack::start();
+    let tls = rack.addr(Transport::Tls);
+    let dir = rack.config.path.parent().expect("dir").to_path_buf();
+    rt().block_on(async {
+        let live = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, None))
+            .await
+            .expect("connects");
+        lookup(&live, 1).await;
+        // Keep the old CA's material for a client made later.
+        let old = dir.join("old-pki");
+        copy_dir(&dir.join("pki"), &old);
+        let old_files = cluster_config::TlsFiles {
+            ca: old.join("ca.pem"),
+            cert: old.join("n-tls.pem"),
+            key: old.join("n-tls.key"),
+        };
+        // A new CA and new certificates for everyone, then SIGHUP.
+        force_pki(&rack.config.path);
+        rack.donor.signal(libc::SIGHUP);
+        wait_log(&rack.donor, "reload: TLS certificate and key loaded", 1);
+        // The live connection keeps going on its old session.
+        for i in 2..50 {
+            lookup(&live, i).await;
+        }
+        // New connections get the new certificate: a client that trusts only
+        // the old CA is refused, one with the new material is welcomed.
+        let e = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, Some(old_files)))
+            .await
+            .expect_err("the donor now shows the new CA's certificate");
+        assert!(e.to_string().contains("TLS"), "{e}");
+        let fresh = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, None))
+            .await
+            .expect("new material connects");
+        lookup(&fresh, 60).await;
+        let quic = DonorClient::connect(
+            rack.addr(Transport::Quic),
+            &rack.opts("n-quic", Transport::Quic, None),
+        )
+        .await
+        .expect("QUIC takes the new certificate too");
+        lookup(&quic, 61).await;
+
+        // A broken certificate is refused on SIGHUP and the good one kept.
+        let cert = dir.join("pki/d.pem");
+        std::fs::write(&cert, "not a certificate").expect("break");
+        rack.donor.signal(libc::SIGHUP);
+        wait_log(
+            &rack.donor,
+            "the new TLS certificate or key was refused; the old ones stay",
+            1,
+        );
+        let again = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, None))
+            .await
+            .expect("still serving with the kept certificate");
+        lookup(&again, 70).await;
+        lookup(&live, 71).await;
+    });
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read_dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
+    }
+}
+
+/// `engram-cluster pki init --force` and `pki issue --force`.
+fn force_pki(config: &Path) {
+    for args in [["pki", "init"], ["pki", "issue"]] {
+        let out = std::process::Command::new(integration_tests::bin("engram-cluster"))
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .arg("--force")
+            .output()
+            .expect("engram-cluster");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Wait (at most 10 s) until `needle` has appeared `n` times in the log.
+fn wait_log(p: &DonorProcess, needle: &str, n: usize) {
+    let start = Instant::now();
+    while p.log().matches(needle).count() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no {needle:?} in:\n{}",
+            p.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
