@@ -8,6 +8,7 @@
 //! the report gives medians over rounds and the donor/floor ratios.
 
 mod report;
+mod transports;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -16,10 +17,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use cluster_config::Transport;
 use engram_protocol::messages::{LookupSection, RowsSection, begin_rows, encode_lookup};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
-use inference_node::{ClientOptions, DEFAULT_BUSY_POLL, DonorClient, Request};
+use inference_node::{DEFAULT_BUSY_POLL, DonorClient, Request};
 use integration_tests::{DonorProcess, bin, gen_table};
 use serde::Serialize;
 
@@ -50,6 +52,30 @@ pub struct FloorArgs {
     /// Do not pin the client and the servers to separate CPUs.
     #[arg(long)]
     no_pin: bool,
+    /// Transports to measure, against plain TCP through the same client
+    /// (TLS and QUIC: the donor gets a rack PKI made for the run).
+    #[arg(long, value_delimiter = ',', default_value = "tcp,tls,quic", value_parser = parse_transport)]
+    transports: Vec<Transport>,
+    /// Connections opened per transport for the set-up times.
+    #[arg(long, default_value_t = 50)]
+    connects: usize,
+    /// Donor restarts per transport for the ready-to-first-lookup times (0: none).
+    #[arg(long, default_value_t = 3)]
+    restarts: usize,
+}
+
+fn parse_transport(s: &str) -> Result<Transport, String> {
+    Transport::parse(s).ok_or_else(|| format!("{s:?} is not one of tcp, tls, quic"))
+}
+
+impl FloorArgs {
+    /// The secure transports asked for, in a fixed order (TLS, then QUIC).
+    fn secure(&self) -> Vec<Transport> {
+        [Transport::Tls, Transport::Quic]
+            .into_iter()
+            .filter(|t| self.transports.contains(t))
+            .collect()
+    }
 }
 
 const SEED: u64 = 2026;
@@ -284,23 +310,44 @@ struct SeriesResult {
 pub fn run(args: &FloorArgs) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let tables = generate_tables(args, tmp.path())?;
-    let servers = Servers::start(&tables, args.no_pin)?;
+    let secure = args.secure();
+    let rack = transports::Rack::write(tmp.path(), &tables, &secure)?;
+    let mut servers = Servers::start(&tables, rack.as_ref(), args.no_pin)?;
     let pinned = servers.pinned;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let clients = connect_clients(&rt, servers.donor.addr, &tables.digests)?;
-    let series = build_series(servers.floor.addr, args.rows_per_table)?;
+    let clients = connect_clients(&rt, &servers.donor, rack.as_ref(), &tables.digests, &secure)?;
+    let series = build_series(servers.floor.addr, args.rows_per_table, &secure)?;
     let results = measure(series, args, &rt, &clients)?;
     drop(clients);
+    let setup = transports::setup_times(
+        &rt,
+        &servers.donor,
+        rack.as_ref(),
+        &tables.digests,
+        &args.transports,
+        args.connects,
+    )?;
+    let restart = transports::restart_times(
+        &rt,
+        &mut servers.donor,
+        &servers.serve_args,
+        rack.as_ref(),
+        &tables.digests,
+        &args.transports,
+        args.restarts,
+    )?;
     let (donor, clean) = servers.stop();
-    let ratios = report::ratios(&results);
+    let ratios = report::ratios(&results, &secure);
     let report = Report {
         args,
         gib: tables.gib,
         pinned,
         results,
         ratios,
+        setup,
+        restart,
         clean,
     };
     if args.json {
@@ -311,13 +358,17 @@ pub fn run(args: &FloorArgs) -> Result<()> {
 }
 
 /// The tables the donor serves.
-struct Tables {
+pub(crate) struct Tables {
     /// Size of each table in GiB.
     gib: f64,
     /// `(table id, digest)` of each, as the clients pin them.
     digests: Vec<(u32, TableDigest)>,
     /// `ID=PATH` of each, for the donor's `--table`.
     table_args: Vec<String>,
+    /// Each table's file.
+    paths: Vec<PathBuf>,
+    /// Rows per table.
+    rows: u64,
 }
 
 /// Generate the tables in `--dir`, or in `tmp` without one.
@@ -332,15 +383,19 @@ fn generate_tables(args: &FloorArgs, tmp: &Path) -> Result<Tables> {
     );
     let mut digests: Vec<(u32, TableDigest)> = Vec::new();
     let mut table_args = Vec::new();
+    let mut paths = Vec::new();
     for (id, name) in TABLES {
         let (path, digest) = gen_table(&dir, name, id, args.rows_per_table, SEED)?;
         digests.push((id, digest));
         table_args.push(format!("{id}={}", path.display()));
+        paths.push(path);
     }
     Ok(Tables {
         gib,
         digests,
         table_args,
+        paths,
+        rows: args.rows_per_table,
     })
 }
 
@@ -348,16 +403,29 @@ fn generate_tables(args: &FloorArgs, tmp: &Path) -> Result<Tables> {
 struct Servers {
     floor: DonorProcess,
     donor: DonorProcess,
+    /// The donor's `serve` arguments (to restart it).
+    serve_args: Vec<String>,
     /// Whether the servers run on the last CPU and this thread on CPU 0.
     pinned: bool,
 }
 
 impl Servers {
-    /// Start the donor on `tables` and the floor server, then pin this thread (unless `no_pin`).
-    fn start(tables: &Tables, no_pin: bool) -> Result<Self> {
-        let mut serve_args: Vec<&str> = vec!["--listen", "127.0.0.1:0", "--name", "bench-donor"];
-        for t in &tables.table_args {
-            serve_args.extend(["--table", t.as_str()]);
+    /// Start the donor on `tables` (from `rack`'s config when there is
+    /// one: TCP, TLS and QUIC) and the floor server, then pin this thread
+    /// (unless `no_pin`).
+    fn start(tables: &Tables, rack: Option<&transports::Rack>, no_pin: bool) -> Result<Self> {
+        let config;
+        let mut serve_args: Vec<&str> = match rack {
+            Some(r) => {
+                config = r.config.display().to_string();
+                vec!["--config", config.as_str(), "--name", transports::DONOR]
+            }
+            None => vec!["--listen", "127.0.0.1:0", "--name", transports::DONOR],
+        };
+        if rack.is_none() {
+            for t in &tables.table_args {
+                serve_args.extend(["--table", t.as_str()]);
+            }
         }
         // Servers on the last CPU, the client on the first: the same placement
         // for the floor and the donor, run after run.
@@ -365,6 +433,7 @@ impl Servers {
         let pinned = !no_pin && cpus >= 2 && pin_to(cpus - 1);
         eprintln!("starting the donor and the floor server");
         let donor = DonorProcess::start(&serve_args)?;
+        let serve_args: Vec<String> = serve_args.iter().map(|a| a.to_string()).collect();
         let mut floor_cmd = Command::new(bin("engram-bench"));
         floor_cmd.arg("floor-server");
         let floor = DonorProcess::spawn(floor_cmd)?;
@@ -374,6 +443,7 @@ impl Servers {
         Ok(Self {
             floor,
             donor,
+            serve_args,
             pinned,
         })
     }
@@ -392,37 +462,68 @@ impl Servers {
     }
 }
 
-/// Connect the two clients to the donor: `[polling, not polling]`.
+/// Connect the clients to the donor: TCP `[polling, not polling]`, then
+/// one project client (polling) per transport of `secure`.
 fn connect_clients(
     rt: &tokio::runtime::Runtime,
-    donor: SocketAddr,
+    donor: &DonorProcess,
+    rack: Option<&transports::Rack>,
     digests: &[(u32, TableDigest)],
-) -> Result<[DonorClient; 2]> {
-    let connect = |busy_poll: Duration| {
-        let mut opts = ClientOptions::new("engram-bench", digests.to_vec());
+    secure: &[Transport],
+) -> Result<Vec<DonorClient>> {
+    let connect = |transport: Transport, busy_poll: Duration| {
+        let mut opts = transports::options(rack, digests, transport)?;
         opts.busy_poll = busy_poll;
-        rt.block_on(DonorClient::connect(donor, &opts))
-            .context("connecting to the donor")
+        let addr = donor
+            .endpoint(transport)
+            .with_context(|| format!("the donor does not listen on {transport}"))?;
+        rt.block_on(DonorClient::connect(addr, &opts))
+            .with_context(|| format!("connecting to the donor over {transport}"))
     };
     // The project's client as it comes (polling, DEFAULT_BUSY_POLL), and
     // with polling off; the floor's client blocking (the baseline) and
     // polling alike, so that each way of waiting has its like to compare.
-    Ok([connect(DEFAULT_BUSY_POLL)?, connect(Duration::ZERO)?])
+    let mut clients = vec![
+        connect(Transport::Tcp, DEFAULT_BUSY_POLL)?,
+        connect(Transport::Tcp, Duration::ZERO)?,
+    ];
+    for &t in secure {
+        clients.push(connect(t, DEFAULT_BUSY_POLL)?);
+    }
+    Ok(clients)
 }
 
 /// The series, in the order [`ratios`] reads them: per size (24 rows, then
-/// 48), floor blocking, floor polling, donor, donor not polling.
-fn build_series(floor: SocketAddr, rows_per_table: u64) -> Result<Vec<Series>> {
+/// 48), floor blocking, floor polling, donor, donor not polling, then the
+/// donor over each transport of `secure`.
+fn build_series(
+    floor: SocketAddr,
+    rows_per_table: u64,
+    secure: &[Transport],
+) -> Result<Vec<Series>> {
     let mut series: Vec<Series> = Vec::new();
     for sections in [1usize, 2] {
         let (req, ans) = sizes(sections)?;
         let rows = sections * 24;
-        for (kind, name) in [
-            (Kind::Floor(Duration::ZERO), "floor, blocking client"),
-            (Kind::Floor(DEFAULT_BUSY_POLL), "floor, polling client"),
-            (Kind::Donor(0), "donor, project client"),
-            (Kind::Donor(1), "donor, client not polling"),
-        ] {
+        let mut kinds = vec![
+            (
+                Kind::Floor(Duration::ZERO),
+                "floor, blocking client".to_string(),
+            ),
+            (
+                Kind::Floor(DEFAULT_BUSY_POLL),
+                "floor, polling client".to_string(),
+            ),
+            (Kind::Donor(0), "donor, project client".to_string()),
+            (Kind::Donor(1), "donor, client not polling".to_string()),
+        ];
+        for (i, t) in secure.iter().enumerate() {
+            kinds.push((
+                Kind::Donor(2 + i),
+                format!("donor over {t}, project client"),
+            ));
+        }
+        for (kind, name) in kinds {
             let floor_conn = match kind {
                 Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
                 Kind::Donor(_) => None,

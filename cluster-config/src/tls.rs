@@ -74,8 +74,17 @@ fn certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsErr
 }
 
 /// The crypto provider of every TLS configuration here (ring).
+/// AES-128-GCM first: a rack's rows need no more than 128-bit keys, and
+/// it is the cheapest suite per byte on CPUs with AES instructions.
 pub fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    use rustls::crypto::ring::cipher_suite as cs;
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites = vec![
+        cs::TLS13_AES_128_GCM_SHA256,
+        cs::TLS13_AES_256_GCM_SHA384,
+        cs::TLS13_CHACHA20_POLY1305_SHA256,
+    ];
+    Arc::new(p)
 }
 
 /// One host's loaded and checked TLS material.

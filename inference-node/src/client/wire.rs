@@ -74,16 +74,38 @@ impl ReadState {
         }
     }
 
-    /// Where socket reads go: the frame buffer, or the ciphertext buffer.
-    fn target(&mut self) -> &mut BytesMut {
-        if self.tls.is_some() {
-            if self.cipher.capacity() - self.cipher.len() < 4096 {
-                self.cipher.reserve(64 << 10);
+    /// One non-blocking read from the socket: into the frame buffer, or
+    /// over TLS straight into the session (no copy in between), whose new
+    /// records are then opened.
+    fn recv_now(&mut self, fd: RawFd) -> std::io::Result<usize> {
+        let Some(tls) = &self.tls else {
+            return recv_now(fd, &mut self.buf);
+        };
+        struct Recv(RawFd);
+        impl std::io::Read for Recv {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                // SAFETY: recv writes at most `buf.len()` bytes into `buf`.
+                let n = unsafe {
+                    libc::recv(
+                        self.0,
+                        buf.as_mut_ptr().cast(),
+                        buf.len(),
+                        libc::MSG_DONTWAIT,
+                    )
+                };
+                if n < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(n as usize)
             }
-            &mut self.cipher
-        } else {
-            &mut self.buf
         }
+        let mut s = lock(tls);
+        let n = s.read_tls(&mut Recv(fd))?;
+        if n > 0 {
+            s.process_new_packets()
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        }
+        Ok(n)
     }
 
     /// Over TLS: move what can be decrypted into the frame buffer. True
@@ -247,7 +269,7 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
             continue;
         }
         let n = match (poll_until, rd.fd) {
-            (Some(until), Some(fd)) => match recv_now(fd, rd.target()) {
+            (Some(until), Some(fd)) => match rd.recv_now(fd) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     let now = Instant::now();
                     if now >= until {
@@ -263,6 +285,27 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
                 }
                 r => r,
             },
+            // A stream without a socket of its own (QUIC): its packets are
+            // taken in by the runtime's driver, which runs between our
+            // yields; poll the stream once after each.
+            (Some(until), None) => {
+                let has_tls = rd.tls.is_some();
+                let ReadState { r, buf, cipher, .. } = &mut *rd;
+                let into = if has_tls { cipher } else { buf };
+                if into.capacity() - into.len() < 4096 {
+                    into.reserve(64 << 10);
+                }
+                match futures_util::FutureExt::now_or_never(r.read_buf(into)) {
+                    Some(n) => n,
+                    None => {
+                        if Instant::now() >= until {
+                            poll_until = None;
+                        }
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                }
+            }
             _ => {
                 let has_tls = rd.tls.is_some();
                 let ReadState { r, buf, cipher, .. } = rd;

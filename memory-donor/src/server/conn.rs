@@ -104,18 +104,18 @@ fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
         return r;
     };
     let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
-    let mut cipher = Vec::new();
-    {
-        let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
-        if !out.is_empty() {
-            s.writer().write_all(out)?;
-            out.clear();
-        }
-        while s.wants_write() {
-            s.write_tls(&mut cipher)?;
-        }
+    let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
+    if !out.is_empty() {
+        s.writer().write_all(out)?;
+        out.clear();
     }
-    (&conn.stream).write_all(&cipher)
+    // Straight from rustls' records to the socket (bounded by the write
+    // timeout); the session stays locked meanwhile, which only a drain's
+    // Goodbye could wait for, and it does not wait long.
+    while s.wants_write() {
+        s.write_tls(&mut &conn.stream)?;
+    }
+    Ok(())
 }
 
 /// Run the TLS handshake to completion by `deadline` (an absolute bound: a
