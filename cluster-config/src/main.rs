@@ -1,6 +1,8 @@
 //! `engram-cluster`: check a rack config before deploying it, and plan
 //! its RAM and timing.
 
+mod ops;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -40,6 +42,9 @@ enum Cmd {
         #[arg(long, value_name = "NAME=US,...")]
         latency_us: Vec<String>,
     },
+    /// Operate donors through their control planes: status, drain, swap.
+    #[command(flatten)]
+    Ops(ops::OpsCmd),
 }
 
 fn main() -> ExitCode {
@@ -87,6 +92,7 @@ fn main() -> ExitCode {
             json,
             latency_us,
         } => plan(&file, json, &latency_us),
+        Cmd::Ops(cmd) => ops::run(cmd),
     }
 }
 
