@@ -29,7 +29,7 @@ use crate::client::ClientOptions;
 use crate::metrics::{NodeMetrics, SourceOnly};
 use crate::router::{RouteSettings, Router, SourceHealth};
 use crate::source::ssd::{SsdError, SsdOptions, SsdReader};
-use crate::source::{DonorSource, LocalRam, RowSource, SsdSource};
+use crate::source::{ControlTls, DonorSource, LocalRam, RowSource, SsdSource};
 
 /// Why the memory could not be set up or reloaded.
 #[derive(Debug, Error)]
@@ -49,6 +49,9 @@ pub enum MemoryError {
     /// Something failed that should not (a thread could not start).
     #[error("table {table}: {message}")]
     Internal { table: u32, message: String },
+    /// The node's certificate, key or the rack CA cannot be used.
+    #[error("this node's TLS certificate ([rack.tls]): {0}")]
+    Tls(#[from] cluster_config::tls::TlsError),
     /// A reload would change what only a restart can (the tables routed,
     /// their versions and shapes).
     #[error("table {table}: {what}; restart the node to apply this config")]
@@ -62,6 +65,8 @@ struct DonorSpec {
     name: String,
     advertise: Vec<SocketAddr>,
     control: Option<SocketAddr>,
+    /// The node's certificate for the control plane, when the rack has a PKI.
+    control_tls: Option<ControlTls>,
     pinned: Vec<(u32, TableDigest)>,
     connect_timeout: Duration,
     lookup_timeout: Duration,
@@ -219,6 +224,14 @@ async fn build(
     old: &Pool,
 ) -> Result<Built, MemoryError> {
     let credential = config.credential()?;
+    // Loaded once per build (start and each reload): a renewed certificate
+    // makes new donor sources, the same one keeps them.
+    let control_tls = match config.tls_files(&node.name) {
+        Some(files) => Some(ControlTls(Arc::new(cluster_config::tls::Material::load(
+            &files,
+        )?))),
+        None => None,
+    };
     let mut pool = Pool::default();
     let mut fresh = Vec::new();
 
@@ -241,6 +254,7 @@ async fn build(
                 .map(|e| e.addr)
                 .collect(),
             control: d.control_endpoint(),
+            control_tls: control_tls.clone(),
             pinned,
             connect_timeout: node.connect_timeout,
             lookup_timeout: node.lookup_timeout,
@@ -255,7 +269,8 @@ async fn build(
                 opts.lookup_timeout = spec.lookup_timeout;
                 let src: Arc<dyn RowSource> = Arc::new(
                     DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
-                        .with_control(spec.control),
+                        .with_control(spec.control)
+                        .with_control_tls(spec.control_tls.clone()),
                 );
                 let h = Arc::new(SourceHealth::new(
                     src,
