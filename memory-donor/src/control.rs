@@ -389,7 +389,7 @@ fn handshakes(
                 stats.refusal("control", reason);
                 if let Some(suppressed) = FAILED.allow() {
                     tracing::warn!(
-                        peer = ?peer,
+                        peer = %peer.map_or_else(|| "-".into(), |p| p.to_string()),
                         error = %error,
                         suppressed,
                         "control plane: TLS handshake failed (it speaks TLS only and wants a \
