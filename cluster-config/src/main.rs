@@ -1,6 +1,8 @@
 //! `engram-cluster`: check a rack config before deploying it, plan its
 //! RAM and timing, and make its PKI.
 
+mod ops;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -43,6 +45,9 @@ enum Cmd {
         #[arg(long, value_name = "NAME=US,...")]
         latency_us: Vec<String>,
     },
+    /// Operate donors through their control planes: status, drain, swap.
+    #[command(flatten)]
+    Ops(ops::OpsCmd),
     /// The rack PKI: a CA, and a certificate for each donor, node and operator.
     Pki {
         #[command(subcommand)]
@@ -95,6 +100,7 @@ fn main() -> ExitCode {
             json,
             latency_us,
         } => plan(&file, json, &latency_us),
+        Cmd::Ops(cmd) => ops::run(cmd),
         Cmd::Pki { cmd } => match cmd {
             PkiCmd::Init {
                 dir,

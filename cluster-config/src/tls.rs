@@ -210,6 +210,17 @@ impl Material {
         c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         Ok(Arc::new(c))
     }
+
+    /// A gRPC client's TLS settings for the control plane of `server` (a
+    /// donor's name, checked against its certificate): the rack CA as the
+    /// only root, this host's certificate as its client certificate.
+    pub fn grpc_client(&self, server: &str) -> tonic::transport::ClientTlsConfig {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.ca_pem))
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .domain_name(server)
+    }
 }
 
 /// The dNSName subject alternative names of a certificate, in order.

@@ -29,7 +29,7 @@ use crate::client::{ClientOptions, TlsClient, Transport};
 use crate::metrics::{NodeMetrics, SourceOnly};
 use crate::router::{RouteSettings, Router, SourceHealth};
 use crate::source::ssd::{SsdError, SsdOptions, SsdReader};
-use crate::source::{DonorSource, LocalRam, RowSource, SsdSource};
+use crate::source::{ControlTls, DonorSource, LocalRam, RowSource, SsdSource};
 use crate::tls::NodeTls;
 
 /// Why the memory could not be set up or reloaded.
@@ -50,9 +50,12 @@ pub enum MemoryError {
     /// Something failed that should not (a thread could not start).
     #[error("table {table}: {message}")]
     Internal { table: u32, message: String },
-    /// The node's TLS certificate, key or CA cannot be used.
-    #[error("TLS: {0}")]
-    Tls(String),
+    /// The node's certificate, key or the rack CA cannot be used.
+    #[error("this node's TLS certificate ([rack.tls]): {0}")]
+    Tls(#[from] cluster_config::tls::TlsError),
+    /// A donor is reached over TLS or QUIC in a rack without a PKI.
+    #[error("{0}")]
+    NeedsTls(String),
     /// A reload would change what only a restart can (the tables routed,
     /// their versions and shapes).
     #[error("table {table}: {what}; restart the node to apply this config")]
@@ -70,6 +73,8 @@ struct DonorSpec {
     bind: Option<std::net::IpAddr>,
     interface: Option<String>,
     control: Option<SocketAddr>,
+    /// The node's certificate for the control plane, when the rack has a PKI.
+    control_tls: Option<ControlTls>,
     pinned: Vec<(u32, TableDigest)>,
     connect_timeout: Duration,
     lookup_timeout: Duration,
@@ -167,9 +172,7 @@ impl Memory {
     ) -> Result<Self, MemoryError> {
         let node = find_node(config, name)?;
         let tls = match config.tls_files(&node.name) {
-            Some(files) => {
-                Some(NodeTls::load(&files).map_err(|e| MemoryError::Tls(e.to_string()))?)
-            }
+            Some(files) => Some(NodeTls::load(&files)?),
             None => None,
         };
         let built = build(config, node, metrics, &Pool::default(), tls.as_ref()).await?;
@@ -237,6 +240,9 @@ async fn build(
     tls: Option<&Arc<NodeTls>>,
 ) -> Result<Built, MemoryError> {
     let credential = config.credential()?;
+    // The node's TLS state, reloaded in place: a renewed certificate keeps
+    // the donor sources (and their breakers); new connections use it.
+    let control_tls = tls.map(|t| ControlTls(Arc::clone(t)));
     let mut pool = Pool::default();
     let mut fresh = Vec::new();
 
@@ -258,11 +264,10 @@ async fn build(
             (false, _) => None,
             (true, Some(t)) => Some(TlsClient {
                 tls: Arc::clone(t),
-                server_name: cluster_config::tls::server_name(&d.name)
-                    .map_err(|e| MemoryError::Tls(e.to_string()))?,
+                server_name: cluster_config::tls::server_name(&d.name)?,
             }),
             (true, None) => {
-                return Err(MemoryError::Tls(format!(
+                return Err(MemoryError::NeedsTls(format!(
                     "donor {} is reached over {transport}, which needs [rack.tls]",
                     d.name
                 )));
@@ -276,6 +281,7 @@ async fn build(
             interface: link.interface.clone(),
             advertise: endpoints.iter().map(|e| e.addr).collect(),
             control: d.control_endpoint(),
+            control_tls: control_tls.clone(),
             pinned,
             connect_timeout: node.connect_timeout,
             lookup_timeout: node.lookup_timeout,
@@ -294,7 +300,8 @@ async fn build(
                 opts.interface = spec.interface.clone();
                 let src: Arc<dyn RowSource> = Arc::new(
                     DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
-                        .with_control(spec.control),
+                        .with_control(spec.control)
+                        .with_control_tls(spec.control_tls.clone()),
                 );
                 let h = Arc::new(SourceHealth::new(
                     src,

@@ -11,6 +11,7 @@
 pub mod drill;
 pub mod load;
 pub mod netns;
+pub mod pki;
 pub mod proxy;
 
 use std::io::{BufRead, BufReader};

@@ -69,7 +69,7 @@ fn swap_table_switches_versions_without_mixing_them() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (v1, d1) = gen_table(dir.path(), "v1.etab", 1, ROWS, 1).expect("gen v1");
     let (v2, d2) = gen_table(dir.path(), "v2.etab", 1, ROWS, 2).expect("gen v2");
-    let (other, _) = gen_table(dir.path(), "l14.etab", 14, 1000, 2).expect("gen l14");
+    let (other, d_other) = gen_table(dir.path(), "l14.etab", 14, 1000, 2).expect("gen l14");
     let t = format!("1={}", v1.display());
     let donor = DonorProcess::start(&[
         "--table",
@@ -94,17 +94,23 @@ fn swap_table_switches_versions_without_mixing_them() {
             .expect_err("wrong digest");
         assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
         let e = c
-            .swap_table(swap(9, &v2, None, false))
+            .swap_table(swap(1, &v2, None, false))
+            .await
+            .expect_err("no expected digest");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("expected_digest is required"), "{e:?}");
+        let e = c
+            .swap_table(swap(9, &v2, Some(d2), false))
             .await
             .expect_err("no table 9");
         assert_eq!(e.code(), Code::NotFound, "{e:?}");
         let e = c
-            .swap_table(swap(1, &other, None, false))
+            .swap_table(swap(1, &other, Some(d_other), false))
             .await
             .expect_err("another layer");
         assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
         let e = c
-            .swap_table(swap(1, &v1, None, false))
+            .swap_table(swap(1, &v1, Some(d1), false))
             .await
             .expect_err("same version");
         assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");

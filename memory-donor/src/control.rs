@@ -1,27 +1,46 @@
 //! The donor's control plane over gRPC (tonic): the standard
 //! `grpc.health.v1` service and `engram.control.v1.DonorControl`
-//! (ListTables, Stats, Drain), answered from [`DonorStatus`]. It is bound
-//! and served before the tables load, so a node sees NOT_SERVING and the
-//! load's progress instead of a refused connection.
+//! (ListTables, Stats, Drain, SwapTable), answered from [`DonorStatus`]. It
+//! is bound and served before the tables load, so a node sees NOT_SERVING
+//! and the load's progress instead of a refused connection.
+//!
+//! When the rack has a PKI the control plane speaks TLS 1.3 only, with
+//! client certificates required and chained to the rack CA; the
+//! configuration is taken afresh for each connection, so a SIGHUP's new
+//! certificate applies to the next one. Every call then passes the rules
+//! of `gate` (who may call what). A SwapTable also names the digest the
+//! new file must have, and the file must lie under one of the donor's table
+//! directories (checked by the serving loop, `swap::confine`).
 //!
 //! Bounds: a fixed number of control connections (more are closed at
-//! once), requests per connection, a per-request timeout, small request
-//! messages, and a maximum connection age, so a misbehaving client costs at
-//! most its own connection.
+//! once), a TLS handshake deadline, requests per connection, a per-request
+//! timeout, small request messages, and a maximum connection age, so a
+//! misbehaving client costs at most its own connection.
+
+pub mod gate;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cluster_config::daemon::accept::{BoundedConn, bounded_incoming};
+use cluster_config::daemon::logging::RateLimit;
+use engram_protocol::TableDigest;
 use engram_protocol::control as pb;
 use engram_protocol::control::donor_control_server::{DonorControl, DonorControlServer};
 use tokio::net::TcpListener;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::Connected;
 use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::stats::Stats;
 use crate::status::{DonorStatus, LoadState, Order, Phase};
 use crate::swap::{SwapError, SwapRequest};
+use crate::tls::DonorTls;
+use gate::{Caller, Gate, Refusal, Rpc, Rules};
 
 /// Bounds of the control server.
 #[derive(Debug, Clone)]
@@ -36,6 +55,8 @@ pub struct ControlLimits {
     pub max_request: usize,
     /// A connection is closed (gracefully) after this long.
     pub max_connection_age: Duration,
+    /// A TLS handshake not done within this is abandoned.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ControlLimits {
@@ -46,6 +67,7 @@ impl Default for ControlLimits {
             request_timeout: Duration::from_secs(10),
             max_request: 4 << 10,
             max_connection_age: Duration::from_secs(300),
+            handshake_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -55,13 +77,41 @@ impl Default for ControlLimits {
 pub struct ControlService {
     status: Arc<DonorStatus>,
     health: HealthReporter,
+    rules: Arc<Rules>,
 }
 
 impl ControlService {
-    /// A service answering from `status` and keeping `health` in step with it.
-    pub fn new(status: Arc<DonorStatus>, health: HealthReporter) -> Self {
-        Self { status, health }
+    /// A service answering from `status` and keeping `health` in step with
+    /// it; `rules` name callers in the log.
+    pub fn new(status: Arc<DonorStatus>, health: HealthReporter, rules: Arc<Rules>) -> Self {
+        Self {
+            status,
+            health,
+            rules,
+        }
     }
+
+    /// Refuse a SwapTable: logged, counted, and the status to answer.
+    fn refuse_swap(&self, caller: &Caller, reason: &'static str, status: Status) -> Status {
+        let r = Refusal {
+            reason,
+            message: status.message().to_string(),
+        };
+        gate::refused(&self.status.stats, caller, Rpc::SwapTable, &r);
+        status
+    }
+}
+
+/// The digest a SwapTable names: required, 64 hex digits.
+fn expected_digest(hex: &str) -> Result<TableDigest, Status> {
+    if hex.is_empty() {
+        return Err(Status::invalid_argument(
+            "expected_digest is required: the new file's digest, 64 hex digits \
+             (`memory-donor inspect FILE` prints it)",
+        ));
+    }
+    hex.parse()
+        .map_err(|e| Status::invalid_argument(format!("expected_digest {hex:?}: {e}")))
 }
 
 /// Report `phase` as the health of the donor ("") and of `DonorControl`.
@@ -164,11 +214,12 @@ impl DonorControl for ControlService {
         &self,
         request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::DrainResponse>, Status> {
+        let caller = self.rules.caller(request.extensions());
         let started = self.status.request_drain();
         // Before answering: whoever gets this answer then sees NOT_SERVING.
         publish(&self.health, self.status.phase()).await;
         tracing::info!(
-            peer = ?request.remote_addr(),
+            caller = %caller,
             started,
             "drain requested over the control plane"
         );
@@ -182,17 +233,10 @@ impl DonorControl for ControlService {
         &self,
         request: Request<pb::SwapTableRequest>,
     ) -> Result<Response<pb::SwapTableResponse>, Status> {
-        let peer = request.remote_addr();
+        let caller = self.rules.caller(request.extensions());
         let r = request.into_inner();
-        let expected = if r.expected_digest.is_empty() {
-            None
-        } else {
-            Some(
-                r.expected_digest
-                    .parse()
-                    .map_err(|e| Status::invalid_argument(format!("expected_digest: {e}")))?,
-            )
-        };
+        let expected = expected_digest(&r.expected_digest)
+            .map_err(|s| self.refuse_swap(&caller, "swap_digest", s))?;
         if r.path.is_empty() {
             return Err(Status::invalid_argument("path is empty"));
         }
@@ -202,10 +246,10 @@ impl DonorControl for ControlService {
         let req = SwapRequest {
             table: r.table_id,
             path: r.path.into(),
-            expected,
+            expected: Some(expected),
             in_place: r.in_place,
         };
-        tracing::info!(peer = ?peer, table = req.table, path = %req.path.display(), in_place = req.in_place, "swap requested over the control plane");
+        tracing::info!(caller = %caller, table = req.table, path = %req.path.display(), expected = %expected, in_place = req.in_place, "swap requested over the control plane");
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.status.order(Order::Swap(req, tx)).is_err() {
             return Err(Status::unavailable("too many orders waiting; try again"));
@@ -213,7 +257,13 @@ impl DonorControl for ControlService {
         let accepted = rx
             .await
             .map_err(|_| Status::unavailable("the donor stopped before answering"))?
-            .map_err(|e| swap_status(&e))?;
+            .map_err(|e| match e {
+                SwapError::NotAllowed(_) => self.refuse_swap(&caller, "swap_path", swap_status(&e)),
+                SwapError::WrongVersion { .. } => {
+                    self.refuse_swap(&caller, "swap_digest", swap_status(&e))
+                }
+                _ => swap_status(&e),
+            })?;
         Ok(Response::new(pb::SwapTableResponse {
             old_digest: accepted.old.to_hex(),
             new_digest: accepted.new.to_hex(),
@@ -233,12 +283,14 @@ fn swap_status(e: &SwapError) -> Status {
             Status::failed_precondition(msg)
         }
         SwapError::NoRoom(_) => Status::resource_exhausted(msg),
+        SwapError::NotAllowed(_) => Status::permission_denied(msg),
         SwapError::Load(_) => Status::internal(msg),
     }
 }
 
-/// Serve health and `DonorControl` on `listener` until `shutdown` resolves.
-/// Health follows the donor's phase: SERVING only while [`Phase::Serving`].
+/// Serve health and `DonorControl` on `listener` until `shutdown` resolves:
+/// over TLS when `status.tls` is set, else in plaintext. Health follows the
+/// donor's phase: SERVING only while [`Phase::Serving`].
 pub async fn serve_control(
     listener: TcpListener,
     status: Arc<DonorStatus>,
@@ -257,10 +309,18 @@ pub async fn serve_control(
             publish(&follower, now).await;
         }
     });
-    let control = DonorControlServer::new(ControlService::new(status, reporter))
-        .max_decoding_message_size(limits.max_request)
-        .max_encoding_message_size(16 << 20);
-    tonic::transport::Server::builder()
+    let tls = status.tls.get().cloned();
+    let rules = Arc::new(Rules {
+        donor: status.name.clone(),
+        stats: Arc::clone(&status.stats),
+        tls: tls.clone(),
+    });
+    let stats = Arc::clone(&status.stats);
+    let control =
+        DonorControlServer::new(ControlService::new(status, reporter, Arc::clone(&rules)))
+            .max_decoding_message_size(limits.max_request)
+            .max_encoding_message_size(16 << 20);
+    let router = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(limits.per_connection)
         .max_concurrent_streams(u32::try_from(limits.per_connection).unwrap_or(u32::MAX))
         .timeout(limits.request_timeout)
@@ -268,11 +328,76 @@ pub async fn serve_control(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .http2_max_header_list_size(16 << 10)
-        .add_service(health)
-        .add_service(control)
-        .serve_with_incoming_shutdown(
-            cluster_config::daemon::accept::bounded_incoming(listener, limits.max_connections),
-            shutdown,
-        )
-        .await
+        .add_service(Gate::new(health, Arc::clone(&rules)))
+        .add_service(Gate::new(control, rules));
+    let incoming = bounded_incoming(listener, limits.max_connections);
+    match tls {
+        Some(tls) => {
+            let incoming = handshakes(incoming.into_inner(), tls, stats, &limits);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    }
+}
+
+/// TLS handshakes on the accepted connections, each in its own task within
+/// `limits.handshake_timeout` (a connection keeps its bounded slot
+/// meanwhile), with the configuration of the moment; the streams that
+/// complete one, for tonic. Failures are logged at a bounded rate and
+/// counted (`handshake_failed`, `handshake_timeout`).
+fn handshakes(
+    mut accepted: tokio::sync::mpsc::Receiver<std::io::Result<BoundedConn>>,
+    tls: Arc<DonorTls>,
+    stats: Arc<Stats>,
+    limits: &ControlLimits,
+) -> ReceiverStream<std::io::Result<TlsStream<BoundedConn>>> {
+    static FAILED: RateLimit = RateLimit::new(5);
+    let deadline = limits.handshake_timeout;
+    let (tx, rx) = tokio::sync::mpsc::channel(limits.max_connections.max(1));
+    tokio::spawn(async move {
+        loop {
+            let conn = tokio::select! {
+                () = tx.closed() => return,
+                c = accepted.recv() => match c {
+                    Some(Ok(c)) => c,
+                    Some(Err(_)) => continue,
+                    None => return,
+                },
+            };
+            let peer = conn.connect_info().remote_addr();
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.control_config());
+            let (tx, stats) = (tx.clone(), Arc::clone(&stats));
+            tokio::spawn(async move {
+                let (reason, error) =
+                    match tokio::time::timeout(deadline, acceptor.accept(conn)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send(Ok(stream)).await;
+                            return;
+                        }
+                        Ok(Err(e)) => ("handshake_failed", e.to_string()),
+                        Err(_) => (
+                            "handshake_timeout",
+                            format!("not done within {} ms", deadline.as_millis()),
+                        ),
+                    };
+                stats.refusal("control", reason);
+                if let Some(suppressed) = FAILED.allow() {
+                    tracing::warn!(
+                        peer = %peer.map_or_else(|| "-".into(), |p| p.to_string()),
+                        error = %error,
+                        suppressed,
+                        "control plane: TLS handshake failed (it speaks TLS only and wants a \
+                         certificate from the rack CA)"
+                    );
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
 }

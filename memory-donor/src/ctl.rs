@@ -1,6 +1,9 @@
-//! `memory-donor ctl`: call a running donor's control plane (health,
-//! ListTables, Stats, Drain, SwapTable) and print the answer, for operators
-//! and scripts.
+//! `memory-donor ctl`: call a running donor's plaintext control plane
+//! (health, ListTables, Stats, Drain, SwapTable) and print the answer, for
+//! operators and scripts on the donor's host (Drain and SwapTable are
+//! answered only from loopback there). A rack with a PKI serves its
+//! control plane over TLS: use `engram-cluster status|drain|swap` with an
+//! operator's certificate.
 
 use std::time::Duration;
 
@@ -32,9 +35,9 @@ pub enum CtlCmd {
         /// The new version's file, as the donor sees it.
         #[arg(long)]
         path: String,
-        /// The digest the file must have (64 hex digits).
+        /// The digest the file must have (64 hex digits; `memory-donor inspect` prints it).
         #[arg(long)]
-        digest: Option<String>,
+        digest: String,
         /// Unload the old version first (the table is not served meanwhile).
         #[arg(long)]
         in_place: bool,
@@ -141,7 +144,7 @@ pub async fn run(addr: &str, cmd: CtlCmd) -> Result<bool> {
                 .swap_table(SwapTableRequest {
                     table_id: table,
                     path,
-                    expected_digest: digest.unwrap_or_default(),
+                    expected_digest: digest,
                     in_place,
                 })
                 .await

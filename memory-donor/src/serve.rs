@@ -81,6 +81,8 @@ pub struct ServeSpec {
     pub log_level: Option<String>,
     /// Bytes the tables may take (`ram_gib - headroom_gib`), when configured.
     pub ram_budget: Option<u64>,
+    /// The only directories a control-plane swap may load files from.
+    pub table_dirs: Vec<PathBuf>,
 }
 
 /// Serve flags that override the config (at start and on every reload).
@@ -163,8 +165,19 @@ impl ServeSpec {
         )
     }
 
-    /// A spec from flags alone: these tables on these addresses.
+    /// A spec from flags alone: these tables on these addresses; swaps
+    /// may load files from the directories of these tables.
     pub fn from_flags(name: &str, listen: Vec<SocketAddr>, tables: Vec<TableSpec>) -> Self {
+        let mut table_dirs: Vec<PathBuf> = Vec::new();
+        for t in &tables {
+            let dir = match t.path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            if !table_dirs.contains(&dir) {
+                table_dirs.push(dir);
+            }
+        }
         Self {
             server: ServerConfig::new(name),
             listen: listen
@@ -179,6 +192,7 @@ impl ServeSpec {
             metrics: None,
             log_level: None,
             ram_budget: None,
+            table_dirs,
         }
     }
 
@@ -229,6 +243,7 @@ impl ServeSpec {
             metrics: d.metrics,
             log_level: d.log_level.clone(),
             ram_budget: Some(d.table_budget_bytes()),
+            table_dirs: d.table_dirs.clone(),
         })
     }
 }
@@ -543,5 +558,16 @@ mod tests {
         assert_eq!("a=b.etab".parse::<TableSpec>().map(|t| t.id), Ok(None));
         assert_eq!("/x/a.etab".parse::<TableSpec>().map(|t| t.id), Ok(None));
         assert!("99999999999=a".parse::<TableSpec>().is_err());
+    }
+
+    #[test]
+    fn from_flags_swaps_may_load_from_the_directories_of_the_tables() {
+        let tables = ["1=/a/x.etab", "/a/y.etab", "/b/z.etab", "w.etab"]
+            .iter()
+            .map(|t| t.parse().expect("table"))
+            .collect();
+        let s = ServeSpec::from_flags("d", vec![], tables);
+        let want: Vec<PathBuf> = ["/a", "/b", "."].iter().map(PathBuf::from).collect();
+        assert_eq!(s.table_dirs, want);
     }
 }

@@ -171,13 +171,16 @@ impl Loop {
         self.swapping.as_ref().is_some_and(|h| !h.is_finished())
     }
 
-    fn start_swap(&mut self, req: swap::SwapRequest) -> Result<swap::SwapAccepted, SwapError> {
+    /// A swap the control plane asked for: only a file under the table
+    /// directories (of the config as last reloaded).
+    fn start_swap(&mut self, mut req: swap::SwapRequest) -> Result<swap::SwapAccepted, SwapError> {
         if self.status.is_drain_requested() {
             return Err(SwapError::NotServing);
         }
         if self.swap_busy() {
             return Err(SwapError::Busy);
         }
+        req.path = swap::confine(&req.path, &self.spec.table_dirs)?;
         let cx = self.swap_context();
         let prepared = swap::prepare(&cx, req)?;
         let accepted = prepared.accepted();

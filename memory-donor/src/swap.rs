@@ -11,10 +11,14 @@
 //! *in place*: the old version is unloaded first (the table is not served,
 //! `UnknownTable`, until the new one is loaded).
 //!
+//! A swap the control plane asks for loads only a file under one of the
+//! donor's table directories (`confine`: symlinks resolved, `..` refused);
+//! one a reload asks for comes from the config itself.
+//!
 //! `prepare` does every check that can fail fast (the caller answers with
 //! its result); `run` does the load and the switch.
 
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -74,6 +78,10 @@ pub enum SwapError {
     /// The file cannot be used.
     #[error("{0}")]
     BadFile(String),
+    /// The file is not one this donor may load on request (outside its
+    /// table directories).
+    #[error("{0}")]
+    NotAllowed(String),
     /// The file is not the expected version.
     #[error("{path}: digest is {actual}, not the expected {expected}")]
     WrongVersion {
@@ -125,6 +133,51 @@ pub fn mem_available() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+fn shown(dirs: &[PathBuf]) -> String {
+    if dirs.is_empty() {
+        return "none".into();
+    }
+    let d: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    d.join(", ")
+}
+
+/// The file a control-plane swap may load: `path` with every symlink
+/// resolved, when it lies under one of `dirs` (resolved too). A relative
+/// path or one with `..` is refused before the file system is asked.
+pub fn confine(path: &Path, dirs: &[PathBuf]) -> Result<PathBuf, SwapError> {
+    let shown_path = path.display();
+    if !path.is_absolute() {
+        return Err(SwapError::NotAllowed(format!(
+            "{shown_path}: give the new file's absolute path"
+        )));
+    }
+    if path.components().any(|c| c == Component::ParentDir) {
+        return Err(SwapError::NotAllowed(format!(
+            "{shown_path}: a path with `..` is refused; name the file inside a table directory ({})",
+            shown(dirs)
+        )));
+    }
+    let real = std::fs::canonicalize(path)
+        .map_err(|e| SwapError::BadFile(format!("{shown_path}: {e}")))?;
+    let inside = dirs
+        .iter()
+        .filter_map(|d| std::fs::canonicalize(d).ok())
+        .any(|d| real.starts_with(&d) && real != d);
+    if !inside {
+        let via = if real == path {
+            String::new()
+        } else {
+            format!(" (it resolves to {})", real.display())
+        };
+        return Err(SwapError::NotAllowed(format!(
+            "{shown_path}{via} is outside the donor's table directories ({}): a swap loads only \
+             files under `table_dir` (or the directories of its configured tables)",
+            shown(dirs)
+        )));
+    }
+    Ok(real)
 }
 
 /// Check `req` against what is served, the file's header and the RAM there is.
@@ -383,4 +436,72 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
     .map_err(|e| e.to_string())?;
     table.id = id;
     Ok(table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swaps_load_only_files_under_the_table_directories() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let tables = root.path().join("tables");
+        let other = root.path().join("other");
+        std::fs::create_dir_all(&tables).expect("mkdir");
+        std::fs::create_dir_all(&other).expect("mkdir");
+        let inside = tables.join("v2.etab");
+        let outside = other.join("v2.etab");
+        std::fs::write(&inside, b"x").expect("write");
+        std::fs::write(&outside, b"x").expect("write");
+        let dirs = vec![tables.clone()];
+        let real = |p: &Path| std::fs::canonicalize(p).expect("canonical");
+
+        assert_eq!(confine(&inside, &dirs).expect("inside"), real(&inside));
+        let not_allowed = |p: &Path| match confine(p, &dirs) {
+            Err(SwapError::NotAllowed(m)) => m,
+            other => panic!("{}: {other:?}", p.display()),
+        };
+        let m = not_allowed(&outside);
+        assert!(m.contains("outside the donor's table directories"), "{m}");
+        assert!(m.contains(&tables.display().to_string()), "{m}");
+        // `..` is refused even when it would land inside.
+        let m = not_allowed(&tables.join("../tables/v2.etab"));
+        assert!(m.contains("`..`"), "{m}");
+        assert!(not_allowed(&tables.join("../other/v2.etab")).contains("`..`"));
+        assert!(not_allowed(Path::new("tables/v2.etab")).contains("absolute"));
+        // A symlink inside that points outside is followed, and refused.
+        let link = tables.join("escape.etab");
+        std::os::unix::fs::symlink(&outside, &link).expect("symlink");
+        let m = not_allowed(&link);
+        assert!(m.contains("resolves to"), "{m}");
+        // A symlinked table directory is fine: both sides are resolved.
+        let via = root.path().join("via");
+        std::os::unix::fs::symlink(&tables, &via).expect("symlink");
+        assert_eq!(
+            confine(&via.join("v2.etab"), std::slice::from_ref(&via)).expect("via a link"),
+            real(&inside)
+        );
+        // The directory itself is not a file in it; a prefix of a name is not a parent.
+        assert!(matches!(
+            confine(&tables, &dirs),
+            Err(SwapError::NotAllowed(_))
+        ));
+        let sibling = root.path().join("tables2");
+        std::fs::create_dir_all(&sibling).expect("mkdir");
+        std::fs::write(sibling.join("v2.etab"), b"x").expect("write");
+        assert!(matches!(
+            confine(&sibling.join("v2.etab"), &dirs),
+            Err(SwapError::NotAllowed(_))
+        ));
+        // A missing file is a bad file, not a permission problem.
+        assert!(matches!(
+            confine(&tables.join("missing.etab"), &dirs),
+            Err(SwapError::BadFile(_))
+        ));
+        // No directories: nothing may be loaded.
+        assert!(matches!(
+            confine(&inside, &[]),
+            Err(SwapError::NotAllowed(_))
+        ));
+    }
 }

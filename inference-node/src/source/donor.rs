@@ -1,9 +1,10 @@
 //! A memory donor as a row source: one pipelined data-plane connection,
 //! made on first use and again after it is lost. A Goodbye stops new
 //! lookups at once. The probe asks the donor's control plane (when its
-//! address is known) for its health (`grpc.health.v1`, SERVING) and its
-//! tables' digests (`ListTables`), then makes a fresh data-plane connection
-//! (a restarted donor) and installs it when the donor welcomes us with the
+//! address is known; over TLS with the node's certificate when the rack
+//! has a PKI) for its health (`grpc.health.v1`, SERVING) and its tables'
+//! digests (`ListTables`), then makes a fresh data-plane connection (a
+//! restarted donor) and installs it when the donor welcomes us with the
 //! pinned versions.
 
 use std::net::SocketAddr;
@@ -15,6 +16,30 @@ use tokio::time::Instant;
 use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
 use crate::client::{ClientError, ClientOptions, DonorClient, Request};
 
+/// The node's TLS material for donors' control planes: the rack CA and the
+/// node's own certificate and key. Equal when the files held the same bytes
+/// (a reload keeps the donor's source then).
+#[derive(Clone)]
+pub struct ControlTls(pub Arc<crate::tls::NodeTls>);
+
+impl PartialEq for ControlTls {
+    /// The same node TLS state (its material may be reloaded inside).
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for ControlTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        let m = self.0.material();
+        f.debug_struct("ControlTls")
+            .field("identity", &m.identity)
+            .field("cert", &m.files.cert)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A donor reached over TCP.
 #[derive(Debug)]
 pub struct DonorSource {
@@ -22,6 +47,7 @@ pub struct DonorSource {
     addrs: Vec<SocketAddr>,
     opts: ClientOptions,
     control: Option<SocketAddr>,
+    control_tls: Option<ControlTls>,
     current: Mutex<Option<Arc<DonorClient>>>,
     connecting: tokio::sync::Mutex<()>,
 }
@@ -35,6 +61,7 @@ impl DonorSource {
             addrs,
             opts,
             control: None,
+            control_tls: None,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
         }
@@ -43,6 +70,13 @@ impl DonorSource {
     /// Probe the control plane at `addr` too.
     pub fn with_control(mut self, addr: Option<SocketAddr>) -> Self {
         self.control = addr;
+        self
+    }
+
+    /// Probe the control plane over TLS as `tls` proves (the donor's
+    /// certificate checked against its name); plaintext when `None`.
+    pub fn with_control_tls(mut self, tls: Option<ControlTls>) -> Self {
+        self.control_tls = tls;
         self
     }
 
@@ -58,13 +92,21 @@ impl DonorSource {
         use tonic_health::pb::health_client::HealthClient;
         let down = |e: String| SourceError::Unavailable(format!("control plane {addr}: {e}"));
         let t = self.opts.connect_timeout;
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        let scheme = if self.control_tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| down(e.to_string()))?
             .connect_timeout(t)
-            .timeout(t)
-            .connect()
-            .await
-            .map_err(|e| down(e.to_string()))?;
+            .timeout(t);
+        if let Some(tls) = &self.control_tls {
+            endpoint = endpoint
+                .tls_config(tls.0.material().grpc_client(&self.name))
+                .map_err(|e| down(e.to_string()))?;
+        }
+        let channel = endpoint.connect().await.map_err(|e| down(e.to_string()))?;
         let health = HealthClient::new(channel.clone())
             .check(HealthCheckRequest {
                 service: engram_protocol::control::SERVICE_NAME.into(),

@@ -20,7 +20,7 @@ use engram_protocol::TableDigest;
 use thiserror::Error;
 use tokio::time::Instant;
 
-pub use donor::DonorSource;
+pub use donor::{ControlTls, DonorSource};
 pub use local::LocalRam;
 pub use ssd::SsdSource;
 

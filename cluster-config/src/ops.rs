@@ -1,0 +1,644 @@
+//! `engram-cluster status|drain|swap`: operate the rack's donors through
+//! their control planes, named as in the rack config. With `[rack.tls]`
+//! each donor is dialled over TLS as an operator (`--as`, by default the
+//! only one in `[rack.tls] operators`): the rack CA as the only root, the
+//! operator's certificate and key from the PKI directory, the donor's
+//! certificate checked against its name. Without it the control plane is
+//! plaintext and answers Drain and SwapTable only from the donor's own
+//! host, so these commands work there alone (dialling loopback).
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use cluster_config::tls::Material;
+use cluster_config::{Config, ConfigError, Donor};
+use engram_protocol::TableDigest;
+use engram_protocol::control::donor_control_client::DonorControlClient;
+use engram_protocol::control::{
+    DrainRequest, ListTablesRequest, ListTablesResponse, StatsRequest, StatsResponse,
+    SwapTableRequest,
+};
+use thiserror::Error;
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Time to connect (and finish the TLS handshake) to one donor.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time for one call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where the rack is described and whom to act as.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Dial {
+    /// The rack config (TOML).
+    #[arg(long)]
+    config: PathBuf,
+    /// The operator to act as: its certificate and key in the rack's PKI
+    /// (default: the only name in [rack.tls] operators).
+    #[arg(long = "as", value_name = "OPERATOR")]
+    operator: Option<String>,
+}
+
+/// The operator commands.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum OpsCmd {
+    /// Health, tables and counters of each donor (every donor with a
+    /// control address, or those named); exit code 1 unless all are SERVING.
+    Status {
+        #[command(flatten)]
+        dial: Dial,
+        /// Donors to ask (default: all).
+        donors: Vec<String>,
+    },
+    /// Start a donor's drain, as SIGTERM does: clients get Goodbye, then it exits.
+    Drain {
+        #[command(flatten)]
+        dial: Dial,
+        /// The donor, by name.
+        donor: String,
+    },
+    /// Load another version of a table on a donor and switch to it (watch `status`).
+    Swap {
+        #[command(flatten)]
+        dial: Dial,
+        /// The donor, by name.
+        donor: String,
+        /// The table's id.
+        #[arg(long)]
+        table: u32,
+        /// The new version's file as the donor sees it (under its table directory).
+        #[arg(long)]
+        file: String,
+        /// The digest the file must have (64 hex digits; `memory-donor inspect` prints it).
+        #[arg(long)]
+        digest: String,
+        /// Unload the old version first (the table is not served meanwhile).
+        #[arg(long)]
+        in_place: bool,
+    },
+}
+
+/// Why an operator command failed.
+#[derive(Debug, Error)]
+pub enum OpsError {
+    /// The config is invalid or unreadable.
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    /// The command names something the config does not have, or cannot be run as asked.
+    #[error("{0}")]
+    Usage(String),
+    /// The operator's certificate or key cannot be used.
+    #[error("{0}")]
+    Tls(String),
+    /// The donor's control plane could not be reached.
+    #[error("{donor}: cannot reach its control plane at {addr}: {message}")]
+    Connect {
+        donor: String,
+        addr: SocketAddr,
+        message: String,
+    },
+    /// The donor refused the call.
+    #[error("{donor} refused: {message}")]
+    Refused { donor: String, message: String },
+    /// The call failed for another reason.
+    #[error("{donor}: {rpc} failed: {code}: {message}")]
+    Failed {
+        donor: String,
+        rpc: &'static str,
+        code: String,
+        message: String,
+    },
+}
+
+impl OpsError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            Self::Config(_) | Self::Usage(_) | Self::Tls(_) => ExitCode::from(2),
+            _ => ExitCode::from(1),
+        }
+    }
+}
+
+/// An error and every error under it, on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut next = e.source();
+    while let Some(e) = next {
+        let more = e.to_string();
+        if !s.contains(&more) {
+            let _ = write!(s, ": {more}");
+        }
+        next = e.source();
+    }
+    s
+}
+
+/// What a failed call says, by its code.
+fn call_error(donor: &str, rpc: &'static str, s: &tonic::Status) -> OpsError {
+    let message = if s.message().is_empty() {
+        chain(s)
+    } else {
+        s.message().to_string()
+    };
+    match s.code() {
+        Code::PermissionDenied | Code::Unauthenticated => OpsError::Refused {
+            donor: donor.to_string(),
+            message,
+        },
+        code => OpsError::Failed {
+            donor: donor.to_string(),
+            rpc,
+            code: format!("{code:?}"),
+            message,
+        },
+    }
+}
+
+/// The identity to act as: `asked`, or the only operator; none without a PKI.
+pub fn operator(config: &Config, asked: Option<&str>) -> Result<Option<String>, OpsError> {
+    let Some(tls) = &config.tls else {
+        return Ok(None);
+    };
+    if let Some(a) = asked {
+        return Ok(Some(a.to_string()));
+    }
+    match tls.operators.as_slice() {
+        [one] => Ok(Some(one.clone())),
+        [] => Err(OpsError::Usage(format!(
+            "{}: [rack.tls] names no operators: add one to `operators` and give it a \
+             certificate from the rack CA, then pass --as NAME",
+            config.path.display()
+        ))),
+        many => Err(OpsError::Usage(format!(
+            "{}: several operators ({}): choose one with --as",
+            config.path.display(),
+            many.join(", ")
+        ))),
+    }
+}
+
+/// Dials donors' control planes as one operator (or in plaintext).
+#[derive(Debug)]
+struct Dialer {
+    config: Config,
+    material: Option<Material>,
+}
+
+impl Dialer {
+    fn new(dial: &Dial) -> Result<Self, OpsError> {
+        let config = Config::load(&dial.config)?;
+        let material = match operator(&config, dial.operator.as_deref())? {
+            None => {
+                if dial.operator.is_some() {
+                    eprintln!(
+                        "note: {} has no [rack.tls]: --as is ignored and control planes are \
+                         dialled in plaintext (Drain and SwapTable work only on the donor's own host)",
+                        config.path.display()
+                    );
+                }
+                None
+            }
+            Some(name) => {
+                let files = config.tls_files(&name).ok_or_else(|| {
+                    OpsError::Usage(format!("{name}: the rack has no PKI ([rack.tls])"))
+                })?;
+                let m = Material::load(&files).map_err(|e| {
+                    OpsError::Tls(format!("the certificate of operator {name}: {e}"))
+                })?;
+                Some(m)
+            }
+        };
+        Ok(Self { config, material })
+    }
+
+    fn donor(&self, name: &str) -> Result<&Donor, OpsError> {
+        self.config.donor(name).ok_or_else(|| {
+            let names: Vec<&str> = self.config.donors.iter().map(|d| d.name.as_str()).collect();
+            OpsError::Usage(format!(
+                "{}: no donor named {name:?} (donors: {})",
+                self.config.path.display(),
+                names.join(", ")
+            ))
+        })
+    }
+
+    fn address(donor: &Donor) -> Result<SocketAddr, OpsError> {
+        donor.control_endpoint().ok_or_else(|| {
+            OpsError::Usage(format!(
+                "{}: no control plane (set `control` in its [[donor]] entry)",
+                donor.name
+            ))
+        })
+    }
+
+    async fn channel(&self, donor: &Donor) -> Result<Channel, OpsError> {
+        let addr = Self::address(donor)?;
+        let connect = |message: String| OpsError::Connect {
+            donor: donor.name.clone(),
+            addr,
+            message,
+        };
+        let scheme = if self.material.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| connect(chain(&e)))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(CALL_TIMEOUT);
+        if let Some(m) = &self.material {
+            ep = ep
+                .tls_config(m.grpc_client(&donor.name))
+                .map_err(|e| connect(chain(&e)))?;
+        }
+        ep.connect().await.map_err(|e| connect(chain(&e)))
+    }
+}
+
+/// One donor's answers to `status`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DonorState {
+    /// Its name.
+    pub donor: String,
+    /// Its control address.
+    pub addr: SocketAddr,
+    /// `SERVING`, `NOT_SERVING`, ...
+    pub health: String,
+    /// Its tables and draining flag.
+    pub tables: ListTablesResponse,
+    /// Its counters.
+    pub stats: StatsResponse,
+}
+
+impl DonorState {
+    fn serving(&self) -> bool {
+        self.health == "SERVING"
+    }
+}
+
+async fn donor_state(dialer: &Dialer, donor: &Donor) -> Result<DonorState, OpsError> {
+    let name = donor.name.as_str();
+    let addr = Dialer::address(donor)?;
+    let ch = dialer.channel(donor).await?;
+    let health = HealthClient::new(ch.clone())
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .map_err(|s| call_error(name, "health", &s))?
+        .into_inner();
+    let health = ServingStatus::try_from(health.status)
+        .map_or("UNKNOWN", |s| s.as_str_name())
+        .to_string();
+    let mut c = DonorControlClient::new(ch);
+    let tables = c
+        .list_tables(ListTablesRequest {})
+        .await
+        .map_err(|s| call_error(name, "ListTables", &s))?
+        .into_inner();
+    let stats = c
+        .stats(StatsRequest {})
+        .await
+        .map_err(|s| call_error(name, "Stats", &s))?
+        .into_inner();
+    Ok(DonorState {
+        donor: name.to_string(),
+        addr,
+        health,
+        tables,
+        stats,
+    })
+}
+
+fn uptime(s: f64) -> String {
+    let s = s.max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
+/// The `status` table: one line per donor (an error in place of a failed one).
+pub fn render(states: &[(String, Result<DonorState, String>)]) -> String {
+    let head = [
+        "DONOR", "CONTROL", "HEALTH", "TABLES", "LOOKUPS", "P99_US", "CONNS", "UPTIME",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![head.iter().map(ToString::to_string).collect()];
+    let mut failed = Vec::new();
+    for (name, s) in states {
+        let s = match s {
+            Ok(s) => s,
+            Err(e) => {
+                failed.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        let tables: Vec<String> = s
+            .tables
+            .tables
+            .iter()
+            .map(|t| {
+                let digest: String = t.digest.chars().take(12).collect();
+                format!(
+                    "{}:{}:{}",
+                    t.id,
+                    t.state().label(),
+                    if digest.is_empty() { "-" } else { &digest }
+                )
+            })
+            .collect();
+        let health = if s.tables.draining {
+            format!("{} (draining)", s.health)
+        } else {
+            s.health.clone()
+        };
+        rows.push(vec![
+            s.donor.clone(),
+            s.addr.to_string(),
+            health,
+            tables.join(" "),
+            s.stats.lookups.to_string(),
+            s.stats
+                .service_time
+                .map_or("-".into(), |t| format!("{:.1}", t.p99_us)),
+            s.stats
+                .connections
+                .map_or("-".into(), |c| c.open.to_string()),
+            uptime(s.stats.uptime_seconds),
+        ]);
+    }
+    let mut widths = vec![0; head.len()];
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in &rows {
+        let mut line = String::new();
+        for (c, w) in r.iter().zip(&widths) {
+            let _ = write!(line, "{c:<w$}  ");
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    for f in failed {
+        out.push_str(&f);
+        out.push('\n');
+    }
+    out
+}
+
+async fn status(dial: &Dial, names: &[String]) -> Result<bool, OpsError> {
+    let dialer = std::sync::Arc::new(Dialer::new(dial)?);
+    let donors: Vec<String> = if names.is_empty() {
+        let all: Vec<String> = dialer
+            .config
+            .donors
+            .iter()
+            .filter(|d| d.control_endpoint().is_some())
+            .map(|d| d.name.clone())
+            .collect();
+        if all.is_empty() {
+            return Err(OpsError::Usage(format!(
+                "{}: no donor has a control plane (`control` in its [[donor]] entry)",
+                dialer.config.path.display()
+            )));
+        }
+        all
+    } else {
+        for n in names {
+            dialer.donor(n)?;
+        }
+        names.to_vec()
+    };
+    // Every donor at once: one that does not answer costs its timeout once.
+    let mut set = tokio::task::JoinSet::new();
+    for (i, name) in donors.iter().enumerate() {
+        let (dialer, name) = (std::sync::Arc::clone(&dialer), name.clone());
+        set.spawn(async move {
+            let r = match dialer.donor(&name) {
+                Ok(d) => donor_state(&dialer, d).await,
+                Err(e) => Err(e),
+            };
+            (i, r)
+        });
+    }
+    let mut states: Vec<(String, Result<DonorState, String>)> = donors
+        .iter()
+        .map(|n| (n.clone(), Err("no answer".to_string())))
+        .collect();
+    while let Some(done) = set.join_next().await {
+        if let Ok((i, r)) = done {
+            states[i].1 = r.map_err(|e| match e {
+                // The table shows the donor's name already.
+                OpsError::Refused { message, .. } => format!("refused: {message}"),
+                e => e.to_string(),
+            });
+        }
+    }
+    print!("{}", render(&states));
+    Ok(states
+        .iter()
+        .all(|(_, s)| s.as_ref().is_ok_and(DonorState::serving)))
+}
+
+async fn drain(dial: &Dial, name: &str) -> Result<(), OpsError> {
+    let dialer = Dialer::new(dial)?;
+    let donor = dialer.donor(name)?;
+    let ch = dialer.channel(donor).await?;
+    let d = DonorControlClient::new(ch)
+        .drain(DrainRequest {})
+        .await
+        .map_err(|s| call_error(name, "Drain", &s))?
+        .into_inner();
+    if d.started {
+        println!("{name}: draining (clients get {} ms)", d.grace_ms);
+    } else {
+        println!("{name}: a drain was already under way");
+    }
+    Ok(())
+}
+
+async fn swap(
+    dial: &Dial,
+    name: &str,
+    table: u32,
+    file: &str,
+    digest: &str,
+    in_place: bool,
+) -> Result<(), OpsError> {
+    let digest: TableDigest = digest
+        .parse()
+        .map_err(|e| OpsError::Usage(format!("--digest {digest:?}: {e}")))?;
+    let dialer = Dialer::new(dial)?;
+    let donor = dialer.donor(name)?;
+    let ch = dialer.channel(donor).await?;
+    let r = DonorControlClient::new(ch)
+        .swap_table(SwapTableRequest {
+            table_id: table,
+            path: file.to_string(),
+            expected_digest: digest.to_hex(),
+            in_place,
+        })
+        .await
+        .map_err(|s| call_error(name, "SwapTable", &s))?
+        .into_inner();
+    println!(
+        "{name}: swapping table {table}{}: {} -> {} ({} bytes); `engram-cluster status` shows \
+         the new digest once switched",
+        if r.in_place { " in place" } else { "" },
+        r.old_digest,
+        r.new_digest,
+        r.bytes
+    );
+    Ok(())
+}
+
+/// Run an operator command; failures are printed on stderr.
+pub fn run(cmd: OpsCmd) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("starting the runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = rt.block_on(async {
+        match &cmd {
+            OpsCmd::Status { dial, donors } => status(dial, donors).await,
+            OpsCmd::Drain { dial, donor } => drain(dial, donor).await.map(|()| true),
+            OpsCmd::Swap {
+                dial,
+                donor,
+                table,
+                file,
+                digest,
+                in_place,
+            } => swap(dial, donor, *table, file, digest, *in_place)
+                .await
+                .map(|()| true),
+        }
+    });
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("{e}");
+            e.exit_code()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engram_protocol::control::{Connections, LoadState, ServiceTime, TableStatus};
+
+    fn config(tls: &str) -> Config {
+        let text = format!(
+            "version = 1\n[rack]\nname = \"r\"\n{tls}\n\
+             [[table]]\nid = 1\nlayer = 1\npath = \"/t/l1.etab\"\nrows = 10\ndigest = \"{}\"\n\
+             [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:7410\"]\ntables = [1]\nram_gib = 1.0\n\
+             control = \"127.0.0.1:7411\"\n",
+            "ab".repeat(32)
+        );
+        Config::parse(&text, std::path::Path::new("/etc/engram-rack/rack.toml")).expect("config")
+    }
+
+    #[test]
+    fn the_operator_is_the_only_one_unless_named() {
+        let plain = config("");
+        assert_eq!(operator(&plain, None).expect("plaintext"), None);
+        assert_eq!(operator(&plain, Some("ops")).expect("ignored"), None);
+        let one = config("[rack.tls]\noperators = [\"ops\"]");
+        assert_eq!(operator(&one, None).expect("one"), Some("ops".into()));
+        assert_eq!(
+            operator(&one, Some("other")).expect("named"),
+            Some("other".into())
+        );
+        let two = config("[rack.tls]\noperators = [\"ops\", \"ops-2\"]");
+        let e = operator(&two, None).expect_err("two");
+        assert!(
+            e.to_string()
+                .contains("several operators (ops, ops-2): choose one with --as"),
+            "{e}"
+        );
+        let none = config("[rack.tls]\noperators = []");
+        let e = operator(&none, None).expect_err("none");
+        assert!(e.to_string().contains("names no operators"), "{e}");
+    }
+
+    #[test]
+    fn refusals_name_the_donor() {
+        let e = call_error(
+            "donor-a",
+            "Drain",
+            &tonic::Status::permission_denied("n is a node"),
+        );
+        assert_eq!(e.to_string(), "donor-a refused: n is a node");
+        let e = call_error("donor-a", "SwapTable", &tonic::Status::not_found("table 9"));
+        assert_eq!(
+            e.to_string(),
+            "donor-a: SwapTable failed: NotFound: table 9"
+        );
+    }
+
+    #[test]
+    fn status_is_a_short_table() {
+        let state = DonorState {
+            donor: "donor-a".into(),
+            addr: "10.0.0.11:7411".parse().expect("addr"),
+            health: "SERVING".into(),
+            tables: ListTablesResponse {
+                donor: "donor-a".into(),
+                tables: vec![TableStatus {
+                    id: 1,
+                    digest: "0123456789abcdef".repeat(4),
+                    state: LoadState::Ready.into(),
+                    ..TableStatus::default()
+                }],
+                draining: false,
+            },
+            stats: StatsResponse {
+                lookups: 42,
+                connections: Some(Connections {
+                    open: 3,
+                    ..Connections::default()
+                }),
+                service_time: Some(ServiceTime {
+                    p99_us: 87.0,
+                    ..ServiceTime::default()
+                }),
+                uptime_seconds: 3725.0,
+                ..StatsResponse::default()
+            },
+        };
+        let out = render(&[
+            ("donor-a".into(), Ok(state)),
+            ("donor-b".into(), Err("refused: no".into())),
+        ]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("DONOR    CONTROL"), "{out}");
+        assert!(
+            lines[1].starts_with("donor-a  10.0.0.11:7411  SERVING")
+                && lines[1].contains("1:ready:0123456789ab")
+                && lines[1].contains(" 42 ")
+                && lines[1].contains("87.0")
+                && lines[1].ends_with("1h02m"),
+            "{out}"
+        );
+        assert_eq!(lines[2], "donor-b: refused: no");
+    }
+}
