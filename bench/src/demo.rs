@@ -151,6 +151,7 @@ fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
         ],
         probe_interval_ms: 500,
         trust_copies: false,
+        transport: cluster_config::Transport::Tls,
     };
     let rk = rack::write_config(dir, tables, &spec)?;
     println!("2. rack config {}:", rk.config.display());

@@ -189,6 +189,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         probe_interval_ms: 1000,
         // Every run starts a node: its copies were verified at generation.
         trust_copies: true,
+        transport: cluster_config::Transport::Tcp,
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let fusion = format!(

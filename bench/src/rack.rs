@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use cluster_config::{Endpoint, Transport};
 use integration_tests::{DonorProcess, Process, bin};
 use serde::{Deserialize, Serialize};
 
@@ -177,13 +178,17 @@ pub struct RackSpec {
     pub probe_interval_ms: u64,
     /// Skip recomputing the digest of a node's SSD copy (or local RAM copy) at start.
     pub trust_copies: bool,
+    /// The donors' data plane; TLS and QUIC give the rack a PKI (made in
+    /// `pki/` beside the config with `engram-cluster pki`), and TLS on the
+    /// control plane too.
+    pub transport: Transport,
 }
 
 /// A donor as written into the config.
 #[derive(Debug, Clone)]
 pub struct DonorAddrs {
     pub name: String,
-    pub listen: SocketAddr,
+    pub listen: Endpoint,
     pub control: SocketAddr,
 }
 
@@ -200,6 +205,9 @@ pub struct Rack {
 pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<Rack> {
     let [t1, t14] = &tables.tables;
     let mut text = String::from("version = 1\n[rack]\nname = \"local\"\n");
+    if spec.transport.is_secure() {
+        text.push_str("[rack.tls]\n");
+    }
     for (id, t) in [(1, t1), (14, t14)] {
         write!(
             text,
@@ -213,9 +221,9 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
     let mut donors = Vec::new();
     for (i, name) in spec.donors.iter().enumerate() {
         let ip = Ipv4Addr::new(127, 0, 0, 2 + i as u8);
-        let listen = SocketAddr::from((ip, free_port(ip)?));
+        let listen = Endpoint::new(spec.transport, SocketAddr::from((ip, free_port(ip)?)));
         let mut control = SocketAddr::from((ip, free_port(ip)?));
-        while control == listen {
+        while control == listen.addr {
             control = SocketAddr::from((ip, free_port(ip)?));
         }
         write!(
@@ -256,6 +264,11 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
     )?;
     let config = dir.join("rack.toml");
     std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
+    if spec.transport.is_secure() {
+        // A fresh PKI each time the config is written (new ports, same names).
+        let _ = std::fs::remove_dir_all(dir.join("pki"));
+        integration_tests::rack_pki(&config).context("making the rack's PKI")?;
+    }
     Ok(Rack { config, donors })
 }
 
