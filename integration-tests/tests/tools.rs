@@ -186,17 +186,20 @@ fn engram_cluster_checks_the_shipped_example_and_points_at_bad_lines() {
     assert!(text(&out.stdout).starts_with("ok: rack \"rack-a\""));
     let dir = tempfile::tempdir().expect("tempdir");
     let bad = dir.path().join("rack.toml");
-    let body = std::fs::read_to_string(example).expect("example").replacen(
-        "tables = [1]",
-        "tables = [7]",
-        1,
-    );
+    let original = std::fs::read_to_string(example).expect("example");
+    // The line of donor-a's `tables = [1]`, and the column of its `1`.
+    let line = original
+        .lines()
+        .position(|l| l.starts_with("tables = [1]"))
+        .expect("donor-a's tables")
+        + 1;
+    let body = original.replacen("tables = [1]", "tables = [7]", 1);
     std::fs::write(&bad, body).expect("write");
     let out = run("engram-cluster", &["check", &bad.display().to_string()]);
     assert_eq!(out.status.code(), Some(2));
     let err = text(&out.stderr);
     assert!(
-        err.contains("rack.toml:35:11:")
+        err.contains(&format!("rack.toml:{line}:11:"))
             && err.contains("donor[0].tables[0]: table 7 is not defined"),
         "{err}"
     );
