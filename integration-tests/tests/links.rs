@@ -2,9 +2,10 @@
 //! from the node over two links, an "Ethernet" veth pair and a
 //! "Thunderbolt" one, each its own /30, and listens on both addresses (TLS
 //! and QUIC, with the rack PKI). A node tied to the Thunderbolt link by
-//! `[[node.link]] interface` (SO_BINDTODEVICE) or `bind` (its source
-//! address there) sends its lookups over that link only: the interfaces'
-//! byte counters say so. With the link down its route falls over to the
+//! `[[node.link]] interface` (SO_BINDTODEVICE; the donor advertises only
+//! its Ethernet address) or `bind` (its source address there; the donor's
+//! Thunderbolt address advertised first) sends its lookups over that link
+//! only: the interfaces' byte counters say so. With the link down its route falls over to the
 //! SSD copy with no failed lookup; with the link up again the donor is
 //! re-admitted and serves over it.
 //!
@@ -143,8 +144,8 @@ fn write_config(
             ),
         ),
     };
-    // Each lookup waits for the donor up to the window (half a token, W/40 =
-    // 50 ms at 0.5 tokens/s) before the SSD copy is asked too: a loaded
+    // Each lookup waits for the donor up to the window (W/40 = 50 ms at 0.5
+    // tokens/s) before the SSD copy is asked too: a loaded
     // machine's hiccup does not make the copy win a lookup the link served.
     let text = format!(
         "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\noperators = [\"op\"]\n\
