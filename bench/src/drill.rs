@@ -165,8 +165,9 @@ pub fn run(args: &DrillArgs) -> Result<()> {
 
 /// Every drill on one line: worst stall and re-admission against their bounds.
 fn summary(rows: &[Row], rate: f64) -> String {
+    let w = rows.iter().map(|r| r.drill.len()).fold(15, usize::max);
     let mut t = format!(
-        "drills at {rate} tokens/s:\n{:<15} {:>7} {:>13} {:>10} {:>17} {:>10}\n",
+        "drills at {rate} tokens/s:\n{:<w$} {:>7} {:>13} {:>10} {:>17} {:>10}\n",
         "drill", "result", "worst stall", "bound", "re-admitted after", "bound"
     );
     for r in rows {
@@ -182,7 +183,7 @@ fn summary(rows: &[Row], rate: f64) -> String {
                 .map_or("-".into(), |v| format!("{v:.0} ms"))
         };
         t += &format!(
-            "{:<15} {:>7} {:>13} {:>10} {:>17} {:>10}\n",
+            "{:<w$} {:>7} {:>13} {:>10} {:>17} {:>10}\n",
             r.drill,
             match (r.passed, &r.error) {
                 (true, Some(_)) => "skipped",

@@ -5,7 +5,10 @@
 //! claimed atomically by creating the host-side veth `engvSSSS` (`SSSS` = slot in hex), so
 //! concurrent creators (threads or processes) probe onward on "File exists". Namespaces are
 //! named `engram-PID-SEQ-TAG`; the host veth's ifalias holds that name. [`NetNs::remove_stale`]
-//! deletes both when PID is no longer alive. Everything needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN).
+//! deletes both when PID is no longer alive. [`NetNs::add_link`] joins a namespace to the root
+//! namespace by one more veth pair, with a slot (and /30) of its own claimed the same way: two
+//! networks between the same hosts, say a Thunderbolt link beside Ethernet. Everything needs
+//! root (CAP_NET_ADMIN + CAP_SYS_ADMIN).
 
 use anyhow::{Context, Result, bail};
 use std::ffi::OsStr;
@@ -31,7 +34,45 @@ static STALE_ONCE: std::sync::Once = std::sync::Once::new();
 pub struct NetNs {
     name: String,
     slot: u32, // NO_SLOT until the veth pair exists
+    more: Vec<Veth>,
     fd: Arc<File>,
+}
+
+/// Links a namespace may have beside its first: each is a /30 slot.
+const MAX_MORE_LINKS: usize = 8;
+
+/// One veth pair between a namespace and the root namespace, and its /30.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Veth {
+    slot: u32,
+}
+
+impl Veth {
+    /// The address of the namespace end.
+    pub fn addr(&self) -> Ipv4Addr {
+        Ipv4Addr::from(BASE + 4 * self.slot + 2)
+    }
+
+    /// The address of the root-namespace end.
+    pub fn host_addr(&self) -> Ipv4Addr {
+        Ipv4Addr::from(BASE + 4 * self.slot + 1)
+    }
+
+    /// The name of the root-namespace end.
+    pub fn host_if(&self) -> String {
+        format!("{HOST_PREFIX}{:04x}", self.slot)
+    }
+
+    fn peer_if(&self) -> String {
+        format!("engp{:04x}", self.slot)
+    }
+
+    /// Takes the root-namespace end down (a pulled cable: the namespace end
+    /// loses its carrier, the root namespace its route to the /30) or up.
+    pub fn set_host_up(&self, up: bool) -> Result<()> {
+        let state = if up { "up" } else { "down" };
+        ip(&format!("link set {} {state}", self.host_if())).map(drop)
+    }
 }
 
 fn ip_bin() -> &'static str {
@@ -107,27 +148,74 @@ impl NetNs {
         let mut ns = NetNs {
             name,
             slot: NO_SLOT,
+            more: Vec::new(),
             fd,
         };
-        let n = ns.name.clone();
-        ip(&format!("-n {n} link set lo up"))?;
-        let start = pid.wrapping_mul(2_654_435_761).wrapping_add(seq);
+        ip(&format!("-n {} link set lo up", ns.name))?;
+        ns.slot = ns.claim_slot(pid.wrapping_mul(2_654_435_761).wrapping_add(seq))?;
+        ns.address(ns.link())?;
+        ns.link_up()?;
+        Ok(ns)
+    }
+
+    /// Creates a veth pair in the first free slot probing from `start`,
+    /// its namespace end moved into this namespace; the slot.
+    fn claim_slot(&self, start: u32) -> Result<u32> {
+        let n = &self.name;
         for slot in (0..512u32).map(|i| start.wrapping_add(i) % SLOTS) {
-            let h = format!("{HOST_PREFIX}{slot:04x}");
-            let p = format!("engp{slot:04x}");
+            let v = Veth { slot };
+            let (h, p) = (v.host_if(), v.peer_if());
             match ip(&format!("link add {h} type veth peer name {p} netns {n}")) {
-                Ok(_) => ns.slot = slot,
+                Ok(_) => return Ok(slot),
                 Err(e) if format!("{e}").contains("File exists") => continue,
                 Err(e) => return Err(e),
             }
-            ip(&format!("link set {h} alias {n}"))?;
-            ip(&format!("addr add {}/30 dev {h}", ns.host_addr()))?;
-            ip(&format!("link set {h} up"))?;
-            ip(&format!("-n {n} addr add {}/30 dev {p}", ns.addr()))?;
-            ns.link_up()?;
-            return Ok(ns);
         }
         bail!("no free 198.18.0.0/15 slot for namespace {n} after 512 tries")
+    }
+
+    /// Names the pair after the namespace (for [`NetNs::remove_stale`]),
+    /// gives both ends their addresses and brings them up.
+    fn address(&self, v: Veth) -> Result<()> {
+        let (n, h, p) = (&self.name, v.host_if(), v.peer_if());
+        ip(&format!("link set {h} alias {n}"))?;
+        ip(&format!("addr add {}/30 dev {h}", v.host_addr()))?;
+        ip(&format!("link set {h} up"))?;
+        ip(&format!("-n {n} addr add {}/30 dev {p}", v.addr()))?;
+        ip(&format!("-n {n} link set {p} up")).map(drop)
+    }
+
+    /// Joins the namespace to the root namespace by one more veth pair,
+    /// with a /30 of its own (only that /30 is routed over it; the default
+    /// route stays on the first link). Deleted with the namespace.
+    pub fn add_link(&mut self) -> Result<Veth> {
+        anyhow::ensure!(
+            self.more.len() < MAX_MORE_LINKS,
+            "namespace {} already has {} links",
+            self.name,
+            MAX_MORE_LINKS + 1
+        );
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let start = std::process::id()
+            .wrapping_mul(2_654_435_761)
+            .wrapping_add(seq);
+        let v = Veth {
+            slot: self.claim_slot(start)?,
+        };
+        // Recorded first: dropping the namespace on an error deletes it.
+        self.more.push(v);
+        self.address(v)?;
+        Ok(v)
+    }
+
+    /// The first link (the one [`NetNs::create`] made; the default route's).
+    pub fn link(&self) -> Veth {
+        Veth { slot: self.slot }
+    }
+
+    /// The links [`NetNs::add_link`] made, in order.
+    pub fn more_links(&self) -> &[Veth] {
+        &self.more
     }
 
     /// The namespace name (as shown by `ip netns list`).
@@ -135,23 +223,23 @@ impl NetNs {
         &self.name
     }
 
-    /// The address inside the namespace (servers bind here).
+    /// The address inside the namespace on its first link (servers bind here).
     pub fn addr(&self) -> Ipv4Addr {
-        Ipv4Addr::from(BASE + 4 * self.slot + 2)
+        self.link().addr()
     }
 
-    /// The address of the root-namespace end of the veth pair.
+    /// The address of the root-namespace end of the first veth pair.
     pub fn host_addr(&self) -> Ipv4Addr {
-        Ipv4Addr::from(BASE + 4 * self.slot + 1)
+        self.link().host_addr()
     }
 
-    /// The name of the root-namespace end of the veth pair.
+    /// The name of the root-namespace end of the first veth pair.
     pub fn host_if(&self) -> String {
-        format!("{HOST_PREFIX}{:04x}", self.slot)
+        self.link().host_if()
     }
 
     fn peer_if(&self) -> String {
-        format!("engp{:04x}", self.slot)
+        self.link().peer_if()
     }
 
     /// A command running `program` in the namespace; it gets SIGKILL when the spawning *thread* exits.
@@ -213,6 +301,9 @@ impl NetNs {
 impl Drop for NetNs {
     fn drop(&mut self) {
         // Deleting the host end removes the pair at once, even if processes keep the namespace alive.
+        for v in &self.more {
+            let _ = ip(&format!("link del {}", v.host_if()));
+        }
         if self.slot != NO_SLOT {
             let _ = ip(&format!("link del {}", self.host_if()));
         }
@@ -340,6 +431,36 @@ mod tests {
         assert_eq!(&buf, b"x");
         let mut fresh = connect(&a, 2000).unwrap();
         assert_eq!(roundtrip(&mut fresh, b"again", 2000).unwrap(), b"again");
+    }
+
+    #[test]
+    fn a_second_link_has_its_own_subnet_and_goes_with_the_namespace() {
+        let Some(()) = usable() else { return };
+        let mut ns = NetNs::create("two").unwrap();
+        let (first, second) = (ns.link(), ns.add_link().unwrap());
+        assert_ne!(first, second);
+        assert_eq!(ns.more_links(), &[second]);
+        assert!(second.host_if().len() <= 15, "{}", second.host_if());
+        let out = ns.command(ip_bin()).args(["-o", "-4", "addr"]).output();
+        let out = String::from_utf8_lossy(&out.unwrap().stdout).into_owned();
+        for v in [first, second] {
+            assert!(out.contains(&format!("{}/30", v.addr())), "{out}");
+        }
+        // Each /30 is reached over its own link, from its own host address.
+        for v in [first, second] {
+            let route = ip(&format!("route get {}", v.addr())).unwrap();
+            let want = format!("dev {} src {}", v.host_if(), v.host_addr());
+            assert!(route.contains(&want), "{route}");
+        }
+        second.set_host_up(false).unwrap();
+        let route = ip(&format!("route get {}", second.addr())).unwrap_or_default();
+        assert!(!route.contains(&second.host_if()), "{route}");
+        second.set_host_up(true).unwrap();
+        let ifs = [first.host_if(), second.host_if()];
+        drop(ns);
+        for i in ifs {
+            assert!(!std::path::Path::new(&format!("/sys/class/net/{i}")).exists());
+        }
     }
 
     #[test]

@@ -130,6 +130,11 @@ fn drill_storm() {
 }
 
 #[test]
+fn drill_storm_handshakes() {
+    drill("storm-handshakes");
+}
+
+#[test]
 fn every_drill_has_a_test() {
     let src = include_str!("drills.rs");
     for (name, _, _) in drills::ALL {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 
+use super::handshakes::storm_handshakes;
 use super::storm::storm;
 use super::{Env, Outcome, Placement, Plan, Rack, Report, Version};
 use crate::netns::NetNs;
@@ -119,6 +120,11 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         "storm",
         "random bytes, oversized lengths and silent connections at the primary",
         storm,
+    ),
+    (
+        "storm-handshakes",
+        "half-open and refused TLS and QUIC handshakes, and junk datagrams, at the primary (node over TLS)",
+        storm_handshakes,
     ),
 ];
 

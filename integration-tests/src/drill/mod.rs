@@ -2,7 +2,8 @@
 //! `inference-node run`, faults injected at chosen tokens (kill -9,
 //! SIGSTOP, a donor at another table version, a partitioned link, a slow,
 //! corrupting or cutting link through [`crate::proxy`], SIGTERM, a storm of
-//! malformed traffic), and the node's trace checked against invariants:
+//! malformed traffic, a storm of TLS and QUIC handshakes that never become
+//! sessions), and the node's trace checked against invariants:
 //! every fused output equal to a local-RAM reference, no failed token while
 //! the SSD copy exists, every stall within the hard timeout plus one SSD
 //! read, and a healthy donor re-admitted within two probe intervals.
@@ -15,6 +16,7 @@
 //! `tests/drills.rs` and `engram-bench drill` run the same drills.
 
 pub mod drills;
+mod handshakes;
 pub mod node;
 pub mod report;
 mod storm;
@@ -206,6 +208,9 @@ pub struct Plan {
     pub ssd_fetch_us: Option<f64>,
     /// The donors' data-plane transport (TLS and QUIC: the rack gets a PKI).
     pub transport: cluster_config::Transport,
+    /// Each donor also listens on QUIC (UDP, the same port number), which
+    /// the node does not use when `transport` is TLS: TLS first.
+    pub also_quic: bool,
 }
 
 impl Plan {
@@ -237,6 +242,7 @@ impl Plan {
             hello_timeout_ms: 1_000,
             ssd_fetch_us: None,
             transport: cluster_config::Transport::Tcp,
+            also_quic: false,
         }
     }
 
@@ -253,6 +259,8 @@ struct DonorAddrs {
     listen: SocketAddr,
     advertise: SocketAddr,
     metrics: SocketAddr,
+    /// Its QUIC address, when it has one beside `listen`.
+    quic: Option<SocketAddr>,
 }
 
 /// The config: tables (`other`: the other version), donors, and nodes with
@@ -287,9 +295,13 @@ fn config_text(
         )?;
     }
     for d in donors {
+        let quic = d
+            .quic
+            .map(|q| format!(", \"quic://{q}\""))
+            .unwrap_or_default();
         write!(
             t,
-            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"]\nadvertise = [\"{scheme}://{}\"]\nmetrics = \"{}\"\n\
+            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"{quic}]\nadvertise = [\"{scheme}://{}\"{quic}]\nmetrics = \"{}\"\n\
              tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
              drain_timeout_ms = 2000\n",
             d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
@@ -324,11 +336,18 @@ fn config_text(
     Ok(t)
 }
 
-/// A port free on `ip` now.
+/// A port free on `ip` now, for TCP and for UDP (a donor may listen on
+/// both: TLS and QUIC on one port number).
 fn free_port(ip: Ipv4Addr) -> Result<u16> {
-    let l = std::net::TcpListener::bind((ip, 0))
-        .with_context(|| format!("binding {ip}:0 (is the address usable?)"))?;
-    Ok(l.local_addr()?.port())
+    for _ in 0..100 {
+        let l = std::net::TcpListener::bind((ip, 0))
+            .with_context(|| format!("binding {ip}:0 (is the address usable?)"))?;
+        let port = l.local_addr()?.port();
+        if std::net::UdpSocket::bind((ip, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no port free for both TCP and UDP on {ip}")
 }
 
 /// Kill the child with SIGKILL when the thread that started it ends (an
@@ -419,6 +438,7 @@ impl Rack {
                     listen,
                     advertise,
                     metrics,
+                    quic: plan.also_quic.then_some(listen),
                 },
                 proxy,
                 netns,
@@ -495,10 +515,13 @@ impl Rack {
             .env("RUST_LOG", "info");
         let p = Process::spawn(cmd)?;
         // Parsed once the ready line is there.
+        let mut endpoints = vec![cluster_config::Endpoint::new(transport, d.addrs.listen)];
+        let quic = cluster_config::Transport::Quic;
+        endpoints.extend(d.addrs.quic.map(|q| cluster_config::Endpoint::new(quic, q)));
         d.process = Some(DonorProcess {
             addr: d.addrs.listen,
-            addrs: vec![d.addrs.listen],
-            endpoints: vec![cluster_config::Endpoint::new(transport, d.addrs.listen)],
+            addrs: endpoints.iter().map(|e| e.addr).collect(),
+            endpoints,
             process: p,
         });
         Ok(())
@@ -602,6 +625,14 @@ impl Rack {
     /// Where donor `name` listens (behind any proxy).
     pub fn listen(&self, name: &str) -> Result<SocketAddr> {
         Ok(self.donor(name)?.addrs.listen)
+    }
+
+    /// Where donor `name` listens on QUIC beside its transport ([`Plan::also_quic`]).
+    pub fn quic(&self, name: &str) -> Result<SocketAddr> {
+        self.donor(name)?
+            .addrs
+            .quic
+            .with_context(|| format!("{name} does not listen on QUIC beside its transport"))
     }
 
     /// Donor `name`'s Prometheus text.

@@ -1,0 +1,491 @@
+//! A storm of TLS and QUIC handshakes at a donor that never become
+//! sessions: half-open TLS (the first half of a real ClientHello, then
+//! silence, reopened as the donor closes it), complete TLS handshakes with
+//! no client certificate or one from another CA, junk UDP datagrams at the
+//! QUIC port, half-open QUIC (a real Initial, never answered) and QUIC
+//! handshakes with no client certificate. Bounded: one thread per kind,
+//! every socket with timeouts, all stopped and joined by
+//! [`HandshakeStorm::stop`]. And the drill that aims it at a donor while
+//! the node is served over TLS.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use cluster_config::Config;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use self::quic::{quic_half_open, quic_intruders, quic_junk};
+use super::drills::{FAULT_AT, HEAL_AT, Opts, SECONDS, about, finish};
+use super::{Env, Plan, Rack, Report};
+use crate::sample;
+
+mod quic;
+
+/// Half-open TLS connections held at once.
+const TLS_HELD: usize = 16;
+/// Socket timeouts, and the pause between two attempts of one thread.
+const TIMEOUT: Duration = Duration::from_millis(200);
+const PAUSE: Duration = Duration::from_millis(2);
+/// Slack over the hello timeout for a donor closing a half-open handshake
+/// on a loaded machine (this storm's polling included).
+const CLOSE_ALLOWANCE: Duration = Duration::from_millis(250);
+
+/// [`HandshakeStats`], what the storm did and saw, and the atomic
+/// `Counters` its threads count in, field for field.
+macro_rules! stats {
+    ($($(#[$doc:meta])* $field:ident,)*) => {
+        /// What the storm did and saw.
+        #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+        pub struct HandshakeStats {
+            $($(#[$doc])* pub $field: u64,)*
+        }
+
+        #[derive(Debug, Default)]
+        struct Counters {
+            $($field: AtomicU64,)*
+        }
+
+        impl Counters {
+            fn snapshot(&self) -> HandshakeStats {
+                HandshakeStats {
+                    $($field: self.$field.load(Ordering::Relaxed),)*
+                }
+            }
+        }
+    };
+}
+
+stats! {
+    /// Half-open TLS handshakes opened.
+    tls_half_open,
+    /// Of those, closed by the donor, and left open past the bound.
+    tls_closed,
+    tls_unclosed,
+    /// The longest and the total time the donor took to close one, microseconds.
+    tls_close_max_us,
+    tls_close_sum_us,
+    /// Complete TLS handshakes without a rack certificate: attempted,
+    /// refused by the donor, let in.
+    tls_intruders,
+    tls_refused,
+    tls_admitted,
+    /// Junk datagrams sent to the QUIC port.
+    quic_junk,
+    /// Half-open QUIC Initials sent.
+    quic_initials,
+    /// Of those retired: held by the donor, then closed (the longest,
+    /// microseconds); refused at once; unanswered.
+    quic_held,
+    quic_close_max_us,
+    quic_refused_at_once,
+    quic_unanswered,
+    /// QUIC handshakes without a client certificate: attempted, refused, let in.
+    quic_intruders,
+    quic_refused,
+    quic_admitted,
+}
+
+/// One thread of the storm: its loop, given the stop flag and the counters.
+type Task = Box<dyn FnOnce(&AtomicBool, &Counters) + Send>;
+
+fn add(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Client configurations that are not the rack's: no certificate, and a
+/// certificate from another CA (both trust the rack CA, so the donor's
+/// verdict is on them, not theirs on the donor).
+#[derive(Debug, Clone)]
+pub struct Intruders {
+    no_cert: Arc<rustls::ClientConfig>,
+    other_ca: Arc<rustls::ClientConfig>,
+}
+
+impl Intruders {
+    /// Another CA and a certificate for node `node` signed by it, made
+    /// with `engram-cluster pki` from a copy of `config` in `dir`.
+    pub fn make(config: &Path, node: &str, dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let copy = dir.join("rack.toml");
+        std::fs::copy(config, &copy).context("copying the rack config")?;
+        crate::rack_pki(&copy).context("another CA")?;
+        let ours = Config::load(config).context("the rack config")?;
+        let ca = &ours.tls.as_ref().context("the rack has no [rack.tls]")?.ca;
+        let theirs = Config::load(&copy).context("the copied config")?;
+        let other = theirs.tls_files(node).context("no certificate files")?;
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(&read(&other.cert)?)
+                .collect::<Result<_, _>>()
+                .context("the other CA's certificate")?;
+        let key = PrivateKeyDer::from_pem_slice(&read(&other.key)?).context("its key")?;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(&read(ca)?) {
+            roots.add(c.context("the rack CA")?)?;
+        }
+        let builder = || {
+            rustls::ClientConfig::builder_with_provider(cluster_config::tls::provider())
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .map(|b| b.with_root_certificates(roots.clone()))
+        };
+        let alpn = |mut c: rustls::ClientConfig| {
+            c.alpn_protocols = vec![cluster_config::tls::ALPN.to_vec()];
+            Arc::new(c)
+        };
+        Ok(Self {
+            no_cert: alpn(builder()?.with_no_client_auth()),
+            other_ca: alpn(builder()?.with_client_auth_cert(chain, key)?),
+        })
+    }
+
+    fn quic(&self) -> Result<quinn::ClientConfig> {
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(self.no_cert.clone())
+            .context("a QUIC client configuration")?;
+        Ok(quinn::ClientConfig::new(Arc::new(crypto)))
+    }
+}
+
+/// A storm in progress.
+#[derive(Debug)]
+pub struct HandshakeStorm {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    counters: Arc<Counters>,
+}
+
+impl HandshakeStorm {
+    /// Start it against a donor named `donor` listening on `tls` and
+    /// `quic`, whose hello timeout is `hello`.
+    pub fn start(
+        donor: &str,
+        tls: SocketAddr,
+        quic: SocketAddr,
+        hello: Duration,
+        intruders: &Intruders,
+    ) -> Result<Self> {
+        let name = cluster_config::tls::server_name(donor)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(Counters::default());
+        // The first half of a real ClientHello.
+        let mut hello_bytes = Vec::new();
+        rustls::ClientConnection::new(intruders.no_cert.clone(), name.clone())?
+            .write_tls(&mut hello_bytes)?;
+        hello_bytes.truncate(hello_bytes.len() / 2);
+        let quic_config = intruders.quic()?;
+        let mut threads = Vec::new();
+        let mut spawn = |f: Task| {
+            let (st, c) = (stop.clone(), counters.clone());
+            threads.push(std::thread::spawn(move || f(&st, &c)));
+        };
+        // Held for the donor's hello timeout three times over (and a
+        // second) before it counts as left open.
+        let bound = hello * 3 + Duration::from_secs(1);
+        spawn(Box::new(move |st: &AtomicBool, c: &Counters| {
+            tls_half_open(tls, &hello_bytes, bound, st, c);
+        }));
+        let (configs, n) = (
+            [intruders.no_cert.clone(), intruders.other_ca.clone()],
+            name.clone(),
+        );
+        spawn(Box::new(move |st: &AtomicBool, c: &Counters| {
+            tls_intruders(tls, &configs, &n, st, c)
+        }));
+        spawn(Box::new(move |st: &AtomicBool, c: &Counters| {
+            quic_junk(quic, st, c)
+        }));
+        let (cfg, d) = (quic_config.clone(), donor.to_string());
+        // An Initial's fate is known once the donor could have closed it.
+        let retire = hello + CLOSE_ALLOWANCE;
+        spawn(Box::new(move |st: &AtomicBool, c: &Counters| {
+            quic_half_open(quic, &cfg, &d, hello, retire, st, c);
+        }));
+        let d = donor.to_string();
+        spawn(Box::new(move |st: &AtomicBool, c: &Counters| {
+            quic_intruders(quic, quic_config, &d, st, c);
+        }));
+        Ok(Self {
+            stop,
+            threads,
+            counters,
+        })
+    }
+
+    /// Stop it, close everything and say what it did.
+    pub fn stop(self) -> HandshakeStats {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        self.counters.snapshot()
+    }
+}
+
+fn connect(addr: SocketAddr) -> Option<TcpStream> {
+    let s = TcpStream::connect_timeout(&addr, TIMEOUT).ok()?;
+    s.set_read_timeout(Some(TIMEOUT)).ok()?;
+    s.set_write_timeout(Some(TIMEOUT)).ok()?;
+    Some(s)
+}
+
+/// Whether the peer has closed `s` (end of stream or reset); whatever it
+/// sent before is read and dropped.
+fn closed(s: &mut TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut buf = [0u8; 512];
+    let gone = loop {
+        match s.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break false,
+            Err(_) => break true,
+        }
+    };
+    let _ = s.set_nonblocking(false);
+    gone
+}
+
+/// Hold [`TLS_HELD`] connections that sent half a ClientHello; time how
+/// long the donor takes to close each, and reopen.
+fn tls_half_open(addr: SocketAddr, hello: &[u8], bound: Duration, st: &AtomicBool, c: &Counters) {
+    let mut held: Vec<(TcpStream, Instant)> = Vec::new();
+    while !st.load(Ordering::Relaxed) {
+        held.retain_mut(|(s, at)| {
+            let age = at.elapsed();
+            if closed(s) {
+                add(&c.tls_closed);
+                c.tls_close_max_us.fetch_max(micros(age), Ordering::Relaxed);
+                c.tls_close_sum_us.fetch_add(micros(age), Ordering::Relaxed);
+                false
+            } else if age > bound {
+                add(&c.tls_unclosed);
+                false
+            } else {
+                true
+            }
+        });
+        while held.len() < TLS_HELD && !st.load(Ordering::Relaxed) {
+            let Some(mut s) = connect(addr) else { break };
+            let at = Instant::now();
+            if s.write_all(hello).is_ok() {
+                add(&c.tls_half_open);
+                held.push((s, at));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Complete TLS handshakes with each configuration in turn, then wait for
+/// the donor's verdict on our certificate (it follows our Finished).
+fn tls_intruders(
+    addr: SocketAddr,
+    configs: &[Arc<rustls::ClientConfig>; 2],
+    name: &rustls::pki_types::ServerName<'static>,
+    st: &AtomicBool,
+    c: &Counters,
+) {
+    let mut k = 0;
+    while !st.load(Ordering::Relaxed) {
+        k += 1;
+        if let Some(tcp) = connect(addr) {
+            let Ok(conn) = rustls::ClientConnection::new(configs[k % 2].clone(), name.clone())
+            else {
+                return;
+            };
+            add(&c.tls_intruders);
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            let verdict = (|| {
+                while tls.conn.is_handshaking() {
+                    tls.conn.complete_io(&mut tls.sock)?;
+                }
+                let mut buf = [0u8; 64];
+                tls.read(&mut buf)
+            })();
+            match verdict {
+                // Still open, or talking to us: let in.
+                Ok(n) if n > 0 => add(&c.tls_admitted),
+                Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock) => {
+                    add(&c.tls_admitted);
+                }
+                // An alert, a reset or a close.
+                _ => add(&c.tls_refused),
+            }
+        }
+        std::thread::sleep(PAUSE);
+    }
+}
+
+/// `engram_donor_refusals_total{plane="data",reason=...}`.
+fn refusals(metrics: &str, reason: &str) -> f64 {
+    let series = format!("engram_donor_refusals_total{{plane=\"data\",reason=\"{reason}\"}}");
+    sample(metrics, &series).unwrap_or(0.0)
+}
+
+/// The drill: donors on TLS and QUIC, the node on TLS; the storm at
+/// donor-a's TLS and QUIC addresses in the fault window.
+pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
+    const NAME: &str = "storm-handshakes";
+    let mut plan = Plan::new(NAME);
+    plan.transport = cluster_config::Transport::Tls;
+    plan.also_quic = true;
+    plan.hello_timeout_ms = 300;
+    // Room for every handshake the storm holds: the bounds tested are the
+    // handshakes' own (time, and QUIC's count).
+    plan.max_connections = 128;
+    // A donor slowed by the storm would show as a hedge won elsewhere.
+    plan.hedge = "2ms";
+    let hello = Duration::from_millis(plan.hello_timeout_ms);
+    let rack = Rack::start(env, plan.clone())?;
+    let intruders = Intruders::make(&rack.config, "n", &rack.dir.join("intruder"))?;
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    run.at_second(FAULT_AT)?;
+    let (tls, quic) = (rack.listen("donor-a")?, rack.quic("donor-a")?);
+    let storm = HandshakeStorm::start("donor-a", tls, quic, hello, &intruders)?;
+    let from = run.event(
+        "handshake storm at donor-a: half-open TLS, TLS without a rack certificate, \
+         QUIC junk, half-open QUIC, QUIC without a certificate",
+    );
+    let mut open_max = 0.0f64;
+    let end_step = o.tokens(HEAL_AT);
+    let mut step = o.tokens(FAULT_AT);
+    while step < end_step {
+        step = (step + o.tokens(0.1).max(1)).min(end_step);
+        run.at_step(step)?;
+        let m = rack.donor_metrics("donor-a")?;
+        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
+    }
+    let s = storm.stop();
+    let to = run.event("storm over");
+    let m = rack.donor_metrics("donor-a")?;
+    let [timeouts, failed, limit] =
+        ["handshake_timeout", "handshake_failed", "handshake_limit"].map(|r| refusals(&m, r));
+    let out = finish(run, o, true)?;
+    let mut r = Report::check(NAME, about(NAME), env, &plan, &out)?;
+    let during: Vec<_> = r.between(from, to).collect();
+    let by_a = during
+        .iter()
+        .filter(|s| {
+            s.tables
+                .iter()
+                .all(|t| t.source.as_deref() == Some("donor-a"))
+        })
+        .count();
+    let steps = during.len();
+    let failovers: u64 = during
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| u64::from(t.failovers))
+        .sum();
+    let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
+    let ms = |us: u64| us as f64 / 1e3;
+    let tls_mean = ms(s.tls_close_sum_us / s.tls_closed.max(1));
+    r.figure(
+        "TLS half-open handshakes",
+        format!(
+            "{} opened ({TLS_HELD} held at once), {} closed by donor-a after {tls_mean:.0} ms on average, \
+             {:.0} ms at most (hello_timeout_ms {}); {} left open",
+            s.tls_half_open,
+            s.tls_closed,
+            ms(s.tls_close_max_us),
+            plan.hello_timeout_ms,
+            s.tls_unclosed
+        ),
+    );
+    r.figure(
+        "TLS handshakes without a rack certificate",
+        format!(
+            "{} completed (none, or one from another CA), {} refused, {} let in",
+            s.tls_intruders, s.tls_refused, s.tls_admitted
+        ),
+    );
+    r.figure(
+        "QUIC",
+        format!(
+            "{} junk datagrams; {} half-open Initials: {} held then closed after {:.0} ms at most, \
+             {} refused at once, {} unanswered, {} still in progress when the storm ended; \
+             {} handshakes without a certificate, {} refused, {} let in",
+            s.quic_junk,
+            s.quic_initials,
+            s.quic_held,
+            ms(s.quic_close_max_us),
+            s.quic_refused_at_once,
+            s.quic_unanswered,
+            s.quic_initials
+                .saturating_sub(s.quic_held + s.quic_refused_at_once + s.quic_unanswered),
+            s.quic_intruders,
+            s.quic_refused,
+            s.quic_admitted
+        ),
+    );
+    r.figure(
+        "donor-a's refusals",
+        format!(
+            "handshake_timeout {timeouts}, handshake_failed {failed}, handshake_limit {limit}; \
+             at most {open_max} connections open (bound {})",
+            plan.max_connections
+        ),
+    );
+    r.figure(
+        "node during the storm",
+        format!(
+            "worst stall {:.2} ms; {by_a} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
+            worst_in / 1e3
+        ),
+    );
+    let bound = hello + CLOSE_ALLOWANCE;
+    ensure!(
+        s.tls_closed > 0 && s.tls_unclosed == 0,
+        "half-open TLS handshakes were not all closed by donor-a: {} closed, {} left open",
+        s.tls_closed,
+        s.tls_unclosed
+    );
+    ensure!(
+        Duration::from_micros(s.tls_close_max_us) <= bound,
+        "donor-a took {:.0} ms to close a half-open TLS handshake (hello timeout {} ms)",
+        ms(s.tls_close_max_us),
+        plan.hello_timeout_ms
+    );
+    ensure!(
+        s.quic_held == 0 || Duration::from_micros(s.quic_close_max_us) <= bound,
+        "donor-a held a half-open QUIC handshake {:.0} ms (hello timeout {} ms)",
+        ms(s.quic_close_max_us),
+        plan.hello_timeout_ms
+    );
+    ensure!(
+        s.tls_admitted == 0 && s.quic_admitted == 0,
+        "donor-a let in clients without a rack certificate: {} over TLS, {} over QUIC",
+        s.tls_admitted,
+        s.quic_admitted
+    );
+    ensure!(
+        s.tls_refused > 0 && s.quic_refused > 0 && s.quic_initials > 0,
+        "the storm did not reach donor-a: {s:?}"
+    );
+    // Every half-open handshake the donor held and closed was a timeout,
+    // every TLS intruder a failed handshake (QUIC's add to that), and the
+    // Initials beyond 64 in progress hit the handshake limit.
+    let held = s.tls_closed + s.quic_held;
+    ensure!(
+        timeouts >= held as f64 && failed >= s.tls_refused as f64 && limit > 0.0,
+        "donor-a's refusals (handshake_timeout {timeouts}, handshake_failed {failed}, \
+         handshake_limit {limit}) do not account for the storm: {s:?}"
+    );
+    ensure!(
+        failovers == 0,
+        "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
+    );
+    Ok(r)
+}
