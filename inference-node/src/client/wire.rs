@@ -115,33 +115,38 @@ impl ReadState {
             return Ok(false);
         };
         let mut s = lock(tls);
+        let tls_err = |e: &dyn std::fmt::Display| ClientError::Disconnected(format!("TLS: {e}"));
         let mut moved = false;
-        if !self.cipher.is_empty() {
-            let mut pending = &self.cipher[..];
-            let n = s
-                .read_tls(&mut pending)
-                .map_err(|e| ClientError::Disconnected(format!("TLS: {e}")))?;
-            let _ = self.cipher.split_to(n);
-            moved |= n > 0;
-            s.process_new_packets()
-                .map_err(|e| ClientError::Disconnected(format!("TLS: {e}")))?;
-        }
+        // Every buffered record, in the session's 4 KiB reads, with the
+        // plaintext taken out as it comes (the session holds only so much).
         loop {
-            let mut reader = s.reader();
-            match std::io::BufRead::fill_buf(&mut reader) {
-                Ok([]) => {
-                    return Err(ClientError::Disconnected(
-                        "donor closed the connection".into(),
-                    ));
+            let mut fed = 0;
+            if !self.cipher.is_empty() {
+                let mut pending = &self.cipher[..];
+                fed = s.read_tls(&mut pending).map_err(|e| tls_err(&e))?;
+                bytes::Buf::advance(&mut self.cipher, fed);
+                s.process_new_packets().map_err(|e| tls_err(&e))?;
+            }
+            loop {
+                let mut reader = s.reader();
+                match std::io::BufRead::fill_buf(&mut reader) {
+                    Ok([]) => {
+                        return Err(ClientError::Disconnected(
+                            "donor closed the connection".into(),
+                        ));
+                    }
+                    Ok(chunk) => {
+                        let n = chunk.len();
+                        self.buf.extend_from_slice(chunk);
+                        std::io::BufRead::consume(&mut reader, n);
+                        moved = true;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(tls_err(&e)),
                 }
-                Ok(chunk) => {
-                    let n = chunk.len();
-                    self.buf.extend_from_slice(chunk);
-                    std::io::BufRead::consume(&mut reader, n);
-                    moved = true;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(ClientError::Disconnected(format!("TLS: {e}"))),
+            }
+            if fed == 0 || self.cipher.is_empty() {
+                break;
             }
         }
         Ok(moved)
