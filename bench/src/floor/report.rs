@@ -23,6 +23,9 @@ const TLS_P99: f64 = 1.3;
 /// QUIC over plain TCP, through the same client, at p50.
 const QUIC_P50: f64 = 2.0;
 
+/// A target's limits: p50, and p99 where it has one.
+type Target = (f64, Option<f64>);
+
 /// One ratio of medians at one size.
 #[derive(Debug, Serialize)]
 pub(super) struct Ratio {
@@ -32,7 +35,7 @@ pub(super) struct Ratio {
     p99: f64,
     p999: f64,
     /// The target's limits on p50 and p99, when this ratio has one.
-    target: Option<(f64, Option<f64>)>,
+    target: Option<Target>,
 }
 
 impl Ratio {
@@ -68,7 +71,7 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
     let mut ratios = Vec::new();
     for (k, rows) in [(0usize, 24usize), (block, 48)] {
         let m = |i: usize| results[k + i].median;
-        let mut pairs: Vec<(String, usize, usize, Option<(f64, Option<f64>)>)> = vec![
+        let mut pairs: Vec<(String, usize, usize, Option<Target>)> = vec![
             (
                 "project client / blocking floor (the target)".into(),
                 2,
