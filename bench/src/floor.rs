@@ -243,7 +243,7 @@ impl DonorSeries {
 }
 
 /// Pin the calling thread (and processes it starts afterwards) to one CPU.
-fn pin_to(cpu: usize) -> bool {
+pub(crate) fn pin_to(cpu: usize) -> bool {
     // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it and touches nothing else.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -337,6 +337,7 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         &tables.digests,
         &args.transports,
         args.restarts,
+        pinned,
     )?;
     let (donor, clean) = servers.stop();
     let ratios = report::ratios(&results, &secure);

@@ -184,6 +184,7 @@ pub(super) fn restart_times(
     digests: &[(u32, TableDigest)],
     transports: &[Transport],
     restarts: usize,
+    pinned: bool,
 ) -> Result<Vec<RestartResult>> {
     let args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
     let rows: Vec<u64> = (0..24).collect();
@@ -194,7 +195,17 @@ pub(super) fn restart_times(
             let opts = options(rack, digests, t)?;
             donor.signal(libc::SIGKILL);
             donor.wait(Duration::from_secs(10));
-            *donor = DonorProcess::start(&args)?;
+            // Started from the servers' CPU, as the first donor was: it
+            // inherits this thread's placement.
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if pinned && !super::pin_to(cpus - 1) {
+                anyhow::bail!("cannot pin the restarted donor to CPU {}", cpus - 1);
+            }
+            let started = DonorProcess::start(&args);
+            if pinned && !super::pin_to(0) {
+                anyhow::bail!("cannot pin the client back to CPU 0");
+            }
+            *donor = started?;
             let ready = Instant::now();
             let addr = donor.endpoint(t).context("the restarted donor's address")?;
             let mut buf = vec![0u8; rows.len() * ROW_BYTES];
