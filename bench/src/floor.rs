@@ -335,8 +335,7 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         &servers.serve_args,
         rack.as_ref(),
         &tables.digests,
-        &args.transports,
-        args.restarts,
+        args,
         pinned,
     )?;
     let (donor, clean) = servers.stop();

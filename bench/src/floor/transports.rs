@@ -182,14 +182,14 @@ pub(super) fn restart_times(
     serve_args: &[String],
     rack: Option<&Rack>,
     digests: &[(u32, TableDigest)],
-    transports: &[Transport],
-    restarts: usize,
+    args: &super::FloorArgs,
     pinned: bool,
 ) -> Result<Vec<RestartResult>> {
-    let args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
+    let (transports, restarts) = (&args.transports, args.restarts);
+    let serve: Vec<&str> = serve_args.iter().map(String::as_str).collect();
     let rows: Vec<u64> = (0..24).collect();
     let mut out = Vec::new();
-    for &t in transports {
+    for &t in transports.iter() {
         let mut ms = Vec::new();
         for _ in 0..restarts {
             let opts = options(rack, digests, t)?;
@@ -201,7 +201,7 @@ pub(super) fn restart_times(
             if pinned && !super::pin_to(cpus - 1) {
                 anyhow::bail!("cannot pin the restarted donor to CPU {}", cpus - 1);
             }
-            let started = DonorProcess::start(&args);
+            let started = DonorProcess::start(&serve);
             if pinned && !super::pin_to(0) {
                 anyhow::bail!("cannot pin the client back to CPU 0");
             }
