@@ -124,30 +124,19 @@ pub(super) fn setup_times(
             Transport::Tls => "TCP connect + TLS 1.3 full handshake + Hello/Welcome",
             Transport::Quic => "QUIC 1-RTT handshake + stream + Hello/Welcome",
         };
-        let mut lat = Latency::default();
-        for _ in 0..n {
-            let opts = options(rack, digests, t)?;
-            let start = Instant::now();
-            let c = rt.block_on(DonorClient::connect(addr, &opts))?;
-            lat.record(start.elapsed());
-            drop(c);
-        }
+        // Fresh client state for every connection: full handshakes.
+        let summary = time_connects(rt, addr, n, || options(rack, digests, t))?;
         out.push(SetupResult {
             transport: t.to_string(),
             what,
             connects: n,
-            summary: lat.summary(),
+            summary,
         });
         if t.is_secure() {
+            // One client state throughout: resumed after the first.
             let opts = options(rack, digests, t)?;
             drop(rt.block_on(DonorClient::connect(addr, &opts))?);
-            let mut lat = Latency::default();
-            for _ in 0..n {
-                let start = Instant::now();
-                let c = rt.block_on(DonorClient::connect(addr, &opts))?;
-                lat.record(start.elapsed());
-                drop(c);
-            }
+            let summary = time_connects(rt, addr, n, || Ok(opts.clone()))?;
             out.push(SetupResult {
                 transport: t.to_string(),
                 what: match t {
@@ -155,11 +144,30 @@ pub(super) fn setup_times(
                     _ => "QUIC 1-RTT, session resumed + stream + Hello/Welcome",
                 },
                 connects: n,
-                summary: lat.summary(),
+                summary,
             });
         }
     }
     Ok(out)
+}
+
+/// Time `n` connections to `addr` (connect to Welcome), each with the
+/// options `opts` makes (made before its timing starts).
+fn time_connects(
+    rt: &tokio::runtime::Runtime,
+    addr: std::net::SocketAddr,
+    n: usize,
+    mut opts: impl FnMut() -> Result<ClientOptions>,
+) -> Result<Summary> {
+    let mut lat = Latency::default();
+    for _ in 0..n {
+        let o = opts()?;
+        let start = Instant::now();
+        let c = rt.block_on(DonorClient::connect(addr, &o))?;
+        lat.record(start.elapsed());
+        drop(c);
+    }
+    Ok(lat.summary())
 }
 
 /// From a restarted donor's ready line to its first served lookup.

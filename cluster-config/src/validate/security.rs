@@ -109,22 +109,23 @@ pub(super) fn check(
     };
     // Every identity is a DNS name in its certificate.
     let dns = |n: &str| rustls::pki_types::DnsName::try_from(n).is_ok() && !n.contains('_');
-    for (i, rd) in raw.donors.iter().enumerate() {
-        let n = rd.get_ref().name.get_ref();
+    let hosts = raw
+        .donors
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (format!("donor[{i}].name"), &d.get_ref().name))
+        .chain(
+            raw.nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (format!("node[{i}].name"), &n.get_ref().name)),
+        );
+    for (key, name) in hosts {
+        let n = name.get_ref();
         if !dns(n) {
             cx.at(
-                rd.get_ref().name.span(),
-                format!("donor[{i}].name"),
-                format!("{n:?} is not a DNS name, which a certificate needs: letters, digits, '-' and '.'"),
-            );
-        }
-    }
-    for (i, rn) in raw.nodes.iter().enumerate() {
-        let n = rn.get_ref().name.get_ref();
-        if !dns(n) {
-            cx.at(
-                rn.get_ref().name.span(),
-                format!("node[{i}].name"),
+                name.span(),
+                key,
                 format!("{n:?} is not a DNS name, which a certificate needs: letters, digits, '-' and '.'"),
             );
         }

@@ -108,6 +108,20 @@ impl ReadState {
         Ok(n)
     }
 
+    /// The stream, and the buffer its bytes go to (the frame buffer, or
+    /// the ciphertext buffer over TLS) with room for at least 4 KiB.
+    fn stream_and_target(&mut self) -> (&mut Box<dyn ReadHalf>, &mut BytesMut) {
+        let into = if self.tls.is_some() {
+            &mut self.cipher
+        } else {
+            &mut self.buf
+        };
+        if into.capacity() - into.len() < 4096 {
+            into.reserve(64 << 10);
+        }
+        (&mut self.r, into)
+    }
+
     /// Over TLS: move what can be decrypted into the frame buffer. True
     /// when anything moved (call again before reading the socket).
     fn decrypt(&mut self) -> Result<bool, ClientError> {
@@ -294,12 +308,7 @@ pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: D
             // taken in by the runtime's driver, which runs between our
             // yields; poll the stream once after each.
             (Some(until), None) => {
-                let has_tls = rd.tls.is_some();
-                let ReadState { r, buf, cipher, .. } = &mut *rd;
-                let into = if has_tls { cipher } else { buf };
-                if into.capacity() - into.len() < 4096 {
-                    into.reserve(64 << 10);
-                }
+                let (r, into) = rd.stream_and_target();
                 match futures_util::FutureExt::now_or_never(r.read_buf(into)) {
                     Some(n) => n,
                     None => {
@@ -449,12 +458,7 @@ impl Inner {
         let step = (|| -> Result<(), ClientError> {
             let mut ended = Ok(());
             loop {
-                let has_tls = rd.tls.is_some();
-                let ReadState { r, buf, cipher, .. } = &mut *rd;
-                let into = if has_tls { cipher } else { buf };
-                if into.capacity() - into.len() < 4096 {
-                    into.reserve(64 << 10);
-                }
+                let (r, into) = rd.stream_and_target();
                 // One poll: what has arrived, never a wait.
                 match futures_util::FutureExt::now_or_never(r.read_buf(into)) {
                     None => break,
