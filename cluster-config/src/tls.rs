@@ -87,8 +87,9 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(p)
 }
 
-/// One host's loaded and checked TLS material.
-#[derive(Debug, Clone)]
+/// One host's loaded and checked TLS material. Its `Debug` shows where it
+/// came from and whom it names, never the key.
+#[derive(Clone)]
 pub struct Material {
     /// Where it came from.
     pub files: TlsFiles,
@@ -105,6 +106,15 @@ pub struct Material {
     /// The name the certificate proves (its first dNSName).
     pub identity: String,
     key: Arc<PrivateKeyDer<'static>>,
+}
+
+impl std::fmt::Debug for Material {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Material")
+            .field("identity", &self.identity)
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Material {
@@ -376,5 +386,11 @@ mod tests {
         let files2 = write(dir.path(), "donor-a", &rack2, &leaf(&rack2, "donor-a"));
         held.reload(&files2).expect("new material");
         assert_eq!(held.get().ca_pem, rack2.pem.as_bytes());
+        // Printing the material never prints the key.
+        let shown = format!("{:?}", held.get());
+        assert!(
+            shown.contains("donor-a") && !shown.contains("PRIVATE KEY"),
+            "{shown}"
+        );
     }
 }

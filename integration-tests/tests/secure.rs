@@ -437,3 +437,57 @@ fn wait_log(p: &DonorProcess, needle: &str, n: usize) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_node_reload_takes_new_certificates_and_keeps_serving() {
+    let rack = Rack::start();
+    rt().block_on(async {
+        let metrics = Arc::new(NodeMetrics::new());
+        let mem = Memory::from_config(&rack.config, "n-tls", &metrics)
+            .await
+            .expect("memory");
+        let router = mem.router(1).expect("router");
+        for i in 0..20 {
+            assert_eq!(fetch(router, i).await, "d");
+        }
+        // New certificates from the same CA for every host: the node takes
+        // its own on reload and keeps being served.
+        let out = std::process::Command::new(integration_tests::bin("engram-cluster"))
+            .args(["pki", "issue", "--force", "--config"])
+            .arg(&rack.config.path)
+            .output()
+            .expect("engram-cluster");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report = mem
+            .reload(&rack.config, "n-tls", &metrics)
+            .await
+            .expect("reload");
+        assert!(
+            report
+                .to_string()
+                .contains("TLS certificate reloaded (n-tls)"),
+            "{report}"
+        );
+        for i in 20..40 {
+            assert_eq!(fetch(router, i).await, "d");
+        }
+        // A broken certificate is refused; the node keeps the one it has.
+        let files = rack.config.tls_files("n-tls").expect("files");
+        std::fs::write(&files.cert, "broken").expect("break");
+        let report = mem
+            .reload(&rack.config, "n-tls", &metrics)
+            .await
+            .expect("the rest of the reload applies");
+        assert!(
+            !report.to_string().contains("TLS certificate reloaded"),
+            "{report}"
+        );
+        for i in 40..60 {
+            assert_eq!(fetch(router, i).await, "d");
+        }
+    });
+}
