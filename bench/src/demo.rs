@@ -155,6 +155,10 @@ fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
     };
     let rk = rack::write_config(dir, tables, &spec)?;
     println!("2. rack config {}:", rk.config.display());
+    println!(
+        "   its PKI in {}: a CA and a certificate per donor and node (engram-cluster pki init, pki issue); data and control planes over TLS",
+        dir.join("pki").display()
+    );
     for d in &rk.donors {
         println!(
             "   {} serves both tables on {} (control plane {})",
