@@ -18,10 +18,34 @@ const OPTS: Opts = Opts {
 fn env() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
     ENV.get_or_init(|| {
-        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("drills-{}", std::process::id()));
+        let tmp = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+        remove_stale(tmp);
+        let dir = tmp.join(format!("drills-{}", std::process::id()));
         Env::prepare(&dir, OPTS.tokens(SECONDS)).expect("the drills' tables and reference")
     })
+}
+
+/// Remove the work directories of earlier runs whose process is gone (about
+/// 1 GB each: tables, configs, logs). The newest run's stays for a look
+/// after a failure until the next run.
+fn remove_stale(tmp: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("drills-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
+        if pid != std::process::id() && !alive {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// One drill at a time: each checks stalls of a few milliseconds, which a
