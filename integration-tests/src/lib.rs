@@ -376,19 +376,24 @@ impl DonorProcess {
 /// init --config` then `pki issue --config` (certificates for every donor,
 /// node and operator under its `[rack.tls]` directory).
 pub fn rack_pki(config: &Path) -> Result<()> {
-    for args in [["pki", "init"], ["pki", "issue"]] {
-        let out = Command::new(bin("engram-cluster"))
-            .args(args)
-            .arg("--config")
-            .arg(config)
-            .output()?;
-        if !out.status.success() {
-            bail!(
-                "engram-cluster {} failed: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+    pki_step(config, "init", false)?;
+    pki_step(config, "issue", false)
+}
+
+/// `engram-cluster pki STEP --config CONFIG` (`init` or `issue`), with
+/// `--force` (a new CA, or new certificates over the old).
+pub fn pki_step(config: &Path, step: &str, force: bool) -> Result<()> {
+    let mut cmd = Command::new(bin("engram-cluster"));
+    cmd.args(["pki", step, "--config"]).arg(config);
+    if force {
+        cmd.arg("--force");
+    }
+    let out = cmd.output()?;
+    if !out.status.success() {
+        bail!(
+            "engram-cluster pki {step} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(())
 }

@@ -407,21 +407,10 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// `engram-cluster pki init --force` and `pki issue --force`.
+/// A new CA and new certificates for every host.
 fn force_pki(config: &Path) {
-    for args in [["pki", "init"], ["pki", "issue"]] {
-        let out = std::process::Command::new(integration_tests::bin("engram-cluster"))
-            .args(args)
-            .arg("--config")
-            .arg(config)
-            .arg("--force")
-            .output()
-            .expect("engram-cluster");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    for step in ["init", "issue"] {
+        integration_tests::pki_step(config, step, true).expect("engram-cluster pki");
     }
 }
 
@@ -452,16 +441,7 @@ fn a_node_reload_takes_new_certificates_and_keeps_serving() {
         }
         // New certificates from the same CA for every host: the node takes
         // its own on reload and keeps being served.
-        let out = std::process::Command::new(integration_tests::bin("engram-cluster"))
-            .args(["pki", "issue", "--force", "--config"])
-            .arg(&rack.config.path)
-            .output()
-            .expect("engram-cluster");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        integration_tests::pki_step(&rack.config.path, "issue", true).expect("issue --force");
         let report = mem
             .reload(&rack.config, "n-tls", &metrics)
             .await

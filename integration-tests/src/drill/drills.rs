@@ -152,6 +152,26 @@ pub(super) fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<O
     Ok(out)
 }
 
+/// Follow the run from the fault's moment to the heal's, a tenth of a
+/// second at a time, sampling donor `donor`'s open connections; the most seen.
+pub(super) fn max_open_during_fault(
+    rack: &Rack,
+    run: &mut super::NodeRun,
+    o: &Opts,
+    donor: &str,
+) -> Result<f64> {
+    let mut open_max = 0.0f64;
+    let end_step = o.tokens(HEAL_AT);
+    let mut step = o.tokens(FAULT_AT);
+    while step < end_step {
+        step = (step + o.tokens(0.1).max(1)).min(end_step);
+        run.at_step(step)?;
+        let m = rack.donor_metrics(donor)?;
+        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
+    }
+    Ok(open_max)
+}
+
 /// Start the plan's rack and the node, and wait for the fault's moment.
 pub(super) fn begin(env: &Env, plan: &Plan, o: &Opts) -> Result<(Rack, super::NodeRun)> {
     let rack = Rack::start(env, plan.clone())?;

@@ -22,7 +22,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use self::quic::{quic_half_open, quic_intruders, quic_junk};
-use super::drills::{FAULT_AT, HEAL_AT, Opts, SECONDS, about, finish};
+use super::drills::{FAULT_AT, Opts, SECONDS, about, finish, max_open_during_fault};
 use super::{Env, Plan, Rack, Report};
 use crate::sample;
 
@@ -358,15 +358,7 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         "handshake storm at donor-a: half-open TLS, TLS without a rack certificate, \
          QUIC junk, half-open QUIC, QUIC without a certificate",
     );
-    let mut open_max = 0.0f64;
-    let end_step = o.tokens(HEAL_AT);
-    let mut step = o.tokens(FAULT_AT);
-    while step < end_step {
-        step = (step + o.tokens(0.1).max(1)).min(end_step);
-        run.at_step(step)?;
-        let m = rack.donor_metrics("donor-a")?;
-        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
-    }
+    let open_max = max_open_during_fault(&rack, &mut run, o, "donor-a")?;
     let s = storm.stop();
     let to = run.event("storm over");
     let m = rack.donor_metrics("donor-a")?;

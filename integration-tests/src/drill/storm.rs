@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 
-use super::drills::{FAULT_AT, HEAL_AT, Opts, about, begin, finish};
+use super::drills::{Opts, about, begin, finish, max_open_during_fault};
 use super::{Env, Plan, Report};
 use crate::sample;
 
@@ -166,15 +166,7 @@ pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
     let storm = Storm::start(rack.listen("donor-a")?, 2 * plan.max_connections);
     let from =
         run.event("storm at donor-a: random bytes, oversized lengths, 32 silent connections");
-    let mut open_max = 0.0f64;
-    let end_step = o.tokens(HEAL_AT);
-    let mut step = o.tokens(FAULT_AT);
-    while step < end_step {
-        step = (step + o.tokens(0.1).max(1)).min(end_step);
-        run.at_step(step)?;
-        let m = rack.donor_metrics("donor-a")?;
-        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
-    }
+    let open_max = max_open_during_fault(&rack, &mut run, o, "donor-a")?;
     let stats = storm.stop();
     let to = run.event("storm over");
     let m = rack.donor_metrics("donor-a")?;
