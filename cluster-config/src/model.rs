@@ -111,7 +111,7 @@ pub struct Model {
     /// Residual streams (default 4).
     pub streams: u32,
     /// Fusion weights.
-    pub weights: WeightsSource,
+    pub weights: Option<WeightsSource>,
     /// Fusion backend (default `cpu`).
     pub fusion: FusionBackend,
 }

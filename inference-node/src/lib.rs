@@ -16,6 +16,7 @@
 pub mod canary;
 pub mod client;
 pub mod daemon;
+pub mod embed;
 pub mod engram;
 pub mod memory;
 pub mod metrics;

@@ -557,6 +557,24 @@ pub fn free_port() -> Result<u16> {
         .port())
 }
 
+/// True when python3 can import `modules`. Where it cannot, the test is
+/// skipped with a note, unless ENGRAM_REQUIRE_PYTHON=1 (CI sets it, after
+/// installing them), which makes a missing module a failure.
+pub fn python_has(modules: &str) -> bool {
+    let probe = Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .output();
+    if probe.is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    assert!(
+        std::env::var("ENGRAM_REQUIRE_PYTHON").as_deref() != Ok("1"),
+        "ENGRAM_REQUIRE_PYTHON=1 but python3 cannot import {modules}"
+    );
+    eprintln!("skipped: python3 cannot import {modules}");
+    false
+}
+
 /// Two tables (layers 1 and 14), donor `d` serving both (frame cap 500
 /// rows), donor `gone` that never runs, and three nodes: `n` (donor, then
 /// SSD), `ref` (local RAM), `stranded` (only the absent donor).

@@ -5,7 +5,7 @@ use std::process::{Command, Output};
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::first_mismatch;
-use integration_tests::{DonorProcess, bin, gen_table};
+use integration_tests::{DonorProcess, bin, gen_table, python_has};
 
 fn run(name: &str, args: &[&str]) -> Output {
     Command::new(bin(name)).args(args).output().expect("runs")
@@ -203,24 +203,6 @@ fn engram_cluster_checks_the_shipped_example_and_points_at_bad_lines() {
             && err.contains("donor[0].tables[0]: table 7 is not defined"),
         "{err}"
     );
-}
-
-/// True when python3 can import `modules`. Where it cannot, the test is
-/// skipped with a note, unless ENGRAM_REQUIRE_PYTHON=1 (CI sets it, after
-/// installing them), which makes a missing module a failure.
-fn python_has(modules: &str) -> bool {
-    let probe = Command::new("python3")
-        .args(["-c", &format!("import {modules}")])
-        .output();
-    if probe.is_ok_and(|o| o.status.success()) {
-        return true;
-    }
-    assert!(
-        std::env::var("ENGRAM_REQUIRE_PYTHON").as_deref() != Ok("1"),
-        "ENGRAM_REQUIRE_PYTHON=1 but python3 cannot import {modules}"
-    );
-    eprintln!("skipped: python3 cannot import {modules}");
-    false
 }
 
 /// A client written in Python from PROTOCOL.md alone fetches rows from the real donor.

@@ -103,20 +103,14 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &S<RawModel>, base: &Path) -> Model {
                 "model.weights",
                 "give `weights` or `weights_seed`, not both",
             );
-            WeightsSource::Seed(0)
+            None
         }
-        (Some(w), None) => WeightsSource::Checkpoint(cx.path(w, "model.weights", base)),
-        (None, Some(s)) => {
-            WeightsSource::Seed(cx.int(s, "model.weights_seed", 0, i64::MAX).unwrap_or(0) as u64)
-        }
-        (None, None) => {
-            cx.at(
-                span,
-                "model",
-                "fusion weights are needed: `weights = \"CHECKPOINT\"` or `weights_seed = N`",
-            );
-            WeightsSource::Seed(0)
-        }
+        (Some(w), None) => Some(WeightsSource::Checkpoint(cx.path(w, "model.weights", base))),
+        (None, Some(s)) => Some(WeightsSource::Seed(
+            cx.int(s, "model.weights_seed", 0, i64::MAX).unwrap_or(0) as u64,
+        )),
+        // Only the model loop fuses; an engine embedding the memory has its own weights.
+        (None, None) => None,
     };
     let fusion = match &m.fusion {
         None => FusionBackend::default(),
@@ -193,7 +187,7 @@ mod tests {
                 pad_token: 2,
                 hidden: 5120,
                 streams: 4,
-                weights: WeightsSource::Seed(7),
+                weights: Some(WeightsSource::Seed(7)),
                 fusion: FusionBackend::Cpu,
             }
         );
@@ -219,7 +213,7 @@ mod tests {
         );
         assert_eq!(
             m.weights,
-            WeightsSource::Checkpoint(PathBuf::from("/models/v41"))
+            Some(WeightsSource::Checkpoint(PathBuf::from("/models/v41")))
         );
         assert_eq!(m.fusion, FusionBackend::GpuOrCpu);
         let m = parse("[model]\nhash_base = 1000\ntokenizer = \"t.json\"\nweights_seed = 1\n")
@@ -227,6 +221,12 @@ mod tests {
             .model
             .expect("model");
         assert_eq!(m.compressed_vocab, None, "no default size outside v41");
+        // Weights are the model loop's: a config for an embedding engine leaves them out.
+        let m = parse("[model]\nhash_preset = \"v41\"\n")
+            .expect("valid without weights")
+            .model
+            .expect("model");
+        assert_eq!(m.weights, None);
         assert_eq!(
             m.token_map,
             TokenMapSource::Tokenizer(PathBuf::from("/etc/engram-rack/t.json"))
@@ -302,7 +302,6 @@ mod tests {
             "model.weights",
             "not both",
         );
-        expect("[model]\nhidden = 64\n", 4, "model", "weights are needed");
         expect(
             "[model]\nweights_seed = -3\n",
             5,

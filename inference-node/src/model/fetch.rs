@@ -69,6 +69,36 @@ fn merge(f: &mut Fetch, res: Result<crate::router::Fetched, crate::router::Route
     }
 }
 
+/// Fetch `rows` of one table through `router`: one message when they fit in
+/// `chunk` rows, else messages of at most `chunk` rows sent together. The
+/// rows come back in the order asked (`rows.len() * 264` bytes); `ready` is
+/// left for the caller to stamp on its own clock.
+pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
+    let chunk = chunk.max(1);
+    let mut f = Fetch {
+        bytes: vec![0; rows.len() * ROW_BYTES],
+        ..Fetch::default()
+    };
+    if rows.len() <= chunk {
+        let res = router.fetch(rows, &mut f.bytes).await;
+        merge(&mut f, res);
+    } else {
+        let mut bytes = std::mem::take(&mut f.bytes);
+        let results = {
+            let futs = rows
+                .chunks(chunk)
+                .zip(bytes.chunks_mut(chunk * ROW_BYTES))
+                .map(|(r, out)| router.fetch(r, out));
+            futures_util::future::join_all(futs).await
+        };
+        f.bytes = bytes;
+        for res in results {
+            merge(&mut f, res);
+        }
+    }
+    f
+}
+
 impl Fetcher for RouterFetcher {
     type Pending = Receiver<Fetch>;
 
@@ -78,27 +108,7 @@ impl Fetcher for RouterFetcher {
         let origin = self.origin;
         let chunk = self.chunk_rows;
         self.handle.spawn(async move {
-            let mut f = Fetch {
-                bytes: vec![0; rows.len() * ROW_BYTES],
-                ..Fetch::default()
-            };
-            if rows.len() <= chunk {
-                let res = router.fetch(&rows, &mut f.bytes).await;
-                merge(&mut f, res);
-            } else {
-                let mut bytes = std::mem::take(&mut f.bytes);
-                let results = {
-                    let futs = rows
-                        .chunks(chunk)
-                        .zip(bytes.chunks_mut(chunk * ROW_BYTES))
-                        .map(|(r, out)| router.fetch(r, out));
-                    futures_util::future::join_all(futs).await
-                };
-                f.bytes = std::mem::take(&mut bytes);
-                for res in results {
-                    merge(&mut f, res);
-                }
-            }
+            let mut f = fetch_rows(&router, &rows, chunk).await;
             f.ready = origin.elapsed();
             // The loop may have stopped; nothing to tell it then.
             let _ = tx.send(f);

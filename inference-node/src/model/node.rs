@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use cluster_config::Config;
 use cluster_config::model::{Model, TokenMapSource, WeightsSource};
+use cluster_config::{Config, Node};
 use engram_protocol::hashing::HashParams;
 use thiserror::Error;
 use tokenizers::Tokenizer;
@@ -128,67 +128,23 @@ impl NodeModel {
         let node = node.clone();
         let params = HashParams::new(model.hashing).map_err(|e| cfg(e.to_string()))?;
 
-        // The node must route a table for each Engram layer, sized as the hashing addresses it.
-        let mut table_of = [None, None];
-        for (slot, lh) in table_of.iter_mut().zip(&params.layers) {
-            let t = node
-                .routes
-                .iter()
-                .filter_map(|r| config.table(r.table))
-                .find(|t| t.layer == lh.layer)
-                .ok_or_else(|| {
-                    cfg(format!(
-                        "node {name:?} routes no table of layer {}: the model needs layers 1 and 14",
-                        lh.layer
-                    ))
-                })?;
-            if t.rows != lh.rows {
-                return Err(cfg(format!(
-                    "table {} (layer {}) has {} rows but the hashing ({}) addresses {}: \
-                     generate it with `memory-donor gen --hash-base {}` or set [model] to the table's hashing",
-                    t.id,
-                    t.layer,
-                    t.rows,
-                    model
-                        .hashing
-                        .name()
-                        .map_or_else(|| format!("base {}", model.hashing.base()), str::to_string),
-                    lh.rows,
-                    model.hashing.base(),
-                )));
-            }
-            *slot = Some(t.id);
-        }
-        let [Some(t1), Some(t14)] = table_of else {
-            return Err(cfg("the model needs both Engram layers".into()));
-        };
+        let [t1, t14] = layer_tables(&config, &node, &model, &params)?;
         let slots = super::v41_slots(t1, t14);
 
-        // Token map: from the tokenizer (which also tokenizes text), a map file, or none.
-        let (tokenizer, map) = match &model.token_map {
-            TokenMapSource::Tokenizer(p) => {
-                let tok = load_tokenizer(p).map_err(InputError::from)?;
-                let map = TokenMap::from_tokenizer(&tok).map_err(InputError::from)?;
-                if let Some(n) = model.compressed_vocab {
-                    map.check_size(n).map_err(InputError::from)?;
-                }
-                (Some((tok, map)), None)
-            }
-            TokenMapSource::Map(p) => {
-                let map = TokenMap::load(p).map_err(InputError::from)?;
-                if let Some(n) = model.compressed_vocab {
-                    map.check_size(n).map_err(InputError::from)?;
-                }
-                (None, Some(map))
-            }
-            TokenMapSource::None => (None, None),
-        };
+        let (tokenizer, map) = token_map(&model)?;
 
         let shape = FusionShape::new(model.hidden as usize, model.streams as usize)
             .map_err(|e| SetupError::Fusion(e.to_string()))?;
         let weights = match &model.weights {
-            WeightsSource::Seed(s) => FusionWeights::from_seed(*s, shape),
-            WeightsSource::Checkpoint(p) => {
+            None => {
+                return Err(cfg(format!(
+                    "{}: the model loop fuses, so [model] needs fusion weights: \
+                     `weights = \"CHECKPOINT\"` or `weights_seed = N`",
+                    config.path.display()
+                )));
+            }
+            Some(WeightsSource::Seed(s)) => FusionWeights::from_seed(*s, shape),
+            Some(WeightsSource::Checkpoint(p)) => {
                 let p = p.clone();
                 tokio::task::spawn_blocking(move || FusionWeights::from_checkpoint(&p, shape))
                     .await
@@ -207,32 +163,8 @@ impl NodeModel {
                 .ok_or_else(|| cfg(format!("table {t} has no router")))
         };
         let routers = [router(t1)?, router(t14)?];
-        for (r, s) in routers.iter().zip(&slots) {
-            let sources = r.sources();
-            if !sources.iter().any(|h| h.admissible(s.table)) {
-                let why = if sources.is_empty() {
-                    "no source configured".to_string()
-                } else {
-                    sources
-                        .iter()
-                        .map(|h| format!("{}: {}", h.source.name(), h.why_not(s.table)))
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                };
-                return Err(SetupError::NoSource {
-                    table: s.table,
-                    layer: s.layer,
-                    why,
-                });
-            }
-        }
-        let chunk_rows = config
-            .donors
-            .iter()
-            .map(|d| d.max_rows as usize)
-            .min()
-            .unwrap_or(engram_protocol::frame::DEFAULT_MAX_ROWS as usize)
-            .max(24);
+        usable_at_start(&routers, &slots)?;
+        let chunk_rows = chunk_rows(&config);
         Ok(Self {
             memory,
             routers,
@@ -410,4 +342,115 @@ impl NodeModel {
             on_step,
         )
     }
+}
+
+/// The tables node `node` routes for Engram layers 1 and 14, each sized as
+/// `params` (the config's `[model]` hashing) addresses it.
+pub(crate) fn layer_tables(
+    config: &Config,
+    node: &Node,
+    model: &Model,
+    params: &HashParams,
+) -> Result<[u32; 2], SetupError> {
+    let cfg = |s: String| SetupError::Config(s);
+    let name = &node.name;
+    let mut table_of = [None, None];
+    for (slot, lh) in table_of.iter_mut().zip(&params.layers) {
+        let t = node
+            .routes
+            .iter()
+            .filter_map(|r| config.table(r.table))
+            .find(|t| t.layer == lh.layer)
+            .ok_or_else(|| {
+                cfg(format!(
+                    "node {name:?} routes no table of layer {}: the model needs layers 1 and 14",
+                    lh.layer
+                ))
+            })?;
+        if t.rows != lh.rows {
+            return Err(cfg(format!(
+                "table {} (layer {}) has {} rows but the hashing ({}) addresses {}: \
+                 generate it with `memory-donor gen --hash-base {}` or set [model] to the table's hashing",
+                t.id,
+                t.layer,
+                t.rows,
+                model
+                    .hashing
+                    .name()
+                    .map_or_else(|| format!("base {}", model.hashing.base()), str::to_string),
+                lh.rows,
+                model.hashing.base(),
+            )));
+        }
+        *slot = Some(t.id);
+    }
+    match table_of {
+        [Some(t1), Some(t14)] => Ok([t1, t14]),
+        _ => Err(cfg("the model needs both Engram layers".into())),
+    }
+}
+
+/// The token map `[model]` names: from its tokenizer (kept, to tokenize
+/// text), from a map file, or none (ids are compressed ids already).
+pub(crate) type LoadedMap = (Option<(Tokenizer, TokenMap)>, Option<TokenMap>);
+
+/// Load the token map `[model]` names, checking its size.
+pub(crate) fn token_map(model: &Model) -> Result<LoadedMap, SetupError> {
+    Ok(match &model.token_map {
+        TokenMapSource::Tokenizer(p) => {
+            let tok = load_tokenizer(p).map_err(InputError::from)?;
+            let map = TokenMap::from_tokenizer(&tok).map_err(InputError::from)?;
+            if let Some(n) = model.compressed_vocab {
+                map.check_size(n).map_err(InputError::from)?;
+            }
+            (Some((tok, map)), None)
+        }
+        TokenMapSource::Map(p) => {
+            let map = TokenMap::load(p).map_err(InputError::from)?;
+            if let Some(n) = model.compressed_vocab {
+                map.check_size(n).map_err(InputError::from)?;
+            }
+            (None, Some(map))
+        }
+        TokenMapSource::None => (None, None),
+    })
+}
+
+/// Refuse to start when a table has no source it could use now.
+pub(crate) fn usable_at_start(
+    routers: &[Arc<Router>; 2],
+    slots: &[TableSlot; 2],
+) -> Result<(), SetupError> {
+    for (r, s) in routers.iter().zip(slots) {
+        let sources = r.sources();
+        if !sources.iter().any(|h| h.admissible(s.table)) {
+            let why = if sources.is_empty() {
+                "no source configured".to_string()
+            } else {
+                sources
+                    .iter()
+                    .map(|h| format!("{}: {}", h.source.name(), h.why_not(s.table)))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            };
+            return Err(SetupError::NoSource {
+                table: s.table,
+                layer: s.layer,
+                why,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Most rows one message asks for: the smallest frame cap of the rack's
+/// donors (a wider fetch is cut into messages of this many, sent together).
+pub(crate) fn chunk_rows(config: &Config) -> usize {
+    config
+        .donors
+        .iter()
+        .map(|d| d.max_rows as usize)
+        .min()
+        .unwrap_or(engram_protocol::frame::DEFAULT_MAX_ROWS as usize)
+        .max(24)
 }

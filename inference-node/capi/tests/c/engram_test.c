@@ -1,0 +1,380 @@
+/*
+ * libengram_rack's tests from C, against real donors that
+ * integration-tests/tests/engines.rs starts. One check per subcommand; each
+ * prints what it found and exits 0 when it holds, 1 when not:
+ *
+ *   engram_test rows CONFIG NODE L1.etab L14.etab POSITIONS [NEVER_SOURCE]
+ *   engram_test dequant CONFIG NODE
+ *   engram_test failover CONFIG NODE DONOR_PID L1.etab L14.etab
+ *   engram_test deadline CONFIG NODE DONOR_PID
+ *   engram_test badinput CONFIG NODE
+ *   engram_test leak CONFIG NODE LOOKUPS
+ */
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engram_rack.h"
+
+#define VOCAB 99092
+
+static int failures = 0;
+
+#define EXPECT(cond, ...)                                         \
+    do {                                                          \
+        if (!(cond)) {                                            \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);  \
+            fprintf(stderr, __VA_ARGS__);                         \
+            fprintf(stderr, "\n");                                \
+            failures++;                                           \
+        }                                                         \
+    } while (0)
+
+static void die(engram_status s, const char *what) {
+    fprintf(stderr, "%s: %s: %s\n", what, engram_status_name(s), engram_last_error());
+    exit(1);
+}
+
+static engram_memory *open_memory(const char *config, const char *node) {
+    engram_memory *m = NULL;
+    engram_status s = engram_open_ex(config, node, ENGRAM_METRICS_OFF, &m);
+    if (s != ENGRAM_OK) die(s, "open");
+    return m;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t next_u64(void) {
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* An .etab file: a safetensors header, then 4 KiB pages of 15 rows. */
+typedef struct {
+    FILE *f;
+    uint64_t data;
+} table_file;
+
+static table_file open_table(const char *path) {
+    table_file t = {fopen(path, "rb"), 0};
+    if (!t.f) {
+        perror(path);
+        exit(1);
+    }
+    unsigned char n[8];
+    if (fread(n, 1, 8, t.f) != 8) exit(1);
+    uint64_t len = 0;
+    for (int i = 7; i >= 0; i--) len = (len << 8) | n[i];
+    t.data = 8 + len;
+    return t;
+}
+
+static void read_row(table_file *t, uint64_t row, uint8_t *out) {
+    uint64_t at = t->data + (row / 15) * 4096 + (row % 15) * ENGRAM_ROW_BYTES;
+    if (fseek(t->f, (long)at, SEEK_SET) != 0 || fread(out, 1, ENGRAM_ROW_BYTES, t->f) != ENGRAM_ROW_BYTES) {
+        fprintf(stderr, "cannot read row %llu\n", (unsigned long long)row);
+        exit(1);
+    }
+}
+
+/* Fetch `n` positions (a sequence after `ctx`) and compare both layers' rows
+ * with the table files; returns the first source of layer 1. */
+static void check_rows(engram_memory *m, table_file tf[2], const int64_t *ids, size_t n,
+                       const int64_t ctx[3], const char *never, char *source1) {
+    engram_segment seg = {n, {ctx[0], ctx[1], ctx[2]}};
+    uint64_t *addr = malloc(n * 48 * sizeof *addr);
+    uint8_t *rows = malloc(n * ENGRAM_POSITION_BYTES);
+    uint8_t want[ENGRAM_ROW_BYTES];
+    engram_status s = engram_addresses(m, ids, n, &seg, 1, addr, n * 48);
+    if (s != ENGRAM_OK) die(s, "addresses");
+    engram_ticket *t = NULL;
+    s = engram_prefetch(m, ids, n, &seg, 1, &t);
+    if (s != ENGRAM_OK) die(s, "prefetch");
+    const uint32_t layers[2] = {1, 14};
+    for (int l = 0; l < 2; l++) {
+        engram_served sv;
+        s = engram_wait(t, layers[l], rows, n * ENGRAM_POSITION_BYTES, 5000000, &sv);
+        if (s != ENGRAM_OK) die(s, "wait");
+        if (l == 0 && source1) strcpy(source1, sv.source);
+        if (never) EXPECT(strcmp(sv.source, never) != 0 || l == 1, "layer %u served by %s", sv.layer, never);
+        for (size_t p = 0; p < n; p++) {
+            for (int c = 0; c < ENGRAM_COLUMNS; c++) {
+                uint64_t row = addr[p * 48 + l * 24 + c];
+                const uint8_t *got = rows + p * ENGRAM_POSITION_BYTES + c * ENGRAM_ROW_BYTES;
+                if (row == ENGRAM_NO_ROW) {
+                    memset(want, 0, sizeof want);
+                } else {
+                    read_row(&tf[l], row, want);
+                }
+                EXPECT(memcmp(got, want, ENGRAM_ROW_BYTES) == 0, "layer %u position %zu column %d (row %llu) differs",
+                       layers[l], p, c, (unsigned long long)row);
+            }
+        }
+    }
+    engram_ticket_free(t);
+    free(addr);
+    free(rows);
+}
+
+static void random_ids(int64_t *ids, size_t n) {
+    for (size_t i = 0; i < n; i++) ids[i] = (next_u64() % 20 == 0) ? -1 : (int64_t)(next_u64() % VOCAB);
+}
+
+static int cmd_rows(char **a, int n) {
+    if (n < 5) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    table_file tf[2] = {open_table(a[2]), open_table(a[3])};
+    long want = atol(a[4]);
+    const char *never = n > 5 ? a[5] : NULL;
+    long done = 0;
+    int64_t ids[64];
+    while (done < want) {
+        size_t k = 1 + next_u64() % 63;
+        random_ids(ids, k);
+        int64_t ctx[3] = {ENGRAM_NO_TOKEN, ENGRAM_NO_TOKEN, ENGRAM_NO_TOKEN};
+        for (int c = 3 - (int)(next_u64() % 4); c < 3; c++) ctx[c] = (int64_t)(next_u64() % VOCAB);
+        check_rows(m, tf, ids, k, ctx, never, NULL);
+        done += (long)k;
+    }
+    engram_layer_stats st[2];
+    engram_stats(m, st);
+    EXPECT(st[0].failed == 0 && st[1].failed == 0, "failed lookups");
+    printf("rows: %ld positions checked, both layers\n", done);
+    engram_free(m);
+    return failures != 0;
+}
+
+/* docs/ENGRAM.md: e4m3 codes, ue8m0 scales (one per 32 values), bf16 values. */
+static float e4m3(uint8_t c) {
+    int e = (c >> 3) & 15, mant = c & 7;
+    float v = e == 0 ? ldexpf(mant / 8.0f, -6) : ldexpf(1 + mant / 8.0f, e - 7);
+    return (c & 0x80) ? -v : v;
+}
+
+static int cmd_dequant(char **a, int n) {
+    if (n < 2) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    int64_t ids[100];
+    random_ids(ids, 100);
+    engram_ticket *t = NULL;
+    engram_status s = engram_prefetch(m, ids, 100, NULL, 0, &t);
+    if (s != ENGRAM_OK) die(s, "prefetch");
+    static uint8_t rows[100 * ENGRAM_POSITION_BYTES];
+    static float f[100 * ENGRAM_COLUMNS * ENGRAM_ROW_VALUES];
+    static uint16_t bf[100 * ENGRAM_COLUMNS * ENGRAM_ROW_VALUES];
+    s = engram_wait(t, 14, rows, sizeof rows, ENGRAM_NO_DEADLINE, NULL);
+    if (s != ENGRAM_OK) die(s, "wait");
+    size_t values = sizeof f / sizeof f[0];
+    if ((s = engram_dequantize_f32(rows, sizeof rows, f, values)) != ENGRAM_OK) die(s, "f32");
+    if ((s = engram_dequantize_bf16(rows, sizeof rows, bf, values)) != ENGRAM_OK) die(s, "bf16");
+    size_t nrows = sizeof rows / ENGRAM_ROW_BYTES;
+    for (size_t r = 0; r < nrows; r++) {
+        const uint8_t *row = rows + r * ENGRAM_ROW_BYTES;
+        for (int i = 0; i < ENGRAM_ROW_VALUES; i++) {
+            float want = e4m3(row[i]) * ldexpf(1.0f, (int)row[256 + i / 32] - 127);
+            float got = f[r * ENGRAM_ROW_VALUES + i];
+            uint32_t bits;
+            memcpy(&bits, &got, 4);
+            EXPECT(got == want, "row %zu value %d: %g, want %g", r, i, (double)got, (double)want);
+            EXPECT(bf[r * ENGRAM_ROW_VALUES + i] == (uint16_t)(bits >> 16), "bf16 row %zu value %d", r, i);
+        }
+    }
+    printf("dequant: %zu rows equal the reference, bf16 their bits\n", nrows);
+    engram_ticket_free(t);
+    engram_free(m);
+    return failures != 0;
+}
+
+static int cmd_failover(char **a, int n) {
+    if (n < 5) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    pid_t donor = (pid_t)atol(a[2]);
+    table_file tf[2] = {open_table(a[3]), open_table(a[4])};
+    double start = now_s();
+    int killed = 0, after = 0, from_ssd = 0, from_donor = 0;
+    char source[64];
+    int64_t ids[1];
+    int64_t ctx[3];
+    while (now_s() - start < 3.0) {
+        if (!killed && now_s() - start > 1.0) {
+            kill(donor, SIGKILL);
+            killed = 1;
+        }
+        random_ids(ids, 1);
+        for (int c = 0; c < 3; c++) ctx[c] = (int64_t)(next_u64() % VOCAB);
+        check_rows(m, tf, ids, 1, ctx, NULL, source);
+        if (strcmp(source, "ssd") == 0) from_ssd++;
+        if (strcmp(source, "d") == 0) from_donor++;
+        if (killed) after++;
+        usleep(2000);
+    }
+    engram_layer_stats st[2];
+    engram_stats(m, st);
+    EXPECT(st[0].failed == 0 && st[1].failed == 0, "failed lookups: %llu, %llu",
+           (unsigned long long)st[0].failed, (unsigned long long)st[1].failed);
+    EXPECT(from_donor > 0 && from_ssd > 0, "sources: donor %d, ssd %d", from_donor, from_ssd);
+    EXPECT(after > 20, "only %d lookups after the kill", after);
+    printf("failover: %llu lookups, 0 failed, %d from the donor, %d from the SSD copy, %d after kill -9\n",
+           (unsigned long long)(st[0].prefetches + st[1].prefetches), from_donor, from_ssd, after);
+    engram_free(m);
+    return failures != 0;
+}
+
+static int cmd_deadline(char **a, int n) {
+    if (n < 3) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    pid_t donor = (pid_t)atol(a[2]);
+    kill(donor, SIGSTOP);
+    int64_t id = 42;
+    engram_ticket *t = NULL;
+    engram_status s = engram_prefetch(m, &id, 1, NULL, 0, &t);
+    if (s != ENGRAM_OK) die(s, "prefetch");
+    static uint8_t rows[ENGRAM_POSITION_BYTES];
+    double began = now_s();
+    s = engram_wait(t, 1, rows, sizeof rows, 200000, NULL);
+    double took = now_s() - began;
+    EXPECT(s == ENGRAM_TIMEOUT, "wait gave %s, want ENGRAM_TIMEOUT", engram_status_name(s));
+    EXPECT(strstr(engram_last_error(), "still valid") != NULL, "message: %s", engram_last_error());
+    EXPECT(took >= 0.2 && took < 0.4, "the 200 ms deadline took %.3f s", took);
+    EXPECT(engram_ready(t, 1) == 0, "ready before the table's hard timeout");
+    /* The table's own hard timeout ends it: policy `fail`. */
+    s = engram_wait(t, 1, rows, sizeof rows, 5000000, NULL);
+    EXPECT(s == ENGRAM_NO_SOURCE, "then %s, want ENGRAM_NO_SOURCE", engram_status_name(s));
+    EXPECT(strstr(engram_last_error(), "table 1") != NULL, "message: %s", engram_last_error());
+    kill(donor, SIGCONT);
+    printf("deadline: timed out after %.3f s (asked 0.200), then %s\n", took, engram_status_name(s));
+    engram_ticket_free(t);
+    engram_free(m);
+    return failures != 0;
+}
+
+#define EXPECT_STATUS(call, want, text)                                                       \
+    do {                                                                                      \
+        engram_status got_ = (call);                                                          \
+        EXPECT(got_ == (want), "%s gave %s, want %s (%s)", #call, engram_status_name(got_),    \
+               engram_status_name(want), engram_last_error());                                \
+        EXPECT(strstr(engram_last_error(), (text)) != NULL, "%s: message %s lacks \"%s\"",    \
+               #call, engram_last_error(), (text));                                           \
+    } while (0)
+
+static int cmd_badinput(char **a, int n) {
+    if (n < 2) return 2;
+    engram_memory *m = NULL;
+    EXPECT_STATUS(engram_open(NULL, a[1], &m), ENGRAM_BAD_INPUT, "config is NULL");
+    EXPECT_STATUS(engram_open(a[0], a[1], NULL), ENGRAM_BAD_INPUT, "out is NULL");
+    EXPECT_STATUS(engram_open("/nonexistent/rack.toml", a[1], &m), ENGRAM_CONFIG, "/nonexistent/rack.toml");
+    EXPECT_STATUS(engram_open(a[0], "ghost", &m), ENGRAM_CONFIG, "node \"ghost\" is not in");
+    EXPECT_STATUS(engram_open_ex(a[0], a[1], 0x80, &m), ENGRAM_BAD_INPUT, "unknown flags");
+    m = open_memory(a[0], a[1]);
+    int64_t ids[2] = {1, 2};
+    engram_ticket *t = NULL;
+    EXPECT_STATUS(engram_prefetch(m, NULL, 2, NULL, 0, &t), ENGRAM_BAD_INPUT, "ids is NULL");
+    EXPECT_STATUS(engram_prefetch(m, ids, 0, NULL, 0, &t), ENGRAM_BAD_INPUT, "empty");
+    int64_t neg[2] = {1, -5};
+    EXPECT_STATUS(engram_prefetch(m, neg, 2, NULL, 0, &t), ENGRAM_BAD_INPUT, "position 1: token id -5 is negative");
+    int64_t big[2] = {1, VOCAB};
+    EXPECT_STATUS(engram_prefetch(m, big, 2, NULL, 0, &t), ENGRAM_BAD_INPUT, "out of range");
+    engram_segment segs[2] = {{1, {ENGRAM_NO_TOKEN, ENGRAM_NO_TOKEN, ENGRAM_NO_TOKEN}}, {5, {0, 0, 0}}};
+    EXPECT_STATUS(engram_prefetch(m, ids, 2, segs, 2, &t), ENGRAM_BAD_INPUT, "cover 6 positions");
+    segs[1].len = 1;
+    segs[1].context[1] = ENGRAM_NO_TOKEN;
+    EXPECT_STATUS(engram_prefetch(m, ids, 2, segs, 2, &t), ENGRAM_BAD_INPUT, "segment 1: context slot 1");
+    engram_status s = engram_prefetch(m, ids, 2, NULL, 0, &t);
+    if (s != ENGRAM_OK) die(s, "prefetch");
+    static uint8_t rows[2 * ENGRAM_POSITION_BYTES];
+    EXPECT_STATUS(engram_wait(t, 1, rows, sizeof rows - 1, -1, NULL), ENGRAM_BAD_INPUT, "has 12671 bytes");
+    EXPECT_STATUS(engram_wait(t, 1, NULL, sizeof rows, -1, NULL), ENGRAM_BAD_INPUT, "out is NULL");
+    EXPECT_STATUS(engram_wait(t, 2, rows, sizeof rows, -1, NULL), ENGRAM_BAD_INPUT, "layer 2 has no Engram table");
+    EXPECT_STATUS(engram_wait(t, 1, rows, sizeof rows, -7, NULL), ENGRAM_BAD_INPUT, "negative");
+    EXPECT_STATUS(engram_wait(NULL, 1, rows, sizeof rows, -1, NULL), ENGRAM_BAD_INPUT, "ticket is NULL");
+    EXPECT(engram_ready(t, 3) == -1, "ready on layer 3");
+    float f[ENGRAM_ROW_VALUES];
+    EXPECT_STATUS(engram_dequantize_f32(rows, 263, f, 256), ENGRAM_BAD_INPUT, "not a whole number");
+    EXPECT_STATUS(engram_dequantize_f32(rows, 264, f, 255), ENGRAM_BAD_INPUT, "need 256");
+    char small[8];
+    size_t needed = 0;
+    EXPECT_STATUS(engram_metrics(m, small, sizeof small, &needed), ENGRAM_BAD_INPUT, "the buffer has 8");
+    EXPECT(needed > 8, "metrics size %zu", needed);
+    char *text = malloc(needed);
+    EXPECT(engram_metrics(m, text, needed, NULL) == ENGRAM_OK, "metrics");
+    free(text);
+    /* Still usable after all that. */
+    EXPECT(engram_wait(t, 1, rows, sizeof rows, 5000000, NULL) == ENGRAM_OK, "wait: %s", engram_last_error());
+    EXPECT(engram_close(m, 1000) == ENGRAM_OK, "close");
+    EXPECT(engram_close(m, 1000) == ENGRAM_OK, "close twice");
+    EXPECT_STATUS(engram_prefetch(m, ids, 2, NULL, 0, &t), ENGRAM_CLOSED, "closed");
+    uint32_t tables[2];
+    EXPECT_STATUS(engram_tables(m, tables), ENGRAM_CLOSED, "closed");
+    /* The ticket outlives its memory. */
+    EXPECT(engram_wait(t, 14, rows, sizeof rows, 5000000, NULL) == ENGRAM_OK, "wait after close: %s", engram_last_error());
+    engram_ticket_free(t);
+    engram_free(m);
+    engram_free(NULL);
+    engram_ticket_free(NULL);
+    printf("badinput: every bad call refused with its code and message\n");
+    return failures != 0;
+}
+
+static long rss_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) kib = atol(line + 6);
+    if (f) fclose(f);
+    return kib;
+}
+
+static int cmd_leak(char **a, int n) {
+    if (n < 3) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    long lookups = atol(a[2]);
+    long warm = lookups / 5 < 20000 ? lookups / 5 : 20000;
+    long before = -1, done = 0;
+    static uint8_t rows[ENGRAM_POSITION_BYTES];
+    while (done < lookups) {
+        if (before < 0 && done >= warm) before = rss_kib();
+        int64_t id = done % VOCAB;
+        engram_ticket *t = NULL;
+        engram_status s = engram_prefetch(m, &id, 1, NULL, 0, &t);
+        if (s != ENGRAM_OK) die(s, "prefetch");
+        if ((s = engram_wait(t, 1, rows, sizeof rows, 5000000, NULL)) != ENGRAM_OK) die(s, "wait 1");
+        if ((s = engram_wait(t, 14, rows, sizeof rows, 5000000, NULL)) != ENGRAM_OK) die(s, "wait 14");
+        engram_ticket_free(t);
+        done += 2;
+    }
+    long after = rss_kib();
+    EXPECT(after - before < 4096, "RSS grew %ld KiB over %ld lookups", after - before, lookups);
+    printf("leak: %ld lookups, RSS %ld KiB -> %ld KiB\n", lookups, before, after);
+    engram_free(m);
+    return failures != 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak ARGS...\n", argv[0]);
+        return 2;
+    }
+    char **a = argv + 2;
+    int n = argc - 2;
+    int rc = 2;
+    if (strcmp(argv[1], "rows") == 0) rc = cmd_rows(a, n);
+    else if (strcmp(argv[1], "dequant") == 0) rc = cmd_dequant(a, n);
+    else if (strcmp(argv[1], "failover") == 0) rc = cmd_failover(a, n);
+    else if (strcmp(argv[1], "deadline") == 0) rc = cmd_deadline(a, n);
+    else if (strcmp(argv[1], "badinput") == 0) rc = cmd_badinput(a, n);
+    else if (strcmp(argv[1], "leak") == 0) rc = cmd_leak(a, n);
+    if (rc == 2) fprintf(stderr, "bad arguments for %s\n", argv[1]);
+    return rc;
+}

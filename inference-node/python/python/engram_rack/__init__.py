@@ -1,0 +1,328 @@
+"""engram_rack: a node's Engram memory, embedded in a Python inference engine.
+
+Open the node's memory from the rack's cluster config, prefetch both Engram
+tables' rows at the start of each step, and wait for each layer's rows where
+the forward pass needs them, straight into your own (pinned) buffer::
+
+    import numpy as np
+    import engram_rack
+
+    with engram_rack.Memory("/etc/engram-rack/rack.toml", "gpu-node-1") as mem:
+        rows = mem.row_buffer(1)                  # (1, 24, 264) uint8
+        t = mem.prefetch([token_id], context=previous_three_token_ids)
+        served = t.wait(1, rows, timeout=0.005)   # layer 1's rows, GIL released
+        values = engram_rack.dequantize(rows)     # (1, 24, 256) float32
+
+Every routing rule of the node daemon applies (deadlines, hedging, circuit
+breakers, failover to the SSD copy, table-version pins), with the same
+metrics. See docs/engines.md in the repository for where the calls go in a
+V4.1 forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from os import PathLike
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import _native
+from ._native import (
+    BadInputError,
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    EngramError,
+    NoSourceError,
+    Served,
+    SetupError,
+)
+
+__all__ = [
+    "Memory",
+    "Ticket",
+    "Served",
+    "dequantize",
+    "LAYERS",
+    "COLUMNS",
+    "ROW_BYTES",
+    "ROW_VALUES",
+    "NO_ROW",
+    "EngramError",
+    "ConfigError",
+    "SetupError",
+    "BadInputError",
+    "NoSourceError",
+    "DeadlineExceeded",
+    "ClosedError",
+]
+
+__version__ = _native.VERSION
+
+#: The Engram layers, in the order tickets and addresses use.
+LAYERS = (1, 14)
+#: Rows per position per layer (8 heads x 3 n-gram orders).
+COLUMNS = 24
+#: Bytes of one stored row (256 e4m3 values and 8 ue8m0 scales).
+ROW_BYTES = 264
+#: Values of one dequantized row.
+ROW_VALUES = 256
+#: The row id `addresses` gives a DEAD position.
+NO_ROW = _native.NO_ROW
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _ids(ids) -> np.ndarray:
+    """Token ids as a contiguous int64 vector, or a clear error."""
+    try:
+        a = np.asarray(ids)
+    except Exception as e:  # noqa: BLE001 - any failure to convert is bad input
+        raise BadInputError(f"token ids must be a sequence of integers: {e}") from None
+    if a.ndim != 1:
+        raise BadInputError(f"token ids must be one-dimensional, got shape {a.shape}")
+    if a.size == 0:
+        raise BadInputError("no positions: the token id list is empty")
+    if a.dtype.kind not in "iu":
+        raise BadInputError(f"token ids must be integers, got dtype {a.dtype}")
+    if a.dtype.kind == "u" and a.dtype.itemsize >= 8 and int(a.max()) > _INT64_MAX:
+        raise BadInputError(f"token id {int(a.max())} is out of range")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _context(context) -> list[int]:
+    if context is None:
+        return []
+    try:
+        return [int(x) for x in list(context)[-3:]]
+    except (TypeError, ValueError) as e:
+        raise BadInputError(f"context must be a sequence of token ids: {e}") from None
+
+
+def _check_out(out, nbytes: int, what: str = "out") -> None:
+    if isinstance(out, np.ndarray):
+        if out.dtype != np.uint8:
+            raise BadInputError(f"{what} has dtype {out.dtype}; rows are bytes: use dtype uint8")
+        if out.nbytes != nbytes:
+            raise BadInputError(
+                f"{what} has {out.nbytes} bytes; this ticket's rows need {nbytes} "
+                f"(positions x {COLUMNS} x {ROW_BYTES})"
+            )
+
+
+class Ticket:
+    """Both layers' rows of one prefetch, on their way."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, native):
+        self._t = native
+
+    @property
+    def positions(self) -> int:
+        """Positions in the batch."""
+        return self._t.positions
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one layer's rows: positions x 24 x 264."""
+        return self._t.nbytes
+
+    def ready(self, layer: int) -> bool:
+        """Whether `layer`'s fetch has ended (without waiting)."""
+        return self._t.ready(layer)
+
+    def wait(self, layer: int, out, timeout: float | None = None) -> Served:
+        """Wait for `layer`'s rows (1 or 14) and write them into `out`.
+
+        `out` is any writable C-contiguous uint8 buffer of `nbytes` bytes (a
+        numpy array such as `Memory.row_buffer`, or a CPU torch tensor's
+        `.numpy()`): position after position, 24 rows of 264 bytes, column
+        order; a DEAD position's rows are zeros. The GIL is released while
+        waiting. At most `timeout` seconds (None: the table's own deadline
+        and hard timeout bound it); DeadlineExceeded leaves the ticket valid.
+        NoSourceError when every source failed under the `fail` policy.
+        """
+        _check_out(out, self._t.nbytes)
+        return self._t.wait(layer, out, timeout)
+
+    async def wait_async(self, layer: int, out, timeout: float | None = None) -> Served:
+        """`wait` for asyncio: suspends the coroutine, never the event loop."""
+        _check_out(out, self._t.nbytes)
+        if not self._t.ready(layer):
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+
+            def resolve() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            def wake() -> None:  # on the package's notifier thread
+                try:
+                    loop.call_soon_threadsafe(resolve)
+                except RuntimeError:  # the loop has closed: nobody waits
+                    pass
+
+            self._t.on_ready(layer, wake)
+            try:
+                await asyncio.wait_for(fut, timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise DeadlineExceeded(
+                    f"layer {layer}: rows not ready within {timeout} s; the ticket is still valid"
+                ) from None
+        return self._t.wait(layer, out, 0.0)
+
+    def rows(self, layer: int, timeout: float | None = None) -> np.ndarray:
+        """`wait` into a new (positions, 24, 264) uint8 array, and return it."""
+        out = np.empty((self.positions, COLUMNS, ROW_BYTES), dtype=np.uint8)
+        self._t.wait(layer, out, timeout)
+        return out
+
+
+class Memory:
+    """A node's Engram memory: `Memory(config, node)` opens it.
+
+    Opening builds what the node daemon builds for `node` of the cluster
+    config (every source opened and probed, SSD and local copies checked
+    against their digests), and serves /metrics at the node's `metrics`
+    address unless `metrics` says otherwise ("off", or "IP:PORT"). Errors
+    are ConfigError (with the config's file:line where it comes from it)
+    or SetupError. Thread-safe; use as a context manager, or call close().
+    """
+
+    __slots__ = ("_m",)
+
+    def __init__(self, config: str | PathLike, node: str, *, metrics: str | None = None):
+        self._m = _native.Memory.open(str(config), str(node), metrics)
+
+    @classmethod
+    def open(cls, config: str | PathLike, node: str, *, metrics: str | None = None) -> "Memory":
+        """The same as `Memory(config, node)`."""
+        return cls(config, node, metrics=metrics)
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"tables={self._m.tables}"
+        return f"engram_rack.Memory(node={self.node!r}, {state})"
+
+    @property
+    def node(self) -> str:
+        """The node's name in the config."""
+        return self._m.node
+
+    @property
+    def tables(self) -> tuple[int, int]:
+        """Table ids of layers 1 and 14."""
+        return self._m.tables
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The node's token rate in the config (it sets each table's deadline)."""
+        return self._m.tokens_per_second
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Where /metrics is served ("IP:PORT"), or None."""
+        return self._m.metrics_address
+
+    @property
+    def closed(self) -> bool:
+        return self._m.closed
+
+    def addresses(self, ids, context: Sequence[int] | None = None) -> np.ndarray:
+        """Row ids of raw token ids `ids`, without fetching.
+
+        Returns a (positions, 2, 24) uint64 array: layer 1's and layer 14's
+        24 row ids per position (NO_ROW for a DEAD position, id -1).
+        `context`: the sequence's tokens before `ids` (its last three are
+        used); empty or None when `ids` start the sequence.
+        """
+        a = _ids(ids)
+        out = np.empty((a.size, 2, COLUMNS), dtype=np.uint64)
+        self._m.addresses(a, [(a.size, _context(context))], out)
+        return out
+
+    def prefetch(self, ids, context: Sequence[int] | None = None) -> Ticket:
+        """Start both tables' fetches for one sequence's positions; returns at once.
+
+        `ids`: raw token ids of the positions (one for a decode step, k + 1
+        for a speculative verification, many for a prefill chunk);
+        `context`: the sequence's tokens before them (last three used).
+        """
+        a = _ids(ids)
+        return Ticket(self._m.prefetch(a, [(a.size, _context(context))]))
+
+    def prefetch_batch(self, sequences: Iterable[tuple[Sequence[int], Sequence[int] | None]]) -> Ticket:
+        """One prefetch for a serving batch: `[(ids, context), ...]`, one
+        entry per sequence. Rows come back in the order given, one message
+        per table for the whole batch."""
+        parts = []
+        segs = []
+        for i, item in enumerate(sequences):
+            try:
+                ids, context = item
+            except (TypeError, ValueError):
+                raise BadInputError(f"sequence {i}: give (ids, context)") from None
+            a = _ids(ids)
+            parts.append(a)
+            segs.append((a.size, _context(context)))
+        if not parts:
+            raise BadInputError("no sequences in the batch")
+        return Ticket(self._m.prefetch(np.concatenate(parts), segs))
+
+    def row_buffer(self, positions: int) -> np.ndarray:
+        """A (positions, 24, 264) uint8 array for one layer's rows."""
+        return np.zeros((positions, COLUMNS, ROW_BYTES), dtype=np.uint8)
+
+    def stats(self) -> list[dict]:
+        """Per-layer counters since opening: prefetches, rows, messages,
+        hedges, failovers, late, zeros, failed."""
+        return self._m.stats()
+
+    def metrics(self) -> str:
+        """The node's metrics in Prometheus text (what /metrics serves)."""
+        return self._m.metrics_text()
+
+    def close(self, drain: float = 2.0) -> None:
+        """Let fetches in flight end (at most `drain` seconds), then stop the
+        probes, the metrics server and the I/O thread. Idempotent."""
+        self._m.close(drain)
+
+
+def dequantize(rows, out=None, dtype="float32") -> np.ndarray:
+    """Dequantize rows (a uint8 array whose last axis is 264) into values.
+
+    Returns (or fills `out`, shaped like `rows` with a last axis of 256):
+    float32 values, or with dtype="bfloat16" their bf16 bit patterns as
+    uint16 (numpy has no bfloat16). The values are bit-identical to what the
+    node's fusion reads. A DEAD position's zero rows dequantize to zeros.
+    """
+    r = np.asarray(rows)
+    if r.dtype != np.uint8:
+        raise BadInputError(f"rows have dtype {r.dtype}; rows are bytes: use dtype uint8")
+    if r.ndim == 0 or r.shape[-1] != ROW_BYTES:
+        raise BadInputError(f"rows must have a last axis of {ROW_BYTES} bytes, got shape {r.shape}")
+    r = np.ascontiguousarray(r)
+    shape = r.shape[:-1] + (ROW_VALUES,)
+    if dtype in ("float32", np.float32):
+        want, fn = np.float32, _native.dequantize_f32
+    elif dtype in ("bfloat16", "bf16"):
+        want, fn = np.uint16, _native.dequantize_bf16
+    else:
+        raise BadInputError(f'dtype {dtype!r}: give "float32" or "bfloat16"')
+    if out is None:
+        out = np.empty(shape, dtype=want)
+    elif isinstance(out, np.ndarray):
+        ok = out.dtype == want or (want is np.uint16 and out.dtype == np.int16)
+        if not ok:
+            raise BadInputError(f"out has dtype {out.dtype}; {dtype} output needs {np.dtype(want)}")
+        if out.size != int(np.prod(shape)):
+            raise BadInputError(f"out has {out.size} values; these rows need {int(np.prod(shape))}")
+    fn(r, out)
+    return out

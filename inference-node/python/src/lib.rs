@@ -1,0 +1,468 @@
+//! `engram_rack._native`: the node's Engram memory (`inference_node::embed`)
+//! for Python. The package's `engram_rack/__init__.py` wraps it with numpy
+//! (array allocation, dtype and shape checks, asyncio); this layer takes
+//! buffer-protocol objects, releases the GIL for every wait and every call
+//! that may block, and maps each error kind to its own exception class.
+
+use std::path::PathBuf;
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use inference_node::embed::{self, EmbedError, EngramMemory, MetricsAt, OpenOptions, Segment};
+use pyo3::buffer::{Element, PyBuffer};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    _native,
+    EngramError,
+    PyException,
+    "Base of every engram_rack error."
+);
+create_exception!(
+    _native,
+    ConfigError,
+    EngramError,
+    "The config cannot be read or lacks what the memory needs."
+);
+create_exception!(
+    _native,
+    SetupError,
+    EngramError,
+    "The memory could not be built (a copy, a certificate, no usable source)."
+);
+create_exception!(
+    _native,
+    BadInputError,
+    EngramError,
+    "A call's arguments are wrong (sizes, dtypes, ids, layers)."
+);
+create_exception!(
+    _native,
+    NoSourceError,
+    EngramError,
+    "Every source failed and the table's policy is `fail`."
+);
+create_exception!(
+    _native,
+    DeadlineExceeded,
+    EngramError,
+    "The caller's deadline passed before the rows arrived; the ticket stays valid."
+);
+create_exception!(_native, ClosedError, EngramError, "The memory is closed.");
+
+fn err(e: EmbedError) -> PyErr {
+    let m = e.to_string();
+    match e {
+        EmbedError::Config(_) => ConfigError::new_err(m),
+        EmbedError::Setup(_) => SetupError::new_err(m),
+        EmbedError::BadInput(_) => BadInputError::new_err(m),
+        EmbedError::NoSource(_) => NoSourceError::new_err(m),
+        EmbedError::Timeout(_) => DeadlineExceeded::new_err(m),
+        EmbedError::Closed => ClosedError::new_err(m),
+        EmbedError::Internal(_) => EngramError::new_err(m),
+    }
+}
+
+fn bad(m: String) -> PyErr {
+    BadInputError::new_err(m)
+}
+
+/// A C-contiguous buffer of `T` (`writable`: and not read-only), or a
+/// clear error naming `what`.
+fn buffer<T: Element>(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> PyResult<PyBuffer<T>> {
+    let b = PyBuffer::<T>::get(obj).map_err(|e| {
+        bad(format!(
+            "{what} must be a buffer of {} (a numpy array of that dtype): {e}",
+            std::any::type_name::<T>()
+        ))
+    })?;
+    if !b.is_c_contiguous() {
+        return Err(bad(format!("{what} must be C-contiguous")));
+    }
+    if writable && b.readonly() {
+        return Err(bad(format!("{what} is read-only")));
+    }
+    Ok(b)
+}
+
+/// The buffer's memory as a slice.
+///
+/// # Safety
+/// `b` must stay exported (alive) while the slice is used, and nothing else
+/// may write it meanwhile.
+unsafe fn slice<T>(b: &PyBuffer<T>) -> &[T] {
+    // SAFETY: a C-contiguous buffer of item_count() T, aligned (checked by
+    // PyBuffer::get), exported for as long as `b` lives; the caller
+    // promises no concurrent writer.
+    unsafe { std::slice::from_raw_parts(b.buf_ptr().cast::<T>(), b.item_count()) }
+}
+
+/// The buffer's memory as a mutable slice.
+///
+/// # Safety
+/// As [`slice`], and `b` must be writable and not aliased by another slice.
+#[allow(clippy::mut_from_ref)] // the memory is the exporter's, not `b`'s
+unsafe fn slice_mut<T>(b: &PyBuffer<T>) -> &mut [T] {
+    // SAFETY: as in `slice`; writable was checked by `buffer`.
+    unsafe { std::slice::from_raw_parts_mut(b.buf_ptr().cast::<T>(), b.item_count()) }
+}
+
+fn segments(list: Vec<(usize, Vec<i64>)>) -> Vec<Segment> {
+    list.into_iter()
+        .map(|(len, ctx)| Segment::after(len, &ctx))
+        .collect()
+}
+
+fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
+    match t {
+        None => Ok(None),
+        Some(s) if (0.0..=86_400.0).contains(&s) => {
+            Ok(Some(Duration::from_secs_f64(s)))
+        }
+        Some(s) => Err(bad(format!(
+            "timeout {s} is not a number of seconds in 0..=86400 (None: the table's own limits)"
+        ))),
+    }
+}
+
+/// A node's Engram memory (see `engram_rack.Memory`).
+#[pyclass(name = "Memory", module = "engram_rack._native", frozen)]
+struct Memory {
+    inner: EngramMemory,
+}
+
+#[pymethods]
+impl Memory {
+    /// Open node `node` of the cluster config `config`. `metrics`: None
+    /// (the node's address in the config), "off", or "IP:PORT".
+    #[staticmethod]
+    #[pyo3(signature = (config, node, metrics=None))]
+    fn open(
+        py: Python<'_>,
+        config: PathBuf,
+        node: String,
+        metrics: Option<String>,
+    ) -> PyResult<Self> {
+        let metrics = match metrics.as_deref() {
+            None => MetricsAt::Config,
+            Some("off") => MetricsAt::Off,
+            Some(a) => MetricsAt::Addr(a.parse().map_err(|_| {
+                bad(format!(
+                    "metrics {a:?} is not \"off\" or an IP:PORT address"
+                ))
+            })?),
+        };
+        let inner = py
+            .detach(|| EngramMemory::open_with(&config, &node, &OpenOptions { metrics }))
+            .map_err(err)?;
+        Ok(Self { inner })
+    }
+
+    /// Row ids of `ids` (int64 buffer) cut into `segments` [(len, context)],
+    /// into `out` (uint64 buffer, positions x 2 x 24).
+    fn addresses(
+        &self,
+        ids: &Bound<'_, PyAny>,
+        segments_: Vec<(usize, Vec<i64>)>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = buffer::<i64>(ids, "ids", false)?;
+        let out = buffer::<u64>(out, "out", true)?;
+        // SAFETY: both buffers are held for the call, with the GIL.
+        let (ids_s, out_s) = unsafe { (slice(&ids), slice_mut(&out)) };
+        self.inner
+            .addresses(ids_s, &segments(segments_), out_s)
+            .map_err(err)
+    }
+
+    /// Start both tables' fetches for `ids` cut into `segments`.
+    fn prefetch(
+        &self,
+        ids: &Bound<'_, PyAny>,
+        segments_: Vec<(usize, Vec<i64>)>,
+    ) -> PyResult<Ticket> {
+        let ids = buffer::<i64>(ids, "ids", false)?;
+        // SAFETY: held for the call, with the GIL.
+        let ids_s = unsafe { slice(&ids) };
+        let inner = self
+            .inner
+            .prefetch(ids_s, &segments(segments_))
+            .map_err(err)?;
+        Ok(Ticket { inner })
+    }
+
+    /// Per-layer counters: a list of two dicts.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        use pyo3::types::PyDictMethods;
+        let s = self.inner.stats().map_err(err)?;
+        s.iter()
+            .map(|l| {
+                let d = pyo3::types::PyDict::new(py);
+                for (k, v) in [
+                    ("layer", u64::from(l.layer)),
+                    ("table", u64::from(l.table)),
+                    ("prefetches", l.prefetches),
+                    ("rows", l.rows),
+                    ("messages", l.messages),
+                    ("hedges", l.hedges),
+                    ("failovers", l.failovers),
+                    ("late", l.late),
+                    ("zeros", l.zeros),
+                    ("failed", l.failed),
+                ] {
+                    d.set_item(k, v)?;
+                }
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// The node's metrics, Prometheus text.
+    fn metrics_text(&self) -> PyResult<String> {
+        self.inner.metrics_text().map_err(err)
+    }
+
+    /// Where /metrics is served ("IP:PORT"), or None.
+    #[getter]
+    fn metrics_address(&self) -> PyResult<Option<String>> {
+        Ok(self
+            .inner
+            .metrics_addr()
+            .map_err(err)?
+            .map(|a| a.to_string()))
+    }
+
+    /// Table ids of layers 1 and 14.
+    #[getter]
+    fn tables(&self) -> PyResult<(u32, u32)> {
+        let [a, b] = self.inner.tables().map_err(err)?;
+        Ok((a, b))
+    }
+
+    /// The node's name.
+    #[getter]
+    fn node(&self) -> String {
+        self.inner.node().to_string()
+    }
+
+    /// The node's token rate in the config.
+    #[getter]
+    fn tokens_per_second(&self) -> f64 {
+        self.inner.tokens_per_second()
+    }
+
+    /// Whether close() has run.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// Let fetches in flight end (at most `drain` seconds), then stop.
+    #[pyo3(signature = (drain=2.0))]
+    fn close(&self, py: Python<'_>, drain: f64) -> PyResult<()> {
+        let d = timeout(Some(drain))?.unwrap_or_default();
+        py.detach(|| self.inner.close(d));
+        Ok(())
+    }
+}
+
+/// How a layer's rows were served.
+#[pyclass(name = "Served", module = "engram_rack._native", frozen, get_all)]
+struct Served {
+    layer: u32,
+    table: u32,
+    sources: Vec<String>,
+    hedges: u32,
+    failovers: u32,
+    late: bool,
+    zeros: bool,
+    messages: u32,
+    rows: usize,
+    elapsed: f64,
+}
+
+#[pymethods]
+impl Served {
+    /// The first source that answered ("zeros" when Engram was off by policy).
+    #[getter]
+    fn source(&self) -> String {
+        self.sources.first().cloned().unwrap_or_default()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Served(layer={}, table={}, sources={:?}, hedges={}, failovers={}, late={}, zeros={}, messages={}, rows={}, elapsed={:.6})",
+            self.layer,
+            self.table,
+            self.sources,
+            self.hedges,
+            self.failovers,
+            if self.late { "True" } else { "False" },
+            if self.zeros { "True" } else { "False" },
+            self.messages,
+            self.rows,
+            self.elapsed
+        )
+    }
+}
+
+/// Both layers' rows of one prefetch, on their way.
+#[pyclass(name = "Ticket", module = "engram_rack._native", frozen)]
+struct Ticket {
+    inner: embed::Ticket,
+}
+
+/// Where ready callbacks run: one thread, so the memory's I/O thread never
+/// waits for the GIL.
+fn notifier() -> &'static Mutex<Sender<Py<PyAny>>> {
+    static TX: OnceLock<Mutex<Sender<Py<PyAny>>>> = OnceLock::new();
+    TX.get_or_init(|| {
+        let (tx, rx) = channel::<Py<PyAny>>();
+        let _ = std::thread::Builder::new()
+            .name("engram-py-notify".into())
+            .spawn(move || {
+                for cb in rx {
+                    Python::attach(|py| {
+                        if let Err(e) = cb.call0(py) {
+                            e.print(py);
+                        }
+                    });
+                }
+            });
+        Mutex::new(tx)
+    })
+}
+
+#[pymethods]
+impl Ticket {
+    /// Positions in the batch.
+    #[getter]
+    fn positions(&self) -> usize {
+        self.inner.positions()
+    }
+
+    /// Bytes of one layer's rows: positions x 24 x 264.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.bytes()
+    }
+
+    /// Whether `layer`'s fetch has ended.
+    fn ready(&self, layer: u32) -> PyResult<bool> {
+        self.inner.ready(layer).map_err(err)
+    }
+
+    /// Wait (GIL released) for `layer`'s rows, at most `timeout` seconds,
+    /// and write them into `out` (a writable uint8 buffer of nbytes).
+    #[pyo3(signature = (layer, out, timeout=None))]
+    fn wait(
+        &self,
+        py: Python<'_>,
+        layer: u32,
+        out: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Served> {
+        let t = self::timeout(timeout)?;
+        let buf = buffer::<u8>(out, "out", true)?;
+        // SAFETY: `buf` stays exported until it drops at the end of this
+        // call; the engine owns its buffer and must not write it while the
+        // rows are being written (the GIL is released meanwhile).
+        let dst = unsafe { slice_mut(&buf) };
+        let s = py.detach(|| self.inner.wait(layer, dst, t)).map_err(err)?;
+        Ok(Served {
+            layer: s.layer,
+            table: s.table,
+            sources: s.sources,
+            hedges: s.hedges,
+            failovers: s.failovers,
+            late: s.late,
+            zeros: s.zeros,
+            messages: s.messages,
+            rows: s.rows,
+            elapsed: s.elapsed.as_secs_f64(),
+        })
+    }
+
+    /// Call `callback()` (with the GIL, on a notifier thread) once
+    /// `layer`'s fetch has ended: for an event loop's
+    /// `call_soon_threadsafe`.
+    fn on_ready(&self, layer: u32, callback: Py<PyAny>) -> PyResult<()> {
+        let tx = notifier().lock().unwrap_or_else(|p| p.into_inner()).clone();
+        self.inner
+            .on_ready(
+                layer,
+                Box::new(move || {
+                    let _ = tx.send(callback);
+                }),
+            )
+            .map_err(err)
+    }
+}
+
+/// Dequantize rows (uint8 buffer, 264 bytes a row) into `out` (float32,
+/// 256 values a row): the values the node's fusion reads.
+#[pyfunction]
+fn dequantize_f32(py: Python<'_>, rows: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    let r = buffer::<u8>(rows, "rows", false)?;
+    let o = buffer::<f32>(out, "out", true)?;
+    // SAFETY: both held for the call; the caller does not write them meanwhile.
+    let (rs, os) = unsafe { (slice(&r), slice_mut(&o)) };
+    py.detach(|| embed::dequantize_f32(rs, os)).map_err(err)
+}
+
+/// Dequantize rows into `out` as bf16 bit patterns (a uint16 or int16
+/// buffer: numpy has no bfloat16; view a torch bfloat16 tensor as int16).
+#[pyfunction]
+fn dequantize_bf16(
+    py: Python<'_>,
+    rows: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let r = buffer::<u8>(rows, "rows", false)?;
+    let o = match buffer::<u16>(out, "out", true) {
+        Ok(o) => o,
+        Err(e) => {
+            // Same bits, other sign convention: reinterpret an int16 buffer.
+            let signed = buffer::<i16>(out, "out", true).map_err(|_| e)?;
+            // SAFETY: held for the call; i16 and u16 share size and alignment.
+            let os = unsafe {
+                std::slice::from_raw_parts_mut(signed.buf_ptr().cast::<u16>(), signed.item_count())
+            };
+            // SAFETY: as above.
+            let rs = unsafe { slice(&r) };
+            return py.detach(|| embed::dequantize_bf16(rs, os)).map_err(err);
+        }
+    };
+    // SAFETY: both held for the call.
+    let (rs, os) = unsafe { (slice(&r), slice_mut(&o)) };
+    py.detach(|| embed::dequantize_bf16(rs, os)).map_err(err)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Memory>()?;
+    m.add_class::<Ticket>()?;
+    m.add_class::<Served>()?;
+    m.add_function(wrap_pyfunction!(dequantize_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_bf16, m)?)?;
+    m.add("NO_TOKEN", embed::NO_TOKEN)?;
+    m.add("NO_ROW", embed::NO_ROW)?;
+    m.add("POSITION_BYTES", embed::POSITION_BYTES)?;
+    m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
+    for (name, ty) in [
+        ("EngramError", py.get_type::<EngramError>()),
+        ("ConfigError", py.get_type::<ConfigError>()),
+        ("SetupError", py.get_type::<SetupError>()),
+        ("BadInputError", py.get_type::<BadInputError>()),
+        ("NoSourceError", py.get_type::<NoSourceError>()),
+        ("DeadlineExceeded", py.get_type::<DeadlineExceeded>()),
+        ("ClosedError", py.get_type::<ClosedError>()),
+    ] {
+        m.add(name, ty)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,165 @@
+"""A small real rack for the package's tests: tables made by `memory-donor
+gen`, a cluster config on loopback ports, donors started as processes and
+waited on through their `ready` line, killed when a test ends.
+
+The binaries come from ENGRAM_BIN_DIR (default: the workspace's
+target/release); build them first with `cargo build --release --workspace`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+HASH_BASE = 1000
+SEED = 11
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get("ENGRAM_BIN_DIR", REPO / "target" / "release"))
+
+
+def binary(name: str) -> Path:
+    p = bin_dir() / name
+    if not p.is_file():
+        pytest.fail(f"{p} is missing: build the binaries first (cargo build --release --workspace)")
+    return p
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gen(dir: Path, name: str, layer: int, seed: int) -> tuple[Path, str, int]:
+    """A table sized as `hash_base` addresses it: (path, digest, rows)."""
+    path = dir / name
+    out = subprocess.run(
+        [binary("memory-donor"), "gen", "--layer", str(layer), "--seed", str(seed),
+         "--hash-base", str(HASH_BASE), "--out", str(path)],
+        check=True, capture_output=True, text=True,
+    ).stdout.split()
+    return path, out[-1], int(out[out.index("rows") + 1])
+
+
+class Donor:
+    """`memory-donor serve`, its stderr collected; killed on stop()."""
+
+    def __init__(self, config: Path, name: str):
+        env = dict(os.environ, RUST_LOG="info")
+        self.proc = subprocess.Popen(
+            [binary("memory-donor"), "serve", "--config", str(config), "--name", name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(60):
+            self.stop()
+            raise RuntimeError("donor never became ready:\n" + "".join(self.lines[-20:]))
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "ready listen=" in line:
+                self._ready.set()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@dataclass
+class Rack:
+    dir: Path
+    config: Path
+    tables: dict[int, Path]
+    donors: list[Donor] = field(default_factory=list)
+
+    def start(self, name: str = "d", config: Path | None = None) -> Donor:
+        d = Donor(config or self.config, name)
+        self.donors.append(d)
+        return d
+
+    def rows(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Rows straight from the table file: (len(ids), 264) uint8."""
+        return read_rows(self.tables[layer], ids)
+
+
+def read_rows(path: Path, ids: np.ndarray) -> np.ndarray:
+    """Rows of an .etab file: a safetensors header, then 4 KiB pages of 15 rows."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    header = int.from_bytes(bytes(data[:8]), "little")
+    start = 8 + header
+    ids = np.asarray(ids, dtype=np.uint64).ravel()
+    offsets = start + (ids // 15) * 4096 + (ids % 15) * 264
+    idx = offsets[:, None].astype(np.int64) + np.arange(264)[None, :]
+    return np.asarray(data[idx])
+
+
+@pytest.fixture(scope="session")
+def tables(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tables")
+    l1 = gen(d, "l1.etab", 1, SEED)
+    l14 = gen(d, "l14.etab", 14, SEED)
+    other = gen(d, "l1-other.etab", 1, SEED + 1)
+    return {"l1": l1, "l14": l14, "l1-other": other}
+
+
+def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str = "fail",
+                 metrics: int | None = None) -> Path:
+    """The rack: table 1 from `tables[l1]` (another version than the node's
+    copy when l1 is "l1-other"), donor `d` serving both tables, and nodes
+    `n` (d, then the SSD copy), `only-donor` (d alone) and `ref` (local RAM)."""
+    (p1, d1, r1), (p14, d14, r14) = tables[l1], tables["l14"]
+    route = lambda t, p, sources: (  # noqa: E731
+        f'[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = "{p}"\npolicy = "{policy}"\n'
+    )
+
+    def node(name: str, sources: str, extra: str = "") -> str:
+        return (f'[[node]]\nname = "{name}"\ntokens_per_second = 100\nprobe_interval_ms = 200\n{extra}'
+                + route(1, tables["l1"][0], sources) + route(14, p14, sources))
+
+    text = (
+        'version = 1\n[rack]\nname = "t"\n'
+        f'[[table]]\nid = 1\nlayer = 1\npath = "{p1}"\nrows = {r1}\ndigest = "{d1}"\n'
+        f'[[table]]\nid = 14\nlayer = 14\npath = "{p14}"\nrows = {r14}\ndigest = "{d14}"\n'
+        f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{port}"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n'
+        + node("n", '"d", "ssd"', f'metrics = "127.0.0.1:{metrics}"\n' if metrics else "")
+        # A hard timeout past the callers' deadlines: the hung-donor tests time out first.
+        + node("only-donor", '"d"', "lookup_timeout_ms = 1000\n")
+        + node("ref", '"local"')
+        + f"[model]\nhash_base = {HASH_BASE}\n"
+    )
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def rack(tmp_path, tables):
+    config = write_config(tmp_path / "rack.toml", tables, free_port(), metrics=free_port())
+    r = Rack(tmp_path, config, {1: tables["l1"][0], 14: tables["l14"][0]})
+    yield r
+    for d in r.donors:
+        d.stop()

@@ -1,0 +1,516 @@
+//! The node's Engram memory as a library, for inference engines that run
+//! their own forward pass (the Python package and the C library wrap this).
+//!
+//! [`EngramMemory::open`] builds from the cluster config and a node name
+//! exactly what `inference-node run` builds (its routers over shared
+//! sources, SSD and local copies opened and their digests checked, donors
+//! probed, probe loops running, the same metrics), on an I/O thread of its
+//! own that runs a tokio runtime as the node's does. A step then asks for
+//! both tables' rows at once ([`EngramMemory::prefetch`]: one message per
+//! table, returning at once) and later takes each layer's rows into its own
+//! buffer ([`Ticket::wait`], with its own deadline).
+//!
+//! Thread safety: the memory and its tickets are `Send + Sync`. No call
+//! holds a lock across a wait that another call needs: a prefetch takes a
+//! read lock only to clone the open state, and a wait sleeps on its own
+//! ticket. [`EngramMemory::close`] (or the last drop) lets fetches in
+//! flight end, for a bounded time, then stops the probes and the thread.
+
+pub mod batch;
+mod ticket;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use cluster_config::Config;
+use engram_protocol::hashing::{ENGRAM_LAYERS, HashParams};
+use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, dequantize_row_bf16};
+use engram_protocol::{ROW_BYTES, RowBytes};
+use thiserror::Error;
+use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
+
+pub use batch::{CONTEXT, MAX_SEGMENTS, NO_ROW, NO_TOKEN, Segment};
+pub use ticket::{POSITION_BYTES, Served, Ticket};
+
+use crate::memory::Memory;
+use crate::metrics::NodeMetrics;
+use crate::model::fetch::fetch_rows;
+use crate::model::node::{SetupError, chunk_rows, layer_tables, token_map, usable_at_start};
+use crate::router::Router;
+use batch::Addressing;
+use ticket::{Done, LayerCounters};
+
+/// How long [`Drop`] lets fetches in flight end.
+pub const DEFAULT_DRAIN: Duration = Duration::from_secs(2);
+
+/// What went wrong, by kind (the C library's error codes follow it).
+#[derive(Debug, Error)]
+pub enum EmbedError {
+    /// The config cannot be read or lacks what the memory needs.
+    #[error("{0}")]
+    Config(String),
+    /// The memory could not be built (a copy, a certificate, no usable source).
+    #[error("{0}")]
+    Setup(String),
+    /// A call's arguments are wrong (sizes, ids, layers).
+    #[error("{0}")]
+    BadInput(String),
+    /// Every source failed and the table's policy is `fail`.
+    #[error("{0}")]
+    NoSource(String),
+    /// The caller's deadline passed first.
+    #[error("{0}")]
+    Timeout(String),
+    /// The memory is closed.
+    #[error("this Engram memory is closed")]
+    Closed,
+    /// Something failed that should not (a thread could not start).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<SetupError> for EmbedError {
+    fn from(e: SetupError) -> Self {
+        match e {
+            SetupError::Config(m) => Self::Config(m),
+            e => Self::Setup(e.to_string()),
+        }
+    }
+}
+
+/// Where the memory serves its Prometheus `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricsAt {
+    /// The node's `metrics` address in the config, if it has one.
+    #[default]
+    Config,
+    /// Nowhere (read them with [`EngramMemory::metrics_text`]).
+    Off,
+    /// This address.
+    Addr(SocketAddr),
+}
+
+/// How [`EngramMemory::open_with`] opens.
+#[derive(Debug, Clone, Default)]
+pub struct OpenOptions {
+    /// Where `/metrics` is served.
+    pub metrics: MetricsAt,
+}
+
+/// Counters of one layer since the memory opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerStats {
+    /// The Engram layer.
+    pub layer: u32,
+    /// The table id.
+    pub table: u32,
+    /// Prefetches whose fetch of this layer ended.
+    pub prefetches: u64,
+    /// Distinct rows fetched.
+    pub rows: u64,
+    /// Messages sent.
+    pub messages: u64,
+    /// Hedges sent.
+    pub hedges: u64,
+    /// Failovers.
+    pub failovers: u64,
+    /// Fetches answered after the table's deadline.
+    pub late: u64,
+    /// Fetches answered with zeros by policy.
+    pub zeros: u64,
+    /// Fetches that failed (policy `fail`).
+    pub failed: u64,
+}
+
+/// What an open memory holds.
+#[derive(Debug)]
+struct Open {
+    /// Held for its sources and probe loops (its drop stops them).
+    _memory: Memory,
+    routers: [Arc<Router>; 2],
+    tables: [u32; 2],
+    addressing: Addressing,
+    chunk_rows: usize,
+    metrics: Arc<NodeMetrics>,
+    metrics_addr: Option<SocketAddr>,
+    metrics_task: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    node: String,
+    config: PathBuf,
+    tokens_per_second: f64,
+    handle: Handle,
+    state: RwLock<Option<Arc<Open>>>,
+    counters: Arc<[LayerCounters; 2]>,
+    inflight: Arc<AtomicUsize>,
+    io: std::sync::Mutex<
+        Option<(
+            tokio::sync::oneshot::Sender<()>,
+            std::thread::JoinHandle<()>,
+        )>,
+    >,
+}
+
+/// A node's Engram memory, embedded. See the module documentation.
+#[derive(Debug)]
+pub struct EngramMemory {
+    shared: Shared,
+}
+
+impl EngramMemory {
+    /// Open node `node` of the cluster config at `config`, serving
+    /// `/metrics` where the config says.
+    pub fn open(config: &Path, node: &str) -> Result<Self, EmbedError> {
+        Self::open_with(config, node, &OpenOptions::default())
+    }
+
+    /// Open node `node` of the cluster config at `config`.
+    pub fn open_with(config: &Path, node: &str, opts: &OpenOptions) -> Result<Self, EmbedError> {
+        let cfg = Config::load(config).map_err(|e| EmbedError::Config(e.to_string()))?;
+        let n = cfg.node(node).ok_or_else(|| {
+            EmbedError::Config(format!(
+                "node {node:?} is not in {} (nodes: {})",
+                config.display(),
+                cfg.nodes
+                    .iter()
+                    .map(|n| n.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+        let model = cfg.model.clone().ok_or_else(|| {
+            EmbedError::Config(format!(
+                "{}: the Engram memory needs a [model] table: its hashing \
+                 (hash_preset or hash_base) and token map (tokenizer or token_map)",
+                config.display()
+            ))
+        })?;
+        let params =
+            HashParams::new(model.hashing).map_err(|e| EmbedError::Config(e.to_string()))?;
+        let tables = layer_tables(&cfg, n, &model, &params)?;
+        let (tokenizer, map) = token_map(&model)?;
+        let map = tokenizer.map(|(_, m)| m).or(map);
+        let pad = match &map {
+            Some(m) => m.get(model.pad_token).map_or(0, i64::from),
+            None => i64::from(model.pad_token),
+        };
+        let addressing = Addressing { params, map, pad };
+        let tokens_per_second = n.tokens_per_second;
+        let metrics_at = match opts.metrics {
+            MetricsAt::Config => n.metrics,
+            MetricsAt::Off => None,
+            MetricsAt::Addr(a) => Some(a),
+        };
+
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| EmbedError::Internal(format!("starting the I/O runtime: {e}")))?;
+        let handle = rt.handle().clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("engram-io".into())
+            .spawn(move || {
+                rt.block_on(async {
+                    let _ = stop_rx.await;
+                });
+                rt.shutdown_timeout(Duration::from_secs(1));
+            })
+            .map_err(|e| EmbedError::Internal(format!("starting the I/O thread: {e}")))?;
+
+        let name = node.to_string();
+        let chunk = chunk_rows(&cfg);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        handle.spawn(async move {
+            let _ = tx.send(build(cfg, name, tables, addressing, chunk, metrics_at).await);
+        });
+        let built = rx
+            .recv()
+            .unwrap_or_else(|_| Err(SetupError::Config("the I/O thread ended".into())));
+        let open = match built {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = stop_tx.send(());
+                let _ = thread.join();
+                return Err(match e {
+                    SetupError::Config(m) => EmbedError::Config(m),
+                    e => EmbedError::Setup(format!("node {node:?} cannot start: {e}")),
+                });
+            }
+        };
+        Ok(Self {
+            shared: Shared {
+                node: node.to_string(),
+                config: config.to_path_buf(),
+                tokens_per_second,
+                handle,
+                state: RwLock::new(Some(Arc::new(open))),
+                counters: Arc::default(),
+                inflight: Arc::default(),
+                io: std::sync::Mutex::new(Some((stop_tx, thread))),
+            },
+        })
+    }
+
+    fn open_state(&self) -> Result<Arc<Open>, EmbedError> {
+        self.shared
+            .state
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or(EmbedError::Closed)
+    }
+
+    /// The node's name.
+    pub fn node(&self) -> &str {
+        &self.shared.node
+    }
+
+    /// The config file it was opened from.
+    pub fn config_path(&self) -> &Path {
+        &self.shared.config
+    }
+
+    /// The node's token rate in the config (its tables' windows follow it).
+    pub fn tokens_per_second(&self) -> f64 {
+        self.shared.tokens_per_second
+    }
+
+    /// The Engram layers, in slot order: `[1, 14]`.
+    pub fn layers(&self) -> [u32; 2] {
+        ENGRAM_LAYERS
+    }
+
+    /// The table ids of layers 1 and 14.
+    pub fn tables(&self) -> Result<[u32; 2], EmbedError> {
+        Ok(self.open_state()?.tables)
+    }
+
+    /// Where `/metrics` is served, if anywhere.
+    pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, EmbedError> {
+        Ok(self.open_state()?.metrics_addr)
+    }
+
+    /// Whether [`Self::close`] has run.
+    pub fn is_closed(&self) -> bool {
+        self.open_state().is_err()
+    }
+
+    /// Row ids of every position of `ids` (raw token ids, cut into
+    /// `segments`), without fetching: `out[p * 48 + layer_slot * 24 + column]`,
+    /// [`NO_ROW`] for a DEAD position.
+    pub fn addresses(
+        &self,
+        ids: &[i64],
+        segments: &[Segment],
+        out: &mut [u64],
+    ) -> Result<(), EmbedError> {
+        self.open_state()?.addressing.addresses(ids, segments, out)
+    }
+
+    /// Start fetching both tables' rows for `ids` (raw token ids cut into
+    /// `segments`, one per sequence) at once, one message per table (more
+    /// only when the rows exceed a donor's frame cap); returns at once.
+    pub fn prefetch(&self, ids: &[i64], segments: &[Segment]) -> Result<Ticket, EmbedError> {
+        let open = self.open_state()?;
+        let plan = open.addressing.plan(ids, segments)?;
+        let ticket = Ticket::new(plan.live, &plan.layers, open.tables);
+        let started = Instant::now();
+        for (slot, layer) in plan.layers.into_iter().enumerate() {
+            if layer.unique.is_empty() {
+                // Every position is DEAD: nothing to fetch, zeros to write.
+                ticket.done[slot].finish(crate::model::Fetch::default(), Duration::ZERO);
+                continue;
+            }
+            let router = open.routers[slot].clone();
+            let done: Arc<Done> = ticket.done[slot].clone();
+            let counters = self.shared.counters.clone();
+            let inflight = self.shared.inflight.clone();
+            let chunk = open.chunk_rows;
+            inflight.fetch_add(1, Ordering::AcqRel);
+            self.shared.handle.spawn(async move {
+                let f = fetch_rows(&router, &layer.unique, chunk).await;
+                counters[slot].count(&f);
+                done.finish(f, started.elapsed());
+                inflight.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+        Ok(ticket)
+    }
+
+    /// Each layer's counters since the memory opened.
+    pub fn stats(&self) -> Result<[LayerStats; 2], EmbedError> {
+        let open = self.open_state()?;
+        Ok(std::array::from_fn(|slot| {
+            let c = &self.shared.counters[slot];
+            let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            LayerStats {
+                layer: ENGRAM_LAYERS[slot],
+                table: open.tables[slot],
+                prefetches: g(&c.prefetches),
+                rows: g(&c.rows),
+                messages: g(&c.messages),
+                hedges: g(&c.hedges),
+                failovers: g(&c.failovers),
+                late: g(&c.late),
+                zeros: g(&c.zeros),
+                failed: g(&c.failed),
+            }
+        }))
+    }
+
+    /// The node's metrics in Prometheus text (what `/metrics` serves).
+    pub fn metrics_text(&self) -> Result<String, EmbedError> {
+        Ok(self.open_state()?.metrics.render())
+    }
+
+    /// Close: refuse new calls, let fetches in flight end (at most
+    /// `drain`), then stop the probes, the metrics server and the I/O
+    /// thread. Tickets still held fail their waits with what their fetch
+    /// came to, or a timeout. Closing twice is a no-op.
+    pub fn close(&self, drain: Duration) {
+        let open = self
+            .shared
+            .state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let Some(open) = open else { return };
+        let until = Instant::now() + drain;
+        while self.shared.inflight.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        // Drop the memory (its connections, probe tasks) on its runtime.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+        self.shared.handle.spawn(async move {
+            if let Some(t) = &open.metrics_task {
+                t.abort();
+            }
+            drop(open);
+            let _ = tx.send(());
+        });
+        let _ = rx.recv_timeout(Duration::from_secs(1));
+        let io = self
+            .shared
+            .io
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((stop, thread)) = io {
+            let _ = stop.send(());
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for EngramMemory {
+    fn drop(&mut self) {
+        self.close(DEFAULT_DRAIN);
+    }
+}
+
+/// Build the open state on the I/O runtime.
+async fn build(
+    cfg: Config,
+    name: String,
+    tables: [u32; 2],
+    addressing: Addressing,
+    chunk_rows: usize,
+    metrics_at: Option<SocketAddr>,
+) -> Result<Open, SetupError> {
+    let metrics = Arc::new(NodeMetrics::new());
+    let memory = Memory::from_config(&cfg, &name, &metrics).await?;
+    let router = |t: u32| {
+        memory
+            .router(t)
+            .cloned()
+            .ok_or_else(|| SetupError::Config(format!("table {t} has no router")))
+    };
+    let routers = [router(tables[0])?, router(tables[1])?];
+    usable_at_start(&routers, &crate::model::v41_slots(tables[0], tables[1]))?;
+    let (metrics_addr, metrics_task) = match metrics_at {
+        Some(a) => {
+            let (bound, task) = crate::memory::serve_metrics(a, metrics.clone())
+                .await
+                .map_err(|e| {
+                    SetupError::Config(format!(
+                        "node {name:?}: binding the metrics address {a}: {e}"
+                    ))
+                })?;
+            (Some(bound), Some(task))
+        }
+        None => (None, None),
+    };
+    Ok(Open {
+        _memory: memory,
+        routers,
+        tables,
+        addressing,
+        chunk_rows,
+        metrics,
+        metrics_addr,
+        metrics_task,
+    })
+}
+
+/// Dequantize rows (`rows.len()` a multiple of 264) into `out` (256 values
+/// per row) as f32: the values the node's fusion reads (each rounded to
+/// bf16, as V4.1 computes them).
+pub fn dequantize_f32(rows: &[u8], out: &mut [f32]) -> Result<(), EmbedError> {
+    let mut bf = [0u16; ROW_VALUES];
+    each_row(rows, out.len(), |i, row| {
+        dequantize_row_bf16(row, &mut bf)?;
+        for (o, &b) in out[i * ROW_VALUES..(i + 1) * ROW_VALUES]
+            .iter_mut()
+            .zip(&bf)
+        {
+            *o = bf16_bits_to_f32(b);
+        }
+        Ok(())
+    })
+}
+
+/// Dequantize rows into `out` as bf16 bit patterns (what
+/// [`dequantize_f32`] gives, before widening).
+pub fn dequantize_bf16(rows: &[u8], out: &mut [u16]) -> Result<(), EmbedError> {
+    each_row(rows, out.len(), |i, row| {
+        let dst: &mut [u16; ROW_VALUES] = (&mut out[i * ROW_VALUES..(i + 1) * ROW_VALUES])
+            .try_into()
+            .map_err(|_| engram_protocol::row::RowError::Length { len: 0, rows: 1 })?;
+        dequantize_row_bf16(row, dst)
+    })
+}
+
+/// Check the sizes, then call `f` on every row with its index.
+fn each_row(
+    rows: &[u8],
+    out_len: usize,
+    mut f: impl FnMut(usize, &RowBytes) -> Result<(), engram_protocol::row::RowError>,
+) -> Result<(), EmbedError> {
+    if !rows.len().is_multiple_of(ROW_BYTES) {
+        return Err(EmbedError::BadInput(format!(
+            "{} bytes of rows is not a whole number of {ROW_BYTES}-byte rows",
+            rows.len()
+        )));
+    }
+    let n = rows.len() / ROW_BYTES;
+    if out_len != n * ROW_VALUES {
+        return Err(EmbedError::BadInput(format!(
+            "the output holds {out_len} values; {n} rows need {} ({ROW_VALUES} per row)",
+            n * ROW_VALUES
+        )));
+    }
+    for (i, row) in rows.chunks_exact(ROW_BYTES).enumerate() {
+        let row: &RowBytes = row
+            .try_into()
+            .map_err(|_| EmbedError::BadInput(format!("row {i} is not {ROW_BYTES} bytes")))?;
+        f(i, row).map_err(|e| EmbedError::BadInput(format!("row {i}: {e}")))?;
+    }
+    Ok(())
+}

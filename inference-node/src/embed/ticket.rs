@@ -1,0 +1,270 @@
+//! A prefetch in flight: both layers' fetches, each finishing on the
+//! memory's runtime into a cell its waiters read without a lock once it is
+//! set. A waiter spins a few microseconds, then sleeps on the layer's own
+//! condition variable with the caller's deadline; nothing it holds is
+//! shared with another ticket.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use engram_protocol::ROW_BYTES;
+use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
+
+use super::EmbedError;
+use super::batch::LayerRows;
+use crate::model::Fetch;
+
+/// How long a wait spins before it sleeps (a woken thread takes tens of
+/// microseconds; the node's own loop spins as long).
+const SPIN: Duration = Duration::from_micros(30);
+
+/// Bytes of one position's rows of one layer.
+pub const POSITION_BYTES: usize = COLUMNS * ROW_BYTES;
+
+type Callback = Box<dyn FnOnce() + Send>;
+
+/// One layer's fetch: set once when it ends.
+#[derive(Default)]
+pub(crate) struct Done {
+    fetch: OnceLock<(Fetch, Duration)>,
+    /// Guards the sleep and the callbacks, never the result.
+    sleep: Mutex<Vec<Callback>>,
+    woken: Condvar,
+}
+
+impl std::fmt::Debug for Done {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Done")
+            .field("ready", &self.fetch.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Done {
+    /// The fetch ended (`took`: since the prefetch): wake every waiter and
+    /// run the callbacks, outside the lock.
+    pub(crate) fn finish(&self, fetch: Fetch, took: Duration) {
+        let _ = self.fetch.set((fetch, took));
+        let callbacks = {
+            let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            std::mem::take(&mut *g)
+        };
+        self.woken.notify_all();
+        for cb in callbacks {
+            cb();
+        }
+    }
+
+    /// The result, waiting until `deadline` at most (`None`: until it ends).
+    fn wait(&self, deadline: Option<Instant>) -> Option<&(Fetch, Duration)> {
+        let spin_until = Instant::now() + SPIN;
+        loop {
+            if let Some(f) = self.fetch.get() {
+                return Some(f);
+            }
+            let now = Instant::now();
+            if now >= spin_until || deadline.is_some_and(|d| now >= d) {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(f) = self.fetch.get() {
+                return Some(f);
+            }
+            match deadline {
+                None => g = self.woken.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    g = self
+                        .woken
+                        .wait_timeout(g, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+
+    /// Call `cb` once the fetch has ended (now, when it has).
+    fn on_ready(&self, cb: Callback) {
+        {
+            let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            if self.fetch.get().is_none() {
+                g.push(cb);
+                return;
+            }
+        }
+        cb();
+    }
+}
+
+/// How one layer's rows were served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// The Engram layer (1 or 14).
+    pub layer: u32,
+    /// The table id.
+    pub table: u32,
+    /// Sources that answered, in order of first use (`zeros`: by policy).
+    pub sources: Vec<String>,
+    /// Sources also asked after the hedge delay.
+    pub hedges: u32,
+    /// Sources asked after a failure.
+    pub failovers: u32,
+    /// Whether an answer came after the table's deadline.
+    pub late: bool,
+    /// Whether rows are zeros by the table's `zeros` policy (Engram off).
+    pub zeros: bool,
+    /// Messages sent (more than one only for a wide prefill).
+    pub messages: u32,
+    /// Distinct rows fetched.
+    pub rows: usize,
+    /// From the prefetch to the last row's arrival.
+    pub elapsed: Duration,
+}
+
+/// Per-layer counters of a memory's lookups, since it opened.
+#[derive(Debug, Default)]
+pub(crate) struct LayerCounters {
+    pub prefetches: AtomicU64,
+    pub rows: AtomicU64,
+    pub messages: AtomicU64,
+    pub hedges: AtomicU64,
+    pub failovers: AtomicU64,
+    pub late: AtomicU64,
+    pub zeros: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl LayerCounters {
+    pub(crate) fn count(&self, f: &Fetch) {
+        let add = |c: &AtomicU64, n: u64| c.fetch_add(n, Ordering::Relaxed);
+        add(&self.prefetches, 1);
+        add(&self.rows, (f.bytes.len() / ROW_BYTES) as u64);
+        add(&self.messages, u64::from(f.messages));
+        add(&self.hedges, u64::from(f.hedges));
+        add(&self.failovers, u64::from(f.failovers));
+        add(&self.late, u64::from(f.late));
+        add(&self.zeros, u64::from(f.zeros));
+        add(&self.failed, u64::from(f.error.is_some()));
+    }
+}
+
+/// Both layers' rows of one batch, on their way.
+#[derive(Debug)]
+pub struct Ticket {
+    pub(crate) live: Vec<bool>,
+    pub(crate) index: [Vec<u32>; 2],
+    pub(crate) tables: [u32; 2],
+    pub(crate) done: [Arc<Done>; 2],
+}
+
+/// The slot of an Engram layer (0 for layer 1, 1 for layer 14).
+pub(crate) fn slot_of(layer: u32) -> Result<usize, EmbedError> {
+    ENGRAM_LAYERS
+        .iter()
+        .position(|&l| l == layer)
+        .ok_or_else(|| {
+            EmbedError::BadInput(format!(
+                "layer {layer} has no Engram table: the layers are {ENGRAM_LAYERS:?}"
+            ))
+        })
+}
+
+impl Ticket {
+    pub(crate) fn new(live: Vec<bool>, layers: &[LayerRows; 2], tables: [u32; 2]) -> Self {
+        Self {
+            live,
+            index: [layers[0].index.clone(), layers[1].index.clone()],
+            tables,
+            done: Default::default(),
+        }
+    }
+
+    /// Positions in the batch.
+    pub fn positions(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Bytes a layer's rows take in the caller's buffer: positions x 24 x 264.
+    pub fn bytes(&self) -> usize {
+        self.live.len() * POSITION_BYTES
+    }
+
+    /// Whether `layer`'s rows have arrived (or its fetch has failed).
+    pub fn ready(&self, layer: u32) -> Result<bool, EmbedError> {
+        Ok(self.done[slot_of(layer)?].fetch.get().is_some())
+    }
+
+    /// Call `cb` once `layer`'s fetch has ended, on the memory's I/O thread
+    /// (or now, when it has): for an event loop's wake-up, nothing slow.
+    pub fn on_ready(&self, layer: u32, cb: Box<dyn FnOnce() + Send>) -> Result<(), EmbedError> {
+        self.done[slot_of(layer)?].on_ready(cb);
+        Ok(())
+    }
+
+    /// Wait for `layer`'s rows (at most `timeout`; `None`: until the fetch
+    /// ends, which the table's hard timeout bounds) and write them into
+    /// `out`: position after position, 24 rows of 264 bytes each, in
+    /// column order; a DEAD position's rows are zeros. On a timeout the
+    /// ticket stays usable (wait again, or drop it).
+    pub fn wait(
+        &self,
+        layer: u32,
+        out: &mut [u8],
+        timeout: Option<Duration>,
+    ) -> Result<Served, EmbedError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let slot = slot_of(layer)?;
+        if out.len() != self.bytes() {
+            return Err(EmbedError::BadInput(format!(
+                "the row buffer has {} bytes; {} positions need {} (positions x {COLUMNS} rows x {ROW_BYTES} bytes)",
+                out.len(),
+                self.positions(),
+                self.bytes()
+            )));
+        }
+        let Some((fetch, took)) = self.done[slot].wait(deadline) else {
+            return Err(EmbedError::Timeout(format!(
+                "layer {layer} (table {}): rows not ready within {:?}; the ticket is still valid",
+                self.tables[slot],
+                timeout.unwrap_or_default()
+            )));
+        };
+        if let Some(e) = &fetch.error {
+            return Err(EmbedError::NoSource(e.clone()));
+        }
+        self.scatter(slot, &fetch.bytes, out);
+        Ok(Served {
+            layer,
+            table: self.tables[slot],
+            sources: fetch.sources.clone(),
+            hedges: fetch.hedges,
+            failovers: fetch.failovers,
+            late: fetch.late,
+            zeros: fetch.zeros,
+            messages: fetch.messages,
+            rows: fetch.bytes.len() / ROW_BYTES,
+            elapsed: *took,
+        })
+    }
+
+    /// Distinct rows (as fetched) -> every position's 24 rows, in place.
+    fn scatter(&self, slot: usize, fetched: &[u8], out: &mut [u8]) {
+        let mut cols = self.index[slot].chunks_exact(COLUMNS);
+        for (live, dst) in self.live.iter().zip(out.chunks_exact_mut(POSITION_BYTES)) {
+            match live.then(|| cols.next()).flatten() {
+                Some(idx) => {
+                    for (&i, row) in idx.iter().zip(dst.chunks_exact_mut(ROW_BYTES)) {
+                        let at = i as usize * ROW_BYTES;
+                        row.copy_from_slice(&fetched[at..at + ROW_BYTES]);
+                    }
+                }
+                None => dst.fill(0),
+            }
+        }
+    }
+}

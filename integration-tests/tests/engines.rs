@@ -1,0 +1,197 @@
+//! The embeddable memory from the languages engines are written in, against
+//! real donor processes: the C library (`libengram_rack`) through a C test
+//! program and the C example, compiled here with the system's C compiler,
+//! and the Python package (`engram_rack`) through its pytest suite.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use integration_tests::{DonorProcess, bin, gen_hashed_table, model_rack, python_has};
+
+/// The rack of `model_rack` plus node `only-donor` (donor `d` alone, with a
+/// hard timeout past the tests' own deadlines).
+fn rack(dir: &Path) -> PathBuf {
+    let config = model_rack(dir).expect("rack");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let route = |t: u32, f: &str| {
+        format!(
+            "[[node.route]]\ntable = {t}\nsources = [\"d\"]\nssd_path = \"{}\"\n",
+            dir.join(f).display()
+        )
+    };
+    let extra = format!(
+        "[[node]]\nname = \"only-donor\"\ntokens_per_second = 50\nlookup_timeout_ms = 1000\n{}{}",
+        route(1, "l1.etab"),
+        route(14, "l14.etab")
+    );
+    std::fs::write(&config, text + &extra).expect("write config");
+    config
+}
+
+fn start_donor(config: &Path) -> DonorProcess {
+    DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts")
+}
+
+/// Compile `source` against the library and its header.
+fn compile(source: &str, out: &Path) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let lib_dir = bin("libengram_rack.so")
+        .parent()
+        .expect("library directory")
+        .to_path_buf();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args([
+            "-std=c11",
+            "-D_DEFAULT_SOURCE",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+        ])
+        .arg("-I")
+        .arg(root.join("inference-node/capi/include"))
+        .arg(root.join(source))
+        .arg("-o")
+        .arg(out)
+        .arg("-L")
+        .arg(&lib_dir)
+        .args(["-lengram_rack", "-lm"])
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .status()
+        .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+    assert!(status.success(), "{cc} could not compile {source}");
+    out.to_path_buf()
+}
+
+/// Run the C test program; its output on failure.
+fn c_test(prog: &Path, args: &[&str]) -> String {
+    let out = Command::new(prog)
+        .args(args)
+        .output()
+        .expect("run engram_test");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "engram_test {}:\n{text}", args[0]);
+    eprint!("{text}");
+    text
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+#[test]
+fn the_c_library_serves_rows_fails_over_and_refuses_bad_calls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = rack(dir.path());
+    let prog = compile(
+        "inference-node/capi/tests/c/engram_test.c",
+        &dir.path().join("engram_test"),
+    );
+    let (l1, l14) = (dir.path().join("l1.etab"), dir.path().join("l14.etab"));
+    let c = s(&config);
+    let donor = start_donor(&config);
+    c_test(&prog, &["rows", &c, "n", &s(&l1), &s(&l14), "4000"]);
+    c_test(&prog, &["dequant", &c, "n"]);
+    c_test(&prog, &["badinput", &c, "n"]);
+    let lookups = std::env::var("ENGRAM_LEAK_LOOKUPS").unwrap_or_else(|_| "1000000".into());
+    c_test(&prog, &["leak", &c, "n", &lookups]);
+    c_test(
+        &prog,
+        &["deadline", &c, "only-donor", &donor.id().to_string()],
+    );
+    c_test(
+        &prog,
+        &[
+            "failover",
+            &c,
+            "n",
+            &donor.id().to_string(),
+            &s(&l1),
+            &s(&l14),
+        ],
+    );
+
+    // A donor serving another version of table 1 is never used for it.
+    let (other, digest) = gen_hashed_table(
+        dir.path(),
+        "l1-other.etab",
+        1,
+        integration_tests::MODEL_BASE,
+        12,
+    )
+    .expect("gen");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let first = text.split("digest = \"").nth(1).expect("digest");
+    let d1 = &first[..64];
+    let swapped = text
+        .replacen(&s(&l1), &s(&other), 1)
+        .replacen(d1, &digest.to_string(), 1);
+    let other_config = dir.path().join("other.toml");
+    std::fs::write(&other_config, swapped).expect("write");
+    let _other = start_donor(&other_config);
+    c_test(&prog, &["rows", &c, "n", &s(&l1), &s(&l14), "500", "d"]);
+}
+
+#[test]
+fn the_c_example_runs_against_a_real_donor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = rack(dir.path());
+    let prog = compile(
+        "inference-node/capi/examples/lookup.c",
+        &dir.path().join("lookup"),
+    );
+    let _donor = start_donor(&config);
+    let out = Command::new(&prog)
+        .args([&s(&config), "n", "5"])
+        .output()
+        .expect("run the example");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text.lines().count(), 10, "{text}");
+    assert!(text.lines().all(|l| l.contains(": from d in ")), "{text}");
+}
+
+/// The package's pytest suite, against the extension module built in this
+/// profile (or, with ENGRAM_PYTHON_WHEEL=1, the wheel pip installed).
+#[test]
+fn the_python_package_passes_its_tests() {
+    if !python_has("numpy, pytest") {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(root.join("inference-node/python/tests"))
+        .env(
+            "ENGRAM_BIN_DIR",
+            bin("memory-donor").parent().expect("bin dir"),
+        );
+    if std::env::var("ENGRAM_PYTHON_WHEEL").as_deref() != Ok("1") {
+        // The package as the wheel lays it out: the Python half beside the
+        // extension module cargo built.
+        let pkg = dir.path().join("engram_rack");
+        std::fs::create_dir(&pkg).expect("package dir");
+        let src = root.join("inference-node/python/python/engram_rack");
+        for f in std::fs::read_dir(&src).expect("package sources") {
+            let f = f.expect("entry").path();
+            if f.extension().is_some_and(|e| e == "py") {
+                std::fs::copy(&f, pkg.join(f.file_name().expect("name"))).expect("copy");
+            }
+        }
+        std::fs::copy(bin("lib_native.so"), pkg.join("_native.abi3.so")).expect("copy module");
+        cmd.env("PYTHONPATH", dir.path());
+    }
+    let status = cmd.status().expect("run pytest");
+    assert!(status.success(), "the engram_rack pytest suite failed");
+}
