@@ -221,16 +221,16 @@ mod tests {
             .model
             .expect("model");
         assert_eq!(m.compressed_vocab, None, "no default size outside v41");
+        assert_eq!(
+            m.token_map,
+            TokenMapSource::Tokenizer(PathBuf::from("/etc/engram-rack/t.json"))
+        );
         // Weights are the model loop's: a config for an embedding engine leaves them out.
         let m = parse("[model]\nhash_preset = \"v41\"\n")
             .expect("valid without weights")
             .model
             .expect("model");
         assert_eq!(m.weights, None);
-        assert_eq!(
-            m.token_map,
-            TokenMapSource::Tokenizer(PathBuf::from("/etc/engram-rack/t.json"))
-        );
     }
 
     #[test]

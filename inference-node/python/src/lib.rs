@@ -119,9 +119,7 @@ fn segments(list: Vec<(usize, Vec<i64>)>) -> Vec<Segment> {
 fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
     match t {
         None => Ok(None),
-        Some(s) if (0.0..=86_400.0).contains(&s) => {
-            Ok(Some(Duration::from_secs_f64(s)))
-        }
+        Some(s) if (0.0..=86_400.0).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
         Some(s) => Err(bad(format!(
             "timeout {s} is not a number of seconds in 0..=86400 (None: the table's own limits)"
         ))),

@@ -310,7 +310,9 @@ mod tests {
         assert!(e(&[], &[Segment::start(0)]).contains("empty"));
         assert!(e(&[1, 2], &[Segment::start(1)]).contains("cover 1"));
         assert!(e(&[1, -7], &[Segment::start(2)]).contains("position 1: token id -7"));
-        assert!(e(&[1, 5000], &[Segment::start(2)]).contains("position 1"));
+        assert!(
+            e(&[1, 200_000], &[Segment::start(2)]).contains("position 1: compressed id 200000")
+        );
         let gap = Segment {
             len: 1,
             context: [3, NO_TOKEN, 4],
