@@ -6,6 +6,7 @@
 mod contention;
 mod demo;
 mod drill;
+mod engines;
 mod floor;
 mod paced;
 mod paced_contention;
@@ -36,6 +37,8 @@ enum Cmd {
     Drill(drill::DrillArgs),
     /// The real node against local RAM, a donor over TCP and the SSD copy across token rates, next to seed 000's prediction.
     Paced(paced::PacedArgs),
+    /// The embeddable memory from C and Python against its Rust API on one donor, and a paced Python loop against the node's own.
+    Engines(engines::EnginesArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),
     /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
@@ -45,6 +48,9 @@ enum Cmd {
     /// (internal) Write a sample heatmap and timeline (SVG and PNG) to look at.
     #[command(hide = true)]
     PlotSample(plot::PlotSampleArgs),
+    /// (internal) The Rust side of `engines`.
+    #[command(hide = true)]
+    EnginesRustSide(engines::RustSideArgs),
     /// (internal) The floor's server side.
     #[command(hide = true)]
     FloorServer,
@@ -55,6 +61,8 @@ fn main() -> Result<()> {
         Cmd::Demo(a) => demo::run(&a),
         Cmd::Drill(a) => drill::run(&a),
         Cmd::Paced(a) => paced::run(&a),
+        Cmd::Engines(a) => engines::run(&a),
+        Cmd::EnginesRustSide(a) => engines::rust_side(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Model(a) => model::run(&a),

@@ -575,6 +575,25 @@ pub fn python_has(modules: &str) -> bool {
     false
 }
 
+/// Lay out the `engram_rack` package in `dir` as its wheel does: the Python
+/// half from the source tree beside the extension module cargo built in
+/// this profile. Put `dir` on PYTHONPATH to import it.
+pub fn python_package(dir: &Path) -> Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let pkg = dir.join("engram_rack");
+    std::fs::create_dir_all(&pkg).with_context(|| format!("creating {}", pkg.display()))?;
+    let src = root.join("inference-node/python/python/engram_rack");
+    for f in std::fs::read_dir(&src).with_context(|| format!("reading {}", src.display()))? {
+        let f = f?.path();
+        if f.extension().is_some_and(|e| e == "py") {
+            std::fs::copy(&f, pkg.join(f.file_name().context("file name")?))?;
+        }
+    }
+    std::fs::copy(bin("lib_native.so"), pkg.join("_native.abi3.so"))
+        .context("copying the extension module (cargo build --release --workspace builds it)")?;
+    Ok(())
+}
+
 /// Two tables (layers 1 and 14), donor `d` serving both (frame cap 500
 /// rows), donor `gone` that never runs, and three nodes: `n` (donor, then
 /// SSD), `ref` (local RAM), `stranded` (only the absent donor).

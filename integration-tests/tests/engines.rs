@@ -178,18 +178,7 @@ fn the_python_package_passes_its_tests() {
             bin("memory-donor").parent().expect("bin dir"),
         );
     if std::env::var("ENGRAM_PYTHON_WHEEL").as_deref() != Ok("1") {
-        // The package as the wheel lays it out: the Python half beside the
-        // extension module cargo built.
-        let pkg = dir.path().join("engram_rack");
-        std::fs::create_dir(&pkg).expect("package dir");
-        let src = root.join("inference-node/python/python/engram_rack");
-        for f in std::fs::read_dir(&src).expect("package sources") {
-            let f = f.expect("entry").path();
-            if f.extension().is_some_and(|e| e == "py") {
-                std::fs::copy(&f, pkg.join(f.file_name().expect("name"))).expect("copy");
-            }
-        }
-        std::fs::copy(bin("lib_native.so"), pkg.join("_native.abi3.so")).expect("copy module");
+        integration_tests::python_package(dir.path()).expect("package");
         cmd.env("PYTHONPATH", dir.path());
     }
     let status = cmd.status().expect("run pytest");

@@ -128,7 +128,7 @@ def tables(tmp_path_factory):
 
 
 def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str = "fail",
-                 metrics: int | None = None) -> Path:
+                 metrics: int | None = None, model: str = "") -> Path:
     """The rack: table 1 from `tables[l1]` (another version than the node's
     copy when l1 is "l1-other"), donor `d` serving both tables, and nodes
     `n` (d, then the SSD copy), `only-donor` (d alone) and `ref` (local RAM)."""
@@ -150,7 +150,7 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
         # A hard timeout past the callers' deadlines: the hung-donor tests time out first.
         + node("only-donor", '"d"', "lookup_timeout_ms = 1000\n")
         + node("ref", '"local"')
-        + f"[model]\nhash_base = {HASH_BASE}\n"
+        + f"[model]\nhash_base = {HASH_BASE}\n{model}"
     )
     path.write_text(text)
     return path

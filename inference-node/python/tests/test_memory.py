@@ -82,6 +82,29 @@ def test_addresses_are_the_node_cli_addresses(rack):
             assert got[p, 1].tolist() == pos["rows"]["14"]
 
 
+def test_raw_ids_go_through_the_token_map_as_the_node_cli_takes_them(rack, tables):
+    # A map of 2000 raw ids onto 1000 compressed ids (raw i -> i // 2).
+    (rack.dir / "map.txt").write_text("".join(f"{i // 2}\n" for i in range(2000)))
+    config = write_config(rack.dir / "mapped.toml", tables, free_port(), model='token_map = "map.txt"\n')
+    ids = [5, 1999, -1, 0, 2, 3, 700, 701]
+    with er.Memory(config, "ref", metrics="off") as mem:
+        got = mem.addresses(ids, context=[11, 12])
+        with pytest.raises(er.BadInputError, match="raw token id 2000 is not in the token map"):
+            mem.prefetch([1, 2000])
+    out = subprocess.run(
+        [binary("inference-node"), "addresses", "--config", str(config),
+         "--token-ids", ",".join(map(str, [11, 12] + ids)), "--json"],
+        check=True, capture_output=True, text=True,
+    )
+    positions = json.loads(out.stdout)["positions"][2:]
+    for p, pos in enumerate(positions):
+        if pos["rows"] is None:
+            assert (got[p] == er.NO_ROW).all()
+        else:
+            assert got[p, 0].tolist() == pos["rows"]["1"]
+            assert got[p, 1].tolist() == pos["rows"]["14"]
+
+
 def reference_dequantize(rows: np.ndarray) -> np.ndarray:
     """docs/ENGRAM.md: 256 e4m3 codes, then 8 ue8m0 scales (one per 32 values)."""
     codes = rows[..., :256].astype(np.int32)
@@ -201,6 +224,21 @@ def test_a_deadline_is_honoured_when_every_donor_is_hung_and_the_gil_is_free(rac
                 t.wait(1, out, timeout=5)
         finally:
             donor.signal(signal.SIGCONT)
+
+
+def test_close_answers_the_waits_of_fetches_still_in_flight(rack):
+    donor = rack.start()
+    mem = er.Memory(rack.config, "only-donor", metrics="off")
+    donor.signal(signal.SIGSTOP)
+    try:
+        t = mem.prefetch([42])
+        began = time.monotonic()
+        mem.close(drain=0.1)
+        with pytest.raises(er.NoSourceError, match="closed before the rows arrived"):
+            t.wait(1, mem.row_buffer(1))
+        assert time.monotonic() - began < 2.0
+    finally:
+        donor.signal(signal.SIGCONT)
 
 
 def test_asyncio_waits_suspend_the_coroutine_not_the_loop(rack):

@@ -320,10 +320,11 @@ impl EngramMemory {
     pub fn prefetch(&self, ids: &[i64], segments: &[Segment]) -> Result<Ticket, EmbedError> {
         let open = self.open_state()?;
         let plan = open.addressing.plan(ids, segments)?;
-        let ticket = Ticket::new(plan.live, &plan.layers, open.tables);
+        let [l1, l14] = plan.layers;
+        let ticket = Ticket::new(plan.live, [l1.index, l14.index], open.tables);
         let started = Instant::now();
-        for (slot, layer) in plan.layers.into_iter().enumerate() {
-            if layer.unique.is_empty() {
+        for (slot, unique) in [l1.unique, l14.unique].into_iter().enumerate() {
+            if unique.is_empty() {
                 // Every position is DEAD: nothing to fetch, zeros to write.
                 ticket.done[slot].finish(crate::model::Fetch::default(), Duration::ZERO);
                 continue;
@@ -334,11 +335,11 @@ impl EngramMemory {
             let inflight = self.shared.inflight.clone();
             let chunk = open.chunk_rows;
             inflight.fetch_add(1, Ordering::AcqRel);
+            let guard = Unfinished { done, inflight };
             self.shared.handle.spawn(async move {
-                let f = fetch_rows(&router, &layer.unique, chunk).await;
+                let f = fetch_rows(&router, &unique, chunk).await;
                 counters[slot].count(&f);
-                done.finish(f, started.elapsed());
-                inflight.fetch_sub(1, Ordering::AcqRel);
+                guard.done.finish(f, started.elapsed());
             });
         }
         Ok(ticket)
@@ -412,6 +413,29 @@ impl EngramMemory {
 impl Drop for EngramMemory {
     fn drop(&mut self) {
         self.close(DEFAULT_DRAIN);
+    }
+}
+
+/// A fetch task's hold on its ticket: however the task ends (its runtime
+/// shut down by a close before the rows came, too), the ticket's waiters
+/// are answered and the in-flight count drops.
+struct Unfinished {
+    done: Arc<Done>,
+    inflight: Arc<AtomicUsize>,
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if !self.done.is_finished() {
+            self.done.finish(
+                crate::model::Fetch {
+                    error: Some("the memory closed before the rows arrived".into()),
+                    ..Default::default()
+                },
+                Duration::ZERO,
+            );
+        }
+        self.inflight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

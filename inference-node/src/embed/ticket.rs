@@ -12,7 +12,6 @@ use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
 
 use super::EmbedError;
-use super::batch::LayerRows;
 use crate::model::Fetch;
 
 /// How long a wait spins before it sleeps (a woken thread takes tens of
@@ -54,6 +53,11 @@ impl Done {
         for cb in callbacks {
             cb();
         }
+    }
+
+    /// Whether the fetch has ended.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.fetch.get().is_some()
     }
 
     /// The result, waiting until `deadline` at most (`None`: until it ends).
@@ -175,10 +179,10 @@ pub(crate) fn slot_of(layer: u32) -> Result<usize, EmbedError> {
 }
 
 impl Ticket {
-    pub(crate) fn new(live: Vec<bool>, layers: &[LayerRows; 2], tables: [u32; 2]) -> Self {
+    pub(crate) fn new(live: Vec<bool>, index: [Vec<u32>; 2], tables: [u32; 2]) -> Self {
         Self {
             live,
-            index: [layers[0].index.clone(), layers[1].index.clone()],
+            index,
             tables,
             done: Default::default(),
         }
