@@ -28,20 +28,29 @@ use crate::stats::{median, print_table};
 #[derive(Debug, Clone, clap::Args)]
 pub struct EnginesArgs {
     /// Timed steps per language per round.
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, default_value_t = 10_000)]
     steps: usize,
     /// Untimed steps before them.
     #[arg(long, default_value_t = 2_000)]
     warmup: usize,
-    /// Rounds; the table shows medians over them.
-    #[arg(long, default_value_t = 3)]
+    /// Rounds; the table shows medians over them (on a small VM a
+    /// process's step times depend on where the scheduler puts its threads
+    /// beside the donor's, so many short rounds).
+    #[arg(long, default_value_t = 15)]
     repeat: usize,
+    /// Fix the placement: the donor on the last CPU, every client process
+    /// (its thread and the memory's I/O thread) on CPU 0, with `taskset`.
+    #[arg(long)]
+    pin: bool,
     /// Token rates of the paced comparison.
     #[arg(long, value_delimiter = ',', default_value = "100,400")]
     rates: Vec<f64>,
     /// Length of each paced run.
     #[arg(long, default_value_t = 4.0)]
     seconds_per_point: f64,
+    /// Paced runs per rate and loop (tokens/s are steady: fewer than the step rounds).
+    #[arg(long, default_value_t = 3)]
+    paced_repeat: usize,
     /// Where the config, the compiled C program, the package and engines.json go.
     #[arg(long, default_value = "target/bench-engines")]
     out: PathBuf,
@@ -94,6 +103,7 @@ struct Paced {
 struct Report {
     steps: usize,
     repeat: usize,
+    pinned: bool,
     target: String,
     languages: Vec<Language>,
     paced: Vec<Paced>,
@@ -192,8 +202,8 @@ fn compile_c(out: &Path) -> Result<PathBuf> {
 
 /// Run it.
 pub fn run(args: &EnginesArgs) -> Result<()> {
-    if args.steps < 100 || args.repeat == 0 {
-        bail!("--steps must be at least 100 and --repeat at least 1");
+    if args.steps < 100 || args.repeat == 0 || args.paced_repeat == 0 {
+        bail!("--steps must be at least 100, --repeat and --paced-repeat at least 1");
     }
     if args
         .rates
@@ -220,12 +230,42 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     let config = &rk.config;
     let donor = Child::launch_donor(config, "donor-a", &[])?;
     donor.wait_ready(Duration::from_secs(120))?;
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let pin = args.pin && cpus >= 2;
+    if args.pin && !pin {
+        eprintln!("--pin needs two CPUs or more; running unpinned");
+    }
+    if pin {
+        let st = Command::new("taskset")
+            .args([
+                "-a",
+                "-cp",
+                &(cpus - 1).to_string(),
+                &donor.pid().to_string(),
+            ])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .context("running taskset (util-linux)")?;
+        if !st.success() {
+            bail!("taskset could not pin the donor");
+        }
+    }
+    // A client process, pinned to CPU 0 with --pin.
+    let client = |program: &Path| {
+        if pin {
+            let mut c = Command::new("taskset");
+            c.args(["-c", "0"]).arg(program);
+            c
+        } else {
+            Command::new(program)
+        }
+    };
     let c_prog = compile_c(out)?;
     let pkg = out.join("python");
     integration_tests::python_package(&pkg)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = |script: &str| {
-        let mut cmd = Command::new("python3");
+        let mut cmd = client(Path::new("python3"));
         cmd.arg(root.join(script)).env("PYTHONPATH", &pkg);
         cmd
     };
@@ -240,12 +280,12 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
             eprintln!("round {}/{}: {}", r + 1, args.repeat, names[lang]);
             let lat = match lang {
                 0 => {
-                    let mut cmd = Command::new(std::env::current_exe()?);
+                    let mut cmd = client(&std::env::current_exe()?);
                     cmd.args(["engines-rust-side", &config_s, "donor", &steps, &warmup]);
                     json_of(cmd, "the Rust benchmark")?
                 }
                 1 => {
-                    let mut cmd = Command::new(&c_prog);
+                    let mut cmd = client(&c_prog);
                     cmd.args([&config_s, "donor", &steps, &warmup]);
                     json_of(cmd, "the C benchmark")?
                 }
@@ -282,8 +322,12 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     for &rate in &args.rates {
         let tokens = ((rate * args.seconds_per_point).round() as u64).max(10);
         let (mut node_runs, mut python_runs) = (Vec::new(), Vec::new());
-        for r in 0..args.repeat {
-            eprintln!("paced {rate} tokens/s, round {}/{}", r + 1, args.repeat);
+        for r in 0..args.paced_repeat {
+            eprintln!(
+                "paced {rate} tokens/s, round {}/{}",
+                r + 1,
+                args.paced_repeat
+            );
             let stdout = out.join("node-summary.json");
             rack::run_node(
                 config,
@@ -332,6 +376,7 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     let report = Report {
         steps: args.steps,
         repeat: args.repeat,
+        pinned: pin,
         target: format!(
             "step p50 <= {P50_TARGET}x and p99 <= {P99_TARGET}x Rust's; paced Python tokens/s within {}% of the node's",
             PACED_TARGET * 100.0
@@ -347,8 +392,14 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "One step (prefetch of one token, waits for both layers' rows), {} steps x {} rounds, medians:",
-        args.steps, args.repeat
+        "One step (prefetch of one token, waits for both layers' rows), {} steps x {} rounds{}, medians:",
+        args.steps,
+        args.repeat,
+        if pin {
+            ", pinned (donor: last CPU, clients: CPU 0)"
+        } else {
+            ""
+        }
     );
     print_table(
         &[
@@ -374,7 +425,10 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
             })
             .collect::<Vec<_>>(),
     );
-    println!("\nPaced loop, tokens/s (medians of {} runs):", args.repeat);
+    println!(
+        "\nPaced loop, tokens/s (medians of {} runs):",
+        args.paced_repeat
+    );
     print_table(
         &["rate", "node", "Python example", "Python / node", "target"],
         &report

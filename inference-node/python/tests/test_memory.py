@@ -63,6 +63,17 @@ def test_rows_equal_the_table_files_for_thousands_of_random_positions(rack):
         assert mem.stats()[0]["failed"] == 0
 
 
+def same_addresses(got, positions):
+    """`Memory.addresses` output against `inference-node addresses --json` positions."""
+    assert len(got) == len(positions)
+    for p, pos in enumerate(positions):
+        if pos["rows"] is None:
+            assert (got[p] == er.NO_ROW).all()
+        else:
+            assert got[p, 0].tolist() == pos["rows"]["1"]
+            assert got[p, 1].tolist() == pos["rows"]["14"]
+
+
 def test_addresses_are_the_node_cli_addresses(rack):
     # The config has no token map: raw ids are compressed ids, as for the CLI's --compressed-ids.
     ids = [5, 17, -1, 99_000, 3, 3, 3]
@@ -73,13 +84,7 @@ def test_addresses_are_the_node_cli_addresses(rack):
          "--compressed-ids", ",".join(map(str, ids)), "--json"],
         check=True, capture_output=True, text=True,
     )
-    positions = json.loads(out.stdout)["positions"]
-    for p, pos in enumerate(positions):
-        if pos["rows"] is None:
-            assert (got[p] == er.NO_ROW).all()
-        else:
-            assert got[p, 0].tolist() == pos["rows"]["1"]
-            assert got[p, 1].tolist() == pos["rows"]["14"]
+    same_addresses(got, json.loads(out.stdout)["positions"])
 
 
 def test_raw_ids_go_through_the_token_map_as_the_node_cli_takes_them(rack, tables):
@@ -96,13 +101,7 @@ def test_raw_ids_go_through_the_token_map_as_the_node_cli_takes_them(rack, table
          "--token-ids", ",".join(map(str, [11, 12] + ids)), "--json"],
         check=True, capture_output=True, text=True,
     )
-    positions = json.loads(out.stdout)["positions"][2:]
-    for p, pos in enumerate(positions):
-        if pos["rows"] is None:
-            assert (got[p] == er.NO_ROW).all()
-        else:
-            assert got[p, 0].tolist() == pos["rows"]["1"]
-            assert got[p, 1].tolist() == pos["rows"]["14"]
+    same_addresses(got, json.loads(out.stdout)["positions"][2:])
 
 
 def reference_dequantize(rows: np.ndarray) -> np.ndarray:
