@@ -70,14 +70,25 @@ fn bad(m: String) -> PyErr {
     BadInputError::new_err(m)
 }
 
+/// What a row buffer must hold.
+const ROWS: &str = "rows are bytes: use dtype uint8";
+/// What a bf16 output must be.
+const BF16: &str =
+    "bfloat16 output needs uint16 (or int16: a torch bfloat16 tensor viewed as int16)";
+/// What an `ids` buffer must hold.
+const INT64: &str = "token ids are int64 (numpy.int64)";
+
 /// A C-contiguous buffer of `T` (`writable`: and not read-only), or a
-/// clear error naming `what`.
-fn buffer<T: Element>(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> PyResult<PyBuffer<T>> {
-    let b = PyBuffer::<T>::get(obj).map_err(|e| {
-        bad(format!(
-            "{what} must be a buffer of {} (a numpy array of that dtype): {e}",
-            std::any::type_name::<T>()
-        ))
+/// clear error naming `what` and, for an array of another dtype, `need`.
+fn buffer<T: Element>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    need: &str,
+    writable: bool,
+) -> PyResult<PyBuffer<T>> {
+    let b = PyBuffer::<T>::get(obj).map_err(|e| match obj.getattr("dtype") {
+        Ok(dtype) => bad(format!("{what} has dtype {dtype}; {need}")),
+        Err(_) => bad(format!("{what} must be a buffer: {need} ({e})")),
     })?;
     if !b.is_c_contiguous() {
         return Err(bad(format!("{what} must be C-contiguous")));
@@ -108,6 +119,27 @@ unsafe fn slice<T>(b: &PyBuffer<T>) -> &[T] {
 unsafe fn slice_mut<T>(b: &PyBuffer<T>) -> &mut [T] {
     // SAFETY: as in `slice`; writable was checked by `buffer`.
     unsafe { std::slice::from_raw_parts_mut(b.buf_ptr().cast::<T>(), b.item_count()) }
+}
+
+/// The last three items of a sequence of token ids (None: none).
+fn last_three(context: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
+    let Some(c) = context else {
+        return Ok(Vec::new());
+    };
+    let wrong = |e: PyErr| bad(format!("context must be a sequence of token ids: {e}"));
+    if c.is_instance_of::<pyo3::types::PyString>() {
+        return Err(bad(
+            "context must be a sequence of token ids, not a string".into()
+        ));
+    }
+    let n = c.len().map_err(wrong)?;
+    (n.saturating_sub(3)..n)
+        .map(|i| {
+            c.get_item(i)
+                .and_then(|x| x.extract::<i64>())
+                .map_err(wrong)
+        })
+        .collect()
 }
 
 fn segments(list: Vec<(usize, Vec<i64>)>) -> Vec<Segment> {
@@ -167,8 +199,8 @@ impl Memory {
         segments_: Vec<(usize, Vec<i64>)>,
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let ids = buffer::<i64>(ids, "ids", false)?;
-        let out = buffer::<u64>(out, "out", true)?;
+        let ids = buffer::<i64>(ids, "ids", INT64, false)?;
+        let out = buffer::<u64>(out, "out", "row ids are uint64", true)?;
         // SAFETY: both buffers are held for the call, with the GIL.
         let (ids_s, out_s) = unsafe { (slice(&ids), slice_mut(&out)) };
         self.inner
@@ -176,13 +208,33 @@ impl Memory {
             .map_err(err)
     }
 
-    /// Start both tables' fetches for `ids` cut into `segments`.
+    /// Start both tables' fetches for `ids` (an int64 buffer), one
+    /// sequence after `context` (its tokens before them; the last three
+    /// are read).
+    #[pyo3(signature = (ids, context=None))]
     fn prefetch(
+        &self,
+        ids: &Bound<'_, PyAny>,
+        context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Ticket> {
+        let ids = buffer::<i64>(ids, "ids", INT64, false)?;
+        // SAFETY: held for the call, with the GIL.
+        let ids_s = unsafe { slice(&ids) };
+        let ctx = last_three(context)?;
+        let inner = self
+            .inner
+            .prefetch(ids_s, &[Segment::after(ids_s.len(), &ctx)])
+            .map_err(err)?;
+        Ok(Ticket { inner })
+    }
+
+    /// Start both tables' fetches for `ids` cut into `segments` [(len, context)].
+    fn prefetch_segments(
         &self,
         ids: &Bound<'_, PyAny>,
         segments_: Vec<(usize, Vec<i64>)>,
     ) -> PyResult<Ticket> {
-        let ids = buffer::<i64>(ids, "ids", false)?;
+        let ids = buffer::<i64>(ids, "ids", INT64, false)?;
         // SAFETY: held for the call, with the GIL.
         let ids_s = unsafe { slice(&ids) };
         let inner = self
@@ -364,7 +416,7 @@ impl Ticket {
         timeout: Option<f64>,
     ) -> PyResult<Served> {
         let t = self::timeout(timeout)?;
-        let buf = buffer::<u8>(out, "out", true)?;
+        let buf = buffer::<u8>(out, "out", ROWS, true)?;
         // SAFETY: `buf` stays exported until it drops at the end of this
         // call; the engine owns its buffer and must not write it while the
         // rows are being written (the GIL is released meanwhile).
@@ -404,8 +456,8 @@ impl Ticket {
 /// 256 values a row): the values the node's fusion reads.
 #[pyfunction]
 fn dequantize_f32(py: Python<'_>, rows: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-    let r = buffer::<u8>(rows, "rows", false)?;
-    let o = buffer::<f32>(out, "out", true)?;
+    let r = buffer::<u8>(rows, "rows", ROWS, false)?;
+    let o = buffer::<f32>(out, "out", "float32 output needs float32", true)?;
     // SAFETY: both held for the call; the caller does not write them meanwhile.
     let (rs, os) = unsafe { (slice(&r), slice_mut(&o)) };
     py.detach(|| embed::dequantize_f32(rs, os)).map_err(err)
@@ -419,12 +471,12 @@ fn dequantize_bf16(
     rows: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let r = buffer::<u8>(rows, "rows", false)?;
-    let o = match buffer::<u16>(out, "out", true) {
+    let r = buffer::<u8>(rows, "rows", ROWS, false)?;
+    let o = match buffer::<u16>(out, "out", BF16, true) {
         Ok(o) => o,
         Err(e) => {
             // Same bits, other sign convention: reinterpret an int16 buffer.
-            let signed = buffer::<i16>(out, "out", true).map_err(|_| e)?;
+            let signed = buffer::<i16>(out, "out", BF16, true).map_err(|_| e)?;
             // SAFETY: held for the call; i16 and u16 share size and alignment.
             let os = unsafe {
                 std::slice::from_raw_parts_mut(signed.buf_ptr().cast::<u16>(), signed.item_count())

@@ -83,6 +83,24 @@ class Donor:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
 
+    def hang(self) -> None:
+        """SIGSTOP, then wait until every thread is stopped (the signal is
+        asynchronous: a thread running on another core finishes its slice)."""
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while time.monotonic() < deadline:
+            states = []
+            for t in tasks.iterdir():
+                try:
+                    states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    pass
+            if states and all(st in "tT" for st in states):
+                return
+            time.sleep(0.001)
+        raise RuntimeError("the donor did not stop")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)

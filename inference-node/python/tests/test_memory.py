@@ -56,7 +56,8 @@ def test_rows_equal_the_table_files_for_thousands_of_random_positions(rack):
             for slot, layer in enumerate(er.LAYERS):
                 out = mem.row_buffer(n)
                 served = t.wait(layer, out, timeout=5)
-                assert served.sources == ["d"], served
+                # The donor, or the SSD copy as a hedge on a loaded machine.
+                assert set(served.sources) <= {"d", "ssd"}, served
                 assert not served.zeros
                 np.testing.assert_array_equal(out, want[slot])
             checked += n
@@ -193,7 +194,7 @@ def _port(rack) -> int:
 def test_a_deadline_is_honoured_when_every_donor_is_hung_and_the_gil_is_free(rack):
     donor = rack.start()
     with er.Memory(rack.config, "only-donor", metrics="off") as mem:
-        donor.signal(signal.SIGSTOP)
+        donor.hang()
         try:
             t = mem.prefetch([42])
             out = mem.row_buffer(1)
@@ -228,7 +229,7 @@ def test_a_deadline_is_honoured_when_every_donor_is_hung_and_the_gil_is_free(rac
 def test_close_answers_the_waits_of_fetches_still_in_flight(rack):
     donor = rack.start()
     mem = er.Memory(rack.config, "only-donor", metrics="off")
-    donor.signal(signal.SIGSTOP)
+    donor.hang()
     try:
         t = mem.prefetch([42])
         began = time.monotonic()
@@ -248,7 +249,7 @@ def test_asyncio_waits_suspend_the_coroutine_not_the_loop(rack):
         a, b = mem.row_buffer(3), mem.row_buffer(3)
         s1, s14 = await asyncio.gather(t.wait_async(1, a, 5), t.wait_async(14, b, 5))
         assert s1.sources == ["d"] and s14.sources == ["d"]
-        donor.signal(signal.SIGSTOP)
+        donor.hang()
         try:
             t = mem.prefetch([4])
             ticks = 0

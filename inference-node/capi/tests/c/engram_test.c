@@ -10,6 +10,7 @@
  *   engram_test badinput CONFIG NODE
  *   engram_test leak CONFIG NODE LOOKUPS
  */
+#include <dirent.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -231,11 +232,47 @@ static int cmd_failover(char **a, int n) {
     return failures != 0;
 }
 
+/* Whether every thread of `pid` is stopped. */
+static int all_stopped(pid_t pid) {
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int seen = 0, stopped = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        char path[384], buf[512] = {0};
+        snprintf(path, sizeof path, "%s/%s/stat", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        size_t got = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        char *close = got ? strrchr(buf, ')') : NULL;
+        seen++;
+        if (close && (close[2] == 'T' || close[2] == 't')) stopped++;
+    }
+    closedir(d);
+    return seen > 0 && seen == stopped;
+}
+
+/* SIGSTOP, then wait until every thread is stopped (the signal is
+ * asynchronous: a thread on another core finishes its slice first). */
+static void hang(pid_t pid) {
+    kill(pid, SIGSTOP);
+    for (int i = 0; i < 10000; i++) {
+        if (all_stopped(pid)) return;
+        usleep(1000);
+    }
+    fprintf(stderr, "the donor did not stop\n");
+    exit(1);
+}
+
 static int cmd_deadline(char **a, int n) {
     if (n < 3) return 2;
     engram_memory *m = open_memory(a[0], a[1]);
     pid_t donor = (pid_t)atol(a[2]);
-    kill(donor, SIGSTOP);
+    hang(donor);
     int64_t id = 42;
     engram_ticket *t = NULL;
     engram_status s = engram_prefetch(m, &id, 1, NULL, 0, &t);

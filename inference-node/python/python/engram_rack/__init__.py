@@ -91,24 +91,26 @@ def _ids(ids) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
+_INT64 = np.dtype(np.int64)
+
+
+def _fast_ids(ids):
+    """`ids` itself when it is already what the native call takes (a 1-D
+    int64 array: checked there), else `_ids(ids)`: no work on the hot path."""
+    if type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1:
+        return ids
+    return _ids(ids)
+
+
 def _context(context) -> list[int]:
     if context is None:
         return []
+    if isinstance(context, (str, bytes)):
+        raise BadInputError("context must be a sequence of token ids, not a string")
     try:
         return [int(x) for x in list(context)[-3:]]
     except (TypeError, ValueError) as e:
         raise BadInputError(f"context must be a sequence of token ids: {e}") from None
-
-
-def _check_out(out, nbytes: int, what: str = "out") -> None:
-    if isinstance(out, np.ndarray):
-        if out.dtype != np.uint8:
-            raise BadInputError(f"{what} has dtype {out.dtype}; rows are bytes: use dtype uint8")
-        if out.nbytes != nbytes:
-            raise BadInputError(
-                f"{what} has {out.nbytes} bytes; this ticket's rows need {nbytes} "
-                f"(positions x {COLUMNS} x {ROW_BYTES})"
-            )
 
 
 class Ticket:
@@ -144,12 +146,10 @@ class Ticket:
         and hard timeout bound it); DeadlineExceeded leaves the ticket valid.
         NoSourceError when every source failed under the `fail` policy.
         """
-        _check_out(out, self._t.nbytes)
         return self._t.wait(layer, out, timeout)
 
     async def wait_async(self, layer: int, out, timeout: float | None = None) -> Served:
         """`wait` for asyncio: suspends the coroutine, never the event loop."""
-        _check_out(out, self._t.nbytes)
         if not self._t.ready(layer):
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
@@ -255,8 +255,7 @@ class Memory:
         for a speculative verification, many for a prefill chunk);
         `context`: the sequence's tokens before them (last three used).
         """
-        a = _ids(ids)
-        return Ticket(self._m.prefetch(a, [(a.size, _context(context))]))
+        return Ticket(self._m.prefetch(_fast_ids(ids), context))
 
     def prefetch_batch(self, sequences: Iterable[tuple[Sequence[int], Sequence[int] | None]]) -> Ticket:
         """One prefetch for a serving batch: `[(ids, context), ...]`, one
@@ -274,7 +273,7 @@ class Memory:
             segs.append((a.size, _context(context)))
         if not parts:
             raise BadInputError("no sequences in the batch")
-        return Ticket(self._m.prefetch(np.concatenate(parts), segs))
+        return Ticket(self._m.prefetch_segments(np.concatenate(parts), segs))
 
     def row_buffer(self, positions: int) -> np.ndarray:
         """A (positions, 24, 264) uint8 array for one layer's rows."""
