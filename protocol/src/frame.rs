@@ -9,7 +9,9 @@
 
 use thiserror::Error;
 
-use crate::messages::{ErrorFrame, Goodbye, Hello, LookupRef, RowsRef, WelcomeRef};
+use crate::messages::{
+    ErrorFrame, Goodbye, Hello, LookupRef, Region, RegionQuery, RowsRef, WelcomeRef,
+};
 use crate::row::ROW_BYTES;
 
 /// Bytes in every frame header.
@@ -37,6 +39,10 @@ pub enum FrameKind {
     Pong = 7,
     /// Donor -> client: the donor is draining; send no new requests.
     Goodbye = 8,
+    /// Client -> donor: where a table's RDMA region is (TLS and QUIC only).
+    RegionQuery = 9,
+    /// Donor -> client, answer to RegionQuery: the region and a queue-pair token.
+    Region = 10,
 }
 
 impl FrameKind {
@@ -51,6 +57,8 @@ impl FrameKind {
             6 => Self::Ping,
             7 => Self::Pong,
             8 => Self::Goodbye,
+            9 => Self::RegionQuery,
+            10 => Self::Region,
             _ => return None,
         })
     }
@@ -82,6 +90,9 @@ pub enum ErrorCode {
     /// A frame's declared payload is larger than the receiver accepts (and
     /// is not a Lookup after the handshake): the connection closes.
     FrameTooLarge,
+    /// The donor does not offer what was asked (RDMA, on a donor without
+    /// a device or built without it).
+    Unavailable,
     /// A code this build does not know (from a newer peer).
     Other(u16),
 }
@@ -101,6 +112,7 @@ impl ErrorCode {
             Self::UnsupportedVersion => 9,
             Self::Internal => 10,
             Self::FrameTooLarge => 11,
+            Self::Unavailable => 12,
             Self::Other(c) => c,
         }
     }
@@ -120,6 +132,7 @@ impl ErrorCode {
             9 => Self::UnsupportedVersion,
             10 => Self::Internal,
             11 => Self::FrameTooLarge,
+            12 => Self::Unavailable,
             c => Self::Other(c),
         })
     }
@@ -138,6 +151,7 @@ impl ErrorCode {
             Self::UnsupportedVersion => "unsupported_version",
             Self::Internal => "internal",
             Self::FrameTooLarge => "frame_too_large",
+            Self::Unavailable => "unavailable",
             Self::Other(_) => "other",
         }
     }
@@ -365,6 +379,10 @@ pub enum Frame<'a> {
     Pong,
     /// See [`Goodbye`].
     Goodbye(Goodbye),
+    /// See [`RegionQuery`].
+    RegionQuery(RegionQuery),
+    /// See [`Region`].
+    Region(Region),
 }
 
 impl<'a> Frame<'a> {
@@ -390,6 +408,8 @@ impl<'a> Frame<'a> {
                 }
             }
             FrameKind::Goodbye => Self::Goodbye(Goodbye::parse(payload)?),
+            FrameKind::RegionQuery => Self::RegionQuery(RegionQuery::parse(payload)?),
+            FrameKind::Region => Self::Region(Region::parse(payload)?),
         })
     }
 }

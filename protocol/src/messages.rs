@@ -646,6 +646,108 @@ impl Goodbye {
     }
 }
 
+/// Client -> donor: where is table `table_id`'s RDMA region? Answered with
+/// a [`Region`], or an Error: `unauthorized` on a plaintext connection
+/// (the region's key and the queue-pair token never travel in the clear),
+/// `unknown_table`, or `unavailable` when the donor offers no RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionQuery {
+    /// The table.
+    pub table_id: u32,
+}
+
+impl RegionQuery {
+    /// Payload bytes.
+    pub const LEN: usize = 8;
+
+    pub(crate) fn parse(p: &[u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::RegionQuery);
+        let table_id = c.u32()?;
+        c.zero_u32()?;
+        c.end()?;
+        Ok(Self { table_id })
+    }
+
+    /// Append this query as a frame.
+    pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) {
+        FrameHeader::write(out, FrameKind::RegionQuery, request_id, Self::LEN as u32);
+        out.extend_from_slice(&self.table_id.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+    }
+}
+
+/// Donor -> client: a table version's registered memory. Rows are 264
+/// bytes back to back from `rows_addr`; row `r`'s check word (8 bytes LE)
+/// is at `checks_addr + 8 * r`. `token` admits one queue pair to the
+/// donor's RDMA listener within 10 s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// The table.
+    pub table_id: u32,
+    /// Its row count.
+    pub rows: u64,
+    /// The version the region holds.
+    pub digest: TableDigest,
+    /// Changes with every registration: a swap (or a restart) gives a new one.
+    pub generation: u64,
+    /// Remote address of row 0.
+    pub rows_addr: u64,
+    /// Key of the rows' region.
+    pub rows_rkey: u32,
+    /// Key of the check words' region.
+    pub checks_rkey: u32,
+    /// Remote address of row 0's check word.
+    pub checks_addr: u64,
+    /// Private data a queue pair presents to be accepted.
+    pub token: [u8; 16],
+}
+
+impl Region {
+    /// Payload bytes.
+    pub const LEN: usize = 96;
+
+    pub(crate) fn parse(p: &[u8]) -> Result<Self, FrameError> {
+        let mut c = Cursor::new(p, FrameKind::Region);
+        let table_id = c.u32()?;
+        c.zero_u32()?;
+        let rows = c.u64()?;
+        let digest = TableDigest(c.array::<32>()?);
+        let generation = c.u64()?;
+        let rows_addr = c.u64()?;
+        let rows_rkey = c.u32()?;
+        let checks_rkey = c.u32()?;
+        let checks_addr = c.u64()?;
+        let token = c.array::<16>()?;
+        c.end()?;
+        Ok(Self {
+            table_id,
+            rows,
+            digest,
+            generation,
+            rows_addr,
+            rows_rkey,
+            checks_rkey,
+            checks_addr,
+            token,
+        })
+    }
+
+    /// Append this answer as a frame.
+    pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) {
+        FrameHeader::write(out, FrameKind::Region, request_id, Self::LEN as u32);
+        out.extend_from_slice(&self.table_id.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.rows.to_le_bytes());
+        out.extend_from_slice(&self.digest.0);
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(&self.rows_addr.to_le_bytes());
+        out.extend_from_slice(&self.rows_rkey.to_le_bytes());
+        out.extend_from_slice(&self.checks_rkey.to_le_bytes());
+        out.extend_from_slice(&self.checks_addr.to_le_bytes());
+        out.extend_from_slice(&self.token);
+    }
+}
+
 /// Append a Ping or Pong frame.
 pub fn encode_ping(out: &mut Vec<u8>, request_id: u64, pong: bool) {
     let kind = if pong {

@@ -1,0 +1,352 @@
+//! The donor's side: its region book. Each resident table version is
+//! registered twice (its rows, and its check words computed at publish) and
+//! gets a new generation; publishing a table again (a swap) registers the
+//! new version first, then deregisters the old one, so a node still
+//! holding the old key gets a remote access error, never rows of another
+//! version. Regions and queue-pair tokens are handed out only through
+//! [`RegionBook::grant`], which the donor calls for a RegionQuery on an
+//! authenticated connection; its listener admits a queue pair only with an
+//! unexpired, unused token.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use engram_protocol::messages::Region;
+use engram_protocol::{ROW_BYTES, TableDigest};
+
+use crate::check::{CHECK_BYTES, seed, table_checks};
+use crate::verbs::{DeviceSpec, Listener, Memory, Provider, Registration, VerbsError};
+
+/// How long a queue-pair token admits a connect.
+pub const TOKEN_TTL: Duration = Duration::from_secs(10);
+/// Most tokens outstanding: the oldest is dropped beyond it.
+pub const MAX_TOKENS: usize = 1024;
+
+#[derive(Debug)]
+struct Entry {
+    table: u32,
+    rows: u64,
+    digest: TableDigest,
+    generation: u64,
+    rows_reg: Box<dyn Registration>,
+    checks_reg: Box<dyn Registration>,
+}
+
+/// What publishing a table cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Published {
+    /// The registration's generation.
+    pub generation: u64,
+    /// Bytes registered (rows and check words).
+    pub registered: u64,
+    /// Time to compute the check words.
+    pub checks: Duration,
+    /// Time to register both regions.
+    pub register: Duration,
+}
+
+/// Why a table could not be published.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PublishError {
+    /// The memory is not `rows` rows.
+    #[error("table {table}: {len} bytes of memory for {rows} rows")]
+    Size {
+        /// The table.
+        table: u32,
+        /// Bytes given.
+        len: usize,
+        /// Rows declared.
+        rows: u64,
+    },
+    /// Registration failed.
+    #[error("table {table}: registering its memory: {source}")]
+    Verbs {
+        /// The table.
+        table: u32,
+        /// Why.
+        source: VerbsError,
+    },
+}
+
+/// A donor's registered tables and outstanding tokens.
+#[derive(Debug)]
+pub struct RegionBook {
+    provider: Arc<dyn Provider>,
+    spec: DeviceSpec,
+    entries: Mutex<Vec<Entry>>,
+    tokens: Mutex<Vec<([u8; 16], Instant)>>,
+    generation: AtomicU64,
+    listener: Mutex<Option<Box<dyn Listener>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// 16 bytes from the kernel's random source.
+fn random16() -> [u8; 16] {
+    let mut b = [0u8; 16];
+    let mut at = 0;
+    while at < b.len() {
+        // SAFETY: the pointer and length describe the unfilled tail of `b`.
+        let n = unsafe { libc::getrandom(b[at..].as_mut_ptr().cast(), b.len() - at, 0) };
+        if n <= 0 {
+            // getrandom(2) does not fail once the pool is initialized;
+            // never hand out a predictable token: fall back to the clock
+            // mixed through the hash as a last resort.
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let h = xxhash_rust::xxh3::xxh3_128(&t.to_le_bytes());
+            return h.to_le_bytes();
+        }
+        at += n as usize;
+    }
+    b
+}
+
+impl RegionBook {
+    /// A book registering on `spec`'s device through `provider`.
+    pub fn new(provider: Arc<dyn Provider>, spec: DeviceSpec) -> Arc<Self> {
+        // Generations start from a random point: a restarted donor never
+        // repeats its predecessor's.
+        let start = u64::from_le_bytes(random16()[..8].try_into().unwrap_or([1; 8])) >> 16;
+        Arc::new(Self {
+            provider,
+            spec,
+            entries: Mutex::new(Vec::new()),
+            tokens: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(start.max(1)),
+            listener: Mutex::new(None),
+        })
+    }
+
+    /// Its provider's name.
+    pub fn provider_name(&self) -> &'static str {
+        self.provider.name()
+    }
+
+    /// Accept queue pairs at `addr` (replacing any listener it had).
+    pub fn listen(self: &Arc<Self>, addr: std::net::SocketAddr) -> Result<(), VerbsError> {
+        let weak: Weak<Self> = Arc::downgrade(self);
+        let admit = Arc::new(move |private: &[u8]| {
+            weak.upgrade()
+                .is_some_and(|b| b.admit(private, Instant::now()))
+        });
+        let mut l = lock(&self.listener);
+        *l = None;
+        *l = Some(self.provider.listen(addr, &self.spec, admit)?);
+        Ok(())
+    }
+
+    /// Stop accepting queue pairs.
+    pub fn stop_listening(&self) {
+        *lock(&self.listener) = None;
+    }
+
+    /// Register `memory` (the rows of table `table` at version `digest`)
+    /// and its check words; the table's previous registration, if any, is
+    /// deregistered once the new one is in place.
+    pub fn publish(
+        &self,
+        table: u32,
+        rows: u64,
+        digest: TableDigest,
+        memory: Arc<dyn Memory>,
+    ) -> Result<Published, PublishError> {
+        let len = memory.bytes().len();
+        if len as u64 != rows.saturating_mul(ROW_BYTES as u64) {
+            return Err(PublishError::Size { table, len, rows });
+        }
+        let t0 = Instant::now();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let checks = table_checks(seed(&digest), memory.bytes(), threads);
+        let t1 = Instant::now();
+        let verbs = |source| PublishError::Verbs { table, source };
+        let rows_reg = self.provider.register(&self.spec, memory).map_err(verbs)?;
+        let checks_reg = self
+            .provider
+            .register(&self.spec, Arc::new(checks))
+            .map_err(verbs)?;
+        let t2 = Instant::now();
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed);
+        let old = {
+            let mut e = lock(&self.entries);
+            let old = e
+                .iter()
+                .position(|x| x.table == table)
+                .map(|i| e.swap_remove(i));
+            e.push(Entry {
+                table,
+                rows,
+                digest,
+                generation,
+                rows_reg,
+                checks_reg,
+            });
+            old
+        };
+        // Deregistered here, after the new version is in place.
+        drop(old);
+        Ok(Published {
+            generation,
+            registered: len as u64 + rows * CHECK_BYTES as u64,
+            checks: t1 - t0,
+            register: t2 - t1,
+        })
+    }
+
+    /// Deregister table `table` (it is no longer served).
+    pub fn retire(&self, table: u32) {
+        let old = {
+            let mut e = lock(&self.entries);
+            e.iter()
+                .position(|x| x.table == table)
+                .map(|i| e.swap_remove(i))
+        };
+        drop(old);
+    }
+
+    /// Keep only the tables `keep` says, at the versions it gives:
+    /// everything else is deregistered. Returns the tables it dropped.
+    pub fn retain(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {
+        let gone: Vec<Entry> = {
+            let mut e = lock(&self.entries);
+            let (stay, gone): (Vec<Entry>, Vec<Entry>) = e
+                .drain(..)
+                .partition(|x| keep.contains(&(x.table, x.digest)));
+            *e = stay;
+            gone
+        };
+        gone.iter().map(|x| x.table).collect()
+    }
+
+    /// The region of `table` with a fresh queue-pair token, or `None` when
+    /// the table is not registered.
+    pub fn grant(&self, table: u32) -> Option<Region> {
+        let region = {
+            let e = lock(&self.entries);
+            let x = e.iter().find(|x| x.table == table)?;
+            let (r, c) = (x.rows_reg.remote(), x.checks_reg.remote());
+            Region {
+                table_id: table,
+                rows: x.rows,
+                digest: x.digest,
+                generation: x.generation,
+                rows_addr: r.addr,
+                rows_rkey: r.rkey,
+                checks_rkey: c.rkey,
+                checks_addr: c.addr,
+                token: random16(),
+            }
+        };
+        let now = Instant::now();
+        let mut t = lock(&self.tokens);
+        t.retain(|(_, exp)| *exp > now);
+        if t.len() >= MAX_TOKENS {
+            t.remove(0);
+        }
+        t.push((region.token, now + TOKEN_TTL));
+        Some(region)
+    }
+
+    /// Whether a queue pair presenting `private` may connect: an unexpired
+    /// token this book granted, used once.
+    pub fn admit(&self, private: &[u8], now: Instant) -> bool {
+        if private.len() < 16 {
+            return false;
+        }
+        let presented = &private[..16];
+        let mut t = lock(&self.tokens);
+        t.retain(|(_, exp)| *exp > now);
+        let found = t.iter().position(|(tok, _)| {
+            // Constant time in the token's bytes.
+            tok.iter()
+                .zip(presented)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+        });
+        match found {
+            Some(i) => {
+                t.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tables registered, with their generations.
+    pub fn tables(&self) -> Vec<(u32, u64)> {
+        lock(&self.entries)
+            .iter()
+            .map(|x| (x.table, x.generation))
+            .collect()
+    }
+
+    /// Bytes registered (pinned) now.
+    pub fn registered_bytes(&self) -> u64 {
+        lock(&self.entries)
+            .iter()
+            .map(|x| x.rows_reg.remote().len + x.checks_reg.remote().len)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeProvider;
+
+    #[test]
+    fn tokens_admit_once_and_expire() {
+        let p = FakeProvider::new();
+        let book = RegionBook::new(Arc::new(p), DeviceSpec::default());
+        let rows = vec![7u8; 3 * ROW_BYTES];
+        let d = TableDigest([4; 32]);
+        assert!(book.publish(0, 3, d, Arc::new(rows)).is_ok());
+        let Some(g) = book.grant(0) else {
+            panic!("no grant")
+        };
+        assert_eq!((g.rows, g.digest), (3, d));
+        assert!(book.grant(9).is_none());
+        let now = Instant::now();
+        assert!(!book.admit(&[0; 16], now));
+        assert!(!book.admit(&g.token[..8], now));
+        assert!(book.admit(&g.token, now));
+        assert!(!book.admit(&g.token, now), "a token admits once");
+        let Some(g2) = book.grant(0) else {
+            panic!("no grant")
+        };
+        assert!(!book.admit(&g2.token, now + TOKEN_TTL + Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn publishing_again_revokes_the_old_version() {
+        let p = FakeProvider::new();
+        let fabric = Arc::clone(p.fabric());
+        let book = RegionBook::new(Arc::new(p), DeviceSpec::default());
+        let d1 = TableDigest([1; 32]);
+        let d2 = TableDigest([2; 32]);
+        assert!(book.publish(0, 2, d1, Arc::new(vec![1u8; 2 * ROW_BYTES])).is_ok());
+        let Some(old) = book.grant(0) else {
+            panic!("no grant")
+        };
+        assert_eq!(fabric.regions(), 2);
+        assert!(book.publish(0, 2, d2, Arc::new(vec![2u8; 2 * ROW_BYTES])).is_ok());
+        assert_eq!(fabric.regions(), 2);
+        let Some(new) = book.grant(0) else {
+            panic!("no grant")
+        };
+        assert!(new.generation > old.generation);
+        assert_ne!(new.rows_rkey, old.rows_rkey);
+        assert!(!fabric.revoke(old.rows_rkey), "the old key is gone");
+        assert_eq!(book.registered_bytes(), 2 * 264 + 2 * 8);
+        assert_eq!(book.retain(&[(0, d1)]), vec![0]);
+        assert_eq!(fabric.regions(), 0);
+        assert!(matches!(
+            book.publish(1, 5, d1, Arc::new(vec![0u8; 10])),
+            Err(PublishError::Size { .. })
+        ));
+    }
+}

@@ -1,0 +1,419 @@
+//! The fake verbs provider: READs executed against memory registered in
+//! this process, with fault injection. A donor and a node in one process
+//! (the tests, the benchmark) share one [`FakeFabric`]; everything above
+//! the verbs (the plan, the session, the donor's region book and token
+//! checks, the node's router and failover) runs as it would on hardware.
+//!
+//! A READ is carried out when it is posted (the "NIC" copies at once); its
+//! completion is queued for `poll`. Faults are queued per listener address
+//! and each one applies to the next doorbell to that donor.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use crate::verbs::{
+    Admit, Completion, DeviceSpec, Listener, Memory, Provider, QpOptions, QueuePair, ReadWr,
+    Registration, Remote, VerbsError, WcStatus,
+};
+
+/// A fault to inject into the next doorbell to a donor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeFault {
+    /// The doorbell's first request completes with this status; the rest
+    /// are flushed and the queue pair is dead.
+    CompletionError(WcStatus),
+    /// The data lands but the signalled completion never comes.
+    LoseCompletion,
+    /// The completion comes this late.
+    Late(Duration),
+    /// The regions the doorbell reads are deregistered first (as a swap
+    /// does), so it fails with a remote access error.
+    Revoke,
+    /// The queue pair dies before the doorbell: the post fails.
+    DeadQueuePair,
+}
+
+#[derive(Clone)]
+struct FakeRegion {
+    memory: Arc<dyn Memory>,
+    addr: u64,
+    len: u64,
+}
+
+#[derive(Default)]
+struct State {
+    regions: HashMap<u32, FakeRegion>,
+    next_rkey: u32,
+    listeners: HashMap<SocketAddr, Admit>,
+    faults: HashMap<SocketAddr, VecDeque<FakeFault>>,
+    /// Generation of each address's listener: a queue pair made under an
+    /// older one (a donor that went away) is dead.
+    epochs: HashMap<SocketAddr, u64>,
+    next_epoch: u64,
+}
+
+/// The in-process fabric: registered regions, listeners, faults, counters.
+#[derive(Default)]
+pub struct FakeFabric {
+    state: Mutex<State>,
+    copy_nanos: AtomicU64,
+    reads: AtomicU64,
+}
+
+impl std::fmt::Debug for FakeFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.lock();
+        f.debug_struct("FakeFabric")
+            .field("regions", &s.regions.len())
+            .field("listeners", &s.listeners.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl FakeFabric {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queue `fault` for the next doorbell to the donor listening at `addr`.
+    pub fn inject(&self, addr: SocketAddr, fault: FakeFault) {
+        self.lock().faults.entry(addr).or_default().push_back(fault);
+    }
+
+    /// The donor at `addr` is gone: its queue pairs die (their requests
+    /// complete with retries exceeded) and new connects are refused until
+    /// a listener binds the address again.
+    pub fn kill(&self, addr: SocketAddr) {
+        let mut s = self.lock();
+        s.listeners.remove(&addr);
+        s.next_epoch += 1;
+        let e = s.next_epoch;
+        s.epochs.insert(addr, e);
+    }
+
+    /// Deregister the region with key `rkey` (what a swap does).
+    pub fn revoke(&self, rkey: u32) -> bool {
+        self.lock().regions.remove(&rkey).is_some()
+    }
+
+    /// Regions registered now.
+    pub fn regions(&self) -> usize {
+        self.lock().regions.len()
+    }
+
+    /// Time the fake "NIC" spent copying rows, and READs carried out: the
+    /// benchmark subtracts the copying from the node's CPU time, since a
+    /// real NIC does it.
+    pub fn nic_work(&self) -> (Duration, u64) {
+        (
+            Duration::from_nanos(self.copy_nanos.load(Ordering::Relaxed)),
+            self.reads.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The fake provider over a fabric.
+#[derive(Debug, Clone, Default)]
+pub struct FakeProvider {
+    fabric: Arc<FakeFabric>,
+}
+
+impl FakeProvider {
+    /// A provider on a new fabric.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Its fabric (to inject faults and kill donors).
+    pub fn fabric(&self) -> &Arc<FakeFabric> {
+        &self.fabric
+    }
+}
+
+#[derive(Debug)]
+struct FakeRegistration {
+    fabric: Weak<FakeFabric>,
+    remote: Remote,
+}
+
+impl Registration for FakeRegistration {
+    fn remote(&self) -> Remote {
+        self.remote
+    }
+}
+
+impl Drop for FakeRegistration {
+    fn drop(&mut self) {
+        if let Some(f) = self.fabric.upgrade() {
+            f.lock().regions.remove(&self.remote.rkey);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct FakeListener {
+    fabric: Weak<FakeFabric>,
+    addr: SocketAddr,
+    epoch: u64,
+}
+
+impl Listener for FakeListener {
+    fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for FakeListener {
+    fn drop(&mut self) {
+        if let Some(f) = self.fabric.upgrade() {
+            let mut s = f.lock();
+            // Only this listener's own address binding: a newer listener
+            // on the address (a restarted donor) stays.
+            if s.epochs.get(&self.addr) == Some(&self.epoch) {
+                s.listeners.remove(&self.addr);
+            }
+        }
+    }
+}
+
+impl Provider for FakeProvider {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    fn devices(&self) -> Result<Vec<String>, VerbsError> {
+        Ok(vec!["fake0".into()])
+    }
+
+    fn register(
+        &self,
+        _spec: &DeviceSpec,
+        memory: Arc<dyn Memory>,
+    ) -> Result<Box<dyn Registration>, VerbsError> {
+        let bytes = memory.bytes();
+        let addr = bytes.as_ptr() as u64;
+        let len = bytes.len() as u64;
+        let mut s = self.fabric.lock();
+        s.next_rkey = s.next_rkey.wrapping_add(0x9e37).max(1);
+        while s.regions.contains_key(&s.next_rkey) {
+            s.next_rkey = s.next_rkey.wrapping_add(1).max(1);
+        }
+        let rkey = s.next_rkey;
+        s.regions.insert(rkey, FakeRegion { memory, addr, len });
+        Ok(Box::new(FakeRegistration {
+            fabric: Arc::downgrade(&self.fabric),
+            remote: Remote { addr, len, rkey },
+        }))
+    }
+
+    fn listen(
+        &self,
+        addr: SocketAddr,
+        _spec: &DeviceSpec,
+        admit: Admit,
+    ) -> Result<Box<dyn Listener>, VerbsError> {
+        let mut s = self.fabric.lock();
+        if s.listeners.contains_key(&addr) {
+            return Err(VerbsError::Io(format!("{addr} is already listened on")));
+        }
+        s.listeners.insert(addr, admit);
+        s.next_epoch += 1;
+        let epoch = s.next_epoch;
+        s.epochs.insert(addr, epoch);
+        Ok(Box::new(FakeListener {
+            fabric: Arc::downgrade(&self.fabric),
+            addr,
+            epoch,
+        }))
+    }
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        private: &[u8],
+        opts: &QpOptions,
+    ) -> Result<Box<dyn QueuePair>, VerbsError> {
+        if private.len() > 56 {
+            return Err(VerbsError::Invalid(format!(
+                "{} bytes of private data (at most 56)",
+                private.len()
+            )));
+        }
+        let (admit, epoch) = {
+            let s = self.fabric.lock();
+            let Some(admit) = s.listeners.get(&addr) else {
+                return Err(VerbsError::Refused(format!("no RDMA listener at {addr}")));
+            };
+            (Arc::clone(admit), s.epochs.get(&addr).copied().unwrap_or(0))
+        };
+        // Outside the fabric's lock: the donor's admission takes its own.
+        if !admit(private) {
+            return Err(VerbsError::Refused(
+                "the donor did not admit the queue pair (bad or expired token)".into(),
+            ));
+        }
+        Ok(Box::new(FakeQp {
+            fabric: Arc::clone(&self.fabric),
+            peer: addr,
+            epoch,
+            buffer: vec![0; opts.buffer_bytes],
+            depth: opts.send_depth,
+            cq: VecDeque::new(),
+            dead: false,
+        }))
+    }
+}
+
+/// A fake queue pair: its buffer, and completions waiting to be polled.
+struct FakeQp {
+    fabric: Arc<FakeFabric>,
+    peer: SocketAddr,
+    epoch: u64,
+    buffer: Vec<u8>,
+    depth: usize,
+    cq: VecDeque<(Option<Instant>, Completion)>,
+    dead: bool,
+}
+
+impl std::fmt::Debug for FakeQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeQp")
+            .field("peer", &self.peer)
+            .field("dead", &self.dead)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FakeQp {
+    /// Fail `wrs` from the first: it with `status`, the rest flushed.
+    fn fail(&mut self, wrs: &[ReadWr], status: WcStatus) {
+        self.dead = true;
+        for (i, w) in wrs.iter().enumerate() {
+            let s = if i == 0 { status } else { WcStatus::Flushed };
+            self.cq.push_back((
+                None,
+                Completion {
+                    wr_id: w.wr_id,
+                    status: s,
+                },
+            ));
+        }
+    }
+}
+
+impl QueuePair for FakeQp {
+    fn buffer(&self) -> &[u8] {
+        &self.buffer
+    }
+
+    fn send_depth(&self) -> usize {
+        self.depth
+    }
+
+    fn post_reads(&mut self, wrs: &[ReadWr]) -> Result<(), VerbsError> {
+        if wrs.len() > self.depth {
+            return Err(VerbsError::Invalid(format!(
+                "{} work requests, send queue depth {}",
+                wrs.len(),
+                self.depth
+            )));
+        }
+        if let Some(w) = wrs
+            .iter()
+            .find(|w| w.local_offset.saturating_add(w.len as usize) > self.buffer.len())
+        {
+            return Err(VerbsError::Invalid(format!(
+                "work request {} lands outside the buffer",
+                w.wr_id
+            )));
+        }
+        let fabric = Arc::clone(&self.fabric);
+        let mut s = fabric.lock();
+        let fault = s.faults.get_mut(&self.peer).and_then(VecDeque::pop_front);
+        if self.dead || fault == Some(FakeFault::DeadQueuePair) {
+            self.dead = true;
+            return Err(VerbsError::Dead("the queue pair is in the error state".into()));
+        }
+        if s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch {
+            drop(s);
+            self.fail(wrs, WcStatus::RetryExceeded);
+            return Ok(());
+        }
+        match fault {
+            Some(FakeFault::CompletionError(status)) => {
+                drop(s);
+                self.fail(wrs, status);
+                return Ok(());
+            }
+            Some(FakeFault::Revoke) => {
+                for w in wrs {
+                    s.regions.remove(&w.rkey);
+                }
+            }
+            _ => {}
+        }
+        let began = Instant::now();
+        for (i, w) in wrs.iter().enumerate() {
+            let src = s.regions.get(&w.rkey).and_then(|r| {
+                let off = w.remote_addr.checked_sub(r.addr)?;
+                let end = off.checked_add(u64::from(w.len))?;
+                (end <= r.len).then(|| {
+                    // The fabric's lock holds the registration (and its
+                    // memory) while the bytes are read.
+                    &r.memory.bytes()[off as usize..end as usize]
+                })
+            });
+            let Some(src) = src else {
+                drop(s);
+                self.fail(&wrs[i..], WcStatus::RemoteAccess);
+                return Ok(());
+            };
+            let at = w.local_offset;
+            self.buffer[at..at + src.len()].copy_from_slice(src);
+        }
+        drop(s);
+        self.fabric
+            .copy_nanos
+            .fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.fabric
+            .reads
+            .fetch_add(wrs.len() as u64, Ordering::Relaxed);
+        let visible = match fault {
+            Some(FakeFault::LoseCompletion) => return Ok(()),
+            Some(FakeFault::Late(d)) => Some(Instant::now() + d),
+            _ => None,
+        };
+        for w in wrs.iter().filter(|w| w.signaled) {
+            self.cq.push_back((
+                visible,
+                Completion {
+                    wr_id: w.wr_id,
+                    status: WcStatus::Success,
+                },
+            ));
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
+        let now = Instant::now();
+        let mut n = 0;
+        while n < max {
+            match self.cq.front() {
+                Some((Some(t), _)) if *t > now => break,
+                Some((_, c)) => {
+                    out.push(*c);
+                    self.cq.pop_front();
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        Ok(n)
+    }
+}
