@@ -102,6 +102,11 @@ pub enum Transport {
     Tls,
     /// QUIC (TLS 1.3 inside), ALPN `engram/1`.
     Quic,
+    /// One-sided RDMA READs of the donor's registered memory; the region
+    /// and a queue-pair token are learned over the donor's TLS or QUIC
+    /// address (`docs/rdma.md`). The address is the donor's RDMA
+    /// connection-manager listener.
+    Rdma,
 }
 
 impl Transport {
@@ -109,28 +114,35 @@ impl Transport {
     /// offers several: TLS, then QUIC, then TCP.
     pub const PREFERENCE: [Self; 3] = [Self::Tls, Self::Quic, Self::Tcp];
 
-    /// The name in configs and URLs (`tcp`, `tls`, `quic`).
+    /// The name in configs and URLs (`tcp`, `tls`, `quic`, `rdma`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Tcp => "tcp",
             Self::Tls => "tls",
             Self::Quic => "quic",
+            Self::Rdma => "rdma",
         }
     }
 
-    /// Parse `tcp`, `tls` or `quic`.
+    /// Parse `tcp`, `tls`, `quic` or `rdma`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "tcp" => Some(Self::Tcp),
             "tls" => Some(Self::Tls),
             "quic" => Some(Self::Quic),
+            "rdma" => Some(Self::Rdma),
             _ => None,
         }
     }
 
-    /// True for TLS and QUIC.
+    /// True for TLS and QUIC (encrypted and mutually authenticated).
     pub fn is_secure(self) -> bool {
-        self != Self::Tcp
+        matches!(self, Self::Tls | Self::Quic)
+    }
+
+    /// True for the transports that carry frames (all but RDMA).
+    pub fn is_stream(self) -> bool {
+        self != Self::Rdma
     }
 }
 
@@ -250,7 +262,35 @@ pub struct Donor {
     pub control: Option<SocketAddr>,
     /// The Prometheus `/metrics` HTTP address to bind.
     pub metrics: Option<SocketAddr>,
+    /// The RDMA device it serves from (`[donors.rdma]`), when it listens on
+    /// an `rdma://` address.
+    pub rdma: Option<RdmaDevice>,
 }
+
+/// A donor's RDMA device (`[donors.rdma]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaDevice {
+    /// The device's name (`mlx5_0`); the one the listen address is on when `None`.
+    pub device: Option<String>,
+    /// The device's port, from 1.
+    pub port: u8,
+    /// The GID index (RoCE); the connection manager's choice when `None`.
+    pub gid_index: Option<u8>,
+}
+
+impl Default for RdmaDevice {
+    fn default() -> Self {
+        Self {
+            device: None,
+            port: 1,
+            gid_index: None,
+        }
+    }
+}
+
+/// Bytes of check words an RDMA donor registers beside each row (one
+/// XXH3-64 a row, `docs/rdma.md`).
+pub const RDMA_CHECK_BYTES: u64 = 8;
 
 /// GiB a donor keeps free beside its tables unless `headroom_gib` says otherwise.
 pub const DEFAULT_HEADROOM_GIB: f64 = 2.0;
@@ -276,8 +316,16 @@ impl Donor {
             .map(|a| SocketAddr::new(a.addr.ip(), c.port()))
     }
 
+    /// Its advertised RDMA address, if it has one.
+    pub fn rdma_endpoint(&self) -> Option<Endpoint> {
+        self.advertise
+            .iter()
+            .find(|e| e.transport == Transport::Rdma)
+            .copied()
+    }
+
     /// The address to dial for `transport`, or for the most secure
-    /// transport advertised when `None` (TLS, then QUIC, then TCP).
+    /// stream transport advertised when `None` (TLS, then QUIC, then TCP).
     pub fn endpoints(&self, transport: Option<Transport>) -> Vec<Endpoint> {
         let pick = transport.or_else(|| {
             Transport::PREFERENCE

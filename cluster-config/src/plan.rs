@@ -133,7 +133,13 @@ pub struct DonorPlan {
     pub table_bytes: u64,
     /// Headroom kept free, in bytes.
     pub headroom_bytes: u64,
-    /// `table_bytes + headroom_bytes`.
+    /// Check words beside the rows of a donor that serves RDMA (8 bytes a
+    /// row); 0 otherwise.
+    pub rdma_check_bytes: u64,
+    /// Memory registered with its RDMA device (pinned: tables and check
+    /// words); 0 without RDMA.
+    pub registered_bytes: u64,
+    /// `table_bytes + rdma_check_bytes + headroom_bytes`.
     pub need_bytes: u64,
     /// The RAM it declares (`ram_gib`), in bytes.
     pub ram_bytes: u64,
@@ -197,15 +203,31 @@ impl Plan {
                     .map(|t| (t.id, t.rows * engram_protocol::ROW_BYTES as u64))
                     .collect();
                 let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
-                let largest = tables.iter().map(|t| t.1).max().unwrap_or(0);
+                // An RDMA donor keeps a check word beside every row, and a
+                // swap registers the new version's beside the old.
+                let with_checks = |bytes: u64| match d.rdma {
+                    Some(_) => {
+                        bytes + bytes / engram_protocol::ROW_BYTES as u64 * crate::RDMA_CHECK_BYTES
+                    }
+                    None => bytes,
+                };
+                let largest = tables.iter().map(|t| with_checks(t.1)).max().unwrap_or(0);
                 let headroom_bytes = (d.headroom_gib * GIB) as u64;
                 let ram_bytes = (d.ram_gib * GIB) as u64;
-                let need_bytes = table_bytes + headroom_bytes;
+                let rdma_check_bytes = with_checks(table_bytes) - table_bytes;
+                let registered_bytes = if d.rdma.is_some() {
+                    table_bytes + rdma_check_bytes
+                } else {
+                    0
+                };
+                let need_bytes = table_bytes + rdma_check_bytes + headroom_bytes;
                 DonorPlan {
                     name: d.name.clone(),
                     tables,
                     table_bytes,
                     headroom_bytes,
+                    rdma_check_bytes,
+                    registered_bytes,
                     need_bytes,
                     ram_bytes,
                     fits: need_bytes <= ram_bytes,
@@ -294,6 +316,16 @@ impl Plan {
                 free,
                 if d.swap_fits { "yes" } else { "in place" },
                 if d.fits { "ok" } else { "NO: does not fit" }
+            );
+        }
+        for d in self.donors.iter().filter(|d| d.registered_bytes > 0) {
+            let _ = writeln!(
+                s,
+                "  {}: RDMA registers (pins) {:.2} GiB: its tables and {:.2} GiB of row check \
+                 words (counted in need); its memlock limit must allow it (LimitMEMLOCK=infinity)",
+                d.name,
+                gib(d.registered_bytes),
+                gib(d.rdma_check_bytes),
             );
         }
         for n in &self.nodes {
@@ -432,6 +464,30 @@ mod tests {
         let p = Plan::new(&c, &Latencies::default());
         assert!(!p.donors[0].fits && !p.fits());
         assert!(p.render().contains("NO: does not fit"));
+        assert_eq!(p.donors[0].registered_bytes, 0);
+    }
+
+    #[test]
+    fn an_rdma_donor_registers_its_tables_and_their_check_words() {
+        let mut c = config(100.0, 128.0, "\"donor-a\"");
+        c.donors[0].rdma = Some(crate::RdmaDevice::default());
+        let p = Plan::new(&c, &Latencies::default());
+        let a = &p.donors[0];
+        assert_eq!(a.rdma_check_bytes, 384_006_168 * 8);
+        assert_eq!(a.registered_bytes, 384_006_168 * 272);
+        assert_eq!(a.need_bytes, 384_006_168 * 272 + (2 << 30));
+        assert!(a.fits);
+        let r = p.render();
+        assert!(
+            r.contains("donor-a: RDMA registers (pins) 97.28 GiB"),
+            "{r}"
+        );
+        assert!(r.contains("2.86 GiB of row check words"), "{r}");
+        // 94.41 + 2.86 + 2 GiB no longer fits 99 GiB.
+        c.donors[0].ram_gib = 99.0;
+        assert!(!Plan::new(&c, &Latencies::default()).donors[0].fits);
+        c.donors[0].rdma = None;
+        assert!(Plan::new(&c, &Latencies::default()).donors[0].fits);
     }
 
     #[test]

@@ -73,6 +73,15 @@ pub(crate) struct RawDonor {
     pub table_dir: Option<S<String>>,
     pub tls_cert: Option<S<String>>,
     pub tls_key: Option<S<String>>,
+    pub rdma: Option<S<RawRdma>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRdma {
+    pub device: Option<S<String>>,
+    pub port: Option<S<i64>>,
+    pub gid_index: Option<S<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -267,7 +267,8 @@ fn endpoints(
                         a.span(),
                         key,
                         format!(
-                            "{scheme:?} is not a transport: \"tcp://\", \"tls://\" or \"quic://\""
+                            "{scheme:?} is not a transport: \"tcp://\", \"tls://\", \"quic://\" \
+                             or \"rdma://\""
                         ),
                     );
                     continue;
@@ -279,15 +280,28 @@ fn endpoints(
             continue;
         };
         let e = Endpoint::new(transport, addr);
-        // TCP and TLS share TCP's port space; QUIC is UDP.
-        let udp = |t: Transport| t == Transport::Quic;
+        // TCP and TLS share TCP's port space; QUIC is UDP; RDMA has the
+        // connection manager's own.
+        let space = |t: Transport| match t {
+            Transport::Tcp | Transport::Tls => 0,
+            Transport::Quic => 1,
+            Transport::Rdma => 2,
+        };
         if out.contains(&e) {
             cx.at(a.span(), key, format!("{e} is listed twice"));
             continue;
         }
+        if transport == Transport::Rdma && out.iter().any(|b| b.transport == Transport::Rdma) {
+            cx.at(
+                a.span(),
+                key,
+                format!("{e}: a donor has one RDMA address (one device)"),
+            );
+            continue;
+        }
         if let Some(b) = out
             .iter()
-            .find(|b| udp(b.transport) == udp(transport) && overlaps(b.addr, addr))
+            .find(|b| space(b.transport) == space(transport) && overlaps(b.addr, addr))
         {
             cx.at(
                 a.span(),
@@ -546,6 +560,7 @@ fn donors(
             .as_ref()
             .map(|p| cx.path(p, &k("tls_cert"), base));
         let tls_key = d.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
+        let rdma = rdma_device(cx, d, &listen, &k);
         out.push(Donor {
             name,
             listen,
@@ -568,9 +583,74 @@ fn donors(
             table_dirs,
             tls_cert,
             tls_key,
+            rdma,
         });
     }
     out
+}
+
+/// `[donors.rdma]`: only beside an `rdma://` listen address, which gets the
+/// defaults without it; and an RDMA donor needs a TLS or QUIC address too,
+/// where nodes learn its regions.
+fn rdma_device(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    listen: &[Endpoint],
+    k: &dyn Fn(&str) -> String,
+) -> Option<crate::RdmaDevice> {
+    let has_rdma = listen.iter().any(|e| e.transport == Transport::Rdma);
+    if has_rdma && !listen.iter().any(|e| e.transport.is_secure()) {
+        cx.at(
+            d.listen.span(),
+            k("listen"),
+            "an rdma:// address needs a tls:// or quic:// address beside it: nodes learn the \
+             donor's RDMA regions and queue-pair tokens there, never in the clear",
+        );
+    }
+    let Some(raw) = &d.rdma else {
+        return has_rdma.then(crate::RdmaDevice::default);
+    };
+    if !has_rdma {
+        cx.at(
+            raw.span(),
+            k("rdma"),
+            "[donors.rdma] without an rdma:// listen address: add one, or remove the section",
+        );
+        return None;
+    }
+    let r = raw.get_ref();
+    let device = r.device.as_ref().map(|n| {
+        let v = n.get_ref();
+        let ok = !v.is_empty()
+            && v.len() <= 63
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+        if !ok {
+            cx.at(
+                n.span(),
+                k("rdma.device"),
+                format!(
+                    "{v:?} is not an RDMA device name (1-63 of A-Z a-z 0-9 _ - ., like \"mlx5_0\")"
+                ),
+            );
+        }
+        v.clone()
+    });
+    let port = r
+        .port
+        .as_ref()
+        .and_then(|v| cx.int(v, &k("rdma.port"), 1, 255))
+        .unwrap_or(1) as u8;
+    let gid_index = r
+        .gid_index
+        .as_ref()
+        .and_then(|v| cx.int(v, &k("rdma.gid_index"), 0, 255))
+        .map(|v| v as u8);
+    Some(crate::RdmaDevice {
+        device,
+        port,
+        gid_index,
+    })
 }
 
 mod node;

@@ -79,6 +79,48 @@ struct DonorSpec {
     connect_timeout: Duration,
     lookup_timeout: Duration,
     credential: Option<Vec<u8>>,
+    /// The donor's RDMA address, when it advertises one and the link allows it.
+    rdma: Option<SocketAddr>,
+}
+
+fn pinned_tables(spec: &DonorSpec) -> String {
+    let ids: Vec<String> = spec.pinned.iter().map(|p| p.0.to_string()).collect();
+    ids.join(", ")
+}
+
+/// The RDMA path to a donor, when this node has a verbs provider; without
+/// one, says once which routes read over the stream transport instead.
+fn rdma_path(
+    donor: &str,
+    addr: SocketAddr,
+    spec: &DonorSpec,
+    tables: &str,
+) -> Option<crate::source::rdma::RdmaPath> {
+    if spec.tls.is_none() {
+        tracing::warn!(
+            donor,
+            "rdma://{addr} is not used: regions are learned over TLS or QUIC only, and this \
+             node reaches the donor over {}",
+            spec.transport
+        );
+        return None;
+    }
+    match engram_rdma::provider() {
+        Ok(p) => Some(crate::source::rdma::RdmaPath::new(
+            donor,
+            addr,
+            p,
+            spec.connect_timeout,
+        )),
+        Err(e) => {
+            tracing::warn!(
+                donor,
+                "rdma://{addr} is not used: {e}; tables {tables} read from this donor over {}",
+                spec.transport
+            );
+            None
+        }
+    }
 }
 
 /// What a copy of a table on this node was opened with: a reload keeps
@@ -258,8 +300,15 @@ async fn build(
             continue;
         }
         let link = node.link(&d.name);
-        let endpoints = d.endpoints(link.transport);
+        // RDMA rides beside a stream transport (where regions are learned):
+        // the link's, or the donor's most secure one.
+        let stream = link.transport.filter(|t| t.is_stream());
+        let endpoints = d.endpoints(stream);
         let transport = endpoints.first().map_or(Transport::Tcp, |e| e.transport);
+        let rdma = match (link.transport, d.rdma_endpoint()) {
+            (None | Some(Transport::Rdma), Some(e)) => Some(e.addr),
+            _ => None,
+        };
         let tls = match (transport.is_secure(), tls) {
             (false, _) => None,
             (true, Some(t)) => Some(TlsClient {
@@ -286,6 +335,7 @@ async fn build(
             connect_timeout: node.connect_timeout,
             lookup_timeout: node.lookup_timeout,
             credential: credential.clone(),
+            rdma,
         };
         let health = match old.donor(&d.name) {
             Some((s, h)) if *s == spec => h.clone(),
@@ -298,10 +348,14 @@ async fn build(
                 opts.tls = spec.tls.clone();
                 opts.bind = spec.bind;
                 opts.interface = spec.interface.clone();
+                let rdma = spec
+                    .rdma
+                    .and_then(|addr| rdma_path(&d.name, addr, &spec, &pinned_tables(&spec)));
                 let src: Arc<dyn RowSource> = Arc::new(
                     DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
                         .with_control(spec.control)
-                        .with_control_tls(spec.control_tls.clone()),
+                        .with_control_tls(spec.control_tls.clone())
+                        .with_rdma(rdma),
                 );
                 let h = Arc::new(SourceHealth::new(
                     src,

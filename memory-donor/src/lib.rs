@@ -9,7 +9,8 @@
 //! plane (`control`) and the Prometheus metrics (`metrics`), all wired
 //! together by `serve`; its loop (`supervise`) carries out reloads
 //! (`reload`) and table hot swaps (`swap`) and proves the serving path
-//! works before each systemd watchdog ping (`watchdog`).
+//! works before each systemd watchdog ping (`watchdog`). With an `rdma://`
+//! address, `rdma` registers the tables for one-sided reads.
 //!
 //! What it is not: the client. Inference nodes use `inference-node`; the
 //! two daemons share only `engram-protocol`, `engram-store` and
@@ -17,6 +18,7 @@
 
 pub mod control;
 pub mod metrics;
+pub mod rdma;
 pub mod reload;
 pub mod serve;
 pub mod server;

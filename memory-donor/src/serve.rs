@@ -83,6 +83,8 @@ pub struct ServeSpec {
     pub ram_budget: Option<u64>,
     /// The only directories a control-plane swap may load files from.
     pub table_dirs: Vec<PathBuf>,
+    /// The RDMA device of an `rdma://` address.
+    pub rdma: Option<cluster_config::RdmaDevice>,
 }
 
 /// Serve flags that override the config (at start and on every reload).
@@ -193,6 +195,7 @@ impl ServeSpec {
             log_level: None,
             ram_budget: None,
             table_dirs,
+            rdma: None,
         }
     }
 
@@ -244,6 +247,7 @@ impl ServeSpec {
             log_level: d.log_level.clone(),
             ram_budget: Some(d.table_budget_bytes()),
             table_dirs: d.table_dirs.clone(),
+            rdma: d.rdma.clone(),
         })
     }
 }
@@ -468,6 +472,7 @@ pub async fn serve(
     let mut listeners = Vec::new();
     let mut bound = Vec::new();
     let mut quic = Vec::new();
+    let mut rdma = None;
     for e in &spec.listen {
         let listener = match e.transport {
             Transport::Tcp => {
@@ -482,6 +487,10 @@ pub async fn serve(
             }
             Transport::Quic => {
                 quic.push(e.addr);
+                continue;
+            }
+            Transport::Rdma => {
+                rdma = Some(e.addr);
                 continue;
             }
         };
@@ -505,6 +514,24 @@ pub async fn serve(
             .map_err(|source| ServeError::Bind { addr, source })?;
         bound.push(Endpoint::new(Transport::Quic, a));
         listeners.push(server::Listener::Quic(endpoint));
+    }
+    if let Some(addr) = rdma {
+        let (sh, device, name) = (
+            Arc::clone(&shared),
+            spec.rdma.clone().unwrap_or_default(),
+            spec.server.name.clone(),
+        );
+        let fallback: Vec<Endpoint> = bound.clone();
+        let book = tokio::task::spawn_blocking(move || {
+            crate::rdma::start(&name, addr, &device, &sh.tables(), &fallback)
+        })
+        .await
+        .ok()
+        .flatten();
+        if let Some(book) = book {
+            bound.push(Endpoint::new(Transport::Rdma, addr));
+            shared.set_rdma(book);
+        }
     }
     // Plain `IP:PORT` for TCP (what scripts have always read), URLs for the rest.
     let shown: Vec<String> = bound
@@ -531,7 +558,7 @@ pub async fn serve(
     // The watchdog's probe dials a TCP or TLS listener (QUIC has its own path).
     let first = bound
         .iter()
-        .find(|e| e.transport != Transport::Quic)
+        .find(|e| matches!(e.transport, Transport::Tcp | Transport::Tls))
         .copied();
     crate::supervise::run(spec, Arc::clone(&shared), Arc::clone(status), first, ops).await;
     let _ = stop_tx.send(());

@@ -312,8 +312,11 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
                 .position(|t| t.id == id)
                 .map(|i| tables.remove(i))
         };
-        // Unmapped here, outside the lock.
+        // Unmapped here, outside the lock (and deregistered from RDMA, whose
+        // registration holds the rows mapped until then).
         drop(old);
+        let sh = Arc::clone(&cx.shared);
+        let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
         if let Some(i) = si {
             cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Loading);
         }
@@ -342,6 +345,11 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
         }
     };
     drop(old);
+    // RDMA follows: the new version registered, then the old one
+    // deregistered, so a node still reading the old region gets a remote
+    // access error and learns the new one.
+    let sh = Arc::clone(&cx.shared);
+    let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
     if let Some(i) = si {
         cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Ready);
     }

@@ -31,7 +31,7 @@ pub use frame::{
     PROTOCOL_VERSION, decode,
 };
 pub use messages::{
-    EncodeError, ErrorFrame, Goodbye, Hello, LookupRef, LookupSection, Region, RegionQuery, RowsRef,
-    RowsSection, TableInfo, Welcome, WelcomeRef,
+    EncodeError, ErrorFrame, Goodbye, Hello, LookupRef, LookupSection, Region, RegionQuery,
+    RowsRef, RowsSection, TableInfo, Welcome, WelcomeRef,
 };
 pub use row::{ROW_BYTES, ROW_VALUES, RowBytes, RowError};

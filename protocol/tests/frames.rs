@@ -7,7 +7,8 @@ use engram_protocol::messages::{
 };
 use engram_protocol::{
     ErrorCode, ErrorFrame, Frame, FrameError, FrameHeader, FrameKind, Goodbye, HEADER_LEN, Hello,
-    Limits, LookupSection, ROW_BYTES, RowsSection, TableDigest, TableInfo, Welcome, decode,
+    Limits, LookupSection, ROW_BYTES, Region, RegionQuery, RowsSection, TableDigest, TableInfo,
+    Welcome, decode,
 };
 use proptest::prelude::*;
 
@@ -37,6 +38,8 @@ enum Owned {
     Ping,
     Pong,
     Goodbye(u32),
+    RegionQuery(u32),
+    Region(Region),
 }
 
 fn encode(o: &Owned, id: u64, out: &mut Vec<u8>) {
@@ -108,6 +111,8 @@ fn encode(o: &Owned, id: u64, out: &mut Vec<u8>) {
         Owned::Ping => encode_ping(out, id, false),
         Owned::Pong => encode_ping(out, id, true),
         Owned::Goodbye(g) => Goodbye { grace_ms: *g }.encode(out),
+        Owned::RegionQuery(t) => RegionQuery { table_id: *t }.encode(out, id),
+        Owned::Region(r) => r.encode(out, id),
     }
 }
 
@@ -144,6 +149,8 @@ fn to_owned(f: &Frame<'_>) -> Owned {
         Frame::Ping => Owned::Ping,
         Frame::Pong => Owned::Pong,
         Frame::Goodbye(g) => Owned::Goodbye(g.grace_ms),
+        Frame::RegionQuery(q) => Owned::RegionQuery(q.table_id),
+        Frame::Region(r) => Owned::Region(*r),
     }
 }
 
@@ -226,6 +233,31 @@ fn owned() -> impl Strategy<Value = Owned> {
         Just(Owned::Ping),
         Just(Owned::Pong),
         any::<u32>().prop_map(Owned::Goodbye),
+        any::<u32>().prop_map(Owned::RegionQuery),
+        (
+            (any::<u32>(), any::<u64>(), any::<[u8; 32]>(), any::<u64>()),
+            (any::<u64>(), any::<u32>(), any::<u32>(), any::<u64>()),
+            any::<[u8; 16]>()
+        )
+            .prop_map(
+                |(
+                    (table_id, rows, d, generation),
+                    (rows_addr, rows_rkey, checks_rkey, checks_addr),
+                    token,
+                )| {
+                    Owned::Region(Region {
+                        table_id,
+                        rows,
+                        digest: TableDigest(d),
+                        generation,
+                        rows_addr,
+                        rows_rkey,
+                        checks_rkey,
+                        checks_addr,
+                        token,
+                    })
+                }
+            ),
     ]
 }
 
@@ -349,8 +381,8 @@ fn header_bits_and_kinds_are_checked() {
     let mut bad = buf.clone();
     bad[4] = 0;
     assert_eq!(decode(&bad, &limits), Err(FrameError::UnknownKind(0)));
-    bad[4] = 9;
-    assert_eq!(decode(&bad, &limits), Err(FrameError::UnknownKind(9)));
+    bad[4] = 11;
+    assert_eq!(decode(&bad, &limits), Err(FrameError::UnknownKind(11)));
     for i in 5..8 {
         let mut bad = buf.clone();
         bad[i] = 1;
@@ -365,6 +397,56 @@ fn header_bits_and_kinds_are_checked() {
             kind: FrameKind::Ping,
             ..
         })
+    ));
+}
+
+#[test]
+fn region_frames_have_fixed_sizes_and_reserved_zeros() {
+    let limits = Limits::default();
+    let mut q = Vec::new();
+    RegionQuery { table_id: 7 }.encode(&mut q, 5);
+    assert_eq!(q.len(), HEADER_LEN + 8);
+    assert_eq!(q[4], 9, "kind 9");
+    let mut bad = q.clone();
+    bad[HEADER_LEN + 4] = 1;
+    assert!(matches!(
+        decode(&bad, &limits),
+        Err(FrameError::Malformed { .. })
+    ));
+    let r = Region {
+        table_id: 7,
+        rows: 1000,
+        digest: TableDigest([9; 32]),
+        generation: 3,
+        rows_addr: 0x7f00_0000_0000,
+        rows_rkey: 0x1234,
+        checks_rkey: 0x5678,
+        checks_addr: 0x7f10_0000_0000,
+        token: [0xAB; 16],
+    };
+    let mut a = Vec::new();
+    r.encode(&mut a, 5);
+    assert_eq!(a.len(), HEADER_LEN + 96);
+    assert_eq!(a[4], 10, "kind 10");
+    // The layout PROTOCOL.md 3.10 gives.
+    assert_eq!(&a[HEADER_LEN..HEADER_LEN + 4], &7u32.to_le_bytes());
+    assert_eq!(&a[HEADER_LEN + 8..HEADER_LEN + 16], &1000u64.to_le_bytes());
+    assert_eq!(&a[HEADER_LEN + 48..HEADER_LEN + 56], &3u64.to_le_bytes());
+    assert_eq!(
+        &a[HEADER_LEN + 64..HEADER_LEN + 68],
+        &0x1234u32.to_le_bytes()
+    );
+    assert_eq!(
+        &a[HEADER_LEN + 72..HEADER_LEN + 80],
+        &0x7f10_0000_0000u64.to_le_bytes()
+    );
+    assert_eq!(&a[HEADER_LEN + 80..], &[0xAB; 16]);
+    let mut short = a.clone();
+    short.truncate(a.len() - 1);
+    short[0] = 95;
+    assert!(matches!(
+        decode(&short, &limits),
+        Err(FrameError::Malformed { .. })
     ));
 }
 

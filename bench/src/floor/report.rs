@@ -85,7 +85,7 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
             let target = match t {
                 Transport::Tls => Some((TLS_P50, Some(TLS_P99))),
                 Transport::Quic => Some((QUIC_P50, None)),
-                Transport::Tcp => None,
+                Transport::Tcp | Transport::Rdma => None,
             };
             pairs.push((format!("{t} / tcp, same client"), 4 + i, 2, target));
         }

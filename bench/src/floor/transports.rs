@@ -123,6 +123,7 @@ pub(super) fn setup_times(
             Transport::Tcp => "TCP connect + Hello/Welcome",
             Transport::Tls => "TCP connect + TLS 1.3 full handshake + Hello/Welcome",
             Transport::Quic => "QUIC 1-RTT handshake + stream + Hello/Welcome",
+            Transport::Rdma => continue,
         };
         // Fresh client state for every connection: full handshakes.
         let summary = time_connects(rt, addr, n, || options(rack, digests, t))?;

@@ -197,7 +197,10 @@ fn link(
                 cx.at(
                     t.span(),
                     lk("transport"),
-                    format!("{:?} is not one of \"tcp\", \"tls\", \"quic\"", t.get_ref()),
+                    format!(
+                        "{:?} is not one of \"tcp\", \"tls\", \"quic\", \"rdma\"",
+                        t.get_ref()
+                    ),
                 );
                 None
             }

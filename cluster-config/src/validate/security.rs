@@ -29,6 +29,16 @@ pub(super) fn check(
         let rd = rd.get_ref();
         let k = |f: &str| format!("donor[{i}].{f}");
         for e in &d.listen {
+            if e.transport == Transport::Rdma && tls.is_none() {
+                cx.at(
+                    rd.listen.span(),
+                    k("listen"),
+                    format!(
+                        "{e} needs the rack's PKI: nodes learn RDMA regions and queue-pair \
+                         tokens over TLS or QUIC only; add [rack.tls] (see `engram-cluster pki init`)"
+                    ),
+                );
+            }
             if e.transport.is_secure() && tls.is_none() {
                 cx.at(
                     rd.listen.span(),

@@ -659,6 +659,33 @@ impl DonorClient {
         Ok(())
     }
 
+    /// Ask the donor where table `table`'s RDMA region is (PROTOCOL.md
+    /// 3.10), by `deadline`. Only on a TLS or QUIC connection: the donor
+    /// refuses it in the clear (`unauthorized`), and answers `unavailable`
+    /// when it serves no RDMA.
+    pub async fn region(
+        &self,
+        table: u32,
+        deadline: Instant,
+    ) -> Result<engram_protocol::Region, ClientError> {
+        let budget = deadline.saturating_duration_since(Instant::now());
+        let ask = self.request(|buf, id| {
+            engram_protocol::RegionQuery { table_id: table }.encode(buf, id);
+            Ok(())
+        });
+        let frame = tokio::time::timeout_at(deadline, ask)
+            .await
+            .map_err(|_| ClientError::Timeout(budget))??;
+        match parse(&frame, &self.inner.limits)?.1 {
+            Frame::Region(r) if r.table_id == table => Ok(r),
+            Frame::Error(e) => Err(ClientError::Donor {
+                code: e.code,
+                message: e.message.to_string(),
+            }),
+            _ => Err(self.violation("RegionQuery")),
+        }
+    }
+
     /// Round-trip a Ping within the lookup timeout; returns the time it took.
     pub async fn ping(&self) -> Result<Duration, ClientError> {
         let start = Instant::now();

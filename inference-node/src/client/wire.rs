@@ -391,7 +391,9 @@ impl Inner {
             return Err(ClientError::Protocol("unreadable frame header".into()));
         };
         match h.kind {
-            FrameKind::Rows | FrameKind::Error | FrameKind::Pong if h.request_id != 0 => {
+            FrameKind::Rows | FrameKind::Error | FrameKind::Pong | FrameKind::Region
+                if h.request_id != 0 =>
+            {
                 if h.request_id == own {
                     return Ok(Some(frame));
                 }

@@ -50,6 +50,10 @@ pub struct DonorSource {
     control_tls: Option<ControlTls>,
     current: Mutex<Option<Arc<DonorClient>>>,
     connecting: tokio::sync::Mutex<()>,
+    /// One-sided reads of the donor's registered rows, when it serves RDMA
+    /// and this node can: lookups use it, and the connection above to learn
+    /// regions (and for lookups while RDMA is not usable).
+    rdma: Option<super::rdma::RdmaPath>,
 }
 
 impl DonorSource {
@@ -64,7 +68,19 @@ impl DonorSource {
             control_tls: None,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
+            rdma: None,
         }
+    }
+
+    /// Read rows over RDMA through `path`.
+    pub fn with_rdma(mut self, path: Option<super::rdma::RdmaPath>) -> Self {
+        self.rdma = path;
+        self
+    }
+
+    /// Its RDMA path, if it has one.
+    pub fn rdma(&self) -> Option<&super::rdma::RdmaPath> {
+        self.rdma.as_ref()
     }
 
     /// Probe the control plane at `addr` too.
@@ -216,6 +232,23 @@ impl RowSource for DonorSource {
             let client = tokio::time::timeout_at(deadline, self.client())
                 .await
                 .map_err(|_| SourceError::Timeout)??;
+            if let Some(path) = &self.rdma
+                && let Some(&(_, pinned)) = self.opts.pinned.iter().find(|p| p.0 == table)
+            {
+                match path
+                    .fetch(&client, table, pinned, rows, out, deadline)
+                    .await
+                {
+                    Ok(super::rdma::RdmaOutcome::Read) => return Ok(()),
+                    Ok(super::rdma::RdmaOutcome::UseStream) => {}
+                    Err(e) => {
+                        if let SourceError::VersionMismatch { .. } = e {
+                            self.forget(&client);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
             let res = client
                 .lookup_until(&[Request { table, rows }], out, deadline)
                 .await

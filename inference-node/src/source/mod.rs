@@ -1,6 +1,7 @@
 //! Row sources: everything that can answer "these rows of this table" for
 //! the router, behind one trait. `LocalRam` (the table resident in the
-//! node's own RAM), `Donor` (a memory donor over the data plane) and `Ssd`
+//! node's own RAM), `Donor` (a memory donor over the data plane, or over
+//! RDMA: `rdma`) and `Ssd`
 //! (the node's `.etab` copy, read with io_uring or a pread pool). Tests add
 //! their own (a fake transport with fault injection).
 //!
@@ -10,6 +11,7 @@
 
 mod donor;
 mod local;
+pub mod rdma;
 pub mod ssd;
 
 use std::fmt;

@@ -160,16 +160,23 @@ impl<'a> Handler<'a> {
         let msg = match h.kind {
             FrameKind::Hello if !self.ready => return None,
             _ if !self.ready => "the first frame on a connection must be Hello",
-            FrameKind::Lookup | FrameKind::Ping if h.request_id == 0 => {
+            FrameKind::Lookup | FrameKind::Ping | FrameKind::RegionQuery if h.request_id == 0 => {
                 "request id 0 is reserved for unsolicited frames"
             }
-            FrameKind::Lookup | FrameKind::Ping | FrameKind::Pong => return None,
-            FrameKind::Hello => "Hello again after the handshake",
-            FrameKind::Welcome | FrameKind::Rows | FrameKind::Error | FrameKind::Goodbye => {
-                "a donor's frame kind from a client"
+            FrameKind::Lookup | FrameKind::Ping | FrameKind::Pong | FrameKind::RegionQuery => {
+                return None;
             }
+            FrameKind::Hello => "Hello again after the handshake",
+            FrameKind::Welcome
+            | FrameKind::Rows
+            | FrameKind::Error
+            | FrameKind::Goodbye
+            | FrameKind::Region => "a donor's frame kind from a client",
         };
-        let id = if matches!(h.kind, FrameKind::Lookup | FrameKind::Ping) {
+        let id = if matches!(
+            h.kind,
+            FrameKind::Lookup | FrameKind::Ping | FrameKind::RegionQuery
+        ) {
             0
         } else {
             h.request_id
@@ -191,6 +198,10 @@ impl<'a> Handler<'a> {
                 Action::Continue
             }
             Frame::Pong if self.ready => Action::Continue,
+            Frame::RegionQuery(q) if self.ready => {
+                self.region(h.request_id, q.table_id, out);
+                Action::Continue
+            }
             _ => {
                 let msg = if self.ready {
                     "unexpected frame kind from a client"
@@ -207,6 +218,63 @@ impl<'a> Handler<'a> {
                 );
                 Action::Close
             }
+        }
+    }
+
+    /// Answer a RegionQuery: the table's RDMA region and a queue-pair
+    /// token, only to a client that proved its identity with a certificate
+    /// (TLS or QUIC): over plaintext the key and token would be in the
+    /// clear. Every refusal keeps the connection.
+    fn region(&mut self, id: u64, table: u32, out: &mut Vec<u8>) {
+        if self.identity.is_none() {
+            self.shared.stats.refusal("data", "region_plaintext");
+            self.error(
+                out,
+                id,
+                ErrorCode::Unauthorized,
+                Some(table),
+                0,
+                "RDMA regions are handed out over TLS or QUIC only",
+            );
+            return;
+        }
+        let Some(book) = self.shared.rdma() else {
+            self.error(
+                out,
+                id,
+                ErrorCode::Unavailable,
+                Some(table),
+                0,
+                "this donor serves no RDMA (no device, or built without it)",
+            );
+            return;
+        };
+        match book.grant(table) {
+            Some(region) => {
+                tracing::debug!(
+                    peer = %self.peer_name,
+                    table,
+                    generation = region.generation,
+                    "rdma: region granted"
+                );
+                region.encode(out, id);
+            }
+            None if self.shared.tables().iter().any(|t| t.id == table) => self.error(
+                out,
+                id,
+                ErrorCode::Unavailable,
+                Some(table),
+                0,
+                "the table is not registered for RDMA",
+            ),
+            None => self.error(
+                out,
+                id,
+                ErrorCode::UnknownTable,
+                Some(table),
+                0,
+                "this donor does not serve the table",
+            ),
         }
     }
 

@@ -88,6 +88,8 @@ pub struct Shared {
     quic_endpoints: Mutex<Vec<quinn::Endpoint>>,
     /// True once a drain started: QUIC sessions say Goodbye on their own streams.
     drain_tx: tokio::sync::watch::Sender<bool>,
+    /// The RDMA region book, when the donor serves RDMA.
+    rdma: std::sync::OnceLock<Arc<engram_rdma::book::RegionBook>>,
 }
 
 /// What applying a new configuration could not change live.
@@ -128,6 +130,7 @@ impl Shared {
             permits: Arc::new(Semaphore::new(max)),
             permits_total: AtomicUsize::new(max),
             tls: std::sync::OnceLock::new(),
+            rdma: std::sync::OnceLock::new(),
             quic_open: AtomicUsize::new(0),
             quic_endpoints: Mutex::new(Vec::new()),
             drain_tx: tokio::sync::watch::channel(false).0,
@@ -158,6 +161,26 @@ impl Shared {
                     tracing::error!(error = %err, "QUIC endpoint keeps its old certificate")
                 }
             }
+        }
+    }
+
+    /// Serve RDMA regions from `book` (once).
+    pub fn set_rdma(&self, book: Arc<engram_rdma::book::RegionBook>) {
+        let _ = self.rdma.set(book);
+    }
+
+    /// The RDMA region book, when the donor serves RDMA.
+    pub fn rdma(&self) -> Option<&Arc<engram_rdma::book::RegionBook>> {
+        self.rdma.get()
+    }
+
+    /// Bring the RDMA regions in line with the tables served now (after a
+    /// swap): new versions registered, old ones deregistered. Computes
+    /// check words: call it off the async threads.
+    pub fn sync_rdma(&self) {
+        if let Some(book) = self.rdma.get() {
+            let tables = crate::rdma::snapshot(&self.tables());
+            crate::rdma::sync(book, tables);
         }
     }
 

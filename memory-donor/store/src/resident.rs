@@ -110,7 +110,9 @@ pub struct ResidentTable {
     pub digest: TableDigest,
     /// `digest.prefix()`, kept for the lookup path.
     pub digest_prefix: u64,
-    mem: Mmap,
+    /// Shared with whatever must keep the rows mapped beyond the table
+    /// (an RDMA registration).
+    mem: std::sync::Arc<Mmap>,
 }
 
 impl ResidentTable {
@@ -148,6 +150,12 @@ impl ResidentTable {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = row;
+    }
+
+    /// The rows' memory (264 bytes a row, back to back), shared: it stays
+    /// mapped while any holder keeps it, after the table itself is dropped.
+    pub fn memory(&self) -> std::sync::Arc<Mmap> {
+        std::sync::Arc::clone(&self.mem)
     }
 
     /// Resident bytes.
@@ -239,7 +247,7 @@ impl ResidentTable {
             rows: file.meta.rows,
             digest,
             digest_prefix: digest.prefix(),
-            mem,
+            mem: std::sync::Arc::new(mem),
         };
         Ok((
             table,

@@ -208,6 +208,25 @@ impl RegionBook {
         drop(old);
     }
 
+    /// True when `table` is registered at version `digest`.
+    pub fn holds(&self, table: u32, digest: &TableDigest) -> bool {
+        lock(&self.entries)
+            .iter()
+            .any(|x| x.table == table && x.digest == *digest)
+    }
+
+    /// Deregister the tables `keep` does not list at all; a table listed at
+    /// another version stays registered until its new version is published
+    /// (which replaces it). Returns the tables it dropped.
+    pub fn retain_or_stale(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {
+        let ids: Vec<(u32, TableDigest)> = lock(&self.entries)
+            .iter()
+            .filter(|x| keep.iter().any(|k| k.0 == x.table))
+            .map(|x| (x.table, x.digest))
+            .collect();
+        self.retain(&ids)
+    }
+
     /// Keep only the tables `keep` says, at the versions it gives:
     /// everything else is deregistered. Returns the tables it dropped.
     pub fn retain(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {

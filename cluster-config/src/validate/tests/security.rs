@@ -354,3 +354,95 @@ fn links_and_endpoints_prefer_tls_then_quic_then_tcp() {
     let a = c.donor("donor-a").expect("donor-a");
     assert_eq!(a.endpoints(None), at(Transport::Tcp, "10.1.0.5:7400"));
 }
+
+#[test]
+fn rdma_addresses_and_their_device() {
+    let rdma = donor_a(
+        "\"tls://0.0.0.0:7410\", \"rdma://10.1.0.5:7420\"",
+        "\"tls://10.1.0.5:7410\", \"rdma://10.1.0.5:7420\"",
+    );
+    let c = parse(&rdma).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(
+        a.rdma_endpoint(),
+        Some(Endpoint::new(Transport::Rdma, addr("10.1.0.5:7420")))
+    );
+    assert_eq!(a.rdma, Some(crate::RdmaDevice::default()));
+    // The stream transport a node dials is still TLS.
+    assert_eq!(a.endpoints(None)[0].transport, Transport::Tls);
+    // The device section, with its checks.
+    let with_dev = rdma.replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nrdma = { device = \"mlx5_0\", port = 2, gid_index = 3 }",
+        1,
+    );
+    let c = parse(&with_dev).expect("valid");
+    let dev = c.donor("donor-a").and_then(|d| d.rdma.clone());
+    assert_eq!(
+        dev,
+        Some(crate::RdmaDevice {
+            device: Some("mlx5_0".into()),
+            port: 2,
+            gid_index: Some(3),
+        })
+    );
+    let bad = rdma.replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nrdma = { device = \"mlx5 0\", port = 0, gid_index = 300 }",
+        1,
+    );
+    expect_in(
+        &bad,
+        26,
+        "donor[0].rdma.device",
+        "is not an RDMA device name",
+    );
+    expect_in(&bad, 26, "donor[0].rdma.port", "out of range 1..=255");
+    expect_in(&bad, 26, "donor[0].rdma.gid_index", "out of range 0..=255");
+    // A device section without an rdma:// address.
+    let orphan = good().replacen("ram_gib = 251.0", "ram_gib = 251.0\nrdma = { port = 1 }", 1);
+    expect_in(
+        &orphan,
+        26,
+        "donor[0].rdma",
+        "without an rdma:// listen address",
+    );
+    // RDMA alone: no authenticated channel to learn regions over.
+    let alone = donor_a("\"rdma://10.1.0.5:7420\"", "\"rdma://10.1.0.5:7420\"");
+    expect_in(
+        &alone,
+        22,
+        "donor[0].listen",
+        "needs a tls:// or quic:// address",
+    );
+    // Without the rack's PKI.
+    let no_pki = without_tls("plaintext = \"allow\"").replacen(
+        LISTEN_A,
+        "listen = [\"tcp://0.0.0.0:7410\", \"rdma://10.1.0.5:7420\"]\n\
+         advertise = [\"tcp://10.1.0.5:7410\", \"rdma://10.1.0.5:7420\"]",
+        1,
+    );
+    expect_in(
+        &no_pki,
+        22,
+        "donor[0].listen",
+        "rdma://10.1.0.5:7420 needs the rack's PKI",
+    );
+    // One RDMA address a donor; its port space is its own.
+    let two = donor_a(
+        "\"tls://0.0.0.0:7410\", \"rdma://10.1.0.5:7410\", \"rdma://10.1.0.6:7420\"",
+        "\"tls://10.1.0.5:7410\"",
+    );
+    expect_in(&two, 22, "donor[0].listen[2]", "one RDMA address");
+    // A node link may ask for it, where the donor advertises it.
+    let link = rdma.clone() + "\n[[node.link]]\ndonor = \"donor-a\"\ntransport = \"rdma\"\n";
+    let c = parse(&link).expect("valid");
+    assert_eq!(c.nodes[0].links[0].1.transport, Some(Transport::Rdma));
+    let link_b = good() + "\n[[node.link]]\ndonor = \"donor-a\"\ntransport = \"rdma\"\n";
+    let d = diags(&link_b);
+    assert!(
+        d.iter()
+            .any(|d| d.message.contains("advertises no rdma address")),
+        "{d:?}"
+    );
+}

@@ -1,0 +1,300 @@
+//! A donor's RDMA path: one-sided READs of its registered rows, beside its
+//! data-plane connection. The connection (TLS or QUIC) is the authenticated
+//! channel: the node learns each table's region and a queue-pair token
+//! there (RegionQuery, PROTOCOL.md 3.10), connects a queue pair with the
+//! token, and reads a lookup's rows and their check words in one doorbell.
+//!
+//! What happens when:
+//! - the donor offers no RDMA (`unavailable`), or the queue pair cannot be
+//!   connected: lookups go over the connection, as without RDMA; RDMA is
+//!   tried again after a backoff (50 ms doubling to 2 s) or, for a donor
+//!   without RDMA, after [`UNAVAILABLE_RETRY`];
+//! - a READ fails (remote access error after a swap or restart, retries
+//!   exceeded, a flushed queue pair) or gets no completion by the deadline:
+//!   the fetch fails like any source's, so the router fails over; the queue
+//!   pair is dropped and the next fetch learns the region again;
+//! - a row fails its check word: the rows are discarded (a corrupt answer)
+//!   and the region is learned again;
+//! - the region holds another version than the node pins: a version
+//!   mismatch, never a row of it.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
+use engram_rdma::plan::{Fault, Outcome};
+use engram_rdma::reader::{DEFAULT_SLOT_ROWS, Reader, Session, StartError, Step, qp_options};
+use engram_rdma::verbs::Provider;
+use tokio::time::Instant;
+
+use super::SourceError;
+use crate::client::{ClientError, DonorClient};
+
+/// How long a node reads over the connection after a donor said it serves
+/// no RDMA, before it asks again.
+pub const UNAVAILABLE_RETRY: Duration = Duration::from_secs(5);
+
+/// Polling without sleeping for this long before sleeping between polls.
+const SPIN: Duration = Duration::from_micros(100);
+/// Sleep between polls after the spin.
+const NAP: Duration = Duration::from_micros(20);
+
+/// What a fetch over RDMA came to.
+#[derive(Debug)]
+pub enum RdmaOutcome {
+    /// The rows are in the caller's buffer.
+    Read,
+    /// RDMA is not usable now: read over the connection instead.
+    UseStream,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    session: Session,
+    reader: Option<Reader>,
+    unavailable_until: Option<std::time::Instant>,
+    warned: bool,
+}
+
+/// A donor's RDMA path.
+#[derive(Debug)]
+pub struct RdmaPath {
+    donor: String,
+    addr: SocketAddr,
+    provider: Arc<dyn Provider>,
+    connect_timeout: Duration,
+    state: Mutex<State>,
+    connecting: tokio::sync::Mutex<()>,
+}
+
+fn fault_error(donor: &str, f: Fault) -> SourceError {
+    match f {
+        Fault::Timeout => SourceError::Timeout,
+        Fault::PeerGone => SourceError::Unavailable(format!("rdma to {donor}: {f}")),
+        Fault::Corrupt { .. } => SourceError::Corrupt(format!("rdma from {donor}: {f}")),
+        Fault::Revoked | Fault::Rejected | Fault::Local => {
+            SourceError::Failed(format!("rdma from {donor}: {f}"))
+        }
+    }
+}
+
+impl RdmaPath {
+    /// The path to `donor`'s RDMA listener at `addr`, through `provider`.
+    pub fn new(
+        donor: impl Into<String>,
+        addr: SocketAddr,
+        provider: Arc<dyn Provider>,
+        connect_timeout: Duration,
+    ) -> Self {
+        Self {
+            donor: donor.into(),
+            addr,
+            provider,
+            connect_timeout,
+            state: Mutex::new(State::default()),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The listener's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Work requests, doorbells and signalled requests posted on the
+    /// current queue pair (none when there is none).
+    pub fn counts(&self) -> Option<engram_rdma::reader::Counts> {
+        self.state().reader.as_ref().map(Reader::counts)
+    }
+
+    fn use_stream(&self, why: &str) -> Result<RdmaOutcome, SourceError> {
+        let mut st = self.state();
+        if !st.warned {
+            st.warned = true;
+            tracing::warn!(
+                donor = %self.donor,
+                "rdma://{}: {why}; reading over the data-plane connection meanwhile",
+                self.addr
+            );
+        }
+        Ok(RdmaOutcome::UseStream)
+    }
+
+    /// Fetch `rows` of `table` (pinned at `pinned`) into `out` by
+    /// `deadline`, learning regions over `client`.
+    pub async fn fetch(
+        &self,
+        client: &DonorClient,
+        table: u32,
+        pinned: TableDigest,
+        rows: &[u64],
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<RdmaOutcome, SourceError> {
+        if out.len() != rows.len() * ROW_BYTES {
+            return Err(SourceError::BadRequest(format!(
+                "output buffer is {} bytes, {} rows need {}",
+                out.len(),
+                rows.len(),
+                rows.len() * ROW_BYTES
+            )));
+        }
+        loop {
+            let now = std::time::Instant::now();
+            let step = {
+                let st = self.state();
+                if st.unavailable_until.is_some_and(|t| t > now) {
+                    return Ok(RdmaOutcome::UseStream);
+                }
+                st.session.step(table, now)
+            };
+            match step {
+                Step::Backoff(_) => return Ok(RdmaOutcome::UseStream),
+                Step::Learn => match client.region(table, deadline).await {
+                    Ok(region) => {
+                        let mut st = self.state();
+                        st.unavailable_until = None;
+                        if let Err(w) = st.session.learned(&region, &pinned) {
+                            return Err(SourceError::VersionMismatch {
+                                table,
+                                detail: format!(
+                                    "its RDMA region holds digest {}, not the pinned {}",
+                                    w.region, w.pinned
+                                ),
+                            });
+                        }
+                    }
+                    Err(ClientError::Donor {
+                        code: ErrorCode::Unavailable | ErrorCode::Unauthorized,
+                        message,
+                    }) => {
+                        self.state().unavailable_until =
+                            Some(std::time::Instant::now() + UNAVAILABLE_RETRY);
+                        return self.use_stream(&message);
+                    }
+                    Err(e) => return Err(e.into()),
+                },
+                Step::Connect(token) => {
+                    let _one = self.connecting.lock().await;
+                    if self.state().session.is_connected() {
+                        continue;
+                    }
+                    let (provider, addr) = (Arc::clone(&self.provider), self.addr);
+                    let budget = deadline
+                        .saturating_duration_since(Instant::now())
+                        .min(self.connect_timeout);
+                    let opts = qp_options(budget);
+                    let made =
+                        tokio::task::spawn_blocking(move || provider.connect(addr, &token, &opts))
+                            .await;
+                    match made {
+                        Ok(Ok(qp)) => {
+                            let mut st = self.state();
+                            st.reader = Some(Reader::new(qp, DEFAULT_SLOT_ROWS));
+                            st.session.connected();
+                            st.warned = false;
+                            tracing::info!(donor = %self.donor, "rdma://{addr}: queue pair connected");
+                        }
+                        Ok(Err(e)) => {
+                            self.state()
+                                .session
+                                .connect_failed(std::time::Instant::now());
+                            return self.use_stream(&format!("connecting a queue pair: {e}"));
+                        }
+                        Err(e) => {
+                            self.state()
+                                .session
+                                .connect_failed(std::time::Instant::now());
+                            return self.use_stream(&format!("connecting a queue pair: {e}"));
+                        }
+                    }
+                }
+                Step::Read(layout) => {
+                    let per = self
+                        .state()
+                        .reader
+                        .as_ref()
+                        .map_or(DEFAULT_SLOT_ROWS, Reader::slot_rows);
+                    for (chunk, dst) in rows.chunks(per).zip(out.chunks_mut(per * ROW_BYTES)) {
+                        if let Err(f) = self.read(chunk, &layout, dst, deadline).await {
+                            let mut st = self.state();
+                            st.session.fault(table, f);
+                            if f.kills_queue_pair() {
+                                st.reader = None;
+                            }
+                            drop(st);
+                            tracing::debug!(donor = %self.donor, table, "rdma read failed: {f}");
+                            return Err(fault_error(&self.donor, f));
+                        }
+                    }
+                    return Ok(RdmaOutcome::Read);
+                }
+            }
+        }
+    }
+
+    /// One read of at most a slot's rows: start it (waiting for a free
+    /// slot), poll until it completes or the deadline passes, then check
+    /// and copy the rows.
+    async fn read(
+        &self,
+        rows: &[u64],
+        layout: &engram_rdma::plan::Layout,
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), Fault> {
+        let began = Instant::now();
+        let read = loop {
+            let started = {
+                let mut st = self.state();
+                let Some(r) = st.reader.as_mut() else {
+                    return Err(Fault::PeerGone);
+                };
+                r.poll();
+                r.start(rows, layout)
+            };
+            match started {
+                Ok(read) => break read,
+                Err(StartError::Busy) if Instant::now() < deadline => {
+                    tokio::task::yield_now().await;
+                }
+                Err(StartError::Busy) => return Err(Fault::Timeout),
+                Err(StartError::Dead(f)) => return Err(f),
+                Err(StartError::Plan(_)) => return Err(Fault::Local),
+                Err(StartError::Post(_)) => return Err(Fault::PeerGone),
+            }
+        };
+        loop {
+            {
+                let mut st = self.state();
+                let Some(r) = st.reader.as_mut() else {
+                    return Err(Fault::PeerGone);
+                };
+                r.poll();
+                match r.outcome(&read) {
+                    Outcome::Pending if Instant::now() >= deadline => {
+                        r.abandon(read);
+                        return Err(Fault::Timeout);
+                    }
+                    Outcome::Pending => {}
+                    Outcome::Done => return r.finish(read, rows, layout, out),
+                    Outcome::Failed(f) => {
+                        r.release(read);
+                        return Err(f);
+                    }
+                }
+            }
+            if began.elapsed() < SPIN {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(NAP.min(deadline.saturating_duration_since(Instant::now())))
+                    .await;
+            }
+        }
+    }
+}
