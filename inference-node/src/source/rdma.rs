@@ -40,6 +40,24 @@ const SPIN: Duration = Duration::from_micros(100);
 /// Sleep between polls after the spin.
 const NAP: Duration = Duration::from_micros(20);
 
+/// A read in flight that its fetch may abandon by being dropped (the
+/// router moves on when another source answers first): the reader frees
+/// its slot when its completion comes.
+struct Orphan<'a> {
+    path: &'a RdmaPath,
+    read: Option<engram_rdma::reader::Read>,
+}
+
+impl Drop for Orphan<'_> {
+    fn drop(&mut self) {
+        if let Some(read) = self.read.take()
+            && let Some(r) = self.path.state().reader.as_mut()
+        {
+            r.orphan(read);
+        }
+    }
+}
+
 /// What a fetch over RDMA came to.
 #[derive(Debug)]
 pub enum RdmaOutcome {
@@ -249,7 +267,11 @@ impl RdmaPath {
         deadline: Instant,
     ) -> Result<(), Fault> {
         let began = Instant::now();
-        let read = loop {
+        let mut read = Orphan {
+            path: self,
+            read: None,
+        };
+        read.read = Some(loop {
             let started = {
                 let mut st = self.state();
                 let Some(r) = st.reader.as_mut() else {
@@ -268,7 +290,7 @@ impl RdmaPath {
                 Err(StartError::Plan(_)) => return Err(Fault::Local),
                 Err(StartError::Post(_)) => return Err(Fault::PeerGone),
             }
-        };
+        });
         loop {
             {
                 let mut st = self.state();
@@ -276,15 +298,27 @@ impl RdmaPath {
                     return Err(Fault::PeerGone);
                 };
                 r.poll();
-                match r.outcome(&read) {
+                let Some(this) = read.read.as_ref() else {
+                    return Err(Fault::Local);
+                };
+                match r.outcome(this) {
                     Outcome::Pending if Instant::now() >= deadline => {
-                        r.abandon(read);
+                        if let Some(this) = read.read.take() {
+                            r.abandon(this);
+                        }
                         return Err(Fault::Timeout);
                     }
                     Outcome::Pending => {}
-                    Outcome::Done => return r.finish(read, rows, layout, out),
+                    Outcome::Done => {
+                        return match read.read.take() {
+                            Some(this) => r.finish(this, rows, layout, out),
+                            None => Err(Fault::Local),
+                        };
+                    }
                     Outcome::Failed(f) => {
-                        r.release(read);
+                        if let Some(this) = read.read.take() {
+                            r.release(this);
+                        }
                         return Err(f);
                     }
                 }

@@ -347,12 +347,18 @@ mod tests {
         let book = RegionBook::new(Arc::new(p), DeviceSpec::default());
         let d1 = TableDigest([1; 32]);
         let d2 = TableDigest([2; 32]);
-        assert!(book.publish(0, 2, d1, Arc::new(vec![1u8; 2 * ROW_BYTES])).is_ok());
+        assert!(
+            book.publish(0, 2, d1, Arc::new(vec![1u8; 2 * ROW_BYTES]))
+                .is_ok()
+        );
         let Some(old) = book.grant(0) else {
             panic!("no grant")
         };
         assert_eq!(fabric.regions(), 2);
-        assert!(book.publish(0, 2, d2, Arc::new(vec![2u8; 2 * ROW_BYTES])).is_ok());
+        assert!(
+            book.publish(0, 2, d2, Arc::new(vec![2u8; 2 * ROW_BYTES]))
+                .is_ok()
+        );
         assert_eq!(fabric.regions(), 2);
         let Some(new) = book.grant(0) else {
             panic!("no grant")

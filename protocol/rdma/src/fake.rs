@@ -53,6 +53,8 @@ struct State {
     /// older one (a donor that went away) is dead.
     epochs: HashMap<SocketAddr, u64>,
     next_epoch: u64,
+    /// READs carried out, by the listener address of their queue pair.
+    reads_at: HashMap<SocketAddr, u64>,
 }
 
 /// The in-process fabric: registered regions, listeners, faults, counters.
@@ -99,6 +101,11 @@ impl FakeFabric {
     /// Deregister the region with key `rkey` (what a swap does).
     pub fn revoke(&self, rkey: u32) -> bool {
         self.lock().regions.remove(&rkey).is_some()
+    }
+
+    /// READs carried out on queue pairs to the listener at `addr`.
+    pub fn reads_at(&self, addr: SocketAddr) -> u64 {
+        self.lock().reads_at.get(&addr).copied().unwrap_or(0)
     }
 
     /// Regions registered now.
@@ -337,7 +344,9 @@ impl QueuePair for FakeQp {
         let fault = s.faults.get_mut(&self.peer).and_then(VecDeque::pop_front);
         if self.dead || fault == Some(FakeFault::DeadQueuePair) {
             self.dead = true;
-            return Err(VerbsError::Dead("the queue pair is in the error state".into()));
+            return Err(VerbsError::Dead(
+                "the queue pair is in the error state".into(),
+            ));
         }
         if s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch {
             drop(s);
@@ -376,6 +385,7 @@ impl QueuePair for FakeQp {
             let at = w.local_offset;
             self.buffer[at..at + src.len()].copy_from_slice(src);
         }
+        *s.reads_at.entry(self.peer).or_default() += wrs.len() as u64;
         drop(s);
         self.fabric
             .copy_nanos

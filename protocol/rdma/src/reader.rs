@@ -13,7 +13,7 @@ use crate::plan::{
     Fault, Layout, Outcome, PlanError, SLOT_ROW_BYTES, Tracker, WRS_PER_ROW, build_reads,
     verify_into,
 };
-use crate::verbs::{Completion, QueuePair, QpOptions, ReadWr, VerbsError};
+use crate::verbs::{Completion, QpOptions, QueuePair, ReadWr, VerbsError};
 
 /// Rows one buffer slot holds (one doorbell of 256 work requests).
 pub const DEFAULT_SLOT_ROWS: usize = 128;
@@ -75,7 +75,16 @@ pub struct Reader {
     wrs: Vec<ReadWr>,
     wcs: Vec<Completion>,
     counts: Counts,
+    /// Reads whose reader went away before their completion (a lookup
+    /// cancelled when another source answered first): their slots are
+    /// freed when the completion comes.
+    orphans: Vec<(Read, Instant)>,
 }
+
+/// An orphaned read not completed after this means the queue pair is
+/// stuck (completions come in order on a reliable connection, so every
+/// later read waits behind it): the queue pair is given up.
+pub const ORPHAN_LIMIT: Duration = Duration::from_millis(100);
 
 impl Reader {
     /// Reads over `qp`, its buffer cut into slots of `slot_rows` rows.
@@ -94,6 +103,7 @@ impl Reader {
             wrs: Vec::with_capacity(slot_rows * WRS_PER_ROW),
             wcs: Vec::with_capacity(64),
             counts: Counts::default(),
+            orphans: Vec::new(),
         }
     }
 
@@ -116,6 +126,14 @@ impl Reader {
     pub fn start(&mut self, rows: &[u64], layout: &Layout) -> Result<Read, StartError> {
         if let Some(f) = self.dead {
             return Err(StartError::Dead(f));
+        }
+        if self
+            .orphans
+            .first()
+            .is_some_and(|(_, since)| since.elapsed() > ORPHAN_LIMIT)
+        {
+            self.die(Fault::Timeout);
+            return Err(StartError::Dead(Fault::Timeout));
         }
         let Some(&slot) = self.free.last() else {
             return Err(StartError::Busy);
@@ -184,6 +202,27 @@ impl Reader {
             }
             Err(_) => self.die(Fault::PeerGone),
         }
+        let mut i = 0;
+        while i < self.orphans.len() {
+            match self.tracker.outcome(self.orphans[i].0.tag) {
+                Outcome::Pending => i += 1,
+                _ => {
+                    let (read, _) = self.orphans.swap_remove(i);
+                    self.free.push(read.slot);
+                }
+            }
+        }
+    }
+
+    /// The caller of `read` went away before its completion: free its slot
+    /// when the completion comes (the NIC may still write into it).
+    pub fn orphan(&mut self, read: Read) {
+        self.orphans.push((read, Instant::now()));
+    }
+
+    /// Reads orphaned and not completed yet.
+    pub fn orphans(&self) -> usize {
+        self.orphans.len()
     }
 
     /// How `read` stands.

@@ -201,7 +201,11 @@ fn each_fault_fails_the_lookup_with_zero_wrong_rows_and_the_next_one_recovers() 
         if inject == FakeFault::Revoke {
             // The test revoked the live registration behind the book's
             // back: publish again, as a swap would.
-            assert!(rig.book.publish(0, ROWS, rig.digest, Arc::new(table(1))).is_ok());
+            assert!(
+                rig.book
+                    .publish(0, ROWS, rig.digest, Arc::new(table(1)))
+                    .is_ok()
+            );
         }
         assert_eq!(rig.lookup(&rows24(2), &mut out), Ok(()), "{inject:?}");
         expect_rows(&t, &rows24(2), &out);
@@ -222,7 +226,11 @@ fn a_restarted_donor_is_reconnected_and_its_region_learned_again() {
     // While it is down, connects fail and back off.
     assert!(matches!(rig.session.step(0, Instant::now()), Step::Learn));
     // It comes back: same address, new registrations.
-    assert!(rig.book.publish(0, ROWS, rig.digest, Arc::new(table(1))).is_ok());
+    assert!(
+        rig.book
+            .publish(0, ROWS, rig.digest, Arc::new(table(1)))
+            .is_ok()
+    );
     assert!(rig.book.listen(rig.addr).is_ok());
     assert_eq!(rig.lookup(&rows24(2), &mut out), Ok(()));
     expect_rows(&table(1), &rows24(2), &out);
@@ -239,5 +247,8 @@ fn a_queue_pair_without_a_granted_token_is_refused() {
         panic!("no grant")
     };
     assert!(rig.provider.connect(rig.addr, &g.token, &opts).is_ok());
-    assert!(rig.provider.connect(rig.addr, &g.token, &opts).is_err(), "used once");
+    assert!(
+        rig.provider.connect(rig.addr, &g.token, &opts).is_err(),
+        "used once"
+    );
 }

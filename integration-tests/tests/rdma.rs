@@ -1,0 +1,422 @@
+//! RDMA with the fake verbs provider: the donor's real serving stack (its
+//! TLS data plane, region book and RegionQuery answers) and the node's real
+//! memory (routers, breakers, probes, the SSD copy) in one process, sharing
+//! the fake fabric. Rows are checked against the synthetic generator.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use cluster_config::{Config, Transport};
+use engram_protocol::synthetic::first_mismatch;
+use engram_protocol::{ErrorCode, ROW_BYTES};
+use engram_rdma::fake::{FakeFault, FakeProvider};
+use engram_rdma::verbs::{DeviceSpec, Provider, WcStatus};
+use engram_store::resident::{MlockMode, ResidentTable};
+use inference_node::memory::Memory;
+use inference_node::metrics::NodeMetrics;
+use integration_tests::{free_port, gen_table, rack_pki, runtime};
+use memory_donor::server::{self, Shared};
+use memory_donor::tls::{Access, DonorTls};
+
+const ROWS: u64 = 4_000;
+const SEED: u64 = 77;
+const SEED_V2: u64 = 78;
+const TABLES: [u32; 2] = [1, 14];
+
+/// The process's fake fabric (one provider a process).
+fn fake() -> &'static FakeProvider {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    static FAKE: OnceLock<FakeProvider> = OnceLock::new();
+    FAKE.get_or_init(|| {
+        let p = FakeProvider::new();
+        let installed: Arc<dyn Provider> = Arc::new(p.clone());
+        if engram_rdma::install(installed).is_err() {
+            panic!("another provider was installed first");
+        }
+        p
+    })
+}
+
+/// A rack: one donor (TLS + RDMA, plus plaintext TCP on loopback) and one
+/// node whose routes read the donor, then the SSD copy.
+struct Rack {
+    _dir: tempfile::TempDir,
+    config: Config,
+    rdma: SocketAddr,
+    tcp: SocketAddr,
+    paths: Vec<PathBuf>,
+}
+
+impl Rack {
+    fn new(extra_route: &str) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let mut paths = Vec::new();
+        let mut t = String::from("version = 1\n[rack]\nname = \"rdma\"\n[rack.tls]\n");
+        for id in TABLES {
+            let (path, digest) = gen_table(dir.path(), &format!("t{id}.etab"), id, ROWS, SEED)?;
+            t.push_str(&format!(
+                "[[table]]\nid = {id}\nlayer = {id}\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n",
+                path.display()
+            ));
+            paths.push(path);
+        }
+        let (tls, tcp, rdma) = (free_port()?, free_port()?, free_port()?);
+        let tls_addr: SocketAddr = ([127, 0, 0, 1], tls).into();
+        let tcp_addr: SocketAddr = ([127, 0, 0, 1], tcp).into();
+        // The fake fabric needs no socket; each rack gets its own address.
+        let rdma_addr: SocketAddr = ([127, 0, 0, 1], rdma).into();
+        t.push_str(&format!(
+            "[[donor]]\nname = \"donor-a\"\nlisten = [\"tls://{tls_addr}\", \"tcp://{tcp_addr}\", \"rdma://{rdma_addr}\"]\n\
+             tables = [1, 14]\nram_gib = 4.0\nheadroom_gib = 0.5\ndrain_timeout_ms = 200\n\
+             [[node]]\nname = \"node-a\"\nprobe_interval_ms = 100\nbreaker_failures = 1000\n"
+        ));
+        for (id, path) in TABLES.iter().zip(&paths) {
+            t.push_str(&format!(
+                "[[node.route]]\ntable = {id}\nsources = [\"donor-a\", \"ssd\"]\nssd_path = \"{}\"\n\
+                 hard_timeout_ms = 300\nhedge = \"off\"\n{extra_route}",
+                path.display()
+            ));
+        }
+        let path = dir.path().join("rack.toml");
+        std::fs::write(&path, t)?;
+        rack_pki(&path)?;
+        let config = Config::load(&path).context("config")?;
+        Ok(Self {
+            _dir: dir,
+            config,
+            rdma: rdma_addr,
+            tcp: tcp_addr,
+            paths,
+        })
+    }
+
+    fn table(&self, i: usize, path: &Path) -> Result<ResidentTable> {
+        let (t, _) = ResidentTable::load(TABLES[i], path, None, true, MlockMode::Off, |_| None)?;
+        Ok(t)
+    }
+}
+
+/// The donor's serving stack, in process.
+struct Donor {
+    shared: Arc<Shared>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Donor {
+    async fn start(rack: &Rack) -> Result<Self> {
+        let spec = memory_donor::serve::ServeSpec::from_config(&rack.config, "donor-a")?;
+        let tables = (0..TABLES.len())
+            .map(|i| rack.table(i, &rack.paths[i]))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = Shared::new(spec.server.clone(), tables);
+        let Some((files, _)) = &spec.tls else {
+            bail!("the rack has a PKI")
+        };
+        shared.set_tls(DonorTls::load(
+            files,
+            Access::from_config(&rack.config, "donor-a"),
+        )?);
+        let mut listeners = Vec::new();
+        for e in &spec.listen {
+            match e.transport {
+                Transport::Tls => listeners.push(server::Listener::Tls(
+                    tokio::net::TcpListener::bind(e.addr).await?,
+                )),
+                Transport::Tcp => listeners.push(server::Listener::Tcp(
+                    tokio::net::TcpListener::bind(e.addr).await?,
+                )),
+                _ => {}
+            }
+        }
+        let device = spec.rdma.clone().unwrap_or_default();
+        let snapshot = memory_donor::rdma::snapshot(&shared.tables());
+        let book = engram_rdma::book::RegionBook::new(
+            engram_rdma::provider()?,
+            memory_donor::rdma::device_spec(&device),
+        );
+        memory_donor::rdma::sync(&book, snapshot);
+        if book.listen(rack.rdma).is_ok() {
+            shared.set_rdma(book);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(server::run(listeners, Arc::clone(&shared), async move {
+            let _ = rx.await;
+        }));
+        Ok(Self {
+            shared,
+            stop: Some(tx),
+            task,
+        })
+    }
+
+    /// Stop: the queue pairs die at once (as when the process is killed),
+    /// the data plane drains (Goodbye, then closed within the config's
+    /// 200 ms drain timeout), and the registrations and the listener go.
+    async fn kill(mut self, rack: &Rack) {
+        fake().fabric().kill(rack.rdma);
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = self.task.await;
+    }
+}
+
+/// `n` lookups of 24 random rows of each table; every answer's rows are
+/// checked against the generator of `seed`. Returns the sources that served.
+async fn lookups(memory: &Memory, n: usize, seed: u64, salt: u64) -> Result<Vec<String>> {
+    let mut served = Vec::new();
+    let mut out = vec![0u8; 24 * ROW_BYTES];
+    for k in 0..n as u64 {
+        for (i, &id) in TABLES.iter().enumerate() {
+            let rows: Vec<u64> = (0..24u64)
+                .map(|j| (j * 2_654_435_761 + k * 97 + salt + i as u64) % ROWS)
+                .collect();
+            let Some(router) = memory.router(id) else {
+                bail!("no router for table {id}")
+            };
+            let f = router.fetch(&rows, &mut out).await?;
+            if let Some(r) = first_mismatch(seed, id, &rows, &out) {
+                bail!(
+                    "table {id}: row {r} is not the pinned version's (served by {:?})",
+                    f.source
+                );
+            }
+            served.push(f.source.unwrap_or_else(|| "zeros".into()));
+        }
+    }
+    Ok(served)
+}
+
+/// READs carried out to this rack's donor.
+fn reads(rack: &Rack) -> u64 {
+    fake().fabric().reads_at(rack.rdma)
+}
+
+async fn node(rack: &Rack) -> Result<Memory> {
+    Ok(Memory::from_config(&rack.config, "node-a", &NodeMetrics::new()).await?)
+}
+
+#[test]
+fn rows_over_rdma_equal_the_table_with_two_reads_a_row() -> Result<()> {
+    fake();
+    let rack = Rack::new("")?;
+    runtime().block_on(async {
+        let donor = Donor::start(&rack).await?;
+        let memory = node(&rack).await?;
+        let before = reads(&rack);
+        let served = lookups(&memory, 300, SEED, 0).await?;
+        assert!(served.iter().all(|s| s == "donor-a"), "{served:?}");
+        // A row and its check word a row, nothing over TLS: 600 lookups.
+        assert_eq!(reads(&rack) - before, 600 * 48);
+        assert_eq!(donor.shared.rdma().map(|b| b.tables().len()), Some(2));
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+#[test]
+fn a_swap_revokes_the_old_region_and_no_row_of_the_new_version_is_used() -> Result<()> {
+    fake();
+    let rack = Rack::new("")?;
+    runtime().block_on(async {
+        let donor = Donor::start(&rack).await?;
+        let memory = node(&rack).await?;
+        assert!(
+            lookups(&memory, 20, SEED, 0)
+                .await?
+                .iter()
+                .all(|s| s == "donor-a")
+        );
+        // Table 1 moves to another version on the donor, as a swap does it:
+        // the new table in place, then the book follows.
+        let dir = tempfile::tempdir()?;
+        let (v2, _) = gen_table(dir.path(), "t1v2.etab", 1, ROWS, SEED_V2)?;
+        let new = rack.table(0, &v2)?;
+        let old = {
+            let mut t = donor.shared.tables_mut();
+            std::mem::replace(&mut t[0], new)
+        };
+        drop(old);
+        let gens_before = donor.shared.rdma().map(|b| b.tables());
+        donor.shared.sync_rdma();
+        assert_ne!(donor.shared.rdma().map(|b| b.tables()), gens_before);
+        // The node pins version 1: its old key fails (remote access), the
+        // region it learns again holds version 2 (refused): every table 1
+        // row comes from the SSD copy, and every one is version 1's.
+        let served = lookups(&memory, 50, SEED, 1).await?;
+        let t1: Vec<&String> = served.iter().step_by(2).collect();
+        assert!(t1.iter().all(|s| *s == "ssd"), "{t1:?}");
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+#[test]
+fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> Result<()> {
+    fake();
+    let rack = Rack::new("")?;
+    runtime().block_on(async {
+        let donor = Donor::start(&rack).await?;
+        let memory = node(&rack).await?;
+        assert!(
+            lookups(&memory, 5, SEED, 0)
+                .await?
+                .iter()
+                .all(|s| s == "donor-a")
+        );
+        let faults = [
+            FakeFault::CompletionError(WcStatus::RetryExceeded),
+            FakeFault::CompletionError(WcStatus::RemoteInvalidRequest),
+            FakeFault::CompletionError(WcStatus::RemoteAccess),
+            FakeFault::LoseCompletion,
+            FakeFault::Late(Duration::from_secs(2)),
+            FakeFault::Revoke,
+            FakeFault::DeadQueuePair,
+        ];
+        let Some(router) = memory.router(1) else {
+            bail!("no router")
+        };
+        for (k, fault) in faults.into_iter().enumerate() {
+            fake().fabric().inject(rack.rdma, fault);
+            let rows: Vec<u64> = (0..24).map(|j| (j * 131 + k as u64 * 7) % ROWS).collect();
+            let mut out = vec![0u8; 24 * ROW_BYTES];
+            let began = Instant::now();
+            let f = router.fetch(&rows, &mut out).await?;
+            let took = began.elapsed();
+            assert_eq!(f.source.as_deref(), Some("ssd"), "{fault:?}: {f:?}");
+            assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "{fault:?}");
+            // Within the route's hard timeout (300 ms), with slack for a busy machine.
+            assert!(took < Duration::from_millis(600), "{fault:?}: {took:?}");
+            if fault == FakeFault::Revoke {
+                // The fault deregistered the live regions behind the book's
+                // back; the donor registers them again (as a restart would).
+                let snapshot = memory_donor::rdma::snapshot(&donor.shared.tables());
+                if let Some(book) = donor.shared.rdma() {
+                    book.retain(&[]);
+                    memory_donor::rdma::sync(book, snapshot);
+                }
+            }
+            // The next lookups learn the region again, connect a new queue
+            // pair, and read over RDMA. (A read without a completion holds
+            // its queue pair's later completions back; the node gives the
+            // queue pair up after `ORPHAN_LIMIT` and connects another.)
+            back_over_rdma(&rack, &memory, &format!("{fault:?}")).await?;
+        }
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+/// Wait (up to 2 s) until lookups are served by the donor over RDMA again.
+async fn back_over_rdma(rack: &Rack, memory: &Memory, what: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut salt = 1000;
+    loop {
+        let before = reads(rack);
+        let served = lookups(memory, 1, SEED, salt).await?;
+        if served.iter().all(|s| s == "donor-a") && reads(rack) - before == 2 * 48 {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{what}: not read over RDMA again: {served:?}");
+        }
+        salt += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn a_restarted_donor_is_readmitted_and_its_regions_learned_again() -> Result<()> {
+    fake();
+    let rack = Rack::new("")?;
+    runtime().block_on(async {
+        let donor = Donor::start(&rack).await?;
+        let memory = node(&rack).await?;
+        assert!(
+            lookups(&memory, 5, SEED, 0)
+                .await?
+                .iter()
+                .all(|s| s == "donor-a")
+        );
+        let gens: Vec<(u32, u64)> = donor.shared.rdma().map(|b| b.tables()).unwrap_or_default();
+        donor.kill(&rack).await;
+        // While it is down: the SSD copy, 0 wrong rows.
+        let served = lookups(&memory, 10, SEED, 1).await?;
+        assert!(served.iter().all(|s| s == "ssd"), "{served:?}");
+        let donor = Donor::start(&rack).await?;
+        let new: Vec<(u32, u64)> = donor.shared.rdma().map(|b| b.tables()).unwrap_or_default();
+        assert!(
+            new.iter().all(|n| !gens.contains(n)),
+            "new generations: {gens:?} {new:?}"
+        );
+        // The probe re-admits it (100 ms interval); then RDMA again.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        back_over_rdma(&rack, &memory, "after the restart").await?;
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+#[test]
+fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Result<()> {
+    fake();
+    let rack = Rack::new("")?;
+    runtime().block_on(async {
+        // Something else holds the RDMA address: the donor cannot listen
+        // there and serves on TLS only (as a host without a device does).
+        let squatter = fake().listen(
+            rack.rdma,
+            &DeviceSpec::default(),
+            Arc::new(|_: &[u8]| false),
+        )?;
+        let donor = Donor::start(&rack).await?;
+        assert!(donor.shared.rdma().is_none());
+        let memory = node(&rack).await?;
+        let before = reads(&rack);
+        let served = lookups(&memory, 50, SEED, 0).await?;
+        assert!(served.iter().all(|s| s == "donor-a"), "{served:?}");
+        assert_eq!(reads(&rack), before, "nothing over RDMA");
+        drop(squatter);
+        donor.kill(&rack).await;
+
+        // A donor that serves RDMA never hands a region out in the clear.
+        let donor = Donor::start(&rack).await?;
+        let pinned: Vec<_> = rack
+            .config
+            .tables
+            .iter()
+            .map(|t| (t.id, t.digest))
+            .collect();
+        let opts = inference_node::ClientOptions::new("node-a", pinned);
+        let client = inference_node::DonorClient::connect(rack.tcp, &opts).await?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        match client.region(1, deadline).await {
+            Err(inference_node::client::ClientError::Donor { code, .. }) => {
+                assert_eq!(code, ErrorCode::Unauthorized)
+            }
+            other => bail!("a region over plaintext: {other:?}"),
+        }
+        // The connection stays: a lookup still works on it.
+        let mut out = vec![0u8; 24 * ROW_BYTES];
+        let rows: Vec<u64> = (0..24).collect();
+        client
+            .lookup(
+                &[inference_node::Request {
+                    table: 1,
+                    rows: &rows,
+                }],
+                &mut out,
+            )
+            .await?;
+        assert_eq!(first_mismatch(SEED, 1, &rows, &out), None);
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
