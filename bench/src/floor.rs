@@ -7,6 +7,7 @@
 //! within each round so that drift in the machine's state hits both alike;
 //! the report gives medians over rounds and the donor/floor ratios.
 
+mod rdma;
 mod report;
 mod transports;
 
@@ -53,9 +54,15 @@ pub struct FloorArgs {
     #[arg(long)]
     no_pin: bool,
     /// Transports to measure, against plain TCP through the same client
-    /// (TLS and QUIC: the donor gets a rack PKI made for the run).
+    /// (TLS and QUIC: the donor gets a rack PKI made for the run; rdma: the
+    /// node's CPU per lookup with the fake provider, and lookups on an RDMA
+    /// device where there is one, else skipped with the reason).
     #[arg(long, value_delimiter = ',', default_value = "tcp,tls,quic", value_parser = parse_transport)]
     transports: Vec<Transport>,
+    /// For `--transports rdma` on a host with an RDMA device: an IP address
+    /// on the device for the donor's `rdma://` listener.
+    #[arg(long)]
+    rdma_addr: Option<std::net::IpAddr>,
     /// Connections opened per transport for the set-up times.
     #[arg(long, default_value_t = 50)]
     connects: usize,
@@ -65,7 +72,7 @@ pub struct FloorArgs {
 }
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
-    Transport::parse(s).ok_or_else(|| format!("{s:?} is not one of tcp, tls, quic"))
+    Transport::parse(s).ok_or_else(|| format!("{s:?} is not one of tcp, tls, quic, rdma"))
 }
 
 impl FloorArgs {
@@ -338,6 +345,11 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         args,
         pinned,
     )?;
+    let rdma = if args.transports.contains(&Transport::Rdma) {
+        Some(rdma::run(&rt, tmp.path(), &tables, &servers.donor, args)?)
+    } else {
+        None
+    };
     let (donor, clean) = servers.stop();
     let ratios = report::ratios(&results, &secure);
     let report = Report {
@@ -349,6 +361,7 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         setup,
         restart,
         clean,
+        rdma,
     };
     if args.json {
         return report.print_json();

@@ -420,3 +420,31 @@ fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Resul
         Ok(())
     })
 }
+
+#[test]
+fn a_donor_built_without_rdma_says_so_and_serves_on_its_other_addresses() -> Result<()> {
+    let rack = Rack::new("")?;
+    let config = rack.config.path.display().to_string();
+    let donor =
+        integration_tests::DonorProcess::start(&["--config", &config, "--name", "donor-a"])?;
+    let log = donor.log();
+    let tls = rack
+        .config
+        .donor("donor-a")
+        .and_then(|d| d.endpoints(Some(Transport::Tls)).first().copied())
+        .context("tls endpoint")?;
+    let want = format!(
+        "rdma://{} is not served: this build has no RDMA support (built without the `rdma` \
+         feature); nodes reach this donor over {tls}",
+        rack.rdma
+    );
+    // A build with the feature on a host without a device says "no RDMA
+    // device found" instead (scripts/rdma-check.sh shows it).
+    if engram_rdma::HAS_VERBS {
+        assert!(log.contains("is not served: no RDMA device found"), "{log}");
+    } else {
+        assert!(log.contains(&want), "{log}");
+    }
+    assert!(!log.contains("ready listen=rdma"), "{log}");
+    Ok(())
+}

@@ -1,5 +1,5 @@
 //! The files in `systemd/`: both units pass `systemd-analyze verify` (with
-//! their ExecStart pointed at the binaries just built), carry the settings
+//! their ExecStart pointed at the binaries just built, and the RDMA drop-in), carry the settings
 //! the operations design asks for, and the example rack config plans.
 //!
 //! `systemd-analyze verify` runs offline, without systemd as PID 1, given
@@ -105,6 +105,11 @@ fn units_pass_systemd_analyze_verify() {
         let path = dir.path().join(unit);
         std::fs::write(&path, text.replace("/usr/local/bin", &bin_dir)).expect("copy");
         paths.push(path);
+        // The RDMA drop-in, where docs/rdma.md installs it: verified with
+        // the unit (a key it gets wrong is a complaint below).
+        let drop_in = dir.path().join(format!("{unit}.d"));
+        std::fs::create_dir_all(&drop_in).expect("drop-in dir");
+        std::fs::copy(systemd_dir().join("rdma.conf"), drop_in.join("rdma.conf")).expect("drop-in");
     }
     // Make sure the other binary is there too (verify checks ExecStart).
     bin("inference-node");

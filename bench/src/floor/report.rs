@@ -117,6 +117,8 @@ pub(super) struct Report<'a> {
     pub(super) restart: Vec<RestartResult>,
     /// Whether the donor exited cleanly on SIGTERM.
     pub(super) clean: bool,
+    /// `--transports rdma`: its hardware series (or why skipped) and CPU costs.
+    pub(super) rdma: Option<super::rdma::RdmaReport>,
 }
 
 impl Report<'_> {
@@ -141,6 +143,7 @@ impl Report<'_> {
             "setup": self.setup,
             "restart": self.restart,
             "donor_exit_clean": self.clean,
+            "rdma": self.rdma,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         Ok(())
@@ -227,6 +230,9 @@ impl Report<'_> {
                 })
                 .collect();
             print_table(&["transport", "median ms", "each ms"], &rows);
+        }
+        if let Some(r) = &self.rdma {
+            r.print_text();
         }
         if !self.clean {
             println!(

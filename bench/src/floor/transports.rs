@@ -35,6 +35,16 @@ pub(super) struct Rack {
 impl Rack {
     /// Write the config and its PKI in `dir`; none when only TCP is measured.
     pub(super) fn write(dir: &Path, tables: &Tables, secure: &[Transport]) -> Result<Option<Self>> {
+        Self::write_with(dir, tables, secure, &[])
+    }
+
+    /// `write`, the donor listening on `extra` addresses too (`rdma://IP:PORT`).
+    pub(super) fn write_with(
+        dir: &Path,
+        tables: &Tables,
+        secure: &[Transport],
+        extra: &[String],
+    ) -> Result<Option<Self>> {
         if secure.is_empty() {
             return Ok(None);
         }
@@ -49,6 +59,7 @@ impl Rack {
         }
         let mut listen = vec!["\"tcp://127.0.0.1:0\"".to_string()];
         listen.extend(secure.iter().map(|s| format!("\"{s}://127.0.0.1:0\"")));
+        listen.extend(extra.iter().map(|e| format!("\"{e}\"")));
         t.push_str(&format!(
             "[[donor]]\nname = \"{DONOR}\"\nlisten = [{}]\ntables = [1, 14]\nram_gib = 1024.0\n",
             listen.join(", ")
@@ -198,7 +209,8 @@ pub(super) fn restart_times(
     let serve: Vec<&str> = serve_args.iter().map(String::as_str).collect();
     let rows: Vec<u64> = (0..24).collect();
     let mut out = Vec::new();
-    for &t in transports.iter() {
+    // RDMA's restarts are not timed here (`rdma` measures what it can).
+    for &t in transports.iter().filter(|t| t.is_stream()) {
         let mut ms = Vec::new();
         for _ in 0..restarts {
             let opts = options(rack, digests, t)?;
