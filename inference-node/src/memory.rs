@@ -95,6 +95,7 @@ fn rdma_path(
     addr: SocketAddr,
     spec: &DonorSpec,
     tables: &str,
+    metrics: &NodeMetrics,
 ) -> Option<crate::source::rdma::RdmaPath> {
     if spec.tls.is_none() {
         tracing::warn!(
@@ -111,16 +112,25 @@ fn rdma_path(
             addr,
             p,
             spec.connect_timeout,
+            crate::source::rdma::RdmaCounters::new(metrics, donor),
         )),
         Err(e) => {
-            tracing::warn!(
-                donor,
-                "rdma://{addr} is not used: {e}; tables {tables} read from this donor over {}",
-                spec.transport
-            );
+            tracing::warn!(donor, "{}", rdma_unused(addr, &e, tables, spec.transport));
             None
         }
     }
+}
+
+/// What the node says at startup about a donor's RDMA address it cannot use.
+fn rdma_unused(
+    addr: SocketAddr,
+    why: &engram_rdma::verbs::VerbsError,
+    tables: &str,
+    transport: Transport,
+) -> String {
+    format!(
+        "rdma://{addr} is not used: {why}; tables {tables} read from this donor over {transport}"
+    )
 }
 
 /// What a copy of a table on this node was opened with: a reload keeps
@@ -348,9 +358,9 @@ async fn build(
                 opts.tls = spec.tls.clone();
                 opts.bind = spec.bind;
                 opts.interface = spec.interface.clone();
-                let rdma = spec
-                    .rdma
-                    .and_then(|addr| rdma_path(&d.name, addr, &spec, &pinned_tables(&spec)));
+                let rdma = spec.rdma.and_then(|addr| {
+                    rdma_path(&d.name, addr, &spec, &pinned_tables(&spec), metrics)
+                });
                 let src: Arc<dyn RowSource> = Arc::new(
                     DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
                         .with_control(spec.control)

@@ -77,6 +77,21 @@ pub struct NodeMetrics {
     pub failed_lookups: Family<TableLabels, Counter>,
     /// 1 for the engine reading each table's SSD copy now (0 for the rest).
     pub ssd_engine: Family<SsdLabels, Gauge>,
+    /// Lookups to a donor with an RDMA path, by how they went (`rdma`, or
+    /// `stream` while RDMA was not usable).
+    pub rdma_lookups: Family<RdmaLabels, Counter>,
+    /// Failed RDMA reads, by fault.
+    pub rdma_faults: Family<RdmaLabels, Counter>,
+}
+
+/// Labels of the RDMA series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RdmaLabels {
+    /// The donor.
+    pub source: String,
+    /// `rdma` or `stream` (lookups); `revoked`, `peer_gone`, `rejected`,
+    /// `local`, `timeout`, `corrupt` (faults).
+    pub kind: String,
 }
 
 /// Labels of the SSD engine series.
@@ -130,6 +145,8 @@ impl NodeMetrics {
             zeros_served: Family::default(),
             failed_lookups: Family::default(),
             ssd_engine: Family::default(),
+            rdma_lookups: Family::default(),
+            rdma_faults: Family::default(),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
@@ -189,6 +206,16 @@ impl NodeMetrics {
                 "failed_lookups",
                 "Lookups failed after every source (policy fail)",
                 m.failed_lookups.clone(),
+            );
+            r.register(
+                "rdma_lookups",
+                "Lookups to a donor with an RDMA path: read over RDMA, or over the stream transport while RDMA was not usable",
+                m.rdma_lookups.clone(),
+            );
+            r.register(
+                "rdma_faults",
+                "Failed RDMA reads by fault (the lookup failed over)",
+                m.rdma_faults.clone(),
             );
             r.register(
                 "ssd_engine",

@@ -303,6 +303,7 @@ fn a_clients_pong_is_ignored_and_donor_frames_are_malformed() {
         FrameKind::Rows,
         FrameKind::Error,
         FrameKind::Goodbye,
+        FrameKind::Region,
     ] {
         let (mut s, _) = ready(&donor, b"");
         // The kind alone is refused, before its payload is parsed.
@@ -335,6 +336,38 @@ fn a_request_with_id_zero_is_refused() {
     assert_eq!(
         error_of(&read_frame(&mut s).expect("error")),
         (0, ErrorCode::Malformed, FrameKind::Ping as u64)
+    );
+    closes(&mut s);
+}
+
+/// Section 3.10: a RegionQuery on plaintext TCP is refused `unauthorized`
+/// with its request id and the table, and the connection stays; with id 0
+/// it is `malformed` and closes, as any request.
+#[test]
+fn a_region_query_in_the_clear_is_unauthorized_and_keeps_the_connection() {
+    let (_dir, digest, donor) = donor(&[]);
+    let (mut s, _) = ready(&donor, b"");
+    let mut q = raw_header(9, 0, 0, 21, 8);
+    q.extend_from_slice(&1u32.to_le_bytes());
+    q.extend_from_slice(&0u32.to_le_bytes());
+    s.write_all(&q).expect("query");
+    let f = read_frame(&mut s).expect("error");
+    assert_eq!(error_of(&f), (21, ErrorCode::Unauthorized, 0));
+    let d = decode(&f, &Limits::default())
+        .expect("valid")
+        .expect("whole");
+    assert!(
+        matches!(d.frame, Frame::Error(e) if e.table_id == Some(1)),
+        "{d:?}"
+    );
+    still_serves(&mut s, digest, 22);
+    let (mut s, _) = ready(&donor, b"");
+    let mut q = raw_header(9, 0, 0, 0, 8);
+    q.extend_from_slice(&[0; 8]);
+    s.write_all(&q).expect("query");
+    assert_eq!(
+        error_of(&read_frame(&mut s).expect("error")),
+        (0, ErrorCode::Malformed, FrameKind::RegionQuery as u64)
     );
     closes(&mut s);
 }

@@ -16,10 +16,12 @@ use engram_rdma::fake::{FakeFault, FakeProvider};
 use engram_rdma::verbs::{DeviceSpec, Provider, WcStatus};
 use engram_store::resident::{MlockMode, ResidentTable};
 use inference_node::memory::Memory;
-use inference_node::metrics::NodeMetrics;
+use inference_node::metrics::{NodeMetrics, RdmaLabels};
 use integration_tests::{free_port, gen_table, rack_pki, runtime};
 use memory_donor::server::{self, Shared};
 use memory_donor::tls::{Access, DonorTls};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 const ROWS: u64 = 4_000;
 const SEED: u64 = 77;
@@ -74,7 +76,8 @@ impl Rack {
         t.push_str(&format!(
             "[[donor]]\nname = \"donor-a\"\nlisten = [\"tls://{tls_addr}\", \"tcp://{tcp_addr}\", \"rdma://{rdma_addr}\"]\n\
              tables = [1, 14]\nram_gib = 4.0\nheadroom_gib = 0.5\ndrain_timeout_ms = 200\n\
-             [[node]]\nname = \"node-a\"\nprobe_interval_ms = 100\nbreaker_failures = 1000\n"
+             [[node]]\nname = \"node-a\"\nprobe_interval_ms = 100\n\
+             tokens_per_second = 2.0\nbreaker_failures = 1000\n"
         ));
         for (id, path) in TABLES.iter().zip(&paths) {
             t.push_str(&format!(
@@ -203,18 +206,35 @@ async fn node(rack: &Rack) -> Result<Memory> {
     Ok(Memory::from_config(&rack.config, "node-a", &NodeMetrics::new()).await?)
 }
 
+/// A node whose metrics the test reads.
+async fn node_with(rack: &Rack, metrics: &NodeMetrics) -> Result<Memory> {
+    Ok(Memory::from_config(&rack.config, "node-a", metrics).await?)
+}
+
+fn count(family: &Family<RdmaLabels, Counter>, kind: &str) -> u64 {
+    family
+        .get_or_create(&RdmaLabels {
+            source: "donor-a".into(),
+            kind: kind.into(),
+        })
+        .get()
+}
+
 #[test]
 fn rows_over_rdma_equal_the_table_with_two_reads_a_row() -> Result<()> {
     fake();
     let rack = Rack::new("")?;
     runtime().block_on(async {
         let donor = Donor::start(&rack).await?;
-        let memory = node(&rack).await?;
+        let metrics = NodeMetrics::new();
+        let memory = node_with(&rack, &metrics).await?;
         let before = reads(&rack);
         let served = lookups(&memory, 300, SEED, 0).await?;
         assert!(served.iter().all(|s| s == "donor-a"), "{served:?}");
         // A row and its check word a row, nothing over TLS: 600 lookups.
         assert_eq!(reads(&rack) - before, 600 * 48);
+        assert_eq!(count(&metrics.rdma_lookups, "rdma"), 600);
+        assert_eq!(count(&metrics.rdma_lookups, "stream"), 0);
         assert_eq!(donor.shared.rdma().map(|b| b.tables().len()), Some(2));
         donor.kill(&rack).await;
         Ok(())
@@ -264,7 +284,8 @@ fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> R
     let rack = Rack::new("")?;
     runtime().block_on(async {
         let donor = Donor::start(&rack).await?;
-        let memory = node(&rack).await?;
+        let metrics = NodeMetrics::new();
+        let memory = node_with(&rack, &metrics).await?;
         assert!(
             lookups(&memory, 5, SEED, 0)
                 .await?
@@ -309,6 +330,13 @@ fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> R
             // queue pair up after `ORPHAN_LIMIT` and connects another.)
             back_over_rdma(&rack, &memory, &format!("{fault:?}")).await?;
         }
+        // Counted by fault: RetryExceeded and the dead queue pair as the
+        // donor gone; the rejected read; two revocations; the lost and the
+        // late completion as timeouts (or as the queue pair given up).
+        assert_eq!(count(&metrics.rdma_faults, "rejected"), 1);
+        assert!(count(&metrics.rdma_faults, "revoked") >= 2);
+        assert!(count(&metrics.rdma_faults, "peer_gone") >= 2);
+        assert!(count(&metrics.rdma_faults, "timeout") >= 1);
         donor.kill(&rack).await;
         Ok(())
     })
@@ -378,11 +406,13 @@ fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Resul
         )?;
         let donor = Donor::start(&rack).await?;
         assert!(donor.shared.rdma().is_none());
-        let memory = node(&rack).await?;
+        let metrics = NodeMetrics::new();
+        let memory = node_with(&rack, &metrics).await?;
         let before = reads(&rack);
         let served = lookups(&memory, 50, SEED, 0).await?;
         assert!(served.iter().all(|s| s == "donor-a"), "{served:?}");
         assert_eq!(reads(&rack), before, "nothing over RDMA");
+        assert_eq!(count(&metrics.rdma_lookups, "stream"), 100);
         drop(squatter);
         donor.kill(&rack).await;
 

@@ -305,3 +305,14 @@ async fn a_new_copy_that_cannot_be_opened_is_refused_and_nothing_changes() {
     assert!(Arc::ptr_eq(&r1.sources()[0], &ssd));
     assert_eq!(fetch(r1).await.expect("ok").source.as_deref(), Some("ssd"));
 }
+
+#[test]
+fn a_node_without_rdma_says_which_tables_read_over_what_instead() {
+    let addr: std::net::SocketAddr = ([10, 0, 0, 11], 7420).into();
+    let why = engram_rdma::verbs::VerbsError::NoDevice(String::new());
+    assert_eq!(
+        super::rdma_unused(addr, &why, "1, 14", cluster_config::Transport::Tls),
+        "rdma://10.0.0.11:7420 is not used: no RDMA device found; tables 1, 14 read from this \
+         donor over tls"
+    );
+}

@@ -75,9 +75,40 @@ struct State {
     warned: bool,
 }
 
+/// Where an RDMA path counts its lookups and faults.
+#[derive(Debug, Clone)]
+pub struct RdmaCounters {
+    read: prometheus_client::metrics::counter::Counter,
+    stream: prometheus_client::metrics::counter::Counter,
+    faults: prometheus_client::metrics::family::Family<
+        crate::metrics::RdmaLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+}
+
+impl RdmaCounters {
+    /// Counters of donor `source` in `m`.
+    pub fn new(m: &crate::metrics::NodeMetrics, source: &str) -> Self {
+        let label = |kind: &str| crate::metrics::RdmaLabels {
+            source: source.to_string(),
+            kind: kind.to_string(),
+        };
+        // One statement each: a family's guard lives to the end of its
+        // statement, and a second `get_or_create` meanwhile would wait on it.
+        let read = m.rdma_lookups.get_or_create(&label("rdma")).clone();
+        let stream = m.rdma_lookups.get_or_create(&label("stream")).clone();
+        Self {
+            read,
+            stream,
+            faults: m.rdma_faults.clone(),
+        }
+    }
+}
+
 /// A donor's RDMA path.
 #[derive(Debug)]
 pub struct RdmaPath {
+    counters: RdmaCounters,
     donor: String,
     addr: SocketAddr,
     provider: Arc<dyn Provider>,
@@ -98,14 +129,17 @@ fn fault_error(donor: &str, f: Fault) -> SourceError {
 }
 
 impl RdmaPath {
-    /// The path to `donor`'s RDMA listener at `addr`, through `provider`.
+    /// The path to `donor`'s RDMA listener at `addr`, through `provider`,
+    /// counting into `counters`.
     pub fn new(
         donor: impl Into<String>,
         addr: SocketAddr,
         provider: Arc<dyn Provider>,
         connect_timeout: Duration,
+        counters: RdmaCounters,
     ) -> Self {
         Self {
+            counters,
             donor: donor.into(),
             addr,
             provider,
@@ -146,6 +180,30 @@ impl RdmaPath {
     /// Fetch `rows` of `table` (pinned at `pinned`) into `out` by
     /// `deadline`, learning regions over `client`.
     pub async fn fetch(
+        &self,
+        client: &DonorClient,
+        table: u32,
+        pinned: TableDigest,
+        rows: &[u64],
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<RdmaOutcome, SourceError> {
+        let r = self
+            .fetch_inner(client, table, pinned, rows, out, deadline)
+            .await;
+        match &r {
+            Ok(RdmaOutcome::Read) => {
+                self.counters.read.inc();
+            }
+            Ok(RdmaOutcome::UseStream) => {
+                self.counters.stream.inc();
+            }
+            Err(_) => {}
+        }
+        r
+    }
+
+    async fn fetch_inner(
         &self,
         client: &DonorClient,
         table: u32,
@@ -247,6 +305,13 @@ impl RdmaPath {
                             }
                             drop(st);
                             tracing::debug!(donor = %self.donor, table, "rdma read failed: {f}");
+                            self.counters
+                                .faults
+                                .get_or_create(&crate::metrics::RdmaLabels {
+                                    source: self.donor.clone(),
+                                    kind: f.name().into(),
+                                })
+                                .inc();
                             return Err(fault_error(&self.donor, f));
                         }
                     }

@@ -100,6 +100,18 @@ impl Fault {
         !matches!(self, Self::Corrupt { .. })
     }
 
+    /// Its name in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Revoked => "revoked",
+            Self::PeerGone => "peer_gone",
+            Self::Rejected => "rejected",
+            Self::Local => "local",
+            Self::Timeout => "timeout",
+            Self::Corrupt { .. } => "corrupt",
+        }
+    }
+
     /// True when the region must be learned again before the next read.
     pub fn relearn(self) -> bool {
         matches!(self, Self::Revoked | Self::Corrupt { .. })

@@ -251,6 +251,15 @@ impl Reader {
         r
     }
 
+    /// The bytes of a completed read's slot (a row and its check word a row).
+    pub fn slot_bytes(&self, read: &Read) -> &[u8] {
+        let base = read.slot * self.slot_rows * SLOT_ROW_BYTES;
+        self.qp
+            .buffer()
+            .get(base..base + read.rows * SLOT_ROW_BYTES)
+            .unwrap_or(&[])
+    }
+
     /// Give up on a read that failed: its slot is free only while the
     /// queue pair lives (a dead one is replaced whole).
     pub fn release(&mut self, read: Read) {
