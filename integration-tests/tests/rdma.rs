@@ -202,8 +202,17 @@ fn reads(rack: &Rack) -> u64 {
     fake().fabric().reads_at(rack.rdma)
 }
 
-async fn node(rack: &Rack) -> Result<Memory> {
-    Ok(Memory::from_config(&rack.config, "node-a", &NodeMetrics::new()).await?)
+/// The donor and a node on `rack`, after `n` lookups of each table all
+/// served by the donor.
+async fn warm(rack: &Rack, n: usize) -> Result<(Donor, Memory, NodeMetrics)> {
+    let donor = Donor::start(rack).await?;
+    let metrics = NodeMetrics::new();
+    let memory = node_with(rack, &metrics).await?;
+    let served = lookups(&memory, n, SEED, 0).await?;
+    if !served.iter().all(|s| s == "donor-a") {
+        bail!("warm-up lookups not all from the donor: {served:?}");
+    }
+    Ok((donor, memory, metrics))
 }
 
 /// A node whose metrics the test reads.
@@ -246,14 +255,7 @@ fn a_swap_revokes_the_old_region_and_no_row_of_the_new_version_is_used() -> Resu
     fake();
     let rack = Rack::new("")?;
     runtime().block_on(async {
-        let donor = Donor::start(&rack).await?;
-        let memory = node(&rack).await?;
-        assert!(
-            lookups(&memory, 20, SEED, 0)
-                .await?
-                .iter()
-                .all(|s| s == "donor-a")
-        );
+        let (donor, memory, metrics) = warm(&rack, 20).await?;
         // Table 1 moves to another version on the donor, as a swap does it:
         // the new table in place, then the book follows.
         let dir = tempfile::tempdir()?;
@@ -273,6 +275,8 @@ fn a_swap_revokes_the_old_region_and_no_row_of_the_new_version_is_used() -> Resu
         let served = lookups(&memory, 50, SEED, 1).await?;
         let t1: Vec<&String> = served.iter().step_by(2).collect();
         assert!(t1.iter().all(|s| *s == "ssd"), "{t1:?}");
+        // The first read after the swap met the revoked key.
+        assert!(count(&metrics.rdma_faults, "revoked") >= 1);
         donor.kill(&rack).await;
         Ok(())
     })
@@ -283,15 +287,7 @@ fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> R
     fake();
     let rack = Rack::new("")?;
     runtime().block_on(async {
-        let donor = Donor::start(&rack).await?;
-        let metrics = NodeMetrics::new();
-        let memory = node_with(&rack, &metrics).await?;
-        assert!(
-            lookups(&memory, 5, SEED, 0)
-                .await?
-                .iter()
-                .all(|s| s == "donor-a")
-        );
+        let (donor, memory, metrics) = warm(&rack, 5).await?;
         let faults = [
             FakeFault::CompletionError(WcStatus::RetryExceeded),
             FakeFault::CompletionError(WcStatus::RemoteInvalidRequest),
@@ -365,14 +361,7 @@ fn a_restarted_donor_is_readmitted_and_its_regions_learned_again() -> Result<()>
     fake();
     let rack = Rack::new("")?;
     runtime().block_on(async {
-        let donor = Donor::start(&rack).await?;
-        let memory = node(&rack).await?;
-        assert!(
-            lookups(&memory, 5, SEED, 0)
-                .await?
-                .iter()
-                .all(|s| s == "donor-a")
-        );
+        let (donor, memory, _metrics) = warm(&rack, 5).await?;
         let gens: Vec<(u32, u64)> = donor.shared.rdma().map(|b| b.tables()).unwrap_or_default();
         donor.kill(&rack).await;
         // While it is down: the SSD copy, 0 wrong rows.
