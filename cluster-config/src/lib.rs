@@ -262,12 +262,12 @@ pub struct Donor {
     pub control: Option<SocketAddr>,
     /// The Prometheus `/metrics` HTTP address to bind.
     pub metrics: Option<SocketAddr>,
-    /// The RDMA device it serves from (`[donors.rdma]`), when it listens on
+    /// The RDMA device it serves from (`[donor.rdma]`), when it listens on
     /// an `rdma://` address.
     pub rdma: Option<RdmaDevice>,
 }
 
-/// A donor's RDMA device (`[donors.rdma]`).
+/// A donor's RDMA device (`[donor.rdma]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RdmaDevice {
     /// The device's name (`mlx5_0`); the one the listen address is on when `None`.

@@ -589,7 +589,7 @@ fn donors(
     out
 }
 
-/// `[donors.rdma]`: only beside an `rdma://` listen address, which gets the
+/// `[donor.rdma]`: only beside an `rdma://` listen address, which gets the
 /// defaults without it; and an RDMA donor needs a TLS or QUIC address too,
 /// where nodes learn its regions.
 fn rdma_device(
@@ -614,7 +614,7 @@ fn rdma_device(
         cx.at(
             raw.span(),
             k("rdma"),
-            "[donors.rdma] without an rdma:// listen address: add one, or remove the section",
+            "[donor.rdma] without an rdma:// listen address: add one, or remove the section",
         );
         return None;
     }

@@ -56,7 +56,8 @@ struct Rack {
 }
 
 impl Rack {
-    fn new(extra_route: &str) -> Result<Self> {
+    /// A rack whose donor speaks `secure` (`tls` or `quic`) beside RDMA.
+    fn new(secure: &str) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let mut paths = Vec::new();
         let mut t = String::from("version = 1\n[rack]\nname = \"rdma\"\n[rack.tls]\n");
@@ -74,7 +75,7 @@ impl Rack {
         // The fake fabric needs no socket; each rack gets its own address.
         let rdma_addr: SocketAddr = ([127, 0, 0, 1], rdma).into();
         t.push_str(&format!(
-            "[[donor]]\nname = \"donor-a\"\nlisten = [\"tls://{tls_addr}\", \"tcp://{tcp_addr}\", \"rdma://{rdma_addr}\"]\n\
+            "[[donor]]\nname = \"donor-a\"\nlisten = [\"{secure}://{tls_addr}\", \"tcp://{tcp_addr}\", \"rdma://{rdma_addr}\"]\n\
              tables = [1, 14]\nram_gib = 4.0\nheadroom_gib = 0.5\ndrain_timeout_ms = 200\n\
              [[node]]\nname = \"node-a\"\nprobe_interval_ms = 100\n\
              tokens_per_second = 2.0\nbreaker_failures = 1000\n"
@@ -82,7 +83,7 @@ impl Rack {
         for (id, path) in TABLES.iter().zip(&paths) {
             t.push_str(&format!(
                 "[[node.route]]\ntable = {id}\nsources = [\"donor-a\", \"ssd\"]\nssd_path = \"{}\"\n\
-                 hard_timeout_ms = 300\nhedge = \"off\"\n{extra_route}",
+                 hard_timeout_ms = 300\nhedge = \"off\"\n",
                 path.display()
             ));
         }
@@ -132,6 +133,13 @@ impl Donor {
                 Transport::Tls => listeners.push(server::Listener::Tls(
                     tokio::net::TcpListener::bind(e.addr).await?,
                 )),
+                Transport::Quic => {
+                    let config =
+                        server::quic::server_config(&shared).map_err(anyhow::Error::msg)?;
+                    listeners.push(server::Listener::Quic(quinn::Endpoint::server(
+                        config, e.addr,
+                    )?))
+                }
                 Transport::Tcp => listeners.push(server::Listener::Tcp(
                     tokio::net::TcpListener::bind(e.addr).await?,
                 )),
@@ -232,7 +240,7 @@ fn count(family: &Family<RdmaLabels, Counter>, kind: &str) -> u64 {
 #[test]
 fn rows_over_rdma_equal_the_table_with_two_reads_a_row() -> Result<()> {
     fake();
-    let rack = Rack::new("")?;
+    let rack = Rack::new("tls")?;
     runtime().block_on(async {
         let donor = Donor::start(&rack).await?;
         let metrics = NodeMetrics::new();
@@ -251,9 +259,23 @@ fn rows_over_rdma_equal_the_table_with_two_reads_a_row() -> Result<()> {
 }
 
 #[test]
+fn regions_are_learned_over_quic_too() -> Result<()> {
+    fake();
+    let rack = Rack::new("quic")?;
+    runtime().block_on(async {
+        let before = reads(&rack);
+        let (donor, _memory, metrics) = warm(&rack, 50).await?;
+        assert_eq!(reads(&rack) - before, 100 * 48);
+        assert_eq!(count(&metrics.rdma_lookups, "rdma"), 100);
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+#[test]
 fn a_swap_revokes_the_old_region_and_no_row_of_the_new_version_is_used() -> Result<()> {
     fake();
-    let rack = Rack::new("")?;
+    let rack = Rack::new("tls")?;
     runtime().block_on(async {
         let (donor, memory, metrics) = warm(&rack, 20).await?;
         // Table 1 moves to another version on the donor, as a swap does it:
@@ -285,7 +307,7 @@ fn a_swap_revokes_the_old_region_and_no_row_of_the_new_version_is_used() -> Resu
 #[test]
 fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> Result<()> {
     fake();
-    let rack = Rack::new("")?;
+    let rack = Rack::new("tls")?;
     runtime().block_on(async {
         let (donor, memory, metrics) = warm(&rack, 5).await?;
         let faults = [
@@ -359,7 +381,7 @@ async fn back_over_rdma(rack: &Rack, memory: &Memory, what: &str) -> Result<()> 
 #[test]
 fn a_restarted_donor_is_readmitted_and_its_regions_learned_again() -> Result<()> {
     fake();
-    let rack = Rack::new("")?;
+    let rack = Rack::new("tls")?;
     runtime().block_on(async {
         let (donor, memory, _metrics) = warm(&rack, 5).await?;
         let gens: Vec<(u32, u64)> = donor.shared.rdma().map(|b| b.tables()).unwrap_or_default();
@@ -384,7 +406,7 @@ fn a_restarted_donor_is_readmitted_and_its_regions_learned_again() -> Result<()>
 #[test]
 fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Result<()> {
     fake();
-    let rack = Rack::new("")?;
+    let rack = Rack::new("tls")?;
     runtime().block_on(async {
         // Something else holds the RDMA address: the donor cannot listen
         // there and serves on TLS only (as a host without a device does).
@@ -442,7 +464,7 @@ fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Resul
 
 #[test]
 fn a_donor_built_without_rdma_says_so_and_serves_on_its_other_addresses() -> Result<()> {
-    let rack = Rack::new("")?;
+    let rack = Rack::new("tls")?;
     let config = rack.config.path.display().to_string();
     let donor =
         integration_tests::DonorProcess::start(&["--config", &config, "--name", "donor-a"])?;

@@ -161,6 +161,15 @@ impl RegionBook {
         }
         let t0 = Instant::now();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if rows >= 1 << 22 {
+            // A minute or so for a full-size table: say what is going on.
+            tracing::info!(
+                table,
+                rows,
+                threads,
+                "rdma: computing the check words (8 bytes a row) before registering"
+            );
+        }
         let checks = table_checks(seed(&digest), memory.bytes(), threads);
         let t1 = Instant::now();
         let verbs = |source| PublishError::Verbs { table, source };

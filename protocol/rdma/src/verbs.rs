@@ -145,7 +145,7 @@ pub trait Listener: Send + fmt::Debug {
     fn local_addr(&self) -> SocketAddr;
 }
 
-/// Which device and port a donor serves from (the config's `[donors.rdma]`).
+/// Which device and port a donor serves from (the config's `[donor.rdma]`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DeviceSpec {
     /// The device's name (`mlx5_0`); any device when `None`.
