@@ -13,7 +13,9 @@
 //! each other.
 
 pub mod checkpoint;
+pub mod fill;
 pub mod generate;
+pub mod kept;
 pub mod pack;
 pub mod progress;
 pub mod resident;

@@ -6,10 +6,12 @@
 
 use std::path::Path;
 
-use engram_protocol::{DigestBuilder, ROW_BYTES, TableDigest};
+use engram_protocol::{ROW_BYTES, TableDigest};
 use memmap2::{Mmap, MmapMut};
 use thiserror::Error;
 
+use crate::fill::FillOptions;
+use crate::kept::{self, KeptError, Record};
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
@@ -97,6 +99,78 @@ pub struct LoadReport {
     pub locked: bool,
 }
 
+/// Where a resident table's memory comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backing {
+    /// Anonymous memory, transparent huge pages where the kernel allows;
+    /// gone with the process.
+    #[default]
+    Anonymous,
+    /// A memfd (hugetlb-backed where enough huge pages are reserved) that
+    /// systemd can keep in its fd store for the next process ([`crate::kept`]).
+    Memfd,
+}
+
+/// How to load a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// What the config says the table is (checked against the header
+    /// first; the digest then against the rows unless `trust_digest`).
+    pub pinned: Option<ExpectedTable>,
+    /// Skip recomputing the digest.
+    pub trust_digest: bool,
+    /// Whether to lock the memory.
+    pub mlock: MlockMode,
+    /// Where the memory comes from.
+    pub backing: Backing,
+    /// Threads that read, place and hash (at least 1).
+    pub threads: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            pinned: None,
+            trust_digest: false,
+            mlock: MlockMode::Try,
+            backing: Backing::Anonymous,
+            threads: crate::fill::cores(),
+        }
+    }
+}
+
+/// A table's memory: a read-only mapping whose first `len` bytes are the
+/// rows, back to back.
+#[derive(Debug)]
+pub struct Rows {
+    map: Mmap,
+    len: usize,
+}
+
+impl Rows {
+    /// Lock the whole mapping (`mlock`), faulting in what is not mapped yet.
+    pub fn lock(&self) -> std::io::Result<()> {
+        self.map.lock()
+    }
+}
+
+impl AsRef<[u8]> for Rows {
+    fn as_ref(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+}
+
+/// The memfd a table lives in, when it can outlive the process.
+#[derive(Debug)]
+pub struct Kept {
+    /// The memfd.
+    pub file: std::fs::File,
+    /// What it holds.
+    pub record: Record,
+    /// True when it is hugetlb-backed.
+    pub hugetlb: bool,
+}
+
 /// A table resident in memory.
 #[derive(Debug)]
 pub struct ResidentTable {
@@ -112,7 +186,8 @@ pub struct ResidentTable {
     pub digest_prefix: u64,
     /// Shared with whatever must keep the rows mapped beyond the table
     /// (an RDMA registration).
-    mem: std::sync::Arc<Mmap>,
+    mem: std::sync::Arc<Rows>,
+    kept: Option<Kept>,
 }
 
 impl ResidentTable {
@@ -123,7 +198,7 @@ impl ResidentTable {
             return None;
         }
         let at = row as usize * ROW_BYTES;
-        self.mem.get(at..at + ROW_BYTES)
+        self.mem.map.get(at..at + ROW_BYTES)
     }
 
     /// Ask the CPU to start loading row `row` into cache (a hint; no effect
@@ -134,7 +209,7 @@ impl ResidentTable {
     pub fn prefetch(&self, row: u64) {
         #[cfg(target_arch = "x86_64")]
         if row < self.rows {
-            let start = self.mem.as_ptr().wrapping_add(row as usize * ROW_BYTES);
+            let start = self.mem.map.as_ptr().wrapping_add(row as usize * ROW_BYTES);
             let first = start as usize & !63;
             let mut line = first;
             while line < start as usize + ROW_BYTES {
@@ -154,13 +229,25 @@ impl ResidentTable {
 
     /// The rows' memory (264 bytes a row, back to back), shared: it stays
     /// mapped while any holder keeps it, after the table itself is dropped.
-    pub fn memory(&self) -> std::sync::Arc<Mmap> {
+    pub fn memory(&self) -> std::sync::Arc<Rows> {
         std::sync::Arc::clone(&self.mem)
     }
 
     /// Resident bytes.
     pub fn bytes(&self) -> u64 {
         self.rows * ROW_BYTES as u64
+    }
+
+    /// The memfd the table lives in, when it was loaded with
+    /// [`Backing::Memfd`] or adopted.
+    pub fn kept(&self) -> Option<&Kept> {
+        self.kept.as_ref()
+    }
+
+    /// Lock the table's memory (`mlock`), faulting in what is not mapped
+    /// yet: for an adopted table, whose pages this process has not touched.
+    pub fn lock(&self) -> std::io::Result<()> {
+        self.mem.map.lock()
     }
 
     /// Load `path` resident under `id`. `pinned` is what the config says the
@@ -174,72 +261,105 @@ impl ResidentTable {
         mlock: MlockMode,
         progress: impl FnOnce(&TableFile) -> Option<Progress>,
     ) -> Result<(Self, LoadReport), LoadError> {
+        let opts = LoadOptions {
+            pinned,
+            trust_digest,
+            mlock,
+            ..LoadOptions::default()
+        };
+        Self::load_with(Some(id), path, &opts, progress)
+    }
+
+    /// Load `path` resident under `id` (`None`: the table's layer), read,
+    /// placed and hashed on `opts.threads` threads ([`crate::fill`]), the
+    /// memory locked as it fills where `opts.mlock` asks.
+    pub fn load_with(
+        id: Option<u32>,
+        path: &Path,
+        opts: &LoadOptions,
+        progress: impl FnOnce(&TableFile) -> Option<Progress>,
+    ) -> Result<(Self, LoadReport), LoadError> {
         let file = TableFile::open(path)?;
         if let Some(hint) = file.page_sums_hint() {
             tracing::warn!("{hint}");
         }
         let mut progress = progress(&file);
         let shown = path.display().to_string();
-        if let Some(pin) = pinned
+        if let Some(pin) = opts.pinned
             && let Some(what) = pin.mismatch(&file.meta)
         {
             return Err(LoadError::Pinned { path: shown, what });
         }
         let bytes = file.meta.rows * ROW_BYTES as u64;
-        let len = usize::try_from(bytes).map_err(|_| LoadError::Memory {
+        let memory = |source| LoadError::Memory {
             path: shown.clone(),
             bytes,
-            source: std::io::Error::other("larger than the address space"),
-        })?;
-        let mut mem = MmapMut::map_anon(len).map_err(|source| LoadError::Memory {
+            source,
+        };
+        let len = usize::try_from(bytes)
+            .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
+        let (mut map, memfd) = match opts.backing {
+            Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
+            Backing::Memfd => {
+                let (f, flen, huge) =
+                    kept::create(file.meta.rows, true).map_err(|e| memory(e.into_io()))?;
+                let flen = usize::try_from(flen)
+                    .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
+                // SAFETY: the memfd is ours alone until it is handed on, and
+                // its size is fixed (sealed once filled).
+                let map =
+                    unsafe { memmap2::MmapOptions::new().len(flen).map_mut(&f) }.map_err(memory)?;
+                (map, Some((f, huge)))
+            }
+        };
+        // Huge pages cut TLB misses on random row reads; advisory, so failure is fine.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        let locked = lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
             path: shown.clone(),
             bytes,
             source,
         })?;
-        // Huge pages cut TLB misses on random row reads; advisory, so failure is fine.
-        let _ = mem.advise(memmap2::Advice::HugePage);
-        let mut digest = (!trust_digest).then(DigestBuilder::new);
-        file.for_each_chunk(false, progress.as_mut(), |first_row, rows| {
-            let at = first_row as usize * ROW_BYTES;
-            mem[at..at + rows.len()].copy_from_slice(rows);
-            if let Some(d) = digest.as_mut() {
-                d.update(rows);
+        let fill = FillOptions {
+            threads: opts.threads.max(1),
+            digest: !opts.trust_digest,
+            ..FillOptions::default()
+        };
+        let digest = crate::fill::fill(&file, &mut map[..len], fill, progress.as_mut())?;
+        if let Some(actual) = digest
+            && actual != file.meta.digest
+        {
+            return Err(TableFileError::DigestMismatch {
+                path: path.to_path_buf(),
+                expected: file.meta.digest,
+                actual,
             }
-            Ok(())
-        })?;
-        if let Some(d) = digest {
-            let actual = d.finish();
-            if actual != file.meta.digest {
-                return Err(TableFileError::DigestMismatch {
-                    path: path.to_path_buf(),
-                    expected: file.meta.digest,
-                    actual,
-                }
-                .into());
-            }
+            .into());
         }
         if let Some(p) = progress {
             p.finish();
         }
-        let mem = mem.make_read_only().map_err(|source| LoadError::Memory {
-            path: shown.clone(),
-            bytes,
-            source,
-        })?;
-        let locked = match mlock {
-            MlockMode::Off => false,
-            MlockMode::Try | MlockMode::Require => match mem.lock() {
-                Ok(()) => true,
-                Err(source) if mlock == MlockMode::Require => {
-                    return Err(LoadError::Mlock {
-                        path: shown,
-                        bytes,
-                        source,
-                    });
-                }
-                Err(_) => false,
-            },
+        let id = id.unwrap_or(file.meta.layer);
+        let kept = match memfd {
+            Some((f, hugetlb)) => {
+                let record = Record {
+                    id,
+                    layer: file.meta.layer,
+                    rows: file.meta.rows,
+                    digest: file.meta.digest,
+                    generation: kept::generation(),
+                    loaded_unix_ms: kept::unix_ms(),
+                    verified: !opts.trust_digest,
+                };
+                kept::finish(&f, &mut map, &record).map_err(|e| memory(e.into_io()))?;
+                Some(Kept {
+                    file: f,
+                    record,
+                    hugetlb,
+                })
+            }
+            None => None,
         };
+        let map = map.make_read_only().map_err(memory)?;
         let digest = file.meta.digest;
         let table = Self {
             id,
@@ -247,16 +367,93 @@ impl ResidentTable {
             rows: file.meta.rows,
             digest,
             digest_prefix: digest.prefix(),
-            mem: std::sync::Arc::new(mem),
+            mem: std::sync::Arc::new(Rows { map, len }),
+            kept,
         };
         Ok((
             table,
             LoadReport {
-                verified: !trust_digest,
+                verified: !opts.trust_digest,
                 locked,
             },
         ))
     }
+
+    /// Serve a copy a previous process kept (a memfd from systemd's fd
+    /// store) as table `expected`: refused unless its record is complete
+    /// and names exactly that version, layer and size. Nothing is read but
+    /// the record; the memory is not locked ([`Self::lock`] does that).
+    pub fn adopt(
+        id: u32,
+        file: std::fs::File,
+        expected: &ExpectedTable,
+    ) -> Result<Self, KeptError> {
+        let (record, flen) = kept::inspect(&file)?;
+        if record.id != id {
+            return Err(KeptError::Bad(format!(
+                "it holds table {}, not table {id}",
+                record.id
+            )));
+        }
+        if record.digest != expected.digest {
+            return Err(KeptError::Bad(format!(
+                "it holds version {} but the config pins {}",
+                record.digest, expected.digest
+            )));
+        }
+        if (record.layer, record.rows) != (expected.layer, expected.rows) {
+            return Err(KeptError::Bad(format!(
+                "it holds layer {} with {} rows, the config says layer {} with {} rows",
+                record.layer, record.rows, expected.layer, expected.rows
+            )));
+        }
+        let too_big = || KeptError::Bad("larger than the address space".into());
+        let flen = usize::try_from(flen).map_err(|_| too_big())?;
+        let len = usize::try_from(record.rows * ROW_BYTES as u64).map_err(|_| too_big())?;
+        // SAFETY: the memfd's size is sealed, so the mapping cannot lose
+        // pages under us; it is mapped read-only.
+        let map =
+            unsafe { memmap2::MmapOptions::new().len(flen).map(&file) }.map_err(|source| {
+                KeptError::Io {
+                    op: "mapping the memfd",
+                    source,
+                }
+            })?;
+        let _ = map.advise(memmap2::Advice::HugePage);
+        Ok(Self {
+            id,
+            layer: record.layer,
+            rows: record.rows,
+            digest: record.digest,
+            digest_prefix: record.digest.prefix(),
+            mem: std::sync::Arc::new(Rows { map, len }),
+            kept: Some(Kept {
+                hugetlb: kept::is_hugetlb(&file),
+                file,
+                record,
+            }),
+        })
+    }
+}
+
+/// Lock `map` as its pages are first touched (`mlock2(MLOCK_ONFAULT)`):
+/// filling it locks it, with no pass of its own. `Ok(false)` when not
+/// asked to, or when asked to try and the memlock limit does not allow it.
+fn lock_on_fault(map: &MmapMut, mode: MlockMode) -> Result<bool, std::io::Error> {
+    if mode == MlockMode::Off {
+        return Ok(false);
+    }
+    // SAFETY: the range is exactly the mapping we own; mlock2 only changes
+    // how its pages are held.
+    let r = unsafe { libc::mlock2(map.as_ptr().cast(), map.len(), libc::MLOCK_ONFAULT) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if mode == MlockMode::Require {
+        return Err(e);
+    }
+    Ok(false)
 }
 
 #[cfg(test)]
@@ -334,5 +531,88 @@ mod tests {
             ResidentTable::load(1, &path, None, true, MlockMode::Off, |_| None).expect("trusted");
         assert!(!report.verified);
         assert_eq!(t.row(5000).expect("row")[0], 0x11);
+    }
+
+    #[test]
+    fn a_kept_copy_is_adopted_and_a_stale_or_unfinished_one_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, digest) = table(dir.path());
+        let pin = ExpectedTable {
+            digest,
+            layer: 1,
+            rows: 10_000,
+        };
+        let opts = LoadOptions {
+            pinned: Some(pin),
+            backing: Backing::Memfd,
+            mlock: MlockMode::Off,
+            ..LoadOptions::default()
+        };
+        let (t, _) = ResidentTable::load_with(None, &path, &opts, |_| None).expect("load");
+        let kept = t.kept().expect("a memfd");
+        assert_eq!(kept.record.id, 1, "the id defaults to the layer");
+        assert_eq!((kept.record.digest, kept.record.rows), (digest, 10_000));
+        assert!(kept.record.verified);
+        assert_eq!(
+            kept.record.name(),
+            format!("etab-1-{}", &digest.to_hex()[..16])
+        );
+        let fd = kept.file.try_clone().expect("dup");
+        let generation = kept.record.generation;
+        let want: Vec<Vec<u8>> = (0..10_000)
+            .map(|r| t.row(r).expect("row").to_vec())
+            .collect();
+        drop(t);
+        // The next process: the same rows, the same generation, nothing read.
+        let again = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &pin).expect("adopt");
+        assert_eq!(again.kept().expect("kept").record.generation, generation);
+        for (r, row) in want.iter().enumerate() {
+            assert_eq!(again.row(r as u64), Some(&row[..]), "row {r}");
+        }
+        assert_eq!(again.memory().as_ref().as_ref().len(), 10_000 * ROW_BYTES);
+        again.lock().ok();
+        // Another version pinned, another table id, another size: refused.
+        let other = ExpectedTable {
+            digest: TableDigest([7; 32]),
+            ..pin
+        };
+        let e = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &other).expect_err("stale");
+        assert!(e.to_string().contains("but the config pins"), "{e}");
+        let e = ResidentTable::adopt(14, fd.try_clone().expect("dup"), &pin).expect_err("id");
+        assert!(e.to_string().contains("not table 14"), "{e}");
+        let e = ResidentTable::adopt(1, fd, &ExpectedTable { rows: 9, ..pin }).expect_err("rows");
+        assert!(e.to_string().contains("9 rows"), "{e}");
+        // A load cut short: not sealed yet, no record.
+        let (f, _, _) = kept::create(10_000, false).expect("memfd");
+        let e = ResidentTable::adopt(1, f, &pin).expect_err("unfinished");
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        // Not sealed at all (an ordinary file).
+        let plain = std::fs::File::open(&path).expect("open");
+        let e = ResidentTable::adopt(1, plain, &pin).expect_err("plain");
+        assert!(e.to_string().contains("sealable memfd"), "{e}");
+    }
+
+    #[test]
+    fn a_flipped_record_byte_is_refused() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, digest) = table(dir.path());
+        let pin = ExpectedTable {
+            digest,
+            layer: 1,
+            rows: 10_000,
+        };
+        let opts = LoadOptions {
+            backing: Backing::Memfd,
+            mlock: MlockMode::Off,
+            ..LoadOptions::default()
+        };
+        let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
+        let f = t.kept().expect("kept").file.try_clone().expect("dup");
+        drop(t);
+        let len = f.metadata().expect("stat").len();
+        f.write_all_at(&[0xff], len - 4096 + 70).expect("write");
+        let e = ResidentTable::adopt(1, f, &pin).expect_err("bad record");
+        assert!(e.to_string().contains("checksum"), "{e}");
     }
 }

@@ -109,6 +109,17 @@ impl TableFile {
         })
     }
 
+    /// The open file.
+    pub fn std_file(&self) -> &File {
+        &self.file
+    }
+
+    /// The open file's descriptor.
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.file.as_raw_fd()
+    }
+
     /// True when the file carries page checksums (`page_xxh3`).
     pub fn has_page_sums(&self) -> bool {
         self.layout.page_sums

@@ -1,0 +1,486 @@
+//! Reading a table file's rows into memory on every core at once, the
+//! digest computed in the same pass.
+//!
+//! The rows, compacted (no page slack), are cut into segments of a power
+//! of two bytes (4 MiB by default). Workers claim segments in order, so the
+//! file is still read front to back and the kernel's readahead keeps up.
+//! For its segment a worker:
+//!
+//! 1. reads the rows that *start* in the segment straight into their place
+//!    with `preadv` (one iovec per page's rows, the page slack into a
+//!    scratch buffer): one copy, from the page cache into the table;
+//! 2. hashes the segment's bytes as a BLAKE3 subtree at its offset
+//!    (`blake3::hazmat`), while they are still in cache. The bytes before
+//!    the first row that starts in the segment belong to a row another
+//!    worker places; this worker reads those few bytes from the file
+//!    itself, so no worker ever waits for another;
+//! 3. tells the kernel it is done with that part of the file (optional).
+//!
+//! The subtrees' chaining values are then merged into the root in the
+//! order BLAKE3's left-balanced tree has them, which gives the same digest
+//! as hashing the rows front to back: tested below against
+//! [`TableDigest::of_rows`] for sizes around every boundary.
+
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use blake3::hazmat::{
+    ChainingValue, HasherExt, Mode, merge_subtrees_non_root, merge_subtrees_root,
+};
+use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
+use engram_protocol::{ROW_BYTES, TableDigest};
+
+use crate::progress::Progress;
+use crate::table_file::{TableFile, TableFileError};
+
+/// Default segment: 4 MiB of rows (4,096 BLAKE3 chunks).
+pub const SEGMENT_BYTES: usize = 4 << 20;
+
+/// Pages per `preadv` call: two iovecs a page (rows, slack) stay within
+/// the kernel's limit of 1,024.
+const PAGES_PER_CALL: usize = 512;
+
+/// How to fill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FillOptions {
+    /// Worker threads (at least 1).
+    pub threads: usize,
+    /// Segment size in bytes: a power of two of at least 1,024 (one
+    /// BLAKE3 chunk).
+    pub segment: usize,
+    /// Compute the digest.
+    pub digest: bool,
+    /// Tell the kernel to drop each part of the file from the page cache
+    /// once placed, so a table's load does not push everything else out.
+    pub drop_behind: bool,
+}
+
+impl Default for FillOptions {
+    fn default() -> Self {
+        Self {
+            threads: cores(),
+            segment: SEGMENT_BYTES,
+            digest: true,
+            drop_behind: true,
+        }
+    }
+}
+
+/// The cores this process may run on.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A raw pointer to the table's memory, shared by the workers. Each worker
+/// writes only the rows that start in the segments it claimed, and reads
+/// only those; no two workers touch the same byte.
+#[derive(Clone, Copy)]
+struct Base(*mut u8);
+// SAFETY: see the type's docs: workers use disjoint ranges of one buffer
+// that outlives them (the scope in `fill`).
+unsafe impl Send for Base {}
+// SAFETY: as above.
+unsafe impl Sync for Base {}
+
+/// Read every row of `file` into `dst` (exactly `rows * 264` bytes, rows
+/// back to back), on `opts.threads` threads; returns the digest of the
+/// rows when `opts.digest`. Progress, in rows, goes to `progress` from
+/// the calling thread about every 25 ms.
+pub fn fill(
+    file: &TableFile,
+    dst: &mut [u8],
+    opts: FillOptions,
+    progress: Option<&mut Progress>,
+) -> Result<Option<TableDigest>, TableFileError> {
+    let rows = file.layout.rows;
+    let total = dst.len();
+    if total as u64 != rows * ROW_BYTES as u64 {
+        return Err(io_error(
+            file,
+            "fill",
+            format!("buffer of {total} bytes for {rows} rows"),
+        ));
+    }
+    let segment = opts.segment.max(blake3::CHUNK_LEN).next_power_of_two();
+    let segments = total.div_ceil(segment).max(1);
+    let next = AtomicUsize::new(0);
+    let done = AtomicU64::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<TableFileError>> = Mutex::new(None);
+    let cvs: Mutex<Vec<ChainingValue>> = Mutex::new(vec![[0; 32]; segments]);
+    let base = Base(dst.as_mut_ptr());
+    let threads = opts.threads.clamp(1, segments);
+    let finished = AtomicUsize::new(0);
+    let caller = std::thread::current();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                let mut work = Worker::new(file);
+                loop {
+                    if failed.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let s = next.fetch_add(1, Ordering::Relaxed);
+                    if s >= segments {
+                        break;
+                    }
+                    match work.segment(base, total, segment, s, segments, opts) {
+                        Ok((placed, cv)) => {
+                            if let Some(cv) = cv
+                                && let Ok(mut all) = cvs.lock()
+                            {
+                                all[s] = cv;
+                            }
+                            done.fetch_add(placed, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            failed.store(true, Ordering::Relaxed);
+                            if let Ok(mut first) = first_error.lock() {
+                                first.get_or_insert(e);
+                            }
+                            break;
+                        }
+                    }
+                }
+                finished.fetch_add(1, Ordering::Release);
+                caller.unpark();
+            });
+        }
+        let mut progress = progress;
+        while finished.load(Ordering::Acquire) < threads {
+            std::thread::park_timeout(Duration::from_millis(25));
+            if let Some(p) = progress.as_deref_mut() {
+                p.update(done.load(Ordering::Relaxed));
+            }
+        }
+        if let Some(p) = progress {
+            p.update(done.load(Ordering::Relaxed));
+        }
+    });
+    if let Some(e) = first_error.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    if !opts.digest {
+        return Ok(None);
+    }
+    if segments == 1 {
+        return Ok(Some(TableDigest::of_rows(dst)));
+    }
+    let cvs = cvs.into_inner().unwrap_or_default();
+    Ok(Some(root(&cvs)))
+}
+
+/// The root of the left-balanced tree over equal subtrees (the last may
+/// be shorter): the left part holds the largest power of two of them
+/// below their count, as BLAKE3's tree does over chunks.
+fn root(cvs: &[ChainingValue]) -> TableDigest {
+    let left = left_len(cvs.len());
+    let hash = merge_subtrees_root(&merge(&cvs[..left]), &merge(&cvs[left..]), Mode::Hash);
+    TableDigest(*hash.as_bytes())
+}
+
+fn merge(cvs: &[ChainingValue]) -> ChainingValue {
+    if cvs.len() == 1 {
+        return cvs[0];
+    }
+    let left = left_len(cvs.len());
+    merge_subtrees_non_root(&merge(&cvs[..left]), &merge(&cvs[left..]), Mode::Hash)
+}
+
+/// The largest power of two below `n` (n >= 2).
+fn left_len(n: usize) -> usize {
+    1 << (usize::BITS - 1 - (n - 1).leading_zeros())
+}
+
+fn io_error(file: &TableFile, op: &'static str, what: String) -> TableFileError {
+    TableFileError::Io {
+        path: file.path.clone(),
+        op,
+        source: std::io::Error::other(what),
+    }
+}
+
+/// One worker's buffers.
+struct Worker<'a> {
+    file: &'a TableFile,
+    slack: Vec<u8>,
+    head: [u8; ROW_BYTES],
+    iov: Vec<libc::iovec>,
+}
+
+impl<'a> Worker<'a> {
+    fn new(file: &'a TableFile) -> Self {
+        Self {
+            file,
+            slack: vec![0; PAGE_BYTES as usize],
+            head: [0; ROW_BYTES],
+            iov: Vec::with_capacity(2 * PAGES_PER_CALL),
+        }
+    }
+
+    /// Place the rows that start in segment `s` and hash the segment;
+    /// returns the rows placed and the segment's chaining value.
+    fn segment(
+        &mut self,
+        base: Base,
+        total: usize,
+        size: usize,
+        s: usize,
+        segments: usize,
+        opts: FillOptions,
+    ) -> Result<(u64, Option<ChainingValue>), TableFileError> {
+        let row = ROW_BYTES;
+        let a = s * size;
+        let b = (a + size).min(total);
+        let r0 = a.div_ceil(row);
+        let r1 = b.div_ceil(row).min(total / row);
+        // SAFETY: rows r0..r1 lie inside the buffer (r1 * 264 <= total)
+        // and start in segment s, which only this worker claimed.
+        let mine = unsafe {
+            std::slice::from_raw_parts_mut(base.0.add(r0 * row), (r1.max(r0) - r0) * row)
+        };
+        self.read_rows(r0 as u64, r1 as u64, mine)?;
+        let cv = if opts.digest && segments > 1 {
+            let mut h = blake3::Hasher::new();
+            h.set_input_offset(a as u64);
+            let head = (r0 * row).min(b) - a;
+            if head > 0 {
+                let prev = r0 as u64 - 1;
+                let off = self.file.layout.row_offset(prev).unwrap_or_default();
+                read_exact_at(self.file, &mut self.head, off)?;
+                h.update(&self.head[row - (r0 * row - a)..][..head]);
+            }
+            let body = b.saturating_sub(r0 * row);
+            h.update(&mine[..body]);
+            Some(h.finalize_non_root())
+        } else {
+            None
+        };
+        if opts.drop_behind && r1 > r0 {
+            let first = self.file.layout.row_page(r0 as u64).map_or(0, |(p, _)| p);
+            let last = self
+                .file
+                .layout
+                .row_page(r1 as u64 - 1)
+                .map_or(0, |(p, _)| p);
+            drop_behind(self.file, first, last + PAGE_BYTES - first);
+        }
+        Ok(((r1.max(r0) - r0) as u64, cv))
+    }
+
+    /// Read rows `r0..r1` into `dst` (their bytes, back to back).
+    fn read_rows(&mut self, r0: u64, r1: u64, dst: &mut [u8]) -> Result<(), TableFileError> {
+        let per_page = ROWS_PER_PAGE;
+        let mut r = r0;
+        let mut at = 0usize;
+        while r < r1 {
+            let Some(offset) = self.file.layout.row_offset(r) else {
+                return Err(io_error(
+                    self.file,
+                    "read rows",
+                    format!("row {r} out of range"),
+                ));
+            };
+            self.iov.clear();
+            let mut pages = 0;
+            let mut want = 0usize;
+            while r < r1 && pages < PAGES_PER_CALL {
+                let page_end = (r / per_page + 1) * per_page;
+                let run = (page_end.min(r1) - r) as usize * ROW_BYTES;
+                self.iov.push(libc::iovec {
+                    iov_base: dst[at..].as_mut_ptr().cast(),
+                    iov_len: run,
+                });
+                at += run;
+                want += run;
+                r += (run / ROW_BYTES) as u64;
+                pages += 1;
+                if r < r1 && r == page_end {
+                    let slack = PAGE_BYTES as usize - ROWS_PER_PAGE as usize * ROW_BYTES;
+                    self.iov.push(libc::iovec {
+                        iov_base: self.slack.as_mut_ptr().cast(),
+                        iov_len: slack,
+                    });
+                    want += slack;
+                }
+            }
+            preadv_all(self.file, &mut self.iov, offset, want)?;
+        }
+        Ok(())
+    }
+}
+
+/// `preadv` until all `want` bytes are in, across short reads.
+fn preadv_all(
+    file: &TableFile,
+    iov: &mut [libc::iovec],
+    mut offset: u64,
+    mut want: usize,
+) -> Result<(), TableFileError> {
+    let fd = file.raw_fd();
+    let mut first = 0;
+    while want > 0 {
+        let count = (iov.len() - first).min(1024) as libc::c_int;
+        // SAFETY: every iovec points into a live buffer of its length (the
+        // table's rows this worker owns, or its scratch), and the fd is open.
+        let n = unsafe { libc::preadv(fd, iov[first..].as_ptr(), count, offset as libc::off_t) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(TableFileError::Io {
+                path: file.path.clone(),
+                op: "read pages",
+                source: e,
+            });
+        }
+        if n == 0 {
+            return Err(TableFileError::Io {
+                path: file.path.clone(),
+                op: "read pages",
+                source: std::io::ErrorKind::UnexpectedEof.into(),
+            });
+        }
+        let mut n = n as usize;
+        want -= n;
+        offset += n as u64;
+        while n > 0 && first < iov.len() {
+            let v = &mut iov[first];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: advancing within the same buffer by less than its length.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_exact_at(file: &TableFile, buf: &mut [u8], offset: u64) -> Result<(), TableFileError> {
+    use std::os::unix::fs::FileExt;
+    file.std_file()
+        .read_exact_at(buf, offset)
+        .map_err(|source| TableFileError::Io {
+            path: file.path.clone(),
+            op: "read pages",
+            source,
+        })
+}
+
+fn drop_behind(file: &TableFile, offset: u64, len: u64) {
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return;
+    };
+    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open.
+    unsafe {
+        libc::posix_fadvise(
+            file.std_file().as_raw_fd(),
+            off,
+            len,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::{GenSpec, generate};
+
+    fn table(dir: &std::path::Path, rows: u64) -> TableFile {
+        let path = dir.join(format!("t{rows}.etab"));
+        let spec = GenSpec {
+            layer: 1,
+            rows,
+            seed: 9,
+            hash_preset: None,
+            hash_base: None,
+            threads: 2,
+        };
+        generate(&path, &spec, None).expect("gen");
+        TableFile::open(&path).expect("open")
+    }
+
+    fn sequential(file: &TableFile) -> Vec<u8> {
+        let mut all = Vec::new();
+        file.for_each_chunk(false, None, |_, rows| {
+            all.extend_from_slice(rows);
+            Ok(())
+        })
+        .expect("stream");
+        all
+    }
+
+    #[test]
+    fn the_tree_of_segments_is_blake3_of_the_rows() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Sizes around segment, chunk, row and page boundaries; segments
+        // of one chunk up to larger than the table.
+        for rows in [1u64, 3, 4, 15, 16, 31, 62, 100, 1_000, 4_097] {
+            let file = table(dir.path(), rows);
+            let want = sequential(&file);
+            assert_eq!(TableDigest::of_rows(&want), file.meta.digest);
+            for segment in [1024usize, 2048, 4096, 65_536, 1 << 22] {
+                for threads in [1, 3] {
+                    let mut got = vec![0u8; want.len()];
+                    let opts = FillOptions {
+                        threads,
+                        segment,
+                        digest: true,
+                        drop_behind: false,
+                    };
+                    let d = fill(&file, &mut got, opts, None).expect("fill");
+                    assert!(got == want, "rows {rows} segment {segment}");
+                    assert_eq!(d, Some(file.meta.digest), "rows {rows} segment {segment}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn progress_reaches_every_row_and_no_digest_when_not_asked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = table(dir.path(), 20_000);
+        let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let l2 = std::sync::Arc::clone(&lines);
+        let mut p = Progress::new("x", 20_000, 264, Box::new(|_| {}))
+            .with_tap(move |d| l2.lock().expect("lock").push(d));
+        let mut got = vec![0u8; 20_000 * ROW_BYTES];
+        let opts = FillOptions {
+            digest: false,
+            ..FillOptions::default()
+        };
+        assert_eq!(
+            fill(&file, &mut got, opts, Some(&mut p)).expect("fill"),
+            None
+        );
+        assert_eq!(lines.lock().expect("lock").last(), Some(&20_000));
+        assert!(got == sequential(&file));
+    }
+
+    #[test]
+    fn a_short_file_and_a_wrong_buffer_are_errors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = table(dir.path(), 1_000);
+        let mut small = vec![0u8; 999 * ROW_BYTES];
+        let e = fill(&file, &mut small, FillOptions::default(), None).expect_err("size");
+        assert!(e.to_string().contains("buffer of"), "{e}");
+        // Cut the file after it was opened: the read runs out.
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file.path)
+            .expect("open");
+        f.set_len(file.layout.data_start + 10 * PAGE_BYTES)
+            .expect("truncate");
+        let mut got = vec![0u8; 1_000 * ROW_BYTES];
+        let e = fill(&file, &mut got, FillOptions::default(), None).expect_err("short");
+        assert!(e.to_string().contains("read pages"), "{e}");
+    }
+}

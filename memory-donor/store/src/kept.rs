@@ -1,0 +1,353 @@
+//! Table memory that outlives the process: a memfd holding the rows, with
+//! a record of what they are written last, so the next process (started
+//! by systemd, which kept the descriptor in its fd store) can serve them
+//! at once instead of reading the table file again.
+//!
+//! Layout of the memfd: the rows back to back from offset 0, then, in the
+//! memfd's last 4 KiB, the record (all integers little-endian):
+//!
+//! | offset | bytes | field |
+//! | --- | --- | --- |
+//! | 0 | 8 | magic `ENGRKEPT` |
+//! | 8 | 4 | record version (1) |
+//! | 12 | 4 | table id |
+//! | 16 | 4 | model layer |
+//! | 20 | 4 | flags (bit 0: the digest was verified at load) |
+//! | 24 | 8 | rows |
+//! | 32 | 32 | table digest (BLAKE3) |
+//! | 64 | 8 | generation (random, one per load) |
+//! | 72 | 8 | load time, Unix milliseconds |
+//! | 80 | 8 | XXH3-64 of bytes 0..80 |
+//!
+//! The record is written after the last row, so a copy whose load was cut
+//! short has none and is refused. The size is sealed (`F_SEAL_SHRINK`,
+//! `F_SEAL_GROW`), so a mapping of it can never fault on a truncation.
+//! Where enough huge pages are reserved (`HugePages_Free`), the memfd is
+//! hugetlb-backed (`MFD_HUGETLB`): fewer TLB misses on random rows and
+//! pages that are never swapped.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+
+use engram_protocol::{ROW_BYTES, TableDigest};
+use thiserror::Error;
+
+/// The record's magic.
+const MAGIC: &[u8; 8] = b"ENGRKEPT";
+/// The record's version.
+const VERSION: u32 = 1;
+/// Bytes the record takes (then its checksum).
+const RECORD: usize = 80;
+/// The tail the record lives in.
+const TAIL: u64 = 4096;
+/// The seals every kept memfd carries.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// What a kept copy says it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    /// Table id.
+    pub id: u32,
+    /// Model layer.
+    pub layer: u32,
+    /// Rows.
+    pub rows: u64,
+    /// Version.
+    pub digest: TableDigest,
+    /// One per load: a restarted donor serving the same generation did
+    /// not load again.
+    pub generation: u64,
+    /// When it was loaded (Unix milliseconds).
+    pub loaded_unix_ms: u64,
+    /// True when the digest was recomputed at load.
+    pub verified: bool,
+}
+
+impl Record {
+    /// The name the copy is kept under in systemd's fd store: the table
+    /// id and the first 16 hex digits of its digest.
+    pub fn name(&self) -> String {
+        name(self.id, &self.digest)
+    }
+
+    fn encode(&self) -> [u8; RECORD + 8] {
+        let mut b = [0u8; RECORD + 8];
+        b[0..8].copy_from_slice(MAGIC);
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.layer.to_le_bytes());
+        b[20..24].copy_from_slice(&u32::from(self.verified).to_le_bytes());
+        b[24..32].copy_from_slice(&self.rows.to_le_bytes());
+        b[32..64].copy_from_slice(&self.digest.0);
+        b[64..72].copy_from_slice(&self.generation.to_le_bytes());
+        b[72..80].copy_from_slice(&self.loaded_unix_ms.to_le_bytes());
+        let sum = xxhash_rust::xxh3::xxh3_64(&b[..RECORD]);
+        b[RECORD..].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Result<Self, KeptError> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        if b.len() < RECORD + 8 || &b[0..8] != MAGIC {
+            return Err(KeptError::NoRecord);
+        }
+        if u32_at(8) != VERSION {
+            return Err(KeptError::Bad(format!(
+                "record version {} (this build reads {VERSION})",
+                u32_at(8)
+            )));
+        }
+        if xxhash_rust::xxh3::xxh3_64(&b[..RECORD]) != u64_at(RECORD) {
+            return Err(KeptError::Bad(
+                "the record's checksum does not match".into(),
+            ));
+        }
+        let mut digest = [0u8; 32];
+        digest.copy_from_slice(&b[32..64]);
+        Ok(Self {
+            id: u32_at(12),
+            layer: u32_at(16),
+            verified: u32_at(20) & 1 == 1,
+            rows: u64_at(24),
+            digest: TableDigest(digest),
+            generation: u64_at(64),
+            loaded_unix_ms: u64_at(72),
+        })
+    }
+}
+
+/// The fd-store name of table `id` at version `digest`.
+pub fn name(id: u32, digest: &TableDigest) -> String {
+    format!("etab-{id}-{}", &digest.to_hex()[..16])
+}
+
+/// Why a kept copy is not used.
+#[derive(Debug, Error)]
+pub enum KeptError {
+    /// The OS refused an operation.
+    #[error("{op}: {source}")]
+    Io {
+        op: &'static str,
+        source: std::io::Error,
+    },
+    /// No complete record: the load that made it did not finish.
+    #[error("no record of what it holds (its load did not finish)")]
+    NoRecord,
+    /// The record or the memfd is not consistent.
+    #[error("{0}")]
+    Bad(String),
+}
+
+impl KeptError {
+    /// As an IO error (for callers that report memory failures as such).
+    pub fn into_io(self) -> std::io::Error {
+        match self {
+            Self::Io { source, .. } => source,
+            other => std::io::Error::other(other.to_string()),
+        }
+    }
+}
+
+fn os(op: &'static str) -> impl FnOnce(std::io::Error) -> KeptError {
+    move |source| KeptError::Io { op, source }
+}
+
+/// Bytes a memfd holding `rows` rows and the record takes (before any
+/// rounding up to the huge page size).
+/// `None` when that overflows.
+pub fn memfd_len(rows: u64) -> Option<u64> {
+    rows.checked_mul(ROW_BYTES as u64)?
+        .div_ceil(TAIL)
+        .checked_mul(TAIL)?
+        .checked_add(TAIL)
+}
+
+/// The huge page size and how many bytes of reserved huge pages are free,
+/// from `/proc/meminfo`.
+pub fn huge_pages_free() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].split_whitespace().next()?.parse().ok()
+    };
+    let size = field("Hugepagesize:")? * 1024;
+    let free = field("HugePages_Free:")?;
+    (size > 0).then_some((size, free * size))
+}
+
+/// A new memfd for `rows` rows, sized and sealed against resizing later;
+/// hugetlb-backed when enough huge pages are free and `huge` allows.
+/// Returns the file, its length, and whether it is hugetlb-backed.
+pub fn create(rows: u64, huge: bool) -> Result<(File, u64, bool), KeptError> {
+    let small = memfd_len(rows).ok_or_else(|| KeptError::Bad(format!("{rows} rows")))?;
+    if huge
+        && let Some((page, free)) = huge_pages_free()
+        && page > 4096
+    {
+        let len = small.next_multiple_of(page);
+        if free >= len
+            && let Ok(f) = memfd(libc::MFD_HUGETLB)
+            && f.set_len(len).is_ok()
+        {
+            return Ok((f, len, true));
+        }
+    }
+    let f = memfd(0)?;
+    f.set_len(small).map_err(os("sizing the memfd"))?;
+    Ok((f, small, false))
+}
+
+fn memfd(flags: libc::c_uint) -> Result<File, KeptError> {
+    // SAFETY: the name is a NUL-terminated literal; memfd_create returns a
+    // new descriptor we then own, or -1.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"engram-table".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | flags,
+        )
+    };
+    if fd < 0 {
+        return Err(KeptError::Io {
+            op: "memfd_create",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: fd is a new descriptor nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// Write `record` into the tail of `map` (the memfd's whole mapping,
+/// writable) and seal the memfd's size. Call after the last row is in.
+pub fn finish(file: &File, map: &mut [u8], record: &Record) -> Result<(), KeptError> {
+    let at = map.len() - TAIL as usize;
+    map[at..at + RECORD + 8].copy_from_slice(&record.encode());
+    seal(file)
+}
+
+fn seal(file: &File) -> Result<(), KeptError> {
+    // SAFETY: fcntl on a descriptor we own with integer arguments.
+    let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) };
+    if r < 0 {
+        return Err(KeptError::Io {
+            op: "sealing the memfd",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Read and check a kept memfd's record: sealed against resizing, its
+/// length consistent with its rows, the record complete and intact.
+/// Returns the record and the memfd's length.
+pub fn inspect(file: &File) -> Result<(Record, u64), KeptError> {
+    // SAFETY: fcntl on a descriptor the caller owns.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(KeptError::Bad(format!(
+            "not a sealable memfd ({})",
+            std::io::Error::last_os_error()
+        )));
+    }
+    if seals & SEALS != SEALS {
+        return Err(KeptError::Bad("its size is not sealed".into()));
+    }
+    let len = file.metadata().map_err(os("stat"))?.len();
+    if len < TAIL {
+        return Err(KeptError::Bad(format!(
+            "{len} bytes: too small to hold a record"
+        )));
+    }
+    let mut tail = [0u8; RECORD + 8];
+    file.read_exact_at(&mut tail, len - TAIL)
+        .map_err(os("reading the record"))?;
+    let record = Record::decode(&tail)?;
+    if memfd_len(record.rows).is_none_or(|need| len < need) {
+        return Err(KeptError::Bad(format!(
+            "{len} bytes cannot hold the {} rows its record names",
+            record.rows
+        )));
+    }
+    Ok((record, len))
+}
+
+/// True when `file` lives on hugetlbfs.
+pub fn is_hugetlb(file: &File) -> bool {
+    // SAFETY: fstatfs writes only into the zeroed struct we pass.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; the descriptor is open.
+    let r = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) };
+    r == 0 && st.f_type == libc::HUGETLBFS_MAGIC
+}
+
+/// A random generation number.
+pub fn generation() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most the 8 bytes we pass.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 8 {
+        // Not secret, only distinct: time and pid will do.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return t ^ (u64::from(std::process::id()) << 40);
+    }
+    u64::from_le_bytes(b)
+}
+
+/// Now, in Unix milliseconds.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sealed_memfd_without_a_record_and_records_round_trip() {
+        let (f, len, huge) = create(100, false).expect("memfd");
+        assert!(!huge && !is_hugetlb(&f));
+        assert_eq!(len, memfd_len(100).expect("len"));
+        seal(&f).expect("seal");
+        assert!(matches!(inspect(&f), Err(KeptError::NoRecord)));
+        // Sealed: it cannot grow or shrink.
+        assert!(f.set_len(len * 2).is_err());
+        let r = Record {
+            id: 14,
+            layer: 14,
+            rows: 100,
+            digest: TableDigest([3; 32]),
+            generation: generation(),
+            loaded_unix_ms: unix_ms(),
+            verified: false,
+        };
+        assert_eq!(Record::decode(&r.encode()).expect("decode"), r);
+        f.write_all_at(&r.encode(), len - TAIL).expect("write");
+        assert_eq!(inspect(&f).expect("inspect"), (r, len));
+        // A record naming more rows than the memfd holds.
+        let big = Record { rows: 1 << 40, ..r };
+        f.write_all_at(&big.encode(), len - TAIL).expect("write");
+        assert!(
+            inspect(&f)
+                .expect_err("size")
+                .to_string()
+                .contains("cannot hold")
+        );
+        let huge_rows = Record {
+            rows: u64::MAX,
+            ..r
+        };
+        f.write_all_at(&huge_rows.encode(), len - TAIL)
+            .expect("write");
+        assert!(inspect(&f).is_err());
+        assert!(memfd_len(u64::MAX).is_none());
+    }
+}
