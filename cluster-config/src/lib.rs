@@ -250,6 +250,11 @@ pub struct Donor {
     pub mlock: MlockMode,
     /// Skip recomputing digests at load (fast restarts of trusted files).
     pub trust_digest: bool,
+    /// Under systemd, keep tables in its fd store so a restart serves them
+    /// at once (`fd_store`, default true).
+    pub fd_store: bool,
+    /// Threads that read, place and hash a table at load (0: every core).
+    pub load_threads: usize,
     /// Time a new connection has to say Hello.
     pub hello_timeout: Duration,
     /// Silent ready connections are closed after this (zero: never).

@@ -63,6 +63,8 @@ pub(crate) struct RawDonor {
     pub max_rows: Option<S<i64>>,
     pub mlock: Option<S<String>>,
     pub trust_digest: Option<bool>,
+    pub fd_store: Option<bool>,
+    pub load_threads: Option<S<i64>>,
     pub hello_timeout_ms: Option<S<i64>>,
     pub idle_timeout_ms: Option<S<i64>>,
     pub write_timeout_ms: Option<S<i64>>,

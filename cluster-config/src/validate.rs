@@ -573,6 +573,12 @@ fn donors(
             max_rows,
             mlock,
             trust_digest: d.trust_digest.unwrap_or(false),
+            fd_store: d.fd_store.unwrap_or(true),
+            load_threads: d
+                .load_threads
+                .as_ref()
+                .and_then(|v| cx.int(v, &k("load_threads"), 0, 1024))
+                .unwrap_or(0) as usize,
             hello_timeout: cx.opt_ms(&d.hello_timeout_ms, &k("hello_timeout_ms"), 5_000, false),
             idle_timeout: cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
             write_timeout: cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),

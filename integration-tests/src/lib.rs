@@ -463,14 +463,65 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
 /// Notifications received, with their arrival times, and a signal for each.
 type Notifications = (Mutex<Vec<(Instant, String)>>, Condvar);
 
-/// A fake systemd notification socket: a unix datagram socket in a
-/// directory the test owns, whose messages are collected with the time
-/// they arrived.
+/// A fake systemd: a notification socket (a unix datagram socket in a
+/// directory the test owns) whose messages are collected with the time
+/// they arrived, and a file descriptor store as systemd keeps one:
+/// `FDSTORE=1` with `FDNAME=` keeps the descriptors a message carries,
+/// `FDSTOREREMOVE=1` drops those of a name, and
+/// [`NotifySocket::launch_with_store`] starts a process with them, as
+/// systemd restarts a service (`LISTEN_FDS`, `LISTEN_FDNAMES`, `LISTEN_PID`).
 #[derive(Debug)]
 pub struct NotifySocket {
     /// The socket's path (give it to a daemon as `NOTIFY_SOCKET`).
     pub path: PathBuf,
     got: Arc<Notifications>,
+    store: Arc<Mutex<Vec<(String, std::os::fd::OwnedFd)>>>,
+}
+
+/// One datagram and the descriptors it carried (`SCM_RIGHTS`).
+fn recv_with_fds(
+    sock: &std::os::unix::net::UnixDatagram,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    const MAX_FDS: usize = 16;
+    let mut control = [0u64; 64];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: zeroed msghdr is valid; we fill in our buffers below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = size_of_val(&control);
+    // SAFETY: msg points at live buffers of the sizes it says.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into `control`.
+    let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    while !cmsg.is_null() {
+        // SAFETY: cmsg is a header inside `control` (CMSG_FIRSTHDR/NXTHDR).
+        let c = unsafe { &*cmsg };
+        if c.cmsg_level == libc::SOL_SOCKET && c.cmsg_type == libc::SCM_RIGHTS {
+            // SAFETY: as above; the data length is what the header says.
+            let data = unsafe { libc::CMSG_DATA(cmsg) };
+            let len = c.cmsg_len as usize - (data as usize - cmsg as usize);
+            for i in 0..(len / 4).min(MAX_FDS) {
+                // SAFETY: the kernel installed these descriptors for us.
+                let fd = unsafe { data.cast::<i32>().add(i).read_unaligned() };
+                // SAFETY: a new descriptor only we own.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+        // SAFETY: as above.
+        cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
+    }
+    Ok((n as usize, fds))
 }
 
 impl NotifySocket {
@@ -479,16 +530,104 @@ impl NotifySocket {
         let path = dir.join("notify.sock");
         let sock = std::os::unix::net::UnixDatagram::bind(&path)?;
         let got: Arc<Notifications> = Arc::default();
-        let got2 = Arc::clone(&got);
+        let store: Arc<Mutex<Vec<(String, std::os::fd::OwnedFd)>>> = Arc::default();
+        let (got2, store2) = (Arc::clone(&got), Arc::clone(&store));
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 8192];
-            while let Ok(n) = sock.recv(&mut buf) {
+            while let Ok((n, fds)) = recv_with_fds(&sock, &mut buf) {
                 let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let lines: Vec<&str> = msg.lines().collect();
+                let name = lines
+                    .iter()
+                    .find_map(|l| l.strip_prefix("FDNAME="))
+                    .unwrap_or("stored")
+                    .to_string();
+                if lines.contains(&"FDSTORE=1") {
+                    let mut s = store2.lock().unwrap();
+                    s.extend(fds.into_iter().map(|f| (name.clone(), f)));
+                } else if lines.contains(&"FDSTOREREMOVE=1") {
+                    store2.lock().unwrap().retain(|(n, _)| *n != name);
+                }
                 got2.0.lock().unwrap().push((Instant::now(), msg));
                 got2.1.notify_all();
             }
         });
-        Ok(Self { path, got })
+        Ok(Self { path, got, store })
+    }
+
+    /// The names of the descriptors the store holds now, in order.
+    pub fn stored(&self) -> Vec<String> {
+        self.store
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Put a descriptor into the store as a service would have.
+    pub fn store_fd(&self, name: &str, fd: std::os::fd::OwnedFd) {
+        self.store.lock().unwrap().push((name.to_string(), fd));
+    }
+
+    /// Empty the store (as `systemctl clean --what=fdstore` would).
+    pub fn clear_store(&self) {
+        self.store.lock().unwrap().clear();
+    }
+
+    /// `cmd`, with this socket as `NOTIFY_SOCKET` and the stored
+    /// descriptors passed as systemd passes them: as descriptors 3, 4, ...
+    /// with `LISTEN_FDS`, `LISTEN_FDNAMES` and `LISTEN_PID` (the process's
+    /// own pid, set by a shell that then execs the program). Drop the
+    /// returned descriptors once the command is spawned.
+    pub fn with_store(&self, cmd: &Command) -> Result<(Command, Vec<std::os::fd::OwnedFd>)> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+        use std::os::unix::process::CommandExt;
+        let store = self.store.lock().unwrap();
+        let mut fds: Vec<RawFd> = Vec::new();
+        let mut held: Vec<OwnedFd> = Vec::new();
+        let mut names = Vec::new();
+        for (name, fd) in store.iter() {
+            // A duplicate the child gets (above any descriptor it is
+            // moved to); ours stays in the store.
+            // SAFETY: dup of a descriptor we own.
+            let d = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 100) };
+            if d < 0 {
+                bail!("dup: {}", std::io::Error::last_os_error());
+            }
+            // SAFETY: a new descriptor only we own.
+            held.push(unsafe { OwnedFd::from_raw_fd(d) });
+            fds.push(d);
+            names.push(name.clone());
+        }
+        let mut out = Command::new("/bin/sh");
+        out.arg("-c")
+            .arg("LISTEN_PID=$$; export LISTEN_PID; exec \"$0\" \"$@\"")
+            .arg(cmd.get_program())
+            .args(cmd.get_args())
+            .env("NOTIFY_SOCKET", &self.path)
+            .env("LISTEN_FDS", fds.len().to_string())
+            .env("LISTEN_FDNAMES", names.join(":"));
+        for (k, v) in cmd.get_envs() {
+            match v {
+                Some(v) => out.env(k, v),
+                None => out.env_remove(k),
+            };
+        }
+        let moved = fds.clone();
+        // SAFETY: between fork and exec only dup2 and close, both
+        // async-signal-safe.
+        unsafe {
+            out.pre_exec(move || {
+                for (i, &fd) in moved.iter().enumerate() {
+                    if libc::dup2(fd, 3 + i as RawFd) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok((out, held))
     }
 
     /// Every message so far, with its arrival time.
@@ -534,6 +673,17 @@ impl NotifySocket {
 }
 
 impl Process {
+    /// Start `memory-donor serve ARGS` under a fake systemd: `NOTIFY_SOCKET`
+    /// is `notify`'s and whatever its fd store holds is passed in.
+    pub fn launch_donor_under(notify: &NotifySocket, args: &[&str]) -> Result<Self> {
+        let mut cmd = Command::new(bin("memory-donor"));
+        cmd.arg("serve").args(args).env("RUST_LOG", "info");
+        let (cmd, held) = notify.with_store(&cmd)?;
+        let p = Self::spawn(cmd);
+        drop(held);
+        p
+    }
+
     /// Start `memory-donor serve ARGS` with extra environment variables.
     pub fn launch_donor_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
         let mut cmd = Command::new(bin("memory-donor"));

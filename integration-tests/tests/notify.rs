@@ -62,6 +62,9 @@ fn ready_after_loading_status_progress_watchdog_pings_and_stopping() {
             "127.0.0.1:0",
             "--mlock",
             "off",
+            // One thread: a load long enough for several progress steps.
+            "--load-threads",
+            "1",
         ],
         &[("NOTIFY_SOCKET", &socket), ("WATCHDOG_USEC", "400000")],
     )
@@ -99,7 +102,8 @@ fn ready_after_loading_status_progress_watchdog_pings_and_stopping() {
         .collect();
     assert!(
         progress.len() >= 5 && progress.last() == Some(&"STATUS=loading table 1: 100%"),
-        "progress before READY: {progress:?}"
+        "progress before READY: {progress:?}\n{}",
+        donor.log()
     );
     assert!(
         before

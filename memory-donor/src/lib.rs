@@ -17,6 +17,7 @@
 //! `cluster-config`, and never depend on each other.
 
 pub mod control;
+pub mod fdstore;
 pub mod metrics;
 pub mod rdma;
 pub mod reload;

@@ -16,6 +16,7 @@ use engram_store::generate::{GenSpec, generate, table_shape};
 use engram_store::pack::pack;
 use engram_store::progress::Progress;
 use engram_store::table_file::{TableFile, add_page_sums};
+use memory_donor::fdstore::FdStore;
 use memory_donor::reload::ReloadSource;
 use memory_donor::serve::{OpsServers, Overrides, ServeSpec, TableSpec, load_tables, serve};
 use memory_donor::status::{DonorStatus, Order, Phase};
@@ -116,6 +117,13 @@ struct ServeArgs {
     /// Lock table memory: try (warn if the limit is too low), require, or off.
     #[arg(long, value_enum)]
     mlock: Option<MlockMode>,
+    /// Under systemd, do not keep tables in its fd store (every start then
+    /// reads the table files).
+    #[arg(long)]
+    no_fd_store: bool,
+    /// Threads that read, place and hash a table at load (default: every core).
+    #[arg(long, value_name = "N")]
+    load_threads: Option<usize>,
     /// Most concurrent connections.
     #[arg(long)]
     max_connections: Option<usize>,
@@ -325,6 +333,8 @@ fn inspect(file: &std::path::Path, json: bool) -> Result<()> {
 fn run_serve(args: ServeArgs) -> Result<()> {
     let overrides = Overrides {
         trust_digest: args.trust_digest,
+        no_fd_store: args.no_fd_store,
+        load_threads: args.load_threads,
         mlock: args.mlock,
         max_connections: args.max_connections,
         max_rows: args.max_rows,
@@ -364,6 +374,8 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         tracing::warn!(error = %e, "systemd notifications disabled");
         Notifier::disabled()
     }));
+    // Before anything else opens a descriptor: the ones systemd passed.
+    let fd_store = Arc::new(FdStore::from_env(Arc::clone(&notifier), spec.fd_store));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -384,9 +396,13 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         let _ = notifier.status("loading tables");
         let ops = OpsServers::start(&spec, &status).await?;
         let loading = tokio::task::spawn_blocking({
-            let (spec, status, notifier) =
-                (spec.clone(), Arc::clone(&status), Arc::clone(&notifier));
-            move || load_tables(&spec, &status, &notifier)
+            let (spec, status, notifier, store) = (
+                spec.clone(),
+                Arc::clone(&status),
+                Arc::clone(&notifier),
+                Arc::clone(&fd_store),
+            );
+            move || load_tables(&spec, &status, &notifier, &store)
         });
         let tables = tokio::select! {
             loaded = loading => match loaded? {
@@ -411,6 +427,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
             notifier,
             log_level,
             reload,
+            fd_store,
         };
         serve(spec, tables, &status, &announce, run).await?;
         ops.stop().await;

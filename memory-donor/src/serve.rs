@@ -20,7 +20,9 @@ use crate::status::{DonorStatus, LoadState, Phase};
 use crate::tls::Access;
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
-use engram_store::resident::{ExpectedTable, LoadError, ResidentTable};
+use engram_store::resident::{ExpectedTable, LoadError, LoadOptions, ResidentTable};
+
+use crate::fdstore::FdStore;
 
 /// One table to serve.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +75,10 @@ pub struct ServeSpec {
     pub trust_digest: bool,
     /// Memory locking.
     pub mlock: MlockMode,
+    /// Under systemd, keep tables in its fd store for the next start.
+    pub fd_store: bool,
+    /// Threads that read, place and hash a table at load (0: every core).
+    pub load_threads: usize,
     /// Control-plane (gRPC) address to bind.
     pub control: Option<SocketAddr>,
     /// Prometheus `/metrics` address to bind.
@@ -91,6 +97,8 @@ pub struct ServeSpec {
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
     pub trust_digest: bool,
+    pub no_fd_store: bool,
+    pub load_threads: Option<usize>,
     pub mlock: Option<MlockMode>,
     pub max_connections: Option<usize>,
     pub max_rows: Option<u32>,
@@ -105,6 +113,10 @@ impl Overrides {
     /// Apply these flags over `spec`.
     pub fn apply(&self, spec: &mut ServeSpec) -> Result<(), ServeError> {
         spec.trust_digest |= self.trust_digest;
+        spec.fd_store &= !self.no_fd_store;
+        if let Some(n) = self.load_threads {
+            spec.load_threads = n.min(1024);
+        }
         if let Some(m) = self.mlock {
             spec.mlock = m;
         }
@@ -190,6 +202,8 @@ impl ServeSpec {
             tables,
             trust_digest: false,
             mlock: MlockMode::Try,
+            fd_store: true,
+            load_threads: 0,
             control: None,
             metrics: None,
             log_level: None,
@@ -242,6 +256,8 @@ impl ServeSpec {
             tables,
             trust_digest: d.trust_digest,
             mlock: d.mlock,
+            fd_store: d.fd_store,
+            load_threads: d.load_threads,
             control: d.control,
             metrics: d.metrics,
             log_level: d.log_level.clone(),
@@ -357,11 +373,12 @@ pub fn load_tables(
     spec: &ServeSpec,
     status: &Arc<DonorStatus>,
     notifier: &Arc<Notifier>,
+    store: &FdStore,
 ) -> Result<Vec<ResidentTable>, ServeError> {
     let mut tables: Vec<ResidentTable> = Vec::new();
     let mut unlocked = 0u64;
     for (i, st) in status.tables.iter().enumerate().take(spec.tables.len()) {
-        let loaded = load_one(spec, i, status, notifier).and_then(|(table, report)| {
+        let loaded = load_one(spec, i, status, notifier, store).and_then(|(table, report)| {
             if tables.iter().any(|x| x.id == table.id) {
                 return Err(ServeError::DuplicateId(table.id));
             }
@@ -375,6 +392,9 @@ pub fn load_tables(
             }
         };
         st.set_state(LoadState::Ready);
+        if !report.adopted {
+            store.keep(&table);
+        }
         tracing::info!(
             table = table.id,
             layer = table.layer,
@@ -382,6 +402,7 @@ pub fn load_tables(
             digest = %table.digest,
             verified = report.verified,
             locked = report.locked,
+            adopted = report.adopted,
             "table resident"
         );
         if !report.locked && spec.mlock != MlockMode::Off {
@@ -389,6 +410,7 @@ pub fn load_tables(
         }
         tables.push(table);
     }
+    store.release_rest();
     if unlocked > 0 {
         let limit = memlock_limit().map_or("unknown".to_string(), |l| {
             if l == libc::RLIM_INFINITY {
@@ -416,14 +438,68 @@ pub(crate) fn lock_mode(mode: MlockMode) -> engram_store::resident::MlockMode {
     }
 }
 
-/// Load table `i` of `spec`, reporting into `status.tables[i]`.
+/// How a table came to be resident.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    /// The digest was recomputed at this load (or at the load that made an
+    /// adopted copy).
+    pub verified: bool,
+    /// The memory is locked (an adopted copy: being locked in the background).
+    pub locked: bool,
+    /// Taken from systemd's fd store: nothing was read.
+    pub adopted: bool,
+}
+
+/// What table `t` must be: the config's pin, else its file's header.
+fn expected(t: &TableSpec) -> Option<ExpectedTable> {
+    t.pinned.or_else(|| {
+        let f = engram_store::table_file::TableFile::open(&t.path).ok()?;
+        Some(ExpectedTable {
+            digest: f.meta.digest,
+            layer: f.meta.layer,
+            rows: f.meta.rows,
+        })
+    })
+}
+
+/// Take table `i` of `spec` from the fd store if a copy of exactly its
+/// version is there; else load it, reporting into `status.tables[i]`.
 fn load_one(
     spec: &ServeSpec,
     i: usize,
     status: &Arc<DonorStatus>,
     notifier: &Arc<Notifier>,
-) -> Result<(ResidentTable, engram_store::resident::LoadReport), ServeError> {
+    store: &FdStore,
+) -> Result<(ResidentTable, Loaded), ServeError> {
     let t = &spec.tables[i];
+    if let Some(want) = expected(t) {
+        let id = t.id.unwrap_or(want.layer);
+        if let Some(table) = store.take(id, &want) {
+            let record = table.kept().map(|k| k.record);
+            status.tables[i].opened(id, table.layer, table.rows, table.digest);
+            status.tables[i].progress(table.rows, table.rows);
+            let age_s = record.map_or(0, |r| {
+                engram_store::kept::unix_ms().saturating_sub(r.loaded_unix_ms) / 1000
+            });
+            tracing::info!(
+                table = id,
+                generation = record.map_or(0, |r| r.generation),
+                loaded_s_ago = age_s,
+                hugetlb = table.kept().is_some_and(|k| k.hugetlb),
+                "table adopted from the fd store: serving the copy the previous process loaded, file not read"
+            );
+            let locked = lock_adopted(&table, spec.mlock)?;
+            let verified = record.is_some_and(|r| r.verified);
+            return Ok((
+                table,
+                Loaded {
+                    verified,
+                    locked,
+                    adopted: true,
+                },
+            ));
+        }
+    }
     let progress = |f: &engram_store::table_file::TableFile| {
         let m = &f.meta;
         let id = t.id.unwrap_or(m.layer);
@@ -445,16 +521,69 @@ fn load_one(
             }),
         )
     };
-    let (mut table, report) = ResidentTable::load(
-        0,
-        &t.path,
-        t.pinned,
-        spec.trust_digest,
-        lock_mode(spec.mlock),
-        progress,
-    )?;
-    table.id = t.id.unwrap_or(table.layer);
-    Ok((table, report))
+    let opts = LoadOptions {
+        pinned: t.pinned,
+        trust_digest: spec.trust_digest,
+        mlock: lock_mode(spec.mlock),
+        backing: store.backing(),
+        threads: load_threads(spec.load_threads),
+    };
+    let (table, report) = ResidentTable::load_with(t.id, &t.path, &opts, progress)?;
+    Ok((
+        table,
+        Loaded {
+            verified: report.verified,
+            locked: report.locked,
+            adopted: false,
+        },
+    ))
+}
+
+/// Load threads for a configured count (0: every core).
+pub(crate) fn load_threads(n: usize) -> usize {
+    if n == 0 {
+        engram_store::fill::cores()
+    } else {
+        n
+    }
+}
+
+/// Lock an adopted table's memory: with `require`, now (a pass over its
+/// pages before serving); with `try`, in the background while it serves.
+fn lock_adopted(table: &ResidentTable, mode: MlockMode) -> Result<bool, ServeError> {
+    match mode {
+        MlockMode::Off => Ok(false),
+        MlockMode::Require => {
+            table.lock().map_err(|source| {
+                ServeError::Load(LoadError::Mlock {
+                    path: format!("table {} (adopted)", table.id),
+                    bytes: table.bytes(),
+                    source,
+                })
+            })?;
+            Ok(true)
+        }
+        MlockMode::Try => {
+            let (memory, id) = (table.memory(), table.id);
+            let spawned = std::thread::Builder::new()
+                .name(format!("lock-{id}"))
+                .spawn(move || {
+                    let began = std::time::Instant::now();
+                    match memory.lock() {
+                        Ok(()) => tracing::info!(
+                            table = id,
+                            took_ms = began.elapsed().as_millis() as u64,
+                            "adopted table's memory locked"
+                        ),
+                        Err(e) => tracing::warn!(
+                            table = id,
+                            "adopted table's memory not locked ({e}); raise LimitMEMLOCK"
+                        ),
+                    }
+                });
+            Ok(spawned.is_ok())
+        }
+    }
 }
 
 /// Bind the data plane, say `ready` (with `announce` appended) and

@@ -34,6 +34,8 @@ pub struct Ops {
     pub log_level: LogLevel,
     /// The config to re-read on SIGHUP (none: started from flags).
     pub reload: Option<ReloadSource>,
+    /// systemd's fd store (tables kept for the next start).
+    pub fd_store: Arc<crate::fdstore::FdStore>,
 }
 
 /// How often the status line is refreshed when there is no watchdog.
@@ -164,6 +166,8 @@ impl Loop {
             trust_digest: self.spec.trust_digest,
             mlock: self.spec.mlock,
             budget: self.spec.ram_budget,
+            fd_store: Arc::clone(&self.ops.fd_store),
+            load_threads: self.spec.load_threads,
         }
     }
 

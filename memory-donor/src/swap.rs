@@ -27,11 +27,12 @@ use engram_protocol::{ROW_BYTES, TableDigest};
 use thiserror::Error;
 use tokio::sync::oneshot;
 
+use crate::fdstore::FdStore;
 use crate::server::Shared;
 use crate::status::{DonorStatus, LoadState};
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
-use engram_store::resident::{ExpectedTable, ResidentTable};
+use engram_store::resident::{ExpectedTable, LoadOptions, ResidentTable};
 use engram_store::table_file::TableFile;
 
 /// A request to serve another version of a table.
@@ -110,6 +111,10 @@ pub struct SwapContext {
     pub mlock: MlockMode,
     /// Bytes the tables may take in all (`ram_gib - headroom_gib`), when known.
     pub budget: Option<u64>,
+    /// Where new versions are kept for the next start.
+    pub fd_store: Arc<FdStore>,
+    /// Threads that read, place and hash a table (0: every core).
+    pub load_threads: usize,
 }
 
 /// A checked swap, ready to load.
@@ -314,6 +319,9 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
         };
         // Unmapped here, outside the lock (and deregistered from RDMA, whose
         // registration holds the rows mapped until then).
+        if let Some(t) = &old {
+            cx.fd_store.forget_table(t);
+        }
         drop(old);
         let sh = Arc::clone(&cx.shared);
         let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
@@ -334,6 +342,7 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
         Ok(Err(e)) => return Err(failed(&cx, &p, si, e)),
         Err(e) => return Err(failed(&cx, &p, si, e.to_string())),
     };
+    cx.fd_store.keep(&table);
     let old = {
         let mut tables = cx.shared.tables_mut();
         match tables.iter().position(|t| t.id == id) {
@@ -344,6 +353,9 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
             }
         }
     };
+    if let Some(t) = &old {
+        cx.fd_store.forget_table(t);
+    }
     drop(old);
     // RDMA follows: the new version registered, then the old one
     // deregistered, so a node still reading the old region gets a remote
@@ -433,16 +445,15 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
             }),
         )
     };
-    let (mut table, _report) = ResidentTable::load(
-        id,
-        &p.req.path,
-        Some(pin),
-        cx.trust_digest,
-        crate::serve::lock_mode(cx.mlock),
-        progress,
-    )
-    .map_err(|e| e.to_string())?;
-    table.id = id;
+    let opts = LoadOptions {
+        pinned: Some(pin),
+        trust_digest: cx.trust_digest,
+        mlock: crate::serve::lock_mode(cx.mlock),
+        backing: cx.fd_store.backing(),
+        threads: crate::serve::load_threads(cx.load_threads),
+    };
+    let (table, _report) = ResidentTable::load_with(Some(id), &p.req.path, &opts, progress)
+        .map_err(|e| e.to_string())?;
     Ok(table)
 }
 

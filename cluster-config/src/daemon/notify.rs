@@ -1,6 +1,7 @@
 //! The systemd notification protocol (`sd_notify(3)`) through the
 //! `sd-notify` crate: READY=1, STATUS=..., WATCHDOG=1, RELOADING=1 (with
-//! MONOTONIC_USEC), STOPPING=1 and EXTEND_TIMEOUT_USEC=..., and the
+//! MONOTONIC_USEC), STOPPING=1, EXTEND_TIMEOUT_USEC=..., and FDSTORE=1 /
+//! FDSTOREREMOVE=1 (systemd's file descriptor store), and the
 //! watchdog interval systemd enforces on this process.
 //!
 //! What it is: both daemons' way to say those things. What it is not: the
@@ -101,6 +102,29 @@ impl Notifier {
             return Ok(());
         }
         self.send(&[NotifyState::Reloading, NotifyState::monotonic_usec_now()?])
+    }
+
+    /// `FDSTORE=1` with `FDNAME=name` (and `FDPOLL=0`: a memfd is never
+    /// "hung up"): systemd keeps a duplicate of `fd` for the next process
+    /// of this service, if its unit allows (`FileDescriptorStoreMax=`).
+    pub fn store_fd(&self, name: &str, fd: std::os::fd::BorrowedFd<'_>) -> Result<(), NotifyError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        Ok(sd_notify::notify_with_fds(
+            &[
+                NotifyState::FdStore,
+                NotifyState::FdName(name),
+                NotifyState::Custom("FDPOLL=0"),
+            ],
+            &[fd],
+        )?)
+    }
+
+    /// `FDSTOREREMOVE=1` with `FDNAME=name`: systemd closes every
+    /// descriptor it keeps under that name.
+    pub fn remove_fds(&self, name: &str) -> Result<(), NotifyError> {
+        self.send(&[NotifyState::FdStoreRemove, NotifyState::FdName(name)])
     }
 
     /// `EXTEND_TIMEOUT_USEC`: a start (or stop) that is making progress gets

@@ -1,0 +1,248 @@
+//! Instant restarts from systemd's file descriptor store, under a fake
+//! systemd that keeps the descriptors the donor hands it and passes them
+//! back when it starts the donor again (`LISTEN_FDS`, `LISTEN_FDNAMES`):
+//! a donor killed with SIGKILL serves the same copy again without reading
+//! its file; a copy of another version, or one that is not complete, is
+//! refused, released from the store and the file loaded; a swapped-in
+//! version replaces the old one in the store.
+
+use std::time::{Duration, Instant};
+
+use engram_protocol::control::SwapTableRequest;
+use engram_protocol::control::donor_control_client::DonorControlClient;
+use engram_protocol::synthetic::first_mismatch;
+use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_store::kept;
+use inference_node::{ClientOptions, DonorClient, Request};
+use integration_tests::{DonorProcess, NotifySocket, Process, gen_table, runtime};
+
+const ROWS: u64 = 300_000;
+const SAMPLE: [u64; 6] = [0, 1, 14, 15, 123_457, ROWS - 1];
+
+/// The donor's rows of table 1 equal the generator's for `seed`.
+fn serves(donor: &DonorProcess, digest: TableDigest, seed: u64) {
+    runtime().block_on(async {
+        let c = DonorClient::connect(donor.addr, &ClientOptions::new("t", vec![(1, digest)]))
+            .await
+            .expect("connect");
+        let mut out = vec![0u8; SAMPLE.len() * ROW_BYTES];
+        c.lookup(
+            &[Request {
+                table: 1,
+                rows: &SAMPLE,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("lookup");
+        assert_eq!(first_mismatch(seed, 1, &SAMPLE, &out), None);
+    });
+}
+
+fn start(notify: &NotifySocket, args: &[&str]) -> (DonorProcess, Duration) {
+    let began = Instant::now();
+    let p = Process::launch_donor_under(notify, args).expect("spawn");
+    let d = p.ready().expect("ready");
+    (d, began.elapsed())
+}
+
+/// The generation a log line names (`generation=N`).
+fn generation(log: &str, marker: &str) -> Option<String> {
+    let line = log.lines().find(|l| l.contains(marker))?;
+    let g = line.split("generation=").nth(1)?;
+    Some(g.split_whitespace().next()?.to_string())
+}
+
+/// Wait (at most 10 s) until the store holds exactly `want`: the fake
+/// systemd reads the donor's messages on its own thread.
+fn stored(notify: &NotifySocket, want: &[String]) -> Vec<String> {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = notify.stored();
+        if now == want || Instant::now() > end {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn kill9(mut donor: DonorProcess) {
+    donor.signal(libc::SIGKILL);
+    assert!(donor.wait(Duration::from_secs(10)).is_some());
+}
+
+#[test]
+fn a_killed_donor_serves_its_kept_table_again_without_reading_the_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let table = format!("1={}", path.display());
+    let args = [
+        "--table",
+        &table,
+        "--listen",
+        "127.0.0.1:0",
+        "--mlock",
+        "try",
+    ];
+    let (first, cold) = start(&notify, &args);
+    let name = kept::name(1, &digest);
+    assert_eq!(
+        stored(&notify, std::slice::from_ref(&name)),
+        vec![name.clone()]
+    );
+    let log = first.log();
+    let kept_gen = generation(&log, "fd store: table kept").expect("kept line");
+    assert!(
+        log.contains("progress: loading"),
+        "a cold start loads:\n{log}"
+    );
+    serves(&first, digest, 5);
+    kill9(first);
+
+    // Overwrite the file's first page of rows: a donor that read the file
+    // now would refuse it (its rows no longer hash to its digest), and
+    // serve no row 0 of the generator's.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = engram_store::table_file::TableFile::open(&path).expect("open");
+        let at = f.layout.data_start;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|w| w.write_all_at(&[0x5a; 4096], at))
+            .expect("overwrite");
+    }
+
+    let (second, warm) = start(&notify, &args);
+    let log = second.log();
+    assert!(
+        log.contains("table adopted from the fd store"),
+        "the restart adopts:\n{log}"
+    );
+    assert!(!log.contains("progress: loading"), "no load:\n{log}");
+    assert_eq!(
+        generation(&log, "table adopted").as_deref(),
+        Some(kept_gen.as_str()),
+        "the same copy, not a new load"
+    );
+    assert_eq!(
+        stored(&notify, std::slice::from_ref(&name)),
+        vec![name.clone()],
+        "still kept, once"
+    );
+    serves(&second, digest, 5);
+    eprintln!(
+        "cold start {:.0} ms, restart from the fd store {:.0} ms ({} MB of rows)",
+        cold.as_secs_f64() * 1e3,
+        warm.as_secs_f64() * 1e3,
+        ROWS * ROW_BYTES as u64 / 1_000_000
+    );
+    // Killed again: the same copy again.
+    kill9(second);
+    let (third, _) = start(&notify, &args);
+    let log = third.log();
+    assert_eq!(
+        generation(&log, "table adopted").as_deref(),
+        Some(kept_gen.as_str())
+    );
+    serves(&third, digest, 5);
+}
+
+#[test]
+fn a_copy_of_another_version_or_an_unfinished_one_is_released_and_the_file_loaded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (v1, d1) = gen_table(dir.path(), "v1.etab", 1, ROWS, 1).expect("gen v1");
+    let (v2, d2) = gen_table(dir.path(), "v2.etab", 1, ROWS, 2).expect("gen v2");
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let t1 = format!("1={}", v1.display());
+    let t2 = format!("1={}", v2.display());
+    let (first, _) = start(&notify, &["--table", &t1, "--listen", "127.0.0.1:0"]);
+    kill9(first);
+    assert_eq!(
+        stored(&notify, &[kept::name(1, &d1)]),
+        vec![kept::name(1, &d1)]
+    );
+
+    // Started for v2: v1's copy is stale; released, v2 loaded and kept.
+    let (second, _) = start(&notify, &["--table", &t2, "--listen", "127.0.0.1:0"]);
+    let log = second.log();
+    assert!(
+        log.contains("copy of a version not served now; released"),
+        "{log}"
+    );
+    assert!(log.contains("progress: loading"), "{log}");
+    assert_eq!(
+        stored(&notify, &[kept::name(1, &d2)]),
+        vec![kept::name(1, &d2)]
+    );
+    serves(&second, d2, 2);
+    kill9(second);
+
+    // An unfinished copy under v2's name (a load killed half way: sized,
+    // never sealed, no record): refused, and v2 loaded from its file.
+    notify.clear_store();
+    let (f, _, _) = kept::create(ROWS, false).expect("memfd");
+    notify.store_fd(&kept::name(1, &d2), f.into());
+    let (third, _) = start(&notify, &["--table", &t2, "--listen", "127.0.0.1:0"]);
+    let log = third.log();
+    assert!(
+        log.contains("copy refused: its size is not sealed"),
+        "{log}"
+    );
+    assert!(log.contains("progress: loading"), "{log}");
+    assert_eq!(
+        stored(&notify, &[kept::name(1, &d2)]),
+        vec![kept::name(1, &d2)],
+        "the new copy only"
+    );
+    serves(&third, d2, 2);
+    kill9(third);
+
+    // --no-fd-store: the handed copy is released and nothing is kept.
+    let (fourth, _) = start(
+        &notify,
+        &["--table", &t2, "--listen", "127.0.0.1:0", "--no-fd-store"],
+    );
+    serves(&fourth, d2, 2);
+    assert!(stored(&notify, &[]).is_empty(), "{:?}", notify.stored());
+    assert!(fourth.log().contains("progress: loading"));
+}
+
+#[test]
+fn a_swap_replaces_the_kept_version() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (v1, d1) = gen_table(dir.path(), "v1.etab", 1, ROWS, 1).expect("gen v1");
+    let (v2, d2) = gen_table(dir.path(), "v2.etab", 1, ROWS, 2).expect("gen v2");
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let t1 = format!("1={}", v1.display());
+    let (donor, _) = start(
+        &notify,
+        &[
+            "--table",
+            &t1,
+            "--listen",
+            "127.0.0.1:0",
+            "--control",
+            "127.0.0.1:0",
+        ],
+    );
+    let ops = donor.ops().expect("ops");
+    runtime().block_on(async {
+        let mut c = DonorControlClient::connect(ops.control_uri())
+            .await
+            .expect("control");
+        c.swap_table(SwapTableRequest {
+            table_id: 1,
+            path: v2.display().to_string(),
+            expected_digest: d2.to_hex(),
+            in_place: false,
+        })
+        .await
+        .expect("swap accepted");
+    });
+    let want = vec![kept::name(1, &d2)];
+    assert_eq!(stored(&notify, &want), want, "v1 removed, v2 kept");
+    assert_ne!(d1, d2);
+    serves(&donor, d2, 2);
+}
