@@ -8,6 +8,7 @@ mod demo;
 mod drill;
 mod engines;
 mod floor;
+mod load;
 mod paced;
 mod paced_contention;
 mod rack;
@@ -41,6 +42,8 @@ enum Cmd {
     Engines(engines::EnginesArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),
+    /// Donor start: a verified, a trusted, a cold load and a restart from systemd's fd store, against the hash and read floors of the same file.
+    Load(load::LoadArgs),
     /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
     Ssd(ssd::SsdArgs),
     /// Seed 000's timing model for one V4.1 token: windows, overshoot, tokens/s, slowdown.
@@ -65,6 +68,7 @@ fn main() -> Result<()> {
         Cmd::EnginesRustSide(a) => engines::rust_side(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
+        Cmd::Load(a) => load::run(&a),
         Cmd::Model(a) => model::run(&a),
         Cmd::PlotSample(a) => plot::run_sample(&a),
         Cmd::FloorServer => floor::floor_server(),

@@ -1,7 +1,8 @@
 //! Charts for benchmark reports, as SVG and PNG, drawn with `plotters`: a
 //! [`Heatmap`] of measured and predicted slowdowns (sources x token rates)
 //! and a per-second [`Timeline`] of panels sharing one time axis, with event
-//! markers such as a killed donor.
+//! markers such as a killed donor, and [`Bars`] (one value per row against
+//! its floors).
 //!
 //! Layers: each chart lays itself out in pixels and draws onto a plotters
 //! drawing area ([`Chart::draw`]); the same drawing goes to plotters' SVG
@@ -14,6 +15,7 @@
 //! Not a general plotting library: charts are laid out for the reports the
 //! bench writes, with labels cut to fixed lengths.
 
+mod bars;
 mod heatmap;
 mod sample;
 mod text;
@@ -32,6 +34,7 @@ use plotters::prelude::{
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::{FontDesc, FontFamily, FontStyle, RGBColor, TextStyle, register_font};
 
+pub use bars::{Bar, Bars};
 pub use heatmap::{Heatmap, SlowdownClass};
 pub use sample::{PlotSampleArgs, run_sample};
 pub use timeline::{Panel, Series, Timeline};

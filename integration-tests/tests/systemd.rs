@@ -73,6 +73,11 @@ fn units_carry_the_operations_settings() {
         assert!(get("ExecStart").contains(" serve --config /etc/engram-rack/rack.toml --name %H"));
         assert!(get("ReadOnlyPaths").starts_with("/var/lib/engram-rack/"));
         assert!(secs(get("WatchdogSec")) >= 10);
+        if unit.starts_with("memory-donor") {
+            // Room for every table twice (a swap keeps both for a moment).
+            let max: u32 = get("FileDescriptorStoreMax").parse().expect("a number");
+            assert!(max >= 16, "{unit}: FileDescriptorStoreMax");
+        }
         // Above the default drain timeout (5 s) with room for the last answers.
         assert!(
             secs(get("TimeoutStopSec")) >= 5 + 10,
@@ -144,6 +149,13 @@ fn the_sysusers_and_tmpfiles_snippets_name_the_user_and_directories() {
     assert!(users.lines().any(|l| l.starts_with("u engram-rack ")));
     let dirs =
         std::fs::read_to_string(systemd_dir().join("tmpfiles.d/engram-rack.conf")).expect("file");
+    assert!(
+        dirs.lines().any(
+            |l| l.starts_with("w /sys/kernel/mm/transparent_hugepage/shmem_enabled ")
+                && l.ends_with(" advise")
+        ),
+        "shared memory huge pages for kept tables"
+    );
     for d in [
         "/etc/engram-rack",
         "/var/lib/engram-rack/tables",

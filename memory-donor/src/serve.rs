@@ -485,7 +485,7 @@ fn load_one(
                 table = id,
                 generation = record.map_or(0, |r| r.generation),
                 loaded_s_ago = age_s,
-                hugetlb = table.kept().is_some_and(|k| k.hugetlb),
+                pages = table.kept().map_or("-", |k| k.pages.name()),
                 "table adopted from the fd store: serving the copy the previous process loaded, file not read"
             );
             let locked = lock_adopted(&table, spec.mlock)?;

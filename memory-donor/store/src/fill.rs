@@ -172,6 +172,40 @@ pub fn fill(
     Ok(Some(root(&cvs)))
 }
 
+/// BLAKE3 of `bytes` on `threads` threads: subtrees of [`SEGMENT_BYTES`]
+/// hashed in parallel and merged (what `b3sum` does over a mapped file).
+/// The floor of a verified load: hashing alone, nothing read or placed.
+pub fn hash_parallel(bytes: &[u8], threads: usize) -> TableDigest {
+    let segments = bytes.len().div_ceil(SEGMENT_BYTES).max(1);
+    if segments == 1 {
+        return TableDigest(*blake3::hash(bytes).as_bytes());
+    }
+    let next = AtomicUsize::new(0);
+    let cvs: Mutex<Vec<ChainingValue>> = Mutex::new(vec![[0; 32]; segments]);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, segments) {
+            scope.spawn(|| {
+                loop {
+                    let s = next.fetch_add(1, Ordering::Relaxed);
+                    if s >= segments {
+                        break;
+                    }
+                    let a = s * SEGMENT_BYTES;
+                    let b = (a + SEGMENT_BYTES).min(bytes.len());
+                    let cv = blake3::Hasher::new()
+                        .set_input_offset(a as u64)
+                        .update(&bytes[a..b])
+                        .finalize_non_root();
+                    if let Ok(mut all) = cvs.lock() {
+                        all[s] = cv;
+                    }
+                }
+            });
+        }
+    });
+    root(&cvs.into_inner().unwrap_or_default())
+}
+
 /// The root of the left-balanced tree over equal subtrees (the last may
 /// be shorter): the left part holds the largest power of two of them
 /// below their count, as BLAKE3's tree does over chunks.
@@ -440,6 +474,31 @@ mod tests {
                     assert!(got == want, "rows {rows} segment {segment}");
                     assert_eq!(d, Some(file.meta.digest), "rows {rows} segment {segment}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn hashing_in_parallel_is_blake3() {
+        let bytes: Vec<u8> = (0..(SEGMENT_BYTES * 5 + 12_345) as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for len in [
+            0,
+            1,
+            1024,
+            SEGMENT_BYTES,
+            SEGMENT_BYTES + 1,
+            3 * SEGMENT_BYTES,
+            bytes.len(),
+        ] {
+            let want = blake3::hash(&bytes[..len]);
+            for threads in [1, 2, 7] {
+                assert_eq!(
+                    hash_parallel(&bytes[..len], threads).0,
+                    *want.as_bytes(),
+                    "{len} bytes, {threads} threads"
+                );
             }
         }
     }

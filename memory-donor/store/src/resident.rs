@@ -167,8 +167,8 @@ pub struct Kept {
     pub file: std::fs::File,
     /// What it holds.
     pub record: Record,
-    /// True when it is hugetlb-backed.
-    pub hugetlb: bool,
+    /// The pages it lives in.
+    pub pages: kept::Pages,
 }
 
 /// A table resident in memory.
@@ -352,9 +352,13 @@ impl ResidentTable {
                 };
                 kept::finish(&f, &mut map, &record).map_err(|e| memory(e.into_io()))?;
                 Some(Kept {
+                    pages: if hugetlb {
+                        kept::Pages::HugeTlb
+                    } else {
+                        kept::Pages::for_shmem()
+                    },
                     file: f,
                     record,
-                    hugetlb,
                 })
             }
             None => None,
@@ -428,7 +432,7 @@ impl ResidentTable {
             digest_prefix: record.digest.prefix(),
             mem: std::sync::Arc::new(Rows { map, len }),
             kept: Some(Kept {
-                hugetlb: kept::is_hugetlb(&file),
+                pages: kept::pages(&file),
                 file,
                 record,
             }),
@@ -594,7 +598,6 @@ mod tests {
 
     #[test]
     fn a_flipped_record_byte_is_refused() {
-        use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, digest) = table(dir.path());
         let pin = ExpectedTable {
@@ -610,9 +613,55 @@ mod tests {
         let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
         let f = t.kept().expect("kept").file.try_clone().expect("dup");
         drop(t);
-        let len = f.metadata().expect("stat").len();
-        f.write_all_at(&[0xff], len - 4096 + 70).expect("write");
+        let len = f.metadata().expect("stat").len() as usize;
+        // Through a mapping: hugetlbfs has no write(2).
+        // SAFETY: a test's own memfd, mapped while nothing else uses it.
+        let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&f) }.expect("map");
+        map[len - 4096 + 70] ^= 0xff;
+        drop(map);
         let e = ResidentTable::adopt(1, f, &pin).expect_err("bad record");
         assert!(e.to_string().contains("checksum"), "{e}");
+    }
+
+    /// Reserve `more` huge pages (root only); returns the count to restore.
+    fn reserve_huge_pages(more: u64) -> Option<u64> {
+        let path = "/proc/sys/vm/nr_hugepages";
+        let now: u64 = std::fs::read_to_string(path).ok()?.trim().parse().ok()?;
+        std::fs::write(path, (now + more).to_string()).ok()?;
+        let (_, free) = kept::huge_pages_free()?;
+        (free >= more * (2 << 20)).then_some(now)
+    }
+
+    #[test]
+    fn reserved_huge_pages_back_a_kept_table() {
+        let Some(before) = reserve_huge_pages(64) else {
+            eprintln!("skipped: cannot reserve huge pages (not root?)");
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, digest) = table(dir.path());
+        let pin = ExpectedTable {
+            digest,
+            layer: 1,
+            rows: 10_000,
+        };
+        let opts = LoadOptions {
+            backing: Backing::Memfd,
+            mlock: MlockMode::Try,
+            ..LoadOptions::default()
+        };
+        let loaded = ResidentTable::load_with(Some(1), &path, &opts, |_| None);
+        let adopted = loaded.as_ref().ok().map(|(t, _)| {
+            let f = t.kept().expect("kept").file.try_clone().expect("dup");
+            ResidentTable::adopt(1, f, &pin)
+        });
+        let _ = std::fs::write("/proc/sys/vm/nr_hugepages", before.to_string());
+        let (t, _) = loaded.expect("load");
+        assert_eq!(t.kept().expect("kept").pages, kept::Pages::HugeTlb);
+        let again = adopted.expect("adopted").expect("adopt");
+        assert_eq!(again.kept().expect("kept").pages, kept::Pages::HugeTlb);
+        for r in [0, 14, 15, 9_999] {
+            assert_eq!(again.row(r), t.row(r));
+        }
     }
 }

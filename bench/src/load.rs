@@ -1,0 +1,366 @@
+//! `engram-bench load`: how long a donor takes to serve a table, against
+//! the floors of the same work measured in the same run on the same file.
+//!
+//! Series (interleaved per round; figures are medians over rounds):
+//!
+//! - **hash floor**: BLAKE3 of the whole file on every core from the page
+//!   cache (what `b3sum` does): the least a verified load can cost;
+//! - **read floor, warm**: the file read on every core from the page
+//!   cache into reused buffers (`cat` on all cores);
+//! - **read floor, cold**: the same with the file dropped from the page
+//!   cache first, so it comes from the disk;
+//! - **donor, verified, warm / cold**: `memory-donor serve` started until
+//!   its `ready` line, digest recomputed (the default);
+//! - **donor, --trust-digest, warm**;
+//! - **donor, one load thread**: the verified start on one thread, for
+//!   scale;
+//! - **donor restart from the fd store**: a donor under a fake systemd
+//!   killed with SIGKILL and started again, the table handed back.
+//!
+//! Targets (the issue's): verified warm within 1.5x of the hash floor,
+//! `--trust-digest` within 2x of the warm read, verified cold within 1.2x
+//! of the cold read, and a restart from the fd store under 1 s.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use engram_protocol::ROW_BYTES;
+use engram_store::fill;
+use integration_tests::{NotifySocket, Process, bin};
+
+use crate::plot::{Bar, Bars};
+use crate::stats::{median, print_table};
+
+/// Arguments of `engram-bench load`.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// The table file (generated there if missing).
+    #[arg(long, default_value = "target/bench-load/load.etab")]
+    file: PathBuf,
+    /// Rows of a generated table (default: 1.09 GB of rows).
+    #[arg(long, default_value_t = 4_130_000)]
+    rows: u64,
+    /// Rounds (figures are medians over them).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Where the chart goes (`load.svg`, `load.png`).
+    #[arg(long, default_value = "target/bench-load")]
+    out: PathBuf,
+}
+
+/// One series: its name, whether it is a floor, and its seconds per round.
+struct Series {
+    name: &'static str,
+    floor: bool,
+    secs: Vec<f64>,
+}
+
+const SEED: u64 = 0x10AD;
+
+fn ensure_file(args: &LoadArgs) -> Result<()> {
+    if args.file.is_file() {
+        return Ok(());
+    }
+    if let Some(dir) = args.file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    eprintln!(
+        "generating {} ({} rows, {:.2} GB of rows) ...",
+        args.file.display(),
+        args.rows,
+        (args.rows * ROW_BYTES as u64) as f64 / 1e9
+    );
+    let status = std::process::Command::new(bin("memory-donor"))
+        .args(["gen", "--layer", "1", "--seed", &SEED.to_string()])
+        .args(["--rows", &args.rows.to_string()])
+        .arg("--out")
+        .arg(&args.file)
+        .stdout(std::io::stderr())
+        .status()
+        .context("running memory-donor gen")?;
+    if !status.success() {
+        bail!("memory-donor gen failed");
+    }
+    Ok(())
+}
+
+/// Drop the file from the page cache (written back first).
+fn drop_cache(path: &Path) -> Result<()> {
+    let f = std::fs::File::open(path)?;
+    let _ = f.sync_all();
+    // SAFETY: an advisory call on a valid descriptor.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    Ok(())
+}
+
+/// Read the whole file on every core into per-thread 4 MiB buffers.
+fn read_all(path: &Path) -> Result<Duration> {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const CHUNK: u64 = 4 << 20;
+    let f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    let next = AtomicU64::new(0);
+    let began = Instant::now();
+    let failed = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..fill::cores())
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    let mut buf = vec![0u8; CHUNK as usize];
+                    loop {
+                        let at = next.fetch_add(CHUNK, Ordering::Relaxed);
+                        if at >= len {
+                            return Ok(());
+                        }
+                        let n = CHUNK.min(len - at) as usize;
+                        f.read_exact_at(&mut buf[..n], at)?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .filter_map(|w| w.join().ok())
+            .find_map(Result::err)
+    });
+    if let Some(e) = failed {
+        return Err(e).context("reading the table file");
+    }
+    Ok(began.elapsed())
+}
+
+/// BLAKE3 of the whole file on every core, from the page cache.
+fn hash_all(path: &Path) -> Result<Duration> {
+    let f = std::fs::File::open(path)?;
+    // SAFETY: the bench's own file, not modified while mapped.
+    let map = unsafe { memmap2::Mmap::map(&f) }?;
+    let began = Instant::now();
+    let d = fill::hash_parallel(&map, fill::cores());
+    let took = began.elapsed();
+    // Used, so the hashing is not optimized away.
+    if d.0 == [0; 32] {
+        eprintln!("(an all-zero digest)");
+    }
+    Ok(took)
+}
+
+/// Start a donor on the file with `extra` flags (under `notify` when
+/// given) and time it until its ready line.
+fn start_donor(
+    file: &Path,
+    extra: &[&str],
+    notify: Option<&NotifySocket>,
+) -> Result<(Process, Duration)> {
+    let table = format!("1={}", file.display());
+    let mut args = vec!["--table", &table, "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let began = Instant::now();
+    let p = match notify {
+        Some(n) => Process::launch_donor_under(n, &args)?,
+        None => {
+            let mut cmd = std::process::Command::new(bin("memory-donor"));
+            cmd.arg("serve").args(&args).env("RUST_LOG", "info");
+            Process::spawn(cmd)?
+        }
+    };
+    p.wait_line(Duration::from_secs(600), |l| {
+        l.contains("ready listen=").then_some(())
+    })
+    .with_context(|| format!("the donor did not become ready:\n{}", p.log()))?;
+    Ok((p, began.elapsed()))
+}
+
+/// A donor start, timed; the donor is stopped after.
+fn donor(file: &Path, extra: &[&str]) -> Result<f64> {
+    let (p, took) = start_donor(file, extra, None)?;
+    drop(p);
+    Ok(took.as_secs_f64())
+}
+
+/// A donor under a fake systemd, killed with SIGKILL and started again:
+/// the restart, timed.
+fn restart_from_store(file: &Path, dir: &Path) -> Result<f64> {
+    let notify = NotifySocket::bind(dir)?;
+    let (mut first, _) = start_donor(file, &[], Some(&notify))?;
+    let end = Instant::now() + Duration::from_secs(10);
+    while notify.stored().is_empty() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    first.signal(libc::SIGKILL);
+    first.wait(Duration::from_secs(10));
+    let (second, took) = start_donor(file, &[], Some(&notify))?;
+    if !second.log().contains("table adopted from the fd store") {
+        bail!(
+            "the restarted donor did not adopt its table:\n{}",
+            second.log()
+        );
+    }
+    drop(second);
+    let _ = std::fs::remove_file(&notify.path);
+    Ok(took.as_secs_f64())
+}
+
+/// Run the benchmark.
+pub fn run(args: &LoadArgs) -> Result<()> {
+    ensure_file(args)?;
+    std::fs::create_dir_all(&args.out)?;
+    let file = std::fs::canonicalize(&args.file)?;
+    let bytes = std::fs::metadata(&file)?.len();
+    let mut series = vec![
+        Series {
+            name: "hash floor (BLAKE3, all cores, warm)",
+            floor: true,
+            secs: vec![],
+        },
+        Series {
+            name: "donor start, verified, warm",
+            floor: false,
+            secs: vec![],
+        },
+        Series {
+            name: "read floor, warm",
+            floor: true,
+            secs: vec![],
+        },
+        Series {
+            name: "donor start, --trust-digest, warm",
+            floor: false,
+            secs: vec![],
+        },
+        Series {
+            name: "read floor, cold (from disk)",
+            floor: true,
+            secs: vec![],
+        },
+        Series {
+            name: "donor start, verified, cold",
+            floor: false,
+            secs: vec![],
+        },
+        Series {
+            name: "donor start, verified, 1 load thread, warm",
+            floor: false,
+            secs: vec![],
+        },
+        Series {
+            name: "donor restart from the fd store",
+            floor: false,
+            secs: vec![],
+        },
+    ];
+    let scratch = tempfile::tempdir()?;
+    for round in 0..args.rounds.max(1) {
+        eprintln!("round {} of {}", round + 1, args.rounds.max(1));
+        // Warm the cache before each warm series: the donor drops the
+        // file's pages behind it as it loads.
+        read_all(&file)?;
+        series[0].secs.push(hash_all(&file)?.as_secs_f64());
+        read_all(&file)?;
+        series[1].secs.push(donor(&file, &[])?);
+        read_all(&file)?;
+        series[2].secs.push(read_all(&file)?.as_secs_f64());
+        read_all(&file)?;
+        series[3].secs.push(donor(&file, &["--trust-digest"])?);
+        drop_cache(&file)?;
+        series[4].secs.push(read_all(&file)?.as_secs_f64());
+        drop_cache(&file)?;
+        series[5].secs.push(donor(&file, &[])?);
+        read_all(&file)?;
+        series[6].secs.push(donor(&file, &["--load-threads", "1"])?);
+        read_all(&file)?;
+        series[7]
+            .secs
+            .push(restart_from_store(&file, scratch.path())?);
+    }
+    let med: Vec<f64> = series.iter().map(|s| median(s.secs.clone())).collect();
+    let ratio = |a: usize, b: usize| med[a] / med[b];
+    let targets = [
+        ("verified warm / hash floor", ratio(1, 0), 1.5),
+        ("trust-digest warm / read floor warm", ratio(3, 2), 2.0),
+        ("verified cold / read floor cold", ratio(5, 4), 1.2),
+        ("restart from the fd store, seconds", med[7], 1.0),
+    ];
+    let chart = Bars {
+        title: format!(
+            "engram-bench load: {:.2} GB table file, {} cores (medians of {} rounds)",
+            bytes as f64 / 1e9,
+            fill::cores(),
+            args.rounds.max(1)
+        ),
+        unit: "seconds".into(),
+        bars: series
+            .iter()
+            .zip(&med)
+            .map(|(s, m)| Bar {
+                label: s.name.into(),
+                value: *m,
+                floor: s.floor,
+            })
+            .collect(),
+    };
+    let (svg, png) = chart.write_both(&args.out.join("load"))?;
+    if args.json {
+        let v = serde_json::json!({
+            "benchmark": "load",
+            "file": file,
+            "file_bytes": bytes,
+            "cores": fill::cores(),
+            "rounds": args.rounds.max(1),
+            "series": series.iter().zip(&med).map(|(s, m)| serde_json::json!({
+                "name": s.name,
+                "floor": s.floor,
+                "seconds": s.secs,
+                "median_seconds": m,
+                "gb_per_s": bytes as f64 / 1e9 / m,
+            })).collect::<Vec<_>>(),
+            "targets": targets.iter().map(|(name, v, t)| serde_json::json!({
+                "name": name, "value": v, "target": t, "met": v <= t,
+            })).collect::<Vec<_>>(),
+            "chart": [svg, png],
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "table file {} ({:.2} GB), {} cores, medians of {} rounds",
+        file.display(),
+        bytes as f64 / 1e9,
+        fill::cores(),
+        args.rounds.max(1)
+    );
+    let rows: Vec<Vec<String>> = series
+        .iter()
+        .zip(&med)
+        .map(|(s, m)| {
+            let all: Vec<String> = s.secs.iter().map(|x| format!("{x:.3}")).collect();
+            vec![
+                s.name.to_string(),
+                format!("{m:.3}"),
+                format!("{:.2}", bytes as f64 / 1e9 / m),
+                all.join(" "),
+            ]
+        })
+        .collect();
+    print_table(&["series", "median s", "GB/s", "rounds (s)"], &rows);
+    println!();
+    let rows: Vec<Vec<String>> = targets
+        .iter()
+        .map(|(name, v, t)| {
+            vec![
+                name.to_string(),
+                format!("{v:.2}"),
+                format!("<= {t}"),
+                if *v <= *t { "met" } else { "NOT met" }.to_string(),
+            ]
+        })
+        .collect();
+    print_table(&["target", "value", "target", ""], &rows);
+    println!("chart: {} {}", svg.display(), png.display());
+    Ok(())
+}
