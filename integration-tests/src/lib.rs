@@ -468,7 +468,7 @@ type Notifications = (Mutex<Vec<(Instant, String)>>, Condvar);
 /// they arrived, and a file descriptor store as systemd keeps one:
 /// `FDSTORE=1` with `FDNAME=` keeps the descriptors a message carries,
 /// `FDSTOREREMOVE=1` drops those of a name, and
-/// [`NotifySocket::launch_with_store`] starts a process with them, as
+/// [`NotifySocket::attach`] starts a process with them, as
 /// systemd restarts a service (`LISTEN_FDS`, `LISTEN_FDNAMES`, `LISTEN_PID`).
 #[derive(Debug)]
 pub struct NotifySocket {
@@ -524,6 +524,11 @@ fn recv_with_fds(
     Ok((n as usize, fds))
 }
 
+/// A `/bin/sh -c` script that sets `LISTEN_PID` to its own pid and execs
+/// its arguments (`$0` the program), which then have that pid: how a test
+/// starts a program under [`NotifySocket::attach`].
+pub const EXEC_WITH_LISTEN_PID: &str = "LISTEN_PID=$$; export LISTEN_PID; exec \"$0\" \"$@\"";
+
 impl NotifySocket {
     /// Bind `dir/notify.sock` and start collecting.
     pub fn bind(dir: &Path) -> Result<Self> {
@@ -575,12 +580,12 @@ impl NotifySocket {
         self.store.lock().unwrap().clear();
     }
 
-    /// `cmd`, with this socket as `NOTIFY_SOCKET` and the stored
-    /// descriptors passed as systemd passes them: as descriptors 3, 4, ...
-    /// with `LISTEN_FDS`, `LISTEN_FDNAMES` and `LISTEN_PID` (the process's
-    /// own pid, set by a shell that then execs the program). Drop the
-    /// returned descriptors once the command is spawned.
-    pub fn with_store(&self, cmd: &Command) -> Result<(Command, Vec<std::os::fd::OwnedFd>)> {
+    /// Set `cmd` up as systemd starts a service: this socket as
+    /// `NOTIFY_SOCKET`, and the stored descriptors passed as descriptors
+    /// 3, 4, ... with `LISTEN_FDS` and `LISTEN_FDNAMES`. `LISTEN_PID` must
+    /// be the service's own pid: start it through [`EXEC_WITH_LISTEN_PID`].
+    /// Drop the returned descriptors once the command is spawned.
+    pub fn attach(&self, cmd: &mut Command) -> Result<Vec<std::os::fd::OwnedFd>> {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
         use std::os::unix::process::CommandExt;
         let store = self.store.lock().unwrap();
@@ -600,26 +605,14 @@ impl NotifySocket {
             fds.push(d);
             names.push(name.clone());
         }
-        let mut out = Command::new("/bin/sh");
-        out.arg("-c")
-            .arg("LISTEN_PID=$$; export LISTEN_PID; exec \"$0\" \"$@\"")
-            .arg(cmd.get_program())
-            .args(cmd.get_args())
-            .env("NOTIFY_SOCKET", &self.path)
+        cmd.env("NOTIFY_SOCKET", &self.path)
             .env("LISTEN_FDS", fds.len().to_string())
             .env("LISTEN_FDNAMES", names.join(":"));
-        for (k, v) in cmd.get_envs() {
-            match v {
-                Some(v) => out.env(k, v),
-                None => out.env_remove(k),
-            };
-        }
-        let moved = fds.clone();
-        // SAFETY: between fork and exec only dup2 and close, both
+        // SAFETY: between fork and exec only dup2, which is
         // async-signal-safe.
         unsafe {
-            out.pre_exec(move || {
-                for (i, &fd) in moved.iter().enumerate() {
+            cmd.pre_exec(move || {
+                for (i, &fd) in fds.iter().enumerate() {
                     if libc::dup2(fd, 3 + i as RawFd) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -627,7 +620,7 @@ impl NotifySocket {
                 Ok(())
             });
         }
-        Ok((out, held))
+        Ok(held)
     }
 
     /// Every message so far, with its arrival time.
@@ -676,9 +669,13 @@ impl Process {
     /// Start `memory-donor serve ARGS` under a fake systemd: `NOTIFY_SOCKET`
     /// is `notify`'s and whatever its fd store holds is passed in.
     pub fn launch_donor_under(notify: &NotifySocket, args: &[&str]) -> Result<Self> {
-        let mut cmd = Command::new(bin("memory-donor"));
-        cmd.arg("serve").args(args).env("RUST_LOG", "info");
-        let (cmd, held) = notify.with_store(&cmd)?;
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args(["-c", EXEC_WITH_LISTEN_PID])
+            .arg(bin("memory-donor"))
+            .arg("serve")
+            .args(args)
+            .env("RUST_LOG", "info");
+        let held = notify.attach(&mut cmd)?;
         let p = Self::spawn(cmd);
         drop(held);
         p

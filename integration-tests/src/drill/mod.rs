@@ -378,6 +378,9 @@ struct Donor {
     addrs: DonorAddrs,
     proxy: Option<FaultProxy>,
     netns: Option<NetNs>,
+    /// Its systemd: notifications and the fd store that carries its tables
+    /// across a kill -9.
+    notify: crate::NotifySocket,
     process: Option<DonorProcess>,
 }
 
@@ -431,7 +434,11 @@ impl Rack {
                 None
             };
             let advertise = proxy.as_ref().map_or(listen, FaultProxy::addr);
+            let home = dir.join(d.name);
+            std::fs::create_dir_all(&home)?;
+            let notify = crate::NotifySocket::bind(&home)?;
             donors.push(Donor {
+                notify,
                 plan: d.clone(),
                 addrs: DonorAddrs {
                     name: d.name,
@@ -500,20 +507,26 @@ impl Rack {
         if d.process.is_some() {
             bail!("{name} is already running");
         }
+        // Under its systemd: a shell that sets LISTEN_PID and execs the
+        // donor, with the fd store's descriptors.
         let mut cmd = match &d.netns {
-            Some(ns) => ns.command(bin("memory-donor")),
+            Some(ns) => ns.command("/bin/sh"),
             None => {
-                let mut c = Command::new(bin("memory-donor"));
+                let mut c = Command::new("/bin/sh");
                 die_with_parent(&mut c);
                 c
             }
         };
-        cmd.arg("serve")
+        cmd.args(["-c", crate::EXEC_WITH_LISTEN_PID])
+            .arg(bin("memory-donor"))
+            .arg("serve")
             .arg("--config")
             .arg(&config)
             .args(["--name", name])
             .env("RUST_LOG", "info");
+        let held = d.notify.attach(&mut cmd)?;
         let p = Process::spawn(cmd)?;
+        drop(held);
         // Parsed once the ready line is there.
         let mut endpoints = vec![cluster_config::Endpoint::new(transport, d.addrs.listen)];
         let quic = cluster_config::Transport::Quic;
@@ -537,10 +550,13 @@ impl Rack {
         .with_context(|| format!("{name} did not become ready"))
     }
 
-    /// Start donor `name` again with `version` and wait until it is ready.
-    pub fn restart(&mut self, name: &str, version: Version) -> Result<()> {
+    /// Start donor `name` again with `version` and wait until it is
+    /// ready; returns how long that took.
+    pub fn restart(&mut self, name: &str, version: Version) -> Result<Duration> {
+        let began = std::time::Instant::now();
         self.launch(name, version)?;
-        self.wait_ready(name)
+        self.wait_ready(name)?;
+        Ok(began.elapsed())
     }
 
     /// Send `sig` to donor `name`.

@@ -1,9 +1,15 @@
 //! Progress for long work (generating, packing, verifying, loading a table):
-//! a line at most every couple of seconds and at 100%, with bytes and rate,
-//! handed to a sink (stderr for the tools, the log for the daemon), and
-//! optionally every update, unthrottled, to a tap (the donor's load state).
+//! for a person at a terminal, a bar redrawn in place on stderr (the
+//! `indicatif` crate: percent, bytes, rate, time left); elsewhere (a pipe,
+//! the journal: `$JOURNAL_STREAM`) a line at most every couple of seconds,
+//! with bytes and rate, handed to a sink (stderr for the tools, the log for
+//! the daemon). Either way a final line at 100%, and optionally every
+//! update, unthrottled, to a tap (the donor's load state).
 
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Where progress lines go.
 pub type ProgressSink = Box<dyn FnMut(&ProgressLine) + Send>;
@@ -59,6 +65,13 @@ pub struct Progress {
     every: Duration,
     sink: ProgressSink,
     tap: Option<Box<dyn FnMut(u64) + Send>>,
+    bar: Option<ProgressBar>,
+}
+
+/// True when progress is for a person watching: stderr is a terminal and
+/// not the journal's stream.
+pub fn on_terminal() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("JOURNAL_STREAM").is_none()
 }
 
 impl std::fmt::Debug for Progress {
@@ -88,6 +101,31 @@ impl Progress {
             every: Duration::from_secs(2),
             sink,
             tap: None,
+            bar: None,
+        }
+    }
+
+    /// Draw a bar on `target` instead of throttled lines (the final line
+    /// still goes to the sink).
+    pub fn with_bar(mut self, target: ProgressDrawTarget) -> Self {
+        let style = ProgressStyle::with_template(
+            "{msg} [{bar:32}] {percent:>3}% {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+        let bar = ProgressBar::with_draw_target(Some(self.total * self.bytes_per_unit), target)
+            .with_style(style)
+            .with_message(self.what.clone());
+        self.bar = Some(bar);
+        self
+    }
+
+    /// A bar on stderr where a person watches ([`on_terminal`]).
+    fn bar_if_watched(self) -> Self {
+        if on_terminal() {
+            self.with_bar(ProgressDrawTarget::stderr())
+        } else {
+            self
         }
     }
 
@@ -97,12 +135,13 @@ impl Progress {
         self
     }
 
-    /// Progress to stderr, one line per report.
+    /// Progress to stderr: a bar at a terminal, else one line per report.
     pub fn stderr(what: impl Into<String>, total: u64, bytes_per_unit: u64) -> Self {
-        Self::new(what, total, bytes_per_unit, Box::new(|l| eprintln!("{l}")))
+        Self::new(what, total, bytes_per_unit, Box::new(|l| eprintln!("{l}"))).bar_if_watched()
     }
 
-    /// Progress to the log at info level.
+    /// Progress to the log at info level (a bar at a terminal, and the
+    /// final line in the log).
     pub fn log(what: impl Into<String>, total: u64, bytes_per_unit: u64) -> Self {
         Self::new(
             what,
@@ -112,6 +151,7 @@ impl Progress {
                 |l| tracing::info!(what = %l.what, done = l.done, total = l.total, percent = l.percent(), "progress: {l}"),
             ),
         )
+        .bar_if_watched()
     }
 
     fn line(&self, done: u64, finished: bool) -> ProgressLine {
@@ -130,6 +170,10 @@ impl Progress {
         if let Some(tap) = self.tap.as_mut() {
             tap(done);
         }
+        if let Some(bar) = &self.bar {
+            bar.set_position(done.min(self.total) * self.bytes_per_unit);
+            return;
+        }
         if self.last.elapsed() >= self.every {
             self.last = Instant::now();
             let line = self.line(done, false);
@@ -141,6 +185,9 @@ impl Progress {
     pub fn finish(mut self) -> Duration {
         if let Some(tap) = self.tap.as_mut() {
             tap(self.total);
+        }
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
         }
         let line = self.line(self.total, true);
         (self.sink)(&line);
@@ -172,5 +219,34 @@ mod tests {
         assert!(lines[0].finished);
         assert_eq!(lines[0].percent(), 100.0);
         assert!(lines[0].to_string().contains("10 of 10 rows"));
+    }
+
+    #[test]
+    fn a_bar_replaces_the_lines_but_not_the_final_one() {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let l2 = Arc::clone(&lines);
+        let mut p = Progress::new(
+            "x",
+            10,
+            264,
+            Box::new(move |l| l2.lock().expect("lock").push(l.clone())),
+        )
+        .with_bar(ProgressDrawTarget::hidden());
+        p.every = Duration::ZERO;
+        let bar = p.bar.clone().expect("a bar");
+        assert_eq!(bar.length(), Some(2640));
+        p.update(4);
+        assert_eq!(bar.position(), 4 * 264);
+        assert!(
+            lines.lock().expect("lock").is_empty(),
+            "no lines while a bar shows"
+        );
+        p.update(99);
+        assert_eq!(bar.position(), 2640, "never past the end");
+        p.finish();
+        assert!(bar.is_finished());
+        let lines = lines.lock().expect("lock");
+        assert_eq!(lines.len(), 1);
+        assert!(lines[0].finished);
     }
 }
