@@ -292,16 +292,23 @@ impl<'a> Worker<'a> {
         } else {
             None
         };
-        if opts.drop_behind && r1 > r0 {
-            let first = self.file.layout.row_page(r0 as u64).map_or(0, |(p, _)| p);
-            let last = self
-                .file
-                .layout
-                .row_page(r1 as u64 - 1)
-                .map_or(0, |(p, _)| p);
-            drop_behind(self.file, first, last + PAGE_BYTES - first);
+        if opts.drop_behind
+            && let Some((off, len)) = self.span(r0 as u64, r1 as u64)
+        {
+            advise(self.file, off, len, libc::POSIX_FADV_DONTNEED);
         }
         Ok(((r1.max(r0) - r0) as u64, cv))
+    }
+
+    /// The whole pages of the file that rows `r0..r1` lie in (offset,
+    /// length), or `None` when there are no such rows.
+    fn span(&self, r0: u64, r1: u64) -> Option<(u64, u64)> {
+        if r1 <= r0 {
+            return None;
+        }
+        let (first, _) = self.file.layout.row_page(r0)?;
+        let (last, _) = self.file.layout.row_page(r1 - 1)?;
+        Some((first, last + PAGE_BYTES - first))
     }
 
     /// Read rows `r0..r1` into `dst` (their bytes, back to back).
@@ -408,19 +415,13 @@ fn read_exact_at(file: &TableFile, buf: &mut [u8], offset: u64) -> Result<(), Ta
         })
 }
 
-fn drop_behind(file: &TableFile, offset: u64, len: u64) {
+/// `posix_fadvise` on a range of the file (advisory: errors are ignored).
+fn advise(file: &TableFile, offset: u64, len: u64, advice: libc::c_int) {
     let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
         return;
     };
     // SAFETY: posix_fadvise only reads its integer arguments; the fd is open.
-    unsafe {
-        libc::posix_fadvise(
-            file.std_file().as_raw_fd(),
-            off,
-            len,
-            libc::POSIX_FADV_DONTNEED,
-        )
-    };
+    unsafe { libc::posix_fadvise(file.std_file().as_raw_fd(), off, len, advice) };
 }
 
 #[cfg(test)]
