@@ -69,6 +69,20 @@ pub struct FloorArgs {
     /// Donor restarts per transport for the ready-to-first-lookup times (0: none).
     #[arg(long, default_value_t = 3)]
     restarts: usize,
+    /// Both servers poll before they sleep in a read, for this many
+    /// microseconds: the donor (`--busy-poll-us`) and the floor server
+    /// alike, so that with the polling clients both sides poll
+    /// (like for like). 0: both servers block.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) server_busy_poll_us: u64,
+}
+
+/// Arguments of the floor's server side.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FloorServerArgs {
+    /// Poll the socket for this many microseconds before a blocking read.
+    #[arg(long, default_value_t = 0)]
+    poll_us: u64,
 }
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
@@ -114,7 +128,8 @@ fn sizes(sections: usize) -> Result<(usize, usize)> {
 
 /// The floor server: read a request (its first 8 bytes give the request and
 /// answer sizes), write the answer; one thread per connection, blocking IO.
-pub fn floor_server() -> Result<()> {
+pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
+    let poll = Duration::from_micros(args.poll_us);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     eprintln!("ready listen={}", listener.local_addr()?);
     let answer = vec![0x5Au8; 1 << 20];
@@ -128,6 +143,7 @@ pub fn floor_server() -> Result<()> {
                 let mut have = 0;
                 let mut want = usize::MAX;
                 while have < want {
+                    spin_until_readable(&s, poll);
                     match s.read(&mut buf[have..]) {
                         Ok(0) | Err(_) => return,
                         Ok(n) => have += n,
@@ -147,6 +163,32 @@ pub fn floor_server() -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Check `s` without sleeping (`recv` with `MSG_PEEK | MSG_DONTWAIT`) for
+/// up to `budget`, as the donor's busy-poll mode does, before a read.
+fn spin_until_readable(s: &TcpStream, budget: Duration) {
+    use std::os::fd::AsRawFd;
+    if budget.is_zero() {
+        return;
+    }
+    let t = Instant::now();
+    let mut probe = [0u8; 1];
+    while t.elapsed() < budget {
+        // SAFETY: recv writes at most one byte into `probe` (peeked, not consumed).
+        let n = unsafe {
+            libc::recv(
+                s.as_raw_fd(),
+                probe.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return;
+        }
+        std::hint::spin_loop();
+    }
 }
 
 /// One blocking ping-pong connection to the floor server.
@@ -319,7 +361,12 @@ pub fn run(args: &FloorArgs) -> Result<()> {
     let tables = generate_tables(args, tmp.path())?;
     let secure = args.secure();
     let rack = transports::Rack::write(tmp.path(), &tables, &secure)?;
-    let mut servers = Servers::start(&tables, rack.as_ref(), args.no_pin)?;
+    let mut servers = Servers::start(
+        &tables,
+        rack.as_ref(),
+        args.no_pin,
+        args.server_busy_poll_us,
+    )?;
     let pinned = servers.pinned;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -426,7 +473,12 @@ impl Servers {
     /// Start the donor on `tables` (from `rack`'s config when there is
     /// one: TCP, TLS and QUIC) and the floor server, then pin this thread
     /// (unless `no_pin`).
-    fn start(tables: &Tables, rack: Option<&transports::Rack>, no_pin: bool) -> Result<Self> {
+    fn start(
+        tables: &Tables,
+        rack: Option<&transports::Rack>,
+        no_pin: bool,
+        busy_poll_us: u64,
+    ) -> Result<Self> {
         let config;
         let mut serve_args: Vec<&str> = match rack {
             Some(r) => {
@@ -440,6 +492,10 @@ impl Servers {
                 serve_args.extend(["--table", t.as_str()]);
             }
         }
+        let poll = busy_poll_us.to_string();
+        if busy_poll_us > 0 {
+            serve_args.extend(["--busy-poll-us", poll.as_str()]);
+        }
         // Servers on the last CPU, the client on the first: the same placement
         // for the floor and the donor, run after run.
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -448,7 +504,7 @@ impl Servers {
         let donor = DonorProcess::start(&serve_args)?;
         let serve_args: Vec<String> = serve_args.iter().map(|a| a.to_string()).collect();
         let mut floor_cmd = Command::new(bin("engram-bench"));
-        floor_cmd.arg("floor-server");
+        floor_cmd.args(["floor-server", "--poll-us", poll.as_str()]);
         let floor = DonorProcess::spawn(floor_cmd)?;
         if pinned && !pin_to(0) {
             bail!("cannot pin the client to CPU 0");

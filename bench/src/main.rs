@@ -56,7 +56,7 @@ enum Cmd {
     EnginesRustSide(engines::RustSideArgs),
     /// (internal) The floor's server side.
     #[command(hide = true)]
-    FloorServer,
+    FloorServer(floor::FloorServerArgs),
 }
 
 fn main() -> Result<()> {
@@ -71,6 +71,6 @@ fn main() -> Result<()> {
         Cmd::Load(a) => load::run(&a),
         Cmd::Model(a) => model::run(&a),
         Cmd::PlotSample(a) => plot::run_sample(&a),
-        Cmd::FloorServer => floor::floor_server(),
+        Cmd::FloorServer(a) => floor::floor_server(&a),
     }
 }

@@ -255,6 +255,9 @@ pub struct Donor {
     pub fd_store: bool,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
+    /// Connection threads check their socket without sleeping for up to
+    /// this long before a blocking read (`busy_poll_us`; zero: off).
+    pub busy_poll: Duration,
     /// Time a new connection has to say Hello.
     pub hello_timeout: Duration,
     /// Silent ready connections are closed after this (zero: never).

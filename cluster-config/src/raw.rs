@@ -65,6 +65,7 @@ pub(crate) struct RawDonor {
     pub trust_digest: Option<bool>,
     pub fd_store: Option<bool>,
     pub load_threads: Option<S<i64>>,
+    pub busy_poll_us: Option<S<i64>>,
     pub hello_timeout_ms: Option<S<i64>>,
     pub idle_timeout_ms: Option<S<i64>>,
     pub write_timeout_ms: Option<S<i64>>,

@@ -579,6 +579,12 @@ fn donors(
                 .as_ref()
                 .and_then(|v| cx.int(v, &k("load_threads"), 0, 1024))
                 .unwrap_or(0) as usize,
+            busy_poll: Duration::from_micros(
+                d.busy_poll_us
+                    .as_ref()
+                    .and_then(|v| cx.int(v, &k("busy_poll_us"), 0, 10_000))
+                    .unwrap_or(0) as u64,
+            ),
             hello_timeout: cx.opt_ms(&d.hello_timeout_ms, &k("hello_timeout_ms"), 5_000, false),
             idle_timeout: cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
             write_timeout: cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),

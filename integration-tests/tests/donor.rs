@@ -704,3 +704,38 @@ fn sigterm_right_after_ready_exits_cleanly() {
     let status = donor.wait(Duration::from_secs(10)).expect("exits");
     assert!(status.success(), "{status:?}\n{}", donor.log());
 }
+
+#[test]
+fn busy_poll_serves_the_same_rows_and_still_drains() {
+    let (_dir, _path, digest, mut donor) = one_table_with(&["--busy-poll-us", "2000"]);
+    let rt = rt();
+    let c = rt.block_on(async {
+        let c = client(&donor, digest).await;
+        let mut rng = SplitMix64::new(5);
+        // Lookups back to back (found while spinning) and after pauses
+        // longer than the spin (found by the blocking read).
+        for i in 0..400u32 {
+            let rows: Vec<u64> = (0..24).map(|_| rng.next_u64() % ROWS).collect();
+            let mut out = vec![0u8; rows.len() * ROW_BYTES];
+            c.lookup(
+                &[Request {
+                    table: 1,
+                    rows: &rows,
+                }],
+                &mut out,
+            )
+            .await
+            .expect("lookup");
+            assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "lookup {i}");
+            if i % 50 == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        c
+    });
+    // SIGTERM with the connection still open: the donor drains and exits.
+    donor.signal(libc::SIGTERM);
+    let status = donor.wait(Duration::from_secs(10)).expect("exits");
+    assert!(status.success(), "{status:?}");
+    drop(c);
+}

@@ -124,6 +124,11 @@ struct ServeArgs {
     /// Threads that read, place and hash a table at load (default: every core).
     #[arg(long, value_name = "N")]
     load_threads: Option<usize>,
+    /// Busy-poll: connection threads check their socket without sleeping
+    /// for up to this many microseconds before a blocking read (at most
+    /// 10,000; default 0: off). Costs a core while lookups keep coming.
+    #[arg(long, value_name = "US")]
+    busy_poll_us: Option<u64>,
     /// Most concurrent connections.
     #[arg(long)]
     max_connections: Option<usize>,
@@ -335,6 +340,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         trust_digest: args.trust_digest,
         no_fd_store: args.no_fd_store,
         load_threads: args.load_threads,
+        busy_poll_us: args.busy_poll_us,
         mlock: args.mlock,
         max_connections: args.max_connections,
         max_rows: args.max_rows,

@@ -99,6 +99,7 @@ pub struct Overrides {
     pub trust_digest: bool,
     pub no_fd_store: bool,
     pub load_threads: Option<usize>,
+    pub busy_poll_us: Option<u64>,
     pub mlock: Option<MlockMode>,
     pub max_connections: Option<usize>,
     pub max_rows: Option<u32>,
@@ -126,6 +127,9 @@ impl Overrides {
         if let Some(r) = self.max_rows {
             let r = r.clamp(48, engram_protocol::frame::MAX_ROWS_CEILING);
             spec.server.limits = Limits::for_caps(r, spec.server.limits.max_sections);
+        }
+        if let Some(us) = self.busy_poll_us {
+            spec.server.busy_poll = Duration::from_micros(us.min(10_000));
         }
         if let Some(ms) = self.drain_timeout_ms {
             spec.server.drain_timeout = Duration::from_millis(ms);
@@ -230,6 +234,7 @@ impl ServeSpec {
         server.idle_timeout = d.idle_timeout;
         server.write_timeout = d.write_timeout;
         server.drain_timeout = d.drain_timeout;
+        server.busy_poll = d.busy_poll;
         server.credential = config
             .credential()
             .map_err(|e| ServeError::Config(e.to_string()))?;

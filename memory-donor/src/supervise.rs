@@ -281,6 +281,7 @@ impl Loop {
             idle_timeout_ms = server.idle_timeout.as_millis() as u64,
             write_timeout_ms = server.write_timeout.as_millis() as u64,
             drain_timeout_ms = server.drain_timeout.as_millis() as u64,
+            busy_poll_us = server.busy_poll.as_micros() as u64,
             max_connections = server.max_connections,
             swaps = plan.swaps.len(),
             "reload: config applied"

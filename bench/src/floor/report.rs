@@ -78,8 +78,8 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
                 0,
                 Some((TARGET_P50, Some(TARGET_P99))),
             ),
-            ("both polling".into(), 2, 1, None),
-            ("neither polling".into(), 3, 0, None),
+            ("both clients polling".into(), 2, 1, None),
+            ("neither client polling".into(), 3, 0, None),
         ];
         for (i, t) in secure.iter().enumerate() {
             let target = match t {
@@ -136,6 +136,7 @@ impl Report<'_> {
             "in_flight": 1,
             "pinned": self.pinned,
             "busy_poll_us": DEFAULT_BUSY_POLL.as_micros() as u64,
+            "server_busy_poll_us": args.server_busy_poll_us,
             "series": self.results,
             "ratios": self.ratios,
             "target": { "p50": TARGET_P50, "p99": TARGET_P99, "met": met },
@@ -154,7 +155,7 @@ impl Report<'_> {
         let args = self.args;
         println!(
             "engram-bench floor: 2 tables x {} rows ({:.2} GiB each), {} timed lookups per series after {} warm-up, \
-             1 in flight, loopback TCP{}; medians of {} rounds",
+             1 in flight, loopback TCP{}{}; medians of {} rounds",
             args.rows_per_table,
             self.gib,
             args.lookups,
@@ -163,6 +164,14 @@ impl Report<'_> {
                 ", client and servers pinned to separate CPUs"
             } else {
                 ""
+            },
+            if args.server_busy_poll_us > 0 {
+                format!(
+                    ", both servers polling {} us before a read (donor --busy-poll-us)",
+                    args.server_busy_poll_us
+                )
+            } else {
+                String::new()
             },
             args.rounds
         );

@@ -120,6 +120,11 @@ fn the_good_config_parses_with_defaults_and_resolved_paths() {
         (256, DEFAULT_MAX_ROWS, MlockMode::Try)
     );
     assert_eq!(a.hello_timeout, Duration::from_secs(5));
+    assert_eq!(
+        (a.fd_store, a.load_threads, a.busy_poll),
+        (true, 0, Duration::ZERO),
+        "fd store on, every core, no busy-poll by default"
+    );
     let b = c.donor("donor-b").expect("donor-b");
     assert_eq!(
         b.advertise, b.listen,
@@ -350,6 +355,31 @@ fn donor_rules() {
         26,
         "donor[0].max_connections",
         "out of range",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nbusy_poll_us = 20000",
+        26,
+        "donor[0].busy_poll_us",
+        "out of range",
+    );
+    expect(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nload_threads = -1",
+        26,
+        "donor[0].load_threads",
+        "out of range",
+    );
+    let c = parse(&good().replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nbusy_poll_us = 50\nload_threads = 3\nfd_store = false",
+        1,
+    ))
+    .expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(
+        (a.fd_store, a.load_threads, a.busy_poll),
+        (false, 3, Duration::from_micros(50))
     );
 }
 

@@ -50,8 +50,10 @@ fn fill(
     conn: &Conn,
     rb: &mut ReadBuf,
     tin: &mut TlsIn,
+    spin: Duration,
 ) -> io::Result<usize> {
     let Some(session) = &conn.tls else {
+        spin_until_readable(stream, spin);
         return rb.read_from(stream);
     };
     loop {
@@ -82,11 +84,49 @@ fn fill(
                 continue;
             }
         }
+        spin_until_readable(stream, spin);
         let n = stream.read(&mut tin.buf)?;
         if n == 0 {
             return Ok(0);
         }
         (tin.start, tin.end) = (0, n);
+    }
+}
+
+/// The busy-poll mode: check the socket without sleeping (`recv` with
+/// `MSG_PEEK | MSG_DONTWAIT`) for up to `budget`, so the read that follows
+/// finds its bytes without a wake-up. True when something is there to
+/// read (bytes, the peer's close, an error, which the read then reports);
+/// false when the budget ran out (the read then sleeps as usual).
+pub(super) fn spin_until_readable(stream: &TcpStream, budget: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    if budget.is_zero() {
+        return false;
+    }
+    let began = Instant::now();
+    let mut probe = [0u8; 1];
+    loop {
+        // SAFETY: recv writes at most one byte into `probe`; MSG_PEEK
+        // leaves it in the socket for the read that follows.
+        let n = unsafe {
+            libc::recv(
+                stream.as_raw_fd(),
+                probe.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return true;
+        }
+        match io::Error::last_os_error().kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => {}
+            _ => return true,
+        }
+        if began.elapsed() >= budget {
+            return false;
+        }
+        std::hint::spin_loop();
     }
 }
 
@@ -330,11 +370,44 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 None => return Err(io::ErrorKind::TimedOut.into()),
             }
         }
-        match fill(&mut stream, &conn, &mut pump.rb, &mut tin) {
+        match fill(&mut stream, &conn, &mut pump.rb, &mut tin, cfg.busy_poll) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    #[test]
+    fn spinning_finds_bytes_the_close_and_gives_up_at_its_budget() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (s, _) = l.accept().expect("accept");
+        // Off: no spin at all.
+        assert!(!spin_until_readable(&s, Duration::ZERO));
+        // Nothing sent: gives up after its budget, without consuming anything.
+        let began = Instant::now();
+        assert!(!spin_until_readable(&s, Duration::from_millis(5)));
+        assert!(began.elapsed() >= Duration::from_millis(5));
+        // Bytes sent from another thread while it spins: found, still unread.
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            c.write_all(b"x").expect("write");
+            c
+        });
+        assert!(spin_until_readable(&s, Duration::from_secs(10)));
+        let mut b = [0u8; 1];
+        (&s).read_exact(&mut b).expect("read");
+        assert_eq!(&b, b"x");
+        // The peer's close counts as readable (the read returns 0).
+        drop(writer.join().expect("writer"));
+        assert!(spin_until_readable(&s, Duration::from_secs(10)));
+        assert_eq!((&s).read(&mut b).expect("eof"), 0);
     }
 }

@@ -50,6 +50,9 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Credential every Hello must carry, if set.
     pub credential: Option<Vec<u8>>,
+    /// Busy-poll: before a connection thread sleeps in a read, it checks
+    /// the socket without sleeping for up to this long (zero: off).
+    pub busy_poll: Duration,
 }
 
 impl ServerConfig {
@@ -64,6 +67,7 @@ impl ServerConfig {
             write_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(5),
             credential: None,
+            busy_poll: Duration::ZERO,
         }
     }
 }
