@@ -34,7 +34,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use engram_protocol::ROW_BYTES;
 use engram_store::fill;
 use integration_tests::{NotifySocket, Process, bin};
 
@@ -71,30 +70,7 @@ struct Series {
 const SEED: u64 = 0x10AD;
 
 fn ensure_file(args: &LoadArgs) -> Result<()> {
-    if args.file.is_file() {
-        return Ok(());
-    }
-    if let Some(dir) = args.file.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    eprintln!(
-        "generating {} ({} rows, {:.2} GB of rows) ...",
-        args.file.display(),
-        args.rows,
-        (args.rows * ROW_BYTES as u64) as f64 / 1e9
-    );
-    let status = std::process::Command::new(bin("memory-donor"))
-        .args(["gen", "--layer", "1", "--seed", &SEED.to_string()])
-        .args(["--rows", &args.rows.to_string()])
-        .arg("--out")
-        .arg(&args.file)
-        .stdout(std::io::stderr())
-        .status()
-        .context("running memory-donor gen")?;
-    if !status.success() {
-        bail!("memory-donor gen failed");
-    }
-    Ok(())
+    crate::stats::ensure_table(&args.file, args.rows, SEED)
 }
 
 /// Drop the file from the page cache (written back first).

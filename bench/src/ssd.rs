@@ -57,32 +57,7 @@ pub struct SsdArgs {
 const SEED: u64 = 0x55D;
 
 fn ensure_file(args: &SsdArgs) -> Result<()> {
-    if args.file.is_file() {
-        return Ok(());
-    }
-    if let Some(dir) = args.file.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    eprintln!(
-        "generating {} ({} rows, {:.2} GiB of rows) ...",
-        args.file.display(),
-        args.rows,
-        (args.rows * ROW_BYTES as u64) as f64 / (1u64 << 30) as f64
-    );
-    let status = std::process::Command::new(integration_tests::bin("memory-donor"))
-        .args(["gen", "--layer", "1", "--seed", &SEED.to_string()])
-        .args(["--rows", &args.rows.to_string()])
-        .arg("--out")
-        .arg(&args.file)
-        // Its summary line is progress, not the benchmark's output (which
-        // may be JSON).
-        .stdout(std::io::stderr())
-        .status()
-        .context("running memory-donor gen")?;
-    if !status.success() {
-        bail!("memory-donor gen failed");
-    }
-    Ok(())
+    crate::stats::ensure_table(&args.file, args.rows, SEED)
 }
 
 /// Drop the file's pages from the page cache (written back first: dirty

@@ -1,5 +1,6 @@
 //! Latency samples: the rack's latency histogram (re-exported), medians
-//! over rounds, and a plain table.
+//! over rounds, a plain table, and the synthetic table files the
+//! benchmarks generate on first use.
 
 pub use cluster_config::daemon::latency::{Latency, LatencySummary as Summary};
 
@@ -48,6 +49,37 @@ pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
     for r in rows {
         line(r.iter().map(String::as_str).collect());
     }
+}
+
+/// Generate `file` (layer 1, `rows` rows, generator seed `seed`) with
+/// `memory-donor gen` unless it exists.
+pub fn ensure_table(file: &std::path::Path, rows: u64, seed: u64) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if file.is_file() {
+        return Ok(());
+    }
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    eprintln!(
+        "generating {} ({rows} rows, {:.2} GB of rows) ...",
+        file.display(),
+        (rows * engram_protocol::ROW_BYTES as u64) as f64 / 1e9
+    );
+    let status = std::process::Command::new(integration_tests::bin("memory-donor"))
+        .args(["gen", "--layer", "1", "--seed", &seed.to_string()])
+        .args(["--rows", &rows.to_string()])
+        .arg("--out")
+        .arg(file)
+        // Its summary line is progress, not the benchmark's output (which
+        // may be JSON).
+        .stdout(std::io::stderr())
+        .status()
+        .context("running memory-donor gen")?;
+    if !status.success() {
+        anyhow::bail!("memory-donor gen failed");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -540,17 +540,11 @@ mod tests {
     #[test]
     fn a_kept_copy_is_adopted_and_a_stale_or_unfinished_one_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (path, digest) = table(dir.path());
-        let pin = ExpectedTable {
-            digest,
-            layer: 1,
-            rows: 10_000,
-        };
+        let (path, pin, opts) = kept_load(dir.path(), MlockMode::Off);
+        let digest = pin.digest;
         let opts = LoadOptions {
             pinned: Some(pin),
-            backing: Backing::Memfd,
-            mlock: MlockMode::Off,
-            ..LoadOptions::default()
+            ..opts
         };
         let (t, _) = ResidentTable::load_with(None, &path, &opts, |_| None).expect("load");
         let kept = t.kept().expect("a memfd");
@@ -596,10 +590,9 @@ mod tests {
         assert!(e.to_string().contains("sealable memfd"), "{e}");
     }
 
-    #[test]
-    fn a_flipped_record_byte_is_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (path, digest) = table(dir.path());
+    /// `table`'s file, its pin, and the options of a load into a memfd.
+    fn kept_load(dir: &Path, mlock: MlockMode) -> (std::path::PathBuf, ExpectedTable, LoadOptions) {
+        let (path, digest) = table(dir);
         let pin = ExpectedTable {
             digest,
             layer: 1,
@@ -607,9 +600,16 @@ mod tests {
         };
         let opts = LoadOptions {
             backing: Backing::Memfd,
-            mlock: MlockMode::Off,
+            mlock,
             ..LoadOptions::default()
         };
+        (path, pin, opts)
+    }
+
+    #[test]
+    fn a_flipped_record_byte_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, pin, opts) = kept_load(dir.path(), MlockMode::Off);
         let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
         let f = t.kept().expect("kept").file.try_clone().expect("dup");
         drop(t);
@@ -639,17 +639,7 @@ mod tests {
             return;
         };
         let dir = tempfile::tempdir().expect("tempdir");
-        let (path, digest) = table(dir.path());
-        let pin = ExpectedTable {
-            digest,
-            layer: 1,
-            rows: 10_000,
-        };
-        let opts = LoadOptions {
-            backing: Backing::Memfd,
-            mlock: MlockMode::Try,
-            ..LoadOptions::default()
-        };
+        let (path, pin, opts) = kept_load(dir.path(), MlockMode::Try);
         let loaded = ResidentTable::load_with(Some(1), &path, &opts, |_| None);
         let adopted = loaded.as_ref().ok().map(|(t, _)| {
             let f = t.kept().expect("kept").file.try_clone().expect("dup");
