@@ -199,6 +199,31 @@ fn a_copy_of_another_version_or_an_unfinished_one_is_released_and_the_file_loade
     serves(&third, d2, 2);
     kill9(third);
 
+    // A copy loaded with --trust-digest is not taken by a donor that checks
+    // digests: it loads (and checks) the file instead.
+    let (trusting, _) = start(
+        &notify,
+        &["--table", &t2, "--listen", "127.0.0.1:0", "--trust-digest"],
+    );
+    let log = trusting.log();
+    assert!(log.contains("table adopted from the fd store"), "{log}");
+    kill9(trusting);
+    notify.clear_store();
+    let (trusting, _) = start(
+        &notify,
+        &["--table", &t2, "--listen", "127.0.0.1:0", "--trust-digest"],
+    );
+    kill9(trusting);
+    let (checking, _) = start(&notify, &["--table", &t2, "--listen", "127.0.0.1:0"]);
+    let log = checking.log();
+    assert!(
+        log.contains("copy refused: it was loaded with --trust-digest"),
+        "{log}"
+    );
+    assert!(log.contains("progress: loading"), "{log}");
+    serves(&checking, d2, 2);
+    kill9(checking);
+
     // --no-fd-store: the handed copy is released and nothing is kept.
     let (fourth, _) = start(
         &notify,

@@ -66,20 +66,6 @@ impl FdStore {
         }
     }
 
-    /// A store that keeps nothing and was handed nothing.
-    pub fn disabled() -> Self {
-        Self {
-            notifier: Arc::new(Notifier::disabled()),
-            enabled: false,
-            handed: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// True when loaded tables are kept in the store.
-    pub fn enabled(&self) -> bool {
-        self.enabled
-    }
-
     /// Where a table loaded now should live.
     pub fn backing(&self) -> Backing {
         if self.enabled {
@@ -90,9 +76,10 @@ impl FdStore {
     }
 
     /// The copy of table `id` at exactly `expected`, if systemd handed one
-    /// back that is complete and intact (never when the store is off: the
-    /// handed copies are then released).
-    pub fn take(&self, id: u32, expected: &ExpectedTable) -> Option<ResidentTable> {
+    /// back that is complete and intact, and whose digest was verified when
+    /// it was loaded if `verified` asks for that (never when the store is
+    /// off: the handed copies are then released).
+    pub fn take(&self, id: u32, expected: &ExpectedTable, verified: bool) -> Option<ResidentTable> {
         if !self.enabled {
             return None;
         }
@@ -104,18 +91,25 @@ impl FdStore {
             *handed = rest;
             mine.into_iter().map(|(_, f)| f).collect()
         };
-        let several = mine.len() > 1;
+        let (any, several) = (!mine.is_empty(), mine.len() > 1);
         let mut adopted = None;
         for file in mine {
             if adopted.is_some() {
                 continue;
             }
             match ResidentTable::adopt(id, file, expected) {
+                Ok(t) if verified && !t.kept().is_some_and(|k| k.record.verified) => {
+                    tracing::warn!(
+                        table = id,
+                        name = %want,
+                        "fd store: copy refused: it was loaded with --trust-digest (its digest was never checked) and this donor checks digests"
+                    );
+                }
                 Ok(t) => adopted = Some(t),
                 Err(e) => tracing::warn!(table = id, name = %want, "fd store: copy refused: {e}"),
             }
         }
-        if several || adopted.is_none() {
+        if several || (any && adopted.is_none()) {
             // Removing a name removes every descriptor under it: the
             // adopted one is stored again.
             self.forget(&want);
