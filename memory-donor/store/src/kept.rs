@@ -176,9 +176,9 @@ pub fn huge_pages_free() -> Option<(u64, u64)> {
         let line = text.lines().find(|l| l.starts_with(key))?;
         line[key.len()..].split_whitespace().next()?.parse().ok()
     };
-    let size = field("Hugepagesize:")? * 1024;
+    let size = field("Hugepagesize:")?.saturating_mul(1024);
     let free = field("HugePages_Free:")?;
-    (size > 0).then_some((size, free * size))
+    (size > 0).then_some((size, free.saturating_mul(size)))
 }
 
 /// The pages a memfd's rows live in.
