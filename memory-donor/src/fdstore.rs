@@ -66,6 +66,12 @@ impl FdStore {
         }
     }
 
+    /// True when a copy may be taken: the store is on and systemd handed
+    /// something back (otherwise there is nothing to look up).
+    pub fn may_hold(&self) -> bool {
+        self.enabled && self.handed.lock().is_ok_and(|h| !h.is_empty())
+    }
+
     /// Where a table loaded now should live.
     pub fn backing(&self) -> Backing {
         if self.enabled {

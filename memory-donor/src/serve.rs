@@ -477,7 +477,9 @@ fn load_one(
     store: &FdStore,
 ) -> Result<(ResidentTable, Loaded), ServeError> {
     let t = &spec.tables[i];
-    if let Some(want) = expected(t) {
+    // The file's header is read for its version only when there is a copy
+    // to compare it with.
+    if let Some(want) = store.may_hold().then(|| expected(t)).flatten() {
         let id = t.id.unwrap_or(want.layer);
         if let Some(table) = store.take(id, &want, !spec.trust_digest) {
             let record = table.kept().map(|k| k.record);
