@@ -565,3 +565,71 @@ async fn at_the_hard_timeout_the_copy_still_gets_its_read() {
     assert!(fetch(&r).await.0.is_err());
     assert_eq!(start.elapsed(), us(2_000));
 }
+
+/// Distinct rows for a wide sweep: `n` of them, spread over the table.
+fn sweep_rows(n: u64) -> Vec<u64> {
+    (0..n).map(|i| i * 7 + 3).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wide_sweep_is_striped_across_replicas_and_not_hedged() {
+    use inference_node::model::fetch::fetch_rows;
+    let a = Fake::new("a", Fault::Ok(us(10)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let ssd = Fake::copy("ssd", Fault::Ok(us(1)));
+    // A hedge after 1 "us" would fire on every chunk if chunks were hedged.
+    let r = rig(&[&a, &b, &ssd], settings(Hedge::Fixed(us(1)), Policy::Fail));
+    let rows = sweep_rows(20 * 4096);
+    let t0 = Instant::now();
+    let f = fetch_rows(&r.router, &rows, 4096).await;
+    assert_eq!(f.error, None);
+    assert_eq!(
+        engram_protocol::synthetic::first_mismatch(SEED, 1, &rows, &f.bytes),
+        None
+    );
+    // 20 chunks, two lanes per replica, 10 each: five rounds of 10.
+    assert_eq!((a.calls(), b.calls(), ssd.calls()), (10, 10, 0));
+    assert_eq!(f.messages, 20);
+    assert_eq!((f.hedges, f.failovers), (0, 0));
+    assert_eq!(f.sources.len(), 2, "{:?}", f.sources);
+    assert_eq!(t0.elapsed(), us(50));
+    assert_eq!(
+        metric(&r, "engram_node_hedges_sent_total{table=\"1\"}"),
+        "0"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replica_lost_mid_sweep_costs_its_chunks_a_failover_not_the_sweep() {
+    use inference_node::model::fetch::fetch_rows;
+    let a = Fake::new("a", Fault::Ok(us(10)));
+    let b = Fake::new("b", Fault::Ok(us(10)));
+    let r = rig(&[&a, &b], settings(Hedge::Off, Policy::Fail));
+    let rows = sweep_rows(40 * 2048);
+    let killer = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(us(25)).await;
+            b.set(Fault::Fail(
+                us(0),
+                SourceError::Unavailable("connection reset".into()),
+            ));
+        })
+    };
+    let f = fetch_rows(&r.router, &rows, 2048).await;
+    killer.await.expect("killer");
+    assert_eq!(f.error, None, "the sweep must survive a replica");
+    assert_eq!(
+        engram_protocol::synthetic::first_mismatch(SEED, 1, &rows, &f.bytes),
+        None
+    );
+    assert_eq!(f.messages, 40);
+    // b's breaker opens after 3 failures; each failed chunk went to a. Its
+    // two lanes may each have started a chunk on b before the third failure
+    // opened it: at most 4 chunks failed over.
+    assert_eq!(r.health[1].breaker(), Breaker::Open);
+    assert!((3..=4).contains(&f.failovers), "{} failovers", f.failovers);
+    assert!(b.calls() >= 4, "b served chunks before it died");
+    assert_eq!(a.calls() + b.calls(), 40 + f.failovers);
+    assert_eq!(f.sources, vec!["a".to_string(), "b".to_string()]);
+}

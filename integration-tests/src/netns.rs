@@ -75,6 +75,13 @@ impl Veth {
     }
 }
 
+fn tc_bin() -> &'static str {
+    ["/usr/sbin/tc", "/sbin/tc", "/usr/bin/tc", "/bin/tc"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or("tc")
+}
+
 fn ip_bin() -> &'static str {
     ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"]
         .into_iter()
@@ -262,6 +269,36 @@ impl NetNs {
             });
         }
         cmd
+    }
+
+    /// Limits the first link to `mbit` Mbit/s each way with a token bucket
+    /// (`tc qdisc replace ... tbf`) on both ends, so that the link, not the
+    /// host's CPUs, bounds what crosses it, as a cable does between hosts.
+    /// The bucket holds 4 ms of traffic (at least 64 KiB).
+    pub fn shape(&self, mbit: u32) -> Result<()> {
+        anyhow::ensure!(mbit > 0, "a link rate must be above 0 Mbit/s");
+        let burst = (u64::from(mbit) * 1_000_000 / 8 / 250).max(64 * 1024);
+        let ends = [
+            (None, self.host_if()),
+            (Some(self.name.as_str()), self.peer_if()),
+        ];
+        for (ns, dev) in ends {
+            let mut cmd = Command::new(tc_bin());
+            if let Some(ns) = ns {
+                cmd.args(["-n", ns]);
+            }
+            cmd.args(["qdisc", "replace", "dev", &dev, "root", "tbf"])
+                .args(["rate", &format!("{mbit}mbit")])
+                .args(["burst", &burst.to_string(), "latency", "50ms"]);
+            let out = cmd.output().context("running tc (iproute2)")?;
+            if !out.status.success() {
+                bail!(
+                    "tc could not shape {dev}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Partition: takes the link inside the namespace down, so traffic to/from it stops.

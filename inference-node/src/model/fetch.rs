@@ -28,8 +28,8 @@ pub struct RouterFetcher {
 
 impl RouterFetcher {
     /// Fetch through `routers` (layer 1's, layer 14's) on `handle`, timing on
-    /// a clock whose zero is `origin`; a fetch of more than `chunk_rows`
-    /// rows is cut into messages of at most that many, sent together.
+    /// a clock whose zero is `origin`; a wide fetch is a sweep of chunks of
+    /// at most `chunk_rows` rows ([`fetch_rows`]).
     pub fn new(
         handle: Handle,
         routers: [Arc<Router>; 2],
@@ -69,32 +69,69 @@ fn merge(f: &mut Fetch, res: Result<crate::router::Fetched, crate::router::Route
     }
 }
 
-/// Fetch `rows` of one table through `router`: one message when they fit in
-/// `chunk` rows, else messages of at most `chunk` rows sent together. The
-/// rows come back in the order asked (`rows.len() * 264` bytes); `ready` is
-/// left for the caller to stamp on its own clock.
+/// Chunks each replica has in flight during a wide sweep: one on the wire
+/// while the donor gathers the next.
+pub const STRIPE_DEPTH: usize = 2;
+
+/// The smallest chunk a wide sweep is cut into (below it, per-message costs
+/// outweigh what striping and pipelining win).
+pub const MIN_STRIPE_ROWS: usize = 2048;
+
+/// The largest chunk of a wide sweep (about 1 MB): a chunk is a lookup of
+/// its own, with the hard timeout as its deadline, so it must cross a slow
+/// link (a few Gbit/s, with the other lanes' chunks beside it) in a small
+/// part of that; larger chunks win nothing measurable.
+pub const MAX_STRIPE_ROWS: usize = 4096;
+
+/// Rows per chunk for a sweep of `rows` over `replicas` donors, at most
+/// `cap` (the frame cap) and [`MAX_STRIPE_ROWS`]: enough chunks for every
+/// lane ([`STRIPE_DEPTH`] per replica), none under [`MIN_STRIPE_ROWS`].
+pub fn stripe_rows(rows: usize, replicas: usize, cap: usize) -> usize {
+    let lanes = replicas.max(1) * STRIPE_DEPTH;
+    rows.div_ceil(lanes)
+        .clamp(MIN_STRIPE_ROWS, MAX_STRIPE_ROWS)
+        .min(cap.max(1))
+}
+
+/// Fetch `rows` of one table through `router`: one message when they fit
+/// in one chunk ([`stripe_rows`]), else a sweep: chunks taken in order by
+/// [`STRIPE_DEPTH`] lanes per replica, lane `j` asking the table's `j`-th
+/// admissible donor first (each chunk is a lookup of its own: checked,
+/// failed over and timed out alone). The rows come back in the order asked
+/// (`rows.len() * 264` bytes); `ready` is left for the caller to stamp on
+/// its own clock.
 pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
-    let chunk = chunk.max(1);
     let mut f = Fetch {
         bytes: vec![0; rows.len() * ROW_BYTES],
         ..Fetch::default()
     };
-    if rows.len() <= chunk {
+    let replicas = router.replicas().max(1);
+    let size = stripe_rows(rows.len(), replicas, chunk);
+    if rows.len() <= size {
         let res = router.fetch(rows, &mut f.bytes).await;
         merge(&mut f, res);
-    } else {
-        let mut bytes = std::mem::take(&mut f.bytes);
-        let results = {
-            let futs = rows
-                .chunks(chunk)
-                .zip(bytes.chunks_mut(chunk * ROW_BYTES))
-                .map(|(r, out)| router.fetch(r, out));
-            futures_util::future::join_all(futs).await
+        return f;
+    }
+    let mut bytes = std::mem::take(&mut f.bytes);
+    let results = {
+        let chunks =
+            std::sync::Mutex::new(rows.chunks(size).zip(bytes.chunks_mut(size * ROW_BYTES)));
+        let lane = |stripe: usize| {
+            let chunks = &chunks;
+            async move {
+                let mut out = Vec::new();
+                loop {
+                    let next = chunks.lock().unwrap_or_else(|p| p.into_inner()).next();
+                    let Some((r, o)) = next else { break out };
+                    out.push(router.fetch_stripe(r, o, stripe).await);
+                }
+            }
         };
-        f.bytes = bytes;
-        for res in results {
-            merge(&mut f, res);
-        }
+        futures_util::future::join_all((0..replicas * STRIPE_DEPTH).map(lane)).await
+    };
+    f.bytes = bytes;
+    for res in results.into_iter().flatten() {
+        merge(&mut f, res);
     }
     f
 }

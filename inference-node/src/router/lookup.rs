@@ -23,6 +23,21 @@ use crate::source::{SourceError, SourceKind};
 
 type Attempt<'a> = Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
 
+/// Rotate the donors among `order` left by `k` (modulo their count), the
+/// other sources (the node's own copies) staying where they are: `[a, b,
+/// ssd]` rotated by 1 is `[b, a, ssd]`.
+pub(super) fn rotate_donors(order: &mut [usize], k: usize, is_donor: impl Fn(usize) -> bool) {
+    let slots: Vec<usize> = (0..order.len()).filter(|&p| is_donor(order[p])).collect();
+    if slots.len() < 2 {
+        return;
+    }
+    let donors: Vec<usize> = slots.iter().map(|&p| order[p]).collect();
+    let k = k % donors.len();
+    for (j, &p) in slots.iter().enumerate() {
+        order[p] = donors[(j + k) % donors.len()];
+    }
+}
+
 /// An attempt in flight: which source, whether it was a hedge, when sent.
 pub(super) struct InFlight<'a> {
     fut: Attempt<'a>,
@@ -82,6 +97,9 @@ pub(super) struct Lookup<'r, 'a> {
     hedge_at: Option<Instant>,
     /// Past the hard timeout only the node's own copy is waited for.
     past_hard: bool,
+    /// Whether a silent source is hedged (not for a stripe of a wide
+    /// sweep: every replica already carries its share of it).
+    hedging: bool,
     hedges: u32,
     failovers: u32,
     /// Sources that failed or were not admissible, and why.
@@ -90,11 +108,15 @@ pub(super) struct Lookup<'r, 'a> {
 
 impl<'r, 'a> Lookup<'r, 'a> {
     /// Check the request, find the admissible sources and ask the first.
+    /// `stripe`: this lookup is one chunk of a wide sweep, to start at the
+    /// admissible donor `stripe` (modulo their count; the node's own copies
+    /// keep their places), unhedged, its deadline the hard timeout.
     pub(super) fn begin(
         router: &'r Router,
         st: &'r RouteState,
         rows: &'a [u64],
         out_len: usize,
+        stripe: Option<usize>,
     ) -> Result<Self, RouterError> {
         let s = &st.settings;
         if out_len != rows.len() * ROW_BYTES {
@@ -109,7 +131,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
         }
         let start = Instant::now();
         let mut failed = Vec::new();
-        let order: Vec<usize> = (0..st.sources.len())
+        let mut order: Vec<usize> = (0..st.sources.len())
             .filter(|&i| {
                 let ok = st.sources[i].admissible(s.table);
                 if !ok {
@@ -121,18 +143,28 @@ impl<'r, 'a> Lookup<'r, 'a> {
                 ok
             })
             .collect();
+        if let Some(k) = stripe {
+            rotate_donors(&mut order, k, |i| {
+                st.sources[i].source.kind() == SourceKind::Donor
+            });
+        }
+        let deadline = match stripe {
+            Some(_) => start + s.hard_timeout,
+            None => start + s.window + s.grace,
+        };
         let mut l = Self {
             router,
             st,
             rows,
             start,
-            deadline: start + s.window + s.grace,
+            deadline,
             hard: start + s.hard_timeout,
             order,
             next: 0,
             inflight: FuturesUnordered::new(),
             hedge_at: None,
             past_hard: false,
+            hedging: stripe.is_none(),
             hedges: 0,
             failovers: 0,
             failed,
@@ -335,7 +367,11 @@ impl<'r, 'a> Lookup<'r, 'a> {
             hedge,
             sent: Instant::now(),
         });
-        self.hedge_at = self.hedge_delay_after(i, now, self.deadline.max(now));
+        self.hedge_at = if self.hedging {
+            self.hedge_delay_after(i, now, self.deadline.max(now))
+        } else {
+            None
+        };
     }
 
     /// When to ask the source after `i` if `i` has not answered.
@@ -383,5 +419,28 @@ impl<'r, 'a> Lookup<'r, 'a> {
             _ => {}
         }
         st.sources[i].on_failure(st.settings.table, e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rotate_donors;
+
+    #[test]
+    fn donors_rotate_and_the_copies_keep_their_places() {
+        // Sources 0 and 2 are donors, 1 and 3 copies.
+        let donor = |i: usize| i.is_multiple_of(2);
+        let mut order = vec![0, 1, 2, 3];
+        rotate_donors(&mut order, 1, donor);
+        assert_eq!(order, [2, 1, 0, 3]);
+        let mut order = vec![0, 1, 2, 3];
+        rotate_donors(&mut order, 2, donor);
+        assert_eq!(order, [0, 1, 2, 3]);
+        let mut three = vec![4, 0, 2, 3];
+        rotate_donors(&mut three, 1, |i| i != 3);
+        assert_eq!(three, [0, 2, 4, 3]);
+        let mut one = vec![0, 3];
+        rotate_donors(&mut one, 5, donor);
+        assert_eq!(one, [0, 3]);
     }
 }

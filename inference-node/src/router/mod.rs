@@ -16,6 +16,12 @@
 //! error (`fail`) or zero rows (`zeros`, counted and logged). Rows that
 //! fail a check never reach the caller.
 //!
+//! A wide sweep (a prefill) is cut into chunks by the caller
+//! (`crate::model::fetch::fetch_rows`), each a lookup of its own through
+//! [`Router::fetch_stripe`]: it starts at the donor its lane is striped to,
+//! fails over like any lookup, is not hedged, and has the hard timeout as
+//! its deadline.
+//!
 //! Settings and sources can be replaced while lookups run
 //! ([`Router::reconfigure`], used by a config reload): each lookup takes one
 //! snapshot of both when it starts, so it never sees half of a change.
@@ -37,7 +43,7 @@ pub use health::{Breaker, SourceHealth};
 use lookup::{Event, Lookup};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
-use crate::source::SourceError;
+use crate::source::{SourceError, SourceKind};
 
 /// The least time the node's own copy gets past the hard timeout: a read
 /// that is slow (a cold disk, writeback in the way: tens of milliseconds
@@ -291,11 +297,44 @@ impl Router {
 
     /// Fetch `rows` of the table into `out` (`rows.len() * 264` bytes).
     pub async fn fetch(&self, rows: &[u64], out: &mut [u8]) -> Result<Fetched, RouterError> {
+        self.lookup(rows, out, None).await
+    }
+
+    /// Fetch one chunk of a wide sweep (a prefill): like [`Router::fetch`],
+    /// but asking the admissible donor `stripe` first (modulo their count;
+    /// the next ones, then the node's own copy, on failure), with no hedge
+    /// (every replica carries its own share of the sweep) and the hard
+    /// timeout as the chunk's deadline.
+    pub async fn fetch_stripe(
+        &self,
+        rows: &[u64],
+        out: &mut [u8],
+        stripe: usize,
+    ) -> Result<Fetched, RouterError> {
+        self.lookup(rows, out, Some(stripe)).await
+    }
+
+    /// Donors a lookup may use now (breaker not open, not excluded, not
+    /// draining): how many replicas a wide sweep can be striped across.
+    pub fn replicas(&self) -> usize {
+        let st = self.state();
+        st.sources
+            .iter()
+            .filter(|s| s.source.kind() == SourceKind::Donor && s.admissible(self.table_id))
+            .count()
+    }
+
+    async fn lookup(
+        &self,
+        rows: &[u64],
+        out: &mut [u8],
+        stripe: Option<usize>,
+    ) -> Result<Fetched, RouterError> {
         // One snapshot for the whole lookup: a reconfiguration meanwhile
         // applies from the next one.
         let state = self.state();
         self.table.lookups.inc();
-        let mut lookup = Lookup::begin(self, &state, rows, out.len())?;
+        let mut lookup = Lookup::begin(self, &state, rows, out.len(), stripe)?;
         while !lookup.is_over() {
             match lookup.next_event().await {
                 Event::Answer(a) => {

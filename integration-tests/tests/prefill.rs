@@ -1,0 +1,115 @@
+//! A wide sweep (a prefill) against two real donor processes that hold the
+//! same table: striped across both, every row the generator's, and one of
+//! them killed with SIGKILL mid-sweep without failing the sweep.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cluster_config::Config;
+use engram_protocol::TableDigest;
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
+use inference_node::memory::Memory;
+use inference_node::metrics::NodeMetrics;
+use inference_node::model::fetch::fetch_rows;
+use integration_tests::runtime as rt;
+use integration_tests::{DonorProcess, gen_table, sample};
+
+const ROWS: u64 = 600_000;
+const SWEEP: usize = 400_000;
+const SEED: u64 = 9;
+
+fn write_config(dir: &Path, table: &Path, digest: TableDigest, ports: [u16; 2]) -> Config {
+    let [a, b] = ports;
+    let text = format!(
+        "version = 1\n[rack]\nname = \"t\"\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
+         [[donor]]\nname = \"a\"\nlisten = [\"127.0.0.1:{a}\"]\ntables = [1]\nram_gib = 1.0\n\
+         [[donor]]\nname = \"b\"\nlisten = [\"127.0.0.1:{b}\"]\ntables = [1]\nram_gib = 1.0\n\
+         [[node]]\nname = \"n\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
+         [[node.route]]\ntable = 1\nsources = [\"a\", \"b\"]\n",
+        table.display()
+    );
+    let path = dir.join("rack.toml");
+    std::fs::write(&path, text).expect("config");
+    Config::load(&path).expect("valid config")
+}
+
+fn port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+fn donor(config: &Config, name: &str) -> DonorProcess {
+    let path = config.path.display().to_string();
+    DonorProcess::start(&["--config", &path, "--name", name, "--trust-digest"])
+        .expect("donor starts")
+}
+
+fn sweep_rows() -> Vec<u64> {
+    let mut rng = SplitMix64::new(77);
+    let mut v: Vec<u64> = (0..SWEEP).map(|_| rng.below(ROWS)).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+#[test]
+fn a_sweep_is_striped_over_replicas_and_survives_one_killed_mid_sweep() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
+    let config = write_config(dir.path(), &table, digest, [port(), port()]);
+    let _a = donor(&config, "a");
+    let mut b = donor(&config, "b");
+    let rows = sweep_rows();
+    rt().block_on(async {
+        let metrics = std::sync::Arc::new(NodeMetrics::new());
+        let mem = Memory::from_config(&config, "n", &metrics)
+            .await
+            .expect("memory");
+        let router = mem.router(1).expect("router").clone();
+        let cap = engram_protocol::frame::DEFAULT_MAX_ROWS as usize;
+        let served = |source: &str| {
+            let series =
+                format!("engram_node_rows_served_total{{table=\"1\",source=\"{source}\"}}");
+            sample(&metrics.render(), &series).unwrap_or(0.0)
+        };
+
+        // Both healthy: the sweep is shared between them.
+        let f = fetch_rows(&router, &rows, cap).await;
+        assert_eq!(f.error, None);
+        assert_eq!(first_mismatch(SEED, 1, &rows, &f.bytes), None, "wrong rows");
+        assert_eq!((f.hedges, f.failovers), (0, 0));
+        assert!(f.messages > 4, "{} messages", f.messages);
+        let (a0, b0) = (served("a"), served("b"));
+        assert_eq!(a0 + b0, rows.len() as f64);
+        assert!(
+            a0 >= rows.len() as f64 / 4.0 && b0 >= rows.len() as f64 / 4.0,
+            "striped: a served {a0}, b {b0}"
+        );
+
+        // b dies once it has served part of the next sweep.
+        let sweep = {
+            let (router, rows) = (router.clone(), rows.clone());
+            tokio::spawn(async move { fetch_rows(&router, &rows, cap).await })
+        };
+        let t0 = Instant::now();
+        while served("b") == b0 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "b never served");
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        b.signal(libc::SIGKILL);
+        assert!(!sweep.is_finished(), "the sweep ended before b was killed");
+        let f = sweep.await.expect("sweep task");
+        assert_eq!(f.error, None, "the sweep survives a replica");
+        assert_eq!(first_mismatch(SEED, 1, &rows, &f.bytes), None, "wrong rows");
+        assert!(f.failovers >= 1, "b's chunks failed over: {}", f.failovers);
+        assert_eq!(f.sources.len(), 2, "{:?}", f.sources);
+
+        // And the next sweep goes to a alone.
+        let f = fetch_rows(&router, &rows, cap).await;
+        assert_eq!(f.error, None);
+        assert_eq!(f.sources, vec!["a".to_string()]);
+        assert_eq!(first_mismatch(SEED, 1, &rows, &f.bytes), None, "wrong rows");
+    });
+    b.wait(Duration::from_secs(10)).expect("b was killed");
+}
