@@ -1,0 +1,518 @@
+//! `engram-bench prefill`: a prompt's rows of both tables fetched in one
+//! sweep, the way the node's prefill step fetches them, against the raw
+//! bandwidth of the same link measured in the same run.
+//!
+//! Each donor runs in a network namespace of its own, joined to the bench
+//! by a veth pair shaped to `--link-mbit` on both ends (a token bucket):
+//! on a rack each donor has its own cable, and here the shaping makes the
+//! link, not the two processes sharing this machine's cores, the bound.
+//! Series, per prompt length (positions; 24 distinct rows per position and
+//! table, as a full-size table's hashing gives):
+//!
+//! - **floor**: the same bytes (both tables' rows) sent as one raw TCP
+//!   stream over one such link, from a plain server in the namespace;
+//! - **one donor**: both tables' routers over donor A alone;
+//! - **two replicas**: routers over donors A and B (same tables, same
+//!   versions, separate links): the sweep striped across them;
+//! - **local RAM**: the tables in the bench's own memory (no network).
+//!
+//! The time of a sweep is the Engram share of the time to first token: the
+//! prompt's rows must all be in before its first layer's fusion ends.
+//! Targets (the issue's): one donor at least 70% of the floor's bandwidth,
+//! two replicas at least 1.7x one donor.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use cluster_config::{Hedge, Policy};
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
+use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_store::resident::ExpectedTable;
+use inference_node::ClientOptions;
+use inference_node::metrics::{NodeMetrics, SourceOnly};
+use inference_node::model::fetch::fetch_rows;
+use inference_node::router::{RouteSettings, Router, SourceHealth};
+use inference_node::source::{DonorSource, LocalRam, RowSource};
+use integration_tests::netns::NetNs;
+use integration_tests::{DonorProcess, bin, gen_table};
+use serde::Serialize;
+
+use crate::plot::{Bar, Bars};
+use crate::stats::{median, print_table};
+
+/// Arguments of `engram-bench prefill`.
+#[derive(Debug, Args)]
+pub struct PrefillArgs {
+    /// Prompt lengths, in positions.
+    #[arg(long, value_delimiter = ',', default_values_t = [512, 2048, 8192, 32768])]
+    lengths: Vec<usize>,
+    /// Rows of each of the two generated tables (at least twice the
+    /// longest prompt's 24 rows per position).
+    #[arg(long, default_value_t = 1_600_000)]
+    rows: u64,
+    /// Each donor link's rate, Mbit/s each way.
+    #[arg(long, default_value_t = 2000)]
+    link_mbit: u32,
+    /// Rounds (figures are medians over them).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Where the tables and the chart go (`prefill.svg`, `prefill.png`).
+    #[arg(long, default_value = "target/bench-prefill")]
+    out: PathBuf,
+}
+
+/// Arguments of the floor's server (`prefill-floor-server`).
+#[derive(Debug, Args)]
+pub struct PrefillFloorArgs {
+    /// Where to listen.
+    #[arg(long)]
+    listen: SocketAddr,
+}
+
+/// The most one floor request may ask for.
+const FLOOR_MAX: u64 = 1 << 30;
+
+/// The floor's server: per connection, read a little-endian u64 length
+/// (at most 1 GiB) and send that many bytes, until the peer closes.
+pub fn floor_server(args: &PrefillFloorArgs) -> Result<()> {
+    let listener = TcpListener::bind(args.listen)?;
+    eprintln!("ready listen={}", listener.local_addr()?);
+    for stream in listener.incoming() {
+        let Ok(mut s) = stream else { continue };
+        std::thread::spawn(move || {
+            let buf = vec![0x5au8; 1 << 20];
+            let mut len = [0u8; 8];
+            while s.read_exact(&mut len).is_ok() {
+                let mut left = u64::from_le_bytes(len);
+                if left > FLOOR_MAX {
+                    return;
+                }
+                while left > 0 {
+                    let n = left.min(buf.len() as u64) as usize;
+                    if s.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                    left -= n as u64;
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Table ids and their layers, as V4.1 numbers them.
+const TABLES: [u32; 2] = [1, 14];
+
+/// One prompt length's medians.
+#[derive(Debug, Serialize)]
+struct LengthRow {
+    positions: usize,
+    rows_per_table: usize,
+    bytes: usize,
+    floor_ms: f64,
+    one_donor_ms: f64,
+    two_replicas_ms: f64,
+    local_ms: f64,
+    /// One donor's bandwidth over the floor's.
+    one_vs_floor: f64,
+    /// Two replicas' bandwidth over one donor's.
+    two_vs_one: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    link_mbit: u32,
+    rounds: usize,
+    lengths: Vec<LengthRow>,
+    /// Every length: one donor >= 0.70 of the floor.
+    one_donor_target_met: bool,
+    /// Every length: two replicas >= 1.7x one donor.
+    two_replicas_target_met: bool,
+}
+
+/// The bench's side of the rack: the routers of each setup.
+struct Setups {
+    one: [Arc<Router>; 2],
+    two: [Arc<Router>; 2],
+    local: [Arc<Router>; 2],
+}
+
+fn settings(table: u32) -> RouteSettings {
+    // The node's defaults: 100 tokens/s, grace 100 us, hard timeout 100 ms,
+    // p99 hedging (a sweep's chunks are not hedged), policy fail.
+    let layers = cluster_config::V41_ENGRAM_LAYERS;
+    let layer = if table == TABLES[0] {
+        layers[0]
+    } else {
+        layers[1]
+    };
+    let w = Duration::from_millis(10);
+    RouteSettings {
+        table,
+        window: cluster_config::window(w, cluster_config::window_blocks(layer, layers)),
+        grace: Duration::from_micros(100),
+        hard_timeout: Duration::from_millis(100),
+        hedge: Hedge::Percentile(99.0),
+        policy: Policy::Fail,
+        precise_timers: true,
+    }
+}
+
+fn health(
+    m: &NodeMetrics,
+    source: Arc<dyn RowSource>,
+    pinned: &[(u32, TableDigest)],
+) -> Arc<SourceHealth> {
+    let gauge = m
+        .breaker_state
+        .get_or_create(&SourceOnly {
+            source: source.name().to_string(),
+        })
+        .clone();
+    Arc::new(SourceHealth::new(source, pinned.to_vec(), 3, gauge))
+}
+
+fn routers(m: &NodeMetrics, sources: &[Arc<SourceHealth>]) -> [Arc<Router>; 2] {
+    TABLES.map(|t| Arc::new(Router::new(settings(t), sources.to_vec(), m)))
+}
+
+/// `n` distinct rows of a table of `rows`, sorted (a prompt's addresses).
+fn prompt_rows(rng: &mut SplitMix64, n: usize, rows: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = Vec::with_capacity(n);
+    while v.len() < n {
+        v.extend((v.len()..n).map(|_| rng.next_u64() % rows));
+        v.sort_unstable();
+        v.dedup();
+    }
+    v
+}
+
+/// Run `engram-bench prefill`.
+pub fn run(args: &PrefillArgs) -> Result<()> {
+    if args.lengths.is_empty() || args.rounds == 0 {
+        bail!("--lengths and --rounds must not be empty or zero");
+    }
+    let max_rows = args.lengths.iter().max().copied().unwrap_or(0) * 24;
+    if (args.rows as usize) < max_rows * 2 {
+        bail!(
+            "--rows {} is too few for {} distinct rows per table: give at least {}",
+            args.rows,
+            max_rows,
+            max_rows * 2
+        );
+    }
+    NetNs::check()
+        .map_err(|e| anyhow::anyhow!("the prefill bench needs network namespaces: {e}"))?;
+    std::fs::create_dir_all(&args.out)?;
+    let mut pinned = Vec::new();
+    let mut files = Vec::new();
+    for (i, &t) in TABLES.iter().enumerate() {
+        let (path, digest) = gen_table(
+            &args.out,
+            &format!("prefill-{t}"),
+            t,
+            args.rows,
+            11 + i as u64,
+        )?;
+        pinned.push((t, digest));
+        files.push(path);
+    }
+    let table_args: Vec<String> = TABLES
+        .iter()
+        .zip(&files)
+        .map(|(t, p)| format!("{t}={}", p.display()))
+        .collect();
+
+    // Two namespaces, each with a donor and a floor server, links shaped.
+    let mut spaces = Vec::new();
+    let mut donors = Vec::new();
+    let mut floors = Vec::new();
+    for name in ["a", "b"] {
+        let ns = NetNs::create(&format!("prefill{name}"))?;
+        ns.shape(args.link_mbit)?;
+        let mut cmd = ns.command(bin("memory-donor"));
+        cmd.arg("serve")
+            .args(["--listen", &format!("{}:0", ns.addr()), "--name"])
+            .arg(format!("donor-{name}"))
+            .arg("--trust-digest")
+            .env("RUST_LOG", "info");
+        for t in &table_args {
+            cmd.args(["--table", t]);
+        }
+        let donor = DonorProcess::spawn(cmd).with_context(|| format!("starting donor-{name}"))?;
+        let mut fcmd = ns.command(std::env::current_exe()?);
+        fcmd.args([
+            "prefill-floor-server",
+            "--listen",
+            &format!("{}:0", ns.addr()),
+        ]);
+        let floor = DonorProcess::spawn(fcmd).context("starting the floor's server")?;
+        donors.push(donor);
+        floors.push(floor);
+        spaces.push(ns);
+    }
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let _guard = rt.enter();
+    let m = NodeMetrics::new();
+    let donor_sources: Vec<Arc<SourceHealth>> = donors
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let addr = d
+                .endpoint(cluster_config::Transport::Tcp)
+                .context("the donor does not listen on tcp")?;
+            let src = DonorSource::new(
+                format!("donor-{}", ["a", "b"][i]),
+                vec![addr],
+                ClientOptions::new("bench", pinned.clone()),
+            );
+            Ok(health(&m, Arc::new(src), &pinned))
+        })
+        .collect::<Result<_>>()?;
+    let mut locals = Vec::new();
+    for ((t, p), (_, digest)) in TABLES.iter().zip(&files).zip(&pinned) {
+        let expected = ExpectedTable {
+            digest: *digest,
+            layer: *t,
+            rows: args.rows,
+        };
+        let local = LocalRam::load(*t, p, expected, true).context("loading the local copy")?;
+        locals.push(health(&m, Arc::new(local), &pinned));
+    }
+    let setups = Setups {
+        one: routers(&m, &donor_sources[..1]),
+        two: routers(&m, &donor_sources),
+        // Each table's own copy.
+        local: [0, 1].map(|i| {
+            Arc::new(Router::new(
+                settings(TABLES[i]),
+                vec![locals[i].clone()],
+                &m,
+            ))
+        }),
+    };
+    let mut floor = TcpStream::connect(
+        floors[0]
+            .endpoint(cluster_config::Transport::Tcp)
+            .context("the floor's server address")?,
+    )?;
+    floor.set_nodelay(true)?;
+
+    let mut rng = SplitMix64::new(0x009e_f111);
+    let mut rows_out = Vec::new();
+    let mut sink = vec![0u8; 1 << 20];
+    for &positions in &args.lengths {
+        let n = positions * 24;
+        let prompt = [
+            prompt_rows(&mut rng, n, args.rows),
+            prompt_rows(&mut rng, n, args.rows),
+        ];
+        let bytes = 2 * n * ROW_BYTES;
+        // A warm-up sweep each (connections made, pages touched), checked.
+        for (label, r) in [
+            ("one donor", &setups.one),
+            ("two replicas", &setups.two),
+            ("local RAM", &setups.local),
+        ] {
+            sweep(&rt, r, &prompt, true)
+                .with_context(|| format!("{label}, {positions} positions"))?;
+        }
+        let mut series: [Vec<f64>; 4] = Default::default();
+        for _ in 0..args.rounds {
+            crate::rack::check_interrupted()?;
+            series[0].push(floor_once(&mut floor, bytes, &mut sink)?);
+            series[1].push(sweep(&rt, &setups.one, &prompt, false)?);
+            series[2].push(sweep(&rt, &setups.two, &prompt, false)?);
+            series[3].push(sweep(&rt, &setups.local, &prompt, false)?);
+        }
+        let [f, one, two, local] = series.map(|v| median(v) * 1e3);
+        rows_out.push(LengthRow {
+            positions,
+            rows_per_table: n,
+            bytes,
+            floor_ms: f,
+            one_donor_ms: one,
+            two_replicas_ms: two,
+            local_ms: local,
+            one_vs_floor: f / one,
+            two_vs_one: one / two,
+        });
+    }
+    drop(floor);
+    drop(donors);
+    drop(floors);
+    drop(spaces);
+
+    let report = Report {
+        link_mbit: args.link_mbit,
+        rounds: args.rounds,
+        one_donor_target_met: rows_out.iter().all(|r| r.one_vs_floor >= 0.70),
+        two_replicas_target_met: rows_out.iter().all(|r| r.two_vs_one >= 1.7),
+        lengths: rows_out,
+    };
+    let chart = chart(&report);
+    let (svg, png) = chart.write_both(&args.out.join("prefill"))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+        println!("chart: {} {}", svg.display(), png.display());
+    }
+    Ok(())
+}
+
+/// One sweep of both tables' prompt rows through `routers`, concurrently,
+/// as the node's prefill step fetches them: its seconds. `check`: compare
+/// every row with the generator's.
+fn sweep(
+    rt: &tokio::runtime::Runtime,
+    routers: &[Arc<Router>; 2],
+    prompt: &[Vec<u64>; 2],
+    check: bool,
+) -> Result<f64> {
+    let cap = engram_protocol::frame::DEFAULT_MAX_ROWS as usize;
+    let t0 = Instant::now();
+    let (a, b) = rt.block_on(async {
+        tokio::join!(
+            fetch_rows(&routers[0], &prompt[0], cap),
+            fetch_rows(&routers[1], &prompt[1], cap)
+        )
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    for (i, f) in [a, b].iter().enumerate() {
+        if let Some(e) = &f.error {
+            bail!("table {}: {e}", TABLES[i]);
+        }
+        if check {
+            let seed = 11 + i as u64;
+            if let Some(at) = first_mismatch(seed, TABLES[i], &prompt[i], &f.bytes) {
+                bail!("table {}: row {at} is not the generator's", TABLES[i]);
+            }
+        }
+    }
+    Ok(secs)
+}
+
+/// One floor request of `bytes`: its seconds.
+fn floor_once(s: &mut TcpStream, bytes: usize, sink: &mut [u8]) -> Result<f64> {
+    let t0 = Instant::now();
+    s.write_all(&(bytes as u64).to_le_bytes())?;
+    let mut left = bytes;
+    while left > 0 {
+        let take = left.min(sink.len());
+        let n = s.read(&mut sink[..take])?;
+        if n == 0 {
+            bail!("the floor's server closed the connection");
+        }
+        left -= n;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+fn gbps(bytes: usize, ms: f64) -> f64 {
+    bytes as f64 / (ms / 1e3) / 1e9
+}
+
+fn print_report(r: &Report) {
+    println!(
+        "prefill: both tables' rows of a prompt in one sweep; each donor on its own link shaped to {} Mbit/s; medians of {} rounds",
+        r.link_mbit, r.rounds
+    );
+    let rows: Vec<Vec<String>> = r
+        .lengths
+        .iter()
+        .map(|l| {
+            vec![
+                l.positions.to_string(),
+                format!("{:.1}", l.bytes as f64 / 1e6),
+                format!("{:.2} ({:.3})", l.floor_ms, gbps(l.bytes, l.floor_ms)),
+                format!(
+                    "{:.2} ({:.3})",
+                    l.one_donor_ms,
+                    gbps(l.bytes, l.one_donor_ms)
+                ),
+                format!(
+                    "{:.2} ({:.3})",
+                    l.two_replicas_ms,
+                    gbps(l.bytes, l.two_replicas_ms)
+                ),
+                format!("{:.2} ({:.3})", l.local_ms, gbps(l.bytes, l.local_ms)),
+                format!("{:.2}", l.one_vs_floor),
+                format!("{:.2}", l.two_vs_one),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "positions",
+            "MB",
+            "floor ms (GB/s)",
+            "one donor ms (GB/s)",
+            "two replicas ms (GB/s)",
+            "local RAM ms (GB/s)",
+            "one/floor",
+            "two/one",
+        ],
+        &rows,
+    );
+    println!(
+        "Engram share of time to first token = the sweep's time above (every row in before layer 1's fusion ends)"
+    );
+    let yes = |b: bool| if b { "met" } else { "NOT met" };
+    println!(
+        "targets: one donor >= 0.70 of the floor's bandwidth: {}; two replicas >= 1.7x one donor: {}",
+        yes(r.one_donor_target_met),
+        yes(r.two_replicas_target_met)
+    );
+}
+
+fn chart(r: &Report) -> Bars {
+    let mut bars = Vec::new();
+    for l in &r.lengths {
+        for (name, ms, floor) in [
+            ("floor", l.floor_ms, true),
+            ("one donor", l.one_donor_ms, false),
+            ("two replicas", l.two_replicas_ms, false),
+        ] {
+            bars.push(Bar {
+                label: format!("{} positions, {name}", l.positions),
+                value: gbps(l.bytes, ms),
+                floor,
+            });
+        }
+    }
+    Bars {
+        title: format!(
+            "prefill sweep bandwidth, links shaped to {} Mbit/s (median of {})",
+            r.link_mbit, r.rounds
+        ),
+        unit: "GB/s".into(),
+        bars,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_rows_are_distinct_sorted_and_in_range() {
+        let mut rng = SplitMix64::new(1);
+        let v = prompt_rows(&mut rng, 5000, 6000);
+        assert_eq!(v.len(), 5000);
+        assert!(v.windows(2).all(|w| w[0] < w[1]));
+        assert!(v.iter().all(|&r| r < 6000));
+    }
+}
