@@ -11,6 +11,8 @@ mod floor;
 mod load;
 mod paced;
 mod paced_contention;
+mod paced_draft;
+mod prefill;
 mod rack;
 mod ssd;
 mod stats;
@@ -42,6 +44,8 @@ enum Cmd {
     Engines(engines::EnginesArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),
+    /// A prompt's rows in one sweep: one donor, two replicas on links of their own (network namespaces) and local RAM, against the raw bandwidth of the same link.
+    Prefill(prefill::PrefillArgs),
     /// Donor start: a verified, a trusted, a cold load and a restart from systemd's fd store, against the hash and read floors of the same file.
     Load(load::LoadArgs),
     /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
@@ -54,6 +58,9 @@ enum Cmd {
     /// (internal) The Rust side of `engines`.
     #[command(hide = true)]
     EnginesRustSide(engines::RustSideArgs),
+    /// (internal) The prefill floor's server side.
+    #[command(hide = true)]
+    PrefillFloorServer(prefill::PrefillFloorArgs),
     /// (internal) The floor's server side.
     #[command(hide = true)]
     FloorServer(floor::FloorServerArgs),
@@ -69,6 +76,8 @@ fn main() -> Result<()> {
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Load(a) => load::run(&a),
+        Cmd::Prefill(a) => prefill::run(&a),
+        Cmd::PrefillFloorServer(a) => prefill::floor_server(&a),
         Cmd::Model(a) => model::run(&a),
         Cmd::PlotSample(a) => plot::run_sample(&a),
         Cmd::FloorServer(a) => floor::floor_server(&a),

@@ -43,6 +43,17 @@ pub struct PacedArgs {
     /// the same drive, at each I/O priority (`paced-contention.json`).
     #[arg(long)]
     contention: bool,
+    /// Instead: speculative decoding with a draft stand-in, with and
+    /// without draft prefetch, across --draft-ks and the rates (default
+    /// 100,400,1000) (`paced-draft.json`).
+    #[arg(long)]
+    draft: bool,
+    /// Draft lengths K for --draft.
+    #[arg(long, value_delimiter = ',', default_values_t = [2, 4, 8])]
+    draft_ks: Vec<usize>,
+    /// Time per draft token for --draft, microseconds.
+    #[arg(long, default_value_t = 200)]
+    draft_us: u64,
 }
 
 /// (node, label, sources of both routes).
@@ -145,6 +156,8 @@ impl Point {
 pub fn run(args: &PacedArgs) -> Result<()> {
     let default_rates: &[f64] = if args.contention {
         &[100.0, 400.0]
+    } else if args.draft {
+        &[100.0, 400.0, 1000.0]
     } else {
         &[25.0, 50.0, 100.0, 200.0, 400.0, 1000.0]
     };
@@ -173,6 +186,21 @@ pub fn run(args: &PacedArgs) -> Result<()> {
             args.seconds_per_point,
             args.json,
         );
+    }
+    if args.draft {
+        if args.draft_us > inference_node::model::MAX_DRAFT_TIME.as_micros() as u64 {
+            bail!("--draft-us {} is over 1000000", args.draft_us);
+        }
+        return crate::paced_draft::run(&crate::paced_draft::DraftArgs {
+            out,
+            hash_base: args.hash_base,
+            rates,
+            ks: &args.draft_ks,
+            draft_us: args.draft_us,
+            seconds: args.seconds_per_point,
+            repeat: args.repeat,
+            json: args.json,
+        });
     }
     let tables = rack::table_pair(out, args.hash_base)?;
     let rows = [tables.tables[0].rows, tables.tables[1].rows];

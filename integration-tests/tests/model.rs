@@ -123,6 +123,50 @@ fn a_paced_run_traces_every_step_and_fuses_what_local_ram_fuses() {
 }
 
 #[test]
+fn draft_prefetch_on_a_donor_fuses_what_local_ram_fuses_without_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let go = |name: &str, file: &str, extra: &[&str]| {
+        let t = dir.path().join(file);
+        let mut a = vec!["--tokens", "60", "--speculate", "3", "--trace"];
+        let path = t.display().to_string();
+        a.push(&path);
+        a.extend_from_slice(extra);
+        let (ok, _, err) = run(&config, name, &a);
+        assert!(ok, "{err}");
+        trace(&t)
+    };
+    let reference = checksums(&go("ref", "ref.jsonl", &[]));
+    assert_eq!(reference.len(), 60);
+    let drafted = ["--draft-us", "300"];
+    let off = go("n", "off.jsonl", &drafted);
+    let on = go(
+        "n",
+        "on.jsonl",
+        &[&drafted[..], &["--draft-prefetch"]].concat(),
+    );
+    for steps in [&off, &on] {
+        assert_eq!(steps.len(), 15);
+        assert!(
+            steps
+                .iter()
+                .all(|s| s["kind"] == "verify" && s["draft_us"].as_f64() >= Some(900.0))
+        );
+    }
+    // One message per table per step without prefetch; one per position
+    // (less rows asked already) with it.
+    assert!(off.iter().all(|s| s["tables"][0]["messages"] == 1));
+    assert!(
+        on.iter()
+            .any(|s| s["tables"][0]["messages"].as_u64() > Some(1))
+    );
+    assert_eq!(checksums(&off), reference);
+    assert_eq!(checksums(&on), reference);
+}
+
+#[test]
 fn a_table_with_no_usable_source_stops_the_node_at_start() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = model_rack(dir.path()).expect("rack");

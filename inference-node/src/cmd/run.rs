@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use inference_node::metrics::NodeMetrics;
 use inference_node::model::node::{Backbone, InputChoice, NodeModel};
 use inference_node::model::summary::Seconds;
-use inference_node::model::{LoopSpec, MAX_BATCH, MAX_SPECULATE};
+use inference_node::model::{Draft, LoopSpec, MAX_BATCH, MAX_DRAFT_TIME, MAX_SPECULATE};
 
 /// Arguments of `run`.
 #[derive(clap::Args, Debug)]
@@ -48,6 +48,15 @@ pub struct RunArgs {
     /// Draft positions verified with each token ((k+1) x 24 rows per table per step).
     #[arg(long, default_value_t = 0)]
     pub speculate: usize,
+    /// With --speculate: a draft model's stand-in taking this many
+    /// microseconds per draft token before each verification (at most
+    /// 1,000,000).
+    #[arg(long, value_name = "US")]
+    pub draft_us: Option<u64>,
+    /// With --draft-us: fetch each draft's rows as soon as it is drafted,
+    /// not when the verification starts.
+    #[arg(long)]
+    pub draft_prefetch: bool,
     /// Serve /metrics here (default: the node's `metrics` key, if set).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
@@ -76,6 +85,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if args.speculate > MAX_SPECULATE {
         bail!("--speculate {} is over {MAX_SPECULATE}", args.speculate);
     }
+    let draft = match args.draft_us {
+        None if args.draft_prefetch => bail!("--draft-prefetch needs --draft-us"),
+        None => None,
+        Some(_) if args.speculate == 0 => bail!("--draft-us needs --speculate 1 or more"),
+        Some(us) if us > MAX_DRAFT_TIME.as_micros() as u64 => {
+            bail!("--draft-us {us} is over {}", MAX_DRAFT_TIME.as_micros())
+        }
+        Some(us) => Some(Draft {
+            per_token: std::time::Duration::from_micros(us),
+            prefetch: args.draft_prefetch,
+        }),
+    };
     let config = cluster_config::Config::load(&args.config)?;
     let node = config
         .node(&args.name)
@@ -112,17 +133,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
         batch: args.batch,
         prefill: args.prefill,
         speculate: args.speculate,
+        draft,
         ..LoopSpec::default()
     };
     eprintln!(
-        "running {} tokens from {} at {} tokens/s (fusion: {}, batch {}, prefill {}, speculate {})",
+        "running {} tokens from {} at {} tokens/s (fusion: {}, batch {}, prefill {}, speculate {}{})",
         args.tokens.map_or(tokens.raw.len() as u64, |t| t),
         tokens.origin,
         spec.tokens_per_second,
         nm.fusion_name(),
         spec.batch,
         spec.prefill,
-        spec.speculate
+        spec.speculate,
+        match draft {
+            Some(d) => format!(
+                ", drafts {} us each, prefetch {}",
+                d.per_token.as_micros(),
+                if d.prefetch { "on" } else { "off" }
+            ),
+            None => String::new(),
+        }
     );
     let stop = Arc::new(AtomicBool::new(false));
     super::stop_on_signals(stop.clone());

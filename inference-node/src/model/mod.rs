@@ -4,8 +4,8 @@
 //! One step (a token, or a batch of them) runs:
 //! 1. map and hash its positions (both Engram layers, every sequence);
 //! 2. start both tables' fetches (one message per table: every position's
-//!    rows, deduplicated; a wide prefill is cut into messages of at most
-//!    the frame cap);
+//!    rows, deduplicated; a wide prefill is a sweep of chunks striped across
+//!    the table's replicas, [`fetch::fetch_rows`]);
 //! 3. run the 40 blocks of the backbone on an absolute schedule, block `b`
 //!    ending at `start + (b + 1) W / 40` plus the stalls so far (`W`: the
 //!    step time at the target rate; on the CPU a precise wait, see
@@ -44,6 +44,7 @@ use thiserror::Error;
 use crate::engram::fusion::{Fusion, FusionError};
 use clock::Clock;
 pub use input::Tokens;
+pub use step::SeqSpec;
 pub use summary::Summary;
 
 /// Blocks of one V4.1 step.
@@ -87,7 +88,29 @@ pub struct LoopSpec {
     pub speculate: usize,
     /// Seed of the stand-in hidden states.
     pub hidden_seed: u64,
+    /// A draft model's stand-in before each verification (with
+    /// `speculate` > 0): its drafts appear one by one, and their rows may be
+    /// fetched as each appears.
+    pub draft: Option<Draft>,
 }
+
+/// The draft stand-in of a speculative step: the `k` draft positions of a
+/// verification appear one every `per_token` (draft `j` at `j x per_token`
+/// after the step starts; the verification pass starts with the last).
+/// The drafts are the input's next tokens (teacher-forced: every draft is
+/// accepted, so the outputs are the same whatever the timing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Draft {
+    /// Time the draft model takes per draft token.
+    pub per_token: Duration,
+    /// Fetch each position's rows as soon as it exists (the known position
+    /// at the step's start, each draft when drafted), instead of all of
+    /// them when the verification pass starts.
+    pub prefetch: bool,
+}
+
+/// The longest a draft token may take.
+pub const MAX_DRAFT_TIME: Duration = Duration::from_secs(1);
 
 impl Default for LoopSpec {
     fn default() -> Self {
@@ -98,6 +121,7 @@ impl Default for LoopSpec {
             prefill: 0,
             speculate: 0,
             hidden_seed: 0x5eed,
+            draft: None,
         }
     }
 }
@@ -220,8 +244,12 @@ pub struct StepRecord {
     pub step: u64,
     /// `prefill`, `decode` or `verify` (decode with draft positions).
     pub kind: StepKind,
-    /// Start, in microseconds from the run's start.
+    /// Start, in microseconds from the run's start (with a draft stand-in:
+    /// of the verification pass, after the drafts).
     pub start_us: f64,
+    /// Time the draft stand-in took before the pass (0 without one).
+    #[serde(default)]
+    pub draft_us: f64,
     /// Target step time `W`.
     pub w_us: f64,
     /// Both tables.
@@ -230,7 +258,7 @@ pub struct StepRecord {
     pub stall_us: f64,
     /// Time past `W + stall` (compute that did not fit its blocks).
     pub overrun_us: f64,
-    /// Time the step took.
+    /// Time the step took (the drafts' time included).
     pub time_us: f64,
     /// Time spent fusing.
     pub fusion_us: f64,
@@ -313,7 +341,21 @@ pub fn run<C: Clock, F: Fetcher>(
     on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
 ) -> Result<Summary, LoopError> {
     check_spec(spec, tokens, &slots)?;
-    let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, tokens, spec)?;
+    let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, spec);
+    let shared = std::sync::Arc::new(tokens.clone());
+    for (s, range) in step::split(tokens.raw.len(), spec.batch)
+        .into_iter()
+        .enumerate()
+    {
+        lp.admit(SeqSpec {
+            tag: s as u64,
+            tokens: shared.clone(),
+            range,
+            prefill: spec.prefill,
+            speculate: spec.speculate,
+            limit: None,
+        })?;
+    }
     let mut summary = Summary::new(spec, slots, lp.w);
     while !stop.load(Ordering::Relaxed) {
         let Some(rec) = lp.step()? else { break };
@@ -322,6 +364,80 @@ pub fn run<C: Clock, F: Fetcher>(
     }
     summary.finish(clock.now());
     Ok(summary)
+}
+
+/// What a continuous batch does between its steps (the node daemon's
+/// requests joining and leaving).
+pub trait BatchDriver {
+    /// Sequences that join before the next step; `running` are in the
+    /// loop now. The batch ends when none are running and none join.
+    fn admit(&mut self, running: usize) -> Vec<SeqSpec>;
+    /// Sequences that leave before the next step, unfinished (their
+    /// caller went away).
+    fn cancelled(&mut self) -> Vec<u64>;
+    /// A step ran (`Some`: every sequence's positions in one record), or
+    /// none could; `finished` are the tags of the sequences that ended
+    /// with it (their last positions are in the record).
+    fn after_step(&mut self, rec: Option<&StepRecord>, finished: &[u64]);
+}
+
+/// Run a continuous batch: before each step `driver` admits sequences,
+/// after it learns which finished; one message per table per step for
+/// every sequence in the batch. `spec` gives the rate, hidden seed and
+/// draft stand-in; each sequence brings its own prefill, speculation and
+/// limit (`spec.max_tokens` and `spec.batch` are not used).
+#[allow(clippy::too_many_arguments)] // the loop's whole context, each used once
+pub fn run_batch<C: Clock, F: Fetcher>(
+    clock: &C,
+    fetcher: &mut F,
+    fusion: &mut dyn Fusion,
+    params: &HashParams,
+    slots: [TableSlot; 2],
+    spec: &LoopSpec,
+    driver: &mut dyn BatchDriver,
+) -> Result<(), LoopError> {
+    let spec = LoopSpec {
+        max_tokens: None,
+        batch: 1,
+        ..spec.clone()
+    };
+    check_spec(
+        &spec,
+        &Tokens {
+            raw: vec![0],
+            compressed: vec![0],
+            pad: 0,
+            origin: String::new(),
+        },
+        &slots,
+    )?;
+    let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, &spec);
+    loop {
+        for tag in driver.cancelled() {
+            lp.remove(tag);
+        }
+        let running = lp.sequences().len();
+        for s in driver.admit(running) {
+            if s.speculate > MAX_SPECULATE {
+                return Err(LoopError::Spec(format!(
+                    "speculation {} is over {MAX_SPECULATE}",
+                    s.speculate
+                )));
+            }
+            lp.admit(s)?;
+        }
+        if lp.sequences().is_empty() {
+            return Ok(());
+        }
+        let rec = lp.step()?;
+        let finished = lp.retire();
+        if rec.is_none() && !lp.sequences().is_empty() {
+            return Err(LoopError::Spec(
+                "a step had no position to run while sequences were unfinished".into(),
+            ));
+        }
+        driver.after_step(rec.as_ref(), &finished);
+    }
 }
 
 /// Refuse a spec the loop cannot run.
@@ -343,6 +459,19 @@ fn check_spec(spec: &LoopSpec, tokens: &Tokens, slots: &[TableSlot; 2]) -> Resul
             tokens.raw.len(),
             spec.batch
         )));
+    }
+    if let Some(d) = spec.draft {
+        if spec.speculate == 0 {
+            return Err(LoopError::Spec(
+                "a draft stand-in needs speculation (--speculate 1 or more)".into(),
+            ));
+        }
+        if d.per_token > MAX_DRAFT_TIME {
+            return Err(LoopError::Spec(format!(
+                "a draft token of {:?} is over the limit of {MAX_DRAFT_TIME:?}",
+                d.per_token
+            )));
+        }
     }
     if let Some(s) = slots.iter().find(|s| !(1..BLOCKS).contains(&s.layer)) {
         return Err(LoopError::Spec(format!("layer {} has no block", s.layer)));

@@ -25,13 +25,73 @@ struct Work {
     index: u32,
     raw: u32,
     rows: Option<PositionRows>,
+    /// Its place among its sequence's positions this step: 0 the known
+    /// one (and every prefilled one), `j` the `j`-th draft.
+    offset: u32,
+    /// Prefilled (not decoded).
+    prefill: bool,
+    /// Its sequence's index in the loop this step.
+    slot: usize,
 }
 
-/// A step's fetches: the distinct rows of each table (sorted), the fetch
-/// of each in flight, and how many rows the positions need per table.
+/// One sequence in the loop: its input, where it is, and how it runs.
+pub(crate) struct Seq<'a> {
+    /// Its number in position records (the batch index for `run`, the
+    /// request's for the daemon).
+    pub(crate) tag: u64,
+    tokens: std::sync::Arc<Tokens>,
+    range: Range<usize>,
+    hasher: SequenceHasher<'a>,
+    /// Next position.
+    next: usize,
+    /// Positions fetched and fused in its first step.
+    prefill: usize,
+    /// Draft positions verified with each decoded one.
+    speculate: usize,
+    /// Most positions it decodes (`None`: to its input's end).
+    limit: Option<u64>,
+    /// Positions it decoded.
+    decoded: u64,
+}
+
+impl Seq<'_> {
+    fn prefilling(&self) -> bool {
+        self.prefill > 0 && self.next == 0
+    }
+
+    /// Nothing left to fetch: its input's end or its limit reached.
+    pub(crate) fn done(&self) -> bool {
+        self.range.start + self.next >= self.range.end
+            || self.limit.is_some_and(|l| self.decoded >= l)
+    }
+}
+
+/// How a sequence joins the loop.
+#[derive(Debug, Clone)]
+pub struct SeqSpec {
+    /// Its number in position records.
+    pub tag: u64,
+    /// Its input.
+    pub tokens: std::sync::Arc<Tokens>,
+    /// Which of the input's positions it runs.
+    pub range: Range<usize>,
+    /// Positions prefilled in its first step.
+    pub prefill: usize,
+    /// Draft positions per verification.
+    pub speculate: usize,
+    /// Most positions decoded.
+    pub limit: Option<u64>,
+}
+
+/// A fetch in flight: the rows it asked for (sorted) and its handle.
+type Part<P> = (Vec<u64>, P);
+
+/// A step's fetches: the distinct rows of each table (sorted), the fetches
+/// in flight for them (one, or one per position group with draft
+/// prefetch), and how many rows the positions need per table.
 struct StepFetches<P> {
     unique: [Vec<u64>; 2],
-    pending: [Option<P>; 2],
+    parts: [Vec<Part<P>>; 2],
     needed: usize,
 }
 
@@ -41,14 +101,11 @@ pub(super) struct Loop<'a, C, F> {
     pub(super) fetcher: &'a mut F,
     pub(super) fusion: &'a mut dyn Fusion,
     pub(super) slots: [TableSlot; 2],
-    pub(super) tokens: &'a Tokens,
+    params: &'a HashParams,
     pub(super) spec: &'a LoopSpec,
     /// The step time at the target rate.
     pub(super) w: Duration,
-    seqs: Vec<Range<usize>>,
-    hashers: Vec<SequenceHasher<'a>>,
-    /// Next position of each sequence.
-    next: Vec<usize>,
+    seqs: Vec<Seq<'a>>,
     decoded: u64,
     step: u64,
     state_len: usize,
@@ -58,81 +115,117 @@ pub(super) struct Loop<'a, C, F> {
 }
 
 /// Cut `n` tokens into `batch` contiguous sequences of equal length.
-fn split(n: usize, batch: usize) -> Vec<Range<usize>> {
+pub(super) fn split(n: usize, batch: usize) -> Vec<Range<usize>> {
     let len = n / batch;
     (0..batch).map(|i| i * len..(i + 1) * len).collect()
 }
 
 impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
-    /// A loop at its first step (the spec already checked).
-    #[allow(clippy::too_many_arguments)] // the loop's whole context, each kept
+    /// A loop with no sequence yet (the spec already checked).
     pub(super) fn new(
         clock: &'a C,
         fetcher: &'a mut F,
         fusion: &'a mut dyn Fusion,
         params: &'a HashParams,
         slots: [TableSlot; 2],
-        tokens: &'a Tokens,
         spec: &'a LoopSpec,
-    ) -> Result<Self, LoopError> {
-        let seqs = split(tokens.raw.len(), spec.batch);
-        let hashers = seqs
-            .iter()
-            .map(|_| SequenceHasher::new(params, tokens.pad))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|error| LoopError::Hash {
-                seq: 0,
-                index: 0,
-                error,
-            })?;
+    ) -> Self {
         let state_len = fusion.shape().state_len();
-        Ok(Self {
+        Self {
             clock,
             fetcher,
             fusion,
             slots,
-            tokens,
+            params,
             spec,
             w: Duration::from_secs_f64(1.0 / spec.tokens_per_second),
-            next: vec![0; seqs.len()],
-            seqs,
-            hashers,
+            seqs: Vec::new(),
             decoded: 0,
             step: 0,
             state_len,
             hidden: Vec::new(),
             rowbuf: Vec::new(),
             live: Vec::new(),
-        })
+        }
+    }
+
+    /// A sequence joins at the next step.
+    pub(super) fn admit(&mut self, s: SeqSpec) -> Result<(), LoopError> {
+        let hasher =
+            SequenceHasher::new(self.params, s.tokens.pad).map_err(|error| LoopError::Hash {
+                seq: s.tag as usize,
+                index: 0,
+                error,
+            })?;
+        self.seqs.push(Seq {
+            tag: s.tag,
+            tokens: s.tokens,
+            range: s.range,
+            hasher,
+            next: 0,
+            prefill: s.prefill,
+            speculate: s.speculate,
+            limit: s.limit,
+            decoded: 0,
+        });
+        Ok(())
+    }
+
+    /// Sequences in the loop, finished ones included until [`Loop::retire`].
+    pub(crate) fn sequences(&self) -> &[Seq<'a>] {
+        &self.seqs
+    }
+
+    /// Take sequence `tag` out, finished or not.
+    pub(crate) fn remove(&mut self, tag: u64) {
+        self.seqs.retain(|s| s.tag != tag);
+    }
+
+    /// Take the finished sequences out; their tags.
+    pub(crate) fn retire(&mut self) -> Vec<u64> {
+        let done: Vec<u64> = self
+            .seqs
+            .iter()
+            .filter(|s| s.done())
+            .map(|s| s.tag)
+            .collect();
+        self.seqs.retain(|s| !s.done());
+        done
     }
 
     /// Run the next step; `None` once the input (or `max_tokens`) is done.
     pub(super) fn step(&mut self) -> Result<Option<StepRecord>, LoopError> {
-        let prefill = self.step == 0 && self.spec.prefill > 0;
-        let Some(take) = self.positions_per_sequence(prefill) else {
+        let Some(take) = self.decode_take() else {
             return Ok(None);
         };
         let t0 = self.clock.now();
-        let work = self.hash(take, prefill)?;
+        let work = self.hash(take)?;
         if work.is_empty() {
             return Ok(None);
         }
-        let fetches = self.start_fetches(&work);
+        let prefill = work.iter().all(|p| p.prefill);
+        let drafts = work.iter().map(|p| p.offset).max().unwrap_or(0);
+        let draft = self.spec.draft.filter(|_| drafts > 0);
+        // The verification pass starts when the last draft exists.
+        let pass = t0 + draft.map_or(Duration::ZERO, |d| d.per_token * drafts);
+        let fetches = self.start_fetches(t0, &work, draft, drafts);
+        self.clock.sleep_until(pass);
         self.start_states(&work);
-        let (tables, stall, fusion_time) = self.blocks(t0, &work, fetches)?;
-        let end = t0 + self.w + stall;
+        let (tables, stall, fusion_time) = self.blocks(pass, &work, fetches)?;
+        let end = pass + self.w + stall;
         self.clock.sleep_until(end);
         let done = self.clock.now();
         let rec = StepRecord {
             step: self.step,
             kind: if prefill {
                 StepKind::Prefill
-            } else if self.spec.speculate > 0 {
+            } else if work.iter().any(|p| p.offset > 0) || self.spec.speculate > 0 {
                 StepKind::Verify
             } else {
                 StepKind::Decode
             },
-            start_us: us(t0),
+            start_us: us(pass),
+            draft_us: us(pass - t0),
             w_us: us(self.w),
             tables,
             stall_us: us(stall),
@@ -141,78 +234,140 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             fusion_us: us(fusion_time),
             positions: self.record(&work),
         };
-        self.decoded += rec.decoded() as u64;
+        for p in &work {
+            if !p.prefill {
+                self.decoded += 1;
+                self.seqs[p.slot].decoded += 1;
+            }
+        }
         self.step += 1;
         Ok(Some(rec))
     }
 
-    /// Positions per sequence this step: the prefill's, or one plus the
-    /// drafts (the last step takes what is left of `max_tokens`, spread
-    /// over the batch); `None` when `max_tokens` are decoded.
-    fn positions_per_sequence(&self, prefill: bool) -> Option<usize> {
-        if prefill {
-            return Some(self.spec.prefill);
+    /// How many positions a decoding sequence may take this step under
+    /// the run's `max_tokens` (what is left of it, spread over the
+    /// sequences); `None` when `max_tokens` are decoded and no sequence
+    /// still has its prefill to do.
+    fn decode_take(&self) -> Option<usize> {
+        let Some(max) = self.spec.max_tokens else {
+            return Some(usize::MAX);
+        };
+        let left = max.saturating_sub(self.decoded);
+        if left == 0 {
+            return self.seqs.iter().any(Seq::prefilling).then_some(0);
         }
-        let take = self.spec.speculate + 1;
-        match self.spec.max_tokens {
-            None => Some(take),
-            Some(max) => {
-                let left = max.saturating_sub(self.decoded);
-                (left > 0).then(|| take.min(left.div_ceil(self.seqs.len() as u64) as usize))
-            }
-        }
+        let n = self.seqs.len().max(1) as u64;
+        Some(usize::try_from(left.div_ceil(n)).unwrap_or(usize::MAX))
     }
 
-    /// 1. Map and hash up to `take` positions of each sequence.
-    fn hash(&mut self, take: usize, prefill: bool) -> Result<Vec<Work>, LoopError> {
+    /// 1. Map and hash each sequence's positions this step: its prefill in
+    ///    its first step, else one plus its drafts (at most `take`, and what
+    ///    is left of its limit and of the run's `max_tokens`).
+    fn hash(&mut self, take: usize) -> Result<Vec<Work>, LoopError> {
         let mut work = Vec::new();
-        for (s, range) in self.seqs.iter().enumerate() {
-            let mut n = take;
-            if let Some(max) = self.spec.max_tokens.filter(|_| !prefill) {
-                n = n.min(max.saturating_sub(self.decoded + work.len() as u64) as usize);
-            }
-            for _ in 0..n {
-                let i = range.start + self.next[s];
-                if i >= range.end {
-                    break;
+        let mut decoding = 0u64;
+        for (slot, q) in self.seqs.iter_mut().enumerate() {
+            let prefill = q.prefilling();
+            let mut n = if prefill {
+                q.prefill
+            } else {
+                let mut n = (q.speculate + 1).min(take);
+                if let Some(l) = q.limit {
+                    n = n.min(l.saturating_sub(q.decoded) as usize);
                 }
+                if let Some(max) = self.spec.max_tokens {
+                    n = n.min(max.saturating_sub(self.decoded + decoding) as usize);
+                }
+                n
+            };
+            n = n.min(q.range.end.saturating_sub(q.range.start + q.next));
+            for offset in 0..n {
+                let i = q.range.start + q.next;
                 let mut rows = [[0u64; COLUMNS]; 2];
-                let live = self.hashers[s]
-                    .push(self.tokens.compressed[i], &mut rows)
+                let live = q
+                    .hasher
+                    .push(q.tokens.compressed[i], &mut rows)
                     .map_err(|error| LoopError::Hash {
-                        seq: s,
-                        index: self.next[s],
+                        seq: q.tag as usize,
+                        index: q.next,
                         error,
                     })?;
                 work.push(Work {
-                    seq: s as u32,
-                    index: self.next[s] as u32,
-                    raw: self.tokens.raw[i],
+                    seq: q.tag as u32,
+                    index: q.next as u32,
+                    raw: q.tokens.raw[i],
                     rows: live.then_some(rows),
+                    offset: if prefill { 0 } else { offset as u32 },
+                    prefill,
+                    slot,
                 });
-                self.next[s] += 1;
+                q.next += 1;
+            }
+            if !prefill {
+                decoding += n as u64;
             }
         }
         Ok(work)
     }
 
-    /// 2. Start both fetches: each table's distinct rows, one message.
-    fn start_fetches(&mut self, work: &[Work]) -> StepFetches<F::Pending> {
-        let mut unique: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
-        for (l, u) in unique.iter_mut().enumerate() {
-            u.extend(work.iter().filter_map(|p| p.rows).flat_map(|r| r[l]));
+    /// 2. Start both fetches: each table's distinct rows, one message, when
+    ///    the step's last position exists (with a draft stand-in, `drafts`
+    ///    tokens after `t0`). With draft prefetch, each position group's
+    ///    rows instead, as soon as the group exists (the known positions at
+    ///    `t0`, draft `j` at `j` draft times), less the rows asked already.
+    fn start_fetches(
+        &mut self,
+        t0: Duration,
+        work: &[Work],
+        draft: Option<super::Draft>,
+        drafts: u32,
+    ) -> StepFetches<F::Pending> {
+        let rows_of = |l: usize, group: Option<u32>| {
+            let mut u: Vec<u64> = work
+                .iter()
+                .filter(|p| group.is_none_or(|g| p.offset == g))
+                .filter_map(|p| p.rows)
+                .flat_map(|r| r[l])
+                .collect();
             u.sort_unstable();
             u.dedup();
-        }
-        let mut pending = [None, None];
-        for (l, p) in pending.iter_mut().enumerate() {
-            if !unique[l].is_empty() {
-                *p = Some(self.fetcher.start(l, unique[l].clone()));
+            u
+        };
+        let unique = [rows_of(0, None), rows_of(1, None)];
+        let mut parts: [Vec<Part<F::Pending>>; 2] = [Vec::new(), Vec::new()];
+        match draft {
+            Some(d) if d.prefetch => {
+                let mut asked: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+                for g in 0..=drafts {
+                    self.clock.sleep_until(t0 + d.per_token * g);
+                    for l in 0..2 {
+                        let mut rows = rows_of(l, Some(g));
+                        rows.retain(|r| asked[l].binary_search(r).is_err());
+                        if rows.is_empty() {
+                            continue;
+                        }
+                        asked[l].extend_from_slice(&rows);
+                        asked[l].sort_unstable();
+                        let p = self.fetcher.start(l, rows.clone());
+                        parts[l].push((rows, p));
+                    }
+                }
+            }
+            _ => {
+                if let Some(d) = draft {
+                    self.clock.sleep_until(t0 + d.per_token * drafts);
+                }
+                for (l, part) in parts.iter_mut().enumerate() {
+                    if !unique[l].is_empty() {
+                        let p = self.fetcher.start(l, unique[l].clone());
+                        part.push((unique[l].clone(), p));
+                    }
+                }
             }
         }
         StepFetches {
             unique,
-            pending,
+            parts,
             needed: work.iter().filter(|p| p.rows.is_some()).count() * COLUMNS,
         }
     }
@@ -244,9 +399,8 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         let mut fusion_time = Duration::ZERO;
         let mut records = Vec::with_capacity(2);
         for l in 0..self.slots.len() {
-            let pending = fetches.pending[l].take();
-            let (rec, this_stall, fused) =
-                self.table_block(l, t0, stall, work, &fetches, pending)?;
+            let parts = std::mem::take(&mut fetches.parts[l]);
+            let (rec, this_stall, fused) = self.table_block(l, t0, stall, work, &fetches, parts)?;
             stall += this_stall;
             fusion_time += fused;
             records.push(rec);
@@ -263,21 +417,24 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         stall_before: Duration,
         work: &[Work],
         fetches: &StepFetches<F::Pending>,
-        pending: Option<F::Pending>,
+        parts: Vec<Part<F::Pending>>,
     ) -> Result<(TableRecord, Duration, Duration), LoopError> {
         let slot = self.slots[l];
         let block_start = t0 + self.w * slot.layer / BLOCKS + stall_before;
         self.clock.sleep_until(block_start);
-        let f = match pending {
-            Some(p) => {
-                let f = self.fetcher.wait(p);
-                self.clock.sleep_until(f.ready);
-                f
-            }
-            None => Fetch {
+        let f = if parts.is_empty() {
+            Fetch {
                 ready: t0,
                 ..Fetch::default()
-            },
+            }
+        } else {
+            let got: Vec<(Vec<u64>, Fetch)> = parts
+                .into_iter()
+                .map(|(rows, p)| (rows, self.fetcher.wait(p)))
+                .collect();
+            let f = merge_parts(got, &fetches.unique[l]);
+            self.clock.sleep_until(f.ready);
+            f
         };
         // The stall is how long the block would wait for the rows on the
         // model's schedule (its start, pushed back by the stalls before
@@ -337,6 +494,52 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
     }
 }
 
+/// One table's fetches of a step as one: the rows of each part placed at
+/// their rank in `unique` (the parts' rows are disjoint and cover it), the
+/// last part's time, every source and count, and the first error.
+fn merge_parts(mut parts: Vec<(Vec<u64>, Fetch)>, unique: &[u64]) -> Fetch {
+    if parts.len() == 1 {
+        return parts.pop().map(|(_, f)| f).unwrap_or_default();
+    }
+    let mut all = Fetch {
+        bytes: vec![0; unique.len() * ROW_BYTES],
+        ..Fetch::default()
+    };
+    for (rows, f) in parts {
+        all.ready = all.ready.max(f.ready);
+        for s in f.sources {
+            if !all.sources.contains(&s) {
+                all.sources.push(s);
+            }
+        }
+        all.messages += f.messages;
+        all.hedges += f.hedges;
+        all.failovers += f.failovers;
+        all.late |= f.late;
+        all.zeros |= f.zeros;
+        if all.error.is_none() {
+            all.error = f.error;
+        }
+        if f.bytes.len() != rows.len() * ROW_BYTES {
+            // `gather` refuses a row that was not fetched; say why here.
+            all.error.get_or_insert_with(|| {
+                format!(
+                    "a fetch returned {} bytes for {} rows",
+                    f.bytes.len(),
+                    rows.len()
+                )
+            });
+            continue;
+        }
+        for (r, src) in rows.iter().zip(f.bytes.chunks_exact(ROW_BYTES)) {
+            if let Ok(k) = unique.binary_search(r) {
+                all.bytes[k * ROW_BYTES..(k + 1) * ROW_BYTES].copy_from_slice(src);
+            }
+        }
+    }
+    all
+}
+
 /// Lay out table `l`'s rows position by position (24 per live position,
 /// in column order) from the fetched distinct rows `unique` (sorted) into
 /// `rowbuf`. A row the fetch does not hold is an error, never a stand-in.
@@ -387,6 +590,9 @@ mod tests {
             index: 0,
             raw: 1,
             rows: Some(rows),
+            offset: 0,
+            prefill: false,
+            slot: 0,
         }];
         let f = Fetch {
             bytes: vec![7u8; ROW_BYTES],

@@ -97,6 +97,10 @@ pub struct Summary {
     predicted_from_start_ms: f64,
     #[serde(skip)]
     decode_steps: u64,
+    /// Time the draft stand-in took over the decode steps, seconds (part
+    /// of the stall-free time).
+    #[serde(default)]
+    pub draft_s: f64,
 }
 
 impl Summary {
@@ -137,6 +141,7 @@ impl Summary {
             predicted_ms: 0.0,
             predicted_from_start_ms: 0.0,
             decode_steps: 0,
+            draft_s: 0.0,
         }
     }
 
@@ -193,14 +198,18 @@ impl Summary {
             stalls_ms += rec.stall_us / 1e3;
             window_start_ms = block_ms * f64::from(t.layer) + stalls_ms;
         }
-        self.predicted_ms += predict(w_ms, &tables).time_ms;
-        self.predicted_from_start_ms += predict(w_ms, &from_start).time_ms;
+        // The drafts come before the pass, stall-free: the formula's step
+        // is the pass, and the drafts' time is added to both.
+        let draft_ms = r.draft_us / 1e3;
+        self.draft_s += draft_ms / 1e3;
+        self.predicted_ms += predict(w_ms, &tables).time_ms + draft_ms;
+        self.predicted_from_start_ms += predict(w_ms, &from_start).time_ms + draft_ms;
     }
 
     /// Close the run at `now` (its wall time).
     pub fn finish(&mut self, now: Duration) {
         self.elapsed_s = now.as_secs_f64();
-        let ideal_s = self.decode_steps as f64 * self.w_ms / 1e3;
+        let ideal_s = self.decode_steps as f64 * self.w_ms / 1e3 + self.draft_s;
         if self.decode_s > 0.0 {
             self.tokens_per_second = self.tokens as f64 / self.decode_s;
             self.slowdown = self.decode_s / ideal_s - 1.0;

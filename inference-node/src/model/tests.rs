@@ -477,3 +477,102 @@ fn trace_lines_read_back_as_the_records_written() {
     let e = serde_json::from_str::<StepRecord>(&bad).expect_err("unknown kind");
     assert!(e.to_string().contains("sideways"), "{e}");
 }
+
+#[test]
+fn draft_prefetch_fetches_each_draft_as_it_appears_and_fuses_identical_outputs() {
+    let toks = tokens(120);
+    let instant = |_: usize, _: usize| Duration::ZERO;
+    let reference = checksums(&run_fake(&LoopSpec::default(), &toks, instant, Duration::ZERO).1);
+    let spec = |prefetch| LoopSpec {
+        speculate: 3,
+        max_tokens: Some(40),
+        draft: Some(Draft {
+            per_token: MS,
+            prefetch,
+        }),
+        ..LoopSpec::default()
+    };
+    // Without prefetch: one message per table when the pass starts (3 ms
+    // in), its 96 rows taking 2 ms: table 1 (window 0.25 ms) stalls 1.75 ms.
+    let (s, off, log) = run_fake(&spec(false), &toks, |_, _| 2 * MS, Duration::ZERO);
+    assert_eq!(log.len(), 20, "one message per table per step");
+    for r in &off {
+        assert!(close(r.draft_us, 3000.0), "{}", r.draft_us);
+        assert!(close(r.tables[0].ready_us, 2000.0));
+        assert!(close(r.tables[0].stall_us, 1750.0), "{:?}", r.tables[0]);
+        assert!(
+            close(r.time_us, 3000.0 + 10_000.0 + 1750.0),
+            "{}",
+            r.time_us
+        );
+    }
+    assert!(close(s.draft_s, 10.0 * 3e-3));
+    // Slowdown counts stalls, not the drafts' time.
+    assert!(
+        close(s.slowdown, 10.0 * 1.75 / (10.0 * 13.0)),
+        "{}",
+        s.slowdown
+    );
+    // With prefetch: a message per position group as it appears (0, 1, 2
+    // and 3 ms), each of 24 rows taking 0.5 ms: the last is ready 0.5 ms
+    // into the pass, so table 1 stalls 0.25 ms.
+    let (s2, on, log) = run_fake(&spec(true), &toks, |_, _| MS / 2, Duration::ZERO);
+    assert!(log.len() > 20 && log.len() <= 80, "{}", log.len());
+    assert!(log.iter().all(|&(_, n)| n <= 24));
+    for r in &on {
+        assert!(close(r.tables[0].ready_us, 500.0), "{:?}", r.tables[0]);
+        assert!(close(r.tables[0].stall_us, 250.0), "{:?}", r.tables[0]);
+        assert!(r.tables[0].messages > 1);
+        assert_eq!(r.tables[0].rows, 4 * 24);
+    }
+    assert!(s2.tokens_per_second > s.tokens_per_second);
+    // The same outputs either way, and the same as plain decoding.
+    let (a, b) = (checksums(&off), checksums(&on));
+    assert_eq!(a, b);
+    assert_eq!(a.len(), 40);
+    assert!(a.iter().all(|(k, v)| reference.get(k) == Some(v)));
+}
+
+#[test]
+fn a_draft_stand_in_needs_speculation_and_a_bounded_time() {
+    let toks = tokens(20);
+    let clock = FakeClock::default();
+    let mut fetcher = FakeFetcher::new(&clock, |_, _| Duration::ZERO);
+    for (spec, want) in [
+        (
+            LoopSpec {
+                draft: Some(Draft {
+                    per_token: MS,
+                    prefetch: true,
+                }),
+                ..LoopSpec::default()
+            },
+            "needs speculation",
+        ),
+        (
+            LoopSpec {
+                speculate: 2,
+                draft: Some(Draft {
+                    per_token: MAX_DRAFT_TIME + MS,
+                    prefetch: false,
+                }),
+                ..LoopSpec::default()
+            },
+            "over the limit",
+        ),
+    ] {
+        let e = run(
+            &clock,
+            &mut fetcher,
+            &mut cpu(),
+            &params(),
+            v41_slots(1, 14),
+            &toks,
+            &spec,
+            &AtomicBool::new(false),
+            &mut |_| Ok(()),
+        )
+        .expect_err("refused");
+        assert!(e.to_string().contains(want), "{e}");
+    }
+}

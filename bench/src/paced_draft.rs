@@ -1,0 +1,250 @@
+//! `engram-bench paced --draft`: speculative decoding with a draft model's
+//! stand-in (`inference-node run --speculate K --draft-us D`), served by a
+//! donor over loopback TCP, with and without draft prefetch, across draft
+//! lengths K and token rates: stall and tokens/s next to seed 000's
+//! prediction from the fetch times each run measured (the drafts' time
+//! added to both).
+//!
+//! Without prefetch a verification fetches its `(K+1) x 24` rows per table
+//! when the pass starts; with it each position's rows are fetched as soon
+//! as it exists, so only the last draft's are left for the pass.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use inference_node::model::Summary;
+use serde::Serialize;
+
+use crate::plot::{Bar, Bars};
+use crate::rack::{self, Child, NodeSpec, RackSpec};
+use crate::stats::median;
+
+/// One (K, rate, prefetch) point: medians over its runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    k: usize,
+    rate: f64,
+    prefetch: bool,
+    tokens_per_second: f64,
+    predicted_tokens_per_second: f64,
+    measured_over_predicted: f64,
+    stall_p50_us: f64,
+    stall_p99_us: f64,
+    /// Table 1's fetch p50 (from the pass's start; 0 when it was in before).
+    fetch_p50_us: f64,
+    runs: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    draft_us: u64,
+    seconds_per_point: f64,
+    repeat: usize,
+    points: Vec<Point>,
+    /// Points where prefetch raised tokens/s.
+    faster_with_prefetch: usize,
+}
+
+/// Settings of the draft series.
+pub struct DraftArgs<'a> {
+    pub out: &'a Path,
+    pub hash_base: u64,
+    pub rates: &'a [f64],
+    pub ks: &'a [usize],
+    pub draft_us: u64,
+    pub seconds: f64,
+    pub repeat: usize,
+    pub json: bool,
+}
+
+/// Run every (K, rate) with and without prefetch, `repeat` times each.
+pub fn run(a: &DraftArgs) -> Result<()> {
+    if a.ks.is_empty()
+        || a.ks
+            .iter()
+            .any(|&k| !(1..=inference_node::model::MAX_SPECULATE).contains(&k))
+    {
+        bail!(
+            "--draft-ks must be draft lengths in 1..={}",
+            inference_node::model::MAX_SPECULATE
+        );
+    }
+    let t_all = Instant::now();
+    let tables = rack::table_pair(a.out, a.hash_base)?;
+    let spec = RackSpec {
+        donors: &["donor-a"],
+        nodes: vec![NodeSpec {
+            name: "donor",
+            sources: &["donor-a"],
+            ssd_ioprio: None,
+        }],
+        probe_interval_ms: 1000,
+        trust_copies: true,
+        transport: cluster_config::Transport::Tcp,
+    };
+    let rk = rack::write_config(a.out, &tables, &spec)?;
+    let donor = Child::launch_donor(&rk.config, "donor-a", &[])?;
+    donor.wait_ready(Duration::from_secs(120))?;
+    let runs_dir = a.out.join("draft-runs");
+    std::fs::create_dir_all(&runs_dir)?;
+    let mut points = Vec::new();
+    for &k in a.ks {
+        for &rate in a.rates {
+            for prefetch in [false, true] {
+                let mut runs = Vec::new();
+                for rep in 0..a.repeat {
+                    rack::check_interrupted()?;
+                    let tokens = (rate * a.seconds).round().max(1.0) as u64;
+                    let file = runs_dir.join(format!("k{k}-{rate}-{prefetch}-{}.json", rep + 1));
+                    let mut args = vec![
+                        "--tokens-per-second".to_string(),
+                        rate.to_string(),
+                        "--tokens".into(),
+                        tokens.to_string(),
+                        "--speculate".into(),
+                        k.to_string(),
+                        "--draft-us".into(),
+                        a.draft_us.to_string(),
+                        "--json".into(),
+                        "--quiet".into(),
+                    ];
+                    if prefetch {
+                        args.push("--draft-prefetch".into());
+                    }
+                    let timeout = Duration::from_secs_f64(a.seconds * 10.0 + 120.0);
+                    rack::run_node(&rk.config, "donor", &args, &file, timeout)?;
+                    let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+                        .with_context(|| format!("reading {}", file.display()))?;
+                    if s.failed_steps > 0 {
+                        bail!("k {k} at {rate} tokens/s: {} steps failed", s.failed_steps);
+                    }
+                    eprintln!(
+                        "k {k:>2} {rate:>6} tokens/s prefetch {:<3}: {:>8.1} tokens/s (predicted {:>8.1}), stall p99 {:>7.1} us",
+                        if prefetch { "on" } else { "off" },
+                        s.tokens_per_second,
+                        s.predicted_tokens_per_second,
+                        s.stall_p99_us
+                    );
+                    runs.push(s);
+                }
+                let m = |f: &dyn Fn(&Summary) -> f64| median(runs.iter().map(f).collect());
+                points.push(Point {
+                    k,
+                    rate,
+                    prefetch,
+                    tokens_per_second: m(&|s| s.tokens_per_second),
+                    predicted_tokens_per_second: m(&|s| s.predicted_tokens_per_second),
+                    measured_over_predicted: m(&|s| s.measured_over_predicted),
+                    stall_p50_us: m(&|s| s.stall_p50_us),
+                    stall_p99_us: m(&|s| s.stall_p99_us),
+                    fetch_p50_us: m(&|s| s.tables.first().map_or(f64::NAN, |t| t.fetch_p50_us)),
+                    runs: runs.len(),
+                });
+            }
+        }
+    }
+    drop(donor);
+    let faster = points
+        .chunks(2)
+        .filter(|p| p.len() == 2 && p[1].tokens_per_second > p[0].tokens_per_second)
+        .count();
+    let report = Report {
+        draft_us: a.draft_us,
+        seconds_per_point: a.seconds,
+        repeat: a.repeat,
+        points,
+        faster_with_prefetch: faster,
+    };
+    std::fs::write(
+        a.out.join("paced-draft.json"),
+        serde_json::to_vec_pretty(&report)?,
+    )?;
+    let (svg, png) = chart(&report).write_both(&a.out.join("paced-draft"))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    print_table(&report);
+    println!(
+        "wrote {}, {} and {} ({:.0} s in all)",
+        a.out.join("paced-draft.json").display(),
+        png.display(),
+        svg.display(),
+        rack::since(t_all)
+    );
+    Ok(())
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "draft prefetch: a donor over loopback TCP, drafts {} us per token; medians of {} runs of {} s",
+        r.draft_us, r.repeat, r.seconds_per_point
+    );
+    let rows: Vec<Vec<String>> = r
+        .points
+        .chunks(2)
+        .filter(|p| p.len() == 2)
+        .map(|p| {
+            let (off, on) = (&p[0], &p[1]);
+            vec![
+                off.k.to_string(),
+                off.rate.to_string(),
+                format!(
+                    "{:.1} / {:.1}",
+                    off.tokens_per_second, off.predicted_tokens_per_second
+                ),
+                format!(
+                    "{:.1} / {:.1}",
+                    on.tokens_per_second, on.predicted_tokens_per_second
+                ),
+                format!("{:.3}", on.tokens_per_second / off.tokens_per_second),
+                format!("{:.0} / {:.0}", off.stall_p50_us, off.stall_p99_us),
+                format!("{:.0} / {:.0}", on.stall_p50_us, on.stall_p99_us),
+                format!("{:.0} / {:.0}", off.fetch_p50_us, on.fetch_p50_us),
+            ]
+        })
+        .collect();
+    crate::stats::print_table(
+        &[
+            "k",
+            "tokens/s",
+            "off: tok/s meas / pred",
+            "on: tok/s meas / pred",
+            "on/off",
+            "off: stall p50/p99 us",
+            "on: stall p50/p99 us",
+            "layer-1 fetch p50 off/on us",
+        ],
+        &rows,
+    );
+    println!(
+        "prefetch raised tokens/s at {} of {} points",
+        r.faster_with_prefetch,
+        r.points.len() / 2
+    );
+}
+
+fn chart(r: &Report) -> Bars {
+    Bars {
+        title: format!(
+            "speculation with a {} us/token draft: tokens/s without (grey) and with draft prefetch",
+            r.draft_us
+        ),
+        unit: "tokens/s".into(),
+        bars: r
+            .points
+            .iter()
+            .map(|p| Bar {
+                label: format!(
+                    "k {} at {} tok/s, prefetch {}",
+                    p.k,
+                    p.rate,
+                    if p.prefetch { "on" } else { "off" }
+                ),
+                value: p.tokens_per_second,
+                floor: !p.prefetch,
+            })
+            .collect(),
+    }
+}
