@@ -531,6 +531,9 @@ pub struct Node {
     pub probe_interval: Duration,
     /// Consecutive failures that open a donor's circuit breaker.
     pub breaker_failures: u32,
+    /// Most sequences `inference-node serve` runs together in one batch
+    /// (continuous batching: requests join and leave at step boundaries).
+    pub max_batch: u32,
     /// Where the node serves Prometheus `/metrics`, if anywhere.
     pub metrics: Option<SocketAddr>,
     /// Where `inference-node serve` serves its gRPC API and health.

@@ -1,11 +1,15 @@
 //! The node daemon (`inference-node serve`): one model-loop thread runs
-//! submitted sequences one at a time, in arrival order (a bounded queue),
-//! streaming each step's record to its caller; between sequences it
-//! applies reloads, and when idle it runs a one-token self-check through
-//! the real serving path (routers, fusion) before each systemd watchdog
-//! ping, so a wedged loop misses its watchdog. The gRPC side
-//! (`engram.node.v1.EngramNode`) only queues work and reads state.
+//! submitted sequences as a continuous batch: a sequence joins at a step
+//! boundary (up to the node's `max_batch`; the rest wait in arrival order
+//! in a bounded queue) and leaves when done, every step one message per
+//! table for all of them, and each caller gets its own positions of each
+//! step ([`Batcher`]). Between batches it applies reloads, and when idle it
+//! runs a one-token self-check through the real serving path (routers,
+//! fusion) before each systemd watchdog ping, so a wedged loop misses its
+//! watchdog. The gRPC side (`engram.node.v1.EngramNode`) only queues work
+//! and reads state.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
@@ -20,8 +24,11 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::model::input::MAX_TOKENS;
-use crate::model::node::{Backbone, InputChoice, NodeModel};
-use crate::model::{LoopSpec, MAX_SPECULATE, StepRecord, Summary, TableSlot};
+use crate::model::node::{Backbone, InputChoice, InputTokenizer, NodeModel};
+use crate::model::{
+    BatchDriver, LoopSpec, MAX_SPECULATE, PositionRecord, SeqSpec, StepKind, StepRecord, Summary,
+    TableSlot,
+};
 use crate::router::{Breaker, Router};
 
 /// Sequences waiting at most (more are refused with RESOURCE_EXHAUSTED).
@@ -51,6 +58,7 @@ enum Order {
         prefill: u32,
         speculate: u32,
         events: Events,
+        arrived: Instant,
     },
     Reload {
         config: Box<Config>,
@@ -64,8 +72,10 @@ struct Shared {
     queued: AtomicU32,
     running: AtomicBool,
     draining: AtomicBool,
-    /// Ends the running sequence after its current step (drain deadline).
+    /// Ends the running sequences after their current step (drain deadline).
     abort: AtomicBool,
+    /// Most sequences in the batch (the node's `max_batch`).
+    max_batch: AtomicU32,
     tokens_per_second: Mutex<f64>,
 }
 
@@ -107,6 +117,7 @@ impl Daemon {
             running: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             abort: AtomicBool::new(false),
+            max_batch: AtomicU32::new(nm.max_batch()),
             tokens_per_second: Mutex::new(nm.tokens_per_second()),
         });
         let d = Self {
@@ -158,6 +169,22 @@ impl Daemon {
     }
 }
 
+/// A `Generate` order as it waits for the batch.
+struct Waiting {
+    input: InputChoice,
+    max_tokens: u64,
+    prefill: u32,
+    speculate: u32,
+    events: Events,
+    arrived: Instant,
+}
+
+/// A reload waiting for the batch to end.
+type HeldReload = (
+    Box<Config>,
+    tokio::sync::oneshot::Sender<Result<String, String>>,
+);
+
 fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopContext) {
     let period = cx
         .notifier
@@ -168,15 +195,11 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
         .and_then(|v| v.parse::<u64>().ok())
         .map(|ms| Instant::now() + Duration::from_millis(ms));
     let check_tokens = nm.tokens(&InputChoice::Builtin, 0).ok();
+    let tokenizer = nm.input_tokenizer();
     let mut last_ping: Option<Instant> = None;
-    let ping = |last: &mut Option<Instant>| {
-        if last.is_none_or(|t| t.elapsed() >= period) {
-            *last = Some(Instant::now());
-            if let Err(e) = cx.notifier.watchdog_ping() {
-                tracing::debug!(error = %e, "sd_notify WATCHDOG=1");
-            }
-        }
-    };
+    let mut waiting: VecDeque<Waiting> = VecDeque::new();
+    let mut held: Option<HeldReload> = None;
+    let mut next_tag = 0u64;
     loop {
         if stall_at.is_some_and(|t| Instant::now() >= t) {
             tracing::warn!("{TEST_STALL_ENV}: the model loop stops here (test)");
@@ -184,131 +207,347 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
                 std::thread::park();
             }
         }
-        match rx.recv_timeout(period) {
-            Ok(Order::Generate {
-                input,
-                max_tokens,
-                prefill,
-                speculate,
-                events,
-            }) => {
-                shared.queued.fetch_sub(1, Ordering::Relaxed);
-                if shared.abort.load(Ordering::Relaxed) {
-                    // Past the drain deadline: what still waits is not started.
-                    let _ = events.try_send(Err(Status::unavailable("the node is draining")));
-                    continue;
-                }
-                shared.running.store(true, Ordering::Relaxed);
-                generate(
-                    &mut nm,
-                    &cx,
-                    &shared,
-                    &input,
+        // Between batches: a reload that waited for the batch to end.
+        if let Some((config, reply)) = held.take() {
+            apply_reload(&mut nm, &cx, &shared, &config, reply);
+        }
+        if waiting.is_empty() {
+            match rx.recv_timeout(period) {
+                Ok(Order::Generate {
+                    input,
                     max_tokens,
                     prefill,
                     speculate,
-                    &events,
-                    &mut || ping(&mut last_ping),
-                );
-                shared.running.store(false, Ordering::Relaxed);
-            }
-            Ok(Order::Reload { config, reply }) => {
-                let r = nm.reload(&cx.handle, &config, &cx.name, &cx.metrics);
-                if r.is_ok() {
-                    *shared
-                        .tokens_per_second
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner()) = nm.tokens_per_second();
+                    events,
+                    arrived,
+                }) => waiting.push_back(Waiting {
+                    input,
+                    max_tokens,
+                    prefill,
+                    speculate,
+                    events,
+                    arrived,
+                }),
+                Ok(Order::Reload { config, reply }) => {
+                    apply_reload(&mut nm, &cx, &shared, &config, reply);
                 }
-                // The caller may have gone; the reload stands either way.
-                let _ = reply.send(r);
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                // Idle: prove the serving path with one token, then ping.
-                if let Some(t) = &check_tokens {
-                    let spec = LoopSpec {
-                        tokens_per_second: nm.tokens_per_second(),
-                        max_tokens: Some(1),
-                        ..LoopSpec::default()
-                    };
-                    let stop = AtomicBool::new(false);
-                    match nm.run(cx.handle.clone(), t, &spec, cx.backbone, &stop, &mut |_| {
-                        Ok(())
-                    }) {
-                        Ok(_) => ping(&mut last_ping),
-                        Err(e) => tracing::warn!(error = %e, "self-check failed; no watchdog ping"),
-                    }
+                Err(RecvTimeoutError::Timeout) => {
+                    self_check(&mut nm, &cx, check_tokens.as_ref(), &mut last_ping, period);
                 }
+                Err(RecvTimeoutError::Disconnected) => return,
             }
-            Err(RecvTimeoutError::Disconnected) => return,
+            continue;
+        }
+        // A batch: it runs while sequences run or wait (and no reload waits).
+        shared.running.store(true, Ordering::Relaxed);
+        let spec = LoopSpec {
+            tokens_per_second: nm.tokens_per_second(),
+            ..LoopSpec::default()
+        };
+        let mut batch = Batcher {
+            rx: &rx,
+            waiting: &mut waiting,
+            held: &mut held,
+            shared: &shared,
+            tokenizer: &tokenizer,
+            metrics: &cx.metrics,
+            slots: nm.slots(),
+            spec: spec.clone(),
+            active: BTreeMap::new(),
+            next_tag: &mut next_tag,
+            ping: &mut || ping(&cx, &mut last_ping, period),
+        };
+        if let Err(e) = nm.run_batch(cx.handle.clone(), &spec, &mut batch) {
+            tracing::warn!(error = %e, "the batch failed: its sequences end with the error");
+            batch.fail_all(&e.to_string());
+        }
+        cx.metrics.batch_sequences.set(0);
+        shared.running.store(false, Ordering::Relaxed);
+    }
+}
+
+fn ping(cx: &LoopContext, last: &mut Option<Instant>, period: Duration) {
+    if last.is_none_or(|t| t.elapsed() >= period) {
+        *last = Some(Instant::now());
+        if let Err(e) = cx.notifier.watchdog_ping() {
+            tracing::debug!(error = %e, "sd_notify WATCHDOG=1");
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)] // one request's fields and the loop's context
-fn generate(
+/// Idle: prove the serving path with one token, then ping the watchdog.
+fn self_check(
     nm: &mut NodeModel,
     cx: &LoopContext,
-    shared: &Shared,
-    input: &InputChoice,
-    max_tokens: u64,
-    prefill: u32,
-    speculate: u32,
-    events: &Events,
-    ping: &mut dyn FnMut(),
+    tokens: Option<&crate::model::Tokens>,
+    last_ping: &mut Option<Instant>,
+    period: Duration,
 ) {
-    let min_len = (max_tokens as usize).saturating_add(prefill as usize);
-    let tokens = match nm.tokens(input, min_len) {
-        Ok(t) => t,
-        Err(e) => {
-            let _ = events.try_send(Err(Status::invalid_argument(e.to_string())));
-            return;
-        }
-    };
+    let Some(t) = tokens else { return };
     let spec = LoopSpec {
         tokens_per_second: nm.tokens_per_second(),
-        max_tokens: (max_tokens > 0).then_some(max_tokens),
-        prefill: prefill as usize,
-        speculate: speculate as usize,
+        max_tokens: Some(1),
         ..LoopSpec::default()
     };
     let stop = AtomicBool::new(false);
-    let mut cut_off = false;
-    let res = nm.run(
-        cx.handle.clone(),
-        &tokens,
-        &spec,
-        cx.backbone,
-        &stop,
-        &mut |r| {
-            ping();
-            match events.try_send(Ok(api::GenerateEvent {
-                event: Some(api::generate_event::Event::Step(step_proto(r))),
-            })) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    cut_off = true;
-                    stop.store(true, Ordering::Relaxed);
+    match nm.run(cx.handle.clone(), t, &spec, cx.backbone, &stop, &mut |_| {
+        Ok(())
+    }) {
+        Ok(_) => ping(cx, last_ping, period),
+        Err(e) => tracing::warn!(error = %e, "self-check failed; no watchdog ping"),
+    }
+}
+
+fn apply_reload(
+    nm: &mut NodeModel,
+    cx: &LoopContext,
+    shared: &Shared,
+    config: &Config,
+    reply: tokio::sync::oneshot::Sender<Result<String, String>>,
+) {
+    let r = nm.reload(&cx.handle, config, &cx.name, &cx.metrics);
+    if r.is_ok() {
+        *shared
+            .tokens_per_second
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = nm.tokens_per_second();
+        if let Some(n) = config.node(&cx.name) {
+            shared.max_batch.store(n.max_batch, Ordering::Relaxed);
+        }
+    }
+    // The caller may have gone; the reload stands either way.
+    let _ = reply.send(r);
+}
+
+/// A request in the batch.
+struct Active {
+    events: Events,
+    summary: Summary,
+    /// Its next step is its prefill.
+    prefilling: bool,
+    speculate: bool,
+    steps: u64,
+    joined: Instant,
+    /// Why it leaves unfinished, if it does.
+    leave: Option<Leave>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leave {
+    /// Its caller read too slowly.
+    CutOff,
+    /// Its caller went away.
+    Gone,
+    /// The drain deadline passed: it ends with what it has.
+    Aborted,
+}
+
+/// The daemon's side of a continuous batch: it admits waiting requests at
+/// step boundaries (up to `max_batch`), splits each step's record among
+/// them, and ends each with its summary.
+struct Batcher<'a> {
+    rx: &'a Receiver<Order>,
+    waiting: &'a mut VecDeque<Waiting>,
+    held: &'a mut Option<HeldReload>,
+    shared: &'a Shared,
+    tokenizer: &'a InputTokenizer,
+    metrics: &'a crate::metrics::NodeMetrics,
+    slots: [TableSlot; 2],
+    spec: LoopSpec,
+    active: BTreeMap<u64, Active>,
+    next_tag: &'a mut u64,
+    ping: &'a mut dyn FnMut(),
+}
+
+impl Batcher<'_> {
+    /// Take orders off the channel while the waiting line has room and no
+    /// reload waits (a reload waits for the batch; what came after it
+    /// waits for the reload).
+    fn take_orders(&mut self) {
+        while self.held.is_none() && self.waiting.len() < QUEUE_DEPTH {
+            match self.rx.try_recv() {
+                Ok(Order::Generate {
+                    input,
+                    max_tokens,
+                    prefill,
+                    speculate,
+                    events,
+                    arrived,
+                }) => self.waiting.push_back(Waiting {
+                    input,
+                    max_tokens,
+                    prefill,
+                    speculate,
+                    events,
+                    arrived,
+                }),
+                Ok(Order::Reload { config, reply }) => *self.held = Some((config, reply)),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// End every request in the batch with `error` (the batch failed).
+    fn fail_all(&mut self, error: &str) {
+        for (_, a) in std::mem::take(&mut self.active) {
+            let _ = a.events.try_send(Err(Status::internal(error.to_string())));
+        }
+    }
+
+    fn finish(&mut self, tag: u64) {
+        let Some(mut a) = self.active.remove(&tag) else {
+            return;
+        };
+        let last = match a.leave {
+            Some(Leave::Gone) => return,
+            Some(Leave::CutOff) => Err(Status::resource_exhausted(format!(
+                "the caller read too slowly ({STREAM_BUFFER} steps behind): the sequence was stopped"
+            ))),
+            Some(Leave::Aborted) | None => {
+                a.summary.finish(a.joined.elapsed());
+                Ok(api::GenerateEvent {
+                    event: Some(api::generate_event::Event::Summary(summary_proto(
+                        &a.summary,
+                    ))),
+                })
+            }
+        };
+        // A full buffer or a gone caller: nothing more to tell.
+        let _ = a.events.try_send(last);
+    }
+}
+
+impl BatchDriver for Batcher<'_> {
+    fn admit(&mut self, running: usize) -> Vec<SeqSpec> {
+        self.take_orders();
+        let abort = self.shared.abort.load(Ordering::Relaxed);
+        let max = self.shared.max_batch.load(Ordering::Relaxed) as usize;
+        let mut out = Vec::new();
+        while running + out.len() < max || abort {
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            if abort {
+                // Past the drain deadline: what still waits is not started.
+                let _ = w
+                    .events
+                    .try_send(Err(Status::unavailable("the node is draining")));
+                continue;
+            }
+            let min_len = (w.max_tokens as usize).saturating_add(w.prefill as usize);
+            let tokens = match self.tokenizer.tokens(&w.input, min_len) {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = w
+                        .events
+                        .try_send(Err(Status::invalid_argument(e.to_string())));
+                    continue;
                 }
-                Err(mpsc::error::TrySendError::Closed(_)) => stop.store(true, Ordering::Relaxed),
+            };
+            self.metrics
+                .queue_seconds
+                .observe(w.arrived.elapsed().as_secs_f64());
+            let tag = *self.next_tag;
+            *self.next_tag += 1;
+            let request = LoopSpec {
+                prefill: w.prefill as usize,
+                speculate: w.speculate as usize,
+                ..self.spec.clone()
+            };
+            let w_step = Duration::from_secs_f64(1.0 / self.spec.tokens_per_second);
+            self.active.insert(
+                tag,
+                Active {
+                    events: w.events,
+                    summary: Summary::new(&request, self.slots, w_step),
+                    prefilling: w.prefill > 0,
+                    speculate: w.speculate > 0,
+                    steps: 0,
+                    joined: Instant::now(),
+                    leave: None,
+                },
+            );
+            out.push(SeqSpec {
+                tag,
+                range: 0..tokens.raw.len(),
+                tokens: Arc::new(tokens),
+                prefill: w.prefill as usize,
+                speculate: w.speculate as usize,
+                limit: (w.max_tokens > 0).then_some(w.max_tokens),
+            });
+        }
+        self.metrics
+            .batch_sequences
+            .set((running + out.len()) as i64);
+        out
+    }
+
+    fn cancelled(&mut self) -> Vec<u64> {
+        if self.shared.abort.load(Ordering::Relaxed) {
+            for a in self.active.values_mut() {
+                a.leave.get_or_insert(Leave::Aborted);
             }
-            if shared.abort.load(Ordering::Relaxed) {
-                stop.store(true, Ordering::Relaxed);
+        }
+        let gone: Vec<u64> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.leave.is_some())
+            .map(|(&t, _)| t)
+            .collect();
+        for &t in &gone {
+            self.finish(t);
+        }
+        gone
+    }
+
+    fn after_step(&mut self, rec: Option<&StepRecord>, finished: &[u64]) {
+        if let Some(rec) = rec {
+            (self.ping)();
+            let mut in_step = 0u64;
+            for (&tag, a) in &mut self.active {
+                let positions: Vec<_> = rec
+                    .positions
+                    .iter()
+                    .filter(|p| u64::from(p.seq) == tag & u64::from(u32::MAX))
+                    .map(|p| PositionRecord {
+                        seq: 0,
+                        ..p.clone()
+                    })
+                    .collect();
+                if positions.is_empty() {
+                    continue;
+                }
+                in_step += 1;
+                let kind = if std::mem::take(&mut a.prefilling) {
+                    StepKind::Prefill
+                } else if a.speculate {
+                    StepKind::Verify
+                } else {
+                    StepKind::Decode
+                };
+                let own = StepRecord {
+                    step: a.steps,
+                    kind,
+                    positions,
+                    ..rec.clone()
+                };
+                a.steps += 1;
+                a.summary.add(&own);
+                match a.events.try_send(Ok(api::GenerateEvent {
+                    event: Some(api::generate_event::Event::Step(step_proto(&own))),
+                })) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(_)) => a.leave = Some(Leave::CutOff),
+                    Err(mpsc::error::TrySendError::Closed(_)) => a.leave = Some(Leave::Gone),
+                }
             }
-            Ok(())
-        },
-    );
-    let last = match res {
-        _ if cut_off => Err(Status::resource_exhausted(format!(
-            "the caller read too slowly ({STREAM_BUFFER} steps behind): the sequence was stopped"
-        ))),
-        Ok(s) => Ok(api::GenerateEvent {
-            event: Some(api::generate_event::Event::Summary(summary_proto(&s))),
-        }),
-        Err(e) => Err(Status::internal(e.to_string())),
-    };
-    // A full buffer or a gone caller: nothing more to tell.
-    let _ = events.try_send(last);
+            self.metrics.batch_size.observe(in_step as f64);
+        }
+        for &t in finished {
+            self.finish(t);
+        }
+    }
 }
 
 fn step_proto(r: &StepRecord) -> api::Step {
@@ -424,6 +663,7 @@ impl api::engram_node_server::EngramNode for Daemon {
             prefill: r.prefill,
             speculate: r.speculate,
             events: tx,
+            arrived: Instant::now(),
         };
         match self.orders.try_send(order) {
             Ok(()) => {}

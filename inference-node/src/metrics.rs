@@ -82,6 +82,12 @@ pub struct NodeMetrics {
     pub rdma_lookups: Family<RdmaLabels, Counter>,
     /// Failed RDMA reads, by fault.
     pub rdma_faults: Family<RdmaLabels, Counter>,
+    /// Time a `Generate` request waited before joining the running batch.
+    pub queue_seconds: Histogram,
+    /// Sequences in each step the daemon ran.
+    pub batch_size: Histogram,
+    /// Sequences in the daemon's running batch now.
+    pub batch_sequences: Gauge,
 }
 
 /// Labels of the RDMA series.
@@ -147,6 +153,11 @@ impl NodeMetrics {
             ssd_engine: Family::default(),
             rdma_lookups: Family::default(),
             rdma_faults: Family::default(),
+            // 100 us .. ~52 s.
+            queue_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
+            // 1, 2, 4 .. 1024 sequences.
+            batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+            batch_sequences: Gauge::default(),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
@@ -216,6 +227,21 @@ impl NodeMetrics {
                 "rdma_faults",
                 "Failed RDMA reads by fault (the lookup failed over)",
                 m.rdma_faults.clone(),
+            );
+            r.register(
+                "queue_seconds",
+                "Time a Generate request waited before joining the running batch",
+                m.queue_seconds.clone(),
+            );
+            r.register(
+                "batch_size",
+                "Sequences in each step of the daemon's batch",
+                m.batch_size.clone(),
+            );
+            r.register(
+                "batch_sequences",
+                "Sequences in the daemon's running batch now",
+                m.batch_sequences.clone(),
             );
             r.register(
                 "ssd_engine",

@@ -433,3 +433,127 @@ fn sigterm_lets_the_running_sequence_end_by_the_drain_deadline_and_refuses_new_o
     let status = node.wait(Duration::from_secs(15)).expect("exits");
     assert!(status.success(), "{}", node.log());
 }
+
+/// Submit `req`; per step, its checksums and (rows of table 1 in the
+/// step, positions of this request in it).
+async fn generate_steps(
+    addr: std::net::SocketAddr,
+    req: GenerateRequest,
+) -> (Vec<String>, Vec<(u32, usize)>) {
+    let mut stream = client(addr)
+        .await
+        .generate(req)
+        .await
+        .expect("accepted")
+        .into_inner();
+    let (mut sums, mut steps, mut done) = (Vec::new(), Vec::new(), false);
+    while let Some(ev) = stream.message().await.expect("stream") {
+        match ev.event.expect("an event") {
+            generate_event::Event::Step(s) => {
+                assert!(s.positions.iter().all(|p| p.seq == 0));
+                sums.extend(s.positions.iter().map(|p| p.checksum.clone()));
+                steps.push((s.tables[0].rows, s.positions.len()));
+                assert_eq!(s.tables[0].messages, 1, "one message per table per step");
+            }
+            generate_event::Event::Summary(s) => {
+                assert_eq!(s.failed_steps, 0);
+                done = true;
+            }
+        }
+    }
+    assert!(done, "a summary ends the stream");
+    (sums, steps)
+}
+
+#[test]
+fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let batched = text.replacen("name = \"n\"\n", "name = \"n\"\nmax_batch = 2\n", 1);
+    assert_ne!(batched, text);
+    std::fs::write(&config, batched).expect("config");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    let mut cmd = Command::new(bin("inference-node"));
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "--name",
+            "n",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_LOG", "info")
+        .env("NOTIFY_SOCKET", &notify.path);
+    let node = DonorProcess::spawn(cmd).expect("the daemon starts");
+    let metrics: std::net::SocketAddr = node
+        .log()
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("metrics="))
+        .expect("metrics address")
+        .parse()
+        .expect("addr");
+    let addr = node.addr;
+    let requests = [
+        text_request(30),
+        GenerateRequest {
+            input: Some(generate_request::Input::Ids(
+                engram_protocol::node_api::TokenIds {
+                    ids: (0..40u32).map(|i| (i * 37 + 11) % 500).collect(),
+                },
+            )),
+            max_tokens: 20,
+            prefill: 6,
+            speculate: 0,
+        },
+        GenerateRequest {
+            speculate: 2,
+            ..text_request(24)
+        },
+    ];
+    rt().block_on(async {
+        let mut alone = Vec::new();
+        for r in &requests {
+            alone.push(generate_steps(addr, r.clone()).await);
+        }
+        assert_eq!(
+            alone.iter().map(|(s, _)| s.len()).collect::<Vec<_>>(),
+            [30, 26, 24]
+        );
+        let (a, b, c) = tokio::join!(
+            generate_steps(addr, requests[0].clone()),
+            generate_steps(addr, requests[1].clone()),
+            generate_steps(addr, requests[2].clone()),
+        );
+        // The same outputs as alone, each in order.
+        assert_eq!(a.0, alone[0].0);
+        assert_eq!(b.0, alone[1].0);
+        assert_eq!(c.0, alone[2].0);
+        // Steps were shared: a step's message held another request's rows.
+        let shared = [&a, &b, &c]
+            .iter()
+            .flat_map(|(_, steps)| steps.iter())
+            .filter(|&&(rows, own)| rows as usize > own * 24)
+            .count();
+        assert!(shared > 10, "{shared} shared steps");
+    });
+    let text = integration_tests::scrape(metrics).expect("scrape");
+    let sample =
+        |s: &str| integration_tests::sample(&text, s).unwrap_or_else(|| panic!("{s}:\n{text}"));
+    assert_eq!(sample("engram_node_queue_seconds_count"), 6.0);
+    let steps = sample("engram_node_batch_size_count");
+    assert!(
+        sample("engram_node_batch_size_bucket{le=\"1.0\"}") < steps,
+        "some steps had two"
+    );
+    assert_eq!(
+        sample("engram_node_batch_size_bucket{le=\"2.0\"}"),
+        steps,
+        "never more than max_batch = 2"
+    );
+}

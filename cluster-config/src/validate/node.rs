@@ -15,6 +15,10 @@ use crate::{
 pub const MAX_TOKENS_PER_SECOND: f64 = 10_000.0;
 /// Most consecutive failures a breaker may be set to tolerate.
 pub const MAX_BREAKER_FAILURES: i64 = 1_000;
+/// Most sequences a node daemon batches (the model loop's `MAX_BATCH`).
+pub const MAX_BATCH: i64 = 1_024;
+/// Sequences a node daemon batches by default.
+pub const DEFAULT_MAX_BATCH: u32 = 16;
 /// Longest grace accepted, in microseconds (one second).
 pub const MAX_GRACE_US: i64 = 1_000_000;
 
@@ -81,6 +85,11 @@ pub(super) fn nodes(
             .as_ref()
             .and_then(|v| cx.int(v, &k("breaker_failures"), 1, MAX_BREAKER_FAILURES))
             .unwrap_or(3) as u32;
+        let max_batch = n
+            .max_batch
+            .as_ref()
+            .and_then(|v| cx.int(v, &k("max_batch"), 1, MAX_BATCH))
+            .map_or(DEFAULT_MAX_BATCH, |v| v as u32);
         let metrics = n
             .metrics
             .as_ref()
@@ -145,6 +154,7 @@ pub(super) fn nodes(
             tokens_per_second,
             probe_interval: cx.opt_ms(&n.probe_interval_ms, &k("probe_interval_ms"), 1_000, false),
             breaker_failures,
+            max_batch,
             metrics,
             api,
             log_level,

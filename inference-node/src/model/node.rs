@@ -77,6 +77,7 @@ pub struct NodeModel {
     fusion: Box<dyn Fusion>,
     chunk_rows: usize,
     tokens_per_second: f64,
+    max_batch: u32,
     tokenizer: Option<(Tokenizer, TokenMap)>,
     map: Option<TokenMap>,
 }
@@ -174,6 +175,7 @@ impl NodeModel {
             fusion,
             chunk_rows,
             tokens_per_second: rate,
+            max_batch: node.max_batch,
             tokenizer,
             map,
         })
@@ -181,55 +183,13 @@ impl NodeModel {
 
     /// The run's tokens, repeated until there are at least `min_len`.
     pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Tokens, SetupError> {
-        let pad = self.model.pad_token;
-        let from_text = |text: &str, origin: String| -> Result<Tokens, InputError> {
-            match &self.tokenizer {
-                Some((tok, map)) => input::tokenize(tok, map, text, pad, origin),
-                None if self.map.is_some() => Err(InputError::Tokenizer(
-                    "the config's token map has no tokenizer to read text with: give --ids FILE, or set [model] tokenizer".into(),
-                )),
-                None => {
-                    let tok = input::word_tokenizer(text)?;
-                    let map = TokenMap::from_tokenizer(&tok)?;
-                    input::tokenize(&tok, &map, text, pad, format!("{origin} (built-in word tokenizer)"))
-                }
-            }
-        };
-        let mut t = match input {
-            InputChoice::Builtin => from_text(input::BUILTIN_TEXT, "the built-in text".into())?,
-            InputChoice::Text(p) => from_text(&input::read_text(p)?, p.display().to_string())?,
-            InputChoice::InlineText(text) => from_text(text, "the request's text".into())?,
-            InputChoice::Ids(_) | InputChoice::InlineIds(_) => {
-                let (raw, origin) = match input {
-                    InputChoice::Ids(p) => (input::read_ids(p)?, p.display().to_string()),
-                    InputChoice::InlineIds(ids) => (ids.clone(), "the request's ids".to_string()),
-                    _ => return Err(SetupError::Config("unreachable input kind".into())),
-                };
-                match (&self.tokenizer, &self.map) {
-                    (Some((_, map)), _) | (None, Some(map)) => {
-                        input::compress(map, raw, pad, origin)?
-                    }
-                    (None, None) => {
-                        // No map: the ids are compressed ids already.
-                        let compressed = raw.iter().map(|&i| i64::from(i)).collect();
-                        Tokens {
-                            raw,
-                            compressed,
-                            pad: i64::from(pad),
-                            origin,
-                        }
-                    }
-                }
-            }
-        };
-        let n = t.raw.len();
-        let min_len = min_len.min(input::MAX_TOKENS);
-        while t.raw.len() < min_len {
-            let k = (min_len - t.raw.len()).min(n);
-            t.raw.extend_from_within(..k);
-            t.compressed.extend_from_within(..k);
-        }
-        Ok(t)
+        tokens_of(
+            self.model.pad_token,
+            &self.tokenizer,
+            &self.map,
+            input,
+            min_len,
+        )
     }
 
     /// Apply a new config between sequences: what its routes change (see
@@ -277,6 +237,11 @@ impl NodeModel {
         &self.memory
     }
 
+    /// Most sequences the daemon batches (the node's `max_batch`).
+    pub fn max_batch(&self) -> u32 {
+        self.max_batch
+    }
+
     /// The target rate.
     pub fn tokens_per_second(&self) -> f64 {
         self.tokens_per_second
@@ -318,6 +283,43 @@ impl NodeModel {
         }
     }
 
+    /// Run a continuous batch on this thread (see [`super::run_batch`]),
+    /// fetching on `handle`'s runtime; `tokenize` gives the driver this
+    /// node's tokenizer for the requests it admits.
+    pub fn run_batch(
+        &mut self,
+        handle: tokio::runtime::Handle,
+        spec: &LoopSpec,
+        driver: &mut dyn super::BatchDriver,
+    ) -> Result<(), LoopError> {
+        let clock = RealClock::start();
+        let mut fetcher = RouterFetcher::new(
+            handle,
+            self.routers.clone(),
+            clock.origin(),
+            self.chunk_rows,
+        );
+        super::run_batch(
+            &clock,
+            &mut fetcher,
+            self.fusion.as_mut(),
+            &self.params,
+            self.slots,
+            spec,
+            driver,
+        )
+    }
+
+    /// A copy of this node's tokenizer, for a batch driver that admits
+    /// requests while the loop runs.
+    pub fn input_tokenizer(&self) -> InputTokenizer {
+        InputTokenizer {
+            pad: self.model.pad_token,
+            tokenizer: self.tokenizer.clone(),
+            map: self.map.clone(),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)] // run's arguments plus its clock
     fn run_with<C: super::clock::Clock>(
         &mut self,
@@ -342,6 +344,89 @@ impl NodeModel {
             on_step,
         )
     }
+}
+
+/// The node's tokenizer, apart from the node (a batch driver admits
+/// requests as text or ids while the loop runs).
+#[derive(Clone)]
+pub struct InputTokenizer {
+    pad: u32,
+    tokenizer: Option<(Tokenizer, TokenMap)>,
+    map: Option<TokenMap>,
+}
+
+impl std::fmt::Debug for InputTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InputTokenizer")
+            .field("pad", &self.pad)
+            .field("tokenizer", &self.tokenizer.is_some())
+            .field("map", &self.map.is_some())
+            .finish()
+    }
+}
+
+impl InputTokenizer {
+    /// As [`NodeModel::tokens`].
+    pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Tokens, SetupError> {
+        tokens_of(self.pad, &self.tokenizer, &self.map, input, min_len)
+    }
+}
+
+/// `input`'s tokens with `pad`, through the tokenizer or map `[model]`
+/// names, repeated until there are at least `min_len`.
+fn tokens_of(
+    pad: u32,
+    tokenizer: &Option<(Tokenizer, TokenMap)>,
+    map: &Option<TokenMap>,
+    input: &InputChoice,
+    min_len: usize,
+) -> Result<Tokens, SetupError> {
+    let from_text = |text: &str, origin: String| -> Result<Tokens, InputError> {
+        match &tokenizer {
+            Some((tok, map)) => input::tokenize(tok, map, text, pad, origin),
+            None if map.is_some() => Err(InputError::Tokenizer(
+                "the config's token map has no tokenizer to read text with: give --ids FILE, or set [model] tokenizer".into(),
+            )),
+            None => {
+                let tok = input::word_tokenizer(text)?;
+                let map = TokenMap::from_tokenizer(&tok)?;
+                input::tokenize(&tok, &map, text, pad, format!("{origin} (built-in word tokenizer)"))
+            }
+        }
+    };
+    let mut t = match input {
+        InputChoice::Builtin => from_text(input::BUILTIN_TEXT, "the built-in text".into())?,
+        InputChoice::Text(p) => from_text(&input::read_text(p)?, p.display().to_string())?,
+        InputChoice::InlineText(text) => from_text(text, "the request's text".into())?,
+        InputChoice::Ids(_) | InputChoice::InlineIds(_) => {
+            let (raw, origin) = match input {
+                InputChoice::Ids(p) => (input::read_ids(p)?, p.display().to_string()),
+                InputChoice::InlineIds(ids) => (ids.clone(), "the request's ids".to_string()),
+                _ => return Err(SetupError::Config("unreachable input kind".into())),
+            };
+            match (&tokenizer, &map) {
+                (Some((_, map)), _) | (None, Some(map)) => input::compress(map, raw, pad, origin)?,
+                (None, None) => {
+                    // No map: the ids are compressed ids already.
+                    let compressed = raw.iter().map(|&i| i64::from(i)).collect();
+                    Tokens {
+                        raw,
+                        compressed,
+                        pad: i64::from(pad),
+                        origin,
+                    }
+                }
+            }
+        }
+    };
+    let n = t.raw.len();
+    let min_len = min_len.min(input::MAX_TOKENS);
+    while t.raw.len() < min_len {
+        let k = (min_len - t.raw.len()).min(n);
+        t.raw.extend_from_within(..k);
+        t.compressed.extend_from_within(..k);
+    }
+    Ok(t)
 }
 
 /// The tables node `node` routes for Engram layers 1 and 14, each sized as

@@ -70,6 +70,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(n.tokens_per_second, 100.0);
     assert_eq!(n.probe_interval, Duration::from_secs(1));
     assert_eq!(n.breaker_failures, 3);
+    assert_eq!(n.max_batch, 16);
     assert_eq!(
         (n.metrics, n.ssd_io, n.ssd_direct),
         (None, SsdIo::Auto, true)
@@ -88,7 +89,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     let text = good().replacen(
         "lookup_timeout_ms = 40",
         "lookup_timeout_ms = 40\ntokens_per_second = 400\nprobe_interval_ms = 250\n\
-         breaker_failures = 5\nmetrics = \"127.0.0.1:9100\"\nssd_io = \"pread\"\nssd_direct = false",
+         breaker_failures = 5\nmax_batch = 64\nmetrics = \"127.0.0.1:9100\"\nssd_io = \"pread\"\nssd_direct = false",
         1,
     );
     let text = text.replacen(
@@ -102,6 +103,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(n.tokens_per_second, 400.0);
     assert_eq!(n.probe_interval, Duration::from_millis(250));
     assert_eq!(n.breaker_failures, 5);
+    assert_eq!(n.max_batch, 64);
     assert_eq!(n.metrics, Some("127.0.0.1:9100".parse().expect("addr")));
     assert_eq!((n.ssd_io, n.ssd_direct), (SsdIo::Pread, false));
     let r = &n.routes[0];
@@ -130,7 +132,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
 #[test]
 fn node_knob_rules() {
     let add = |line: &str| format!("lookup_timeout_ms = 40\n{line}");
-    let cases: [(&str, &str, &str); 6] = [
+    let cases: [(&str, &str, &str); 8] = [
         (
             "tokens_per_second = 0.0",
             "tokens_per_second",
@@ -143,6 +145,8 @@ fn node_knob_rules() {
         ),
         ("probe_interval_ms = 0", "probe_interval_ms", "out of range"),
         ("breaker_failures = 0", "breaker_failures", "out of range"),
+        ("max_batch = 0", "max_batch", "out of range"),
+        ("max_batch = 1025", "max_batch", "out of range"),
         ("metrics = \"localhost\"", "metrics", "not IP:PORT"),
         ("ssd_io = \"aio\"", "ssd_io", "not one of"),
     ];
