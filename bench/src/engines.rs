@@ -21,7 +21,7 @@ use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions, POSITION_BYTES
 use integration_tests::bin;
 use serde::Serialize;
 
-use crate::rack::{self, Child, NodeSpec, RackSpec};
+use crate::rack::{self, Child, RackSpec};
 use crate::stats::{median, print_table};
 
 /// Settings of `engram-bench engines`.
@@ -215,17 +215,7 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     rack::kill_children_on_interrupt()?;
     let out = &rack::work_dir(&args.out)?;
     let tables = rack::table_pair(out, args.hash_base)?;
-    let spec = RackSpec {
-        donors: &["donor-a"],
-        nodes: vec![NodeSpec {
-            name: "donor",
-            sources: &["donor-a"],
-            ssd_ioprio: None,
-        }],
-        probe_interval_ms: 1000,
-        trust_copies: true,
-        transport: cluster_config::Transport::Tcp,
-    };
+    let spec = RackSpec::one_donor();
     let rk = rack::write_config(out, &tables, &spec)?;
     let config = &rk.config;
     let donor = Child::launch_donor(config, "donor-a", &[])?;

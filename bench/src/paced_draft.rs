@@ -17,7 +17,7 @@ use inference_node::model::Summary;
 use serde::Serialize;
 
 use crate::plot::{Bar, Bars};
-use crate::rack::{self, Child, NodeSpec, RackSpec};
+use crate::rack::{self, Child, RackSpec};
 use crate::stats::median;
 
 /// One (K, rate, prefetch) point: medians over its runs.
@@ -72,17 +72,7 @@ pub fn run(a: &DraftArgs) -> Result<()> {
     }
     let t_all = Instant::now();
     let tables = rack::table_pair(a.out, a.hash_base)?;
-    let spec = RackSpec {
-        donors: &["donor-a"],
-        nodes: vec![NodeSpec {
-            name: "donor",
-            sources: &["donor-a"],
-            ssd_ioprio: None,
-        }],
-        probe_interval_ms: 1000,
-        trust_copies: true,
-        transport: cluster_config::Transport::Tcp,
-    };
+    let spec = RackSpec::one_donor();
     let rk = rack::write_config(a.out, &tables, &spec)?;
     let donor = Child::launch_donor(&rk.config, "donor-a", &[])?;
     donor.wait_ready(Duration::from_secs(120))?;

@@ -184,6 +184,25 @@ pub struct RackSpec {
     pub transport: Transport,
 }
 
+impl RackSpec {
+    /// One donor (`donor-a`, plain TCP) and one node (`donor`) reading both
+    /// tables from it alone, its copies trusted (benches that start many
+    /// nodes).
+    pub fn one_donor() -> Self {
+        Self {
+            donors: &["donor-a"],
+            nodes: vec![NodeSpec {
+                name: "donor",
+                sources: &["donor-a"],
+                ssd_ioprio: None,
+            }],
+            probe_interval_ms: 1000,
+            trust_copies: true,
+            transport: Transport::Tcp,
+        }
+    }
+}
+
 /// A donor as written into the config.
 #[derive(Debug, Clone)]
 pub struct DonorAddrs {

@@ -52,14 +52,7 @@ type Events = mpsc::Sender<Result<api::GenerateEvent, Status>>;
 /// Work for the loop thread.
 #[derive(Debug)]
 enum Order {
-    Generate {
-        input: InputChoice,
-        max_tokens: u64,
-        prefill: u32,
-        speculate: u32,
-        events: Events,
-        arrived: Instant,
-    },
+    Generate(Waiting),
     Reload {
         config: Box<Config>,
         reply: tokio::sync::oneshot::Sender<Result<String, String>>,
@@ -170,6 +163,7 @@ impl Daemon {
 }
 
 /// A `Generate` order as it waits for the batch.
+#[derive(Debug)]
 struct Waiting {
     input: InputChoice,
     max_tokens: u64,
@@ -213,21 +207,7 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
         }
         if waiting.is_empty() {
             match rx.recv_timeout(period) {
-                Ok(Order::Generate {
-                    input,
-                    max_tokens,
-                    prefill,
-                    speculate,
-                    events,
-                    arrived,
-                }) => waiting.push_back(Waiting {
-                    input,
-                    max_tokens,
-                    prefill,
-                    speculate,
-                    events,
-                    arrived,
-                }),
+                Ok(Order::Generate(w)) => waiting.push_back(w),
                 Ok(Order::Reload { config, reply }) => {
                     apply_reload(&mut nm, &cx, &shared, &config, reply);
                 }
@@ -366,21 +346,7 @@ impl Batcher<'_> {
     fn take_orders(&mut self) {
         while self.held.is_none() && self.waiting.len() < QUEUE_DEPTH {
             match self.rx.try_recv() {
-                Ok(Order::Generate {
-                    input,
-                    max_tokens,
-                    prefill,
-                    speculate,
-                    events,
-                    arrived,
-                }) => self.waiting.push_back(Waiting {
-                    input,
-                    max_tokens,
-                    prefill,
-                    speculate,
-                    events,
-                    arrived,
-                }),
+                Ok(Order::Generate(w)) => self.waiting.push_back(w),
                 Ok(Order::Reload { config, reply }) => *self.held = Some((config, reply)),
                 Err(_) => break,
             }
@@ -657,14 +623,14 @@ impl api::engram_node_server::EngramNode for Daemon {
         }
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         self.shared.queued.fetch_add(1, Ordering::Relaxed);
-        let order = Order::Generate {
+        let order = Order::Generate(Waiting {
             input,
             max_tokens: r.max_tokens,
             prefill: r.prefill,
             speculate: r.speculate,
             events: tx,
             arrived: Instant::now(),
-        };
+        });
         match self.orders.try_send(order) {
             Ok(()) => {}
             Err(e) => {

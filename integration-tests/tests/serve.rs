@@ -68,33 +68,50 @@ async fn tables(addr: std::net::SocketAddr) -> TablesResponse {
         .into_inner()
 }
 
-/// Submit `req`; the checksums of its steps and its summary's token count.
-async fn generate(
-    addr: std::net::SocketAddr,
-    req: GenerateRequest,
-) -> (Vec<String>, Vec<String>, u64) {
+/// What a sequence's stream held.
+#[derive(Debug, Default)]
+struct Generated {
+    /// Checksums of its positions, in order.
+    sums: Vec<String>,
+    /// Each step's tables' sources.
+    sources: Vec<String>,
+    /// Per step: table 1's rows in the (batch's) step, this sequence's
+    /// positions in it, and table 1's messages.
+    steps: Vec<(u32, usize, u32)>,
+    /// Its summary's token count.
+    tokens: u64,
+}
+
+/// Submit `req` and read its stream to the summary.
+async fn generate(addr: std::net::SocketAddr, req: GenerateRequest) -> Generated {
     let mut stream = client(addr)
         .await
         .generate(req)
         .await
         .expect("accepted")
         .into_inner();
-    let (mut sums, mut sources, mut tokens) = (Vec::new(), Vec::new(), 0);
+    let (mut g, mut done) = (Generated::default(), false);
     while let Some(ev) = stream.message().await.expect("stream") {
         match ev.event.expect("an event") {
             generate_event::Event::Step(s) => {
-                sums.extend(s.positions.iter().map(|p| p.checksum.clone()));
-                sources.extend(s.tables.iter().map(|t| t.source.clone()));
+                assert!(s.positions.iter().all(|p| p.seq == 0));
+                g.sums
+                    .extend(s.positions.iter().map(|p| p.checksum.clone()));
+                g.sources.extend(s.tables.iter().map(|t| t.source.clone()));
+                g.steps
+                    .push((s.tables[0].rows, s.positions.len(), s.tables[0].messages));
             }
             generate_event::Event::Summary(s) => {
                 assert_eq!(s.failed_steps, 0);
                 let json: serde_json::Value = serde_json::from_str(&s.json).expect("summary JSON");
                 assert_eq!(json["tokens"], s.tokens);
-                tokens = s.tokens;
+                g.tokens = s.tokens;
+                done = true;
             }
         }
     }
-    (sums, sources, tokens)
+    assert!(done, "a summary ends the stream");
+    g
 }
 
 fn text_request(max_tokens: u64) -> GenerateRequest {
@@ -136,7 +153,12 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
         }
 
         // A sequence, streamed step by step.
-        let (sums, sources, tokens) = generate(addr, text_request(40)).await;
+        let Generated {
+            sums,
+            sources,
+            tokens,
+            ..
+        } = generate(addr, text_request(40)).await;
         assert_eq!((sums.len(), tokens), (40, 40));
         assert!(
             sources.iter().filter(|s| *s == "d").count() > 60,
@@ -264,8 +286,8 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
     rt().block_on(async {
         let t = tables(addr).await;
         assert_eq!(t.tokens_per_second, 25.0);
-        let (sums, _, _) = generate(addr, text_request(5)).await;
-        assert_eq!(sums.len(), 5, "still serving");
+        let g = generate(addr, text_request(5)).await;
+        assert_eq!(g.sums.len(), 5, "still serving");
     });
 
     // SIGTERM: STOPPING=1 and a clean exit.
@@ -434,37 +456,6 @@ fn sigterm_lets_the_running_sequence_end_by_the_drain_deadline_and_refuses_new_o
     assert!(status.success(), "{}", node.log());
 }
 
-/// Submit `req`; per step, its checksums and (rows of table 1 in the
-/// step, positions of this request in it).
-async fn generate_steps(
-    addr: std::net::SocketAddr,
-    req: GenerateRequest,
-) -> (Vec<String>, Vec<(u32, usize)>) {
-    let mut stream = client(addr)
-        .await
-        .generate(req)
-        .await
-        .expect("accepted")
-        .into_inner();
-    let (mut sums, mut steps, mut done) = (Vec::new(), Vec::new(), false);
-    while let Some(ev) = stream.message().await.expect("stream") {
-        match ev.event.expect("an event") {
-            generate_event::Event::Step(s) => {
-                assert!(s.positions.iter().all(|p| p.seq == 0));
-                sums.extend(s.positions.iter().map(|p| p.checksum.clone()));
-                steps.push((s.tables[0].rows, s.positions.len()));
-                assert_eq!(s.tables[0].messages, 1, "one message per table per step");
-            }
-            generate_event::Event::Summary(s) => {
-                assert_eq!(s.failed_steps, 0);
-                done = true;
-            }
-        }
-    }
-    assert!(done, "a summary ends the stream");
-    (sums, steps)
-}
-
 #[test]
 fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -519,26 +510,27 @@ fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
     rt().block_on(async {
         let mut alone = Vec::new();
         for r in &requests {
-            alone.push(generate_steps(addr, r.clone()).await);
+            alone.push(generate(addr, r.clone()).await);
         }
         assert_eq!(
-            alone.iter().map(|(s, _)| s.len()).collect::<Vec<_>>(),
+            alone.iter().map(|g| g.sums.len()).collect::<Vec<_>>(),
             [30, 26, 24]
         );
         let (a, b, c) = tokio::join!(
-            generate_steps(addr, requests[0].clone()),
-            generate_steps(addr, requests[1].clone()),
-            generate_steps(addr, requests[2].clone()),
+            generate(addr, requests[0].clone()),
+            generate(addr, requests[1].clone()),
+            generate(addr, requests[2].clone()),
         );
         // The same outputs as alone, each in order.
-        assert_eq!(a.0, alone[0].0);
-        assert_eq!(b.0, alone[1].0);
-        assert_eq!(c.0, alone[2].0);
-        // Steps were shared: a step's message held another request's rows.
-        let shared = [&a, &b, &c]
-            .iter()
-            .flat_map(|(_, steps)| steps.iter())
-            .filter(|&&(rows, own)| rows as usize > own * 24)
+        assert_eq!(a.sums, alone[0].sums);
+        assert_eq!(b.sums, alone[1].sums);
+        assert_eq!(c.sums, alone[2].sums);
+        // One message per table per step, and steps were shared: a step's
+        // message held another request's rows.
+        let steps = || [&a, &b, &c].into_iter().flat_map(|g| g.steps.iter());
+        assert!(steps().all(|&(_, _, messages)| messages == 1));
+        let shared = steps()
+            .filter(|&&(rows, own, _)| rows as usize > own * 24)
             .count();
         assert!(shared > 10, "{shared} shared steps");
     });
