@@ -62,7 +62,7 @@ async fn one(router: &Router, rows: &[u64], out: &mut [u8], rep: &mut TableRepor
             rep.latency.record(f.elapsed);
             rep.late += u64::from(f.late);
             match f.source {
-                Some(s) => *rep.by_source.entry(s).or_default() += 1,
+                Some(s) => *rep.by_source.entry(s.to_string()).or_default() += 1,
                 None => rep.zeros += 1,
             }
         }

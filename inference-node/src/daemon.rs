@@ -622,7 +622,14 @@ impl api::engram_node_server::EngramNode for Daemon {
             )));
         }
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        self.shared.queued.fetch_add(1, Ordering::Relaxed);
+        // Waiting counts the channel and the loop's own line: at most
+        // QUEUE_DEPTH in all, whichever holds them.
+        if self.shared.queued.fetch_add(1, Ordering::Relaxed) >= QUEUE_DEPTH as u32 {
+            self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(Status::resource_exhausted(format!(
+                "{QUEUE_DEPTH} sequences are already waiting"
+            )));
+        }
         let order = Order::Generate(Waiting {
             input,
             max_tokens: r.max_tokens,

@@ -181,7 +181,7 @@ async fn fetch(router: &Router, i: u64) -> String {
         .await
         .expect("no failed lookup");
     assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
-    f.source.expect("rows, not zeros")
+    f.source.expect("rows, not zeros").to_string()
 }
 
 /// The whole story on one rack: lookups over the Thunderbolt link only,

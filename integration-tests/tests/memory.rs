@@ -75,7 +75,7 @@ async fn fetch_one(router: &Router, i: u64) -> String {
     let mut out = vec![0u8; 24 * ROW_BYTES];
     let f = router.fetch(&rows, &mut out).await.expect("fetch");
     assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
-    f.source.expect("rows, not zeros")
+    f.source.expect("rows, not zeros").to_string()
 }
 
 fn random_rows(seed: u64) -> Vec<u64> {

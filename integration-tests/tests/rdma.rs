@@ -199,7 +199,7 @@ async fn lookups(memory: &Memory, n: usize, seed: u64, salt: u64) -> Result<Vec<
                     f.source
                 );
             }
-            served.push(f.source.unwrap_or_else(|| "zeros".into()));
+            served.push(f.source.map_or_else(|| "zeros".into(), |s| s.to_string()));
         }
     }
     Ok(served)

@@ -141,7 +141,7 @@ async fn fetch(router: &Router, i: u64) -> String {
     let mut out = vec![0u8; rows.len() * ROW_BYTES];
     let f = router.fetch(&rows, &mut out).await.expect("fetch");
     assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
-    f.source.expect("rows")
+    f.source.expect("rows").to_string()
 }
 
 /// One checked lookup straight through a client.

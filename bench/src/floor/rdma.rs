@@ -304,8 +304,9 @@ fn hardware(
             let l = random_rows(&mut rng, rows, tables.rows);
             let t = Instant::now();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-            rt.block_on(source.fetch(1, &l, &mut buf, deadline))
-                .map_err(|e| anyhow::anyhow!("rdma fetch: {e}"))?;
+            let (res, back) = rt.block_on(source.fetch(1, &l, std::mem::take(&mut buf), deadline));
+            buf = back;
+            res.map_err(|e| anyhow::anyhow!("rdma fetch: {e}"))?;
             let a = t.elapsed();
             if let Some(r) = first_mismatch(SEED, 1, &l, &buf) {
                 bail!("rdma: row {r} is wrong");

@@ -606,7 +606,8 @@ impl DonorClient {
                 limits.max_sections
             )));
         }
-        let mut sections = Vec::with_capacity(requests.len());
+        // Inline: a lookup of one or two tables allocates nothing here.
+        let mut sections: smallvec::SmallVec<[LookupSection<'_>; 2]> = smallvec::SmallVec::new();
         for r in requests {
             let prefix = self
                 .pinned

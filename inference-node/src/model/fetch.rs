@@ -54,8 +54,8 @@ fn merge(f: &mut Fetch, res: Result<crate::router::Fetched, crate::router::Route
                 f.zeros = true;
                 "zeros".into()
             });
-            if !f.sources.contains(&name) {
-                f.sources.push(name);
+            if !f.sources.iter().any(|s| **s == *name) {
+                f.sources.push(name.to_string());
             }
             f.hedges += x.hedges;
             f.failovers += x.failovers;

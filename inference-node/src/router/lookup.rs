@@ -11,17 +11,17 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use engram_protocol::ROW_BYTES;
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
+use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::{
     COPY_READ_LIMIT, Fetched, Hedge, Policy, RouteState, Router, RouterError, error_kind,
     sleep_until,
 };
-use crate::source::{SourceError, SourceKind};
+use crate::source::{FetchFuture, SourceError, SourceKind};
 
-type Attempt<'a> = Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
+/// A source's fetch in flight: it hands its buffer back when it ends.
+type Attempt<'a> = FetchFuture<'a>;
 
 /// Rotate the donors among `order` left by `k` (modulo their count), the
 /// other sources (the node's own copies) staying where they are: `[a, b,
@@ -70,6 +70,28 @@ impl Future for InFlight<'_> {
     }
 }
 
+/// The attempts in flight: a handful at most (the first source, hedges,
+/// failovers), kept inline so that a lookup allocates nothing for them,
+/// and polled in turn when the lookup's task wakes.
+type Attempts<'a> = SmallVec<[InFlight<'a>; 4]>;
+
+/// The next attempt to finish; `None` when none is in flight.
+async fn next_answer(set: &mut Attempts<'_>) -> Option<Answered> {
+    std::future::poll_fn(|cx| {
+        if set.is_empty() {
+            return Poll::Ready(None);
+        }
+        for i in 0..set.len() {
+            if let Poll::Ready(a) = Pin::new(&mut set[i]).poll(cx) {
+                set.swap_remove(i);
+                return Poll::Ready(Some(a));
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
 /// What happened next.
 pub(super) enum Event {
     /// An attempt finished.
@@ -81,18 +103,18 @@ pub(super) enum Event {
 }
 
 /// One lookup's state.
-pub(super) struct Lookup<'r, 'a> {
+pub(super) struct Lookup<'r> {
     router: &'r Router,
     st: &'r RouteState,
-    rows: &'a [u64],
+    rows: &'r [u64],
     start: Instant,
     deadline: Instant,
     hard: Instant,
     /// Admissible sources, in the configured order; `next` is the first
     /// not asked yet.
-    order: Vec<usize>,
+    order: SmallVec<[usize; 8]>,
     next: usize,
-    inflight: FuturesUnordered<InFlight<'a>>,
+    inflight: Attempts<'r>,
     /// When the next source is asked too, if the ones out stay silent.
     hedge_at: Option<Instant>,
     /// Past the hard timeout only the node's own copy is waited for.
@@ -106,7 +128,7 @@ pub(super) struct Lookup<'r, 'a> {
     failed: Vec<(String, String)>,
 }
 
-impl<'r, 'a> Lookup<'r, 'a> {
+impl<'r> Lookup<'r> {
     /// Check the request, find the admissible sources and ask the first.
     /// `stripe`: this lookup is one chunk of a wide sweep, to start at the
     /// admissible donor `stripe` (modulo their count; the node's own copies
@@ -114,7 +136,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
     pub(super) fn begin(
         router: &'r Router,
         st: &'r RouteState,
-        rows: &'a [u64],
+        rows: &'r [u64],
         out_len: usize,
         stripe: Option<usize>,
     ) -> Result<Self, RouterError> {
@@ -131,7 +153,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
         }
         let start = Instant::now();
         let mut failed = Vec::new();
-        let mut order: Vec<usize> = (0..st.sources.len())
+        let mut order: SmallVec<[usize; 8]> = (0..st.sources.len())
             .filter(|&i| {
                 let ok = st.sources[i].admissible(s.table);
                 if !ok {
@@ -161,7 +183,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
             hard: start + s.hard_timeout,
             order,
             next: 0,
-            inflight: FuturesUnordered::new(),
+            inflight: Attempts::new(),
             hedge_at: None,
             past_hard: false,
             hedging: stripe.is_none(),
@@ -188,7 +210,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
         let (hard, past_hard) = (self.hard, self.past_hard);
         tokio::select! {
             biased;
-            Some(a) = self.inflight.next() => Event::Answer(a),
+            Some(a) = next_answer(&mut self.inflight) => Event::Answer(a),
             () = sleep_until(precise, hedge_at.unwrap_or(hard)), if hedge_at.is_some() => Event::HedgeDue,
             () = sleep_until(precise, hard), if !past_hard => Event::HardTimeout,
         }
@@ -208,7 +230,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
     /// read, and takes at most the hard timeout plus one read of it.
     pub(super) fn past_hard_timeout(&mut self) {
         self.past_hard = true;
-        let (copies, donors): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
+        let (copies, donors): (Attempts<'r>, Attempts<'r>) = std::mem::take(&mut self.inflight)
             .into_iter()
             .partition(|a| self.is_copy(a.source));
         self.slow(donors, None);
@@ -226,7 +248,15 @@ impl<'r, 'a> Lookup<'r, 'a> {
         a: Answered,
         out: &mut [u8],
     ) -> Result<Option<Fetched>, RouterError> {
+        let len = out.len();
         let checked = a.result.and_then(|()| {
+            if a.buf.len() != len {
+                return Err(SourceError::Failed(format!(
+                    "the source gave back {} bytes for {} rows",
+                    a.buf.len(),
+                    self.rows.len()
+                )));
+            }
             engram_protocol::row::check_rows(&a.buf)
                 .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
         });
@@ -251,7 +281,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
                 let others = std::mem::take(&mut self.inflight);
                 self.slow(others, Some(a.sent));
                 Ok(Some(Fetched {
-                    source: Some(st.sources[a.source].source.name().to_string()),
+                    source: Some(st.series[a.source].name.clone()),
                     hedges: self.hedges,
                     failovers: self.failovers,
                     late,
@@ -350,19 +380,15 @@ impl<'r, 'a> Lookup<'r, 'a> {
     /// dead disk).
     fn launch(&mut self, i: usize, hedge: bool, now: Instant) {
         let st = self.st;
-        let mut buf = self.router.buffer(self.rows.len() * ROW_BYTES);
-        let src = st.sources[i].source.clone();
-        let (table, rows) = (st.settings.table, self.rows);
+        let buf = self.router.buffer(self.rows.len() * ROW_BYTES);
         let until = if self.is_copy(i) {
             self.hard + st.settings.hard_timeout.max(COPY_READ_LIMIT)
         } else {
             self.hard
         };
+        let src: &'r dyn crate::source::RowSource = &*st.sources[i].source;
         self.inflight.push(InFlight {
-            fut: Box::pin(async move {
-                let res = src.fetch(table, rows, &mut buf, until).await;
-                (res, buf)
-            }),
+            fut: src.fetch(st.settings.table, self.rows, buf, until),
             source: i,
             hedge,
             sent: Instant::now(),
@@ -389,7 +415,7 @@ impl<'r, 'a> Lookup<'r, 'a> {
     /// winner (or out at the hard timeout) were too slow, and that counts
     /// against their breaker; a healthy source rarely loses to a hedge it
     /// started ahead of several times in a row, a hung one always does.
-    fn slow(&self, left: impl IntoIterator<Item = InFlight<'a>>, winner_sent: Option<Instant>) {
+    fn slow(&self, left: impl IntoIterator<Item = InFlight<'r>>, winner_sent: Option<Instant>) {
         for a in left {
             match winner_sent {
                 // Out of time: a plain failure.

@@ -76,7 +76,7 @@ pub struct RouteSettings {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fetched {
     /// The source whose rows were returned (`None`: zeros by policy).
-    pub source: Option<String>,
+    pub source: Option<Arc<str>>,
     /// Sources asked as hedges.
     pub hedges: u32,
     /// Sources asked after a failure.
@@ -123,6 +123,8 @@ fn describe(attempts: &[(String, String)]) -> String {
 /// Per-source metric handles, taken once.
 #[derive(Debug)]
 struct SourceSeries {
+    /// The source's name, shared by every answer it wins.
+    name: Arc<str>,
     fetch: Histogram,
     rows: Counter,
     hedges_won: Counter,
@@ -184,6 +186,7 @@ impl RouteState {
                     source: s.source.name().to_string(),
                 };
                 SourceSeries {
+                    name: Arc::from(s.source.name()),
                     fetch: m.fetch_seconds.get_or_create(&l).clone(),
                     rows: m.rows_served.get_or_create(&l).clone(),
                     hedges_won: m.hedges_won.get_or_create(&l).clone(),

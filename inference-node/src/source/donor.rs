@@ -196,6 +196,47 @@ impl DonorSource {
         }
     }
 
+    /// A lookup into `out`: over RDMA when this donor has a usable path,
+    /// else over the connection.
+    async fn fetch_into(
+        &self,
+        table: u32,
+        rows: &[u64],
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), SourceError> {
+        let client = tokio::time::timeout_at(deadline, self.client())
+            .await
+            .map_err(|_| SourceError::Timeout)??;
+        if let Some(path) = &self.rdma
+            && let Some(&(_, pinned)) = self.opts.pinned.iter().find(|p| p.0 == table)
+        {
+            match path
+                .fetch(&client, table, pinned, rows, out, deadline)
+                .await
+            {
+                Ok(super::rdma::RdmaOutcome::Read) => return Ok(()),
+                Ok(super::rdma::RdmaOutcome::UseStream) => {}
+                Err(e) => {
+                    if let SourceError::VersionMismatch { .. } = e {
+                        self.forget(&client);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let res = client
+            .lookup_until(&[Request { table, rows }], out, deadline)
+            .await
+            .map_err(SourceError::from);
+        if let Err(SourceError::VersionMismatch { .. }) = res {
+            // The Welcome this connection got is stale: the next lookup
+            // or probe dials again and reads the donor's versions anew.
+            self.forget(&client);
+        }
+        res
+    }
+
     fn draining(&self) -> bool {
         let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         cur.as_ref().is_some_and(|c| c.poll_draining())
@@ -225,40 +266,12 @@ impl RowSource for DonorSource {
         &'a self,
         table: u32,
         rows: &'a [u64],
-        out: &'a mut [u8],
+        mut buf: Vec<u8>,
         deadline: Instant,
     ) -> FetchFuture<'a> {
         Box::pin(async move {
-            let client = tokio::time::timeout_at(deadline, self.client())
-                .await
-                .map_err(|_| SourceError::Timeout)??;
-            if let Some(path) = &self.rdma
-                && let Some(&(_, pinned)) = self.opts.pinned.iter().find(|p| p.0 == table)
-            {
-                match path
-                    .fetch(&client, table, pinned, rows, out, deadline)
-                    .await
-                {
-                    Ok(super::rdma::RdmaOutcome::Read) => return Ok(()),
-                    Ok(super::rdma::RdmaOutcome::UseStream) => {}
-                    Err(e) => {
-                        if let SourceError::VersionMismatch { .. } = e {
-                            self.forget(&client);
-                        }
-                        return Err(e);
-                    }
-                }
-            }
-            let res = client
-                .lookup_until(&[Request { table, rows }], out, deadline)
-                .await
-                .map_err(SourceError::from);
-            if let Err(SourceError::VersionMismatch { .. }) = res {
-                // The Welcome this connection got is stale: the next lookup
-                // or probe dials again and reads the donor's versions anew.
-                self.forget(&client);
-            }
-            res
+            let res = self.fetch_into(table, rows, &mut buf, deadline).await;
+            (res, buf)
         })
     }
 

@@ -70,10 +70,13 @@ impl RowSource for LocalRam {
         &'a self,
         table: u32,
         rows: &'a [u64],
-        out: &'a mut [u8],
+        mut buf: Vec<u8>,
         _deadline: Instant,
     ) -> FetchFuture<'a> {
-        Box::pin(async move { self.read(table, rows, out) })
+        Box::pin(async move {
+            let res = self.read(table, rows, &mut buf);
+            (res, buf)
+        })
     }
 
     fn probe(&self) -> ProbeFuture<'_> {

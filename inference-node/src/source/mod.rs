@@ -127,8 +127,11 @@ impl From<ClientError> for SourceError {
     }
 }
 
-/// A boxed fetch in progress (sources are used as trait objects).
-pub type FetchFuture<'a> = Pin<Box<dyn Future<Output = Result<(), SourceError>> + Send + 'a>>;
+/// A boxed fetch in progress (sources are used as trait objects): how it
+/// went, and the buffer it was given (filled when it went well), back for
+/// the caller to reuse.
+pub type FetchFuture<'a> =
+    Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
 
 /// What a health probe found: the digest of each table the source serves.
 pub type ProbeFuture<'a> =
@@ -153,13 +156,15 @@ pub trait RowSource: Send + Sync + fmt::Debug {
     /// there is nothing to read.
     fn tend(&self) {}
 
-    /// Fill `out` (`rows.len() * 264` bytes) with the rows of `table`, in
-    /// order, or fail by `deadline`.
+    /// Fill `buf` (`rows.len() * 264` bytes) with the rows of `table`, in
+    /// order, or fail by `deadline`; the buffer comes back either way
+    /// (empty if the source could not keep it), so the caller's buffers
+    /// are reused from lookup to lookup.
     fn fetch<'a>(
         &'a self,
         table: u32,
         rows: &'a [u64],
-        out: &'a mut [u8],
+        buf: Vec<u8>,
         deadline: Instant,
     ) -> FetchFuture<'a>;
 

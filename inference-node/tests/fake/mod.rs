@@ -88,13 +88,14 @@ impl RowSource for Fake {
         &'a self,
         table: u32,
         rows: &'a [u64],
-        out: &'a mut [u8],
+        mut buf: Vec<u8>,
         deadline: Instant,
     ) -> FetchFuture<'a> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let fault = self.fault.lock().expect("lock").clone();
         Box::pin(async move {
             assert_eq!(table, TABLE);
+            let out = &mut buf[..];
             let work = async {
                 match fault {
                     Fault::Ok(d) | Fault::BadBytes(d) => {
@@ -115,9 +116,11 @@ impl RowSource for Fake {
                     }
                 }
             };
-            tokio::time::timeout_at(deadline, work)
+            let res = tokio::time::timeout_at(deadline, work)
                 .await
-                .map_err(|_| SourceError::Timeout)?
+                .map_err(|_| SourceError::Timeout)
+                .and_then(|r| r);
+            (res, buf)
         })
     }
 

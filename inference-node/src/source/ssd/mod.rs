@@ -414,10 +414,19 @@ fn open_for_reads(
     Ok((File::open(path)?, false))
 }
 
+/// A lookup for a reader: the rows (a buffer of the source's, reused),
+/// the caller's buffer to read them into, and where both go back.
 struct Job {
     rows: Vec<u64>,
-    reply: oneshot::Sender<Result<Vec<u8>, SourceError>>,
+    buf: Vec<u8>,
+    reply: oneshot::Sender<Done>,
 }
+
+/// A job's outcome, with its buffers.
+type Done = (Result<(), SourceError>, Vec<u8>, Vec<u64>);
+
+/// Row lists kept for jobs (one per lookup in flight, at most this many).
+const KEPT_ROW_LISTS: usize = 8;
 
 /// Readers per copy, each on its own thread: a lookup can start while an
 /// earlier batch (a hedge nobody waits for any more, on a busy drive) is
@@ -432,6 +441,8 @@ pub struct SsdSource {
     digest: TableDigest,
     engine: Arc<AtomicBool>,
     jobs: Mutex<mpsc::Sender<Job>>,
+    /// Row lists that came back from jobs, for the next ones.
+    row_lists: Mutex<Vec<Vec<u64>>>,
 }
 
 impl SsdSource {
@@ -478,6 +489,7 @@ impl SsdSource {
             digest,
             engine: uring,
             jobs: Mutex::new(tx),
+            row_lists: Mutex::new(Vec::new()),
         })
     }
 
@@ -517,9 +529,9 @@ fn serve_jobs(
         if job.reply.is_closed() {
             continue;
         }
-        let mut out = vec![0u8; job.rows.len() * ROW_BYTES];
-        let res = reader.read(&job.rows, &mut out).map(|()| out);
-        let _ = job.reply.send(res);
+        let mut buf = job.buf;
+        let res = reader.read(&job.rows, &mut buf);
+        let _ = job.reply.send((res, buf, job.rows));
         if reader.engine() != engine {
             engines.get_or_create(&labels(&reader, engine)).set(0);
             engine = reader.engine();
@@ -542,34 +554,53 @@ impl RowSource for SsdSource {
         &'a self,
         table: u32,
         rows: &'a [u64],
-        out: &'a mut [u8],
+        buf: Vec<u8>,
         deadline: Instant,
     ) -> FetchFuture<'a> {
         Box::pin(async move {
             if table != self.table {
-                return Err(SourceError::BadRequest(format!(
+                let e = SourceError::BadRequest(format!(
                     "this copy holds table {}, not {table}",
                     self.table
-                )));
+                ));
+                return (Err(e), buf);
             }
+            // The reader reads straight into the caller's buffer, and hands
+            // it back with the row list.
+            let mut list = self
+                .row_lists
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop()
+                .unwrap_or_default();
+            list.clear();
+            list.extend_from_slice(rows);
             let (reply, rx) = oneshot::channel();
-            self.jobs
+            let sent = self
+                .jobs
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .send(Job {
-                    rows: rows.to_vec(),
+                    rows: list,
+                    buf,
                     reply,
-                })
-                .map_err(|_| SourceError::Unavailable("the SSD reader stopped".into()))?;
-            let rows = tokio::time::timeout_at(deadline, rx)
-                .await
-                .map_err(|_| SourceError::Timeout)?
-                .map_err(|_| SourceError::Unavailable("the SSD reader stopped".into()))??;
-            if rows.len() != out.len() {
-                return Err(SourceError::BadRequest("output buffer size".into()));
+                });
+            let stopped = || SourceError::Unavailable("the SSD reader stopped".into());
+            if let Err(mpsc::SendError(job)) = sent {
+                return (Err(stopped()), job.buf);
             }
-            out.copy_from_slice(&rows);
-            Ok(())
+            match tokio::time::timeout_at(deadline, rx).await {
+                Ok(Ok((res, buf, list))) => {
+                    let mut lists = self.row_lists.lock().unwrap_or_else(|p| p.into_inner());
+                    if lists.len() < KEPT_ROW_LISTS {
+                        lists.push(list);
+                    }
+                    (res, buf)
+                }
+                // The buffer stays with the reader (it is dropped there).
+                Ok(Err(_)) => (Err(stopped()), Vec::new()),
+                Err(_) => (Err(SourceError::Timeout), Vec::new()),
+            }
         })
     }
 

@@ -375,8 +375,8 @@ async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
     let src = SsdSource::with_readers(1, readers, Family::default()).expect("source");
     let deadline = Instant::now() + std::time::Duration::from_secs(30);
     let (rows_a, rows_b) = ([1u64, 2, 3], [400u64, 500, 600]);
-    let (mut out_a, mut out_b) = ([0u8; 3 * ROW_BYTES], [0u8; 3 * ROW_BYTES]);
-    let mut a = Box::pin(src.fetch(1, &rows_a, &mut out_a, deadline));
+    let (out_a, out_b) = (vec![0u8; 3 * ROW_BYTES], vec![0u8; 3 * ROW_BYTES]);
+    let mut a = Box::pin(src.fetch(1, &rows_a, out_a, deadline));
     // A is queued and taken by a reader, which the gate holds mid-batch.
     let short = std::time::Duration::from_millis(5);
     while !script.lock().expect("script").held {
@@ -386,11 +386,11 @@ async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
         );
     }
     // B is read by another reader while A's batch is still held.
-    src.fetch(1, &rows_b, &mut out_b, deadline)
-        .await
-        .expect("B is not stuck behind A");
+    let (res, out_b) = src.fetch(1, &rows_b, out_b, deadline).await;
+    res.expect("B is not stuck behind A");
     assert_eq!(first_mismatch(SEED, 1, &rows_b, &out_b), None);
     release.send(()).expect("release A");
-    a.await.expect("A");
+    let (res, out_a) = a.await;
+    res.expect("A");
     assert_eq!(first_mismatch(SEED, 1, &rows_a, &out_a), None);
 }
