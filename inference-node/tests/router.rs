@@ -38,6 +38,35 @@ async fn the_primary_answers_alone_when_it_is_fast() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn fetch_vec_hands_over_the_buffer_the_source_filled_without_a_copy() {
+    let a = Fake::new("a", Fault::Ok(us(40)));
+    let r = rig(&[&a], settings(Hedge::Off, Policy::Fail));
+    let mut out = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let f = r.router.fetch_vec(&ROWS, &mut out).await.expect("fetched");
+        assert_eq!(f.source.as_deref(), Some("a"));
+        // The very buffer the source wrote the rows into.
+        assert_eq!(out.as_ptr() as usize, a.filled.load(Ordering::SeqCst));
+        assert_rows(&out);
+        seen.push(out.as_ptr() as usize);
+    }
+    // Two buffers take turns: the caller's, and the one in the pool.
+    seen.sort_unstable();
+    seen.dedup();
+    assert!(seen.len() <= 2, "{} distinct buffers", seen.len());
+    // A fetch that fails leaves the caller's buffer as it was; zeros fill it.
+    a.set(Fault::Fail(us(1), SourceError::Unavailable("gone".into())));
+    let before = out.clone();
+    assert!(r.router.fetch_vec(&ROWS, &mut out).await.is_err());
+    assert_eq!(out, before);
+    let z = rig(&[&a], settings(Hedge::Off, Policy::Zeros));
+    let f = z.router.fetch_vec(&ROWS, &mut out).await.expect("zeros");
+    assert!(f.is_zeros());
+    assert_eq!(out, vec![0u8; ROWS.len() * engram_protocol::ROW_BYTES]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_hedge_goes_out_at_the_hedge_delay_and_its_rows_win() {
     let a = Fake::new("a", Fault::Ok(us(1_000)));
     let b = Fake::new("b", Fault::Ok(us(60)));

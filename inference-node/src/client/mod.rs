@@ -28,13 +28,12 @@ use engram_protocol::messages::{LookupSection, encode_lookup, encode_ping};
 use engram_protocol::{Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, TableInfo};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 pub use error::ClientError;
 use wire::{
-    Inner, Pending, PendingGuard, ReadHalf, ReadState, Reply, WriteHalf, WriteState, next_frame,
-    parse,
+    Inner, Pending, PendingGuard, ReadHalf, ReadState, Reply, Waiter, WriteHalf, WriteState,
+    next_frame, parse,
 };
 
 /// Default `busy_poll`: longer than a loopback or rack-local answer takes
@@ -510,13 +509,12 @@ impl DonorClient {
             return Err(ClientError::Draining);
         }
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, mut rx) = oneshot::channel();
         {
             let mut p = inner.pending();
             if let Some(e) = &p.closed {
                 return Err(e.clone());
             }
-            p.waiting.insert(id, tx);
+            p.waiting.insert(id, Waiter::default());
         }
         let _guard = PendingGuard { inner, id };
         {
@@ -543,11 +541,14 @@ impl DonorClient {
         // read side and read for everyone until our answer comes.
         tokio::select! {
             biased;
-            r = &mut rx => r.unwrap_or_else(|_| Err(ClientError::Disconnected("connection closed".into()))),
-            mut rd = inner.reader.lock() => match rx.try_recv() {
-                Ok(r) => r,
-                Err(_) => inner.lead(&mut rd, id).await,
-            },
+            r = std::future::poll_fn(|cx| inner.pending().poll_reply(id, cx)) => r,
+            mut rd = inner.reader.lock() => {
+                let came = inner.pending().take_reply(id);
+                match came {
+                    Some(r) => r,
+                    None => inner.lead(&mut rd, id).await,
+                }
+            }
         }
     }
 

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -28,16 +29,54 @@ pub(super) trait WriteHalf:
 {
 }
 impl<T: tokio::io::AsyncWrite + Unpin + Send + Sync + std::fmt::Debug> WriteHalf for T {}
-use tokio::sync::oneshot;
 
 use super::ClientError;
 
 pub(super) type Reply = Result<Bytes, ClientError>;
 
+/// A request waiting for its answer: the answer once a reader handed it
+/// over, and whom to wake then. Kept in [`Pending`]'s map, whose storage
+/// is reused from request to request (nothing allocated per request).
+#[derive(Debug, Default)]
+pub(super) struct Waiter {
+    reply: Option<Reply>,
+    waker: Option<Waker>,
+}
+
 #[derive(Debug, Default)]
 pub(super) struct Pending {
-    pub waiting: HashMap<u64, oneshot::Sender<Reply>>,
+    pub waiting: HashMap<u64, Waiter>,
     pub closed: Option<ClientError>,
+}
+
+impl Pending {
+    /// Hand `reply` to request `id` and wake it; dropped when nobody waits
+    /// for it any more (a cancelled request: a lost hedge).
+    fn answer(&mut self, id: u64, reply: Reply) -> Option<Waker> {
+        let w = self.waiting.get_mut(&id)?;
+        w.reply = Some(reply);
+        w.waker.take()
+    }
+
+    /// Request `id`'s answer if it came; else wake `cx` when it does.
+    pub fn poll_reply(&mut self, id: u64, cx: &mut Context<'_>) -> Poll<Reply> {
+        let Some(w) = self.waiting.get_mut(&id) else {
+            return Poll::Ready(Err(ClientError::Disconnected("connection closed".into())));
+        };
+        if let Some(r) = w.reply.take() {
+            return Poll::Ready(r);
+        }
+        match &mut w.waker {
+            Some(k) if k.will_wake(cx.waker()) => {}
+            k => *k = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
+    /// Request `id`'s answer if it came.
+    pub fn take_reply(&mut self, id: u64) -> Option<Reply> {
+        self.waiting.get_mut(&id)?.reply.take()
+    }
 }
 
 /// A TLS session shared by the read and write sides. Each side locks it
@@ -360,8 +399,13 @@ impl Inner {
         if p.closed.is_none() {
             p.closed = Some(why.clone());
         }
-        for (_, tx) in p.waiting.drain() {
-            let _ = tx.send(Err(why.clone()));
+        for w in p.waiting.values_mut() {
+            if w.reply.is_none() {
+                w.reply = Some(Err(why.clone()));
+            }
+            if let Some(k) = w.waker.take() {
+                k.wake();
+            }
         }
     }
 
@@ -398,8 +442,9 @@ impl Inner {
                     return Ok(Some(frame));
                 }
                 // No waiter: the request was cancelled (a lost hedge); drop the answer.
-                if let Some(tx) = self.pending().waiting.remove(&h.request_id) {
-                    let _ = tx.send(Ok(frame));
+                let waker = self.pending().answer(h.request_id, Ok(frame));
+                if let Some(k) = waker {
+                    k.wake();
                 }
                 Ok(None)
             }

@@ -101,18 +101,18 @@ pub fn stripe_rows(rows: usize, replicas: usize, cap: usize) -> usize {
 /// (`rows.len() * 264` bytes); `ready` is left for the caller to stamp on
 /// its own clock.
 pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
-    let mut f = Fetch {
-        bytes: vec![0; rows.len() * ROW_BYTES],
-        ..Fetch::default()
-    };
+    let mut f = Fetch::default();
     let replicas = router.replicas().max(1);
     let size = stripe_rows(rows.len(), replicas, chunk);
     if rows.len() <= size {
-        let res = router.fetch(rows, &mut f.bytes).await;
+        // The winning source's buffer itself: no copy here.
+        let res = router.fetch_vec(rows, &mut f.bytes).await;
+        // A failed fetch (its error recorded) still has its size.
+        f.bytes.resize(rows.len() * ROW_BYTES, 0);
         merge(&mut f, res);
         return f;
     }
-    let mut bytes = std::mem::take(&mut f.bytes);
+    let mut bytes = vec![0; rows.len() * ROW_BYTES];
     let results = {
         let chunks =
             std::sync::Mutex::new(rows.chunks(size).zip(bytes.chunks_mut(size * ROW_BYTES)));

@@ -6,9 +6,9 @@
 //! for); when nothing is left in flight, [`Lookup::give_up`] applies the
 //! table's policy.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context, Poll};
+
+use std::sync::Arc;
 
 use engram_protocol::ROW_BYTES;
 use smallvec::SmallVec;
@@ -18,10 +18,7 @@ use super::{
     COPY_READ_LIMIT, Fetched, Hedge, Policy, RouteState, Router, RouterError, error_kind,
     sleep_until,
 };
-use crate::source::{FetchFuture, SourceError, SourceKind};
-
-/// A source's fetch in flight: it hands its buffer back when it ends.
-type Attempt<'a> = FetchFuture<'a>;
+use crate::source::{FetchJob, FetchSlot, SourceError, SourceKind};
 
 /// Rotate the donors among `order` left by `k` (modulo their count), the
 /// other sources (the node's own copies) staying where they are: `[a, b,
@@ -38,9 +35,10 @@ pub(super) fn rotate_donors(order: &mut [usize], k: usize, is_donor: impl Fn(usi
     }
 }
 
-/// An attempt in flight: which source, whether it was a hedge, when sent.
-pub(super) struct InFlight<'a> {
-    fut: Attempt<'a>,
+/// An attempt in flight: its fetch (in a slot of the router's, given back
+/// when the attempt ends), which source, whether it was a hedge, when sent.
+pub(super) struct InFlight {
+    slot: FetchSlot,
     source: usize,
     hedge: bool,
     sent: Instant,
@@ -52,39 +50,77 @@ pub(super) struct Answered {
     hedge: bool,
     sent: Instant,
     result: Result<(), SourceError>,
-    buf: Vec<u8>,
+    job: FetchJob,
+    slot: FetchSlot,
 }
 
-impl Future for InFlight<'_> {
-    type Output = Answered;
+/// Where a lookup's rows go: the caller's slice (copied in), or the
+/// caller's buffer, which the winner's buffer replaces (no copy; the
+/// caller's old buffer joins the router's pool).
+pub(super) enum Out<'o> {
+    Slice(&'o mut [u8]),
+    Vec(&'o mut Vec<u8>),
+}
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answered> {
-        let (source, hedge, sent) = (self.source, self.hedge, self.sent);
-        self.fut.as_mut().poll(cx).map(|(result, buf)| Answered {
-            source,
-            hedge,
-            sent,
-            result,
-            buf,
-        })
+impl Out<'_> {
+    /// Bytes the caller's slice holds (`None`: a buffer, sized to fit).
+    pub(super) fn fixed_len(&self) -> Option<usize> {
+        match self {
+            Out::Slice(s) => Some(s.len()),
+            Out::Vec(_) => None,
+        }
     }
+
+    /// Place the winner's rows (`buf`, checked); `buf` is left holding
+    /// what should go back to the pool.
+    fn place(&mut self, buf: &mut Vec<u8>) {
+        match self {
+            Out::Slice(s) => s.copy_from_slice(buf),
+            Out::Vec(v) => std::mem::swap(*v, buf),
+        }
+    }
+
+    /// Zeros for `len` bytes.
+    fn zeros(&mut self, len: usize) {
+        match self {
+            Out::Slice(s) => s.fill(0),
+            Out::Vec(v) => {
+                v.clear();
+                v.resize(len, 0);
+            }
+        }
+    }
+}
+
+/// Which attempt an answer came from.
+struct Attempt {
+    source: usize,
+    hedge: bool,
+    sent: Instant,
 }
 
 /// The attempts in flight: a handful at most (the first source, hedges,
 /// failovers), kept inline so that a lookup allocates nothing for them,
 /// and polled in turn when the lookup's task wakes.
-type Attempts<'a> = SmallVec<[InFlight<'a>; 4]>;
+type Attempts = SmallVec<[InFlight; 4]>;
 
 /// The next attempt to finish; `None` when none is in flight.
-async fn next_answer(set: &mut Attempts<'_>) -> Option<Answered> {
-    std::future::poll_fn(|cx| {
+async fn next_answer(set: &mut Attempts) -> Option<Answered> {
+    std::future::poll_fn(|cx: &mut Context<'_>| {
         if set.is_empty() {
             return Poll::Ready(None);
         }
         for i in 0..set.len() {
-            if let Poll::Ready(a) = Pin::new(&mut set[i]).poll(cx) {
-                set.swap_remove(i);
-                return Poll::Ready(Some(a));
+            if let Poll::Ready((result, job)) = set[i].slot.poll(cx) {
+                let a = set.swap_remove(i);
+                return Poll::Ready(Some(Answered {
+                    source: a.source,
+                    hedge: a.hedge,
+                    sent: a.sent,
+                    result,
+                    job,
+                    slot: a.slot,
+                }));
             }
         }
         Poll::Pending
@@ -114,7 +150,7 @@ pub(super) struct Lookup<'r> {
     /// not asked yet.
     order: SmallVec<[usize; 8]>,
     next: usize,
-    inflight: Attempts<'r>,
+    inflight: Attempts,
     /// When the next source is asked too, if the ones out stay silent.
     hedge_at: Option<Instant>,
     /// Past the hard timeout only the node's own copy is waited for.
@@ -137,11 +173,13 @@ impl<'r> Lookup<'r> {
         router: &'r Router,
         st: &'r RouteState,
         rows: &'r [u64],
-        out_len: usize,
+        out_len: Option<usize>,
         stripe: Option<usize>,
     ) -> Result<Self, RouterError> {
         let s = &st.settings;
-        if out_len != rows.len() * ROW_BYTES {
+        if let Some(out_len) = out_len
+            && out_len != rows.len() * ROW_BYTES
+        {
             return Err(RouterError::BadRequest {
                 table: s.table,
                 message: format!(
@@ -230,7 +268,7 @@ impl<'r> Lookup<'r> {
     /// read, and takes at most the hard timeout plus one read of it.
     pub(super) fn past_hard_timeout(&mut self) {
         self.past_hard = true;
-        let (copies, donors): (Attempts<'r>, Attempts<'r>) = std::mem::take(&mut self.inflight)
+        let (copies, donors): (Attempts, Attempts) = std::mem::take(&mut self.inflight)
             .into_iter()
             .partition(|a| self.is_copy(a.source));
         self.slow(donors, None);
@@ -246,26 +284,39 @@ impl<'r> Lookup<'r> {
     pub(super) fn answered(
         &mut self,
         a: Answered,
-        out: &mut [u8],
+        out: &mut Out<'_>,
     ) -> Result<Option<Fetched>, RouterError> {
-        let len = out.len();
-        let checked = a.result.and_then(|()| {
-            if a.buf.len() != len {
+        let len = self.rows.len() * ROW_BYTES;
+        let Answered {
+            source,
+            hedge,
+            sent,
+            result,
+            mut job,
+            slot,
+        } = a;
+        let checked = result.and_then(|()| {
+            if job.buf.len() != len {
                 return Err(SourceError::Failed(format!(
                     "the source gave back {} bytes for {} rows",
-                    a.buf.len(),
+                    job.buf.len(),
                     self.rows.len()
                 )));
             }
-            engram_protocol::row::check_rows(&a.buf)
+            engram_protocol::row::check_rows(&job.buf)
                 .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
         });
+        let a = Attempt {
+            source,
+            hedge,
+            sent,
+        };
         let st = self.st;
         match checked {
             Ok(()) => {
                 let now = Instant::now();
-                out.copy_from_slice(&a.buf);
-                self.router.recycle(st, a.buf);
+                out.place(&mut job.buf);
+                self.router.recycle(st, job, slot);
                 let latency = now - a.sent;
                 st.sources[a.source].on_success(latency);
                 let ser = &st.series[a.source];
@@ -289,7 +340,7 @@ impl<'r> Lookup<'r> {
                 }))
             }
             Err(e) => {
-                self.router.recycle(st, a.buf);
+                self.router.recycle(st, job, slot);
                 self.failure(a.source, &e);
                 self.failed.push((
                     st.sources[a.source].source.name().to_string(),
@@ -309,7 +360,7 @@ impl<'r> Lookup<'r> {
 
     /// Nothing is in flight and no answer won (every source failed, or the
     /// hard timeout passed): the table's policy decides.
-    pub(super) fn give_up(mut self, out: &mut [u8]) -> Result<Fetched, RouterError> {
+    pub(super) fn give_up(mut self, out: &mut Out<'_>) -> Result<Fetched, RouterError> {
         let others = std::mem::take(&mut self.inflight);
         self.slow(others, None);
         let st = self.st;
@@ -331,7 +382,7 @@ impl<'r> Lookup<'r> {
                 })
             }
             Policy::Zeros => {
-                out.fill(0);
+                out.zeros(self.rows.len() * ROW_BYTES);
                 router.table.zeros.inc();
                 router.warn_zeros(self.rows.len(), &self.failed);
                 Ok(Fetched {
@@ -380,15 +431,15 @@ impl<'r> Lookup<'r> {
     /// dead disk).
     fn launch(&mut self, i: usize, hedge: bool, now: Instant) {
         let st = self.st;
-        let buf = self.router.buffer(self.rows.len() * ROW_BYTES);
         let until = if self.is_copy(i) {
             self.hard + st.settings.hard_timeout.max(COPY_READ_LIMIT)
         } else {
             self.hard
         };
-        let src: &'r dyn crate::source::RowSource = &*st.sources[i].source;
+        let (job, mut slot) = self.router.job(st.settings.table, self.rows, until);
+        Arc::clone(&st.sources[i].source).fetch_job(job, &mut slot);
         self.inflight.push(InFlight {
-            fut: src.fetch(st.settings.table, self.rows, buf, until),
+            slot,
             source: i,
             hedge,
             sent: Instant::now(),
@@ -415,8 +466,9 @@ impl<'r> Lookup<'r> {
     /// winner (or out at the hard timeout) were too slow, and that counts
     /// against their breaker; a healthy source rarely loses to a hedge it
     /// started ahead of several times in a row, a hung one always does.
-    fn slow(&self, left: impl IntoIterator<Item = InFlight<'r>>, winner_sent: Option<Instant>) {
+    fn slow(&self, left: impl IntoIterator<Item = InFlight>, winner_sent: Option<Instant>) {
         for a in left {
+            self.router.forget(a.slot);
             match winner_sent {
                 // Out of time: a plain failure.
                 None => self.failure(a.source, &SourceError::Timeout),

@@ -40,10 +40,11 @@ use thiserror::Error;
 use tokio::time::Instant;
 
 pub use health::{Breaker, SourceHealth};
-use lookup::{Event, Lookup};
+use lookup::{Event, Lookup, Out};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
-use crate::source::{SourceError, SourceKind};
+use crate::source::{FetchJob, FetchSlot, SourceError, SourceKind};
+use engram_protocol::ROW_BYTES;
 
 /// The least time the node's own copy gets past the hard timeout: a read
 /// that is slow (a cold disk, writeback in the way: tens of milliseconds
@@ -212,13 +213,36 @@ impl RouteState {
     }
 }
 
+/// What attempts leave behind for the next ones: buffers, row lists and
+/// fetch slots, so that a lookup in the steady state allocates nothing.
+#[derive(Default)]
+struct Pool {
+    buffers: Vec<Vec<u8>>,
+    rows: Vec<Vec<u64>>,
+    slots: Vec<FetchSlot>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("buffers", &self.buffers.len())
+            .field("rows", &self.rows.len())
+            .field("slots", &self.slots.len())
+            .finish()
+    }
+}
+
+/// Kept in the pool beyond one of each per source: the lookups a sweep
+/// runs at once, a hedge.
+const POOL_SPARE: usize = 8;
+
 /// One table's sources and how to use them.
 #[derive(Debug)]
 pub struct Router {
     table_id: u32,
     state: RwLock<Arc<RouteState>>,
     table: TableSeries,
-    buffers: Mutex<Vec<Vec<u8>>>,
+    pool: Mutex<Pool>,
     zeros_warned_ms: AtomicU64,
     started: std::time::Instant,
 }
@@ -241,7 +265,7 @@ impl Router {
             table_id: settings.table,
             state: RwLock::new(Arc::new(RouteState::new(settings, sources, m))),
             table,
-            buffers: Mutex::new(Vec::new()),
+            pool: Mutex::new(Pool::default()),
             zeros_warned_ms: AtomicU64::new(0),
             started: std::time::Instant::now(),
         }
@@ -280,27 +304,72 @@ impl Router {
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = next;
     }
 
-    fn buffer(&self, len: usize) -> Vec<u8> {
-        let mut b = self
-            .buffers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default();
-        b.resize(len, 0);
-        b
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn recycle(&self, st: &RouteState, b: Vec<u8>) {
-        let mut pool = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        if pool.len() < st.sources.len() + 2 {
-            pool.push(b);
+    /// A fetch of `rows` of `table` by `deadline`, and a slot to run it
+    /// in, from the pool when it has them (nothing allocated then).
+    fn job(&self, table: u32, rows: &[u64], deadline: Instant) -> (FetchJob, FetchSlot) {
+        let (mut list, mut buf, slot) = {
+            let mut p = self.pool();
+            (
+                p.rows.pop().unwrap_or_default(),
+                p.buffers.pop().unwrap_or_default(),
+                p.slots.pop(),
+            )
+        };
+        list.clear();
+        list.extend_from_slice(rows);
+        buf.resize(rows.len() * ROW_BYTES, 0);
+        let job = FetchJob {
+            table,
+            rows: list,
+            buf,
+            deadline,
+        };
+        (job, slot.unwrap_or_else(crate::source::empty_slot))
+    }
+
+    /// Keep what an ended attempt used for the next ones (a few of each;
+    /// fewer buffers, which a sweep's chunks make large).
+    fn recycle(&self, st: &RouteState, job: FetchJob, slot: FetchSlot) {
+        let keep = st.sources.len() + POOL_SPARE;
+        let mut p = self.pool();
+        if p.buffers.len() < st.sources.len() + 2 {
+            p.buffers.push(job.buf);
+        }
+        if p.rows.len() < keep {
+            p.rows.push(job.rows);
+        }
+        if p.slots.len() < keep {
+            p.slots.push(slot);
+        }
+    }
+
+    /// An attempt nobody waits for any more: its fetch is dropped now (a
+    /// donor's request let go, an SSD job skipped), its slot kept.
+    fn forget(&self, mut slot: FetchSlot) {
+        crate::source::clear_slot(&mut slot);
+        let mut p = self.pool();
+        if p.slots.len() < POOL_SPARE {
+            p.slots.push(slot);
         }
     }
 
     /// Fetch `rows` of the table into `out` (`rows.len() * 264` bytes).
     pub async fn fetch(&self, rows: &[u64], out: &mut [u8]) -> Result<Fetched, RouterError> {
-        self.lookup(rows, out, None).await
+        self.lookup(rows, Out::Slice(out), None).await
+    }
+
+    /// [`Router::fetch`] without the last copy: on success `out` is
+    /// replaced by the buffer the winning source filled (`rows.len() * 264`
+    /// bytes), and the buffer it held goes to the router's pool for the
+    /// next lookups. A caller that keeps passing the same `Vec` gets the
+    /// rows copied once, by the source (from the socket's frame, the SSD
+    /// page, or local RAM), and allocates nothing.
+    pub async fn fetch_vec(&self, rows: &[u64], out: &mut Vec<u8>) -> Result<Fetched, RouterError> {
+        self.lookup(rows, Out::Vec(out), None).await
     }
 
     /// Fetch one chunk of a wide sweep (a prefill): like [`Router::fetch`],
@@ -314,7 +383,7 @@ impl Router {
         out: &mut [u8],
         stripe: usize,
     ) -> Result<Fetched, RouterError> {
-        self.lookup(rows, out, Some(stripe)).await
+        self.lookup(rows, Out::Slice(out), Some(stripe)).await
     }
 
     /// Donors a lookup may use now (breaker not open, not excluded, not
@@ -330,18 +399,18 @@ impl Router {
     async fn lookup(
         &self,
         rows: &[u64],
-        out: &mut [u8],
+        mut out: Out<'_>,
         stripe: Option<usize>,
     ) -> Result<Fetched, RouterError> {
         // One snapshot for the whole lookup: a reconfiguration meanwhile
         // applies from the next one.
         let state = self.state();
         self.table.lookups.inc();
-        let mut lookup = Lookup::begin(self, &state, rows, out.len(), stripe)?;
+        let mut lookup = Lookup::begin(self, &state, rows, out.fixed_len(), stripe)?;
         while !lookup.is_over() {
             match lookup.next_event().await {
                 Event::Answer(a) => {
-                    if let Some(done) = lookup.answered(a, out)? {
+                    if let Some(done) = lookup.answered(a, &mut out)? {
                         return Ok(done);
                     }
                 }
@@ -349,7 +418,7 @@ impl Router {
                 Event::HardTimeout => lookup.past_hard_timeout(),
             }
         }
-        lookup.give_up(out)
+        lookup.give_up(&mut out)
     }
 
     /// Loud, but at most once a second.

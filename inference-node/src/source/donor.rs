@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use engram_protocol::TableDigest;
 use tokio::time::Instant;
 
-use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
 use crate::client::{ClientError, ClientOptions, DonorClient, Request};
 
 /// The node's TLS material for donors' control planes: the rack CA and the
@@ -273,6 +273,15 @@ impl RowSource for DonorSource {
             let res = self.fetch_into(table, rows, &mut buf, deadline).await;
             (res, buf)
         })
+    }
+
+    fn fetch_job(self: Arc<Self>, mut job: FetchJob, slot: &mut FetchSlot) {
+        slot.set(async move {
+            let res = self
+                .fetch_into(job.table, &job.rows, &mut job.buf, job.deadline)
+                .await;
+            (res, job)
+        });
     }
 
     fn probe(&self) -> ProbeFuture<'_> {

@@ -2,12 +2,13 @@
 //! verified) with the memory donor's loader: the same code path that a donor
 //! trusts, so a node with RAM to spare serves itself exactly as a donor would.
 
-use std::path::Path;
-
 use engram_store::resident::{ExpectedTable, LoadError, MlockMode, ResidentTable};
+use std::path::Path;
 use tokio::time::Instant;
 
-use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+use std::sync::Arc;
+
+use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
 
 /// A table in local RAM.
 #[derive(Debug)]
@@ -77,6 +78,12 @@ impl RowSource for LocalRam {
             let res = self.read(table, rows, &mut buf);
             (res, buf)
         })
+    }
+
+    fn fetch_job(self: Arc<Self>, mut job: FetchJob, slot: &mut FetchSlot) {
+        // Read now: the future only hands the outcome over.
+        let res = self.read(job.table, &job.rows, &mut job.buf);
+        slot.set(std::future::ready((res, job)));
     }
 
     fn probe(&self) -> ProbeFuture<'_> {

@@ -17,6 +17,7 @@ pub mod ssd;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use engram_protocol::TableDigest;
 use thiserror::Error;
@@ -133,12 +134,50 @@ impl From<ClientError> for SourceError {
 pub type FetchFuture<'a> =
     Pin<Box<dyn Future<Output = (Result<(), SourceError>, Vec<u8>)> + Send + 'a>>;
 
+/// A fetch the router hands a source, owning what it needs so that its
+/// future can outlive the lookup's borrows and live in a [`FetchSlot`]
+/// reused from lookup to lookup: the row list and the buffer are the
+/// router's, and come back with the outcome ([`FetchDone`]).
+#[derive(Debug)]
+pub struct FetchJob {
+    /// The table.
+    pub table: u32,
+    /// The rows, in order.
+    pub rows: Vec<u64>,
+    /// Filled with the rows (`rows.len() * 264` bytes) when the fetch goes
+    /// well; empty when the source could not keep it.
+    pub buf: Vec<u8>,
+    /// Fail by then.
+    pub deadline: Instant,
+}
+
+/// How a [`FetchJob`] went, and the job back for its buffers.
+pub type FetchDone = (Result<(), SourceError>, FetchJob);
+
+/// A boxed fetch in progress that keeps its allocation from one fetch to
+/// the next when the next future has the same layout (the same source
+/// kind): the router keeps a few and puts each fetch in one, so a lookup
+/// in the steady state allocates nothing for its future.
+pub type FetchSlot = tokio_util::sync::ReusableBoxFuture<'static, FetchDone>;
+
+/// An empty slot: holds a future that never ends and takes no memory.
+pub fn empty_slot() -> FetchSlot {
+    FetchSlot::new(std::future::pending())
+}
+
+/// Drop whatever `slot` holds (a fetch nobody waits for any more: a lost
+/// hedge), so that what it holds (a request's place on a connection, a
+/// job) is let go now; frees the slot's memory.
+pub fn clear_slot(slot: &mut FetchSlot) {
+    slot.set(std::future::pending());
+}
+
 /// What a health probe found: the digest of each table the source serves.
 pub type ProbeFuture<'a> =
     Pin<Box<dyn Future<Output = Result<Vec<(u32, TableDigest)>, SourceError>> + Send + 'a>>;
 
 /// A place rows can come from.
-pub trait RowSource: Send + Sync + fmt::Debug {
+pub trait RowSource: Send + Sync + fmt::Debug + 'static {
     /// Its name in logs and metrics (a donor's name, `ssd`, `local`).
     fn name(&self) -> &str;
 
@@ -167,6 +206,31 @@ pub trait RowSource: Send + Sync + fmt::Debug {
         buf: Vec<u8>,
         deadline: Instant,
     ) -> FetchFuture<'a>;
+
+    /// [`Self::fetch`] as the router runs it: `job` owned, its future put
+    /// in `slot` (its memory reused when it fits). The default boxes a
+    /// [`Self::fetch`] inside (one allocation a fetch); the node's own
+    /// sources put their fetch in the slot directly.
+    fn fetch_job(self: Arc<Self>, job: FetchJob, slot: &mut FetchSlot) {
+        slot.set(async move {
+            let FetchJob {
+                table,
+                rows,
+                buf,
+                deadline,
+            } = job;
+            let (res, buf) = self.fetch(table, &rows, buf, deadline).await;
+            (
+                res,
+                FetchJob {
+                    table,
+                    rows,
+                    buf,
+                    deadline,
+                },
+            )
+        });
+    }
 
     /// Check health and versions out of band, for re-admission after
     /// failures: the tables it serves now, with their digests.

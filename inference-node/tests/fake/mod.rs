@@ -1,7 +1,7 @@
 //! A fake source with fault injection, and a router over fakes, for the
 //! router's tests under paused tokio time.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +40,8 @@ pub struct Fake {
     pub draining: AtomicBool,
     pub calls: AtomicU32,
     pub kind: SourceKind,
+    /// Where the last buffer it filled lives (its address).
+    pub filled: AtomicUsize,
 }
 
 impl Fake {
@@ -52,6 +54,7 @@ impl Fake {
             draining: AtomicBool::new(false),
             calls: AtomicU32::new(0),
             kind: SourceKind::Donor,
+            filled: AtomicUsize::new(0),
         })
     }
 
@@ -120,6 +123,7 @@ impl RowSource for Fake {
                 .await
                 .map_err(|_| SourceError::Timeout)
                 .and_then(|r| r);
+            self.filled.store(buf.as_ptr() as usize, Ordering::SeqCst);
             (res, buf)
         })
     }

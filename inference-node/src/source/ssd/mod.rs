@@ -18,6 +18,7 @@
 pub mod ioprio;
 mod pages;
 mod pread;
+mod queue;
 #[cfg(test)]
 mod tests;
 mod uring;
@@ -27,7 +28,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use cluster_config::{SsdIo, SsdIoprio};
@@ -38,13 +38,15 @@ use engram_store::table_file::{TableFile, TableFileError};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use thiserror::Error;
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
+use super::{
+    FetchDone, FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind,
+};
 use crate::metrics::SsdLabels;
 use pages::{PageError, PageRead, Pages};
 pub use pread::PreadPool;
+use queue::{Completion, Job, Queue};
 pub use uring::{MAX_IN_FLIGHT, RingStats};
 use uring::{RingFactory, UringEngine};
 /// Threads of the pread pool by default: every row of a 24-row batch in flight.
@@ -414,19 +416,8 @@ fn open_for_reads(
     Ok((File::open(path)?, false))
 }
 
-/// A lookup for a reader: the rows (a buffer of the source's, reused),
-/// the caller's buffer to read them into, and where both go back.
-struct Job {
-    rows: Vec<u64>,
-    buf: Vec<u8>,
-    reply: oneshot::Sender<Done>,
-}
-
-/// A job's outcome, with its buffers.
-type Done = (Result<(), SourceError>, Vec<u8>, Vec<u64>);
-
-/// Row lists kept for jobs (one per lookup in flight, at most this many).
-const KEPT_ROW_LISTS: usize = 8;
+/// Completions kept for jobs (one per lookup in flight, at most this many).
+const KEPT_COMPLETIONS: usize = 8;
 
 /// Readers per copy, each on its own thread: a lookup can start while an
 /// earlier batch (a hedge nobody waits for any more, on a busy drive) is
@@ -440,9 +431,15 @@ pub struct SsdSource {
     table: u32,
     digest: TableDigest,
     engine: Arc<AtomicBool>,
-    jobs: Mutex<mpsc::Sender<Job>>,
-    /// Row lists that came back from jobs, for the next ones.
-    row_lists: Mutex<Vec<Vec<u64>>>,
+    jobs: Arc<Queue>,
+    /// Completions of answered jobs, for the next ones.
+    completions: Mutex<Vec<Arc<Completion>>>,
+}
+
+impl Drop for SsdSource {
+    fn drop(&mut self) {
+        self.jobs.stop();
+    }
 }
 
 impl SsdSource {
@@ -471,25 +468,28 @@ impl SsdSource {
         readers: Vec<SsdReader>,
         engines: Family<SsdLabels, Gauge>,
     ) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        let queue = Arc::new(Queue::default());
         let first = readers
             .first()
             .ok_or_else(|| std::io::Error::other("no reader"))?;
         let digest = first.digest();
         let uring = Arc::new(AtomicBool::new(first.engine() == SsdEngine::Uring));
         for (i, reader) in readers.into_iter().enumerate() {
-            let (rx, engines, shown) = (Arc::clone(&rx), engines.clone(), Arc::clone(&uring));
-            std::thread::Builder::new()
+            let (jobs, engines, shown) = (Arc::clone(&queue), engines.clone(), Arc::clone(&uring));
+            let spawned = std::thread::Builder::new()
                 .name(format!("ssd-{table}-{i}"))
-                .spawn(move || serve_jobs(table, reader, &rx, &engines, &shown))?;
+                .spawn(move || serve_jobs(table, reader, &jobs, &engines, &shown));
+            if let Err(e) = spawned {
+                queue.stop();
+                return Err(e);
+            }
         }
         Ok(Self {
             table,
             digest,
             engine: uring,
-            jobs: Mutex::new(tx),
-            row_lists: Mutex::new(Vec::new()),
+            jobs: queue,
+            completions: Mutex::new(Vec::new()),
         })
     }
 
@@ -501,13 +501,98 @@ impl SsdSource {
             SsdEngine::Pread
         }
     }
+
+    /// A completion for the next job: one kept from an earlier job, else
+    /// a new one.
+    fn completion(&self) -> Arc<Completion> {
+        let kept = lock(&self.completions).pop();
+        match kept {
+            Some(c) => {
+                c.reset();
+                c
+            }
+            None => Arc::new(Completion::default()),
+        }
+    }
+
+    /// Keep `c` for a later job, when nothing else holds it any more.
+    fn keep(&self, c: Arc<Completion>) {
+        if Arc::strong_count(&c) == 1 {
+            let mut kept = lock(&self.completions);
+            if kept.len() < KEPT_COMPLETIONS {
+                kept.push(c);
+            }
+        }
+    }
+
+    /// Have a reader read `job`'s rows straight into its buffer, by its
+    /// deadline. The buffer comes back filled, or empty when the reader
+    /// kept it (a timeout: it is dropped there).
+    async fn run(&self, mut job: FetchJob) -> FetchDone {
+        if job.table != self.table {
+            let e = SourceError::BadRequest(format!(
+                "this copy holds table {}, not {}",
+                self.table, job.table
+            ));
+            return (Err(e), job);
+        }
+        let reply = self.completion();
+        let sent = self.jobs.push(Job {
+            rows: std::mem::take(&mut job.rows),
+            buf: std::mem::take(&mut job.buf),
+            reply: Some(Arc::clone(&reply)),
+        });
+        let stopped = || SourceError::Unavailable("the SSD reader stopped".into());
+        if let Err(mut back) = sent {
+            job.rows = std::mem::take(&mut back.rows);
+            job.buf = std::mem::take(&mut back.buf);
+            return (Err(stopped()), job);
+        }
+        // Stops the job if this future is dropped before the answer.
+        let waiting = CancelOnDrop(Some(&reply));
+        let answer =
+            tokio::time::timeout_at(job.deadline, std::future::poll_fn(|cx| reply.poll_done(cx)))
+                .await;
+        match answer {
+            Ok(Some((res, buf, rows))) => {
+                waiting.disarm();
+                self.keep(reply);
+                job.rows = rows;
+                job.buf = buf;
+                (res, job)
+            }
+            Ok(None) => (Err(stopped()), job),
+            Err(_) => (Err(SourceError::Timeout), job),
+        }
+    }
+}
+
+/// Cancels a job whose caller stops waiting for it.
+struct CancelOnDrop<'a>(Option<&'a Completion>);
+
+impl CancelOnDrop<'_> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            c.cancel();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One reader's thread: take the next lookup from the queue, read it, answer.
 fn serve_jobs(
     table: u32,
     mut reader: SsdReader,
-    jobs: &Mutex<mpsc::Receiver<Job>>,
+    jobs: &Queue,
     engines: &Family<SsdLabels, Gauge>,
     shown: &AtomicBool,
 ) {
@@ -521,17 +606,16 @@ fn serve_jobs(
     let mut engine = reader.engine();
     engines.get_or_create(&labels(&reader, engine)).set(1);
     loop {
-        let job = match jobs.lock().map(|q| q.recv()) {
-            Ok(Ok(job)) => job,
-            _ => return,
-        };
+        let Some(mut job) = jobs.pop() else { return };
         // A cancelled fetch (a hedge that lost) is skipped.
-        if job.reply.is_closed() {
+        let Some(reply) = job.reply.take().filter(|r| !r.is_cancelled()) else {
             continue;
-        }
-        let mut buf = job.buf;
+        };
+        let mut buf = std::mem::take(&mut job.buf);
         let res = reader.read(&job.rows, &mut buf);
-        let _ = job.reply.send((res, buf, job.rows));
+        let rows = std::mem::take(&mut job.rows);
+        drop(job);
+        reply.complete((res, buf, rows));
         if reader.engine() != engine {
             engines.get_or_create(&labels(&reader, engine)).set(0);
             engine = reader.engine();
@@ -558,50 +642,19 @@ impl RowSource for SsdSource {
         deadline: Instant,
     ) -> FetchFuture<'a> {
         Box::pin(async move {
-            if table != self.table {
-                let e = SourceError::BadRequest(format!(
-                    "this copy holds table {}, not {table}",
-                    self.table
-                ));
-                return (Err(e), buf);
-            }
-            // The reader reads straight into the caller's buffer, and hands
-            // it back with the row list.
-            let mut list = self
-                .row_lists
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop()
-                .unwrap_or_default();
-            list.clear();
-            list.extend_from_slice(rows);
-            let (reply, rx) = oneshot::channel();
-            let sent = self
-                .jobs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .send(Job {
-                    rows: list,
-                    buf,
-                    reply,
-                });
-            let stopped = || SourceError::Unavailable("the SSD reader stopped".into());
-            if let Err(mpsc::SendError(job)) = sent {
-                return (Err(stopped()), job.buf);
-            }
-            match tokio::time::timeout_at(deadline, rx).await {
-                Ok(Ok((res, buf, list))) => {
-                    let mut lists = self.row_lists.lock().unwrap_or_else(|p| p.into_inner());
-                    if lists.len() < KEPT_ROW_LISTS {
-                        lists.push(list);
-                    }
-                    (res, buf)
-                }
-                // The buffer stays with the reader (it is dropped there).
-                Ok(Err(_)) => (Err(stopped()), Vec::new()),
-                Err(_) => (Err(SourceError::Timeout), Vec::new()),
-            }
+            let job = FetchJob {
+                table,
+                rows: rows.to_vec(),
+                buf,
+                deadline,
+            };
+            let (res, job) = self.run(job).await;
+            (res, job.buf)
         })
+    }
+
+    fn fetch_job(self: Arc<Self>, job: FetchJob, slot: &mut FetchSlot) {
+        slot.set(async move { self.run(job).await });
     }
 
     fn probe(&self) -> ProbeFuture<'_> {

@@ -4,7 +4,7 @@
 //! the next batch is right.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, mpsc};
 
 use cluster_config::SsdIo;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
@@ -393,4 +393,56 @@ async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
     let (res, out_a) = a.await;
     res.expect("A");
     assert_eq!(first_mismatch(SEED, 1, &rows_a, &out_a), None);
+}
+
+#[tokio::test]
+async fn a_lookup_dropped_mid_read_leaves_the_next_ones_right() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let (release, gate) = mpsc::channel();
+    let script = Arc::new(Mutex::new(Script {
+        gate: Some(gate),
+        ..Script::default()
+    }));
+    let readers = (0..READERS)
+        .map(|_| {
+            let opts = SsdOptions {
+                io: SsdIo::Uring,
+                ..SsdOptions::default()
+            };
+            SsdReader::open_with(&path, pin(digest), false, opts, faulty_with(&script))
+                .expect("open")
+        })
+        .collect();
+    let src = Arc::new(SsdSource::with_readers(1, readers, Family::default()).expect("source"));
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    let rows_a = [1u64, 2, 3];
+    let mut a = Box::pin(src.fetch(1, &rows_a, vec![0u8; 3 * ROW_BYTES], deadline));
+    let short = std::time::Duration::from_millis(5);
+    while !script.lock().expect("script").held {
+        assert!(
+            tokio::time::timeout(short, &mut a).await.is_err(),
+            "A ended"
+        );
+    }
+    // The caller gives up on A while its batch is held mid-read.
+    drop(a);
+    release.send(()).expect("release A");
+    // Lookups after it, through the router's way in (completions reused),
+    // each get exactly their own rows.
+    let mut slot = crate::source::empty_slot();
+    for k in 0..50u64 {
+        let rows: Vec<u64> = (0..24).map(|i| (k * 97 + i * 13) % 1000).collect();
+        let job = FetchJob {
+            table: 1,
+            rows: rows.clone(),
+            buf: vec![0u8; 24 * ROW_BYTES],
+            deadline,
+        };
+        Arc::clone(&src).fetch_job(job, &mut slot);
+        let (res, job) = std::future::poll_fn(|cx| slot.poll(cx)).await;
+        res.expect("fetch");
+        assert_eq!(job.rows, rows);
+        assert_eq!(first_mismatch(SEED, 1, &rows, &job.buf), None, "lookup {k}");
+    }
 }
