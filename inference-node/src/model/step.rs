@@ -93,6 +93,10 @@ struct StepFetches<P> {
     unique: [Vec<u64>; 2],
     parts: [Vec<Part<P>>; 2],
     needed: usize,
+    /// Whether table `l`'s one message asks its rows position by position
+    /// (every position live, no row twice): its answer is then laid out as
+    /// the fusion reads it, and is fused where it landed, without a gather.
+    in_order: [bool; 2],
 }
 
 /// The loop between steps: where each sequence is, and buffers reused.
@@ -335,6 +339,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         };
         let unique = [rows_of(0, None), rows_of(1, None)];
         let mut parts: [Vec<Part<F::Pending>>; 2] = [Vec::new(), Vec::new()];
+        let mut in_order = [false; 2];
         match draft {
             Some(d) if d.prefetch => {
                 let mut asked: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
@@ -357,11 +362,23 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                 if let Some(d) = draft {
                     self.clock.sleep_until(t0 + d.per_token * drafts);
                 }
+                let all_live = work.iter().all(|p| p.rows.is_some());
                 for (l, part) in parts.iter_mut().enumerate() {
-                    if !unique[l].is_empty() {
-                        let p = self.fetcher.start(l, unique[l].clone());
-                        part.push((unique[l].clone(), p));
+                    if unique[l].is_empty() {
+                        continue;
                     }
+                    // Every row once: ask them in the fusion's order.
+                    let rows = if all_live && unique[l].len() == work.len() * COLUMNS {
+                        in_order[l] = true;
+                        work.iter()
+                            .filter_map(|p| p.rows)
+                            .flat_map(|r| r[l])
+                            .collect()
+                    } else {
+                        unique[l].clone()
+                    };
+                    let p = self.fetcher.start(l, rows.clone());
+                    part.push((rows, p));
                 }
             }
         }
@@ -369,6 +386,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             unique,
             parts,
             needed: work.iter().filter(|p| p.rows.is_some()).count() * COLUMNS,
+            in_order,
         }
     }
 
@@ -432,10 +450,15 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                 .into_iter()
                 .map(|(rows, p)| (rows, self.fetcher.wait(p)))
                 .collect();
-            let f = merge_parts(got, &fetches.unique[l]);
+            let f = if fetches.in_order[l] {
+                got.into_iter().map(|(_, f)| f).next().unwrap_or_default()
+            } else {
+                merge_parts(got, &fetches.unique[l])
+            };
             self.clock.sleep_until(f.ready);
             f
         };
+        let mut f = f;
         // The stall is how long the block would wait for the rows on the
         // model's schedule (its start, pushed back by the stalls before
         // it). The loop thread's own lateness (waking up, fusing) is not
@@ -444,7 +467,11 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         let stall = f.ready.saturating_sub(block_start);
         let fused_from = self.clock.now();
         if f.error.is_none() && self.live.iter().any(|&x| x) {
-            gather(&mut self.rowbuf, work, l, &fetches.unique[l], &f, self.step)?;
+            if fetches.in_order[l] {
+                take_in_order(&mut self.rowbuf, work.len(), &mut f, self.step)?;
+            } else {
+                gather(&mut self.rowbuf, work, l, &fetches.unique[l], &f, self.step)?;
+            }
             if !f.zeros {
                 self.fusion
                     .fuse(slot.layer, &self.rowbuf, &self.live, &mut self.hidden)
@@ -538,6 +565,29 @@ fn merge_parts(mut parts: Vec<(Vec<u64>, Fetch)>, unique: &[u64]) -> Fetch {
         }
     }
     all
+}
+
+/// A fetch asked position by position ([`StepFetches::in_order`]) is
+/// already laid out as the fusion reads it: its buffer becomes `rowbuf`
+/// (no copy; the buffer `rowbuf` held goes with the fetch).
+fn take_in_order(
+    rowbuf: &mut Vec<u8>,
+    positions: usize,
+    f: &mut Fetch,
+    step: u64,
+) -> Result<(), LoopError> {
+    if f.bytes.len() != positions * POSITION_ROW_BYTES {
+        return Err(LoopError::Rows {
+            step,
+            what: format!(
+                "the fetch returned {} bytes for {} rows",
+                f.bytes.len(),
+                positions * COLUMNS
+            ),
+        });
+    }
+    std::mem::swap(rowbuf, &mut f.bytes);
+    Ok(())
 }
 
 /// Lay out table `l`'s rows position by position (24 per live position,

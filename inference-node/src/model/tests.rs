@@ -20,6 +20,8 @@ struct FakeFetcher<'a, D: Fn(usize, usize) -> Duration> {
     /// (slot, rows asked) per call.
     log: RefCell<Vec<(usize, usize)>>,
     fail_slot: Option<usize>,
+    /// Where each fetch's rows were delivered (the buffers' addresses).
+    delivered: RefCell<Vec<usize>>,
 }
 
 impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
@@ -30,6 +32,7 @@ impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
             calls: [0; 2],
             log: RefCell::new(Vec::new()),
             fail_slot: None,
+            delivered: RefCell::new(Vec::new()),
         }
     }
 }
@@ -58,6 +61,7 @@ impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
         for (r, out) in rows.iter().zip(bytes.chunks_exact_mut(ROW_BYTES)) {
             synthetic_row(7, layer, *r, out.try_into().expect("one row"));
         }
+        self.delivered.borrow_mut().push(bytes.as_ptr() as usize);
         Fetch {
             bytes,
             ready,
@@ -74,6 +78,8 @@ struct SlowFusion<'a> {
     inner: CpuFusion,
     clock: &'a FakeClock,
     cost: Duration,
+    /// Where each call's rows were (the buffer's address).
+    read: Vec<usize>,
 }
 
 impl Fusion for SlowFusion<'_> {
@@ -91,6 +97,7 @@ impl Fusion for SlowFusion<'_> {
         hidden: &mut [f32],
     ) -> Result<(), FusionError> {
         self.clock.advance(self.cost);
+        self.read.push(rows.as_ptr() as usize);
         self.inner.fuse(layer, rows, live, hidden)
     }
 }
@@ -123,6 +130,7 @@ fn run_fake<D: Fn(usize, usize) -> Duration>(
         inner: cpu(),
         clock: &clock,
         cost: fusion_cost,
+        read: Vec::new(),
     };
     let mut steps = Vec::new();
     let s = run(
@@ -262,6 +270,51 @@ fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
         .flat_map(|r| r.positions.iter())
         .map(|p| ((p.seq, p.index), p.checksum.clone()))
         .collect()
+}
+
+#[test]
+fn distinct_rows_are_asked_in_the_fusions_order_and_fused_where_they_landed() {
+    let toks = tokens(40);
+    let clock = FakeClock::default();
+    let mut fetcher = FakeFetcher::new(&clock, |_: usize, _: usize| Duration::ZERO);
+    let mut fusion = SlowFusion {
+        inner: cpu(),
+        clock: &clock,
+        cost: Duration::ZERO,
+        read: Vec::new(),
+    };
+    let spec = LoopSpec {
+        prefill: 30,
+        ..LoopSpec::default()
+    };
+    let mut steps = Vec::new();
+    run(
+        &clock,
+        &mut fetcher,
+        &mut fusion,
+        &params(),
+        v41_slots(1, 14),
+        &toks,
+        &spec,
+        &AtomicBool::new(false),
+        &mut |r| {
+            steps.push(r.clone());
+            Ok(())
+        },
+    )
+    .expect("run");
+    let delivered = fetcher.delivered.into_inner();
+    assert_eq!(fusion.read.len(), delivered.len());
+    // The prefill repeats rows: they are asked once each and gathered into
+    // the fusion's layout, a buffer of the loop's own.
+    assert!(steps[0].tables[0].unique_rows < 30 * 24);
+    assert!(!delivered.contains(&fusion.read[0]));
+    // Each decoding position asks 24 distinct rows, in the fusion's order:
+    // the fusion reads the very buffer the rows were delivered in.
+    assert_eq!(steps[1].tables[0].unique_rows, 24);
+    for (k, (read, got)) in fusion.read.iter().zip(&delivered).enumerate().skip(2) {
+        assert_eq!(read, got, "fusion call {k} read another buffer");
+    }
 }
 
 #[test]
