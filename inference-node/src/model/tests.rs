@@ -124,6 +124,23 @@ fn run_fake<D: Fn(usize, usize) -> Duration>(
     delay: D,
     fusion_cost: Duration,
 ) -> (Summary, Vec<StepRecord>, Vec<(usize, usize)>) {
+    let (s, steps, log, _) = run_fake_traced(spec, toks, delay, fusion_cost);
+    (s, steps, log)
+}
+
+/// Which buffers the fake fetches delivered rows in, and which ones the
+/// fusion read, call by call.
+struct Buffers {
+    delivered: Vec<usize>,
+    read: Vec<usize>,
+}
+
+fn run_fake_traced<D: Fn(usize, usize) -> Duration>(
+    spec: &LoopSpec,
+    toks: &Tokens,
+    delay: D,
+    fusion_cost: Duration,
+) -> (Summary, Vec<StepRecord>, Vec<(usize, usize)>, Buffers) {
     let clock = FakeClock::default();
     let mut fetcher = FakeFetcher::new(&clock, delay);
     let mut fusion = SlowFusion {
@@ -149,7 +166,11 @@ fn run_fake<D: Fn(usize, usize) -> Duration>(
     )
     .expect("run");
     let log = fetcher.log.into_inner();
-    (s, steps, log)
+    let buffers = Buffers {
+        delivered: fetcher.delivered.into_inner(),
+        read: fusion.read,
+    };
+    (s, steps, log, buffers)
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -274,45 +295,23 @@ fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
 
 #[test]
 fn distinct_rows_are_asked_in_the_fusions_order_and_fused_where_they_landed() {
-    let toks = tokens(40);
-    let clock = FakeClock::default();
-    let mut fetcher = FakeFetcher::new(&clock, |_: usize, _: usize| Duration::ZERO);
-    let mut fusion = SlowFusion {
-        inner: cpu(),
-        clock: &clock,
-        cost: Duration::ZERO,
-        read: Vec::new(),
-    };
     let spec = LoopSpec {
         prefill: 30,
         ..LoopSpec::default()
     };
-    let mut steps = Vec::new();
-    run(
-        &clock,
-        &mut fetcher,
-        &mut fusion,
-        &params(),
-        v41_slots(1, 14),
-        &toks,
-        &spec,
-        &AtomicBool::new(false),
-        &mut |r| {
-            steps.push(r.clone());
-            Ok(())
-        },
-    )
-    .expect("run");
-    let delivered = fetcher.delivered.into_inner();
-    assert_eq!(fusion.read.len(), delivered.len());
+    let instant = |_: usize, _: usize| Duration::ZERO;
+    let (_, steps, _, buffers) = run_fake_traced(&spec, &tokens(40), instant, Duration::ZERO);
+    let Buffers { delivered, read } = buffers;
+    let fusion_read = read;
+    assert_eq!(fusion_read.len(), delivered.len());
     // The prefill repeats rows: they are asked once each and gathered into
     // the fusion's layout, a buffer of the loop's own.
     assert!(steps[0].tables[0].unique_rows < 30 * 24);
-    assert!(!delivered.contains(&fusion.read[0]));
+    assert!(!delivered.contains(&fusion_read[0]));
     // Each decoding position asks 24 distinct rows, in the fusion's order:
     // the fusion reads the very buffer the rows were delivered in.
     assert_eq!(steps[1].tables[0].unique_rows, 24);
-    for (k, (read, got)) in fusion.read.iter().zip(&delivered).enumerate().skip(2) {
+    for (k, (read, got)) in fusion_read.iter().zip(&delivered).enumerate().skip(2) {
         assert_eq!(read, got, "fusion call {k} read another buffer");
     }
 }

@@ -353,10 +353,12 @@ fn every_pread_thread_has_the_configured_priority() {
     }
 }
 
-#[tokio::test]
-async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, digest) = table(dir.path());
+/// A source of [`READERS`] io_uring readers whose next batch a gate holds
+/// mid-read (the script says when it is held) until `release` is sent.
+fn gated_source(
+    path: &Path,
+    digest: TableDigest,
+) -> (SsdSource, Arc<Mutex<Script>>, mpsc::Sender<()>) {
     let (release, gate) = mpsc::channel();
     let script = Arc::new(Mutex::new(Script {
         gate: Some(gate),
@@ -368,11 +370,19 @@ async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
                 io: SsdIo::Uring,
                 ..SsdOptions::default()
             };
-            SsdReader::open_with(&path, pin(digest), false, opts, faulty_with(&script))
+            SsdReader::open_with(path, pin(digest), false, opts, faulty_with(&script))
                 .expect("open")
         })
         .collect();
     let src = SsdSource::with_readers(1, readers, Family::default()).expect("source");
+    (src, script, release)
+}
+
+#[tokio::test]
+async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let (src, script, release) = gated_source(&path, digest);
     let deadline = Instant::now() + std::time::Duration::from_secs(30);
     let (rows_a, rows_b) = ([1u64, 2, 3], [400u64, 500, 600]);
     let (out_a, out_b) = (vec![0u8; 3 * ROW_BYTES], vec![0u8; 3 * ROW_BYTES]);
@@ -399,22 +409,8 @@ async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
 async fn a_lookup_dropped_mid_read_leaves_the_next_ones_right() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, digest) = table(dir.path());
-    let (release, gate) = mpsc::channel();
-    let script = Arc::new(Mutex::new(Script {
-        gate: Some(gate),
-        ..Script::default()
-    }));
-    let readers = (0..READERS)
-        .map(|_| {
-            let opts = SsdOptions {
-                io: SsdIo::Uring,
-                ..SsdOptions::default()
-            };
-            SsdReader::open_with(&path, pin(digest), false, opts, faulty_with(&script))
-                .expect("open")
-        })
-        .collect();
-    let src = Arc::new(SsdSource::with_readers(1, readers, Family::default()).expect("source"));
+    let (src, script, release) = gated_source(&path, digest);
+    let src = Arc::new(src);
     let deadline = Instant::now() + std::time::Duration::from_secs(30);
     let rows_a = [1u64, 2, 3];
     let mut a = Box::pin(src.fetch(1, &rows_a, vec![0u8; 3 * ROW_BYTES], deadline));
