@@ -440,7 +440,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         let slot = self.slots[l];
         let block_start = t0 + self.w * slot.layer / BLOCKS + stall_before;
         self.clock.sleep_until(block_start);
-        let f = if parts.is_empty() {
+        let mut f = if parts.is_empty() {
             Fetch {
                 ready: t0,
                 ..Fetch::default()
@@ -458,7 +458,6 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             self.clock.sleep_until(f.ready);
             f
         };
-        let mut f = f;
         // The stall is how long the block would wait for the rows on the
         // model's schedule (its start, pushed back by the stalls before
         // it). The loop thread's own lateness (waking up, fusing) is not

@@ -6,9 +6,8 @@
 //! for); when nothing is left in flight, [`Lookup::give_up`] applies the
 //! table's policy.
 
-use std::task::{Context, Poll};
-
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use engram_protocol::ROW_BYTES;
 use smallvec::SmallVec;

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
+use engram_protocol::ROW_BYTES;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 use thiserror::Error;
@@ -44,7 +45,6 @@ use lookup::{Event, Lookup, Out};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
 use crate::source::{FetchJob, FetchSlot, SourceError, SourceKind};
-use engram_protocol::ROW_BYTES;
 
 /// The least time the node's own copy gets past the hard timeout: a read
 /// that is slow (a cold disk, writeback in the way: tens of milliseconds

@@ -2,11 +2,11 @@
 //! verified) with the memory donor's loader: the same code path that a donor
 //! trusts, so a node with RAM to spare serves itself exactly as a donor would.
 
-use engram_store::resident::{ExpectedTable, LoadError, MlockMode, ResidentTable};
 use std::path::Path;
-use tokio::time::Instant;
-
 use std::sync::Arc;
+
+use engram_store::resident::{ExpectedTable, LoadError, MlockMode, ResidentTable};
+use tokio::time::Instant;
 
 use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
 
