@@ -355,3 +355,101 @@ async fn a_goodbye_after_timed_out_lookups_is_seen_by_polling_and_closes_the_cli
         "closed without sending more"
     );
 }
+
+/// A Rows answer to `frame` (a Lookup of table 1) with every row byte
+/// `fill`, one of them changed when `flip` says which.
+fn rows_answer(frame: &[u8], fill: u8, flip: Option<usize>) -> Vec<u8> {
+    let d = decode(frame, &Limits::for_rows(20_000))
+        .expect("valid")
+        .expect("whole");
+    let Frame::Lookup(l) = d.frame else {
+        panic!("expected a Lookup, got {:?}", d.frame)
+    };
+    let n = l.total_rows() as u32;
+    let mut out = Vec::new();
+    let start = begin_rows(
+        &mut out,
+        d.header.request_id,
+        &[RowsSection {
+            table_id: 1,
+            status: None,
+            row_count: n,
+        }],
+    )
+    .expect("rows");
+    let rows_at = out.len();
+    out.resize(out.len() + n as usize * ROW_BYTES, fill);
+    finish_rows(&mut out, start).expect("finish");
+    if let Some(k) = flip {
+        out[rows_at + k] ^= 0x01;
+    }
+    out
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn large_answers_are_read_into_the_callers_buffer_and_a_cancelled_one_is_skipped() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (timed_out_tx, timed_out_rx) = std::sync::mpsc::channel::<()>();
+    let donor = std::thread::spawn(move || {
+        let (mut s, mut buf) = handshake(&listener);
+        // A: half its answer, then the rest once the client gave up on it.
+        let a = read_frames(&mut s, &mut buf, 1).remove(0);
+        let answer_a = rows_answer(&a, 0x51, None);
+        let half = answer_a.len() / 2;
+        s.write_all(&answer_a[..half]).expect("write");
+        timed_out_rx.recv().expect("the client timed out");
+        s.write_all(&answer_a[half..]).expect("write");
+        // B whole; C with one row byte flipped; D small.
+        for (fill, flip) in [(0x42, None), (0x43, Some(70_001))] {
+            let f = read_frames(&mut s, &mut buf, 1).remove(0);
+            s.write_all(&rows_answer(&f, fill, flip)).expect("write");
+        }
+        let d = read_frames(&mut s, &mut buf, 1).remove(0);
+        answer(&mut s, &d);
+    });
+    let client = DonorClient::connect(addr, &opts()).await.expect("connect");
+    let rows: Vec<u64> = (0..2_000).collect();
+    let ask = [Request {
+        table: 1,
+        rows: &rows,
+    }];
+    let mut out = vec![0u8; rows.len() * ROW_BYTES];
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
+    let e = client.lookup_until(&ask, &mut out, deadline).await;
+    assert!(matches!(e, Err(ClientError::Timeout(_))), "{e:?}");
+    // The rows that came before the deadline went straight into the
+    // caller's buffer, not through the connection's frame buffer.
+    assert_eq!(
+        out[0], 0x51,
+        "the answer's rows were not read into the caller's buffer"
+    );
+    assert_eq!(
+        *out.last().expect("rows"),
+        0,
+        "the whole answer cannot have come"
+    );
+    timed_out_tx.send(()).expect("tell the donor");
+    // The rest of A is skipped: B's answer is B's.
+    let mut out = vec![0u8; rows.len() * ROW_BYTES];
+    client.lookup(&ask, &mut out).await.expect("B");
+    assert!(out.iter().all(|&b| b == 0x42), "B's rows are not B's");
+    // A flipped byte among the rows is caught by the checksum, and the
+    // connection goes on.
+    let e = client.lookup(&ask, &mut out).await;
+    assert!(matches!(e, Err(ClientError::Corrupt(_))), "{e:?}");
+    let small = [1u64, 2, 3];
+    let mut out = vec![0u8; 3 * ROW_BYTES];
+    client
+        .lookup(
+            &[Request {
+                table: 1,
+                rows: &small,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("the connection still works");
+    assert!(out.iter().all(|&b| b == 0x38));
+    donor.join().expect("donor");
+}

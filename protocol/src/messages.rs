@@ -46,6 +46,16 @@ pub fn payload_checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
+/// [`payload_checksum`] of the concatenation of `parts` (a Rows payload
+/// whose rows were read into a buffer of their own).
+pub fn payload_checksum_of_parts(parts: &[&[u8]]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.digest()
+}
+
 fn check_len(len: usize, max: usize, what: &'static str) -> Result<(), EncodeError> {
     if len > max {
         Err(EncodeError(what))

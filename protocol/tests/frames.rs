@@ -682,3 +682,13 @@ fn request_and_handshake_limits_shrink_the_payload_cap() {
     );
     assert!(matches!(decode(&buf, &h), Err(FrameError::TooLarge { .. })));
 }
+
+#[test]
+fn the_checksum_of_parts_is_the_checksum_of_their_concatenation() {
+    use engram_protocol::messages::{payload_checksum, payload_checksum_of_parts};
+    let bytes: Vec<u8> = (0..70_000u32).map(|i| (i * 31 % 251) as u8).collect();
+    for cut in [0, 1, 16, 1000, 65_536, 70_000] {
+        let (a, b) = bytes.split_at(cut);
+        assert_eq!(payload_checksum_of_parts(&[a, b]), payload_checksum(&bytes));
+    }
+}

@@ -32,8 +32,8 @@ use tokio::time::Instant;
 
 pub use error::ClientError;
 use wire::{
-    Inner, Pending, PendingGuard, ReadHalf, ReadState, Reply, Waiter, WriteHalf, WriteState,
-    next_frame, parse,
+    Answer, Direct, Inner, Next, Pending, PendingGuard, ReadHalf, ReadState, Reply, Waiter,
+    WriteHalf, WriteState, next_frame, parse,
 };
 
 /// Default `busy_poll`: longer than a loopback or rack-local answer takes
@@ -366,8 +366,9 @@ impl DonorClient {
             .await
             .map_err(|e| ClientError::Disconnected(e.to_string()))?;
         let mut rd = ReadState::new(r, fd, session);
-        let frame = match next_frame(&mut rd, &limits, Duration::ZERO).await {
-            Ok(f) => f,
+        let frame = match next_frame(&mut rd, &limits, Duration::ZERO, None).await {
+            Ok(Next::Frame(f)) => f,
+            Ok(Next::Own) => return Err(ClientError::Protocol("Rows before Welcome".into())),
             // Over QUIC the donor's reason travels in the connection's close.
             Err(e) => return Err(quic.as_ref().map_or(e.clone(), |(_, c)| quic_refusal(c, e))),
         };
@@ -492,6 +493,19 @@ impl DonorClient {
         &self,
         encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
     ) -> Reply {
+        match self.request_into(encode, None).await? {
+            Answer::Frame(f) => Ok(f),
+            Answer::Placed(_) => Err(ClientError::Protocol("rows placed unasked".into())),
+        }
+    }
+
+    /// [`Self::request`], the rows of a large Rows answer read straight
+    /// into `direct`'s buffer when this request reads its own answer.
+    async fn request_into(
+        &self,
+        encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
+        direct: Option<Direct<'_>>,
+    ) -> Result<Answer, ClientError> {
         let inner = &self.inner;
         if inner.idle()
             && let Ok(mut rd) = inner.reader.try_lock()
@@ -541,12 +555,12 @@ impl DonorClient {
         // read side and read for everyone until our answer comes.
         tokio::select! {
             biased;
-            r = std::future::poll_fn(|cx| inner.pending().poll_reply(id, cx)) => r,
+            r = std::future::poll_fn(|cx| inner.pending().poll_reply(id, cx)) => r.map(Answer::Frame),
             mut rd = inner.reader.lock() => {
                 let came = inner.pending().take_reply(id);
                 match came {
-                    Some(r) => r,
-                    None => inner.lead(&mut rd, id).await,
+                    Some(r) => r.map(Answer::Frame),
+                    None => inner.lead(&mut rd, id, direct).await,
                 }
             }
         }
@@ -622,12 +636,17 @@ impl DonorClient {
                 rows: r.rows,
             });
         }
-        let frame = self
-            .request(|buf, id| {
-                encode_lookup(buf, id, &sections)
-                    .map_err(|e| ClientError::BadRequest(e.to_string()))
-            })
-            .await?;
+        let direct = Direct {
+            dest: &mut *out,
+            sections: requests.len(),
+        };
+        let encode = |buf: &mut Vec<u8>, id| {
+            encode_lookup(buf, id, &sections).map_err(|e| ClientError::BadRequest(e.to_string()))
+        };
+        let frame = match self.request_into(encode, Some(direct)).await? {
+            Answer::Frame(f) => f,
+            Answer::Placed(head) => return self.check_placed(&head, requests),
+        };
         let rows = match parse(&frame, limits)?.1 {
             Frame::Rows(rows) => rows,
             Frame::Error(e) => {
@@ -657,6 +676,35 @@ impl DonorClient {
             }
             out[at..at + data.len()].copy_from_slice(data);
             at += data.len();
+        }
+        Ok(())
+    }
+
+    /// The head of a Rows answer whose rows were read into the caller's
+    /// buffer (checksum checked): its sections must be the request's, in
+    /// order, each served with its row count.
+    fn check_placed(&self, head: &[u8], requests: &[Request<'_>]) -> Result<(), ClientError> {
+        let at = |i: usize| head.get(i..i + 4).and_then(|b| <[u8; 4]>::try_from(b).ok());
+        let u32_at = |i: usize| at(i).map(u32::from_le_bytes);
+        let base = engram_protocol::HEADER_LEN + 8;
+        if u32_at(base) != Some(requests.len() as u32) || u32_at(base + 4) != Some(0) {
+            return Err(self.violation("Lookup (section count)"));
+        }
+        for (k, req) in requests.iter().enumerate() {
+            let e = base + 8 + 12 * k;
+            let (Some(table), Some(status), Some(rows)) = (u32_at(e), u32_at(e + 4), u32_at(e + 8))
+            else {
+                return Err(self.violation("Lookup (sections)"));
+            };
+            if table != req.table {
+                return Err(self.violation("Lookup (section order)"));
+            }
+            // Status (low half) and reserved (high half) are both 0 when
+            // served; a failed section has no rows, so its answer is never
+            // read this way.
+            if status != 0 || rows as usize != req.rows.len() {
+                return Err(self.violation("Lookup (row count)"));
+            }
         }
         Ok(())
     }

@@ -15,6 +15,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use engram_protocol::messages::{ROWS_HEAD_LEN, ROWS_SECTION_LEN, payload_checksum_of_parts};
 use engram_protocol::{Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, decode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The byte stream under a connection: a TCP socket's halves, or a QUIC stream's.
@@ -99,6 +100,10 @@ pub(super) struct ReadState {
     /// Over TLS: the session, and ciphertext read but not yet decrypted.
     pub tls: Option<Session>,
     pub cipher: BytesMut,
+    /// Row bytes of an answer still on the socket whose reader stopped
+    /// halfway through reading them into its own buffer (its request was
+    /// cancelled): discarded before the next frame.
+    pub skip: usize,
 }
 
 impl ReadState {
@@ -110,7 +115,15 @@ impl ReadState {
             buf: BytesMut::with_capacity(64 << 10),
             tls,
             cipher: BytesMut::new(),
+            skip: 0,
         }
+    }
+
+    /// Drop what is left of an answer nobody reads any more.
+    fn settle(&mut self) {
+        let n = self.skip.min(self.buf.len());
+        bytes::Buf::advance(&mut self.buf, n);
+        self.skip -= n;
     }
 
     /// One non-blocking read from the socket: into the frame buffer, or
@@ -312,16 +325,71 @@ fn read_result(n: std::io::Result<usize>) -> Result<(), ClientError> {
 /// How long a polling reader keeps the runtime thread before yielding.
 const YIELD_EVERY: Duration = Duration::from_micros(4);
 
-/// Read the next whole frame. With `busy_poll`, first poll the socket
-/// without sleeping for up to that long: waking a sleeping thread is most of
-/// a round trip. The poller yields between attempts so other tasks on the
-/// runtime (the other table's fetch, hedge timers) keep running.
-pub(super) async fn next_frame(rd: &mut ReadState, limits: &Limits, busy_poll: Duration) -> Reply {
+/// What the reader found next.
+pub(super) enum Next {
+    /// A whole frame.
+    Frame(Bytes),
+    /// The start of the reader's own large Rows answer, whose rows it reads
+    /// into its own buffer ([`Direct`]).
+    Own,
+}
+
+/// Where the reader puts the rows of the answer to its own Lookup, when
+/// it is large ([`DIRECT_MIN_BYTES`]) and every section is served: read
+/// from the socket straight into `dest`, not through the frame buffer.
+pub(super) struct Direct<'d> {
+    pub dest: &'d mut [u8],
+    pub sections: usize,
+}
+
+/// Answers with fewer row bytes than this go through the frame buffer: a
+/// small answer arrives in one read, and a read of its own would cost more
+/// than the copy it saves.
+pub(super) const DIRECT_MIN_BYTES: usize = 64 << 10;
+
+impl Direct<'_> {
+    /// The payload of a Rows answer that serves every section.
+    fn payload_len(&self) -> usize {
+        ROWS_HEAD_LEN + ROWS_SECTION_LEN * self.sections + self.dest.len()
+    }
+}
+
+/// A request's answer: a whole frame, or the head of a Rows frame
+/// (header, checksum, count, sections) whose rows were read straight into
+/// the request's buffer and checked there.
+pub(super) enum Answer {
+    Frame(Bytes),
+    Placed(Bytes),
+}
+
+/// Read the next whole frame; with `own`, stop at the start of the
+/// reader's own large Rows answer instead ([`Next::Own`]). With
+/// `busy_poll`, first poll the socket without sleeping for up to that
+/// long: waking a sleeping thread is most of a round trip. The poller
+/// yields between attempts so other tasks on the runtime (the other
+/// table's fetch, hedge timers) keep running.
+pub(super) async fn next_frame(
+    rd: &mut ReadState,
+    limits: &Limits,
+    busy_poll: Duration,
+    own: Option<(u64, usize)>,
+) -> Result<Next, ClientError> {
     let mut poll_until = (!busy_poll.is_zero()).then(|| Instant::now() + busy_poll);
     let mut next_yield = Instant::now() + YIELD_EVERY;
     loop {
+        rd.settle();
+        if let Some((id, payload)) = own
+            && rd.tls.is_none()
+            && let Ok(Some(h)) = FrameHeader::peek(&rd.buf, limits)
+            && h.kind == FrameKind::Rows
+            && h.request_id == id
+            && h.payload_len as usize == payload
+            && rd.buf.len() < h.frame_len()
+        {
+            return Ok(Next::Own);
+        }
         if let Some(frame) = split_frame(&mut rd.buf, limits)? {
-            return Ok(frame);
+            return Ok(Next::Frame(frame));
         }
         if rd.decrypt()? {
             continue;
@@ -469,20 +537,35 @@ impl Inner {
         }
     }
 
-    /// Read frames for everyone until the one answering `own` arrives.
-    pub async fn lead(&self, rd: &mut ReadState, own: u64) -> Reply {
+    /// Read frames for everyone until the one answering `own` arrives;
+    /// its rows straight into `direct`'s buffer when it is large.
+    pub async fn lead(
+        &self,
+        rd: &mut ReadState,
+        own: u64,
+        mut direct: Option<Direct<'_>>,
+    ) -> Result<Answer, ClientError> {
+        let expect = direct
+            .as_ref()
+            .filter(|d| d.dest.len() >= DIRECT_MIN_BYTES)
+            .map(|d| (own, d.payload_len()));
         loop {
-            let step = match next_frame(rd, &self.limits, self.busy_poll).await {
-                Ok(frame) => self.dispatch(frame, own),
+            let step = match next_frame(rd, &self.limits, self.busy_poll, expect).await {
+                Ok(Next::Frame(frame)) => self.dispatch(frame, own).map(|f| f.map(Answer::Frame)),
+                Ok(Next::Own) => match direct.as_mut() {
+                    Some(d) => read_rows_into(rd, d).await.map(|h| Some(Answer::Placed(h))),
+                    None => Err(ClientError::Protocol("no buffer for the answer".into())),
+                },
                 Err(e) => Err(e),
             };
             match step {
-                Ok(Some(frame)) => {
+                Ok(Some(answer)) => {
                     self.last_read_ns
                         .store(self.opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    return Ok(frame);
+                    return Ok(answer);
                 }
                 Ok(None) => {}
+                Err(e @ ClientError::Corrupt(_)) => return Err(e),
                 Err(e) => {
                     self.close(e.clone());
                     return Err(e);
@@ -518,6 +601,7 @@ impl Inner {
                 }
             }
             while rd.decrypt()? {}
+            rd.settle();
             // What came before the end is taken in first: a Goodbye followed
             // by the close is a drain, not just a lost connection.
             while let Some(frame) = split_frame(&mut rd.buf, &self.limits)? {
@@ -530,6 +614,50 @@ impl Inner {
         }
         step
     }
+}
+
+/// Read the rest of the reader's own Rows answer, whose header is at the
+/// front of the frame buffer: its head (checksum, count, sections) into
+/// the frame buffer, its rows from the socket straight into `d.dest`
+/// (those already read copied over), then the checksum over both. Cancel-
+/// safe: rows not read yet when the reader stops are skipped by the next.
+async fn read_rows_into(rd: &mut ReadState, d: &mut Direct<'_>) -> Result<Bytes, ClientError> {
+    let head_len = HEADER_LEN + ROWS_HEAD_LEN + ROWS_SECTION_LEN * d.sections;
+    while rd.buf.len() < head_len {
+        let (r, into) = rd.stream_and_target();
+        read_result(r.read_buf(into).await)?;
+    }
+    let head = rd.buf.split_to(head_len).freeze();
+    let dest = &mut *d.dest;
+    let mut filled = rd.buf.len().min(dest.len());
+    dest[..filled].copy_from_slice(&rd.buf[..filled]);
+    bytes::Buf::advance(&mut rd.buf, filled);
+    rd.skip = dest.len() - filled;
+    while filled < dest.len() {
+        let n = match rd.r.read(&mut dest[filled..]).await {
+            Ok(0) => {
+                return Err(ClientError::Disconnected(
+                    "donor closed the connection".into(),
+                ));
+            }
+            Ok(n) => n,
+            Err(e) => return Err(ClientError::Disconnected(e.to_string())),
+        };
+        filled += n;
+        rd.skip -= n;
+    }
+    let sum = head
+        .get(HEADER_LEN..HEADER_LEN + 8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .unwrap_or_default();
+    let actual = payload_checksum_of_parts(&[&head[HEADER_LEN + 8..], dest]);
+    if actual != sum {
+        return Err(ClientError::Corrupt(format!(
+            "Rows checksum mismatch: the frame says {sum:016x}, the payload hashes to {actual:016x}"
+        )));
+    }
+    Ok(head)
 }
 
 /// Removes a request's entry if its future is dropped before the answer
