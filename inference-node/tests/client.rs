@@ -60,27 +60,8 @@ fn handshake(listener: &TcpListener) -> (TcpStream, Vec<u8>) {
 }
 
 fn answer(s: &mut TcpStream, frame: &[u8]) {
-    let d = decode(frame, &Limits::for_rows(20_000))
-        .expect("valid")
-        .expect("whole");
-    let Frame::Lookup(l) = d.frame else {
-        panic!("expected a Lookup, got {:?}", d.frame)
-    };
-    let n = l.total_rows() as u32;
-    let mut out = Vec::new();
-    let start = begin_rows(
-        &mut out,
-        d.header.request_id,
-        &[RowsSection {
-            table_id: 1,
-            status: None,
-            row_count: n,
-        }],
-    )
-    .expect("rows");
-    out.resize(out.len() + n as usize * ROW_BYTES, 0x38);
-    finish_rows(&mut out, start).expect("finish");
-    s.write_all(&out).expect("write rows");
+    s.write_all(&rows_answer(frame, 0x38, None))
+        .expect("write rows");
 }
 
 fn set_rcvbuf(listener: &TcpListener, bytes: libc::c_int) {
@@ -102,6 +83,24 @@ fn opts() -> ClientOptions {
     let mut o = ClientOptions::new("t", vec![(1, DIGEST)]);
     o.max_rows = 20_000;
     o
+}
+
+/// A 3-row lookup still works on `client`'s connection (the scripted
+/// donor answers it with [`answer`]).
+async fn small_lookup_works(client: &DonorClient) {
+    let small = [1u64, 2, 3];
+    let mut out = vec![0u8; 3 * ROW_BYTES];
+    client
+        .lookup(
+            &[Request {
+                table: 1,
+                rows: &small,
+            }],
+            &mut out,
+        )
+        .await
+        .expect("the connection still works");
+    assert!(out.iter().all(|&b| b == 0x38));
 }
 
 const TIMED_OUT: usize = 40;
@@ -150,19 +149,7 @@ async fn lookups_cancelled_mid_write_leave_the_stream_framed() {
         assert!(matches!(e, Err(ClientError::Timeout(_))), "{e:?}");
     }
     go_tx.send(()).expect("go");
-    let small = [1u64, 2, 3];
-    let mut out = vec![0u8; 3 * ROW_BYTES];
-    client
-        .lookup(
-            &[Request {
-                table: 1,
-                rows: &small,
-            }],
-            &mut out,
-        )
-        .await
-        .expect("the connection still works");
-    assert!(out.iter().all(|b| *b == 0x38));
+    small_lookup_works(&client).await;
     let frames = donor.join().expect("donor");
     // Fewer frames than requests: a timed-out request never got to write its own
     // frame (it was still finishing an earlier one's tail), so a write was
@@ -438,18 +425,6 @@ async fn large_answers_are_read_into_the_callers_buffer_and_a_cancelled_one_is_s
     // connection goes on.
     let e = client.lookup(&ask, &mut out).await;
     assert!(matches!(e, Err(ClientError::Corrupt(_))), "{e:?}");
-    let small = [1u64, 2, 3];
-    let mut out = vec![0u8; 3 * ROW_BYTES];
-    client
-        .lookup(
-            &[Request {
-                table: 1,
-                rows: &small,
-            }],
-            &mut out,
-        )
-        .await
-        .expect("the connection still works");
-    assert!(out.iter().all(|&b| b == 0x38));
+    small_lookup_works(&client).await;
     donor.join().expect("donor");
 }
