@@ -261,7 +261,10 @@ engram_status engram_stats(const engram_memory *mem, engram_layer_stats *stats);
 // The node's metrics in Prometheus text, NUL-terminated, into `buf`
 // (`cap` bytes). `*needed` (may be NULL) gets the bytes the text takes
 // with its NUL; when `cap` is smaller, nothing is written and the call
-// returns `ENGRAM_BAD_INPUT` (call again with a larger buffer).
+// returns `ENGRAM_BAD_INPUT` (call again with a larger buffer). The text
+// grows while lookups run (a source's first answer adds its series), so
+// a buffer sized by one call may be short by the next: call again with
+// the new `*needed` until it fits, or leave room to spare.
 //
 // # Safety
 // `mem` as for `engram_close`; `buf` holds `cap` writable bytes; `needed`
