@@ -1,11 +1,14 @@
-//! Tables held resident in anonymous memory, rows packed back to back
-//! (264 bytes each, no page slack: 3.3% less RAM than the file's layout).
-//! Loading streams the file, verifies the digest on the way (unless told to
-//! trust it), asks for huge pages, locks the memory where the limit allows,
-//! and leaves the rows read-only.
+//! Tables held resident in memory. By default the rows are copied into
+//! anonymous memory (or a memfd), packed back to back (264 bytes each, no
+//! page slack: 3.3% less RAM than the file's layout). Loading streams the
+//! file, verifies the digest on the way (unless told to trust it), asks for
+//! huge pages, locks the memory where the limit allows, and leaves the rows
+//! read-only. [`Backing::Mapped`] instead serves the rows where they are:
+//! the file's own pages in the page cache, read in, hashed and locked.
 
 use std::path::Path;
 
+use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use memmap2::{Mmap, MmapMut};
 use thiserror::Error;
@@ -109,6 +112,18 @@ pub enum Backing {
     /// A memfd (hugetlb-backed where enough huge pages are reserved) that
     /// systemd can keep in its fd store for the next process ([`crate::kept`]).
     Memfd,
+    /// The table file's own pages, mapped read-only from the page cache:
+    /// nothing copied, no fresh memory zeroed, so a load costs about what
+    /// hashing the file costs. Rows stay in the file's layout (15 to a
+    /// 4 KiB page), so the table is not offered over RDMA, and nothing is
+    /// kept in systemd's fd store (the page cache outlives the process, so
+    /// a restart reads from memory, but hashes again). The file must not
+    /// change in place while served: a read lease is taken where the
+    /// kernel grants one, and a writer or truncation then breaks it with
+    /// SIGIO to this process (which the donor handles by exiting; the
+    /// default action of SIGIO also ends the process), so rows are never
+    /// served from a file changing under them. Replace files by renaming.
+    Mapped,
 }
 
 /// How to load a table.
@@ -140,20 +155,54 @@ impl Default for LoadOptions {
 }
 
 /// A table's memory: a read-only mapping whose first `len` bytes are the
-/// rows, back to back.
+/// rows, back to back, or (`paged`) a table file's pages, 15 rows and the
+/// slack in each 4 KiB.
 #[derive(Debug)]
 pub struct Rows {
     map: Mmap,
     len: usize,
+    paged: bool,
+    /// The mapped file, open while the rows are served: it holds the read
+    /// lease.
+    _file: Option<std::fs::File>,
 }
 
 impl Rows {
+    /// A copy: `len` bytes of rows back to back at the start of `map`.
+    fn packed(map: Mmap, len: usize) -> Self {
+        Self {
+            map,
+            len,
+            paged: false,
+            _file: None,
+        }
+    }
+
+    /// True when the rows are back to back ([`AsRef`] is then exactly
+    /// them); false for a table served from its file's pages.
+    pub fn is_packed(&self) -> bool {
+        !self.paged
+    }
+
+    /// Where row `row` starts in the mapping.
+    #[inline]
+    fn offset(&self, row: u64) -> usize {
+        if self.paged {
+            (row / ROWS_PER_PAGE) as usize * PAGE_BYTES as usize
+                + (row % ROWS_PER_PAGE) as usize * ROW_BYTES
+        } else {
+            row as usize * ROW_BYTES
+        }
+    }
+
     /// Lock the whole mapping (`mlock`), faulting in what is not mapped yet.
     pub fn lock(&self) -> std::io::Result<()> {
         self.map.lock()
     }
 }
 
+/// The rows back to back; for a table served from its file's pages
+/// ([`Rows::is_packed`] false), the pages, slack included.
 impl AsRef<[u8]> for Rows {
     fn as_ref(&self) -> &[u8] {
         &self.map[..self.len]
@@ -197,7 +246,7 @@ impl ResidentTable {
         if row >= self.rows {
             return None;
         }
-        let at = row as usize * ROW_BYTES;
+        let at = self.mem.offset(row);
         self.mem.map.get(at..at + ROW_BYTES)
     }
 
@@ -209,7 +258,7 @@ impl ResidentTable {
     pub fn prefetch(&self, row: u64) {
         #[cfg(target_arch = "x86_64")]
         if row < self.rows {
-            let start = self.mem.map.as_ptr().wrapping_add(row as usize * ROW_BYTES);
+            let start = self.mem.map.as_ptr().wrapping_add(self.mem.offset(row));
             let first = start as usize & !63;
             let mut line = first;
             while line < start as usize + ROW_BYTES {
@@ -227,15 +276,17 @@ impl ResidentTable {
         let _ = row;
     }
 
-    /// The rows' memory (264 bytes a row, back to back), shared: it stays
-    /// mapped while any holder keeps it, after the table itself is dropped.
+    /// The rows' memory (264 bytes a row, back to back, unless the table
+    /// is served from its file's pages), shared: it stays mapped while any
+    /// holder keeps it, after the table itself is dropped.
     pub fn memory(&self) -> std::sync::Arc<Rows> {
         std::sync::Arc::clone(&self.mem)
     }
 
-    /// Resident bytes.
+    /// Resident bytes: the rows, or for a table served from its file's
+    /// pages, those pages (3.4% more: the slack).
     pub fn bytes(&self) -> u64 {
-        self.rows * ROW_BYTES as u64
+        self.mem.len as u64
     }
 
     /// The memfd the table lives in, when it was loaded with
@@ -299,6 +350,7 @@ impl ResidentTable {
         let len = usize::try_from(bytes)
             .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
         let (mut map, memfd) = match opts.backing {
+            Backing::Mapped => return Self::load_mapped(id, file, opts, progress),
             Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
             Backing::Memfd => {
                 let (f, flen, huge) =
@@ -325,19 +377,7 @@ impl ResidentTable {
             ..FillOptions::default()
         };
         let digest = crate::fill::fill(&file, &mut map[..len], fill, progress.as_mut())?;
-        if let Some(actual) = digest
-            && actual != file.meta.digest
-        {
-            return Err(TableFileError::DigestMismatch {
-                path: path.to_path_buf(),
-                expected: file.meta.digest,
-                actual,
-            }
-            .into());
-        }
-        if let Some(p) = progress {
-            p.finish();
-        }
+        check_digest(&file, digest, progress)?;
         let id = id.unwrap_or(file.meta.layer);
         let kept = match memfd {
             Some((f, hugetlb)) => {
@@ -371,7 +411,7 @@ impl ResidentTable {
             rows: file.meta.rows,
             digest,
             digest_prefix: digest.prefix(),
-            mem: std::sync::Arc::new(Rows { map, len }),
+            mem: std::sync::Arc::new(Rows::packed(map, len)),
             kept,
         };
         Ok((
@@ -430,7 +470,7 @@ impl ResidentTable {
             rows: record.rows,
             digest: record.digest,
             digest_prefix: record.digest.prefix(),
-            mem: std::sync::Arc::new(Rows { map, len }),
+            mem: std::sync::Arc::new(Rows::packed(map, len)),
             kept: Some(Kept {
                 pages: kept::pages(&file),
                 file,
@@ -440,14 +480,124 @@ impl ResidentTable {
     }
 }
 
+/// The digest a load computed (if it did) against the header's; the
+/// progress finished when it matches.
+fn check_digest(
+    file: &TableFile,
+    digest: Option<TableDigest>,
+    progress: Option<Progress>,
+) -> Result<(), LoadError> {
+    if let Some(actual) = digest
+        && actual != file.meta.digest
+    {
+        return Err(TableFileError::DigestMismatch {
+            path: file.path.clone(),
+            expected: file.meta.digest,
+            actual,
+        }
+        .into());
+    }
+    if let Some(p) = progress {
+        p.finish();
+    }
+    Ok(())
+}
+
+impl ResidentTable {
+    /// [`Backing::Mapped`]: map the file's pages, take a read lease, and
+    /// read (and hash) every page on `opts.threads` threads, locking them
+    /// as they come in where `opts.mlock` asks.
+    fn load_mapped(
+        id: Option<u32>,
+        file: TableFile,
+        opts: &LoadOptions,
+        mut progress: Option<Progress>,
+    ) -> Result<(Self, LoadReport), LoadError> {
+        let shown = file.path.display().to_string();
+        let bytes = file.meta.rows * ROW_BYTES as u64;
+        let memory = |source| LoadError::Memory {
+            path: shown.clone(),
+            bytes,
+            source,
+        };
+        let span = usize::try_from(file.layout.pages * PAGE_BYTES)
+            .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
+        let handle = file.handle().try_clone().map_err(memory)?;
+        take_read_lease(&handle, &shown);
+        // SAFETY: mapped read-only; the file is not to change while served,
+        // and a writer breaks the read lease first (see `Backing::Mapped`).
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(file.layout.data_start)
+                .len(span)
+                .map(&handle)
+        }
+        .map_err(memory)?;
+        let locked = lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
+            path: shown.clone(),
+            bytes,
+            source,
+        })?;
+        let touch = FillOptions {
+            threads: opts.threads.max(1),
+            digest: !opts.trust_digest,
+            drop_behind: false,
+            ..FillOptions::default()
+        };
+        let digest = crate::fill::touch_mapped(&file, &map, touch, progress.as_mut())?;
+        check_digest(&file, digest, progress)?;
+        let digest = file.meta.digest;
+        let table = Self {
+            id: id.unwrap_or(file.meta.layer),
+            layer: file.meta.layer,
+            rows: file.meta.rows,
+            digest,
+            digest_prefix: digest.prefix(),
+            mem: std::sync::Arc::new(Rows {
+                map,
+                len: span,
+                paged: true,
+                _file: Some(handle),
+            }),
+            kept: None,
+        };
+        Ok((
+            table,
+            LoadReport {
+                verified: !opts.trust_digest,
+                locked,
+            },
+        ))
+    }
+}
+
+/// Ask for a read lease on `file` (`F_SETLEASE`, `F_RDLCK`), so that
+/// another process opening it for writing or truncating it must wait
+/// while this one is told (SIGIO). Refused when the file is open for
+/// writing somewhere, or not ours without `CAP_LEASE`: then a warning,
+/// and the table is served without that guard.
+fn take_read_lease(file: &std::fs::File, shown: &str) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a descriptor we own; F_SETLEASE takes an int.
+    let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_RDLCK) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(
+            file = shown,
+            error = %e,
+            "no read lease on a table served from its file's pages: a process that rewrote it in place would change rows being served; replace table files by renaming them"
+        );
+    }
+}
+
 /// Lock `map` as its pages are first touched (`mlock2(MLOCK_ONFAULT)`):
 /// filling it locks it, with no pass of its own. `Ok(false)` when not
 /// asked to, or when asked to try and the memlock limit does not allow it.
-fn lock_on_fault(map: &MmapMut, mode: MlockMode) -> Result<bool, std::io::Error> {
+fn lock_on_fault(map: &[u8], mode: MlockMode) -> Result<bool, std::io::Error> {
     if mode == MlockMode::Off {
         return Ok(false);
     }
-    // SAFETY: the range is exactly the mapping we own; mlock2 only changes
+    // SAFETY: the range is exactly a mapping we own; mlock2 only changes
     // how its pages are held.
     let r = unsafe { libc::mlock2(map.as_ptr().cast(), map.len(), libc::MLOCK_ONFAULT) };
     if r == 0 {
@@ -535,6 +685,71 @@ mod tests {
             ResidentTable::load(1, &path, None, true, MlockMode::Off, |_| None).expect("trusted");
         assert!(!report.verified);
         assert_eq!(t.row(5000).expect("row")[0], 0x11);
+    }
+
+    /// Load `path` with `backing`.
+    fn load_as(
+        path: &Path,
+        backing: Backing,
+        trust_digest: bool,
+    ) -> Result<(ResidentTable, LoadReport), LoadError> {
+        let opts = LoadOptions {
+            trust_digest,
+            mlock: MlockMode::Off,
+            backing,
+            ..LoadOptions::default()
+        };
+        ResidentTable::load_with(Some(3), path, &opts, |_| None)
+    }
+
+    #[test]
+    fn a_table_served_from_its_files_pages_has_the_copys_rows() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("big.etab");
+        let spec = GenSpec {
+            layer: 2,
+            rows: 40_000,
+            seed: 5,
+            hash_preset: None,
+            hash_base: None,
+            threads: 2,
+        };
+        let meta = generate(&path, &spec, None).expect("gen");
+        let (copy, _) = load_as(&path, Backing::Anonymous, false).expect("copy");
+        let (mapped, report) = load_as(&path, Backing::Mapped, false).expect("mapped");
+        assert!(report.verified);
+        assert_eq!(
+            (mapped.id, mapped.rows, mapped.digest),
+            (3, 40_000, meta.digest)
+        );
+        assert!(copy.memory().is_packed() && !mapped.memory().is_packed());
+        assert!(mapped.kept().is_none());
+        for r in 0..40_000 {
+            assert_eq!(mapped.row(r), copy.row(r), "row {r}");
+        }
+        assert!(mapped.row(40_000).is_none());
+        // Dropped, the table still serves its rows to whoever holds its memory.
+        let mem = mapped.memory();
+        drop(mapped);
+        let bytes: &[u8] = (*mem).as_ref();
+        assert_eq!(bytes.len(), 40_000usize.div_ceil(15) * 4096);
+
+        // A changed row: refused unless trusted, which then serves it.
+        use std::os::unix::fs::FileExt;
+        let f = TableFile::open(&path).expect("open");
+        let off = f.layout.row_offset(31_000).expect("in range");
+        drop(mem);
+        let w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        w.write_all_at(&[0x5a], off).expect("write");
+        drop(w);
+        let err = load_as(&path, Backing::Mapped, false).expect_err("corrupt");
+        assert!(err.to_string().contains("rows hash to"), "{err}");
+        let (t, report) = load_as(&path, Backing::Mapped, true).expect("trusted");
+        assert!(!report.verified);
+        assert_eq!(t.row(31_000).expect("row")[0], 0x5a);
     }
 
     #[test]

@@ -85,6 +85,11 @@ pub struct TableFile {
 }
 
 impl TableFile {
+    /// The open file.
+    pub fn handle(&self) -> &File {
+        &self.file
+    }
+
     /// Open a table file and check its header against its size.
     pub fn open(path: &Path) -> Result<Self, TableFileError> {
         let file = File::open(path).map_err(io_err(path, "open"))?;
