@@ -253,6 +253,10 @@ pub struct Donor {
     /// Under systemd, keep tables in its fd store so a restart serves them
     /// at once (`fd_store`, default true).
     pub fd_store: bool,
+    /// Serve rows from the table files' own pages in the page cache, not
+    /// a copy (`map_files`, default false): loads cost about a hash of the
+    /// file; no RDMA and no fd store for those tables.
+    pub map_files: bool,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
     /// Connection threads check their socket without sleeping for up to

@@ -64,6 +64,7 @@ pub(crate) struct RawDonor {
     pub mlock: Option<S<String>>,
     pub trust_digest: Option<bool>,
     pub fd_store: Option<bool>,
+    pub map_files: Option<bool>,
     pub load_threads: Option<S<i64>>,
     pub busy_poll_us: Option<S<i64>>,
     pub hello_timeout_ms: Option<S<i64>>,

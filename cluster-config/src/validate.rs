@@ -574,6 +574,7 @@ fn donors(
             mlock,
             trust_digest: d.trust_digest.unwrap_or(false),
             fd_store: d.fd_store.unwrap_or(true),
+            map_files: d.map_files.unwrap_or(false),
             load_threads: d
                 .load_threads
                 .as_ref()

@@ -4,7 +4,9 @@
 //! a donor killed with SIGKILL serves the same copy again without reading
 //! its file; a copy of another version, or one that is not complete, is
 //! refused, released from the store and the file loaded; a swapped-in
-//! version replaces the old one in the store.
+//! version replaces the old one in the store. A donor serving tables from
+//! their files' pages (`--map-files`) keeps nothing there, and exits when
+//! its file is opened for writing.
 
 use std::time::{Duration, Instant};
 
@@ -270,4 +272,41 @@ fn a_swap_replaces_the_kept_version() {
     assert_eq!(stored(&notify, &want), want, "v1 removed, v2 kept");
     assert_ne!(d1, d2);
     serves(&donor, d2, 2);
+}
+
+#[test]
+fn a_donor_serving_file_pages_keeps_nothing_and_exits_when_its_file_is_opened_for_writing() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let table = format!("1={}", path.display());
+    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
+    let (mut donor, _) = start(&notify, &args);
+    serves(&donor, digest, 5);
+    let log = donor.log();
+    assert!(log.contains("file_pages=true"), "{log}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(notify.stored(), Vec::<String>::new(), "nothing kept");
+    // The donor holds a read lease: a writer that will not wait is told so,
+    // and the donor, told by SIGIO, exits at once instead of serving a
+    // file that may change under it.
+    let open_w = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+    };
+    let e = open_w().expect_err("the donor's lease holds the writer back");
+    assert_eq!(e.raw_os_error(), Some(libc::EWOULDBLOCK), "{e}");
+    let status = donor
+        .wait(Duration::from_secs(10))
+        .expect("the donor exits");
+    assert_eq!(status.code(), Some(3), "{}", donor.log());
+    assert!(
+        donor
+            .log()
+            .contains("SIGIO: a table file served from its pages")
+    );
+    open_w().expect("the lease is gone with the donor");
 }

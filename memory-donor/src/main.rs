@@ -121,6 +121,12 @@ struct ServeArgs {
     /// reads the table files).
     #[arg(long)]
     no_fd_store: bool,
+    /// Serve rows from the table files' own pages in the page cache, not a
+    /// copy: a load costs about a hash of the file. Those tables are not
+    /// offered over RDMA nor kept in the fd store, and their files must be
+    /// replaced by renaming, never rewritten in place (docs/donor.md).
+    #[arg(long)]
+    map_files: bool,
     /// Threads that read, place and hash a table at load (default: every core).
     #[arg(long, value_name = "N")]
     load_threads: Option<usize>,
@@ -339,6 +345,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     let overrides = Overrides {
         trust_digest: args.trust_digest,
         no_fd_store: args.no_fd_store,
+        map_files: args.map_files,
         load_threads: args.load_threads,
         busy_poll_us: args.busy_poll_us,
         mlock: args.mlock,
@@ -388,7 +395,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     let result = rt.block_on(async move {
         // Handlers first: a SIGTERM during a minutes-long load, or right after
         // the ready line, must stop the donor cleanly, not kill it.
-        let signals = Signals::install()?;
+        let signals = Signals::install(spec.map_files)?;
         // Then the control plane and metrics, so load progress and
         // NOT_SERVING are visible while the tables load.
         let status = spec.status();
@@ -444,20 +451,37 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     result
 }
 
+/// The next of an optional signal; never, when there is none.
+async fn recv_opt(s: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
+    match s {
+        Some(s) => s.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The signals the donor acts on.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
+    /// SIGIO, when tables are served from their files' pages: a read
+    /// lease on one broke.
+    io: Option<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
-    fn install() -> Result<Self> {
+    fn install(map_files: bool) -> Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
+        let io = if map_files {
+            Some(signal(SignalKind::io()).context("installing the SIGIO handler")?)
+        } else {
+            None
+        };
         Ok(Self {
             term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
             int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
             hup: signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
+            io,
         })
     }
 
@@ -468,6 +492,16 @@ impl Signals {
             let why = tokio::select! {
                 _ = self.term.recv() => "SIGTERM",
                 _ = self.int.recv() => "SIGINT",
+                Some(()) = recv_opt(&mut self.io) => {
+                    // A table's file is being opened for writing or
+                    // truncated; the writer waits for this process to let
+                    // go of its lease. Rows from a file that changes under
+                    // them must not be served: stop at once.
+                    tracing::error!(
+                        "SIGIO: a table file served from its pages (map_files) is being opened for writing or truncated by another process; exiting so that no row of a changing file is served (a restart loads and verifies it again; replace table files by renaming them)"
+                    );
+                    std::process::exit(3);
+                }
                 _ = self.hup.recv() => {
                     tracing::info!("SIGHUP: reloading the config");
                     if status.order(Order::Reload).is_err() {

@@ -90,6 +90,16 @@ impl std::fmt::Debug for TableRef {
 pub fn snapshot(tables: &[ResidentTable]) -> Vec<TableRef> {
     tables
         .iter()
+        .filter(|t| {
+            let packed = t.memory().is_packed();
+            if !packed {
+                tracing::warn!(
+                    table = t.id,
+                    "rdma: not offered: the table is served from its file's pages (map_files), where rows are not back to back; nodes read it over the other transports"
+                );
+            }
+            packed
+        })
         .map(|t| TableRef {
             id: t.id,
             rows: t.rows,

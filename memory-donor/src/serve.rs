@@ -20,7 +20,7 @@ use crate::status::{DonorStatus, LoadState, Phase};
 use crate::tls::Access;
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
-use engram_store::resident::{ExpectedTable, LoadError, LoadOptions, ResidentTable};
+use engram_store::resident::{Backing, ExpectedTable, LoadError, LoadOptions, ResidentTable};
 
 use crate::fdstore::FdStore;
 
@@ -77,6 +77,8 @@ pub struct ServeSpec {
     pub mlock: MlockMode,
     /// Under systemd, keep tables in its fd store for the next start.
     pub fd_store: bool,
+    /// Serve rows from the table files' pages ([`Backing::Mapped`]).
+    pub map_files: bool,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
     /// Control-plane (gRPC) address to bind.
@@ -98,6 +100,7 @@ pub struct ServeSpec {
 pub struct Overrides {
     pub trust_digest: bool,
     pub no_fd_store: bool,
+    pub map_files: bool,
     pub load_threads: Option<usize>,
     pub busy_poll_us: Option<u64>,
     pub mlock: Option<MlockMode>,
@@ -115,6 +118,7 @@ impl Overrides {
     pub fn apply(&self, spec: &mut ServeSpec) -> Result<(), ServeError> {
         spec.trust_digest |= self.trust_digest;
         spec.fd_store &= !self.no_fd_store;
+        spec.map_files |= self.map_files;
         if let Some(n) = self.load_threads {
             spec.load_threads = n.min(1024);
         }
@@ -207,6 +211,7 @@ impl ServeSpec {
             trust_digest: false,
             mlock: MlockMode::Try,
             fd_store: true,
+            map_files: false,
             load_threads: 0,
             control: None,
             metrics: None,
@@ -262,6 +267,7 @@ impl ServeSpec {
             trust_digest: d.trust_digest,
             mlock: d.mlock,
             fd_store: d.fd_store,
+            map_files: d.map_files,
             load_threads: d.load_threads,
             control: d.control,
             metrics: d.metrics,
@@ -408,6 +414,7 @@ pub fn load_tables(
             verified = report.verified,
             locked = report.locked,
             adopted = report.adopted,
+            file_pages = !table.memory().is_packed(),
             "table resident"
         );
         if !report.locked && spec.mlock != MlockMode::Off {
@@ -431,6 +438,16 @@ pub fn load_tables(
         );
     }
     Ok(tables)
+}
+
+/// Where a table loaded now lives: its file's pages (`map_files`), or a
+/// copy in memory the fd store can keep.
+pub(crate) fn backing(map_files: bool, store: &FdStore) -> Backing {
+    if map_files {
+        Backing::Mapped
+    } else {
+        store.backing()
+    }
 }
 
 /// The store's locking mode for the config's `mlock`.
@@ -532,7 +549,7 @@ fn load_one(
         pinned: t.pinned,
         trust_digest: spec.trust_digest,
         mlock: lock_mode(spec.mlock),
-        backing: store.backing(),
+        backing: backing(spec.map_files, store),
         threads: load_threads(spec.load_threads),
     };
     let (table, report) = ResidentTable::load_with(t.id, &t.path, &opts, progress)?;

@@ -167,6 +167,7 @@ impl Loop {
             mlock: self.spec.mlock,
             budget: self.spec.ram_budget,
             fd_store: Arc::clone(&self.ops.fd_store),
+            map_files: self.spec.map_files,
             load_threads: self.spec.load_threads,
         }
     }

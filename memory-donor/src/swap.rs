@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cluster_config::daemon::notify::Notifier;
+use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use thiserror::Error;
 use tokio::sync::oneshot;
@@ -113,6 +114,8 @@ pub struct SwapContext {
     pub budget: Option<u64>,
     /// Where new versions are kept for the next start.
     pub fd_store: Arc<FdStore>,
+    /// Serve new versions from their files' pages, not a copy.
+    pub map_files: bool,
     /// Threads that read, place and hash a table (0: every core).
     pub load_threads: usize,
 }
@@ -220,7 +223,12 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest) -> Result<Prepared, SwapError
             digest: old,
         });
     }
-    let bytes = m.rows * ROW_BYTES as u64;
+    // Served from its file's pages, a table holds them whole, slack included.
+    let bytes = if cx.map_files {
+        m.rows.div_ceil(ROWS_PER_PAGE) * PAGE_BYTES
+    } else {
+        m.rows * ROW_BYTES as u64
+    };
     let avail = mem_available();
     // Room for the new version: beside everything (alongside), or in the
     // place of the old one (in place).
@@ -449,7 +457,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         pinned: Some(pin),
         trust_digest: cx.trust_digest,
         mlock: crate::serve::lock_mode(cx.mlock),
-        backing: cx.fd_store.backing(),
+        backing: crate::serve::backing(cx.map_files, &cx.fd_store),
         threads: crate::serve::load_threads(cx.load_threads),
     };
     let (table, _report) = ResidentTable::load_with(Some(id), &p.req.path, &opts, progress)

@@ -121,9 +121,9 @@ fn the_good_config_parses_with_defaults_and_resolved_paths() {
     );
     assert_eq!(a.hello_timeout, Duration::from_secs(5));
     assert_eq!(
-        (a.fd_store, a.load_threads, a.busy_poll),
-        (true, 0, Duration::ZERO),
-        "fd store on, every core, no busy-poll by default"
+        (a.fd_store, a.map_files, a.load_threads, a.busy_poll),
+        (true, false, 0, Duration::ZERO),
+        "fd store on, a copy, every core, no busy-poll by default"
     );
     let b = c.donor("donor-b").expect("donor-b");
     assert_eq!(
@@ -372,14 +372,14 @@ fn donor_rules() {
     );
     let c = parse(&good().replacen(
         "ram_gib = 251.0",
-        "ram_gib = 251.0\nbusy_poll_us = 50\nload_threads = 3\nfd_store = false",
+        "ram_gib = 251.0\nbusy_poll_us = 50\nload_threads = 3\nfd_store = false\nmap_files = true",
         1,
     ))
     .expect("valid");
     let a = c.donor("donor-a").expect("donor-a");
     assert_eq!(
-        (a.fd_store, a.load_threads, a.busy_poll),
-        (false, 3, Duration::from_micros(50))
+        (a.fd_store, a.map_files, a.load_threads, a.busy_poll),
+        (false, true, 3, Duration::from_micros(50))
     );
 }
 
