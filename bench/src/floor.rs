@@ -6,6 +6,11 @@
 //! a table of at least 1 GiB through the project's client. Series alternate
 //! within each round so that drift in the machine's state hits both alike;
 //! the report gives medians over rounds and the donor/floor ratios.
+//!
+//! A second floor, for diagnosis, also gathers the requested rows from the
+//! same tables in RAM (prefetched together, then copied, as the donor
+//! does) before it answers: the least any server of these rows can do, so
+//! that the donor's ratio to it is what its software adds.
 
 mod rdma;
 mod report;
@@ -83,7 +88,18 @@ pub struct FloorServerArgs {
     /// Poll the socket for this many microseconds before a blocking read.
     #[arg(long, default_value_t = 0)]
     poll_us: u64,
+    /// Table files to gather rows from, for requests that ask for it
+    /// (loaded as the donor loads them, digests trusted).
+    #[arg(long = "gather", value_name = "FILE")]
+    gather: Vec<PathBuf>,
 }
+
+/// Set in a floor request's answer size: gather the rows it names.
+const GATHER: u32 = 1 << 31;
+
+/// Where a gathering request's rows start: after the request and answer
+/// sizes and the row count (u32 each); then one u64 per row.
+const GATHER_ROWS_AT: usize = 12;
 
 fn parse_transport(s: &str) -> Result<Transport, String> {
     Transport::parse(s).ok_or_else(|| format!("{s:?} is not one of tcp, tls, quic, rdma"))
@@ -130,13 +146,25 @@ fn sizes(sections: usize) -> Result<(usize, usize)> {
 /// answer sizes), write the answer; one thread per connection, blocking IO.
 pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
     let poll = Duration::from_micros(args.poll_us);
+    let mut tables = Vec::new();
+    for path in &args.gather {
+        let opts = engram_store::resident::LoadOptions {
+            trust_digest: true,
+            ..Default::default()
+        };
+        let (t, _) = engram_store::resident::ResidentTable::load_with(None, path, &opts, |_| None)
+            .with_context(|| format!("loading {}", path.display()))?;
+        tables.push(t);
+    }
+    let tables = std::sync::Arc::new(tables);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     eprintln!("ready listen={}", listener.local_addr()?);
     let answer = vec![0x5Au8; 1 << 20];
     for stream in listener.incoming() {
         let mut s = stream?;
         s.set_nodelay(true)?;
-        let answer = answer.clone();
+        let mut answer = answer.clone();
+        let tables = std::sync::Arc::clone(&tables);
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 1 << 16];
             loop {
@@ -155,14 +183,50 @@ pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
                         }
                     }
                 }
-                let resp = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
-                if s.write_all(&answer[..resp.min(answer.len())]).is_err() {
+                let resp = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
+                let len = ((resp & !GATHER) as usize).min(answer.len());
+                if resp & GATHER != 0 && gather(&tables, &buf[..want], &mut answer[..len]).is_none()
+                {
+                    return;
+                }
+                if s.write_all(&answer[..len]).is_err() {
                     return;
                 }
             }
         });
     }
     Ok(())
+}
+
+/// Gather the rows `request` names into the tail of `answer` (rows
+/// `24 i .. 24 i + 24` from table `i`, round robin): every row prefetched
+/// first, then copied, as the donor does. `None` for a request that does
+/// not fit or names a row out of range.
+fn gather(
+    tables: &[engram_store::resident::ResidentTable],
+    request: &[u8],
+    answer: &mut [u8],
+) -> Option<()> {
+    let word = |at: usize, n: usize| request.get(at..at + n);
+    let k = u32::from_le_bytes(word(8, 4)?.try_into().ok()?) as usize;
+    let ids = word(GATHER_ROWS_AT, k.checked_mul(8)?)?;
+    let start = answer.len().checked_sub(k.checked_mul(ROW_BYTES)?)?;
+    if tables.is_empty() {
+        return None;
+    }
+    let row = |i: usize| {
+        let id = u64::from_le_bytes(ids[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        (&tables[(i / 24) % tables.len()], id)
+    };
+    for i in 0..k {
+        let (t, id) = row(i);
+        t.prefetch(id);
+    }
+    for i in 0..k {
+        let (t, id) = row(i);
+        answer[start + i * ROW_BYTES..][..ROW_BYTES].copy_from_slice(t.row(id)?);
+    }
+    Some(())
 }
 
 /// Check `s` without sleeping (`recv` with `MSG_PEEK | MSG_DONTWAIT`) for
@@ -198,6 +262,9 @@ struct FloorConn {
     resp: Vec<u8>,
     /// Poll with non-blocking reads for up to this long before blocking.
     poll: Duration,
+    /// Ask the server to gather this many random rows below this bound
+    /// (and check them); `None`: move bytes only.
+    gather: Option<(usize, u64, SplitMix64)>,
 }
 
 impl FloorConn {
@@ -212,11 +279,34 @@ impl FloorConn {
             req,
             resp: vec![0u8; resp_len],
             poll,
+            gather: None,
         })
+    }
+
+    /// The same sizes, the server gathering `rows` random rows of tables of
+    /// `rows_per_table` into each answer.
+    fn gathering(mut self, rows: usize, rows_per_table: u64, seed: u64) -> Result<Self> {
+        if rows > 48 || GATHER_ROWS_AT + rows * 8 > self.req.len() || rows * ROW_BYTES > self.resp.len()
+        {
+            bail!("a gathering floor request of {rows} rows does not fit the lookup's sizes");
+        }
+        let resp = self.resp.len() as u32 | GATHER;
+        self.req[4..8].copy_from_slice(&resp.to_le_bytes());
+        self.req[8..12].copy_from_slice(&(rows as u32).to_le_bytes());
+        self.gather = Some((rows, rows_per_table, SplitMix64::new(seed)));
+        Ok(self)
     }
 
     fn one(&mut self) -> Result<Duration> {
         use std::os::fd::AsRawFd;
+        let mut asked = [0u64; 48];
+        if let Some((rows, bound, rng)) = self.gather.as_mut() {
+            for (i, id) in asked.iter_mut().take(*rows).enumerate() {
+                *id = rng.below(*bound);
+                let at = GATHER_ROWS_AT + i * 8;
+                self.req[at..at + 8].copy_from_slice(&id.to_le_bytes());
+            }
+        }
         let t = Instant::now();
         self.s.write_all(&self.req)?;
         let mut have = 0;
@@ -238,7 +328,17 @@ impl FloorConn {
             }
         }
         self.s.read_exact(&mut self.resp[have..])?;
-        Ok(t.elapsed())
+        let took = t.elapsed();
+        if let Some((rows, ..)) = self.gather {
+            let at = self.resp.len() - rows * ROW_BYTES;
+            for (s, ids) in asked[..rows].chunks(24).enumerate() {
+                let bytes = &self.resp[at + s * 24 * ROW_BYTES..][..ids.len() * ROW_BYTES];
+                if let Some(r) = first_mismatch(SEED, TABLES[s % TABLES.len()].0, ids, bytes) {
+                    bail!("the gathering floor returned a wrong row: row {r}");
+                }
+            }
+        }
+        Ok(took)
     }
 }
 
@@ -305,6 +405,8 @@ pub(crate) fn pin_to(cpu: usize) -> bool {
 enum Kind {
     /// The floor, its client polling for this long before blocking.
     Floor(Duration),
+    /// The floor gathering the rows, its client polling as above.
+    Gathering(Duration),
     /// The donor through `clients[i]`.
     Donor(usize),
 }
@@ -325,7 +427,7 @@ impl Series {
         lat: &mut Latency,
     ) -> Result<()> {
         match (self.kind, self.floor.as_mut()) {
-            (Kind::Floor(_), Some(f)) => {
+            (Kind::Floor(_) | Kind::Gathering(_), Some(f)) => {
                 for _ in 0..n {
                     lat.record(f.one()?);
                 }
@@ -340,7 +442,9 @@ impl Series {
                     Ok(())
                 })
             }
-            (Kind::Floor(_), None) => bail!("floor series without a connection"),
+            (Kind::Floor(_) | Kind::Gathering(_), None) => {
+                bail!("floor series without a connection")
+            }
         }
     }
 }
@@ -505,6 +609,9 @@ impl Servers {
         let serve_args: Vec<String> = serve_args.iter().map(|a| a.to_string()).collect();
         let mut floor_cmd = Command::new(bin("engram-bench"));
         floor_cmd.args(["floor-server", "--poll-us", poll.as_str()]);
+        for p in &tables.paths {
+            floor_cmd.arg("--gather").arg(p);
+        }
         let floor = DonorProcess::spawn(floor_cmd)?;
         if pinned && !pin_to(0) {
             bail!("cannot pin the client to CPU 0");
@@ -563,8 +670,9 @@ fn connect_clients(
 }
 
 /// The series, in the order [`ratios`] reads them: per size (24 rows, then
-/// 48), floor blocking, floor polling, donor, donor not polling, then the
-/// donor over each transport of `secure`.
+/// 48), floor blocking, floor polling, donor, donor not polling, the
+/// gathering floor blocking and polling, then the donor over each
+/// transport of `secure`.
 fn build_series(
     floor: SocketAddr,
     rows_per_table: u64,
@@ -585,6 +693,14 @@ fn build_series(
             ),
             (Kind::Donor(0), "donor, project client".to_string()),
             (Kind::Donor(1), "donor, client not polling".to_string()),
+            (
+                Kind::Gathering(Duration::ZERO),
+                "floor gathering rows, blocking client".to_string(),
+            ),
+            (
+                Kind::Gathering(DEFAULT_BUSY_POLL),
+                "floor gathering rows, polling client".to_string(),
+            ),
         ];
         for (i, t) in secure.iter().enumerate() {
             kinds.push((
@@ -593,14 +709,18 @@ fn build_series(
             ));
         }
         for (kind, name) in kinds {
+            let seed = 7 + series.len() as u64;
             let floor_conn = match kind {
                 Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
+                Kind::Gathering(poll) => Some(
+                    FloorConn::new(floor, req, ans, poll)?.gathering(rows, rows_per_table, seed)?,
+                ),
                 Kind::Donor(_) => None,
             };
             series.push(Series {
                 kind,
                 floor: floor_conn,
-                donor: DonorSeries::new(sections, rows_per_table, 7 + series.len() as u64),
+                donor: DonorSeries::new(sections, rows_per_table, seed),
                 result: SeriesResult {
                     series: format!("{name}, {rows} rows"),
                     rows,

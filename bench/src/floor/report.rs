@@ -66,8 +66,9 @@ impl Ratio {
 /// each secure transport against plain TCP through the same client.
 pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Ratio> {
     // Per size: [floor blocking, floor polling, donor, donor not polling,
-    // then the donor over each of `secure`].
-    let block = 4 + secure.len();
+    // gathering floor blocking, gathering floor polling, then the donor
+    // over each of `secure`].
+    let block = 6 + secure.len();
     let mut ratios = Vec::new();
     for (k, rows) in [(0usize, 24usize), (block, 48)] {
         let m = |i: usize| results[k + i].median;
@@ -80,6 +81,18 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
             ),
             ("both clients polling".into(), 2, 1, None),
             ("neither client polling".into(), 3, 0, None),
+            (
+                "both clients polling, against the floor gathering rows".into(),
+                2,
+                5,
+                None,
+            ),
+            (
+                "neither client polling, against the floor gathering rows".into(),
+                3,
+                4,
+                None,
+            ),
         ];
         for (i, t) in secure.iter().enumerate() {
             let target = match t {
@@ -87,7 +100,7 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
                 Transport::Quic => Some((QUIC_P50, None)),
                 Transport::Tcp | Transport::Rdma => None,
             };
-            pairs.push((format!("{t} / tcp, same client"), 4 + i, 2, target));
+            pairs.push((format!("{t} / tcp, same client"), 6 + i, 2, target));
         }
         for (what, num, den, target) in pairs {
             ratios.push(Ratio {
