@@ -286,7 +286,9 @@ impl FloorConn {
     /// The same sizes, the server gathering `rows` random rows of tables of
     /// `rows_per_table` into each answer.
     fn gathering(mut self, rows: usize, rows_per_table: u64, seed: u64) -> Result<Self> {
-        if rows > 48 || GATHER_ROWS_AT + rows * 8 > self.req.len() || rows * ROW_BYTES > self.resp.len()
+        if rows > 48
+            || GATHER_ROWS_AT + rows * 8 > self.req.len()
+            || rows * ROW_BYTES > self.resp.len()
         {
             bail!("a gathering floor request of {rows} rows does not fit the lookup's sizes");
         }
@@ -712,9 +714,11 @@ fn build_series(
             let seed = 7 + series.len() as u64;
             let floor_conn = match kind {
                 Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
-                Kind::Gathering(poll) => Some(
-                    FloorConn::new(floor, req, ans, poll)?.gathering(rows, rows_per_table, seed)?,
-                ),
+                Kind::Gathering(poll) => Some(FloorConn::new(floor, req, ans, poll)?.gathering(
+                    rows,
+                    rows_per_table,
+                    seed,
+                )?),
                 Kind::Donor(_) => None,
             };
             series.push(Series {

@@ -1,0 +1,112 @@
+//! `engram-bench floor` and `engram-bench load` as a user runs them, on
+//! small tables and short series: every series is measured (the floor that
+//! gathers rows among them, its rows checked), and a load reports the
+//! `--map-files` starts beside the copy's. They need the workspace's
+//! binaries built in the same profile.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_engram-bench"))
+        .args(args)
+        .output()
+        .expect("engram-bench runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+#[test]
+fn the_floor_run_has_a_floor_that_gathers_the_rows() {
+    let v = bench(&[
+        "floor",
+        "--json",
+        "--transports",
+        "tcp",
+        "--restarts",
+        "0",
+        "--connects",
+        "1",
+        "--rounds",
+        "1",
+        "--lookups",
+        "300",
+        "--warmup",
+        "30",
+        "--rows-per-table",
+        "30000",
+    ]);
+    let series = v["series"].as_array().expect("series");
+    let names: Vec<&str> = series
+        .iter()
+        .map(|s| s["series"].as_str().expect("name"))
+        .collect();
+    for rows in [24, 48] {
+        for client in ["blocking", "polling"] {
+            let want = format!("floor gathering rows, {client} client, {rows} rows");
+            assert!(names.contains(&want.as_str()), "{names:?}");
+        }
+    }
+    let ratios = v["ratios"].as_array().expect("ratios");
+    let against: Vec<f64> = ratios
+        .iter()
+        .filter(|r| {
+            r["what"]
+                .as_str()
+                .is_some_and(|w| w.ends_with("against the floor gathering rows"))
+        })
+        .map(|r| r["p50"].as_f64().expect("p50"))
+        .collect();
+    assert_eq!(against.len(), 4, "{ratios:?}");
+    assert!(
+        against.iter().all(|r| r.is_finite() && *r > 0.0),
+        "{against:?}"
+    );
+}
+
+#[test]
+fn a_load_run_times_the_map_files_starts_against_the_same_floors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("t.etab");
+    let v = bench(&[
+        "load",
+        "--json",
+        "--rounds",
+        "1",
+        "--rows",
+        "200000",
+        "--file",
+        file.to_str().expect("utf-8"),
+        "--out",
+        dir.path().to_str().expect("utf-8"),
+    ]);
+    let series = v["series"].as_array().expect("series");
+    let names: Vec<&str> = series
+        .iter()
+        .map(|s| s["name"].as_str().expect("name"))
+        .collect();
+    for want in [
+        "donor start, --map-files, verified, warm",
+        "donor start, --map-files, --trust-digest, warm",
+        "donor start, --map-files, verified, cold",
+    ] {
+        assert!(names.contains(&want), "{names:?}");
+    }
+    for s in series {
+        assert!(s["median_seconds"].as_f64().expect("seconds") > 0.0, "{s}");
+    }
+    let targets: Vec<&str> = v["targets"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .map(|t| t["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(
+        targets
+            .iter()
+            .filter(|t| t.starts_with("--map-files"))
+            .count(),
+        3,
+        "{targets:?}"
+    );
+}
