@@ -395,7 +395,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     let result = rt.block_on(async move {
         // Handlers first: a SIGTERM during a minutes-long load, or right after
         // the ready line, must stop the donor cleanly, not kill it.
-        let signals = Signals::install(spec.map_files)?;
+        let signals = Signals::install()?;
         // Then the control plane and metrics, so load progress and
         // NOT_SERVING are visible while the tables load.
         let status = spec.status();
@@ -451,32 +451,20 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     result
 }
 
-/// The next of an optional signal; never, when there is none.
-async fn recv_opt(s: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
-    match s {
-        Some(s) => s.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
 /// The signals the donor acts on.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
-    /// SIGIO, when tables are served from their files' pages: a read
-    /// lease on one broke.
-    io: Option<tokio::signal::unix::Signal>,
+    /// SIGIO: a read lease on a table file served from its pages broke
+    /// (a reload or swap may turn `map_files` on, so always handled).
+    io: tokio::signal::unix::Signal,
 }
 
 impl Signals {
-    fn install(map_files: bool) -> Result<Self> {
+    fn install() -> Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
-        let io = if map_files {
-            Some(signal(SignalKind::io()).context("installing the SIGIO handler")?)
-        } else {
-            None
-        };
+        let io = signal(SignalKind::io()).context("installing the SIGIO handler")?;
         Ok(Self {
             term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
             int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
@@ -492,7 +480,7 @@ impl Signals {
             let why = tokio::select! {
                 _ = self.term.recv() => "SIGTERM",
                 _ = self.int.recv() => "SIGINT",
-                Some(()) = recv_opt(&mut self.io) => {
+                _ = self.io.recv() => {
                     // A table's file is being opened for writing or
                     // truncated; the writer waits for this process to let
                     // go of its lease. Rows from a file that changes under
