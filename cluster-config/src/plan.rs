@@ -189,6 +189,17 @@ pub struct Plan {
     pub nodes: Vec<NodePlan>,
 }
 
+/// The memory a table of `rows` takes on a donor: its rows back to back,
+/// or with `map_files` its file's pages (15 rows and slack to 4 KiB).
+fn resident_bytes(rows: u64, map_files: bool) -> u64 {
+    use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
+    if map_files {
+        rows.div_ceil(ROWS_PER_PAGE) * PAGE_BYTES
+    } else {
+        rows * engram_protocol::ROW_BYTES as u64
+    }
+}
+
 impl Plan {
     /// Plan `config` with these latencies.
     pub fn new(config: &Config, lat: &Latencies) -> Self {
@@ -200,22 +211,25 @@ impl Plan {
                     .tables
                     .iter()
                     .filter_map(|id| config.table(*id))
-                    .map(|t| (t.id, t.rows * engram_protocol::ROW_BYTES as u64))
+                    .map(|t| (t.id, resident_bytes(t.rows, d.map_files)))
                     .collect();
                 let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
                 // An RDMA donor keeps a check word beside every row, and a
-                // swap registers the new version's beside the old.
-                let with_checks = |bytes: u64| match d.rdma {
-                    Some(_) => {
+                // swap registers the new version's beside the old; tables
+                // served from their files' pages are not offered over RDMA.
+                let rdma = d.rdma.is_some() && !d.map_files;
+                let with_checks = |bytes: u64| {
+                    if rdma {
                         bytes + bytes / engram_protocol::ROW_BYTES as u64 * crate::RDMA_CHECK_BYTES
+                    } else {
+                        bytes
                     }
-                    None => bytes,
                 };
                 let largest = tables.iter().map(|t| with_checks(t.1)).max().unwrap_or(0);
                 let headroom_bytes = (d.headroom_gib * GIB) as u64;
                 let ram_bytes = (d.ram_gib * GIB) as u64;
                 let rdma_check_bytes = with_checks(table_bytes) - table_bytes;
-                let registered_bytes = if d.rdma.is_some() {
+                let registered_bytes = if rdma {
                     table_bytes + rdma_check_bytes
                 } else {
                     0
@@ -488,6 +502,21 @@ mod tests {
         assert!(!Plan::new(&c, &Latencies::default()).donors[0].fits);
         c.donors[0].rdma = None;
         assert!(Plan::new(&c, &Latencies::default()).donors[0].fits);
+    }
+
+    #[test]
+    fn a_donor_serving_file_pages_needs_them_whole_and_registers_nothing() {
+        let mut c = config(100.0, 128.0, "\"donor-a\"");
+        c.donors[0].rdma = Some(crate::RdmaDevice::default());
+        c.donors[0].map_files = true;
+        let a = &Plan::new(&c, &Latencies::default()).donors[0];
+        // 384,006,168 rows, 15 to a 4 KiB page: 25,600,412 pages.
+        assert_eq!(a.table_bytes, 25_600_412 * 4096);
+        assert_eq!((a.rdma_check_bytes, a.registered_bytes), (0, 0));
+        assert_eq!(a.need_bytes, 25_600_412 * 4096 + (2 << 30));
+        // 97.66 GiB of pages and 2 GiB of headroom do not fit 99 GiB.
+        c.donors[0].ram_gib = 99.0;
+        assert!(!Plan::new(&c, &Latencies::default()).donors[0].fits);
     }
 
     #[test]
