@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 
 use super::handshakes::storm_handshakes;
+use super::report::ensure_timing;
 use super::storm::storm;
 use super::{Env, Outcome, Placement, Plan, Rack, Report, Version};
 use crate::netns::NetNs;
@@ -371,7 +372,7 @@ fn slow_link(env: &Env, o: &Opts) -> Result<Report> {
         ),
     );
     ensure!(hedged > 0, "no hedge went out while donor-a was slow");
-    ensure!(
+    ensure_timing!(
         worst < DELAY.as_secs_f64() * 1e6 / 2.0,
         "hedging did not bound the stall: {:.2} ms while donor-a answered {} ms late",
         worst / 1e3,
@@ -731,7 +732,7 @@ fn hung_sigterm(env: &Env, o: &Opts) -> Result<Report> {
         "drain while excluded",
         format!("donor-a exited {drain_ms:.0} ms after SIGTERM (bound {EXCLUDED_DRAIN_MS:.0} ms)"),
     );
-    ensure!(
+    ensure_timing!(
         drain_ms <= EXCLUDED_DRAIN_MS,
         "donor-a exited {drain_ms:.0} ms after SIGTERM: the node held its excluded connection (bound {EXCLUDED_DRAIN_MS:.0} ms)"
     );

@@ -23,6 +23,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use self::quic::{quic_half_open, quic_intruders, quic_junk};
 use super::drills::{FAULT_AT, Opts, SECONDS, about, finish, max_open_during_fault};
+use super::report::ensure_timing;
 use super::{Env, Plan, Rack, Report};
 use crate::sample;
 
@@ -444,13 +445,13 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         s.tls_closed,
         s.tls_unclosed
     );
-    ensure!(
+    ensure_timing!(
         Duration::from_micros(s.tls_close_max_us) <= bound,
         "donor-a took {:.0} ms to close a half-open TLS handshake (hello timeout {} ms)",
         ms(s.tls_close_max_us),
         plan.hello_timeout_ms
     );
-    ensure!(
+    ensure_timing!(
         s.quic_held == 0 || Duration::from_micros(s.quic_close_max_us) <= bound,
         "donor-a held a half-open QUIC handshake {:.0} ms (hello timeout {} ms)",
         ms(s.quic_close_max_us),

@@ -15,6 +15,7 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 
 use super::drills::{Opts, about, begin, finish, max_open_during_fault};
+use super::report::ensure_timing;
 use super::{Env, Plan, Report};
 use crate::sample;
 
@@ -223,7 +224,7 @@ pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
         failovers == 0,
         "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
     );
-    ensure!(
+    ensure_timing!(
         elsewhere * 10 <= steps,
         "{elsewhere} of {steps} steps during the storm were not served by donor-a"
     );
