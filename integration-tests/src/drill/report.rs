@@ -28,7 +28,8 @@ impl std::error::Error for TimingMiss {}
 /// Fail with a [`TimingMiss`] unless `ok`.
 macro_rules! ensure_timing {
     ($ok:expr, $($fmt:tt)+) => {
-        if !$ok {
+        let ok: bool = $ok;
+        if !ok {
             return Err($crate::drill::report::TimingMiss(format!($($fmt)+)).into());
         }
     };
@@ -368,7 +369,7 @@ impl Report {
 mod tests {
     use anyhow::{Context, Result, ensure};
 
-    use super::{TimingMiss, ensure_timing};
+    use super::TimingMiss;
 
     fn check(stall_ms: u32, sources_ok: bool) -> Result<()> {
         ensure!(sources_ok, "a step was served by the wrong source");
