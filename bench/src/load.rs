@@ -25,7 +25,10 @@
 //!   killed with SIGKILL and started again, the table handed back;
 //! - **donor, `--map-files`** (verified warm, `--trust-digest` warm,
 //!   verified cold): the table served from the file's own pages in the
-//!   page cache, nothing copied.
+//!   page cache, nothing copied;
+//! - **`memory-donor verify`, cold**, on every core and on one thread
+//!   (`--threads 1`): what an operator runs on a table file, and what a
+//!   node runs on its SSD copy at start.
 //!
 //! Targets (the issue's): verified warm within 1.5x of the hash floor,
 //! `--trust-digest` within 2x of the warm read, verified cold within 1.2x
@@ -185,6 +188,25 @@ fn start_donor(
     Ok((p, began.elapsed()))
 }
 
+/// `memory-donor verify` of the file with `extra` flags, timed to its exit.
+fn verify(file: &Path, extra: &[&str]) -> Result<f64> {
+    let began = Instant::now();
+    let out = std::process::Command::new(bin("memory-donor"))
+        .arg("verify")
+        .args(extra)
+        .arg(file)
+        .output()
+        .context("running memory-donor verify")?;
+    let took = began.elapsed().as_secs_f64();
+    if !out.status.success() {
+        bail!(
+            "memory-donor verify failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(took)
+}
+
 /// A donor start, timed; the donor is stopped after.
 fn donor(file: &Path, extra: &[&str]) -> Result<f64> {
     let (p, took) = start_donor(file, extra, None)?;
@@ -221,7 +243,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     let file = std::fs::canonicalize(&args.file)?;
     let bytes = std::fs::metadata(&file)?.len();
-    let names: [(&'static str, bool); 13] = [
+    let names: [(&'static str, bool); 15] = [
         ("hash floor: BLAKE3 of the file, all cores, warm", true),
         ("read floor: the file read, all cores, warm", true),
         ("memory floor: fresh memory written, all cores", true),
@@ -238,6 +260,8 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         ("donor start, --map-files, verified, warm", false),
         ("donor start, --map-files, --trust-digest, warm", false),
         ("donor start, --map-files, verified, cold", false),
+        ("memory-donor verify, cold", false),
+        ("memory-donor verify --threads 1, cold", false),
     ];
     let mut series: Vec<Series> = names
         .iter()
@@ -291,6 +315,10 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         drop_cache(&file)?;
         touch_memory(rows_bytes)?;
         series[12].secs.push(donor(&file, &["--map-files"])?);
+        drop_cache(&file)?;
+        series[13].secs.push(verify(&file, &[])?);
+        drop_cache(&file)?;
+        series[14].secs.push(verify(&file, &["--threads", "1"])?);
     }
     let med: Vec<f64> = series.iter().map(|s| median(s.secs.clone())).collect();
     let ratio = |a: usize, b: usize| med[a] / med[b];
@@ -310,6 +338,13 @@ pub fn run(args: &LoadArgs) -> Result<()> {
             ratio(12, 5),
             1.2,
         ),
+    ];
+    // Figures without a target: `memory-donor verify` (also what a node
+    // runs on its SSD copy at start) against the disk, and against itself
+    // on one thread.
+    let figures = [
+        ("verify cold / read floor cold", ratio(13, 5)),
+        ("verify on 1 thread / verify on every core", ratio(14, 13)),
     ];
     let chart = Bars {
         title: format!(
@@ -346,6 +381,9 @@ pub fn run(args: &LoadArgs) -> Result<()> {
             })).collect::<Vec<_>>(),
             "targets": targets.iter().map(|(name, v, t)| serde_json::json!({
                 "name": name, "value": v, "target": t, "met": v <= t,
+            })).collect::<Vec<_>>(),
+            "figures": figures.iter().map(|(name, v)| serde_json::json!({
+                "name": name, "value": v,
             })).collect::<Vec<_>>(),
             "chart": [svg, png],
         });
@@ -386,6 +424,12 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         })
         .collect();
     print_table(&["target", "value", "target", ""], &rows);
+    println!();
+    let rows: Vec<Vec<String>> = figures
+        .iter()
+        .map(|(name, v)| vec![name.to_string(), format!("{v:.2}")])
+        .collect();
+    print_table(&["figure", "value"], &rows);
     println!("chart: {} {}", svg.display(), png.display());
     Ok(())
 }

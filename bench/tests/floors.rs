@@ -65,7 +65,7 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
 }
 
 #[test]
-fn a_load_run_times_the_map_files_starts_against_the_same_floors() {
+fn a_load_run_times_the_map_files_starts_and_verify_against_the_same_floors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("t.etab");
     let v = bench(&[
@@ -89,6 +89,8 @@ fn a_load_run_times_the_map_files_starts_against_the_same_floors() {
         "donor start, --map-files, verified, warm",
         "donor start, --map-files, --trust-digest, warm",
         "donor start, --map-files, verified, cold",
+        "memory-donor verify, cold",
+        "memory-donor verify --threads 1, cold",
     ] {
         assert!(names.contains(&want), "{names:?}");
     }
@@ -109,4 +111,10 @@ fn a_load_run_times_the_map_files_starts_against_the_same_floors() {
         3,
         "{targets:?}"
     );
+    let figures = v["figures"].as_array().expect("figures");
+    assert_eq!(figures.len(), 2, "{figures:?}");
+    for f in figures {
+        let x = f["value"].as_f64().expect("value");
+        assert!(x.is_finite() && x > 0.0, "{f}");
+    }
 }

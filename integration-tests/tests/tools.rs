@@ -35,6 +35,18 @@ fn inspect_and_verify_report_the_table_and_catch_corruption() {
     let out = run("memory-donor", &["verify", &p]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("page checksums ok"));
+    for threads in ["1", "3"] {
+        let out = run("memory-donor", &["verify", "--threads", threads, &p]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(text(&out.stdout).contains(&digest.to_hex()));
+    }
+    let out = run("memory-donor", &["verify", "--threads", "0", &p]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--threads"),
+        "{}",
+        text(&out.stderr)
+    );
     // Flip one value byte of row 500 to another valid code: its page's
     // checksum names the page.
     let off = v["data_start"].as_u64().expect("offset")

@@ -79,6 +79,10 @@ enum Cmd {
         /// of the file while it is rewritten).
         #[arg(long)]
         write_page_checksums: bool,
+        /// Threads that read, check and hash (default: every core; fewer
+        /// leave cores to a donor serving on the same machine).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        threads: Option<u16>,
     },
     /// Print a table's metadata.
     Inspect {
@@ -222,7 +226,9 @@ fn main() -> Result<()> {
         Cmd::Verify {
             files,
             write_page_checksums,
+            threads,
         } => {
+            let threads = threads.map_or_else(engram_store::fill::cores, usize::from);
             let mut failed = 0;
             for f in &files {
                 let result = TableFile::open(f).and_then(|t| {
@@ -239,7 +245,7 @@ fn main() -> Result<()> {
                     let d = if write_page_checksums {
                         add_page_sums(f, Some(&mut p))?.digest
                     } else {
-                        t.verify(Some(&mut p))?
+                        t.verify_on(threads, Some(&mut p))?
                     };
                     p.finish();
                     let t = TableFile::open(f)?;

@@ -128,7 +128,7 @@ pub fn fill(
 /// segment's chaining value (if it hashed). Progress, in rows, goes to
 /// `progress` from the calling thread about every 25 ms. Returns the
 /// chaining values in segment order (zeros where none).
-fn run_segments<W>(
+pub(crate) fn run_segments<W>(
     segments: usize,
     threads: usize,
     progress: Option<&mut Progress>,
@@ -195,7 +195,7 @@ fn run_segments<W>(
 }
 
 /// Bytes of rows in one page of a table file (15 rows; the rest is slack).
-const PAGE_ROWS_BYTES: usize = ROWS_PER_PAGE as usize * ROW_BYTES;
+pub(crate) const PAGE_ROWS_BYTES: usize = ROWS_PER_PAGE as usize * ROW_BYTES;
 
 /// Rows gathered per hash update when hashing a mapped file: 64 KiB, in
 /// cache, wide enough for BLAKE3 to hash many chunks at once.
@@ -346,7 +346,7 @@ pub fn hash_parallel(bytes: &[u8], threads: usize) -> TableDigest {
 /// The root of the left-balanced tree over equal subtrees (the last may
 /// be shorter): the left part holds the largest power of two of them
 /// below their count, as BLAKE3's tree does over chunks.
-fn root(cvs: &[ChainingValue]) -> TableDigest {
+pub(crate) fn root(cvs: &[ChainingValue]) -> TableDigest {
     let left = left_len(cvs.len());
     let hash = merge_subtrees_root(&merge(&cvs[..left]), &merge(&cvs[left..]), Mode::Hash);
     TableDigest(*hash.as_bytes())
@@ -541,7 +541,11 @@ fn preadv_all(
     Ok(())
 }
 
-fn read_exact_at(file: &TableFile, buf: &mut [u8], offset: u64) -> Result<(), TableFileError> {
+pub(crate) fn read_exact_at(
+    file: &TableFile,
+    buf: &mut [u8],
+    offset: u64,
+) -> Result<(), TableFileError> {
     use std::os::unix::fs::FileExt;
     file.std_file()
         .read_exact_at(buf, offset)
@@ -553,7 +557,7 @@ fn read_exact_at(file: &TableFile, buf: &mut [u8], offset: u64) -> Result<(), Ta
 }
 
 /// `posix_fadvise` on a range of the file (advisory: errors are ignored).
-fn advise(file: &TableFile, offset: u64, len: u64, advice: libc::c_int) {
+pub(crate) fn advise(file: &TableFile, offset: u64, len: u64, advice: libc::c_int) {
     let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
         return;
     };

@@ -1,7 +1,7 @@
 //! `engram-store`: the Engram table store that both daemons use.
 //!
 //! What it is: `.etab` table files (`table_file`: open, check, stream,
-//! verify, write), tables held resident in RAM (`resident`), reading V4.1
+//! verify, write; `verify` checks one on every core), tables held resident in RAM (`resident`), reading V4.1
 //! checkpoints (`checkpoint`) and packing them into tables (`pack`), the
 //! synthetic table generator (`generate`), and the progress reporting the
 //! long-running ones share (`progress`).
@@ -20,3 +20,4 @@ pub mod pack;
 pub mod progress;
 pub mod resident;
 pub mod table_file;
+pub mod verify;

@@ -241,28 +241,20 @@ impl TableFile {
     }
 
     /// Recompute the digest and check every row decodes, every slack byte is
-    /// zero and every page matches its checksum (where the file has them).
+    /// zero and every page matches its checksum (where the file has them),
+    /// on every core ([`crate::verify`]); the first fault in the file is
+    /// the error.
     pub fn verify(&self, progress: Option<&mut Progress>) -> Result<TableDigest, TableFileError> {
-        let mut digest = DigestBuilder::new();
-        self.for_each_chunk(true, progress, |first_row, rows| {
-            digest.update(rows);
-            engram_protocol::row::check_rows(rows).map_err(|(i, source)| {
-                TableFileError::CorruptRow {
-                    path: self.path.clone(),
-                    row: first_row + i as u64,
-                    source,
-                }
-            })
-        })?;
-        let actual = digest.finish();
-        if actual != self.meta.digest {
-            return Err(TableFileError::DigestMismatch {
-                path: self.path.clone(),
-                expected: self.meta.digest,
-                actual,
-            });
-        }
-        Ok(actual)
+        self.verify_on(crate::fill::cores(), progress)
+    }
+
+    /// [`Self::verify`] on `threads` threads.
+    pub fn verify_on(
+        &self,
+        threads: usize,
+        progress: Option<&mut Progress>,
+    ) -> Result<TableDigest, TableFileError> {
+        crate::verify::verify(self, threads, crate::fill::SEGMENT_BYTES, progress)
     }
 }
 

@@ -1,0 +1,317 @@
+//! Verifying a table file on every core: the digest of its rows, every
+//! page against its checksum (where the file has them), every slack byte
+//! zero and every row decodable, in one pass over the file.
+//!
+//! The rows are cut into segments of the same power-of-two size as a load
+//! ([`crate::fill`]), so the digest is BLAKE3's tree over the segments'
+//! chaining values. A worker reads the pages its segment's rows lie in
+//! with one large read, checks the pages whose first row starts in the
+//! segment (so every page is checked exactly once), gathers the segment's
+//! rows from the pages into a buffer in cache and hashes them, then tells
+//! the kernel to drop those pages from the page cache (a 94 GiB file must
+//! not push everything else out). Segments are claimed in file order and
+//! the error of the lowest segment wins, so a file with several faults is
+//! reported at the first, as a front-to-back pass would.
+
+use blake3::hazmat::HasherExt;
+use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE, SUM_BYTES, page_checksum};
+use engram_protocol::{ROW_BYTES, TableDigest};
+
+use crate::fill::{PAGE_ROWS_BYTES, read_exact_at, root, run_segments};
+use crate::progress::Progress;
+use crate::table_file::{TableFile, TableFileError};
+
+/// Rows gathered per hash update (in cache, wide for BLAKE3's SIMD).
+const GATHER_BYTES: usize = 64 << 10;
+
+/// Verify `file` on `threads` threads with segments of `segment` bytes of
+/// rows (rounded up to a power of two of at least 1 KiB); returns the
+/// digest, which is checked against the header's. Progress, in rows, goes
+/// to `progress`.
+pub fn verify(
+    file: &TableFile,
+    threads: usize,
+    segment: usize,
+    progress: Option<&mut Progress>,
+) -> Result<TableDigest, TableFileError> {
+    let rows = file.layout.rows;
+    let total =
+        usize::try_from(rows.saturating_mul(ROW_BYTES as u64)).map_err(|_| TableFileError::Io {
+            path: file.path.clone(),
+            op: "verify",
+            source: std::io::Error::other("larger than the address space"),
+        })?;
+    let segment = segment.max(blake3::CHUNK_LEN).next_power_of_two();
+    let segments = total.div_ceil(segment).max(1);
+    let cvs = run_segments(
+        segments,
+        threads,
+        progress,
+        || Worker::new(segment),
+        |w, s| w.segment(file, s * segment, ((s + 1) * segment).min(total), segments),
+    )?;
+    let actual = if segments == 1 {
+        TableDigest(cvs[0])
+    } else {
+        root(&cvs)
+    };
+    if actual != file.meta.digest {
+        return Err(TableFileError::DigestMismatch {
+            path: file.path.clone(),
+            expected: file.meta.digest,
+            actual,
+        });
+    }
+    Ok(actual)
+}
+
+/// One worker's buffers.
+struct Worker {
+    pages: Vec<u8>,
+    sums: Vec<u8>,
+    gather: Vec<u8>,
+}
+
+impl Worker {
+    fn new(segment: usize) -> Self {
+        // A segment's rows lie in at most this many pages.
+        let pages = segment / PAGE_ROWS_BYTES + 2;
+        Self {
+            pages: vec![0; pages * PAGE_BYTES as usize],
+            sums: vec![0; pages * SUM_BYTES as usize],
+            gather: vec![0; GATHER_BYTES],
+        }
+    }
+
+    /// Check and hash bytes `a..b` of the rows (back to back); returns
+    /// the rows that start there and the segment's chaining value (the
+    /// root hash when it is the only segment).
+    fn segment(
+        &mut self,
+        file: &TableFile,
+        a: usize,
+        b: usize,
+        segments: usize,
+    ) -> Result<(u64, Option<[u8; 32]>), TableFileError> {
+        let layout = &file.layout;
+        let page = PAGE_BYTES as usize;
+        // The pages the bytes lie in, and those whose first row starts here.
+        let p0 = a / PAGE_ROWS_BYTES;
+        let p1 = (b.max(a + 1) - 1) / PAGE_ROWS_BYTES + 1;
+        let owned = a.div_ceil(PAGE_ROWS_BYTES)..b.div_ceil(PAGE_ROWS_BYTES).min(p1);
+        let buf = &mut self.pages[..(p1 - p0) * page];
+        let offset = layout.data_start + (p0 * page) as u64;
+        read_exact_at(file, buf, offset)?;
+        let sums = match layout.sums_start() {
+            Some(start) if !owned.is_empty() => {
+                let sums = &mut self.sums[..owned.len() * SUM_BYTES as usize];
+                read_exact_at(file, sums, start + owned.start as u64 * SUM_BYTES)?;
+                Some(&*sums)
+            }
+            _ => None,
+        };
+        for (i, p) in owned.clone().enumerate() {
+            let bytes = &buf[(p - p0) * page..][..page];
+            let first = p as u64 * ROWS_PER_PAGE;
+            let used = (layout.rows - first).min(ROWS_PER_PAGE) as usize * ROW_BYTES;
+            if let Some(sums) = sums {
+                let at = i * SUM_BYTES as usize;
+                let expected = u64::from_le_bytes(
+                    sums[at..at + SUM_BYTES as usize]
+                        .try_into()
+                        .unwrap_or_default(),
+                );
+                let actual = page_checksum(bytes);
+                if actual != expected {
+                    return Err(TableFileError::PageChecksum {
+                        path: file.path.clone(),
+                        page: p as u64,
+                        expected,
+                        actual,
+                    });
+                }
+            }
+            if bytes[used..].iter().any(|&x| x != 0) {
+                return Err(TableFileError::Slack {
+                    path: file.path.clone(),
+                    page: p as u64,
+                });
+            }
+            engram_protocol::row::check_rows(&bytes[..used]).map_err(|(r, source)| {
+                TableFileError::CorruptRow {
+                    path: file.path.clone(),
+                    row: first + r as u64,
+                    source,
+                }
+            })?;
+        }
+        let mut h = blake3::Hasher::new();
+        if segments > 1 {
+            h.set_input_offset(a as u64);
+        }
+        let mut x = a;
+        while x < b {
+            let want = (b - x).min(self.gather.len());
+            let mut n = 0;
+            while n < want {
+                let at = x + n;
+                let off = at % PAGE_ROWS_BYTES;
+                let k = (PAGE_ROWS_BYTES - off).min(want - n);
+                let src = (at / PAGE_ROWS_BYTES - p0) * page + off;
+                self.gather[n..n + k].copy_from_slice(&buf[src..src + k]);
+                n += k;
+            }
+            h.update(&self.gather[..want]);
+            x += want;
+        }
+        let cv = if segments > 1 {
+            h.finalize_non_root()
+        } else {
+            *h.finalize().as_bytes()
+        };
+        crate::fill::advise(file, offset, buf.len() as u64, libc::POSIX_FADV_DONTNEED);
+        let row = ROW_BYTES;
+        let started = b.div_ceil(row).min(total_rows(file)) - a.div_ceil(row);
+        Ok((started as u64, Some(cv)))
+    }
+}
+
+fn total_rows(file: &TableFile) -> usize {
+    usize::try_from(file.layout.rows).unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::generate::{GenSpec, generate};
+    use crate::table_file::remove_page_sums;
+
+    fn table(dir: &Path, rows: u64) -> PathBuf {
+        let path = dir.join(format!("t{rows}.etab"));
+        let spec = GenSpec {
+            layer: 1,
+            rows,
+            seed: 9,
+            hash_preset: None,
+            hash_base: None,
+            threads: 2,
+        };
+        generate(&path, &spec, None).expect("gen");
+        path
+    }
+
+    fn poke(path: &Path, at: u64, byte: u8) -> u8 {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .expect("open rw");
+        let mut old = [0u8; 1];
+        f.read_exact_at(&mut old, at).expect("read");
+        f.write_all_at(&[byte], at).expect("write");
+        old[0]
+    }
+
+    /// Every segmenting and thread count, on small segments.
+    fn each_way(path: &Path, check: impl Fn(Result<TableDigest, TableFileError>)) {
+        let file = TableFile::open(path).expect("open");
+        for segment in [1 << 10, 4 << 10, 64 << 10, 4 << 20] {
+            for threads in [1, 3] {
+                check(verify(&file, threads, segment, None));
+            }
+        }
+    }
+
+    #[test]
+    fn every_segmenting_gives_the_header_digest_with_or_without_page_sums() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Sizes around page, chunk and segment boundaries.
+        for rows in [1u64, 3, 4, 15, 16, 31, 62, 100, 1_000, 4_097] {
+            let path = table(dir.path(), rows);
+            let want = TableFile::open(&path).expect("open").meta.digest;
+            each_way(&path, |r| {
+                assert_eq!(r.expect("verifies"), want, "{rows} rows")
+            });
+            remove_page_sums(&path).expect("strip");
+            each_way(&path, |r| {
+                assert_eq!(r.expect("verifies"), want, "{rows} rows")
+            });
+        }
+        // Progress reaches every row.
+        let path = table(dir.path(), 2_000);
+        let file = TableFile::open(&path).expect("open");
+        let last = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let l2 = std::sync::Arc::clone(&last);
+        let mut p = Progress::new("verify", 2_000, ROW_BYTES as u64, Box::new(|_| {}))
+            .with_tap(move |d| l2.store(d, std::sync::atomic::Ordering::Relaxed));
+        verify(&file, 2, 4 << 10, Some(&mut p)).expect("verifies");
+        assert_eq!(last.load(std::sync::atomic::Ordering::Relaxed), 2_000);
+    }
+
+    #[test]
+    fn each_fault_is_found_and_the_first_in_the_file_is_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = table(dir.path(), 2_000);
+        let layout = TableFile::open(&path).expect("open").layout;
+        let page_at = |p: u64, off: u64| layout.data_start + p * PAGE_BYTES + off;
+        // A flipped row byte in page 100: its checksum.
+        let old = poke(&path, page_at(100, 7), 0x11);
+        each_way(&path, |r| {
+            assert!(
+                matches!(r, Err(TableFileError::PageChecksum { page: 100, .. })),
+                "{r:?}"
+            );
+        });
+        // And another in page 40 (in another segment): page 40, always.
+        let old40 = poke(&path, page_at(40, 3999), 0x22);
+        each_way(&path, |r| {
+            assert!(
+                matches!(r, Err(TableFileError::PageChecksum { page: 40, .. })),
+                "{r:?}"
+            );
+        });
+        poke(&path, page_at(100, 7), old);
+        poke(&path, page_at(40, 3999), old40);
+        each_way(&path, |r| assert!(r.is_ok(), "{r:?}"));
+        // Without page checksums each row and slack check is reached.
+        remove_page_sums(&path).expect("strip");
+        let layout = TableFile::open(&path).expect("open").layout;
+        // Row 992 straddles the segment boundary at 256 KiB (992 x 264 <
+        // 262,144 < 993 x 264), and its page's first row (990) starts in
+        // the segment before.
+        for row in [20u64, 992, 1_999] {
+            let at = layout.row_offset(row).expect("in range") + 3;
+            let old = poke(&path, at, 0x7F);
+            each_way(&path, |r| {
+                assert!(
+                    matches!(&r, Err(TableFileError::CorruptRow { row: r, .. }) if *r == row),
+                    "row {row}: {r:?}"
+                );
+            });
+            // A valid but different value: only the digest catches it.
+            poke(&path, at, 0x01);
+            each_way(&path, |r| {
+                assert!(
+                    matches!(r, Err(TableFileError::DigestMismatch { .. })),
+                    "{r:?}"
+                );
+            });
+            poke(&path, at, old);
+        }
+        // Slack in page 77, and in the last page.
+        for page in [77u64, layout.pages - 1] {
+            let old = poke(&path, page_at(page, 4000), 1);
+            each_way(&path, |r| {
+                assert!(
+                    matches!(&r, Err(TableFileError::Slack { page: p, .. }) if *p == page),
+                    "page {page}: {r:?}"
+                );
+            });
+            poke(&path, page_at(page, 4000), old);
+        }
+        each_way(&path, |r| assert!(r.is_ok(), "{r:?}"));
+    }
+}
