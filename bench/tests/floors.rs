@@ -91,6 +91,7 @@ fn a_load_run_times_the_map_files_starts_and_verify_against_the_same_floors() {
         "donor start, --map-files, verified, cold",
         "memory-donor verify, cold",
         "memory-donor verify --threads 1, cold",
+        "donor restart from the fd store, --map-files",
     ] {
         assert!(names.contains(&want), "{names:?}");
     }
@@ -108,7 +109,7 @@ fn a_load_run_times_the_map_files_starts_and_verify_against_the_same_floors() {
             .iter()
             .filter(|t| t.starts_with("--map-files"))
             .count(),
-        3,
+        4,
         "{targets:?}"
     );
     let figures = v["figures"].as_array().expect("figures");

@@ -5,8 +5,10 @@
 //! its file; a copy of another version, or one that is not complete, is
 //! refused, released from the store and the file loaded; a swapped-in
 //! version replaces the old one in the store. A donor serving tables from
-//! their files' pages (`--map-files`) keeps nothing there, and exits when
-//! its file is opened for writing.
+//! their files' pages (`--map-files`) keeps a descriptor of each file under
+//! its mark and, restarted, serves the pages again without reading them
+//! while the file is unchanged; it exits when its file is opened for
+//! writing.
 
 use std::time::{Duration, Instant};
 
@@ -274,8 +276,96 @@ fn a_swap_replaces_the_kept_version() {
     serves(&donor, d2, 2);
 }
 
+/// The one name in the store, once it holds exactly one starting with
+/// `prefix` and none other.
+fn one_stored(notify: &NotifySocket, prefix: &str, not: Option<&str>) -> String {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = notify.stored();
+        if let [one] = &now[..]
+            && one.starts_with(prefix)
+            && Some(one.as_str()) != not
+        {
+            return one.clone();
+        }
+        assert!(Instant::now() < end, "the store holds {now:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
-fn a_donor_serving_file_pages_keeps_nothing_and_exits_when_its_file_is_opened_for_writing() {
+fn a_killed_donor_serves_its_files_pages_again_without_reading_them_while_the_file_is_unchanged() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let table = format!("1={}", path.display());
+    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
+    let trusting = [&args[..], &["--trust-digest"]].concat();
+    let prefix = format!("{}-file-", kept::name(1, &digest));
+    let (first, _) = start(&notify, &args);
+    assert!(first.log().contains("progress: loading"), "{}", first.log());
+    let name = one_stored(&notify, &prefix, None);
+    assert!(name.ends_with("-v"), "hashed: {name}");
+    serves(&first, digest, 5);
+    kill9(first);
+
+    // Restarted: the same file at the same change time, served at once.
+    let (second, _) = start(&notify, &args);
+    let log = second.log();
+    assert!(
+        log.contains("table adopted from the fd store: serving the file's pages"),
+        "{log}"
+    );
+    assert!(!log.contains("progress: loading"), "not read:\n{log}");
+    assert!(
+        log.contains("file_pages=true") && log.contains("verified=true"),
+        "{log}"
+    );
+    assert_eq!(one_stored(&notify, &prefix, None), name, "kept as it was");
+    serves(&second, digest, 5);
+    kill9(second);
+
+    // Any change to the file (here its mode) moves its change time on: the
+    // mark no longer counts, and the file is read and hashed again.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let (third, _) = start(&notify, &args);
+    let log = third.log();
+    assert!(
+        log.contains("the file changed since it was loaded"),
+        "{log}"
+    );
+    assert!(log.contains("progress: loading"), "read again:\n{log}");
+    let renamed = one_stored(&notify, &prefix, Some(&name));
+    assert!(renamed.ends_with("-v"), "{renamed}");
+    serves(&third, digest, 5);
+    kill9(third);
+
+    // A donor that trusts digests serves on a hashed mark; one loaded
+    // trusting (after a change) leaves a mark a checking donor refuses.
+    let (fourth, _) = start(&notify, &trusting);
+    assert!(
+        fourth.log().contains("table adopted from the fd store"),
+        "{}",
+        fourth.log()
+    );
+    kill9(fourth);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let (fifth, _) = start(&notify, &trusting);
+    assert!(!fifth.log().contains("table adopted"), "{}", fifth.log());
+    let trusted = one_stored(&notify, &prefix, Some(&renamed));
+    assert!(trusted.ends_with("-t"), "{trusted}");
+    kill9(fifth);
+    let (sixth, _) = start(&notify, &args);
+    let log = sixth.log();
+    assert!(log.contains("its rows were never hashed"), "{log}");
+    assert!(log.contains("progress: loading"), "{log}");
+    assert!(one_stored(&notify, &prefix, Some(&trusted)).ends_with("-v"));
+    serves(&sixth, digest, 5);
+}
+
+#[test]
+fn a_donor_serving_file_pages_exits_when_its_file_is_opened_for_writing() {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
@@ -286,8 +376,8 @@ fn a_donor_serving_file_pages_keeps_nothing_and_exits_when_its_file_is_opened_fo
     serves(&donor, digest, 5);
     let log = donor.log();
     assert!(log.contains("file_pages=true"), "{log}");
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(notify.stored(), Vec::<String>::new(), "nothing kept");
+    // Kept: a descriptor of the file, named by its mark.
+    one_stored(&notify, &format!("{}-file-", kept::name(1, &digest)), None);
     // The donor holds a read lease: a writer that will not wait is told so,
     // and the donor, told by SIGIO, exits at once instead of serving a
     // file that may change under it.

@@ -8,6 +8,16 @@
 //! other version, or one whose load never finished, is closed and removed
 //! from the store.
 //!
+//! A table served from its file's pages (`map_files`) has no copy to
+//! keep: the donor keeps a read-only descriptor of the file instead, under
+//! a name that carries the [`FileMark`] (`etab-ID-DIGEST16-file-SEC.NSEC-v`:
+//! the file's change time once leased, and `v` when its rows were hashed,
+//! `t` when trusted). A restart that finds the configured path to be that
+//! file at that change time, and takes its lease again, serves its pages
+//! at once without reading or hashing them; any write or truncation since
+//! (or any other change of the file) moved the change time on, and the
+//! file is read and hashed as on a first start.
+//!
 //! What it is not: a cache on disk. Outside systemd (no `NOTIFY_SOCKET`),
 //! with `fd_store = false`, or where the unit gives no store
 //! (`FileDescriptorStoreMax=0`: systemd then ignores the request), every
@@ -19,7 +29,7 @@ use std::sync::{Arc, Mutex};
 
 use cluster_config::daemon::notify::Notifier;
 use engram_store::kept;
-use engram_store::resident::{Backing, ExpectedTable, ResidentTable};
+use engram_store::resident::{Backing, ExpectedTable, FileMark, ResidentTable};
 
 /// The fd-store names the donor uses start with this.
 const PREFIX: &str = "etab-";
@@ -126,13 +136,76 @@ impl FdStore {
         adopted
     }
 
-    /// Hand table `t`'s memfd to the store (nothing when it has none or the
-    /// store is off).
+    /// The mark the previous process left for table `id` served from its
+    /// file's pages at `expected`'s version, with its name in the store:
+    /// when the descriptor it kept is still the file at the marked change
+    /// time, and (for a donor that checks digests, `verified`) its rows
+    /// were hashed. The mark's device and inode are the kept file's, so a
+    /// load of another file at the configured path does not match. Marks
+    /// that do not count are removed from the store.
+    pub fn take_file(
+        &self,
+        id: u32,
+        expected: &ExpectedTable,
+        verified: bool,
+    ) -> Option<(FileMark, String)> {
+        if !self.enabled {
+            return None;
+        }
+        let prefix = format!("{}{FILE_TAG}", kept::name(id, &expected.digest));
+        let mut mine: Vec<(String, File)> = {
+            let mut handed = self.handed.lock().ok()?;
+            let (mine, rest): (Vec<_>, Vec<_>) = handed
+                .drain(..)
+                .partition(|(name, _)| name.starts_with(&prefix));
+            *handed = rest;
+            mine
+        };
+        let found = match mine.len() {
+            1 => mine.pop(),
+            _ => None,
+        };
+        let forget_all = |mine: &[(String, File)]| {
+            for (name, _) in mine {
+                self.forget(name);
+            }
+        };
+        forget_all(&mine);
+        let (name, file) = found?;
+        let refuse = |why: &str| {
+            tracing::info!(table = id, name = %name, "fd store: table file mark not used: {why}; the file is read again");
+            self.forget(&name);
+            None
+        };
+        let Some(marked) = parse_mark(&name[prefix.len()..]) else {
+            return refuse("not a mark this donor writes");
+        };
+        let now = match FileMark::of(&file, marked.verified) {
+            Ok(m) => m,
+            Err(e) => return refuse(&format!("cannot stat the kept file: {e}")),
+        };
+        if (now.ctime_sec, now.ctime_nsec) != (marked.ctime_sec, marked.ctime_nsec) {
+            return refuse("the file changed since it was loaded");
+        }
+        if verified && !marked.verified {
+            return refuse(
+                "it was loaded with --trust-digest (its rows were never hashed) and this donor checks digests",
+            );
+        }
+        Some((now, name))
+    }
+
+    /// Hand table `t`'s memfd to the store, or for a table served from its
+    /// file's pages a read-only descriptor of the file under its mark
+    /// (nothing when it has neither or the store is off).
     pub fn keep(&self, t: &ResidentTable) {
-        let Some(k) = t.kept() else { return };
         if !self.enabled {
             return;
         }
+        let Some(k) = t.kept() else {
+            self.keep_file(t);
+            return;
+        };
         if k.pages == kept::Pages::Small {
             tracing::warn!(
                 table = t.id,
@@ -158,6 +231,38 @@ impl FdStore {
         }
     }
 
+    /// Keep a read-only descriptor of the file table `t` is served from,
+    /// named by its mark. A descriptor of its own, opened again through
+    /// `/proc/self/fd` (not a duplicate of the one holding the read lease,
+    /// which would then outlive this process in systemd's hands).
+    fn keep_file(&self, t: &ResidentTable) {
+        use std::os::fd::AsRawFd;
+        let (Some(mark), memory) = (t.file_mark(), t.memory()) else {
+            return;
+        };
+        let Some(leased) = memory.file() else { return };
+        let name = file_name(t.id, &t.digest, &mark);
+        let reopened = File::open(format!("/proc/self/fd/{}", leased.as_raw_fd()));
+        let result = reopened
+            .map_err(|e| format!("cannot open the table file again: {e}"))
+            .and_then(|f| {
+                self.notifier
+                    .store_fd(&name, f.as_fd())
+                    .map_err(|e| e.to_string())
+            });
+        match result {
+            Ok(()) => tracing::info!(
+                table = t.id,
+                name = %name,
+                "fd store: table file kept for the next start (its pages are served again without being read while it is unchanged)"
+            ),
+            Err(e) => tracing::warn!(
+                table = t.id,
+                "fd store: {e}; the next start reads and hashes this table's file again"
+            ),
+        }
+    }
+
     /// Remove the copies named `name` from the store.
     pub fn forget(&self, name: &str) {
         if !self.notifier.is_enabled() {
@@ -168,10 +273,13 @@ impl FdStore {
         }
     }
 
-    /// Remove the copy of table `t` (a version no longer served).
+    /// Remove the copy of table `t` (a version no longer served), or the
+    /// descriptor of its file.
     pub fn forget_table(&self, t: &ResidentTable) {
         if t.kept().is_some() {
             self.forget(&kept::name(t.id, &t.digest));
+        } else if let Some(mark) = t.file_mark() {
+            self.forget(&file_name(t.id, &t.digest, &mark));
         }
     }
 
@@ -189,6 +297,82 @@ impl FdStore {
         for name in names {
             tracing::info!(name = %name, "fd store: copy of a version not served now; released");
             self.forget(&name);
+        }
+    }
+}
+
+/// After a copy's name, what names a kept table file.
+const FILE_TAG: &str = "-file-";
+
+/// The store name of table `id`'s file at `digest`, marked `mark`.
+pub fn file_name(id: u32, digest: &engram_protocol::TableDigest, mark: &FileMark) -> String {
+    format!(
+        "{}{FILE_TAG}{}.{:09}-{}",
+        kept::name(id, digest),
+        mark.ctime_sec,
+        mark.ctime_nsec,
+        if mark.verified { "v" } else { "t" }
+    )
+}
+
+/// The change time and the hashed flag of a mark (`SEC.NSEC-v` or `-t`);
+/// the device and inode are left 0 (the kept descriptor gives them).
+fn parse_mark(s: &str) -> Option<FileMark> {
+    let (time, flag) = s.rsplit_once('-')?;
+    let verified = match flag {
+        "v" => true,
+        "t" => false,
+        _ => return None,
+    };
+    let (sec, nsec) = time.split_once('.')?;
+    let ctime_nsec: i64 = nsec.parse().ok()?;
+    if nsec.len() != 9 || !(0..1_000_000_000).contains(&ctime_nsec) {
+        return None;
+    }
+    Some(FileMark {
+        dev: 0,
+        ino: 0,
+        ctime_sec: sec.parse().ok()?,
+        ctime_nsec,
+        verified,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_mark_survives_its_name_and_a_bad_one_is_refused() {
+        let digest = engram_protocol::TableDigest([7; 32]);
+        for (sec, nsec, verified) in [
+            (1_764_000_000i64, 5i64, true),
+            (0, 999_999_999, false),
+            (-3, 0, true),
+        ] {
+            let mark = FileMark {
+                dev: 0,
+                ino: 0,
+                ctime_sec: sec,
+                ctime_nsec: nsec,
+                verified,
+            };
+            let name = file_name(14, &digest, &mark);
+            assert!(name.starts_with(&kept::name(14, &digest)), "{name}");
+            assert!(name.len() <= 255 && !name.contains(':'), "{name}");
+            let prefix = format!("{}{FILE_TAG}", kept::name(14, &digest));
+            assert_eq!(parse_mark(&name[prefix.len()..]), Some(mark), "{name}");
+        }
+        for bad in [
+            "",
+            "1.5-v",
+            "1.000000005-x",
+            "1.000000005",
+            "a.000000005-v",
+            "1.1000000000-v",
+            "1.-00000005-t",
+        ] {
+            assert_eq!(parse_mark(bad), None, "{bad:?}");
         }
     }
 }

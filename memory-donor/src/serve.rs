@@ -494,11 +494,16 @@ fn load_one(
     store: &FdStore,
 ) -> Result<(ResidentTable, Loaded), ServeError> {
     let t = &spec.tables[i];
+    // What the previous process left of a table served from its file's
+    // pages: the file's mark, and its name in the store.
+    let mut known: Option<(engram_store::resident::FileMark, String)> = None;
     // The file's header is read for its version only when there is a copy
     // to compare it with.
     if let Some(want) = store.may_hold().then(|| expected(t)).flatten() {
         let id = t.id.unwrap_or(want.layer);
-        if let Some(table) = store.take(id, &want, !spec.trust_digest) {
+        if spec.map_files {
+            known = store.take_file(id, &want, !spec.trust_digest);
+        } else if let Some(table) = store.take(id, &want, !spec.trust_digest) {
             let record = table.kept().map(|k| k.record);
             status.tables[i].opened(id, table.layer, table.rows, table.digest);
             status.tables[i].progress(table.rows, table.rows);
@@ -551,8 +556,29 @@ fn load_one(
         mlock: lock_mode(spec.mlock),
         backing: backing(spec.map_files, store),
         threads: load_threads(spec.load_threads),
+        known_file: known.as_ref().map(|(mark, _)| *mark),
     };
     let (table, report) = ResidentTable::load_with(t.id, &t.path, &opts, progress)?;
+    if report.reused {
+        status.tables[i].progress(table.rows, table.rows);
+        tracing::info!(
+            table = table.id,
+            "table adopted from the fd store: serving the file's pages as the previous process left them (the file unchanged since), not read or hashed"
+        );
+        let locked = lock_adopted(&table, spec.mlock)?;
+        return Ok((
+            table,
+            Loaded {
+                verified: report.verified,
+                locked,
+                adopted: true,
+            },
+        ));
+    }
+    if let Some((_, stale)) = &known {
+        // Replaced by the mark of this load.
+        store.forget(stale);
+    }
     Ok((
         table,
         Loaded {

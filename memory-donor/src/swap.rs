@@ -459,6 +459,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         mlock: crate::serve::lock_mode(cx.mlock),
         backing: crate::serve::backing(cx.map_files, &cx.fd_store),
         threads: crate::serve::load_threads(cx.load_threads),
+        known_file: None,
     };
     let (table, _report) = ResidentTable::load_with(Some(id), &p.req.path, &opts, progress)
         .map_err(|e| e.to_string())?;

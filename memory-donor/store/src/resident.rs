@@ -96,10 +96,56 @@ impl ExpectedTable {
 /// How a table was loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadReport {
-    /// True when the digest was recomputed and matched.
+    /// True when the digest was recomputed and matched (for a table whose
+    /// file pages were served on, [`LoadReport::reused`]: when it was, by
+    /// the process that left the mark).
     pub verified: bool,
     /// True when the memory is locked.
     pub locked: bool,
+    /// True when a table served from its file's pages was served on from
+    /// a previous process's [`FileMark`]: nothing read or hashed, and the
+    /// pages left for the caller to lock.
+    pub reused: bool,
+}
+
+/// A table file as a donor serving its pages found it once its read lease
+/// was held: which file (device and inode) and its change time then, and
+/// whether its rows were hashed. Any write, truncation or metadata change
+/// moves the change time on (the kernel sets it; no call sets it back),
+/// so a later process that finds the same file at the same change time,
+/// and holds the lease again, serves the same rows the mark's process
+/// checked, without reading or hashing them again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileMark {
+    /// The file's device and inode.
+    pub dev: u64,
+    pub ino: u64,
+    /// Its change time (`st_ctime`, seconds and nanoseconds).
+    pub ctime_sec: i64,
+    pub ctime_nsec: i64,
+    /// The rows were hashed against the header's digest.
+    pub verified: bool,
+}
+
+impl FileMark {
+    /// `file` now, marked `verified`.
+    pub fn of(file: &std::fs::File, verified: bool) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            ctime_sec: m.ctime(),
+            ctime_nsec: m.ctime_nsec(),
+            verified,
+        })
+    }
+
+    /// The same file at the same change time as `other`.
+    pub fn same_as(&self, other: &FileMark) -> bool {
+        (self.dev, self.ino, self.ctime_sec, self.ctime_nsec)
+            == (other.dev, other.ino, other.ctime_sec, other.ctime_nsec)
+    }
 }
 
 /// Where a resident table's memory comes from.
@@ -115,9 +161,10 @@ pub enum Backing {
     /// The table file's own pages, mapped read-only from the page cache:
     /// nothing copied, no fresh memory zeroed, so a load costs about what
     /// hashing the file costs. Rows stay in the file's layout (15 to a
-    /// 4 KiB page), so the table is not offered over RDMA, and nothing is
-    /// kept in systemd's fd store (the page cache outlives the process, so
-    /// a restart reads from memory, but hashes again). The file must not
+    /// 4 KiB page), so the table is not offered over RDMA. What outlives
+    /// the process is the page cache and a [`FileMark`] (kept by the donor
+    /// in systemd's fd store): a restart that finds the file unchanged
+    /// serves its pages without reading or hashing them. The file must not
     /// change in place while served: a read lease is taken where the
     /// kernel grants one, and a writer or truncation then breaks it with
     /// SIGIO to this process (which the donor handles by exiting; the
@@ -140,6 +187,12 @@ pub struct LoadOptions {
     pub backing: Backing,
     /// Threads that read, place and hash (at least 1).
     pub threads: usize,
+    /// For [`Backing::Mapped`]: the mark a previous process left for this
+    /// table's file (systemd's fd store). When the file is that file, at
+    /// that change time, and the read lease is held, its pages are served
+    /// without being read or hashed again ([`LoadReport::reused`]); a mark
+    /// of rows never hashed counts only with `trust_digest`.
+    pub known_file: Option<FileMark>,
 }
 
 impl Default for LoadOptions {
@@ -150,6 +203,7 @@ impl Default for LoadOptions {
             mlock: MlockMode::Try,
             backing: Backing::Anonymous,
             threads: crate::fill::cores(),
+            known_file: None,
         }
     }
 }
@@ -164,7 +218,7 @@ pub struct Rows {
     paged: bool,
     /// The mapped file, open while the rows are served: it holds the read
     /// lease.
-    _file: Option<std::fs::File>,
+    file: Option<std::fs::File>,
 }
 
 impl Rows {
@@ -174,8 +228,13 @@ impl Rows {
             map,
             len,
             paged: false,
-            _file: None,
+            file: None,
         }
+    }
+
+    /// The table file whose pages these are (holding the read lease).
+    pub fn file(&self) -> Option<&std::fs::File> {
+        self.file.as_ref()
     }
 
     /// True when the rows are back to back ([`AsRef`] is then exactly
@@ -237,6 +296,9 @@ pub struct ResidentTable {
     /// (an RDMA registration).
     mem: std::sync::Arc<Rows>,
     kept: Option<Kept>,
+    /// For a table served from its file's pages: its file as found once
+    /// leased, and whether its rows were hashed.
+    mark: Option<FileMark>,
 }
 
 impl ResidentTable {
@@ -287,6 +349,12 @@ impl ResidentTable {
     /// pages, those pages (3.4% more: the slack).
     pub fn bytes(&self) -> u64 {
         self.mem.len as u64
+    }
+
+    /// For a table served from its file's pages, leased: the file as
+    /// found then, and whether its rows were hashed ([`FileMark`]).
+    pub fn file_mark(&self) -> Option<FileMark> {
+        self.mark
     }
 
     /// The memfd the table lives in, when it was loaded with
@@ -413,12 +481,14 @@ impl ResidentTable {
             digest_prefix: digest.prefix(),
             mem: std::sync::Arc::new(Rows::packed(map, len)),
             kept,
+            mark: None,
         };
         Ok((
             table,
             LoadReport {
                 verified: !opts.trust_digest,
                 locked,
+                reused: false,
             },
         ))
     }
@@ -476,6 +546,7 @@ impl ResidentTable {
                 file,
                 record,
             }),
+            mark: None,
         })
     }
 }
@@ -506,7 +577,9 @@ fn check_digest(
 impl ResidentTable {
     /// [`Backing::Mapped`]: map the file's pages, take a read lease, and
     /// read (and hash) every page on `opts.threads` threads, locking them
-    /// as they come in where `opts.mlock` asks.
+    /// as they come in where `opts.mlock` asks. With `opts.known_file`
+    /// naming this file unchanged and the lease held, nothing is read or
+    /// hashed: the pages are mapped and left for the caller to lock.
     fn load_mapped(
         id: Option<u32>,
         file: TableFile,
@@ -523,7 +596,20 @@ impl ResidentTable {
         let span = usize::try_from(file.layout.pages * PAGE_BYTES)
             .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
         let handle = file.handle().try_clone().map_err(memory)?;
-        take_read_lease(&handle, &shown);
+        let leased = take_read_lease(&handle, &shown);
+        // Once leased, nobody changes the file unseen: its state now is
+        // what is served.
+        let now = FileMark::of(&handle, !opts.trust_digest).map_err(memory)?;
+        let reused = opts
+            .known_file
+            .filter(|k| leased && k.same_as(&now) && (k.verified || opts.trust_digest));
+        if opts.known_file.is_some() && reused.is_none() {
+            tracing::info!(
+                file = shown,
+                leased,
+                "the file changed since the previous process loaded it (or is not leased): reading it again"
+            );
+        }
         // SAFETY: mapped read-only; the file is not to change while served,
         // and a writer breaks the read lease first (see `Backing::Mapped`).
         let map = unsafe {
@@ -533,19 +619,26 @@ impl ResidentTable {
                 .map(&handle)
         }
         .map_err(memory)?;
-        let locked = lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
-            path: shown.clone(),
-            bytes,
-            source,
-        })?;
-        let touch = FillOptions {
-            threads: opts.threads.max(1),
-            digest: !opts.trust_digest,
-            drop_behind: false,
-            ..FillOptions::default()
+        let (verified, locked) = match reused {
+            Some(k) => (k.verified, false),
+            None => {
+                let locked =
+                    lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
+                        path: shown.clone(),
+                        bytes,
+                        source,
+                    })?;
+                let touch = FillOptions {
+                    threads: opts.threads.max(1),
+                    digest: !opts.trust_digest,
+                    drop_behind: false,
+                    ..FillOptions::default()
+                };
+                let digest = crate::fill::touch_mapped(&file, &map, touch, progress.as_mut())?;
+                check_digest(&file, digest, progress)?;
+                (!opts.trust_digest, locked)
+            }
         };
-        let digest = crate::fill::touch_mapped(&file, &map, touch, progress.as_mut())?;
-        check_digest(&file, digest, progress)?;
         let digest = file.meta.digest;
         let table = Self {
             id: id.unwrap_or(file.meta.layer),
@@ -557,15 +650,18 @@ impl ResidentTable {
                 map,
                 len: span,
                 paged: true,
-                _file: Some(handle),
+                file: Some(handle),
             }),
             kept: None,
+            // Only a leased file is known not to have changed since.
+            mark: leased.then_some(FileMark { verified, ..now }),
         };
         Ok((
             table,
             LoadReport {
-                verified: !opts.trust_digest,
+                verified,
                 locked,
+                reused: reused.is_some(),
             },
         ))
     }
@@ -575,8 +671,8 @@ impl ResidentTable {
 /// another process opening it for writing or truncating it must wait
 /// while this one is told (SIGIO). Refused when the file is open for
 /// writing somewhere, or not ours without `CAP_LEASE`: then a warning,
-/// and the table is served without that guard.
-fn take_read_lease(file: &std::fs::File, shown: &str) {
+/// and the table is served without that guard (false).
+fn take_read_lease(file: &std::fs::File, shown: &str) -> bool {
     use std::os::fd::AsRawFd;
     // SAFETY: fcntl on a descriptor we own; F_SETLEASE takes an int.
     let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLEASE, libc::F_RDLCK) };
@@ -588,6 +684,7 @@ fn take_read_lease(file: &std::fs::File, shown: &str) {
             "no read lease on a table served from its file's pages: a process that rewrote it in place would change rows being served; replace table files by renaming them"
         );
     }
+    r == 0
 }
 
 /// Lock `map` as its pages are first touched (`mlock2(MLOCK_ONFAULT)`):
@@ -750,6 +847,69 @@ mod tests {
         let (t, report) = load_as(&path, Backing::Mapped, true).expect("trusted");
         assert!(!report.verified);
         assert_eq!(t.row(31_000).expect("row")[0], 0x5a);
+    }
+
+    #[test]
+    fn a_mark_of_the_same_unchanged_leased_file_serves_its_pages_without_reading_them() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _) = table(dir.path());
+        let load = |known: Option<FileMark>, trust_digest: bool| {
+            let opts = LoadOptions {
+                trust_digest,
+                mlock: MlockMode::Off,
+                backing: Backing::Mapped,
+                known_file: known,
+                ..LoadOptions::default()
+            };
+            ResidentTable::load_with(Some(3), &path, &opts, |_| None)
+        };
+        let (first, report) = load(None, false).expect("load");
+        assert!(report.verified && !report.reused);
+        let mark = first.file_mark().expect("leased, marked");
+        assert!(mark.verified);
+        let row5 = first.row(5).expect("row").to_vec();
+        drop(first);
+        // The same file, unchanged: served on, marked verified.
+        let (again, report) = load(Some(mark), false).expect("reuse");
+        assert!(report.verified && report.reused && !report.locked);
+        assert_eq!(again.row(5).expect("row"), &row5[..]);
+        assert_eq!(again.file_mark(), Some(mark));
+        drop(again);
+        // A changed row moves the change time on: read and hashed again,
+        // and refused.
+        let f = TableFile::open(&path).expect("open");
+        let off = f.layout.row_offset(5).expect("in range");
+        let w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        w.write_all_at(&[0x5a], off).expect("write");
+        drop(w);
+        let err = load(Some(mark), false).expect_err("changed since");
+        assert!(err.to_string().contains("rows hash to"), "{err}");
+        // A mark taken after the change is what the pages are served on:
+        // nothing is hashed (the changed row is served).
+        let now = FileMark::of(f.handle(), true).expect("stat");
+        let (t, report) = load(Some(now), false).expect("reuse");
+        assert!(report.reused);
+        assert_eq!(t.row(5).expect("row")[0], 0x5a);
+        drop(t);
+        // Never hashed: counts only for a donor that trusts digests.
+        let trusted = FileMark {
+            verified: false,
+            ..now
+        };
+        assert!(load(Some(trusted), false).is_err());
+        let (_, report) = load(Some(trusted), true).expect("trusted");
+        assert!(report.reused && !report.verified);
+        // Another file's mark counts for nothing.
+        let other = FileMark {
+            ino: now.ino + 1,
+            ..now
+        };
+        let (_, report) = load(Some(other), true).expect("trusted");
+        assert!(!report.reused);
     }
 
     #[test]
