@@ -568,20 +568,10 @@ pub(crate) fn advise(file: &TableFile, offset: u64, len: u64, advice: libc::c_in
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::{GenSpec, generate};
+    use crate::generate::test_table;
 
     fn table(dir: &std::path::Path, rows: u64) -> TableFile {
-        let path = dir.join(format!("t{rows}.etab"));
-        let spec = GenSpec {
-            layer: 1,
-            rows,
-            seed: 9,
-            hash_preset: None,
-            hash_base: None,
-            threads: 2,
-        };
-        generate(&path, &spec, None).expect("gen");
-        TableFile::open(&path).expect("open")
+        TableFile::open(&test_table(dir, rows)).expect("open")
     }
 
     fn sequential(file: &TableFile) -> Vec<u8> {

@@ -139,6 +139,22 @@ pub fn generate(
     writer.finish()
 }
 
+/// A generated table of `rows` rows (layer 1, seed 9) in `dir`, for tests.
+#[cfg(test)]
+pub(crate) fn test_table(dir: &Path, rows: u64) -> std::path::PathBuf {
+    let path = dir.join(format!("t{rows}.etab"));
+    let spec = GenSpec {
+        layer: 1,
+        rows,
+        seed: 9,
+        hash_preset: None,
+        hash_base: None,
+        threads: 2,
+    };
+    generate(&path, &spec, None).expect("gen");
+    path
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

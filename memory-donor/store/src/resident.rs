@@ -763,18 +763,23 @@ mod tests {
         }
     }
 
+    /// Write `byte` over the first byte of row `row` of the file at `path`.
+    fn set_row_byte(path: &Path, row: u64, byte: u8) {
+        use std::os::unix::fs::FileExt;
+        let f = TableFile::open(path).expect("open");
+        let off = f.layout.row_offset(row).expect("in range");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .and_then(|w| w.write_all_at(&[byte], off))
+            .expect("write");
+    }
+
     #[test]
     fn a_modified_row_fails_verification_unless_trusted() {
-        use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, _) = table(dir.path());
-        let f = TableFile::open(&path).expect("open");
-        let off = f.layout.row_offset(5000).expect("in range");
-        let w = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .expect("open");
-        w.write_all_at(&[0x11], off).expect("write");
+        set_row_byte(&path, 5000, 0x11);
         let err = ResidentTable::load(1, &path, None, false, MlockMode::Off, |_| None)
             .expect_err("corrupt");
         assert!(err.to_string().contains("rows hash to"), "{err}");
@@ -832,16 +837,8 @@ mod tests {
         assert_eq!(bytes.len(), 40_000usize.div_ceil(15) * 4096);
 
         // A changed row: refused unless trusted, which then serves it.
-        use std::os::unix::fs::FileExt;
-        let f = TableFile::open(&path).expect("open");
-        let off = f.layout.row_offset(31_000).expect("in range");
         drop(mem);
-        let w = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .expect("open");
-        w.write_all_at(&[0x5a], off).expect("write");
-        drop(w);
+        set_row_byte(&path, 31_000, 0x5a);
         let err = load_as(&path, Backing::Mapped, false).expect_err("corrupt");
         assert!(err.to_string().contains("rows hash to"), "{err}");
         let (t, report) = load_as(&path, Backing::Mapped, true).expect("trusted");
@@ -851,7 +848,6 @@ mod tests {
 
     #[test]
     fn a_mark_of_the_same_unchanged_leased_file_serves_its_pages_without_reading_them() {
-        use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, _) = table(dir.path());
         let load = |known: Option<FileMark>, trust_digest: bool| {
@@ -878,18 +874,12 @@ mod tests {
         drop(again);
         // A changed row moves the change time on: read and hashed again,
         // and refused.
-        let f = TableFile::open(&path).expect("open");
-        let off = f.layout.row_offset(5).expect("in range");
-        let w = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .expect("open");
-        w.write_all_at(&[0x5a], off).expect("write");
-        drop(w);
+        set_row_byte(&path, 5, 0x5a);
         let err = load(Some(mark), false).expect_err("changed since");
         assert!(err.to_string().contains("rows hash to"), "{err}");
         // A mark taken after the change is what the pages are served on:
         // nothing is hashed (the changed row is served).
+        let f = TableFile::open(&path).expect("open");
         let now = FileMark::of(f.handle(), true).expect("stat");
         let (t, report) = load(Some(now), false).expect("reuse");
         assert!(report.reused);

@@ -183,25 +183,12 @@ fn total_rows(file: &TableFile) -> usize {
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::FileExt;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
 
     use super::*;
-    use crate::generate::{GenSpec, generate};
     use crate::table_file::remove_page_sums;
 
-    fn table(dir: &Path, rows: u64) -> PathBuf {
-        let path = dir.join(format!("t{rows}.etab"));
-        let spec = GenSpec {
-            layer: 1,
-            rows,
-            seed: 9,
-            hash_preset: None,
-            hash_base: None,
-            threads: 2,
-        };
-        generate(&path, &spec, None).expect("gen");
-        path
-    }
+    use crate::generate::test_table as table;
 
     fn poke(path: &Path, at: u64, byte: u8) -> u8 {
         let f = std::fs::OpenOptions::new()
