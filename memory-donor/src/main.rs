@@ -79,8 +79,8 @@ enum Cmd {
         /// of the file while it is rewritten).
         #[arg(long)]
         write_page_checksums: bool,
-        /// Threads that read, check and hash (default: every core; fewer
-        /// leave cores to a donor serving on the same machine).
+        /// Threads that read, check and hash (default: every core, at most
+        /// 16; fewer leave cores to a donor serving on the same machine).
         #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
         threads: Option<u16>,
     },
@@ -228,7 +228,7 @@ fn main() -> Result<()> {
             write_page_checksums,
             threads,
         } => {
-            let threads = threads.map_or_else(engram_store::fill::cores, usize::from);
+            let threads = threads.map_or_else(engram_store::verify::default_threads, usize::from);
             let mut failed = 0;
             for f in &files {
                 let result = TableFile::open(f).and_then(|t| {

@@ -242,10 +242,10 @@ impl TableFile {
 
     /// Recompute the digest and check every row decodes, every slack byte is
     /// zero and every page matches its checksum (where the file has them),
-    /// on every core ([`crate::verify`]); the first fault in the file is
-    /// the error.
+    /// on every core up to 16 ([`crate::verify`]); the first fault in the
+    /// file is the error.
     pub fn verify(&self, progress: Option<&mut Progress>) -> Result<TableDigest, TableFileError> {
-        self.verify_on(crate::fill::cores(), progress)
+        self.verify_on(crate::verify::default_threads(), progress)
     }
 
     /// [`Self::verify`] on `threads` threads.
