@@ -127,7 +127,10 @@ pub fn fill(
 /// error stops the others. `work` returns the rows it finished and the
 /// segment's chaining value (if it hashed). Progress, in rows, goes to
 /// `progress` from the calling thread about every 25 ms. Returns the
-/// chaining values in segment order (zeros where none).
+/// chaining values in segment order (zeros where none), or the error of
+/// the lowest segment that failed: segments are claimed in order and no
+/// new one is claimed after a failure, so every segment below a failed one
+/// finishes, and the error returned is the first in the file.
 pub(crate) fn run_segments<W>(
     segments: usize,
     threads: usize,
@@ -138,7 +141,7 @@ pub(crate) fn run_segments<W>(
     let next = AtomicUsize::new(0);
     let done = AtomicU64::new(0);
     let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<TableFileError>> = Mutex::new(None);
+    let first_error: Mutex<Option<(usize, TableFileError)>> = Mutex::new(None);
     let cvs: Mutex<Vec<ChainingValue>> = Mutex::new(vec![[0; 32]; segments]);
     let threads = threads.clamp(1, segments.max(1));
     let finished = AtomicUsize::new(0);
@@ -166,8 +169,10 @@ pub(crate) fn run_segments<W>(
                         }
                         Err(e) => {
                             failed.store(true, Ordering::Relaxed);
-                            if let Ok(mut first) = first_error.lock() {
-                                first.get_or_insert(e);
+                            if let Ok(mut first) = first_error.lock()
+                                && first.as_ref().is_none_or(|(at, _)| s < *at)
+                            {
+                                *first = Some((s, e));
                             }
                             break;
                         }
@@ -188,7 +193,7 @@ pub(crate) fn run_segments<W>(
             p.update(done.load(Ordering::Relaxed));
         }
     });
-    if let Some(e) = first_error.into_inner().ok().flatten() {
+    if let Some((_, e)) = first_error.into_inner().ok().flatten() {
         return Err(e);
     }
     Ok(cvs.into_inner().unwrap_or_default())
@@ -703,6 +708,38 @@ mod tests {
         );
         assert_eq!(lines.lock().expect("lock").last(), Some(&20_000));
         assert!(got == sequential(&file));
+    }
+
+    #[test]
+    fn the_error_of_the_lowest_failed_segment_is_returned() {
+        let err = |what: &str| TableFileError::Io {
+            path: "t".into(),
+            op: "read pages",
+            source: std::io::Error::other(what.to_string()),
+        };
+        // Segment 1 fails at once, segment 0 later, segment 2 never runs
+        // after either: segment 0's error, whatever the timing.
+        let ran = AtomicUsize::new(0);
+        let r = run_segments(
+            6,
+            2,
+            None,
+            || (),
+            |_, s| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                match s {
+                    0 => {
+                        std::thread::sleep(Duration::from_millis(100));
+                        Err(err("segment 0"))
+                    }
+                    1 => Err(err("segment 1")),
+                    _ => Ok((1, None)),
+                }
+            },
+        );
+        let e = r.expect_err("failed");
+        assert!(e.to_string().contains("segment 0"), "{e}");
+        assert!(ran.load(Ordering::Relaxed) < 6);
     }
 
     #[test]
