@@ -364,6 +364,77 @@ fn a_killed_donor_serves_its_files_pages_again_without_reading_them_while_the_fi
     serves(&sixth, digest, 5);
 }
 
+/// Wait (at most 20 s) until `donor`'s log has a line containing `what`.
+fn logged(donor: &DonorProcess, what: &str) -> String {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = donor.log();
+        if log.contains(what) {
+            return log;
+        }
+        assert!(Instant::now() < end, "no {what:?} in:\n{log}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn pages_served_on_that_no_longer_match_their_checksums_end_the_donor_and_its_mark() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let table = format!("1={}", path.display());
+    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
+    let prefix = format!("{}-file-", kept::name(1, &digest));
+    let (first, _) = start(&notify, &args);
+    one_stored(&notify, &prefix, None);
+    kill9(first);
+    // Served on: its pages are checked against the file's checksums.
+    let (second, _) = start(&notify, &args);
+    logged(&second, "match the file's page checksums");
+    kill9(second);
+
+    // A row changed behind the kernel's back (on the disk, say): here a
+    // write, and a mark forged for the file as it is now, claimed hashed.
+    let f = engram_store::table_file::TableFile::open(&path).expect("open");
+    let off = f.layout.row_offset(123_457).expect("in range");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|w| w.write_all_at(&[0x5a], off))
+        .expect("write");
+    let m = std::fs::metadata(&path).expect("stat");
+    let forged = format!("{prefix}{}.{:09}-v", m.ctime(), m.ctime_nsec());
+    notify.clear_store();
+    notify.store_fd(&forged, std::fs::File::open(&path).expect("open").into());
+    let (mut third, _) = start(&notify, &args);
+    assert!(
+        third.log().contains("table adopted from the fd store"),
+        "{}",
+        third.log()
+    );
+    let status = third
+        .wait(Duration::from_secs(20))
+        .expect("the donor exits");
+    assert_eq!(status.code(), Some(3), "{}", third.log());
+    assert!(
+        third.log().contains("does not match its checksum"),
+        "{}",
+        third.log()
+    );
+    assert_eq!(
+        stored(&notify, &[]),
+        Vec::<String>::new(),
+        "the mark is gone"
+    );
+    // So the next start reads the file, and refuses it.
+    let next = Process::launch_donor_under(&notify, &args).expect("spawn");
+    let err = next
+        .ready()
+        .expect_err("the file no longer hashes to its digest");
+    assert!(format!("{err:#}").contains("rows hash to"), "{err:#}");
+}
+
 #[test]
 fn a_donor_serving_file_pages_exits_when_its_file_is_opened_for_writing() {
     use std::os::unix::fs::OpenOptionsExt;

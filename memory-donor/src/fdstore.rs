@@ -265,11 +265,20 @@ impl FdStore {
 
     /// Remove the copies named `name` from the store.
     pub fn forget(&self, name: &str) {
-        if !self.notifier.is_enabled() {
-            return;
-        }
-        if let Err(e) = self.notifier.remove_fds(name) {
-            tracing::warn!(name = %name, "fd store: {e}");
+        self.forgetter(name.to_string())();
+    }
+
+    /// Something that removes the copies named `name` from the store when
+    /// called, from any thread.
+    pub fn forgetter(&self, name: String) -> impl FnOnce() + Send + 'static {
+        let notifier = Arc::clone(&self.notifier);
+        move || {
+            if !notifier.is_enabled() {
+                return;
+            }
+            if let Err(e) = notifier.remove_fds(&name) {
+                tracing::warn!(name = %name, "fd store: {e}");
+            }
         }
     }
 

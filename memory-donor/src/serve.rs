@@ -5,7 +5,7 @@
 //! READY=1, and the run (`supervise`: orders, watchdog, drain).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -566,6 +566,9 @@ fn load_one(
             "table adopted from the fd store: serving the file's pages as the previous process left them (the file unchanged since), not read or hashed"
         );
         let locked = lock_adopted(&table, spec.mlock)?;
+        if let Some((_, name)) = known {
+            check_reused_pages(&table, &t.path, store.forgetter(name));
+        }
         return Ok((
             table,
             Loaded {
@@ -633,6 +636,67 @@ fn lock_adopted(table: &ResidentTable, mode: MlockMode) -> Result<bool, ServeErr
                 });
             Ok(spawned.is_ok())
         }
+    }
+}
+
+/// A table served on from its file's pages without being read: check
+/// every page against the file's page checksums, in the background (pages
+/// the kernel dropped while no donor held the file are read from the disk
+/// again). A page that does not match means the file changed on disk
+/// without its change time moving: the donor says so, removes the mark
+/// from the fd store (`forget`), so that the next start reads and verifies
+/// the file, and exits with code 3, as when the file is opened for writing.
+fn check_reused_pages(table: &ResidentTable, shown: &Path, forget: impl FnOnce() + Send + 'static) {
+    use std::os::fd::AsRawFd;
+    let (memory, id, shown) = (table.memory(), table.id, shown.display().to_string());
+    // The served file itself, whatever the path names by now.
+    let Some(served) = memory
+        .file()
+        .map(|f| PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())))
+    else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name(format!("check-{id}"))
+        .spawn(move || {
+            let began = std::time::Instant::now();
+            let sums = engram_store::table_file::TableFile::open(&served)
+                .and_then(|f| f.read_page_sums());
+            let sums = match sums {
+                Ok(Some(sums)) => sums,
+                Ok(None) => {
+                    tracing::info!(table = id, file = shown, "no page checksums: the pages of a table served on from its file are not checked");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(table = id, file = shown, "cannot read the page checksums to check a table served on from its file: {e}");
+                    return;
+                }
+            };
+            match engram_store::verify::first_bad_page((*memory).as_ref(), &sums) {
+                None => tracing::info!(
+                    table = id,
+                    pages = sums.len(),
+                    took_ms = began.elapsed().as_millis() as u64,
+                    "the pages of a table served on from its file match the file's page checksums"
+                ),
+                Some(page) => {
+                    tracing::error!(
+                        table = id,
+                        page,
+                        file = shown,
+                        "a page of a table served on from its file does not match its checksum: the file changed on disk without its change time moving; its mark is removed from the fd store and the donor exits (the next start reads and verifies the file)"
+                    );
+                    forget();
+                    std::process::exit(3);
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(
+            table = id,
+            "cannot start checking the pages of a table served on from its file: {e}"
+        );
     }
 }
 

@@ -72,6 +72,17 @@ pub fn verify(
     Ok(actual)
 }
 
+/// The first of `pages` (a table file's pages, 4 KiB each, as mapped)
+/// whose checksum is not the file's `sums` entry for it; `None` when all
+/// match. Pages beyond `sums` are not checked.
+pub fn first_bad_page(pages: &[u8], sums: &[u64]) -> Option<u64> {
+    pages
+        .chunks_exact(PAGE_BYTES as usize)
+        .zip(sums)
+        .position(|(p, &sum)| page_checksum(p) != sum)
+        .map(|p| p as u64)
+}
+
 /// One worker's buffers.
 struct Worker {
     pages: Vec<u8>,
@@ -243,6 +254,25 @@ mod tests {
             .with_tap(move |d| l2.store(d, std::sync::atomic::Ordering::Relaxed));
         verify(&file, 2, 4 << 10, Some(&mut p)).expect("verifies");
         assert_eq!(last.load(std::sync::atomic::Ordering::Relaxed), 2_000);
+    }
+
+    #[test]
+    fn the_first_page_off_its_checksum_is_found() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = table(dir.path(), 2_000);
+        let file = TableFile::open(&path).expect("open");
+        let sums = file.read_page_sums().expect("read").expect("has sums");
+        let bytes = std::fs::read(&path).expect("read");
+        let start = file.layout.data_start as usize;
+        let mut pages = bytes[start..start + sums.len() * PAGE_BYTES as usize].to_vec();
+        assert_eq!(first_bad_page(&pages, &sums), None);
+        pages[90 * PAGE_BYTES as usize + 17] ^= 1;
+        pages[120 * PAGE_BYTES as usize + 4000] ^= 1;
+        assert_eq!(first_bad_page(&pages, &sums), Some(90));
+        assert_eq!(
+            first_bad_page(&pages[..90 * PAGE_BYTES as usize], &sums),
+            None
+        );
     }
 
     #[test]
