@@ -276,6 +276,47 @@ fn a_swap_replaces_the_kept_version() {
     serves(&donor, d2, 2);
 }
 
+/// A table file and a fake systemd, for a donor serving the file's pages.
+struct MappedRack {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    digest: TableDigest,
+    notify: NotifySocket,
+    table: String,
+}
+
+impl MappedRack {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
+        let notify = NotifySocket::bind(dir.path()).expect("notify");
+        let table = format!("1={}", path.display());
+        Self {
+            _dir: dir,
+            path,
+            digest,
+            notify,
+            table,
+        }
+    }
+
+    /// `serve` flags for it.
+    fn args(&self) -> [&str; 5] {
+        [
+            "--table",
+            &self.table,
+            "--listen",
+            "127.0.0.1:0",
+            "--map-files",
+        ]
+    }
+
+    /// What the names of its file's marks start with.
+    fn prefix(&self) -> String {
+        format!("{}-file-", kept::name(1, &self.digest))
+    }
+}
+
 /// The one name in the store, once it holds exactly one starting with
 /// `prefix` and none other.
 fn one_stored(notify: &NotifySocket, prefix: &str, not: Option<&str>) -> String {
@@ -296,22 +337,20 @@ fn one_stored(notify: &NotifySocket, prefix: &str, not: Option<&str>) -> String 
 #[test]
 fn a_killed_donor_serves_its_files_pages_again_without_reading_them_while_the_file_is_unchanged() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
-    let notify = NotifySocket::bind(dir.path()).expect("notify");
-    let table = format!("1={}", path.display());
-    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
+    let rack = MappedRack::new();
+    let (path, digest, notify) = (&rack.path, rack.digest, &rack.notify);
+    let args = rack.args();
     let trusting = [&args[..], &["--trust-digest"]].concat();
-    let prefix = format!("{}-file-", kept::name(1, &digest));
-    let (first, _) = start(&notify, &args);
+    let prefix = rack.prefix();
+    let (first, _) = start(notify, &args);
     assert!(first.log().contains("progress: loading"), "{}", first.log());
-    let name = one_stored(&notify, &prefix, None);
+    let name = one_stored(notify, &prefix, None);
     assert!(name.ends_with("-v"), "hashed: {name}");
     serves(&first, digest, 5);
     kill9(first);
 
     // Restarted: the same file at the same change time, served at once.
-    let (second, _) = start(&notify, &args);
+    let (second, _) = start(notify, &args);
     let log = second.log();
     assert!(
         log.contains("table adopted from the fd store: serving the file's pages"),
@@ -322,45 +361,45 @@ fn a_killed_donor_serves_its_files_pages_again_without_reading_them_while_the_fi
         log.contains("file_pages=true") && log.contains("verified=true"),
         "{log}"
     );
-    assert_eq!(one_stored(&notify, &prefix, None), name, "kept as it was");
+    assert_eq!(one_stored(notify, &prefix, None), name, "kept as it was");
     serves(&second, digest, 5);
     kill9(second);
 
     // Any change to the file (here its mode) moves its change time on: the
     // mark no longer counts, and the file is read and hashed again.
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let (third, _) = start(&notify, &args);
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let (third, _) = start(notify, &args);
     let log = third.log();
     assert!(
         log.contains("the file changed since it was loaded"),
         "{log}"
     );
     assert!(log.contains("progress: loading"), "read again:\n{log}");
-    let renamed = one_stored(&notify, &prefix, Some(&name));
+    let renamed = one_stored(notify, &prefix, Some(&name));
     assert!(renamed.ends_with("-v"), "{renamed}");
     serves(&third, digest, 5);
     kill9(third);
 
     // A donor that trusts digests serves on a hashed mark; one loaded
     // trusting (after a change) leaves a mark a checking donor refuses.
-    let (fourth, _) = start(&notify, &trusting);
+    let (fourth, _) = start(notify, &trusting);
     assert!(
         fourth.log().contains("table adopted from the fd store"),
         "{}",
         fourth.log()
     );
     kill9(fourth);
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-    let (fifth, _) = start(&notify, &trusting);
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let (fifth, _) = start(notify, &trusting);
     assert!(!fifth.log().contains("table adopted"), "{}", fifth.log());
-    let trusted = one_stored(&notify, &prefix, Some(&renamed));
+    let trusted = one_stored(notify, &prefix, Some(&renamed));
     assert!(trusted.ends_with("-t"), "{trusted}");
     kill9(fifth);
-    let (sixth, _) = start(&notify, &args);
+    let (sixth, _) = start(notify, &args);
     let log = sixth.log();
     assert!(log.contains("its rows were never hashed"), "{log}");
     assert!(log.contains("progress: loading"), "{log}");
-    assert!(one_stored(&notify, &prefix, Some(&trusted)).ends_with("-v"));
+    assert!(one_stored(notify, &prefix, Some(&trusted)).ends_with("-v"));
     serves(&sixth, digest, 5);
 }
 
@@ -380,34 +419,32 @@ fn logged(donor: &DonorProcess, what: &str) -> String {
 #[test]
 fn pages_served_on_that_no_longer_match_their_checksums_end_the_donor_and_its_mark() {
     use std::os::unix::fs::{FileExt, MetadataExt};
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
-    let notify = NotifySocket::bind(dir.path()).expect("notify");
-    let table = format!("1={}", path.display());
-    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
-    let prefix = format!("{}-file-", kept::name(1, &digest));
-    let (first, _) = start(&notify, &args);
-    one_stored(&notify, &prefix, None);
+    let rack = MappedRack::new();
+    let (path, notify) = (&rack.path, &rack.notify);
+    let args = rack.args();
+    let prefix = rack.prefix();
+    let (first, _) = start(notify, &args);
+    one_stored(notify, &prefix, None);
     kill9(first);
     // Served on: its pages are checked against the file's checksums.
-    let (second, _) = start(&notify, &args);
+    let (second, _) = start(notify, &args);
     logged(&second, "match the file's page checksums");
     kill9(second);
 
     // A row changed behind the kernel's back (on the disk, say): here a
     // write, and a mark forged for the file as it is now, claimed hashed.
-    let f = engram_store::table_file::TableFile::open(&path).expect("open");
+    let f = engram_store::table_file::TableFile::open(path).expect("open");
     let off = f.layout.row_offset(123_457).expect("in range");
     std::fs::OpenOptions::new()
         .write(true)
-        .open(&path)
+        .open(path)
         .and_then(|w| w.write_all_at(&[0x5a], off))
         .expect("write");
-    let m = std::fs::metadata(&path).expect("stat");
+    let m = std::fs::metadata(path).expect("stat");
     let forged = format!("{prefix}{}.{:09}-v", m.ctime(), m.ctime_nsec());
     notify.clear_store();
-    notify.store_fd(&forged, std::fs::File::open(&path).expect("open").into());
-    let (mut third, _) = start(&notify, &args);
+    notify.store_fd(&forged, std::fs::File::open(path).expect("open").into());
+    let (mut third, _) = start(notify, &args);
     assert!(
         third.log().contains("table adopted from the fd store"),
         "{}",
@@ -423,12 +460,12 @@ fn pages_served_on_that_no_longer_match_their_checksums_end_the_donor_and_its_ma
         third.log()
     );
     assert_eq!(
-        stored(&notify, &[]),
+        stored(notify, &[]),
         Vec::<String>::new(),
         "the mark is gone"
     );
     // So the next start reads the file, and refuses it.
-    let next = Process::launch_donor_under(&notify, &args).expect("spawn");
+    let next = Process::launch_donor_under(notify, &args).expect("spawn");
     let err = next
         .ready()
         .expect_err("the file no longer hashes to its digest");
@@ -438,17 +475,15 @@ fn pages_served_on_that_no_longer_match_their_checksums_end_the_donor_and_its_ma
 #[test]
 fn a_donor_serving_file_pages_exits_when_its_file_is_opened_for_writing() {
     use std::os::unix::fs::OpenOptionsExt;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, digest) = gen_table(dir.path(), "t.etab", 1, ROWS, 5).expect("gen");
-    let notify = NotifySocket::bind(dir.path()).expect("notify");
-    let table = format!("1={}", path.display());
-    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
-    let (mut donor, _) = start(&notify, &args);
+    let rack = MappedRack::new();
+    let (path, digest, notify) = (&rack.path, rack.digest, &rack.notify);
+    let args = rack.args();
+    let (mut donor, _) = start(notify, &args);
     serves(&donor, digest, 5);
     let log = donor.log();
     assert!(log.contains("file_pages=true"), "{log}");
     // Kept: a descriptor of the file, named by its mark.
-    one_stored(&notify, &format!("{}-file-", kept::name(1, &digest)), None);
+    one_stored(notify, &rack.prefix(), None);
     // The donor holds a read lease: a writer that will not wait is told so,
     // and the donor, told by SIGIO, exits at once instead of serving a
     // file that may change under it.
@@ -456,7 +491,7 @@ fn a_donor_serving_file_pages_exits_when_its_file_is_opened_for_writing() {
         std::fs::OpenOptions::new()
             .write(true)
             .custom_flags(libc::O_NONBLOCK)
-            .open(&path)
+            .open(path)
     };
     let e = open_w().expect_err("the donor's lease holds the writer back");
     assert_eq!(e.raw_os_error(), Some(libc::EWOULDBLOCK), "{e}");
