@@ -273,7 +273,13 @@ pub fn touch_mapped(
 
 /// Feed bytes `a..b` of the rows (back to back) to `h`, gathered from
 /// `pages` (the file's pages) through `buf`.
-fn hash_gathered(pages: &[u8], a: usize, b: usize, buf: &mut [u8], h: &mut blake3::Hasher) {
+pub(crate) fn hash_gathered(
+    pages: &[u8],
+    a: usize,
+    b: usize,
+    buf: &mut [u8],
+    h: &mut blake3::Hasher,
+) {
     let page = PAGE_BYTES as usize;
     let mut x = a;
     while x < b {

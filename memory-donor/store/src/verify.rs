@@ -17,7 +17,7 @@ use blake3::hazmat::HasherExt;
 use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE, SUM_BYTES, page_checksum};
 use engram_protocol::{ROW_BYTES, TableDigest};
 
-use crate::fill::{PAGE_ROWS_BYTES, read_exact_at, root, run_segments};
+use crate::fill::{PAGE_ROWS_BYTES, hash_gathered, read_exact_at, root, run_segments};
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
@@ -167,21 +167,9 @@ impl Worker {
         if segments > 1 {
             h.set_input_offset(a as u64);
         }
-        let mut x = a;
-        while x < b {
-            let want = (b - x).min(self.gather.len());
-            let mut n = 0;
-            while n < want {
-                let at = x + n;
-                let off = at % PAGE_ROWS_BYTES;
-                let k = (PAGE_ROWS_BYTES - off).min(want - n);
-                let src = (at / PAGE_ROWS_BYTES - p0) * page + off;
-                self.gather[n..n + k].copy_from_slice(&buf[src..src + k]);
-                n += k;
-            }
-            h.update(&self.gather[..want]);
-            x += want;
-        }
+        // `buf` starts at page p0, whose rows start p0 pages of rows in.
+        let base = p0 * PAGE_ROWS_BYTES;
+        hash_gathered(buf, a - base, b - base, &mut self.gather, &mut h);
         let cv = if segments > 1 {
             h.finalize_non_root()
         } else {
