@@ -268,6 +268,39 @@ pub fn server_name(name: &str) -> Result<ServerName<'static>, TlsError> {
     ServerName::try_from(name.to_string()).map_err(|e| TlsError::Config(format!("{name:?}: {e}")))
 }
 
+/// Encrypt `plain` in `session` and write its records to `sink` as it
+/// drains, whatever the session already had to send first. A session
+/// takes plaintext only while its send buffer (64 KiB by default) has room,
+/// so a plain `write_all` into its writer fails once a message is larger
+/// than that; here the plaintext goes in piece by piece, each piece's
+/// records written before the next. A message of any size gets through,
+/// and at most one buffer of records waits in the session: a `sink` that
+/// blocks (a socket with a write timeout) bounds the time, a `Vec` takes
+/// all of it.
+pub fn seal_and_send<T>(
+    session: &mut rustls::ConnectionCommon<T>,
+    plain: &[u8],
+    sink: &mut dyn std::io::Write,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut at = 0;
+    loop {
+        while session.wants_write() {
+            session.write_tls(sink)?;
+        }
+        if at == plain.len() {
+            return Ok(());
+        }
+        let n = session.writer().write(&plain[at..])?;
+        if n == 0 && !session.wants_write() {
+            // Nothing taken and nothing to send: the session takes no
+            // plaintext at all; an error, never a loop.
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        at += n;
+    }
+}
+
 /// A host's TLS material, replaceable while running: a reload loads and
 /// checks the files again and swaps them in only if they pass, so new
 /// connections use new material and live ones keep theirs.
@@ -392,5 +425,120 @@ mod tests {
             shown.contains("donor-a") && !shown.contains("PRIVATE KEY"),
             "{shown}"
         );
+    }
+
+    /// A sink that takes at most `step` bytes a call, like a socket whose
+    /// reader drains slowly, and keeps what it took.
+    struct Trickle {
+        got: Vec<u8>,
+        step: usize,
+    }
+
+    impl std::io::Write for Trickle {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            let n = b.len().min(self.step);
+            self.got.extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Move what `from` has sealed into `to`, and read `to`'s plaintext.
+    fn deliver<A, B>(
+        ciphertext: &[u8],
+        to: &mut rustls::ConnectionCommon<B>,
+        reply: &mut rustls::ConnectionCommon<A>,
+    ) -> Vec<u8> {
+        use std::io::Read;
+        let mut pending = ciphertext;
+        let mut plain = Vec::new();
+        while !pending.is_empty() {
+            to.read_tls(&mut pending).expect("read_tls");
+            to.process_new_packets().expect("records");
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                match to.reader().read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => plain.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        // Whatever the receiver has to say back (session tickets).
+        let mut back = Vec::new();
+        while to.wants_write() {
+            to.write_tls(&mut back).expect("write_tls");
+        }
+        let mut back = &back[..];
+        while !back.is_empty() {
+            reply.read_tls(&mut back).expect("read_tls");
+            reply.process_new_packets().expect("records");
+        }
+        plain
+    }
+
+    #[test]
+    fn a_message_larger_than_the_send_buffer_is_sealed_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rack = ca();
+        let donor = Material::load(&write(dir.path(), "d", &rack, &leaf(&rack, "d"))).expect("d");
+        let node = Material::load(&write(dir.path(), "n", &rack, &leaf(&rack, "n"))).expect("n");
+        let mut server =
+            rustls::ServerConnection::new(donor.server_config(&[ALPN]).expect("server config"))
+                .expect("server");
+        let mut client = rustls::ClientConnection::new(
+            node.client_config(&[ALPN]).expect("client config"),
+            server_name("d").expect("name"),
+        )
+        .expect("client");
+        // The handshake, in memory.
+        while client.is_handshaking() || server.is_handshaking() {
+            let mut c2s = Vec::new();
+            while client.wants_write() {
+                client.write_tls(&mut c2s).expect("client records");
+            }
+            let mut c2s = &c2s[..];
+            while !c2s.is_empty() {
+                server.read_tls(&mut c2s).expect("server reads");
+                server.process_new_packets().expect("server processes");
+            }
+            let mut s2c = Vec::new();
+            while server.wants_write() {
+                server.write_tls(&mut s2c).expect("server records");
+            }
+            let mut s2c = &s2c[..];
+            while !s2c.is_empty() {
+                client.read_tls(&mut s2c).expect("client reads");
+                client.process_new_packets().expect("client processes");
+            }
+        }
+        // 1 MB, 16 times the session's send buffer: a plain write_all into
+        // its writer fails here; sealed piece by piece it gets through,
+        // into a sink that takes 1 KiB at a time as into a Vec.
+        let message: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
+        assert!(std::io::Write::write_all(&mut server.writer(), &message).is_err());
+        let trickle = || Trickle {
+            got: Vec::new(),
+            step: 1024,
+        };
+        // What the failed write_all took still goes out first.
+        let mut first = trickle();
+        seal_and_send(&mut server, &[], &mut first).expect("drain");
+        let taken = deliver(&first.got, &mut client, &mut server);
+        assert!(
+            taken.len() < message.len(),
+            "the failed write took only part"
+        );
+        assert_eq!(&taken[..], &message[..taken.len()]);
+        let mut sealed = Vec::new();
+        seal_and_send(&mut server, &message, &mut sealed).expect("sealed into a Vec");
+        assert!(deliver(&sealed, &mut client, &mut server) == message);
+        let mut slow = trickle();
+        seal_and_send(&mut server, &message, &mut slow).expect("sealed into a trickle");
+        assert!(deliver(&slow.got, &mut client, &mut server) == message);
     }
 }

@@ -360,6 +360,7 @@ impl DonorClient {
             out,
             written: 0,
             tls: session.clone(),
+            plain: Vec::new(),
         };
         ws.seal()?;
         ws.finish()

@@ -227,6 +227,9 @@ pub(super) struct WriteState {
     pub written: usize,
     /// Over TLS: the session `out` is sealed with.
     pub tls: Option<Session>,
+    /// Over TLS: the plaintext of the frame being sealed (the buffers
+    /// trade places, so neither is allocated again).
+    pub plain: Vec<u8>,
 }
 
 impl WriteState {
@@ -239,12 +242,9 @@ impl WriteState {
         };
         let mut s = lock(tls);
         let tls_err = |e: std::io::Error| ClientError::Disconnected(format!("TLS: {e}"));
-        std::io::Write::write_all(&mut s.writer(), &self.out).map_err(tls_err)?;
+        std::mem::swap(&mut self.out, &mut self.plain);
         self.out.clear();
-        while s.wants_write() {
-            s.write_tls(&mut self.out).map_err(tls_err)?;
-        }
-        Ok(())
+        cluster_config::tls::seal_and_send(&mut s, &self.plain, &mut self.out).map_err(tls_err)
     }
 
     /// Write what is left of `out`; progress survives cancellation.

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use engram_protocol::{FrameHeader, HEADER_LEN};
 
+use super::ended::Ended;
 use super::handler::Handler;
 use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
 use super::{Conn, Shared};
@@ -145,17 +146,9 @@ fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
     };
     let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
     let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
-    if !out.is_empty() {
-        s.writer().write_all(out)?;
-        out.clear();
-    }
-    // Straight from rustls' records to the socket (bounded by the write
-    // timeout); the session stays locked meanwhile, which only a drain's
-    // Goodbye could wait for, and it does not wait long.
-    while s.wants_write() {
-        s.write_tls(&mut &conn.stream)?;
-    }
-    Ok(())
+    let r = cluster_config::tls::seal_and_send(&mut s, out, &mut &conn.stream);
+    out.clear();
+    r
 }
 
 /// Run the TLS handshake to completion by `deadline` (an absolute bound: a
@@ -317,48 +310,73 @@ fn admit(
 }
 
 /// Serve one connection until the peer closes, a timeout passes, a fatal
-/// frame arrives, or the drain force-closes it.
-pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) -> io::Result<()> {
+/// frame arrives, or the drain force-closes it. An end on an error is
+/// counted and logged by its reason ([`Ended`]); a refused TLS client was
+/// counted and logged as a refusal already.
+pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
     let cfg = shared.config();
-    stream.set_nodelay(true)?;
-    stream.set_write_timeout(if cfg.write_timeout.is_zero() {
-        None
-    } else {
-        Some(cfg.write_timeout)
-    })?;
+    let write_timeout = (!cfg.write_timeout.is_zero()).then_some(cfg.write_timeout);
+    let setup = stream
+        .set_nodelay(true)
+        .and_then(|()| stream.set_write_timeout(write_timeout));
+    if let Err(e) = setup {
+        Ended::new("socket_error", e.to_string()).report(&shared, conn.id, conn.peer, "");
+        return;
+    }
     // Before the handshake only a Hello fits, and the Hello must arrive by an
     // absolute deadline (a read timeout alone restarts with every byte).
     // Over TLS the same deadline covers the TLS handshake too.
     let hello_deadline = (!cfg.hello_timeout.is_zero()).then(|| Instant::now() + cfg.hello_timeout);
-    let rb = ReadBuf::new(INITIAL_BUF);
-    let mut tin = TlsIn::new();
-    let mut out = Vec::with_capacity(INITIAL_BUF);
     let mut handler = Handler::new(&shared, Arc::clone(&cfg));
     if conn.tls.is_some() {
         let deadline = hello_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(10));
-        match admit(&mut stream, &conn, &shared, deadline)? {
-            Some(identity) => handler.set_identity(identity),
-            None => return Ok(()),
+        match admit(&mut stream, &conn, &shared, deadline) {
+            Ok(Some(identity)) => handler.set_identity(identity),
+            Ok(None) | Err(_) => return,
         }
     }
     let mut pump = Pump::new(
         handler,
-        rb,
+        ReadBuf::new(INITIAL_BUF),
         cfg.limits,
         conn.id,
         conn.peer,
         conn.tls.is_none(),
     );
+    if let Err(ended) = session(&mut stream, &conn, &shared, &mut pump, hello_deadline) {
+        ended.report(&shared, conn.id, conn.peer, pump.handler.peer_name());
+    }
+}
+
+/// Read frames, answer them and write the answers, until the session ends:
+/// `Ok` when the peer closed, else why it ended.
+fn session(
+    stream: &mut TcpStream,
+    conn: &Conn,
+    shared: &Shared,
+    pump: &mut Pump<'_>,
+    hello_deadline: Option<Instant>,
+) -> Result<(), Ended> {
+    let cfg = shared.config();
+    let mut tin = TlsIn::new();
+    let mut out = Vec::with_capacity(INITIAL_BUF);
+    let writing = |e: io::Error| Ended::writing(&e);
+    let socket = |e: io::Error| Ended::new("socket_error", e.to_string());
     loop {
         loop {
-            match pump.step(&shared, &mut out) {
+            match pump.step(shared, &mut out) {
                 Step::NeedInput => break,
-                Step::Flush => flush(&conn, &mut out)?,
-                Step::Ready => set_timeout(&stream, cfg.idle_timeout)?,
-                Step::Close => return close_gracefully(&conn, &stream, &mut out),
+                Step::Flush => flush(conn, &mut out).map_err(writing)?,
+                Step::Ready => set_timeout(stream, cfg.idle_timeout).map_err(socket)?,
+                Step::Close => {
+                    // The error frame is the peer's to read; that the
+                    // close itself failed changes nothing.
+                    let _ = close_gracefully(conn, stream, &mut out);
+                    return Err(Ended::closed_on(pump.handler.last_error()));
+                }
             }
         }
-        flush(&conn, &mut out)?;
+        flush(conn, &mut out).map_err(writing)?;
         if !pump.handler.is_ready()
             && let Some(deadline) = hello_deadline
         {
@@ -366,15 +384,15 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
                 .checked_duration_since(Instant::now())
                 .filter(|d| !d.is_zero())
             {
-                Some(rest) => stream.set_read_timeout(Some(rest))?,
-                None => return Err(io::ErrorKind::TimedOut.into()),
+                Some(rest) => stream.set_read_timeout(Some(rest)).map_err(socket)?,
+                None => return Err(Ended::new("hello_timeout", "no Hello in time")),
             }
         }
-        match fill(&mut stream, &conn, &mut pump.rb, &mut tin, cfg.busy_poll) {
+        match fill(stream, conn, &mut pump.rb, &mut tin, cfg.busy_poll) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(Ended::reading(&e, pump.handler.is_ready())),
         }
     }
 }

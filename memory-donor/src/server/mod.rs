@@ -11,6 +11,7 @@
 //! connections take a snapshot of it; the connection bound can be raised).
 
 mod conn;
+mod ended;
 mod handler;
 mod pump;
 pub mod quic;
@@ -331,9 +332,7 @@ fn spawn_connection(
     let spawned = std::thread::Builder::new()
         .name(format!("conn-{id}"))
         .spawn(move || {
-            if let Err(e) = conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2)) {
-                tracing::debug!(conn = id, %peer, error = %e, "connection ended with an error");
-            }
+            conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2));
             // The slot is free before the peer sees the close: a client that
             // saw it and reconnects at once finds room.
             shared2.conns().remove(&id);
@@ -491,15 +490,12 @@ fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
                 let _ = c.stream.shutdown(std::net::Shutdown::Both);
                 return;
             };
-            if s.is_handshaking() || std::io::Write::write_all(&mut s.writer(), bye).is_err() {
+            if s.is_handshaking()
+                || cluster_config::tls::seal_and_send(&mut s, bye, &mut sealed).is_err()
+            {
                 drop(s);
                 let _ = c.stream.shutdown(std::net::Shutdown::Both);
                 return;
-            }
-            while s.wants_write() {
-                if s.write_tls(&mut sealed).is_err() {
-                    break;
-                }
             }
             &sealed[..]
         }
