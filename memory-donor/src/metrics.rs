@@ -4,7 +4,8 @@
 //! costs the scraper, not the lookups.
 //!
 //! Series (all prefixed `engram_donor_`): `lookups_total`, `rows_total`,
-//! `bytes_total`, `errors_total{code}`, `service_time_seconds` (histogram),
+//! `bytes_total`, `errors_total{code}`, `refusals_total{plane,reason}`,
+//! `connection_errors_total{reason}`, `service_time_seconds` (histogram),
 //! `connections_open`, `connections_accepted_total`,
 //! `connections_refused_total`, `table_state{table,layer,state}`,
 //! `table_rows{table,layer}`, `table_loaded_bytes{table,layer}`,
@@ -90,6 +91,17 @@ impl Collector for DonorCollector {
             for ((plane, reason), n) in self.status.stats.refusals() {
                 let labels = [("plane", plane), ("reason", reason)];
                 ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut m = e.encode_descriptor(
+                "connection_errors",
+                "Client sessions the donor ended on an error (a timeout, a failed read or write, a TLS or QUIC fault, a frame answered with an error), by reason.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (reason, n) in self.status.stats.connection_errors() {
+                ConstCounter::new(n).encode(m.encode_family(&[("reason", reason)])?)?;
             }
         }
         counter(e, "rows", "Rows served.", s.rows)?;

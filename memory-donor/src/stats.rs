@@ -106,6 +106,7 @@ pub struct Stats {
     pub service: ServiceTime,
     errors: [AtomicU64; ERROR_SLOTS],
     refusals: Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
+    connection_errors: Mutex<std::collections::BTreeMap<&'static str, u64>>,
 }
 
 impl Stats {
@@ -139,6 +140,26 @@ impl Stats {
     /// Refusals so far, by plane and reason.
     pub fn refusals(&self) -> Vec<((&'static str, &'static str), u64)> {
         let m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter().map(|(k, v)| (*k, *v)).collect()
+    }
+
+    /// A client session ended on an error, for `reason` (a short
+    /// snake_case word: `write_timeout`, `peer_reset`, ...). Once per
+    /// connection at most: a lock and a map are fine here.
+    pub fn connection_error(&self, reason: &'static str) {
+        let mut m = self
+            .connection_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *m.entry(reason).or_default() += 1;
+    }
+
+    /// Sessions ended on an error so far, by reason.
+    pub fn connection_errors(&self) -> Vec<(&'static str, u64)> {
+        let m = self
+            .connection_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         m.iter().map(|(k, v)| (*k, *v)).collect()
     }
 

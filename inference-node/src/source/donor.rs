@@ -229,12 +229,28 @@ impl DonorSource {
             .lookup_until(&[Request { table, rows }], out, deadline)
             .await
             .map_err(SourceError::from);
-        if let Err(SourceError::VersionMismatch { .. }) = res {
-            // The Welcome this connection got is stale: the next lookup
-            // or probe dials again and reads the donor's versions anew.
-            self.forget(&client);
+        match &res {
+            Err(SourceError::VersionMismatch { .. }) => {
+                // The Welcome this connection got is stale: the next lookup
+                // or probe dials again and reads the donor's versions anew.
+                self.forget(&client);
+            }
+            Err(e) if client.is_closed() && !client.is_draining() => self.lost(&client, e),
+            _ => {}
         }
         res
+    }
+
+    /// The connection ended under a lookup: the next lookup dials again.
+    /// Said once per connection, with the donor's own reason when it sent
+    /// one (an error frame before it closed, a QUIC close reason).
+    fn lost(&self, client: &Arc<DonorClient>, e: &SourceError) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
+            *cur = None;
+            drop(cur);
+            tracing::warn!(donor = %self.name, addr = %client.addr(), error = %e, "connection to the donor lost");
+        }
     }
 
     fn draining(&self) -> bool {

@@ -37,6 +37,8 @@ pub struct Handler<'a> {
     identity: Option<String>,
     sections: Vec<RowsSection>,
     table_index: Vec<usize>,
+    /// The code of the last error answered (why a closed session closed).
+    last_error: std::cell::Cell<Option<ErrorCode>>,
 }
 
 impl<'a> Handler<'a> {
@@ -50,7 +52,13 @@ impl<'a> Handler<'a> {
             identity: None,
             sections: Vec::new(),
             table_index: Vec::new(),
+            last_error: std::cell::Cell::new(None),
         }
+    }
+
+    /// The code of the last error answered, if any.
+    pub fn last_error(&self) -> Option<ErrorCode> {
+        self.last_error.get()
     }
 
     /// The client proved `identity` with its certificate: its Hello needs
@@ -79,6 +87,7 @@ impl<'a> Handler<'a> {
         msg: &str,
     ) {
         self.shared.stats.error(code);
+        self.last_error.set(Some(code));
         ErrorFrame {
             code,
             table_id: table,

@@ -21,6 +21,7 @@ use engram_protocol::Goodbye;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use super::ended::Ended;
 use super::handler::Handler;
 use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
 use super::{CONN_WARN, Shared};
@@ -175,13 +176,14 @@ async fn serve_connection(
             Ok((send, recv)) => {
                 let (shared, identity) = (Arc::clone(&shared), identity.clone());
                 streams.spawn(async move {
-                    if let Err(e) = serve_stream(send, recv, &shared, identity, id, peer).await {
-                        tracing::debug!(conn = id, %peer, error = %e, "QUIC session ended with an error");
-                    }
+                    serve_stream(send, recv, &shared, identity, id, peer).await;
                 });
             }
             Err(e) => {
                 tracing::debug!(conn = id, %peer, error = %e, "QUIC connection closed");
+                if let Some(ended) = connection_lost(&e) {
+                    ended.report(&shared, id, peer, "");
+                }
                 break;
             }
         }
@@ -193,37 +195,58 @@ async fn serve_connection(
     drop(permit);
 }
 
+/// Why a QUIC connection ended, when the donor counts it as an error:
+/// not a close by either side.
+fn connection_lost(e: &quinn::ConnectionError) -> Option<Ended> {
+    use quinn::ConnectionError as E;
+    let reason = match e {
+        E::ApplicationClosed(_) | E::ConnectionClosed(_) | E::LocallyClosed => return None,
+        E::TimedOut => "peer_timeout",
+        E::Reset => "peer_reset",
+        E::TransportError(_) | E::VersionMismatch | E::CidsExhausted => "quic_error",
+    };
+    Some(Ended::new(reason, e.to_string()))
+}
+
 /// Write `out` within the write timeout.
 async fn write(
     send: &mut quinn::SendStream,
     out: &mut Vec<u8>,
     limit: Duration,
-) -> Result<(), String> {
+) -> Result<(), Ended> {
     if out.is_empty() {
         return Ok(());
     }
+    let failed = |e: quinn::WriteError| match e {
+        quinn::WriteError::ConnectionLost(c) => {
+            connection_lost(&c).unwrap_or_else(|| Ended::new("peer_reset", c.to_string()))
+        }
+        quinn::WriteError::Stopped(_) => Ended::new("peer_reset", e.to_string()),
+        _ => Ended::new("write_error", e.to_string()),
+    };
     let w = send.write_all(out);
     let r = if limit.is_zero() {
-        w.await.map_err(|e| e.to_string())
+        w.await.map_err(failed)
     } else {
         tokio::time::timeout(limit, w)
             .await
-            .map_err(|_| "write timed out".to_string())?
-            .map_err(|e| e.to_string())
+            .map_err(|_| Ended::new("write_timeout", "write timed out"))?
+            .map_err(failed)
     };
     out.clear();
     r
 }
 
-/// One session on one stream: the same frames as over TCP.
+/// One session on one stream: the same frames as over TCP. An end on an
+/// error is counted and logged by its reason.
 async fn serve_stream(
-    mut send: quinn::SendStream,
-    mut recv: quinn::RecvStream,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
     shared: &Arc<Shared>,
     identity: String,
     id: u64,
     peer: SocketAddr,
-) -> Result<(), String> {
+) {
     let cfg = shared.config();
     let mut handler = Handler::new(shared, Arc::clone(&cfg));
     handler.set_identity(identity);
@@ -235,6 +258,20 @@ async fn serve_stream(
         peer,
         false,
     );
+    if let Err(ended) = stream_session(send, recv, shared, &mut pump).await {
+        ended.report(shared, id, peer, pump.handler.peer_name());
+    }
+}
+
+/// Read frames, answer them and write the answers until the session ends:
+/// `Ok` when the peer finished its stream, else why it ended.
+async fn stream_session(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    shared: &Arc<Shared>,
+    pump: &mut Pump<'_>,
+) -> Result<(), Ended> {
+    let cfg = shared.config();
     let mut out = Vec::with_capacity(INITIAL_BUF);
     let hello_deadline = Instant::now() + cfg.hello_timeout.max(Duration::from_millis(1));
     let mut draining = shared.drain_signal();
@@ -249,7 +286,7 @@ async fn serve_stream(
                     let _ = send.finish();
                     // Let the peer read the last answer before the stream goes.
                     let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
-                    return Ok(());
+                    return Err(Ended::closed_on(pump.handler.last_error()));
                 }
             }
         }
@@ -271,7 +308,17 @@ async fn serve_stream(
                     let _ = send.finish();
                     return Ok(());
                 }
-                Err(e) => return Err(e.to_string()),
+                // The peer closed its connection: its own close, not an error.
+                Err(quinn::ReadError::ConnectionLost(e)) => {
+                    return connection_lost(&e).map_or(Ok(()), Err);
+                }
+                Err(e) => {
+                    let reason = match e {
+                        quinn::ReadError::Reset(_) => "peer_reset",
+                        _ => "read_error",
+                    };
+                    return Err(Ended::new(reason, e.to_string()));
+                }
             },
             _ = draining.wait_for(|d| *d), if !said_goodbye => {
                 said_goodbye = true;
@@ -282,7 +329,11 @@ async fn serve_stream(
                 .encode(&mut out);
             }
             _ = sleep_until(wait) => {
-                return Err(if pump.handler.is_ready() { "idle timeout" } else { "no Hello in time" }.into());
+                return Err(if pump.handler.is_ready() {
+                    Ended::new("idle_timeout", "idle timeout")
+                } else {
+                    Ended::new("hello_timeout", "no Hello in time")
+                });
             }
         }
     }
