@@ -146,10 +146,12 @@ def tables(tmp_path_factory):
 
 
 def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str = "fail",
-                 metrics: int | None = None, model: str = "") -> Path:
+                 metrics: int | None = None, model: str = "", transport: str = "tcp") -> Path:
     """The rack: table 1 from `tables[l1]` (another version than the node's
-    copy when l1 is "l1-other"), donor `d` serving both tables, and nodes
-    `n` (d, then the SSD copy), `only-donor` (d alone) and `ref` (local RAM)."""
+    copy when l1 is "l1-other"), donor `d` serving both tables over
+    `transport` (`tls` and `quic` with a rack PKI made by `engram-cluster
+    pki`), and nodes `n` (d, then the SSD copy), `only-donor` (d alone) and
+    `ref` (local RAM)."""
     (p1, d1, r1), (p14, d14, r14) = tables[l1], tables["l14"]
     route = lambda t, p, sources: (  # noqa: E731
         f'[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = "{p}"\npolicy = "{policy}"\n'
@@ -161,9 +163,10 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
 
     text = (
         'version = 1\n[rack]\nname = "t"\n'
-        f'[[table]]\nid = 1\nlayer = 1\npath = "{p1}"\nrows = {r1}\ndigest = "{d1}"\n'
+        + ("[rack.tls]\n" if transport != "tcp" else "")
+        + f'[[table]]\nid = 1\nlayer = 1\npath = "{p1}"\nrows = {r1}\ndigest = "{d1}"\n'
         f'[[table]]\nid = 14\nlayer = 14\npath = "{p14}"\nrows = {r14}\ndigest = "{d14}"\n'
-        f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{port}"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n'
+        f'[[donor]]\nname = "d"\nlisten = ["{transport}://127.0.0.1:{port}"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n'
         + node("n", '"d", "ssd"', f'metrics = "127.0.0.1:{metrics}"\n' if metrics else "")
         # A hard timeout past the callers' deadlines: the hung-donor tests time out first.
         + node("only-donor", '"d"', "lookup_timeout_ms = 1000\n")
@@ -171,6 +174,10 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
         + f"[model]\nhash_base = {HASH_BASE}\n{model}"
     )
     path.write_text(text)
+    if transport != "tcp":
+        for step in ("init", "issue"):
+            subprocess.run([binary("engram-cluster"), "pki", step, "--config", str(path)],
+                           check=True, capture_output=True)
     return path
 
 

@@ -291,6 +291,36 @@ def test_a_batch_of_sequences_is_one_prefetch_with_each_sequence_hashed_alone(ra
         assert mem.stats()[0]["messages"] == 4  # one per prefetch, not per sequence
 
 
+@pytest.mark.parametrize("transport", ["tls", "quic"])
+def test_over_tls_and_quic_the_donor_serves_every_prefetch_and_batch(tmp_path, tables, transport):
+    # Answers larger than one TLS buffer (64 KiB: 249 rows and more) and
+    # many pipelined answers: the donor alone serves them all, with nothing
+    # to fall back to.
+    config = write_config(tmp_path / "rack.toml", tables, free_port(), transport=transport)
+    donor = Donor(config, "d")
+    try:
+        rng = np.random.default_rng(11)
+        with er.Memory(config, "only-donor", metrics="off") as mem:
+            for i in range(1000):
+                n = 1 + i % 17
+                ids = rng.integers(0, VOCAB, size=n, dtype=np.int64)
+                t = mem.prefetch(ids, list(rng.integers(0, VOCAB, size=3)))
+                for layer in er.LAYERS:
+                    served = t.wait(layer, mem.row_buffer(n), timeout=10)
+                    assert served.sources == ["d"], served
+            seqs = [(rng.integers(0, VOCAB, size=1 + s % 17, dtype=np.int64), [s, s + 1, s + 2])
+                    for s in range(64)]
+            t = mem.prefetch_batch(seqs)
+            for layer in er.LAYERS:
+                served = t.wait(layer, mem.row_buffer(t.positions), timeout=10)
+                assert served.sources == ["d"], served
+                assert served.rows > 248, served
+            assert all(s["failed"] == 0 and s["failovers"] == 0 for s in mem.stats())
+    finally:
+        donor.stop()
+    assert "connection closed on an error" not in "".join(donor.lines)
+
+
 def test_bad_input_gets_a_clear_error_and_no_crash(rack, tmp_path):
     rack.start()
     mem = er.Memory(rack.config, "n", metrics="off")
