@@ -60,6 +60,10 @@ pub struct EnginesArgs {
     /// Hashing base of the tables.
     #[arg(long, default_value_t = 20_000)]
     hash_base: u64,
+    /// The donor's transport: TLS, the rack's default (with the run's own
+    /// PKI), or `tcp`, `quic`.
+    #[arg(long, default_value = "tls", value_parser = rack::stream_transport)]
+    transport: cluster_config::Transport,
 }
 
 /// p50 <= 1.2x Rust's, p99 <= 1.3x.
@@ -101,6 +105,7 @@ struct Paced {
 
 #[derive(Debug, Clone, Serialize)]
 struct Report {
+    transport: String,
     steps: usize,
     repeat: usize,
     pinned: bool,
@@ -215,7 +220,10 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     rack::kill_children_on_interrupt()?;
     let out = &rack::work_dir(&args.out)?;
     let tables = rack::table_pair(out, args.hash_base)?;
-    let spec = RackSpec::one_donor();
+    let spec = RackSpec {
+        transport: args.transport,
+        ..RackSpec::one_donor()
+    };
     let rk = rack::write_config(out, &tables, &spec)?;
     let config = &rk.config;
     let donor = Child::launch_donor(config, "donor-a", &[])?;
@@ -364,6 +372,7 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     let missed = languages.iter().filter(|l| !l.within_target).count()
         + paced.iter().filter(|p| !p.within_target).count();
     let report = Report {
+        transport: args.transport.to_string(),
         steps: args.steps,
         repeat: args.repeat,
         pinned: pin,
@@ -382,7 +391,8 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "One step (prefetch of one token, waits for both layers' rows), {} steps x {} rounds{}, medians:",
+        "One step (prefetch of one token, waits for both layers' rows) from a donor over {}, {} steps x {} rounds{}, medians:",
+        args.transport,
         args.steps,
         args.repeat,
         if pin {

@@ -16,6 +16,10 @@
 //!   versions, separate links): the sweep striped across them;
 //! - **local RAM**: the tables in the bench's own memory (no network).
 //!
+//! The donors' series run over each of `--transports` (TLS, the rack's
+//! default, then TCP and QUIC), every donor listening on all of them with
+//! the run's own rack PKI; the floor and local RAM are measured once.
+//!
 //! The time of a sweep is the Engram share of the time to first token: the
 //! prompt's rows must all be in before its first layer's fusion ends.
 //! Targets (the issue's): one donor at least 70% of the floor's bandwidth,
@@ -29,15 +33,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use cluster_config::{Hedge, Policy};
+use cluster_config::{Hedge, Policy, Transport};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
 use inference_node::ClientOptions;
+use inference_node::client::TlsClient;
 use inference_node::metrics::{NodeMetrics, SourceOnly};
 use inference_node::model::fetch::fetch_rows;
 use inference_node::router::{RouteSettings, Router, SourceHealth};
 use inference_node::source::{DonorSource, LocalRam, RowSource};
+use inference_node::tls::NodeTls;
 use integration_tests::netns::NetNs;
 use integration_tests::{DonorProcess, bin, gen_table};
 use serde::Serialize;
@@ -61,6 +67,10 @@ pub struct PrefillArgs {
     /// Rounds (figures are medians over them).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// The donors' transports, each measured in turn (TLS and QUIC with
+    /// the run's rack PKI).
+    #[arg(long, value_delimiter = ',', default_value = "tls,tcp,quic", value_parser = crate::rack::stream_transport)]
+    transports: Vec<Transport>,
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -118,13 +128,31 @@ struct LengthRow {
     rows_per_table: usize,
     bytes: usize,
     floor_ms: f64,
+    local_ms: f64,
+    /// The donors' series, per transport.
+    transports: Vec<TransportRow>,
+}
+
+/// One prompt length's donor series over one transport.
+#[derive(Debug, Serialize)]
+struct TransportRow {
+    transport: String,
     one_donor_ms: f64,
     two_replicas_ms: f64,
-    local_ms: f64,
     /// One donor's bandwidth over the floor's.
     one_vs_floor: f64,
     /// Two replicas' bandwidth over one donor's.
     two_vs_one: f64,
+}
+
+/// Whether a transport met the targets at every length.
+#[derive(Debug, Serialize)]
+struct TargetsMet {
+    transport: String,
+    /// Every length: one donor >= 0.70 of the floor.
+    one_donor: bool,
+    /// Every length: two replicas >= 1.7x one donor.
+    two_replicas: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -132,17 +160,94 @@ struct Report {
     link_mbit: u32,
     rounds: usize,
     lengths: Vec<LengthRow>,
-    /// Every length: one donor >= 0.70 of the floor.
-    one_donor_target_met: bool,
-    /// Every length: two replicas >= 1.7x one donor.
-    two_replicas_target_met: bool,
+    targets: Vec<TargetsMet>,
 }
 
-/// The bench's side of the rack: the routers of each setup.
+/// The bench's side of the rack: the routers of each setup, the donors'
+/// per transport.
 struct Setups {
+    donors: Vec<(Transport, DonorSetups)>,
+    local: [Arc<Router>; 2],
+}
+
+/// One donor, and both replicas, over one transport.
+struct DonorSetups {
     one: [Arc<Router>; 2],
     two: [Arc<Router>; 2],
-    local: [Arc<Router>; 2],
+}
+
+/// The bench's name as a node of the run's rack.
+const NODE: &str = "engram-bench";
+
+/// The run's rack config: donors `donor-a` and `donor-b`, each in its
+/// namespace at `ips`, listening on every transport of `transports`
+/// (ports the kernel picks), serving both tables; the bench as node
+/// [`NODE`]. With a TLS or QUIC transport the rack gets a PKI.
+fn write_rack(
+    dir: &std::path::Path,
+    tables: &[(u32, TableDigest, PathBuf)],
+    rows: u64,
+    ips: [std::net::Ipv4Addr; 2],
+    transports: &[Transport],
+) -> Result<cluster_config::Config> {
+    let secure = transports.iter().any(|t| t.is_secure());
+    let mut text = String::from("version = 1\n[rack]\nname = \"prefill\"\n");
+    if transports.contains(&Transport::Tcp) {
+        // The namespaces' addresses are not loopback: plaintext is this
+        // run's choice, on links only it uses.
+        text.push_str("plaintext = \"allow\"\n");
+    }
+    if secure {
+        text.push_str("[rack.tls]\n");
+    }
+    for (id, digest, path) in tables {
+        text.push_str(&format!(
+            "[[table]]\nid = {id}\nlayer = {id}\npath = \"{}\"\nrows = {rows}\ndigest = \"{digest}\"\n",
+            path.display()
+        ));
+    }
+    for (name, ip) in ["donor-a", "donor-b"].into_iter().zip(ips) {
+        let listen: Vec<String> = transports
+            .iter()
+            .map(|t| format!("\"{t}://{ip}:0\""))
+            .collect();
+        text.push_str(&format!(
+            "[[donor]]\nname = \"{name}\"\nlisten = [{}]\ntables = [1, 14]\nram_gib = 64.0\n",
+            listen.join(", ")
+        ));
+    }
+    text.push_str(&format!("[[node]]\nname = \"{NODE}\"\n"));
+    for (id, _, _) in tables {
+        text.push_str(&format!(
+            "[[node.route]]\ntable = {id}\nsources = [\"donor-a\", \"donor-b\"]\n"
+        ));
+    }
+    let path = dir.join("prefill-rack.toml");
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    if secure {
+        let _ = std::fs::remove_dir_all(dir.join("pki"));
+        integration_tests::rack_pki(&path).context("making the run's rack PKI")?;
+    }
+    cluster_config::Config::load(&path).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// The bench's client options over `transport` in `rack`.
+fn client_options(
+    rack: &cluster_config::Config,
+    pinned: &[(u32, TableDigest)],
+    transport: Transport,
+    donor: &str,
+) -> Result<ClientOptions> {
+    let mut opts = ClientOptions::new(NODE, pinned.to_vec());
+    opts.transport = transport;
+    if transport.is_secure() {
+        let files = rack.tls_files(NODE).context("the bench's certificate")?;
+        opts.tls = Some(TlsClient {
+            tls: NodeTls::load(&files)?,
+            server_name: cluster_config::tls::server_name(donor)?,
+        });
+    }
+    Ok(opts)
 }
 
 fn settings(table: u32) -> RouteSettings {
@@ -197,8 +302,8 @@ fn prompt_rows(rng: &mut SplitMix64, n: usize, rows: u64) -> Vec<u64> {
 
 /// Run `engram-bench prefill`.
 pub fn run(args: &PrefillArgs) -> Result<()> {
-    if args.lengths.is_empty() || args.rounds == 0 {
-        bail!("--lengths and --rounds must not be empty or zero");
+    if args.lengths.is_empty() || args.rounds == 0 || args.transports.is_empty() {
+        bail!("--lengths, --transports and --rounds must not be empty or zero");
     }
     let max_rows = args.lengths.iter().max().copied().unwrap_or(0) * 24;
     if (args.rows as usize) < max_rows * 2 {
@@ -225,28 +330,31 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         pinned.push((t, digest));
         files.push(path);
     }
-    let table_args: Vec<String> = TABLES
-        .iter()
-        .zip(&files)
-        .map(|(t, p)| format!("{t}={}", p.display()))
-        .collect();
-
     // Two namespaces, each with a donor and a floor server, links shaped.
     let mut spaces = Vec::new();
-    let mut donors = Vec::new();
-    let mut floors = Vec::new();
     for name in ["a", "b"] {
         let ns = NetNs::create(&format!("prefill{name}"))?;
         ns.shape(args.link_mbit)?;
+        spaces.push(ns);
+    }
+    let tables: Vec<(u32, TableDigest, PathBuf)> = pinned
+        .iter()
+        .zip(&files)
+        .map(|(&(t, d), p)| (t, d, p.clone()))
+        .collect();
+    let ips = [spaces[0].addr(), spaces[1].addr()];
+    let rack = write_rack(&args.out, &tables, args.rows, ips, &args.transports)?;
+    let mut donors = Vec::new();
+    let mut floors = Vec::new();
+    for (name, ns) in ["a", "b"].into_iter().zip(&spaces) {
         let mut cmd = ns.command(bin("memory-donor"));
         cmd.arg("serve")
-            .args(["--listen", &format!("{}:0", ns.addr()), "--name"])
+            .arg("--config")
+            .arg(&rack.path)
+            .arg("--name")
             .arg(format!("donor-{name}"))
             .arg("--trust-digest")
             .env("RUST_LOG", "info");
-        for t in &table_args {
-            cmd.args(["--table", t]);
-        }
         let donor = DonorProcess::spawn(cmd).with_context(|| format!("starting donor-{name}"))?;
         let mut fcmd = ns.command(std::env::current_exe()?);
         fcmd.args([
@@ -257,7 +365,6 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         let floor = DonorProcess::spawn(fcmd).context("starting the floor's server")?;
         donors.push(donor);
         floors.push(floor);
-        spaces.push(ns);
     }
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -266,21 +373,28 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         .build()?;
     let _guard = rt.enter();
     let m = NodeMetrics::new();
-    let donor_sources: Vec<Arc<SourceHealth>> = donors
-        .iter()
-        .enumerate()
-        .map(|(i, d)| {
-            let addr = d
-                .endpoint(cluster_config::Transport::Tcp)
-                .context("the donor does not listen on tcp")?;
-            let src = DonorSource::new(
-                format!("donor-{}", ["a", "b"][i]),
-                vec![addr],
-                ClientOptions::new("bench", pinned.clone()),
-            );
-            Ok(health(&m, Arc::new(src), &pinned))
-        })
-        .collect::<Result<_>>()?;
+    let mut donor_setups = Vec::new();
+    for &t in &args.transports {
+        let sources: Vec<Arc<SourceHealth>> = donors
+            .iter()
+            .zip(["donor-a", "donor-b"])
+            .map(|(d, name)| {
+                let addr = d
+                    .endpoint(t)
+                    .with_context(|| format!("{name} does not listen on {t}"))?;
+                let opts = client_options(&rack, &pinned, t, name)?;
+                let src = DonorSource::new(name, vec![addr], opts);
+                Ok(health(&m, Arc::new(src), &pinned))
+            })
+            .collect::<Result<_>>()?;
+        donor_setups.push((
+            t,
+            DonorSetups {
+                one: routers(&m, &sources[..1]),
+                two: routers(&m, &sources),
+            },
+        ));
+    }
     let mut locals = Vec::new();
     for ((t, p), (_, digest)) in TABLES.iter().zip(&files).zip(&pinned) {
         let expected = ExpectedTable {
@@ -292,8 +406,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         locals.push(health(&m, Arc::new(local), &pinned));
     }
     let setups = Setups {
-        one: routers(&m, &donor_sources[..1]),
-        two: routers(&m, &donor_sources),
+        donors: donor_setups,
         // Each table's own copy.
         local: [0, 1].map(|i| {
             Arc::new(Router::new(
@@ -305,7 +418,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     };
     let mut floor = TcpStream::connect(
         floors[0]
-            .endpoint(cluster_config::Transport::Tcp)
+            .endpoint(Transport::Tcp)
             .context("the floor's server address")?,
     )?;
     floor.set_nodelay(true)?;
@@ -321,33 +434,51 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         ];
         let bytes = 2 * n * ROW_BYTES;
         // A warm-up sweep each (connections made, pages touched), checked.
-        for (label, r) in [
-            ("one donor", &setups.one),
-            ("two replicas", &setups.two),
-            ("local RAM", &setups.local),
-        ] {
-            sweep(&rt, r, &prompt, true)
-                .with_context(|| format!("{label}, {positions} positions"))?;
+        sweep(&rt, &setups.local, &prompt, true)
+            .with_context(|| format!("local RAM, {positions} positions"))?;
+        for (t, d) in &setups.donors {
+            for (label, r) in [("one donor", &d.one), ("two replicas", &d.two)] {
+                sweep(&rt, r, &prompt, true)
+                    .with_context(|| format!("{label} over {t}, {positions} positions"))?;
+            }
         }
-        let mut series: [Vec<f64>; 4] = Default::default();
+        // Rounds interleave every series, so the machine's drift touches
+        // each alike.
+        let mut floor_s = Vec::new();
+        let mut local_s = Vec::new();
+        let mut donor_s = vec![(Vec::new(), Vec::new()); setups.donors.len()];
         for _ in 0..args.rounds {
             crate::rack::check_interrupted()?;
-            series[0].push(floor_once(&mut floor, bytes, &mut sink)?);
-            series[1].push(sweep(&rt, &setups.one, &prompt, false)?);
-            series[2].push(sweep(&rt, &setups.two, &prompt, false)?);
-            series[3].push(sweep(&rt, &setups.local, &prompt, false)?);
+            floor_s.push(floor_once(&mut floor, bytes, &mut sink)?);
+            for ((_, d), (one, two)) in setups.donors.iter().zip(&mut donor_s) {
+                one.push(sweep(&rt, &d.one, &prompt, false)?);
+                two.push(sweep(&rt, &d.two, &prompt, false)?);
+            }
+            local_s.push(sweep(&rt, &setups.local, &prompt, false)?);
         }
-        let [f, one, two, local] = series.map(|v| median(v) * 1e3);
+        let f = median(floor_s) * 1e3;
+        let transports = setups
+            .donors
+            .iter()
+            .zip(donor_s)
+            .map(|((t, _), (one, two))| {
+                let (one, two) = (median(one) * 1e3, median(two) * 1e3);
+                TransportRow {
+                    transport: t.to_string(),
+                    one_donor_ms: one,
+                    two_replicas_ms: two,
+                    one_vs_floor: f / one,
+                    two_vs_one: one / two,
+                }
+            })
+            .collect();
         rows_out.push(LengthRow {
             positions,
             rows_per_table: n,
             bytes,
             floor_ms: f,
-            one_donor_ms: one,
-            two_replicas_ms: two,
-            local_ms: local,
-            one_vs_floor: f / one,
-            two_vs_one: one / two,
+            local_ms: median(local_s) * 1e3,
+            transports,
         });
     }
     drop(floor);
@@ -355,12 +486,23 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     drop(floors);
     drop(spaces);
 
+    let targets = args
+        .transports
+        .iter()
+        .enumerate()
+        .map(|(i, t)| TargetsMet {
+            transport: t.to_string(),
+            one_donor: rows_out
+                .iter()
+                .all(|r| r.transports[i].one_vs_floor >= 0.70),
+            two_replicas: rows_out.iter().all(|r| r.transports[i].two_vs_one >= 1.7),
+        })
+        .collect();
     let report = Report {
         link_mbit: args.link_mbit,
         rounds: args.rounds,
-        one_donor_target_met: rows_out.iter().all(|r| r.one_vs_floor >= 0.70),
-        two_replicas_target_met: rows_out.iter().all(|r| r.two_vs_one >= 1.7),
         lengths: rows_out,
+        targets,
     };
     let chart = chart(&report);
     let (svg, png) = chart.write_both(&args.out.join("prefill"))?;
@@ -430,38 +572,34 @@ fn print_report(r: &Report) {
         "prefill: both tables' rows of a prompt in one sweep; each donor on its own link shaped to {} Mbit/s; medians of {} rounds",
         r.link_mbit, r.rounds
     );
-    let rows: Vec<Vec<String>> = r
-        .lengths
-        .iter()
-        .map(|l| {
-            vec![
-                l.positions.to_string(),
-                format!("{:.1}", l.bytes as f64 / 1e6),
-                format!("{:.2} ({:.3})", l.floor_ms, gbps(l.bytes, l.floor_ms)),
-                format!(
-                    "{:.2} ({:.3})",
-                    l.one_donor_ms,
-                    gbps(l.bytes, l.one_donor_ms)
-                ),
-                format!(
-                    "{:.2} ({:.3})",
-                    l.two_replicas_ms,
-                    gbps(l.bytes, l.two_replicas_ms)
-                ),
-                format!("{:.2} ({:.3})", l.local_ms, gbps(l.bytes, l.local_ms)),
-                format!("{:.2}", l.one_vs_floor),
-                format!("{:.2}", l.two_vs_one),
-            ]
-        })
-        .collect();
+    let ms_gbps = |bytes: usize, ms: f64| format!("{ms:.2} ({:.3})", gbps(bytes, ms));
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for l in &r.lengths {
+        for (i, t) in l.transports.iter().enumerate() {
+            // The floor and local RAM are the length's, shown once.
+            let once = |v: String| if i == 0 { v } else { String::new() };
+            rows.push(vec![
+                once(l.positions.to_string()),
+                once(format!("{:.1}", l.bytes as f64 / 1e6)),
+                once(ms_gbps(l.bytes, l.floor_ms)),
+                once(ms_gbps(l.bytes, l.local_ms)),
+                t.transport.clone(),
+                ms_gbps(l.bytes, t.one_donor_ms),
+                ms_gbps(l.bytes, t.two_replicas_ms),
+                format!("{:.2}", t.one_vs_floor),
+                format!("{:.2}", t.two_vs_one),
+            ]);
+        }
+    }
     print_table(
         &[
             "positions",
             "MB",
             "floor ms (GB/s)",
+            "local RAM ms (GB/s)",
+            "transport",
             "one donor ms (GB/s)",
             "two replicas ms (GB/s)",
-            "local RAM ms (GB/s)",
             "one/floor",
             "two/one",
         ],
@@ -471,26 +609,35 @@ fn print_report(r: &Report) {
         "Engram share of time to first token = the sweep's time above (every row in before layer 1's fusion ends)"
     );
     let yes = |b: bool| if b { "met" } else { "NOT met" };
-    println!(
-        "targets: one donor >= 0.70 of the floor's bandwidth: {}; two replicas >= 1.7x one donor: {}",
-        yes(r.one_donor_target_met),
-        yes(r.two_replicas_target_met)
-    );
+    for t in &r.targets {
+        println!(
+            "targets over {}: one donor >= 0.70 of the floor's bandwidth: {}; two replicas >= 1.7x one donor: {}",
+            t.transport,
+            yes(t.one_donor),
+            yes(t.two_replicas)
+        );
+    }
 }
 
 fn chart(r: &Report) -> Bars {
     let mut bars = Vec::new();
     for l in &r.lengths {
-        for (name, ms, floor) in [
-            ("floor", l.floor_ms, true),
-            ("one donor", l.one_donor_ms, false),
-            ("two replicas", l.two_replicas_ms, false),
-        ] {
-            bars.push(Bar {
-                label: format!("{} positions, {name}", l.positions),
-                value: gbps(l.bytes, ms),
-                floor,
-            });
+        bars.push(Bar {
+            label: format!("{} positions, floor", l.positions),
+            value: gbps(l.bytes, l.floor_ms),
+            floor: true,
+        });
+        for t in &l.transports {
+            for (name, ms) in [
+                ("one donor", t.one_donor_ms),
+                ("two replicas", t.two_replicas_ms),
+            ] {
+                bars.push(Bar {
+                    label: format!("{} positions, {name}, {}", l.positions, t.transport),
+                    value: gbps(l.bytes, ms),
+                    floor: false,
+                });
+            }
         }
     }
     Bars {

@@ -203,6 +203,14 @@ impl RackSpec {
     }
 }
 
+/// A stream transport named on the command line: `tcp`, `tls` or `quic`.
+pub fn stream_transport(s: &str) -> Result<Transport, String> {
+    match Transport::parse(s) {
+        Some(Transport::Rdma) | None => Err(format!("{s:?} is not one of tcp, tls, quic")),
+        Some(t) => Ok(t),
+    }
+}
+
 /// A donor as written into the config.
 #[derive(Debug, Clone)]
 pub struct DonorAddrs {
