@@ -108,6 +108,11 @@ fn drill_kill_9_quic() {
 }
 
 #[test]
+fn drill_kill_9_tls_batch() {
+    drill("kill-9-tls-batch");
+}
+
+#[test]
 fn drill_sigstop() {
     drill("sigstop");
 }

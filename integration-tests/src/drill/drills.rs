@@ -7,9 +7,10 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use inference_node::model::StepKind;
 
 use super::handshakes::storm_handshakes;
-use super::report::ensure_timing;
+use super::report::{ensure_timing, served_by};
 use super::storm::storm;
 use super::{Env, Outcome, Placement, Plan, Rack, Report, Version};
 use crate::netns::NetNs;
@@ -56,6 +57,11 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         "kill-9-quic",
         "kill -9 the primary donor mid-run, restart it: every donor over QUIC",
         kill_9_quic,
+    ),
+    (
+        "kill-9-tls-batch",
+        "every donor over TLS, the node decoding 16 sequences after a prefill of 256 positions each (answers over 64 KiB): kill -9 the primary mid-run, restart it",
+        kill_9_tls_batch,
     ),
     (
         "sigstop",
@@ -147,8 +153,13 @@ pub(super) fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<O
         bail!("the node failed:\n{}", out.log);
     }
     let want = o.tokens(SECONDS);
-    if expect_ok && out.steps.len() as u64 != want {
-        bail!("the node ran {} steps, not {want}", out.steps.len());
+    let decoded = out
+        .steps
+        .iter()
+        .filter(|s| s.kind != StepKind::Prefill)
+        .count() as u64;
+    if expect_ok && decoded != want {
+        bail!("the node ran {decoded} decode steps, not {want}");
     }
     Ok(out)
 }
@@ -230,7 +241,124 @@ fn kill_9_over(
 ) -> Result<Report> {
     let mut plan = Plan::new(name);
     plan.transport = transport;
-    let (mut rack, mut run) = begin(env, &plan, o)?;
+    kill_9_with(env, o, name, &plan, &env.reference).map(|(r, _)| r)
+}
+
+/// Sequences and prefill of the batch drill: each decode step asks 384
+/// rows per table in one message (101 KB of rows), the prefill sweeps
+/// 4,096 positions in chunks of up to 4,096 rows (1 MB each).
+const BATCH: usize = 16;
+const PREFILL: usize = 256;
+
+/// The run of `plan`'s shape (batch, prefill) on local RAM: each
+/// position's checksum.
+fn reference_of(
+    env: &Env,
+    plan: &Plan,
+    o: &Opts,
+) -> Result<std::collections::BTreeMap<(u32, u32), String>> {
+    let run = super::NodeRun::start_with(
+        &env.dir.join("prepare.toml"),
+        "ref",
+        o.tokens(SECONDS) * plan.batch as u64,
+        5_000.0,
+        &env.dir.join(format!("{}-ref", plan.name)),
+        &plan.node_args(),
+    )?;
+    let out = run.finish(Duration::from_secs(120))?;
+    if !out.success {
+        bail!("the reference run on local RAM failed:\n{}", out.log);
+    }
+    Ok(super::report::checksums(&out.steps))
+}
+
+fn kill_9_tls_batch(env: &Env, o: &Opts) -> Result<Report> {
+    let name = "kill-9-tls-batch";
+    let mut plan = Plan::new(name);
+    plan.transport = cluster_config::Transport::Tls;
+    plan.batch = BATCH;
+    plan.prefill = PREFILL;
+    let reference = reference_of(env, &plan, o)?;
+    let (mut r, killed) = kill_9_with(env, o, name, &plan, &reference)?;
+    // The prefill, before any fault: a sweep served by the donors alone.
+    let prefill = r
+        .steps
+        .iter()
+        .find(|s| s.kind == StepKind::Prefill)
+        .context("the run has no prefill step")?;
+    // Each chunk has the hard timeout (20 ms) to arrive, so a chunk held
+    // up by this machine moves on like a failed one: a miss of time.
+    for t in &prefill.tables {
+        let by = t.source.as_deref().unwrap_or("nothing");
+        ensure!(
+            t.messages > 1,
+            "table {}'s prefill was one message",
+            t.table
+        );
+        ensure_timing!(
+            t.error.is_none() && t.failovers == 0 && by.split('+').all(|s| s.starts_with("donor-")),
+            "table {}'s prefill was served by {by} with {} failovers, not by the donors alone: {:?}\n{}",
+            t.table,
+            t.failovers,
+            t.error,
+            r.timeline(0.5)
+        );
+    }
+    let rows = prefill.tables.iter().map(|t| t.unique_rows).sum::<usize>();
+    r.figure(
+        "prefill over TLS",
+        format!(
+            "{} positions, {rows} rows in {} messages, served by the donors; stall {:.2} ms",
+            BATCH * PREFILL,
+            prefill.tables.iter().map(|t| t.messages).sum::<u32>(),
+            prefill.stall_us / 1e3
+        ),
+    );
+    // Decode steps before the kill: one message per table of up to 384
+    // rows, answered by the donors (a hedge to the SSD copy now and then
+    // on a busy machine, never most of them).
+    let before: Vec<_> = r
+        .steps
+        .iter()
+        .filter(|s| s.kind != StepKind::Prefill && s.start_us + s.time_us < killed)
+        .collect();
+    let by_copy = before.iter().filter(|s| served_by(s, "ssd")).count();
+    ensure_timing!(
+        by_copy * 10 <= before.len(),
+        "{by_copy} of {} batch steps before the kill touched the SSD copy\n{}",
+        before.len(),
+        r.timeline(0.5)
+    );
+    let widest = before
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| t.unique_rows)
+        .max()
+        .unwrap_or(0);
+    ensure!(
+        widest > 248,
+        "no batch step asked more than 248 rows of a table (the widest: {widest})"
+    );
+    r.figure(
+        "batch steps over TLS before the kill",
+        format!(
+            "{} steps of {BATCH} positions (up to {widest} rows per table in one message), {by_copy} touched the SSD copy",
+            before.len()
+        ),
+    );
+    Ok(r)
+}
+
+/// kill -9 donor-a and restart it, as `plan` says; the outputs checked
+/// against `reference`. The report, and when donor-a was killed.
+fn kill_9_with(
+    env: &Env,
+    o: &Opts,
+    name: &str,
+    plan: &Plan,
+    reference: &std::collections::BTreeMap<(u32, u32), String>,
+) -> Result<(Report, f64)> {
+    let (mut rack, mut run) = begin(env, plan, o)?;
     let killed = run.event("kill -9 donor-a");
     rack.end("donor-a", libc::SIGKILL)?;
     run.at_second(HEAL_AT)?;
@@ -244,7 +372,7 @@ fn kill_9_over(
         bail!("the restarted donor-a did not serve both tables from the fd store:\n{log}");
     }
     let out = finish(run, o, true)?;
-    let mut r = Report::check(name, about(name), env, &plan, &out)?;
+    let mut r = Report::check_with(name, about(name), env, plan, &out, reference)?;
     r.never_used("donor-a", killed, healthy)?;
     r.readmitted("donor-a", healthy)?;
     r.figure(
@@ -254,7 +382,7 @@ fn kill_9_over(
             took.as_secs_f64() * 1e3
         ),
     );
-    Ok(r)
+    Ok((r, killed))
 }
 
 fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
@@ -274,7 +402,7 @@ fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
     let mut r = Report::check("sigstop", about("sigstop"), env, &plan, &out)?;
     let ssd = r
         .between(0.0, healthy)
-        .filter(|s| super::report::served_by(s, "ssd"))
+        .filter(|s| served_by(s, "ssd"))
         .count();
     ensure!(ssd > 0, "the SSD copy never served while both donors hung");
     r.figure("steps served from SSD while both hung", ssd.to_string());

@@ -211,6 +211,12 @@ pub struct Plan {
     /// Each donor also listens on QUIC (UDP, the same port number), which
     /// the node does not use when `transport` is TLS: TLS first.
     pub also_quic: bool,
+    /// Sequences the node decodes together (`inference-node run --batch`):
+    /// each step fetches this many positions' rows in one message per table.
+    pub batch: usize,
+    /// Positions of each sequence prefilled in one sweep before decoding
+    /// (`--prefill`): the run's first step.
+    pub prefill: usize,
 }
 
 impl Plan {
@@ -243,7 +249,19 @@ impl Plan {
             ssd_fetch_us: None,
             transport: cluster_config::Transport::Tcp,
             also_quic: false,
+            batch: 1,
+            prefill: 0,
         }
+    }
+
+    /// The node's arguments for the plan's batch and prefill.
+    pub fn node_args(&self) -> Vec<String> {
+        vec![
+            "--batch".into(),
+            self.batch.to_string(),
+            "--prefill".into(),
+            self.prefill.to_string(),
+        ]
     }
 
     /// Whether the route has the node's own copy.
@@ -656,8 +674,17 @@ impl Rack {
         crate::scrape(self.donor(name)?.addrs.metrics)
     }
 
-    /// Start the node `n` for `tokens` positions at `rate` tokens/s.
-    pub fn run_node(&self, tokens: u64, rate: f64) -> Result<NodeRun> {
-        NodeRun::start(&self.config, "n", tokens, rate, &self.dir.join("node"))
+    /// Start the node `n` for `steps` decode steps at `rate` steps/s (each
+    /// step one position of each of the plan's sequences, after its
+    /// prefill step when it has one).
+    pub fn run_node(&self, steps: u64, rate: f64) -> Result<NodeRun> {
+        NodeRun::start_with(
+            &self.config,
+            "n",
+            steps * self.plan.batch as u64,
+            rate,
+            &self.dir.join("node"),
+            &self.plan.node_args(),
+        )
     }
 }

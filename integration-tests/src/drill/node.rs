@@ -63,6 +63,19 @@ impl NodeRun {
     /// (its stderr, when it is over; `ENGRAM_DRILL_NODE_LOG` sets its log filter).
     /// Returns once its loop runs.
     pub fn start(config: &Path, name: &str, tokens: u64, rate: f64, stem: &Path) -> Result<Self> {
+        Self::start_with(config, name, tokens, rate, stem, &[])
+    }
+
+    /// [`Self::start`] with more arguments for `inference-node run`
+    /// (`--batch`, `--prefill`).
+    pub fn start_with(
+        config: &Path,
+        name: &str,
+        tokens: u64,
+        rate: f64,
+        stem: &Path,
+        extra: &[String],
+    ) -> Result<Self> {
         let trace = stem.with_extension("jsonl");
         let summary = stem.with_extension("txt");
         let mut cmd = Command::new(bin("inference-node"));
@@ -77,6 +90,7 @@ impl NodeRun {
             .arg(&trace)
             .args(["--progress-every", &PROGRESS_EVERY.to_string()])
             .args(["--metrics", "127.0.0.1:0"])
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("ENGRAM_DRILL_NODE_LOG").unwrap_or_else(|_| "info".into()),
