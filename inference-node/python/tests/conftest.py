@@ -153,6 +153,8 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
     pki`), and nodes `n` (d, then the SSD copy), `only-donor` (d alone) and
     `ref` (local RAM)."""
     (p1, d1, r1), (p14, d14, r14) = tables[l1], tables["l14"]
+    # Plain TCP as a bare address (tests read the port back from it).
+    listen = f"127.0.0.1:{port}" if transport == "tcp" else f"{transport}://127.0.0.1:{port}"
     route = lambda t, p, sources: (  # noqa: E731
         f'[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = "{p}"\npolicy = "{policy}"\n'
     )
@@ -166,7 +168,7 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
         + ("[rack.tls]\n" if transport != "tcp" else "")
         + f'[[table]]\nid = 1\nlayer = 1\npath = "{p1}"\nrows = {r1}\ndigest = "{d1}"\n'
         f'[[table]]\nid = 14\nlayer = 14\npath = "{p14}"\nrows = {r14}\ndigest = "{d14}"\n'
-        f'[[donor]]\nname = "d"\nlisten = ["{transport}://127.0.0.1:{port}"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n'
+        f'[[donor]]\nname = "d"\nlisten = ["{listen}"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n'
         + node("n", '"d", "ssd"', f'metrics = "127.0.0.1:{metrics}"\n' if metrics else "")
         # A hard timeout past the callers' deadlines: the hung-donor tests time out first.
         + node("only-donor", '"d"', "lookup_timeout_ms = 1000\n")
