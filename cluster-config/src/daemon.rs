@@ -1,10 +1,11 @@
 //! Plumbing both daemons share, in one place: logging (`logging`),
 //! systemd's readiness and watchdog protocol (`notify`), the Prometheus
 //! `/metrics` endpoint (`metrics`), the bounded accept loop of their gRPC
-//! servers (`accept`), and the latency histogram every percentile is
-//! computed with (`latency`).
+//! servers (`accept`), the latency histogram every percentile is
+//! computed with (`latency`), and the host socket's packets (`hostsock`).
 
 pub mod accept;
+pub mod hostsock;
 pub mod latency;
 pub mod logging;
 pub mod metrics;

@@ -227,6 +227,14 @@ pub struct Donor {
     pub advertise: Vec<Endpoint>,
     /// Node identities allowed on its TLS and QUIC data plane (default: every node).
     pub clients: Vec<String>,
+    /// Its host socket (`unix://PATH` in `listen`): processes on its own
+    /// host map its tables' memory instead of asking for rows.
+    pub host_socket: Option<PathBuf>,
+    /// User ids allowed on the host socket (besides `host_gids`); with
+    /// both empty, the donor's own user and group are.
+    pub host_uids: Vec<u32>,
+    /// Group ids allowed on the host socket.
+    pub host_gids: Vec<u32>,
     /// `SwapTable` loads only files under these directories (`table_dir`,
     /// or the directories of its configured tables).
     pub table_dirs: Vec<PathBuf>,

@@ -245,6 +245,50 @@ fn tables(cx: &mut Ctx<'_>, raw: &[S<RawTable>], base: &Path) -> Vec<Table> {
 
 /// Data-plane addresses: `[tcp|tls|quic://]IP:PORT`, `default` when the
 /// scheme is left out.
+/// The longest path a Unix socket address holds (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Split a donor's `listen` into its host socket (`unix://PATH`: an
+/// absolute path of at most 107 bytes, one at most) and the network
+/// addresses left.
+fn host_socket(
+    cx: &mut Ctx<'_>,
+    list: &S<Vec<S<String>>>,
+    key: &str,
+) -> (Option<PathBuf>, S<Vec<S<String>>>) {
+    let mut socket: Option<PathBuf> = None;
+    let mut rest = Vec::new();
+    for (j, a) in list.get_ref().iter().enumerate() {
+        let Some(path) = a.get_ref().strip_prefix("unix://") else {
+            rest.push(a.clone());
+            continue;
+        };
+        let key = format!("{key}[{j}]");
+        let p = PathBuf::from(path);
+        if !p.is_absolute() || path.len() > MAX_SOCKET_PATH || path.contains('\0') {
+            cx.at(
+                a.span(),
+                key,
+                format!(
+                    "{path:?} is not a socket path: an absolute path of at most {MAX_SOCKET_PATH} bytes (unix:///run/engram-rack/donor.sock)"
+                ),
+            );
+        } else if socket.is_some() {
+            cx.at(a.span(), key, "a donor has one host socket");
+        } else {
+            socket = Some(p);
+        }
+    }
+    if socket.is_some() && rest.is_empty() {
+        cx.at(
+            list.span(),
+            key,
+            "a host socket serves only its own host: list a network address beside it (tls://127.0.0.1:7410 for a host-only donor)",
+        );
+    }
+    (socket, S::new(list.span(), rest))
+}
+
 fn endpoints(
     cx: &mut Ctx<'_>,
     list: &S<Vec<S<String>>>,
@@ -267,7 +311,7 @@ fn endpoints(
                         a.span(),
                         key,
                         format!(
-                            "{scheme:?} is not a transport: \"tcp://\", \"tls://\", \"quic://\" \
+                            "{scheme:?} is not a transport: \"tcp://\", \"tls://\", \"quic://\", \"unix://\" \
                              or \"rdma://\""
                         ),
                     );
@@ -415,7 +459,27 @@ fn donors(
                 format!("donor {name:?} is defined twice"),
             );
         }
-        let listen = endpoints(cx, &d.listen, &k("listen"), true, default_transport);
+        // `unix://PATH` is the host socket, not a network endpoint.
+        let (host_socket, network) = host_socket(cx, &d.listen, &k("listen"));
+        let listen = endpoints(cx, &network, &k("listen"), true, default_transport);
+        let host_ids = |cx: &mut Ctx<'_>, v: &Option<S<Vec<S<i64>>>>, key: &str| -> Vec<u32> {
+            let Some(list) = v else {
+                return Vec::new();
+            };
+            if host_socket.is_none() {
+                cx.at(list.span(), key, "only beside a unix:// listen address");
+            }
+            list.get_ref()
+                .iter()
+                .enumerate()
+                .filter_map(|(j, id)| {
+                    cx.int(id, &format!("{key}[{j}]"), 0, i64::from(u32::MAX - 1))
+                })
+                .map(|id| id as u32)
+                .collect()
+        };
+        let host_uids = host_ids(cx, &d.host_uids, &k("host_uids"));
+        let host_gids = host_ids(cx, &d.host_gids, &k("host_gids"));
         let advertise = match &d.advertise {
             Some(a) => {
                 let ads = endpoints(cx, a, &k("advertise"), false, default_transport);
@@ -593,6 +657,9 @@ fn donors(
             control,
             metrics,
             clients,
+            host_socket,
+            host_uids,
+            host_gids,
             table_dirs,
             tls_cert,
             tls_key,

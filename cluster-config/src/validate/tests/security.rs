@@ -446,3 +446,65 @@ fn rdma_addresses_and_their_device() {
         "{d:?}"
     );
 }
+
+#[test]
+fn a_host_socket_is_an_absolute_path_beside_a_network_address() {
+    let host = donor_a(
+        "\"tls://0.0.0.0:7410\", \"unix:///run/engram-rack/donor.sock\"",
+        "\"tls://10.1.0.5:7410\"",
+    )
+    .replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nhost_uids = [1000]\nhost_gids = [998, 999]",
+        1,
+    );
+    let c = parse(&host).expect("valid");
+    let a = c.donor("donor-a").expect("donor-a");
+    assert_eq!(
+        a.host_socket.as_deref(),
+        Some(Path::new("/run/engram-rack/donor.sock"))
+    );
+    assert_eq!(
+        (a.host_uids.as_slice(), a.host_gids.as_slice()),
+        (&[1000][..], &[998, 999][..])
+    );
+    assert_eq!(
+        a.listen,
+        [Endpoint::new(Transport::Tls, addr("0.0.0.0:7410"))]
+    );
+    // The other donor has none.
+    assert!(c.donor("donor-b").is_some_and(|b| b.host_socket.is_none()));
+
+    let relative = donor_a(
+        "\"tls://0.0.0.0:7410\", \"unix://donor.sock\"",
+        "\"tls://10.1.0.5:7410\"",
+    );
+    expect_in(&relative, 22, "donor[0].listen[1]", "is not a socket path");
+    let long = format!("/{}", "x".repeat(120));
+    let too_long = donor_a(
+        &format!("\"tls://0.0.0.0:7410\", \"unix://{long}\""),
+        "\"tls://10.1.0.5:7410\"",
+    );
+    expect_in(&too_long, 22, "donor[0].listen[1]", "at most 107 bytes");
+    let two = donor_a(
+        "\"tls://0.0.0.0:7410\", \"unix:///run/a.sock\", \"unix:///run/b.sock\"",
+        "\"tls://10.1.0.5:7410\"",
+    );
+    expect_in(&two, 22, "donor[0].listen[2]", "one host socket");
+    let alone = donor_a("\"unix:///run/a.sock\"", "\"tls://10.1.0.5:7410\"");
+    expect_in(
+        &alone,
+        22,
+        "donor[0].listen",
+        "list a network address beside it",
+    );
+    let ids_without = good().replacen("ram_gib = 251.0", "ram_gib = 251.0\nhost_uids = [1]", 1);
+    expect_in(
+        &ids_without,
+        26,
+        "donor[0].host_uids",
+        "only beside a unix:// listen address",
+    );
+    let bad_id = host.replacen("host_uids = [1000]", "host_uids = [-1]", 1);
+    expect_in(&bad_id, 26, "donor[0].host_uids[0]", "out of range");
+}
