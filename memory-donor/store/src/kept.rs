@@ -21,7 +21,9 @@
 //!
 //! The record is written after the last row, so a copy whose load was cut
 //! short has none and is refused. The size is sealed (`F_SEAL_SHRINK`,
-//! `F_SEAL_GROW`), so a mapping of it can never fault on a truncation.
+//! `F_SEAL_GROW`), so a mapping of it can never fault on a truncation, and
+//! once the load's writable mapping is gone so are writes (`F_SEAL_WRITE`,
+//! [`seal_writes`]): the bytes can then be shared with other processes.
 //! Where enough huge pages are reserved (`HugePages_Free`), the memfd is
 //! hugetlb-backed (`MFD_HUGETLB`): fewer TLB misses on random rows and
 //! pages that are never swapped.
@@ -279,6 +281,32 @@ fn seal(file: &File) -> Result<(), KeptError> {
         });
     }
     Ok(())
+}
+
+/// Seal the memfd against writes too (`F_SEAL_WRITE`): no process, this
+/// one included, can change its rows again, so it can be handed to other
+/// processes (the donor's host socket). The kernel refuses while any
+/// writable shared mapping of it exists: call it with none (after the
+/// load's mapping is gone). Sealing again is harmless.
+pub fn seal_writes(file: &File) -> Result<(), KeptError> {
+    // SAFETY: fcntl on a descriptor we own with integer arguments.
+    let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+    if r < 0 {
+        return Err(KeptError::Io {
+            op: "sealing the memfd against writes",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// True when `file` is a memfd sealed against writes, shrinking and
+/// growing: its bytes can never change or go away under a mapping.
+pub fn is_sealed_read_only(file: &File) -> bool {
+    // SAFETY: fcntl on a descriptor the caller owns.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    let all = SEALS | libc::F_SEAL_WRITE;
+    seals >= 0 && seals & all == all
 }
 
 /// Read and check a kept memfd's record: sealed against resizing, its

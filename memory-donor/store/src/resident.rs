@@ -345,6 +345,12 @@ impl ResidentTable {
         std::sync::Arc::clone(&self.mem)
     }
 
+    /// The mapping's bytes: the rows back to back (row `r` at `r * 264`),
+    /// or for a table served from its file's pages, those pages.
+    pub fn memory_bytes(&self) -> &[u8] {
+        self.mem.as_ref().as_ref()
+    }
+
     /// Resident bytes: the rows, or for a table served from its file's
     /// pages, those pages (3.4% more: the slack).
     pub fn bytes(&self) -> u64 {
@@ -471,7 +477,29 @@ impl ResidentTable {
             }
             None => None,
         };
-        let map = map.make_read_only().map_err(memory)?;
+        let map = match &kept {
+            // The writable mapping goes, the memfd is sealed against
+            // writes, and the rows are mapped again read-only.
+            Some(k) => {
+                let flen = map.len();
+                drop(map);
+                kept::seal_writes(&k.file).map_err(|e| memory(e.into_io()))?;
+                // SAFETY: the memfd is sealed against writes and resizing:
+                // its bytes cannot change or go away under the mapping.
+                let map = unsafe { memmap2::MmapOptions::new().len(flen).map(&k.file) }
+                    .map_err(memory)?;
+                let _ = map.advise(memmap2::Advice::HugePage);
+                if locked {
+                    lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
+                        path: shown.clone(),
+                        bytes,
+                        source,
+                    })?;
+                }
+                map
+            }
+            None => map.make_read_only().map_err(memory)?,
+        };
         let digest = file.meta.digest;
         let table = Self {
             id,
@@ -520,6 +548,15 @@ impl ResidentTable {
                 "it holds layer {} with {} rows, the config says layer {} with {} rows",
                 record.layer, record.rows, expected.layer, expected.rows
             )));
+        }
+        // A copy kept by an older donor may lack the write seal: added now,
+        // before anything maps it (the kernel refuses it beside a writable
+        // mapping, which nothing here has). Without it the table is still
+        // served, but not shared with other processes.
+        if !kept::is_sealed_read_only(&file)
+            && let Err(e) = kept::seal_writes(&file)
+        {
+            tracing::warn!(table = id, error = %e, "the kept copy cannot be sealed against writes: it will not be shared on the host socket");
         }
         let too_big = || KeptError::Bad("larger than the address space".into());
         let flen = usize::try_from(flen).map_err(|_| too_big())?;
@@ -976,12 +1013,22 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, pin, opts) = kept_load(dir.path(), MlockMode::Off);
         let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
-        let f = t.kept().expect("kept").file.try_clone().expect("dup");
+        let loaded = t.kept().expect("kept").file.try_clone().expect("dup");
+        let record = t.kept().expect("kept").record;
         drop(t);
-        let len = f.metadata().expect("stat").len() as usize;
+        // A loaded copy is sealed against writes: not even a writable
+        // mapping of it can be made.
+        assert!(kept::is_sealed_read_only(&loaded));
+        let len = loaded.metadata().expect("stat").len() as usize;
+        // SAFETY: a test's own memfd; the mapping must be refused.
+        assert!(unsafe { memmap2::MmapOptions::new().len(len).map_mut(&loaded) }.is_err());
+        // So the flipped byte goes into a fresh memfd with the same record.
+        let (f, len, _) = kept::create(record.rows, false).expect("memfd");
+        let len = len as usize;
         // Through a mapping: hugetlbfs has no write(2).
         // SAFETY: a test's own memfd, mapped while nothing else uses it.
         let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&f) }.expect("map");
+        kept::finish(&f, &mut map, &record).expect("record");
         map[len - 4096 + 70] ^= 0xff;
         drop(map);
         let e = ResidentTable::adopt(1, f, &pin).expect_err("bad record");
