@@ -93,6 +93,8 @@ pub struct ServeSpec {
     pub table_dirs: Vec<PathBuf>,
     /// The RDMA device of an `rdma://` address.
     pub rdma: Option<cluster_config::RdmaDevice>,
+    /// The host socket (`unix://PATH`), whose clients map the tables.
+    pub host: Option<server::host::HostSpec>,
 }
 
 /// Serve flags that override the config (at start and on every reload).
@@ -219,6 +221,7 @@ impl ServeSpec {
             ram_budget: None,
             table_dirs,
             rdma: None,
+            host: None,
         }
     }
 
@@ -275,6 +278,13 @@ impl ServeSpec {
             ram_budget: Some(d.table_budget_bytes()),
             table_dirs: d.table_dirs.clone(),
             rdma: d.rdma.clone(),
+            host: d.host_socket.clone().map(|path| server::host::HostSpec {
+                path,
+                access: server::host::HostAccess {
+                    uids: d.host_uids.clone(),
+                    gids: d.host_gids.clone(),
+                },
+            }),
         })
     }
 }
@@ -441,10 +451,13 @@ pub fn load_tables(
 }
 
 /// Where a table loaded now lives: its file's pages (`map_files`), or a
-/// copy in memory the fd store can keep.
-pub(crate) fn backing(map_files: bool, store: &FdStore) -> Backing {
+/// copy in memory the fd store can keep; a memfd whenever the donor has a
+/// host socket (`host`), whose clients map it.
+pub(crate) fn backing(map_files: bool, host: bool, store: &FdStore) -> Backing {
     if map_files {
         Backing::Mapped
+    } else if host {
+        Backing::Memfd
     } else {
         store.backing()
     }
@@ -554,7 +567,7 @@ fn load_one(
         pinned: t.pinned,
         trust_digest: spec.trust_digest,
         mlock: lock_mode(spec.mlock),
-        backing: backing(spec.map_files, store),
+        backing: backing(spec.map_files, spec.host.is_some(), store),
         threads: load_threads(spec.load_threads),
         known_file: known.as_ref().map(|(mark, _)| *mark),
     };
@@ -739,6 +752,13 @@ pub async fn serve(
         };
         listeners.push(listener);
     }
+    // The host socket is bound before the ready line, like the others.
+    let host = match &spec.host {
+        Some(h) => Some(server::host::HostListener::bind(h.clone()).map_err(|e| {
+            ServeError::Config(format!("cannot listen on unix://{}: {e}", h.path.display()))
+        })?),
+        None => None,
+    };
     let count = tables.len();
     let shared = Shared::with_stats(spec.server.clone(), tables, Arc::clone(&status.stats));
     if let Some(tls) = status.tls.get() {
@@ -777,13 +797,22 @@ pub async fn serve(
         }
     }
     // Plain `IP:PORT` for TCP (what scripts have always read), URLs for the rest.
-    let shown: Vec<String> = bound
+    let mut shown: Vec<String> = bound
         .iter()
         .map(|e| match e.transport {
             Transport::Tcp => e.addr.to_string(),
             _ => e.to_string(),
         })
         .collect();
+    let host = match host {
+        Some(h) => {
+            shown.push(format!("unix://{}", h.path().display()));
+            Some(h.spawn(Arc::clone(&shared)).map_err(|e| {
+                ServeError::Config(format!("cannot start the host socket's thread: {e}"))
+            })?)
+        }
+        None => None,
+    };
     status.set_phase(Phase::Serving);
     // Tests and scripts wait for this exact line, never for a sleep.
     tracing::info!(donor = %spec.server.name, "ready listen={}{announce}", shown.join(","));
@@ -807,6 +836,10 @@ pub async fn serve(
     let _ = stop_tx.send(());
     if server.await.is_err() {
         tracing::error!("the data plane task failed while draining");
+    }
+    // It sees the drain within its watch interval, and removes its socket.
+    if let Some(h) = host {
+        let _ = tokio::task::spawn_blocking(move || h.join()).await;
     }
     Ok(shared)
 }

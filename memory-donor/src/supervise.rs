@@ -168,6 +168,7 @@ impl Loop {
             budget: self.spec.ram_budget,
             fd_store: Arc::clone(&self.ops.fd_store),
             map_files: self.spec.map_files,
+            host_shared: self.spec.host.is_some(),
             load_threads: self.spec.load_threads,
         }
     }

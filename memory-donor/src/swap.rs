@@ -116,6 +116,8 @@ pub struct SwapContext {
     pub fd_store: Arc<FdStore>,
     /// Serve new versions from their files' pages, not a copy.
     pub map_files: bool,
+    /// The donor has a host socket: new versions go in a memfd its clients map.
+    pub host_shared: bool,
     /// Threads that read, place and hash a table (0: every core).
     pub load_threads: usize,
 }
@@ -457,7 +459,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         pinned: Some(pin),
         trust_digest: cx.trust_digest,
         mlock: crate::serve::lock_mode(cx.mlock),
-        backing: crate::serve::backing(cx.map_files, &cx.fd_store),
+        backing: crate::serve::backing(cx.map_files, cx.host_shared, &cx.fd_store),
         threads: crate::serve::load_threads(cx.load_threads),
         known_file: None,
     };

@@ -13,6 +13,7 @@
 mod conn;
 mod ended;
 mod handler;
+pub mod host;
 mod pump;
 pub mod quic;
 

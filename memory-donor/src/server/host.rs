@@ -1,0 +1,381 @@
+//! The host socket (`unix://PATH`): processes on the donor's own host map
+//! its tables' memory instead of asking for rows. A `SOCK_SEQPACKET` Unix
+//! socket; each client is checked by `SO_PEERCRED` against the allowed
+//! user and group ids, then sent one message per served table, each with a
+//! read-only descriptor of the table's memfd (`SCM_RIGHTS`), sealed against
+//! writes, shrinking and growing, so no process, the donor included, can
+//! change a byte under a mapping or make it fault. A swap or reload sends
+//! the new version's message; a table that stops being served is said to
+//! be gone. The wire format is PROTOCOL.md section 5; the packets are
+//! `cluster_config::daemon::hostsock`'s.
+//!
+//! One thread accepts; each client has a thread that sends what changed,
+//! looking every [`WATCH`], until the client closes or the donor drains.
+//! At most [`MAX_CLIENTS`] clients at once; more are refused.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use cluster_config::daemon::hostsock::{HOST_PROTOCOL, bind, readable, send, seqpacket};
+use engram_store::kept;
+use serde_json::json;
+
+use super::Shared;
+
+/// How often a client's thread looks for changed tables.
+const WATCH: Duration = Duration::from_millis(50);
+/// Host clients at once.
+pub const MAX_CLIENTS: usize = 64;
+
+/// Who may connect: these users and groups (by the peer's credentials);
+/// with both empty, the donor's own user and group.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostAccess {
+    /// Allowed user ids.
+    pub uids: Vec<u32>,
+    /// Allowed group ids (the peer's primary group).
+    pub gids: Vec<u32>,
+}
+
+impl HostAccess {
+    /// Whether a peer of `uid` and `gid` may connect.
+    pub fn allows(&self, uid: u32, gid: u32) -> bool {
+        if self.uids.is_empty() && self.gids.is_empty() {
+            // SAFETY: getuid and getgid cannot fail.
+            let (me, my_group) = unsafe { (libc::getuid(), libc::getgid()) };
+            return uid == me || gid == my_group;
+        }
+        self.uids.contains(&uid) || self.gids.contains(&gid)
+    }
+}
+
+/// What the host socket serves: where, and to whom.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSpec {
+    /// The socket's path.
+    pub path: PathBuf,
+    /// Who may connect.
+    pub access: HostAccess,
+}
+
+/// A bound host socket; the file is removed when it is dropped.
+#[derive(Debug)]
+pub struct HostListener {
+    fd: OwnedFd,
+    spec: HostSpec,
+}
+
+impl HostListener {
+    /// Bind `spec.path` (a stale socket file left by an earlier process is
+    /// replaced; any other file there is an error), readable and writable
+    /// by its owner and group (0660).
+    pub fn bind(spec: HostSpec) -> io::Result<Self> {
+        let path = &spec.path;
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(path)?;
+            }
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} exists and is not a socket", path.display()),
+                ));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let fd = seqpacket()?;
+        bind(&fd, path)?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))?;
+        // SAFETY: listen on our own bound socket.
+        if unsafe { libc::listen(fd.as_raw_fd(), 64) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { fd, spec })
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.spec.path
+    }
+
+    /// Accept and serve clients on a thread of its own until the donor
+    /// drains.
+    pub fn spawn(self, shared: Arc<Shared>) -> io::Result<std::thread::JoinHandle<()>> {
+        std::thread::Builder::new()
+            .name("host-accept".into())
+            .spawn(move || self.accept_loop(&shared))
+    }
+
+    fn accept_loop(&self, shared: &Arc<Shared>) {
+        let open = Arc::new(AtomicUsize::new(0));
+        while !shared.is_draining() {
+            // Wake up now and then to see the drain.
+            if !readable(self.fd.as_raw_fd(), WATCH) {
+                continue;
+            }
+            // SAFETY: accept4 on our listening socket; no address wanted.
+            let c = unsafe {
+                libc::accept4(
+                    self.fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC,
+                )
+            };
+            if c < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted && e.kind() != io::ErrorKind::WouldBlock {
+                    tracing::warn!(error = %e, "host socket: accept failed");
+                    std::thread::sleep(WATCH);
+                }
+                continue;
+            }
+            // SAFETY: accept4 returned a new descriptor only we own.
+            let client = unsafe { OwnedFd::from_raw_fd(c) };
+            self.admit(client, shared, &open);
+        }
+    }
+
+    /// Check a new client's credentials and start its thread, or refuse it.
+    fn admit(&self, client: OwnedFd, shared: &Arc<Shared>, open: &Arc<AtomicUsize>) {
+        let refuse = |client: &OwnedFd, reason: &'static str, why: &str| {
+            shared.stats.refusal("host", reason);
+            if let Some(suppressed) = super::CONN_WARN.allow() {
+                tracing::warn!(socket = %self.spec.path.display(), reason, why, suppressed, "host socket: client refused");
+            }
+            let _ = send(
+                client.as_raw_fd(),
+                &json!({"engram_host": HOST_PROTOCOL, "refused": why}),
+                None,
+            );
+        };
+        let cred = match peer_credentials(client.as_raw_fd()) {
+            Ok(c) => c,
+            Err(e) => {
+                refuse(&client, "no_credentials", &e.to_string());
+                return;
+            }
+        };
+        if !self.spec.access.allows(cred.uid, cred.gid) {
+            let why = format!(
+                "uid {} gid {} (pid {}) is not allowed on this donor's host socket (the donor's host_uids and host_gids)",
+                cred.uid, cred.gid, cred.pid
+            );
+            refuse(&client, "peer_not_allowed", &why);
+            return;
+        }
+        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+            open.fetch_sub(1, Ordering::AcqRel);
+            refuse(
+                &client,
+                "host_busy",
+                &format!("the host socket is at its bound of {MAX_CLIENTS} clients"),
+            );
+            return;
+        }
+        tracing::info!(
+            uid = cred.uid,
+            gid = cred.gid,
+            pid = cred.pid,
+            "host socket: client admitted"
+        );
+        let (shared, open) = (Arc::clone(shared), Arc::clone(open));
+        let spawned = std::thread::Builder::new()
+            .name(format!("host-{}", cred.pid))
+            .spawn(move || {
+                if let Err(e) = serve_client(&client, &shared) {
+                    tracing::debug!(pid = cred.pid, error = %e, "host socket: client ended");
+                }
+                open.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "host socket: cannot start a client thread");
+        }
+    }
+}
+
+impl Drop for HostListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.spec.path);
+    }
+}
+
+/// What a client was last told of one table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Told {
+    table: u32,
+    digest: engram_protocol::TableDigest,
+    generation: Option<u64>,
+}
+
+/// A table's memory as handed to a client.
+#[derive(Debug)]
+struct Shareable {
+    /// A read-only open of the memfd.
+    file: File,
+    bytes: u64,
+    layer: u32,
+    rows: u64,
+}
+
+/// The tables served now, as the client would be told of them, with a
+/// read-only descriptor for each shared one it was not told of yet (a
+/// descriptor opened under the tables' lock: a swap cannot close the
+/// memfd in between).
+fn snapshot(shared: &Shared, told: &[Told]) -> io::Result<Vec<(Told, Option<Shareable>)>> {
+    let tables = shared.tables();
+    let mut out = Vec::with_capacity(tables.len());
+    for t in tables.iter() {
+        let now = Told {
+            table: t.id,
+            digest: t.digest,
+            generation: t.kept().map(|k| k.record.generation),
+        };
+        let copy = match t.kept() {
+            Some(k) if !told.contains(&now) && kept::is_sealed_read_only(&k.file) => {
+                Some(Shareable {
+                    file: reopen_read_only(&k.file)?,
+                    bytes: k.file.metadata()?.len(),
+                    layer: t.layer,
+                    rows: t.rows,
+                })
+            }
+            _ => None,
+        };
+        out.push((now, copy));
+    }
+    Ok(out)
+}
+
+/// Send the client what changed since `told`, until it closes or the
+/// donor drains.
+fn serve_client(client: &OwnedFd, shared: &Shared) -> io::Result<()> {
+    let fd = client.as_raw_fd();
+    send(
+        fd,
+        &json!({"engram_host": HOST_PROTOCOL, "donor": shared.config().name}),
+        None,
+    )?;
+    let mut told: Vec<Told> = Vec::new();
+    let mut synced = false;
+    loop {
+        let now = snapshot(shared, &told)?;
+        for (t, copy) in &now {
+            if told.contains(t) {
+                continue;
+            }
+            let digest = t.digest.to_string();
+            match copy {
+                Some(c) => send(
+                    fd,
+                    &json!({
+                        "table": t.table,
+                        "layer": c.layer,
+                        "rows": c.rows,
+                        "digest": digest,
+                        "generation": t.generation.unwrap_or_default(),
+                        "layout": "packed",
+                        "bytes": c.bytes,
+                    }),
+                    Some(c.file.as_raw_fd()),
+                )?,
+                None => send(
+                    fd,
+                    &json!({
+                        "table": t.table,
+                        "digest": digest,
+                        "unshared": "not in a sealed memfd (map_files, or a copy that could not be sealed): ask the donor over the network",
+                    }),
+                    None,
+                )?,
+            }
+        }
+        for t in &told {
+            if !now.iter().any(|(n, _)| n.table == t.table) {
+                send(fd, &json!({"table": t.table, "gone": true}), None)?;
+            }
+        }
+        told = now.into_iter().map(|(t, _)| t).collect();
+        if !synced {
+            send(fd, &json!({"synced": true}), None)?;
+            synced = true;
+        }
+        if shared.is_draining() {
+            return Ok(());
+        }
+        // The client sends nothing: readable means it closed (or broke
+        // the protocol, which ends it too).
+        if readable(fd, WATCH) {
+            return Ok(());
+        }
+    }
+}
+
+/// A peer's credentials, as the kernel recorded them at connect.
+#[derive(Debug, Clone, Copy)]
+struct Cred {
+    pid: i32,
+    uid: u32,
+    gid: u32,
+}
+
+fn peer_credentials(fd: RawFd) -> io::Result<Cred> {
+    // SAFETY: an all-zero ucred is valid; getsockopt writes at most its size.
+    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: as above, into our own struct.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut c).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Cred {
+        pid: c.pid,
+        uid: c.uid,
+        gid: c.gid,
+    })
+}
+
+/// A new read-only open of the file behind `file` (for a memfd: its
+/// memory), through `/proc/self/fd`: a holder can map it `PROT_READ`
+/// only.
+fn reopen_read_only(file: &File) -> io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_is_by_user_or_group_and_defaults_to_the_donors_own() {
+        // SAFETY: getuid and getgid cannot fail.
+        let (me, group) = unsafe { (libc::getuid(), libc::getgid()) };
+        let default = HostAccess::default();
+        assert!(default.allows(me, 12_345));
+        assert!(default.allows(54_321, group));
+        assert!(!default.allows(me.wrapping_add(1), group.wrapping_add(1)));
+        let listed = HostAccess {
+            uids: vec![1000],
+            gids: vec![2000],
+        };
+        assert!(listed.allows(1000, 1));
+        assert!(listed.allows(1, 2000));
+        assert!(!listed.allows(me.wrapping_add(1_000_000), group.wrapping_add(1_000_000)));
+    }
+}
