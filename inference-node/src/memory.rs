@@ -81,6 +81,9 @@ struct DonorSpec {
     credential: Option<Vec<u8>>,
     /// The donor's RDMA address, when it advertises one and the link allows it.
     rdma: Option<SocketAddr>,
+    /// The donor's host socket, when it has one and it is on this host:
+    /// its tables are mapped, not asked for.
+    host: Option<PathBuf>,
 }
 
 fn pinned_tables(spec: &DonorSpec) -> String {
@@ -346,6 +349,12 @@ async fn build(
             lookup_timeout: node.lookup_timeout,
             credential: credential.clone(),
             rdma,
+            // On this host when its socket is here (a donor elsewhere
+            // names a path this host does not have).
+            host: d.host_socket.clone().filter(|p| {
+                std::fs::symlink_metadata(p)
+                    .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+            }),
         };
         let health = match old.donor(&d.name) {
             Some((s, h)) if *s == spec => h.clone(),
@@ -361,12 +370,41 @@ async fn build(
                 let rdma = spec.rdma.and_then(|addr| {
                     rdma_path(&d.name, addr, &spec, &pinned_tables(&spec), metrics)
                 });
-                let src: Arc<dyn RowSource> = Arc::new(
-                    DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
-                        .with_control(spec.control)
-                        .with_control_tls(spec.control_tls.clone())
-                        .with_rdma(rdma),
-                );
+                let src: Arc<dyn RowSource> = match &spec.host {
+                    Some(path) => {
+                        let pins = spec
+                            .pinned
+                            .iter()
+                            .filter_map(|&(id, _)| {
+                                config.table(id).map(|t| {
+                                    let want = ExpectedTable {
+                                        digest: t.digest,
+                                        layer: t.layer,
+                                        rows: t.rows,
+                                    };
+                                    (id, want)
+                                })
+                            })
+                            .collect();
+                        tracing::info!(donor = %d.name, socket = %path.display(), "the donor is on this host: its tables are mapped from its host socket");
+                        let host =
+                            crate::source::HostSource::new(d.name.clone(), path.clone(), pins)
+                                .map_err(|e| MemoryError::Internal {
+                                    table: spec.pinned.first().map_or(0, |p| p.0),
+                                    message: format!(
+                                        "cannot watch donor {}'s host socket: {e}",
+                                        d.name
+                                    ),
+                                })?;
+                        Arc::new(host)
+                    }
+                    None => Arc::new(
+                        DonorSource::new(d.name.clone(), spec.advertise.clone(), opts)
+                            .with_control(spec.control)
+                            .with_control_tls(spec.control_tls.clone())
+                            .with_rdma(rdma),
+                    ),
+                };
                 let h = Arc::new(SourceHealth::new(
                     src,
                     spec.pinned.clone(),

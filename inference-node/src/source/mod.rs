@@ -10,6 +10,7 @@
 //! better and whether the failure counts against the source's breaker.
 
 mod donor;
+mod host;
 mod local;
 pub mod rdma;
 pub mod ssd;
@@ -24,6 +25,7 @@ use thiserror::Error;
 use tokio::time::Instant;
 
 pub use donor::{ControlTls, DonorSource};
+pub use host::{HostSource, TableView};
 pub use local::LocalRam;
 pub use ssd::SsdSource;
 

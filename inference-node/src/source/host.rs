@@ -1,0 +1,392 @@
+//! A donor on the node's own host, reached at its host socket
+//! (`unix://PATH`): the donor hands over a read-only descriptor of each
+//! table's memory (a memfd sealed against writes, shrinking and growing),
+//! the node maps it (`PROT_READ`, `MAP_SHARED`) and serves a lookup by
+//! gathering the rows from the mapping: no system call and no wake-up per
+//! lookup, and one physical copy for every process on the host.
+//!
+//! - **Pins.** A mapping is installed only when the donor's record of it
+//!   names the pinned version, layer and row count; a donor that moves to
+//!   another version drops it, and lookups then get `VersionMismatch`, as
+//!   from a donor over the network.
+//! - **Swaps.** A new generation arrives as a new descriptor; it replaces
+//!   the old mapping between lookups. A lookup holds the mapping it
+//!   started with (an `Arc`), so the old one is unmapped once no lookup
+//!   uses it, and no row is ever torn.
+//! - **A donor that dies costs nothing.** The mapping outlives the donor
+//!   process. The watcher reconnects (every 100 ms) and counts the gap;
+//!   the same generation (a restart from the fd store) keeps its mapping.
+//!
+//! The wire format is PROTOCOL.md section 5.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use cluster_config::daemon::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
+use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_store::kept;
+use engram_store::resident::{ExpectedTable, ResidentTable};
+use tokio::time::Instant;
+
+use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
+
+/// How often the watcher tries the socket again while the donor is away,
+/// and how often it looks at its stop flag.
+const RETRY: Duration = Duration::from_millis(100);
+
+/// One table as mapped from the donor.
+#[derive(Debug)]
+struct Mapped {
+    table: ResidentTable,
+    generation: u64,
+}
+
+/// What the watcher learned, shared with the lookups.
+#[derive(Debug, Default)]
+struct State {
+    /// The mapping of each table, when it is the pinned version.
+    maps: RwLock<HashMap<u32, Arc<Mapped>>>,
+    /// Tables the donor serves at another version than pinned (and what).
+    other: Mutex<HashMap<u32, String>>,
+    /// Why the socket is not usable now, when it is not.
+    down: Mutex<Option<String>>,
+    /// Whether the donor's first full list arrived since the last connect.
+    synced: AtomicBool,
+    /// Times the donor went away while the node held its mappings.
+    gaps: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// A donor on this host, read through its shared memory.
+#[derive(Debug)]
+pub struct HostSource {
+    name: String,
+    path: PathBuf,
+    state: Arc<State>,
+}
+
+impl HostSource {
+    /// Donor `name`'s host socket at `path`, for the tables (and pinned
+    /// versions) in `pinned`; watched from a thread of its own from now on.
+    pub fn new(
+        name: impl Into<String>,
+        path: PathBuf,
+        pinned: Vec<(u32, ExpectedTable)>,
+    ) -> io::Result<Self> {
+        let name = name.into();
+        let state = Arc::new(State::default());
+        *lock(&state.down) = Some("not connected yet".into());
+        let (st, p, n) = (Arc::clone(&state), path.clone(), name.clone());
+        std::thread::Builder::new()
+            .name(format!("host-{name}"))
+            .spawn(move || watch(&n, &p, &pinned, &st))?;
+        Ok(Self { name, path, state })
+    }
+
+    /// Its socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Times the donor went away while its memory kept being served.
+    pub fn gaps(&self) -> u64 {
+        self.state.gaps.load(Ordering::Relaxed)
+    }
+
+    /// Whether table `table` is mapped now, at its pinned version.
+    pub fn is_mapped(&self, table: u32) -> bool {
+        read(&self.state.maps).contains_key(&table)
+    }
+
+    /// The generation of table `table`'s mapping, if mapped.
+    pub fn generation(&self, table: u32) -> Option<u64> {
+        read(&self.state.maps).get(&table).map(|m| m.generation)
+    }
+
+    /// Table `table`'s memory as mapped: the rows back to back, 264 bytes
+    /// each, valid while the returned handle lives.
+    pub fn view(&self, table: u32) -> Option<TableView> {
+        read(&self.state.maps)
+            .get(&table)
+            .map(|m| TableView(Arc::clone(m)))
+    }
+
+    /// Copy rows out of the mapping; no await point.
+    pub fn read(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
+        if out.len() != rows.len() * ROW_BYTES {
+            return Err(SourceError::BadRequest("output buffer size".into()));
+        }
+        let Some(m) = read(&self.state.maps).get(&table).cloned() else {
+            return Err(self.why_not(table));
+        };
+        let t = &m.table;
+        for &r in rows {
+            t.prefetch(r);
+        }
+        for (&r, dst) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
+            let row = t.row(r).ok_or_else(|| {
+                SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
+            })?;
+            dst.copy_from_slice(row);
+        }
+        Ok(())
+    }
+
+    fn why_not(&self, table: u32) -> SourceError {
+        if let Some(what) = lock(&self.state.other).get(&table) {
+            return SourceError::VersionMismatch {
+                table,
+                detail: what.clone(),
+            };
+        }
+        let down = lock(&self.state.down).clone();
+        SourceError::Unavailable(format!(
+            "table {table} is not mapped from {}'s host socket {}{}",
+            self.name,
+            self.path.display(),
+            down.map(|d| format!(": {d}")).unwrap_or_default()
+        ))
+    }
+}
+
+impl Drop for HostSource {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A table's mapped memory, held open.
+#[derive(Debug, Clone)]
+pub struct TableView(Arc<Mapped>);
+
+impl TableView {
+    /// The rows back to back (row `r` at `r * 264`).
+    pub fn bytes(&self) -> &[u8] {
+        self.0.table.memory_bytes()
+    }
+
+    /// Its version.
+    pub fn digest(&self) -> TableDigest {
+        self.0.table.digest
+    }
+
+    /// Its rows.
+    pub fn rows(&self) -> u64 {
+        self.0.table.rows
+    }
+}
+
+impl RowSource for HostSource {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> SourceKind {
+        SourceKind::Donor
+    }
+
+    fn fetch<'a>(
+        &'a self,
+        table: u32,
+        rows: &'a [u64],
+        mut buf: Vec<u8>,
+        _deadline: Instant,
+    ) -> FetchFuture<'a> {
+        Box::pin(async move {
+            let res = self.read(table, rows, &mut buf);
+            (res, buf)
+        })
+    }
+
+    fn fetch_job(self: Arc<Self>, mut job: FetchJob, slot: &mut FetchSlot) {
+        // Gather now: the future only hands the outcome over.
+        let res = self.read(job.table, &job.rows, &mut job.buf);
+        slot.set(std::future::ready((res, job)));
+    }
+
+    fn probe(&self) -> ProbeFuture<'_> {
+        Box::pin(async move {
+            let maps = read(&self.state.maps);
+            let mut tables: Vec<(u32, TableDigest)> =
+                maps.iter().map(|(id, m)| (*id, m.table.digest)).collect();
+            drop(maps);
+            // Another version, as a donor over the network would say it.
+            for (id, what) in lock(&self.state.other).iter() {
+                if let Ok(d) = what.rsplit(' ').next().unwrap_or_default().parse() {
+                    tables.push((*id, d));
+                }
+            }
+            if tables.is_empty() {
+                let down = lock(&self.state.down).clone().unwrap_or_default();
+                return Err(SourceError::Unavailable(format!(
+                    "nothing mapped from {} yet: {down}",
+                    self.path.display()
+                )));
+            }
+            Ok(tables)
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Connect, take in what the donor sends, and connect again when it goes
+/// away, until the source is dropped.
+fn watch(name: &str, path: &Path, pinned: &[(u32, ExpectedTable)], st: &State) {
+    let mut was_up = false;
+    while !st.stop.load(Ordering::Relaxed) {
+        let ended = match connect(path) {
+            Ok(sock) => {
+                if was_up {
+                    tracing::info!(donor = name, "host socket: the donor is back");
+                }
+                session(name, &sock, pinned, st)
+            }
+            Err(e) => Err(format!("cannot connect to {}: {e}", path.display())),
+        };
+        if let Err(why) = ended {
+            let mapped = !read(&st.maps).is_empty();
+            let was_synced = st.synced.swap(false, Ordering::Relaxed);
+            if was_synced && mapped {
+                st.gaps.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(donor = name, why = %why, "host socket: the donor went away; its memory keeps being served from the mappings");
+            } else if was_synced {
+                tracing::warn!(donor = name, why = %why, "host socket lost");
+            }
+            was_up |= was_synced;
+            *lock(&st.down) = Some(why);
+        }
+        std::thread::sleep(RETRY);
+    }
+}
+
+/// One connection's messages, until it ends (always an `Err`: why).
+fn session(
+    name: &str,
+    sock: &OwnedFd,
+    pinned: &[(u32, ExpectedTable)],
+    st: &State,
+) -> Result<(), String> {
+    let mut buf = vec![0u8; MAX_MESSAGE + 1];
+    let mut welcomed = false;
+    while !st.stop.load(Ordering::Relaxed) {
+        if !readable(sock.as_raw_fd(), RETRY) {
+            continue;
+        }
+        let (n, fd) = recv(sock.as_raw_fd(), &mut buf).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the donor closed the host socket".into());
+        }
+        if n > MAX_MESSAGE {
+            return Err(format!("a message over {MAX_MESSAGE} bytes"));
+        }
+        let msg: serde_json::Value =
+            serde_json::from_slice(&buf[..n]).map_err(|e| format!("an unreadable message: {e}"))?;
+        let field = |k: &str| msg.get(k);
+        if let Some(why) = field("refused").and_then(|v| v.as_str()) {
+            return Err(format!("refused by donor {name}: {why}"));
+        }
+        if let Some(v) = field("engram_host") {
+            if v.as_u64() != Some(u64::from(HOST_PROTOCOL)) {
+                return Err(format!(
+                    "host protocol {v}, this node speaks {HOST_PROTOCOL}"
+                ));
+            }
+            welcomed = true;
+            *lock(&st.down) = None;
+            continue;
+        }
+        if !welcomed {
+            return Err("no welcome from the donor".into());
+        }
+        if field("synced").is_some() {
+            st.synced.store(true, Ordering::Relaxed);
+            continue;
+        }
+        let table = field("table")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|t| u32::try_from(t).ok())
+            .ok_or("a message without a table")?;
+        let Some((_, want)) = pinned.iter().find(|(id, _)| *id == table) else {
+            continue; // Not routed here.
+        };
+        if field("gone").is_some() {
+            remove(st, table);
+            lock(&st.other).remove(&table);
+            continue;
+        }
+        let digest = field("digest").and_then(|v| v.as_str()).unwrap_or_default();
+        if digest != want.digest.to_string() {
+            remove(st, table);
+            lock(&st.other).insert(
+                table,
+                format!("the donor's host socket serves digest {digest}"),
+            );
+            continue;
+        }
+        lock(&st.other).remove(&table);
+        if let Some(why) = field("unshared").and_then(|v| v.as_str()) {
+            remove(st, table);
+            tracing::warn!(donor = name, table, why, "host socket: table not shared");
+            continue;
+        }
+        let generation = field("generation")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or_default();
+        let Some(file) = fd else {
+            return Err(format!("table {table}'s message carries no descriptor"));
+        };
+        if read(&st.maps)
+            .get(&table)
+            .is_some_and(|m| m.generation == generation)
+        {
+            continue; // The same memory (a donor restarted from its fd store).
+        }
+        match map_table(table, file, want) {
+            Ok(t) => {
+                tracing::info!(donor = name, table, generation, "host socket: table mapped");
+                st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
+                    table,
+                    Arc::new(Mapped {
+                        table: t,
+                        generation,
+                    }),
+                );
+            }
+            Err(e) => {
+                remove(st, table);
+                tracing::warn!(donor = name, table, error = %e, "host socket: table refused");
+            }
+        }
+    }
+    Err("stopped".into())
+}
+
+fn remove(st: &State, table: u32) {
+    // The mapping goes when the last lookup holding it ends.
+    st.maps
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&table);
+}
+
+/// Map a table's descriptor: only a memfd sealed against writes, shrinking
+/// and growing, whose record names the pinned version.
+fn map_table(table: u32, file: File, want: &ExpectedTable) -> Result<ResidentTable, String> {
+    if !kept::is_sealed_read_only(&file) {
+        return Err("its memory is not sealed against writes and resizing".into());
+    }
+    ResidentTable::adopt(table, file, want).map_err(|e| e.to_string())
+}
