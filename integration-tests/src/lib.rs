@@ -240,7 +240,12 @@ impl Process {
         };
         // `IP:PORT` for TCP, `tls://IP:PORT` and `quic://IP:PORT` for the rest.
         let mut endpoints = Vec::new();
+        let mut host_socket = None;
         for a in addrs.split(',') {
+            if let Some(path) = a.strip_prefix("unix://") {
+                host_socket = Some(PathBuf::from(path));
+                continue;
+            }
             let (transport, addr) = match a.split_once("://") {
                 Some((t, rest)) => (
                     cluster_config::Transport::parse(t)
@@ -257,6 +262,7 @@ impl Process {
             addr: addrs[0],
             addrs,
             endpoints,
+            host_socket,
             process: self,
         })
     }
@@ -360,6 +366,8 @@ pub struct DonorProcess {
     pub addrs: Vec<SocketAddr>,
     /// Every address it listens on, with its transport.
     pub endpoints: Vec<cluster_config::Endpoint>,
+    /// Its host socket (`unix://PATH` in the ready line), if it has one.
+    pub host_socket: Option<PathBuf>,
 }
 
 impl DonorProcess {

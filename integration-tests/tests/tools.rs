@@ -255,6 +255,50 @@ fn a_python_client_written_from_protocol_md_fetches_rows() {
     }
 }
 
+/// A host-socket client written from PROTOCOL.md section 5 alone (Python,
+/// standard library and `xxhash`) maps a donor's table and reads its rows.
+#[test]
+fn python_host_client_from_protocol_md_reads_mapped_rows() {
+    if !python_has("xxhash") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = gen_table(dir.path(), "t.etab", 1, 3000, 4).expect("gen");
+    let socket = dir.path().join("d.sock");
+    let config = dir.path().join("rack.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "version = 1\n[rack]\nname = \"t\"\n\
+             [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = 3000\ndigest = \"{digest}\"\n\
+             [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\", \"unix://{}\"]\ntables = [1]\nram_gib = 1.0\n",
+            path.display(),
+            socket.display()
+        ),
+    )
+    .expect("config");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/engram_host_client.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(&socket)
+        .args(["1", &digest.to_hex(), "0,17,2999"])
+        .output()
+        .expect("python");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    for (line, id) in lines.iter().zip([0u64, 17, 2999]) {
+        let mut want = [0u8; ROW_BYTES];
+        engram_protocol::synthetic::synthetic_row(4, 1, id, &mut want);
+        let hex: String = want.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(*line, format!("{id} {hex}"));
+    }
+    assert!(lines[3].starts_with("generation "), "{stdout}");
+}
+
 /// Python's `safetensors` opens a table file and sees the same rows, and
 /// its page checksums are XXH3-64 of each page.
 #[test]

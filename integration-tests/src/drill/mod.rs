@@ -553,6 +553,7 @@ impl Rack {
             addr: d.addrs.listen,
             addrs: endpoints.iter().map(|e| e.addr).collect(),
             endpoints,
+            host_socket: None,
             process: p,
         });
         Ok(())
