@@ -182,6 +182,12 @@ impl TableView {
     }
 }
 
+impl super::Gather for HostSource {
+    fn gather(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
+        self.read(table, rows, out)
+    }
+}
+
 impl RowSource for HostSource {
     fn name(&self) -> &str {
         &self.name
@@ -195,19 +201,14 @@ impl RowSource for HostSource {
         &'a self,
         table: u32,
         rows: &'a [u64],
-        mut buf: Vec<u8>,
+        buf: Vec<u8>,
         _deadline: Instant,
     ) -> FetchFuture<'a> {
-        Box::pin(async move {
-            let res = self.read(table, rows, &mut buf);
-            (res, buf)
-        })
+        super::gather_fetch(self, table, rows, buf)
     }
 
-    fn fetch_job(self: Arc<Self>, mut job: FetchJob, slot: &mut FetchSlot) {
-        // Gather now: the future only hands the outcome over.
-        let res = self.read(job.table, &job.rows, &mut job.buf);
-        slot.set(std::future::ready((res, job)));
+    fn fetch_job(self: Arc<Self>, job: FetchJob, slot: &mut FetchSlot) {
+        super::gather_job(&*self, job, slot);
     }
 
     fn probe(&self) -> ProbeFuture<'_> {

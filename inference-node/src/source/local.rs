@@ -58,6 +58,12 @@ impl LocalRam {
     }
 }
 
+impl super::Gather for LocalRam {
+    fn gather(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
+        self.read(table, rows, out)
+    }
+}
+
 impl RowSource for LocalRam {
     fn name(&self) -> &str {
         "local"
@@ -71,19 +77,14 @@ impl RowSource for LocalRam {
         &'a self,
         table: u32,
         rows: &'a [u64],
-        mut buf: Vec<u8>,
+        buf: Vec<u8>,
         _deadline: Instant,
     ) -> FetchFuture<'a> {
-        Box::pin(async move {
-            let res = self.read(table, rows, &mut buf);
-            (res, buf)
-        })
+        super::gather_fetch(self, table, rows, buf)
     }
 
-    fn fetch_job(self: Arc<Self>, mut job: FetchJob, slot: &mut FetchSlot) {
-        // Read now: the future only hands the outcome over.
-        let res = self.read(job.table, &job.rows, &mut job.buf);
-        slot.set(std::future::ready((res, job)));
+    fn fetch_job(self: Arc<Self>, job: FetchJob, slot: &mut FetchSlot) {
+        super::gather_job(&*self, job, slot);
     }
 
     fn probe(&self) -> ProbeFuture<'_> {

@@ -178,6 +178,33 @@ pub fn clear_slot(slot: &mut FetchSlot) {
 pub type ProbeFuture<'a> =
     Pin<Box<dyn Future<Output = Result<Vec<(u32, TableDigest)>, SourceError>> + Send + 'a>>;
 
+/// A source that copies rows out of memory it holds (the node's own RAM,
+/// a donor's mapped memory): no await point, so its fetch runs inline.
+pub(crate) trait Gather: Send + Sync + 'static {
+    /// Copy `rows` of `table` into `out` (264 bytes each).
+    fn gather(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError>;
+}
+
+/// [`RowSource::fetch`] of a [`Gather`] source.
+pub(crate) fn gather_fetch<'a, G: Gather>(
+    src: &'a G,
+    table: u32,
+    rows: &'a [u64],
+    mut buf: Vec<u8>,
+) -> FetchFuture<'a> {
+    Box::pin(async move {
+        let res = src.gather(table, rows, &mut buf);
+        (res, buf)
+    })
+}
+
+/// [`RowSource::fetch_job`] of a [`Gather`] source: gathered now, the
+/// future only hands the outcome over.
+pub(crate) fn gather_job<G: Gather>(src: &G, mut job: FetchJob, slot: &mut FetchSlot) {
+    let res = src.gather(job.table, &job.rows, &mut job.buf);
+    slot.set(std::future::ready((res, job)));
+}
+
 /// A place rows can come from.
 pub trait RowSource: Send + Sync + fmt::Debug + 'static {
     /// Its name in logs and metrics (a donor's name, `ssd`, `local`).
