@@ -147,6 +147,14 @@ fn the_node_maps_the_donors_tables_and_the_donor_answers_no_lookup() {
     // Every row came from the mapping: the donor answered no lookup.
     let m = rack.metrics();
     assert_eq!(sample(&m, "engram_donor_lookups_total"), Some(0.0), "{m}");
+    // SIGTERM ends it promptly, host clients and all, and its socket goes.
+    let mut donor = donor;
+    donor.signal(libc::SIGTERM);
+    let st = donor
+        .wait(Duration::from_secs(15))
+        .expect("the donor exits");
+    assert!(st.success(), "{st:?}");
+    assert!(!rack.socket.exists(), "the socket file is removed");
 }
 
 #[test]

@@ -31,6 +31,8 @@ use super::Shared;
 const WATCH: Duration = Duration::from_millis(50);
 /// Host clients at once.
 pub const MAX_CLIENTS: usize = 64;
+/// The longest a send to a client may wait (a client that stops reading).
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Who may connect: these users and groups (by the peer's credentials);
 /// with both empty, the donor's own user and group.
@@ -96,6 +98,13 @@ impl HostListener {
         if unsafe { libc::listen(fd.as_raw_fd(), 64) } < 0 {
             return Err(io::Error::last_os_error());
         }
+        // Non-blocking: a client that connects and goes before the accept
+        // must not leave the thread waiting for the next one (it watches
+        // for the drain between polls).
+        // SAFETY: fcntl on our own descriptor with integer arguments.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
         Ok(Self { fd, spec })
     }
 
@@ -138,6 +147,22 @@ impl HostListener {
             }
             // SAFETY: accept4 returned a new descriptor only we own.
             let client = unsafe { OwnedFd::from_raw_fd(c) };
+            // A client that stops reading ends its own thread, not the
+            // donor's: sends wait at most this long.
+            let limit = libc::timeval {
+                tv_sec: SEND_TIMEOUT.as_secs() as libc::time_t,
+                tv_usec: 0,
+            };
+            // SAFETY: setsockopt on our own socket with a timeval we own.
+            unsafe {
+                libc::setsockopt(
+                    client.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_SNDTIMEO,
+                    (&raw const limit).cast(),
+                    size_of::<libc::timeval>() as libc::socklen_t,
+                );
+            }
             self.admit(client, shared, &open);
         }
     }
