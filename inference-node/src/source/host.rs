@@ -330,16 +330,18 @@ fn session(
         }
         let digest = field("digest").and_then(|v| v.as_str()).unwrap_or_default();
         if digest != want.digest.to_string() {
-            remove(st, table);
+            // Said before the mapping goes, so that a lookup that finds no
+            // mapping finds why: another version, never "unavailable".
             lock(&st.other).insert(
                 table,
                 format!("the donor's host socket serves digest {digest}"),
             );
+            remove(st, table);
             continue;
         }
-        lock(&st.other).remove(&table);
         if let Some(why) = field("unshared").and_then(|v| v.as_str()) {
             remove(st, table);
+            lock(&st.other).remove(&table);
             tracing::warn!(donor = name, table, why, "host socket: table not shared");
             continue;
         }
@@ -353,6 +355,7 @@ fn session(
             .get(&table)
             .is_some_and(|m| m.generation == generation)
         {
+            lock(&st.other).remove(&table);
             continue; // The same memory (a donor restarted from its fd store).
         }
         match map_table(table, file, want) {
@@ -365,9 +368,13 @@ fn session(
                         generation,
                     }),
                 );
+                // Only once the pinned version is mapped: a lookup in
+                // between still hears of the other one.
+                lock(&st.other).remove(&table);
             }
             Err(e) => {
                 remove(st, table);
+                lock(&st.other).remove(&table);
                 tracing::warn!(donor = name, table, error = %e, "host socket: table refused");
             }
         }
