@@ -52,8 +52,9 @@ struct Mapped {
 struct State {
     /// The mapping of each table, when it is the pinned version.
     maps: RwLock<HashMap<u32, Arc<Mapped>>>,
-    /// Tables the donor serves at another version than pinned (and what).
-    other: Mutex<HashMap<u32, String>>,
+    /// Tables the donor serves at another version than pinned (which,
+    /// when it named a readable digest).
+    other: Mutex<HashMap<u32, Option<TableDigest>>>,
     /// Why the socket is not usable now, when it is not.
     down: Mutex<Option<String>>,
     /// Whether the donor's first full list arrived since the last connect.
@@ -139,11 +140,12 @@ impl HostSource {
     }
 
     fn why_not(&self, table: u32) -> SourceError {
-        if let Some(what) = lock(&self.state.other).get(&table) {
-            return SourceError::VersionMismatch {
-                table,
-                detail: what.clone(),
+        if let Some(d) = lock(&self.state.other).get(&table) {
+            let detail = match d {
+                Some(d) => format!("the donor's host socket serves digest {d}"),
+                None => "the donor's host socket serves another version".into(),
             };
+            return SourceError::VersionMismatch { table, detail };
         }
         let down = lock(&self.state.down).clone();
         SourceError::Unavailable(format!(
@@ -218,9 +220,9 @@ impl RowSource for HostSource {
                 maps.iter().map(|(id, m)| (*id, m.table.digest)).collect();
             drop(maps);
             // Another version, as a donor over the network would say it.
-            for (id, what) in lock(&self.state.other).iter() {
-                if let Ok(d) = what.rsplit(' ').next().unwrap_or_default().parse() {
-                    tables.push((*id, d));
+            for (id, d) in lock(&self.state.other).iter() {
+                if let Some(d) = d {
+                    tables.push((*id, *d));
                 }
             }
             if tables.is_empty() {
@@ -332,10 +334,7 @@ fn session(
         if digest != want.digest.to_string() {
             // Said before the mapping goes, so that a lookup that finds no
             // mapping finds why: another version, never "unavailable".
-            lock(&st.other).insert(
-                table,
-                format!("the donor's host socket serves digest {digest}"),
-            );
+            lock(&st.other).insert(table, digest.parse().ok());
             remove(st, table);
             continue;
         }
