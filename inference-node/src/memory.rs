@@ -269,6 +269,18 @@ impl Memory {
     pub fn routers(&self) -> &[Arc<Router>] {
         &self.routers
     }
+
+    /// Table `table`'s memory as this process maps it, at its pinned
+    /// version: a host-local donor's (one copy for the host) before the
+    /// node's own `local` copy; `None` when neither holds it now (it is
+    /// routed only to donors over the network or the SSD, or the host
+    /// socket has not handed it over yet).
+    pub fn table_view(&self, table: u32) -> Option<crate::source::TableView> {
+        let sources = self.router(table)?.sources();
+        let views = sources.iter().filter_map(|h| h.source.view(table));
+        let (shared, own): (Vec<_>, Vec<_>) = views.partition(crate::source::TableView::shared);
+        shared.into_iter().chain(own).next()
+    }
 }
 
 fn find_node<'a>(config: &'a Config, name: &str) -> Result<&'a Node, MemoryError> {

@@ -161,6 +161,37 @@ fn the_c_example_runs_against_a_real_donor() {
     assert!(text.lines().all(|l| l.contains(": from d in ")), "{text}");
 }
 
+#[test]
+fn the_c_library_views_a_host_local_donors_tables_and_its_own_copy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = rack(dir.path());
+    // Donor d also listens on a host socket: node only-donor maps its tables.
+    let sock = dir.path().join("d.sock");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let (head, tail) = text
+        .split_once("[[donor]]\nname = \"d\"\nlisten = [")
+        .expect("donor d");
+    let text = format!(
+        "{head}[[donor]]\nname = \"d\"\nlisten = [\"unix://{}\", {tail}",
+        s(&sock)
+    );
+    std::fs::write(&config, text).expect("write config");
+    let prog = compile(
+        "inference-node/capi/tests/c/engram_test.c",
+        &dir.path().join("engram_test"),
+    );
+    let (l1, l14) = (
+        s(&dir.path().join("l1.etab")),
+        s(&dir.path().join("l14.etab")),
+    );
+    let c = s(&config);
+    let _donor = start_donor(&config);
+    let shared = c_test(&prog, &["view", &c, "only-donor", &l1, &l14, "1"]);
+    assert_eq!(shared.matches("shared 1, packed 1").count(), 2, "{shared}");
+    let own = c_test(&prog, &["view", &c, "ref", &l1, &l14, "0"]);
+    assert_eq!(own.matches("shared 0").count(), 2, "{own}");
+}
+
 /// The package's pytest suite, against the extension module built in this
 /// profile (or, with ENGRAM_PYTHON_WHEEL=1, the wheel pip installed).
 #[test]

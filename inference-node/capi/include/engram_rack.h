@@ -60,6 +60,10 @@ typedef struct engram_memory engram_memory;
 // Both layers' rows of one prefetch, on their way. Opaque.
 typedef struct engram_ticket engram_ticket;
 
+// A table's memory as this process maps it, held open. Opaque; its
+// fields are read with `engram_view_info`.
+typedef struct engram_view engram_view;
+
 // One sequence's part of a batch: `len` positions, after `context`, the
 // raw ids of the three tokens before them in their sequence, oldest first
 // (`ENGRAM_NO_TOKEN` where the sequence has none: only leading slots; -1
@@ -95,6 +99,28 @@ typedef struct {
   // From the prefetch to the last row's arrival, in nanoseconds.
   uint64_t elapsed_ns;
 } engram_served;
+
+// What `engram_view_info` says of a view. `data[0..len)` is
+// read-only memory, valid until the view is freed. When `packed` is 1
+// (always for a host-local donor's memory), row r starts at `r * 264`;
+// when 0 (a `local` copy served from its file's pages), 15 rows share
+// each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
+typedef struct {
+  const uint8_t *data;
+  size_t len;
+  uint64_t rows;
+  uint32_t table;
+  uint32_t layer;
+  // The donor's generation of this memory; 0 for the node's own copy.
+  uint64_t generation;
+  // The table's version (its BLAKE3 digest).
+  uint8_t digest[32];
+  // 1 when every process on the host maps this same memory (a
+  // host-local donor's); 0 for this process's own copy.
+  uint8_t shared;
+  // 1 when rows are back to back; 0 for 15 rows per 4 KiB page.
+  uint8_t packed;
+} engram_table_info;
 
 // One layer's counters since the memory opened.
 typedef struct {
@@ -223,6 +249,37 @@ engram_status engram_wait(const engram_ticket *t,
 // # Safety
 // `t` is NULL or a ticket not yet freed.
 int32_t engram_ready(const engram_ticket *t, uint32_t layer);
+
+// Layer `layer`'s whole table as this process maps it: a host-local
+// donor's memory, which every process on the host maps (one physical
+// copy), or else the node's own `local` copy. Waits up to `wait_ms` for
+// the donor's host socket to hand it over. On success `*out` owns a new
+// view (free it with `engram_view_free`); `ENGRAM_NO_SOURCE` when
+// no such memory holds the table. A swap on the donor leaves a view as
+// it was; a fresh call gives the new version.
+//
+// # Safety
+// `mem` as for `engram_close`; `out` points to writable storage for one
+// pointer.
+engram_status engram_table_view(const engram_memory *mem,
+                                uint32_t layer,
+                                uint64_t wait_ms,
+                                engram_view **out);
+
+// What `view` maps, into `*info`.
+//
+// # Safety
+// `view` is NULL or a view not yet freed; `info` points to writable
+// storage for one `engram_table_info`.
+engram_status engram_view_info(const engram_view *view, engram_table_info *info);
+
+// Free a view: the memory stays mapped while another view (or the
+// node's own use) holds it. NULL is a no-op.
+//
+// # Safety
+// `view` is NULL or a view not yet freed; no other thread uses it during
+// or after this call.
+void engram_view_free(engram_view *view);
 
 // Free a ticket (its fetches, if still running, end on their own). NULL
 // is a no-op.

@@ -88,6 +88,37 @@ pub struct engram_ticket {
     inner: Ticket,
 }
 
+/// A table's memory as this process maps it, held open. Opaque; its
+/// fields are read with `engram_view_info`.
+#[derive(Debug)]
+pub struct engram_view {
+    inner: embed::TableView,
+}
+
+/// What `engram_view_info` says of a view. `data[0..len)` is
+/// read-only memory, valid until the view is freed. When `packed` is 1
+/// (always for a host-local donor's memory), row r starts at `r * 264`;
+/// when 0 (a `local` copy served from its file's pages), 15 rows share
+/// each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct engram_table_info {
+    pub data: *const u8,
+    pub len: usize,
+    pub rows: u64,
+    pub table: u32,
+    pub layer: u32,
+    /// The donor's generation of this memory; 0 for the node's own copy.
+    pub generation: u64,
+    /// The table's version (its BLAKE3 digest).
+    pub digest: [u8; 32],
+    /// 1 when every process on the host maps this same memory (a
+    /// host-local donor's); 0 for this process's own copy.
+    pub shared: u8,
+    /// 1 when rows are back to back; 0 for 15 rows per 4 KiB page.
+    pub packed: u8,
+}
+
 /// One sequence's part of a batch: `len` positions, after `context`, the
 /// raw ids of the three tokens before them in their sequence, oldest first
 /// (`ENGRAM_NO_TOKEN` where the sequence has none: only leading slots; -1
@@ -591,6 +622,94 @@ pub unsafe extern "C" fn engram_ready(t: *const engram_ticket, layer: u32) -> i3
             fail(e);
             -1
         }
+    }
+}
+
+/// Layer `layer`'s whole table as this process maps it: a host-local
+/// donor's memory, which every process on the host maps (one physical
+/// copy), or else the node's own `local` copy. Waits up to `wait_ms` for
+/// the donor's host socket to hand it over. On success `*out` owns a new
+/// view (free it with `engram_view_free`); `ENGRAM_NO_SOURCE` when
+/// no such memory holds the table. A swap on the donor leaves a view as
+/// it was; a fresh call gives the new version.
+///
+/// # Safety
+/// `mem` as for `engram_close`; `out` points to writable storage for one
+/// pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engram_table_view(
+    mem: *const engram_memory,
+    layer: u32,
+    wait_ms: u64,
+    out: *mut *mut engram_view,
+) -> engram_status {
+    guard(|| {
+        // SAFETY: the caller's promise.
+        let Some(m) = (unsafe { mem.as_ref() }) else {
+            return bad("mem is NULL");
+        };
+        if out.is_null() {
+            return bad("out is NULL");
+        }
+        match m.inner.table_view(layer, Duration::from_millis(wait_ms)) {
+            Ok(v) => {
+                // SAFETY: `out` is writable (the caller's promise).
+                unsafe { *out = Box::into_raw(Box::new(engram_view { inner: v })) };
+                ENGRAM_OK
+            }
+            Err(e) => fail(e),
+        }
+    })
+}
+
+/// What `view` maps, into `*info`.
+///
+/// # Safety
+/// `view` is NULL or a view not yet freed; `info` points to writable
+/// storage for one `engram_table_info`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engram_view_info(
+    view: *const engram_view,
+    info: *mut engram_table_info,
+) -> engram_status {
+    guard(|| {
+        // SAFETY: the caller's promise.
+        let Some(v) = (unsafe { view.as_ref() }) else {
+            return bad("view is NULL");
+        };
+        if info.is_null() {
+            return bad("info is NULL");
+        }
+        let v = &v.inner;
+        let bytes = v.bytes();
+        let i = engram_table_info {
+            data: bytes.as_ptr(),
+            len: bytes.len(),
+            rows: v.rows(),
+            table: v.table(),
+            layer: v.layer(),
+            generation: v.generation().unwrap_or(0),
+            digest: v.digest().0,
+            shared: u8::from(v.shared()),
+            packed: u8::from(v.packed()),
+        };
+        // SAFETY: `info` is writable (the caller's promise).
+        unsafe { info.write(i) };
+        ENGRAM_OK
+    })
+}
+
+/// Free a view: the memory stays mapped while another view (or the
+/// node's own use) holds it. NULL is a no-op.
+///
+/// # Safety
+/// `view` is NULL or a view not yet freed; no other thread uses it during
+/// or after this call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engram_view_free(view: *mut engram_view) {
+    if !view.is_null() {
+        // SAFETY: made by Box::into_raw in engram_table_view, freed once.
+        drop(unsafe { Box::from_raw(view) });
     }
 }
 

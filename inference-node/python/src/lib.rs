@@ -310,12 +310,136 @@ impl Memory {
         self.inner.is_closed()
     }
 
+    /// Layer `layer`'s table as this process maps it (a host-local
+    /// donor's memory, or the node's own copy): a read-only buffer. Waits
+    /// up to `wait` seconds for a host socket to hand it over.
+    #[pyo3(signature = (layer, wait=5.0))]
+    fn table_view(&self, py: Python<'_>, layer: u32, wait: f64) -> PyResult<TableView> {
+        let w = timeout(Some(wait))?.unwrap_or_default();
+        let inner = py.detach(|| self.inner.table_view(layer, w)).map_err(err)?;
+        Ok(TableView { inner })
+    }
+
     /// Let fetches in flight end (at most `drain` seconds), then stop.
     #[pyo3(signature = (drain=2.0))]
     fn close(&self, py: Python<'_>, drain: f64) -> PyResult<()> {
         let d = timeout(Some(drain))?.unwrap_or_default();
         py.detach(|| self.inner.close(d));
         Ok(())
+    }
+}
+
+/// A table's mapped memory (see `engram_rack.Memory.table_view`): a
+/// read-only buffer that holds the memory while any view of it lives.
+#[pyclass(name = "TableView", module = "engram_rack._native", frozen)]
+struct TableView {
+    inner: embed::TableView,
+}
+
+#[pymethods]
+impl TableView {
+    /// Its table id.
+    #[getter]
+    fn table(&self) -> u32 {
+        self.inner.table()
+    }
+
+    /// Its model layer.
+    #[getter]
+    fn layer(&self) -> u32 {
+        self.inner.layer()
+    }
+
+    /// Its version (hex digest).
+    #[getter]
+    fn digest(&self) -> String {
+        self.inner.digest().to_string()
+    }
+
+    /// Its rows.
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+
+    /// Its bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.bytes().len()
+    }
+
+    /// The donor's generation of this memory (None for the node's own copy).
+    #[getter]
+    fn generation(&self) -> Option<u64> {
+        self.inner.generation()
+    }
+
+    /// Whether every process on the host maps this same memory.
+    #[getter]
+    fn shared(&self) -> bool {
+        self.inner.shared()
+    }
+
+    /// True when rows are back to back; false for 15 rows per 4 KiB page.
+    #[getter]
+    fn packed(&self) -> bool {
+        self.inner.packed()
+    }
+
+    /// Where row `row` starts in the buffer.
+    fn offset(&self, row: u64) -> PyResult<usize> {
+        self.inner.offset(row).ok_or_else(|| {
+            bad(format!(
+                "row {row} is out of range ({} rows)",
+                self.inner.rows()
+            ))
+        })
+    }
+
+    /// The buffer protocol: read-only, one dimension of bytes.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let bytes = slf.get().inner.bytes();
+        let len = pyo3::ffi::Py_ssize_t::try_from(bytes.len())
+            .map_err(|_| bad("the table is larger than a Python buffer can be".into()))?;
+        // SAFETY: `view` is the caller's to fill; the bytes stay mapped
+        // while `slf` lives, which the buffer holds a reference to (set by
+        // PyBuffer_FillInfo), and they are read-only (readonly = 1 makes a
+        // request for a writable buffer fail with BufferError).
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                bytes.as_ptr().cast_mut().cast(),
+                len,
+                1,
+                flags,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(PyErr::fetch(slf.py()))
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.bytes().len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TableView(table={}, layer={}, rows={}, digest={}, shared={}, packed={})",
+            self.inner.table(),
+            self.inner.layer(),
+            self.inner.rows(),
+            self.inner.digest(),
+            self.inner.shared(),
+            self.inner.packed()
+        )
     }
 }
 
@@ -497,6 +621,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Memory>()?;
     m.add_class::<Ticket>()?;
     m.add_class::<Served>()?;
+    m.add_class::<TableView>()?;
     m.add_function(wrap_pyfunction!(dequantize_f32, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_bf16, m)?)?;
     m.add("NO_TOKEN", embed::NO_TOKEN)?;

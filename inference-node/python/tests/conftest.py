@@ -42,12 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def gen(dir: Path, name: str, layer: int, seed: int) -> tuple[Path, str, int]:
+def gen(dir: Path, name: str, layer: int, seed: int,
+        hash_base: int = HASH_BASE) -> tuple[Path, str, int]:
     """A table sized as `hash_base` addresses it: (path, digest, rows)."""
     path = dir / name
     out = subprocess.run(
         [binary("memory-donor"), "gen", "--layer", str(layer), "--seed", str(seed),
-         "--hash-base", str(HASH_BASE), "--out", str(path)],
+         "--hash-base", str(hash_base), "--out", str(path)],
         check=True, capture_output=True, text=True,
     ).stdout.split()
     return path, out[-1], int(out[out.index("rows") + 1])

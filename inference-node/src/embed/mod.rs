@@ -41,6 +41,7 @@ use crate::metrics::NodeMetrics;
 use crate::model::fetch::fetch_rows;
 use crate::model::node::{SetupError, chunk_rows, layer_tables, token_map, usable_at_start};
 use crate::router::Router;
+pub use crate::source::TableView;
 use batch::Addressing;
 use ticket::{Done, LayerCounters};
 
@@ -130,7 +131,7 @@ pub struct LayerStats {
 #[derive(Debug)]
 struct Open {
     /// Held for its sources and probe loops (its drop stops them).
-    _memory: Memory,
+    memory: Memory,
     routers: [Arc<Router>; 2],
     tables: [u32; 2],
     addressing: Addressing,
@@ -345,6 +346,40 @@ impl EngramMemory {
         Ok(ticket)
     }
 
+    /// Layer `layer`'s table as this process maps it (see
+    /// [`TableView`] for the layout): a host-local donor's memory, which
+    /// every process on the host maps (one physical copy), or else the
+    /// node's own `local` copy. Waits up to `wait` for a host socket to
+    /// hand the table over (it does so within milliseconds of opening).
+    /// The view holds the memory: a swap on the donor leaves it as it
+    /// was until dropped, and a fresh call returns the new version.
+    pub fn table_view(&self, layer: u32, wait: Duration) -> Result<TableView, EmbedError> {
+        let open = self.open_state()?;
+        let slot = ENGRAM_LAYERS
+            .iter()
+            .position(|&l| l == layer)
+            .ok_or_else(|| {
+                EmbedError::BadInput(format!(
+                    "layer {layer} has no Engram table (layers: {ENGRAM_LAYERS:?})"
+                ))
+            })?;
+        let table = open.tables[slot];
+        let until = Instant::now() + wait;
+        loop {
+            if let Some(v) = open.memory.table_view(table) {
+                return Ok(v);
+            }
+            if Instant::now() >= until {
+                return Err(EmbedError::NoSource(format!(
+                    "layer {layer}'s table {table} is not in this process's memory: \
+                     no donor on this host shares it through its host socket at the \
+                     pinned version, and the node has no local copy of it"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Each layer's counters since the memory opened.
     pub fn stats(&self) -> Result<[LayerStats; 2], EmbedError> {
         let open = self.open_state()?;
@@ -472,7 +507,7 @@ async fn build(
         None => (None, None),
     };
     Ok(Open {
-        _memory: memory,
+        memory,
         routers,
         tables,
         addressing,

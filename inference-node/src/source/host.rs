@@ -34,16 +34,20 @@ use engram_store::kept;
 use engram_store::resident::{ExpectedTable, ResidentTable};
 use tokio::time::Instant;
 
-use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
+use super::{
+    FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind, TableView,
+};
 
 /// How often the watcher tries the socket again while the donor is away,
 /// and how often it looks at its stop flag.
 const RETRY: Duration = Duration::from_millis(100);
+/// The longest a probe waits for the first exchange with the donor.
+const FIRST_SYNC: Duration = Duration::from_secs(2);
 
 /// One table as mapped from the donor.
 #[derive(Debug)]
 struct Mapped {
-    table: ResidentTable,
+    table: Arc<ResidentTable>,
     generation: u64,
 }
 
@@ -59,6 +63,9 @@ struct State {
     down: Mutex<Option<String>>,
     /// Whether the donor's first full list arrived since the last connect.
     synced: AtomicBool,
+    /// Whether the first attempt came to something: the donor's full list
+    /// arrived, or the socket failed. A probe before then waits for it.
+    settled: AtomicBool,
     /// Times the donor went away while the node held its mappings.
     gaps: AtomicU64,
     stop: AtomicBool,
@@ -110,14 +117,6 @@ impl HostSource {
         read(&self.state.maps).get(&table).map(|m| m.generation)
     }
 
-    /// Table `table`'s memory as mapped: the rows back to back, 264 bytes
-    /// each, valid while the returned handle lives.
-    pub fn view(&self, table: u32) -> Option<TableView> {
-        read(&self.state.maps)
-            .get(&table)
-            .map(|m| TableView(Arc::clone(m)))
-    }
-
     /// Copy rows out of the mapping; no await point.
     pub fn read(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
         if out.len() != rows.len() * ROW_BYTES {
@@ -163,27 +162,6 @@ impl Drop for HostSource {
     }
 }
 
-/// A table's mapped memory, held open.
-#[derive(Debug, Clone)]
-pub struct TableView(Arc<Mapped>);
-
-impl TableView {
-    /// The rows back to back (row `r` at `r * 264`).
-    pub fn bytes(&self) -> &[u8] {
-        self.0.table.memory_bytes()
-    }
-
-    /// Its version.
-    pub fn digest(&self) -> TableDigest {
-        self.0.table.digest
-    }
-
-    /// Its rows.
-    pub fn rows(&self) -> u64 {
-        self.0.table.rows
-    }
-}
-
 impl super::Gather for HostSource {
     fn gather(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
         self.read(table, rows, out)
@@ -213,8 +191,21 @@ impl RowSource for HostSource {
         super::gather_job(&*self, job, slot);
     }
 
+    fn view(&self, table: u32) -> Option<TableView> {
+        read(&self.state.maps)
+            .get(&table)
+            .map(|m| TableView::new(Arc::clone(&m.table), Some(m.generation), true))
+    }
+
     fn probe(&self) -> ProbeFuture<'_> {
         Box::pin(async move {
+            // The node's first probe comes as the source is made: give the
+            // watcher its first exchange (milliseconds) rather than call a
+            // donor that is there unusable.
+            let until = Instant::now() + FIRST_SYNC;
+            while !self.state.settled.load(Ordering::Acquire) && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
             let maps = read(&self.state.maps);
             let mut tables: Vec<(u32, TableDigest)> =
                 maps.iter().map(|(id, m)| (*id, m.table.digest)).collect();
@@ -270,6 +261,7 @@ fn watch(name: &str, path: &Path, pinned: &[(u32, ExpectedTable)], st: &State) {
             }
             was_up |= was_synced;
             *lock(&st.down) = Some(why);
+            st.settled.store(true, Ordering::Release);
         }
         std::thread::sleep(RETRY);
     }
@@ -316,6 +308,7 @@ fn session(
         }
         if field("synced").is_some() {
             st.synced.store(true, Ordering::Relaxed);
+            st.settled.store(true, Ordering::Release);
             continue;
         }
         let table = field("table")
@@ -363,7 +356,7 @@ fn session(
                 st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
                     table,
                     Arc::new(Mapped {
-                        table: t,
+                        table: Arc::new(t),
                         generation,
                     }),
                 );

@@ -8,12 +8,14 @@ use std::sync::Arc;
 use engram_store::resident::{ExpectedTable, LoadError, MlockMode, ResidentTable};
 use tokio::time::Instant;
 
-use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
+use super::{
+    FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind, TableView,
+};
 
 /// A table in local RAM.
 #[derive(Debug)]
 pub struct LocalRam {
-    table: ResidentTable,
+    table: Arc<ResidentTable>,
 }
 
 impl LocalRam {
@@ -27,7 +29,9 @@ impl LocalRam {
     ) -> Result<Self, LoadError> {
         let (table, _) =
             ResidentTable::load(id, path, Some(pin), trust_digest, MlockMode::Try, |_| None)?;
-        Ok(Self { table })
+        Ok(Self {
+            table: Arc::new(table),
+        })
     }
 
     /// Copy rows out; no await point, so it is also the synchronous API.
@@ -89,5 +93,9 @@ impl RowSource for LocalRam {
 
     fn probe(&self) -> ProbeFuture<'_> {
         Box::pin(async move { Ok(vec![(self.table.id, self.table.digest)]) })
+    }
+
+    fn view(&self, table: u32) -> Option<TableView> {
+        (table == self.table.id).then(|| TableView::new(Arc::clone(&self.table), None, false))
     }
 }

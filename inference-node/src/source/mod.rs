@@ -20,12 +20,15 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use engram_protocol::ROW_BYTES;
 use engram_protocol::TableDigest;
+use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
+use engram_store::resident::ResidentTable;
 use thiserror::Error;
 use tokio::time::Instant;
 
 pub use donor::{ControlTls, DonorSource};
-pub use host::{HostSource, TableView};
+pub use host::HostSource;
 pub use local::LocalRam;
 pub use ssd::SsdSource;
 
@@ -264,4 +267,97 @@ pub trait RowSource: Send + Sync + fmt::Debug + 'static {
     /// Check health and versions out of band, for re-admission after
     /// failures: the tables it serves now, with their digests.
     fn probe(&self) -> ProbeFuture<'_>;
+
+    /// Table `table`'s memory, for a source that holds it in this process's
+    /// address space at its pinned version (a host-local donor's mapping,
+    /// the node's `local` copy); `None` for any other.
+    fn view(&self, table: u32) -> Option<TableView> {
+        let _ = table;
+        None
+    }
+}
+
+/// A table's memory as this process maps it, held open (and unchanged)
+/// while the view lives: what an engine that gathers rows itself reads.
+///
+/// The layout is [`TableView::packed`]'s: rows back to back (row `r` at
+/// `r * 264`) for a table in a memfd or in RAM, which is every table a
+/// host socket shares; or the table file's pages, 15 rows to a 4 KiB page
+/// with 136 bytes of slack at each page's end (row `r` at
+/// `(r / 15) * 4096 + (r % 15) * 264`), for a `local` copy served from its
+/// file's pages. [`TableView::offset`] says where any row starts.
+#[derive(Debug, Clone)]
+pub struct TableView {
+    table: Arc<ResidentTable>,
+    generation: Option<u64>,
+    shared: bool,
+}
+
+impl TableView {
+    /// A view of `table`; `shared` when other processes map the same
+    /// memory (a host socket's), with the donor's generation.
+    pub(crate) fn new(table: Arc<ResidentTable>, generation: Option<u64>, shared: bool) -> Self {
+        Self {
+            table,
+            generation,
+            shared,
+        }
+    }
+
+    /// The mapped bytes (read-only memory: a write faults).
+    pub fn bytes(&self) -> &[u8] {
+        self.table.memory_bytes()
+    }
+
+    /// Its table id.
+    pub fn table(&self) -> u32 {
+        self.table.id
+    }
+
+    /// Its model layer.
+    pub fn layer(&self) -> u32 {
+        self.table.layer
+    }
+
+    /// Its version.
+    pub fn digest(&self) -> TableDigest {
+        self.table.digest
+    }
+
+    /// Its rows.
+    pub fn rows(&self) -> u64 {
+        self.table.rows
+    }
+
+    /// The donor's generation of this memory, for a host socket's.
+    pub fn generation(&self) -> Option<u64> {
+        self.generation
+    }
+
+    /// Whether the memory is a host-local donor's, mapped by every process
+    /// on this host that reads it (one physical copy); false for this
+    /// process's own copy.
+    pub fn shared(&self) -> bool {
+        self.shared
+    }
+
+    /// True when rows are back to back; false for 15 rows to a 4 KiB page.
+    pub fn packed(&self) -> bool {
+        self.table.memory().is_packed()
+    }
+
+    /// Where row `row` starts in [`Self::bytes`], or `None` past the end.
+    pub fn offset(&self, row: u64) -> Option<usize> {
+        let at = if self.packed() {
+            row.checked_mul(ROW_BYTES as u64)?
+        } else {
+            (row / ROWS_PER_PAGE) * PAGE_BYTES + (row % ROWS_PER_PAGE) * ROW_BYTES as u64
+        };
+        (row < self.table.rows).then(|| usize::try_from(at).ok())?
+    }
+
+    /// Row `row`'s 264 bytes, or `None` past the end.
+    pub fn row(&self, row: u64) -> Option<&[u8]> {
+        self.table.row(row)
+    }
 }

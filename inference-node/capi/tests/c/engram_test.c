@@ -9,6 +9,7 @@
  *   engram_test deadline CONFIG NODE DONOR_PID
  *   engram_test badinput CONFIG NODE
  *   engram_test leak CONFIG NODE LOOKUPS
+ *   engram_test view CONFIG NODE L1.etab L14.etab SHARED
  */
 #include <dirent.h>
 #include <math.h>
@@ -405,9 +406,55 @@ static int cmd_leak(char **a, int n) {
     return failures != 0;
 }
 
+/* Each layer's table view: shared as SHARED (0 or 1) says, packed when
+ * shared, every row checked against the table file, the layout as the
+ * header says it, and a view that outlives its memory. */
+static int cmd_view(char **a, int n) {
+    if (n != 5) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    table_file tf[2] = {open_table(a[2]), open_table(a[3])};
+    int shared = atoi(a[4]);
+    const uint32_t layers[2] = {1, 14};
+    engram_view *views[2] = {NULL, NULL};
+    for (int l = 0; l < 2; l++) {
+        engram_status s = engram_table_view(m, layers[l], 5000, &views[l]);
+        if (s != ENGRAM_OK) die(s, "table_view");
+    }
+    engram_view *none = NULL;
+    EXPECT(engram_table_view(m, 2, 0, &none) == ENGRAM_BAD_INPUT && none == NULL, "layer 2 refused");
+    /* The memory outlives the handle that gave it. */
+    engram_close(m, 1000);
+    engram_free(m);
+    uint8_t want[ENGRAM_ROW_BYTES];
+    for (int l = 0; l < 2; l++) {
+        engram_table_info info;
+        engram_status s = engram_view_info(views[l], &info);
+        if (s != ENGRAM_OK) die(s, "table_view_info");
+        EXPECT(info.layer == layers[l], "layer %u", info.layer);
+        EXPECT(info.shared == shared, "shared %u, expected %d", info.shared, shared);
+        EXPECT(!shared || (info.packed && info.generation > 0), "a donor's memory is packed, with a generation");
+        uint64_t expect_len = info.packed ? info.rows * ENGRAM_ROW_BYTES : 0;
+        EXPECT(!info.packed || info.len == expect_len, "len %zu", info.len);
+        for (uint64_t r = 0; r < info.rows; r++) {
+            uint64_t at = info.packed ? r * ENGRAM_ROW_BYTES : (r / 15) * 4096 + (r % 15) * ENGRAM_ROW_BYTES;
+            read_row(&tf[l], r, want);
+            if (at + ENGRAM_ROW_BYTES > info.len || memcmp(info.data + at, want, ENGRAM_ROW_BYTES) != 0) {
+                EXPECT(0, "layer %u row %llu differs from the file", layers[l], (unsigned long long)r);
+                break;
+            }
+        }
+        printf("layer %u: table %u, %llu rows, %zu bytes, shared %u, packed %u, generation %llu\n",
+               info.layer, info.table, (unsigned long long)info.rows, info.len, info.shared, info.packed,
+               (unsigned long long)info.generation);
+        engram_view_free(views[l]);
+    }
+    engram_view_free(NULL);
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak ARGS...\n", argv[0]);
+        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak|view ARGS...\n", argv[0]);
         return 2;
     }
     char **a = argv + 2;
@@ -419,6 +466,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[1], "deadline") == 0) rc = cmd_deadline(a, n);
     else if (strcmp(argv[1], "badinput") == 0) rc = cmd_badinput(a, n);
     else if (strcmp(argv[1], "leak") == 0) rc = cmd_leak(a, n);
+    else if (strcmp(argv[1], "view") == 0) rc = cmd_view(a, n);
     if (rc == 2) fprintf(stderr, "bad arguments for %s\n", argv[1]);
     return rc;
 }

@@ -37,12 +37,14 @@ from ._native import (
     NoSourceError,
     Served,
     SetupError,
+    TableView,
 )
 
 __all__ = [
     "Memory",
     "Ticket",
     "Served",
+    "TableView",
     "dequantize",
     "LAYERS",
     "COLUMNS",
@@ -278,6 +280,24 @@ class Memory:
     def row_buffer(self, positions: int) -> np.ndarray:
         """A (positions, 24, 264) uint8 array for one layer's rows."""
         return np.zeros((positions, COLUMNS, ROW_BYTES), dtype=np.uint8)
+
+    def table_view(self, layer: int, wait: float = 5.0) -> TableView:
+        """Layer `layer`'s whole table as this process maps it: a read-only
+        buffer (buffer protocol) over a host-local donor's memory, which
+        every process on the host maps (one physical copy; `view.shared`),
+        or else over the node's own `local` copy. Waits up to `wait`
+        seconds for the donor's host socket to hand the table over.
+
+        When `view.packed` (always for a donor's memory), rows are back to
+        back, row r at r * 264::
+
+            rows = np.frombuffer(view, np.uint8).reshape(view.rows, 264)
+
+        Otherwise (a `local` copy served from its file's pages) 15 rows
+        share each 4 KiB page; `view.offset(r)` says where any row starts.
+        The view holds the memory as it was: after a swap on the donor, a
+        fresh call gives the new version. Writing to it is refused."""
+        return self._m.table_view(int(layer), float(wait))
 
     def stats(self) -> list[dict]:
         """Per-layer counters since opening: prefetches, rows, messages,
