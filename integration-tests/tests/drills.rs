@@ -113,6 +113,11 @@ fn drill_kill_9_tls_batch() {
 }
 
 #[test]
+fn drill_kill_9_host() {
+    drill("kill-9-host");
+}
+
+#[test]
 fn drill_sigstop() {
     drill("sigstop");
 }

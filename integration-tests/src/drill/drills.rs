@@ -64,6 +64,11 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         kill_9_tls_batch,
     ),
     (
+        "kill-9-host",
+        "the node maps both donors' tables through their host sockets: kill -9 the primary mid-run (its mapping keeps serving), restart it",
+        kill_9_host,
+    ),
+    (
         "sigstop",
         "SIGSTOP both donors (hung, sockets open; hedging off), then SIGCONT",
         sigstop,
@@ -383,6 +388,76 @@ fn kill_9_with(
         ),
     );
     Ok((r, killed))
+}
+
+/// Both donors on the node's host, reached through their host sockets:
+/// the node maps their tables, so a `kill -9` of the primary costs
+/// nothing. The mapping outlives the process, every step stays on
+/// donor-a with no failover, and the node counts the gap and picks the
+/// same memory up again when donor-a is back from the fd store.
+fn kill_9_host(env: &Env, o: &Opts) -> Result<Report> {
+    let name = "kill-9-host";
+    let mut plan = Plan::new(name);
+    plan.host_socket = true;
+    let (mut rack, mut run) = begin(env, &plan, o)?;
+    let killed = run.event("kill -9 donor-a");
+    rack.end("donor-a", libc::SIGKILL)?;
+    run.at_second(HEAL_AT)?;
+    run.event("restart donor-a");
+    let took = rack.restart("donor-a", Version::Pinned)?;
+    let back = run.event("donor-a ready");
+    let log = rack.log("donor-a")?;
+    if log.matches("table adopted from the fd store").count() != 2 {
+        bail!("the restarted donor-a did not serve both tables from the fd store:\n{log}");
+    }
+    let out = finish(run, o, true)?;
+    let mut r = Report::check(name, about(name), env, &plan, &out)?;
+    let failovers: u32 = r
+        .steps
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| t.failovers)
+        .sum();
+    ensure!(
+        failovers == 0,
+        "{failovers} failovers with donor-a's memory mapped\n{}",
+        r.timeline(0.5)
+    );
+    let elsewhere = r
+        .steps
+        .iter()
+        .filter(|s| {
+            s.tables
+                .iter()
+                .any(|t| t.source.as_deref() != Some("donor-a"))
+        })
+        .count();
+    ensure!(
+        elsewhere == 0,
+        "{elsewhere} steps were not served by donor-a alone\n{}",
+        r.timeline(0.5)
+    );
+    let dead = r.between(killed, back).count();
+    ensure!(dead > 0, "no step ran while donor-a was dead");
+    ensure!(
+        out.log
+            .contains("the donor went away; its memory keeps being served")
+            && out.log.contains("host socket: the donor is back"),
+        "the node did not log donor-a's gap and return:\n{}",
+        out.log
+    );
+    r.figure(
+        "while donor-a was dead",
+        format!("{dead} steps served from its mapping, 0 failovers"),
+    );
+    r.figure(
+        "donor-a restart",
+        format!(
+            "ready {:.0} ms after it was started, both tables adopted from the fd store",
+            took.as_secs_f64() * 1e3
+        ),
+    );
+    Ok(r)
 }
 
 fn sigstop(env: &Env, o: &Opts) -> Result<Report> {

@@ -217,6 +217,9 @@ pub struct Plan {
     /// Positions of each sequence prefilled in one sweep before decoding
     /// (`--prefill`): the run's first step.
     pub prefill: usize,
+    /// Each donor also listens on a host socket (`unix://`) in the drill's
+    /// directory: the node, on the same host, maps its tables.
+    pub host_socket: bool,
 }
 
 impl Plan {
@@ -251,6 +254,7 @@ impl Plan {
             also_quic: false,
             batch: 1,
             prefill: 0,
+            host_socket: false,
         }
     }
 
@@ -317,9 +321,14 @@ fn config_text(
             .quic
             .map(|q| format!(", \"quic://{q}\""))
             .unwrap_or_default();
+        let host = if plan.host_socket {
+            format!(", \"unix://{}\"", host_socket(env, plan, d.name).display())
+        } else {
+            String::new()
+        };
         write!(
             t,
-            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"{quic}]\nadvertise = [\"{scheme}://{}\"{quic}]\nmetrics = \"{}\"\n\
+            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"{quic}{host}]\nadvertise = [\"{scheme}://{}\"{quic}]\nmetrics = \"{}\"\n\
              tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
              drain_timeout_ms = 2000\n",
             d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
@@ -352,6 +361,11 @@ fn config_text(
         "\n[model]\nhash_base = {BASE}\nweights_seed = 5\nhidden = 16\nstreams = 4\nfusion = \"cpu\"\n"
     )?;
     Ok(t)
+}
+
+/// Where donor `donor` of `plan` has its host socket ([`Plan::host_socket`]).
+fn host_socket(env: &Env, plan: &Plan, donor: &str) -> PathBuf {
+    env.dir.join(format!("{}-{donor}.sock", plan.name))
 }
 
 /// A port free on `ip` now, for TCP and for UDP (a donor may listen on
