@@ -216,6 +216,10 @@ pub enum MlockMode {
     Off,
 }
 
+/// The highest NUMA node a donor may name (`numa_node`; Linux's
+/// `MAX_NUMNODES` is at most 1024).
+pub const MAX_NUMA_NODE: u32 = 1023;
+
 /// A memory donor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Donor {
@@ -265,6 +269,10 @@ pub struct Donor {
     /// a copy (`map_files`, default false): loads cost about a hash of the
     /// file; no RDMA and no fd store for those tables.
     pub map_files: bool,
+    /// The NUMA node its tables' memory is bound to (`mbind`), so that a
+    /// host with two sockets runs one donor per socket, each serving from
+    /// its own node's memory; `None`: the kernel's default placement.
+    pub numa_node: Option<u32>,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
     /// Connection threads check their socket without sleeping for up to

@@ -148,6 +148,11 @@ pub struct DonorPlan {
     /// True when its largest table could also be loaded a second time (a
     /// hot swap keeps both versions until the switch).
     pub swap_fits: bool,
+    /// The NUMA node its tables are bound to (`numa_node`): that node's
+    /// memory, not the host's, must hold `table_bytes`.
+    pub numa_node: Option<u32>,
+    /// Its host socket, when the host's processes map its tables.
+    pub host_socket: Option<String>,
 }
 
 /// One table on one node.
@@ -246,6 +251,8 @@ impl Plan {
                     ram_bytes,
                     fits: need_bytes <= ram_bytes,
                     swap_fits: need_bytes + largest <= ram_bytes,
+                    numa_node: d.numa_node,
+                    host_socket: d.host_socket.as_ref().map(|p| p.display().to_string()),
                 }
             })
             .collect();
@@ -341,6 +348,24 @@ impl Plan {
                 gib(d.registered_bytes),
                 gib(d.rdma_check_bytes),
             );
+        }
+        for d in &self.donors {
+            if let Some(n) = d.numa_node {
+                let _ = writeln!(
+                    s,
+                    "  {}: its tables ({:.2} GiB) are bound to NUMA node {n}: that node's memory \
+                     must hold them",
+                    d.name,
+                    gib(d.table_bytes)
+                );
+            }
+            if let Some(p) = &d.host_socket {
+                let _ = writeln!(
+                    s,
+                    "  {}: processes on its host map its tables through {p} (one copy for the host)",
+                    d.name
+                );
+            }
         }
         for n in &self.nodes {
             let _ = writeln!(
@@ -479,6 +504,26 @@ mod tests {
         assert!(!p.donors[0].fits && !p.fits());
         assert!(p.render().contains("NO: does not fit"));
         assert_eq!(p.donors[0].registered_bytes, 0);
+    }
+
+    #[test]
+    fn a_donor_bound_to_a_numa_node_and_sharing_its_host_is_shown() {
+        let mut c = config(100.0, 128.0, "\"donor-a\"");
+        c.donors[0].numa_node = Some(1);
+        c.donors[0].host_socket = Some("/run/engram-rack/a.sock".into());
+        let p = Plan::new(&c, &Latencies::default());
+        assert_eq!(p.donors[0].numa_node, Some(1));
+        let r = p.render();
+        assert!(
+            r.contains("donor-a: its tables (94.42 GiB) are bound to NUMA node 1"),
+            "{r}"
+        );
+        assert!(
+            r.contains(
+                "donor-a: processes on its host map its tables through /run/engram-rack/a.sock"
+            ),
+            "{r}"
+        );
     }
 
     #[test]

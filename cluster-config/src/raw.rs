@@ -76,6 +76,7 @@ pub(crate) struct RawDonor {
     pub clients: Option<S<Vec<S<String>>>>,
     pub host_uids: Option<S<Vec<S<i64>>>>,
     pub host_gids: Option<S<Vec<S<i64>>>>,
+    pub numa_node: Option<S<i64>>,
     pub table_dir: Option<S<String>>,
     pub tls_cert: Option<S<String>>,
     pub tls_key: Option<S<String>>,

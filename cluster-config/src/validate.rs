@@ -478,6 +478,16 @@ fn donors(
                 .map(|id| id as u32)
                 .collect()
         };
+        if let Some(n) = &d.numa_node
+            && d.map_files.unwrap_or(false)
+        {
+            cx.at(
+                n.span(),
+                k("numa_node"),
+                "binds the donor's own copy of its tables; with map_files = true it serves the \
+                 page cache's pages, which it does not place",
+            );
+        }
         let host_uids = host_ids(cx, &d.host_uids, &k("host_uids"));
         let host_gids = host_ids(cx, &d.host_gids, &k("host_gids"));
         let advertise = match &d.advertise {
@@ -639,6 +649,11 @@ fn donors(
             trust_digest: d.trust_digest.unwrap_or(false),
             fd_store: d.fd_store.unwrap_or(true),
             map_files: d.map_files.unwrap_or(false),
+            numa_node: d
+                .numa_node
+                .as_ref()
+                .and_then(|v| cx.int(v, &k("numa_node"), 0, i64::from(crate::MAX_NUMA_NODE)))
+                .map(|n| n as u32),
             load_threads: d
                 .load_threads
                 .as_ref()

@@ -411,3 +411,56 @@ fn a_swap_while_four_threads_read_gives_no_torn_or_wrong_row() {
         "v1's source reports the donor's new version: {probed:?}"
     );
 }
+
+/// The lines of `pid`'s `numa_maps` for the donor's table memory.
+fn table_numa_maps(pid: u32) -> Vec<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/numa_maps"))
+        .expect("numa_maps")
+        .lines()
+        .filter(|l| l.contains("memfd:engram-table"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn numa_node_binds_the_tables_for_the_donor_and_every_process_that_maps_them() {
+    // This host has one NUMA node (0); the binding shows in numa_maps as
+    // the mapping's policy, for the donor and for a process mapping it.
+    let bound = rack("numa_node = 0\n");
+    let donor = bound.start();
+    let maps = table_numa_maps(donor.id());
+    assert!(!maps.is_empty(), "the donor maps no table memory");
+    assert!(maps.iter().all(|l| l.contains(" bind:0 ")), "{maps:?}");
+    let host = HostSource::new("d", bound.socket.clone(), bound.pin(0)).expect("host source");
+    wait_for("the mapping", || host.is_mapped(1));
+    // Touch every row: the pages this process maps are node 0's.
+    let all: Vec<u64> = (0..ROWS).collect();
+    let mut out = vec![0u8; all.len() * ROW_BYTES];
+    host.read(1, &all, &mut out).expect("read");
+    assert_eq!(first_mismatch(1, 1, &all, &out), None);
+    let mine = table_numa_maps(std::process::id());
+    assert!(
+        mine.iter()
+            .any(|l| l.contains(" bind:0 ") && l.contains(" N0=")),
+        "this process's mapping: {mine:?}"
+    );
+    drop(host);
+    drop(donor);
+
+    // A node this host does not have: the donor says so and exits.
+    let far = rack("numa_node = 7\n");
+    let mut p = DonorProcess::launch(&[
+        "--config",
+        &far.config.path.display().to_string(),
+        "--name",
+        "d",
+    ])
+    .expect("launch");
+    let st = p.wait(Duration::from_secs(30)).expect("the donor exits");
+    assert!(!st.success());
+    let log = p.log();
+    assert!(
+        log.contains("NUMA node 7 is not online on this host (its nodes: 0)"),
+        "{log}"
+    );
+}

@@ -79,6 +79,8 @@ pub struct ServeSpec {
     pub fd_store: bool,
     /// Serve rows from the table files' pages ([`Backing::Mapped`]).
     pub map_files: bool,
+    /// Bind the tables' memory to this NUMA node.
+    pub numa_node: Option<u32>,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
     /// Control-plane (gRPC) address to bind.
@@ -214,6 +216,7 @@ impl ServeSpec {
             mlock: MlockMode::Try,
             fd_store: true,
             map_files: false,
+            numa_node: None,
             load_threads: 0,
             control: None,
             metrics: None,
@@ -271,6 +274,7 @@ impl ServeSpec {
             mlock: d.mlock,
             fd_store: d.fd_store,
             map_files: d.map_files,
+            numa_node: d.numa_node,
             load_threads: d.load_threads,
             control: d.control,
             metrics: d.metrics,
@@ -570,6 +574,7 @@ fn load_one(
         backing: backing(spec.map_files, spec.host.is_some(), store),
         threads: load_threads(spec.load_threads),
         known_file: known.as_ref().map(|(mark, _)| *mark),
+        numa_node: spec.numa_node,
     };
     let (table, report) = ResidentTable::load_with(t.id, &t.path, &opts, progress)?;
     if report.reused {

@@ -118,6 +118,8 @@ pub struct SwapContext {
     pub map_files: bool,
     /// The donor has a host socket: new versions go in a memfd its clients map.
     pub host_shared: bool,
+    /// The NUMA node new versions are bound to.
+    pub numa_node: Option<u32>,
     /// Threads that read, place and hash a table (0: every core).
     pub load_threads: usize,
 }
@@ -462,6 +464,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         backing: crate::serve::backing(cx.map_files, cx.host_shared, &cx.fd_store),
         threads: crate::serve::load_threads(cx.load_threads),
         known_file: None,
+        numa_node: cx.numa_node,
     };
     let (table, _report) = ResidentTable::load_with(Some(id), &p.req.path, &opts, progress)
         .map_err(|e| e.to_string())?;

@@ -193,6 +193,11 @@ pub struct LoadOptions {
     /// without being read or hashed again ([`LoadReport::reused`]); a mark
     /// of rows never hashed counts only with `trust_digest`.
     pub known_file: Option<FileMark>,
+    /// Bind the copy's memory to this NUMA node (`mbind`, `MPOL_BIND`)
+    /// before a page of it is touched; `None`: the kernel's placement.
+    /// Not for [`Backing::Mapped`] (the page cache's pages are placed by
+    /// whoever read them first).
+    pub numa_node: Option<u32>,
 }
 
 impl Default for LoadOptions {
@@ -204,6 +209,7 @@ impl Default for LoadOptions {
             backing: Backing::Anonymous,
             threads: crate::fill::cores(),
             known_file: None,
+            numa_node: None,
         }
     }
 }
@@ -438,6 +444,9 @@ impl ResidentTable {
                 (map, Some((f, huge)))
             }
         };
+        if let Some(node) = opts.numa_node {
+            crate::numa::bind(&map, node).map_err(memory)?;
+        }
         // Huge pages cut TLB misses on random row reads; advisory, so failure is fine.
         let _ = map.advise(memmap2::Advice::HugePage);
         let locked = lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {

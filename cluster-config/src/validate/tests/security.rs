@@ -508,3 +508,15 @@ fn a_host_socket_is_an_absolute_path_beside_a_network_address() {
     let bad_id = host.replacen("host_uids = [1000]", "host_uids = [-1]", 1);
     expect_in(&bad_id, 26, "donor[0].host_uids[0]", "out of range");
 }
+
+#[test]
+fn a_donor_binds_its_tables_to_a_numa_node() {
+    assert_eq!(parse(&good()).expect("valid").donors[0].numa_node, None);
+    let bound = good().replacen("ram_gib = 251.0", "ram_gib = 251.0\nnuma_node = 1", 1);
+    let c = parse(&bound).expect("valid");
+    assert_eq!(c.donor("donor-a").and_then(|d| d.numa_node), Some(1));
+    let far = bound.replacen("numa_node = 1", "numa_node = 1024", 1);
+    expect_in(&far, 26, "donor[0].numa_node", "out of range");
+    let mapped = bound.replacen("numa_node = 1", "numa_node = 1\nmap_files = true", 1);
+    expect_in(&mapped, 26, "donor[0].numa_node", "page cache");
+}
