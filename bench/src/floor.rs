@@ -12,6 +12,7 @@
 //! does) before it answers: the least any server of these rows can do, so
 //! that the donor's ratio to it is what its software adds.
 
+mod host;
 mod rdma;
 mod report;
 mod transports;
@@ -62,8 +63,11 @@ pub struct FloorArgs {
     /// (TLS and QUIC: the donor gets a rack PKI made for the run; rdma: the
     /// node's CPU per lookup with the fake provider, and lookups on an RDMA
     /// device where there is one, else skipped with the reason).
+    /// `unix`: the donor also listens on a host socket, and this process
+    /// maps its tables through it (the node's host source), measured
+    /// against the node's own local copy and the donor over loopback.
     #[arg(long, value_delimiter = ',', default_value = "tcp,tls,quic", value_parser = parse_transport)]
-    transports: Vec<Transport>,
+    transports: Vec<Via>,
     /// For `--transports rdma` on a host with an RDMA device: an IP address
     /// on the device for the donor's `rdma://` listener.
     #[arg(long)]
@@ -101,8 +105,32 @@ const GATHER: u32 = 1 << 31;
 /// sizes and the row count (u32 each); then one u64 per row.
 const GATHER_ROWS_AT: usize = 12;
 
-fn parse_transport(s: &str) -> Result<Transport, String> {
-    Transport::parse(s).ok_or_else(|| format!("{s:?} is not one of tcp, tls, quic, rdma"))
+/// How the floor reaches the donor: a network transport, or its host
+/// socket (`unix`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// Over the network (loopback).
+    Net(Transport),
+    /// Through its host socket, its tables mapped.
+    Unix,
+}
+
+impl std::fmt::Display for Via {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Net(t) => t.fmt(f),
+            Self::Unix => f.write_str("unix"),
+        }
+    }
+}
+
+fn parse_transport(s: &str) -> Result<Via, String> {
+    if s == "unix" {
+        return Ok(Via::Unix);
+    }
+    Transport::parse(s)
+        .map(Via::Net)
+        .ok_or_else(|| format!("{s:?} is not one of tcp, tls, quic, rdma, unix"))
 }
 
 impl FloorArgs {
@@ -110,8 +138,29 @@ impl FloorArgs {
     fn secure(&self) -> Vec<Transport> {
         [Transport::Tls, Transport::Quic]
             .into_iter()
-            .filter(|t| self.transports.contains(t))
+            .filter(|t| self.has(*t))
             .collect()
+    }
+
+    /// Whether network transport `t` was asked for.
+    fn has(&self, t: Transport) -> bool {
+        self.transports.contains(&Via::Net(t))
+    }
+
+    /// The network transports asked for.
+    fn network(&self) -> Vec<Transport> {
+        self.transports
+            .iter()
+            .filter_map(|v| match v {
+                Via::Net(t) => Some(*t),
+                Via::Unix => None,
+            })
+            .collect()
+    }
+
+    /// Whether the host socket was asked for.
+    fn unix(&self) -> bool {
+        self.transports.contains(&Via::Unix)
     }
 }
 
@@ -466,7 +515,13 @@ pub fn run(args: &FloorArgs) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let tables = generate_tables(args, tmp.path())?;
     let secure = args.secure();
-    let rack = transports::Rack::write(tmp.path(), &tables, &secure)?;
+    let socket = tmp.path().join("donor.sock");
+    let extra = if args.unix() {
+        vec![format!("unix://{}", socket.display())]
+    } else {
+        Vec::new()
+    };
+    let rack = transports::Rack::write_with(tmp.path(), &tables, &secure, &extra)?;
     let mut servers = Servers::start(
         &tables,
         rack.as_ref(),
@@ -481,12 +536,17 @@ pub fn run(args: &FloorArgs) -> Result<()> {
     let series = build_series(servers.floor.addr, args.rows_per_table, &secure)?;
     let results = measure(series, args, &rt, &clients)?;
     drop(clients);
+    let host = if args.unix() {
+        Some(host::run(&socket, &tables, args)?)
+    } else {
+        None
+    };
     let setup = transports::setup_times(
         &rt,
         &servers.donor,
         rack.as_ref(),
         &tables.digests,
-        &args.transports,
+        &args.network(),
         args.connects,
     )?;
     let restart = transports::restart_times(
@@ -498,13 +558,16 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         args,
         pinned,
     )?;
-    let rdma = if args.transports.contains(&Transport::Rdma) {
+    let rdma = if args.has(Transport::Rdma) {
         Some(rdma::run(&rt, tmp.path(), &tables, &servers.donor, args)?)
     } else {
         None
     };
     let (donor, clean) = servers.stop();
-    let ratios = report::ratios(&results, &secure);
+    let mut ratios = report::ratios(&results, &secure);
+    if let Some(h) = &host {
+        ratios.extend(report::host_ratios(h, &results, &secure));
+    }
     let report = Report {
         args,
         gib: tables.gib,
@@ -515,6 +578,7 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         restart,
         clean,
         rdma,
+        host,
     };
     if args.json {
         return report.print_json();

@@ -116,6 +116,64 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
     ratios
 }
 
+/// The host source at most this over the node's own local copy (p50).
+const HOST_OVER_LOCAL_P50: f64 = 1.5;
+/// The host source at most this over the donor on loopback TCP (p50):
+/// at least 10x faster.
+const HOST_OVER_TCP_P50: f64 = 0.1;
+
+/// The host source against its floor (the node's own copy) and against
+/// the donor over loopback TCP and each secure transport, per size.
+pub(super) fn host_ratios(
+    host: &super::host::HostReport,
+    results: &[SeriesResult],
+    secure: &[Transport],
+) -> Vec<Ratio> {
+    // Network series per size: [.., donor over TCP at 2, .., each secure at 6 + i].
+    let block = 6 + secure.len();
+    let mut out = Vec::new();
+    for (j, (k, rows)) in [(0usize, 24usize), (block, 48)].into_iter().enumerate() {
+        let (local, mapped) = (&host.series[2 * j].median, &host.series[2 * j + 1].median);
+        let ratio = |what: String, num: &super::Summary, den: &super::Summary, target| Ratio {
+            rows,
+            what,
+            p50: num.p50_us / den.p50_us,
+            p99: num.p99_us / den.p99_us,
+            p999: num.p999_us / den.p999_us,
+            target,
+        };
+        out.push(ratio(
+            "host source / node's own local copy (the floor)".into(),
+            mapped,
+            local,
+            Some((HOST_OVER_LOCAL_P50, None)),
+        ));
+        out.push(ratio(
+            "host source / donor over loopback tcp".into(),
+            mapped,
+            &results[k + 2].median,
+            Some((HOST_OVER_TCP_P50, None)),
+        ));
+        // What no source of these rows can beat: a gather from this
+        // process's own RAM, against the same TCP series.
+        out.push(ratio(
+            "the floor (own local copy) / donor over loopback tcp".into(),
+            local,
+            &results[k + 2].median,
+            None,
+        ));
+        for (i, t) in secure.iter().enumerate() {
+            out.push(ratio(
+                format!("host source / donor over loopback {t}"),
+                mapped,
+                &results[k + 6 + i].median,
+                None,
+            ));
+        }
+    }
+    out
+}
+
 /// Everything the report shows.
 pub(super) struct Report<'a> {
     pub(super) args: &'a FloorArgs,
@@ -132,6 +190,8 @@ pub(super) struct Report<'a> {
     pub(super) clean: bool,
     /// `--transports rdma`: its hardware series (or why skipped) and CPU costs.
     pub(super) rdma: Option<super::rdma::RdmaReport>,
+    /// `--transports unix`: the host source and its floor.
+    pub(super) host: Option<super::host::HostReport>,
 }
 
 impl Report<'_> {
@@ -158,6 +218,7 @@ impl Report<'_> {
             "restart": self.restart,
             "donor_exit_clean": self.clean,
             "rdma": self.rdma,
+            "host": self.host,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         Ok(())
@@ -205,6 +266,29 @@ impl Report<'_> {
             &["series", "req/ans bytes", "p50 us", "p99 us", "p99.9 us"],
             &rows,
         );
+        if let Some(h) = &self.host {
+            println!(
+                "host-local (gathered in this process, no request): the donor's mapping{}",
+                match h.page_kib {
+                    Some(k) if k >= 2048 => format!(", on {k} KiB pages (hugetlb)"),
+                    Some(k) => format!(", on {k} KiB pages"),
+                    None => String::new(),
+                }
+            );
+            let rows: Vec<Vec<String>> = h
+                .series
+                .iter()
+                .map(|r| {
+                    vec![
+                        r.series.clone(),
+                        format!("{:.2}", r.median.p50_us),
+                        format!("{:.2}", r.median.p99_us),
+                        format!("{:.2}", r.median.p999_us),
+                    ]
+                })
+                .collect();
+            print_table(&["series", "p50 us", "p99 us", "p99.9 us"], &rows);
+        }
         println!(
             "(polling clients poll for up to {} us before sleeping)",
             DEFAULT_BUSY_POLL.as_micros()

@@ -33,22 +33,22 @@ pub(super) struct Rack {
 }
 
 impl Rack {
-    /// Write the config and its PKI in `dir`; none when only TCP is measured.
-    pub(super) fn write(dir: &Path, tables: &Tables, secure: &[Transport]) -> Result<Option<Self>> {
-        Self::write_with(dir, tables, secure, &[])
-    }
-
-    /// `write`, the donor listening on `extra` addresses too (`rdma://IP:PORT`).
+    /// Write the config and its PKI (for TLS and QUIC) in `dir`, the donor
+    /// listening on `extra` addresses too (`rdma://IP:PORT`,
+    /// `unix://PATH`); none when only plain TCP is measured.
     pub(super) fn write_with(
         dir: &Path,
         tables: &Tables,
         secure: &[Transport],
         extra: &[String],
     ) -> Result<Option<Self>> {
-        if secure.is_empty() {
+        if secure.is_empty() && extra.is_empty() {
             return Ok(None);
         }
-        let mut t = String::from("version = 1\n[rack]\nname = \"bench\"\n[rack.tls]\n");
+        let mut t = String::from("version = 1\n[rack]\nname = \"bench\"\n");
+        if !secure.is_empty() {
+            t.push_str("[rack.tls]\n");
+        }
         for (((id, _), (_, digest)), path) in TABLES.iter().zip(&tables.digests).zip(&tables.paths)
         {
             t.push_str(&format!(
@@ -73,7 +73,9 @@ impl Rack {
         let config = dir.join("bench-rack.toml");
         std::fs::write(&config, t)?;
         let parsed = Config::load(&config).map_err(|e| anyhow::anyhow!("{e}"))?;
-        rack_pki(&config).context("making the run's rack PKI")?;
+        if !secure.is_empty() {
+            rack_pki(&config).context("making the run's rack PKI")?;
+        }
         Ok(Some(Self { config, parsed }))
     }
 }
@@ -205,7 +207,7 @@ pub(super) fn restart_times(
     args: &super::FloorArgs,
     pinned: bool,
 ) -> Result<Vec<RestartResult>> {
-    let (transports, restarts) = (&args.transports, args.restarts);
+    let (transports, restarts) = (&args.network(), args.restarts);
     let serve: Vec<&str> = serve_args.iter().map(String::as_str).collect();
     let rows: Vec<u64> = (0..24).collect();
     let mut out = Vec::new();
