@@ -152,6 +152,7 @@ fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
         probe_interval_ms: 500,
         trust_copies: false,
         transport: cluster_config::Transport::Tls,
+        host_sockets: &[],
     };
     let rk = rack::write_config(dir, tables, &spec)?;
     println!("2. rack config {}:", rk.config.display());

@@ -60,6 +60,11 @@ pub struct EnginesArgs {
     /// Hashing base of the tables.
     #[arg(long, default_value_t = 20_000)]
     hash_base: u64,
+    /// Instead: engine processes' memory (Pss), 1 and 4 of them, reading
+    /// the tables through table views from a donor's host socket (one
+    /// copy) or from their own local copies (`engines-pss.json`).
+    #[arg(long)]
+    pss: bool,
     /// The donor's transport: TLS, the rack's default (with the run's own
     /// PKI), or `tcp`, `quic`.
     #[arg(long, default_value = "tls", value_parser = rack::stream_transport)]
@@ -219,9 +224,13 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     }
     rack::kill_children_on_interrupt()?;
     let out = &rack::work_dir(&args.out)?;
+    if args.pss {
+        return crate::engines_pss::run(out, args.hash_base, args.json);
+    }
     let tables = rack::table_pair(out, args.hash_base)?;
     let spec = RackSpec {
         transport: args.transport,
+        host_sockets: &[],
         ..RackSpec::one_donor()
     };
     let rk = rack::write_config(out, &tables, &spec)?;

@@ -7,11 +7,13 @@ mod contention;
 mod demo;
 mod drill;
 mod engines;
+mod engines_pss;
 mod floor;
 mod load;
 mod paced;
 mod paced_contention;
 mod paced_draft;
+mod paced_host;
 mod prefill;
 mod rack;
 mod ssd;
@@ -58,6 +60,9 @@ enum Cmd {
     /// (internal) The Rust side of `engines`.
     #[command(hide = true)]
     EnginesRustSide(engines::RustSideArgs),
+    /// (internal) One engine process of `engines --pss`.
+    #[command(hide = true)]
+    EnginesPssEngine(engines_pss::EngineArgs),
     /// (internal) The prefill floor's server side.
     #[command(hide = true)]
     PrefillFloorServer(prefill::PrefillFloorArgs),
@@ -81,5 +86,6 @@ fn main() -> Result<()> {
         Cmd::Model(a) => model::run(&a),
         Cmd::PlotSample(a) => plot::run_sample(&a),
         Cmd::FloorServer(a) => floor::floor_server(&a),
+        Cmd::EnginesPssEngine(a) => engines_pss::engine(&a),
     }
 }

@@ -48,6 +48,11 @@ pub struct PacedArgs {
     /// 100,400,1000) (`paced-draft.json`).
     #[arg(long)]
     draft: bool,
+    /// Instead: the node with both tables from a donor on its own host,
+    /// mapped through its host socket, next to a donor over loopback TLS
+    /// (default rates 100,400) (`paced-host.json`).
+    #[arg(long)]
+    host_local: bool,
     /// Draft lengths K for --draft.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4, 8])]
     draft_ks: Vec<usize>,
@@ -154,7 +159,7 @@ impl Point {
 
 /// Run it.
 pub fn run(args: &PacedArgs) -> Result<()> {
-    let default_rates: &[f64] = if args.contention {
+    let default_rates: &[f64] = if args.contention || args.host_local {
         &[100.0, 400.0]
     } else if args.draft {
         &[100.0, 400.0, 1000.0]
@@ -184,6 +189,16 @@ pub fn run(args: &PacedArgs) -> Result<()> {
             args.hash_base,
             rates,
             args.seconds_per_point,
+            args.json,
+        );
+    }
+    if args.host_local {
+        return crate::paced_host::run(
+            out,
+            args.hash_base,
+            rates,
+            args.seconds_per_point,
+            args.repeat,
             args.json,
         );
     }
@@ -218,6 +233,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         // Every run starts a node: its copies were verified at generation.
         trust_copies: true,
         transport: cluster_config::Transport::Tcp,
+        host_sockets: &[],
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let fusion = format!(

@@ -74,6 +74,7 @@ pub fn run(out: &Path, hash_base: u64, rates: &[f64], seconds: f64, json: bool) 
         probe_interval_ms: 1000,
         trust_copies: true,
         transport: cluster_config::Transport::Tcp,
+        host_sockets: &[],
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let load_file = out.join("load.bin");

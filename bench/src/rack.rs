@@ -182,6 +182,9 @@ pub struct RackSpec {
     /// `pki/` beside the config with `engram-cluster pki`), and TLS on the
     /// control plane too.
     pub transport: Transport,
+    /// Donors that also listen on a host socket (`DIR/NAME.sock`): a node
+    /// on this host maps their tables instead of asking for rows.
+    pub host_sockets: &'static [&'static str],
 }
 
 impl RackSpec {
@@ -199,6 +202,7 @@ impl RackSpec {
             probe_interval_ms: 1000,
             trust_copies: true,
             transport: Transport::Tcp,
+            host_sockets: &[],
         }
     }
 }
@@ -228,6 +232,11 @@ pub struct Rack {
     pub donors: Vec<DonorAddrs>,
 }
 
+/// Where donor `name` of a rack written in `dir` has its host socket.
+pub fn host_socket(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.sock"))
+}
+
 /// Write `dir/rack.toml` for `tables` as `spec` says.
 pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<Rack> {
     let [t1, t14] = &tables.tables;
@@ -253,9 +262,14 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
         while control == listen.addr {
             control = SocketAddr::from((ip, free_port(ip)?));
         }
+        let host = if spec.host_sockets.contains(name) {
+            format!(", \"unix://{}\"", host_socket(dir, name).display())
+        } else {
+            String::new()
+        };
         write!(
             text,
-            "\n[[donor]]\nname = \"{name}\"\nlisten = [\"{listen}\"]\ntables = [1, 14]\n\
+            "\n[[donor]]\nname = \"{name}\"\nlisten = [\"{listen}\"{host}]\ntables = [1, 14]\n\
              ram_gib = 2.0\ncontrol = \"{control}\"\n"
         )?;
         donors.push(DonorAddrs {

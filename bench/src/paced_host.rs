@@ -1,0 +1,235 @@
+//! `engram-bench paced --host-local`: the paced node with both tables from
+//! a donor on its own host, mapped through the donor's host socket, next to
+//! the same node reading a donor over loopback TLS (the default transport)
+//! and its own copy in RAM (the floor of the node's loop), at each token
+//! rate (default 100 and 400 tokens/s). The figures that
+//! decide whether table 1's rows arrive in its window (a quarter of a
+//! block at V4.1's timing): its fetch p50 and p99, the fetches answered
+//! after their window, and the steps that stalled.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use inference_node::model::Summary;
+use serde::Serialize;
+
+use crate::rack::{self, Child, NodeSpec, RackSpec};
+use crate::stats::median;
+
+/// (node, label): donor-a mapped through its host socket, donor-b over
+/// TLS, and the node's own copy in its RAM (the floor of the node's loop).
+const SERIES: [(&str, &str); 3] = [
+    ("host", "host-local (mapped)"),
+    ("tls", "donor over loopback TLS"),
+    ("local", "node's own RAM (floor)"),
+];
+
+/// One node run.
+#[derive(Debug, Clone, Serialize)]
+struct Run {
+    tokens: u64,
+    tokens_per_second: f64,
+    stall_p99_us: f64,
+    stalled_steps: u64,
+    /// Table 1 (layer 1): fetch p50 and p99, fetches after their window.
+    table1_fetch_p50_us: f64,
+    table1_fetch_p99_us: f64,
+    table1_late: u64,
+    /// Table 14's fetch p50.
+    table14_fetch_p50_us: f64,
+}
+
+/// One series at one rate: medians over its runs.
+#[derive(Debug, Clone, Serialize)]
+struct Point {
+    series: String,
+    rate: f64,
+    tokens_per_second: f64,
+    table1_fetch_p50_us: f64,
+    table1_fetch_p99_us: f64,
+    table1_late: f64,
+    table14_fetch_p50_us: f64,
+    stalled_steps: f64,
+    stall_p99_us: f64,
+    runs: Vec<Run>,
+}
+
+/// Run it in `out`.
+pub fn run(
+    out: &Path,
+    hash_base: u64,
+    rates: &[f64],
+    seconds: f64,
+    repeat: usize,
+    json: bool,
+) -> Result<()> {
+    let t_all = Instant::now();
+    let tables = rack::table_pair(out, hash_base)?;
+    let spec = RackSpec {
+        donors: &["donor-a", "donor-b"],
+        nodes: vec![
+            NodeSpec {
+                name: "host",
+                sources: &["donor-a"],
+                ssd_ioprio: None,
+            },
+            NodeSpec {
+                name: "tls",
+                sources: &["donor-b"],
+                ssd_ioprio: None,
+            },
+            NodeSpec {
+                name: "local",
+                sources: &["local"],
+                ssd_ioprio: None,
+            },
+        ],
+        probe_interval_ms: 1000,
+        trust_copies: true,
+        transport: cluster_config::Transport::Tls,
+        host_sockets: &["donor-a"],
+    };
+    let rk = rack::write_config(out, &tables, &spec)?;
+    let donors: Vec<Child> = ["donor-a", "donor-b"]
+        .iter()
+        .map(|d| Child::launch_donor(&rk.config, d, &[]))
+        .collect::<Result<_>>()?;
+    for d in &donors {
+        d.wait_ready(Duration::from_secs(120))?;
+    }
+    eprintln!(
+        "donor-a on {} and its host socket {}; donor-b on {}",
+        rk.donors[0].listen,
+        rack::host_socket(out, "donor-a").display(),
+        rk.donors[1].listen
+    );
+    let runs_dir = out.join("runs-host");
+    std::fs::create_dir_all(&runs_dir)?;
+    let mut runs = vec![vec![Vec::new(); rates.len()]; SERIES.len()];
+    for rep in 0..repeat {
+        for (si, (node, label)) in SERIES.iter().enumerate() {
+            for (ri, &rate) in rates.iter().enumerate() {
+                let tokens = (rate * seconds).round().max(1.0) as u64;
+                let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
+                let a = vec![
+                    "--tokens-per-second".to_string(),
+                    rate.to_string(),
+                    "--tokens".into(),
+                    tokens.to_string(),
+                    "--json".into(),
+                    "--quiet".into(),
+                ];
+                let timeout = Duration::from_secs_f64(seconds * 10.0 + 120.0);
+                rack::run_node(&rk.config, node, &a, &file, timeout)?;
+                let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+                    .with_context(|| format!("reading {}", file.display()))?;
+                let r = run_of(&s)?;
+                eprintln!(
+                    "run {}/{repeat}: {label:<24} {rate:>5} tokens/s: table 1 fetch p50 {:.1} us, {} late",
+                    rep + 1,
+                    r.table1_fetch_p50_us,
+                    r.table1_late
+                );
+                runs[si][ri].push(r);
+            }
+        }
+    }
+    drop(donors);
+    let mut points = Vec::new();
+    for (si, (_, label)) in SERIES.iter().enumerate() {
+        for (ri, &rate) in rates.iter().enumerate() {
+            let rs = std::mem::take(&mut runs[si][ri]);
+            let m = |f: &dyn Fn(&Run) -> f64| median(rs.iter().map(f).collect());
+            points.push(Point {
+                series: label.to_string(),
+                rate,
+                tokens_per_second: m(&|r| r.tokens_per_second),
+                table1_fetch_p50_us: m(&|r| r.table1_fetch_p50_us),
+                table1_fetch_p99_us: m(&|r| r.table1_fetch_p99_us),
+                table1_late: m(&|r| r.table1_late as f64),
+                table14_fetch_p50_us: m(&|r| r.table14_fetch_p50_us),
+                stalled_steps: m(&|r| r.stalled_steps as f64),
+                stall_p99_us: m(&|r| r.stall_p99_us),
+                runs: rs,
+            });
+        }
+    }
+    let file = out.join("paced-host.json");
+    let v = serde_json::json!({
+        "benchmark": "paced --host-local",
+        "hash_base": hash_base,
+        "rows": [tables.tables[0].rows, tables.tables[1].rows],
+        "seconds_per_point": seconds,
+        "repeat": repeat,
+        "points": points,
+    });
+    std::fs::write(&file, serde_json::to_vec_pretty(&v)?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "paced node, both tables from one donor: mapped through its host socket, or over loopback TLS \
+         (medians of {repeat} runs of {seconds} s)"
+    );
+    println!(
+        "{:<24} {:>6} {:>9} {:>13} {:>13} {:>10} {:>13} {:>9} {:>10}",
+        "series",
+        "rate",
+        "tokens/s",
+        "t1 fetch p50",
+        "t1 fetch p99",
+        "t1 late",
+        "t14 fetch p50",
+        "stalled",
+        "stall p99"
+    );
+    for p in &points {
+        println!(
+            "{:<24} {:>6} {:>9.1} {:>10.1} us {:>10.1} us {:>10.0} {:>10.1} us {:>9.0} {:>7.0} us",
+            p.series,
+            p.rate,
+            p.tokens_per_second,
+            p.table1_fetch_p50_us,
+            p.table1_fetch_p99_us,
+            p.table1_late,
+            p.table14_fetch_p50_us,
+            p.stalled_steps,
+            p.stall_p99_us
+        );
+    }
+    println!(
+        "(t1 late: table 1's fetches answered after its window; stalled: steps that waited for rows)"
+    );
+    println!(
+        "wrote {} ({:.0} s in all)",
+        file.display(),
+        rack::since(t_all)
+    );
+    Ok(())
+}
+
+fn run_of(s: &Summary) -> Result<Run> {
+    let [t1, t14] = s.tables.as_slice() else {
+        bail!("a summary with {} tables, not 2", s.tables.len());
+    };
+    for t in [t1, t14] {
+        if t.by_source
+            .keys()
+            .any(|k| !["donor-a", "donor-b", "local"].contains(&k.as_str()))
+        {
+            bail!("table {} was served by {:?}", t.table, t.by_source);
+        }
+    }
+    Ok(Run {
+        tokens: s.tokens,
+        tokens_per_second: s.tokens_per_second,
+        stall_p99_us: s.stall_p99_us,
+        stalled_steps: s.stalled_steps,
+        table1_fetch_p50_us: t1.fetch_p50_us,
+        table1_fetch_p99_us: t1.fetch_p99_us,
+        table1_late: t1.late,
+        table14_fetch_p50_us: t14.fetch_p50_us,
+    })
+}
