@@ -37,6 +37,11 @@ pub struct DemoArgs {
     /// Hashing base of the tables (20000: about 480k rows, 127 MB per table).
     #[arg(long, default_value_t = 20_000)]
     hash_base: u64,
+    /// Both donors also listen on a host socket, and node "rack" (on the
+    /// same host) maps their tables: the kill of donor-a costs nothing,
+    /// no failover (the run fails on one).
+    #[arg(long)]
+    host_local: bool,
 }
 
 /// Rate of the reference run on local RAM: only its outputs matter.
@@ -93,7 +98,7 @@ fn demo(args: &DemoArgs, pids: &mut Started) -> Result<()> {
     let t_all = Instant::now();
     let dir = rack::work_dir(&args.dir)?;
     let tables = tables(args, &dir)?;
-    let config = rack_config(&dir, &tables)?;
+    let config = rack_config(&dir, &tables, args.host_local)?;
     let mut demo = Demo {
         args,
         tokens: (args.seconds as f64 * args.tokens_per_second).round() as u64,
@@ -108,8 +113,44 @@ fn demo(args: &DemoArgs, pids: &mut Started) -> Result<()> {
     demo.print_summary(&steps, run.restarted);
     let outputs = demo.compare_outputs(&steps)?;
     println!("8. timeline: {} and {}", png.display(), svg.display());
+    let (killed, restarted) = (run.killed, run.restarted);
     stop_donors(donor_b, run.donor_a, t_all)?;
-    check(run.status, &run.node_log, &steps, &outputs, demo.tokens)
+    check(run.status, &run.node_log, &steps, &outputs, demo.tokens)?;
+    if args.host_local {
+        check_host_local(&steps, killed, restarted)?;
+    }
+    Ok(())
+}
+
+/// With `--host-local`: donor-a's mapping served through its death, so no
+/// step failed over and every step was donor-a's.
+fn check_host_local(steps: &[StepRecord], killed: f64, restarted: f64) -> Result<()> {
+    let failovers: u64 = steps
+        .iter()
+        .flat_map(|s| &s.tables)
+        .map(|t| u64::from(t.failovers))
+        .sum();
+    let dead = steps
+        .iter()
+        .filter(|s| (killed..restarted).contains(&(s.start_us / 1e6)))
+        .count();
+    let elsewhere = steps
+        .iter()
+        .filter(|s| {
+            s.tables
+                .iter()
+                .any(|t| t.source.as_deref() != Some("donor-a"))
+        })
+        .count();
+    println!(
+        "   host-local: {dead} steps while donor-a was dead, all from its mapping; {failovers} failovers, {elsewhere} steps served by another source"
+    );
+    if failovers > 0 || elsewhere > 0 {
+        bail!(
+            "with --host-local donor-a's mapping should serve every step: {failovers} failovers, {elsewhere} steps elsewhere"
+        );
+    }
+    Ok(())
 }
 
 /// Generate the table pair, or reuse the one in `dir` while its digests match.
@@ -134,7 +175,7 @@ fn tables(args: &DemoArgs, dir: &Path) -> Result<TablePair> {
 
 /// Write the rack config (two donors, node "rack" over them and its SSD
 /// copy, node "ref" on local RAM) and return its path.
-fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
+fn rack_config(dir: &Path, tables: &TablePair, host_local: bool) -> Result<PathBuf> {
     let spec = RackSpec {
         donors: &["donor-a", "donor-b"],
         nodes: vec![
@@ -152,7 +193,11 @@ fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
         probe_interval_ms: 500,
         trust_copies: false,
         transport: cluster_config::Transport::Tls,
-        host_sockets: &[],
+        host_sockets: if host_local {
+            &["donor-a", "donor-b"]
+        } else {
+            &[]
+        },
     };
     let rk = rack::write_config(dir, tables, &spec)?;
     println!("2. rack config {}:", rk.config.display());
@@ -164,6 +209,13 @@ fn rack_config(dir: &Path, tables: &TablePair) -> Result<PathBuf> {
         println!(
             "   {} serves both tables on {} (control plane {})",
             d.name, d.listen, d.control
+        );
+    }
+    if host_local {
+        println!(
+            "   both donors also listen on a host socket ({} and {}): node \"rack\", on the same host, maps their tables (one copy for the host; no request per lookup)",
+            rack::host_socket(dir, "donor-a").display(),
+            rack::host_socket(dir, "donor-b").display()
         );
     }
     println!(
