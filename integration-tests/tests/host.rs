@@ -346,6 +346,8 @@ fn a_swap_while_four_threads_read_gives_no_torn_or_wrong_row() {
     let v1 = Arc::new(HostSource::new("d", rack.socket.clone(), rack.pin(0)).expect("watch"));
     let v2 = HostSource::new("d", rack.socket.clone(), rack.pin(1)).expect("watch");
     wait_for("v1 mapped", || v1.is_mapped(1));
+    // An engine's view of v1, held across the swap.
+    let held = v1.view(1).expect("a view of v1");
     let stop = Arc::new(AtomicBool::new(false));
     let readers: Vec<_> = (0..4u64)
         .map(|k| {
@@ -393,6 +395,16 @@ fn a_swap_while_four_threads_read_gives_no_torn_or_wrong_row() {
     let rows = random_rows(99, 24);
     v2.read(1, &rows, &mut out).expect("v2 rows");
     assert_eq!(first_mismatch(2, 1, &rows, &out), None, "v2's rows");
+    // The held view still maps v1, whole, after the source let it go; a
+    // fresh view is v2's.
+    assert!(v1.view(1).is_none());
+    assert_eq!(held.digest(), rack.tables[0].1);
+    let all: Vec<u64> = (0..ROWS).collect();
+    let bytes: Vec<u8> = all.iter().flat_map(|&r| held.row(r).expect("row").to_vec()).collect();
+    assert_eq!(first_mismatch(1, 1, &all, &bytes), None, "the held view is v1's");
+    assert_eq!(held.bytes().len(), ROWS as usize * ROW_BYTES);
+    assert_eq!(v2.view(1).map(|v| v.digest()), Some(rack.tables[1].1));
+    drop(held);
     std::thread::sleep(Duration::from_millis(50));
     stop.store(true, Ordering::Relaxed);
     let mut total = (0, 0);
