@@ -400,8 +400,15 @@ fn a_swap_while_four_threads_read_gives_no_torn_or_wrong_row() {
     assert!(v1.view(1).is_none());
     assert_eq!(held.digest(), rack.tables[0].1);
     let all: Vec<u64> = (0..ROWS).collect();
-    let bytes: Vec<u8> = all.iter().flat_map(|&r| held.row(r).expect("row").to_vec()).collect();
-    assert_eq!(first_mismatch(1, 1, &all, &bytes), None, "the held view is v1's");
+    let bytes: Vec<u8> = all
+        .iter()
+        .flat_map(|&r| held.row(r).expect("row").to_vec())
+        .collect();
+    assert_eq!(
+        first_mismatch(1, 1, &all, &bytes),
+        None,
+        "the held view is v1's"
+    );
     assert_eq!(held.bytes().len(), ROWS as usize * ROW_BYTES);
     assert_eq!(v2.view(1).map(|v| v.digest()), Some(rack.tables[1].1));
     drop(held);

@@ -318,6 +318,23 @@ impl ResidentTable {
         self.mem.map.get(at..at + ROW_BYTES)
     }
 
+    /// Map every page of the table into this process now
+    /// (`MADV_POPULATE_READ`; a read of each page where the kernel lacks
+    /// it), so that no lookup takes a page fault. For memory another
+    /// process filled (a host socket's memfd): its pages exist, but this
+    /// process's page tables do not point at them until touched, and a
+    /// first touch costs a fault in the middle of a lookup.
+    pub fn populate(&self) {
+        let map = &self.mem.map;
+        if map.advise(memmap2::Advice::PopulateRead).is_ok() {
+            return;
+        }
+        for page in map.chunks(4096) {
+            // SAFETY: a read of a byte inside the mapping.
+            let _ = unsafe { std::ptr::read_volatile(page.as_ptr()) };
+        }
+    }
+
     /// Ask the CPU to start loading row `row` into cache (a hint; no effect
     /// when out of range). Issuing this for every row of a lookup before
     /// copying any of them overlaps their DRAM latencies: measured on a
