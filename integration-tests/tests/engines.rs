@@ -99,6 +99,7 @@ fn the_c_library_serves_rows_fails_over_and_refuses_bad_calls() {
     c_test(&prog, &["rows", &c, "n", &s(&l1), &s(&l14), "4000"]);
     c_test(&prog, &["dequant", &c, "n"]);
     c_test(&prog, &["badinput", &c, "n"]);
+    c_test(&prog, &["rowids", &c, "only-donor"]);
     let lookups = std::env::var("ENGRAM_LEAK_LOOKUPS").unwrap_or_else(|_| "1000000".into());
     c_test(&prog, &["leak", &c, "n", &lookups]);
     c_test(

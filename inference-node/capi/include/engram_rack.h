@@ -250,6 +250,25 @@ engram_status engram_wait(const engram_ticket *t,
 // `t` is NULL or a ticket not yet freed.
 int32_t engram_ready(const engram_ticket *t, uint32_t layer);
 
+// Start fetches by row ids, for an engine that hashes on its own: `rows`
+// (`n_rows` of them) holds, position after position, columns
+// `col_lo..col_hi` of layer 1's then layer 14's row ids (`layer` 0), or
+// of layer `layer` (1 or 14) alone. A position whose ids are all
+// `ENGRAM_NO_ROW` is DEAD. Ids are checked against each table's size and
+// deduplicated; one message per table. On success `*out` owns a new
+// ticket whose waits take `positions x (col_hi - col_lo) x 264` bytes.
+//
+// # Safety
+// `mem` as for `engram_close`; `rows` holds `n_rows` u64; `out` points
+// to writable storage for one pointer.
+engram_status engram_prefetch_rows(const engram_memory *mem,
+                                   const uint64_t *rows,
+                                   size_t n_rows,
+                                   uint32_t layer,
+                                   uint32_t col_lo,
+                                   uint32_t col_hi,
+                                   engram_ticket **out);
+
 // Layer `layer`'s whole table as this process maps it: a host-local
 // donor's memory, which every process on the host maps (one physical
 // copy), or else the node's own `local` copy. Waits up to `wait_ms` for

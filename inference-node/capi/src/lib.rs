@@ -625,6 +625,56 @@ pub unsafe extern "C" fn engram_ready(t: *const engram_ticket, layer: u32) -> i3
     }
 }
 
+/// Start fetches by row ids, for an engine that hashes on its own: `rows`
+/// (`n_rows` of them) holds, position after position, columns
+/// `col_lo..col_hi` of layer 1's then layer 14's row ids (`layer` 0), or
+/// of layer `layer` (1 or 14) alone. A position whose ids are all
+/// `ENGRAM_NO_ROW` is DEAD. Ids are checked against each table's size and
+/// deduplicated; one message per table. On success `*out` owns a new
+/// ticket whose waits take `positions x (col_hi - col_lo) x 264` bytes.
+///
+/// # Safety
+/// `mem` as for `engram_close`; `rows` holds `n_rows` u64; `out` points
+/// to writable storage for one pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engram_prefetch_rows(
+    mem: *const engram_memory,
+    rows: *const u64,
+    n_rows: usize,
+    layer: u32,
+    col_lo: u32,
+    col_hi: u32,
+    out: *mut *mut engram_ticket,
+) -> engram_status {
+    guard(|| {
+        // SAFETY: the caller's promise.
+        let Some(m) = (unsafe { mem.as_ref() }) else {
+            return bad("mem is NULL");
+        };
+        if out.is_null() {
+            return bad("out is NULL");
+        }
+        // SAFETY: `n_rows` readable u64 (the caller's promise).
+        let rows = tri!(unsafe { borrow(rows, n_rows, "rows") });
+        let layers = if layer == 0 {
+            embed::RowLayers::Both
+        } else {
+            embed::RowLayers::One(layer)
+        };
+        match m
+            .inner
+            .prefetch_rows(rows, layers, col_lo as usize..col_hi as usize)
+        {
+            Ok(t) => {
+                // SAFETY: `out` is writable (the caller's promise).
+                unsafe { *out = Box::into_raw(Box::new(engram_ticket { inner: t })) };
+                ENGRAM_OK
+            }
+            Err(e) => fail(e),
+        }
+    })
+}
+
 /// Layer `layer`'s whole table as this process maps it: a host-local
 /// donor's memory, which every process on the host maps (one physical
 /// copy), or else the node's own `local` copy. Waits up to `wait_ms` for

@@ -228,6 +228,28 @@ impl Memory {
         Ok(Ticket { inner })
     }
 
+    /// Start fetches by row ids: `rows` (a uint64 buffer) holds, per
+    /// position, columns `lo..hi` of layer 1 then layer 14 (`layer` None),
+    /// or of `layer` alone.
+    #[pyo3(signature = (rows, layer, lo, hi))]
+    fn prefetch_rows(
+        &self,
+        rows: &Bound<'_, PyAny>,
+        layer: Option<u32>,
+        lo: usize,
+        hi: usize,
+    ) -> PyResult<Ticket> {
+        let rows = buffer::<u64>(rows, "rows", "give a uint64 array", false)?;
+        // SAFETY: held for the call, with the GIL.
+        let rows_s = unsafe { slice(&rows) };
+        let layers = layer.map_or(embed::RowLayers::Both, embed::RowLayers::One);
+        let inner = self
+            .inner
+            .prefetch_rows(rows_s, layers, lo..hi)
+            .map_err(err)?;
+        Ok(Ticket { inner })
+    }
+
     /// Start both tables' fetches for `ids` cut into `segments` [(len, context)].
     fn prefetch_segments(
         &self,
@@ -518,10 +540,16 @@ impl Ticket {
         self.inner.positions()
     }
 
-    /// Bytes of one layer's rows: positions x 24 x 264.
+    /// Bytes of one layer's rows: positions x columns x 264.
     #[getter]
     fn nbytes(&self) -> usize {
         self.inner.bytes()
+    }
+
+    /// Rows per position per layer (24, or a row-id prefetch's columns).
+    #[getter]
+    fn columns(&self) -> usize {
+        self.inner.columns()
     }
 
     /// Whether `layer`'s fetch has ended.

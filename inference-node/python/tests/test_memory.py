@@ -407,3 +407,50 @@ def test_a_million_lookups_leave_rss_flat(rack):
     grew = after - before
     print(f"{lookups} lookups: RSS {before} KiB -> {after} KiB")
     assert grew < 4096, f"RSS grew {grew} KiB over {lookups} lookups"
+
+
+def test_prefetch_by_row_ids_matches_the_token_prefetch(rack):
+    rack.start()
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, VOCAB, size=9, dtype=np.int64)
+    ids[4] = -1  # a DEAD position
+    with er.Memory(rack.config, "only-donor", metrics="off") as mem:
+        addr = mem.addresses(ids, [1, 2, 3])
+        by_token = mem.prefetch(ids, [1, 2, 3])
+        by_rows = mem.prefetch_rows(addr)
+        assert by_rows.columns == 24 and by_rows.positions == 9
+        for layer in er.LAYERS:
+            want = by_token.rows(layer, timeout=10)
+            got = by_rows.row_buffer()
+            served = by_rows.wait(layer, got, timeout=10)
+            assert served.sources == ["d"], served
+            assert (got == want).all()
+            assert not got[4].any()
+        # One layer, a head slice (columns 8..16), as int64 with -1 for DEAD
+        # (what an engine's hash ids look like).
+        slice14 = addr[:, 1, 8:16].astype(np.int64)
+        slice14[4] = -1
+        t = mem.prefetch_rows(slice14, layer=14, columns=(8, 16))
+        assert t.columns == 8 and t.nbytes == 9 * 8 * 264
+        got = t.rows(14, timeout=10)
+        assert (got == by_token.rows(14, timeout=10)[:, 8:16]).all()
+        with pytest.raises(er.BadInputError, match="fetched layer 14's rows only"):
+            t.rows(1)
+        # Bad input: clear errors, nothing fetched.
+        past = addr.copy()
+        past[0, 0, 3] = 10**9
+        cases = [
+            (lambda: mem.prefetch_rows(past), "position 0, layer 1, column 3: row 1000000000, past table 1's"),
+            (lambda: mem.prefetch_rows(addr[:, :, :8]), r"shape \(9, 2, 8\); give \(positions, 2, 24\)"),
+            (lambda: mem.prefetch_rows(addr[:, 0, :], layer=2), "layer 2 has no Engram table"),
+            (lambda: mem.prefetch_rows(addr, columns=(5, 5)), "give 0 <= lo < hi <= 24"),
+            (lambda: mem.prefetch_rows(addr.astype(np.float32)), "dtype float32"),
+            (lambda: mem.prefetch_rows(np.full((1, 2, 24), -5)), "row id -5 is negative"),
+            (lambda: mem.prefetch_rows(np.zeros((0, 2, 24), np.uint64)), "not whole positions"),
+        ]
+        partial = addr.copy()
+        partial[1, 1, 0] = er.NO_ROW
+        cases.append((lambda: mem.prefetch_rows(partial), "NO_ROW beside live row ids"))
+        for call, msg in cases:
+            with pytest.raises(er.BadInputError, match=msg):
+                call()

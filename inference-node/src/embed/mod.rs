@@ -26,7 +26,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
-use engram_protocol::hashing::{ENGRAM_LAYERS, HashParams};
+use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS, HashParams};
 use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, dequantize_row_bf16};
 use engram_protocol::{ROW_BYTES, RowBytes};
 use thiserror::Error;
@@ -95,6 +95,15 @@ pub enum MetricsAt {
     Addr(SocketAddr),
 }
 
+/// Which layers a row-id prefetch ([`EngramMemory::prefetch_rows`]) carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowLayers {
+    /// Layer 1's ids, then layer 14's, per position.
+    Both,
+    /// One layer's (1 or 14).
+    One(u32),
+}
+
 /// How [`EngramMemory::open_with`] opens.
 #[derive(Debug, Clone, Default)]
 pub struct OpenOptions {
@@ -134,6 +143,8 @@ struct Open {
     memory: Memory,
     routers: [Arc<Router>; 2],
     tables: [u32; 2],
+    /// Each table's row count (row ids at or past it are refused).
+    table_rows: [u64; 2],
     addressing: Addressing,
     chunk_rows: usize,
     metrics: Arc<NodeMetrics>,
@@ -323,8 +334,110 @@ impl EngramMemory {
         let plan = open.addressing.plan(ids, segments)?;
         let [l1, l14] = plan.layers;
         let ticket = Ticket::new(plan.live, [l1.index, l14.index], open.tables);
+        self.start(&open, ticket, [Some(l1.unique), Some(l14.unique)])
+    }
+
+    /// Start fetching rows by their ids, as an engine that hashes on its
+    /// own (on its GPU) has them: `rows` holds, position after position,
+    /// `columns.len()` row ids of each layer in `layers` (both: layer 1's,
+    /// then layer 14's; or one layer's), the columns `columns` of the 24
+    /// (a tensor-parallel rank's head slice; `0..24` for all). A position
+    /// whose ids are all [`NO_ROW`] is DEAD (zeros, nothing fetched).
+    /// Ids are checked against each table's size and deduplicated; one
+    /// message per table, as [`Self::prefetch`]. The ticket's waits take
+    /// `positions x columns.len() x 264` bytes.
+    pub fn prefetch_rows(
+        &self,
+        rows: &[u64],
+        layers: RowLayers,
+        columns: std::ops::Range<usize>,
+    ) -> Result<Ticket, EmbedError> {
+        let open = self.open_state()?;
+        let width = columns.len();
+        if columns.start >= columns.end || columns.end > COLUMNS {
+            return Err(EmbedError::BadInput(format!(
+                "columns {}..{}: give a non-empty range within 0..{COLUMNS}",
+                columns.start, columns.end
+            )));
+        }
+        let slots: Vec<usize> = match layers {
+            RowLayers::Both => vec![0, 1],
+            RowLayers::One(layer) => vec![ticket::slot_of(layer)?],
+        };
+        let stride = slots.len() * width;
+        if rows.is_empty() || !rows.len().is_multiple_of(stride) {
+            return Err(EmbedError::BadInput(format!(
+                "{} row ids are not whole positions of {} layer(s) x {width} columns",
+                rows.len(),
+                slots.len()
+            )));
+        }
+        let positions = rows.len() / stride;
+        if positions > crate::engram::addresses::MAX_POSITIONS {
+            return Err(EmbedError::BadInput(format!(
+                "{positions} positions is more than the {} one call takes",
+                crate::engram::addresses::MAX_POSITIONS
+            )));
+        }
+        let mut live = Vec::with_capacity(positions);
+        let mut all: [Vec<u64>; 2] = Default::default();
+        for (p, pos) in rows.chunks_exact(stride).enumerate() {
+            let dead = pos.iter().all(|&r| r == NO_ROW);
+            live.push(!dead);
+            if dead {
+                continue;
+            }
+            for (k, &slot) in slots.iter().enumerate() {
+                for (c, &r) in pos[k * width..(k + 1) * width].iter().enumerate() {
+                    if r >= open.table_rows[slot] {
+                        let what = if r == NO_ROW {
+                            "NO_ROW beside live row ids (a DEAD position has NO_ROW in every column)"
+                                .to_string()
+                        } else {
+                            format!(
+                                "row {r}, past table {}'s {} rows",
+                                open.tables[slot], open.table_rows[slot]
+                            )
+                        };
+                        return Err(EmbedError::BadInput(format!(
+                            "position {p}, layer {}, column {}: {what}",
+                            ENGRAM_LAYERS[slot],
+                            columns.start + c
+                        )));
+                    }
+                    all[slot].push(r);
+                }
+            }
+        }
+        let mut present = [false; 2];
+        let mut index: [Vec<u32>; 2] = Default::default();
+        let mut unique: [Option<Vec<u64>>; 2] = Default::default();
+        for &slot in &slots {
+            present[slot] = true;
+            let mut u = all[slot].clone();
+            u.sort_unstable();
+            u.dedup();
+            index[slot] = all[slot]
+                .iter()
+                .map(|r| u.binary_search(r).unwrap_or(0) as u32)
+                .collect();
+            unique[slot] = Some(u);
+        }
+        let ticket = Ticket::with_columns(live, index, open.tables, width, present);
+        self.start(&open, ticket, unique)
+    }
+
+    /// Spawn the fetch of each layer's distinct rows (`None`: a layer the
+    /// ticket does not carry) and hand the ticket back.
+    fn start(
+        &self,
+        open: &Open,
+        ticket: Ticket,
+        unique: [Option<Vec<u64>>; 2],
+    ) -> Result<Ticket, EmbedError> {
         let started = Instant::now();
-        for (slot, unique) in [l1.unique, l14.unique].into_iter().enumerate() {
+        for (slot, unique) in unique.into_iter().enumerate() {
+            let Some(unique) = unique else { continue };
             if unique.is_empty() {
                 // Every position is DEAD: nothing to fetch, zeros to write.
                 ticket.done[slot].finish(crate::model::Fetch::default(), Duration::ZERO);
@@ -492,6 +605,12 @@ async fn build(
             .ok_or_else(|| SetupError::Config(format!("table {t} has no router")))
     };
     let routers = [router(tables[0])?, router(tables[1])?];
+    let rows_of = |t: u32| {
+        cfg.table(t)
+            .map(|t| t.rows)
+            .ok_or_else(|| SetupError::Config(format!("table {t} is not in the config")))
+    };
+    let table_rows = [rows_of(tables[0])?, rows_of(tables[1])?];
     usable_at_start(&routers, &crate::model::v41_slots(tables[0], tables[1]))?;
     let (metrics_addr, metrics_task) = match metrics_at {
         Some(a) => {
@@ -510,6 +629,7 @@ async fn build(
         memory,
         routers,
         tables,
+        table_rows,
         addressing,
         chunk_rows,
         metrics,

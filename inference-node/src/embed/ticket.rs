@@ -170,6 +170,10 @@ pub struct Ticket {
     pub(crate) index: [Vec<u32>; 2],
     pub(crate) tables: [u32; 2],
     pub(crate) done: [Arc<Done>; 2],
+    /// Rows per position per layer: 24, or a row-id prefetch's columns.
+    columns: usize,
+    /// The layers it fetches (a row-id prefetch may carry one).
+    present: [bool; 2],
 }
 
 /// The slot of an Engram layer (0 for layer 1, 1 for layer 14).
@@ -186,12 +190,43 @@ pub(crate) fn slot_of(layer: u32) -> Result<usize, EmbedError> {
 
 impl Ticket {
     pub(crate) fn new(live: Vec<bool>, index: [Vec<u32>; 2], tables: [u32; 2]) -> Self {
+        Self::with_columns(live, index, tables, COLUMNS, [true; 2])
+    }
+
+    /// A ticket of `columns` rows per position per layer, for the layers
+    /// `present` says.
+    pub(crate) fn with_columns(
+        live: Vec<bool>,
+        index: [Vec<u32>; 2],
+        tables: [u32; 2],
+        columns: usize,
+        present: [bool; 2],
+    ) -> Self {
         Self {
             live,
             index,
             tables,
             done: Default::default(),
+            columns,
+            present,
         }
+    }
+
+    /// The slot of `layer`, when this ticket fetches it.
+    fn slot(&self, layer: u32) -> Result<usize, EmbedError> {
+        let slot = slot_of(layer)?;
+        if !self.present[slot] {
+            return Err(EmbedError::BadInput(format!(
+                "this ticket fetched layer {}'s rows only, not layer {layer}'s",
+                ENGRAM_LAYERS[1 - slot]
+            )));
+        }
+        Ok(slot)
+    }
+
+    /// Rows per position per layer (24, or the columns a row-id prefetch asked).
+    pub fn columns(&self) -> usize {
+        self.columns
     }
 
     /// Positions in the batch.
@@ -199,20 +234,21 @@ impl Ticket {
         self.live.len()
     }
 
-    /// Bytes a layer's rows take in the caller's buffer: positions x 24 x 264.
+    /// Bytes a layer's rows take in the caller's buffer: positions x
+    /// columns (24) x 264.
     pub fn bytes(&self) -> usize {
-        self.live.len() * POSITION_BYTES
+        self.live.len() * self.columns * ROW_BYTES
     }
 
     /// Whether `layer`'s rows have arrived (or its fetch has failed).
     pub fn ready(&self, layer: u32) -> Result<bool, EmbedError> {
-        Ok(self.done[slot_of(layer)?].fetch.get().is_some())
+        Ok(self.done[self.slot(layer)?].fetch.get().is_some())
     }
 
     /// Call `cb` once `layer`'s fetch has ended, on the memory's I/O thread
     /// (or now, when it has): for an event loop's wake-up, nothing slow.
     pub fn on_ready(&self, layer: u32, cb: Box<dyn FnOnce() + Send>) -> Result<(), EmbedError> {
-        self.done[slot_of(layer)?].on_ready(cb);
+        self.done[self.slot(layer)?].on_ready(cb);
         Ok(())
     }
 
@@ -228,13 +264,14 @@ impl Ticket {
         timeout: Option<Duration>,
     ) -> Result<Served, EmbedError> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let slot = slot_of(layer)?;
+        let slot = self.slot(layer)?;
         if out.len() != self.bytes() {
             return Err(EmbedError::BadInput(format!(
-                "the row buffer has {} bytes; {} positions need {} (positions x {COLUMNS} rows x {ROW_BYTES} bytes)",
+                "the row buffer has {} bytes; {} positions need {} (positions x {} rows x {ROW_BYTES} bytes)",
                 out.len(),
                 self.positions(),
-                self.bytes()
+                self.bytes(),
+                self.columns
             )));
         }
         let Some((fetch, took)) = self.done[slot].wait(deadline) else {
@@ -264,8 +301,9 @@ impl Ticket {
 
     /// Distinct rows (as fetched) -> every position's 24 rows, in place.
     fn scatter(&self, slot: usize, fetched: &[u8], out: &mut [u8]) {
-        let mut cols = self.index[slot].chunks_exact(COLUMNS);
-        for (live, dst) in self.live.iter().zip(out.chunks_exact_mut(POSITION_BYTES)) {
+        let mut cols = self.index[slot].chunks_exact(self.columns);
+        let per_position = self.columns * ROW_BYTES;
+        for (live, dst) in self.live.iter().zip(out.chunks_exact_mut(per_position)) {
             match live.then(|| cols.next()).flatten() {
                 Some(idx) => {
                     for (&i, row) in idx.iter().zip(dst.chunks_exact_mut(ROW_BYTES)) {

@@ -10,6 +10,7 @@
  *   engram_test badinput CONFIG NODE
  *   engram_test leak CONFIG NODE LOOKUPS
  *   engram_test view CONFIG NODE L1.etab L14.etab SHARED
+ *   engram_test rowids CONFIG NODE
  */
 #include <dirent.h>
 #include <math.h>
@@ -452,9 +453,66 @@ static int cmd_view(char **a, int n) {
     return failures ? 1 : 0;
 }
 
+/* A prefetch by row ids gives what the token prefetch gives: all 24
+ * columns of both layers, and one layer's head slice; bad ids refused. */
+static int cmd_rowids(char **a, int n) {
+    if (n != 2) return 2;
+    engram_memory *m = open_memory(a[0], a[1]);
+    enum { P = 6 };
+    int64_t ids[P];
+    for (int p = 0; p < P; p++) ids[p] = (int64_t)((p + 1) * 7919 % VOCAB);
+    ids[2] = -1; /* DEAD */
+    engram_segment seg = {P, {ENGRAM_NO_TOKEN, ENGRAM_NO_TOKEN, 7}};
+    uint64_t addr[P * 48];
+    engram_status s = engram_addresses(m, ids, P, &seg, 1, addr, P * 48);
+    if (s != ENGRAM_OK) die(s, "addresses");
+    engram_ticket *by_token = NULL, *by_rows = NULL, *slice = NULL;
+    if ((s = engram_prefetch(m, ids, P, &seg, 1, &by_token)) != ENGRAM_OK) die(s, "prefetch");
+    if ((s = engram_prefetch_rows(m, addr, P * 48, 0, 0, 24, &by_rows)) != ENGRAM_OK) die(s, "prefetch_rows");
+    /* Layer 14's columns 8..16 alone. */
+    uint64_t part[P * 8];
+    for (int p = 0; p < P; p++)
+        for (int c = 0; c < 8; c++) part[p * 8 + c] = addr[p * 48 + 24 + 8 + c];
+    if ((s = engram_prefetch_rows(m, part, P * 8, 14, 8, 16, &slice)) != ENGRAM_OK) die(s, "prefetch_rows slice");
+    static uint8_t want[P * ENGRAM_POSITION_BYTES], got[P * ENGRAM_POSITION_BYTES];
+    static uint8_t some[P * 8 * ENGRAM_ROW_BYTES];
+    const uint32_t layers[2] = {1, 14};
+    engram_served sv;
+    for (int l = 0; l < 2; l++) {
+        if ((s = engram_wait(by_token, layers[l], want, sizeof want, 5000000, &sv)) != ENGRAM_OK) die(s, "wait");
+        if ((s = engram_wait(by_rows, layers[l], got, sizeof got, 5000000, &sv)) != ENGRAM_OK) die(s, "wait rows");
+        EXPECT(memcmp(want, got, sizeof got) == 0, "layer %u: rows by id differ from rows by token", layers[l]);
+    }
+    if ((s = engram_wait(slice, 14, some, sizeof some, 5000000, &sv)) != ENGRAM_OK) die(s, "wait slice");
+    for (int p = 0; p < P; p++)
+        EXPECT(memcmp(some + p * 8 * ENGRAM_ROW_BYTES, want + p * ENGRAM_POSITION_BYTES + 8 * ENGRAM_ROW_BYTES,
+                      8 * ENGRAM_ROW_BYTES) == 0,
+               "position %d: the head slice differs", p);
+    EXPECT(engram_wait(slice, 1, some, sizeof some, 0, &sv) == ENGRAM_BAD_INPUT, "layer 1 of a layer-14 ticket");
+    /* Refused: a row past the table, a partial DEAD, an empty column range. */
+    engram_ticket *none = NULL;
+    uint64_t bad[48];
+    memcpy(bad, addr, sizeof bad);
+    bad[5] = 1ull << 40;
+    EXPECT(engram_prefetch_rows(m, bad, 48, 0, 0, 24, &none) == ENGRAM_BAD_INPUT, "a row past the table");
+    EXPECT(strstr(engram_last_error(), "past table") != NULL, "%s", engram_last_error());
+    memcpy(bad, addr, sizeof bad);
+    bad[30] = ENGRAM_NO_ROW;
+    EXPECT(engram_prefetch_rows(m, bad, 48, 0, 0, 24, &none) == ENGRAM_BAD_INPUT, "a partial DEAD");
+    EXPECT(engram_prefetch_rows(m, addr, 48, 0, 3, 3, &none) == ENGRAM_BAD_INPUT, "no columns");
+    EXPECT(engram_prefetch_rows(m, NULL, 48, 0, 0, 24, &none) == ENGRAM_BAD_INPUT, "NULL rows");
+    EXPECT(none == NULL, "no ticket made by a refused call");
+    engram_ticket_free(by_token);
+    engram_ticket_free(by_rows);
+    engram_ticket_free(slice);
+    engram_free(m);
+    printf("rows by id: both layers and a head slice identical to rows by token\n");
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak|view ARGS...\n", argv[0]);
+        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak|view|rowids ARGS...\n", argv[0]);
         return 2;
     }
     char **a = argv + 2;
@@ -467,6 +525,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[1], "badinput") == 0) rc = cmd_badinput(a, n);
     else if (strcmp(argv[1], "leak") == 0) rc = cmd_leak(a, n);
     else if (strcmp(argv[1], "view") == 0) rc = cmd_view(a, n);
+    else if (strcmp(argv[1], "rowids") == 0) rc = cmd_rowids(a, n);
     if (rc == 2) fprintf(stderr, "bad arguments for %s\n", argv[1]);
     return rc;
 }

@@ -130,8 +130,18 @@ class Ticket:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one layer's rows: positions x 24 x 264."""
+        """Bytes of one layer's rows: positions x columns x 264."""
         return self._t.nbytes
+
+    @property
+    def columns(self) -> int:
+        """Rows per position per layer: 24, or the columns a
+        `prefetch_rows` asked for."""
+        return self._t.columns
+
+    def row_buffer(self) -> np.ndarray:
+        """A (positions, columns, 264) uint8 array for one layer's rows."""
+        return np.zeros((self.positions, self.columns, ROW_BYTES), dtype=np.uint8)
 
     def ready(self, layer: int) -> bool:
         """Whether `layer`'s fetch has ended (without waiting)."""
@@ -176,8 +186,8 @@ class Ticket:
         return self._t.wait(layer, out, 0.0)
 
     def rows(self, layer: int, timeout: float | None = None) -> np.ndarray:
-        """`wait` into a new (positions, 24, 264) uint8 array, and return it."""
-        out = np.empty((self.positions, COLUMNS, ROW_BYTES), dtype=np.uint8)
+        """`wait` into a new (positions, columns, 264) uint8 array, and return it."""
+        out = np.empty((self.positions, self.columns, ROW_BYTES), dtype=np.uint8)
         self._t.wait(layer, out, timeout)
         return out
 
@@ -276,6 +286,40 @@ class Memory:
         if not parts:
             raise BadInputError("no sequences in the batch")
         return Ticket(self._m.prefetch_segments(np.concatenate(parts), segs))
+
+    def prefetch_rows(self, rows, layer: int | None = None,
+                      columns: tuple[int, int] = (0, COLUMNS)) -> Ticket:
+        """Start fetches by row ids, for an engine that hashes on its own.
+
+        `rows`: a (positions, 2, w) array of layer 1's then layer 14's row
+        ids per position, or with `layer` (1 or 14) that layer's
+        (positions, w); numpy or a CPU torch tensor, any integer dtype (a
+        negative id must be -1, read as NO_ROW). `columns`: the columns
+        (lo, hi) of the 24 these are, w = hi - lo (a tensor-parallel rank's
+        head slice); all 24 by default. A position whose ids are all NO_ROW
+        is DEAD. Ids are checked against each table's size and deduplicated;
+        one message per table. Wait into `ticket.row_buffer()`.
+        """
+        try:
+            lo, hi = (int(c) for c in columns)
+        except (TypeError, ValueError):
+            raise BadInputError(f"columns {columns!r}: give (lo, hi)") from None
+        if not 0 <= lo < hi <= COLUMNS:
+            raise BadInputError(f"columns ({lo}, {hi}): give 0 <= lo < hi <= {COLUMNS}")
+        a = np.asarray(rows)
+        if a.dtype.kind not in "iu":
+            raise BadInputError(f"rows have dtype {a.dtype}; give integer row ids")
+        width = hi - lo
+        want = (2, width) if layer is None else (width,)
+        if a.ndim != 1 + len(want) or tuple(a.shape[1:]) != want:
+            what = "(positions, 2, %d)" % width if layer is None else "(positions, %d)" % width
+            raise BadInputError(f"rows have shape {tuple(a.shape)}; give {what}")
+        if a.dtype.kind == "i":
+            if a.size and int(a.min()) < -1:
+                raise BadInputError(f"row id {int(a.min())} is negative (only -1, NO_ROW, is)")
+            a = np.where(a < 0, np.uint64(NO_ROW), a.astype(np.uint64, copy=False))
+        a = np.ascontiguousarray(a, dtype=np.uint64)
+        return Ticket(self._m.prefetch_rows(a.reshape(-1), layer, lo, hi))
 
     def row_buffer(self, positions: int) -> np.ndarray:
         """A (positions, 24, 264) uint8 array for one layer's rows."""
