@@ -399,15 +399,22 @@ async fn build(
                             })
                             .collect();
                         tracing::info!(donor = %d.name, socket = %path.display(), "the donor is on this host: its tables are mapped from its host socket");
-                        let host =
-                            crate::source::HostSource::new(d.name.clone(), path.clone(), pins)
-                                .map_err(|e| MemoryError::Internal {
-                                    table: spec.pinned.first().map_or(0, |p| p.0),
-                                    message: format!(
-                                        "cannot watch donor {}'s host socket: {e}",
-                                        d.name
-                                    ),
-                                })?;
+                        let gaps = metrics
+                            .host_gaps
+                            .get_or_create(&SourceOnly {
+                                source: d.name.clone(),
+                            })
+                            .clone();
+                        let host = crate::source::HostSource::with_gap_metric(
+                            d.name.clone(),
+                            path.clone(),
+                            pins,
+                            Some(gaps),
+                        )
+                        .map_err(|e| MemoryError::Internal {
+                            table: spec.pinned.first().map_or(0, |p| p.0),
+                            message: format!("cannot watch donor {}'s host socket: {e}", d.name),
+                        })?;
                         Arc::new(host)
                     }
                     None => Arc::new(

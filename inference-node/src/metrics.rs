@@ -65,6 +65,9 @@ pub struct NodeMetrics {
     pub source_errors: Family<ErrorLabels, Counter>,
     /// 0 closed, 1 half-open, 2 open.
     pub breaker_state: Family<SourceOnly, Gauge>,
+    /// Times a host-local donor went away while its tables stayed mapped
+    /// (and kept being served from the mapping).
+    pub host_gaps: Family<SourceOnly, Counter>,
     /// Answers refused because the source serves another table version.
     pub version_mismatches: Family<SourceLabels, Counter>,
     /// Answers discarded because a checksum or row check failed.
@@ -145,6 +148,7 @@ impl NodeMetrics {
             failovers: Family::default(),
             source_errors: Family::default(),
             breaker_state: Family::default(),
+            host_gaps: Family::default(),
             version_mismatches: Family::default(),
             checksum_failures: Family::default(),
             rows_served: Family::default(),
@@ -192,6 +196,11 @@ impl NodeMetrics {
                 "breaker_state",
                 "Circuit breaker per source: 0 closed, 1 half-open, 2 open",
                 m.breaker_state.clone(),
+            );
+            r.register(
+                "host_gaps",
+                "Times a host-local donor went away while its tables stayed mapped and served",
+                m.host_gaps.clone(),
             );
             r.register(
                 "version_mismatches",

@@ -292,7 +292,15 @@ fn raw_first_table(socket: &Path) -> std::fs::File {
 fn kill_9_of_the_donor_under_load_costs_no_lookup() {
     let rack = rack("");
     let mut donor = rack.start();
-    let src = Arc::new(HostSource::new("d", rack.socket.clone(), rack.pin(0)).expect("watch"));
+    let metrics = NodeMetrics::new();
+    let gaps = metrics
+        .host_gaps
+        .get_or_create(&inference_node::metrics::SourceOnly { source: "d".into() })
+        .clone();
+    let src = Arc::new(
+        HostSource::with_gap_metric("d", rack.socket.clone(), rack.pin(0), Some(gaps))
+            .expect("watch"),
+    );
     wait_for("the mapping", || src.is_mapped(1));
     let generation = src.generation(1);
     let stop = Arc::new(AtomicBool::new(false));
@@ -324,6 +332,12 @@ fn kill_9_of_the_donor_under_load_costs_no_lookup() {
         "lookups go on after the kill"
     );
     wait_for("the gap counted", || src.gaps() == 1);
+    let text = metrics.render();
+    assert_eq!(
+        sample(&text, "engram_node_host_gaps_total{source=\"d\"}"),
+        Some(1.0),
+        "{text}"
+    );
     // Back: a new load (no fd store here), so a new generation, mapped in
     // its turn while the readers read.
     drop(donor);

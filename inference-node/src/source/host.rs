@@ -68,6 +68,8 @@ struct State {
     settled: AtomicBool,
     /// Times the donor went away while the node held its mappings.
     gaps: AtomicU64,
+    /// The same, for `/metrics`, when the source has one.
+    gap_metric: Option<prometheus_client::metrics::counter::Counter>,
     stop: AtomicBool,
 }
 
@@ -87,8 +89,22 @@ impl HostSource {
         path: PathBuf,
         pinned: Vec<(u32, ExpectedTable)>,
     ) -> io::Result<Self> {
+        Self::with_gap_metric(name, path, pinned, None)
+    }
+
+    /// [`Self::new`], each gap also counted in `gaps`
+    /// (`engram_node_host_gaps_total`).
+    pub fn with_gap_metric(
+        name: impl Into<String>,
+        path: PathBuf,
+        pinned: Vec<(u32, ExpectedTable)>,
+        gaps: Option<prometheus_client::metrics::counter::Counter>,
+    ) -> io::Result<Self> {
         let name = name.into();
-        let state = Arc::new(State::default());
+        let state = Arc::new(State {
+            gap_metric: gaps,
+            ..State::default()
+        });
         *lock(&state.down) = Some("not connected yet".into());
         let (st, p, n) = (Arc::clone(&state), path.clone(), name.clone());
         std::thread::Builder::new()
@@ -255,6 +271,9 @@ fn watch(name: &str, path: &Path, pinned: &[(u32, ExpectedTable)], st: &State) {
             let was_synced = st.synced.swap(false, Ordering::Relaxed);
             if was_synced && mapped {
                 st.gaps.fetch_add(1, Ordering::Relaxed);
+                if let Some(c) = &st.gap_metric {
+                    c.inc();
+                }
                 tracing::warn!(donor = name, why = %why, "host socket: the donor went away; its memory keeps being served from the mappings");
             } else if was_synced {
                 tracing::warn!(donor = name, why = %why, "host socket lost");
