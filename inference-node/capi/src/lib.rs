@@ -218,6 +218,30 @@ fn guard(f: impl FnOnce() -> engram_status) -> engram_status {
     }
 }
 
+/// Run `f`, turning a panic into `fallback` (and the message into the
+/// thread's last error): for the entry points that return no status.
+fn guard_or<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    let mut out = None;
+    let status = guard(|| {
+        out = Some(f());
+        ENGRAM_OK
+    });
+    match (status, out) {
+        (ENGRAM_OK, Some(v)) => v,
+        _ => fallback,
+    }
+}
+
+/// Whether `len` items of `T` fit a slice (at most `isize::MAX` bytes).
+fn fits<T>(len: usize, what: &str) -> Result<(), engram_status> {
+    if len > isize::MAX as usize / size_of::<T>().max(1) {
+        return Err(bad(&format!(
+            "{what}: a length of {len} is past any buffer"
+        )));
+    }
+    Ok(())
+}
+
 /// `ptr[..len]`, NULL allowed only when `len` is 0.
 ///
 /// # Safety
@@ -229,6 +253,7 @@ unsafe fn borrow<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T]
     if ptr.is_null() {
         return Err(bad(&format!("{what} is NULL with a length of {len}")));
     }
+    fits::<T>(len, what)?;
     // SAFETY: the caller promises `len` readable T at `ptr`.
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
@@ -248,6 +273,7 @@ unsafe fn borrow_mut<'a, T>(
     if ptr.is_null() {
         return Err(bad(&format!("{what} is NULL with a length of {len}")));
     }
+    fits::<T>(len, what)?;
     // SAFETY: the caller promises `len` writable T at `ptr`, used by no one else.
     Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
 }
@@ -535,8 +561,10 @@ pub unsafe extern "C" fn engram_prefetch(
 /// `t` is NULL or a ticket not yet freed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engram_ticket_positions(t: *const engram_ticket) -> usize {
-    // SAFETY: the caller's promise.
-    unsafe { t.as_ref() }.map_or(0, |t| t.inner.positions())
+    guard_or(0, || {
+        // SAFETY: the caller's promise.
+        unsafe { t.as_ref() }.map_or(0, |t| t.inner.positions())
+    })
 }
 
 /// Wait for `layer`'s rows (1 or 14), at most `timeout_us` microseconds
@@ -611,18 +639,20 @@ pub unsafe extern "C" fn engram_wait(
 /// `t` is NULL or a ticket not yet freed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engram_ready(t: *const engram_ticket, layer: u32) -> i32 {
-    // SAFETY: the caller's promise.
-    let Some(t) = (unsafe { t.as_ref() }) else {
-        set_error("ticket is NULL");
-        return -1;
-    };
-    match t.inner.ready(layer) {
-        Ok(r) => i32::from(r),
-        Err(e) => {
-            fail(e);
-            -1
+    guard_or(-1, || {
+        // SAFETY: the caller's promise.
+        let Some(t) = (unsafe { t.as_ref() }) else {
+            set_error("ticket is NULL");
+            return -1;
+        };
+        match t.inner.ready(layer) {
+            Ok(r) => i32::from(r),
+            Err(e) => {
+                fail(e);
+                -1
+            }
         }
-    }
+    })
 }
 
 /// Start fetches by row ids, for an engine that hashes on its own: `rows`
@@ -757,10 +787,12 @@ pub unsafe extern "C" fn engram_view_info(
 /// or after this call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engram_view_free(view: *mut engram_view) {
-    if !view.is_null() {
-        // SAFETY: made by Box::into_raw in engram_table_view, freed once.
-        drop(unsafe { Box::from_raw(view) });
-    }
+    guard_or((), || {
+        if !view.is_null() {
+            // SAFETY: made by Box::into_raw in engram_table_view, freed once.
+            drop(unsafe { Box::from_raw(view) });
+        }
+    });
 }
 
 /// Free a ticket (its fetches, if still running, end on their own). NULL
@@ -771,10 +803,12 @@ pub unsafe extern "C" fn engram_view_free(view: *mut engram_view) {
 /// after this call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn engram_ticket_free(t: *mut engram_ticket) {
-    if !t.is_null() {
-        // SAFETY: made by Box::into_raw in engram_prefetch, freed once.
-        drop(unsafe { Box::from_raw(t) });
-    }
+    guard_or((), || {
+        if !t.is_null() {
+            // SAFETY: made by Box::into_raw in engram_prefetch, freed once.
+            drop(unsafe { Box::from_raw(t) });
+        }
+    });
 }
 
 /// Dequantize `rows_len` bytes of rows (a multiple of 264) into `out`

@@ -99,6 +99,20 @@ fn buffer<T: Element>(
     Ok(b)
 }
 
+/// A clear error when the output buffer `out` shares memory with the
+/// input `input` (a slice of one written while the other is read).
+fn apart<A, B>(input: &PyBuffer<A>, out: &PyBuffer<B>) -> PyResult<()> {
+    let span = |p: *mut std::ffi::c_void, n: usize| (p as usize, p as usize + n);
+    let (a0, a1) = span(input.buf_ptr(), input.len_bytes());
+    let (b0, b1) = span(out.buf_ptr(), out.len_bytes());
+    if a0 < b1 && b0 < a1 {
+        return Err(bad(
+            "out shares memory with the input: give an output buffer of its own".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The buffer's memory as a slice.
 ///
 /// # Safety
@@ -201,6 +215,7 @@ impl Memory {
     ) -> PyResult<()> {
         let ids = buffer::<i64>(ids, "ids", INT64, false)?;
         let out = buffer::<u64>(out, "out", "row ids are uint64", true)?;
+        apart(&ids, &out)?;
         // SAFETY: both buffers are held for the call, with the GIL.
         let (ids_s, out_s) = unsafe { (slice(&ids), slice_mut(&out)) };
         self.inner
@@ -610,6 +625,7 @@ impl Ticket {
 fn dequantize_f32(py: Python<'_>, rows: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
     let r = buffer::<u8>(rows, "rows", ROWS, false)?;
     let o = buffer::<f32>(out, "out", "float32 output needs float32", true)?;
+    apart(&r, &o)?;
     // SAFETY: both held for the call; the caller does not write them meanwhile.
     let (rs, os) = unsafe { (slice(&r), slice_mut(&o)) };
     py.detach(|| embed::dequantize_f32(rs, os)).map_err(err)
@@ -629,6 +645,7 @@ fn dequantize_bf16(
         Err(e) => {
             // Same bits, other sign convention: reinterpret an int16 buffer.
             let signed = buffer::<i16>(out, "out", BF16, true).map_err(|_| e)?;
+            apart(&r, &signed)?;
             // SAFETY: held for the call; i16 and u16 share size and alignment.
             let os = unsafe {
                 std::slice::from_raw_parts_mut(signed.buf_ptr().cast::<u16>(), signed.item_count())
@@ -638,6 +655,7 @@ fn dequantize_bf16(
             return py.detach(|| embed::dequantize_bf16(rs, os)).map_err(err);
         }
     };
+    apart(&r, &o)?;
     // SAFETY: both held for the call.
     let (rs, os) = unsafe { (slice(&r), slice_mut(&o)) };
     py.detach(|| embed::dequantize_bf16(rs, os)).map_err(err)

@@ -454,3 +454,14 @@ def test_prefetch_by_row_ids_matches_the_token_prefetch(rack):
         for call, msg in cases:
             with pytest.raises(er.BadInputError, match=msg):
                 call()
+
+
+def test_dequantize_refuses_an_output_that_shares_the_rows_memory():
+    buf = np.zeros(4096, np.uint8)
+    rows = buf[:264].reshape(1, 264)
+    for dtype, view in (("float32", np.float32), ("bfloat16", np.uint16), ("bfloat16", np.int16)):
+        out = buf.view(view)[: 256]
+        with pytest.raises(er.BadInputError, match="shares memory with the input"):
+            er.dequantize(rows, out.reshape(1, 256), dtype=dtype)
+    # Apart, the same call works.
+    assert not er.dequantize(rows, np.empty((1, 256), np.float32)).any()

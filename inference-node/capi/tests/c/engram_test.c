@@ -320,6 +320,10 @@ static int cmd_badinput(char **a, int n) {
     engram_ticket *t = NULL;
     EXPECT_STATUS(engram_prefetch(m, NULL, 2, NULL, 0, &t), ENGRAM_BAD_INPUT, "ids is NULL");
     EXPECT_STATUS(engram_prefetch(m, ids, 0, NULL, 0, &t), ENGRAM_BAD_INPUT, "empty");
+    /* A length past any buffer is refused before anything reads it. */
+    EXPECT_STATUS(engram_prefetch(m, ids, SIZE_MAX, NULL, 0, &t), ENGRAM_BAD_INPUT, "past any buffer");
+    EXPECT(engram_ready(NULL, 1) == -1, "engram_ready(NULL)");
+    EXPECT(engram_ticket_positions(NULL) == 0, "engram_ticket_positions(NULL)");
     int64_t neg[2] = {1, -5};
     EXPECT_STATUS(engram_prefetch(m, neg, 2, NULL, 0, &t), ENGRAM_BAD_INPUT, "position 1: token id -5 is negative");
     int64_t big[2] = {1, VOCAB};
