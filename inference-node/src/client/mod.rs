@@ -90,6 +90,17 @@ impl PartialEq for TlsClient {
     }
 }
 
+/// The credential a Hello carries: the rack credential only where it is
+/// the proof, plain TCP. Over TLS and QUIC the certificate is, and the
+/// donor ignores a credential there, so it is not handed to every donor
+/// the node speaks to.
+fn hello_credential(opts: &ClientOptions) -> &[u8] {
+    match opts.transport {
+        Transport::Tcp => opts.credential.as_deref().unwrap_or_default(),
+        _ => &[],
+    }
+}
+
 impl ClientOptions {
     /// Options with defaults: 1 s to connect, 1 s per lookup, the default
     /// row cap, no credential, `DEFAULT_BUSY_POLL`.
@@ -347,7 +358,7 @@ impl DonorClient {
         };
         let limits = Limits::for_rows(opts.max_rows);
         let mut out = Vec::with_capacity(1024);
-        let cred = opts.credential.as_deref().unwrap_or_default();
+        let cred = hello_credential(opts);
         Hello {
             version: PROTOCOL_VERSION,
             node: &opts.node_name,
@@ -754,6 +765,26 @@ impl DonorClient {
                 message: e.message.to_string(),
             }),
             _ => Err(self.violation("Ping")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rack_credential_goes_only_over_plain_tcp() {
+        let mut opts = ClientOptions::new("n", Vec::new());
+        opts.credential = Some(b"secret".to_vec());
+        for (transport, sent) in [
+            (Transport::Tcp, &b"secret"[..]),
+            (Transport::Tls, &b""[..]),
+            (Transport::Quic, &b""[..]),
+            (Transport::Rdma, &b""[..]),
+        ] {
+            opts.transport = transport;
+            assert_eq!(hello_credential(&opts), sent, "{transport}");
         }
     }
 }
