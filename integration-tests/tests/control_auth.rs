@@ -316,6 +316,24 @@ fn an_operator_drains_and_swaps_only_files_of_the_table_directory_with_their_dig
         err.contains("d refused: ") && err.contains("resolves to"),
         "{err}"
     );
+    // A FIFO inside the table directory: refused at once, the donor unharmed.
+    let fifo = v2.with_file_name("fifo.etab");
+    let c = std::ffi::CString::new(fifo.display().to_string()).expect("path");
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    let t0 = std::time::Instant::now();
+    let err = text(&swap(&fifo, &d2.to_hex()).stderr);
+    assert!(err.contains("not a regular file"), "{err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the FIFO held the swap"
+    );
+    let out = rack.cluster(&["status"]);
+    assert!(
+        out.status.success(),
+        "status after the FIFO: {}",
+        text(&out.stderr)
+    );
     // The wrong digest: both named.
     let out = swap(v2, &rack.v1.to_hex());
     let err = text(&out.stderr);

@@ -92,8 +92,26 @@ impl TableFile {
 
     /// Open a table file and check its header against its size.
     pub fn open(path: &Path) -> Result<Self, TableFileError> {
-        let file = File::open(path).map_err(io_err(path, "open"))?;
-        let file_len = file.metadata().map_err(io_err(path, "stat"))?.len();
+        use std::os::unix::fs::OpenOptionsExt;
+        // Non-blocking, so that a FIFO or a device named as a table opens at
+        // once (and is refused below) instead of waiting for a writer.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(io_err(path, "open"))?;
+        let meta = file.metadata().map_err(io_err(path, "stat"))?;
+        if !meta.is_file() {
+            return Err(TableFileError::Io {
+                path: path.to_path_buf(),
+                op: "open",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "not a regular file (a table is a regular .etab file)",
+                ),
+            });
+        }
+        let file_len = meta.len();
         let (meta, layout) = etab::read_header(file_len, |buf, off| file.read_exact_at(buf, off))
             .map_err(|e| match e {
             etab::ReadHeaderError::Io(source) => TableFileError::Io {
