@@ -41,6 +41,30 @@ pub enum TlsError {
     Config(String),
 }
 
+/// A private key file must be its owner's alone: one that its group or
+/// others may read or write is refused, with the command that fixes it.
+fn private(path: &Path) -> Result<(), TlsError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path)
+        .map_err(|e| TlsError::File {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        return Err(TlsError::File {
+            path: path.display().to_string(),
+            message: format!(
+                "a private key open to its group or others (mode {:o}): run `chmod 600 {}`",
+                mode & 0o777,
+                path.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
     use std::io::Read;
     let err = |message: String| TlsError::File {
@@ -121,6 +145,7 @@ impl Material {
     /// Load `files` and check them: the key is the certificate's, the
     /// certificate chains to the CA and is valid now, and it names a host.
     pub fn load(files: &TlsFiles) -> Result<Self, TlsError> {
+        private(&files.key)?;
         let (cert_pem, key_pem, ca_pem) = (
             read_pem(&files.cert)?,
             read_pem(&files.key)?,
@@ -373,8 +398,31 @@ mod tests {
         };
         std::fs::write(&f.ca, &ca.pem).expect("write");
         std::fs::write(&f.cert, &pair.0).expect("write");
-        std::fs::write(&f.key, &pair.1).expect("write");
+        write_key(&f.key, &pair.1);
         f
+    }
+
+    /// A key file as `pki issue` writes one: its owner's alone.
+    #[test]
+    fn a_key_open_to_group_or_others_is_refused_with_the_fix() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rack = ca();
+        let files = write(dir.path(), "donor-a", &rack, &leaf(&rack, "donor-a"));
+        Material::load(&files).expect("a 0600 key loads");
+        for mode in [0o640, 0o604, 0o660] {
+            std::fs::set_permissions(&files.key, std::fs::Permissions::from_mode(mode))
+                .expect("chmod");
+            let e = Material::load(&files).expect_err("an open key");
+            let want = format!("(mode {mode:o}): run `chmod 600 {}`", files.key.display());
+            assert!(e.to_string().contains(&want), "{e}");
+        }
+    }
+
+    fn write_key(path: &Path, pem: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, pem).expect("write");
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     }
 
     #[test]

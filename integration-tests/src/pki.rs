@@ -62,6 +62,12 @@ impl TestPki {
         );
         std::fs::write(&cert_path, cert.pem())?;
         std::fs::write(&key_path, key.serialize_pem())?;
+        // As `pki issue` writes it: the owner's alone (a key open to others
+        // is refused).
+        std::fs::set_permissions(
+            &key_path,
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )?;
         Ok((cert_path, key_path))
     }
 
