@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cluster_config::daemon::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
-use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_protocol::TableDigest;
 use engram_store::kept;
 use engram_store::resident::{ExpectedTable, ResidentTable};
 use tokio::time::Instant;
@@ -135,23 +135,10 @@ impl HostSource {
 
     /// Copy rows out of the mapping; no await point.
     pub fn read(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
-        if out.len() != rows.len() * ROW_BYTES {
-            return Err(SourceError::BadRequest("output buffer size".into()));
-        }
         let Some(m) = read(&self.state.maps).get(&table).cloned() else {
             return Err(self.why_not(table));
         };
-        let t = &m.table;
-        for &r in rows {
-            t.prefetch(r);
-        }
-        for (&r, dst) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
-            let row = t.row(r).ok_or_else(|| {
-                SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
-            })?;
-            dst.copy_from_slice(row);
-        }
-        Ok(())
+        super::gather_rows(&m.table, rows, out)
     }
 
     fn why_not(&self, table: u32) -> SourceError {

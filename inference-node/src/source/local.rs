@@ -43,22 +43,7 @@ impl LocalRam {
                 t.id
             )));
         }
-        if out.len() != rows.len() * engram_protocol::ROW_BYTES {
-            return Err(SourceError::BadRequest("output buffer size".into()));
-        }
-        for &r in rows {
-            t.prefetch(r);
-        }
-        for (&r, dst) in rows
-            .iter()
-            .zip(out.chunks_exact_mut(engram_protocol::ROW_BYTES))
-        {
-            let row = t.row(r).ok_or_else(|| {
-                SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
-            })?;
-            dst.copy_from_slice(row);
-        }
-        Ok(())
+        super::gather_rows(t, rows, out)
     }
 }
 

@@ -201,6 +201,29 @@ pub(crate) fn gather_fetch<'a, G: Gather>(
     })
 }
 
+/// Copy `rows` of `t` into `out` (`rows.len() * 264` bytes, checked):
+/// every row's cache lines asked for first, then the copies, so their
+/// memory latencies overlap.
+pub(crate) fn gather_rows(
+    t: &ResidentTable,
+    rows: &[u64],
+    out: &mut [u8],
+) -> Result<(), SourceError> {
+    if out.len() != rows.len() * ROW_BYTES {
+        return Err(SourceError::BadRequest("output buffer size".into()));
+    }
+    for &r in rows {
+        t.prefetch(r);
+    }
+    for (&r, dst) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
+        let row = t.row(r).ok_or_else(|| {
+            SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
+        })?;
+        dst.copy_from_slice(row);
+    }
+    Ok(())
+}
+
 /// [`RowSource::fetch_job`] of a [`Gather`] source: gathered now, the
 /// future only hands the outcome over.
 pub(crate) fn gather_job<G: Gather>(src: &G, mut job: FetchJob, slot: &mut FetchSlot) {
