@@ -1,0 +1,294 @@
+"""engram_rack.vllm against vLLM's own V4.1 Engram code, on CPU.
+
+vLLM's hash kernel makes the row ids; vLLM's `Engram` with its in-memory
+table (loaded from the same table file) is the reference; `RackEngram`, the
+plugin's subclass built through vLLM's own constructor, fetches the rows from
+a real donor. Rows, vLLM's packed lookup and `Engram.forward` must be
+bit-identical, for decode, a chunked prefill, a mixed batch, DEAD positions,
+a donor killed mid-run, and a donor serving another table version.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch or Triton is imported: Triton's interpreter runs vLLM's kernels
+# on CPU tensors, and no CUDA device is looked for.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import copy  # noqa: E402
+import signal  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+vllm = pytest.importorskip("vllm")
+
+from conftest import HASH_BASE, free_port, read_rows, write_config  # noqa: E402
+
+import engram_rack as er  # noqa: E402
+
+E = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
+from torch import nn  # noqa: E402
+
+from engram_rack import vllm as plugin  # noqa: E402
+
+HIDDEN = 64
+HC = 4
+V41_COMPRESSED_VOCAB = 99_092
+
+
+@pytest.fixture(scope="module")
+def vctx():
+    """vLLM's config and a one-rank process group, for the module."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.scheduler_config.max_num_batched_tokens = 64
+    with set_current_vllm_config(cfg):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ps.initialize_model_parallel(1, 1)
+        yield cfg
+
+
+def hf_config():
+    return types.SimpleNamespace(
+        engram_layer_ids=[1, 14], engram_num_embeddings=[0, 0], engram_max_ngram_size=4,
+        engram_n_heads=8, engram_head_dim=256,
+        engram_compressed_vocab_size=V41_COMPRESSED_VOCAB, engram_pad_token_id=2,
+        engram_vocab_size=HASH_BASE, hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=1e-6)
+
+
+def hash_state(layout):
+    """vLLM's `NgramHashState` on the V2 runner's path (every lookback id
+    given), with an identity token map: ids are compressed ids."""
+    hs = E.NgramHashState.__new__(E.NgramHashState)
+    nn.Module.__init__(hs)
+    hs.layout = layout
+    hs.use_slot_cache = False
+    hs.lookback_depth = layout.max_ngram_size - 1
+    hs.block_size = 16
+    hs._cache = None
+    hs._kv_cache_ref = None
+    hs.pad_id = layout.pad_token_id
+    hs.register_buffer("token_map", torch.arange(V41_COMPRESSED_VOCAB, dtype=torch.int32))
+    hs.register_buffer("primes", torch.tensor(layout.primes))
+    hs.register_buffer("offsets", layout.offsets)
+    hs.register_buffer("multipliers", E.compute_hash_multipliers(
+        layout.layer_ids, layout.max_ngram_size, V41_COMPRESSED_VOCAB))
+    return hs
+
+
+def reference_table(path, rows: int):
+    """vLLM's `ParallelEngramEmbedding` holding the table in memory, one rank."""
+    t = E.ParallelEngramEmbedding.__new__(E.ParallelEngramEmbedding)
+    nn.Module.__init__(t)
+    data = read_rows(path, np.arange(rows))
+    t.cpu_offload = False
+    t.dp_shared_memory = False
+    t.use_thp = False
+    t._packed = None
+    t._shared_memory = None
+    t._views = None
+    t._view_src = None
+    t.peer_rows = 0
+    t.dp_size = 1
+    t.tp_size = 1
+    t.num_embeddings = rows
+    t.dim = 256
+    t.block_size = 32
+    t.n_hash_cols = 24
+    t.part_n_hash_cols = 24
+    t.head_start = 0
+    t.vocab_start_idx = 0
+    t.vocab_end_idx = rows
+    t.part_num_embeddings = rows
+    t._num_sms = 4
+    values = torch.from_numpy(np.ascontiguousarray(data[:, :256])).view(torch.float8_e4m3fn)
+    t.weight = nn.Parameter(values, requires_grad=False)
+    t.weight_scale_inv = nn.Parameter(torch.from_numpy(np.ascontiguousarray(data[:, 256:])),
+                                      requires_grad=False)
+    return t
+
+
+class Pair:
+    """The plugin's `RackEngram` and vLLM's `Engram` over its own table, one
+    layer, sharing every weight but the table."""
+
+    def __init__(self, vctx, rack, layer_index: int, node: str):
+        layout = E.EngramLayout(hf_config())
+        self.layout = layout
+        os.environ["ENGRAM_RACK_CONFIG"] = str(rack.config)
+        os.environ["ENGRAM_RACK_NODE"] = node
+        os.environ["ENGRAM_RACK_METRICS"] = "off"
+        plugin._memory = None
+        cls = plugin.install()
+        assert E.Engram is cls and cls.__module__ == "engram_rack.vllm"
+        torch.manual_seed(7 + layer_index)
+        # vLLM builds a V4.1 model with bf16 as the default dtype.
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            self.rack_layer = cls(hf_config(), None, layout, layer_index, False,
+                                  f"model.layers.{layout.layer_ids[layer_index]}.engram")
+        finally:
+            torch.set_default_dtype(default)
+        for p in (self.rack_layer.wkv.weight, self.rack_layer.q_weight, self.rack_layer.k_weight):
+            p.data.copy_(torch.randn(p.shape) * 0.05)  # bf16: rounds
+        ref = copy.copy(self.rack_layer)
+        ref.__class__ = cls.__mro__[1]
+        ref._modules = dict(self.rack_layer._modules)
+        layer = layout.layer_ids[layer_index]
+        ref._modules["embed_tokens"] = reference_table(rack.tables[layer], rack_rows(rack, layer))
+        ref.staged_rows = torch.empty_like(self.rack_layer.staged_rows)
+        ref._prefetch_stream = None
+        ref._prefetch_done = None
+        self.ref = ref
+        self.layer_index = layer_index
+
+    def step(self, hashes, hidden, mask):
+        ids = hashes[:, self.layer_index]
+        self.rack_layer.prepare_embeddings(ids)
+        self.ref.prepare_embeddings(ids)
+        got_rows = self.rack_layer._ready_rows(ids.shape[0]).clone()
+        want_rows = self.ref._ready_rows(ids.shape[0]).clone()
+        assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
+        # vLLM's packed lookup (FP8 bytes, then scales) against the bytes served.
+        packed = torch.empty(ids.shape[0], 24, 264, dtype=torch.uint8)
+        self.ref.embed_tokens.lookup(ids, packed)
+        served = self.rack_layer._rack._host_rows[: ids.shape[0]]
+        live = (ids >= 0).all(dim=1)
+        assert bool((got_rows[live] != 0).any()) or not bool(live.any())
+        assert not bool((got_rows[~live] != 0).any())
+        assert torch.equal(packed[live], served[live])
+        self.rack_layer.prepare_embeddings(ids)
+        got = self.rack_layer(hidden, ids, mask)
+        want = self.ref(hidden, ids, mask)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        return got
+
+
+def rack_rows(rack, layer: int) -> int:
+    text = rack.config.read_text()
+    block = text.split(f"layer = {layer}\n", 1)[1]
+    return int(block.split("rows = ", 1)[1].split("\n", 1)[0])
+
+
+def vllm_hashes(hs, seqs):
+    """vLLM's hash kernel for a batch: `seqs` is [(history, new_tokens, dead)]
+    per request (history: the tokens before the chunk; dead: indices into
+    new_tokens that are DEAD). Returns [T, 2, 24] int32 and the token mask."""
+    ids, pos, starts, dead, lb, lbd = [], [], [0], [], [], []
+    for history, new, dead_at in seqs:
+        ids += list(new)
+        pos += list(range(len(history), len(history) + len(new)))
+        starts.append(len(ids))
+        dead += [i in dead_at for i in range(len(new))]
+        back = list(reversed(history[-3:])) + [-1] * (3 - len(history[-3:]))
+        lb.append(back)
+        lbd.append([False] * 3)
+    out = hs(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+             torch.tensor(starts, dtype=torch.int32), torch.tensor(dead),
+             torch.tensor(lb, dtype=torch.int64), torch.tensor(lbd), None, None)
+    return out, ~torch.tensor(dead)
+
+
+def hidden(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, HC, HIDDEN, generator=g).to(torch.bfloat16)
+
+
+def test_vllm_hashes_are_engram_racks_row_ids(rack, vctx):
+    rack.start()
+    hs = hash_state(E.EngramLayout(hf_config()))
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 5000, 12).tolist()
+    got, _ = vllm_hashes(hs, [(tokens[:5], tokens[5:], ())])
+    with er.Memory(rack.config, "n", metrics="off") as mem:
+        want = mem.addresses(tokens[5:], context=tokens[:5])
+    np.testing.assert_array_equal(got.numpy().astype(np.uint64), want)
+
+
+@pytest.mark.parametrize("layer_index", [0, 1])
+def test_decode_prefill_and_mixed_batches_match_vllms_own_table(rack, vctx, layer_index):
+    rack.start()
+    pair = Pair(vctx, rack, layer_index, "n")
+    hs = hash_state(pair.layout)
+    rng = np.random.default_rng(11 + layer_index)
+    prompt = rng.integers(0, 5000, 20).tolist()
+    cases = {
+        "decode": [(prompt[:k], [prompt[k]], ()) for k in (3, 9, 15)],
+        "chunked prefill": [(prompt[:8], prompt[8:20], ())],
+        "first chunk": [([], prompt[:8], ())],
+        "mixed": [(prompt[:5], [prompt[5]], ()), (prompt[:10], prompt[10:18], ()),
+                  ([], prompt[:3], ())],
+        "dead positions": [(prompt[:6], prompt[6:14], (1, 2, 5)), (prompt[:2], [prompt[2]], (0,))],
+    }
+    for i, (name, seqs) in enumerate(cases.items()):
+        hashes, mask = vllm_hashes(hs, seqs)
+        out = pair.step(hashes, hidden(hashes.shape[0], i), mask)
+        assert out.shape == (hashes.shape[0], HC, HIDDEN), name
+    # vLLM's dummy hashes (a DP replica with no tokens): -1 everywhere, zero rows.
+    dummy, keep = hs.dummy_hashes(torch.zeros(4, dtype=torch.int64))
+    pair.step(dummy, hidden(4, 99), keep)
+
+
+def test_a_donor_killed_mid_run_changes_nothing(rack, vctx):
+    donor = rack.start()
+    pair = Pair(vctx, rack, 0, "n")
+    hs = hash_state(pair.layout)
+    rng = np.random.default_rng(21)
+    seq = rng.integers(0, 5000, 40).tolist()
+    served = []
+    for k in range(4, 24):
+        if k == 12:
+            donor.signal(signal.SIGKILL)
+        hashes, mask = vllm_hashes(hs, [(seq[:k], [seq[k]], ()), (seq[:k // 2], seq[k // 2:k], ())])
+        pair.step(hashes, hidden(hashes.shape[0], k), mask)
+        served.append(set(pair.rack_layer._rack.last_served.sources))
+    assert "d" in set().union(*served[:8]), served
+    assert "d" not in set().union(*served[9:]) and "ssd" in set().union(*served[9:]), served
+
+
+def test_a_donor_serving_another_table_version_is_refused(rack, vctx, tables):
+    port = int(rack.config.read_text().split('listen = ["127.0.0.1:')[1].split('"')[0])
+    other = write_config(rack.dir / "other.toml", tables, port, l1="l1-other")
+    rack.start(config=other)
+    # The donor alone: its version differs, so the node refuses to start on it.
+    with pytest.raises(er.SetupError, match="another version"):
+        Pair(vctx, rack, 0, "only-donor")
+    hs = hash_state(E.EngramLayout(hf_config()))
+    hashes, _ = vllm_hashes(hs, [([1, 2, 3], [4, 5], ())])
+    # With the SSD copy behind it, the copy serves the right rows.
+    pair = Pair(vctx, rack, 0, "n")
+    pair.step(hashes, hidden(2, 5), torch.ones(2, dtype=torch.bool))
+
+
+def test_the_plugin_is_off_without_config_and_refuses_what_it_cannot_run(monkeypatch, tmp_path):
+    monkeypatch.delenv("ENGRAM_RACK_CONFIG", raising=False)
+    assert plugin.settings() is None
+    plugin.register()  # off: nothing happens
+    monkeypatch.setenv("ENGRAM_RACK_CONFIG", str(tmp_path / "missing.toml"))
+    monkeypatch.setenv("ENGRAM_RACK_NODE", "n")
+    with pytest.raises(plugin.PluginError, match="no such file"):
+        plugin.register()
+    monkeypatch.delenv("ENGRAM_RACK_NODE")
+    with pytest.raises(plugin.PluginError, match="ENGRAM_RACK_NODE"):
+        plugin.settings()
+    with pytest.raises(plugin.PluginError, match="not supported"):
+        plugin.check_version("0.32.1")
+    plugin.check_version(vllm.__version__)
+
+
+def test_the_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "engram_rack"]
+    assert eps and eps[0].value == "engram_rack.vllm:register"
