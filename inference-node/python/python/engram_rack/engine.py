@@ -119,8 +119,12 @@ def _gather_kernel():
             value = tl.where((code >> 7) != 0, -mag, mag)
             sbits = tl.where(sbyte == 0, 0x400000, sbyte.to(tl.int32) << 23)
             value = value * sbits.to(tl.float32, bitcast=True)
+            # f32 to bf16, to nearest with ties to even, on the bits: exact for
+            # subnormals too (the interpreter's own conversion is not).
+            u = value.to(tl.uint32, bitcast=True)
+            half = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
             tl.store(out + r.to(tl.int64)[:, None] * 256 + cols[None, :],
-                     value.to(tl.bfloat16), mask=valid[:, None])
+                     half.to(tl.int16, bitcast=True), mask=valid[:, None])
 
         _KERNEL = gather_rows
         return _KERNEL
@@ -194,7 +198,7 @@ def gather_view(table, rows: int, packed: bool, ids: torch.Tensor,
         return out
     block = 16
     _gather_kernel()[((n + block - 1) // block,)](
-        table, rows, ids, ids.stride(0), ids.stride(1), out, n,
+        table, rows, ids, ids.stride(0), ids.stride(1), out.view(torch.int16), n,
         COLS=w, PAGED=not packed, BLOCK_R=block,
     )
     return out

@@ -86,11 +86,12 @@ def hash_state(layout):
     return hs
 
 
-def reference_table(path, rows: int):
+def reference_table(path, rows: int, data=None):
     """vLLM's `ParallelEngramEmbedding` holding the table in memory, one rank."""
     t = E.ParallelEngramEmbedding.__new__(E.ParallelEngramEmbedding)
     nn.Module.__init__(t)
-    data = read_rows(path, np.arange(rows))
+    if data is None:
+        data = read_rows(path, np.arange(rows))
     t.cpu_offload = False
     t.dp_shared_memory = False
     t.use_thp = False
@@ -292,3 +293,19 @@ def test_the_entry_point_is_registered():
 
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "engram_rack"]
     assert eps and eps[0].value == "engram_rack.vllm:register"
+
+
+def test_vllms_kernel_reads_a_scale_byte_of_0_as_0_where_the_reference_reads_2_to_the_minus_127():
+    """The one difference from the V4.1 reference (docs/ENGRAM.md): vLLM's
+    lookup builds a scale from its byte as an f32 exponent field, so byte 0
+    is 0.0. engram_rack, SGLang and torch's float8_e8m0fnu give 2^-127."""
+    row = np.zeros((1, 264), np.uint8)
+    row[0, :256] = 0x38  # 1.0
+    row[0, 256:] = [0, 127, 0, 127, 0, 127, 0, 127]
+    table = reference_table(None, 1, data=row)
+    out = torch.empty(1, 24, 256, dtype=torch.bfloat16)
+    table.lookup(torch.zeros(1, 24, dtype=torch.int32), out)
+    vllm_values = out[0, 0].float().numpy()
+    ours = er.dequantize(row)[0]
+    assert vllm_values[0] == 0.0 and ours[0] == 2.0 ** -127
+    np.testing.assert_array_equal(vllm_values[32:64], ours[32:64])  # byte 127: both 1.0
