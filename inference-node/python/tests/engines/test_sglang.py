@@ -213,8 +213,39 @@ def test_registration_goes_through_sglangs_hook_registry(monkeypatch, rack):
     plugin.check_version(sglang.__version__)
 
 
-def test_the_entry_point_is_registered():
+def test_sglang_loads_the_plugin_through_its_entry_point(monkeypatch, rack):
+    """SGLang's own loader finds the entry point, runs register(), and its
+    `apply_hooks` puts the plugin's embedding where `Engram` looks it up."""
     from importlib.metadata import entry_points
+
+    import sglang.srt.plugins as loader
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "engram_rack"]
     assert eps and eps[0].value == "engram_rack.sglang:register"
+    monkeypatch.setenv("ENGRAM_RACK_CONFIG", str(rack.config))
+    monkeypatch.setenv("ENGRAM_RACK_NODE", "n")
+    monkeypatch.setattr(loader, "_plugins_loaded", False)
+    loader.load_plugins()
+    HookRegistry.apply_hooks()
+    try:
+        assert SE.EngramEmbedding.__module__ == "engram_rack.sglang"
+    finally:
+        SE.EngramEmbedding = ORIGINAL
+
+
+def test_a_donor_serving_another_table_version_is_refused(rack, tables):
+    from conftest import write_config
+
+    port = int(rack.config.read_text().split('listen = ["127.0.0.1:')[1].split('"')[0])
+    rack.start(config=write_config(rack.dir / "other.toml", tables, port, l1="l1-other"))
+    with pytest.raises(er.SetupError, match="another version"):
+        Pair(rack, 1, "only-donor").step(*_one_step(), prefetch=False)
+    pair = Pair(rack, 1, "n")  # the SSD copy behind it serves the right rows
+    pair.step(*_one_step(), prefetch=False)
+
+
+def _one_step():
+    h = hasher(layout([0, 0]))
+    ids, _ = h.hash_windows(*windows([([1, 2, 3], [4, 5])]))
+    return ids, hidden(2, 3)

@@ -288,11 +288,23 @@ def test_the_plugin_is_off_without_config_and_refuses_what_it_cannot_run(monkeyp
     plugin.check_version(vllm.__version__)
 
 
-def test_the_entry_point_is_registered():
+def test_vllm_loads_the_plugin_through_its_entry_point(monkeypatch, rack, vctx):
+    """vLLM's own loader finds the entry point and runs register(), which
+    rebinds `Engram` in the common and nvidia model modules."""
     from importlib.metadata import entry_points
+
+    import vllm.plugins as loader
 
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "engram_rack"]
     assert eps and eps[0].value == "engram_rack.vllm:register"
+    monkeypatch.setenv("ENGRAM_RACK_CONFIG", str(rack.config))
+    monkeypatch.setenv("ENGRAM_RACK_NODE", "n")
+    monkeypatch.setattr(loader, "plugins_loaded", False)
+    loader.load_general_plugins()
+    import vllm.models.deepseek_v41.nvidia.model as nvidia
+
+    assert E.Engram.__module__ == "engram_rack.vllm"
+    assert nvidia.Engram is E.Engram
 
 
 def test_vllms_kernel_reads_a_scale_byte_of_0_as_0_where_the_reference_reads_2_to_the_minus_127():
