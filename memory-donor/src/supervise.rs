@@ -101,10 +101,7 @@ pub async fn run(
             () = lp.status.drain_requested() => break,
             Some(order) = next_order(&mut orders) => match order {
                 Order::Reload => lp.reload(),
-                Order::Swap(req, reply) => {
-                    let r = lp.start_swap(req);
-                    let _ = reply.send(r);
-                }
+                Order::Swap(req, reply) => lp.start_swap(req, reply),
             },
             _ = tick.tick() => lp.tick(period).await,
         }
@@ -178,24 +175,32 @@ impl Loop {
         self.swapping.as_ref().is_some_and(|h| !h.is_finished())
     }
 
-    /// A swap the control plane asked for: only a file under the table
-    /// directories (of the config as last reloaded).
-    fn start_swap(&mut self, mut req: swap::SwapRequest) -> Result<swap::SwapAccepted, SwapError> {
+    /// A swap the control plane asked for: only a file beneath the table
+    /// directories (of the config as last reloaded), opened and checked off
+    /// this loop; `reply` gets the verdict once it is known.
+    fn start_swap(&mut self, req: swap::SwapRequest, reply: swap::Reply) {
         if self.status.is_drain_requested() {
-            return Err(SwapError::NotServing);
+            let _ = reply.send(Err(SwapError::NotServing));
+            return;
         }
         if self.swap_busy() {
-            return Err(SwapError::Busy);
+            let _ = reply.send(Err(SwapError::Busy));
+            return;
         }
-        req.path = swap::confine(&req.path, &self.spec.table_dirs)?;
         let cx = self.swap_context();
-        let prepared = swap::prepare(&cx, req)?;
-        let accepted = prepared.accepted();
+        let dirs = self.spec.table_dirs.clone();
         self.swapping = Some(tokio::spawn(async move {
-            // Failures are logged and shown in ListTables by `run` itself.
-            let _ = swap::run(cx, prepared).await;
+            match swap::prepare_off_loop(&cx, req, Some(dirs)).await {
+                Ok(prepared) => {
+                    let _ = reply.send(Ok(prepared.accepted()));
+                    // Failures are logged and shown in ListTables by `run` itself.
+                    let _ = swap::run(cx, prepared).await;
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            }
         }));
-        Ok(accepted)
     }
 
     fn served(&self) -> Vec<Served> {
@@ -301,7 +306,7 @@ impl Loop {
             // One at a time: each RAM check sees the previous swap's result.
             for req in plan.swaps {
                 let table = req.table;
-                match swap::prepare(&cx, req) {
+                match swap::prepare_off_loop(&cx, req, None).await {
                     Ok(p) => {
                         let _ = swap::run(cx.clone(), p).await;
                     }

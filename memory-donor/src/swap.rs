@@ -11,13 +11,17 @@
 //! *in place*: the old version is unloaded first (the table is not served,
 //! `UnknownTable`, until the new one is loaded).
 //!
-//! A swap the control plane asks for loads only a file under one of the
-//! donor's table directories (`confine`: symlinks resolved, `..` refused);
-//! one a reload asks for comes from the config itself.
+//! A swap the control plane asks for loads only a file beneath one of the
+//! donor's table directories, opened once by descriptor with no symbolic
+//! link below the directory (`confine`); one a reload asks for comes from
+//! the config itself. Either way the file is opened non-blocking, must be a
+//! regular file, and that descriptor is what is checked and loaded.
 //!
 //! `prepare` does every check that can fail fast (the caller answers with
-//! its result); `run` does the load and the switch.
+//! its result), off the serving loop (`prepare_off_loop`: opening and
+//! reading a header may block); `run` does the load and the switch.
 
+use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -128,6 +132,8 @@ pub struct SwapContext {
 #[derive(Debug, Clone)]
 pub struct Prepared {
     req: SwapRequest,
+    /// The file, opened once: checked here, loaded by `run`.
+    file: Arc<File>,
     accepted: SwapAccepted,
     layer: u32,
     rows: u64,
@@ -155,10 +161,14 @@ fn shown(dirs: &[PathBuf]) -> String {
     d.join(", ")
 }
 
-/// The file a control-plane swap may load: `path` with every symlink
-/// resolved, when it lies under one of `dirs` (resolved too). A relative
-/// path or one with `..` is refused before the file system is asked.
-pub fn confine(path: &Path, dirs: &[PathBuf]) -> Result<PathBuf, SwapError> {
+/// The file a control-plane swap may load, opened once: `path` must be
+/// absolute, without `..`, and beneath one of `dirs` (as configured, or
+/// with the directory's own symlinks resolved); below that directory every
+/// component is opened relative to the one above with `O_NOFOLLOW` (the
+/// equivalent of openat2's `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`), the
+/// file itself non-blocking (a FIFO cannot stall the donor). Errors name
+/// only `path` and `dirs`, never where a link would lead.
+pub fn confine(path: &Path, dirs: &[PathBuf]) -> Result<File, SwapError> {
     let shown_path = path.display();
     if !path.is_absolute() {
         return Err(SwapError::NotAllowed(format!(
@@ -171,29 +181,118 @@ pub fn confine(path: &Path, dirs: &[PathBuf]) -> Result<PathBuf, SwapError> {
             shown(dirs)
         )));
     }
-    let real = std::fs::canonicalize(path)
-        .map_err(|e| SwapError::BadFile(format!("{shown_path}: {e}")))?;
-    let inside = dirs
+    let mut candidates: Vec<PathBuf> = dirs.to_vec();
+    for d in dirs {
+        if let Ok(real) = std::fs::canonicalize(d)
+            && !candidates.contains(&real)
+        {
+            candidates.push(real);
+        }
+    }
+    let beneath = candidates
         .iter()
-        .filter_map(|d| std::fs::canonicalize(d).ok())
-        .any(|d| real.starts_with(&d) && real != d);
-    if !inside {
-        let via = if real == path {
-            String::new()
-        } else {
-            format!(" (it resolves to {})", real.display())
-        };
+        .filter_map(|d| {
+            let rel = path.strip_prefix(d).ok()?;
+            (rel.components().next().is_some()).then_some((d, rel))
+        })
+        .max_by_key(|(d, _)| d.as_os_str().len());
+    let Some((dir, rel)) = beneath else {
         return Err(SwapError::NotAllowed(format!(
-            "{shown_path}{via} is outside the donor's table directories ({}): a swap loads only \
+            "{shown_path} is outside the donor's table directories ({}): a swap loads only \
              files under `table_dir` (or the directories of its configured tables)",
             shown(dirs)
         )));
+    };
+    open_beneath(dir, rel).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP | libc::ENOTDIR) => SwapError::NotAllowed(format!(
+            "{shown_path}: a swap opens no symbolic link (and nothing but directories) below the \
+             table directory {}; name the real file",
+            dir.display()
+        )),
+        _ => SwapError::BadFile(format!("{shown_path}: {e}")),
+    })
+}
+
+/// Open `rel` (normal components only) beneath `dir`, following no symbolic
+/// link below `dir`; the last component read-only and non-blocking.
+fn open_beneath(dir: &Path, rel: &Path) -> std::io::Result<File> {
+    use std::ffi::CString;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+
+    let names: Vec<&std::ffi::OsStr> = rel
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect();
+    let cstr = |b: &[u8]| {
+        CString::new(b).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    let open = |at: Option<&OwnedFd>, name: &CString, flags: i32| -> std::io::Result<OwnedFd> {
+        let base = at.map_or(libc::AT_FDCWD, AsRawFd::as_raw_fd);
+        // SAFETY: `name` is a valid C string; the result is checked.
+        let fd = unsafe { libc::openat(base, name.as_ptr(), flags) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor openat just returned, owned by no one else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    };
+    // The directory itself as configured (its own symlinks are the operator's).
+    let mut at = open(
+        None,
+        &cstr(dir.as_os_str().as_bytes())?,
+        libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+    )?;
+    for (i, name) in names.iter().enumerate() {
+        let last = i + 1 == names.len();
+        let flags = if last {
+            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY | libc::O_CLOEXEC
+        } else {
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC
+        };
+        at = open(Some(&at), &cstr(name.as_bytes())?, flags)?;
     }
-    Ok(real)
+    if names.is_empty() {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    }
+    Ok(File::from(at))
+}
+
+/// A file the config names (a reload's swap), opened non-blocking.
+pub fn open_configured(path: &Path) -> Result<File, SwapError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| SwapError::BadFile(format!("{}: {e}", path.display())))
+}
+
+/// Open the file (`confine` beneath `dirs` for a control-plane swap, else as
+/// the config names it) and `prepare`, on a blocking thread: a slow disk or
+/// a FIFO never stalls the serving loop.
+pub async fn prepare_off_loop(
+    cx: &SwapContext,
+    req: SwapRequest,
+    dirs: Option<Vec<PathBuf>>,
+) -> Result<Prepared, SwapError> {
+    let cx = cx.clone();
+    tokio::task::spawn_blocking(move || {
+        let file = match &dirs {
+            Some(d) => confine(&req.path, d)?,
+            None => open_configured(&req.path)?,
+        };
+        prepare(&cx, req, file)
+    })
+    .await
+    .map_err(|e| SwapError::Load(format!("preparing the swap: {e}")))?
 }
 
 /// Check `req` against what is served, the file's header and the RAM there is.
-pub fn prepare(cx: &SwapContext, req: SwapRequest) -> Result<Prepared, SwapError> {
+pub fn prepare(cx: &SwapContext, req: SwapRequest, file: File) -> Result<Prepared, SwapError> {
     let (old, old_bytes, old_layer, in_use) = {
         let tables = cx.shared.tables();
         let t = tables
@@ -203,8 +302,12 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest) -> Result<Prepared, SwapError
         let in_use: u64 = tables.iter().map(ResidentTable::bytes).sum();
         (t.digest, t.bytes(), t.layer, in_use)
     };
-    let file = TableFile::open(&req.path).map_err(|e| SwapError::BadFile(e.to_string()))?;
-    let m = &file.meta;
+    let dup = file
+        .try_clone()
+        .map_err(|e| SwapError::BadFile(format!("{}: {e}", req.path.display())))?;
+    let table_file =
+        TableFile::from_file(dup, &req.path).map_err(|e| SwapError::BadFile(e.to_string()))?;
+    let m = &table_file.meta;
     let shown = req.path.display().to_string();
     if let Some(expected) = req.expected
         && expected != m.digest
@@ -289,6 +392,7 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest) -> Result<Prepared, SwapError
     };
     Ok(Prepared {
         req,
+        file: Arc::new(file),
         accepted,
         layer: m.layer,
         rows: m.rows,
@@ -466,8 +570,14 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         known_file: None,
         numa_node: cx.numa_node,
     };
-    let (table, _report) = ResidentTable::load_with(Some(id), &p.req.path, &opts, progress)
-        .map_err(|e| e.to_string())?;
+    // The descriptor `prepare` checked: the name is not opened again.
+    let file = p
+        .file
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", p.req.path.display()))?;
+    let file = TableFile::from_file(file, &p.req.path).map_err(|e| e.to_string())?;
+    let (table, _report) =
+        ResidentTable::load_table(Some(id), file, &opts, progress).map_err(|e| e.to_string())?;
     Ok(table)
 }
 
@@ -476,20 +586,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn swaps_load_only_files_under_the_table_directories() {
+    fn swaps_open_only_real_files_beneath_the_table_directories() {
+        use std::io::Read;
         let root = tempfile::tempdir().expect("tempdir");
         let tables = root.path().join("tables");
         let other = root.path().join("other");
-        std::fs::create_dir_all(&tables).expect("mkdir");
+        std::fs::create_dir_all(tables.join("sub")).expect("mkdir");
         std::fs::create_dir_all(&other).expect("mkdir");
         let inside = tables.join("v2.etab");
         let outside = other.join("v2.etab");
-        std::fs::write(&inside, b"x").expect("write");
-        std::fs::write(&outside, b"x").expect("write");
+        std::fs::write(&inside, b"inside").expect("write");
+        std::fs::write(tables.join("sub/v3.etab"), b"sub").expect("write");
+        std::fs::write(&outside, b"outside").expect("write");
         let dirs = vec![tables.clone()];
-        let real = |p: &Path| std::fs::canonicalize(p).expect("canonical");
+        let read = |mut f: File| {
+            let mut s = String::new();
+            f.read_to_string(&mut s).expect("read");
+            s
+        };
 
-        assert_eq!(confine(&inside, &dirs).expect("inside"), real(&inside));
+        assert_eq!(read(confine(&inside, &dirs).expect("inside")), "inside");
+        assert_eq!(
+            read(confine(&tables.join("sub/v3.etab"), &dirs).expect("below")),
+            "sub"
+        );
         let not_allowed = |p: &Path| match confine(p, &dirs) {
             Err(SwapError::NotAllowed(m)) => m,
             other => panic!("{}: {other:?}", p.display()),
@@ -502,17 +622,31 @@ mod tests {
         assert!(m.contains("`..`"), "{m}");
         assert!(not_allowed(&tables.join("../other/v2.etab")).contains("`..`"));
         assert!(not_allowed(Path::new("tables/v2.etab")).contains("absolute"));
-        // A symlink inside that points outside is followed, and refused.
+        // A symlink below the directory is refused, wherever it points, and
+        // the error does not say where.
         let link = tables.join("escape.etab");
         std::os::unix::fs::symlink(&outside, &link).expect("symlink");
         let m = not_allowed(&link);
-        assert!(m.contains("resolves to"), "{m}");
-        // A symlinked table directory is fine: both sides are resolved.
+        assert!(m.contains("no symbolic link"), "{m}");
+        assert!(!m.contains(&other.display().to_string()), "{m}");
+        let inner = tables.join("inner.etab");
+        std::os::unix::fs::symlink(&inside, &inner).expect("symlink");
+        assert!(not_allowed(&inner).contains("no symbolic link"));
+        let dir_link = tables.join("elsewhere");
+        std::os::unix::fs::symlink(&other, &dir_link).expect("symlink");
+        assert!(not_allowed(&dir_link.join("v2.etab")).contains("no symbolic link"));
+        // A symlinked table directory is the operator's: names through it,
+        // or through where it resolves to, both open the file.
         let via = root.path().join("via");
         std::os::unix::fs::symlink(&tables, &via).expect("symlink");
+        let via_dirs = std::slice::from_ref(&via);
         assert_eq!(
-            confine(&via.join("v2.etab"), std::slice::from_ref(&via)).expect("via a link"),
-            real(&inside)
+            read(confine(&via.join("v2.etab"), via_dirs).expect("via")),
+            "inside"
+        );
+        assert_eq!(
+            read(confine(&inside, via_dirs).expect("resolved")),
+            "inside"
         );
         // The directory itself is not a file in it; a prefix of a name is not a parent.
         assert!(matches!(
@@ -536,5 +670,14 @@ mod tests {
             confine(&inside, &[]),
             Err(SwapError::NotAllowed(_))
         ));
+        // A FIFO opens at once (non-blocking), and is then refused as no
+        // regular file, by the same descriptor.
+        let fifo = tables.join("fifo.etab");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("cstr");
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let f = confine(&fifo, &dirs).expect("opens without a writer");
+        let e = TableFile::from_file(f, &fifo).expect_err("refused");
+        assert!(e.to_string().contains("not a regular file"), "{e}");
     }
 }

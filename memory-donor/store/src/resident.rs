@@ -427,12 +427,21 @@ impl ResidentTable {
         opts: &LoadOptions,
         progress: impl FnOnce(&TableFile) -> Option<Progress>,
     ) -> Result<(Self, LoadReport), LoadError> {
-        let file = TableFile::open(path)?;
+        Self::load_table(id, TableFile::open(path)?, opts, progress)
+    }
+
+    /// [`ResidentTable::load_with`] for a table file already open.
+    pub fn load_table(
+        id: Option<u32>,
+        file: TableFile,
+        opts: &LoadOptions,
+        progress: impl FnOnce(&TableFile) -> Option<Progress>,
+    ) -> Result<(Self, LoadReport), LoadError> {
         if let Some(hint) = file.page_sums_hint() {
             tracing::warn!("{hint}");
         }
         let mut progress = progress(&file);
-        let shown = path.display().to_string();
+        let shown = file.path.display().to_string();
         if let Some(pin) = opts.pinned
             && let Some(what) = pin.mismatch(&file.meta)
         {

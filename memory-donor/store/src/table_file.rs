@@ -100,6 +100,14 @@ impl TableFile {
             .custom_flags(libc::O_NONBLOCK)
             .open(path)
             .map_err(io_err(path, "open"))?;
+        Self::from_file(file, path)
+    }
+
+    /// A table from a file already open (a swap opens its file once, by
+    /// descriptor, beneath the table directory): checks that it is a
+    /// regular file and its header against its size; `path` names it in
+    /// errors and logs.
+    pub fn from_file(file: File, path: &Path) -> Result<Self, TableFileError> {
         let meta = file.metadata().map_err(io_err(path, "stat"))?;
         if !meta.is_file() {
             return Err(TableFileError::Io {
