@@ -677,7 +677,27 @@ pub enum ConfigError {
 /// Largest config file read.
 pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
 
+/// Why plaintext beyond loopback is refused, in every such error.
+pub const PLAINTEXT_WHY: &str = "plaintext carries rows, credentials and control calls in the \
+     clear to anyone on this network; use tls:// or quic:// with [rack.tls], bind a loopback \
+     address, or set rack.plaintext = \"allow\" to accept it";
+
 impl Config {
+    /// Whether a plaintext service (plain TCP data, a control plane without
+    /// TLS, /metrics, the node API) may bind `addr`: loopback always, any
+    /// address only with `rack.plaintext = "allow"`. The daemons apply this
+    /// to command-line overrides as `check` applies it to the config.
+    pub fn plaintext_bind(&self, what: &str, addr: SocketAddr) -> Result<(), String> {
+        if addr.ip().is_loopback() || self.plaintext == Plaintext::Allow {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} {addr} would be plaintext and unauthenticated on a non-loopback \
+                 address: {PLAINTEXT_WHY}"
+            ))
+        }
+    }
+
     /// Read and validate a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let io = |source| ConfigError::Io {

@@ -375,10 +375,15 @@ fn leaf(
         .collect();
     params.is_ca = IsCa::ExplicitNoCa;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    params.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
+    // Only a donor serves TLS: a node's or an operator's certificate is good
+    // for client authentication alone, so it can never pass as a donor.
+    params.extended_key_usages = match host.role {
+        Role::Donor => vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+        Role::Node | Role::Operator => vec![ExtendedKeyUsagePurpose::ClientAuth],
+    };
     params.use_authority_key_identifier_extension = true;
     set_validity(&mut params, not_before, days)?;
     let cert = params.signed_by(&key, issuer).map_err(generate)?;

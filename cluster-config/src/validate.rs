@@ -165,6 +165,7 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
     let donors = donors(cx, &raw.donors, &tables, default_transport, base);
     let nodes = node::nodes(cx, &raw.nodes, &tables, &donors, base);
     let model = raw.model.as_ref().map(|m| model::model(cx, m, base));
+    security::one_namespace(cx, raw);
     security::check(cx, raw, tls.as_ref(), plaintext, &donors, &nodes);
     Config {
         path: cx.file.to_path_buf(),

@@ -347,7 +347,7 @@ fn a_stalled_model_loop_misses_its_watchdog() {
 }
 
 /// The unit's own `ExecStart=` (binary and config paths swapped for the
-/// test's, `%H` for the node's name) starts the daemon under a fake
+/// test's, the name variable for the node's name) starts the daemon under a fake
 /// systemd, and its stop is clean.
 #[test]
 fn the_units_command_line_starts_the_daemon() {
@@ -378,7 +378,7 @@ fn the_units_command_line_starts_the_daemon() {
     for w in words {
         match w {
             "/etc/engram-rack/rack.toml" => cmd.arg(&config),
-            "%H" => cmd.arg("n"),
+            "${ENGRAM_NODE_NAME}" => cmd.arg("n"),
             other => cmd.arg(other),
         };
     }

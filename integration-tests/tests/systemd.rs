@@ -70,7 +70,24 @@ fn units_carry_the_operations_settings() {
         for k in ["CapabilityBoundingSet", "AmbientCapabilities"] {
             assert_eq!(get(k), caps, "{unit}: {k}");
         }
-        assert!(get("ExecStart").contains(" serve --config /etc/engram-rack/rack.toml --name %H"));
+        // The name: the host's unless the unit's environment file says.
+        let var = if unit.starts_with("memory-donor") {
+            "ENGRAM_DONOR_NAME"
+        } else {
+            "ENGRAM_NODE_NAME"
+        };
+        assert!(get("ExecStart").contains(&format!(
+            " serve --config /etc/engram-rack/rack.toml --name ${{{var}}}"
+        )));
+        assert_eq!(get("Environment"), format!("{var}=%H"), "{unit}");
+        assert_eq!(
+            get("EnvironmentFile"),
+            format!(
+                "-/etc/engram-rack/{}.env",
+                unit.trim_end_matches(".service")
+            ),
+            "{unit}"
+        );
         assert!(get("ReadOnlyPaths").starts_with("/var/lib/engram-rack/"));
         assert!(secs(get("WatchdogSec")) >= 10);
         if unit.starts_with("memory-donor") {

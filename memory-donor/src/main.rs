@@ -112,9 +112,14 @@ struct ServeArgs {
     /// A table to serve: FILE, or ID=FILE (the id defaults to the table's layer).
     #[arg(long = "table", value_name = "[ID=]FILE")]
     tables: Vec<TableSpec>,
-    /// Address to listen on (repeatable).
+    /// Address to listen on (repeatable; plain TCP: loopback unless
+    /// --allow-plaintext).
     #[arg(long, value_name = "ADDR")]
     listen: Vec<SocketAddr>,
+    /// Without --config: accept plaintext (--listen, --control, --metrics)
+    /// on non-loopback addresses, as `rack.plaintext = "allow"` does.
+    #[arg(long, conflicts_with = "config")]
+    allow_plaintext: bool,
     /// Skip recomputing digests while loading (fast restart of trusted files).
     #[arg(long)]
     trust_digest: bool,
@@ -347,6 +352,38 @@ fn inspect(file: &std::path::Path, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// The loopback rule for what the command line adds, as `check` applies it
+/// to the config: a control plane without TLS, /metrics, and (without a
+/// config) plain TCP listeners bind loopback only, unless the rack's
+/// `plaintext = "allow"` (or, without a config, --allow-plaintext) says so.
+fn plaintext_overrides(config: Option<&Config>, args: &ServeArgs) -> Result<()> {
+    let rule = |what: &str, addr: SocketAddr| -> Result<()> {
+        match config {
+            Some(c) => c.plaintext_bind(what, addr).map_err(anyhow::Error::msg),
+            None if addr.ip().is_loopback() || args.allow_plaintext => Ok(()),
+            None => bail!(
+                "{what} {addr} would be plaintext and unauthenticated on a non-loopback address; \
+                 bind loopback, serve from a rack config with [rack.tls], or pass \
+                 --allow-plaintext to accept it"
+            ),
+        }
+    };
+    if let Some(addr) = args.control
+        && config.is_none_or(|c| c.tls.is_none())
+    {
+        rule("--control: the control plane", addr)?;
+    }
+    if let Some(addr) = args.metrics {
+        rule("--metrics: /metrics", addr)?;
+    }
+    if config.is_none() {
+        for &addr in &args.listen {
+            rule("--listen: plain TCP", addr)?;
+        }
+    }
+    Ok(())
+}
+
 fn run_serve(args: ServeArgs) -> Result<()> {
     let overrides = Overrides {
         trust_digest: args.trust_digest,
@@ -365,6 +402,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     };
     let (mut spec, reload) = if let Some(path) = &args.config {
         let config = Config::load(path)?;
+        plaintext_overrides(Some(&config), &args)?;
         let name = args.name.as_deref().context("--config needs --name")?;
         let spec = ServeSpec::from_config(&config, name)?;
         let reload = ReloadSource {
@@ -377,6 +415,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         if args.tables.is_empty() || args.listen.is_empty() {
             bail!("give --config FILE --name DONOR, or at least one --table and one --listen");
         }
+        plaintext_overrides(None, &args)?;
         let name = args.name.as_deref().unwrap_or("memory-donor");
         let spec = ServeSpec::from_flags(name, args.listen.clone(), args.tables.clone());
         (spec, None)

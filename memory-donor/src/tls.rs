@@ -124,15 +124,25 @@ impl DonorTls {
 
     /// May `identity` use the data plane?
     pub fn data_allowed(&self, identity: &str) -> bool {
-        self.access().data_clients.iter().any(|c| c == identity)
+        self.access()
+            .data_clients
+            .iter()
+            .any(|c| cluster_config::tls::same_identity(identity, c))
     }
 
     /// What `identity` may do on the control plane, if anything.
     pub fn role(&self, identity: &str) -> Option<Role> {
         let a = self.access();
-        if a.operators.iter().any(|o| o == identity) {
+        if a.operators
+            .iter()
+            .any(|o| cluster_config::tls::same_identity(identity, o))
+        {
             Some(Role::Operator)
-        } else if a.nodes.iter().any(|n| n == identity) {
+        } else if a
+            .nodes
+            .iter()
+            .any(|n| cluster_config::tls::same_identity(identity, n))
+        {
             Some(Role::Node)
         } else {
             None

@@ -8,13 +8,63 @@ use super::Ctx;
 use crate::raw::RawConfig;
 use crate::{Donor, Node, Plaintext, TlsSettings, Transport};
 
-/// Why plaintext is refused, in every such error.
-const PLAINTEXT_WHY: &str = "plaintext carries rows, credentials and control calls in the clear \
-     to anyone on this network; use tls:// or quic:// with [rack.tls], bind a loopback address, \
-     or set rack.plaintext = \"allow\" to accept it";
+use crate::PLAINTEXT_WHY;
 
 fn loopback(a: SocketAddr) -> bool {
     a.ip().is_loopback()
+}
+
+/// Donors, nodes and operators share one namespace of names, compared
+/// without case as certificates' DNS names are: two hosts whose names fold
+/// to the same are refused (a node named like a donor could pass a TLS name
+/// check as that donor). Exact duplicates within one kind are reported by
+/// that kind's own rule.
+pub(super) fn one_namespace(cx: &mut Ctx<'_>, raw: &RawConfig) {
+    let operators = raw
+        .rack
+        .get_ref()
+        .tls
+        .as_ref()
+        .map(|t| &t.get_ref().operators);
+    let all = raw
+        .donors
+        .iter()
+        .enumerate()
+        .map(|(i, d)| ("donor", format!("donor[{i}].name"), &d.get_ref().name))
+        .chain(
+            raw.nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| ("node", format!("node[{i}].name"), &n.get_ref().name)),
+        )
+        .chain(
+            operators
+                .into_iter()
+                .flatten()
+                .enumerate()
+                .map(|(i, o)| ("operator", format!("rack.tls.operators[{i}]"), o)),
+        );
+    let mut seen: Vec<(&str, String, &str, String)> = Vec::new();
+    for (kind, key, name) in all {
+        let n = name.get_ref().as_str();
+        let folded = crate::tls::normalize(n);
+        let first = seen.iter().find(|(_, _, _, f)| *f == folded);
+        match first {
+            Some((k, _, other, _)) if *k == kind && *other == n => {}
+            Some((other_kind, other_key, other, _)) => cx.at(
+                name.span(),
+                key,
+                format!(
+                    "{kind} {n:?} collides with {other_kind} {other:?} ({other_key}): donors, \
+                     nodes and operators share one namespace of names, compared without case as \
+                     certificates' DNS names are; give each a name of its own (a host running \
+                     both daemons: set ENGRAM_DONOR_NAME or ENGRAM_NODE_NAME for its units, \
+                     docs/operations.md)"
+                ),
+            ),
+            None => seen.push((kind, key, n, folded)),
+        }
+    }
 }
 
 pub(super) fn check(
@@ -59,6 +109,33 @@ pub(super) fn check(
                 );
             }
         }
+        if plaintext == Plaintext::LoopbackOnly {
+            for e in &d.advertise {
+                if e.transport == Transport::Tcp && !loopback(e.addr) {
+                    let span = rd.advertise.as_ref().map_or(rd.listen.span(), |a| a.span());
+                    cx.at(
+                        span,
+                        k("advertise"),
+                        format!(
+                            "{e} tells nodes to dial plaintext on a non-loopback address: \
+                             {PLAINTEXT_WHY}"
+                        ),
+                    );
+                }
+            }
+            if let (Some(m), Some(raw_m)) = (d.metrics, &rd.metrics)
+                && !loopback(m)
+            {
+                cx.at(
+                    raw_m.span(),
+                    k("metrics"),
+                    format!(
+                        "/metrics at {m} is plaintext HTTP, unauthenticated, on a non-loopback \
+                         address (scrape it through a local agent or a TLS proxy): {PLAINTEXT_WHY}"
+                    ),
+                );
+            }
+        }
         if let (Some(c), None, Plaintext::LoopbackOnly, Some(raw_c)) =
             (d.control, tls, plaintext, &rd.control)
             && !loopback(c)
@@ -96,6 +173,38 @@ pub(super) fn check(
                         format!("{:?} is not a node of this rack", c.get_ref()),
                     );
                 }
+            }
+        }
+    }
+    if plaintext == Plaintext::LoopbackOnly {
+        for (i, (n, rn)) in nodes.iter().zip(&raw.nodes).enumerate() {
+            let rn = rn.get_ref();
+            // The node API has no TLS: it stays on loopback (the default).
+            if let Some(raw_api) = &rn.api
+                && !loopback(n.api)
+            {
+                cx.at(
+                    raw_api.span(),
+                    format!("node[{i}].api"),
+                    format!(
+                        "the node API at {} is plaintext gRPC with no authentication (anyone \
+                         reaching it could Generate); keep it on loopback and front it with \
+                         your own authenticated proxy: {PLAINTEXT_WHY}",
+                        n.api
+                    ),
+                );
+            }
+            if let (Some(m), Some(raw_m)) = (n.metrics, &rn.metrics)
+                && !loopback(m)
+            {
+                cx.at(
+                    raw_m.span(),
+                    format!("node[{i}].metrics"),
+                    format!(
+                        "/metrics at {m} is plaintext HTTP, unauthenticated, on a non-loopback \
+                         address (scrape it through a local agent or a TLS proxy): {PLAINTEXT_WHY}"
+                    ),
+                );
             }
         }
     }
@@ -152,17 +261,8 @@ pub(super) fn check(
         if !dns(n) {
             cx.at(
                 o.span(),
-                key.clone(),
-                format!("{n:?} is not a DNS name, which a certificate needs: letters, digits, '-' and '.'"),
-            );
-        }
-        if donors.iter().any(|d| &d.name == n) || nodes.iter().any(|x| &x.name == n) {
-            cx.at(
-                o.span(),
                 key,
-                format!(
-                    "{n:?} is already a donor or node: an operator identity needs a name of its own"
-                ),
+                format!("{n:?} is not a DNS name, which a certificate needs: letters, digits, '-' and '.'"),
             );
         }
     }

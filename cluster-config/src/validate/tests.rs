@@ -439,14 +439,14 @@ fn credentials_are_read_trimmed_and_bounded() {
 fn control_and_metrics_addresses() {
     let text = good().replacen(
         "ram_gib = 251.0",
-        "ram_gib = 251.0\ncontrol = \"0.0.0.0:7411\"\nmetrics = \"0.0.0.0:9410\"",
+        "ram_gib = 251.0\ncontrol = \"0.0.0.0:7411\"\nmetrics = \"127.0.0.1:9410\"",
         1,
     );
     let c = parse(&text).expect("valid");
     let a = c.donor("donor-a").expect("donor-a");
     let addr = |s: &str| s.parse::<SocketAddr>().expect("addr");
     assert_eq!(a.control, Some(addr("0.0.0.0:7411")));
-    assert_eq!(a.metrics, Some(addr("0.0.0.0:9410")));
+    assert_eq!(a.metrics, Some(addr("127.0.0.1:9410")));
     assert_eq!(
         a.control_endpoint(),
         Some(addr("10.1.0.5:7411")),

@@ -101,6 +101,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let node = config
         .node(&args.name)
         .with_context(|| format!("node {:?} is not in {}", args.name, args.config.display()))?;
+    if let Some(addr) = args.metrics {
+        config
+            .plaintext_bind("--metrics: /metrics", addr)
+            .map_err(anyhow::Error::msg)?;
+    }
     let metrics = Arc::new(NodeMetrics::new());
     if let Some(addr) = args.metrics.or(node.metrics) {
         let (bound, _task) = inference_node::memory::serve_metrics(addr, metrics.clone())

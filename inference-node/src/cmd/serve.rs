@@ -66,6 +66,17 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
         .clone();
     apply_log_level(&log, node.log_level.as_deref());
     let _ = notifier.status("opening sources");
+    // The loopback rule, as `check` applies it to the config's addresses.
+    if let Some(addr) = args.metrics {
+        config
+            .plaintext_bind("--metrics: /metrics", addr)
+            .map_err(anyhow::Error::msg)?;
+    }
+    if let Some(addr) = args.listen {
+        config
+            .plaintext_bind("--listen: the node API (gRPC, no TLS)", addr)
+            .map_err(anyhow::Error::msg)?;
+    }
     let metrics = Arc::new(NodeMetrics::new());
     let metrics_addr = match args.metrics.or(node.metrics) {
         Some(addr) => {

@@ -217,7 +217,12 @@ impl EngramMemory {
         let metrics_at = match opts.metrics {
             MetricsAt::Config => n.metrics,
             MetricsAt::Off => None,
-            MetricsAt::Addr(a) => Some(a),
+            MetricsAt::Addr(a) => {
+                // The loopback rule `check` applies to the config's address.
+                cfg.plaintext_bind("metrics: /metrics", a)
+                    .map_err(EmbedError::Config)?;
+                Some(a)
+            }
         };
 
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -222,7 +222,7 @@ fn node_api_and_log_level() {
     );
     let text = good().replacen(
         "name = \"gpu-1\"",
-        "name = \"gpu-1\"\napi = \"0.0.0.0:9000\"\nlog_level = \"inference_node=debug\"",
+        "name = \"gpu-1\"\napi = \"127.0.0.1:9000\"\nlog_level = \"inference_node=debug\"",
         1,
     );
     let c = parse(&text).expect("valid");

@@ -64,7 +64,11 @@ fn plaintext_beyond_loopback_needs_rack_plaintext_allow() {
         "donor[0].control",
         "plaintext and unauthenticated",
     );
-    let loopback = without_tls("").replacen(LISTEN_A, "listen = [\"127.0.0.1:7410\"]", 1);
+    let loopback = without_tls("").replacen(
+        LISTEN_A,
+        "listen = [\"127.0.0.1:7410\"]\nadvertise = [\"127.0.0.1:7410\"]",
+        1,
+    );
     let c = parse(&loopback).expect("plaintext on loopback is fine");
     assert_eq!(
         (c.tls.as_ref(), c.plaintext),
@@ -76,6 +80,79 @@ fn plaintext_beyond_loopback_needs_rack_plaintext_allow() {
         5,
         "rack.plaintext",
         "not one of",
+    );
+}
+
+#[test]
+fn every_plaintext_address_a_daemon_binds_or_advertises_keeps_the_loopback_rule() {
+    let plain = without_tls("");
+    // A loopback listener that tells nodes to dial plaintext elsewhere.
+    let advertised = plain.replacen(
+        LISTEN_A,
+        "listen = [\"127.0.0.1:7410\"]\nadvertise = [\"tcp://10.1.0.5:7410\"]",
+        1,
+    );
+    expect_in(
+        &advertised,
+        23,
+        "donor[0].advertise",
+        "dial plaintext on a non-loopback address",
+    );
+    // /metrics (plaintext HTTP) on a donor and on a node, and the node API,
+    // with the rack's PKI or without: none of them has TLS.
+    for base in [good(), plain.clone()] {
+        let t = base
+            .replacen(
+                "ram_gib = 251.0",
+                "ram_gib = 251.0\nmetrics = \"0.0.0.0:9410\"",
+                1,
+            )
+            .replacen(
+                "name = \"gpu-1\"",
+                "name = \"gpu-1\"\napi = \"10.1.0.9:7420\"\nmetrics = \"10.1.0.9:9101\"",
+                1,
+            );
+        let d = diags(&t);
+        for (key, msg) in [
+            (
+                "donor[0].metrics",
+                "/metrics at 0.0.0.0:9410 is plaintext HTTP",
+            ),
+            (
+                "node[0].api",
+                "the node API at 10.1.0.9:7420 is plaintext gRPC",
+            ),
+            (
+                "node[0].metrics",
+                "/metrics at 10.1.0.9:9101 is plaintext HTTP",
+            ),
+        ] {
+            assert!(
+                d.iter().any(|x| x.key == key && x.message.contains(msg)),
+                "{key}: {d:?}"
+            );
+        }
+        let allowed = t.replacen(
+            "name = \"demo\"",
+            "name = \"demo\"\nplaintext = \"allow\"",
+            1,
+        );
+        if let Err(e) = parse(&allowed) {
+            panic!("rack.plaintext = \"allow\" accepts them: {e}");
+        }
+    }
+    // The same rule for the daemons' command-line overrides.
+    let c = parse(&good()).expect("valid");
+    assert!(
+        c.plaintext_bind("--metrics", addr("127.0.0.1:9101"))
+            .is_ok()
+    );
+    let e = c
+        .plaintext_bind("--metrics", addr("10.1.0.9:9101"))
+        .expect_err("refused");
+    assert!(
+        e.contains("non-loopback") && e.contains("plaintext = \"allow\""),
+        "{e}"
     );
 }
 
@@ -179,10 +256,10 @@ fn identities_must_be_dns_names_of_their_own() {
     );
     expect(
         TLS,
-        "tls = { operators = [\"gpu-1\"] }",
+        "tls = { operators = [\"GPU-1\"] }",
         5,
         "rack.tls.operators[0]",
-        "already a donor or node",
+        "collides with node \"gpu-1\" (node[0].name)",
     );
     expect(
         TLS,
@@ -205,6 +282,37 @@ fn identities_must_be_dns_names_of_their_own() {
         "node[0].name",
         "not a DNS name",
     );
+}
+
+#[test]
+fn donors_nodes_and_operators_share_one_case_blind_namespace() {
+    // A node named as a donor (both units default to the host name).
+    expect(
+        "name = \"gpu-1\"",
+        "name = \"donor-a\"",
+        37,
+        "node[0].name",
+        "collides with donor \"donor-a\" (donor[0].name)",
+    );
+    // Names that differ only in case are one name to a certificate check.
+    expect(
+        "name = \"gpu-1\"",
+        "name = \"Donor-A\"",
+        37,
+        "node[0].name",
+        "compared without case",
+    );
+    expect(
+        "name = \"donor-b\"",
+        "name = \"DONOR-A\"",
+        28,
+        "donor[1].name",
+        "collides with donor \"donor-a\"",
+    );
+    // Plaintext racks too: a name is the host's identity in every plane.
+    let plain =
+        without_tls("plaintext = \"allow\"").replacen("name = \"gpu-1\"", "name = \"donor-b\"", 1);
+    expect_in(&plain, 37, "node[0].name", "one namespace of names");
 }
 
 #[test]
