@@ -482,8 +482,13 @@ mod tests {
     fn a_donor_never_resumes_a_session_so_every_certificate_is_checked_again() {
         let dir = tempfile::tempdir().expect("tempdir");
         let rack = ca();
-        let donor = Material::load(&write(dir.path(), "donor-a", &rack, &leaf(&rack, "donor-a")))
-            .expect("donor");
+        let donor = Material::load(&write(
+            dir.path(),
+            "donor-a",
+            &rack,
+            &leaf(&rack, "donor-a"),
+        ))
+        .expect("donor");
         let node = Material::load(&write(dir.path(), "node-1", &rack, &leaf(&rack, "node-1")))
             .expect("node");
         let server = donor.server_config(&[b"x"]).expect("server");
@@ -501,7 +506,10 @@ mod tests {
         let resuming = Arc::new(resuming);
         let client = node.client_config(&[b"x"]).expect("client");
         assert_eq!(handshake(&client, &resuming).0, rustls::HandshakeKind::Full);
-        assert_eq!(handshake(&client, &resuming).0, rustls::HandshakeKind::Resumed);
+        assert_eq!(
+            handshake(&client, &resuming).0,
+            rustls::HandshakeKind::Resumed
+        );
     }
 
     /// What resumption would save per connection (CPU time of both ends
@@ -512,8 +520,13 @@ mod tests {
     fn resumption_cost() {
         let dir = tempfile::tempdir().expect("tempdir");
         let rack = ca();
-        let donor = Material::load(&write(dir.path(), "donor-a", &rack, &leaf(&rack, "donor-a")))
-            .expect("donor");
+        let donor = Material::load(&write(
+            dir.path(),
+            "donor-a",
+            &rack,
+            &leaf(&rack, "donor-a"),
+        ))
+        .expect("donor");
         let node = Material::load(&write(dir.path(), "node-1", &rack, &leaf(&rack, "node-1")))
             .expect("node");
         let full = donor.server_config(&[b"x"]).expect("server");

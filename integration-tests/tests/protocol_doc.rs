@@ -220,13 +220,25 @@ fn welcome_max_payload_follows_the_documented_formula() {
     }
 }
 
-/// Point 4: `busy` comes on accept, before any Hello, then the close.
+/// Point 4: `busy` answers the Hello of a client over the bound (a
+/// stranger never takes a served slot), then the close.
 #[test]
-fn busy_is_sent_on_accept_before_any_hello() {
+fn busy_answers_the_hello_at_the_bound() {
     let (_dir, _, donor) = donor(&["--max-connections", "1"]);
     let (_held, _) = ready(&donor, b"");
+    // Connected and silent: not refused (it holds no served slot yet).
     let mut s = connect(&donor);
-    // Nothing sent: the Error is already on its way.
+    s.set_read_timeout(Some(std::time::Duration::from_millis(300)))
+        .expect("timeout");
+    let mut b = [0u8; 1];
+    let silent = std::io::Read::read(&mut s, &mut b);
+    assert!(
+        matches!(&silent, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "{silent:?}"
+    );
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(&hello(b"")).expect("hello");
     let (id, code, detail) = error_of(&read_frame(&mut s).expect("busy"));
     assert_eq!((id, code, detail), (0, ErrorCode::Busy, 1));
     closes(&mut s);

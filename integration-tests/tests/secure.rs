@@ -471,3 +471,183 @@ fn a_node_reload_takes_new_certificates_and_keeps_serving() {
         }
     });
 }
+
+/// Threads of process `pid` now.
+fn threads(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("Threads:")
+}
+
+/// A TCP connection to `to` from `from` (any 127.0.0.0/8 address), which
+/// sends `bytes` and then says nothing.
+fn half_open(
+    from: std::net::Ipv4Addr,
+    to: std::net::SocketAddr,
+    bytes: &[u8],
+) -> Option<std::net::TcpStream> {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a descriptor this function owns; every
+    // result is checked, and the descriptor is handed to TcpStream once.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(ip).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let local = sin(from, 0);
+        if libc::bind(fd, (&raw const local).cast(), len) != 0 {
+            return None;
+        }
+        let std::net::SocketAddr::V4(to) = to else {
+            return None;
+        };
+        let remote = sin(*to.ip(), to.port());
+        if libc::connect(fd, (&raw const remote).cast(), len) != 0 {
+            return None;
+        }
+        let mut s = s;
+        s.write_all(bytes).ok()?;
+        Some(s)
+    }
+}
+
+/// Real QUIC Initials (quinn's own ClientHello, never answered) from
+/// `sources` different loopback addresses, `per_source` each.
+fn quic_initials(to: std::net::SocketAddr, roots: &Path, sources: u8, per_source: usize) -> usize {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut store = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&std::fs::read(roots).expect("ca")) {
+        store.add(c.expect("ca")).expect("root");
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(cluster_config::tls::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![b"engram/1".to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(Arc::new(tls)).expect("quic");
+    let config = quinn::ClientConfig::new(Arc::new(crypto));
+    let ep_config = Arc::new(quinn_proto::EndpointConfig::default());
+    let mut sent = 0;
+    let mut buf = Vec::with_capacity(1500);
+    for i in 0..sources {
+        let from = std::net::Ipv4Addr::new(127, 0, 3, 1 + i);
+        let Ok(sock) = std::net::UdpSocket::bind((from, 0)) else {
+            continue;
+        };
+        let mut endpoint = quinn_proto::Endpoint::new(Arc::clone(&ep_config), None, false, None);
+        for _ in 0..per_source {
+            let now = Instant::now();
+            let Ok((_, mut conn)) = endpoint.connect(now, config.clone(), to, "d") else {
+                continue;
+            };
+            buf.clear();
+            if let Some(t) = conn.poll_transmit(now, 1, &mut buf)
+                && sock.send_to(&buf[..t.size], to).is_ok()
+            {
+                sent += 1;
+            }
+        }
+    }
+    sent
+}
+
+/// Strangers who connect and never authenticate hold no place a node
+/// needs: 1,000 half-open TLS and plain TCP connections from 40 source
+/// addresses (the node's among them) and 1,000 QUIC Initials from 40
+/// others cost the donor at most its pre-auth budget in threads and none
+/// of its connection slots, while nodes connect and read rows over TLS,
+/// TCP and QUIC.
+#[test]
+fn floods_of_strangers_never_take_a_nodes_place() {
+    let rack = Rack::start();
+    let (tls, tcp, quic) = (
+        rack.addr(Transport::Tls),
+        rack.addr(Transport::Tcp),
+        rack.addr(Transport::Quic),
+    );
+    let before = threads(rack.donor.id());
+    let mut held = Vec::new();
+    // Half a ClientHello's worth of record header, then silence; a partial
+    // Hello on plain TCP.
+    for i in 0..1000u32 {
+        let from = std::net::Ipv4Addr::new(127, 0, 2, 1 + (i % 40) as u8);
+        let from = if i % 40 == 0 {
+            std::net::Ipv4Addr::LOCALHOST
+        } else {
+            from
+        };
+        let (to, bytes): (_, &[u8]) = if i % 2 == 0 {
+            (tls, &[0x16, 0x03, 0x01])
+        } else {
+            (tcp, &[13, 0, 0])
+        };
+        if let Some(s) = half_open(from, to, bytes) {
+            held.push(s);
+        }
+    }
+    assert!(held.len() >= 900, "only {} connections opened", held.len());
+    let initials = quic_initials(quic, &rack.config.tls.as_ref().expect("pki").ca, 40, 25);
+    assert!(initials >= 900, "only {initials} QUIC Initials sent");
+    std::thread::sleep(Duration::from_millis(200));
+    let during = threads(rack.donor.id());
+    assert!(
+        during <= before + server_preauth_total() + 8,
+        "{during} threads during the flood, {before} before"
+    );
+    rt().block_on(async {
+        for (node, transport) in [
+            ("n-tls", Transport::Tls),
+            ("n-tcp", Transport::Tcp),
+            ("n-quic", Transport::Quic),
+        ] {
+            let addr = rack.addr(transport);
+            let t0 = Instant::now();
+            let c = DonorClient::connect(addr, &rack.opts(node, transport, None))
+                .await
+                .unwrap_or_else(|e| panic!("{node} during the flood: {e}"));
+            for i in 0..20 {
+                lookup(&c, i).await;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{node} took {:?}",
+                t0.elapsed()
+            );
+        }
+    });
+    println!(
+        "{} half-open connections and {initials} QUIC Initials: donor threads {before} before, \
+         {during} during; {} evicted unauthenticated, {} QUIC Retries, {} handshake limits",
+        held.len(),
+        rack.refusals("preauth_evicted"),
+        rack.refusals("quic_retry"),
+        rack.refusals("handshake_limit")
+    );
+    assert!(rack.refusals("preauth_evicted") > 0.0, "{}", rack.metrics());
+    assert!(rack.refusals("quic_retry") > 0.0, "{}", rack.metrics());
+    // Strangers held no served slot.
+    let open = sample(&rack.metrics(), "engram_donor_connections_open").unwrap_or(-1.0);
+    assert!(open <= 3.0, "{open} served connections during the flood");
+    drop(held);
+}
+
+/// The donor's pre-auth budget ([`memory_donor::server::preauth::TOTAL`]).
+fn server_preauth_total() -> usize {
+    memory_donor::server::preauth::TOTAL
+}

@@ -139,7 +139,7 @@ impl Collector for DonorCollector {
         gauge(
             e,
             "connections_open",
-            "Data-plane connections open.",
+            "Data-plane connections open and authenticated (each holds one of max_connections).",
             None,
             open,
         )?;

@@ -363,8 +363,14 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     let s = storm.stop();
     let to = run.event("storm over");
     let m = rack.donor_metrics("donor-a")?;
-    let [timeouts, failed, limit] =
-        ["handshake_timeout", "handshake_failed", "handshake_limit"].map(|r| refusals(&m, r));
+    let [timeouts, failed, limit, evicted, retried] = [
+        "handshake_timeout",
+        "handshake_failed",
+        "handshake_limit",
+        "preauth_evicted",
+        "quic_retry",
+    ]
+    .map(|r| refusals(&m, r));
     let out = finish(run, o, true)?;
     let mut r = Report::check(NAME, about(NAME), env, &plan, &out)?;
     let during: Vec<_> = r.between(from, to).collect();
@@ -426,8 +432,9 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     r.figure(
         "donor-a's refusals",
         format!(
-            "handshake_timeout {timeouts}, handshake_failed {failed}, handshake_limit {limit}; \
-             at most {open_max} connections open (bound {})",
+            "handshake_timeout {timeouts}, handshake_failed {failed}, handshake_limit {limit}, \
+             preauth_evicted {evicted}, quic_retry {retried}; at most {open_max} connections \
+             open (bound {})",
             plan.max_connections
         ),
     );
@@ -467,14 +474,19 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         s.tls_refused > 0 && s.quic_refused > 0 && s.quic_initials > 0,
         "the storm did not reach donor-a: {s:?}"
     );
-    // Every half-open handshake the donor held and closed was a timeout,
-    // every TLS intruder a failed handshake (QUIC's add to that), and the
-    // Initials beyond 64 in progress hit the handshake limit.
+    // Every half-open handshake the donor held and closed was a timeout
+    // (or evicted by a newer one from the pre-auth budget), every TLS
+    // intruder a failed handshake (QUIC's add to that), and the Initials
+    // past the first few in progress got a stateless Retry or hit the
+    // handshake limits.
     let held = s.tls_closed + s.quic_held;
     ensure!(
-        timeouts >= held as f64 && failed >= s.tls_refused as f64 && limit > 0.0,
+        timeouts + evicted >= held as f64
+            && failed >= s.tls_refused as f64
+            && limit + retried > 0.0,
         "donor-a's refusals (handshake_timeout {timeouts}, handshake_failed {failed}, \
-         handshake_limit {limit}) do not account for the storm: {s:?}"
+         handshake_limit {limit}, preauth_evicted {evicted}, quic_retry {retried}) do not \
+         account for the storm: {s:?}"
     );
     ensure!(
         failovers == 0,

@@ -172,6 +172,13 @@ pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
     let to = run.event("storm over");
     let m = rack.donor_metrics("donor-a")?;
     let refused = sample(&m, "engram_donor_connections_refused_total").unwrap_or(0.0);
+    // Connections that never authenticate stay in the pre-auth budget,
+    // whose newest evict its oldest.
+    let evicted = sample(
+        &m,
+        "engram_donor_refusals_total{plane=\"data\",reason=\"preauth_evicted\"}",
+    )
+    .unwrap_or(0.0);
     let out = finish(run, o, true)?;
     let mut r = Report::check("storm", about("storm"), env, &plan, &out)?;
     let during: Vec<_> = r.between(from, to).collect();
@@ -194,7 +201,7 @@ pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
     r.figure(
         "storm",
         format!(
-            "{} connections, {} KiB of random bytes, {} oversized headers; donor-a had at most {open_max} of {} connections open and refused {refused}",
+            "{} connections, {} KiB of random bytes, {} oversized headers; donor-a had at most {open_max} of {} connections open, refused {refused} at the bound and evicted {evicted} unauthenticated ones",
             stats.connections,
             stats.garbage_bytes / 1024,
             stats.oversized,
@@ -216,8 +223,8 @@ pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
         plan.max_connections
     );
     ensure!(
-        refused > 0.0,
-        "the storm never reached donor-a's connection bound"
+        refused + evicted > 0.0,
+        "the storm never reached donor-a's bounds (connections or pre-auth)"
     );
     // The node's connection to donor-a never broke: no lookup failed there.
     ensure!(

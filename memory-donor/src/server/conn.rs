@@ -16,7 +16,7 @@ use engram_protocol::{FrameHeader, HEADER_LEN};
 use super::ended::Ended;
 use super::handler::Handler;
 use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
-use super::{Conn, Shared};
+use super::{Conn, Shared, Slot};
 
 /// Ciphertext read from the socket and not yet given to rustls.
 #[derive(Debug)]
@@ -226,6 +226,28 @@ fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::R
     Ok(())
 }
 
+/// An authenticated client the donor has no served slot for: `busy`
+/// inside its session (over TLS, an encrypted record, then close_notify),
+/// counted as refused.
+fn refuse_busy(stream: &TcpStream, conn: &Conn, shared: &Shared) {
+    let max = shared.max_connections();
+    shared
+        .stats
+        .refused
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::debug!(conn = conn.id, peer = %conn.peer, "connection refused: at the bound");
+    let msg = format!("donor is at its bound of {max} connections");
+    let mut out = Vec::new();
+    engram_protocol::ErrorFrame {
+        code: engram_protocol::ErrorCode::Busy,
+        table_id: None,
+        detail: max as u64,
+        message: &msg,
+    }
+    .encode(&mut out, 0);
+    let _ = close_gracefully(conn, stream, &mut out);
+}
+
 /// Read timeout: zero means none.
 fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
     stream.set_read_timeout(if t.is_zero() { None } else { Some(t) })
@@ -313,7 +335,7 @@ fn admit(
 /// frame arrives, or the drain force-closes it. An end on an error is
 /// counted and logged by its reason ([`Ended`]); a refused TLS client was
 /// counted and logged as a refusal already.
-pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
+pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>, mut slot: Slot) {
     let cfg = shared.config();
     let write_timeout = (!cfg.write_timeout.is_zero()).then_some(cfg.write_timeout);
     let setup = stream
@@ -326,13 +348,20 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
     // Before the handshake only a Hello fits, and the Hello must arrive by an
     // absolute deadline (a read timeout alone restarts with every byte).
     // Over TLS the same deadline covers the TLS handshake too.
-    let hello_deadline = (!cfg.hello_timeout.is_zero()).then(|| Instant::now() + cfg.hello_timeout);
+    // The deadline shrinks as strangers fill the pre-auth budget.
+    let hello_deadline = (!cfg.hello_timeout.is_zero())
+        .then(|| Instant::now() + shared.preauth.deadline(cfg.hello_timeout));
     let mut handler = Handler::new(&shared, Arc::clone(&cfg));
     if conn.tls.is_some() {
         let deadline = hello_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(10));
         match admit(&mut stream, &conn, &shared, deadline) {
             Ok(Some(identity)) => handler.set_identity(identity),
             Ok(None) | Err(_) => return,
+        }
+        // Authenticated: a served slot now, or a refusal inside the session.
+        if !slot.promote(&shared) {
+            refuse_busy(&stream, &conn, &shared);
+            return;
         }
     }
     let mut pump = Pump::new(
@@ -343,7 +372,14 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>)
         conn.peer,
         conn.tls.is_none(),
     );
-    if let Err(ended) = session(&mut stream, &conn, &shared, &mut pump, hello_deadline) {
+    if let Err(ended) = session(
+        &mut stream,
+        &conn,
+        &shared,
+        &mut pump,
+        hello_deadline,
+        &mut slot,
+    ) {
         ended.report(&shared, conn.id, conn.peer, pump.handler.peer_name());
     }
 }
@@ -356,6 +392,7 @@ fn session(
     shared: &Shared,
     pump: &mut Pump<'_>,
     hello_deadline: Option<Instant>,
+    slot: &mut Slot,
 ) -> Result<(), Ended> {
     let cfg = shared.config();
     let mut tin = TlsIn::new();
@@ -364,7 +401,18 @@ fn session(
     let socket = |e: io::Error| Ended::new("socket_error", e.to_string());
     loop {
         loop {
-            match pump.step(shared, &mut out) {
+            let step = pump.step(shared, &mut out);
+            // A plain TCP client has authenticated once its Hello is
+            // accepted: it needs a served slot before its Welcome goes out.
+            if pump.handler.is_ready()
+                && matches!(slot, Slot::PreAuth { .. })
+                && !slot.promote(shared)
+            {
+                out.clear();
+                refuse_busy(stream, conn, shared);
+                return Ok(());
+            }
+            match step {
                 Step::NeedInput => break,
                 Step::Flush => flush(conn, &mut out).map_err(writing)?,
                 Step::Ready => set_timeout(stream, cfg.idle_timeout).map_err(socket)?,

@@ -14,6 +14,7 @@ mod conn;
 mod ended;
 mod handler;
 pub mod host;
+pub mod preauth;
 mod pump;
 pub mod quic;
 
@@ -25,7 +26,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use cluster_config::daemon::logging::RateLimit;
-use engram_protocol::{ErrorCode, ErrorFrame, Goodbye, Limits};
+use engram_protocol::{Goodbye, Limits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -84,8 +85,10 @@ pub struct Shared {
     draining: AtomicBool,
     conns: Mutex<HashMap<u64, Arc<Conn>>>,
     next_conn: AtomicU64,
-    /// One permit per connection; `permits_total` of them exist.
+    /// One permit per authenticated connection; `permits_total` of them exist.
     permits: Arc<Semaphore>,
+    /// TCP and TLS connections before they authenticate: a budget of their own.
+    preauth: Arc<preauth::PreAuth>,
     permits_total: AtomicUsize,
     tls: std::sync::OnceLock<Arc<DonorTls>>,
     /// QUIC connections open (also counted in `stats.open`).
@@ -134,6 +137,7 @@ impl Shared {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             permits: Arc::new(Semaphore::new(max)),
+            preauth: preauth::PreAuth::new(preauth::PER_SOURCE, preauth::TOTAL),
             permits_total: AtomicUsize::new(max),
             tls: std::sync::OnceLock::new(),
             rdma: std::sync::OnceLock::new(),
@@ -253,44 +257,80 @@ impl Shared {
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
     }
+
+    /// One of the `max_connections` slots, for a connection that has
+    /// authenticated; `None` at the bound.
+    fn served_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        Arc::clone(&self.permits).try_acquire_owned().ok()
+    }
+
+    /// The bound on authenticated connections now.
+    fn max_connections(&self) -> usize {
+        self.permits_total.load(Ordering::Relaxed)
+    }
+}
+
+/// Where a TCP or TLS connection stands against the donor's bounds: in the
+/// pre-auth budget until it authenticates, then in a served slot.
+#[derive(Debug)]
+enum Slot {
+    /// Held for its place in the budget (dropping it frees the place).
+    PreAuth { _ticket: preauth::Ticket },
+    /// Held for the served slot (counted in `connections_open` meanwhile).
+    Served { _slot: ServedSlot },
+}
+
+/// A served slot: its permit, and its count in `stats.open` while held.
+#[derive(Debug)]
+struct ServedSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    stats: Arc<Stats>,
+}
+
+impl ServedSlot {
+    fn new(permit: tokio::sync::OwnedSemaphorePermit, stats: &Arc<Stats>) -> Self {
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        Self {
+            _permit: permit,
+            stats: Arc::clone(stats),
+        }
+    }
+}
+
+impl Drop for ServedSlot {
+    fn drop(&mut self) {
+        self.stats.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Slot {
+    /// Move an authenticated connection to a served slot (a no-op once
+    /// there); false when the donor is at `max_connections`.
+    fn promote(&mut self, shared: &Shared) -> bool {
+        if matches!(self, Self::Served { .. }) {
+            return true;
+        }
+        match shared.served_slot() {
+            Some(p) => {
+                *self = Self::Served {
+                    _slot: ServedSlot::new(p, &shared.stats),
+                };
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// Per-connection warnings: a flood of connections must not flood the journal.
 static CONN_WARN: RateLimit = RateLimit::new(5);
 static ACCEPT_WARN: RateLimit = RateLimit::new(1);
 
-/// Most connections being refused at once; beyond it they are dropped.
-const MAX_REFUSING: usize = 64;
-
-/// Tell a connection over the bound that the donor is busy, without a
-/// thread: write the error, half-close, and drain briefly so the peer reads
-/// the error rather than a reset.
-async fn refuse_busy(mut stream: tokio::net::TcpStream, max: usize) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut out = Vec::new();
-    let msg = format!("donor is at its bound of {max} connections");
-    ErrorFrame {
-        code: ErrorCode::Busy,
-        table_id: None,
-        detail: max as u64,
-        message: &msg,
-    }
-    .encode(&mut out, 0);
-    let refuse = async {
-        stream.write_all(&out).await?;
-        stream.shutdown().await?;
-        let mut sink = [0u8; 4096];
-        while stream.read(&mut sink).await? > 0 {}
-        Ok::<(), std::io::Error>(())
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
-}
-
 fn spawn_connection(
     shared: &Arc<Shared>,
     stream: TcpStream,
     peer: SocketAddr,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    slot: Slot,
     tls: bool,
 ) {
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
@@ -328,17 +368,14 @@ fn spawn_connection(
     });
     shared.conns().insert(id, Arc::clone(&conn));
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
-    shared.stats.open.fetch_add(1, Ordering::Relaxed);
     let shared2 = Arc::clone(shared);
     let spawned = std::thread::Builder::new()
         .name(format!("conn-{id}"))
         .spawn(move || {
-            conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2));
-            // The slot is free before the peer sees the close: a client that
-            // saw it and reconnects at once finds room.
+            // The slot is freed inside, before the peer sees the close: a
+            // client that saw it and reconnects at once finds room.
+            conn::serve(stream, Arc::clone(&conn), Arc::clone(&shared2), slot);
             shared2.conns().remove(&id);
-            shared2.stats.open.fetch_sub(1, Ordering::Relaxed);
-            drop(permit);
             // Close now, whoever else holds the socket (a drain in progress).
             let _ = conn.stream.shutdown(std::net::Shutdown::Both);
         });
@@ -347,7 +384,6 @@ fn spawn_connection(
             tracing::warn!(conn = id, %peer, error = %e, suppressed, "cannot start a connection thread; dropping connection");
         }
         shared.conns().remove(&id);
-        shared.stats.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -369,7 +405,6 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::clone(&shared.permits);
-    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
     let mut quic = Vec::new();
@@ -393,12 +428,7 @@ pub async fn run(
                 continue;
             }
         };
-        let (shared, permits, refusing, mut stop) = (
-            Arc::clone(&shared),
-            Arc::clone(&permits),
-            Arc::clone(&refusing),
-            stop_tx.subscribe(),
-        );
+        let (shared, mut stop) = (Arc::clone(&shared), stop_tx.subscribe());
         accepters.push(tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -416,27 +446,27 @@ pub async fn run(
                         continue;
                     }
                 };
-                match Arc::clone(&permits).try_acquire_owned() {
-                    Ok(permit) => {
-                        let Ok(stream) = stream.into_std() else {
-                            continue;
-                        };
-                        let _ = stream.set_nonblocking(false);
-                        spawn_connection(&shared, stream, peer, permit, tls);
-                    }
-                    Err(_) => {
-                        shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(%peer, "connection refused: at the bound");
-                        // Bounded too: past MAX_REFUSING the connection is just dropped.
-                        if let Ok(p) = Arc::clone(&refusing).try_acquire_owned() {
-                            let max = shared.permits_total.load(Ordering::Relaxed);
-                            tokio::spawn(async move {
-                                refuse_busy(stream, max).await;
-                                drop(p);
-                            });
-                        }
-                    }
+                // Before authentication a connection counts against the
+                // pre-auth budget only (a full one evicts its oldest); it
+                // takes a served slot once it proves who it is.
+                let Ok(stream) = stream.into_std() else {
+                    continue;
+                };
+                let _ = stream.set_nonblocking(false);
+                let Ok(handle) = stream.try_clone() else {
+                    continue;
+                };
+                let (ticket, evicted) = shared.preauth.admit(peer.ip(), handle);
+                if evicted > 0 {
+                    shared.stats.refusal("data", "preauth_evicted");
                 }
+                spawn_connection(
+                    &shared,
+                    stream,
+                    peer,
+                    Slot::PreAuth { _ticket: ticket },
+                    tls,
+                );
             }
         }));
     }

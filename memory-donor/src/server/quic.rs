@@ -6,11 +6,16 @@
 //! transport uses. A connection may hold a few such streams (each its own
 //! session, with its own Hello).
 //!
-//! Bounds: one connection permit per QUIC connection (the same
-//! `max_connections` as TCP and TLS), at most [`MAX_HANDSHAKES`] handshakes
-//! in progress (more are refused at once, before any crypto), each within
-//! the hello timeout, [`MAX_STREAMS`] streams per connection, and the idle
-//! timeout as QUIC's own. 0-RTT is not accepted: see PROTOCOL.md.
+//! Bounds: one connection permit per authenticated QUIC connection (the
+//! same `max_connections` as TCP and TLS, taken once the client's
+//! certificate is admitted: `busy` in CONNECTION_CLOSE at the bound); at
+//! most [`MAX_HANDSHAKES`] handshakes in progress and
+//! [`MAX_HANDSHAKES_PER_SOURCE`] from one address (more are refused at
+//! once, before any crypto); past [`RETRY_ABOVE`] handshakes a client whose
+//! address is not validated gets a stateless Retry first, so spoofed
+//! Initials hold nothing; each handshake within the hello timeout;
+//! [`MAX_STREAMS`] streams per connection, and the idle timeout as QUIC's
+//! own. 0-RTT is not accepted: see PROTOCOL.md.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,8 +33,46 @@ use super::{CONN_WARN, Shared};
 
 /// QUIC handshakes in progress at once; more are refused.
 pub const MAX_HANDSHAKES: usize = 64;
+/// Handshakes in progress from one source address at once.
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
+/// Handshakes in progress past which a client whose address is not yet
+/// validated is sent a stateless Retry: a spoofed source never gets past
+/// it, and holds nothing on the donor meanwhile.
+pub const RETRY_ABOVE: usize = 8;
 /// Concurrent bidirectional streams (sessions) per QUIC connection.
 pub const MAX_STREAMS: u32 = 4;
+
+/// Handshakes in progress per source address.
+#[derive(Debug, Default)]
+struct PerSource(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One handshake's place in [`PerSource`]; dropping it frees the place.
+#[derive(Debug)]
+struct SourceSlot(Arc<PerSource>, std::net::IpAddr);
+
+impl PerSource {
+    fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_default();
+        if *n >= MAX_HANDSHAKES_PER_SOURCE {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot(Arc::clone(self), ip))
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut m = self.0.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
+        }
+    }
+}
 
 /// The quinn server configuration for the donor's TLS state now.
 pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
@@ -58,6 +101,7 @@ pub(super) async fn accept_loop(
     mut stop: tokio::sync::broadcast::Receiver<()>,
 ) {
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let per_source = Arc::new(PerSource::default());
     loop {
         let incoming = tokio::select! {
             _ = stop.recv() => break,
@@ -67,9 +111,16 @@ pub(super) async fn accept_loop(
             },
         };
         let peer = incoming.remote_address();
-        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            shared.stats.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%peer, "QUIC connection refused: at the bound");
+        let busy = MAX_HANDSHAKES - handshakes.available_permits();
+        if busy >= RETRY_ABOVE && !incoming.remote_address_validated() && incoming.may_retry() {
+            // Stateless: the donor keeps nothing until the client comes back
+            // from its address with the token.
+            shared.stats.refusal("data", "quic_retry");
+            let _ = incoming.retry();
+            continue;
+        }
+        let Some(source) = per_source.take(peer.ip()) else {
+            shared.stats.refusal("data", "handshake_limit");
             incoming.refuse();
             continue;
         };
@@ -81,9 +132,9 @@ pub(super) async fn accept_loop(
             incoming.refuse();
             continue;
         };
-        let shared = Arc::clone(&shared);
+        let (shared, permits) = (Arc::clone(&shared), Arc::clone(&permits));
         tokio::spawn(async move {
-            serve_connection(incoming, peer, shared, permit, handshake).await;
+            serve_connection(incoming, peer, shared, permits, (handshake, source)).await;
         });
     }
     // New connections are refused from now on; live ones drain.
@@ -153,12 +204,23 @@ async fn serve_connection(
     incoming: quinn::Incoming,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    permit: OwnedSemaphorePermit,
-    handshake: OwnedSemaphorePermit,
+    permits: Arc<Semaphore>,
+    handshake: (OwnedSemaphorePermit, SourceSlot),
 ) {
     let admitted = admit(incoming, peer, &shared).await;
     drop(handshake);
     let Some((conn, identity)) = admitted else {
+        return;
+    };
+    // Authenticated: a served slot now, or `busy` in CONNECTION_CLOSE.
+    let Ok(permit) = permits.try_acquire_owned() else {
+        shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%peer, "QUIC connection refused: at the bound");
+        let max = shared.max_connections();
+        conn.close(
+            quinn::VarInt::from_u32(u32::from(engram_protocol::ErrorCode::Busy.to_u16())),
+            format!("donor is at its bound of {max} connections").as_bytes(),
+        );
         return;
     };
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
