@@ -228,15 +228,15 @@ fn busy_answers_the_hello_at_the_bound() {
     let (_held, _) = ready(&donor, b"");
     // Connected and silent: not refused (it holds no served slot yet).
     let mut s = connect(&donor);
-    s.set_read_timeout(Some(std::time::Duration::from_millis(300)))
+    s.set_read_timeout(Some(Duration::from_millis(300)))
         .expect("timeout");
     let mut b = [0u8; 1];
-    let silent = std::io::Read::read(&mut s, &mut b);
+    let silent = Read::read(&mut s, &mut b);
     assert!(
         matches!(&silent, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
         "{silent:?}"
     );
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+    s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     s.write_all(&hello(b"")).expect("hello");
     let (id, code, detail) = error_of(&read_frame(&mut s).expect("busy"));
