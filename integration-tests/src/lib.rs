@@ -790,3 +790,37 @@ pub fn model_rack(dir: &Path) -> Result<PathBuf> {
     std::fs::write(&path, text)?;
     Ok(path)
 }
+
+/// A TCP connection to `to` from the loopback address `from` (any of
+/// 127.0.0.0/8, so a test can look like many hosts), or `None`.
+pub fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> Option<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to) = to else {
+        return None;
+    };
+    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let (local, remote) = (sin(from, 0), sin(*to.ip(), to.port()));
+    // SAFETY: plain socket calls on a descriptor owned here and handed to
+    // TcpStream once; every result is checked.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        if libc::bind(fd, (&raw const local).cast(), len) != 0
+            || libc::connect(fd, (&raw const remote).cast(), len) != 0
+        {
+            return None;
+        }
+        Some(s)
+    }
+}

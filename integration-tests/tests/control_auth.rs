@@ -412,3 +412,65 @@ fn without_a_pki_drain_and_swap_work_from_loopback_only_within_the_table_directo
         .expect("the donor exits");
     assert!(status.success(), "{status:?}");
 }
+
+/// 200 silent connections to the control port (from 20 addresses, the
+/// operator's among them) keep neither an operator nor a node's probe out:
+/// they wait in a pre-auth budget of their own, whose oldest are evicted.
+#[test]
+fn silent_strangers_do_not_keep_operators_or_probes_out() {
+    let rack = Rack::new(true);
+    let (donor, ops) = rack.start();
+    let mut silent = Vec::new();
+    for i in 0..200u32 {
+        let from = if i % 20 == 0 {
+            std::net::Ipv4Addr::LOCALHOST
+        } else {
+            std::net::Ipv4Addr::new(127, 0, 4, (i % 20) as u8)
+        };
+        let s = integration_tests::connect_from(from, rack.control);
+        silent.extend(s);
+    }
+    assert!(
+        silent.len() >= 190,
+        "only {} connections opened",
+        silent.len()
+    );
+    let t0 = std::time::Instant::now();
+    let out = rack.cluster(&["status"]);
+    assert!(
+        out.status.success(),
+        "status during the flood: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "status took {:?}",
+        t0.elapsed()
+    );
+    let config = Config::load(&rack.config).expect("config");
+    let files = config.tls_files("n").expect("node files");
+    let tls = ControlTls(inference_node::tls::NodeTls::load(&files).expect("node material"));
+    rt().block_on(async {
+        let opts = ClientOptions::new("n", vec![(1, rack.v1)]);
+        let src = DonorSource::new("d", vec![donor.addr], opts)
+            .with_control(Some(rack.control))
+            .with_control_tls(Some(tls));
+        assert_eq!(
+            src.probe().await.expect("probe during the flood"),
+            vec![(1, rack.v1)]
+        );
+    });
+    let m = scrape(ops.metrics.expect("metrics")).expect("scrape");
+    let evicted = sample(
+        &m,
+        "engram_donor_refusals_total{plane=\"control\",reason=\"preauth_evicted\"}",
+    )
+    .unwrap_or(0.0);
+    println!(
+        "200 silent control connections: {evicted} evicted; status in {:?}",
+        t0.elapsed()
+    );
+    assert!(evicted > 0.0, "{m}");
+    drop(silent);
+}

@@ -490,39 +490,9 @@ fn half_open(
     bytes: &[u8],
 ) -> Option<std::net::TcpStream> {
     use std::io::Write;
-    use std::os::fd::FromRawFd;
-    // SAFETY: plain socket calls on a descriptor this function owns; every
-    // result is checked, and the descriptor is handed to TcpStream once.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return None;
-        }
-        let s = std::net::TcpStream::from_raw_fd(fd);
-        let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(ip).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        let local = sin(from, 0);
-        if libc::bind(fd, (&raw const local).cast(), len) != 0 {
-            return None;
-        }
-        let std::net::SocketAddr::V4(to) = to else {
-            return None;
-        };
-        let remote = sin(*to.ip(), to.port());
-        if libc::connect(fd, (&raw const remote).cast(), len) != 0 {
-            return None;
-        }
-        let mut s = s;
-        s.write_all(bytes).ok()?;
-        Some(s)
-    }
+    let mut s = integration_tests::connect_from(from, to)?;
+    s.write_all(bytes).ok()?;
+    Some(s)
 }
 
 /// Real QUIC Initials (quinn's own ClientHello, never answered) from

@@ -15,7 +15,12 @@
 //! Bounds: a fixed number of control connections (more are closed at
 //! once), a TLS handshake deadline, requests per connection, a per-request
 //! timeout, small request messages, and a maximum connection age, so a
-//! misbehaving client costs at most its own connection.
+//! misbehaving client costs at most its own connection. Over TLS a
+//! connection takes one of those slots only once its handshake (with a
+//! rack certificate) is done: before that it is in a pre-auth budget of
+//! its own ([`PREAUTH_PER_SOURCE`], [`PREAUTH_TOTAL`], the oldest evicted
+//! when full, the deadline shrinking as it fills), so silent strangers
+//! never keep an operator or a node's probe out.
 
 pub mod gate;
 
@@ -23,7 +28,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::daemon::accept::{BoundedConn, bounded_incoming};
+use cluster_config::daemon::accept::bounded_incoming;
 use cluster_config::daemon::logging::RateLimit;
 use engram_protocol::TableDigest;
 use engram_protocol::control as pb;
@@ -71,6 +76,11 @@ impl Default for ControlLimits {
         }
     }
 }
+
+/// Control connections before their TLS handshake, from one source address.
+pub const PREAUTH_PER_SOURCE: usize = 8;
+/// Control connections before their TLS handshake, in all.
+pub const PREAUTH_TOTAL: usize = 64;
 
 /// `DonorControl` over the donor's status.
 #[derive(Debug, Clone)]
@@ -330,15 +340,15 @@ pub async fn serve_control(
         .http2_max_header_list_size(16 << 10)
         .add_service(Gate::new(health, Arc::clone(&rules)))
         .add_service(Gate::new(control, rules));
-    let incoming = bounded_incoming(listener, limits.max_connections);
     match tls {
         Some(tls) => {
-            let incoming = handshakes(incoming.into_inner(), tls, stats, &limits);
+            let incoming = handshakes(listener, tls, stats, &limits);
             router
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
         }
         None => {
+            let incoming = bounded_incoming(listener, limits.max_connections);
             router
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
@@ -346,50 +356,134 @@ pub async fn serve_control(
     }
 }
 
-/// TLS handshakes on the accepted connections, each in its own task within
-/// `limits.handshake_timeout` (a connection keeps its bounded slot
-/// meanwhile), with the configuration of the moment; the streams that
-/// complete one, for tonic. Failures are logged at a bounded rate and
-/// counted (`handshake_failed`, `handshake_timeout`).
+/// A connection holding one of the control plane's served slots.
+#[derive(Debug)]
+pub struct Held<T> {
+    io: T,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<T: Connected> Connected for Held<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Held<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Held<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Accept on `listener`; each connection's TLS handshake runs in its own
+/// task, in the pre-auth budget (the oldest evicted when it is full,
+/// counted `preauth_evicted`), within `limits.handshake_timeout` shrunk as
+/// the budget fills, with the configuration of the moment. A connection
+/// whose handshake completes takes one of `limits.max_connections` served
+/// slots (none left: closed, `busy`) and goes to tonic. Failures are
+/// logged at a bounded rate and counted (`handshake_failed`,
+/// `handshake_timeout`).
 fn handshakes(
-    mut accepted: tokio::sync::mpsc::Receiver<std::io::Result<BoundedConn>>,
+    listener: TcpListener,
     tls: Arc<DonorTls>,
     stats: Arc<Stats>,
     limits: &ControlLimits,
-) -> ReceiverStream<std::io::Result<TlsStream<BoundedConn>>> {
+) -> ReceiverStream<std::io::Result<Held<TlsStream<tokio::net::TcpStream>>>> {
     static FAILED: RateLimit = RateLimit::new(5);
-    let deadline = limits.handshake_timeout;
+    static ACCEPT: RateLimit = RateLimit::new(1);
+    let full = limits.handshake_timeout;
+    let budget = crate::server::preauth::PreAuth::new(PREAUTH_PER_SOURCE, PREAUTH_TOTAL);
+    let served = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let (tx, rx) = tokio::sync::mpsc::channel(limits.max_connections.max(1));
     tokio::spawn(async move {
         loop {
-            let conn = tokio::select! {
+            let (stream, peer) = tokio::select! {
                 () = tx.closed() => return,
-                c = accepted.recv() => match c {
-                    Some(Ok(c)) => c,
-                    Some(Err(_)) => continue,
-                    None => return,
+                a = listener.accept() => match a {
+                    Ok(x) => x,
+                    Err(e) => {
+                        if let Some(suppressed) = ACCEPT.allow() {
+                            tracing::warn!(error = %e, suppressed, "control plane: accept failed");
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
                 },
             };
-            let peer = conn.connect_info().remote_addr();
+            // A std handle on the socket, for the budget to shut it on eviction.
+            let Ok(std) = stream.into_std() else { continue };
+            let Ok(handle) = std.try_clone() else {
+                continue;
+            };
+            let Ok(stream) = tokio::net::TcpStream::from_std(std) else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let (ticket, evicted) = budget.admit(peer.ip(), handle);
+            if evicted > 0 {
+                stats.refusal("control", "preauth_evicted");
+            }
+            let deadline = budget.deadline(full);
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.control_config());
-            let (tx, stats) = (tx.clone(), Arc::clone(&stats));
+            let (tx, stats, served) = (tx.clone(), Arc::clone(&stats), Arc::clone(&served));
             tokio::spawn(async move {
-                let (reason, error) =
-                    match tokio::time::timeout(deadline, acceptor.accept(conn)).await {
-                        Ok(Ok(stream)) => {
-                            let _ = tx.send(Ok(stream)).await;
+                let done = tokio::time::timeout(deadline, acceptor.accept(stream)).await;
+                drop(ticket);
+                let (reason, error) = match done {
+                    Ok(Ok(io)) => {
+                        let Ok(permit) = served.try_acquire_owned() else {
+                            stats.refusal("control", "busy");
+                            tracing::debug!(%peer, "control plane: at its connection bound; closing");
                             return;
-                        }
-                        Ok(Err(e)) => ("handshake_failed", e.to_string()),
-                        Err(_) => (
-                            "handshake_timeout",
-                            format!("not done within {} ms", deadline.as_millis()),
-                        ),
-                    };
+                        };
+                        let _ = tx
+                            .send(Ok(Held {
+                                io,
+                                _permit: permit,
+                            }))
+                            .await;
+                        return;
+                    }
+                    Ok(Err(e)) => ("handshake_failed", e.to_string()),
+                    Err(_) => (
+                        "handshake_timeout",
+                        format!("not done within {} ms", deadline.as_millis()),
+                    ),
+                };
                 stats.refusal("control", reason);
                 if let Some(suppressed) = FAILED.allow() {
                     tracing::warn!(
-                        peer = %peer.map_or_else(|| "-".into(), |p| p.to_string()),
+                        %peer,
                         error = %error,
                         suppressed,
                         "control plane: TLS handshake failed (it speaks TLS only and wants a \
