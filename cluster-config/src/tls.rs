@@ -210,6 +210,23 @@ impl Material {
         Ok(roots)
     }
 
+    /// Check a client's certificate chain (as a connection reported it)
+    /// against this material's CA at the time `now`: the check a full
+    /// handshake makes, for a session that is already open (a new CA, or
+    /// the certificate's expiry, must reach it).
+    pub fn verify_client_chain(
+        &self,
+        chain: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<(), String> {
+        let (end, intermediates) = chain.split_first().ok_or("no certificate")?;
+        self.client_verifier()
+            .map_err(|e| e.to_string())?
+            .verify_client_cert(end, intermediates, now)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
     fn client_verifier(
         &self,
     ) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {

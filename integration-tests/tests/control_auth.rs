@@ -474,3 +474,37 @@ fn silent_strangers_do_not_keep_operators_or_probes_out() {
     assert!(evicted > 0.0, "{m}");
     drop(silent);
 }
+
+/// An operator's open HTTP/2 session made with the old CA's certificate
+/// gets nothing once a new CA is loaded: every call checks the caller's
+/// certificate again.
+#[test]
+fn a_new_ca_cuts_an_open_control_session_of_the_old_one() {
+    let rack = Rack::new(true);
+    let (donor, _ops) = rack.start();
+    rt().block_on(async {
+        let mut c = DonorControlClient::new(rack.channel("ops-1").await);
+        c.list_tables(ListTablesRequest {})
+            .await
+            .expect("allowed before");
+        // A new CA, and new certificates from it for the donor and ops-1.
+        let pki = rack.pki();
+        let fresh = TestPki::new(&pki.dir, "new rack CA").expect("new CA");
+        for host in ["d", "n", "ops-1"] {
+            fresh.issue(host).expect("issue");
+        }
+        donor.signal(libc::SIGHUP);
+        let t0 = std::time::Instant::now();
+        let e = loop {
+            match c.list_tables(ListTablesRequest {}).await {
+                Err(e) => break e,
+                Ok(_) if t0.elapsed() < Duration::from_secs(10) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(_) => panic!("the old CA's session is still served"),
+            }
+        };
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("no longer verifies"), "{e:?}");
+    });
+}

@@ -339,7 +339,7 @@ async fn raw_tls_connect(
 }
 
 #[test]
-fn sighup_rotates_certificates_and_keeps_live_connections() {
+fn sighup_rotates_certificates_and_a_new_ca_cuts_sessions_of_the_old_one() {
     let rack = Rack::start();
     let tls = rack.addr(Transport::Tls);
     let dir = rack.config.path.parent().expect("dir").to_path_buf();
@@ -360,10 +360,22 @@ fn sighup_rotates_certificates_and_keeps_live_connections() {
         force_pki(&rack.config.path);
         rack.donor.signal(libc::SIGHUP);
         wait_log(&rack.donor, "reload: TLS certificate and key loaded", 1);
-        // The live connection keeps going on its old session.
-        for i in 2..50 {
-            lookup(&live, i).await;
-        }
+        // The live connection was made with the old CA's certificate: the
+        // new CA cuts it (at once on SIGHUP; at most a second later).
+        wait_log(&rack.donor, "TLS session cut", 1);
+        assert!(
+            live.lookup(
+                &[Request {
+                    table: 1,
+                    rows: &random_rows(2),
+                }],
+                &mut vec![0u8; 24 * ROW_BYTES],
+            )
+            .await
+            .is_err(),
+            "a session of the old CA still serves"
+        );
+        assert!(rack.refusals("revoked") >= 1.0, "{}", rack.metrics());
         // New connections get the new certificate: a client that trusts only
         // the old CA is refused, one with the new material is welcomed.
         let e = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, Some(old_files)))
@@ -395,8 +407,67 @@ fn sighup_rotates_certificates_and_keeps_live_connections() {
             .await
             .expect("still serving with the kept certificate");
         lookup(&again, 70).await;
-        lookup(&live, 71).await;
     });
+}
+
+/// A node taken out of the donor's `clients` loses its open sessions on
+/// SIGHUP, over TLS and QUIC alike, while the others keep theirs.
+#[test]
+fn sighup_cuts_the_live_sessions_of_a_client_no_longer_allowed() {
+    let rack = Rack::start();
+    rt().block_on(async {
+        let tls = DonorClient::connect(
+            rack.addr(Transport::Tls),
+            &rack.opts("n-tls", Transport::Tls, None),
+        )
+        .await
+        .expect("tls");
+        let quic = DonorClient::connect(
+            rack.addr(Transport::Quic),
+            &rack.opts("n-quic", Transport::Quic, None),
+        )
+        .await
+        .expect("quic");
+        lookup(&tls, 1).await;
+        lookup(&quic, 2).await;
+        rewrite_config(
+            &rack.config.path,
+            "clients = [\"n-tls\", \"n-quic\", \"n-tcp\"]",
+            "clients = [\"n-quic\", \"n-tcp\"]",
+        );
+        rack.donor.signal(libc::SIGHUP);
+        wait_log(&rack.donor, "TLS session cut", 1);
+        let mut out = vec![0u8; 24 * ROW_BYTES];
+        let rows = random_rows(3);
+        let req = [Request {
+            table: 1,
+            rows: &rows,
+        }];
+        assert!(
+            tls.lookup(&req, &mut out).await.is_err(),
+            "n-tls still served"
+        );
+        // n-quic is still allowed: its session goes on.
+        lookup(&quic, 4).await;
+        rewrite_config(
+            &rack.config.path,
+            "clients = [\"n-quic\", \"n-tcp\"]",
+            "clients = [\"n-tcp\"]",
+        );
+        rack.donor.signal(libc::SIGHUP);
+        wait_log(&rack.donor, "QUIC session cut", 1);
+        assert!(
+            quic.lookup(&req, &mut out).await.is_err(),
+            "n-quic still served"
+        );
+        assert!(rack.refusals("revoked") >= 2.0, "{}", rack.metrics());
+    });
+}
+
+/// Replace `from` by `to` in the config file at `path`.
+fn rewrite_config(path: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(path).expect("config");
+    std::fs::write(path, text.replacen(from, to, 1)).expect("write");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

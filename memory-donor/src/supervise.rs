@@ -278,6 +278,17 @@ impl Loop {
             (Some(_), None) => not_applied.push("[rack.tls] removed".into()),
             (None, None) => {}
         }
+        if self.status.tls.get().is_some() {
+            // Open sessions face the new CA and access rules now, not at
+            // the next periodic check.
+            let sh = Arc::clone(&self.shared);
+            tokio::task::spawn_blocking(move || {
+                let cut = sh.recheck_sessions();
+                if cut > 0 {
+                    tracing::warn!(cut, "reload: sessions no longer admitted were closed");
+                }
+            });
+        }
         for what in &not_applied {
             tracing::warn!("reload: {what}: needs a restart; not applied");
         }

@@ -42,6 +42,15 @@ impl Access {
     }
 }
 
+/// A plane a session lives on, for [`DonorTls::still_admits`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plane {
+    /// Rows over TLS or QUIC.
+    Data,
+    /// The control plane.
+    Control,
+}
+
 /// What an identity may do on the control plane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -115,6 +124,37 @@ impl DonorTls {
     /// The control plane's server configuration now (ALPN `h2`).
     pub fn control_config(&self) -> Arc<rustls::ServerConfig> {
         Arc::clone(&self.built().control)
+    }
+
+    /// Whether a live session whose client showed `chain` may go on, on
+    /// `plane`: its chain still verifies against the CA now loaded at this
+    /// moment (not expired, not from a replaced CA), and its identity is
+    /// still allowed there (a data client; on the control plane the gate
+    /// checks the role itself). `Err` says why not.
+    pub fn still_admits(
+        &self,
+        chain: &[rustls::pki_types::CertificateDer<'_>],
+        plane: Plane,
+    ) -> Result<String, String> {
+        self.material()
+            .verify_client_chain(chain, rustls::pki_types::UnixTime::now())
+            .map_err(|e| format!("its certificate no longer verifies: {e}"))?;
+        let identity = chain
+            .first()
+            .and_then(cluster_config::tls::identity)
+            .ok_or("its certificate names no one")?;
+        let allowed = match plane {
+            Plane::Data => self.data_allowed(&identity),
+            // Roles are the control gate's own check, made at every call.
+            Plane::Control => true,
+        };
+        if allowed {
+            Ok(identity)
+        } else {
+            Err(format!(
+                "{identity} is no longer allowed on this donor's {plane:?} plane"
+            ))
+        }
     }
 
     /// The access rules now.

@@ -240,6 +240,24 @@ impl Rules {
     pub fn check<B>(&self, req: &http::Request<B>) -> Result<(), Status> {
         let rpc = Rpc::from_path(req.uri().path());
         let caller = self.caller(req.extensions());
+        // Every call checks the caller's certificate again, against the CA,
+        // the time and the access rules of now: an open HTTP/2 session gets
+        // nothing once a new CA, an expiry or a reload has cut its holder off.
+        if let Some(tls) = &self.tls {
+            let certs = req
+                .extensions()
+                .get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(TlsConnectInfo::peer_certs)
+                .unwrap_or_default();
+            if let Err(why) = tls.still_admits(&certs, crate::tls::Plane::Control) {
+                let r = Refusal {
+                    reason: "revoked",
+                    message: format!("refused: {why}"),
+                };
+                refused(&self.stats, &caller, rpc, &r);
+                return Err(Status::permission_denied(r.message));
+            }
+        }
         authorize(&self.donor, rpc, &caller).map_err(|r| {
             refused(&self.stats, &caller, rpc, &r);
             Status::permission_denied(r.message)

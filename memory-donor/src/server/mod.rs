@@ -93,6 +93,8 @@ pub struct Shared {
     tls: std::sync::OnceLock<Arc<DonorTls>>,
     /// QUIC connections open (also counted in `stats.open`).
     quic_open: AtomicUsize,
+    /// The open QUIC connections, by id (their sessions are re-checked).
+    quic_conns: Mutex<HashMap<u64, quinn::Connection>>,
     /// The QUIC endpoints being served (a certificate reload reaches them here).
     quic_endpoints: Mutex<Vec<quinn::Endpoint>>,
     /// True once a drain started: QUIC sessions say Goodbye on their own streams.
@@ -142,6 +144,7 @@ impl Shared {
             tls: std::sync::OnceLock::new(),
             rdma: std::sync::OnceLock::new(),
             quic_open: AtomicUsize::new(0),
+            quic_conns: Mutex::new(HashMap::new()),
             quic_endpoints: Mutex::new(Vec::new()),
             drain_tx: tokio::sync::watch::channel(false).0,
         })
@@ -253,6 +256,72 @@ impl Shared {
         self.conns().len() + self.quic_open.load(Ordering::Relaxed)
     }
 
+    /// Re-check every live TLS and QUIC session against the TLS state of
+    /// now (the CA loaded, the certificate's validity at this moment, the
+    /// access rules) and cut each that no longer passes: Goodbye then the
+    /// close over TLS, CONNECTION_CLOSE (code 8, `unauthorized`, with the
+    /// reason) over QUIC. Logged and counted (`reason="revoked"`); returns
+    /// how many were cut. Blocking (a Goodbye may wait for a write lock).
+    pub fn recheck_sessions(&self) -> usize {
+        use crate::tls::Plane;
+        let Some(tls) = self.tls() else {
+            return 0;
+        };
+        let mut cut = 0;
+        let conns: Vec<Arc<Conn>> = self.conns().values().cloned().collect();
+        for c in conns {
+            let Some(session) = &c.tls else { continue };
+            let chain: Option<Vec<rustls::pki_types::CertificateDer<'static>>> = {
+                let s = session.lock().unwrap_or_else(|p| p.into_inner());
+                if s.is_handshaking() {
+                    None
+                } else {
+                    s.peer_certificates()
+                        .map(|ch| ch.iter().map(|x| x.clone().into_owned()).collect())
+                }
+            };
+            let Some(chain) = chain else { continue };
+            if let Err(why) = tls.still_admits(&chain, Plane::Data) {
+                tracing::warn!(conn = c.id, peer = %c.peer, "TLS session cut: {why}");
+                self.stats.refusal("data", "revoked");
+                let mut bye = Vec::new();
+                Goodbye { grace_ms: 0 }.encode(&mut bye);
+                send_goodbye(
+                    &c,
+                    &bye,
+                    std::time::Instant::now() + Duration::from_millis(100),
+                );
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                cut += 1;
+            }
+        }
+        let quic: Vec<(u64, quinn::Connection)> = self
+            .quic_conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(id, c)| (*id, c.clone()))
+            .collect();
+        for (id, c) in quic {
+            let chain = c
+                .peer_identity()
+                .and_then(|any| {
+                    any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                        .ok()
+                })
+                .map(|b| *b)
+                .unwrap_or_default();
+            if let Err(why) = tls.still_admits(&chain, Plane::Data) {
+                tracing::warn!(conn = id, peer = %c.remote_address(), "QUIC session cut: {why}");
+                self.stats.refusal("data", "revoked");
+                let code = engram_protocol::ErrorCode::Unauthorized.to_u16();
+                c.close(quinn::VarInt::from_u32(u32::from(code)), why.as_bytes());
+                cut += 1;
+            }
+        }
+        cut
+    }
+
     /// True once a drain started.
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
@@ -321,6 +390,9 @@ impl Slot {
         }
     }
 }
+
+/// How often live sessions are checked again against the TLS state.
+pub const RECHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// Per-connection warnings: a flood of connections must not flood the journal.
 static CONN_WARN: RateLimit = RateLimit::new(5);
@@ -405,6 +477,21 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::clone(&shared.permits);
+    // Every second, live TLS and QUIC sessions are checked again: a
+    // certificate's expiry ends its sessions then, and a reload's new CA or
+    // access rules reach the open ones (SIGHUP also sweeps at once).
+    let sweeper = {
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(RECHECK_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let sh = Arc::clone(&shared);
+                let _ = tokio::task::spawn_blocking(move || sh.recheck_sessions()).await;
+            }
+        })
+    };
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
     let mut quic = Vec::new();
@@ -471,6 +558,7 @@ pub async fn run(
         }));
     }
     shutdown.await;
+    sweeper.abort();
     let _ = stop_tx.send(());
     for a in accepters {
         let _ = a.await;

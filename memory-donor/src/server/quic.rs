@@ -227,6 +227,11 @@ async fn serve_connection(
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
     shared.stats.open.fetch_add(1, Ordering::Relaxed);
     shared.quic_open.fetch_add(1, Ordering::Relaxed);
+    shared
+        .quic_conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id, conn.clone());
     let mut streams = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -253,6 +258,11 @@ async fn serve_connection(
     streams.abort_all();
     while streams.join_next().await.is_some() {}
     shared.quic_open.fetch_sub(1, Ordering::Relaxed);
+    shared
+        .quic_conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
     shared.stats.open.fetch_sub(1, Ordering::Relaxed);
     drop(permit);
 }
