@@ -34,6 +34,9 @@ const TLS_HELD: usize = 16;
 /// Socket timeouts, and the pause between two attempts of one thread.
 const TIMEOUT: Duration = Duration::from_millis(200);
 const PAUSE: Duration = Duration::from_millis(2);
+/// How long a TLS intruder waits for the donor's verdict before it counts
+/// itself let in.
+const INTRUDER_VERDICT: Duration = Duration::from_secs(1);
 /// Slack over the hello timeout for a donor closing a half-open handshake
 /// on a loaded machine (this storm's polling included).
 const CLOSE_ALLOWANCE: Duration = Duration::from_millis(250);
@@ -307,6 +310,9 @@ fn tls_intruders(
                 return;
             };
             add(&c.tls_intruders);
+            // The donor's verdict follows our Finished: on a loaded 2-core
+            // machine it may take longer than a socket timeout of the storm.
+            let _ = tcp.set_read_timeout(Some(INTRUDER_VERDICT));
             let mut tls = rustls::StreamOwned::new(conn, tcp);
             let verdict = (|| {
                 while tls.conn.is_handshaking() {
