@@ -495,19 +495,20 @@ mod tests {
         (s.handshake_kind().expect("kind"), t0.elapsed())
     }
 
-    #[test]
-    fn a_donor_never_resumes_a_session_so_every_certificate_is_checked_again() {
+    /// A donor's and a node's material from one CA (the directory holds the files).
+    fn donor_and_node() -> (tempfile::TempDir, Material, Material) {
         let dir = tempfile::tempdir().expect("tempdir");
         let rack = ca();
-        let donor = Material::load(&write(
-            dir.path(),
-            "donor-a",
-            &rack,
-            &leaf(&rack, "donor-a"),
-        ))
-        .expect("donor");
-        let node = Material::load(&write(dir.path(), "node-1", &rack, &leaf(&rack, "node-1")))
-            .expect("node");
+        let load = |name: &str| {
+            Material::load(&write(dir.path(), name, &rack, &leaf(&rack, name))).expect(name)
+        };
+        let (donor, node) = (load("donor-a"), load("node-1"));
+        (dir, donor, node)
+    }
+
+    #[test]
+    fn a_donor_never_resumes_a_session_so_every_certificate_is_checked_again() {
+        let (_dir, donor, node) = donor_and_node();
         let server = donor.server_config(&[b"x"]).expect("server");
         // The client keeps sessions (rustls' default): it would resume if
         // the donor let it.
@@ -535,17 +536,7 @@ mod tests {
     #[test]
     #[ignore = "a measurement"]
     fn resumption_cost() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let rack = ca();
-        let donor = Material::load(&write(
-            dir.path(),
-            "donor-a",
-            &rack,
-            &leaf(&rack, "donor-a"),
-        ))
-        .expect("donor");
-        let node = Material::load(&write(dir.path(), "node-1", &rack, &leaf(&rack, "node-1")))
-            .expect("node");
+        let (_dir, donor, node) = donor_and_node();
         let full = donor.server_config(&[b"x"]).expect("server");
         let mut resuming = (*full).clone();
         resuming.session_storage = rustls::server::ServerSessionMemoryCache::new(1024);
