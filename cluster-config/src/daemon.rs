@@ -2,7 +2,8 @@
 //! systemd's readiness and watchdog protocol (`notify`), the Prometheus
 //! `/metrics` endpoint (`metrics`), the bounded accept loop of their gRPC
 //! servers (`accept`), the latency histogram every percentile is
-//! computed with (`latency`), and the host socket's packets (`hostsock`).
+//! computed with (`latency`), the host socket's packets (`hostsock`), and
+//! the budget of connections not yet authenticated (`preauth`).
 
 pub mod accept;
 pub mod hostsock;
@@ -10,3 +11,4 @@ pub mod latency;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+pub mod preauth;

@@ -688,7 +688,7 @@ fn floods_of_strangers_never_take_a_nodes_place() {
     drop(held);
 }
 
-/// The donor's pre-auth budget ([`memory_donor::server::preauth::TOTAL`]).
+/// The donor's pre-auth budget ([`memory_donor::server::PREAUTH_TOTAL`]).
 fn server_preauth_total() -> usize {
-    memory_donor::server::preauth::TOTAL
+    memory_donor::server::PREAUTH_TOTAL
 }

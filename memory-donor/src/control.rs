@@ -422,7 +422,7 @@ fn handshakes(
     static FAILED: RateLimit = RateLimit::new(5);
     static ACCEPT: RateLimit = RateLimit::new(1);
     let full = limits.handshake_timeout;
-    let budget = crate::server::preauth::PreAuth::new(PREAUTH_PER_SOURCE, PREAUTH_TOTAL);
+    let budget = cluster_config::daemon::preauth::PreAuth::new(PREAUTH_PER_SOURCE, PREAUTH_TOTAL);
     let served = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let (tx, rx) = tokio::sync::mpsc::channel(limits.max_connections.max(1));
     tokio::spawn(async move {
@@ -440,16 +440,10 @@ fn handshakes(
                     }
                 },
             };
-            // A std handle on the socket, for the budget to shut it on eviction.
-            let Ok(std) = stream.into_std() else { continue };
-            let Ok(handle) = std.try_clone() else {
-                continue;
-            };
-            let Ok(stream) = tokio::net::TcpStream::from_std(std) else {
+            let Some((stream, ticket, evicted)) = budget.admit_async(peer.ip(), stream) else {
                 continue;
             };
             let _ = stream.set_nodelay(true);
-            let (ticket, evicted) = budget.admit(peer.ip(), handle);
             if evicted > 0 {
                 stats.refusal("control", "preauth_evicted");
             }

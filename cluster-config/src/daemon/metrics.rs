@@ -6,10 +6,14 @@
 //! What it is: one request per connection (`Connection: close`), the
 //! request head bounded in size and time (hyper answers 400 to what does
 //! not parse and 431 to a head too large, and closes a connection whose
-//! head is not in within the read timeout), a bounded number of scrapers
-//! at once (more are closed on accept), 404 for other paths and 405 for
-//! other methods. Nothing a peer sends can panic it or hold it up beyond
-//! its timeouts.
+//! head is not in within the read timeout), 404 for other paths and 405
+//! for other methods. A connection whose head is not in yet is in a
+//! pre-auth budget ([`crate::daemon::preauth`]: a few per source address,
+//! a bounded number in all, the oldest evicted to admit the newest, the
+//! read timeout shrinking as it fills), so silent connections never keep
+//! a scraper out; a bounded number of pages are rendered at once (more
+//! get 503). Nothing a peer sends can panic it or hold it up beyond its
+//! timeouts.
 //!
 //! What it is not: a general web server (no keep-alive, no bodies, no TLS).
 //! The metrics themselves live in each daemon; [`render_registry`] turns a
@@ -30,6 +34,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
+use crate::daemon::preauth::{PreAuth, Ticket};
+
 /// Produces the metrics text on each scrape.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
@@ -46,8 +52,12 @@ pub struct HttpLimits {
     pub read_timeout: Duration,
     /// Time allowed to write the answer.
     pub write_timeout: Duration,
-    /// Scrapers served at once; more are closed at once.
+    /// Pages rendered at once; more get 503.
     pub max_scrapers: usize,
+    /// Connections whose request head is not in yet, from one source address.
+    pub waiting_per_source: usize,
+    /// Connections whose request head is not in yet, from every source.
+    pub waiting_total: usize,
     /// Content type of the metrics answer.
     pub content_type: &'static str,
 }
@@ -59,6 +69,8 @@ impl Default for HttpLimits {
             read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(5),
             max_scrapers: 8,
+            waiting_per_source: 8,
+            waiting_total: 32,
             content_type: OPENMETRICS_CONTENT_TYPE,
         }
     }
@@ -94,6 +106,7 @@ pub async fn serve_metrics_with(
 ) {
     let limits = Arc::new(limits);
     let permits = Arc::new(Semaphore::new(limits.max_scrapers.max(1)));
+    let waiting = PreAuth::new(limits.waiting_per_source, limits.waiting_total);
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -112,33 +125,72 @@ pub async fn serve_metrics_with(
                 continue;
             }
         };
-        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            tracing::debug!(%peer, "metrics: too many scrapers; closing");
+        let Some((stream, ticket, evicted)) = waiting.admit_async(peer.ip(), stream) else {
             continue;
         };
-        let (render, limits) = (Arc::clone(&render), Arc::clone(&limits));
+        if evicted > 0 {
+            tracing::debug!(%peer, "metrics: waiting connections at their bound; closed the oldest");
+        }
+        let read_timeout = waiting.deadline(limits.read_timeout);
+        let (render, limits, permits) = (
+            Arc::clone(&render),
+            Arc::clone(&limits),
+            Arc::clone(&permits),
+        );
         tokio::spawn(async move {
-            answer(stream, render, &limits).await;
-            drop(permit);
+            answer(stream, ticket, read_timeout, render, permits, &limits).await;
         });
     }
 }
 
-/// Serve one scraper: one request, answered by [`respond`], within the
-/// head's read timeout and the whole exchange's (read plus write) bound.
-async fn answer(stream: TcpStream, render: Render, limits: &HttpLimits) {
+/// Serve one scraper: one request, answered by [`respond`] once its head
+/// is in within `read_timeout` (when `ticket`, its place among the waiting
+/// connections, is given up), the whole exchange bounded by the read and
+/// write timeouts; 503 when `permits` has none left for its render.
+async fn answer(
+    stream: TcpStream,
+    ticket: Ticket,
+    read_timeout: Duration,
+    render: Render,
+    permits: Arc<Semaphore>,
+    limits: &HttpLimits,
+) {
     let content_type = limits.content_type;
+    let ticket = std::sync::Mutex::new(Some(ticket));
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let page = respond(req.method(), req.uri().path(), &render, content_type);
+        drop(ticket.lock().map(|mut t| t.take()));
+        let page = match permits.try_acquire() {
+            Ok(_render) => respond(req.method(), req.uri().path(), &render, content_type),
+            Err(_) => busy(),
+        };
         async move { Ok::<_, Infallible>(page) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.read_timeout)
+        .header_read_timeout(read_timeout)
         .max_buf_size(limits.max_head.max(MIN_HEAD_BUF))
         .keep_alive(false)
         .serve_connection(TokioIo::new(stream), service);
-    let _ = tokio::time::timeout(limits.read_timeout + limits.write_timeout, conn).await;
+    let _ = tokio::time::timeout(read_timeout + limits.write_timeout, conn).await;
+}
+
+fn plain(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    r
+}
+
+/// 503: every render permit is taken.
+fn busy() -> Response<Full<Bytes>> {
+    let mut r = plain(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "too many scrapes at once; try again\n",
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
 }
 
 /// hyper's smallest read buffer.
@@ -152,13 +204,6 @@ fn respond(
     render: &Render,
     content_type: &'static str,
 ) -> Response<Full<Bytes>> {
-    let plain = |status: StatusCode, text: &'static str| {
-        let mut r = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
-        *r.status_mut() = status;
-        r.headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        r
-    };
     if path != "/metrics" {
         return plain(StatusCode::NOT_FOUND, "only /metrics is served here\n");
     }
@@ -235,31 +280,77 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_silent_scraper_times_out_and_the_bound_holds() {
+    async fn silent_connections_never_keep_a_scraper_out() {
         let limits = HttpLimits {
-            read_timeout: Duration::from_millis(500),
-            max_scrapers: 2,
+            read_timeout: Duration::from_millis(800),
+            waiting_per_source: 2,
+            waiting_total: 4,
             ..HttpLimits::default()
         };
         let (addr, (stop, task)) = server(limits).await;
-        // Two silent scrapers hold both permits; a third (accepted after
-        // them, in backlog order) is closed at once.
+        // Two silent connections fill this source's share of the budget.
         let mut a = TcpStream::connect(addr).await.expect("a");
         let _b = TcpStream::connect(addr).await.expect("b");
-        let third = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
-        assert_eq!(third, "", "over the bound: closed without an answer");
-        // The silent one is closed at the read timeout.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // A scraper from the same source evicts the oldest and is answered.
         let started = std::time::Instant::now();
+        let page = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(page.starts_with("HTTP/1.1 200 OK\r\n"), "{page}");
         let mut out = Vec::new();
         let _ = a.read_to_end(&mut out).await;
-        let took = started.elapsed();
         assert!(
-            took >= Duration::from_millis(300) && took < Duration::from_secs(3),
-            "closed after {took:?}"
+            out.is_empty() && started.elapsed() < Duration::from_millis(500),
+            "the oldest silent one is closed when the scraper comes: {:?}",
+            started.elapsed()
         );
+        // A hundred more silent ones: a scrape still gets in at once.
+        let mut silent = Vec::new();
+        for _ in 0..100 {
+            silent.push(TcpStream::connect(addr).await.expect("silent"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let page = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(page.starts_with("HTTP/1.1 200 OK\r\n"), "{page}");
+        // A silent one that was not evicted is closed by its (shrunk) read
+        // timeout.
+        let started = std::time::Instant::now();
+        let last = silent.last_mut().expect("one");
+        let _ = last.read_to_end(&mut out).await;
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(2), "closed after {took:?}");
         // Shut down: the listener is closed.
         let _ = stop.send(());
         task.await.expect("server task");
         assert!(TcpStream::connect(addr).await.is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn renders_past_the_bound_get_503() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let render: Render = Arc::new(|| {
+            std::thread::sleep(Duration::from_millis(400));
+            "up 1\n# EOF\n".to_string()
+        });
+        let limits = HttpLimits {
+            max_scrapers: 1,
+            ..HttpLimits::default()
+        };
+        let _task = tokio::spawn(serve_metrics_with(
+            listener,
+            render,
+            limits,
+            std::future::pending(),
+        ));
+        let get = b"GET /metrics HTTP/1.1\r\n\r\n";
+        let (one, two) = tokio::join!(exchange(addr, get), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            exchange(addr, get).await
+        });
+        assert!(one.starts_with("HTTP/1.1 200 OK\r\n"), "{one}");
+        assert!(
+            two.starts_with("HTTP/1.1 503 ") && two.to_ascii_lowercase().contains("retry-after: 1"),
+            "{two}"
+        );
     }
 }

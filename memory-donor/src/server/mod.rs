@@ -14,7 +14,6 @@ mod conn;
 mod ended;
 mod handler;
 pub mod host;
-pub mod preauth;
 mod pump;
 pub mod quic;
 
@@ -26,6 +25,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use cluster_config::daemon::logging::RateLimit;
+use cluster_config::daemon::preauth::{PreAuth, Ticket};
 use engram_protocol::{Goodbye, Limits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -88,7 +88,7 @@ pub struct Shared {
     /// One permit per authenticated connection; `permits_total` of them exist.
     permits: Arc<Semaphore>,
     /// TCP and TLS connections before they authenticate: a budget of their own.
-    preauth: Arc<preauth::PreAuth>,
+    preauth: Arc<PreAuth>,
     permits_total: AtomicUsize,
     tls: std::sync::OnceLock<Arc<DonorTls>>,
     /// QUIC connections open (also counted in `stats.open`).
@@ -139,7 +139,7 @@ impl Shared {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             permits: Arc::new(Semaphore::new(max)),
-            preauth: preauth::PreAuth::new(preauth::PER_SOURCE, preauth::TOTAL),
+            preauth: PreAuth::new(PREAUTH_PER_SOURCE, PREAUTH_TOTAL),
             permits_total: AtomicUsize::new(max),
             tls: std::sync::OnceLock::new(),
             rdma: std::sync::OnceLock::new(),
@@ -344,7 +344,7 @@ impl Shared {
 #[derive(Debug)]
 enum Slot {
     /// Held for its place in the budget (dropping it frees the place).
-    PreAuth { _ticket: preauth::Ticket },
+    PreAuth { _ticket: Ticket },
     /// Held for the served slot (counted in `connections_open` meanwhile).
     Served { _slot: ServedSlot },
 }
@@ -390,6 +390,12 @@ impl Slot {
         }
     }
 }
+
+/// Data-plane connections before authentication from one source address
+/// at once (see [`cluster_config::daemon::preauth`]).
+pub const PREAUTH_PER_SOURCE: usize = 16;
+/// Data-plane connections before authentication at once, from every source.
+pub const PREAUTH_TOTAL: usize = 128;
 
 /// How often live sessions are checked again against the TLS state.
 pub const RECHECK_EVERY: Duration = Duration::from_secs(1);

@@ -1,26 +1,23 @@
 //! Connections before authentication, bounded apart from the served ones.
 //!
-//! A TCP or TLS connection is *pre-auth* from accept until it has proved
-//! who it is (a TLS client certificate the donor admits, or an accepted
-//! Hello on plain TCP); only then does it take one of the donor's
-//! `max_connections` slots. Pre-auth connections have their own budget,
-//! [`PER_SOURCE`] per source address and [`TOTAL`] in all, and a full
-//! budget never refuses a newcomer: it evicts the oldest pre-auth
-//! connection (of the same source first), whose socket is shut down. A
-//! stranger's half-open connections therefore cost the donor at most
-//! [`TOTAL`] threads and no served slot, and a node's new connection, which
-//! authenticates in a millisecond or two, gets in through any flood that
-//! does not open [`TOTAL`] connections in that time. The handshake
-//! deadline shrinks as the budget fills ([`PreAuth::deadline`]).
+//! A connection is *pre-auth* from accept until it has proved who it is
+//! (for a donor's data plane: a TLS client certificate the donor admits,
+//! or an accepted Hello on plain TCP; for a control plane: a completed
+//! TLS handshake; for `/metrics`: a complete request head). Only then does
+//! it take one of its plane's served slots. Pre-auth connections have
+//! their own budget, per source address and in all, and a full budget
+//! never refuses a newcomer: it evicts the oldest pre-auth connection (of
+//! the same source first), whose socket is shut down. A stranger's
+//! half-open connections therefore cost at most the budget's total and no
+//! served slot, and a peer that authenticates in a millisecond or two gets
+//! in through any flood that does not open the whole budget in that time.
+//! The handshake deadline shrinks as the budget fills
+//! ([`PreAuth::deadline`]).
 
 use std::net::{IpAddr, Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Pre-auth connections from one source address at once.
-pub const PER_SOURCE: usize = 16;
-/// Pre-auth connections at once, from every source.
-pub const TOTAL: usize = 128;
 /// The shortest handshake deadline, however full the budget.
 pub const MIN_DEADLINE: Duration = Duration::from_millis(250);
 
@@ -39,7 +36,7 @@ struct Inner {
     live: Vec<Entry>,
 }
 
-/// The pre-auth budget of one donor's TCP and TLS listeners.
+/// The pre-auth budget of one listener (or of several that share it).
 #[derive(Debug)]
 pub struct PreAuth {
     inner: Mutex<Inner>,
@@ -106,6 +103,21 @@ impl PreAuth {
             },
             n,
         )
+    }
+
+    /// [`PreAuth::admit`] for a tokio socket: keeps a std handle on it for
+    /// eviction and gives the socket back. `None` when the socket cannot be
+    /// duplicated (the caller drops the connection).
+    pub fn admit_async(
+        self: &Arc<Self>,
+        ip: IpAddr,
+        stream: tokio::net::TcpStream,
+    ) -> Option<(tokio::net::TcpStream, Ticket, usize)> {
+        let std = stream.into_std().ok()?;
+        let handle = std.try_clone().ok()?;
+        let stream = tokio::net::TcpStream::from_std(std).ok()?;
+        let (ticket, evicted) = self.admit(ip, handle);
+        Some((stream, ticket, evicted))
     }
 
     /// Pre-auth connections now.
