@@ -109,6 +109,8 @@ impl Rack {
 /// The donor's serving stack, in process.
 struct Donor {
     shared: Arc<Shared>,
+    tls: Arc<DonorTls>,
+    files: cluster_config::TlsFiles,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -123,10 +125,9 @@ impl Donor {
         let Some((files, _)) = &spec.tls else {
             bail!("the rack has a PKI")
         };
-        shared.set_tls(DonorTls::load(
-            files,
-            Access::from_config(&rack.config, "donor-a"),
-        )?);
+        let tls = DonorTls::load(files, Access::from_config(&rack.config, "donor-a"))?;
+        shared.set_tls(Arc::clone(&tls));
+        let files = files.clone();
         let mut listeners = Vec::new();
         for e in &spec.listen {
             match e.transport {
@@ -162,6 +163,8 @@ impl Donor {
         }));
         Ok(Self {
             shared,
+            tls,
+            files,
             stop: Some(tx),
             task,
         })
@@ -305,6 +308,46 @@ fn a_swap_revokes_the_old_region_and_no_row_of_the_new_version_is_used() -> Resu
 }
 
 #[test]
+fn a_node_cut_off_loses_its_queue_pairs_and_tokens_at_the_recheck() -> Result<()> {
+    fake();
+    let rack = Rack::new("tls")?;
+    runtime().block_on(async {
+        let (donor, memory, metrics) = warm(&rack, 20).await?;
+        let Some(book) = donor.shared.rdma().cloned() else {
+            bail!("no RDMA on the donor")
+        };
+        // The token was granted to the identity that asked, and its queue
+        // pair is tracked under it.
+        assert_eq!(book.owners(), vec![Arc::<str>::from("node-a")]);
+        // The donor's `clients` stop naming node-a; the recheck (every
+        // second, and at each SIGHUP) cuts its TLS session and its queue
+        // pairs, which an RDMA reader could otherwise use for ever.
+        let mut access = Access::from_config(&rack.config, "donor-a");
+        access.data_clients.retain(|c| c != "node-a");
+        donor.tls.reload(&donor.files, access)?;
+        let shared = Arc::clone(&donor.shared);
+        let cut = tokio::task::spawn_blocking(move || shared.recheck_sessions()).await?;
+        assert!(cut >= 2, "{cut} sessions and queue pairs cut");
+        assert!(book.owners().is_empty(), "{:?}", book.owners());
+        let refusals = donor.shared.stats.refusals();
+        assert!(
+            refusals
+                .iter()
+                .any(|((plane, reason), n)| (*plane, *reason) == ("rdma", "revoked") && *n >= 1),
+            "{refusals:?}"
+        );
+        // Not one READ more reaches the donor: the node reads its SSD copy.
+        let before = reads(&rack);
+        let served = lookups(&memory, 20, SEED, 5).await?;
+        assert!(served.iter().all(|s| s == "ssd"), "{served:?}");
+        assert_eq!(reads(&rack), before, "a READ on a cut queue pair");
+        assert!(count(&metrics.rdma_lookups, "rdma") >= 40);
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+#[test]
 fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> Result<()> {
     fake();
     let rack = Rack::new("tls")?;
@@ -410,11 +453,8 @@ fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Resul
     runtime().block_on(async {
         // Something else holds the RDMA address: the donor cannot listen
         // there and serves on TLS only (as a host without a device does).
-        let squatter = fake().listen(
-            rack.rdma,
-            &DeviceSpec::default(),
-            Arc::new(|_: &[u8]| false),
-        )?;
+        let squatter =
+            fake().listen(rack.rdma, &DeviceSpec::default(), Arc::new(|_: &[u8]| None))?;
         let donor = Donor::start(&rack).await?;
         assert!(donor.shared.rdma().is_none());
         let metrics = NodeMetrics::new();

@@ -253,15 +253,15 @@ fn set_timeout(stream: &TcpStream, t: Duration) -> io::Result<()> {
     stream.set_read_timeout(if t.is_zero() { None } else { Some(t) })
 }
 
-/// The TLS handshake and the client's identity: `Ok(Some(name))` for an
-/// allowed client, `Ok(None)` when the connection was refused and closed
+/// The TLS handshake and the client's identity: `Ok(Some((name, chain)))`
+/// for an allowed client, `Ok(None)` when the connection was refused and closed
 /// here (logged and counted), `Err` for a failed handshake.
 fn admit(
     stream: &mut TcpStream,
     conn: &Conn,
     shared: &Shared,
     deadline: Instant,
-) -> io::Result<Option<String>> {
+) -> io::Result<Option<(String, super::Chain)>> {
     let stats = &shared.stats;
     // The peek waits for the first bytes: within the deadline too.
     let rest = deadline
@@ -300,9 +300,13 @@ fn admit(
     let Some(session) = &conn.tls else {
         return Ok(None);
     };
-    let identity = {
+    let (identity, chain) = {
         let s = session.lock().unwrap_or_else(|p| p.into_inner());
-        cluster_config::tls::peer_identity(s.peer_certificates())
+        let chain: super::Chain = s
+            .peer_certificates()
+            .map(|c| c.iter().map(|x| x.clone().into_owned()).collect())
+            .unwrap_or_default();
+        (cluster_config::tls::peer_identity(Some(&chain[..])), chain)
     };
     let allowed = identity
         .as_deref()
@@ -328,7 +332,7 @@ fn admit(
         let _ = close_gracefully(conn, stream, &mut out);
         return Ok(None);
     }
-    Ok(identity)
+    Ok(identity.map(|i| (i, chain)))
 }
 
 /// Serve one connection until the peer closes, a timeout passes, a fatal
@@ -355,7 +359,7 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>,
     if conn.tls.is_some() {
         let deadline = hello_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(10));
         match admit(&mut stream, &conn, &shared, deadline) {
-            Ok(Some(identity)) => handler.set_identity(identity),
+            Ok(Some((identity, chain))) => handler.set_identity(identity, chain),
             Ok(None) | Err(_) => return,
         }
         // Authenticated: a served slot now, or a refusal inside the session.

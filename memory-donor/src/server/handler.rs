@@ -35,6 +35,8 @@ pub struct Handler<'a> {
     peer_name: String,
     /// A TLS client's certificate identity: it replaces the credential.
     identity: Option<String>,
+    /// The certificate chain that proved `identity`.
+    chain: Option<super::Chain>,
     sections: Vec<RowsSection>,
     table_index: Vec<usize>,
     /// The code of the last error answered (why a closed session closed).
@@ -50,6 +52,7 @@ impl<'a> Handler<'a> {
             ready: false,
             peer_name: String::new(),
             identity: None,
+            chain: None,
             sections: Vec::new(),
             table_index: Vec::new(),
             last_error: std::cell::Cell::new(None),
@@ -61,10 +64,11 @@ impl<'a> Handler<'a> {
         self.last_error.get()
     }
 
-    /// The client proved `identity` with its certificate: its Hello needs
-    /// no credential, and it is known by that name.
-    pub fn set_identity(&mut self, identity: String) {
+    /// The client proved `identity` with its certificate `chain`: its
+    /// Hello needs no credential, and it is known by that name.
+    pub fn set_identity(&mut self, identity: String, chain: super::Chain) {
         self.identity = Some(identity);
+        self.chain = Some(chain);
     }
 
     /// True once the client completed the handshake.
@@ -235,7 +239,7 @@ impl<'a> Handler<'a> {
     /// (TLS or QUIC): over plaintext the key and token would be in the
     /// clear. Every refusal keeps the connection.
     fn region(&mut self, id: u64, table: u32, out: &mut Vec<u8>) {
-        if self.identity.is_none() {
+        let (Some(identity), Some(chain)) = (&self.identity, &self.chain) else {
             self.shared.stats.refusal("data", "region_plaintext");
             self.error(
                 out,
@@ -246,7 +250,7 @@ impl<'a> Handler<'a> {
                 "RDMA regions are handed out over TLS or QUIC only",
             );
             return;
-        }
+        };
         let Some(book) = self.shared.rdma() else {
             self.error(
                 out,
@@ -258,8 +262,9 @@ impl<'a> Handler<'a> {
             );
             return;
         };
-        match book.grant(table) {
+        match book.grant(table, identity) {
             Some(region) => {
+                self.shared.rdma_granted(identity, chain);
                 tracing::debug!(
                     peer = %self.peer_name,
                     table,

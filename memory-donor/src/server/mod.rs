@@ -95,6 +95,9 @@ pub struct Shared {
     quic_open: AtomicUsize,
     /// The open QUIC connections, by id (their sessions are re-checked).
     quic_conns: Mutex<HashMap<u64, quinn::Connection>>,
+    /// The certificate chain each identity granted RDMA tokens proved, to
+    /// check its queue pairs again at each recheck.
+    rdma_grantees: Mutex<HashMap<String, Chain>>,
     /// The QUIC endpoints being served (a certificate reload reaches them here).
     quic_endpoints: Mutex<Vec<quinn::Endpoint>>,
     /// True once a drain started: QUIC sessions say Goodbye on their own streams.
@@ -145,6 +148,7 @@ impl Shared {
             rdma: std::sync::OnceLock::new(),
             quic_open: AtomicUsize::new(0),
             quic_conns: Mutex::new(HashMap::new()),
+            rdma_grantees: Mutex::new(HashMap::new()),
             quic_endpoints: Mutex::new(Vec::new()),
             drain_tx: tokio::sync::watch::channel(false).0,
         })
@@ -302,6 +306,7 @@ impl Shared {
             .iter()
             .map(|(id, c)| (*id, c.clone()))
             .collect();
+        cut += self.recheck_rdma(tls);
         for (id, c) in quic {
             let chain = c
                 .peer_identity()
@@ -317,6 +322,46 @@ impl Shared {
                 let code = engram_protocol::ErrorCode::Unauthorized.to_u16();
                 c.close(quinn::VarInt::from_u32(u32::from(code)), why.as_bytes());
                 cut += 1;
+            }
+        }
+        cut
+    }
+
+    /// Remember that `identity` (proved by `chain`) was granted an RDMA
+    /// token, so its queue pairs are checked again with the sessions.
+    pub fn rdma_granted(&self, identity: &str, chain: &Chain) {
+        let mut g = self.rdma_grantees.lock().unwrap_or_else(|p| p.into_inner());
+        if g.get(identity) != Some(chain) {
+            g.insert(identity.to_owned(), Arc::clone(chain));
+        }
+    }
+
+    /// Disconnect the RDMA queue pairs (and drop the tokens) of every
+    /// identity whose certificate no longer passes; returns how many queue
+    /// pairs were cut.
+    fn recheck_rdma(&self, tls: &DonorTls) -> usize {
+        let Some(book) = self.rdma() else { return 0 };
+        let mut cut = 0;
+        for owner in book.owners() {
+            let chain = self
+                .rdma_grantees
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&*owner)
+                .cloned();
+            let verdict = match &chain {
+                Some(chain) => tls.still_admits(chain, crate::tls::Plane::Data).map(|_| ()),
+                None => Err("no certificate on record".to_string()),
+            };
+            if let Err(why) = verdict {
+                let qps = book.revoke(&owner);
+                self.rdma_grantees
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&*owner);
+                tracing::warn!(identity = %owner, queue_pairs = qps, "RDMA access cut: {why}");
+                self.stats.refusal("rdma", "revoked");
+                cut += qps;
             }
         }
         cut
@@ -396,6 +441,9 @@ impl Slot {
 pub const PREAUTH_PER_SOURCE: usize = 16;
 /// Data-plane connections before authentication at once, from every source.
 pub const PREAUTH_TOTAL: usize = 128;
+
+/// A client's certificate chain, as it presented it.
+pub type Chain = Arc<[rustls::pki_types::CertificateDer<'static>]>;
 
 /// How often live sessions are checked again against the TLS state.
 pub const RECHECK_EVERY: Duration = Duration::from_secs(1);

@@ -147,7 +147,7 @@ async fn admit(
     incoming: quinn::Incoming,
     peer: SocketAddr,
     shared: &Shared,
-) -> Option<(quinn::Connection, String)> {
+) -> Option<(quinn::Connection, String, super::Chain)> {
     let stats = &shared.stats;
     let timeout = shared.config().hello_timeout.max(Duration::from_millis(1));
     let connecting = match incoming.accept() {
@@ -175,16 +175,18 @@ async fn admit(
             return None;
         }
     };
-    let identity = conn
+    let chain: super::Chain = conn
         .peer_identity()
         .and_then(|any| {
             any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
                 .ok()
         })
-        .and_then(|chain| cluster_config::tls::peer_identity(Some(&chain[..])));
+        .map(|chain| chain.into_iter().collect())
+        .unwrap_or_default();
+    let identity = cluster_config::tls::peer_identity(Some(&chain[..]));
     let who = identity.clone().unwrap_or_else(|| "(no name)".into());
     match identity {
-        Some(id) if shared.tls().is_some_and(|t| t.data_allowed(&id)) => Some((conn, id)),
+        Some(id) if shared.tls().is_some_and(|t| t.data_allowed(&id)) => Some((conn, id, chain)),
         _ => {
             stats.refusal("data", "client_not_allowed");
             if let Some(suppressed) = CONN_WARN.allow() {
@@ -209,7 +211,7 @@ async fn serve_connection(
 ) {
     let admitted = admit(incoming, peer, &shared).await;
     drop(handshake);
-    let Some((conn, identity)) = admitted else {
+    let Some((conn, identity, chain)) = admitted else {
         return;
     };
     // Authenticated: a served slot now, or `busy` in CONNECTION_CLOSE.
@@ -242,8 +244,9 @@ async fn serve_connection(
         match accepted {
             Ok((send, recv)) => {
                 let (shared, identity) = (Arc::clone(&shared), identity.clone());
+                let chain = Arc::clone(&chain);
                 streams.spawn(async move {
-                    serve_stream(send, recv, &shared, identity, id, peer).await;
+                    serve_stream(send, recv, &shared, (identity, chain), id, peer).await;
                 });
             }
             Err(e) => {
@@ -315,13 +318,13 @@ async fn serve_stream(
     send: quinn::SendStream,
     recv: quinn::RecvStream,
     shared: &Arc<Shared>,
-    identity: String,
+    (identity, chain): (String, super::Chain),
     id: u64,
     peer: SocketAddr,
 ) {
     let cfg = shared.config();
     let mut handler = Handler::new(shared, Arc::clone(&cfg));
-    handler.set_identity(identity);
+    handler.set_identity(identity, chain);
     let mut pump = Pump::new(
         handler,
         ReadBuf::new(INITIAL_BUF),

@@ -20,8 +20,62 @@ use crate::verbs::{DeviceSpec, Listener, Memory, Provider, Registration, VerbsEr
 
 /// How long a queue-pair token admits a connect.
 pub const TOKEN_TTL: Duration = Duration::from_secs(10);
-/// Most tokens outstanding: the oldest is dropped beyond it.
+/// Most tokens outstanding: beyond it, the oldest of the identity holding
+/// the most is dropped.
 pub const MAX_TOKENS: usize = 1024;
+/// Tokens one identity may hold at once: beyond it, its own oldest is
+/// dropped (one client never evicts another's).
+pub const MAX_TOKENS_PER_OWNER: usize = 64;
+/// Queue pairs the book tracks for one identity: beyond it, its own oldest
+/// is disconnected.
+pub const MAX_QPS_PER_OWNER: usize = 64;
+/// Queue pairs tracked in all: beyond it, the oldest of the identity
+/// holding the most is disconnected.
+pub const MAX_QPS: usize = 1024;
+
+/// A token granted and not yet used.
+#[derive(Debug)]
+struct Token {
+    bytes: [u8; 16],
+    owner: Arc<str>,
+    expires: Instant,
+}
+
+/// A queue pair admitted with a token: its listener key and the identity
+/// its token was granted to.
+#[derive(Debug)]
+struct Qp {
+    key: u64,
+    owner: Arc<str>,
+}
+
+/// Remove one entry to make room: the oldest of `owner` when it holds
+/// `per_owner` already, else (when `all` are held) the oldest of the owner
+/// holding the most. Returns what was removed.
+fn make_room<T>(
+    list: &mut Vec<T>,
+    owner_of: impl Fn(&T) -> &str,
+    owner: &str,
+    per_owner: usize,
+    all: usize,
+) -> Option<T> {
+    let mine = list.iter().filter(|x| owner_of(x) == owner).count();
+    if mine >= per_owner {
+        let i = list.iter().position(|x| owner_of(x) == owner)?;
+        return Some(list.remove(i));
+    }
+    if list.len() < all {
+        return None;
+    }
+    let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for x in list.iter() {
+        *counts.entry(owner_of(x)).or_default() += 1;
+    }
+    let (most, _) = counts.into_iter().max_by_key(|(_, n)| *n)?;
+    let most = most.to_owned();
+    let i = list.iter().position(|x| owner_of(x) == most)?;
+    Some(list.remove(i))
+}
 
 #[derive(Debug)]
 struct Entry {
@@ -75,7 +129,9 @@ pub struct RegionBook {
     provider: Arc<dyn Provider>,
     spec: DeviceSpec,
     entries: Mutex<Vec<Entry>>,
-    tokens: Mutex<Vec<([u8; 16], Instant)>>,
+    tokens: Mutex<Vec<Token>>,
+    qps: Mutex<Vec<Qp>>,
+    next_qp: AtomicU64,
     generation: AtomicU64,
     listener: Mutex<Option<Box<dyn Listener>>>,
 }
@@ -117,6 +173,8 @@ impl RegionBook {
             spec,
             entries: Mutex::new(Vec::new()),
             tokens: Mutex::new(Vec::new()),
+            qps: Mutex::new(Vec::new()),
+            next_qp: AtomicU64::new(1),
             generation: AtomicU64::new(start.max(1)),
             listener: Mutex::new(None),
         })
@@ -132,7 +190,7 @@ impl RegionBook {
         let weak: Weak<Self> = Arc::downgrade(self);
         let admit = Arc::new(move |private: &[u8]| {
             weak.upgrade()
-                .is_some_and(|b| b.admit(private, Instant::now()))
+                .and_then(|b| b.admit(private, Instant::now()))
         });
         let mut l = lock(&self.listener);
         *l = None;
@@ -250,9 +308,10 @@ impl RegionBook {
         gone.iter().map(|x| x.table).collect()
     }
 
-    /// The region of `table` with a fresh queue-pair token, or `None` when
-    /// the table is not registered.
-    pub fn grant(&self, table: u32) -> Option<Region> {
+    /// The region of `table` with a fresh queue-pair token granted to
+    /// `owner` (the identity the asking client proved), or `None` when the
+    /// table is not registered.
+    pub fn grant(&self, table: u32, owner: &str) -> Option<Region> {
         let region = {
             let e = lock(&self.entries);
             let x = e.iter().find(|x| x.table == table)?;
@@ -271,36 +330,93 @@ impl RegionBook {
         };
         let now = Instant::now();
         let mut t = lock(&self.tokens);
-        t.retain(|(_, exp)| *exp > now);
-        if t.len() >= MAX_TOKENS {
-            t.remove(0);
-        }
-        t.push((region.token, now + TOKEN_TTL));
+        t.retain(|x| x.expires > now);
+        make_room(
+            &mut t,
+            |x| &x.owner,
+            owner,
+            MAX_TOKENS_PER_OWNER,
+            MAX_TOKENS,
+        );
+        t.push(Token {
+            bytes: region.token,
+            owner: owner.into(),
+            expires: now + TOKEN_TTL,
+        });
         Some(region)
     }
 
     /// Whether a queue pair presenting `private` may connect: an unexpired
-    /// token this book granted, used once.
-    pub fn admit(&self, private: &[u8], now: Instant) -> bool {
+    /// token this book granted, used once. `Some(key)`: admitted, and
+    /// tracked under `key` as its token's owner's (whose oldest queue pair
+    /// is disconnected when the owner is at [`MAX_QPS_PER_OWNER`]).
+    pub fn admit(&self, private: &[u8], now: Instant) -> Option<u64> {
         if private.len() < 16 {
-            return false;
+            return None;
         }
         let presented = &private[..16];
-        let mut t = lock(&self.tokens);
-        t.retain(|(_, exp)| *exp > now);
-        let found = t.iter().position(|(tok, _)| {
-            // Constant time in the token's bytes.
-            tok.iter()
-                .zip(presented)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-        });
-        match found {
-            Some(i) => {
-                t.swap_remove(i);
-                true
-            }
-            None => false,
+        let owner = {
+            let mut t = lock(&self.tokens);
+            t.retain(|x| x.expires > now);
+            let i = t.iter().position(|x| {
+                // Constant time in the token's bytes.
+                x.bytes
+                    .iter()
+                    .zip(presented)
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+            })?;
+            t.swap_remove(i).owner
+        };
+        let key = self.next_qp.fetch_add(1, Ordering::Relaxed);
+        let evicted = {
+            let mut q = lock(&self.qps);
+            let evicted = make_room(&mut q, |x| &x.owner, &owner, MAX_QPS_PER_OWNER, MAX_QPS);
+            q.push(Qp { key, owner });
+            evicted
+        };
+        if let Some(old) = evicted {
+            self.disconnect(&[old.key]);
+        }
+        Some(key)
+    }
+
+    /// The identities holding tokens or queue pairs.
+    pub fn owners(&self) -> Vec<Arc<str>> {
+        let mut out: Vec<Arc<str>> = lock(&self.qps)
+            .iter()
+            .map(|x| Arc::clone(&x.owner))
+            .chain(lock(&self.tokens).iter().map(|x| Arc::clone(&x.owner)))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Cut `owner` off: its tokens are dropped and its queue pairs
+    /// disconnected. Returns how many queue pairs it held.
+    pub fn revoke(&self, owner: &str) -> usize {
+        lock(&self.tokens).retain(|x| &*x.owner != owner);
+        let keys: Vec<u64> = {
+            let mut q = lock(&self.qps);
+            let keys = q
+                .iter()
+                .filter(|x| &*x.owner == owner)
+                .map(|x| x.key)
+                .collect();
+            q.retain(|x| &*x.owner != owner);
+            keys
+        };
+        self.disconnect(&keys);
+        keys.len()
+    }
+
+    fn disconnect(&self, keys: &[u64]) {
+        if keys.is_empty() {
+            return;
+        }
+        if let Some(l) = lock(&self.listener).as_ref() {
+            l.disconnect(keys);
         }
     }
 
@@ -333,20 +449,23 @@ mod tests {
         let rows = vec![7u8; 3 * ROW_BYTES];
         let d = TableDigest([4; 32]);
         assert!(book.publish(0, 3, d, Arc::new(rows)).is_ok());
-        let Some(g) = book.grant(0) else {
+        let Some(g) = book.grant(0, "node-1") else {
             panic!("no grant")
         };
         assert_eq!((g.rows, g.digest), (3, d));
-        assert!(book.grant(9).is_none());
+        assert!(book.grant(9, "node-1").is_none());
         let now = Instant::now();
-        assert!(!book.admit(&[0; 16], now));
-        assert!(!book.admit(&g.token[..8], now));
-        assert!(book.admit(&g.token, now));
-        assert!(!book.admit(&g.token, now), "a token admits once");
-        let Some(g2) = book.grant(0) else {
+        assert!(book.admit(&[0; 16], now).is_none());
+        assert!(book.admit(&g.token[..8], now).is_none());
+        assert!(book.admit(&g.token, now).is_some());
+        assert!(book.admit(&g.token, now).is_none(), "a token admits once");
+        let Some(g2) = book.grant(0, "node-1") else {
             panic!("no grant")
         };
-        assert!(!book.admit(&g2.token, now + TOKEN_TTL + Duration::from_millis(1)));
+        assert!(
+            book.admit(&g2.token, now + TOKEN_TTL + Duration::from_millis(1))
+                .is_none()
+        );
     }
 
     #[test]
@@ -360,7 +479,7 @@ mod tests {
             book.publish(0, 2, d1, Arc::new(vec![1u8; 2 * ROW_BYTES]))
                 .is_ok()
         );
-        let Some(old) = book.grant(0) else {
+        let Some(old) = book.grant(0, "node-1") else {
             panic!("no grant")
         };
         assert_eq!(fabric.regions(), 2);
@@ -369,7 +488,7 @@ mod tests {
                 .is_ok()
         );
         assert_eq!(fabric.regions(), 2);
-        let Some(new) = book.grant(0) else {
+        let Some(new) = book.grant(0, "node-1") else {
             panic!("no grant")
         };
         assert!(new.generation > old.generation);
@@ -382,5 +501,43 @@ mod tests {
             book.publish(1, 5, d1, Arc::new(vec![0u8; 10])),
             Err(PublishError::Size { .. })
         ));
+    }
+
+    #[test]
+    fn one_identity_never_evicts_anothers_tokens_and_revocation_takes_its_own() {
+        let p = FakeProvider::new();
+        let book = RegionBook::new(Arc::new(p), DeviceSpec::default());
+        assert!(
+            book.publish(0, 1, TableDigest([3; 32]), Arc::new(vec![0u8; ROW_BYTES]))
+                .is_ok()
+        );
+        let now = Instant::now();
+        let Some(mine) = book.grant(0, "node-1") else {
+            panic!("no grant")
+        };
+        // A flood of grants to another identity drops only its own oldest.
+        let flood: Vec<_> = (0..MAX_TOKENS_PER_OWNER * 3)
+            .filter_map(|_| book.grant(0, "node-2"))
+            .collect();
+        assert!(
+            book.admit(&flood[0].token, now).is_none(),
+            "its own oldest went"
+        );
+        let Some(last) = flood.last() else {
+            panic!("no flood")
+        };
+        assert!(book.admit(&last.token, now).is_some());
+        let Some(a) = book.admit(&mine.token, now) else {
+            panic!("node-1's token was evicted by node-2's grants")
+        };
+        assert_eq!(book.owners().len(), 2);
+        // Revoking node-1 drops its queue pair and its tokens, nobody else's.
+        let Some(pending) = book.grant(0, "node-1") else {
+            panic!("no grant")
+        };
+        assert_eq!(book.revoke("node-1"), 1);
+        assert!(book.admit(&pending.token, now).is_none());
+        assert_eq!(book.owners(), vec![Arc::<str>::from("node-2")]);
+        assert!(a > 0);
     }
 }

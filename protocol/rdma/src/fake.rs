@@ -8,7 +8,7 @@
 //! completion is queued for `poll`. Faults are queued per listener address
 //! and each one applies to the next doorbell to that donor.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -55,6 +55,8 @@ struct State {
     next_epoch: u64,
     /// READs carried out, by the listener address of their queue pair.
     reads_at: HashMap<SocketAddr, u64>,
+    /// Queue pairs their listener disconnected (listener address, key).
+    cut: HashSet<(SocketAddr, u64)>,
 }
 
 /// The in-process fabric: registered regions, listeners, faults, counters.
@@ -173,6 +175,13 @@ impl Listener for FakeListener {
     fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    fn disconnect(&self, keys: &[u64]) {
+        if let Some(f) = self.fabric.upgrade() {
+            let mut s = f.lock();
+            s.cut.extend(keys.iter().map(|k| (self.addr, *k)));
+        }
+    }
 }
 
 impl Drop for FakeListener {
@@ -259,14 +268,15 @@ impl Provider for FakeProvider {
             (Arc::clone(admit), s.epochs.get(&addr).copied().unwrap_or(0))
         };
         // Outside the fabric's lock: the donor's admission takes its own.
-        if !admit(private) {
+        let Some(key) = admit(private) else {
             return Err(VerbsError::Refused(
                 "the donor did not admit the queue pair (bad or expired token)".into(),
             ));
-        }
+        };
         Ok(Box::new(FakeQp {
             fabric: Arc::clone(&self.fabric),
             peer: addr,
+            key,
             epoch,
             buffer: vec![0; opts.buffer_bytes],
             depth: opts.send_depth,
@@ -280,6 +290,8 @@ impl Provider for FakeProvider {
 struct FakeQp {
     fabric: Arc<FakeFabric>,
     peer: SocketAddr,
+    /// Its key at the listener.
+    key: u64,
     epoch: u64,
     buffer: Vec<u8>,
     depth: usize,
@@ -293,6 +305,12 @@ impl std::fmt::Debug for FakeQp {
             .field("peer", &self.peer)
             .field("dead", &self.dead)
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for FakeQp {
+    fn drop(&mut self) {
+        self.fabric.lock().cut.remove(&(self.peer, self.key));
     }
 }
 
@@ -348,7 +366,11 @@ impl QueuePair for FakeQp {
                 "the queue pair is in the error state".into(),
             ));
         }
-        if s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch {
+        // A donor gone, or its listener disconnected this queue pair: the
+        // transport gives up as it would on hardware.
+        if s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch
+            || s.cut.contains(&(self.peer, self.key))
+        {
             drop(s);
             self.fail(wrs, WcStatus::RetryExceeded);
             return Ok(());

@@ -486,6 +486,7 @@ impl Provider for IbvProvider {
         dev.pd()?;
         let (released_tx, released_rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
+        let cut = Arc::new(Mutex::new(Vec::new()));
         let mut lp = ListenLoop {
             shared: Arc::clone(&self.shared),
             dev_index,
@@ -493,6 +494,7 @@ impl Provider for IbvProvider {
             listen_id: ptr::null_mut(),
             accepted: HashMap::new(),
             admit,
+            cut: Arc::clone(&cut),
             stop: Arc::clone(&stop),
             released: Some(released_tx),
         };
@@ -534,6 +536,7 @@ impl Provider for IbvProvider {
             local,
             stop,
             released: released_rx,
+            cut,
         }))
     }
 
@@ -553,6 +556,8 @@ struct IbvListener {
     local: SocketAddr,
     stop: Arc<AtomicBool>,
     released: mpsc::Receiver<()>,
+    /// Keys of accepted queue pairs to disconnect, for the loop's next tick.
+    cut: Arc<Mutex<Vec<u64>>>,
 }
 
 impl fmt::Debug for IbvListener {
@@ -566,6 +571,15 @@ impl fmt::Debug for IbvListener {
 impl Listener for IbvListener {
     fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    fn disconnect(&self, keys: &[u64]) {
+        let mut cut = self.cut.lock().unwrap_or_else(PoisonError::into_inner);
+        cut.extend_from_slice(keys);
+        // Bounded: keys the loop has not taken yet, at most the book's
+        // queue pairs; duplicates are harmless.
+        cut.sort_unstable();
+        cut.dedup();
     }
 }
 
@@ -594,9 +608,11 @@ struct ListenLoop {
     dev_index: usize,
     channel: *mut sys::rdma_event_channel,
     listen_id: *mut sys::rdma_cm_id,
-    /// Accepted ids (with their QPs), by address.
-    accepted: HashMap<usize, *mut sys::rdma_cm_id>,
+    /// Accepted ids (with their QPs) and their keys, by address.
+    accepted: HashMap<usize, (*mut sys::rdma_cm_id, u64)>,
     admit: Admit,
+    /// Keys the book asked to disconnect ([`Listener::disconnect`]).
+    cut: Arc<Mutex<Vec<u64>>>,
     stop: Arc<AtomicBool>,
     released: Option<mpsc::Sender<()>>,
 }
@@ -612,6 +628,7 @@ impl ListenLoop {
         let fd = unsafe { (*self.channel).fd };
         let tick = c_int::try_from(LISTEN_TICK.as_millis()).unwrap_or(100);
         loop {
+            self.disconnect_cut();
             if self.stop.load(Ordering::Acquire) {
                 self.close_listener();
                 if self.accepted.is_empty() {
@@ -701,21 +718,21 @@ impl ListenLoop {
         // SAFETY: the request's new id is live until we destroy it.
         let verbs = unsafe { (*id).verbs };
         let admitted = if self.listen_id.is_null() {
-            false
+            None
         } else if verbs != dev.ctx {
             tracing::warn!(device = %dev.name, "rdma request arrived on another device: refused");
-            false
+            None
         } else if let Some(token) = unframe_private(&e.private) {
             let admit = &self.admit;
             panic::catch_unwind(AssertUnwindSafe(|| admit(token))).unwrap_or_else(|_| {
                 tracing::warn!("rdma admit check panicked: refused");
-                false
+                None
             })
         } else {
             tracing::warn!("rdma request with malformed private data: refused");
-            false
+            None
         };
-        if !admitted {
+        let Some(key) = admitted else {
             // SAFETY: a live, unaccepted id; destroyed once, after its
             // event was acked.
             unsafe {
@@ -723,7 +740,7 @@ impl ListenLoop {
                 sys::rdma_destroy_id(id);
             }
             return;
-        }
+        };
         if let Err(msg) = self.accept(id, e, dev) {
             tracing::warn!("rdma accept failed: {msg}");
             // SAFETY: as above; `accept` destroyed any QP it made.
@@ -733,7 +750,28 @@ impl ListenLoop {
             }
             return;
         }
-        self.accepted.insert(id as usize, id);
+        self.accepted.insert(id as usize, (id, key));
+    }
+
+    /// Disconnect and destroy the accepted queue pairs the book cut.
+    fn disconnect_cut(&mut self) {
+        let keys = std::mem::take(&mut *self.cut.lock().unwrap_or_else(PoisonError::into_inner));
+        if keys.is_empty() {
+            return;
+        }
+        let ids: Vec<*mut sys::rdma_cm_id> = self
+            .accepted
+            .values()
+            .filter(|(_, k)| keys.contains(k))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            // SAFETY: an accepted, live id; the peer sees a disconnect and
+            // its QP's work fails. Destroyed once, in `drop_conn`.
+            unsafe { sys::rdma_disconnect(id) };
+            tracing::info!("rdma queue pair disconnected: its identity's access was revoked");
+            self.drop_conn(id);
+        }
     }
 
     fn accept(&self, id: *mut sys::rdma_cm_id, e: &CmEvent, dev: &Device) -> Result<(), String> {
@@ -800,7 +838,7 @@ unsafe fn destroy_accepted(id: *mut sys::rdma_cm_id) {
 
 impl Drop for ListenLoop {
     fn drop(&mut self) {
-        for (_, id) in self.accepted.drain() {
+        for (_, (id, _)) in self.accepted.drain() {
             // SAFETY: accepted ids, each destroyed once.
             unsafe { destroy_accepted(id) };
         }

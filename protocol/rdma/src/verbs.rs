@@ -135,14 +135,20 @@ pub trait QueuePair: Send + fmt::Debug {
 }
 
 /// Decides whether a connecting queue pair may in, from the private data it
-/// sent (the token it was given over the authenticated channel).
-pub type Admit = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
+/// sent (the token it was given over the authenticated channel):
+/// `Some(key)` admits it under `key` (the name [`Listener::disconnect`]
+/// cuts it by), `None` refuses it.
+pub type Admit = Arc<dyn Fn(&[u8]) -> Option<u64> + Send + Sync>;
 
 /// A donor's listener for queue pairs; dropping it stops accepting (queue
 /// pairs already connected stay).
 pub trait Listener: Send + fmt::Debug {
     /// The address it listens on.
     fn local_addr(&self) -> SocketAddr;
+
+    /// Disconnect the accepted queue pairs admitted under `keys` (keys of
+    /// queue pairs already gone are skipped). The peer's next READ fails.
+    fn disconnect(&self, keys: &[u64]);
 }
 
 /// Which device and port a donor serves from (the config's `[donor.rdma]`).

@@ -53,7 +53,7 @@ impl Rig {
         loop {
             match self.session.step(0, Instant::now()) {
                 Step::Learn => {
-                    let Some(g) = self.book.grant(0) else {
+                    let Some(g) = self.book.grant(0, "node-1") else {
                         return Err(Fault::PeerGone);
                     };
                     assert!(self.session.learned(&g, &self.digest).is_ok());
@@ -159,7 +159,7 @@ fn a_swapped_table_is_never_read_as_the_new_version() {
     assert!(rig.book.publish(0, ROWS, d2, Arc::new(table(2))).is_ok());
     assert_eq!(rig.lookup(&rows24(2), &mut out), Err(Fault::Revoked));
     // Learning again finds version 2, which this node does not pin.
-    let Some(g) = rig.book.grant(0) else {
+    let Some(g) = rig.book.grant(0, "node-1") else {
         panic!("no grant")
     };
     let mut s = Session::default();
@@ -243,7 +243,7 @@ fn a_queue_pair_without_a_granted_token_is_refused() {
     let opts = qp_options(Duration::from_secs(1));
     assert!(rig.provider.connect(rig.addr, &[0; 16], &opts).is_err());
     assert!(rig.provider.connect(rig.addr, b"short", &opts).is_err());
-    let Some(g) = rig.book.grant(0) else {
+    let Some(g) = rig.book.grant(0, "node-1") else {
         panic!("no grant")
     };
     assert!(rig.provider.connect(rig.addr, &g.token, &opts).is_ok());
