@@ -235,9 +235,14 @@ fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
         assert!(e.is_err(), "an expired certificate is refused");
         keep_going().await;
 
-        // A plaintext client on the TLS port is told what the port speaks.
+        // A plaintext client on the TLS port gets a TLS alert (fatal,
+        // protocol_version), nothing in plaintext; a node reads it as such.
         let answer = plaintext_hello(tls);
-        assert!(answer.contains("this port speaks TLS"), "{answer:?}");
+        assert_eq!(answer, [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x46]);
+        let e = DonorClient::connect(rack.addr(Transport::Tls), &rack.opts("n-tls", Transport::Tcp, None))
+            .await
+            .expect_err("plaintext on a TLS port");
+        assert!(e.to_string().contains("tls:// port"), "{e}");
         keep_going().await;
 
         // A TLS client on the plaintext port is told what it probably did.
@@ -258,7 +263,7 @@ fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
         "{}",
         rack.metrics()
     );
-    assert_eq!(rack.refusals("plaintext_on_tls_port"), 1.0);
+    assert_eq!(rack.refusals("plaintext_on_tls_port"), 2.0);
     assert_eq!(rack.refusals("tls_on_plaintext_port"), 1.0);
     // And logged, with the identity where there is one.
     let log = rack.donor.log();
@@ -267,12 +272,12 @@ fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
 }
 
 /// A plaintext Hello on `addr`; what came back, as text.
-fn plaintext_hello(addr: std::net::SocketAddr) -> String {
+fn plaintext_hello(addr: std::net::SocketAddr) -> Vec<u8> {
     use std::io::Read;
     let mut s = integration_tests::hello_stream(addr, "plain");
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
-    String::from_utf8_lossy(&buf).into_owned()
+    buf
 }
 
 /// Certificates for the config's hosts, signed by its CA, that expired a day ago.

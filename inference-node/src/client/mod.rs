@@ -381,6 +381,15 @@ impl DonorClient {
         let frame = match next_frame(&mut rd, &limits, Duration::ZERO, None).await {
             Ok(Next::Frame(f)) => f,
             Ok(Next::Own) => return Err(ClientError::Protocol("Rows before Welcome".into())),
+            // A TLS port answers a plaintext Hello with a TLS alert record.
+            Err(_) if rd.tls.is_none() && quic.is_none() && rd.buf.starts_with(&[0x15, 0x03]) => {
+                return Err(ClientError::Connect {
+                    addr,
+                    message: "the donor answered with a TLS alert: this is a tls:// port (dial \
+                              it as tls:// with a rack certificate)"
+                        .into(),
+                });
+            }
             // Over QUIC the donor's reason travels in the connection's close.
             Err(e) => return Err(quic.as_ref().map_or(e.clone(), |(_, c)| quic_refusal(c, e))),
         };

@@ -180,6 +180,9 @@ fn handshake(stream: &mut TcpStream, conn: &Conn, deadline: Instant) -> io::Resu
     }
 }
 
+/// A TLS alert record: fatal (2), protocol_version (70).
+pub const TLS_ALERT_PROTOCOL_VERSION: [u8; 7] = [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x46];
+
 /// A plaintext engram client on a TLS port: its first bytes are a Hello
 /// frame's header, not a TLS record. Peeked, not consumed.
 fn plaintext_hello(stream: &TcpStream) -> bool {
@@ -206,6 +209,12 @@ fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::R
             .send_close_notify();
         flush(conn, out)?;
     }
+    linger_close(stream)
+}
+
+/// Half-close `stream` and discard what the peer still sends, for at most
+/// 200 ms and 64 KiB: what was written reaches the peer before the close.
+fn linger_close(stream: &TcpStream) -> io::Result<()> {
     stream.shutdown(std::net::Shutdown::Write)?;
     let deadline = Instant::now() + Duration::from_millis(200);
     let mut sink = [0u8; 4096];
@@ -274,16 +283,10 @@ fn admit(
         if let Some(suppressed) = super::CONN_WARN.allow() {
             tracing::warn!(conn = conn.id, peer = %conn.peer, suppressed, "a plaintext client on a TLS port: refused (it must dial tls://)");
         }
-        let mut out = Vec::new();
-        engram_protocol::ErrorFrame {
-            code: engram_protocol::ErrorCode::Unauthorized,
-            table_id: None,
-            detail: 0,
-            message: "this port speaks TLS: dial it as tls:// with a rack certificate",
-        }
-        .encode(&mut out, 0);
-        let _ = (&*stream).write_all(&out);
-        let _ = stream.shutdown(std::net::Shutdown::Both);
+        // A TLS port answers in TLS only: a fatal protocol_version alert,
+        // which a client that spoke plaintext reads as a refusal.
+        let _ = (&*stream).write_all(&TLS_ALERT_PROTOCOL_VERSION);
+        let _ = linger_close(stream);
         return Ok(None);
     }
     if let Err(e) = handshake(stream, conn, deadline) {
