@@ -571,48 +571,6 @@ fn half_open(
     Some(s)
 }
 
-/// Real QUIC Initials (quinn's own ClientHello, never answered) from
-/// `sources` different loopback addresses, `per_source` each.
-fn quic_initials(to: std::net::SocketAddr, roots: &Path, sources: u8, per_source: usize) -> usize {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut store = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(&std::fs::read(roots).expect("ca")) {
-        store.add(c.expect("ca")).expect("root");
-    }
-    let mut tls = rustls::ClientConfig::builder_with_provider(cluster_config::tls::provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .expect("tls13")
-        .with_root_certificates(store)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![b"engram/1".to_vec()];
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(Arc::new(tls)).expect("quic");
-    let config = quinn::ClientConfig::new(Arc::new(crypto));
-    let ep_config = Arc::new(quinn_proto::EndpointConfig::default());
-    let mut sent = 0;
-    let mut buf = Vec::with_capacity(1500);
-    for i in 0..sources {
-        let from = std::net::Ipv4Addr::new(127, 0, 3, 1 + i);
-        let Ok(sock) = std::net::UdpSocket::bind((from, 0)) else {
-            continue;
-        };
-        let mut endpoint = quinn_proto::Endpoint::new(Arc::clone(&ep_config), None, false, None);
-        for _ in 0..per_source {
-            let now = Instant::now();
-            let Ok((_, mut conn)) = endpoint.connect(now, config.clone(), to, "d") else {
-                continue;
-            };
-            buf.clear();
-            if let Some(t) = conn.poll_transmit(now, 1, &mut buf)
-                && sock.send_to(&buf[..t.size], to).is_ok()
-            {
-                sent += 1;
-            }
-        }
-    }
-    sent
-}
-
 /// Strangers who connect and never authenticate hold no place a node
 /// needs: 1,000 half-open TLS and plain TCP connections from 40 source
 /// addresses (the node's among them) and 1,000 QUIC Initials from 40
@@ -648,7 +606,8 @@ fn floods_of_strangers_never_take_a_nodes_place() {
         }
     }
     assert!(held.len() >= 900, "only {} connections opened", held.len());
-    let initials = quic_initials(quic, &rack.config.tls.as_ref().expect("pki").ca, 40, 25);
+    let ca = &rack.config.tls.as_ref().expect("pki").ca;
+    let initials = integration_tests::quic_initials(quic, ca, [127, 0, 3], 40, 25);
     assert!(initials >= 900, "only {initials} QUIC Initials sent");
     std::thread::sleep(Duration::from_millis(200));
     let during = threads(rack.donor.id());

@@ -135,7 +135,7 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
     ),
     (
         "storm-handshakes",
-        "half-open and refused TLS and QUIC handshakes, and junk datagrams, at the primary (node over TLS)",
+        "1,000 half-open TLS handshakes, 1,000 spoofed QUIC Initials, refused handshakes, junk datagrams and 200 silent control connections at the primary (node over TLS, an operator's status)",
         storm_handshakes,
     ),
 ];

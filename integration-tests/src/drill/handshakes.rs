@@ -29,8 +29,23 @@ use crate::sample;
 
 mod quic;
 
-/// Half-open TLS connections held at once.
-const TLS_HELD: usize = 16;
+/// Half-open TLS connections held at once (far past the donor's pre-auth
+/// budget), from [`TLS_SOURCES`] loopback addresses.
+const TLS_HELD: usize = 1000;
+const TLS_SOURCES: u32 = 40;
+/// Half-open TLS connections opened at most per round of the storm's loop
+/// (every 5 ms) until the first [`TLS_HELD`] are open, and reopened at
+/// most per round after that.
+const TLS_BURST: usize = 50;
+const TLS_REOPEN: usize = 4;
+/// QUIC Initials sent at once from [`SPOOFED_SOURCES`] addresses, as a
+/// spoofing attacker would (no answer is read).
+const SPOOFED_INITIALS: usize = 1000;
+const SPOOFED_SOURCES: u8 = 40;
+/// Silent connections to the control plane held through the storm, from
+/// [`CONTROL_SOURCES`] addresses.
+const CONTROL_SILENT: u32 = 200;
+const CONTROL_SOURCES: u32 = 20;
 /// Socket timeouts, and the pause between two attempts of one thread.
 const TIMEOUT: Duration = Duration::from_millis(200);
 const PAUSE: Duration = Duration::from_millis(2);
@@ -67,8 +82,9 @@ macro_rules! stats {
 }
 
 stats! {
-    /// Half-open TLS handshakes opened.
+    /// Half-open TLS handshakes opened, and the most held at once.
     tls_half_open,
+    tls_held_max,
     /// Of those, closed by the donor, and left open past the bound.
     tls_closed,
     tls_unclosed,
@@ -82,6 +98,8 @@ stats! {
     tls_admitted,
     /// Junk datagrams sent to the QUIC port.
     quic_junk,
+    /// QUIC Initials sent from spoofed-looking sources, never answered.
+    quic_spoofed,
     /// Half-open QUIC Initials sent.
     quic_initials,
     /// Of those retired: held by the donor, then closed (the longest,
@@ -94,6 +112,8 @@ stats! {
     quic_intruders,
     quic_refused,
     quic_admitted,
+    /// Of those, handshakes that got no answer in time (not let in).
+    quic_no_verdict,
 }
 
 /// One thread of the storm: its loop, given the stop flag and the counters.
@@ -114,6 +134,8 @@ fn micros(d: Duration) -> u64 {
 pub struct Intruders {
     no_cert: Arc<rustls::ClientConfig>,
     other_ca: Arc<rustls::ClientConfig>,
+    /// The rack CA's certificate file (what a client would trust).
+    ca: std::path::PathBuf,
 }
 
 impl Intruders {
@@ -150,6 +172,7 @@ impl Intruders {
         Ok(Self {
             no_cert: alpn(builder()?.with_no_client_auth()),
             other_ca: alpn(builder()?.with_client_auth_cert(chain, key)?),
+            ca: ca.clone(),
         })
     }
 
@@ -208,6 +231,12 @@ impl HandshakeStorm {
         spawn(Box::new(move |st: &AtomicBool, c: &Counters| {
             quic_junk(quic, st, c)
         }));
+        let ca = intruders.ca.clone();
+        spawn(Box::new(move |_: &AtomicBool, c: &Counters| {
+            let per = SPOOFED_INITIALS / usize::from(SPOOFED_SOURCES);
+            let sent = crate::quic_initials(quic, &ca, [127, 0, 8], SPOOFED_SOURCES, per);
+            c.quic_spoofed.fetch_add(sent as u64, Ordering::Relaxed);
+        }));
         let (cfg, d) = (quic_config.clone(), donor.to_string());
         // An Initial's fate is known once the donor could have closed it.
         let retire = hello + CLOSE_ALLOWANCE;
@@ -242,29 +271,27 @@ fn connect(addr: SocketAddr) -> Option<TcpStream> {
     Some(s)
 }
 
-/// Whether the peer has closed `s` (end of stream or reset); whatever it
-/// sent before is read and dropped.
+/// Whether the peer has closed `s`, a non-blocking socket (end of stream
+/// or reset); whatever it sent before is read and dropped.
 fn closed(s: &mut TcpStream) -> bool {
-    if s.set_nonblocking(true).is_err() {
-        return true;
-    }
     let mut buf = [0u8; 512];
-    let gone = loop {
+    loop {
         match s.read(&mut buf) {
             Ok(0) => break true,
             Ok(_) => continue,
             Err(e) if e.kind() == ErrorKind::WouldBlock => break false,
             Err(_) => break true,
         }
-    };
-    let _ = s.set_nonblocking(false);
-    gone
+    }
 }
 
-/// Hold [`TLS_HELD`] connections that sent half a ClientHello; time how
-/// long the donor takes to close each, and reopen.
+/// Open [`TLS_HELD`] connections that sent half a ClientHello, from
+/// [`TLS_SOURCES`] addresses, and hold them; time how long the donor takes
+/// to close each (its handshake deadline, or its pre-auth budget evicting
+/// the oldest), and reopen, at most [`TLS_REOPEN`] a round.
 fn tls_half_open(addr: SocketAddr, hello: &[u8], bound: Duration, st: &AtomicBool, c: &Counters) {
     let mut held: Vec<(TcpStream, Instant)> = Vec::new();
+    let mut opened: u32 = 0;
     while !st.load(Ordering::Relaxed) {
         held.retain_mut(|(s, at)| {
             let age = at.elapsed();
@@ -280,14 +307,30 @@ fn tls_half_open(addr: SocketAddr, hello: &[u8], bound: Duration, st: &AtomicBoo
                 true
             }
         });
-        while held.len() < TLS_HELD && !st.load(Ordering::Relaxed) {
-            let Some(mut s) = connect(addr) else { break };
+        let pace = if (opened as usize) < TLS_HELD {
+            TLS_BURST
+        } else {
+            TLS_REOPEN
+        };
+        let room = pace.min(TLS_HELD - held.len());
+        for _ in 0..room {
+            if st.load(Ordering::Relaxed) {
+                break;
+            }
+            let from = std::net::Ipv4Addr::new(127, 0, 7, 1 + (opened % TLS_SOURCES) as u8);
+            opened = opened.wrapping_add(1);
+            let Some(mut s) = crate::connect_from(from, addr) else {
+                break;
+            };
             let at = Instant::now();
-            if s.write_all(hello).is_ok() {
+            // Half a ClientHello fits a fresh socket's buffer at once.
+            if s.write_all(hello).is_ok() && s.set_nonblocking(true).is_ok() {
                 add(&c.tls_half_open);
                 held.push((s, at));
             }
         }
+        c.tls_held_max
+            .fetch_max(held.len() as u64, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -335,10 +378,66 @@ fn tls_intruders(
     }
 }
 
-/// `engram_donor_refusals_total{plane="data",reason=...}`.
-fn refusals(metrics: &str, reason: &str) -> f64 {
-    let series = format!("engram_donor_refusals_total{{plane=\"data\",reason=\"{reason}\"}}");
+/// `engram_donor_refusals_total{plane=PLANE,reason=REASON}`.
+fn refusals(metrics: &str, plane: &str, reason: &str) -> f64 {
+    let series = format!("engram_donor_refusals_total{{plane=\"{plane}\",reason=\"{reason}\"}}");
     sample(metrics, &series).unwrap_or(0.0)
+}
+
+/// The kernel's count of connections dropped because a listener's accept
+/// queue was full (`TcpExt: ListenOverflows` in /proc/net/netstat); 0 where
+/// it cannot be read.
+fn listen_overflows() -> u64 {
+    let text = std::fs::read_to_string("/proc/net/netstat").unwrap_or_default();
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
+        return 0;
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(n, _)| *n == "ListenOverflows")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// How late Linux retransmits a SYN-ACK whose handshake an overflowing
+/// accept queue dropped: a connection the client sees open waits that
+/// long before the donor can accept it.
+const SYNACK_RETRY: Duration = Duration::from_secs(1);
+
+/// What the operator's `engram-cluster status` during the storm got.
+#[derive(Debug)]
+struct Status {
+    ok: bool,
+    took: Duration,
+    said: String,
+}
+
+/// `engram-cluster status` after `after`, as the operator, timed.
+fn status_later(rack: &Rack, after: Duration) -> Result<JoinHandle<Status>> {
+    let mut cmd = std::process::Command::new(crate::bin("engram-cluster"));
+    cmd.args(["status", "--config"]).arg(&rack.config);
+    Ok(std::thread::spawn(move || {
+        std::thread::sleep(after);
+        let t0 = Instant::now();
+        match cmd.output() {
+            Ok(out) => Status {
+                ok: out.status.success(),
+                took: t0.elapsed(),
+                said: format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            },
+            Err(e) => Status {
+                ok: false,
+                took: t0.elapsed(),
+                said: e.to_string(),
+            },
+        }
+    }))
 }
 
 /// The drill: donors on TLS and QUIC, the node on TLS; the storm at
@@ -348,6 +447,7 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     let mut plan = Plan::new(NAME);
     plan.transport = cluster_config::Transport::Tls;
     plan.also_quic = true;
+    plan.control = true;
     plan.hello_timeout_ms = 300;
     // Room for every handshake the storm holds: the bounds tested are the
     // handshakes' own (time, and QUIC's count).
@@ -360,13 +460,29 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
     run.at_second(FAULT_AT)?;
     let (tls, quic) = (rack.listen("donor-a")?, rack.quic("donor-a")?);
+    let control = rack.control("donor-a")?;
+    let overflows_before = listen_overflows();
     let storm = HandshakeStorm::start("donor-a", tls, quic, hello, &intruders)?;
+    let silent: Vec<TcpStream> = (0..CONTROL_SILENT)
+        .filter_map(|i| {
+            let from = std::net::Ipv4Addr::new(127, 0, 9, 1 + (i % CONTROL_SOURCES) as u8);
+            crate::connect_from(from, control)
+        })
+        .collect();
+    let status = status_later(&rack, Duration::from_millis(500))?;
     let from = run.event(
         "handshake storm at donor-a: half-open TLS, TLS without a rack certificate, \
-         QUIC junk, half-open QUIC, QUIC without a certificate",
+         QUIC junk, spoofed and half-open QUIC Initials, QUIC without a certificate, \
+         silent control connections",
     );
     let open_max = max_open_during_fault(&rack, &mut run, o, "donor-a")?;
+    let status = status
+        .join()
+        .map_err(|_| anyhow::anyhow!("the status thread panicked"))?;
     let s = storm.stop();
+    let overflows = listen_overflows().saturating_sub(overflows_before);
+    let silent_opened = silent.len();
+    drop(silent);
     let to = run.event("storm over");
     let m = rack.donor_metrics("donor-a")?;
     let [timeouts, failed, limit, evicted, retried] = [
@@ -376,7 +492,8 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         "preauth_evicted",
         "quic_retry",
     ]
-    .map(|r| refusals(&m, r));
+    .map(|r| refusals(&m, "data", r));
+    let control_evicted = refusals(&m, "control", "preauth_evicted");
     let out = finish(run, o, true)?;
     let mut r = Report::check(NAME, about(NAME), env, &plan, &out)?;
     let during: Vec<_> = r.between(from, to).collect();
@@ -400,9 +517,12 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     r.figure(
         "TLS half-open handshakes",
         format!(
-            "{} opened ({TLS_HELD} held at once), {} closed by donor-a after {tls_mean:.0} ms on average, \
-             {:.0} ms at most (hello_timeout_ms {}); {} left open",
+            "{} opened from {TLS_SOURCES} addresses (up to {TLS_HELD} held, {} open at once at most), \
+             {} closed by donor-a after {tls_mean:.0} ms on average, \
+             {:.0} ms at most (hello_timeout_ms {}); {} left open; {overflows} dropped by a \
+             full accept queue (the host's, all listeners)",
             s.tls_half_open,
+            s.tls_held_max,
             s.tls_closed,
             ms(s.tls_close_max_us),
             plan.hello_timeout_ms,
@@ -419,10 +539,12 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     r.figure(
         "QUIC",
         format!(
-            "{} junk datagrams; {} half-open Initials: {} held then closed after {:.0} ms at most, \
+            "{} junk datagrams; {} Initials from {SPOOFED_SOURCES} spoofed-looking addresses; \
+             {} half-open Initials: {} held then closed after {:.0} ms at most, \
              {} refused at once, {} unanswered, {} still in progress when the storm ended; \
-             {} handshakes without a certificate, {} refused, {} let in",
+             {} handshakes without a certificate, {} refused, {} let in, {} unanswered in time",
             s.quic_junk,
+            s.quic_spoofed,
             s.quic_initials,
             s.quic_held,
             ms(s.quic_close_max_us),
@@ -432,7 +554,8 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
                 .saturating_sub(s.quic_held + s.quic_refused_at_once + s.quic_unanswered),
             s.quic_intruders,
             s.quic_refused,
-            s.quic_admitted
+            s.quic_admitted,
+            s.quic_no_verdict
         ),
     );
     r.figure(
@@ -445,6 +568,16 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         ),
     );
     r.figure(
+        "control plane",
+        format!(
+            "{silent_opened} silent connections from {CONTROL_SOURCES} addresses, \
+             {control_evicted} evicted from the pre-auth budget; the operator's \
+             `engram-cluster status` {} in {:.0} ms",
+            if status.ok { "succeeded" } else { "FAILED" },
+            status.took.as_secs_f64() * 1e3
+        ),
+    );
+    r.figure(
         "node during the storm",
         format!(
             "worst stall {:.2} ms; {by_a} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
@@ -452,6 +585,13 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         ),
     );
     let bound = hello + CLOSE_ALLOWANCE;
+    // A connection whose handshake a full accept queue dropped waits in the
+    // kernel for the SYN-ACK's retransmit before the donor can see it.
+    let tls_bound = if overflows > 0 {
+        bound + SYNACK_RETRY
+    } else {
+        bound
+    };
     ensure!(
         s.tls_closed > 0 && s.tls_unclosed == 0,
         "half-open TLS handshakes were not all closed by donor-a: {} closed, {} left open",
@@ -459,8 +599,9 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
         s.tls_unclosed
     );
     ensure_timing!(
-        Duration::from_micros(s.tls_close_max_us) <= bound,
-        "donor-a took {:.0} ms to close a half-open TLS handshake (hello timeout {} ms)",
+        Duration::from_micros(s.tls_close_max_us) <= tls_bound,
+        "donor-a took {:.0} ms to close a half-open TLS handshake (hello timeout {} ms; \
+         {overflows} accept-queue overflows)",
         ms(s.tls_close_max_us),
         plan.hello_timeout_ms
     );
@@ -479,6 +620,30 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     ensure!(
         s.tls_refused > 0 && s.quic_refused > 0 && s.quic_initials > 0,
         "the storm did not reach donor-a: {s:?}"
+    );
+    ensure!(
+        s.tls_half_open >= TLS_HELD as u64
+            && s.quic_spoofed >= SPOOFED_INITIALS as u64 * 9 / 10
+            && silent_opened >= CONTROL_SILENT as usize * 9 / 10,
+        "the storm fell short of its size: {} half-open TLS, {} spoofed Initials, \
+         {silent_opened} silent control connections",
+        s.tls_half_open,
+        s.quic_spoofed
+    );
+    ensure!(
+        status.ok,
+        "the operator's status failed during the storm: {}",
+        status.said
+    );
+    ensure_timing!(
+        status.took < Duration::from_secs(5),
+        "the operator's status took {:?} during the storm",
+        status.took
+    );
+    ensure!(
+        control_evicted > 0.0,
+        "no silent control connection was evicted: the control plane's pre-auth budget \
+         was never reached"
     );
     // Every half-open handshake the donor held and closed was a timeout
     // (or evicted by a newer one from the pre-auth budget), every TLS

@@ -220,6 +220,9 @@ pub struct Plan {
     /// Each donor also listens on a host socket (`unix://`) in the drill's
     /// directory: the node, on the same host, maps its tables.
     pub host_socket: bool,
+    /// Each donor serves its control plane (over TLS on a secure rack,
+    /// where `ops-1` is the rack's operator).
+    pub control: bool,
 }
 
 impl Plan {
@@ -255,6 +258,7 @@ impl Plan {
             batch: 1,
             prefill: 0,
             host_socket: false,
+            control: false,
         }
     }
 
@@ -283,6 +287,8 @@ struct DonorAddrs {
     metrics: SocketAddr,
     /// Its QUIC address, when it has one beside `listen`.
     quic: Option<SocketAddr>,
+    /// Its control plane's address ([`Plan::control`]).
+    control: Option<SocketAddr>,
 }
 
 /// The config: tables (`other`: the other version), donors, and nodes with
@@ -303,6 +309,9 @@ fn config_text(
     }
     if plan.transport.is_secure() {
         t.push_str("[rack.tls]\n");
+        if plan.control {
+            t.push_str("operators = [\"ops-1\"]\n");
+        }
     }
     let scheme = plan.transport.as_str();
     for f in tables {
@@ -333,6 +342,9 @@ fn config_text(
              drain_timeout_ms = 2000\n",
             d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
         )?;
+        if let Some(c) = d.control {
+            writeln!(t, "control = \"{c}\"")?;
+        }
     }
     for (name, sources) in nodes {
         let list: Vec<String> = sources.iter().map(|s| format!("\"{s}\"")).collect();
@@ -460,6 +472,14 @@ impl Rack {
             while metrics == listen {
                 metrics = SocketAddr::from((ip, port(1)?));
             }
+            let mut control = None;
+            if plan.control {
+                let mut c = SocketAddr::from((ip, port(2)?));
+                while c == listen || c == metrics {
+                    c = SocketAddr::from((ip, port(2)?));
+                }
+                control = Some(c);
+            }
             let proxy = if d.proxied {
                 Some(FaultProxy::start("127.0.0.1:0".parse()?, listen)?)
             } else {
@@ -478,6 +498,7 @@ impl Rack {
                     advertise,
                     metrics,
                     quic: plan.also_quic.then_some(listen),
+                    control,
                 },
                 proxy,
                 netns,
@@ -682,6 +703,14 @@ impl Rack {
             .addrs
             .quic
             .with_context(|| format!("{name} does not listen on QUIC beside its transport"))
+    }
+
+    /// Donor `name`'s control plane address ([`Plan::control`]).
+    pub fn control(&self, name: &str) -> Result<SocketAddr> {
+        self.donor(name)?
+            .addrs
+            .control
+            .with_context(|| format!("{name} serves no control plane in this plan"))
     }
 
     /// Donor `name`'s Prometheus text.

@@ -17,6 +17,8 @@ const BURST: usize = 4;
 const ROUND: Duration = Duration::from_millis(10);
 /// How long an intruder waits for the donor's verdict.
 const VERDICT: Duration = Duration::from_secs(1);
+/// How long a QUIC intruder waits for its handshake to end either way.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(3);
 
 /// Random datagrams of an Initial's size at the QUIC port, every other
 /// one dressed as a QUIC v1 Initial (long header, version 1).
@@ -168,14 +170,19 @@ pub(super) fn quic_intruders(
         endpoint.set_default_client_config(config);
         while !st.load(Ordering::Relaxed) {
             add(&c.quic_intruders);
-            let attempt = async {
-                let conn = endpoint.connect(addr, donor).ok()?.await.ok()?;
-                // Our side may be done; the donor's verdict follows our Finished.
-                Some(conn.closed().await)
+            let Ok(connecting) = endpoint.connect(addr, donor) else {
+                return;
             };
-            match tokio::time::timeout(VERDICT, attempt).await {
-                Ok(_) => add(&c.quic_refused),
-                Err(_) => add(&c.quic_admitted),
+            match tokio::time::timeout(HANDSHAKE_WAIT, connecting).await {
+                // A handshake lost in the storm (its packets dropped, a
+                // Retry's round trip): no verdict, and not let in.
+                Err(_) => add(&c.quic_no_verdict),
+                Ok(Err(_)) => add(&c.quic_refused),
+                // Our side may be done; the donor's verdict follows our Finished.
+                Ok(Ok(conn)) => match tokio::time::timeout(VERDICT, conn.closed()).await {
+                    Ok(_) => add(&c.quic_refused),
+                    Err(_) => add(&c.quic_admitted),
+                },
             }
             tokio::time::sleep(PAUSE).await;
         }
