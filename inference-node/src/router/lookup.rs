@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use engram_protocol::ROW_BYTES;
 use smallvec::SmallVec;
@@ -137,6 +138,10 @@ pub(super) enum Event {
     HardTimeout,
 }
 
+/// The part of the hard timeout a stripe of a wide sweep waits for its
+/// donor before asking the next replica too.
+pub const STRIPE_SHARE: f64 = 0.5;
+
 /// One lookup's state.
 pub(super) struct Lookup<'r> {
     router: &'r Router,
@@ -154,9 +159,14 @@ pub(super) struct Lookup<'r> {
     hedge_at: Option<Instant>,
     /// Past the hard timeout only the node's own copy is waited for.
     past_hard: bool,
-    /// Whether a silent source is hedged (not for a stripe of a wide
-    /// sweep: every replica already carries its share of it).
+    /// Whether a silent source is hedged by the route's hedge setting (not
+    /// for a stripe of a wide sweep: every replica already carries its
+    /// share of it).
     hedging: bool,
+    /// For a stripe: how long a source has before the next is asked too
+    /// ([`STRIPE_SHARE`] of the hard timeout), so a hung replica costs a
+    /// delay, not the sweep.
+    stripe_share: Option<Duration>,
     hedges: u32,
     failovers: u32,
     /// Sources that failed or were not admissible, and why.
@@ -224,6 +234,7 @@ impl<'r> Lookup<'r> {
             hedge_at: None,
             past_hard: false,
             hedging: stripe.is_none(),
+            stripe_share: stripe.map(|_| s.hard_timeout.mul_f64(STRIPE_SHARE)),
             hedges: 0,
             failovers: 0,
             failed,
@@ -446,7 +457,7 @@ impl<'r> Lookup<'r> {
         self.hedge_at = if self.hedging {
             self.hedge_delay_after(i, now, self.deadline.max(now))
         } else {
-            None
+            self.stripe_share.map(|share| now + share)
         };
     }
 
