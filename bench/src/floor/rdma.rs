@@ -125,7 +125,7 @@ impl FakeRig {
         let published = book.publish(1, FAKE_ROWS, digest, Arc::new(rows))?;
         let addr: SocketAddr = ([127, 0, 0, 1], 1).into();
         book.listen(addr)?;
-        let region = book.grant(1).context("the fake region")?;
+        let region = book.grant(1, "bench").context("the fake region")?;
         let qp = provider.connect(addr, &region.token, &qp_options(Duration::from_secs(1)))?;
         Ok(Self {
             provider,
