@@ -127,37 +127,17 @@ impl ReadState {
     }
 
     /// One non-blocking read from the socket: into the frame buffer, or
-    /// over TLS straight into the session (no copy in between), whose new
-    /// records are then opened.
+    /// over TLS into the ciphertext buffer, as much as the socket has (one
+    /// `recv` for a whole answer; rustls' own reads take 4 KiB at a time),
+    /// whose records [`ReadState::decrypt`] then opens.
     fn recv_now(&mut self, fd: RawFd) -> std::io::Result<usize> {
-        let Some(tls) = &self.tls else {
+        if self.tls.is_none() {
             return recv_now(fd, &mut self.buf);
-        };
-        struct Recv(RawFd);
-        impl std::io::Read for Recv {
-            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-                // SAFETY: recv writes at most `buf.len()` bytes into `buf`.
-                let n = unsafe {
-                    libc::recv(
-                        self.0,
-                        buf.as_mut_ptr().cast(),
-                        buf.len(),
-                        libc::MSG_DONTWAIT,
-                    )
-                };
-                if n < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(n as usize)
-            }
         }
-        let mut s = lock(tls);
-        let n = s.read_tls(&mut Recv(fd))?;
-        if n > 0 {
-            s.process_new_packets()
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        if self.cipher.capacity() - self.cipher.len() < 4096 {
+            self.cipher.reserve(64 << 10);
         }
-        Ok(n)
+        recv_now(fd, &mut self.cipher)
     }
 
     /// The stream, and the buffer its bytes go to (the frame buffer, or
