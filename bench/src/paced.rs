@@ -59,6 +59,11 @@ pub struct PacedArgs {
     /// Time per draft token for --draft, microseconds.
     #[arg(long, default_value_t = 200)]
     draft_us: u64,
+    /// For --draft: the chance (0 to 100 %) that a draft is wrong and
+    /// rejected by its verification (its rows, and those of the drafts
+    /// after it, fetched for nothing).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
+    draft_reject: u8,
 }
 
 /// (node, label, sources of both routes).
@@ -212,6 +217,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
             rates,
             ks: &args.draft_ks,
             draft_us: args.draft_us,
+            reject_percent: args.draft_reject,
             seconds: args.seconds_per_point,
             repeat: args.repeat,
             json: args.json,

@@ -8,6 +8,12 @@
 //! Without prefetch a verification fetches its `(K+1) x 24` rows per table
 //! when the pass starts; with it each position's rows are fetched as soon
 //! as it exists, so only the last draft's are left for the pass.
+//!
+//! With `--draft-reject P`, each draft is wrong with probability P %: its
+//! verification rejects it and the drafts after it (their rows fetched for
+//! nothing: the wasted bytes), and decoding goes on from it. Every run's
+//! kept outputs are checked against a run without speculation at the same
+//! rate: the benchmark fails when one differs by a bit.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -33,12 +39,20 @@ pub struct Point {
     stall_p99_us: f64,
     /// Table 1's fetch p50 (from the pass's start; 0 when it was in before).
     fetch_p50_us: f64,
+    /// Draft positions rejected, and the bytes of rows fetched for them
+    /// only, per run.
+    rejected_positions: f64,
+    wasted_bytes: f64,
     runs: usize,
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
     draft_us: u64,
+    reject_percent: u8,
+    /// Every run's kept outputs were bit-identical to the run without
+    /// speculation at its rate (the benchmark fails otherwise).
+    outputs_identical: bool,
     seconds_per_point: f64,
     repeat: usize,
     points: Vec<Point>,
@@ -53,6 +67,7 @@ pub struct DraftArgs<'a> {
     pub rates: &'a [f64],
     pub ks: &'a [usize],
     pub draft_us: u64,
+    pub reject_percent: u8,
     pub seconds: f64,
     pub repeat: usize,
     pub json: bool,
@@ -79,8 +94,28 @@ pub fn run(a: &DraftArgs) -> Result<()> {
     let runs_dir = a.out.join("draft-runs");
     std::fs::create_dir_all(&runs_dir)?;
     let mut points = Vec::new();
+    // Each rate's outputs without speculation: what every run must keep.
+    let mut reference = Vec::new();
+    for &rate in a.rates {
+        rack::check_interrupted()?;
+        let tokens = (rate * a.seconds).round().max(1.0) as u64;
+        let file = runs_dir.join(format!("plain-{rate}.json"));
+        let args = [
+            "--tokens-per-second".to_string(),
+            rate.to_string(),
+            "--tokens".into(),
+            tokens.to_string(),
+            "--json".into(),
+            "--quiet".into(),
+        ];
+        let timeout = Duration::from_secs_f64(a.seconds * 10.0 + 120.0);
+        rack::run_node(&rk.config, "donor", &args, &file, timeout)?;
+        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+            .with_context(|| format!("reading {}", file.display()))?;
+        reference.push(s.outputs_digest);
+    }
     for &k in a.ks {
-        for &rate in a.rates {
+        for (&rate, want) in a.rates.iter().zip(&reference) {
             for prefetch in [false, true] {
                 let mut runs = Vec::new();
                 for rep in 0..a.repeat {
@@ -96,6 +131,8 @@ pub fn run(a: &DraftArgs) -> Result<()> {
                         k.to_string(),
                         "--draft-us".into(),
                         a.draft_us.to_string(),
+                        "--draft-reject".into(),
+                        a.reject_percent.to_string(),
                         "--json".into(),
                         "--quiet".into(),
                     ];
@@ -109,12 +146,21 @@ pub fn run(a: &DraftArgs) -> Result<()> {
                     if s.failed_steps > 0 {
                         bail!("k {k} at {rate} tokens/s: {} steps failed", s.failed_steps);
                     }
+                    if s.outputs_digest != *want {
+                        bail!(
+                            "k {k} at {rate} tokens/s, prefetch {prefetch}: the outputs kept \
+                             ({}) are not the run without speculation's ({want}); see {}",
+                            s.outputs_digest,
+                            file.display()
+                        );
+                    }
                     eprintln!(
-                        "k {k:>2} {rate:>6} tokens/s prefetch {:<3}: {:>8.1} tokens/s (predicted {:>8.1}), stall p99 {:>7.1} us",
+                        "k {k:>2} {rate:>6} tokens/s prefetch {:<3}: {:>8.1} tokens/s (predicted {:>8.1}), stall p99 {:>7.1} us, {} rejected",
                         if prefetch { "on" } else { "off" },
                         s.tokens_per_second,
                         s.predicted_tokens_per_second,
-                        s.stall_p99_us
+                        s.stall_p99_us,
+                        s.rejected_positions
                     );
                     runs.push(s);
                 }
@@ -129,6 +175,8 @@ pub fn run(a: &DraftArgs) -> Result<()> {
                     stall_p50_us: m(&|s| s.stall_p50_us),
                     stall_p99_us: m(&|s| s.stall_p99_us),
                     fetch_p50_us: m(&|s| s.tables.first().map_or(f64::NAN, |t| t.fetch_p50_us)),
+                    rejected_positions: m(&|s| s.rejected_positions as f64),
+                    wasted_bytes: m(&|s| s.wasted_bytes as f64),
                     runs: runs.len(),
                 });
             }
@@ -141,6 +189,8 @@ pub fn run(a: &DraftArgs) -> Result<()> {
         .count();
     let report = Report {
         draft_us: a.draft_us,
+        reject_percent: a.reject_percent,
+        outputs_identical: true,
         seconds_per_point: a.seconds,
         repeat: a.repeat,
         points,
@@ -168,8 +218,8 @@ pub fn run(a: &DraftArgs) -> Result<()> {
 
 fn print_table(r: &Report) {
     println!(
-        "draft prefetch: a donor over loopback TCP, drafts {} us per token; medians of {} runs of {} s",
-        r.draft_us, r.repeat, r.seconds_per_point
+        "draft prefetch: a donor over loopback TCP, drafts {} us per token, {}% of drafts wrong; medians of {} runs of {} s",
+        r.draft_us, r.reject_percent, r.repeat, r.seconds_per_point
     );
     let rows: Vec<Vec<String>> = r
         .points
@@ -192,6 +242,11 @@ fn print_table(r: &Report) {
                 format!("{:.0} / {:.0}", off.stall_p50_us, off.stall_p99_us),
                 format!("{:.0} / {:.0}", on.stall_p50_us, on.stall_p99_us),
                 format!("{:.0} / {:.0}", off.fetch_p50_us, on.fetch_p50_us),
+                format!(
+                    "{:.0} / {:.1}",
+                    on.rejected_positions,
+                    on.wasted_bytes / 1e3
+                ),
             ]
         })
         .collect();
@@ -205,11 +260,13 @@ fn print_table(r: &Report) {
             "off: stall p50/p99 us",
             "on: stall p50/p99 us",
             "layer-1 fetch p50 off/on us",
+            "rejected / wasted KB",
         ],
         &rows,
     );
     println!(
-        "prefetch raised tokens/s at {} of {} points",
+        "prefetch raised tokens/s at {} of {} points; every run's outputs were bit-identical to \
+         the run without speculation",
         r.faster_with_prefetch,
         r.points.len() / 2
     );

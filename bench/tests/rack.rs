@@ -124,6 +124,52 @@ fn paced_writes_every_point_measured_and_predicted() {
 }
 
 #[test]
+fn paced_draft_rejects_drafts_and_checks_the_outputs_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = bench(
+        &[
+            "paced",
+            "--draft",
+            "--draft-ks",
+            "3",
+            "--draft-reject",
+            "30",
+            "--rates",
+            "200",
+            "--seconds-per-point",
+            "1",
+            "--repeat",
+            "1",
+            "--hash-base",
+            "1000",
+        ],
+        dir.path(),
+        "--out",
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("bit-identical"), "{text}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("paced-draft.json")).expect("json"))
+            .expect("valid JSON");
+    assert_eq!(v["outputs_identical"], true, "{v}");
+    assert_eq!(v["reject_percent"], 30, "{v}");
+    let points = v["points"].as_array().expect("points");
+    assert_eq!(points.len(), 2, "{v}");
+    for p in points {
+        assert!(
+            p["rejected_positions"].as_f64().is_some_and(|x| x > 0.0)
+                && p["wasted_bytes"].as_f64().is_some_and(|x| x > 0.0),
+            "{p}"
+        );
+    }
+}
+
+#[test]
 fn drill_runs_a_chosen_drill_with_its_timeline_chart_and_summary() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = bench(&["drill", "--only", "kill-9"], dir.path(), "--dir");

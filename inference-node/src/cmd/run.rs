@@ -57,6 +57,12 @@ pub struct RunArgs {
     /// not when the verification starts.
     #[arg(long)]
     pub draft_prefetch: bool,
+    /// With --draft-us: the chance (0 to 100 %) that a draft is wrong; the
+    /// verification rejects it and the drafts after it (their rows fetched
+    /// for nothing, reported as wasted bytes) and decoding goes on from it.
+    #[arg(long, value_name = "PERCENT", default_value_t = 0,
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub draft_reject: u8,
     /// Serve /metrics here (default: the node's `metrics` key, if set).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
@@ -87,6 +93,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     let draft = match args.draft_us {
         None if args.draft_prefetch => bail!("--draft-prefetch needs --draft-us"),
+        None if args.draft_reject > 0 => bail!("--draft-reject needs --draft-us"),
         None => None,
         Some(_) if args.speculate == 0 => bail!("--draft-us needs --speculate 1 or more"),
         Some(us) if us > MAX_DRAFT_TIME.as_micros() as u64 => {
@@ -95,6 +102,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         Some(us) => Some(Draft {
             per_token: std::time::Duration::from_micros(us),
             prefetch: args.draft_prefetch,
+            reject_percent: args.draft_reject,
         }),
     };
     let config = cluster_config::Config::load(&args.config)?;
@@ -152,9 +160,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
         spec.speculate,
         match draft {
             Some(d) => format!(
-                ", drafts {} us each, prefetch {}",
+                ", drafts {} us each, prefetch {}, {}% rejected",
                 d.per_token.as_micros(),
-                if d.prefetch { "on" } else { "off" }
+                if d.prefetch { "on" } else { "off" },
+                d.reject_percent
             ),
             None => String::new(),
         }

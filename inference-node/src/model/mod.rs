@@ -97,8 +97,13 @@ pub struct LoopSpec {
 /// The draft stand-in of a speculative step: the `k` draft positions of a
 /// verification appear one every `per_token` (draft `j` at `j x per_token`
 /// after the step starts; the verification pass starts with the last).
-/// The drafts are the input's next tokens (teacher-forced: every draft is
-/// accepted, so the outputs are the same whatever the timing).
+/// A draft is the input's next token, except that each is wrong with
+/// probability `reject_percent` (drawn from the run's seed, the sequence
+/// and the position, so runs repeat): the pass then rejects it and every
+/// draft after it, their rows fetched and fused for nothing, and the
+/// sequence goes on from the rejected position with the right token. The
+/// outputs kept are therefore the same whatever the timing and the
+/// rejections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Draft {
     /// Time the draft model takes per draft token.
@@ -107,6 +112,8 @@ pub struct Draft {
     /// at the step's start, each draft when drafted), instead of all of
     /// them when the verification pass starts.
     pub prefetch: bool,
+    /// Chance (0 to 100 %) that a draft is wrong.
+    pub reject_percent: u8,
 }
 
 /// The longest a draft token may take.
@@ -262,8 +269,15 @@ pub struct StepRecord {
     pub time_us: f64,
     /// Time spent fusing.
     pub fusion_us: f64,
-    /// The positions.
+    /// The positions kept (a rejected draft's are not).
     pub positions: Vec<PositionRecord>,
+    /// Draft positions verified and rejected (with the drafts after a
+    /// rejected one).
+    #[serde(default)]
+    pub rejected: u64,
+    /// Bytes of rows fetched for rejected positions only.
+    #[serde(default)]
+    pub wasted_bytes: u64,
 }
 
 /// What a step did.
@@ -470,6 +484,12 @@ fn check_spec(spec: &LoopSpec, tokens: &Tokens, slots: &[TableSlot; 2]) -> Resul
             return Err(LoopError::Spec(format!(
                 "a draft token of {:?} is over the limit of {MAX_DRAFT_TIME:?}",
                 d.per_token
+            )));
+        }
+        if d.reject_percent > 100 {
+            return Err(LoopError::Spec(format!(
+                "a draft rejection rate of {}% is over 100%",
+                d.reject_percent
             )));
         }
     }

@@ -30,6 +30,8 @@ struct Work {
     offset: u32,
     /// Prefilled (not decoded).
     prefill: bool,
+    /// A wrong draft, or one after it: verified, then thrown away.
+    rejected: bool,
     /// Its sequence's index in the loop this step.
     slot: usize,
 }
@@ -237,9 +239,11 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             time_us: us(done - t0),
             fusion_us: us(fusion_time),
             positions: self.record(&work),
+            rejected: work.iter().filter(|p| p.rejected).count() as u64,
+            wasted_bytes: wasted_bytes(&work),
         };
         for p in &work {
-            if !p.prefill {
+            if !p.prefill && !p.rejected {
                 self.decoded += 1;
                 self.seqs[p.slot].decoded += 1;
             }
@@ -285,12 +289,35 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                 n
             };
             n = n.min(q.range.end.saturating_sub(q.range.start + q.next));
+            // Where the sequence goes on from when a draft is rejected: its
+            // hasher before the wrong token, and that position.
+            let mut resume = None;
             for offset in 0..n {
                 let i = q.range.start + q.next;
+                let wrong = !prefill
+                    && offset > 0
+                    && resume.is_none()
+                    && self.spec.draft.is_some_and(|d| {
+                        draft_is_wrong(self.spec.hidden_seed, q.tag, q.next, d.reject_percent)
+                    });
+                if wrong {
+                    resume = Some((q.hasher.clone(), q.next));
+                }
+                let rejected = resume.is_some();
+                let (id, raw) = if wrong {
+                    // Another token: its rows are other rows.
+                    let vocab = i64::from(self.params.vocab).max(2);
+                    (
+                        (q.tokens.compressed[i] + 1).rem_euclid(vocab),
+                        q.tokens.raw[i].wrapping_add(1),
+                    )
+                } else {
+                    (q.tokens.compressed[i], q.tokens.raw[i])
+                };
                 let mut rows = [[0u64; COLUMNS]; 2];
                 let live = q
                     .hasher
-                    .push(q.tokens.compressed[i], &mut rows)
+                    .push(id, &mut rows)
                     .map_err(|error| LoopError::Hash {
                         seq: q.tag as usize,
                         index: q.next,
@@ -299,13 +326,19 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                 work.push(Work {
                     seq: q.tag as u32,
                     index: q.next as u32,
-                    raw: q.tokens.raw[i],
+                    raw,
                     rows: live.then_some(rows),
                     offset: if prefill { 0 } else { offset as u32 },
                     prefill,
+                    rejected,
                     slot,
                 });
                 q.next += 1;
+            }
+            if let Some((hasher, next)) = resume {
+                n -= q.next - next;
+                q.hasher = hasher;
+                q.next = next;
             }
             if !prefill {
                 decoding += n as u64;
@@ -505,11 +538,12 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         Ok((rec, stall, fused))
     }
 
-    /// 5. Each position's checksum of its fused state.
+    /// 5. Each kept position's checksum of its fused state.
     fn record(&self, work: &[Work]) -> Vec<PositionRecord> {
         let n = self.state_len;
         work.iter()
             .enumerate()
+            .filter(|(_, wk)| !wk.rejected)
             .map(|(p, wk)| PositionRecord {
                 seq: wk.seq,
                 index: wk.index,
@@ -518,6 +552,50 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             })
             .collect()
     }
+}
+
+/// Whether the draft at position `index` of sequence `tag` is wrong, at a
+/// rate of `percent` in a hundred: a hash of the run's seed, the sequence
+/// and the position, so every run with the same seed rejects the same
+/// drafts.
+fn draft_is_wrong(seed: u64, tag: u64, index: usize, percent: u8) -> bool {
+    if percent == 0 {
+        return false;
+    }
+    let mut x = seed ^ tag.rotate_left(32) ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    // SplitMix64's finalizer.
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    x % 100 < u64::from(percent)
+}
+
+/// Bytes of the rows that only rejected positions asked for (each
+/// distinct row once per table).
+fn wasted_bytes(work: &[Work]) -> u64 {
+    if !work.iter().any(|p| p.rejected) {
+        return 0;
+    }
+    let mut wasted = 0;
+    for l in 0..2 {
+        let rows = |rejected: bool| {
+            let mut v: Vec<u64> = work
+                .iter()
+                .filter(|p| p.rejected == rejected)
+                .filter_map(|p| p.rows)
+                .flat_map(|r| r[l])
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let kept = rows(false);
+        wasted += rows(true)
+            .iter()
+            .filter(|r| kept.binary_search(r).is_err())
+            .count() as u64;
+    }
+    wasted * ROW_BYTES as u64
 }
 
 /// One table's fetches of a step as one: the rows of each part placed at
@@ -641,6 +719,7 @@ mod tests {
             rows: Some(rows),
             offset: 0,
             prefill: false,
+            rejected: false,
             slot: 0,
         }];
         let f = Fetch {

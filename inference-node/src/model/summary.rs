@@ -101,6 +101,22 @@ pub struct Summary {
     /// of the stall-free time).
     #[serde(default)]
     pub draft_s: f64,
+    /// Draft positions verified and rejected.
+    #[serde(default)]
+    pub rejected_positions: u64,
+    /// Bytes of rows fetched for rejected positions only.
+    #[serde(default)]
+    pub wasted_bytes: u64,
+    /// A digest of every kept position's output (its sequence, index and
+    /// checksum), whatever the order they came in: equal across runs
+    /// exactly when they kept the same positions with bit-identical
+    /// outputs.
+    #[serde(default)]
+    pub outputs_digest: String,
+    #[serde(skip)]
+    outputs_sum: u64,
+    #[serde(skip)]
+    outputs_count: u64,
 }
 
 impl Summary {
@@ -142,12 +158,28 @@ impl Summary {
             predicted_from_start_ms: 0.0,
             decode_steps: 0,
             draft_s: 0.0,
+            rejected_positions: 0,
+            wasted_bytes: 0,
+            outputs_digest: String::new(),
+            outputs_sum: 0,
+            outputs_count: 0,
         }
     }
 
     /// Count one step.
     pub fn add(&mut self, r: &StepRecord) {
         self.steps += 1;
+        self.rejected_positions += r.rejected;
+        self.wasted_bytes += r.wasted_bytes;
+        for p in &r.positions {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            h.update(&p.seq.to_le_bytes());
+            h.update(&p.index.to_le_bytes());
+            h.update(p.checksum.as_bytes());
+            // A sum: the same whatever order the positions came in.
+            self.outputs_sum = self.outputs_sum.wrapping_add(h.digest());
+            self.outputs_count += 1;
+        }
         self.overrun_ms += r.overrun_us / 1e3;
         if r.tables.iter().any(|t| t.error.is_some()) {
             self.failed_steps += 1;
@@ -209,6 +241,7 @@ impl Summary {
     /// Close the run at `now` (its wall time).
     pub fn finish(&mut self, now: Duration) {
         self.elapsed_s = now.as_secs_f64();
+        self.outputs_digest = format!("{:016x}/{}", self.outputs_sum, self.outputs_count);
         let ideal_s = self.decode_steps as f64 * self.w_ms / 1e3 + self.draft_s;
         if self.decode_s > 0.0 {
             self.tokens_per_second = self.tokens as f64 / self.decode_s;
@@ -292,6 +325,14 @@ impl Summary {
                 t.failed,
             );
         }
+        if self.rejected_positions > 0 {
+            s += &format!(
+                "drafts: {} positions rejected, {:.1} KB of rows fetched for them only\n",
+                self.rejected_positions,
+                self.wasted_bytes as f64 / 1e3
+            );
+        }
+        s += &format!("outputs: {}\n", self.outputs_digest);
         if self.failed_steps > 0 {
             s += &format!("{} steps had a table fail\n", self.failed_steps);
         }

@@ -541,6 +541,7 @@ fn draft_prefetch_fetches_each_draft_as_it_appears_and_fuses_identical_outputs()
         draft: Some(Draft {
             per_token: MS,
             prefetch,
+            reject_percent: 0,
         }),
         ..LoopSpec::default()
     };
@@ -586,6 +587,60 @@ fn draft_prefetch_fetches_each_draft_as_it_appears_and_fuses_identical_outputs()
 }
 
 #[test]
+fn rejected_drafts_waste_their_rows_but_never_change_the_outputs_kept() {
+    let toks = tokens(200);
+    let instant = |_: usize, _: usize| Duration::ZERO;
+    let plain = LoopSpec {
+        max_tokens: Some(60),
+        ..LoopSpec::default()
+    };
+    let (ref_summary, ref_steps, _) = run_fake(&plain, &toks, instant, Duration::ZERO);
+    let reference = checksums(&ref_steps);
+    assert_eq!(reference.len(), 60);
+    let spec = |reject_percent, prefetch| LoopSpec {
+        speculate: 4,
+        max_tokens: Some(60),
+        draft: Some(Draft {
+            per_token: MS,
+            prefetch,
+            reject_percent,
+        }),
+        ..LoopSpec::default()
+    };
+    let (none, none_steps, _) = run_fake(&spec(0, false), &toks, instant, Duration::ZERO);
+    assert_eq!((none.rejected_positions, none.wasted_bytes), (0, 0));
+    assert_eq!(none_steps.len(), 12, "5 positions a step, all kept");
+    for prefetch in [false, true] {
+        let (s, steps, _) = run_fake(&spec(40, prefetch), &toks, instant, Duration::ZERO);
+        assert!(s.rejected_positions > 10, "{}", s.rejected_positions);
+        assert!(s.wasted_bytes > 0);
+        assert!(
+            steps.len() > 12,
+            "rejections cost steps: {} steps",
+            steps.len()
+        );
+        // Every step keeps at least its known position.
+        assert!(steps.iter().all(|r| !r.positions.is_empty()));
+        // The kept outputs are the plain run's, bit for bit, position for
+        // position, and their digest says so.
+        assert_eq!(checksums(&steps), reference);
+        assert_eq!(s.tokens, 60);
+        assert_eq!(s.outputs_digest, ref_summary.outputs_digest);
+        assert_eq!(
+            steps.iter().map(|r| r.rejected).sum::<u64>(),
+            s.rejected_positions
+        );
+    }
+    // Every draft wrong: one position a step, the drafts all wasted.
+    let (all, steps, _) = run_fake(&spec(100, false), &toks, instant, Duration::ZERO);
+    assert_eq!(steps.len(), 60);
+    // Four drafts a step, fewer as the last positions of `max_tokens`
+    // leave less room: 56 x 4 + 3 + 2 + 1.
+    assert_eq!(all.rejected_positions, 56 * 4 + 3 + 2 + 1);
+    assert_eq!(all.outputs_digest, ref_summary.outputs_digest);
+}
+
+#[test]
 fn a_draft_stand_in_needs_speculation_and_a_bounded_time() {
     let toks = tokens(20);
     let clock = FakeClock::default();
@@ -596,6 +651,7 @@ fn a_draft_stand_in_needs_speculation_and_a_bounded_time() {
                 draft: Some(Draft {
                     per_token: MS,
                     prefetch: true,
+                    reject_percent: 0,
                 }),
                 ..LoopSpec::default()
             },
@@ -607,10 +663,23 @@ fn a_draft_stand_in_needs_speculation_and_a_bounded_time() {
                 draft: Some(Draft {
                     per_token: MAX_DRAFT_TIME + MS,
                     prefetch: false,
+                    reject_percent: 0,
                 }),
                 ..LoopSpec::default()
             },
             "over the limit",
+        ),
+        (
+            LoopSpec {
+                speculate: 2,
+                draft: Some(Draft {
+                    per_token: MS,
+                    prefetch: false,
+                    reject_percent: 101,
+                }),
+                ..LoopSpec::default()
+            },
+            "over 100%",
         ),
     ] {
         let e = run(
