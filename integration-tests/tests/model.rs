@@ -186,3 +186,33 @@ fn a_table_with_no_usable_source_stops_the_node_at_start() {
     let (ok, _, err) = run(&config, "nobody", &[]);
     assert!(!ok && err.contains("nobody"), "{err}");
 }
+
+/// A batch step asks each table's rows in one message however many
+/// sequences it holds, up to the donor's frame cap: 256 sequences, over
+/// 2,048 distinct rows per table, one message each.
+#[test]
+fn a_wide_batch_step_is_one_message_per_table_up_to_the_frame_cap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replace("max_rows = 500", "max_rows = 8192")).expect("config");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let t = dir.path().join("batch.jsonl");
+    let path = t.display().to_string();
+    let (ok, _, err) = run(
+        &config,
+        "n",
+        &["--batch", "256", "--tokens", "768", "--trace", &path],
+    );
+    assert!(ok, "{err}");
+    let steps = trace(&t);
+    assert_eq!(steps.len(), 3);
+    for s in &steps {
+        for table in s["tables"].as_array().expect("tables") {
+            let unique = table["unique_rows"].as_u64().expect("unique rows");
+            assert!(unique > 2048, "{table}");
+            assert_eq!(table["messages"], 1, "{table}");
+        }
+    }
+}

@@ -101,17 +101,12 @@ pub fn stripe_rows(rows: usize, replicas: usize, cap: usize) -> usize {
 /// (`rows.len() * 264` bytes); `ready` is left for the caller to stamp on
 /// its own clock.
 pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
-    let mut f = Fetch::default();
     let replicas = router.replicas().max(1);
     let size = stripe_rows(rows.len(), replicas, chunk);
     if rows.len() <= size {
-        // The winning source's buffer itself: no copy here.
-        let res = router.fetch_vec(rows, &mut f.bytes).await;
-        // A failed fetch (its error recorded) still has its size.
-        f.bytes.resize(rows.len() * ROW_BYTES, 0);
-        merge(&mut f, res);
-        return f;
+        return fetch_message(router, rows).await;
     }
+    let mut f = Fetch::default();
     let mut bytes = vec![0; rows.len() * ROW_BYTES];
     let results = {
         let chunks =
@@ -136,16 +131,34 @@ pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
     f
 }
 
+/// Fetch `rows` of one table through `router` in one message (at most the
+/// frame cap's rows).
+pub async fn fetch_message(router: &Router, rows: &[u64]) -> Fetch {
+    let mut f = Fetch::default();
+    // The winning source's buffer itself: no copy here.
+    let res = router.fetch_vec(rows, &mut f.bytes).await;
+    // A failed fetch (its error recorded) still has its size.
+    f.bytes.resize(rows.len() * ROW_BYTES, 0);
+    merge(&mut f, res);
+    f
+}
+
 impl Fetcher for RouterFetcher {
     type Pending = Receiver<Fetch>;
 
-    fn start(&mut self, slot: usize, rows: Vec<u64>) -> Receiver<Fetch> {
+    fn start(&mut self, slot: usize, rows: Vec<u64>, sweep: bool) -> Receiver<Fetch> {
         let (tx, rx) = sync_channel(1);
         let router = self.routers[slot].clone();
         let origin = self.origin;
         let chunk = self.chunk_rows;
         self.handle.spawn(async move {
-            let mut f = fetch_rows(&router, &rows, chunk).await;
+            // A step's rows go in one message up to the frame cap, however
+            // many sequences the batch holds; a prefill is a sweep.
+            let mut f = if sweep || rows.len() > chunk {
+                fetch_rows(&router, &rows, chunk).await
+            } else {
+                fetch_message(&router, &rows).await
+            };
             f.ready = origin.elapsed();
             // The loop may have stopped; nothing to tell it then.
             let _ = tx.send(f);

@@ -190,8 +190,11 @@ pub struct Fetch {
 pub trait Fetcher {
     /// A fetch in flight.
     type Pending;
-    /// Start fetching `rows` (distinct row ids) of `slot`'s table now.
-    fn start(&mut self, slot: usize, rows: Vec<u64>) -> Self::Pending;
+    /// Start fetching `rows` (distinct row ids) of `slot`'s table now:
+    /// one message where they fit in one (a step's rows, up to the frame
+    /// cap), or a sweep striped across the replicas (`sweep`: a prefill,
+    /// and anything past the cap).
+    fn start(&mut self, slot: usize, rows: Vec<u64>, sweep: bool) -> Self::Pending;
     /// Wait for a fetch to end.
     fn wait(&mut self, pending: Self::Pending) -> Fetch;
 }

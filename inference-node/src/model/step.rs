@@ -386,7 +386,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                         }
                         asked[l].extend_from_slice(&rows);
                         asked[l].sort_unstable();
-                        let p = self.fetcher.start(l, rows.clone());
+                        let p = self.fetcher.start(l, rows.clone(), false);
                         parts[l].push((rows, p));
                     }
                 }
@@ -396,6 +396,8 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                     self.clock.sleep_until(t0 + d.per_token * drafts);
                 }
                 let all_live = work.iter().all(|p| p.rows.is_some());
+                // A prefill is a sweep; a step's rows are one message.
+                let sweep = work.iter().all(|p| p.prefill);
                 for (l, part) in parts.iter_mut().enumerate() {
                     if unique[l].is_empty() {
                         continue;
@@ -410,7 +412,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                     } else {
                         unique[l].clone()
                     };
-                    let p = self.fetcher.start(l, rows.clone());
+                    let p = self.fetcher.start(l, rows.clone(), sweep);
                     part.push((rows, p));
                 }
             }

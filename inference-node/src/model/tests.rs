@@ -40,7 +40,7 @@ impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
 impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
     type Pending = (usize, Vec<u64>, Duration);
 
-    fn start(&mut self, slot: usize, rows: Vec<u64>) -> Self::Pending {
+    fn start(&mut self, slot: usize, rows: Vec<u64>, _sweep: bool) -> Self::Pending {
         let ready = self.clock.now() + (self.delay)(slot, self.calls[slot]);
         self.calls[slot] += 1;
         self.log.borrow_mut().push((slot, rows.len()));
