@@ -303,8 +303,9 @@ fn apply_reload(
 struct Active {
     events: Events,
     summary: Summary,
-    /// Its next step is its prefill.
-    prefilling: bool,
+    /// Prefill positions it has not been sent yet (its prefill may come in
+    /// chunks beside decoding requests).
+    prefill_left: usize,
     speculate: bool,
     steps: u64,
     joined: Instant,
@@ -427,7 +428,7 @@ impl BatchDriver for Batcher<'_> {
                 Active {
                     events: w.events,
                     summary: Summary::new(&request, self.slots, w_step),
-                    prefilling: w.prefill > 0,
+                    prefill_left: w.prefill as usize,
                     speculate: w.speculate > 0,
                     steps: 0,
                     joined: Instant::now(),
@@ -485,7 +486,11 @@ impl BatchDriver for Batcher<'_> {
                     continue;
                 }
                 in_step += 1;
-                let kind = if std::mem::take(&mut a.prefilling) {
+                // A prefilling request's positions in a step are all of
+                // its prefill (a chunk, or the rest).
+                let prefilled = positions.len().min(a.prefill_left);
+                a.prefill_left -= prefilled;
+                let kind = if prefilled > 0 {
                     StepKind::Prefill
                 } else if a.speculate {
                     StepKind::Verify
@@ -496,6 +501,7 @@ impl BatchDriver for Batcher<'_> {
                     step: a.steps,
                     kind,
                     positions,
+                    prefilled: prefilled as u64,
                     ..rec.clone()
                 };
                 a.steps += 1;

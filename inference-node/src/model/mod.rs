@@ -92,7 +92,16 @@ pub struct LoopSpec {
     /// `speculate` > 0): its drafts appear one by one, and their rows may be
     /// fetched as each appears.
     pub draft: Option<Draft>,
+    /// Prefill positions a step takes, in all, while other sequences are
+    /// decoding: a sequence that joins a running batch prefills in chunks
+    /// of this many, so the decoders keep their step time (0: no limit).
+    /// With nobody decoding a prefill runs whole in one step.
+    pub prefill_budget: usize,
 }
+
+/// Default [`LoopSpec::prefill_budget`]: 256 positions (6,144 rows per
+/// table, about 1.6 MB) beside the decoders' rows in a step.
+pub const DEFAULT_PREFILL_BUDGET: usize = 256;
 
 /// The draft stand-in of a speculative step: the `k` draft positions of a
 /// verification appear one every `per_token` (draft `j` at `j x per_token`
@@ -129,6 +138,7 @@ impl Default for LoopSpec {
             speculate: 0,
             hidden_seed: 0x5eed,
             draft: None,
+            prefill_budget: DEFAULT_PREFILL_BUDGET,
         }
     }
 }
@@ -281,6 +291,10 @@ pub struct StepRecord {
     /// Bytes of rows fetched for rejected positions only.
     #[serde(default)]
     pub wasted_bytes: u64,
+    /// Of `positions`, those prefilled (a joining sequence's prefill chunk
+    /// beside decoding ones; all of them in a prefill step).
+    #[serde(default)]
+    pub prefilled: u64,
 }
 
 /// What a step did.

@@ -57,8 +57,10 @@ pub(crate) struct Seq<'a> {
 }
 
 impl Seq<'_> {
+    /// Its prefill is not all fetched yet (it may take several steps
+    /// beside decoding sequences).
     fn prefilling(&self) -> bool {
-        self.prefill > 0 && self.next == 0
+        self.next < self.prefill
     }
 
     /// Nothing left to fetch: its input's end or its limit reached.
@@ -241,6 +243,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             positions: self.record(&work),
             rejected: work.iter().filter(|p| p.rejected).count() as u64,
             wasted_bytes: wasted_bytes(&work),
+            prefilled: work.iter().filter(|p| p.prefill).count() as u64,
         };
         for p in &work {
             if !p.prefill && !p.rejected {
@@ -268,16 +271,26 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         Some(usize::try_from(left.div_ceil(n)).unwrap_or(usize::MAX))
     }
 
-    /// 1. Map and hash each sequence's positions this step: its prefill in
-    ///    its first step, else one plus its drafts (at most `take`, and what
+    /// 1. Map and hash each sequence's positions this step: its prefill
+    ///    (whole, or a chunk of the prefill budget while others decode),
+    ///    else one plus its drafts (at most `take`, and what
     ///    is left of its limit and of the run's `max_tokens`).
     fn hash(&mut self, take: usize) -> Result<Vec<Work>, LoopError> {
         let mut work = Vec::new();
         let mut decoding = 0u64;
+        // Beside decoding sequences, prefills share a position budget.
+        let decoders = self.seqs.iter().any(|q| !q.prefilling() && !q.done());
+        let mut budget = if decoders && self.spec.prefill_budget > 0 {
+            self.spec.prefill_budget
+        } else {
+            usize::MAX
+        };
         for (slot, q) in self.seqs.iter_mut().enumerate() {
             let prefill = q.prefilling();
             let mut n = if prefill {
-                q.prefill
+                let n = (q.prefill - q.next).min(budget);
+                budget -= n;
+                n
             } else {
                 let mut n = (q.speculate + 1).min(take);
                 if let Some(l) = q.limit {

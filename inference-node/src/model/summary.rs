@@ -205,7 +205,9 @@ impl Summary {
             return;
         }
         self.decode_steps += 1;
-        self.tokens += r.positions.len() as u64;
+        // A joining sequence's prefill chunk may share a decode step.
+        self.prefill_positions += r.prefilled;
+        self.tokens += (r.positions.len() as u64).saturating_sub(r.prefilled);
         self.stalls.record_us(r.stall_us);
         self.decode_s += r.time_us / 1e6;
         if r.stall_us > 0.0 {

@@ -22,6 +22,8 @@ struct FakeFetcher<'a, D: Fn(usize, usize) -> Duration> {
     fail_slot: Option<usize>,
     /// Where each fetch's rows were delivered (the buffers' addresses).
     delivered: RefCell<Vec<usize>>,
+    /// Added to a fetch's time for each row it asks for.
+    per_row: Duration,
 }
 
 impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
@@ -33,6 +35,7 @@ impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
             log: RefCell::new(Vec::new()),
             fail_slot: None,
             delivered: RefCell::new(Vec::new()),
+            per_row: Duration::ZERO,
         }
     }
 }
@@ -41,7 +44,9 @@ impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
     type Pending = (usize, Vec<u64>, Duration);
 
     fn start(&mut self, slot: usize, rows: Vec<u64>, _sweep: bool) -> Self::Pending {
-        let ready = self.clock.now() + (self.delay)(slot, self.calls[slot]);
+        let ready = self.clock.now()
+            + (self.delay)(slot, self.calls[slot])
+            + self.per_row * rows.len() as u32;
         self.calls[slot] += 1;
         self.log.borrow_mut().push((slot, rows.len()));
         (slot, rows, ready)
@@ -696,4 +701,127 @@ fn a_draft_stand_in_needs_speculation_and_a_bounded_time() {
         .expect_err("refused");
         assert!(e.to_string().contains(want), "{e}");
     }
+}
+
+/// A batch of four decoders that a long prefill joins at step 5.
+struct Join {
+    tokens: Arc<Tokens>,
+    step: usize,
+    prefill: usize,
+    records: Vec<StepRecord>,
+}
+
+impl BatchDriver for Join {
+    fn admit(&mut self, running: usize) -> Vec<SeqSpec> {
+        let seq = |tag: u64, range: std::ops::Range<usize>, prefill, limit| SeqSpec {
+            tag,
+            tokens: Arc::clone(&self.tokens),
+            range,
+            prefill,
+            speculate: 0,
+            limit: Some(limit),
+        };
+        let out = match self.step {
+            0 => (0..4u64).map(|t| seq(t, 0..100, 0, 30)).collect::<Vec<_>>(),
+            5 => vec![seq(9, 0..self.prefill + 10, self.prefill, 3)],
+            _ => Vec::new(),
+        };
+        assert!(running <= 5);
+        out
+    }
+
+    fn cancelled(&mut self) -> Vec<u64> {
+        Vec::new()
+    }
+
+    fn after_step(&mut self, rec: Option<&StepRecord>, _finished: &[u64]) {
+        self.step += 1;
+        if let Some(r) = rec {
+            self.records.push(r.clone());
+        }
+    }
+}
+
+/// Run [`Join`] with a prefill budget; its step records.
+fn join_with_budget(budget: usize) -> Vec<StepRecord> {
+    let toks = Arc::new(tokens(700));
+    let clock = FakeClock::default();
+    let mut fetcher = FakeFetcher::new(&clock, |_, _| Duration::ZERO);
+    // 1 us a row: a 24-row position costs 24 us of fetch.
+    fetcher.per_row = Duration::from_micros(1);
+    let spec = LoopSpec {
+        prefill_budget: budget,
+        ..LoopSpec::default()
+    };
+    let mut driver = Join {
+        tokens: toks,
+        step: 0,
+        prefill: 512,
+        records: Vec::new(),
+    };
+    run_batch(
+        &clock,
+        &mut fetcher,
+        &mut cpu(),
+        &params(),
+        v41_slots(1, 14),
+        &spec,
+        &mut driver,
+    )
+    .expect("the batch runs");
+    driver.records
+}
+
+#[test]
+fn a_joining_prefill_comes_in_chunks_and_the_decoders_keep_their_step_time() {
+    let decoders = |r: &StepRecord| r.positions.iter().filter(|p| p.seq != 9).count();
+    let joined = |recs: &[StepRecord]| -> BTreeMap<u32, String> {
+        recs.iter()
+            .flat_map(|r| &r.positions)
+            .filter(|p| p.seq == 9)
+            .map(|p| (p.index, p.checksum.clone()))
+            .collect()
+    };
+    // No budget: the joiner's 512 positions in one step, the decoders
+    // waiting for their rows behind it (up to 12,288 distinct rows a
+    // table: milliseconds of stall).
+    let whole = join_with_budget(0);
+    let worst_whole = whole.iter().map(|r| r.time_us).fold(0.0, f64::max);
+    let w_us = whole[0].w_us;
+    assert!(worst_whole > w_us + 5_000.0, "{worst_whole} us");
+    // A budget of 64: the prefill in 8 chunks, each beside the decoders'
+    // positions, every step within its W plus a 64-position fetch.
+    let chunked = join_with_budget(64);
+    let chunks: Vec<&StepRecord> = chunked.iter().filter(|r| r.prefilled > 0).collect();
+    assert_eq!(
+        chunks.len(),
+        8,
+        "{:?}",
+        chunks.iter().map(|r| r.prefilled).collect::<Vec<_>>()
+    );
+    for r in &chunks {
+        assert_eq!(r.prefilled, 64);
+        assert_eq!(decoders(r), 4, "the decoders run beside each chunk");
+        assert!(
+            r.time_us <= w_us + (64.0 + 4.0) * 24.0 + 1.0,
+            "a step of {} us (W {w_us} us)",
+            r.time_us
+        );
+    }
+    let worst_chunked = chunked.iter().map(|r| r.time_us).fold(0.0, f64::max);
+    assert!(
+        (worst_chunked - w_us) * 4.0 < worst_whole - w_us,
+        "the worst step over W: {worst_chunked} vs {worst_whole} us"
+    );
+    // The same outputs either way: the joiner's prefill and decode, and
+    // the decoders'.
+    assert_eq!(joined(&whole), joined(&chunked));
+    assert_eq!(joined(&chunked).len(), 512 + 3);
+    let all = |recs: &[StepRecord]| -> BTreeMap<(u32, u32), String> {
+        recs.iter()
+            .flat_map(|r| &r.positions)
+            .map(|p| ((p.seq, p.index), p.checksum.clone()))
+            .collect()
+    };
+    assert_eq!(all(&whole), all(&chunked));
 }
