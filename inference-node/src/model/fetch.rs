@@ -13,9 +13,11 @@ use tokio::runtime::Handle;
 use super::{Fetch, Fetcher};
 use crate::router::Router;
 
-/// How long a wait spins before it blocks (a blocked thread takes tens of
-/// microseconds to wake).
-const SPIN: Duration = Duration::from_micros(30);
+/// How long a wait polls before it blocks: a blocked thread takes tens to
+/// hundreds of microseconds to wake (more on a virtual machine), and the
+/// loop has nothing else to do while its rows are late. It yields between
+/// polls, so an I/O thread sharing its core sends and receives meanwhile.
+const SPIN: Duration = Duration::from_millis(2);
 
 /// Fetches through one router per slot.
 #[derive(Debug)]
@@ -172,7 +174,7 @@ impl Fetcher for RouterFetcher {
             match rx.try_recv() {
                 Ok(f) => return f,
                 Err(TryRecvError::Empty) if Instant::now() < spin_until => {
-                    std::hint::spin_loop();
+                    std::thread::yield_now();
                 }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => return lost(self.origin),
