@@ -299,11 +299,14 @@ impl Process {
         panic!("the process did not stop");
     }
 
-    /// Wait for the process to exit; `None` if it is still running after `timeout`.
+    /// Wait for the process to exit; `None` if it is still running after
+    /// `timeout`. Once it has exited, its last log lines are read in too
+    /// (for at most a second), so [`Process::log`] has all of them.
     pub fn wait(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let end = Instant::now() + timeout;
         while Instant::now() < end {
             if let Ok(Some(s)) = self.child.try_wait() {
+                self.wait_log_closed(Duration::from_secs(1));
                 return Some(s);
             }
             std::thread::sleep(Duration::from_millis(10));
