@@ -299,7 +299,7 @@ mod tests {
         let mut out = Vec::new();
         let _ = a.read_to_end(&mut out).await;
         assert!(
-            out.is_empty() && started.elapsed() < Duration::from_millis(500),
+            out.is_empty() && started.elapsed() < Duration::from_secs(2),
             "the oldest silent one is closed when the scraper comes: {:?}",
             started.elapsed()
         );
@@ -328,8 +328,17 @@ mod tests {
     async fn renders_past_the_bound_get_503() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let render: Render = Arc::new(|| {
-            std::thread::sleep(Duration::from_millis(400));
+        // The first render holds the only permit until the second scrape
+        // has been answered (at most 5 s).
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, r) = (Arc::clone(&started), Arc::clone(&release));
+        let render: Render = Arc::new(move || {
+            s.store(true, std::sync::atomic::Ordering::SeqCst);
+            let end = std::time::Instant::now() + Duration::from_secs(5);
+            while !r.load(std::sync::atomic::Ordering::SeqCst) && std::time::Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             "up 1\n# EOF\n".to_string()
         });
         let limits = HttpLimits {
@@ -343,10 +352,18 @@ mod tests {
             std::future::pending(),
         ));
         let get = b"GET /metrics HTTP/1.1\r\n\r\n";
-        let (one, two) = tokio::join!(exchange(addr, get), async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            exchange(addr, get).await
-        });
+        let first = tokio::spawn(exchange(addr, get));
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        while !started.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(
+                std::time::Instant::now() < end,
+                "the first render never started"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let two = exchange(addr, get).await;
+        release.store(true, std::sync::atomic::Ordering::SeqCst);
+        let one = first.await.expect("first scrape");
         assert!(one.starts_with("HTTP/1.1 200 OK\r\n"), "{one}");
         assert!(
             two.starts_with("HTTP/1.1 503 ") && two.to_ascii_lowercase().contains("retry-after: 1"),
