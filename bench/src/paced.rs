@@ -270,16 +270,8 @@ pub fn run(args: &PacedArgs) -> Result<()> {
     for rep in 0..args.repeat {
         for (si, (node, label, _)) in SOURCES.iter().enumerate() {
             for (ri, &rate) in rates.iter().enumerate() {
-                let tokens = (rate * args.seconds_per_point).round().max(1.0) as u64;
                 let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
-                let a = vec![
-                    "--tokens-per-second".to_string(),
-                    rate.to_string(),
-                    "--tokens".into(),
-                    tokens.to_string(),
-                    "--json".into(),
-                    "--quiet".into(),
-                ];
+                let a = rack::paced_args(rate, args.seconds_per_point);
                 let timeout = Duration::from_secs_f64(args.seconds_per_point * 10.0 + 120.0);
                 rack::run_node(&rk.config, node, &a, &file, timeout)?;
                 let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)

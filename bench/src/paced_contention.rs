@@ -137,15 +137,7 @@ pub fn run(out: &Path, hash_base: u64, rates: &[f64], seconds: f64, json: bool) 
 /// Run node `node` at `rate` for about `seconds` of wall time; its summary
 /// goes to `file`.
 fn run_for(config: &Path, node: &str, rate: f64, seconds: f64, file: &Path) -> Result<()> {
-    let tokens = (rate * seconds).round().max(1.0) as u64;
-    let args = vec![
-        "--tokens-per-second".to_string(),
-        rate.to_string(),
-        "--tokens".into(),
-        tokens.to_string(),
-        "--json".into(),
-        "--quiet".into(),
-    ];
+    let args = rack::paced_args(rate, seconds);
     let mut child = rack::start_node(config, node, &args, file)?;
     // Up once it says what it runs (its SSD copies are open by then);
     // then at most `seconds` of steps.

@@ -98,16 +98,8 @@ pub fn run(a: &DraftArgs) -> Result<()> {
     let mut reference = Vec::new();
     for &rate in a.rates {
         rack::check_interrupted()?;
-        let tokens = (rate * a.seconds).round().max(1.0) as u64;
         let file = runs_dir.join(format!("plain-{rate}.json"));
-        let args = [
-            "--tokens-per-second".to_string(),
-            rate.to_string(),
-            "--tokens".into(),
-            tokens.to_string(),
-            "--json".into(),
-            "--quiet".into(),
-        ];
+        let args = rack::paced_args(rate, a.seconds);
         let timeout = Duration::from_secs_f64(a.seconds * 10.0 + 120.0);
         rack::run_node(&rk.config, "donor", &args, &file, timeout)?;
         let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
@@ -120,22 +112,16 @@ pub fn run(a: &DraftArgs) -> Result<()> {
                 let mut runs = Vec::new();
                 for rep in 0..a.repeat {
                     rack::check_interrupted()?;
-                    let tokens = (rate * a.seconds).round().max(1.0) as u64;
                     let file = runs_dir.join(format!("k{k}-{rate}-{prefetch}-{}.json", rep + 1));
-                    let mut args = vec![
-                        "--tokens-per-second".to_string(),
-                        rate.to_string(),
-                        "--tokens".into(),
-                        tokens.to_string(),
-                        "--speculate".into(),
+                    let mut args = rack::paced_args(rate, a.seconds);
+                    args.extend([
+                        "--speculate".to_string(),
                         k.to_string(),
                         "--draft-us".into(),
                         a.draft_us.to_string(),
                         "--draft-reject".into(),
                         a.reject_percent.to_string(),
-                        "--json".into(),
-                        "--quiet".into(),
-                    ];
+                    ]);
                     if prefetch {
                         args.push("--draft-prefetch".into());
                     }

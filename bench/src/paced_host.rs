@@ -110,16 +110,8 @@ pub fn run(
     for rep in 0..repeat {
         for (si, (node, label)) in SERIES.iter().enumerate() {
             for (ri, &rate) in rates.iter().enumerate() {
-                let tokens = (rate * seconds).round().max(1.0) as u64;
                 let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
-                let a = vec![
-                    "--tokens-per-second".to_string(),
-                    rate.to_string(),
-                    "--tokens".into(),
-                    tokens.to_string(),
-                    "--json".into(),
-                    "--quiet".into(),
-                ];
+                let a = rack::paced_args(rate, seconds);
                 let timeout = Duration::from_secs_f64(seconds * 10.0 + 120.0);
                 rack::run_node(&rk.config, node, &a, &file, timeout)?;
                 let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)

@@ -498,6 +498,20 @@ pub fn start_node(config: &Path, name: &str, args: &[String], stdout: &Path) -> 
     Child::spawn(&format!("node {name}"), cmd, out.into())
 }
 
+/// The arguments of a paced `inference-node run` at `rate` tokens/s for
+/// `seconds` (at least one token), printing its summary as JSON.
+pub fn paced_args(rate: f64, seconds: f64) -> Vec<String> {
+    let tokens = (rate * seconds).round().max(1.0) as u64;
+    vec![
+        "--tokens-per-second".to_string(),
+        rate.to_string(),
+        "--tokens".into(),
+        tokens.to_string(),
+        "--json".into(),
+        "--quiet".into(),
+    ]
+}
+
 /// Run a node to its end (at most `timeout`); its stdout is in `stdout`.
 pub fn run_node(
     config: &Path,
