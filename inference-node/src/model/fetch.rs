@@ -3,7 +3,6 @@
 //! while the loop's thread computes), and its end is timed there, when the
 //! last row arrived, not when the loop looked.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
 use std::time::{Duration, Instant};
@@ -154,7 +153,7 @@ impl Fetcher for RouterFetcher {
         let router = self.routers[slot].clone();
         let origin = self.origin;
         let chunk = self.chunk_rows;
-        let mut fetch = Box::pin(async move {
+        self.handle.spawn(async move {
             // A step's rows go in one message up to the frame cap, however
             // many sequences the batch holds; a prefill is a sweep.
             let mut f = if sweep || rows.len() > chunk {
@@ -166,16 +165,6 @@ impl Fetcher for RouterFetcher {
             // The loop may have stopped; nothing to tell it then.
             let _ = tx.send(f);
         });
-        // The first poll runs here, on the loop's thread: the request goes
-        // out (or local rows are copied) at once, with no wake-up of a
-        // runtime thread in between, which between paced tokens is asleep.
-        // Whatever is left (the answer, hedges, timeouts) goes on as a task,
-        // whose first poll registers it with the runtime for real.
-        let _runtime = self.handle.enter();
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if fetch.as_mut().poll(&mut cx).is_pending() {
-            self.handle.spawn(fetch);
-        }
         rx
     }
 
