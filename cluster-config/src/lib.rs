@@ -23,6 +23,7 @@ pub mod plan;
 mod raw;
 pub mod tls;
 mod validate;
+pub use validate::pages_by_default;
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -266,8 +267,11 @@ pub struct Donor {
     /// at once (`fd_store`, default true).
     pub fd_store: bool,
     /// Serve rows from the table files' own pages in the page cache, not
-    /// a copy (`map_files`, default false): loads cost about a hash of the
-    /// file; no RDMA and no fd store for those tables.
+    /// a copy (`map_files`): loads cost about a hash of the file; no RDMA
+    /// for those tables, and the fd store keeps only the file's mark.
+    /// Default: true unless the donor has an `rdma://` address, a host
+    /// socket or a `numa_node`, which need a copy
+    /// ([`pages_by_default`]).
     pub map_files: bool,
     /// The NUMA node its tables' memory is bound to (`mbind`), so that a
     /// host with two sockets runs one donor per socket, each serving from

@@ -488,11 +488,13 @@ mod tests {
 
     #[test]
     fn donor_ram_against_tables_and_headroom() {
-        // Table 1: 384,006,168 rows x 264 B = 94.41 GiB; + 2 GiB headroom.
+        // Table 1 served from its file's pages (the default): 384,006,168
+        // rows, 15 to a 4 KiB page = 97.66 GiB; + 2 GiB headroom.
         let c = config(100.0, 128.0, "\"donor-a\"");
+        assert!(c.donors[0].map_files, "file pages by default");
         let p = Plan::new(&c, &Latencies::default());
         let a = &p.donors[0];
-        assert_eq!(a.table_bytes, 384_006_168 * 264);
+        assert_eq!(a.table_bytes, 25_600_412 * 4096);
         assert_eq!(a.headroom_bytes, 2 << 30);
         assert!(a.fits && !a.swap_fits, "{a:?}");
         let big = &p.donors[1];
@@ -509,6 +511,8 @@ mod tests {
     #[test]
     fn a_donor_bound_to_a_numa_node_and_sharing_its_host_is_shown() {
         let mut c = config(100.0, 128.0, "\"donor-a\"");
+        // Both need a copy, so the config's default is one.
+        c.donors[0].map_files = false;
         c.donors[0].numa_node = Some(1);
         c.donors[0].host_socket = Some("/run/engram-rack/a.sock".into());
         let p = Plan::new(&c, &Latencies::default());
@@ -530,6 +534,7 @@ mod tests {
     fn an_rdma_donor_registers_its_tables_and_their_check_words() {
         let mut c = config(100.0, 128.0, "\"donor-a\"");
         c.donors[0].rdma = Some(crate::RdmaDevice::default());
+        c.donors[0].map_files = false;
         let p = Plan::new(&c, &Latencies::default());
         let a = &p.donors[0];
         assert_eq!(a.rdma_check_bytes, 384_006_168 * 8);

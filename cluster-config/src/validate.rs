@@ -636,6 +636,13 @@ fn donors(
             .map(|p| cx.path(p, &k("tls_cert"), base));
         let tls_key = d.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
         let rdma = rdma_device(cx, d, &listen, &k);
+        let map_files = d.map_files.unwrap_or_else(|| {
+            pages_by_default(
+                listen.iter().any(|e| e.transport == Transport::Rdma),
+                host_socket.is_some(),
+                d.numa_node.is_some(),
+            )
+        });
         out.push(Donor {
             name,
             listen,
@@ -649,7 +656,7 @@ fn donors(
             mlock,
             trust_digest: d.trust_digest.unwrap_or(false),
             fd_store: d.fd_store.unwrap_or(true),
-            map_files: d.map_files.unwrap_or(false),
+            map_files,
             numa_node: d
                 .numa_node
                 .as_ref()
@@ -683,6 +690,16 @@ fn donors(
         });
     }
     out
+}
+
+/// Whether a donor that does not set `map_files` serves its tables from
+/// their files' pages: yes, unless something needs its own copy of the
+/// rows (an `rdma://` address registers packed rows, a host socket hands
+/// out a sealed memfd, `numa_node` binds the copy's memory). A verified
+/// start then costs about a hash of the file instead of a copy into fresh
+/// memory on top of it (docs/benchmarks.md, `engram-bench load`).
+pub fn pages_by_default(rdma: bool, host_socket: bool, numa_node: bool) -> bool {
+    !(rdma || host_socket || numa_node)
 }
 
 /// `[donor.rdma]`: only beside an `rdma://` listen address, which gets the

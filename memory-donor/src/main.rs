@@ -132,10 +132,17 @@ struct ServeArgs {
     no_fd_store: bool,
     /// Serve rows from the table files' own pages in the page cache, not a
     /// copy: a load costs about a hash of the file. Those tables are not
-    /// offered over RDMA nor kept in the fd store, and their files must be
-    /// replaced by renaming, never rewritten in place (docs/donor.md).
-    #[arg(long)]
+    /// offered over RDMA, and their files must be replaced by renaming,
+    /// never rewritten in place (docs/donor.md). The default unless the
+    /// config gives the donor an rdma:// address, a host socket or a
+    /// numa_node, or says `map_files = false`.
+    #[arg(long, conflicts_with = "copy_tables")]
     map_files: bool,
+    /// Serve a copy of the rows in the donor's own memory (what RDMA, a
+    /// host socket and numa_node need): a load copies the file on top of
+    /// hashing it; the rows take 3.3% less memory than the file's pages.
+    #[arg(long)]
+    copy_tables: bool,
     /// Threads that read, place and hash a table at load (default: every core).
     #[arg(long, value_name = "N")]
     load_threads: Option<usize>,
@@ -388,7 +395,13 @@ fn run_serve(args: ServeArgs) -> Result<()> {
     let overrides = Overrides {
         trust_digest: args.trust_digest,
         no_fd_store: args.no_fd_store,
-        map_files: args.map_files,
+        map_files: if args.map_files {
+            Some(true)
+        } else if args.copy_tables {
+            Some(false)
+        } else {
+            None
+        },
         load_threads: args.load_threads,
         busy_poll_us: args.busy_poll_us,
         mlock: args.mlock,

@@ -104,7 +104,9 @@ pub struct ServeSpec {
 pub struct Overrides {
     pub trust_digest: bool,
     pub no_fd_store: bool,
-    pub map_files: bool,
+    /// `--map-files` (true) or `--copy-tables` (false); `None`: the
+    /// config's choice.
+    pub map_files: Option<bool>,
     pub load_threads: Option<usize>,
     pub busy_poll_us: Option<u64>,
     pub mlock: Option<MlockMode>,
@@ -122,7 +124,9 @@ impl Overrides {
     pub fn apply(&self, spec: &mut ServeSpec) -> Result<(), ServeError> {
         spec.trust_digest |= self.trust_digest;
         spec.fd_store &= !self.no_fd_store;
-        spec.map_files |= self.map_files;
+        if let Some(m) = self.map_files {
+            spec.map_files = m;
+        }
         if let Some(n) = self.load_threads {
             spec.load_threads = n.min(1024);
         }
@@ -215,7 +219,8 @@ impl ServeSpec {
             trust_digest: false,
             mlock: MlockMode::Try,
             fd_store: true,
-            map_files: false,
+            // Flags give plain TCP addresses only: nothing needs a copy.
+            map_files: cluster_config::pages_by_default(false, false, false),
             numa_node: None,
             load_threads: 0,
             control: None,

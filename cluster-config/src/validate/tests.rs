@@ -122,8 +122,8 @@ fn the_good_config_parses_with_defaults_and_resolved_paths() {
     assert_eq!(a.hello_timeout, Duration::from_secs(5));
     assert_eq!(
         (a.fd_store, a.map_files, a.load_threads, a.busy_poll),
-        (true, false, 0, Duration::ZERO),
-        "fd store on, a copy, every core, no busy-poll by default"
+        (true, true, 0, Duration::ZERO),
+        "fd store on, the files' pages, every core, no busy-poll by default"
     );
     let b = c.donor("donor-b").expect("donor-b");
     assert_eq!(

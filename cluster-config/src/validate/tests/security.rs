@@ -476,6 +476,10 @@ fn rdma_addresses_and_their_device() {
         Some(Endpoint::new(Transport::Rdma, addr("10.1.0.5:7420")))
     );
     assert_eq!(a.rdma, Some(crate::RdmaDevice::default()));
+    assert!(
+        !a.map_files,
+        "RDMA registers a copy: no file pages by default"
+    );
     // The stream transport a node dials is still TLS.
     assert_eq!(a.endpoints(None)[0].transport, Transport::Tls);
     // The device section, with its checks.
@@ -572,6 +576,10 @@ fn a_host_socket_is_an_absolute_path_beside_a_network_address() {
         a.host_socket.as_deref(),
         Some(Path::new("/run/engram-rack/donor.sock"))
     );
+    assert!(
+        !a.map_files,
+        "a host socket hands out a sealed copy: no file pages by default"
+    );
     assert_eq!(
         (a.host_uids.as_slice(), a.host_gids.as_slice()),
         (&[1000][..], &[998, 999][..])
@@ -625,6 +633,10 @@ fn a_donor_binds_its_tables_to_a_numa_node() {
     assert_eq!(c.donor("donor-a").and_then(|d| d.numa_node), Some(1));
     let far = bound.replacen("numa_node = 1", "numa_node = 1024", 1);
     expect_in(&far, 26, "donor[0].numa_node", "out of range");
+    assert!(
+        !c.donor("donor-a").expect("donor-a").map_files,
+        "numa_node binds a copy: no file pages by default"
+    );
     let mapped = bound.replacen("numa_node = 1", "numa_node = 1\nmap_files = true", 1);
     expect_in(&mapped, 26, "donor[0].numa_node", "page cache");
 }
