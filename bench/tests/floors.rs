@@ -1,7 +1,7 @@
 //! `engram-bench floor` and `engram-bench load` as a user runs them, on
 //! small tables and short series: every series is measured (the floor that
-//! gathers rows among them, its rows checked), and a load reports the
-//! `--map-files` starts beside the copy's. They need the workspace's
+//! gathers rows among them, its rows checked, and a bulk series), and a
+//! load reports the `--copy-tables` starts beside the default's. They need the workspace's
 //! binaries built in the same profile.
 
 use std::process::Command;
@@ -62,10 +62,32 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
         against.iter().all(|r| r.is_finite() && *r > 0.0),
         "{against:?}"
     );
+    // The bulk series: a 16,384-row lookup against a raw ping-pong of the
+    // same bytes, and their ratio.
+    for name in [
+        "floor, blocking client, 16384 rows (bulk)",
+        "donor, project client, 16384 rows (bulk)",
+    ] {
+        let s = series
+            .iter()
+            .find(|s| s["series"] == name)
+            .unwrap_or_else(|| panic!("{name} in {names:?}"));
+        assert_eq!(s["rows"], 16384);
+        assert!(s["answer_bytes"].as_u64().expect("bytes") > 16384 * 264);
+    }
+    let bulk: Vec<f64> = ratios
+        .iter()
+        .filter(|r| r["what"].as_str().is_some_and(|w| w.starts_with("bulk")))
+        .map(|r| r["p50"].as_f64().expect("p50"))
+        .collect();
+    assert!(
+        bulk.len() == 1 && bulk[0].is_finite() && bulk[0] > 0.0,
+        "{ratios:?}"
+    );
 }
 
 #[test]
-fn a_load_run_times_the_map_files_starts_and_verify_against_the_same_floors() {
+fn a_load_run_times_the_default_and_copy_starts_and_verify_against_the_same_floors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("t.etab");
     let v = bench(&[
@@ -86,12 +108,13 @@ fn a_load_run_times_the_map_files_starts_and_verify_against_the_same_floors() {
         .map(|s| s["name"].as_str().expect("name"))
         .collect();
     for want in [
-        "donor start, --map-files, verified, warm",
-        "donor start, --map-files, --trust-digest, warm",
-        "donor start, --map-files, verified, cold",
+        "donor start (the file's pages, the default), verified, warm",
+        "donor start, --copy-tables, verified, warm",
+        "donor start, --copy-tables, --trust-digest, warm",
+        "donor start, --copy-tables, verified, cold",
         "memory-donor verify, cold",
         "memory-donor verify --threads 1, cold",
-        "donor restart from the fd store, --map-files",
+        "donor restart from the fd store, --copy-tables",
     ] {
         assert!(names.contains(&want), "{names:?}");
     }
@@ -107,7 +130,7 @@ fn a_load_run_times_the_map_files_starts_and_verify_against_the_same_floors() {
     assert_eq!(
         targets
             .iter()
-            .filter(|t| t.starts_with("--map-files"))
+            .filter(|t| t.starts_with("--copy-tables"))
             .count(),
         4,
         "{targets:?}"

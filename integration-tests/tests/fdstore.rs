@@ -1,7 +1,9 @@
 //! Instant restarts from systemd's file descriptor store, under a fake
 //! systemd that keeps the descriptors the donor hands it and passes them
 //! back when it starts the donor again (`LISTEN_FDS`, `LISTEN_FDNAMES`):
-//! a donor killed with SIGKILL serves the same copy again without reading
+//! a donor that copies its tables (`--copy-tables`, as one with RDMA, a
+//! host socket or a NUMA node does) killed with SIGKILL serves the same
+//! copy again without reading
 //! its file; a copy of another version, or one that is not complete, is
 //! refused, released from the store and the file loaded; a swapped-in
 //! version replaces the old one in the store. A donor serving tables from
@@ -43,9 +45,16 @@ fn serves(donor: &DonorProcess, digest: TableDigest, seed: u64) {
     });
 }
 
+/// A donor under `notify` with `args`, ready; it copies its tables (the
+/// kept copy is what most tests here are about) unless `args` say
+/// `--map-files`.
 fn start(notify: &NotifySocket, args: &[&str]) -> (DonorProcess, Duration) {
+    let mut args = args.to_vec();
+    if !args.contains(&"--map-files") {
+        args.push("--copy-tables");
+    }
     let began = Instant::now();
-    let p = Process::launch_donor_under(notify, args).expect("spawn");
+    let p = Process::launch_donor_under(notify, &args).expect("spawn");
     let d = p.ready().expect("ready");
     (d, began.elapsed())
 }

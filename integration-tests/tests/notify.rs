@@ -62,9 +62,12 @@ fn ready_after_loading_status_progress_watchdog_pings_and_stopping() {
             "127.0.0.1:0",
             "--mlock",
             "off",
-            // One thread: a load long enough for several progress steps.
+            // One thread, and a copy (served from the file's pages, a
+            // warm load takes about a hash): a load long enough for
+            // several progress steps.
             "--load-threads",
             "1",
+            "--copy-tables",
         ],
         &[("NOTIFY_SOCKET", &socket), ("WATCHDOG_USEC", "400000")],
     )
