@@ -403,3 +403,69 @@ fn the_written_header_is_the_documented_layout() {
     FrameHeader::write(&mut h, FrameKind::Ping, 0x0102_0304_0506_0708, 0);
     assert_eq!(h, raw_header(6, 0, 0, 0x0102_0304_0506_0708, 0));
 }
+
+/// The state letter (`R`, `S`, ...) of each thread of `pid` named `conn-*`
+/// (the donor's connection threads), from `/proc`.
+fn conn_thread_states(pid: u32) -> Vec<char> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("conn-") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        if let Some(state) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+        {
+            out.push(state);
+        }
+    }
+    out
+}
+
+/// Section 3.7: after answering a Ping, the connection's thread polls for
+/// the next frame (runnable) for up to 1 ms instead of sleeping, and
+/// sleeps once that is over; the exchange itself is unchanged (the Pong
+/// echoes the id, and a lookup after it is answered).
+#[test]
+fn after_a_ping_the_connection_polls_for_a_while_then_sleeps() {
+    let (_dir, digest, donor) = donor(&[]);
+    let (mut s, _) = ready(&donor, b"");
+    let pid = donor.id();
+    let (mut polling, mut sampled) = (0, 0);
+    for id in 1..=20u64 {
+        s.write_all(&raw_header(6, 0, 0, id, 0)).expect("ping");
+        let pong = read_frame(&mut s).expect("pong");
+        let read_at = Instant::now();
+        assert_eq!(pong, raw_header(7, 0, 0, id, 0), "a Pong echoing the id");
+        // 300 us after the Pong: a thread that went back to a blocking
+        // read would have been asleep for most of that.
+        while read_at.elapsed() < Duration::from_micros(300) {
+            std::hint::spin_loop();
+        }
+        let states = conn_thread_states(pid);
+        // Counted only when looked at well inside the 1 ms.
+        if read_at.elapsed() < Duration::from_micros(800) {
+            sampled += 1;
+            if states.contains(&'R') {
+                polling += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        let states = conn_thread_states(pid);
+        assert_eq!(states, vec!['S'], "30 ms after the Pong, asleep in a read");
+    }
+    assert!(
+        sampled >= 5,
+        "too few timely samples ({sampled}) on this machine"
+    );
+    assert!(
+        polling * 2 >= sampled,
+        "the connection thread was runnable 300 us after the Pong in {polling} of {sampled} samples"
+    );
+    still_serves(&mut s, digest, 99);
+}

@@ -127,7 +127,10 @@ pub(super) fn spin_until_readable(stream: &TcpStream, budget: Duration) -> bool 
         if began.elapsed() >= budget {
             return false;
         }
-        std::hint::spin_loop();
+        // Any other thread that can run gets the core meanwhile (the node's
+        // loop, on a host of few cores): polling must not delay the very
+        // request it waits for.
+        std::thread::yield_now();
     }
 }
 
@@ -443,7 +446,12 @@ fn session(
                 None => return Err(Ended::new("hello_timeout", "no Hello in time")),
             }
         }
-        match fill(stream, conn, &mut pump.rb, &mut tin, cfg.busy_poll) {
+        let spin = if pump.handler.take_pinged() {
+            cfg.busy_poll.max(super::AFTER_PING_POLL)
+        } else {
+            cfg.busy_poll
+        };
+        match fill(stream, conn, &mut pump.rb, &mut tin, spin) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

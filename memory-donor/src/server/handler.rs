@@ -41,6 +41,8 @@ pub struct Handler<'a> {
     table_index: Vec<usize>,
     /// The code of the last error answered (why a closed session closed).
     last_error: std::cell::Cell<Option<ErrorCode>>,
+    /// A Ping was answered since [`Self::take_pinged`] last looked.
+    pinged: bool,
 }
 
 impl<'a> Handler<'a> {
@@ -56,7 +58,16 @@ impl<'a> Handler<'a> {
             sections: Vec::new(),
             table_index: Vec::new(),
             last_error: std::cell::Cell::new(None),
+            pinged: false,
         }
+    }
+
+    /// Whether a Ping was answered since the last call: a node pings
+    /// ahead of a lookup it knows is coming (a warm-up), so the
+    /// connection thread polls for it instead of sleeping
+    /// ([`super::AFTER_PING_POLL`]).
+    pub fn take_pinged(&mut self) -> bool {
+        std::mem::take(&mut self.pinged)
     }
 
     /// The code of the last error answered, if any.
@@ -208,6 +219,7 @@ impl<'a> Handler<'a> {
             }
             Frame::Ping if self.ready => {
                 encode_ping(out, h.request_id, true);
+                self.pinged = true;
                 Action::Continue
             }
             Frame::Pong if self.ready => Action::Continue,

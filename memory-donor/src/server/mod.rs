@@ -75,6 +75,15 @@ impl ServerConfig {
     }
 }
 
+/// How long a connection thread polls its socket, without sleeping, after
+/// answering a Ping (or `busy_poll`, when longer). A node pings each
+/// table's first donor a few hundred microseconds before a step that
+/// needs its rows (its warm-up, `--warm-us`), so the lookup finds this
+/// thread awake instead of paying for its wake-up inside the step's
+/// window. The poll ends at the next byte; a client that pings without
+/// looking up costs at most this much of a core per Ping.
+pub const AFTER_PING_POLL: Duration = Duration::from_millis(1);
+
 /// State shared by every connection.
 #[derive(Debug)]
 pub struct Shared {
