@@ -42,6 +42,10 @@ pub struct DemoArgs {
     /// no failover (the run fails on one).
     #[arg(long)]
     host_local: bool,
+    /// The node's --warm-us (how long before each step it wakes the path
+    /// to the step's rows; 0: off); default: the node's.
+    #[arg(long, value_name = "US")]
+    warm_us: Option<u64>,
 }
 
 /// Rate of the reference run on local RAM: only its outputs matter.
@@ -278,6 +282,9 @@ impl Demo<'_> {
         ];
         if quiet {
             args.push("--quiet".into());
+        }
+        if let Some(us) = self.args.warm_us {
+            args.extend(["--warm-us".into(), us.to_string()]);
         }
         args.extend(["--trace".into(), self.trace(node).display().to_string()]);
         args

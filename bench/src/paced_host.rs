@@ -6,6 +6,12 @@
 //! decide whether table 1's rows arrive in its window (a quarter of a
 //! block at V4.1's timing): its fetch p50 and p99, the fetches answered
 //! after their window, and the steps that stalled.
+//!
+//! The TLS donor also runs without the node's warm-up (`--warm-us 0`), and
+//! back to back (a step of 10 us, so nothing on the path sleeps between
+//! lookups): each TLS point is given over that back-to-back p50 of the
+//! same run (target 2 or less), with the cores the node and the donor
+//! took (CPU seconds over the run's seconds).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -17,13 +23,43 @@ use serde::Serialize;
 use crate::rack::{self, Child, NodeSpec, RackSpec};
 use crate::stats::median;
 
-/// (node, label): donor-a mapped through its host socket, donor-b over
-/// TLS, and the node's own copy in its RAM (the floor of the node's loop).
-const SERIES: [(&str, &str); 3] = [
-    ("host", "host-local (mapped)"),
-    ("tls", "donor over loopback TLS"),
-    ("local", "node's own RAM (floor)"),
+/// (node, label, its extra arguments): donor-a mapped through its host
+/// socket, donor-b over TLS with the node's warm-up (the default) and
+/// without it, and the node's own copy in its RAM (the floor of the
+/// node's loop).
+const SERIES: [(&str, &str, &[&str]); 4] = [
+    ("host", "host-local (mapped)", &[]),
+    ("tls", "donor over loopback TLS", &[]),
+    ("tls", "TLS, no warm-up", &["--warm-us", "0"]),
+    ("local", "node's own RAM (floor)", &[]),
 ];
+
+/// The rate of the back-to-back runs: a step of 10 us, so each step's
+/// rows are asked for as soon as the last step's are in, and no thread
+/// on the path sleeps between them (the baseline of the paced figures).
+const BACK_TO_BACK_RATE: f64 = 100_000.0;
+/// Steps of a back-to-back run.
+const BACK_TO_BACK_TOKENS: f64 = 3000.0;
+
+/// CPU seconds process `pid` has taken so far (user and system), from
+/// `/proc/PID/stat`.
+fn cpu_s(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command name (which may hold spaces).
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("an unreadable /proc stat line")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
+    let ticks: f64 = [12, 13]
+        .iter()
+        .map(|&i| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(ticks / hz)
+}
 
 /// One node run.
 #[derive(Debug, Clone, Serialize)]
@@ -38,6 +74,10 @@ struct Run {
     table1_late: u64,
     /// Table 14's fetch p50.
     table14_fetch_p50_us: f64,
+    /// CPU the node's process and the donor it read took, in cores (CPU
+    /// seconds over the run's seconds).
+    node_cores: f64,
+    donor_cores: f64,
 }
 
 /// One series at one rate: medians over its runs.
@@ -52,6 +92,11 @@ struct Point {
     table14_fetch_p50_us: f64,
     stalled_steps: f64,
     stall_p99_us: f64,
+    node_cores: f64,
+    donor_cores: f64,
+    /// For the TLS series: table 1's fetch p50 over the back-to-back p50
+    /// of the same donor and node in the same run (target: 2 or less).
+    over_back_to_back: Option<f64>,
     runs: Vec<Run>,
 }
 
@@ -107,16 +152,39 @@ pub fn run(
     let runs_dir = out.join("runs-host");
     std::fs::create_dir_all(&runs_dir)?;
     let mut runs = vec![vec![Vec::new(); rates.len()]; SERIES.len()];
+    let mut back_to_back: Vec<f64> = Vec::new();
+    let timeout = Duration::from_secs_f64(seconds * 10.0 + 120.0);
     for rep in 0..repeat {
-        for (si, (node, label)) in SERIES.iter().enumerate() {
+        let file = runs_dir.join(format!("tls-back-to-back-{}.json", rep + 1));
+        let a = rack::paced_args(BACK_TO_BACK_RATE, BACK_TO_BACK_TOKENS / BACK_TO_BACK_RATE);
+        rack::run_node(&rk.config, "tls", &a, &file, timeout)?;
+        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+            .with_context(|| format!("reading {}", file.display()))?;
+        let r = run_of(&s, 0.0)?;
+        eprintln!(
+            "run {}/{repeat}: TLS back to back: table 1 fetch p50 {:.1} us",
+            rep + 1,
+            r.table1_fetch_p50_us
+        );
+        back_to_back.push(r.table1_fetch_p50_us);
+        for (si, (node, label, extra)) in SERIES.iter().enumerate() {
             for (ri, &rate) in rates.iter().enumerate() {
-                let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
-                let a = rack::paced_args(rate, seconds);
-                let timeout = Duration::from_secs_f64(seconds * 10.0 + 120.0);
+                let file = runs_dir.join(format!("{node}-{si}-{rate}-{}.json", rep + 1));
+                let mut a = rack::paced_args(rate, seconds);
+                a.extend(extra.iter().map(|x| x.to_string()));
+                // The donor the node reads: donor-a through its host
+                // socket, donor-b over TLS (none for `local`).
+                let donor = match *node {
+                    "host" => Some(donors[0].pid()),
+                    "tls" => Some(donors[1].pid()),
+                    _ => None,
+                };
+                let donor_before = donor.map(cpu_s).transpose()?.unwrap_or(0.0);
                 rack::run_node(&rk.config, node, &a, &file, timeout)?;
+                let donor_cpu = donor.map(cpu_s).transpose()?.unwrap_or(0.0) - donor_before;
                 let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
                     .with_context(|| format!("reading {}", file.display()))?;
-                let r = run_of(&s)?;
+                let r = run_of(&s, donor_cpu)?;
                 eprintln!(
                     "run {}/{repeat}: {label:<24} {rate:>5} tokens/s: table 1 fetch p50 {:.1} us, {} late",
                     rep + 1,
@@ -128,8 +196,9 @@ pub fn run(
         }
     }
     drop(donors);
+    let back_to_back_p50 = median(back_to_back.clone());
     let mut points = Vec::new();
-    for (si, (_, label)) in SERIES.iter().enumerate() {
+    for (si, (node, label, _)) in SERIES.iter().enumerate() {
         for (ri, &rate) in rates.iter().enumerate() {
             let rs = std::mem::take(&mut runs[si][ri]);
             let m = |f: &dyn Fn(&Run) -> f64| median(rs.iter().map(f).collect());
@@ -143,6 +212,10 @@ pub fn run(
                 table14_fetch_p50_us: m(&|r| r.table14_fetch_p50_us),
                 stalled_steps: m(&|r| r.stalled_steps as f64),
                 stall_p99_us: m(&|r| r.stall_p99_us),
+                node_cores: m(&|r| r.node_cores),
+                donor_cores: m(&|r| r.donor_cores),
+                over_back_to_back: (*node == "tls")
+                    .then(|| m(&|r| r.table1_fetch_p50_us) / back_to_back_p50),
                 runs: rs,
             });
         }
@@ -154,6 +227,8 @@ pub fn run(
         "rows": [tables.tables[0].rows, tables.tables[1].rows],
         "seconds_per_point": seconds,
         "repeat": repeat,
+        "tls_back_to_back_table1_fetch_p50_us": back_to_back_p50,
+        "tls_back_to_back_runs_us": back_to_back,
         "points": points,
     });
     std::fs::write(&file, serde_json::to_vec_pretty(&v)?)?;
@@ -166,7 +241,7 @@ pub fn run(
          (medians of {repeat} runs of {seconds} s)"
     );
     println!(
-        "{:<24} {:>6} {:>9} {:>13} {:>13} {:>10} {:>13} {:>9} {:>10}",
+        "{:<24} {:>6} {:>9} {:>13} {:>13} {:>8} {:>13} {:>8} {:>10} {:>6} {:>6} {:>6}",
         "series",
         "rate",
         "tokens/s",
@@ -175,11 +250,14 @@ pub fn run(
         "t1 late",
         "t14 fetch p50",
         "stalled",
-        "stall p99"
+        "stall p99",
+        "node",
+        "donor",
+        "/b2b"
     );
     for p in &points {
         println!(
-            "{:<24} {:>6} {:>9.1} {:>10.1} us {:>10.1} us {:>10.0} {:>10.1} us {:>9.0} {:>7.0} us",
+            "{:<24} {:>6} {:>9.1} {:>10.1} us {:>10.1} us {:>8.0} {:>10.1} us {:>8.0} {:>7.0} us {:>6.2} {:>6.2} {:>6}",
             p.series,
             p.rate,
             p.tokens_per_second,
@@ -188,11 +266,17 @@ pub fn run(
             p.table1_late,
             p.table14_fetch_p50_us,
             p.stalled_steps,
-            p.stall_p99_us
+            p.stall_p99_us,
+            p.node_cores,
+            p.donor_cores,
+            p.over_back_to_back
+                .map_or("-".to_string(), |x| format!("{x:.2}"))
         );
     }
     println!(
-        "(t1 late: table 1's fetches answered after its window; stalled: steps that waited for rows)"
+        "(t1 late: table 1's fetches answered after its window; stalled: steps that waited for rows; \
+         node, donor: cores their processes took; /b2b: t1 fetch p50 over the same node's back-to-back \
+         p50 over TLS, {back_to_back_p50:.1} us in this run, target 2 or less)"
     );
     println!(
         "wrote {} ({:.0} s in all)",
@@ -202,7 +286,8 @@ pub fn run(
     Ok(())
 }
 
-fn run_of(s: &Summary) -> Result<Run> {
+/// One run's figures; `donor_cpu_s`: the CPU its donor took meanwhile.
+fn run_of(s: &Summary, donor_cpu_s: f64) -> Result<Run> {
     let [t1, t14] = s.tables.as_slice() else {
         bail!("a summary with {} tables, not 2", s.tables.len());
     };
@@ -223,5 +308,7 @@ fn run_of(s: &Summary) -> Result<Run> {
         table1_fetch_p99_us: t1.fetch_p99_us,
         table1_late: t1.late,
         table14_fetch_p50_us: t14.fetch_p50_us,
+        node_cores: s.cpu_s / s.elapsed_s.max(1e-9),
+        donor_cores: donor_cpu_s / s.elapsed_s.max(1e-9),
     })
 }

@@ -63,6 +63,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "PERCENT", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub draft_reject: u8,
+    /// Wake the path to each step's rows this many microseconds before the
+    /// step (a Ping to each table's first donor, and one of the node's I/O
+    /// threads polling until the rows are in, at most 1 ms past the step's
+    /// start); 0: off, every thread on the path sleeps between steps.
+    #[arg(long, value_name = "US", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub warm_us: u64,
     /// Serve /metrics here (default: the node's `metrics` key, if set).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
@@ -147,6 +154,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         prefill: args.prefill,
         speculate: args.speculate,
         draft,
+        warm_lead: std::time::Duration::from_micros(args.warm_us),
         ..LoopSpec::default()
     };
     eprintln!(
@@ -175,6 +183,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let backbone = args.backbone;
     let progress = args.progress_every.map(std::num::NonZeroU64::get);
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let cpu_before = process_cpu_s();
     std::thread::Builder::new()
         .name("model-loop".into())
         .spawn(move || {
@@ -212,7 +221,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .context("starting the loop thread")?;
     let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
     flushed.context("writing the trace")?;
-    let summary = res?;
+    let mut summary = res?;
+    summary.cpu_s = process_cpu_s() - cpu_before;
     drop(nm);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -226,4 +236,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// CPU seconds this process has taken so far, user and system.
+fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }

@@ -4,6 +4,7 @@
 //! last row arrived, not when the loop looked.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
 use std::time::{Duration, Instant};
 
@@ -19,6 +20,12 @@ use crate::router::Router;
 /// polls, so an I/O thread sharing its core sends and receives meanwhile.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// How long a warm-up keeps the node's I/O thread polling after the
+/// fetches it was for should have started, at most, when they have not
+/// all ended: it is for rows due within a window of a few hundred
+/// microseconds, not for a failover.
+const WARM_HOLD: Duration = Duration::from_millis(1);
+
 /// Fetches through one router per slot.
 #[derive(Debug)]
 pub struct RouterFetcher {
@@ -26,6 +33,10 @@ pub struct RouterFetcher {
     routers: [Arc<Router>; 2],
     origin: Instant,
     chunk_rows: usize,
+    /// Fetches started, ever; and in flight now (what a warm-up waits
+    /// for).
+    started: Arc<AtomicU64>,
+    in_flight: Arc<AtomicUsize>,
 }
 
 impl RouterFetcher {
@@ -43,6 +54,8 @@ impl RouterFetcher {
             routers,
             origin,
             chunk_rows: chunk_rows.max(1),
+            started: Arc::new(AtomicU64::new(0)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         }
     }
 }
@@ -153,6 +166,9 @@ impl Fetcher for RouterFetcher {
         let router = self.routers[slot].clone();
         let origin = self.origin;
         let chunk = self.chunk_rows;
+        let in_flight = Arc::clone(&self.in_flight);
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        self.started.fetch_add(1, Ordering::AcqRel);
         self.handle.spawn(async move {
             // A step's rows go in one message up to the frame cap, however
             // many sequences the batch holds; a prefill is a sweep.
@@ -162,10 +178,40 @@ impl Fetcher for RouterFetcher {
                 fetch_message(&router, &rows).await
             };
             f.ready = origin.elapsed();
+            in_flight.fetch_sub(1, Ordering::AcqRel);
             // The loop may have stopped; nothing to tell it then.
             let _ = tx.send(f);
         });
         rx
+    }
+
+    /// Ping each table's first source, and keep one of the runtime's
+    /// threads polling (a task that yields: between its polls the thread
+    /// checks its sockets without sleeping) until the fetches started
+    /// after this have all ended, or `lead` plus [`WARM_HOLD`] has passed.
+    /// The fetches' spawn then finds a thread awake, and their answers a
+    /// thread at the socket.
+    fn warm(&mut self, lead: Duration) {
+        let routers = self.routers.clone();
+        let (started, in_flight) = (Arc::clone(&self.started), Arc::clone(&self.in_flight));
+        // A step starts one fetch per table at least.
+        let want = started.load(Ordering::Acquire) + routers.len() as u64;
+        let until = Instant::now() + lead + WARM_HOLD;
+        self.handle.spawn(async move {
+            for r in &routers {
+                r.warm();
+            }
+            while Instant::now() < until
+                && !(started.load(Ordering::Acquire) >= want
+                    && in_flight.load(Ordering::Acquire) == 0)
+            {
+                // Other runnable threads first (the loop that is about to
+                // ask for the rows, on a host of few cores), then the
+                // runtime's sockets and tasks.
+                std::thread::yield_now();
+                tokio::task::yield_now().await;
+            }
+        });
     }
 
     fn wait(&mut self, rx: Receiver<Fetch>) -> Fetch {

@@ -97,7 +97,16 @@ pub struct LoopSpec {
     /// of this many, so the decoders keep their step time (0: no limit).
     /// With nobody decoding a prefill runs whole in one step.
     pub prefill_budget: usize,
+    /// How long before each step the loop wakes the path to its rows
+    /// ([`Fetcher::warm`]): the node's I/O thread polls instead of
+    /// sleeping from then until the step's rows are in, and each table's
+    /// first donor gets a Ping. Zero: off.
+    pub warm_lead: Duration,
 }
+
+/// Default [`LoopSpec::warm_lead`]: 300 us, longer than a sleeping thread
+/// takes to wake on a virtual machine, far shorter than a step.
+pub const DEFAULT_WARM_LEAD: Duration = Duration::from_micros(300);
 
 /// Default [`LoopSpec::prefill_budget`]: 256 positions (6,144 rows per
 /// table, about 1.6 MB) beside the decoders' rows in a step.
@@ -138,6 +147,7 @@ impl Default for LoopSpec {
             speculate: 0,
             hidden_seed: 0x5eed,
             draft: None,
+            warm_lead: DEFAULT_WARM_LEAD,
             prefill_budget: DEFAULT_PREFILL_BUDGET,
         }
     }
@@ -207,6 +217,12 @@ pub trait Fetcher {
     fn start(&mut self, slot: usize, rows: Vec<u64>, sweep: bool) -> Self::Pending;
     /// Wait for a fetch to end.
     fn wait(&mut self, pending: Self::Pending) -> Fetch;
+    /// The next fetches start in about `lead`: wake the path to their
+    /// rows now, so that no thread on it sleeps when they are asked for.
+    /// Default: nothing.
+    fn warm(&mut self, lead: Duration) {
+        let _ = lead;
+    }
 }
 
 /// One position of a step in the trace.

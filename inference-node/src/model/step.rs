@@ -221,6 +221,12 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         self.start_states(&work);
         let (tables, stall, fusion_time) = self.blocks(pass, &work, fetches)?;
         let end = pass + self.w + stall;
+        let lead = self.spec.warm_lead;
+        if !lead.is_zero() && end > lead {
+            // The next step's rows are asked for at `end`.
+            self.clock.sleep_until(end - lead);
+            self.fetcher.warm(lead);
+        }
         self.clock.sleep_until(end);
         let done = self.clock.now();
         let rec = StepRecord {

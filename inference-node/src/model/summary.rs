@@ -113,6 +113,11 @@ pub struct Summary {
     /// outputs.
     #[serde(default)]
     pub outputs_digest: String,
+    /// CPU time the node's process took over the run, user and system,
+    /// seconds (set by `inference-node run`; 0 where not measured): what
+    /// its polling and warm-ups cost.
+    #[serde(default)]
+    pub cpu_s: f64,
     #[serde(skip)]
     outputs_sum: u64,
     #[serde(skip)]
@@ -161,6 +166,7 @@ impl Summary {
             rejected_positions: 0,
             wasted_bytes: 0,
             outputs_digest: String::new(),
+            cpu_s: 0.0,
             outputs_sum: 0,
             outputs_count: 0,
         }

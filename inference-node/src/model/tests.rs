@@ -24,6 +24,9 @@ struct FakeFetcher<'a, D: Fn(usize, usize) -> Duration> {
     delivered: RefCell<Vec<usize>>,
     /// Added to a fetch's time for each row it asks for.
     per_row: Duration,
+    /// When each fetch started, and when each warm-up came (with its lead).
+    starts: RefCell<Vec<Duration>>,
+    warmed: RefCell<Vec<(Duration, Duration)>>,
 }
 
 impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
@@ -36,6 +39,8 @@ impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
             fail_slot: None,
             delivered: RefCell::new(Vec::new()),
             per_row: Duration::ZERO,
+            starts: RefCell::new(Vec::new()),
+            warmed: RefCell::new(Vec::new()),
         }
     }
 }
@@ -49,7 +54,12 @@ impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
             + self.per_row * rows.len() as u32;
         self.calls[slot] += 1;
         self.log.borrow_mut().push((slot, rows.len()));
+        self.starts.borrow_mut().push(self.clock.now());
         (slot, rows, ready)
+    }
+
+    fn warm(&mut self, lead: Duration) {
+        self.warmed.borrow_mut().push((self.clock.now(), lead));
     }
 
     fn wait(&mut self, (slot, rows, ready): Self::Pending) -> Fetch {
@@ -138,6 +148,9 @@ fn run_fake<D: Fn(usize, usize) -> Duration>(
 struct Buffers {
     delivered: Vec<usize>,
     read: Vec<usize>,
+    /// When the fetches started and the warm-ups came (see [`FakeFetcher`]).
+    starts: Vec<Duration>,
+    warmed: Vec<(Duration, Duration)>,
 }
 
 fn run_fake_traced<D: Fn(usize, usize) -> Duration>(
@@ -174,12 +187,57 @@ fn run_fake_traced<D: Fn(usize, usize) -> Duration>(
     let buffers = Buffers {
         delivered: fetcher.delivered.into_inner(),
         read: fusion.read,
+        starts: fetcher.starts.into_inner(),
+        warmed: fetcher.warmed.into_inner(),
     };
     (s, steps, log, buffers)
 }
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-6
+}
+
+#[test]
+fn each_step_warms_the_path_its_lead_before_the_next_steps_fetches() {
+    let lead = Duration::from_micros(300);
+    let spec = LoopSpec {
+        max_tokens: Some(3),
+        warm_lead: lead,
+        ..LoopSpec::default()
+    };
+    // The second step's layer 1 is late by 1.75 ms: its end moves, and
+    // the warm-up with it.
+    let delays = [[0.1, 1.0], [2.0, 1.0], [0.1, 1.0]];
+    let (_, steps, _, seen) = run_fake_traced(
+        &spec,
+        &tokens(50),
+        |slot, call| Duration::from_secs_f64(delays[call][slot] / 1e3),
+        Duration::ZERO,
+    );
+    assert_eq!(seen.warmed.len(), 3, "{:?}", seen.warmed);
+    for (r, &(at, l)) in steps.iter().zip(&seen.warmed) {
+        assert_eq!(l, lead);
+        let end = Duration::from_secs_f64((r.start_us + r.time_us) / 1e6);
+        assert!(
+            (end - at).abs_diff(lead) < Duration::from_micros(1),
+            "step {}: warmed at {at:?}, ends at {end:?}",
+            r.step
+        );
+    }
+    // Two fetches a step (one per table), the next step's right after
+    // the warm-up's lead.
+    assert_eq!(seen.starts.len(), 6);
+    for k in 0..2 {
+        let gap = seen.starts[2 * (k + 1)] - seen.warmed[k].0;
+        assert!(gap.abs_diff(lead) < Duration::from_micros(1), "{gap:?}");
+    }
+    // Off: no warm-up at all.
+    let spec = LoopSpec {
+        warm_lead: Duration::ZERO,
+        ..spec
+    };
+    let (_, _, _, seen) = run_fake_traced(&spec, &tokens(50), |_, _| MS / 10, Duration::ZERO);
+    assert!(seen.warmed.is_empty());
 }
 
 #[test]
@@ -306,7 +364,9 @@ fn distinct_rows_are_asked_in_the_fusions_order_and_fused_where_they_landed() {
     };
     let instant = |_: usize, _: usize| Duration::ZERO;
     let (_, steps, _, buffers) = run_fake_traced(&spec, &tokens(40), instant, Duration::ZERO);
-    let Buffers { delivered, read } = buffers;
+    let Buffers {
+        delivered, read, ..
+    } = buffers;
     let fusion_read = read;
     assert_eq!(fusion_read.len(), delivered.len());
     // The prefill repeats rows: they are asked once each and gathered into

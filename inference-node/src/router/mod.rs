@@ -386,6 +386,15 @@ impl Router {
         self.lookup(rows, Out::Slice(out), Some(stripe)).await
     }
 
+    /// Wake the path to the source the next lookup goes to first, ahead of
+    /// a lookup expected soon ([`crate::source::RowSource::warm`]).
+    pub fn warm(&self) {
+        let st = self.state();
+        if let Some(first) = st.sources.iter().find(|s| s.admissible(self.table_id)) {
+            first.source.warm();
+        }
+    }
+
     /// Donors a lookup may use now (breaker not open, not excluded, not
     /// draining): how many replicas a wide sweep can be striped across.
     pub fn replicas(&self) -> usize {

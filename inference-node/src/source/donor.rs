@@ -300,6 +300,17 @@ impl RowSource for DonorSource {
         });
     }
 
+    fn warm(&self) {
+        // Only a connection already made: a dial is a lookup's to make.
+        if let Some(c) = self.live() {
+            tokio::spawn(async move {
+                if let Err(e) = c.ping().await {
+                    tracing::debug!(error = %e, "warm-up ping");
+                }
+            });
+        }
+    }
+
     fn probe(&self) -> ProbeFuture<'_> {
         Box::pin(async move {
             let advertised = match self.control {

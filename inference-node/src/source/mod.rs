@@ -250,6 +250,12 @@ pub trait RowSource: Send + Sync + fmt::Debug + 'static {
     /// there is nothing to read.
     fn tend(&self) {}
 
+    /// Wake the path to this source ahead of a lookup expected soon (a
+    /// donor: a Ping on its connection, so that its connection thread is
+    /// running, and busy-polling where it does, when the lookup comes).
+    /// Never blocks; called on the node's runtime. Default: nothing.
+    fn warm(&self) {}
+
     /// Fill `buf` (`rows.len() * 264` bytes) with the rows of `table`, in
     /// order, or fail by `deadline`; the buffer comes back either way
     /// (empty if the source could not keep it), so the caller's buffers
