@@ -169,7 +169,12 @@ const TABLES: [(u32, &str); 2] = [(1, "layer1.etab"), (14, "layer14.etab")];
 
 /// Request and answer sizes of a lookup of `sections` x 24 rows, from the real encoders.
 fn sizes(sections: usize) -> Result<(usize, usize)> {
-    let rows: Vec<u64> = (0..24).collect();
+    sizes_of(sections, 24)
+}
+
+/// Request and answer sizes of a lookup of `sections` x `per` rows.
+fn sizes_of(sections: usize, per: usize) -> Result<(usize, usize)> {
+    let rows: Vec<u64> = (0..per as u64).collect();
     let secs: Vec<LookupSection<'_>> = (0..sections)
         .map(|i| LookupSection {
             table_id: i as u32,
@@ -183,12 +188,12 @@ fn sizes(sections: usize) -> Result<(usize, usize)> {
         .map(|i| RowsSection {
             table_id: i as u32,
             status: None,
-            row_count: 24,
+            row_count: per as u32,
         })
         .collect();
     let mut ans = Vec::new();
     begin_rows(&mut ans, 1, &heads)?;
-    Ok((req.len(), ans.len() + sections * 24 * ROW_BYTES))
+    Ok((req.len(), ans.len() + sections * per * ROW_BYTES))
 }
 
 /// The floor server: read a request (its first 8 bytes give the request and
@@ -208,14 +213,16 @@ pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
     let tables = std::sync::Arc::new(tables);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     eprintln!("ready listen={}", listener.local_addr()?);
-    let answer = vec![0x5Au8; 1 << 20];
+    // Large enough for a bulk lookup's answer (16,384 rows, 4.3 MB).
+    let answer = vec![0x5Au8; 8 << 20];
     for stream in listener.incoming() {
         let mut s = stream?;
         s.set_nodelay(true)?;
         let mut answer = answer.clone();
         let tables = std::sync::Arc::clone(&tables);
         std::thread::spawn(move || {
-            let mut buf = vec![0u8; 1 << 16];
+            // Large enough for a bulk lookup's request (16,384 row ids).
+            let mut buf = vec![0u8; 256 << 10];
             loop {
                 let mut have = 0;
                 let mut want = usize::MAX;
@@ -395,6 +402,8 @@ impl FloorConn {
 
 /// Random lookups through the client, every answer checked against the generator.
 struct DonorSeries {
+    /// Row ids per section (24, or [`BULK_ROWS`] for the bulk series).
+    per: usize,
     ids: Vec<Vec<u64>>,
     out: Vec<u8>,
     rows_per_table: u64,
@@ -403,10 +412,11 @@ struct DonorSeries {
 }
 
 impl DonorSeries {
-    fn new(sections: usize, rows_per_table: u64, seed: u64) -> Self {
+    fn new(sections: usize, per: usize, rows_per_table: u64, seed: u64) -> Self {
         Self {
-            ids: vec![vec![0; 24]; sections],
-            out: vec![0u8; sections * 24 * ROW_BYTES],
+            per,
+            ids: vec![vec![0; per]; sections],
+            out: vec![0u8; sections * per * ROW_BYTES],
             rows_per_table,
             rng: SplitMix64::new(seed),
             n: 0,
@@ -432,7 +442,7 @@ impl DonorSeries {
         if self.n.is_multiple_of(16) {
             for (s, rows) in self.ids.iter().enumerate() {
                 let layer = TABLES[s].0;
-                let bytes = &self.out[s * 24 * ROW_BYTES..(s + 1) * 24 * ROW_BYTES];
+                let bytes = &self.out[s * self.per * ROW_BYTES..(s + 1) * self.per * ROW_BYTES];
                 if let Some(r) = first_mismatch(SEED, layer, rows, bytes) {
                     bail!("donor returned a wrong row: table {layer} row {r}");
                 }
@@ -466,6 +476,9 @@ struct Series {
     kind: Kind,
     floor: Option<FloorConn>,
     donor: DonorSeries,
+    /// This series runs one lookup for every `share` of the others (the
+    /// bulk series: each moves 4.3 MB).
+    share: usize,
     result: SeriesResult,
 }
 
@@ -477,6 +490,7 @@ impl Series {
         clients: &[DonorClient],
         lat: &mut Latency,
     ) -> Result<()> {
+        let n = n.div_ceil(self.share);
         match (self.kind, self.floor.as_mut()) {
             (Kind::Floor(_) | Kind::Gathering(_), Some(f)) => {
                 for _ in 0..n {
@@ -788,7 +802,8 @@ fn build_series(
             series.push(Series {
                 kind,
                 floor: floor_conn,
-                donor: DonorSeries::new(sections, rows_per_table, seed),
+                donor: DonorSeries::new(sections, 24, rows_per_table, seed),
+                share: 1,
                 result: SeriesResult {
                     series: format!("{name}, {rows} rows"),
                     rows,
@@ -800,8 +815,40 @@ fn build_series(
             });
         }
     }
+    // Bulk: one connection's 16,384-row lookup against a raw ping-pong of
+    // the same bytes (unshaped loopback).
+    let (req, ans) = sizes_of(1, BULK_ROWS)?;
+    for (kind, name) in [
+        (Kind::Floor(Duration::ZERO), "floor, blocking client"),
+        (Kind::Donor(0), "donor, project client"),
+    ] {
+        let seed = 7 + series.len() as u64;
+        series.push(Series {
+            kind,
+            floor: match kind {
+                Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
+                _ => None,
+            },
+            donor: DonorSeries::new(1, BULK_ROWS, rows_per_table, seed),
+            share: BULK_SHARE,
+            result: SeriesResult {
+                series: format!("{name}, {BULK_ROWS} rows (bulk)"),
+                rows: BULK_ROWS,
+                request_bytes: req,
+                answer_bytes: ans,
+                rounds: Vec::new(),
+                median: Summary::default(),
+            },
+        });
+    }
     Ok(series)
 }
+
+/// Rows of the bulk series' lookups (the donors' default frame cap).
+pub(crate) const BULK_ROWS: usize = 16_384;
+
+/// The bulk series run one lookup for this many of the others'.
+const BULK_SHARE: usize = 100;
 
 /// Lookups a series runs before the next series takes its turn.
 const CHUNK: usize = 250;

@@ -113,8 +113,24 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
             });
         }
     }
+    // After both sizes: the bulk floor, then the donor's bulk lookup.
+    if let [floor, donor] = results.get(2 * block..2 * block + 2).unwrap_or_default() {
+        let (f, d) = (&floor.median, &donor.median);
+        ratios.push(Ratio {
+            rows: super::BULK_ROWS,
+            what: "bulk, one connection: donor / raw ping-pong of the same bytes".into(),
+            p50: d.p50_us / f.p50_us,
+            p99: d.p99_us / f.p99_us,
+            p999: d.p999_us / f.p999_us,
+            target: Some((BULK_P50, None)),
+        });
+    }
     ratios
 }
+
+/// The bulk lookup at 0.7x of the raw ping-pong's rate or better: its
+/// time at most 1 / 0.7 of the ping-pong's.
+const BULK_P50: f64 = 1.0 / 0.7;
 
 /// The host source at most this over the node's own local copy (p50).
 const HOST_OVER_LOCAL_P50: f64 = 1.5;
