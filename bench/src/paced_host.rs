@@ -78,6 +78,9 @@ struct Run {
     /// seconds over the run's seconds).
     node_cores: f64,
     donor_cores: f64,
+    /// Table 1's fetch hop by hop (p50s): to an I/O thread, round trip,
+    /// to the loop.
+    table1_hops_us: [f64; 3],
 }
 
 /// One series at one rate: medians over its runs.
@@ -94,6 +97,7 @@ struct Point {
     stall_p99_us: f64,
     node_cores: f64,
     donor_cores: f64,
+    table1_hops_us: [f64; 3],
     /// For the TLS series: table 1's fetch p50 over the back-to-back p50
     /// of the same donor and node in the same run (target: 2 or less).
     over_back_to_back: Option<f64>,
@@ -214,6 +218,7 @@ pub fn run(
                 stall_p99_us: m(&|r| r.stall_p99_us),
                 node_cores: m(&|r| r.node_cores),
                 donor_cores: m(&|r| r.donor_cores),
+                table1_hops_us: [0, 1, 2].map(|i| m(&|r| r.table1_hops_us[i])),
                 over_back_to_back: (*node == "tls")
                     .then(|| m(&|r| r.table1_fetch_p50_us) / back_to_back_p50),
                 runs: rs,
@@ -274,6 +279,16 @@ pub fn run(
         );
     }
     println!(
+        "table 1's fetch hop by hop (p50s): from the loop to an I/O thread, its round trip, back to the loop"
+    );
+    for p in &points {
+        let [io, rt, back] = p.table1_hops_us;
+        println!(
+            "{:<24} {:>6} {:>10.1} us {:>10.1} us {:>10.1} us",
+            p.series, p.rate, io, rt, back
+        );
+    }
+    println!(
         "(t1 late: table 1's fetches answered after its window; stalled: steps that waited for rows; \
          node, donor: cores their processes took; /b2b: t1 fetch p50 over the same node's back-to-back \
          p50 over TLS, {back_to_back_p50:.1} us in this run, target 2 or less)"
@@ -310,5 +325,8 @@ fn run_of(s: &Summary, donor_cpu_s: f64) -> Result<Run> {
         table14_fetch_p50_us: t14.fetch_p50_us,
         node_cores: s.cpu_s / s.elapsed_s.max(1e-9),
         donor_cores: donor_cpu_s / s.elapsed_s.max(1e-9),
+        table1_hops_us: t1
+            .hops_p50_us
+            .map_or([0.0; 3], |h| [h.to_io_us, h.round_trip_us, h.to_loop_us]),
     })
 }

@@ -56,7 +56,10 @@ impl Clock for RealClock {
             if left > SPIN {
                 std::thread::sleep(left - SPIN);
             } else {
-                std::hint::spin_loop();
+                // Any other runnable thread on this core first: the I/O
+                // thread the loop just handed a fetch to is often woken
+                // here, and would otherwise wait for this spin to end.
+                std::thread::yield_now();
             }
         }
     }

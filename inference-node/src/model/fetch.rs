@@ -169,7 +169,9 @@ impl Fetcher for RouterFetcher {
         let in_flight = Arc::clone(&self.in_flight);
         in_flight.fetch_add(1, Ordering::AcqRel);
         self.started.fetch_add(1, Ordering::AcqRel);
+        let asked = origin.elapsed();
         self.handle.spawn(async move {
+            let picked = origin.elapsed();
             // A step's rows go in one message up to the frame cap, however
             // many sequences the batch holds; a prefill is a sweep.
             let mut f = if sweep || rows.len() > chunk {
@@ -178,6 +180,7 @@ impl Fetcher for RouterFetcher {
                 fetch_message(&router, &rows).await
             };
             f.ready = origin.elapsed();
+            (f.asked, f.picked) = (Some(asked), Some(picked));
             in_flight.fetch_sub(1, Ordering::AcqRel);
             // The loop may have stopped; nothing to tell it then.
             let _ = tx.send(f);

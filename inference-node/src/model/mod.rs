@@ -204,6 +204,11 @@ pub struct Fetch {
     pub zeros: bool,
     /// Why the fetch failed (its rows are then unusable).
     pub error: Option<String>,
+    /// Where its time went, for a fetcher that can tell (the node's
+    /// routers): when it was asked for and when a runtime thread first
+    /// ran it, on the loop's clock. The loop adds when it saw the rows.
+    pub asked: Option<Duration>,
+    pub picked: Option<Duration>,
 }
 
 /// Where the loop's rows come from.
@@ -270,6 +275,23 @@ pub struct TableRecord {
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Where the fetch's time went, microseconds ([`Hops`]); absent where
+    /// the fetcher does not tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hops: Option<Hops>,
+}
+
+/// A fetch's time, hop by hop: from the loop asking to a runtime thread
+/// taking the task up (`to_io`: the wake-up of a sleeping I/O thread),
+/// from there to the rows being in (`round_trip`: the request written,
+/// the source's work and the answer read), and from then to the loop
+/// having them (`to_loop`: counted only while the loop was already
+/// waiting; rows in before their block cost nothing here).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Hops {
+    pub to_io_us: f64,
+    pub round_trip_us: f64,
+    pub to_loop_us: f64,
 }
 
 /// One step (token) in the trace: one JSON line of `inference-node run

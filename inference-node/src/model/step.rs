@@ -13,8 +13,8 @@ use engram_protocol::hashing::{COLUMNS, HashParams, PositionRows, SequenceHasher
 
 use super::clock::Clock;
 use super::{
-    BLOCKS, Fetch, Fetcher, LoopError, LoopSpec, PositionRecord, StepKind, StepRecord, TableRecord,
-    TableSlot, Tokens, checksum, initial_state, us,
+    BLOCKS, Fetch, Fetcher, Hops, LoopError, LoopSpec, PositionRecord, StepKind, StepRecord,
+    TableRecord, TableSlot, Tokens, checksum, initial_state, us,
 };
 use crate::engram::fusion::{Fusion, POSITION_ROW_BYTES};
 
@@ -494,16 +494,24 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         let slot = self.slots[l];
         let block_start = t0 + self.w * slot.layer / BLOCKS + stall_before;
         self.clock.sleep_until(block_start);
+        let mut hops = None;
         let mut f = if parts.is_empty() {
             Fetch {
                 ready: t0,
                 ..Fetch::default()
             }
         } else {
+            let waiting_from = self.clock.now();
             let got: Vec<(Vec<u64>, Fetch)> = parts
                 .into_iter()
                 .map(|(rows, p)| (rows, self.fetcher.wait(p)))
                 .collect();
+            let seen = self.clock.now();
+            // The last part to be ready is the one the block waited for.
+            hops = got
+                .iter()
+                .max_by_key(|(_, f)| f.ready)
+                .and_then(|(_, f)| hops_of(f, waiting_from, seen));
             let f = if fetches.in_order[l] {
                 got.into_iter().map(|(_, f)| f).next().unwrap_or_default()
             } else {
@@ -555,6 +563,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             failovers: f.failovers,
             late: f.late,
             error: f.error,
+            hops,
         };
         Ok((rec, stall, fused))
     }
@@ -573,6 +582,18 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             })
             .collect()
     }
+}
+
+/// Fetch `f`'s hops ([`Hops`]), the loop having waited for it from
+/// `waiting_from` and seen it at `seen`; `None` where the fetcher did not
+/// say when it was asked for and taken up.
+fn hops_of(f: &Fetch, waiting_from: Duration, seen: Duration) -> Option<Hops> {
+    let (asked, picked) = (f.asked?, f.picked?);
+    Some(Hops {
+        to_io_us: us(picked.saturating_sub(asked)),
+        round_trip_us: us(f.ready.saturating_sub(picked)),
+        to_loop_us: us(seen.saturating_sub(f.ready.max(waiting_from))),
+    })
 }
 
 /// Whether the draft at position `index` of sequence `tag` is wrong, at a

@@ -40,6 +40,13 @@ pub struct TableSummary {
     pub fetch_p50_us: f64,
     pub fetch_p99_us: f64,
     pub fetch_max_us: f64,
+    /// Each hop of the decode steps' fetches ([`super::Hops`]: to the I/O
+    /// thread, round trip, to the loop), where the fetcher tells.
+    #[serde(skip)]
+    pub hops: [Latency; 3],
+    /// Their medians, microseconds (absent where no fetch told).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hops_p50_us: Option<super::Hops>,
 }
 
 /// The whole run (`inference-node run --json` prints it; reports read it back).
@@ -231,6 +238,15 @@ impl Summary {
         let mut from_start = Vec::with_capacity(r.tables.len());
         for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
             t.fetch.record_us(rec.ready_us);
+            if let Some(h) = rec.hops {
+                for (l, v) in t
+                    .hops
+                    .iter_mut()
+                    .zip([h.to_io_us, h.round_trip_us, h.to_loop_us])
+                {
+                    l.record_us(v);
+                }
+            }
             let window_ms = block_ms * f64::from(t.window_blocks);
             let ready_ms = rec.ready_us / 1e3;
             tables.push((window_ms, (ready_ms - window_start_ms).max(0.0)));
@@ -270,6 +286,11 @@ impl Summary {
             t.fetch_p50_us = t.fetch.quantile_us(0.5);
             t.fetch_p99_us = t.fetch.quantile_us(0.99);
             t.fetch_max_us = t.fetch.quantile_us(1.0);
+            t.hops_p50_us = (t.hops[0].count() > 0).then(|| super::Hops {
+                to_io_us: t.hops[0].quantile_us(0.5),
+                round_trip_us: t.hops[1].quantile_us(0.5),
+                to_loop_us: t.hops[2].quantile_us(0.5),
+            });
         }
     }
 
@@ -332,6 +353,12 @@ impl Summary {
                 t.zeros,
                 t.failed,
             );
+            if let Some(h) = t.hops_p50_us {
+                s += &format!(
+                    "   its hops, p50: to an I/O thread {:.0} us, round trip {:.0} us, to the loop {:.0} us\n",
+                    h.to_io_us, h.round_trip_us, h.to_loop_us
+                );
+            }
         }
         if self.rejected_positions > 0 {
             s += &format!(

@@ -27,6 +27,9 @@ struct FakeFetcher<'a, D: Fn(usize, usize) -> Duration> {
     /// When each fetch started, and when each warm-up came (with its lead).
     starts: RefCell<Vec<Duration>>,
     warmed: RefCell<Vec<(Duration, Duration)>>,
+    /// Say a fetch was taken up this long after it was asked for (its
+    /// hops); `None`: say nothing, as a fetcher that cannot tell.
+    picked_after: Option<Duration>,
 }
 
 impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
@@ -41,12 +44,14 @@ impl<'a, D: Fn(usize, usize) -> Duration> FakeFetcher<'a, D> {
             per_row: Duration::ZERO,
             starts: RefCell::new(Vec::new()),
             warmed: RefCell::new(Vec::new()),
+            picked_after: None,
         }
     }
 }
 
 impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
-    type Pending = (usize, Vec<u64>, Duration);
+    /// (slot, rows, ready, asked).
+    type Pending = (usize, Vec<u64>, Duration, Duration);
 
     fn start(&mut self, slot: usize, rows: Vec<u64>, _sweep: bool) -> Self::Pending {
         let ready = self.clock.now()
@@ -55,14 +60,18 @@ impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
         self.calls[slot] += 1;
         self.log.borrow_mut().push((slot, rows.len()));
         self.starts.borrow_mut().push(self.clock.now());
-        (slot, rows, ready)
+        (slot, rows, ready, self.clock.now())
     }
 
     fn warm(&mut self, lead: Duration) {
         self.warmed.borrow_mut().push((self.clock.now(), lead));
     }
 
-    fn wait(&mut self, (slot, rows, ready): Self::Pending) -> Fetch {
+    fn wait(&mut self, (slot, rows, ready, asked): Self::Pending) -> Fetch {
+        let (asked, picked) = match self.picked_after {
+            Some(d) => (Some(asked), Some(asked + d)),
+            None => (None, None),
+        };
         if self.fail_slot == Some(slot) {
             return Fetch {
                 ready,
@@ -82,6 +91,8 @@ impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
             ready,
             sources: vec!["fake".into()],
             messages: 1,
+            asked,
+            picked,
             ..Fetch::default()
         }
     }
@@ -238,6 +249,71 @@ fn each_step_warms_the_path_its_lead_before_the_next_steps_fetches() {
     };
     let (_, _, _, seen) = run_fake_traced(&spec, &tokens(50), |_, _| MS / 10, Duration::ZERO);
     assert!(seen.warmed.is_empty());
+}
+
+#[test]
+fn a_fetcher_that_tells_when_it_took_a_fetch_up_gets_its_hops_recorded() {
+    let clock = FakeClock::default();
+    // Layer 1's rows in after 100 us, layer 14's after 1 ms; each fetch
+    // taken up by an I/O thread 30 us after it was asked for.
+    let mut fetcher = FakeFetcher::new(&clock, |slot, _| Duration::from_micros([100, 1000][slot]));
+    fetcher.picked_after = Some(Duration::from_micros(30));
+    let mut steps = Vec::new();
+    let s = run(
+        &clock,
+        &mut fetcher,
+        &mut cpu(),
+        &params(),
+        v41_slots(1, 14),
+        &tokens(20),
+        &LoopSpec {
+            max_tokens: Some(5),
+            ..LoopSpec::default()
+        },
+        &AtomicBool::new(false),
+        &mut |r| {
+            steps.push(r.clone());
+            Ok(())
+        },
+    )
+    .expect("run");
+    for r in &steps {
+        for (t, round_trip) in r.tables.iter().zip([70.0, 970.0]) {
+            let h = t.hops.expect("hops");
+            assert!(
+                close(h.to_io_us, 30.0) && close(h.round_trip_us, round_trip),
+                "{h:?}"
+            );
+            // The loop waited from its block's start, after the rows
+            // were in: nothing to hand over.
+            assert!(close(h.to_loop_us, 0.0), "{h:?}");
+        }
+    }
+    let h = s.tables[0].hops_p50_us.expect("medians");
+    assert!(
+        (h.to_io_us - 30.0).abs() < 0.5 && (h.round_trip_us - 70.0).abs() < 0.5,
+        "{h:?}"
+    );
+    assert!(
+        s.render()
+            .contains("its hops, p50: to an I/O thread 30 us, round trip 70 us")
+    );
+    // A fetcher that cannot tell: no hops.
+    let (s, steps, _) = run_fake(
+        &LoopSpec {
+            max_tokens: Some(2),
+            ..LoopSpec::default()
+        },
+        &tokens(20),
+        |_, _| MS / 10,
+        Duration::ZERO,
+    );
+    assert!(
+        steps
+            .iter()
+            .all(|r| r.tables.iter().all(|t| t.hops.is_none()))
+    );
+    assert!(s.tables[0].hops_p50_us.is_none());
 }
 
 #[test]
