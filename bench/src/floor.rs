@@ -84,6 +84,11 @@ pub struct FloorArgs {
     /// (like for like). 0: both servers block.
     #[arg(long, default_value_t = 0)]
     pub(crate) server_busy_poll_us: u64,
+    /// More arguments for the donor's `serve` (repeat the flag), e.g.
+    /// `--donor-arg=--copy-tables` to serve a copy instead of the table
+    /// files' pages.
+    #[arg(long = "donor-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub(crate) donor_args: Vec<String>,
 }
 
 /// Arguments of the floor's server side.
@@ -274,16 +279,25 @@ fn gather(
         let id = u64::from_le_bytes(ids[i * 8..i * 8 + 8].try_into().unwrap_or_default());
         (&tables[(i / 24) % tables.len()], id)
     };
-    for i in 0..k {
+    // Every row prefetched first (as the donor does) up to a window's
+    // worth; a longer request keeps the window ahead of the copies.
+    for i in 0..k.min(PREFETCH_AHEAD) {
         let (t, id) = row(i);
         t.prefetch(id);
     }
     for i in 0..k {
+        if i + PREFETCH_AHEAD < k {
+            let (t, id) = row(i + PREFETCH_AHEAD);
+            t.prefetch(id);
+        }
         let (t, id) = row(i);
         answer[start + i * ROW_BYTES..][..ROW_BYTES].copy_from_slice(t.row(id)?);
     }
     Some(())
 }
+
+/// Rows a gather prefetches ahead of the one it copies.
+const PREFETCH_AHEAD: usize = 64;
 
 /// Check `s` without sleeping (`recv` with `MSG_PEEK | MSG_DONTWAIT`) for
 /// up to `budget`, as the donor's busy-poll mode does, before a read.
@@ -321,6 +335,8 @@ struct FloorConn {
     /// Ask the server to gather this many random rows below this bound
     /// (and check them); `None`: move bytes only.
     gather: Option<(usize, u64, SplitMix64)>,
+    /// The row ids of the gathering request being timed.
+    asked: Vec<u64>,
 }
 
 impl FloorConn {
@@ -336,13 +352,14 @@ impl FloorConn {
             resp: vec![0u8; resp_len],
             poll,
             gather: None,
+            asked: Vec::new(),
         })
     }
 
     /// The same sizes, the server gathering `rows` random rows of tables of
     /// `rows_per_table` into each answer.
     fn gathering(mut self, rows: usize, rows_per_table: u64, seed: u64) -> Result<Self> {
-        if rows > 48
+        if rows > BULK_ROWS
             || GATHER_ROWS_AT + rows * 8 > self.req.len()
             || rows * ROW_BYTES > self.resp.len()
         {
@@ -352,12 +369,13 @@ impl FloorConn {
         self.req[4..8].copy_from_slice(&resp.to_le_bytes());
         self.req[8..12].copy_from_slice(&(rows as u32).to_le_bytes());
         self.gather = Some((rows, rows_per_table, SplitMix64::new(seed)));
+        self.asked = vec![0; rows];
         Ok(self)
     }
 
     fn one(&mut self) -> Result<Duration> {
         use std::os::fd::AsRawFd;
-        let mut asked = [0u64; 48];
+        let asked = &mut self.asked;
         if let Some((rows, bound, rng)) = self.gather.as_mut() {
             for (i, id) in asked.iter_mut().take(*rows).enumerate() {
                 *id = rng.below(*bound);
@@ -389,7 +407,7 @@ impl FloorConn {
         let took = t.elapsed();
         if let Some((rows, ..)) = self.gather {
             let at = self.resp.len() - rows * ROW_BYTES;
-            for (s, ids) in asked[..rows].chunks(24).enumerate() {
+            for (s, ids) in self.asked[..rows].chunks(24).enumerate() {
                 let bytes = &self.resp[at + s * 24 * ROW_BYTES..][..ids.len() * ROW_BYTES];
                 if let Some(r) = first_mismatch(SEED, TABLES[s % TABLES.len()].0, ids, bytes) {
                     bail!("the gathering floor returned a wrong row: row {r}");
@@ -541,6 +559,7 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         rack.as_ref(),
         args.no_pin,
         args.server_busy_poll_us,
+        &args.donor_args,
     )?;
     let pinned = servers.pinned;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -662,6 +681,7 @@ impl Servers {
         rack: Option<&transports::Rack>,
         no_pin: bool,
         busy_poll_us: u64,
+        extra: &[String],
     ) -> Result<Self> {
         let config;
         let mut serve_args: Vec<&str> = match rack {
@@ -680,6 +700,7 @@ impl Servers {
         if busy_poll_us > 0 {
             serve_args.extend(["--busy-poll-us", poll.as_str()]);
         }
+        serve_args.extend(extra.iter().map(String::as_str));
         // Servers on the last CPU, the client on the first: the same placement
         // for the floor and the donor, run after run.
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -821,13 +842,22 @@ fn build_series(
     for (kind, name) in [
         (Kind::Floor(Duration::ZERO), "floor, blocking client"),
         (Kind::Donor(0), "donor, project client"),
+        (
+            Kind::Gathering(Duration::ZERO),
+            "floor gathering rows, blocking client",
+        ),
     ] {
         let seed = 7 + series.len() as u64;
         series.push(Series {
             kind,
             floor: match kind {
                 Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
-                _ => None,
+                Kind::Gathering(poll) => Some(FloorConn::new(floor, req, ans, poll)?.gathering(
+                    BULK_ROWS,
+                    rows_per_table,
+                    seed,
+                )?),
+                Kind::Donor(_) => None,
             },
             donor: DonorSeries::new(1, BULK_ROWS, rows_per_table, seed),
             share: BULK_SHARE,

@@ -113,17 +113,36 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
             });
         }
     }
-    // After both sizes: the bulk floor, then the donor's bulk lookup.
-    if let [floor, donor] = results.get(2 * block..2 * block + 2).unwrap_or_default() {
-        let (f, d) = (&floor.median, &donor.median);
-        ratios.push(Ratio {
+    // After both sizes: the bulk floor, the donor's bulk lookup, and the
+    // floor that also gathers the same number of random rows.
+    if let [floor, donor, gathering] = results.get(2 * block..2 * block + 3).unwrap_or_default() {
+        let (f, d, g) = (&floor.median, &donor.median, &gathering.median);
+        let ratio = |what: &str, num: &super::Summary, den: &super::Summary, target| Ratio {
             rows: super::BULK_ROWS,
-            what: "bulk, one connection: donor / raw ping-pong of the same bytes".into(),
-            p50: d.p50_us / f.p50_us,
-            p99: d.p99_us / f.p99_us,
-            p999: d.p999_us / f.p999_us,
-            target: Some((BULK_P50, None)),
-        });
+            what: what.into(),
+            p50: num.p50_us / den.p50_us,
+            p99: num.p99_us / den.p99_us,
+            p999: num.p999_us / den.p999_us,
+            target,
+        };
+        ratios.push(ratio(
+            "bulk, one connection: donor / raw ping-pong of the same bytes",
+            d,
+            f,
+            Some((BULK_P50, None)),
+        ));
+        ratios.push(ratio(
+            "bulk: floor gathering the rows / raw ping-pong (the gather's own cost)",
+            g,
+            f,
+            None,
+        ));
+        ratios.push(ratio(
+            "bulk: donor / floor gathering the same rows",
+            d,
+            g,
+            None,
+        ));
     }
     ratios
 }
