@@ -415,7 +415,14 @@ impl<'a> Handler<'a> {
                 continue;
             }
             let table = &tables[ti];
+            // The rows past the first PREFETCH_AHEAD are prefetched that
+            // far ahead of their copy (a long lookup's early prefetches
+            // would otherwise be evicted before they are used).
+            let mut ahead = s.rows.iter().skip(PREFETCH_AHEAD);
             for r in s.rows.iter() {
+                if let Some(a) = ahead.next() {
+                    table.prefetch(a);
+                }
                 // In range: checked above.
                 if let Some(row) = table.row(r) {
                     out.extend_from_slice(row);
@@ -434,16 +441,25 @@ impl<'a> Handler<'a> {
     }
 }
 
-/// Range-check every row and start loading the valid ones into cache, in
-/// one pass; false when a row is out of range.
+/// Rows a lookup starts loading into cache before it copies the first,
+/// and then ahead of each copy: all of a decode step's (24 or 48), a
+/// window of a long lookup's. (16,384 random rows gathered: 4.0 ms with
+/// every row prefetched first, 3.2 ms with this window, `engram-bench
+/// floor`'s bulk series.)
+const PREFETCH_AHEAD: usize = 64;
+
+/// Range-check every row and start loading the first [`PREFETCH_AHEAD`]
+/// valid ones into cache, in one pass; false when a row is out of range.
 fn prefetch_all(
     table: &engram_store::resident::ResidentTable,
     rows: engram_protocol::messages::RowIds<'_>,
 ) -> bool {
     let mut ok = true;
-    for r in rows.iter() {
+    for (i, r) in rows.iter().enumerate() {
         ok &= r < table.rows;
-        table.prefetch(r);
+        if i < PREFETCH_AHEAD {
+            table.prefetch(r);
+        }
     }
     ok
 }
