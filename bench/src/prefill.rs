@@ -6,6 +6,8 @@
 //! by a veth pair shaped to `--link-mbit` on both ends (a token bucket):
 //! on a rack each donor has its own cable, and here the shaping makes the
 //! link, not the two processes sharing this machine's cores, the bound.
+//! `--link-mbit 0` leaves the links unshaped: the per-byte work of every
+//! side (copies, checksums, TLS) is then the bound.
 //! Series, per prompt length (positions; 24 distinct rows per position and
 //! table, as a full-size table's hashing gives):
 //!
@@ -61,7 +63,8 @@ pub struct PrefillArgs {
     /// longest prompt's 24 rows per position).
     #[arg(long, default_value_t = 1_600_000)]
     rows: u64,
-    /// Each donor link's rate, Mbit/s each way.
+    /// Each donor link's rate, Mbit/s each way; 0: unshaped (the veth
+    /// pair as fast as the two cores move bytes).
     #[arg(long, default_value_t = 2000)]
     link_mbit: u32,
     /// Rounds (figures are medians over them).
@@ -317,16 +320,14 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     NetNs::check()
         .map_err(|e| anyhow::anyhow!("the prefill bench needs network namespaces: {e}"))?;
     std::fs::create_dir_all(&args.out)?;
+    // Absolute: the rack config names the table files, and a config's
+    // relative paths are taken from the config's own directory.
+    let out =
+        std::fs::canonicalize(&args.out).with_context(|| format!("{}", args.out.display()))?;
     let mut pinned = Vec::new();
     let mut files = Vec::new();
     for (i, &t) in TABLES.iter().enumerate() {
-        let (path, digest) = gen_table(
-            &args.out,
-            &format!("prefill-{t}"),
-            t,
-            args.rows,
-            11 + i as u64,
-        )?;
+        let (path, digest) = gen_table(&out, &format!("prefill-{t}"), t, args.rows, 11 + i as u64)?;
         pinned.push((t, digest));
         files.push(path);
     }
@@ -334,7 +335,9 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     let mut spaces = Vec::new();
     for name in ["a", "b"] {
         let ns = NetNs::create(&format!("prefill{name}"))?;
-        ns.shape(args.link_mbit)?;
+        if args.link_mbit > 0 {
+            ns.shape(args.link_mbit)?;
+        }
         spaces.push(ns);
     }
     let tables: Vec<(u32, TableDigest, PathBuf)> = pinned
@@ -343,7 +346,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         .map(|(&(t, d), p)| (t, d, p.clone()))
         .collect();
     let ips = [spaces[0].addr(), spaces[1].addr()];
-    let rack = write_rack(&args.out, &tables, args.rows, ips, &args.transports)?;
+    let rack = write_rack(&out, &tables, args.rows, ips, &args.transports)?;
     let mut donors = Vec::new();
     let mut floors = Vec::new();
     for (name, ns) in ["a", "b"].into_iter().zip(&spaces) {
@@ -563,14 +566,24 @@ fn floor_once(s: &mut TcpStream, bytes: usize, sink: &mut [u8]) -> Result<f64> {
     Ok(t0.elapsed().as_secs_f64())
 }
 
+/// How the links were shaped, for titles.
+fn links(mbit: u32) -> String {
+    if mbit == 0 {
+        "unshaped".into()
+    } else {
+        format!("shaped to {mbit} Mbit/s")
+    }
+}
+
 fn gbps(bytes: usize, ms: f64) -> f64 {
     bytes as f64 / (ms / 1e3) / 1e9
 }
 
 fn print_report(r: &Report) {
     println!(
-        "prefill: both tables' rows of a prompt in one sweep; each donor on its own link shaped to {} Mbit/s; medians of {} rounds",
-        r.link_mbit, r.rounds
+        "prefill: both tables' rows of a prompt in one sweep; each donor on its own link {}; medians of {} rounds",
+        links(r.link_mbit),
+        r.rounds
     );
     let ms_gbps = |bytes: usize, ms: f64| format!("{ms:.2} ({:.3})", gbps(bytes, ms));
     let mut rows: Vec<Vec<String>> = Vec::new();
@@ -642,8 +655,9 @@ fn chart(r: &Report) -> Bars {
     }
     Bars {
         title: format!(
-            "prefill sweep bandwidth, links shaped to {} Mbit/s (median of {})",
-            r.link_mbit, r.rounds
+            "prefill sweep bandwidth, links {} (median of {})",
+            links(r.link_mbit),
+            r.rounds
         ),
         unit: "GB/s".into(),
         bars,
