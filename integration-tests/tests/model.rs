@@ -1,7 +1,7 @@
 //! `inference-node run` against real donor processes: the trace and
 //! summary, fused outputs identical to a run on local RAM (with a wide
-//! prefill cut into several messages), and a clear refusal to start when a
-//! table has no usable source.
+//! prefill cut into several messages), a clear refusal to start when a
+//! table has no usable source, and the warm-up's Pings before each step.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -215,4 +215,43 @@ fn a_wide_batch_step_is_one_message_per_table_up_to_the_frame_cap() {
             assert_eq!(table["messages"], 1, "{table}");
         }
     }
+}
+
+/// The node's warm-up pings each table's first donor once before every
+/// step (`--warm-us`, on by default: both tables route to the one donor
+/// here, so two Pings a step), and not at all with `--warm-us 0`.
+#[test]
+fn a_paced_node_pings_its_donor_before_each_step_unless_told_not_to() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let donor = DonorProcess::start(&[
+        "--config",
+        &config.display().to_string(),
+        "--name",
+        "d",
+        "--metrics",
+        "127.0.0.1:0",
+    ])
+    .expect("donor starts");
+    let metrics = donor
+        .ops()
+        .expect("ops line")
+        .metrics
+        .expect("metrics address");
+    let pings = || {
+        let text = integration_tests::scrape(metrics).expect("scrape");
+        integration_tests::sample(&text, "engram_donor_pings_total").expect("pings series")
+    };
+    let before = pings();
+    let (ok, _, err) = run(&config, "n", &["--tokens", "40"]);
+    assert!(ok, "{err}");
+    let warm = pings() - before;
+    // 40 steps x 2 tables; the last step's Pings may not leave before
+    // the node exits, and a probe may add one.
+    assert!((60.0..=84.0).contains(&warm), "{warm} Pings for 40 steps");
+    let before = pings();
+    let (ok, _, err) = run(&config, "n", &["--tokens", "40", "--warm-us", "0"]);
+    assert!(ok, "{err}");
+    let cold = pings() - before;
+    assert!(cold <= 4.0, "{cold} Pings with the warm-up off");
 }

@@ -4,7 +4,8 @@
 //! costs the scraper, not the lookups.
 //!
 //! Series (all prefixed `engram_donor_`): `lookups_total`, `rows_total`,
-//! `bytes_total`, `errors_total{code}`, `refusals_total{plane,reason}`,
+//! `bytes_total`, `pings_total`, `errors_total{code}`,
+//! `refusals_total{plane,reason}`,
 //! `connection_errors_total{reason}`, `service_time_seconds` (histogram),
 //! `connections_open`, `connections_accepted_total`,
 //! `connections_refused_total`, `table_state{table,layer,state}`,
@@ -106,6 +107,12 @@ impl Collector for DonorCollector {
         }
         counter(e, "rows", "Rows served.", s.rows)?;
         counter(e, "bytes", "Bytes of Rows frames written.", s.bytes)?;
+        counter(
+            e,
+            "pings",
+            "Pings answered (a node's warm-up before each step, and its probes).",
+            s.pings,
+        )?;
         {
             let mut m = e.encode_descriptor(
                 "errors",

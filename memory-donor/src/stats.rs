@@ -102,6 +102,8 @@ pub struct Stats {
     pub rows: AtomicU64,
     /// Bytes of Rows frames written.
     pub bytes: AtomicU64,
+    /// Pings answered (a node's warm-up before each step, its probes).
+    pub pings: AtomicU64,
     /// Time from a whole Lookup frame to its answer encoded.
     pub service: ServiceTime,
     errors: [AtomicU64; ERROR_SLOTS],
@@ -178,6 +180,7 @@ impl Stats {
             lookups: load(&self.lookups),
             rows: load(&self.rows),
             bytes: load(&self.bytes),
+            pings: load(&self.pings),
             errors: std::array::from_fn(|i| load(&self.errors[i])),
             service: self.service.snapshot(),
         }
@@ -197,6 +200,8 @@ pub struct StatsSnapshot {
     pub lookups: u64,
     /// Rows served.
     pub rows: u64,
+    /// Pings answered.
+    pub pings: u64,
     /// Bytes of Rows frames written.
     pub bytes: u64,
     /// Errors by code (index: the code's number; the last slot also holds larger codes).

@@ -220,6 +220,10 @@ impl<'a> Handler<'a> {
             Frame::Ping if self.ready => {
                 encode_ping(out, h.request_id, true);
                 self.pinged = true;
+                self.shared
+                    .stats
+                    .pings
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Action::Continue
             }
             Frame::Pong if self.ready => Action::Continue,
