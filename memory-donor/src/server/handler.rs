@@ -391,7 +391,9 @@ impl<'a> Handler<'a> {
                 Some(i) if tables[i].digest_prefix != s.digest_prefix => {
                     Some(ErrorCode::VersionMismatch)
                 }
-                Some(i) if !prefetch_all(&tables[i], s.rows) => Some(ErrorCode::RowOutOfRange),
+                Some(i) if !check_and_prefetch(&tables[i], s.rows) => {
+                    Some(ErrorCode::RowOutOfRange)
+                }
                 Some(_) => None,
             };
             if let Some(code) = status {
@@ -454,7 +456,7 @@ const PREFETCH_AHEAD: usize = 64;
 
 /// Range-check every row and start loading the first [`PREFETCH_AHEAD`]
 /// valid ones into cache, in one pass; false when a row is out of range.
-fn prefetch_all(
+fn check_and_prefetch(
     table: &engram_store::resident::ResidentTable,
     rows: engram_protocol::messages::RowIds<'_>,
 ) -> bool {
