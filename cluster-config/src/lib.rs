@@ -21,6 +21,7 @@ pub mod model;
 pub mod pki;
 pub mod plan;
 mod raw;
+pub mod records;
 pub mod tls;
 mod validate;
 pub use validate::pages_by_default;

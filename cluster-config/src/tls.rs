@@ -255,6 +255,9 @@ impl Material {
         c.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
         c.send_tls13_tickets = 0;
         c.max_early_data_size = 0;
+        // The data plane seals and opens its records itself, in place
+        // (crate::records), with the keys rustls hands over.
+        c.enable_secret_extraction = true;
         Ok(Arc::new(c))
     }
 
@@ -268,6 +271,7 @@ impl Material {
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
             .map_err(|e| TlsError::Config(e.to_string()))?;
         c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        c.enable_secret_extraction = true;
         Ok(Arc::new(c))
     }
 
@@ -395,7 +399,7 @@ impl Reloadable {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use rcgen::{
         BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -496,7 +500,7 @@ mod tests {
     }
 
     /// A donor's and a node's material from one CA (the directory holds the files).
-    fn donor_and_node() -> (tempfile::TempDir, Material, Material) {
+    pub(crate) fn donor_and_node() -> (tempfile::TempDir, Material, Material) {
         let dir = tempfile::tempdir().expect("tempdir");
         let rack = ca();
         let load = |name: &str| {
