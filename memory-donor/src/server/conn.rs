@@ -8,41 +8,49 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use engram_protocol::{FrameHeader, HEADER_LEN};
 
 use super::ended::Ended;
 use super::handler::Handler;
-use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
-use super::{Conn, Shared, Slot};
+use cluster_config::records::{MAX_RECORD, Opened, Progress, record_len};
 
-/// Ciphertext read from the socket and not yet given to rustls.
+use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
+use super::{Conn, Shared, Slot, TlsSession};
+
+/// Ciphertext read from the socket and not yet opened: whole records are
+/// opened in place here, then their plaintext copied to the frame buffer.
 #[derive(Debug)]
-struct TlsIn {
+pub(super) struct TlsIn {
     buf: Vec<u8>,
     start: usize,
     end: usize,
 }
 
 impl TlsIn {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Self {
-            buf: vec![0; INITIAL_BUF],
+            buf: vec![0; INITIAL_BUF.max(MAX_RECORD)],
             start: 0,
             end: 0,
         }
     }
 }
 
-fn tls_error(e: rustls::Error) -> io::Error {
+fn tls_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
-/// Read more plaintext into `rb`: straight from the socket, or through the
-/// connection's TLS session. The session is locked only while bytes move
-/// through it, never during a blocking read, so a drain's Goodbye from
+fn lock(session: &Mutex<TlsSession>) -> MutexGuard<'_, TlsSession> {
+    session.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Read more plaintext into `rb`: straight from the socket, or over TLS by
+/// opening the next whole record in place and copying its plaintext (one
+/// copy, no allocation). The session is locked only while a record is
+/// opened, never during a blocking read, so a drain's Goodbye from
 /// another thread is never held up by a silent peer. Ciphertext waits in
 /// `tin` until the frame buffer has room: a pipelining client is bounded
 /// by the same buffers and flow control as over plain TCP.
@@ -58,39 +66,44 @@ fn fill(
         return rb.read_from(stream);
     };
     loop {
-        if rb.end == rb.buf.len() {
-            rb.reserve_frame(rb.end - rb.start + HEADER_LEN);
-        }
-        {
-            let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
-            match s.reader().read(&mut rb.buf[rb.end..]) {
-                // The peer's close_notify.
-                Ok(0) => return Ok(0),
-                Ok(n) => {
+        let whole = record_len(&tin.buf[tin.start..tin.end]).map_err(tls_error)?;
+        if let Some(len) = whole.filter(|&len| tin.end - tin.start >= len) {
+            // Room for the record's plaintext, at most its length.
+            if rb.buf.len() - rb.end < len {
+                rb.reserve_frame(rb.end - rb.start + len);
+            }
+            let rec = &mut tin.buf[tin.start..tin.start + len];
+            let opened = match &mut *lock(session) {
+                TlsSession::Open { records, .. } => records.open(rec),
+                _ => return Err(io::ErrorKind::NotConnected.into()),
+            };
+            tin.start += len;
+            match opened.map_err(tls_error)? {
+                Opened::Data(r) if !r.is_empty() => {
+                    let n = r.len();
+                    rb.buf[rb.end..rb.end + n].copy_from_slice(&rec[r]);
                     rb.end += n;
                     return Ok(n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
-            if tin.start < tin.end {
-                let mut pending = &tin.buf[tin.start..tin.end];
-                let n = s.read_tls(&mut pending)?;
-                tin.start += n;
-                if let Err(e) = s.process_new_packets() {
-                    // Tell the peer why (an alert) before closing.
-                    let _ = s.write_tls(&mut &*stream);
-                    return Err(tls_error(e));
-                }
-                continue;
+                // An empty record, a key update (answered with our next
+                // record), a ticket: nothing for the frames.
+                Opened::Data(_) | Opened::Nothing => continue,
+                // The peer's close_notify.
+                Opened::Closed => return Ok(0),
             }
         }
+        // The next record's bytes go after what is buffered: move that to
+        // the front when the buffer has not the room for a whole record.
+        if tin.buf.len() - tin.start < MAX_RECORD {
+            tin.buf.copy_within(tin.start..tin.end, 0);
+            (tin.start, tin.end) = (0, tin.end - tin.start);
+        }
         spin_until_readable(stream, spin);
-        let n = stream.read(&mut tin.buf)?;
+        let n = stream.read(&mut tin.buf[tin.end..])?;
         if n == 0 {
             return Ok(0);
         }
-        (tin.start, tin.end) = (0, n);
+        tin.end += n;
     }
 }
 
@@ -135,52 +148,89 @@ pub(super) fn spin_until_readable(stream: &TcpStream, budget: Duration) -> bool 
 }
 
 /// Write buffered answers under the connection's write lock (a drain's
-/// Goodbye may be written from another thread); over TLS, encrypt them
-/// first, in the same critical section, so records go out in order.
-fn flush(conn: &Conn, out: &mut Vec<u8>) -> io::Result<()> {
+/// Goodbye may be written from another thread); over TLS, seal them into
+/// `sealed` first under the same lock, so records go out in order.
+fn flush(conn: &Conn, out: &mut Vec<u8>, sealed: &mut Vec<u8>) -> io::Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
     let Some(session) = &conn.tls else {
-        if out.is_empty() {
-            return Ok(());
-        }
-        let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
         let r = (&conn.stream).write_all(out);
         out.clear();
         return r;
     };
-    let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
-    let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
-    let r = cluster_config::tls::seal_and_send(&mut s, out, &mut &conn.stream);
+    sealed.clear();
+    let r = match &mut *lock(session) {
+        TlsSession::Open { records, .. } => records.seal(out, sealed).map_err(tls_error),
+        _ => Err(io::ErrorKind::NotConnected.into()),
+    };
     out.clear();
-    r
+    r?;
+    (&conn.stream).write_all(sealed)
 }
 
 /// Run the TLS handshake to completion by `deadline` (an absolute bound: a
-/// peer trickling bytes cannot stretch it).
-fn handshake(stream: &mut TcpStream, conn: &Conn, deadline: Instant) -> io::Result<()> {
+/// peer trickling bytes cannot stretch it). Ciphertext that came after it
+/// is left in `tin`; application data that came with it, in `early`.
+fn handshake(
+    stream: &mut TcpStream,
+    conn: &Conn,
+    deadline: Instant,
+    tin: &mut TlsIn,
+    early: &mut Vec<u8>,
+) -> io::Result<()> {
     let Some(session) = &conn.tls else {
         return Ok(());
     };
-    let mut s = session.lock().unwrap_or_else(|p| p.into_inner());
+    // The session is held throughout (a Goodbye meanwhile just closes).
+    let mut s = lock(session);
+    let TlsSession::Handshaking(mut hs) = std::mem::replace(&mut *s, TlsSession::Failed) else {
+        return Err(io::ErrorKind::NotConnected.into());
+    };
+    let mut incoming = Vec::with_capacity(16 << 10);
+    let mut out = Vec::new();
+    let mut chunk = vec![0u8; 16 << 10];
     loop {
-        while s.wants_write() {
-            s.write_tls(stream)?;
-        }
-        if !s.is_handshaking() {
-            return Ok(());
+        let r = hs.advance(&mut incoming, &mut out, early);
+        // On an error, `out` holds the alert that tells the peer why.
+        let sent = stream.write_all(&out);
+        out.clear();
+        match r {
+            Err(e) => return Err(tls_error(e)),
+            Ok(Progress::Done) => {
+                sent?;
+                break;
+            }
+            Ok(Progress::NeedInput) => sent?,
         }
         let rest = deadline
             .checked_duration_since(Instant::now())
             .filter(|d| !d.is_zero())
             .ok_or(io::ErrorKind::TimedOut)?;
         stream.set_read_timeout(Some(rest))?;
-        if s.read_tls(stream)? == 0 {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        if let Err(e) = s.process_new_packets() {
-            let _ = s.write_tls(stream);
-            return Err(tls_error(e));
-        }
+        incoming.extend_from_slice(&chunk[..n]);
     }
+    let chain = hs
+        .peer_certificates()
+        .map(|c| c.to_vec())
+        .unwrap_or_default();
+    let records = hs.into_records().map_err(tls_error)?;
+    // At most the handshake's bound: the buffer takes it.
+    if incoming.len() > tin.buf.len() {
+        tin.buf.resize(incoming.len(), 0);
+    }
+    tin.buf[..incoming.len()].copy_from_slice(&incoming);
+    (tin.start, tin.end) = (0, incoming.len());
+    *s = TlsSession::Open {
+        records: Box::new(records),
+        chain,
+    };
+    Ok(())
 }
 
 /// A TLS alert record: fatal (2), protocol_version (70).
@@ -204,13 +254,15 @@ fn plaintext_hello(stream: &TcpStream) -> bool {
 /// would reset the connection and lose the error before the peer reads it.
 /// All of it within 200 ms and 64 KiB, however the peer trickles.
 fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
-    flush(conn, out)?;
+    let mut sealed = Vec::new();
+    flush(conn, out, &mut sealed)?;
     if let Some(session) = &conn.tls {
-        session
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send_close_notify();
-        flush(conn, out)?;
+        let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        sealed.clear();
+        if let TlsSession::Open { records, .. } = &mut *lock(session) {
+            records.seal_close_notify(&mut sealed).map_err(tls_error)?;
+        }
+        (&conn.stream).write_all(&sealed)?;
     }
     linger_close(stream)
 }
@@ -273,6 +325,8 @@ fn admit(
     conn: &Conn,
     shared: &Shared,
     deadline: Instant,
+    tin: &mut TlsIn,
+    early: &mut Vec<u8>,
 ) -> io::Result<Option<(String, super::Chain)>> {
     let stats = &shared.stats;
     // The peek waits for the first bytes: within the deadline too.
@@ -292,7 +346,7 @@ fn admit(
         let _ = linger_close(stream);
         return Ok(None);
     }
-    if let Err(e) = handshake(stream, conn, deadline) {
+    if let Err(e) = handshake(stream, conn, deadline, tin, early) {
         let reason = match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => "handshake_timeout",
             _ => "handshake_failed",
@@ -307,11 +361,10 @@ fn admit(
         return Ok(None);
     };
     let (identity, chain) = {
-        let s = session.lock().unwrap_or_else(|p| p.into_inner());
-        let chain: super::Chain = s
-            .peer_certificates()
-            .map(|c| c.iter().map(|x| x.clone().into_owned()).collect())
-            .unwrap_or_default();
+        let chain: super::Chain = match &*lock(session) {
+            TlsSession::Open { chain, .. } => chain[..].into(),
+            _ => return Ok(None),
+        };
         (cluster_config::tls::peer_identity(Some(&chain[..])), chain)
     };
     let allowed = identity
@@ -362,9 +415,11 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>,
     let hello_deadline = (!cfg.hello_timeout.is_zero())
         .then(|| Instant::now() + shared.preauth.deadline(cfg.hello_timeout));
     let mut handler = Handler::new(&shared, Arc::clone(&cfg));
+    let mut tin = TlsIn::new();
+    let mut early = Vec::new();
     if conn.tls.is_some() {
         let deadline = hello_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(10));
-        match admit(&mut stream, &conn, &shared, deadline) {
+        match admit(&mut stream, &conn, &shared, deadline, &mut tin, &mut early) {
             Ok(Some((identity, chain))) => handler.set_identity(identity, chain),
             Ok(None) | Err(_) => return,
         }
@@ -382,10 +437,15 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>,
         conn.peer,
         conn.tls.is_none(),
     );
+    // Application data that came with the handshake's last flight.
+    pump.rb.reserve_frame(early.len());
+    pump.rb.buf[..early.len()].copy_from_slice(&early);
+    pump.rb.end = early.len();
     if let Err(ended) = session(
         &mut stream,
         &conn,
         &shared,
+        &mut tin,
         &mut pump,
         hello_deadline,
         &mut slot,
@@ -400,13 +460,14 @@ fn session(
     stream: &mut TcpStream,
     conn: &Conn,
     shared: &Shared,
+    tin: &mut TlsIn,
     pump: &mut Pump<'_>,
     hello_deadline: Option<Instant>,
     slot: &mut Slot,
 ) -> Result<(), Ended> {
     let cfg = shared.config();
-    let mut tin = TlsIn::new();
     let mut out = Vec::with_capacity(INITIAL_BUF);
+    let mut sealed = Vec::with_capacity(if conn.tls.is_some() { INITIAL_BUF } else { 0 });
     let writing = |e: io::Error| Ended::writing(&e);
     let socket = |e: io::Error| Ended::new("socket_error", e.to_string());
     loop {
@@ -424,7 +485,7 @@ fn session(
             }
             match step {
                 Step::NeedInput => break,
-                Step::Flush => flush(conn, &mut out).map_err(writing)?,
+                Step::Flush => flush(conn, &mut out, &mut sealed).map_err(writing)?,
                 Step::Ready => set_timeout(stream, cfg.idle_timeout).map_err(socket)?,
                 Step::Close => {
                     // The error frame is the peer's to read; that the
@@ -434,7 +495,7 @@ fn session(
                 }
             }
         }
-        flush(conn, &mut out).map_err(writing)?;
+        flush(conn, &mut out, &mut sealed).map_err(writing)?;
         if !pump.handler.is_ready()
             && let Some(deadline) = hello_deadline
         {
@@ -451,7 +512,7 @@ fn session(
         } else {
             cfg.busy_poll
         };
-        match fill(stream, conn, &mut pump.rb, &mut tin, spin) {
+        match fill(stream, conn, &mut pump.rb, tin, spin) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -127,7 +127,22 @@ struct Conn {
     stream: TcpStream,
     write_lock: Mutex<()>,
     /// The TLS session of a `tls://` connection.
-    tls: Option<Mutex<rustls::ServerConnection>>,
+    tls: Option<Mutex<TlsSession>>,
+}
+
+/// A `tls://` connection's session: rustls' handshake, then records sealed
+/// and opened in place (cluster_config::records) with the keys it handed
+/// over, and the client's certificate chain kept for re-checks.
+#[derive(Debug)]
+enum TlsSession {
+    Handshaking(Box<cluster_config::records::Handshake>),
+    Open {
+        records: Box<cluster_config::records::Records>,
+        chain: Vec<rustls::pki_types::CertificateDer<'static>>,
+    },
+    /// The handshake failed (or is being run by the connection's thread,
+    /// which holds the session meanwhile).
+    Failed,
 }
 
 impl Shared {
@@ -284,15 +299,11 @@ impl Shared {
         let conns: Vec<Arc<Conn>> = self.conns().values().cloned().collect();
         for c in conns {
             let Some(session) = &c.tls else { continue };
-            let chain: Option<Vec<rustls::pki_types::CertificateDer<'static>>> = {
-                let s = session.lock().unwrap_or_else(|p| p.into_inner());
-                if s.is_handshaking() {
-                    None
-                } else {
-                    s.peer_certificates()
-                        .map(|ch| ch.iter().map(|x| x.clone().into_owned()).collect())
-                }
-            };
+            let chain: Option<Vec<rustls::pki_types::CertificateDer<'static>>> =
+                match &*session.lock().unwrap_or_else(|p| p.into_inner()) {
+                    TlsSession::Open { chain, .. } => Some(chain.clone()),
+                    _ => None,
+                };
             let Some(chain) = chain else { continue };
             if let Err(why) = tls.still_admits(&chain, Plane::Data) {
                 tracing::warn!(conn = c.id, peer = %c.peer, "TLS session cut: {why}");
@@ -471,8 +482,8 @@ fn spawn_connection(
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let tls = match (tls, shared.tls()) {
         (false, _) => None,
-        (true, Some(t)) => match rustls::ServerConnection::new(t.data_config()) {
-            Ok(s) => Some(Mutex::new(s)),
+        (true, Some(t)) => match cluster_config::records::Handshake::server(t.data_config()) {
+            Ok(s) => Some(Mutex::new(TlsSession::Handshaking(Box::new(s)))),
             Err(e) => {
                 if let Some(suppressed) = CONN_WARN.allow() {
                     tracing::warn!(%peer, error = %e, suppressed, "cannot start a TLS session; dropping connection");
@@ -672,9 +683,12 @@ fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
                 let _ = c.stream.shutdown(std::net::Shutdown::Both);
                 return;
             };
-            if s.is_handshaking()
-                || cluster_config::tls::seal_and_send(&mut s, bye, &mut sealed).is_err()
-            {
+            let TlsSession::Open { records, .. } = &mut *s else {
+                drop(s);
+                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                return;
+            };
+            if records.seal(bye, &mut sealed).is_err() {
                 drop(s);
                 let _ = c.stream.shutdown(std::net::Shutdown::Both);
                 return;
