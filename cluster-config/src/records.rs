@@ -344,7 +344,7 @@ pub fn record_len(buf: &[u8]) -> Result<Option<usize>, RecordError> {
         return Ok(None);
     };
     let len = usize::from(u16::from_be_bytes([h[3], h[4]]));
-    if h[0] != 23 || h[1] != 3 || len > MAX_RECORD - HEADER || len < TAG + 1 {
+    if h[0] != 23 || h[1] != 3 || !(TAG + 1..=MAX_RECORD - HEADER).contains(&len) {
         return Err(RecordError::BadHeader { kind: h[0], len });
     }
     Ok(Some(HEADER + len))
