@@ -70,7 +70,7 @@ fn open_all(r: &mut Records, wire: &mut Vec<u8>) -> Result<(Vec<u8>, bool), Reco
 #[test]
 fn records_sealed_here_open_here_both_ways_at_any_size() {
     let (mut c, mut s) = pair();
-    for size in [0usize, 1, 6_336, MAX_PLAIN, MAX_PLAIN + 1, 100_000] {
+    for size in [0usize, 1, 6_336, MAX_PLAIN, MAX_PLAIN + 1, 100_000, 1 << 20] {
         let msg: Vec<u8> = (0..size).map(|i| (i * 7 + size) as u8).collect();
         let mut wire = Vec::new();
         c.seal(&msg, &mut wire).expect("seal");

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use cluster_config::Transport;
+use cluster_config::records::{Handshake, Progress, Records};
 use engram_protocol::messages::{LookupSection, encode_lookup, encode_ping};
 use engram_protocol::{Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, TableInfo};
 use tokio::io::AsyncWriteExt;
@@ -238,36 +239,32 @@ async fn dial_quic(
     Ok((endpoint, conn, send, recv))
 }
 
-/// Run a TLS client handshake over `stream` to completion. Bytes the donor
-/// sends right after it stay in the session.
+/// What a TLS handshake leaves: the session's records, ciphertext the
+/// donor sent right after it, and application data that came with it.
+struct Handshaken {
+    records: Records,
+    cipher: Vec<u8>,
+    plain: Vec<u8>,
+}
+
+/// Run a TLS client handshake over `stream` to completion (rustls'
+/// unbuffered API); the records are then sealed and opened in place
+/// (cluster_config::records).
 async fn tls_handshake(
     stream: &mut TcpStream,
-    session: &mut rustls::ClientConnection,
-) -> Result<(), String> {
+    mut hs: Handshake,
+) -> Result<Handshaken, String> {
     use tokio::io::AsyncReadExt;
     let mut buf = vec![0u8; 16 << 10];
-    let mut cipher = Vec::new();
+    let (mut incoming, mut out, mut plain) = (Vec::new(), Vec::new(), Vec::new());
     loop {
-        while session.wants_write() {
-            cipher.clear();
-            session.write_tls(&mut cipher).map_err(|e| e.to_string())?;
-            stream.write_all(&cipher).await.map_err(|e| e.to_string())?;
-        }
-        if !session.is_handshaking() {
-            return Ok(());
-        }
-        let n = stream.read(&mut buf).await.map_err(|e| e.to_string())?;
-        if n == 0 {
-            return Err("the donor closed the connection during the TLS handshake".into());
-        }
-        let mut input = &buf[..n];
-        while !input.is_empty() {
-            session.read_tls(&mut input).map_err(|e| e.to_string())?;
-            if let Err(e) = session.process_new_packets() {
-                // Send our alert, then say what went wrong, with the usual cause.
-                cipher.clear();
-                let _ = session.write_tls(&mut cipher);
-                let _ = stream.write_all(&cipher).await;
+        let r = hs.advance(&mut incoming, &mut out, &mut plain);
+        // On an error, `out` holds our alert: sent before saying what went
+        // wrong, with the usual cause.
+        let sent = stream.write_all(&out).await;
+        out.clear();
+        match r {
+            Err(e) => {
                 let hint = match e {
                     rustls::Error::InvalidMessage(_) => {
                         " (is this a plaintext tcp:// port of the donor?)"
@@ -276,8 +273,23 @@ async fn tls_handshake(
                 };
                 return Err(format!("{e}{hint}"));
             }
+            Ok(Progress::Done) => {
+                sent.map_err(|e| e.to_string())?;
+                break;
+            }
+            Ok(Progress::NeedInput) => sent.map_err(|e| e.to_string())?,
         }
+        let n = stream.read(&mut buf).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the donor closed the connection during the TLS handshake".into());
+        }
+        incoming.extend_from_slice(&buf[..n]);
     }
+    Ok(Handshaken {
+        records: hs.into_records().map_err(|e| e.to_string())?,
+        cipher: incoming,
+        plain,
+    })
 }
 
 /// One section of a lookup: rows of one pinned table.
@@ -318,42 +330,43 @@ impl DonorClient {
             addr,
             message: e.to_string(),
         };
-        let (r, w, fd, session, quic) = match opts.transport {
+        let (r, w, fd, session, quic, left) = match opts.transport {
             Transport::Quic => {
                 let (endpoint, conn, send, recv) = dial_quic(addr, opts).await?;
                 let (r, w): (Box<dyn ReadHalf>, Box<dyn WriteHalf>) =
                     (Box::new(recv), Box::new(send));
-                (r, w, None, None, Some((endpoint, conn)))
+                (r, w, None, None, Some((endpoint, conn)), None)
             }
             transport => {
                 let mut stream = dial(addr, opts).await.map_err(connect_err)?;
                 stream.set_nodelay(true).map_err(connect_err)?;
-                let session = match transport {
+                let (session, left) = match transport {
                     Transport::Tls => {
                         let tls = opts.tls.as_ref().ok_or_else(|| {
                             ClientError::BadRequest(
                                 "a tls:// donor needs the rack's PKI ([rack.tls])".into(),
                             )
                         })?;
-                        let mut session = rustls::ClientConnection::new(
-                            tls.tls.client_config(),
-                            tls.server_name.clone(),
-                        )
-                        .map_err(|e| connect_err(std::io::Error::other(e)))?;
-                        tls_handshake(&mut stream, &mut session)
-                            .await
-                            .map_err(|message| ClientError::Connect {
+                        let hs =
+                            Handshake::client(tls.tls.client_config(), tls.server_name.clone())
+                                .map_err(|e| connect_err(std::io::Error::other(e)))?;
+                        let done = tls_handshake(&mut stream, hs).await.map_err(|message| {
+                            ClientError::Connect {
                                 addr,
                                 message: format!("TLS handshake: {message}"),
-                            })?;
-                        Some(Arc::new(Mutex::new(session)))
+                            }
+                        })?;
+                        (
+                            Some(Arc::new(Mutex::new(done.records))),
+                            Some((done.cipher, done.plain)),
+                        )
                     }
-                    _ => None,
+                    _ => (None, None),
                 };
                 let fd = stream.as_raw_fd();
                 let (r, w) = stream.into_split();
                 let (r, w): (Box<dyn ReadHalf>, Box<dyn WriteHalf>) = (Box::new(r), Box::new(w));
-                (r, w, Some(fd), session, None)
+                (r, w, Some(fd), session, None, left)
             }
         };
         let limits = Limits::for_rows(opts.max_rows);
@@ -378,6 +391,10 @@ impl DonorClient {
             .await
             .map_err(|e| ClientError::Disconnected(e.to_string()))?;
         let mut rd = ReadState::new(r, fd, session);
+        if let Some((cipher, plain)) = left {
+            rd.cipher.extend_from_slice(&cipher);
+            rd.buf.extend_from_slice(&plain);
+        }
         let frame = match next_frame(&mut rd, &limits, Duration::ZERO, None).await {
             Ok(Next::Frame(f)) => f,
             Ok(Next::Own) => return Err(ClientError::Protocol("Rows before Welcome".into())),

@@ -15,6 +15,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use cluster_config::records::{Opened, Records, record_len};
 use engram_protocol::messages::{ROWS_HEAD_LEN, ROWS_SECTION_LEN, payload_checksum_of_parts};
 use engram_protocol::{Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, decode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -80,12 +81,14 @@ impl Pending {
     }
 }
 
-/// A TLS session shared by the read and write sides. Each side locks it
-/// only while bytes move through it (never across an await), so a reader
-/// waiting for the donor never holds up a writer.
-pub(super) type Session = std::sync::Arc<Mutex<rustls::ClientConnection>>;
+/// A TLS session's records (sealed and opened in place, with the keys
+/// rustls handed over after its handshake), shared by the read and write
+/// sides. Each side locks it only while a record is opened or sealed
+/// (never across an await), so a reader waiting for the donor never holds
+/// up a writer.
+pub(super) type Session = std::sync::Arc<Mutex<Records>>;
 
-fn lock(s: &Session) -> std::sync::MutexGuard<'_, rustls::ClientConnection> {
+fn lock(s: &Session) -> std::sync::MutexGuard<'_, Records> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -100,6 +103,9 @@ pub(super) struct ReadState {
     /// Over TLS: the session, and ciphertext read but not yet decrypted.
     pub tls: Option<Session>,
     pub cipher: BytesMut,
+    /// Over TLS: the donor's close_notify was read (after what came before
+    /// it is taken).
+    pub peer_closed: bool,
     /// Row bytes of an answer still on the socket whose reader stopped
     /// halfway through reading them into its own buffer (its request was
     /// cancelled): discarded before the next frame.
@@ -115,6 +121,7 @@ impl ReadState {
             buf: BytesMut::with_capacity(64 << 10),
             tls,
             cipher: BytesMut::new(),
+            peer_closed: false,
             skip: 0,
         }
     }
@@ -128,7 +135,7 @@ impl ReadState {
 
     /// One non-blocking read from the socket: into the frame buffer, or
     /// over TLS into the ciphertext buffer, as much as the socket has (one
-    /// `recv` for a whole answer; rustls' own reads take 4 KiB at a time),
+    /// `recv` for a whole answer),
     /// whose records [`ReadState::decrypt`] then opens.
     fn recv_now(&mut self, fd: RawFd) -> std::io::Result<usize> {
         if self.tls.is_none() {
@@ -154,46 +161,39 @@ impl ReadState {
         (&mut self.r, into)
     }
 
-    /// Over TLS: move what can be decrypted into the frame buffer. True
-    /// when anything moved (call again before reading the socket).
+    /// Over TLS: open the whole records buffered, in place, and move their
+    /// plaintext into the frame buffer. True when anything moved (call
+    /// again before reading the socket).
     fn decrypt(&mut self) -> Result<bool, ClientError> {
         let Some(tls) = &self.tls else {
             return Ok(false);
         };
-        let mut s = lock(tls);
         let tls_err = |e: &dyn std::fmt::Display| ClientError::Disconnected(format!("TLS: {e}"));
+        let closed = || ClientError::Disconnected("donor closed the connection".into());
+        if self.peer_closed {
+            return Err(closed());
+        }
         let mut moved = false;
-        // Every buffered record, in the session's 4 KiB reads, with the
-        // plaintext taken out as it comes (the session holds only so much).
-        loop {
-            let mut fed = 0;
-            if !self.cipher.is_empty() {
-                let mut pending = &self.cipher[..];
-                fed = s.read_tls(&mut pending).map_err(|e| tls_err(&e))?;
-                bytes::Buf::advance(&mut self.cipher, fed);
-                s.process_new_packets().map_err(|e| tls_err(&e))?;
-            }
-            loop {
-                let mut reader = s.reader();
-                match std::io::BufRead::fill_buf(&mut reader) {
-                    Ok([]) => {
-                        return Err(ClientError::Disconnected(
-                            "donor closed the connection".into(),
-                        ));
-                    }
-                    Ok(chunk) => {
-                        let n = chunk.len();
-                        self.buf.extend_from_slice(chunk);
-                        std::io::BufRead::consume(&mut reader, n);
-                        moved = true;
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(tls_err(&e)),
-                }
-            }
-            if fed == 0 || self.cipher.is_empty() {
+        while let Some(len) = record_len(&self.cipher).map_err(|e| tls_err(&e))? {
+            if self.cipher.len() < len {
+                // Room for the rest of the record, in one read.
+                self.cipher.reserve(len - self.cipher.len());
                 break;
             }
+            let opened = lock(tls).open(&mut self.cipher[..len]);
+            match opened.map_err(|e| tls_err(&e))? {
+                Opened::Data(r) => {
+                    self.buf.extend_from_slice(&self.cipher[r.clone()]);
+                    moved |= !r.is_empty();
+                }
+                Opened::Nothing => {}
+                Opened::Closed => {
+                    self.peer_closed = true;
+                    bytes::Buf::advance(&mut self.cipher, len);
+                    return if moved { Ok(true) } else { Err(closed()) };
+                }
+            }
+            bytes::Buf::advance(&mut self.cipher, len);
         }
         Ok(moved)
     }
@@ -220,11 +220,11 @@ impl WriteState {
         let Some(tls) = &self.tls else {
             return Ok(());
         };
-        let mut s = lock(tls);
-        let tls_err = |e: std::io::Error| ClientError::Disconnected(format!("TLS: {e}"));
         std::mem::swap(&mut self.out, &mut self.plain);
         self.out.clear();
-        cluster_config::tls::seal_and_send(&mut s, &self.plain, &mut self.out).map_err(tls_err)
+        lock(tls)
+            .seal(&self.plain, &mut self.out)
+            .map_err(|e| ClientError::Disconnected(format!("TLS: {e}")))
     }
 
     /// Write what is left of `out`; progress survives cancellation.
