@@ -250,10 +250,7 @@ struct Handshaken {
 /// Run a TLS client handshake over `stream` to completion (rustls'
 /// unbuffered API); the records are then sealed and opened in place
 /// (cluster_config::records).
-async fn tls_handshake(
-    stream: &mut TcpStream,
-    mut hs: Handshake,
-) -> Result<Handshaken, String> {
+async fn tls_handshake(stream: &mut TcpStream, mut hs: Handshake) -> Result<Handshaken, String> {
     use tokio::io::AsyncReadExt;
     let mut buf = vec![0u8; 16 << 10];
     let (mut incoming, mut out, mut plain) = (Vec::new(), Vec::new(), Vec::new());
