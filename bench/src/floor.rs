@@ -13,6 +13,7 @@
 //! that the donor's ratio to it is what its software adds.
 
 mod host;
+mod quic;
 mod rdma;
 mod report;
 mod transports;
@@ -101,6 +102,12 @@ pub struct FloorServerArgs {
     /// (loaded as the donor loads them, digests trusted).
     #[arg(long = "gather", value_name = "FILE")]
     gather: Vec<PathBuf>,
+    /// Serve the QUIC floor too, with this certificate (DER)...
+    #[arg(long, requires = "quic_key")]
+    quic_cert: Option<PathBuf>,
+    /// ...and its key (PKCS#8 DER).
+    #[arg(long, requires = "quic_cert")]
+    quic_key: Option<PathBuf>,
 }
 
 /// Set in a floor request's answer size: gather the rows it names.
@@ -217,7 +224,11 @@ pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
     }
     let tables = std::sync::Arc::new(tables);
     let listener = TcpListener::bind("127.0.0.1:0")?;
-    eprintln!("ready listen={}", listener.local_addr()?);
+    let quic = match (&args.quic_cert, &args.quic_key) {
+        (Some(c), Some(k)) => format!(",quic://{}", quic::serve(c, k)?),
+        _ => String::new(),
+    };
+    eprintln!("ready listen={}{quic}", listener.local_addr()?);
     // Large enough for a bulk lookup's answer (16,384 rows, 4.3 MB).
     let answer = vec![0x5Au8; 8 << 20];
     for stream in listener.incoming() {
@@ -488,11 +499,15 @@ enum Kind {
     Gathering(Duration),
     /// The donor through `clients[i]`.
     Donor(usize),
+    /// quinn itself moving the same bytes, its client polling like the
+    /// project's.
+    QuicFloor,
 }
 
 struct Series {
     kind: Kind,
     floor: Option<FloorConn>,
+    quic: Option<quic::QuicFloorConn>,
     donor: DonorSeries,
     /// This series runs one lookup for every `share` of the others (the
     /// bulk series: each moves 4.3 MB).
@@ -521,6 +536,18 @@ impl Series {
                 rt.block_on(async {
                     for _ in 0..n {
                         lat.record(d.one(c).await?);
+                    }
+                    Ok(())
+                })
+            }
+            (Kind::QuicFloor, _) => {
+                let q = self
+                    .quic
+                    .as_mut()
+                    .context("QUIC floor series without a connection")?;
+                rt.block_on(async {
+                    for _ in 0..n {
+                        lat.record(q.one(DEFAULT_BUSY_POLL).await?);
                     }
                     Ok(())
                 })
@@ -554,19 +581,35 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         Vec::new()
     };
     let rack = transports::Rack::write_with(tmp.path(), &tables, &secure, &extra)?;
+    let quic_cert = if args.has(Transport::Quic) {
+        Some(quic::make_cert(tmp.path())?)
+    } else {
+        None
+    };
     let mut servers = Servers::start(
         &tables,
         rack.as_ref(),
         args.no_pin,
         args.server_busy_poll_us,
         &args.donor_args,
+        quic_cert.as_ref(),
     )?;
     let pinned = servers.pinned;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let clients = connect_clients(&rt, &servers.donor, rack.as_ref(), &tables.digests, &secure)?;
-    let series = build_series(servers.floor.addr, args.rows_per_table, &secure)?;
+    let quic_floor = match (&quic_cert, servers.floor.endpoint(Transport::Quic)) {
+        (Some((cert, _)), Some(addr)) => Some((addr, cert.as_path())),
+        _ => None,
+    };
+    let series = build_series(
+        &rt,
+        servers.floor.addr,
+        quic_floor,
+        args.rows_per_table,
+        &secure,
+    )?;
     let results = measure(series, args, &rt, &clients)?;
     drop(clients);
     let host = if args.unix() {
@@ -682,6 +725,7 @@ impl Servers {
         no_pin: bool,
         busy_poll_us: u64,
         extra: &[String],
+        quic_cert: Option<&(PathBuf, PathBuf)>,
     ) -> Result<Self> {
         let config;
         let mut serve_args: Vec<&str> = match rack {
@@ -712,6 +756,13 @@ impl Servers {
         floor_cmd.args(["floor-server", "--poll-us", poll.as_str()]);
         for p in &tables.paths {
             floor_cmd.arg("--gather").arg(p);
+        }
+        if let Some((cert, key)) = quic_cert {
+            floor_cmd
+                .arg("--quic-cert")
+                .arg(cert)
+                .arg("--quic-key")
+                .arg(key);
         }
         let floor = DonorProcess::spawn(floor_cmd)?;
         if pinned && !pin_to(0) {
@@ -775,7 +826,9 @@ fn connect_clients(
 /// gathering floor blocking and polling, then the donor over each
 /// transport of `secure`.
 fn build_series(
+    rt: &tokio::runtime::Runtime,
     floor: SocketAddr,
+    quic_floor: Option<(SocketAddr, &Path)>,
     rows_per_table: u64,
     secure: &[Transport],
 ) -> Result<Vec<Series>> {
@@ -809,7 +862,17 @@ fn build_series(
                 format!("donor over {t}, project client"),
             ));
         }
+        if quic_floor.is_some() {
+            kinds.push((Kind::QuicFloor, "QUIC floor (quinn), polling client".into()));
+        }
         for (kind, name) in kinds {
+            let quic_conn = match (kind, quic_floor) {
+                (Kind::QuicFloor, Some((addr, cert))) => Some(
+                    rt.block_on(quic::QuicFloorConn::connect(addr, cert, req, ans))
+                        .context("connecting to the QUIC floor")?,
+                ),
+                _ => None,
+            };
             let seed = 7 + series.len() as u64;
             let floor_conn = match kind {
                 Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
@@ -818,11 +881,12 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
-                Kind::Donor(_) => None,
+                Kind::Donor(_) | Kind::QuicFloor => None,
             };
             series.push(Series {
                 kind,
                 floor: floor_conn,
+                quic: quic_conn,
                 donor: DonorSeries::new(sections, 24, rows_per_table, seed),
                 share: 1,
                 result: SeriesResult {
@@ -857,8 +921,9 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
-                Kind::Donor(_) => None,
+                Kind::Donor(_) | Kind::QuicFloor => None,
             },
+            quic: None,
             donor: DonorSeries::new(1, BULK_ROWS, rows_per_table, seed),
             share: BULK_SHARE,
             result: SeriesResult {

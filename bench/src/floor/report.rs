@@ -21,7 +21,13 @@ const TLS_P50: f64 = 1.15;
 /// ...and this at p99.
 const TLS_P99: f64 = 1.3;
 /// QUIC over plain TCP, through the same client, at p50.
-const QUIC_P50: f64 = 2.0;
+const QUIC_P50: f64 = 1.6;
+
+/// Series per size: the six floor and donor series, the donor over each
+/// secure transport, and the QUIC floor when QUIC is measured.
+pub(super) fn per_size(secure: &[Transport]) -> usize {
+    6 + secure.len() + usize::from(secure.contains(&Transport::Quic))
+}
 
 /// A target's limits: p50, and p99 where it has one.
 type Target = (f64, Option<f64>);
@@ -67,8 +73,8 @@ impl Ratio {
 pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Ratio> {
     // Per size: [floor blocking, floor polling, donor, donor not polling,
     // gathering floor blocking, gathering floor polling, then the donor
-    // over each of `secure`].
-    let block = 6 + secure.len();
+    // over each of `secure`, then the QUIC floor with QUIC].
+    let block = per_size(secure);
     let mut ratios = Vec::new();
     for (k, rows) in [(0usize, 24usize), (block, 48)] {
         let m = |i: usize| results[k + i].median;
@@ -101,6 +107,16 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
                 Transport::Tcp | Transport::Rdma => None,
             };
             pairs.push((format!("{t} / tcp, same client"), 6 + i, 2, target));
+            if *t == Transport::Quic {
+                let quinn = 6 + secure.len();
+                pairs.push((
+                    "QUIC floor (quinn alone) / polling TCP floor (the floor of quic / tcp)".into(),
+                    quinn,
+                    1,
+                    None,
+                ));
+                pairs.push(("donor over quic / QUIC floor".into(), 6 + i, quinn, None));
+            }
         }
         for (what, num, den, target) in pairs {
             ratios.push(Ratio {
@@ -165,7 +181,7 @@ pub(super) fn host_ratios(
     secure: &[Transport],
 ) -> Vec<Ratio> {
     // Network series per size: [.., donor over TCP at 2, .., each secure at 6 + i].
-    let block = 6 + secure.len();
+    let block = per_size(secure);
     let mut out = Vec::new();
     for (j, (k, rows)) in [(0usize, 24usize), (block, 48)].into_iter().enumerate() {
         let (local, mapped) = (&host.series[2 * j].median, &host.series[2 * j + 1].median);
