@@ -100,7 +100,7 @@ pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
 /// [`cluster_config::QUIC_MAX_UDP_PAYLOAD`] bytes.
 pub fn endpoint(
     config: quinn::ServerConfig,
-    addr: std::net::SocketAddr,
+    addr: SocketAddr,
 ) -> std::io::Result<quinn::Endpoint> {
     let mut ec = quinn::EndpointConfig::default();
     ec.max_udp_payload_size(cluster_config::QUIC_MAX_UDP_PAYLOAD)
