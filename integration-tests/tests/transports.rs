@@ -414,6 +414,37 @@ fn a_batch_of_64_sequences_and_a_32k_prefill_through_the_node_are_served_by_the_
     rack.assert_no_connection_errors();
 }
 
+/// A TLS client may update its keys at any time (a TLS 1.3 KeyUpdate that
+/// asks the donor to update its own too): the donor follows, answers with
+/// its new keys, and the session goes on (PROTOCOL.md section 3.9).
+#[test]
+fn a_tls_client_that_updates_its_keys_keeps_being_answered() {
+    let rack = Rack::start();
+    let limits = Limits::default();
+    let mut raw = Raw::open(&rack, Transport::Tls);
+    for i in 0..4u64 {
+        if i > 0 {
+            let Raw::Tls(s) = &mut raw else {
+                unreachable!("opened over TLS")
+            };
+            s.conn.refresh_traffic_keys().expect("a key update");
+        }
+        let rows = rack.random_rows(0, 48, 70 + i);
+        raw.lookup(&rack, 2 + i, &rows);
+        let frame = raw.frame(usize::MAX, Duration::ZERO);
+        let d = engram_protocol::decode(&frame, &limits)
+            .expect("valid frame")
+            .expect("whole frame");
+        let Frame::Rows(r) = d.frame else {
+            panic!("not a Rows answer: {:?}", d.frame)
+        };
+        let (_, data) = r.sections().next().expect("a section");
+        assert_eq!(first_mismatch(SEED, 1, &rows, data), None, "answer {i}");
+    }
+    drop(raw);
+    rack.assert_no_connection_errors();
+}
+
 /// A raw data-plane session (plain TCP, or TLS with node `n-tls`'s
 /// certificate) that reads exactly what the test says, when it says.
 enum Raw {

@@ -98,10 +98,7 @@ pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
 
 /// A QUIC endpoint serving `config` on `addr`, taking packets of up to
 /// [`cluster_config::QUIC_MAX_UDP_PAYLOAD`] bytes.
-pub fn endpoint(
-    config: quinn::ServerConfig,
-    addr: SocketAddr,
-) -> std::io::Result<quinn::Endpoint> {
+pub fn endpoint(config: quinn::ServerConfig, addr: SocketAddr) -> std::io::Result<quinn::Endpoint> {
     let mut ec = quinn::EndpointConfig::default();
     ec.max_udp_payload_size(cluster_config::QUIC_MAX_UDP_PAYLOAD)
         .map_err(std::io::Error::other)?;
