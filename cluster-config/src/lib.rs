@@ -325,15 +325,6 @@ impl Default for RdmaDevice {
 /// XXH3-64 a row, `docs/rdma.md`).
 pub const RDMA_CHECK_BYTES: u64 = 8;
 
-/// The largest UDP payload a QUIC endpoint of the rack accepts, and the
-/// upper bound its path MTU discovery probes up to (both ends): a 24- or
-/// 48-row answer then fits in one packet on a path that carries it
-/// (loopback, Thunderbolt IP at its 65,520-byte MTU, jumbo frames), where
-/// quinn's default of 1,452 bytes cuts a 48-row answer into 9 packets. On
-/// an Ethernet path of 1,500 bytes the discovery stops there. See
-/// docs/transports.md.
-pub const QUIC_MAX_UDP_PAYLOAD: u16 = 16_384;
-
 /// GiB a donor keeps free beside its tables unless `headroom_gib` says otherwise.
 pub const DEFAULT_HEADROOM_GIB: f64 = 2.0;
 

@@ -780,7 +780,7 @@ pub async fn serve(
     }
     for addr in quic {
         let config = server::quic::server_config(&shared).map_err(ServeError::Config)?;
-        let endpoint = server::quic::endpoint(config, addr)
+        let endpoint = quinn::Endpoint::server(config, addr)
             .map_err(|source| ServeError::Bind { addr, source })?;
         let a = endpoint
             .local_addr()

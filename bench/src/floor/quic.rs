@@ -1,7 +1,6 @@
 //! The QUIC floor: quinn itself moving the same bytes as a lookup, with
-//! the project's QUIC settings (packets up to
-//! [`cluster_config::QUIC_MAX_UDP_PAYLOAD`], one bidirectional stream per
-//! session, a current-thread runtime on the server as on the donor) and
+//! the project's QUIC settings (quinn's defaults, one bidirectional stream
+//! per session, a current-thread runtime on the server as on the donor) and
 //! nothing else: no frames, no rows, no access checks. What a donor over
 //! QUIC costs above this is the donor's; what this costs above TCP's
 //! floor is quinn's, which no donor built on it can undercut.
@@ -35,17 +34,12 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// The project's QUIC transport settings that bear on a lookup's time.
 fn transport() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(cluster_config::QUIC_MAX_UDP_PAYLOAD);
-    t.mtu_discovery_config(Some(mtu));
     t.max_concurrent_uni_streams(0u32.into());
     t
 }
 
-fn endpoint_config() -> Result<quinn::EndpointConfig> {
-    let mut ec = quinn::EndpointConfig::default();
-    ec.max_udp_payload_size(cluster_config::QUIC_MAX_UDP_PAYLOAD)?;
-    Ok(ec)
+fn endpoint_config() -> quinn::EndpointConfig {
+    quinn::EndpointConfig::default()
 }
 
 /// Serve the QUIC floor on 127.0.0.1 from a thread of its own (a
@@ -65,7 +59,7 @@ pub(super) fn serve(cert: &Path, key: &Path) -> Result<SocketAddr> {
     config.transport_config(Arc::new(transport()));
     let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
     let addr = socket.local_addr()?;
-    let ec = endpoint_config()?;
+    let ec = endpoint_config();
     std::thread::spawn(move || {
         let rt = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -156,7 +150,7 @@ impl QuicFloorConn {
         config.transport_config(Arc::new(transport()));
         let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
         let endpoint = quinn::Endpoint::new(
-            endpoint_config()?,
+            endpoint_config(),
             None,
             socket,
             Arc::new(quinn::TokioRuntime),

@@ -217,20 +217,15 @@ async fn dial_quic(
     // The node's side of a long-lived session: keep it open while idle.
     transport.keep_alive_interval(Some(Duration::from_secs(5)));
     transport.max_concurrent_uni_streams(0u32.into());
-    // Packets as large as the path carries, up to the rack's bound (one
-    // packet per answer on loopback, Thunderbolt IP and jumbo frames).
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(cluster_config::QUIC_MAX_UDP_PAYLOAD);
-    transport.mtu_discovery_config(Some(mtu));
     config.transport_config(Arc::new(transport));
     let socket = quic_socket(addr, opts).map_err(|e| err(e.to_string()))?;
-    let mut endpoint_config = quinn::EndpointConfig::default();
-    endpoint_config
-        .max_udp_payload_size(cluster_config::QUIC_MAX_UDP_PAYLOAD)
-        .map_err(|e| err(e.to_string()))?;
-    let endpoint =
-        quinn::Endpoint::new(endpoint_config, None, socket, Arc::new(quinn::TokioRuntime))
-            .map_err(|e| err(e.to_string()))?;
+    let endpoint = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        None,
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )
+    .map_err(|e| err(e.to_string()))?;
     let name = tls.server_name.to_str();
     let conn = endpoint
         .connect_with(config, addr, &name)

@@ -84,9 +84,6 @@ pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     let cfg = shared.config();
     let mut transport = quinn::TransportConfig::default();
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(cluster_config::QUIC_MAX_UDP_PAYLOAD);
-    transport.mtu_discovery_config(Some(mtu));
     transport.max_concurrent_bidi_streams(MAX_STREAMS.into());
     transport.max_concurrent_uni_streams(0u32.into());
     if !cfg.idle_timeout.is_zero() {
@@ -94,16 +91,6 @@ pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
     }
     config.transport_config(Arc::new(transport));
     Ok(config)
-}
-
-/// A QUIC endpoint serving `config` on `addr`, taking packets of up to
-/// [`cluster_config::QUIC_MAX_UDP_PAYLOAD`] bytes.
-pub fn endpoint(config: quinn::ServerConfig, addr: SocketAddr) -> std::io::Result<quinn::Endpoint> {
-    let mut ec = quinn::EndpointConfig::default();
-    ec.max_udp_payload_size(cluster_config::QUIC_MAX_UDP_PAYLOAD)
-        .map_err(std::io::Error::other)?;
-    let socket = std::net::UdpSocket::bind(addr)?;
-    quinn::Endpoint::new(ec, Some(config), socket, Arc::new(quinn::TokioRuntime))
 }
 
 /// Accept QUIC connections on `endpoint` until `stop` fires.
