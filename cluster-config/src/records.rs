@@ -350,6 +350,11 @@ pub fn record_len(buf: &[u8]) -> Result<Option<usize>, RecordError> {
     Ok(Some(HEADER + len))
 }
 
+/// The most bytes of our own records (answers to the peer's key updates)
+/// that may wait for our next record: a peer asking for updates faster
+/// than we send is cut off, not buffered for.
+const MAX_PENDING: usize = 4096;
+
 /// Handshake message types met after the handshake.
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
@@ -413,6 +418,11 @@ impl Records {
                     };
                     self.rx = Keys::new(seq, s)?;
                     if requested {
+                        if self.pending.len() >= MAX_PENDING {
+                            return Err(RecordError::Unexpected(
+                                "key updates keep coming while ours wait to be sent",
+                            ));
+                        }
                         let mut pending = std::mem::take(&mut self.pending);
                         self.update_tx(&mut pending)?;
                         self.pending = pending;

@@ -221,3 +221,33 @@ fn a_failed_handshake_gives_the_peer_an_alert() {
     // every record after the ServerHello).
     assert!(!to_s.is_empty(), "an alert was written");
 }
+
+/// A peer that asks for key updates faster than we send is cut off: what
+/// waits for our next record stays bounded.
+#[test]
+fn key_updates_asked_faster_than_we_send_are_bounded() {
+    let (mut c, mut s) = pair();
+    let mut failed = None;
+    for i in 0..1000 {
+        // A KeyUpdate asking for ours, sealed by the client's layer as a
+        // handshake record, then its own keys moved on.
+        let mut wire = Vec::new();
+        c.seal_one(&[KEY_UPDATE, 0, 0, 1, 1], ContentType::Handshake, &mut wire)
+            .expect("seal");
+        let (seq, next) = match &mut c.kernel {
+            Kernel::Client(k) => k.update_tx_secret().expect("update"),
+            Kernel::Server(_) => unreachable!("the client's layer"),
+        };
+        c.tx = Keys::new(seq, next).expect("keys");
+        if let Err(e) = open_all(&mut s, &mut wire) {
+            failed = Some((i, e));
+            break;
+        }
+    }
+    let (i, e) = failed.expect("cut off");
+    assert!(
+        i > 10 && s.pending.len() <= MAX_PENDING + 64,
+        "after {i}: {e}"
+    );
+    assert!(e.to_string().contains("key updates keep coming"), "{e}");
+}
