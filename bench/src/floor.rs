@@ -655,6 +655,11 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         clean,
         rdma,
         host,
+        udp: if args.has(Transport::Quic) {
+            Some(quic::offloads()?)
+        } else {
+            None
+        },
     };
     if args.json {
         return report.print_json();

@@ -146,3 +146,50 @@ fn a_load_run_times_the_default_and_copy_starts_and_verify_against_the_same_floo
         assert!(x.is_finite() && x > 0.0, "{f}");
     }
 }
+
+/// With QUIC the run measures quinn alone moving the same bytes (the QUIC
+/// floor), reports the donor over QUIC against it and that floor against
+/// TCP's, and says what quinn's UDP layer uses on this kernel.
+#[test]
+fn the_floor_run_with_quic_measures_quinn_alone() {
+    let v = bench(&[
+        "floor",
+        "--json",
+        "--transports",
+        "tcp,quic",
+        "--restarts",
+        "0",
+        "--connects",
+        "1",
+        "--rounds",
+        "1",
+        "--lookups",
+        "300",
+        "--warmup",
+        "30",
+        "--rows-per-table",
+        "30000",
+    ]);
+    let series = v["series"].as_array().expect("series");
+    for rows in [24, 48] {
+        let name = format!("QUIC floor (quinn), polling client, {rows} rows");
+        let s = series
+            .iter()
+            .find(|s| s["series"] == name.as_str())
+            .unwrap_or_else(|| panic!("no series {name:?}: {series:?}"));
+        assert!(s["median"]["p50_us"].as_f64().expect("p50") > 0.0, "{s}");
+    }
+    let ratios = v["ratios"].as_array().expect("ratios");
+    for what in [
+        "QUIC floor (quinn alone) / polling TCP floor (the floor of quic / tcp)",
+        "donor over quic / QUIC floor",
+    ] {
+        let n = ratios.iter().filter(|r| r["what"] == what).count();
+        assert_eq!(n, 2, "{what} at both sizes: {ratios:?}");
+    }
+    assert!(
+        v["quic_udp"]["gso_segments"].as_u64().expect("gso") >= 1,
+        "{}",
+        v["quic_udp"]
+    );
+}

@@ -13,6 +13,28 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
+/// What QUIC's UDP layer (quinn-udp) uses on this kernel.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub(crate) struct UdpOffloads {
+    /// Segments one send may carry (GSO; 1: none).
+    pub gso_segments: usize,
+    /// Segments one receive may return (GRO; 1: none).
+    pub gro_segments: usize,
+    /// Datagrams one receive call may take (`recvmmsg`).
+    pub recv_batch: usize,
+}
+
+/// Ask quinn-udp what it uses on a UDP socket of this host.
+pub(super) fn offloads() -> Result<UdpOffloads> {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    let state = quinn::udp::UdpSocketState::new((&socket).into())?;
+    Ok(UdpOffloads {
+        gso_segments: state.max_gso_segments(),
+        gro_segments: state.gro_segments(),
+        recv_batch: quinn::udp::BATCH_SIZE,
+    })
+}
+
 /// The name in the floor's certificate.
 const NAME: &str = "floor";
 

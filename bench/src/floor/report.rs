@@ -243,6 +243,8 @@ pub(super) struct Report<'a> {
     pub(super) rdma: Option<super::rdma::RdmaReport>,
     /// `--transports unix`: the host source and its floor.
     pub(super) host: Option<super::host::HostReport>,
+    /// With QUIC: what quinn's UDP layer uses on this kernel.
+    pub(super) udp: Option<super::quic::UdpOffloads>,
 }
 
 impl Report<'_> {
@@ -270,6 +272,7 @@ impl Report<'_> {
             "donor_exit_clean": self.clean,
             "rdma": self.rdma,
             "host": self.host,
+            "quic_udp": self.udp,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         Ok(())
@@ -339,6 +342,12 @@ impl Report<'_> {
                 })
                 .collect();
             print_table(&["series", "p50 us", "p99 us", "p99.9 us"], &rows);
+        }
+        if let Some(u) = self.udp {
+            println!(
+                "QUIC's UDP (quinn-udp on this kernel): GSO up to {} segments a send, GRO up to {} a receive, {} datagrams a recvmmsg",
+                u.gso_segments, u.gro_segments, u.recv_batch
+            );
         }
         println!(
             "(polling clients poll for up to {} us before sleeping)",
