@@ -255,3 +255,66 @@ fn a_paced_node_pings_its_donor_before_each_step_unless_told_not_to() {
     let cold = pings() - before;
     assert!(cold <= 4.0, "{cold} Pings with the warm-up off");
 }
+
+/// The embedded memory warms the path as the node's loop does: each
+/// `warm` pings the table's first source (one donor for both tables
+/// here, so two Pings a call), and the prefetch after it is served.
+#[test]
+fn the_embedded_memory_warms_its_donor_when_asked() {
+    use inference_node::embed::{EngramMemory, Segment};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let donor = DonorProcess::start(&[
+        "--config",
+        &config.display().to_string(),
+        "--name",
+        "d",
+        "--metrics",
+        "127.0.0.1:0",
+    ])
+    .expect("donor starts");
+    let metrics = donor
+        .ops()
+        .expect("ops line")
+        .metrics
+        .expect("metrics address");
+    let pings = || {
+        let text = integration_tests::scrape(metrics).expect("scrape");
+        integration_tests::sample(&text, "engram_donor_pings_total").expect("pings series")
+    };
+    let mem = EngramMemory::open(&config, "n").expect("open");
+    let step = |i: i64, warm: bool| {
+        if warm {
+            mem.warm(std::time::Duration::from_micros(300))
+                .expect("warm");
+            std::thread::sleep(std::time::Duration::from_micros(300));
+        }
+        let t = mem
+            .prefetch(&[i], &[Segment::after(1, &[1, 2, 3])])
+            .expect("prefetch");
+        for layer in mem.layers() {
+            let mut out = vec![0u8; t.bytes()];
+            t.wait(layer, &mut out, Some(std::time::Duration::from_secs(10)))
+                .expect("served");
+        }
+    };
+    // The connection up first (its probe and Hello are not Pings).
+    step(0, false);
+    let before = pings();
+    for i in 1..=20 {
+        step(i, true);
+    }
+    let warm = pings() - before;
+    // (A probe may add a few.)
+    assert!(
+        (36.0..=48.0).contains(&warm),
+        "{warm} Pings for 20 warm-ups"
+    );
+    let before = pings();
+    for i in 21..=40 {
+        step(i, false);
+    }
+    let cold = pings() - before;
+    assert!(cold <= 4.0, "{cold} Pings with no warm-up");
+    mem.close(std::time::Duration::from_secs(2));
+}

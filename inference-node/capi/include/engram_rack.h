@@ -205,6 +205,16 @@ engram_status engram_addresses(const engram_memory *mem,
                                uint64_t *out,
                                size_t out_len);
 
+// The next prefetch comes in about `lead_us` microseconds: wake the path
+// to its rows now, as the node's own loop does before each step (each
+// table's first donor is pinged; the memory's I/O thread polls until the
+// fetches that follow have ended, or the lead plus a millisecond).
+// Returns at once.
+//
+// # Safety
+// `mem` as for `engram_close`.
+engram_status engram_warm(const engram_memory *mem, uint64_t lead_us);
+
 // Start both tables' fetches for `n_ids` raw token ids cut into `segs`
 // (NULL and 0: one sequence from its start), one message per table, and
 // return at once. On success `*out` owns a new ticket (free it with

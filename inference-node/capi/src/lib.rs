@@ -515,6 +515,31 @@ pub unsafe extern "C" fn engram_addresses(
     })
 }
 
+/// The next prefetch comes in about `lead_us` microseconds: wake the path
+/// to its rows now, as the node's own loop does before each step (each
+/// table's first donor is pinged; the memory's I/O thread polls until the
+/// fetches that follow have ended, or the lead plus a millisecond).
+/// Returns at once.
+///
+/// # Safety
+/// `mem` as for `engram_close`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn engram_warm(mem: *const engram_memory, lead_us: u64) -> engram_status {
+    guard(|| {
+        // SAFETY: the caller's promise.
+        let Some(m) = (unsafe { mem.as_ref() }) else {
+            return bad("mem is NULL");
+        };
+        if lead_us > 1_000_000 {
+            return bad("lead_us: at most 1000000 (one second)");
+        }
+        match m.inner.warm(Duration::from_micros(lead_us)) {
+            Ok(()) => ENGRAM_OK,
+            Err(e) => fail(e),
+        }
+    })
+}
+
 /// Start both tables' fetches for `n_ids` raw token ids cut into `segs`
 /// (NULL and 0: one sequence from its start), one message per table, and
 /// return at once. On success `*out` owns a new ticket (free it with

@@ -24,6 +24,7 @@ import engram_rack
 
 BLOCKS = 40  # V4.1's blocks per token
 WAIT_AT = {1: 1, 14: 14}  # the block whose input needs each layer's rows
+WARM_LEAD = 300e-6  # how long before each step the path to its rows is woken
 
 
 def wait_until(t: float) -> None:
@@ -67,6 +68,11 @@ def run(mem: engram_rack.Memory, rate: float, tokens: int) -> dict:
                 sources[s] = sources.get(s, 0) + 1
             engram_rack.dequantize(rows[layer], out=values)
         t += (BLOCKS - block) * block_s
+        # Wake the path to the next step's rows before it starts, as the
+        # node's loop does (`--warm-us`, 300 us by default).
+        if WARM_LEAD > 0:
+            wait_until(t - WARM_LEAD)
+            mem.warm(WARM_LEAD)
         wait_until(t)
         stalls.append(stall)
         history = history[-2:] + [int(ids[0])]

@@ -223,6 +223,13 @@ impl Memory {
             .map_err(err)
     }
 
+    /// Warm the path to the next prefetch's rows, due in about `lead_us`
+    /// microseconds (see `EngramMemory::warm`); returns at once.
+    #[pyo3(signature = (lead_us))]
+    fn warm(&self, lead_us: u64) -> PyResult<()> {
+        self.inner.warm(Duration::from_micros(lead_us)).map_err(err)
+    }
+
     /// Start both tables' fetches for `ids` (an int64 buffer), one
     /// sequence after `context` (its tokens before them; the last three
     /// are read).

@@ -465,3 +465,18 @@ def test_dequantize_refuses_an_output_that_shares_the_rows_memory():
             er.dequantize(rows, out.reshape(1, 256), dtype=dtype)
     # Apart, the same call works.
     assert not er.dequantize(rows, np.empty((1, 256), np.float32)).any()
+
+
+def test_warm_wakes_the_path_and_refuses_a_lead_out_of_range(rack):
+    rack.start()
+    with er.Memory(rack.config, "n", metrics="off") as mem:
+        out = mem.row_buffer(1)
+        for i in range(20):
+            mem.warm(300e-6)
+            t = mem.prefetch([i + 5], [1, 2, 3])
+            for layer in er.LAYERS:
+                served = t.wait(layer, out, timeout=10)
+                assert set(served.sources) <= {"d", "ssd"}, served
+        for bad in (-1e-6, 2.0, float("nan")):
+            with pytest.raises(er.BadInputError):
+                mem.warm(bad)

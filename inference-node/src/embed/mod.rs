@@ -21,7 +21,7 @@ mod ticket;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,10 @@ use crate::router::Router;
 pub use crate::source::TableView;
 use batch::Addressing;
 use ticket::{Done, LayerCounters};
+
+/// The longest lead [`EngramMemory::warm`] takes (it keeps a thread
+/// polling for that long at most).
+pub const MAX_WARM_LEAD: Duration = Duration::from_secs(1);
 
 /// How long [`Drop`] lets fetches in flight end.
 pub const DEFAULT_DRAIN: Duration = Duration::from_secs(2);
@@ -161,6 +165,8 @@ struct Shared {
     state: RwLock<Option<Arc<Open>>>,
     counters: Arc<[LayerCounters; 2]>,
     inflight: Arc<AtomicUsize>,
+    /// Fetches started, ever (what a warm-up waits for).
+    started: Arc<AtomicU64>,
     io: std::sync::Mutex<
         Option<(
             tokio::sync::oneshot::Sender<()>,
@@ -270,6 +276,7 @@ impl EngramMemory {
                 state: RwLock::new(Some(Arc::new(open))),
                 counters: Arc::default(),
                 inflight: Arc::default(),
+                started: Arc::default(),
                 io: std::sync::Mutex::new(Some((stop_tx, thread))),
             },
         })
@@ -432,6 +439,31 @@ impl EngramMemory {
         self.start(&open, ticket, unique)
     }
 
+    /// The next prefetch comes in about `lead`: wake the path to its rows
+    /// now, as the node's own loop does before each step (`inference-node
+    /// run --warm-us`). Each table's first source is pinged (a donor then
+    /// polls its socket for a millisecond instead of sleeping), and the
+    /// memory's I/O thread keeps polling until the fetches started after
+    /// this call have ended, or `lead` plus a millisecond has passed. A
+    /// paced engine calls it a few hundred microseconds before each step's
+    /// prefetch; it returns at once.
+    pub fn warm(&self, lead: Duration) -> Result<(), EmbedError> {
+        if lead > MAX_WARM_LEAD {
+            return Err(EmbedError::BadInput(format!(
+                "a warm-up lead of {lead:?}: at most {MAX_WARM_LEAD:?}"
+            )));
+        }
+        let open = self.open_state()?;
+        crate::model::fetch::spawn_warm(
+            &self.shared.handle,
+            open.routers.clone(),
+            Arc::clone(&self.shared.started),
+            Arc::clone(&self.shared.inflight),
+            lead,
+        );
+        Ok(())
+    }
+
     /// Spawn the fetch of each layer's distinct rows (`None`: a layer the
     /// ticket does not carry) and hand the ticket back.
     fn start(
@@ -454,6 +486,7 @@ impl EngramMemory {
             let inflight = self.shared.inflight.clone();
             let chunk = open.chunk_rows;
             inflight.fetch_add(1, Ordering::AcqRel);
+            self.shared.started.fetch_add(1, Ordering::AcqRel);
             let guard = Unfinished { done, inflight };
             self.shared.handle.spawn(async move {
                 let f = fetch_rows(&router, &unique, chunk).await;
@@ -503,7 +536,7 @@ impl EngramMemory {
         let open = self.open_state()?;
         Ok(std::array::from_fn(|slot| {
             let c = &self.shared.counters[slot];
-            let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
             LayerStats {
                 layer: ENGRAM_LAYERS[slot],
                 table: open.tables[slot],

@@ -195,26 +195,13 @@ impl Fetcher for RouterFetcher {
     /// The fetches' spawn then finds a thread awake, and their answers a
     /// thread at the socket.
     fn warm(&mut self, lead: Duration) {
-        let routers = self.routers.clone();
-        let (started, in_flight) = (Arc::clone(&self.started), Arc::clone(&self.in_flight));
-        // A step starts one fetch per table at least.
-        let want = started.load(Ordering::Acquire) + routers.len() as u64;
-        let until = Instant::now() + lead + WARM_HOLD;
-        self.handle.spawn(async move {
-            for r in &routers {
-                r.warm();
-            }
-            while Instant::now() < until
-                && !(started.load(Ordering::Acquire) >= want
-                    && in_flight.load(Ordering::Acquire) == 0)
-            {
-                // Other runnable threads first (the loop that is about to
-                // ask for the rows, on a host of few cores), then the
-                // runtime's sockets and tasks.
-                std::thread::yield_now();
-                tokio::task::yield_now().await;
-            }
-        });
+        spawn_warm(
+            &self.handle,
+            self.routers.clone(),
+            Arc::clone(&self.started),
+            Arc::clone(&self.in_flight),
+            lead,
+        );
     }
 
     fn wait(&mut self, rx: Receiver<Fetch>) -> Fetch {
@@ -231,6 +218,39 @@ impl Fetcher for RouterFetcher {
         }
         rx.recv().unwrap_or_else(|_| lost(self.origin))
     }
+}
+
+/// Warm the path to the next fetches' rows on `handle`: ping each of
+/// `routers`' first sources, and keep one of the runtime's threads polling
+/// (a task that yields: between its polls the thread checks its sockets
+/// without sleeping) until the fetches started after this have all ended
+/// (`started` counts fetches ever started, `in_flight` those not ended; a
+/// step starts one per router at least), or `lead` plus [`WARM_HOLD`] has
+/// passed. The node's loop does this before each step; the embedded
+/// memory's `warm` too.
+pub(crate) fn spawn_warm(
+    handle: &Handle,
+    routers: [Arc<Router>; 2],
+    started: Arc<AtomicU64>,
+    in_flight: Arc<AtomicUsize>,
+    lead: Duration,
+) {
+    let want = started.load(Ordering::Acquire) + routers.len() as u64;
+    let until = Instant::now() + lead + WARM_HOLD;
+    handle.spawn(async move {
+        for r in &routers {
+            r.warm();
+        }
+        while Instant::now() < until
+            && !(started.load(Ordering::Acquire) >= want && in_flight.load(Ordering::Acquire) == 0)
+        {
+            // Other runnable threads first (the loop that is about to ask
+            // for the rows, on a host of few cores), then the runtime's
+            // sockets and tasks.
+            std::thread::yield_now();
+            tokio::task::yield_now().await;
+        }
+    });
 }
 
 /// The fetch task ended without an answer (the runtime is shutting down).
