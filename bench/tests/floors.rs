@@ -16,13 +16,13 @@ fn bench(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("json")
 }
 
-#[test]
-fn the_floor_run_has_a_floor_that_gathers_the_rows() {
-    let v = bench(&[
+/// A short `engram-bench floor --json` over `transports`, on small tables.
+fn short_floor(transports: &str) -> serde_json::Value {
+    bench(&[
         "floor",
         "--json",
         "--transports",
-        "tcp",
+        transports,
         "--restarts",
         "0",
         "--connects",
@@ -35,7 +35,12 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
         "30",
         "--rows-per-table",
         "30000",
-    ]);
+    ])
+}
+
+#[test]
+fn the_floor_run_has_a_floor_that_gathers_the_rows() {
+    let v = short_floor("tcp");
     let series = v["series"].as_array().expect("series");
     let names: Vec<&str> = series
         .iter()
@@ -152,24 +157,7 @@ fn a_load_run_times_the_default_and_copy_starts_and_verify_against_the_same_floo
 /// TCP's, and says what quinn's UDP layer uses on this kernel.
 #[test]
 fn the_floor_run_with_quic_measures_quinn_alone() {
-    let v = bench(&[
-        "floor",
-        "--json",
-        "--transports",
-        "tcp,quic",
-        "--restarts",
-        "0",
-        "--connects",
-        "1",
-        "--rounds",
-        "1",
-        "--lookups",
-        "300",
-        "--warmup",
-        "30",
-        "--rows-per-table",
-        "30000",
-    ]);
+    let v = short_floor("tcp,quic");
     let series = v["series"].as_array().expect("series");
     for rows in [24, 48] {
         let name = format!("QUIC floor (quinn), polling client, {rows} rows");

@@ -217,13 +217,9 @@ fn a_wide_batch_step_is_one_message_per_table_up_to_the_frame_cap() {
     }
 }
 
-/// The node's warm-up pings each table's first donor once before every
-/// step (`--warm-us`, on by default: both tables route to the one donor
-/// here, so two Pings a step), and not at all with `--warm-us 0`.
-#[test]
-fn a_paced_node_pings_its_donor_before_each_step_unless_told_not_to() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let config = model_rack(dir.path()).expect("rack");
+/// Donor `d` of `config` with its metrics served, and a count of the
+/// Pings it has answered so far.
+fn donor_counting_pings(config: &Path) -> (DonorProcess, impl Fn() -> f64) {
     let donor = DonorProcess::start(&[
         "--config",
         &config.display().to_string(),
@@ -238,10 +234,21 @@ fn a_paced_node_pings_its_donor_before_each_step_unless_told_not_to() {
         .expect("ops line")
         .metrics
         .expect("metrics address");
-    let pings = || {
+    let pings = move || {
         let text = integration_tests::scrape(metrics).expect("scrape");
         integration_tests::sample(&text, "engram_donor_pings_total").expect("pings series")
     };
+    (donor, pings)
+}
+
+/// The node's warm-up pings each table's first donor once before every
+/// step (`--warm-us`, on by default: both tables route to the one donor
+/// here, so two Pings a step), and not at all with `--warm-us 0`.
+#[test]
+fn a_paced_node_pings_its_donor_before_each_step_unless_told_not_to() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let (_donor, pings) = donor_counting_pings(&config);
     let before = pings();
     let (ok, _, err) = run(&config, "n", &["--tokens", "40"]);
     assert!(ok, "{err}");
@@ -264,24 +271,7 @@ fn the_embedded_memory_warms_its_donor_when_asked() {
     use inference_node::embed::{EngramMemory, Segment};
     let dir = tempfile::tempdir().expect("tempdir");
     let config = model_rack(dir.path()).expect("rack");
-    let donor = DonorProcess::start(&[
-        "--config",
-        &config.display().to_string(),
-        "--name",
-        "d",
-        "--metrics",
-        "127.0.0.1:0",
-    ])
-    .expect("donor starts");
-    let metrics = donor
-        .ops()
-        .expect("ops line")
-        .metrics
-        .expect("metrics address");
-    let pings = || {
-        let text = integration_tests::scrape(metrics).expect("scrape");
-        integration_tests::sample(&text, "engram_donor_pings_total").expect("pings series")
-    };
+    let (_donor, pings) = donor_counting_pings(&config);
     let mem = EngramMemory::open(&config, "n").expect("open");
     let step = |i: i64, warm: bool| {
         if warm {
