@@ -558,7 +558,7 @@ fn step_proto(r: &StepRecord) -> api::Step {
                 seq: p.seq,
                 index: p.index,
                 id: p.id,
-                checksum: p.checksum.clone(),
+                checksum: p.checksum.to_string(),
             })
             .collect(),
     }

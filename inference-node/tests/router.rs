@@ -660,5 +660,5 @@ async fn a_replica_lost_mid_sweep_costs_its_chunks_a_failover_not_the_sweep() {
     assert!((3..=4).contains(&f.failovers), "{} failovers", f.failovers);
     assert!(b.calls() >= 4, "b served chunks before it died");
     assert_eq!(a.calls() + b.calls(), 40 + f.failovers);
-    assert_eq!(f.sources, vec!["a".to_string(), "b".to_string()]);
+    assert_eq!(f.sources, vec![Arc::<str>::from("a"), Arc::from("b")]);
 }

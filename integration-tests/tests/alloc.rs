@@ -1,9 +1,15 @@
-//! Heap allocations per 24-row lookup through the node's router, counted
-//! by a counting global allocator, in the steady state (after a warm-up):
-//! from local RAM, from the SSD copy and from a donor process over TCP
-//! and over TLS (its records opened and sealed in place), on a runtime of one thread and on one of two workers. Each must be
-//! zero, so the hot path does not grow allocations unnoticed (docs/node.md,
-//! "Allocations per lookup").
+//! Heap allocations in the steady state (after a warm-up), counted by a
+//! counting global allocator:
+//! - per 24-row lookup through the node's router, from local RAM, from the
+//!   SSD copy and from a donor process over TCP and over TLS (its records
+//!   opened and sealed in place), on a runtime of one thread and on one of
+//!   two workers; and on the donor's side, with the donor in this process;
+//! - per step of the node's model loop, from each of those sources; over
+//!   QUIC, against quinn alone moving the same bytes.
+//!
+//! Each must be zero (QUIC: no more than quinn's own), so the hot path does
+//! not grow allocations unnoticed (docs/node.md, "Allocations per lookup"
+//! and "Allocations per token").
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
@@ -16,15 +22,22 @@ use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use integration_tests::{DonorProcess, gen_table};
 
-/// Counts every allocation and reallocation, on any thread.
+/// Counts every allocation and reallocation, on any thread but those
+/// marked [`UNCOUNTED`].
 struct Counting;
+
+fn count() {
+    if !UNCOUNTED.with(std::cell::Cell::get) {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
 // SAFETY: every call is passed to the system allocator unchanged.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller's contract, passed on.
         unsafe { System.alloc(layout) }
     }
@@ -35,13 +48,13 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller's contract, passed on.
         unsafe { System.alloc_zeroed(layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller's contract, passed on.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -276,4 +289,301 @@ fn a_donor_answers_lookups_over_tcp_and_tls_without_allocating() {
             "the node and the donor allocate in every window of 500 lookups over {name}: {counts:?}"
         );
     }
+}
+
+/// Steps of the model loop before counting, and counted.
+const LOOP_WARM: u64 = 200;
+const LOOP_COUNTED: u64 = 600;
+/// The loop's rate: fast, so the test is short, and slow enough that a
+/// step's rows are in before its block on a loaded machine.
+const LOOP_RATE: f64 = 1000.0;
+
+/// Two tables (layers 1 and 14) sized for the `[model]` hashing, a donor
+/// serving both over TCP and TLS, and a node per source: `donor` (TCP),
+/// `tls`, `ssd` and `local`, each with the default hedging.
+fn write_model_config(dir: &Path) -> Config {
+    use integration_tests::{MODEL_BASE, MODEL_SEED, free_port, gen_hashed_table};
+    let params = engram_protocol::hashing::HashParams::new(
+        engram_protocol::hashing::Preset::from_base(MODEL_BASE).expect("preset"),
+    )
+    .expect("params");
+    let (l1, d1) = gen_hashed_table(dir, "l1.etab", 1, MODEL_BASE, MODEL_SEED).expect("gen");
+    let (l14, d14) = gen_hashed_table(dir, "l14.etab", 14, MODEL_BASE, MODEL_SEED).expect("gen");
+    let [r1, r14] = [params.layers[0].rows, params.layers[1].rows];
+    let node = |name: &str, source: &str, link: &str| {
+        let route = |t: u32, path: &Path| {
+            format!(
+                "[[node.route]]\ntable = {t}\nsources = [\"{source}\"]\nssd_path = \"{}\"\n",
+                path.display()
+            )
+        };
+        format!(
+            "[[node]]\nname = \"{name}\"\nlookup_timeout_ms = 2000\ntokens_per_second = 50\n{}{}{link}",
+            route(1, &l1),
+            route(14, &l14)
+        )
+    };
+    let link = |t: &str| format!("[[node.link]]\ndonor = \"d\"\ntransport = \"{t}\"\n");
+    let text = format!(
+        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\n\
+         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {r1}\ndigest = \"{d1}\"\n\
+         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = {r14}\ndigest = \"{d14}\"\n\
+         [[donor]]\nname = \"d\"\nlisten = [\"tcp://127.0.0.1:{}\", \"tls://127.0.0.1:{}\", \"quic://127.0.0.1:{}\"]\n\
+         tables = [1, 14]\nram_gib = 1.0\nclients = [\"donor\", \"tls\", \"quic\"]\n\
+         {}{}{}{}{}\
+         [model]\nhash_base = {MODEL_BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n",
+        l1.display(),
+        l14.display(),
+        free_port().expect("port"),
+        free_port().expect("port"),
+        free_port().expect("port"),
+        node("donor", "d", &link("tcp")),
+        node("tls", "d", &link("tls")),
+        node("quic", "d", &link("quic")),
+        node("ssd", "ssd", ""),
+        node("local", "local", ""),
+    );
+    let path = dir.join("rack.toml");
+    std::fs::write(&path, text).expect("config");
+    integration_tests::rack_pki(&path).expect("rack PKI");
+    Config::load(&path).expect("valid config")
+}
+
+/// Allocations in [`LOOP_COUNTED`] steps of node `node`'s model loop (as
+/// `inference-node run` runs it: its fetches on a runtime of two worker
+/// threads, the warm-up before each step on), after [`LOOP_WARM`] steps:
+/// the loop's thread, the runtime's and the SSD copy's readers all count.
+/// Every step must have been served by `source`. `warm`: the loop's
+/// warm-up before each step (a Ping to each table's first donor) on, as by
+/// default.
+fn loop_allocations(config: &Config, node: &str, source: &str, warm: bool) -> u64 {
+    use inference_node::model::node::{Backbone, InputChoice, NodeModel};
+    use inference_node::model::{LoopSpec, StepRecord};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let metrics = NodeMetrics::new();
+    let mut nm = rt
+        .block_on(NodeModel::from_config(
+            config,
+            node,
+            Some(LOOP_RATE),
+            &metrics,
+        ))
+        .expect("node");
+    // The background tasks' first timers (see `allocations`).
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let steps = LOOP_WARM + LOOP_COUNTED;
+    let tokens = nm
+        .tokens(&InputChoice::Builtin, steps as usize)
+        .expect("tokens");
+    let spec = LoopSpec {
+        tokens_per_second: LOOP_RATE,
+        max_tokens: Some(steps),
+        warm_lead: if warm {
+            inference_node::model::DEFAULT_WARM_LEAD
+        } else {
+            std::time::Duration::ZERO
+        },
+        ..LoopSpec::default()
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (mut seen, mut from, mut counted) = (0, 0, None);
+    let mut on_step = |rec: &StepRecord| {
+        seen += 1;
+        if seen == LOOP_WARM {
+            from = ALLOCS.load(Ordering::Relaxed);
+        }
+        if seen == steps {
+            counted = Some(ALLOCS.load(Ordering::Relaxed) - from);
+        }
+        for t in &rec.tables {
+            assert_eq!(
+                t.source.as_deref(),
+                Some(source),
+                "step {} of node {node}: {t:?}",
+                rec.step
+            );
+        }
+        Ok(())
+    };
+    let summary = nm
+        .run(
+            rt.handle().clone(),
+            &tokens,
+            &spec,
+            Backbone::Cpu,
+            &stop,
+            &mut on_step,
+        )
+        .expect("run");
+    assert_eq!(summary.failed_steps, 0, "{}", summary.render());
+    counted.expect("every step ran")
+}
+
+#[test]
+fn the_model_loop_allocates_nothing_per_token() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = write_model_config(dir.path());
+    let _d = DonorProcess::start(&[
+        "--config",
+        &config.path.display().to_string(),
+        "--name",
+        "d",
+    ])
+    .expect("donor starts");
+    let counts: Vec<(&str, u64)> = [
+        ("local RAM", "local", "local"),
+        ("the SSD copy", "ssd", "ssd"),
+        ("a donor over TCP", "donor", "d"),
+        ("a donor over TLS", "tls", "d"),
+    ]
+    .into_iter()
+    .map(|(name, node, source)| (name, loop_allocations(&config, node, source, true)))
+    .collect();
+    let shown: Vec<String> = counts
+        .iter()
+        .map(|(name, n)| format!("{name} {n} in {LOOP_COUNTED} steps"))
+        .collect();
+    eprintln!("allocations of the model loop: {}", shown.join(", "));
+    // QUIC: quinn allocates per datagram; the loop over QUIC is held to
+    // quinn alone moving the same bytes (two 24-row lookups a step, the
+    // warm-up's Pings off so that each step is exactly those).
+    let quic = loop_allocations(&config, "quic", "d", true);
+    let quic_lookups = loop_allocations(&config, "quic", "d", false);
+    let floor_trips = 2_000;
+    let floor = quinn_allocations(
+        engram_protocol::HEADER_LEN + 16 + 24 * 8,
+        engram_protocol::HEADER_LEN + 8 + 24 * ROW_BYTES,
+        floor_trips,
+    );
+    let per_lookup = quic_lookups as f64 / (2 * LOOP_COUNTED) as f64;
+    let per_trip = floor as f64 / floor_trips as f64;
+    eprintln!(
+        "over QUIC: {quic} allocations in {LOOP_COUNTED} steps with the warm-up, \
+         {quic_lookups} without ({per_lookup:.2} per lookup); quinn alone: {per_trip:.2} per round trip of the same bytes"
+    );
+    // What quinn allocates per datagram varies with its acknowledgements'
+    // timing: a quarter's margin.
+    assert!(
+        per_lookup <= per_trip * 1.25,
+        "a lookup over QUIC allocates {per_lookup:.2} times, quinn alone {per_trip:.2} per round trip: \
+         the loop's own share must be nothing"
+    );
+    for (name, n) in counts {
+        assert_eq!(
+            n, 0,
+            "{n} allocations in {LOOP_COUNTED} steps of the model loop from {name}: a step in the steady state allocates nothing"
+        );
+    }
+}
+
+thread_local! {
+    /// Set on threads whose allocations are not counted (a peer in this
+    /// process standing for another host).
+    static UNCOUNTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// quinn alone, the floor under a lookup over QUIC: heap allocations of
+/// one side in `counted` round trips on one bidirectional stream (a
+/// `req`-byte request, a `resp`-byte answer; quinn's defaults, a runtime of
+/// two worker threads as the node's), after a warm-up; the echoing side
+/// runs on a thread whose allocations are not counted.
+fn quinn_allocations(req: usize, resp: usize, counted: usize) -> u64 {
+    use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+    let provider = || std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = rcgen::CertificateParams::new(vec!["floor".to_string()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("cert");
+    let der = CertificateDer::from(cert.der().to_vec());
+    let tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls 1.3")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![der.clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+        .expect("server tls");
+    let server = quinn::ServerConfig::with_crypto(std::sync::Arc::new(
+        QuicServerConfig::try_from(std::sync::Arc::new(tls)).expect("quic server"),
+    ));
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let addr = socket.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        UNCOUNTED.with(|u| u.set(true));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let endpoint = quinn::Endpoint::new(
+                quinn::EndpointConfig::default(),
+                Some(server),
+                socket,
+                std::sync::Arc::new(quinn::TokioRuntime),
+            )
+            .expect("endpoint");
+            let Some(incoming) = endpoint.accept().await else {
+                return;
+            };
+            let Ok(conn) = incoming.await else { return };
+            let Ok((mut send, mut recv)) = conn.accept_bi().await else {
+                return;
+            };
+            let (mut buf, answer) = (vec![0u8; req], vec![0x5Au8; resp]);
+            while recv.read_exact(&mut buf).await.is_ok() {
+                if send.write_all(&answer).await.is_err() {
+                    return;
+                }
+            }
+        });
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).expect("root");
+        let tls = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("tls 1.3")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let client = quinn::ClientConfig::new(std::sync::Arc::new(
+            QuicClientConfig::try_from(std::sync::Arc::new(tls)).expect("quic client"),
+        ));
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            None,
+            socket,
+            std::sync::Arc::new(quinn::TokioRuntime),
+        )
+        .expect("endpoint");
+        let conn = endpoint
+            .connect_with(client, addr, "floor")
+            .expect("connect")
+            .await
+            .expect("handshake");
+        let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+        let (request, mut answer) = (vec![0xA5u8; req], vec![0u8; resp]);
+        let mut from = 0;
+        for i in 0..WARM + counted {
+            if i == WARM {
+                from = ALLOCS.load(Ordering::Relaxed);
+            }
+            send.write_all(&request).await.expect("write");
+            recv.read_exact(&mut answer).await.expect("read");
+        }
+        ALLOCS.load(Ordering::Relaxed) - from
+    })
 }

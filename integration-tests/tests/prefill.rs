@@ -178,7 +178,7 @@ fn sweep_and_kill(config: &Config, rows: &[u64], transport: Transport, signal: O
         // And the next sweep goes to a alone.
         let f = fetch_rows(&router, &rows, cap).await;
         assert_eq!(f.error, None);
-        assert_eq!(f.sources, vec!["a".to_string()]);
+        assert_eq!(f.sources, vec![std::sync::Arc::<str>::from("a")]);
         assert_eq!(
             first_mismatch(SEED, 1, &rows, &f.bytes),
             None,

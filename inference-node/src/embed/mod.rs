@@ -21,7 +21,7 @@ mod ticket;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,7 @@ pub use ticket::{POSITION_BYTES, Served, Ticket};
 
 use crate::memory::Memory;
 use crate::metrics::NodeMetrics;
-use crate::model::fetch::fetch_rows;
+use crate::model::fetch::{FetchCounts, fetch_rows};
 use crate::model::node::{SetupError, chunk_rows, layer_tables, token_map, usable_at_start};
 use crate::router::Router;
 pub use crate::source::TableView;
@@ -164,9 +164,9 @@ struct Shared {
     handle: Handle,
     state: RwLock<Option<Arc<Open>>>,
     counters: Arc<[LayerCounters; 2]>,
-    inflight: Arc<AtomicUsize>,
-    /// Fetches started, ever (what a warm-up waits for).
-    started: Arc<AtomicU64>,
+    /// Fetches started ever and in flight now (what a warm-up and a
+    /// close wait for).
+    counts: Arc<FetchCounts>,
     io: std::sync::Mutex<
         Option<(
             tokio::sync::oneshot::Sender<()>,
@@ -275,8 +275,7 @@ impl EngramMemory {
                 handle,
                 state: RwLock::new(Some(Arc::new(open))),
                 counters: Arc::default(),
-                inflight: Arc::default(),
-                started: Arc::default(),
+                counts: Arc::default(),
                 io: std::sync::Mutex::new(Some((stop_tx, thread))),
             },
         })
@@ -457,8 +456,7 @@ impl EngramMemory {
         crate::model::fetch::spawn_warm(
             &self.shared.handle,
             open.routers.clone(),
-            Arc::clone(&self.shared.started),
-            Arc::clone(&self.shared.inflight),
+            Arc::clone(&self.shared.counts),
             lead,
         );
         Ok(())
@@ -483,11 +481,11 @@ impl EngramMemory {
             let router = open.routers[slot].clone();
             let done: Arc<Done> = ticket.done[slot].clone();
             let counters = self.shared.counters.clone();
-            let inflight = self.shared.inflight.clone();
+            let counts = self.shared.counts.clone();
             let chunk = open.chunk_rows;
-            inflight.fetch_add(1, Ordering::AcqRel);
-            self.shared.started.fetch_add(1, Ordering::AcqRel);
-            let guard = Unfinished { done, inflight };
+            counts.in_flight.fetch_add(1, Ordering::AcqRel);
+            counts.started.fetch_add(1, Ordering::AcqRel);
+            let guard = Unfinished { done, counts };
             self.shared.handle.spawn(async move {
                 let f = fetch_rows(&router, &unique, chunk).await;
                 counters[slot].count(&f);
@@ -570,7 +568,7 @@ impl EngramMemory {
             .take();
         let Some(open) = open else { return };
         let until = Instant::now() + drain;
-        while self.shared.inflight.load(Ordering::Acquire) > 0 && Instant::now() < until {
+        while self.shared.counts.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
             std::thread::sleep(Duration::from_micros(500));
         }
         // Drop the memory (its connections, probe tasks) on its runtime.
@@ -607,7 +605,7 @@ impl Drop for EngramMemory {
 /// are answered and the in-flight count drops.
 struct Unfinished {
     done: Arc<Done>,
-    inflight: Arc<AtomicUsize>,
+    counts: Arc<FetchCounts>,
 }
 
 impl Drop for Unfinished {
@@ -621,7 +619,7 @@ impl Drop for Unfinished {
                 Duration::ZERO,
             );
         }
-        self.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.counts.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -288,7 +288,7 @@ impl Ticket {
         Ok(Served {
             layer,
             table: self.tables[slot],
-            sources: fetch.sources.clone(),
+            sources: fetch.sources.iter().map(|s| s.to_string()).collect(),
             hedges: fetch.hedges,
             failovers: fetch.failovers,
             late: fetch.late,

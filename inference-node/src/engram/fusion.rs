@@ -229,6 +229,8 @@ pub struct CpuFusion {
     weights: Arc<FusionWeights>,
     e: Vec<f32>,
     kv: Vec<f32>,
+    /// The live positions of a call.
+    live: Vec<usize>,
 }
 
 impl CpuFusion {
@@ -239,6 +241,7 @@ impl CpuFusion {
             weights,
             e: vec![0.0; BLOCK * ENGRAM_DIM],
             kv: vec![0.0; BLOCK * kv_len],
+            live: Vec::new(),
         }
     }
 }
@@ -261,11 +264,31 @@ impl Fusion for CpuFusion {
     ) -> Result<(), FusionError> {
         let shape = self.weights.shape;
         let li = check_inputs(shape, layer, rows, live, hidden)?;
-        let lw = &self.weights.layers[li];
+        let mut live_positions = std::mem::take(&mut self.live);
+        live_positions.clear();
+        live_positions.extend((0..live.len()).filter(|&p| live[p]));
+        let fused = self.fuse_positions(li, &live_positions, rows, hidden);
+        self.live = live_positions;
+        fused
+    }
+}
+
+impl CpuFusion {
+    /// Fuse `positions` (the live ones) with the weights of layer index
+    /// `li`.
+    fn fuse_positions(
+        &mut self,
+        li: usize,
+        positions: &[usize],
+        rows: &[u8],
+        hidden: &mut [f32],
+    ) -> Result<(), FusionError> {
+        let weights = Arc::clone(&self.weights);
+        let lw = &weights.layers[li];
+        let shape = weights.shape;
         let kv_len = shape.kv_len();
         let state = shape.state_len();
-        let live_positions: Vec<usize> = (0..live.len()).filter(|&p| live[p]).collect();
-        for block in live_positions.chunks(BLOCK) {
+        for block in positions.chunks(BLOCK) {
             for (slot, &p) in block.iter().enumerate() {
                 let r = &rows[p * POSITION_ROW_BYTES..(p + 1) * POSITION_ROW_BYTES];
                 dequantize_position(

@@ -191,7 +191,7 @@ pub struct Fetch {
     /// When the last of them were ready, on the loop's clock.
     pub ready: Duration,
     /// Sources that answered, in order of first use (`zeros`: by policy).
-    pub sources: Vec<String>,
+    pub sources: Vec<std::sync::Arc<str>>,
     /// Messages sent (more than one only for a wide prefill).
     pub messages: u32,
     /// Hedges sent.
@@ -211,6 +211,23 @@ pub struct Fetch {
     pub picked: Option<Duration>,
 }
 
+impl Fetch {
+    /// Empty it for another fetch, keeping its buffers' memory.
+    pub fn reset(&mut self) {
+        let (mut bytes, mut sources) = (
+            std::mem::take(&mut self.bytes),
+            std::mem::take(&mut self.sources),
+        );
+        bytes.clear();
+        sources.clear();
+        *self = Self {
+            bytes,
+            sources,
+            ..Self::default()
+        };
+    }
+}
+
 /// Where the loop's rows come from.
 pub trait Fetcher {
     /// A fetch in flight.
@@ -219,9 +236,14 @@ pub trait Fetcher {
     /// one message where they fit in one (a step's rows, up to the frame
     /// cap), or a sweep striped across the replicas (`sweep`: a prefill,
     /// and anything past the cap).
-    fn start(&mut self, slot: usize, rows: Vec<u64>, sweep: bool) -> Self::Pending;
+    fn start(&mut self, slot: usize, rows: &[u64], sweep: bool) -> Self::Pending;
     /// Wait for a fetch to end.
     fn wait(&mut self, pending: Self::Pending) -> Fetch;
+    /// A fetch of `slot`'s table the loop is done with: its buffers may
+    /// serve a later fetch (no allocation per step). Default: dropped.
+    fn recycle(&mut self, slot: usize, f: Fetch) {
+        let _ = (slot, f);
+    }
     /// The next fetches start in about `lead`: wake the path to their
     /// rows now, so that no thread on it sleeps when they are asked for.
     /// Default: nothing.
@@ -241,11 +263,74 @@ pub struct PositionRecord {
     pub id: u32,
     /// Checksum of its fused hidden state (hex; equal across runs and modes
     /// exactly when the fused outputs are bit-identical).
-    pub checksum: String,
+    pub checksum: Checksum,
+}
+
+/// A fused state's checksum ([`checksum`]): the first 8 bytes of the
+/// BLAKE3 of its f32 bytes, written as 16 hex digits (a plain value: a
+/// step's records allocate nothing for it).
+#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Checksum(pub [u8; 8]);
+
+impl Checksum {
+    /// Its 16 hex digits, as ASCII.
+    pub fn hex(&self) -> [u8; 16] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 16];
+        for (i, b) in self.0.iter().enumerate() {
+            out[2 * i] = DIGITS[usize::from(b >> 4)];
+            out[2 * i + 1] = DIGITS[usize::from(b & 15)];
+        }
+        out
+    }
+}
+
+impl std::fmt::Display for Checksum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hex = self.hex();
+        // 16 ASCII hex digits.
+        f.write_str(std::str::from_utf8(&hex).unwrap_or_default())
+    }
+}
+
+impl std::fmt::Debug for Checksum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl std::str::FromStr for Checksum {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not a checksum (16 hex digits)");
+        if s.len() != 16 || !s.is_ascii() {
+            return Err(bad());
+        }
+        let mut out = [0u8; 8];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Self(out))
+    }
+}
+
+impl Serialize for Checksum {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let hex = self.hex();
+        s.serialize_str(std::str::from_utf8(&hex).unwrap_or_default())
+    }
+}
+
+impl<'de> Deserialize<'de> for Checksum {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 /// One table of a step in the trace. Times are microseconds from the step's start.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TableRecord {
     /// Table id.
     pub table: u32,
@@ -296,7 +381,7 @@ pub struct Hops {
 
 /// One step (token) in the trace: one JSON line of `inference-node run
 /// --trace`, read back by reports (`engram-bench demo`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     /// Step index.
     pub step: u64,
@@ -336,12 +421,13 @@ pub struct StepRecord {
 }
 
 /// What a step did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StepKind {
     /// Many positions of each sequence fetched and fused in one sweep.
     Prefill,
     /// One position per sequence.
+    #[default]
     Decode,
     /// A position and its draft positions, verified together.
     Verify,
@@ -382,17 +468,16 @@ pub fn initial_state(seed: u64, id: u32, out: &mut [f32]) {
     }
 }
 
-/// Checksum of a fused state: BLAKE3 of its f32 bytes, first 8 bytes in hex.
-pub fn checksum(state: &[f32]) -> String {
+/// Checksum of a fused state: BLAKE3 of its f32 bytes, first 8 bytes.
+pub fn checksum(state: &[f32]) -> Checksum {
     let mut h = blake3::Hasher::new();
     for v in state {
         h.update(&v.to_le_bytes());
     }
     let b = h.finalize();
-    b.as_bytes()[..8]
-        .iter()
-        .map(|x| format!("{x:02x}"))
-        .collect()
+    let mut out = [0u8; 8];
+    out.copy_from_slice(&b.as_bytes()[..8]);
+    Checksum(out)
 }
 
 /// Run the loop over `tokens`; `on_step` gets each step's record (the
@@ -426,8 +511,9 @@ pub fn run<C: Clock, F: Fetcher>(
         })?;
     }
     let mut summary = Summary::new(spec, slots, lp.w);
-    while !stop.load(Ordering::Relaxed) {
-        let Some(rec) = lp.step()? else { break };
+    // One record, written over by each step (its buffers reused).
+    let mut rec = StepRecord::default();
+    while !stop.load(Ordering::Relaxed) && lp.step(&mut rec)? {
         summary.add(&rec);
         on_step(&rec)?;
     }
@@ -481,6 +567,7 @@ pub fn run_batch<C: Clock, F: Fetcher>(
         &slots,
     )?;
     let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, &spec);
+    let mut rec = StepRecord::default();
     loop {
         for tag in driver.cancelled() {
             lp.remove(tag);
@@ -498,14 +585,14 @@ pub fn run_batch<C: Clock, F: Fetcher>(
         if lp.sequences().is_empty() {
             return Ok(());
         }
-        let rec = lp.step()?;
+        let ran = lp.step(&mut rec)?;
         let finished = lp.retire();
-        if rec.is_none() && !lp.sequences().is_empty() {
+        if !ran && !lp.sequences().is_empty() {
             return Err(LoopError::Spec(
                 "a step had no position to run while sequences were unfinished".into(),
             ));
         }
-        driver.after_step(rec.as_ref(), &finished);
+        driver.after_step(ran.then_some(&rec), &finished);
     }
 }
 

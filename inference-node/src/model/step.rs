@@ -87,12 +87,18 @@ pub struct SeqSpec {
     pub limit: Option<u64>,
 }
 
-/// A fetch in flight: the rows it asked for (sorted) and its handle.
-type Part<P> = (Vec<u64>, P);
+/// A fetch in flight: the rows it asked for (sorted; kept only when a
+/// table's rows come in several parts, draft prefetch's) and its handle.
+struct Part<P> {
+    rows: Option<Vec<u64>>,
+    pending: P,
+}
 
 /// A step's fetches: the distinct rows of each table (sorted), the fetches
 /// in flight for them (one, or one per position group with draft
-/// prefetch), and how many rows the positions need per table.
+/// prefetch), and how many rows the positions need per table. Its vectors
+/// are the loop's, lent for the step and given back
+/// ([`Loop::put_back`]).
 struct StepFetches<P> {
     unique: [Vec<u64>; 2],
     parts: [Vec<Part<P>>; 2],
@@ -104,7 +110,7 @@ struct StepFetches<P> {
 }
 
 /// The loop between steps: where each sequence is, and buffers reused.
-pub(super) struct Loop<'a, C, F> {
+pub(super) struct Loop<'a, C, F: Fetcher> {
     pub(super) clock: &'a C,
     pub(super) fetcher: &'a mut F,
     pub(super) fusion: &'a mut dyn Fusion,
@@ -120,6 +126,13 @@ pub(super) struct Loop<'a, C, F> {
     hidden: Vec<f32>,
     rowbuf: Vec<u8>,
     live: Vec<bool>,
+    /// Buffers kept from step to step, so that a step in the steady state
+    /// allocates nothing: its positions, each table's distinct rows and
+    /// fetches in flight, and rows asked in the fusion's order.
+    work: Vec<Work>,
+    unique: [Vec<u64>; 2],
+    parts: [Vec<Part<F::Pending>>; 2],
+    ordered: Vec<u64>,
 }
 
 /// Cut `n` tokens into `batch` contiguous sequences of equal length.
@@ -154,6 +167,10 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             hidden: Vec::new(),
             rowbuf: Vec::new(),
             live: Vec::new(),
+            work: Vec::new(),
+            unique: [Vec::new(), Vec::new()],
+            parts: [Vec::new(), Vec::new()],
+            ordered: Vec::new(),
         }
     }
 
@@ -201,25 +218,40 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         done
     }
 
-    /// Run the next step; `None` once the input (or `max_tokens`) is done.
-    pub(super) fn step(&mut self) -> Result<Option<StepRecord>, LoopError> {
+    /// Run the next step, its record written over `rec` (whose buffers
+    /// it reuses); `false` once the input (or `max_tokens`) is done.
+    pub(super) fn step(&mut self, rec: &mut StepRecord) -> Result<bool, LoopError> {
         let Some(take) = self.decode_take() else {
-            return Ok(None);
+            return Ok(false);
         };
+        let mut work = std::mem::take(&mut self.work);
+        let ran = self.step_with(take, &mut work, rec);
+        self.work = work;
+        ran
+    }
+
+    fn step_with(
+        &mut self,
+        take: usize,
+        work: &mut Vec<Work>,
+        rec: &mut StepRecord,
+    ) -> Result<bool, LoopError> {
         let t0 = self.clock.now();
-        let work = self.hash(take)?;
+        self.hash(take, work)?;
+        let work = &work[..];
         if work.is_empty() {
-            return Ok(None);
+            return Ok(false);
         }
         let prefill = work.iter().all(|p| p.prefill);
         let drafts = work.iter().map(|p| p.offset).max().unwrap_or(0);
         let draft = self.spec.draft.filter(|_| drafts > 0);
         // The verification pass starts when the last draft exists.
         let pass = t0 + draft.map_or(Duration::ZERO, |d| d.per_token * drafts);
-        let fetches = self.start_fetches(t0, &work, draft, drafts);
+        let fetches = self.start_fetches(t0, work, draft, drafts);
         self.clock.sleep_until(pass);
-        self.start_states(&work);
-        let (tables, stall, fusion_time) = self.blocks(pass, &work, fetches)?;
+        self.start_states(work);
+        let blocks = self.blocks(pass, work, fetches, &mut rec.tables);
+        let (stall, fusion_time) = blocks?;
         let end = pass + self.w + stall;
         let lead = self.spec.warm_lead;
         if !lead.is_zero() && end > lead {
@@ -229,36 +261,33 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         }
         self.clock.sleep_until(end);
         let done = self.clock.now();
-        let rec = StepRecord {
-            step: self.step,
-            kind: if prefill {
-                StepKind::Prefill
-            } else if work.iter().any(|p| p.offset > 0) || self.spec.speculate > 0 {
-                StepKind::Verify
-            } else {
-                StepKind::Decode
-            },
-            start_us: us(pass),
-            draft_us: us(pass - t0),
-            w_us: us(self.w),
-            tables,
-            stall_us: us(stall),
-            overrun_us: us(done.saturating_sub(end)),
-            time_us: us(done - t0),
-            fusion_us: us(fusion_time),
-            positions: self.record(&work),
-            rejected: work.iter().filter(|p| p.rejected).count() as u64,
-            wasted_bytes: wasted_bytes(&work),
-            prefilled: work.iter().filter(|p| p.prefill).count() as u64,
+        rec.step = self.step;
+        rec.kind = if prefill {
+            StepKind::Prefill
+        } else if work.iter().any(|p| p.offset > 0) || self.spec.speculate > 0 {
+            StepKind::Verify
+        } else {
+            StepKind::Decode
         };
-        for p in &work {
+        rec.start_us = us(pass);
+        rec.draft_us = us(pass - t0);
+        rec.w_us = us(self.w);
+        rec.stall_us = us(stall);
+        rec.overrun_us = us(done.saturating_sub(end));
+        rec.time_us = us(done - t0);
+        rec.fusion_us = us(fusion_time);
+        self.record(work, &mut rec.positions);
+        rec.rejected = work.iter().filter(|p| p.rejected).count() as u64;
+        rec.wasted_bytes = wasted_bytes(work);
+        rec.prefilled = work.iter().filter(|p| p.prefill).count() as u64;
+        for p in work {
             if !p.prefill && !p.rejected {
                 self.decoded += 1;
                 self.seqs[p.slot].decoded += 1;
             }
         }
         self.step += 1;
-        Ok(Some(rec))
+        Ok(true)
     }
 
     /// How many positions a decoding sequence may take this step under
@@ -281,8 +310,8 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
     ///    (whole, or a chunk of the prefill budget while others decode),
     ///    else one plus its drafts (at most `take`, and what
     ///    is left of its limit and of the run's `max_tokens`).
-    fn hash(&mut self, take: usize) -> Result<Vec<Work>, LoopError> {
-        let mut work = Vec::new();
+    fn hash(&mut self, take: usize, work: &mut Vec<Work>) -> Result<(), LoopError> {
+        work.clear();
         let mut decoding = 0u64;
         // Beside decoding sequences, prefills share a position budget.
         let decoders = self.seqs.iter().any(|q| !q.prefilling() && !q.done());
@@ -363,7 +392,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                 decoding += n as u64;
             }
         }
-        Ok(work)
+        Ok(())
     }
 
     /// 2. Start both fetches: each table's distinct rows, one message, when
@@ -378,19 +407,11 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         draft: Option<super::Draft>,
         drafts: u32,
     ) -> StepFetches<F::Pending> {
-        let rows_of = |l: usize, group: Option<u32>| {
-            let mut u: Vec<u64> = work
-                .iter()
-                .filter(|p| group.is_none_or(|g| p.offset == g))
-                .filter_map(|p| p.rows)
-                .flat_map(|r| r[l])
-                .collect();
-            u.sort_unstable();
-            u.dedup();
-            u
-        };
-        let unique = [rows_of(0, None), rows_of(1, None)];
-        let mut parts: [Vec<Part<F::Pending>>; 2] = [Vec::new(), Vec::new()];
+        let mut unique = std::mem::take(&mut self.unique);
+        let mut parts = std::mem::take(&mut self.parts);
+        for (l, u) in unique.iter_mut().enumerate() {
+            rows_of(u, work, l, None);
+        }
         let mut in_order = [false; 2];
         match draft {
             Some(d) if d.prefetch => {
@@ -398,15 +419,19 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                 for g in 0..=drafts {
                     self.clock.sleep_until(t0 + d.per_token * g);
                     for l in 0..2 {
-                        let mut rows = rows_of(l, Some(g));
+                        let mut rows = Vec::new();
+                        rows_of(&mut rows, work, l, Some(g));
                         rows.retain(|r| asked[l].binary_search(r).is_err());
                         if rows.is_empty() {
                             continue;
                         }
                         asked[l].extend_from_slice(&rows);
                         asked[l].sort_unstable();
-                        let p = self.fetcher.start(l, rows.clone(), false);
-                        parts[l].push((rows, p));
+                        let pending = self.fetcher.start(l, &rows, false);
+                        parts[l].push(Part {
+                            rows: Some(rows),
+                            pending,
+                        });
                     }
                 }
             }
@@ -424,15 +449,18 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
                     // Every row once: ask them in the fusion's order.
                     let rows = if all_live && unique[l].len() == work.len() * COLUMNS {
                         in_order[l] = true;
-                        work.iter()
-                            .filter_map(|p| p.rows)
-                            .flat_map(|r| r[l])
-                            .collect()
+                        self.ordered.clear();
+                        self.ordered
+                            .extend(work.iter().filter_map(|p| p.rows).flat_map(|r| r[l]));
+                        &self.ordered[..]
                     } else {
-                        unique[l].clone()
+                        &unique[l][..]
                     };
-                    let p = self.fetcher.start(l, rows.clone(), sweep);
-                    part.push((rows, p));
+                    let pending = self.fetcher.start(l, rows, sweep);
+                    part.push(Part {
+                        rows: None,
+                        pending,
+                    });
                 }
             }
         }
@@ -441,6 +469,15 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             parts,
             needed: work.iter().filter(|p| p.rows.is_some()).count() * COLUMNS,
             in_order,
+        }
+    }
+
+    /// A step's vectors back to the loop, for the next step.
+    fn put_back(&mut self, fetches: StepFetches<F::Pending>) {
+        self.unique = fetches.unique;
+        for (mine, mut lent) in self.parts.iter_mut().zip(fetches.parts) {
+            lent.clear();
+            *mine = lent;
         }
     }
 
@@ -459,38 +496,63 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         self.live.extend(work.iter().map(|p| p.rows.is_some()));
     }
 
-    /// 3-4. The blocks, each table waited for at its layer's block: the
-    /// tables' records, the total stall and the time spent fusing.
+    /// 3-4. The blocks, each table waited for at its layer's block, each
+    /// table's record written over `records`' (their buffers reused): the
+    /// total stall and the time spent fusing.
     fn blocks(
         &mut self,
         t0: Duration,
         work: &[Work],
         mut fetches: StepFetches<F::Pending>,
-    ) -> Result<(Vec<TableRecord>, Duration, Duration), LoopError> {
+        records: &mut Vec<TableRecord>,
+    ) -> Result<(Duration, Duration), LoopError> {
         let mut stall = Duration::ZERO;
         let mut fusion_time = Duration::ZERO;
-        let mut records = Vec::with_capacity(2);
-        for l in 0..self.slots.len() {
-            let parts = std::mem::take(&mut fetches.parts[l]);
-            let (rec, this_stall, fused) = self.table_block(l, t0, stall, work, &fetches, parts)?;
-            stall += this_stall;
-            fusion_time += fused;
-            records.push(rec);
+        records.resize_with(self.slots.len(), TableRecord::default);
+        let mut res = Ok(());
+        for (l, rec) in records.iter_mut().enumerate() {
+            let parts = &mut fetches.parts[l];
+            match self.table_block(
+                l,
+                t0,
+                stall,
+                work,
+                &fetches.unique[l],
+                fetches.in_order[l],
+                fetches.needed,
+                parts,
+                rec,
+            ) {
+                Ok((this_stall, fused)) => {
+                    stall += this_stall;
+                    fusion_time += fused;
+                }
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
         }
-        Ok((records, stall, fusion_time))
+        self.put_back(fetches);
+        res.map(|()| (stall, fusion_time))
     }
 
-    /// The block of table `l`'s layer: wait for its rows, fuse them. Its
-    /// record, its stall and the time fusing took.
+    /// The block of table `l`'s layer: wait for its rows (`parts`, left
+    /// empty), fuse them, and write its record over `rec`. Its stall and
+    /// the time fusing took.
+    #[allow(clippy::too_many_arguments)] // one table's share of the step
     fn table_block(
         &mut self,
         l: usize,
         t0: Duration,
         stall_before: Duration,
         work: &[Work],
-        fetches: &StepFetches<F::Pending>,
-        parts: Vec<Part<F::Pending>>,
-    ) -> Result<(TableRecord, Duration, Duration), LoopError> {
+        unique: &[u64],
+        in_order: bool,
+        needed: usize,
+        parts: &mut Vec<Part<F::Pending>>,
+        rec: &mut TableRecord,
+    ) -> Result<(Duration, Duration), LoopError> {
         let slot = self.slots[l];
         let block_start = t0 + self.w * slot.layer / BLOCKS + stall_before;
         self.clock.sleep_until(block_start);
@@ -502,20 +564,23 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             }
         } else {
             let waiting_from = self.clock.now();
-            let got: Vec<(Vec<u64>, Fetch)> = parts
-                .into_iter()
-                .map(|(rows, p)| (rows, self.fetcher.wait(p)))
-                .collect();
-            let seen = self.clock.now();
-            // The last part to be ready is the one the block waited for.
-            hops = got
-                .iter()
-                .max_by_key(|(_, f)| f.ready)
-                .and_then(|(_, f)| hops_of(f, waiting_from, seen));
-            let f = if fetches.in_order[l] {
-                got.into_iter().map(|(_, f)| f).next().unwrap_or_default()
+            let f = if parts.len() == 1 {
+                let part = parts.pop().map(|p| p.pending);
+                let f = part.map(|p| self.fetcher.wait(p)).unwrap_or_default();
+                hops = hops_of(&f, waiting_from, self.clock.now());
+                f
             } else {
-                merge_parts(got, &fetches.unique[l])
+                let got: Vec<(Vec<u64>, Fetch)> = parts
+                    .drain(..)
+                    .map(|p| (p.rows.unwrap_or_default(), self.fetcher.wait(p.pending)))
+                    .collect();
+                let seen = self.clock.now();
+                // The last part to be ready is the one the block waited for.
+                hops = got
+                    .iter()
+                    .max_by_key(|(_, f)| f.ready)
+                    .and_then(|(_, f)| hops_of(f, waiting_from, seen));
+                merge_parts(got, unique)
             };
             self.clock.sleep_until(f.ready);
             f
@@ -528,10 +593,10 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         let stall = f.ready.saturating_sub(block_start);
         let fused_from = self.clock.now();
         if f.error.is_none() && self.live.iter().any(|&x| x) {
-            if fetches.in_order[l] {
+            if in_order {
                 take_in_order(&mut self.rowbuf, work.len(), &mut f, self.step)?;
             } else {
-                gather(&mut self.rowbuf, work, l, &fetches.unique[l], &f, self.step)?;
+                gather(&mut self.rowbuf, work, l, unique, &f, self.step)?;
             }
             if !f.zeros {
                 self.fusion
@@ -543,45 +608,72 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             }
         }
         let fused = self.clock.now().saturating_sub(fused_from);
-        let rec = TableRecord {
-            table: slot.table,
-            layer: slot.layer,
-            rows: fetches.needed,
-            unique_rows: fetches.unique[l].len(),
-            messages: f.messages,
-            window_us: us(cluster_config::window(self.w, slot.window_blocks)),
-            ready_us: us(f.ready.saturating_sub(t0)),
-            stall_us: us(stall),
-            source: if f.error.is_some() {
-                None
-            } else if f.sources.is_empty() {
-                Some("none".into())
-            } else {
-                Some(f.sources.join("+"))
-            },
-            hedges: f.hedges,
-            failovers: f.failovers,
-            late: f.late,
-            error: f.error,
-            hops,
+        rec.table = slot.table;
+        rec.layer = slot.layer;
+        rec.rows = needed;
+        rec.unique_rows = unique.len();
+        rec.messages = f.messages;
+        rec.window_us = us(cluster_config::window(self.w, slot.window_blocks));
+        rec.ready_us = us(f.ready.saturating_sub(t0));
+        rec.stall_us = us(stall);
+        // The source's name written over the last step's (its memory kept).
+        let mut source = rec.source.take().unwrap_or_default();
+        source.clear();
+        rec.source = if f.error.is_some() {
+            None
+        } else if f.sources.is_empty() {
+            source.push_str("none");
+            Some(source)
+        } else {
+            for (i, s) in f.sources.iter().enumerate() {
+                if i > 0 {
+                    source.push('+');
+                }
+                source.push_str(s);
+            }
+            Some(source)
         };
-        Ok((rec, stall, fused))
+        rec.hedges = f.hedges;
+        rec.failovers = f.failovers;
+        rec.late = f.late;
+        rec.error = f.error.take();
+        rec.hops = hops;
+        // Its buffers serve a later fetch.
+        self.fetcher.recycle(l, f);
+        Ok((stall, fused))
     }
 
-    /// 5. Each kept position's checksum of its fused state.
-    fn record(&self, work: &[Work]) -> Vec<PositionRecord> {
+    /// 5. Each kept position's checksum of its fused state (written over
+    ///    `out`).
+    fn record(&self, work: &[Work], out: &mut Vec<PositionRecord>) {
         let n = self.state_len;
-        work.iter()
-            .enumerate()
-            .filter(|(_, wk)| !wk.rejected)
-            .map(|(p, wk)| PositionRecord {
-                seq: wk.seq,
-                index: wk.index,
-                id: wk.raw,
-                checksum: checksum(&self.hidden[p * n..(p + 1) * n]),
-            })
-            .collect()
+        out.clear();
+        out.extend(
+            work.iter()
+                .enumerate()
+                .filter(|(_, wk)| !wk.rejected)
+                .map(|(p, wk)| PositionRecord {
+                    seq: wk.seq,
+                    index: wk.index,
+                    id: wk.raw,
+                    checksum: checksum(&self.hidden[p * n..(p + 1) * n]),
+                }),
+        );
     }
+}
+
+/// Table `l`'s distinct rows (sorted) into `out`: those of every
+/// position, or (`group`) of the positions at that draft offset.
+fn rows_of(out: &mut Vec<u64>, work: &[Work], l: usize, group: Option<u32>) {
+    out.clear();
+    out.extend(
+        work.iter()
+            .filter(|p| group.is_none_or(|g| p.offset == g))
+            .filter_map(|p| p.rows)
+            .flat_map(|r| r[l]),
+    );
+    out.sort_unstable();
+    out.dedup();
 }
 
 /// Fetch `f`'s hops ([`Hops`]), the loop having waited for it from

@@ -188,7 +188,7 @@ impl Summary {
             let mut h = xxhash_rust::xxh3::Xxh3::new();
             h.update(&p.seq.to_le_bytes());
             h.update(&p.index.to_le_bytes());
-            h.update(p.checksum.as_bytes());
+            h.update(&p.checksum.hex());
             // A sum: the same whatever order the positions came in.
             self.outputs_sum = self.outputs_sum.wrapping_add(h.digest());
             self.outputs_count += 1;
@@ -200,11 +200,16 @@ impl Summary {
         for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
             match (&rec.source, &rec.error) {
                 (_, Some(_)) => t.failed += 1,
-                (Some(s), None) if s == "zeros" => {
-                    t.zeros += 1;
-                    *t.by_source.entry(s.clone()).or_default() += 1;
+                (Some(s), None) => {
+                    t.zeros += u64::from(s == "zeros");
+                    // Counted in place: a name is cloned only the first time.
+                    match t.by_source.get_mut(s.as_str()) {
+                        Some(n) => *n += 1,
+                        None => {
+                            t.by_source.insert(s.clone(), 1);
+                        }
+                    }
                 }
-                (Some(s), None) => *t.by_source.entry(s.clone()).or_default() += 1,
                 (None, None) => {}
             }
             t.hedges += u64::from(rec.hedges);
@@ -234,9 +239,11 @@ impl Summary {
         let w_ms = r.w_us / 1e3;
         let block_ms = w_ms / f64::from(BLOCKS);
         let (mut window_start_ms, mut stalls_ms) = (0.0, 0.0);
-        let mut tables = Vec::with_capacity(r.tables.len());
-        let mut from_start = Vec::with_capacity(r.tables.len());
-        for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
+        // Two tables: on the stack, as every step's figures are.
+        let mut tables = [(0.0, 0.0); 2];
+        let mut from_start = [(0.0, 0.0); 2];
+        let mut n = 0;
+        for (t, rec) in self.tables.iter_mut().zip(&r.tables).take(2) {
             t.fetch.record_us(rec.ready_us);
             if let Some(h) = rec.hops {
                 for (l, v) in t
@@ -249,8 +256,9 @@ impl Summary {
             }
             let window_ms = block_ms * f64::from(t.window_blocks);
             let ready_ms = rec.ready_us / 1e3;
-            tables.push((window_ms, (ready_ms - window_start_ms).max(0.0)));
-            from_start.push((window_ms, ready_ms));
+            tables[n] = (window_ms, (ready_ms - window_start_ms).max(0.0));
+            from_start[n] = (window_ms, ready_ms);
+            n += 1;
             stalls_ms += rec.stall_us / 1e3;
             window_start_ms = block_ms * f64::from(t.layer) + stalls_ms;
         }
@@ -258,8 +266,8 @@ impl Summary {
         // is the pass, and the drafts' time is added to both.
         let draft_ms = r.draft_us / 1e3;
         self.draft_s += draft_ms / 1e3;
-        self.predicted_ms += predict(w_ms, &tables).time_ms + draft_ms;
-        self.predicted_from_start_ms += predict(w_ms, &from_start).time_ms + draft_ms;
+        self.predicted_ms += predict(w_ms, &tables[..n]).time_ms + draft_ms;
+        self.predicted_from_start_ms += predict(w_ms, &from_start[..n]).time_ms + draft_ms;
     }
 
     /// Close the run at `now` (its wall time).

@@ -53,14 +53,14 @@ impl<D: Fn(usize, usize) -> Duration> Fetcher for FakeFetcher<'_, D> {
     /// (slot, rows, ready, asked).
     type Pending = (usize, Vec<u64>, Duration, Duration);
 
-    fn start(&mut self, slot: usize, rows: Vec<u64>, _sweep: bool) -> Self::Pending {
+    fn start(&mut self, slot: usize, rows: &[u64], _sweep: bool) -> Self::Pending {
         let ready = self.clock.now()
             + (self.delay)(slot, self.calls[slot])
             + self.per_row * rows.len() as u32;
         self.calls[slot] += 1;
         self.log.borrow_mut().push((slot, rows.len()));
         self.starts.borrow_mut().push(self.clock.now());
-        (slot, rows, ready, self.clock.now())
+        (slot, rows.to_vec(), ready, self.clock.now())
     }
 
     fn warm(&mut self, lead: Duration) {
@@ -424,11 +424,11 @@ fn fusion_fits_its_blocks_and_only_work_past_the_step_is_overrun() {
     assert!((s.measured_over_predicted - 1.0).abs() < 1e-9);
 }
 
-fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
+fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), Checksum> {
     steps
         .iter()
         .flat_map(|r| r.positions.iter())
-        .map(|p| ((p.seq, p.index), p.checksum.clone()))
+        .map(|p| ((p.seq, p.index), p.checksum))
         .collect()
 }
 
@@ -911,11 +911,11 @@ fn join_with_budget(budget: usize) -> Vec<StepRecord> {
 #[test]
 fn a_joining_prefill_comes_in_chunks_and_the_decoders_keep_their_step_time() {
     let decoders = |r: &StepRecord| r.positions.iter().filter(|p| p.seq != 9).count();
-    let joined = |recs: &[StepRecord]| -> BTreeMap<u32, String> {
+    let joined = |recs: &[StepRecord]| -> BTreeMap<u32, Checksum> {
         recs.iter()
             .flat_map(|r| &r.positions)
             .filter(|p| p.seq == 9)
-            .map(|p| (p.index, p.checksum.clone()))
+            .map(|p| (p.index, p.checksum))
             .collect()
     };
     // No budget: the joiner's 512 positions in one step, the decoders
@@ -953,11 +953,36 @@ fn a_joining_prefill_comes_in_chunks_and_the_decoders_keep_their_step_time() {
     // the decoders'.
     assert_eq!(joined(&whole), joined(&chunked));
     assert_eq!(joined(&chunked).len(), 512 + 3);
-    let all = |recs: &[StepRecord]| -> BTreeMap<(u32, u32), String> {
+    let all = |recs: &[StepRecord]| -> BTreeMap<(u32, u32), Checksum> {
         recs.iter()
             .flat_map(|r| &r.positions)
-            .map(|p| ((p.seq, p.index), p.checksum.clone()))
+            .map(|p| ((p.seq, p.index), p.checksum))
             .collect()
     };
     assert_eq!(all(&whole), all(&chunked));
+}
+
+#[test]
+fn a_checksum_is_written_and_read_as_16_hex_digits() {
+    let c = checksum(&[1.0, -2.5, 3.25]);
+    let hex = c.to_string();
+    assert_eq!(hex.len(), 16);
+    assert!(
+        hex.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    );
+    assert_eq!(hex.parse::<Checksum>(), Ok(c));
+    let json = serde_json::to_string(&c).expect("json");
+    assert_eq!(json, format!("\"{hex}\""));
+    assert_eq!(serde_json::from_str::<Checksum>(&json).expect("read"), c);
+    for bad in [
+        "",
+        "0123",
+        "0123456789abcdeg",
+        "0123456789abcdef0",
+        "é123456789abcde",
+    ] {
+        assert!(bad.parse::<Checksum>().is_err(), "{bad:?}");
+        assert!(serde_json::from_str::<Checksum>(&format!("\"{bad}\"")).is_err());
+    }
 }

@@ -54,6 +54,45 @@ pub struct DonorSource {
     /// and this node can: lookups use it, and the connection above to learn
     /// regions (and for lookups while RDMA is not usable).
     rdma: Option<super::rdma::RdmaPath>,
+    /// The warm-up's Pings ([`RowSource::warm`]): one task, made at the
+    /// first warm-up and woken by each (nothing spawned per step).
+    pinger: std::sync::OnceLock<Arc<Pinger>>,
+}
+
+/// What a warm-up hands its Ping task: the connection to ping.
+#[derive(Debug, Default)]
+struct Pinger {
+    go: tokio::sync::Notify,
+    client: Mutex<Option<Arc<DonorClient>>>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Pinger {
+    /// The Ping task: a Ping on each connection handed over, until the
+    /// source is dropped.
+    async fn run(self: Arc<Self>) {
+        loop {
+            self.go.notified().await;
+            if self.stop.load(std::sync::atomic::Ordering::Acquire) {
+                return;
+            }
+            let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(c) = client
+                && let Err(e) = c.ping().await
+            {
+                tracing::debug!(error = %e, "warm-up ping");
+            }
+        }
+    }
+}
+
+impl Drop for DonorSource {
+    fn drop(&mut self) {
+        if let Some(p) = self.pinger.get() {
+            p.stop.store(true, std::sync::atomic::Ordering::Release);
+            p.go.notify_one();
+        }
+    }
 }
 
 impl DonorSource {
@@ -69,6 +108,7 @@ impl DonorSource {
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
             rdma: None,
+            pinger: std::sync::OnceLock::new(),
         }
     }
 
@@ -303,11 +343,13 @@ impl RowSource for DonorSource {
     fn warm(&self) {
         // Only a connection already made: a dial is a lookup's to make.
         if let Some(c) = self.live() {
-            tokio::spawn(async move {
-                if let Err(e) = c.ping().await {
-                    tracing::debug!(error = %e, "warm-up ping");
-                }
+            let pinger = self.pinger.get_or_init(|| {
+                let p = Arc::new(Pinger::default());
+                tokio::spawn(Arc::clone(&p).run());
+                p
             });
+            *pinger.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
+            pinger.go.notify_one();
         }
     }
 

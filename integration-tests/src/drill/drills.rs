@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use inference_node::model::StepKind;
+use inference_node::model::{Checksum, StepKind};
 
 use super::handshakes::storm_handshakes;
 use super::report::{ensure_timing, served_by};
@@ -261,7 +261,7 @@ fn reference_of(
     env: &Env,
     plan: &Plan,
     o: &Opts,
-) -> Result<std::collections::BTreeMap<(u32, u32), String>> {
+) -> Result<std::collections::BTreeMap<(u32, u32), Checksum>> {
     let run = super::NodeRun::start_with(
         &env.dir.join("prepare.toml"),
         "ref",
@@ -361,7 +361,7 @@ fn kill_9_with(
     o: &Opts,
     name: &str,
     plan: &Plan,
-    reference: &std::collections::BTreeMap<(u32, u32), String>,
+    reference: &std::collections::BTreeMap<(u32, u32), Checksum>,
 ) -> Result<(Report, f64)> {
     let (mut rack, mut run) = begin(env, plan, o)?;
     let killed = run.event("kill -9 donor-a");

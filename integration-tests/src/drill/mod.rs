@@ -77,7 +77,7 @@ pub struct Env {
     /// Another version of both.
     pub other: [TableFile; 2],
     /// Position `(seq, index)` -> checksum of its fused output, from local RAM.
-    pub reference: BTreeMap<(u32, u32), String>,
+    pub reference: BTreeMap<(u32, u32), inference_node::model::Checksum>,
     /// Longest fetch of a step's rows from the SSD copy in a paced
     /// calibration run (microseconds): "one SSD fetch" in the stall bound.
     pub ssd_fetch_us: f64,

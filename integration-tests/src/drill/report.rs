@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use anyhow::{Result, bail};
-use inference_node::model::{StepKind, StepRecord};
+use inference_node::model::{Checksum, StepKind, StepRecord};
 
 use super::{Env, Event, Outcome, Plan, SCHED_ALLOWANCE_US};
 
@@ -37,11 +37,11 @@ macro_rules! ensure_timing {
 pub(crate) use ensure_timing;
 
 /// Position `(seq, index)` -> checksum of its fused output.
-pub fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), String> {
+pub fn checksums(steps: &[StepRecord]) -> BTreeMap<(u32, u32), Checksum> {
     steps
         .iter()
         .flat_map(|s| &s.positions)
-        .map(|p| ((p.seq, p.index), p.checksum.clone()))
+        .map(|p| ((p.seq, p.index), p.checksum))
         .collect()
 }
 
@@ -166,7 +166,7 @@ impl Report {
         env: &Env,
         plan: &Plan,
         out: &Outcome,
-        reference: &BTreeMap<(u32, u32), String>,
+        reference: &BTreeMap<(u32, u32), Checksum>,
     ) -> Result<Self> {
         let mut r = Self {
             name: name.into(),
