@@ -123,6 +123,11 @@ fn drill_sigstop() {
 }
 
 #[test]
+fn drill_sigstop_sweep() {
+    drill("sigstop-sweep");
+}
+
+#[test]
 fn drill_hung_sigterm() {
     drill("hung-sigterm");
 }

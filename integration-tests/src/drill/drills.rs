@@ -74,6 +74,11 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         sigstop,
     ),
     (
+        "sigstop-sweep",
+        "donors only (no SSD copy), 16 sequences after a prefill of 256 positions each, hard timeout 200 ms, donor-a's answers 50 ms late (proxy): SIGSTOP donor-a mid-sweep (its chunks hedged to donor-b), SIGCONT it",
+        sigstop_sweep,
+    ),
+    (
         "wrong-version",
         "restart the primary with another table version, then with the pinned one",
         wrong_version,
@@ -481,6 +486,97 @@ fn sigstop(env: &Env, o: &Opts) -> Result<Report> {
         .count();
     ensure!(ssd > 0, "the SSD copy never served while both donors hung");
     r.figure("steps served from SSD while both hung", ssd.to_string());
+    r.readmitted("donor-a", healthy)?;
+    Ok(r)
+}
+
+/// Positions of each sequence in the hung sweep's prefill.
+const SWEEP_PREFILL: usize = 256;
+/// The hung sweep's hard timeout: a chunk is a megabyte, which a donor
+/// built for debugging on a busy 2-core machine may take tens of
+/// milliseconds to gather and check; its chunks are hedged at half this.
+const SWEEP_HARD_TIMEOUT_MS: u64 = 200;
+/// Added to each of donor-a's answers until the SIGCONT.
+const SWEEP_DELAY: Duration = Duration::from_millis(50);
+
+/// A replica hung mid-sweep costs the sweep a delay, not the sweep: with
+/// no SSD copy to fall back on, the chunks donor-a holds (SIGSTOP: its
+/// sockets open, nothing answered) are hedged to donor-b once they miss
+/// their share of the deadline, and the prefill ends with every row.
+fn sigstop_sweep(env: &Env, o: &Opts) -> Result<Report> {
+    let name = "sigstop-sweep";
+    let mut plan = Plan::new(name);
+    plan.sources = vec!["donor-a", "donor-b"];
+    plan.batch = BATCH;
+    plan.prefill = SWEEP_PREFILL;
+    plan.hard_timeout_ms = SWEEP_HARD_TIMEOUT_MS;
+    plan.donors[0].proxied = true;
+    let reference = reference_of(env, &plan, o)?;
+    let rack = Rack::start(env, plan.clone())?;
+    // donor-a's answers come late (a proxy), so that the sweep, the loop's
+    // first step, is still under way when the SIGSTOP lands just after
+    // the loop has started; hung then, donor-a answers nothing more.
+    let proxy = rack.proxy("donor-a")?;
+    proxy.set(Faults {
+        delay: SWEEP_DELAY,
+        ..Faults::default()
+    });
+    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+    rack.stop("donor-a")?;
+    let at = inference_node::model::clock::monotonic_us();
+    let stopped = run.event_at("SIGSTOP donor-a mid-sweep", at)?;
+    run.at_second(HEAL_AT)?;
+    rack.signal("donor-a", libc::SIGCONT)?;
+    proxy.set(Faults::default());
+    let healthy = run.event("SIGCONT donor-a");
+    let out = finish(run, o, true)?;
+    let mut r = Report::check_with(name, about(name), env, &plan, &out, &reference)?;
+    let prefill = r
+        .steps
+        .iter()
+        .find(|s| s.kind == StepKind::Prefill)
+        .context("the run has no prefill step")?
+        .clone();
+    // When the sweep's last rows were in, on the node's clock.
+    let rows_in = prefill.start_us
+        + prefill
+            .tables
+            .iter()
+            .map(|t| t.ready_us)
+            .fold(0.0, f64::max);
+    ensure_timing!(
+        rows_in > stopped,
+        "the sweep's rows were all in ({:.1} ms) before donor-a was stopped ({:.1} ms)\n{}",
+        rows_in / 1e3,
+        stopped / 1e3,
+        r.timeline(0.5)
+    );
+    let mut moved = 0;
+    for t in &prefill.tables {
+        let by = t.source.as_deref().unwrap_or("nothing");
+        ensure!(
+            t.error.is_none() && by.split('+').all(|s| s.starts_with("donor-")),
+            "table {}'s prefill failed with donor-a hung: served by {by}, {:?}",
+            t.table,
+            t.error
+        );
+        moved += t.hedges + t.failovers;
+    }
+    ensure!(
+        moved > 0,
+        "no chunk of the sweep was hedged or failed over from the hung donor-a"
+    );
+    r.figure(
+        "the sweep with donor-a hung mid-way",
+        format!(
+            "{} positions in {} messages, {moved} chunks hedged or failed over to donor-b; \
+             every row in {:.0} ms after the SIGSTOP (hedges at {} ms)",
+            BATCH * SWEEP_PREFILL,
+            prefill.tables.iter().map(|t| t.messages).sum::<u32>(),
+            (rows_in - stopped) / 1e3,
+            SWEEP_HARD_TIMEOUT_MS / 2
+        ),
+    );
     r.readmitted("donor-a", healthy)?;
     Ok(r)
 }

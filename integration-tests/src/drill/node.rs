@@ -161,7 +161,22 @@ impl NodeRun {
 
     /// Record that `what` happened just now; returns its time.
     pub fn event(&mut self, what: impl Into<String>) -> f64 {
-        let at_us = self.now_us();
+        self.event_since(what, monotonic_us())
+    }
+
+    /// Record that `what` happened at `mono_us` on this host's monotonic
+    /// clock ([`monotonic_us`]), which may be before the node's first
+    /// progress line (whose arrival sets the node's clock): it must come,
+    /// so this waits for it; returns its time on the node's clock.
+    pub fn event_at(&mut self, what: impl Into<String>, mono_us: u64) -> Result<f64> {
+        if self.offset_us.is_none() {
+            self.at_step(PROGRESS_EVERY.min(self.tokens))?;
+        }
+        Ok(self.event_since(what, mono_us))
+    }
+
+    fn event_since(&mut self, what: impl Into<String>, mono_us: u64) -> f64 {
+        let at_us = mono_us as f64 - self.offset_us.unwrap_or(0.0);
         self.events.push(Event {
             at_us,
             what: what.into(),
