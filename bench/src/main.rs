@@ -14,6 +14,7 @@ mod paced;
 mod paced_contention;
 mod paced_draft;
 mod paced_host;
+mod paced_join;
 mod prefill;
 mod rack;
 mod ssd;

@@ -53,6 +53,15 @@ pub struct PacedArgs {
     /// (default rates 100,400) (`paced-host.json`).
     #[arg(long)]
     host_local: bool,
+    /// Instead: a sequence joining four decoding ones with a prefill of
+    /// --join-prefill positions, with no prefill budget and with the
+    /// node's: the decoders' step time while it prefills (default rates
+    /// 100,400) (`paced-join.json`).
+    #[arg(long)]
+    join: bool,
+    /// The joining sequence's prefill for --join, positions.
+    #[arg(long, default_value_t = 2048)]
+    join_prefill: usize,
     /// Draft lengths K for --draft.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4, 8])]
     draft_ks: Vec<usize>,
@@ -164,7 +173,7 @@ impl Point {
 
 /// Run it.
 pub fn run(args: &PacedArgs) -> Result<()> {
-    let default_rates: &[f64] = if args.contention || args.host_local {
+    let default_rates: &[f64] = if args.contention || args.host_local || args.join {
         &[100.0, 400.0]
     } else if args.draft {
         &[100.0, 400.0, 1000.0]
@@ -206,6 +215,17 @@ pub fn run(args: &PacedArgs) -> Result<()> {
             args.repeat,
             args.json,
         );
+    }
+    if args.join {
+        return crate::paced_join::run(&crate::paced_join::JoinArgs {
+            out,
+            hash_base: args.hash_base,
+            rates,
+            prefill: args.join_prefill,
+            seconds: args.seconds_per_point,
+            repeat: args.repeat,
+            json: args.json,
+        });
     }
     if args.draft {
         if args.draft_us > inference_node::model::MAX_DRAFT_TIME.as_micros() as u64 {
