@@ -24,6 +24,7 @@ mod raw;
 pub mod records;
 pub mod tls;
 mod validate;
+pub use validate::node::DEFAULT_PREFILL_BUDGET;
 pub use validate::pages_by_default;
 
 use std::fmt;
@@ -559,6 +560,10 @@ pub struct Node {
     /// Most sequences `inference-node serve` runs together in one batch
     /// (continuous batching: requests join and leave at step boundaries).
     pub max_batch: u32,
+    /// Prefill positions a step of `inference-node serve` takes, in all,
+    /// while other sequences decode: a joining sequence prefills in chunks
+    /// of this many, so the decoders keep their step time (0: no limit).
+    pub prefill_budget: usize,
     /// Where the node serves Prometheus `/metrics`, if anywhere.
     pub metrics: Option<SocketAddr>,
     /// Where `inference-node serve` serves its gRPC API and health.

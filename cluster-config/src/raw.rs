@@ -110,6 +110,7 @@ pub(crate) struct RawNode {
     pub probe_interval_ms: Option<S<i64>>,
     pub breaker_failures: Option<S<i64>>,
     pub max_batch: Option<S<i64>>,
+    pub prefill_budget: Option<S<i64>>,
     pub metrics: Option<S<String>>,
     pub api: Option<S<String>>,
     pub log_level: Option<S<String>>,

@@ -766,7 +766,7 @@ fn rdma_device(
     })
 }
 
-mod node;
+pub(crate) mod node;
 mod security;
 
 mod model;

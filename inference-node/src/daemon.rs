@@ -222,6 +222,7 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
         shared.running.store(true, Ordering::Relaxed);
         let spec = LoopSpec {
             tokens_per_second: nm.tokens_per_second(),
+            prefill_budget: nm.prefill_budget(),
             ..LoopSpec::default()
         };
         let mut batch = Batcher {

@@ -19,6 +19,11 @@ pub const MAX_BREAKER_FAILURES: i64 = 1_000;
 pub const MAX_BATCH: i64 = 1_024;
 /// Sequences a node daemon batches by default.
 pub const DEFAULT_MAX_BATCH: u32 = 16;
+/// Default `prefill_budget`: 256 positions (6,144 rows per table, about
+/// 1.6 MB) beside the decoders' rows in a step.
+pub const DEFAULT_PREFILL_BUDGET: usize = 256;
+/// Largest `prefill_budget`.
+pub const MAX_PREFILL_BUDGET: i64 = 65_536;
 /// Longest grace accepted, in microseconds (one second).
 pub const MAX_GRACE_US: i64 = 1_000_000;
 
@@ -90,6 +95,11 @@ pub(super) fn nodes(
             .as_ref()
             .and_then(|v| cx.int(v, &k("max_batch"), 1, MAX_BATCH))
             .map_or(DEFAULT_MAX_BATCH, |v| v as u32);
+        let prefill_budget = n
+            .prefill_budget
+            .as_ref()
+            .and_then(|v| cx.int(v, &k("prefill_budget"), 0, MAX_PREFILL_BUDGET))
+            .map_or(DEFAULT_PREFILL_BUDGET, |v| v as usize);
         let metrics = n
             .metrics
             .as_ref()
@@ -155,6 +165,7 @@ pub(super) fn nodes(
             probe_interval: cx.opt_ms(&n.probe_interval_ms, &k("probe_interval_ms"), 1_000, false),
             breaker_failures,
             max_batch,
+            prefill_budget,
             metrics,
             api,
             log_level,

@@ -108,9 +108,10 @@ pub struct LoopSpec {
 /// takes to wake on a virtual machine, far shorter than a step.
 pub const DEFAULT_WARM_LEAD: Duration = Duration::from_micros(300);
 
-/// Default [`LoopSpec::prefill_budget`]: 256 positions (6,144 rows per
-/// table, about 1.6 MB) beside the decoders' rows in a step.
-pub const DEFAULT_PREFILL_BUDGET: usize = 256;
+/// Default [`LoopSpec::prefill_budget`] (and the node's `prefill_budget`):
+/// 256 positions (6,144 rows per table, about 1.6 MB) beside the decoders'
+/// rows in a step.
+pub const DEFAULT_PREFILL_BUDGET: usize = cluster_config::DEFAULT_PREFILL_BUDGET;
 
 /// The draft stand-in of a speculative step: the `k` draft positions of a
 /// verification appear one every `per_token` (draft `j` at `j x per_token`

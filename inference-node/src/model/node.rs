@@ -78,6 +78,7 @@ pub struct NodeModel {
     chunk_rows: usize,
     tokens_per_second: f64,
     max_batch: u32,
+    prefill_budget: usize,
     tokenizer: Option<(Tokenizer, TokenMap)>,
     map: Option<TokenMap>,
 }
@@ -176,6 +177,7 @@ impl NodeModel {
             chunk_rows,
             tokens_per_second: rate,
             max_batch: node.max_batch,
+            prefill_budget: node.prefill_budget,
             tokenizer,
             map,
         })
@@ -219,6 +221,13 @@ impl NodeModel {
             ));
             self.tokens_per_second = node.tokens_per_second;
         }
+        if node.prefill_budget != self.prefill_budget {
+            changes.push_str(&format!(
+                "; prefill budget {} -> {}",
+                self.prefill_budget, node.prefill_budget
+            ));
+            self.prefill_budget = node.prefill_budget;
+        }
         Ok(changes)
     }
 
@@ -235,6 +244,12 @@ impl NodeModel {
     /// The memory (every router of the node).
     pub fn memory(&self) -> &Memory {
         &self.memory
+    }
+
+    /// Prefill positions a batch step takes beside decoding sequences (the
+    /// node's `prefill_budget`).
+    pub fn prefill_budget(&self) -> usize {
+        self.prefill_budget
     }
 
     /// Most sequences the daemon batches (the node's `max_batch`).

@@ -71,6 +71,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(n.probe_interval, Duration::from_secs(1));
     assert_eq!(n.breaker_failures, 3);
     assert_eq!(n.max_batch, 16);
+    assert_eq!(n.prefill_budget, 256);
     assert_eq!(
         (n.metrics, n.ssd_io, n.ssd_direct),
         (None, SsdIo::Auto, true)
@@ -89,7 +90,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     let text = good().replacen(
         "lookup_timeout_ms = 40",
         "lookup_timeout_ms = 40\ntokens_per_second = 400\nprobe_interval_ms = 250\n\
-         breaker_failures = 5\nmax_batch = 64\nmetrics = \"127.0.0.1:9100\"\nssd_io = \"pread\"\nssd_direct = false",
+         breaker_failures = 5\nmax_batch = 64\nprefill_budget = 32\nmetrics = \"127.0.0.1:9100\"\nssd_io = \"pread\"\nssd_direct = false",
         1,
     );
     let text = text.replacen(
@@ -104,6 +105,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
     assert_eq!(n.probe_interval, Duration::from_millis(250));
     assert_eq!(n.breaker_failures, 5);
     assert_eq!(n.max_batch, 64);
+    assert_eq!(n.prefill_budget, 32);
     assert_eq!(n.metrics, Some("127.0.0.1:9100".parse().expect("addr")));
     assert_eq!((n.ssd_io, n.ssd_direct), (SsdIo::Pread, false));
     let r = &n.routes[0];
@@ -132,7 +134,7 @@ fn node_knobs_have_defaults_and_windows_follow_the_layers() {
 #[test]
 fn node_knob_rules() {
     let add = |line: &str| format!("lookup_timeout_ms = 40\n{line}");
-    let cases: [(&str, &str, &str); 8] = [
+    let cases: [(&str, &str, &str); 10] = [
         (
             "tokens_per_second = 0.0",
             "tokens_per_second",
@@ -147,6 +149,8 @@ fn node_knob_rules() {
         ("breaker_failures = 0", "breaker_failures", "out of range"),
         ("max_batch = 0", "max_batch", "out of range"),
         ("max_batch = 1025", "max_batch", "out of range"),
+        ("prefill_budget = -1", "prefill_budget", "out of range"),
+        ("prefill_budget = 65537", "prefill_budget", "out of range"),
         ("metrics = \"localhost\"", "metrics", "not IP:PORT"),
         ("ssd_io = \"aio\"", "ssd_io", "not one of"),
     ];
