@@ -324,11 +324,7 @@ pub fn run(a: &JoinArgs) -> Result<()> {
         println!(
             "{:>8} {:>7} {:>8.0} {:>12.0} {:>8.0} {:>12.0} {:>12.0} {:>12.0} {:>8.2}",
             p.rate,
-            if p.budget == 0 {
-                "none".to_string()
-            } else {
-                p.budget.to_string()
-            },
+            budget_label(p.budget),
             p.w_us,
             p.before_p50_us,
             p.during_steps,
@@ -348,6 +344,15 @@ pub fn run(a: &JoinArgs) -> Result<()> {
     Ok(())
 }
 
+/// A budget as the table and chart name it (0: none).
+fn budget_label(budget: usize) -> String {
+    if budget == 0 {
+        "none".into()
+    } else {
+        budget.to_string()
+    }
+}
+
 fn chart(r: &Report) -> Bars {
     Bars {
         title: format!(
@@ -359,15 +364,7 @@ fn chart(r: &Report) -> Bars {
             .points
             .iter()
             .map(|p| Bar {
-                label: format!(
-                    "{} tok/s, budget {}",
-                    p.rate,
-                    if p.budget == 0 {
-                        "none".to_string()
-                    } else {
-                        p.budget.to_string()
-                    }
-                ),
+                label: format!("{} tok/s, budget {}", p.rate, budget_label(p.budget)),
                 value: p.worst_over_w,
                 floor: p.budget == 0,
             })

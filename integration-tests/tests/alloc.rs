@@ -168,13 +168,7 @@ fn lookups_allocate_nothing_in_the_steady_state() {
             .port()
     };
     let config = write_config(dir.path(), &table, digest, [port(), port()]);
-    let _d = DonorProcess::start(&[
-        "--config",
-        &config.path.display().to_string(),
-        "--name",
-        "d",
-    ])
-    .expect("donor starts");
+    let _d = donor_d(&config);
     for (workers, runtime) in [(0, "one thread"), (2, "two worker threads")] {
         let counts: Vec<(&str, u64)> = [
             ("local RAM", "local"),
@@ -289,6 +283,17 @@ fn a_donor_answers_lookups_over_tcp_and_tls_without_allocating() {
             "the node and the donor allocate in every window of 500 lookups over {name}: {counts:?}"
         );
     }
+}
+
+/// Donor `d` of `config`, in a process of its own.
+fn donor_d(config: &Config) -> DonorProcess {
+    DonorProcess::start(&[
+        "--config",
+        &config.path.display().to_string(),
+        "--name",
+        "d",
+    ])
+    .expect("donor starts")
 }
 
 /// Steps of the model loop before counting, and counted.
@@ -428,13 +433,7 @@ fn the_model_loop_allocates_nothing_per_token() {
     let _one = one_at_a_time();
     let dir = tempfile::tempdir().expect("tempdir");
     let config = write_model_config(dir.path());
-    let _d = DonorProcess::start(&[
-        "--config",
-        &config.path.display().to_string(),
-        "--name",
-        "d",
-    ])
-    .expect("donor starts");
+    let _d = donor_d(&config);
     let counts: Vec<(&str, u64)> = [
         ("local RAM", "local", "local"),
         ("the SSD copy", "ssd", "ssd"),
