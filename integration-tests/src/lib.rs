@@ -708,11 +708,22 @@ pub const MODEL_BASE: u64 = 1000;
 /// Generator seed of [`model_rack`]'s tables.
 pub const MODEL_SEED: u64 = 11;
 
-/// A port free on 127.0.0.1 now.
+/// A port free on 127.0.0.1 now, and not handed out before in this
+/// process: a config that takes several ports in a row gets distinct ones
+/// (the kernel may hand a port just let go of out again at once), and so
+/// do tests running side by side.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static GIVEN: Mutex<std::collections::BTreeSet<u16>> =
+        Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..256 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        if GIVEN.lock().unwrap_or_else(|p| p.into_inner()).insert(port) {
+            return Ok(port);
+        }
+    }
+    bail!("no port on 127.0.0.1 that this process has not handed out already")
 }
 
 /// True when python3 can import `modules`. Where it cannot, the test is

@@ -160,13 +160,7 @@ fn lookups_allocate_nothing_in_the_steady_state() {
     let _one = one_at_a_time();
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("bind")
-            .local_addr()
-            .expect("addr")
-            .port()
-    };
+    let port = || integration_tests::free_port().expect("port");
     let config = write_config(dir.path(), &table, digest, [port(), port()]);
     let _d = donor_d(&config);
     for (workers, runtime) in [(0, "one thread"), (2, "two worker threads")] {

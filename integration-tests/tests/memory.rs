@@ -23,12 +23,8 @@ const SEED: u64 = 5;
 
 /// Two ports free on 127.0.0.1 now (so a restarted donor can bind them again).
 fn ports() -> (u16, u16) {
-    let a = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let b = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    (
-        a.local_addr().expect("addr").port(),
-        b.local_addr().expect("addr").port(),
-    )
+    let port = || integration_tests::free_port().expect("free port");
+    (port(), port())
 }
 
 /// A config with one table, donor `d` on 127.0.0.1 (data plane `ports.0`,

@@ -54,8 +54,7 @@ fn write_config(dir: &Path, table: &Path, digest: TableDigest) -> Config {
 const TRANSPORTS: [Transport; 3] = [Transport::Tcp, Transport::Tls, Transport::Quic];
 
 fn port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+    integration_tests::free_port().expect("free port")
 }
 
 fn donor(config: &Config, name: &str) -> DonorProcess {

@@ -23,8 +23,7 @@ const ROWS: u64 = 20_000;
 const SEED: u64 = 9;
 
 fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+    integration_tests::free_port().expect("free port")
 }
 
 /// A rack with PKI: donor `d` on tcp, tls and quic (loopback), admitting
