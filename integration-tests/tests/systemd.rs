@@ -103,6 +103,91 @@ fn units_carry_the_operations_settings() {
     }
 }
 
+/// Whether a `DeviceAllow=` specifier lets in a character device of
+/// group `group` (as /proc/devices names it) or the node at `path`.
+fn allows(spec: &str, group: &str, path: &str) -> bool {
+    let spec = spec.split_whitespace().next().unwrap_or_default();
+    match spec.strip_prefix("char-") {
+        // systemd matches groups as globs; the units use a trailing `*`.
+        Some(g) => match g.strip_suffix('*') {
+            Some(prefix) => group.starts_with(prefix),
+            None => g == group,
+        },
+        None => spec == path,
+    }
+}
+
+/// The device nodes each unit needs reach it, on every systemd: the
+/// units' `ProtectClock=yes` implies `DeviceAllow=char-rtc r`, which
+/// before systemd 252 closes a unit to every device it does not list.
+/// The node lists the GPU's groups; with the RDMA drop-in both daemons
+/// list the verbs' nodes (and the drop-in turns `PrivateDevices=` off).
+#[test]
+fn units_let_in_the_device_nodes_they_need() {
+    let effective = |unit: &str, drop_in: bool| {
+        let mut s = settings(unit);
+        if drop_in {
+            s.extend(settings("rdma.conf"));
+        }
+        s
+    };
+    let device_allow = |s: &[(String, String)]| -> Vec<String> {
+        s.iter()
+            .filter(|(k, _)| k == "DeviceAllow")
+            .map(|(_, v)| v.clone())
+            .collect()
+    };
+    let last = |s: &[(String, String)], key: &str| {
+        s.iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    let needs = |unit: &str, allow: &[String], group: &str, path: &str| {
+        assert!(
+            allow
+                .iter()
+                .any(|a| allows(a, group, path) && a.ends_with("rw")),
+            "{unit} does not let in {path} (group {group}): DeviceAllow {allow:?}"
+        );
+    };
+    for unit in UNITS {
+        let plain = effective(unit, false);
+        assert_eq!(
+            last(&plain, "ProtectClock").as_deref(),
+            Some("yes"),
+            "{unit}"
+        );
+        let with_rdma = effective(unit, true);
+        assert_eq!(
+            last(&with_rdma, "PrivateDevices").as_deref(),
+            Some("no"),
+            "{unit}"
+        );
+        let allow = device_allow(&with_rdma);
+        needs(unit, &allow, "infiniband_verbs", "/dev/infiniband/uverbs0");
+        needs(unit, &allow, "infiniband_mad", "/dev/infiniband/umad0");
+        needs(unit, &allow, "misc", "/dev/infiniband/rdma_cm");
+    }
+    let node = effective("inference-node.service", false);
+    assert_ne!(last(&node, "PrivateDevices").as_deref(), Some("yes"));
+    let allow = device_allow(&node);
+    for (group, path) in [
+        ("nvidia-frontend", "/dev/nvidia0"),
+        ("nvidia", "/dev/nvidiactl"),
+        ("nvidia-uvm", "/dev/nvidia-uvm"),
+        ("nvidia-caps", "/dev/nvidia-caps/nvidia-cap1"),
+        ("nvidia-nvlink", "/dev/nvidia-nvlink"),
+        ("nvidia-nvswitch", "/dev/nvidia-nvswitch0"),
+    ] {
+        needs("inference-node.service", &allow, group, path);
+    }
+    // And nothing beyond them: the donor without the drop-in has no
+    // device of its own.
+    assert!(device_allow(&settings("memory-donor.service")).is_empty());
+    assert!(!allows("char-nvidia* rw", "infiniband_verbs", "/dev/null"));
+}
+
 #[test]
 fn units_pass_systemd_analyze_verify() {
     let analyze = ["/usr/bin/systemd-analyze", "/bin/systemd-analyze"]
