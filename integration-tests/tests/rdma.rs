@@ -403,6 +403,50 @@ fn each_injected_fault_fails_over_within_the_deadline_and_rdma_comes_back() -> R
     })
 }
 
+/// A queue pair given up (its donor's end gone) is torn down off the
+/// node's async workers and after the path's lock is let go: a real
+/// teardown (destroying the queue pair, deregistering its buffer) blocks in
+/// the driver. On a runtime of one thread, the test's, no queue pair may be
+/// dropped on that thread.
+#[test]
+fn a_dead_queue_pair_is_torn_down_off_the_async_workers() -> Result<()> {
+    fake();
+    let rack = Rack::new("tls")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let (donor, memory, _metrics) = warm(&rack, 5).await?;
+        let worker = std::thread::current().id();
+        let before = fake().fabric().queue_pair_drops(rack.rdma).len();
+        fake().fabric().inject(rack.rdma, FakeFault::DeadQueuePair);
+        let router = memory.router(1).context("no router")?;
+        let rows: Vec<u64> = (0..24).map(|j| j * 97 % ROWS).collect();
+        let mut out = vec![0u8; 24 * ROW_BYTES];
+        let f = router.fetch(&rows, &mut out).await?;
+        assert_eq!(f.source.as_deref(), Some("ssd"), "{f:?}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let drops = loop {
+            let d = fake().fabric().queue_pair_drops(rack.rdma);
+            if d.len() > before {
+                break d;
+            }
+            if Instant::now() > deadline {
+                bail!("the dead queue pair was never torn down");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert!(
+            drops[before..].iter().all(|t| *t != worker),
+            "a queue pair was torn down on the async worker"
+        );
+        // And RDMA comes back on a new queue pair.
+        back_over_rdma(&rack, &memory, "after the teardown").await?;
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
 /// Wait (up to 2 s) until lookups are served by the donor over RDMA again.
 async fn back_over_rdma(rack: &Rack, memory: &Memory, what: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(2);

@@ -105,6 +105,19 @@ impl RdmaCounters {
     }
 }
 
+/// Tear a queue pair's reader down off the async workers (and after the
+/// path's lock is let go): destroying a queue pair and deregistering its
+/// buffer block in the driver. Outside a runtime, here.
+fn retire(reader: Option<Reader>) {
+    let Some(r) = reader else { return };
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => {
+            h.spawn_blocking(move || drop(r));
+        }
+        Err(_) => drop(r),
+    }
+}
+
 /// A donor's RDMA path.
 #[derive(Debug)]
 pub struct RdmaPath {
@@ -271,9 +284,11 @@ impl RdmaPath {
                     match made {
                         Ok(Ok(qp)) => {
                             let mut st = self.state();
-                            st.reader = Some(Reader::new(qp, DEFAULT_SLOT_ROWS));
+                            let old = st.reader.replace(Reader::new(qp, DEFAULT_SLOT_ROWS));
                             st.session.connected();
                             st.warned = false;
+                            drop(st);
+                            retire(old);
                             tracing::info!(donor = %self.donor, "rdma://{addr}: queue pair connected");
                         }
                         Ok(Err(e)) => {
@@ -300,10 +315,13 @@ impl RdmaPath {
                         if let Err(f) = self.read(chunk, &layout, dst, deadline).await {
                             let mut st = self.state();
                             st.session.fault(table, f);
-                            if f.kills_queue_pair() {
-                                st.reader = None;
-                            }
+                            let dead = if f.kills_queue_pair() {
+                                st.reader.take()
+                            } else {
+                                None
+                            };
                             drop(st);
+                            retire(dead);
                             tracing::debug!(donor = %self.donor, table, "rdma read failed: {f}");
                             self.counters
                                 .faults

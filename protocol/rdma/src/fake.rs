@@ -57,6 +57,9 @@ struct State {
     reads_at: HashMap<SocketAddr, u64>,
     /// Queue pairs their listener disconnected (listener address, key).
     cut: HashSet<(SocketAddr, u64)>,
+    /// The thread each queue pair was dropped on (torn down), by its
+    /// listener's address.
+    drops: Vec<(SocketAddr, std::thread::ThreadId)>,
 }
 
 /// The in-process fabric: registered regions, listeners, faults, counters.
@@ -108,6 +111,18 @@ impl FakeFabric {
     /// READs carried out on queue pairs to the listener at `addr`.
     pub fn reads_at(&self, addr: SocketAddr) -> u64 {
         self.lock().reads_at.get(&addr).copied().unwrap_or(0)
+    }
+
+    /// The threads queue pairs to the listener at `addr` were dropped on,
+    /// in order (a real teardown blocks in the driver: the node must not
+    /// do it on an async worker).
+    pub fn queue_pair_drops(&self, addr: SocketAddr) -> Vec<std::thread::ThreadId> {
+        self.lock()
+            .drops
+            .iter()
+            .filter(|(a, _)| *a == addr)
+            .map(|(_, t)| *t)
+            .collect()
     }
 
     /// Regions registered now.
@@ -310,7 +325,9 @@ impl std::fmt::Debug for FakeQp {
 
 impl Drop for FakeQp {
     fn drop(&mut self) {
-        self.fabric.lock().cut.remove(&(self.peer, self.key));
+        let mut s = self.fabric.lock();
+        s.cut.remove(&(self.peer, self.key));
+        s.drops.push((self.peer, std::thread::current().id()));
     }
 }
 
