@@ -749,20 +749,27 @@ fn rdma_device(
         }
         v.clone()
     });
-    let port = r
-        .port
-        .as_ref()
-        .and_then(|v| cx.int(v, &k("rdma.port"), 1, 255))
-        .unwrap_or(1) as u8;
-    let gid_index = r
-        .gid_index
-        .as_ref()
-        .and_then(|v| cx.int(v, &k("rdma.gid_index"), 0, 255))
-        .map(|v| v as u8);
+    // The connection manager takes the port and the GID from the address
+    // it binds or resolves: a choice here would be ignored, so it is
+    // refused rather than silently dropped.
+    for (key, value, what) in [
+        ("rdma.port", r.port.as_ref(), "port"),
+        ("rdma.gid_index", r.gid_index.as_ref(), "GID"),
+    ] {
+        if let Some(v) = value {
+            cx.at(
+                v.span(),
+                k(key),
+                format!(
+                    "is not supported: the connection manager takes the device's {what} from the \
+                     rdma:// address (put the address on the port and interface to use); remove it"
+                ),
+            );
+        }
+    }
     Some(crate::RdmaDevice {
         device,
-        port,
-        gid_index,
+        ..crate::RdmaDevice::default()
     })
 }
 

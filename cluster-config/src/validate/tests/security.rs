@@ -485,7 +485,7 @@ fn rdma_addresses_and_their_device() {
     // The device section, with its checks.
     let with_dev = rdma.replacen(
         "ram_gib = 251.0",
-        "ram_gib = 251.0\nrdma = { device = \"mlx5_0\", port = 2, gid_index = 3 }",
+        "ram_gib = 251.0\nrdma = { device = \"mlx5_0\" }",
         1,
     );
     let c = parse(&with_dev).expect("valid");
@@ -494,13 +494,12 @@ fn rdma_addresses_and_their_device() {
         dev,
         Some(crate::RdmaDevice {
             device: Some("mlx5_0".into()),
-            port: 2,
-            gid_index: Some(3),
+            ..crate::RdmaDevice::default()
         })
     );
     let bad = rdma.replacen(
         "ram_gib = 251.0",
-        "ram_gib = 251.0\nrdma = { device = \"mlx5 0\", port = 0, gid_index = 300 }",
+        "ram_gib = 251.0\nrdma = { device = \"mlx5 0\", port = 2, gid_index = 3 }",
         1,
     );
     expect_in(
@@ -509,10 +508,25 @@ fn rdma_addresses_and_their_device() {
         "donor[0].rdma.device",
         "is not an RDMA device name",
     );
-    expect_in(&bad, 26, "donor[0].rdma.port", "out of range 1..=255");
-    expect_in(&bad, 26, "donor[0].rdma.gid_index", "out of range 0..=255");
+    // Port and GID come from the address: a choice is refused, not ignored.
+    expect_in(
+        &bad,
+        26,
+        "donor[0].rdma.port",
+        "is not supported: the connection manager takes the device's port from the rdma:// address",
+    );
+    expect_in(
+        &bad,
+        26,
+        "donor[0].rdma.gid_index",
+        "is not supported: the connection manager takes the device's GID",
+    );
     // A device section without an rdma:// address.
-    let orphan = good().replacen("ram_gib = 251.0", "ram_gib = 251.0\nrdma = { port = 1 }", 1);
+    let orphan = good().replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nrdma = { device = \"mlx5_0\" }",
+        1,
+    );
     expect_in(
         &orphan,
         26,
