@@ -433,7 +433,17 @@ mod tests {
         let ns = NetNs::create("pid").unwrap();
         let child = Kill(ns.command("sleep").arg("10").spawn().unwrap());
         let pid = child.0.id();
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        // `spawn` returns once the exec has begun (its close-on-exec pipe
+        // closed); the kernel sets the new program's arguments a moment
+        // later, and until then `cmdline` reads empty.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let cmdline = loop {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+            if !c.is_empty() || std::time::Instant::now() > deadline {
+                break c;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
         assert!(cmdline.starts_with(b"sleep\0"), "{cmdline:?}");
         let link = std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
         let meta = std::fs::metadata(format!("{NETNS_DIR}/{}", ns.name())).unwrap();
