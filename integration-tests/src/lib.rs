@@ -415,6 +415,11 @@ impl DonorProcess {
         Self::launch(args)?.ready()
     }
 
+    /// Start donor `name` of the config at `config`, as [`Self::start`].
+    pub fn serving(config: &Path, name: &str) -> Result<Self> {
+        Self::start(&["--config", &config.display().to_string(), "--name", name])
+    }
+
     /// Start `memory-donor serve ARGS` without waiting for anything.
     pub fn launch(args: &[&str]) -> Result<Process> {
         let mut cmd = Command::new(bin("memory-donor"));

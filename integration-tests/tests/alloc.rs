@@ -281,13 +281,7 @@ fn a_donor_answers_lookups_over_tcp_and_tls_without_allocating() {
 
 /// Donor `d` of `config`, in a process of its own.
 fn donor_d(config: &Config) -> DonorProcess {
-    DonorProcess::start(&[
-        "--config",
-        &config.path.display().to_string(),
-        "--name",
-        "d",
-    ])
-    .expect("donor starts")
+    DonorProcess::serving(&config.path, "d").expect("donor starts")
 }
 
 /// Steps of the model loop before counting, and counted.

@@ -56,13 +56,7 @@ fn write_config(
 }
 
 fn donor(config: &Config) -> DonorProcess {
-    DonorProcess::start(&[
-        "--config",
-        &config.path.display().to_string(),
-        "--name",
-        "d",
-    ])
-    .expect("donor starts")
+    DonorProcess::serving(&config.path, "d").expect("donor starts")
 }
 
 /// Fetch 24 random rows, check them, and say who served them.
