@@ -14,6 +14,7 @@
 
 mod host;
 mod quic;
+mod raw;
 mod rdma;
 mod report;
 mod transports;
@@ -499,6 +500,9 @@ enum Kind {
     Gathering(Duration),
     /// The donor through `clients[i]`.
     Donor(usize),
+    /// The donor through the least client the protocol allows
+    /// ([`raw::RawDonorConn`]), polling for this long before blocking.
+    RawDonor(Duration),
     /// quinn itself moving the same bytes, its client polling like the
     /// project's.
     QuicFloor,
@@ -508,6 +512,7 @@ struct Series {
     kind: Kind,
     floor: Option<FloorConn>,
     quic: Option<quic::QuicFloorConn>,
+    raw: Option<raw::RawDonorConn>,
     donor: DonorSeries,
     /// This series runs one lookup for every `share` of the others (the
     /// bulk series: each moves 4.3 MB).
@@ -528,6 +533,16 @@ impl Series {
             (Kind::Floor(_) | Kind::Gathering(_), Some(f)) => {
                 for _ in 0..n {
                     lat.record(f.one()?);
+                }
+                Ok(())
+            }
+            (Kind::RawDonor(_), _) => {
+                let r = self
+                    .raw
+                    .as_mut()
+                    .context("raw client series without a connection")?;
+                for _ in 0..n {
+                    lat.record(r.one()?);
                 }
                 Ok(())
             }
@@ -603,9 +618,14 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         (Some((cert, _)), Some(addr)) => Some((addr, cert.as_path())),
         _ => None,
     };
+    let donor_tcp = servers
+        .donor
+        .endpoint(Transport::Tcp)
+        .context("the donor does not listen on tcp")?;
     let series = build_series(
         &rt,
         servers.floor.addr,
+        (donor_tcp, &tables.digests),
         quic_floor,
         args.rows_per_table,
         &secure,
@@ -828,11 +848,13 @@ fn connect_clients(
 
 /// The series, in the order [`ratios`] reads them: per size (24 rows, then
 /// 48), floor blocking, floor polling, donor, donor not polling, the
-/// gathering floor blocking and polling, then the donor over each
-/// transport of `secure`.
+/// gathering floor blocking and polling, the donor over each transport of
+/// `secure`, the QUIC floor with QUIC, then the donor through the least
+/// protocol client blocking and polling.
 fn build_series(
     rt: &tokio::runtime::Runtime,
     floor: SocketAddr,
+    (donor, digests): (SocketAddr, &[(u32, TableDigest)]),
     quic_floor: Option<(SocketAddr, &Path)>,
     rows_per_table: u64,
     secure: &[Transport],
@@ -870,6 +892,14 @@ fn build_series(
         if quic_floor.is_some() {
             kinds.push((Kind::QuicFloor, "QUIC floor (quinn), polling client".into()));
         }
+        kinds.push((
+            Kind::RawDonor(Duration::ZERO),
+            "donor, least protocol client blocking".into(),
+        ));
+        kinds.push((
+            Kind::RawDonor(DEFAULT_BUSY_POLL),
+            "donor, least protocol client polling".into(),
+        ));
         for (kind, name) in kinds {
             let quic_conn = match (kind, quic_floor) {
                 (Kind::QuicFloor, Some((addr, cert))) => Some(
@@ -886,12 +916,24 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
-                Kind::Donor(_) | Kind::QuicFloor => None,
+                Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
+            };
+            let raw = match kind {
+                Kind::RawDonor(poll) => Some(raw::RawDonorConn::connect(
+                    donor,
+                    digests,
+                    sections,
+                    rows_per_table,
+                    seed,
+                    poll,
+                )?),
+                _ => None,
             };
             series.push(Series {
                 kind,
                 floor: floor_conn,
                 quic: quic_conn,
+                raw,
                 donor: DonorSeries::new(sections, 24, rows_per_table, seed),
                 share: 1,
                 result: SeriesResult {
@@ -926,9 +968,10 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
-                Kind::Donor(_) | Kind::QuicFloor => None,
+                Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
             },
             quic: None,
+            raw: None,
             donor: DonorSeries::new(1, BULK_ROWS, rows_per_table, seed),
             share: BULK_SHARE,
             result: SeriesResult {

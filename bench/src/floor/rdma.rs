@@ -27,7 +27,7 @@ use engram_rdma::book::RegionBook;
 use engram_rdma::fake::FakeProvider;
 use engram_rdma::plan::{Layout, Outcome};
 use engram_rdma::reader::{DEFAULT_SLOT_ROWS, Reader, qp_options};
-use engram_rdma::verbs::{DeviceSpec, Provider};
+use engram_rdma::verbs::{DeviceSpec, Fabric, Provider};
 use inference_node::source::rdma::RdmaPath;
 use inference_node::source::{DonorSource, RowSource};
 use inference_node::{DonorClient, Request};
@@ -126,7 +126,11 @@ impl FakeRig {
         let addr: SocketAddr = ([127, 0, 0, 1], 1).into();
         book.listen(addr)?;
         let region = book.grant(1, "bench").context("the fake region")?;
-        let qp = provider.connect(addr, &region.token, &qp_options(Duration::from_secs(1)))?;
+        let qp = provider.connect(
+            addr,
+            &region.token,
+            &qp_options(Duration::from_secs(1), Fabric::default()),
+        )?;
         Ok(Self {
             provider,
             checks_ms: published.checks.as_secs_f64() * 1e3,
@@ -291,6 +295,7 @@ fn hardware(
         rdma_addr,
         provider,
         Duration::from_secs(2),
+        Fabric::default(),
         inference_node::source::rdma::RdmaCounters::new(&metrics, transports::DONOR),
     );
     let source = DonorSource::new(transports::DONOR, vec![tls], opts.clone()).with_rdma(Some(path));

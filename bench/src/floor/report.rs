@@ -26,6 +26,12 @@ const QUIC_P50: f64 = 1.6;
 /// Series per size: the six floor and donor series, the donor over each
 /// secure transport, and the QUIC floor when QUIC is measured.
 pub(super) fn per_size(secure: &[Transport]) -> usize {
+    raw_at(secure) + 2
+}
+
+/// Where a size's two series through the least protocol client start
+/// (blocking, then polling): after the QUIC floor.
+fn raw_at(secure: &[Transport]) -> usize {
     6 + secure.len() + usize::from(secure.contains(&Transport::Quic))
 }
 
@@ -73,8 +79,10 @@ impl Ratio {
 pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Ratio> {
     // Per size: [floor blocking, floor polling, donor, donor not polling,
     // gathering floor blocking, gathering floor polling, then the donor
-    // over each of `secure`, then the QUIC floor with QUIC].
+    // over each of `secure`, then the QUIC floor with QUIC, then the donor
+    // through the least protocol client blocking and polling].
     let block = per_size(secure);
+    let raw = raw_at(secure);
     let mut ratios = Vec::new();
     for (k, rows) in [(0usize, 24usize), (block, 48)] {
         let m = |i: usize| results[k + i].median;
@@ -97,6 +105,30 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
                 "neither client polling, against the floor gathering rows".into(),
                 3,
                 4,
+                None,
+            ),
+            (
+                "both polling: donor through the least protocol client / floor gathering rows (the donor's share)".into(),
+                raw + 1,
+                5,
+                None,
+            ),
+            (
+                "neither polling: donor through the least protocol client / floor gathering rows (the donor's share)".into(),
+                raw,
+                4,
+                None,
+            ),
+            (
+                "both polling: project client / least protocol client, same donor (the client's share)".into(),
+                2,
+                raw + 1,
+                None,
+            ),
+            (
+                "neither polling: project client / least protocol client, same donor (the client's share)".into(),
+                3,
+                raw,
                 None,
             ),
         ];
