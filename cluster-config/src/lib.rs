@@ -306,18 +306,29 @@ pub struct Donor {
 pub struct RdmaDevice {
     /// The device's name (`mlx5_0`); the one the listen address is on when `None`.
     pub device: Option<String>,
-    /// The device's port, from 1.
-    pub port: u8,
-    /// The GID index (RoCE); the connection manager's choice when `None`.
-    pub gid_index: Option<u8>,
+    /// How long a node's queue pair to this donor waits for a READ's
+    /// response before it resends (`ack_timeout_ms`; the verbs round it
+    /// up to 4.096 us times a power of two).
+    pub ack_timeout: Duration,
+    /// Resends before such a queue pair gives up (`retry_count`, 0 to 7).
+    pub retry_count: u8,
+    /// The traffic class (IP ToS byte on RoCE) of both ends' packets
+    /// (`traffic_class`); the fabric's default when `None`.
+    pub traffic_class: Option<u8>,
 }
+
+/// `[donor.rdma] ack_timeout_ms` unless set.
+pub const DEFAULT_RDMA_ACK_TIMEOUT_MS: u64 = 16;
+/// `[donor.rdma] retry_count` unless set.
+pub const DEFAULT_RDMA_RETRY_COUNT: u8 = 7;
 
 impl Default for RdmaDevice {
     fn default() -> Self {
         Self {
             device: None,
-            port: 1,
-            gid_index: None,
+            ack_timeout: Duration::from_millis(DEFAULT_RDMA_ACK_TIMEOUT_MS),
+            retry_count: DEFAULT_RDMA_RETRY_COUNT,
+            traffic_class: None,
         }
     }
 }

@@ -89,6 +89,9 @@ pub(crate) struct RawRdma {
     pub device: Option<S<String>>,
     pub port: Option<S<i64>>,
     pub gid_index: Option<S<i64>>,
+    pub ack_timeout_ms: Option<S<i64>>,
+    pub retry_count: Option<S<i64>>,
+    pub traffic_class: Option<S<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

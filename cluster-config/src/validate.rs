@@ -767,9 +767,27 @@ fn rdma_device(
             );
         }
     }
+    let d = crate::RdmaDevice::default();
+    let ack_timeout = r
+        .ack_timeout_ms
+        .as_ref()
+        .and_then(|v| cx.int(v, &k("rdma.ack_timeout_ms"), 1, 10_000))
+        .map_or(d.ack_timeout, |ms| Duration::from_millis(ms as u64));
+    let retry_count = r
+        .retry_count
+        .as_ref()
+        .and_then(|v| cx.int(v, &k("rdma.retry_count"), 0, 7))
+        .map_or(d.retry_count, |n| n as u8);
+    let traffic_class = r
+        .traffic_class
+        .as_ref()
+        .and_then(|v| cx.int(v, &k("rdma.traffic_class"), 0, 255))
+        .map(|n| n as u8);
     Some(crate::RdmaDevice {
         device,
-        ..crate::RdmaDevice::default()
+        ack_timeout,
+        retry_count,
+        traffic_class,
     })
 }
 

@@ -81,6 +81,8 @@ struct DonorSpec {
     credential: Option<Vec<u8>>,
     /// The donor's RDMA address, when it advertises one and the link allows it.
     rdma: Option<SocketAddr>,
+    /// The fabric settings of its `[donor.rdma]`, for this node's queue pairs.
+    rdma_fabric: engram_rdma::verbs::Fabric,
     /// The donor's host socket, when it has one and it is on this host:
     /// its tables are mapped, not asked for.
     host: Option<PathBuf>,
@@ -115,6 +117,7 @@ fn rdma_path(
             addr,
             p,
             spec.connect_timeout,
+            spec.rdma_fabric,
             crate::source::rdma::RdmaCounters::new(metrics, donor),
         )),
         Err(e) => {
@@ -361,6 +364,13 @@ async fn build(
             lookup_timeout: node.lookup_timeout,
             credential: credential.clone(),
             rdma,
+            rdma_fabric: d.rdma.as_ref().map_or_else(Default::default, |r| {
+                engram_rdma::verbs::Fabric {
+                    ack_timeout: r.ack_timeout,
+                    retry_count: r.retry_count,
+                    traffic_class: r.traffic_class,
+                }
+            }),
             // On this host when its socket is here (a donor elsewhere
             // names a path this host does not have).
             host: d.host_socket.clone().filter(|p| {

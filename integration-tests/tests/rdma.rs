@@ -13,7 +13,7 @@ use cluster_config::{Config, Transport};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ErrorCode, ROW_BYTES};
 use engram_rdma::fake::{FakeFault, FakeProvider};
-use engram_rdma::verbs::{DeviceSpec, Provider, WcStatus};
+use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, WcStatus};
 use engram_store::resident::{MlockMode, ResidentTable};
 use inference_node::memory::Memory;
 use inference_node::metrics::{NodeMetrics, RdmaLabels};
@@ -58,6 +58,11 @@ struct Rack {
 impl Rack {
     /// A rack whose donor speaks `secure` (`tls` or `quic`) beside RDMA.
     fn new(secure: &str) -> Result<Self> {
+        Self::with(secure, "")
+    }
+
+    /// [`Rack::new`], the donor's section ending with `donor_extra`.
+    fn with(secure: &str, donor_extra: &str) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let mut paths = Vec::new();
         let mut t = String::from("version = 1\n[rack]\nname = \"rdma\"\n[rack.tls]\n");
@@ -76,7 +81,7 @@ impl Rack {
         let rdma_addr: SocketAddr = ([127, 0, 0, 1], rdma).into();
         t.push_str(&format!(
             "[[donor]]\nname = \"donor-a\"\nlisten = [\"{secure}://{tls_addr}\", \"tcp://{tcp_addr}\", \"rdma://{rdma_addr}\"]\n\
-             tables = [1, 14]\nram_gib = 4.0\nheadroom_gib = 0.5\ndrain_timeout_ms = 200\n\
+             tables = [1, 14]\nram_gib = 4.0\nheadroom_gib = 0.5\ndrain_timeout_ms = 200\n{donor_extra}\
              [[node]]\nname = \"node-a\"\nprobe_interval_ms = 100\n\
              tokens_per_second = 2.0\nbreaker_failures = 1000\n"
         ));
@@ -149,10 +154,7 @@ impl Donor {
         }
         let device = spec.rdma.clone().unwrap_or_default();
         let snapshot = memory_donor::rdma::snapshot(&shared.tables());
-        let book = engram_rdma::book::RegionBook::new(
-            engram_rdma::provider()?,
-            memory_donor::rdma::device_spec(&device),
-        );
+        let book = memory_donor::rdma::open_book(engram_rdma::provider()?, rack.rdma, &device)?;
         memory_donor::rdma::sync(&book, snapshot);
         if book.listen(rack.rdma).is_ok() {
             shared.set_rdma(book);
@@ -256,6 +258,31 @@ fn rows_over_rdma_equal_the_table_with_two_reads_a_row() -> Result<()> {
         assert_eq!(count(&metrics.rdma_lookups, "rdma"), 600);
         assert_eq!(count(&metrics.rdma_lookups, "stream"), 0);
         assert_eq!(donor.shared.rdma().map(|b| b.tables().len()), Some(2));
+        donor.kill(&rack).await;
+        Ok(())
+    })
+}
+
+/// `[donor.rdma]`'s fabric settings reach both ends: the donor's
+/// listener (the traffic class of what it sends) and every queue pair the
+/// node makes to it (ACK timeout, retries, class).
+#[test]
+fn both_ends_take_the_fabric_settings_of_the_donors_config() -> Result<()> {
+    fake();
+    let rack = Rack::with(
+        "tls",
+        "rdma = { ack_timeout_ms = 4, retry_count = 3, traffic_class = 106 }\n",
+    )?;
+    runtime().block_on(async {
+        let (donor, _memory, _metrics) = warm(&rack, 5).await?;
+        let want = Fabric {
+            ack_timeout: Duration::from_millis(4),
+            retry_count: 3,
+            traffic_class: Some(106),
+        };
+        let (listener, qps) = fake().fabric().fabric_at(rack.rdma);
+        assert_eq!(listener, Some(want));
+        assert!(!qps.is_empty() && qps.iter().all(|f| *f == want), "{qps:?}");
         donor.kill(&rack).await;
         Ok(())
     })

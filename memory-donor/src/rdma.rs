@@ -12,16 +12,37 @@ use std::sync::Arc;
 
 use cluster_config::{Endpoint, RdmaDevice};
 use engram_rdma::book::RegionBook;
-use engram_rdma::verbs::DeviceSpec;
+use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, VerbsError};
 use engram_store::resident::ResidentTable;
 
 /// The provider's device settings from the config's.
-pub fn device_spec(d: &RdmaDevice) -> DeviceSpec {
+fn device_spec(d: &RdmaDevice) -> DeviceSpec {
     DeviceSpec {
         device: d.device.clone(),
-        port: d.port,
-        gid_index: d.gid_index,
+        fabric: fabric(d),
     }
+}
+
+/// The verbs' fabric settings from the config's (the node's queue pairs
+/// to this donor use them too).
+pub fn fabric(d: &RdmaDevice) -> Fabric {
+    Fabric {
+        ack_timeout: d.ack_timeout,
+        retry_count: d.retry_count,
+        traffic_class: d.traffic_class,
+    }
+}
+
+/// A region book for a donor listening at `addr`, on the device that
+/// address is on (the config's device must be that one when it names one).
+pub fn open_book(
+    provider: Arc<dyn Provider>,
+    addr: SocketAddr,
+    device: &RdmaDevice,
+) -> Result<Arc<RegionBook>, VerbsError> {
+    let spec = provider.device_of(addr, &device_spec(device))?;
+    tracing::debug!(%addr, device = ?spec.device, "rdma: the address's device");
+    Ok(RegionBook::new(provider, spec))
 }
 
 /// Start serving RDMA at `addr`: a book with every table in `tables`
@@ -35,8 +56,8 @@ pub fn start(
     fallback: &[Endpoint],
 ) -> Option<Arc<RegionBook>> {
     let others: Vec<String> = fallback.iter().map(ToString::to_string).collect();
-    let provider = match engram_rdma::provider() {
-        Ok(p) => p,
+    let book = match engram_rdma::provider().and_then(|p| open_book(p, addr, device)) {
+        Ok(b) => b,
         Err(e) => {
             tracing::warn!(
                 donor,
@@ -46,7 +67,6 @@ pub fn start(
             return None;
         }
     };
-    let book = RegionBook::new(provider, device_spec(device));
     let registered = sync(&book, snapshot(tables));
     if let Err(e) = book.listen(addr) {
         tracing::warn!(
@@ -138,4 +158,51 @@ pub fn sync(book: &RegionBook, tables: Vec<TableRef>) -> usize {
         }
     }
     book.tables().len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engram_protocol::{ROW_BYTES, TableDigest};
+    use engram_rdma::fake::FakeProvider;
+    use std::net::IpAddr;
+
+    /// A host of two devices: tables are registered, and queue pairs
+    /// listened for, on the device the rdma:// address is on, not the
+    /// first one listed; a config naming the other device is refused
+    /// with both names.
+    #[test]
+    fn the_book_registers_and_listens_on_the_device_of_the_address() {
+        let fake = FakeProvider::new();
+        let (a, b): (IpAddr, IpAddr) = (
+            "10.1.0.1".parse().expect("ip"),
+            "10.2.0.1".parse().expect("ip"),
+        );
+        fake.fabric()
+            .set_devices(&[("mlx5_0", &[a]), ("mlx5_1", &[b])]);
+        let addr = SocketAddr::new(b, 7480);
+        let book = open_book(Arc::new(fake.clone()), addr, &RdmaDevice::default()).expect("book");
+        book.publish(
+            1,
+            2,
+            TableDigest([3; 32]),
+            Arc::new(vec![0u8; 2 * ROW_BYTES]),
+        )
+        .expect("published");
+        book.listen(addr).expect("listening");
+        let used = fake.fabric().devices_used();
+        assert!(!used.is_empty());
+        assert!(used.iter().all(|d| d == "mlx5_1"), "{used:?}");
+
+        let named = RdmaDevice {
+            device: Some("mlx5_0".into()),
+            ..RdmaDevice::default()
+        };
+        let e = open_book(Arc::new(fake), addr, &named).expect_err("another device named");
+        assert!(
+            e.to_string()
+                .contains("rdma://10.2.0.1:7480 is on device mlx5_1, not on mlx5_0"),
+            "{e}"
+        );
+    }
 }

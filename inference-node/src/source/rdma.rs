@@ -25,7 +25,7 @@ use std::time::Duration;
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use engram_rdma::plan::{Fault, Outcome};
 use engram_rdma::reader::{DEFAULT_SLOT_ROWS, Reader, Session, StartError, Step, qp_options};
-use engram_rdma::verbs::Provider;
+use engram_rdma::verbs::{Fabric, Provider};
 use tokio::time::Instant;
 
 use super::SourceError;
@@ -126,6 +126,8 @@ pub struct RdmaPath {
     addr: SocketAddr,
     provider: Arc<dyn Provider>,
     connect_timeout: Duration,
+    /// The donor's fabric settings, for each queue pair made to it.
+    fabric: Fabric,
     state: Mutex<State>,
     connecting: tokio::sync::Mutex<()>,
 }
@@ -149,6 +151,7 @@ impl RdmaPath {
         addr: SocketAddr,
         provider: Arc<dyn Provider>,
         connect_timeout: Duration,
+        fabric: Fabric,
         counters: RdmaCounters,
     ) -> Self {
         Self {
@@ -157,6 +160,7 @@ impl RdmaPath {
             addr,
             provider,
             connect_timeout,
+            fabric,
             state: Mutex::new(State::default()),
             connecting: tokio::sync::Mutex::new(()),
         }
@@ -277,7 +281,7 @@ impl RdmaPath {
                     let budget = deadline
                         .saturating_duration_since(Instant::now())
                         .min(self.connect_timeout);
-                    let opts = qp_options(budget);
+                    let opts = qp_options(budget, self.fabric);
                     let made =
                         tokio::task::spawn_blocking(move || provider.connect(addr, &token, &opts))
                             .await;

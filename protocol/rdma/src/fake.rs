@@ -9,14 +9,14 @@
 //! and each one applies to the next doorbell to that donor.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::verbs::{
-    Admit, Completion, DeviceSpec, Listener, Memory, Provider, QpOptions, QueuePair, ReadWr,
-    Registration, Remote, VerbsError, WcStatus,
+    Admit, Completion, DeviceSpec, Fabric, Listener, Memory, Provider, QpOptions, QueuePair,
+    ReadWr, Registration, Remote, VerbsError, WcStatus,
 };
 
 /// A fault to inject into the next doorbell to a donor.
@@ -60,7 +60,39 @@ struct State {
     /// The thread each queue pair was dropped on (torn down), by its
     /// listener's address.
     drops: Vec<(SocketAddr, std::thread::ThreadId)>,
+    /// The devices and the addresses on each (none: every address);
+    /// `fake0` on every address until set.
+    devices: Vec<(String, Vec<IpAddr>)>,
+    /// The device of each registration and listener made, in order.
+    used: Vec<String>,
+    /// The fabric settings each listener and each queue pair was made
+    /// with, by the listener's address.
+    listen_fabric: HashMap<SocketAddr, Fabric>,
+    connect_fabric: Vec<(SocketAddr, Fabric)>,
 }
+
+impl State {
+    fn devices(&self) -> Vec<(String, Vec<IpAddr>)> {
+        if self.devices.is_empty() {
+            vec![(FAKE_DEVICE.to_string(), Vec::new())]
+        } else {
+            self.devices.clone()
+        }
+    }
+
+    /// The device `spec` names (it must exist), or the first.
+    fn pick(&self, spec: &DeviceSpec) -> Result<String, VerbsError> {
+        let devices = self.devices();
+        match &spec.device {
+            Some(name) if devices.iter().any(|(d, _)| d == name) => Ok(name.clone()),
+            Some(name) => Err(VerbsError::NoDevice(format!(" named {name}"))),
+            None => Ok(devices[0].0.clone()),
+        }
+    }
+}
+
+/// The fake's one device until [`FakeFabric::set_devices`] says otherwise.
+pub const FAKE_DEVICE: &str = "fake0";
 
 /// The in-process fabric: registered regions, listeners, faults, counters.
 #[derive(Default)]
@@ -123,6 +155,33 @@ impl FakeFabric {
             .filter(|(a, _)| *a == addr)
             .map(|(_, t)| *t)
             .collect()
+    }
+
+    /// The host's devices and the IP addresses on each (an empty list:
+    /// every address is on it).
+    pub fn set_devices(&self, devices: &[(&str, &[IpAddr])]) {
+        self.lock().devices = devices
+            .iter()
+            .map(|(d, ips)| (d.to_string(), ips.to_vec()))
+            .collect();
+    }
+
+    /// The device of each registration and listener made so far, in order.
+    pub fn devices_used(&self) -> Vec<String> {
+        self.lock().used.clone()
+    }
+
+    /// The fabric settings of the listener at `addr` (the latest made
+    /// there) and of every queue pair made to it, in order.
+    pub fn fabric_at(&self, addr: SocketAddr) -> (Option<Fabric>, Vec<Fabric>) {
+        let s = self.lock();
+        let qps = s
+            .connect_fabric
+            .iter()
+            .filter(|(a, _)| *a == addr)
+            .map(|(_, f)| *f)
+            .collect();
+        (s.listen_fabric.get(&addr).copied(), qps)
     }
 
     /// Regions registered now.
@@ -218,18 +277,46 @@ impl Provider for FakeProvider {
     }
 
     fn devices(&self) -> Result<Vec<String>, VerbsError> {
-        Ok(vec!["fake0".into()])
+        Ok(self
+            .fabric
+            .lock()
+            .devices()
+            .into_iter()
+            .map(|d| d.0)
+            .collect())
+    }
+
+    fn device_of(&self, addr: SocketAddr, spec: &DeviceSpec) -> Result<DeviceSpec, VerbsError> {
+        let devices = self.fabric.lock().devices();
+        let on = if addr.ip().is_unspecified() {
+            None
+        } else {
+            let d = devices
+                .iter()
+                .find(|(_, ips)| ips.contains(&addr.ip()))
+                .or_else(|| devices.iter().find(|(_, ips)| ips.is_empty()))
+                .ok_or_else(|| {
+                    VerbsError::NoDevice(format!(
+                        " for {}: the address is on no RDMA device",
+                        addr.ip()
+                    ))
+                })?;
+            Some(d.0.as_str())
+        };
+        crate::verbs::choose_device(addr, on, spec, devices.first().map(|d| d.0.as_str()))
     }
 
     fn register(
         &self,
-        _spec: &DeviceSpec,
+        spec: &DeviceSpec,
         memory: Arc<dyn Memory>,
     ) -> Result<Box<dyn Registration>, VerbsError> {
         let bytes = memory.bytes();
         let addr = bytes.as_ptr() as u64;
         let len = bytes.len() as u64;
         let mut s = self.fabric.lock();
+        let device = s.pick(spec)?;
+        s.used.push(device);
         s.next_rkey = s.next_rkey.wrapping_add(0x9e37).max(1);
         while s.regions.contains_key(&s.next_rkey) {
             s.next_rkey = s.next_rkey.wrapping_add(1).max(1);
@@ -245,13 +332,27 @@ impl Provider for FakeProvider {
     fn listen(
         &self,
         addr: SocketAddr,
-        _spec: &DeviceSpec,
+        spec: &DeviceSpec,
         admit: Admit,
     ) -> Result<Box<dyn Listener>, VerbsError> {
         let mut s = self.fabric.lock();
         if s.listeners.contains_key(&addr) {
             return Err(VerbsError::Io(format!("{addr} is already listened on")));
         }
+        // As the connection manager: an address on another device is refused.
+        let device = s.pick(spec)?;
+        let on = s
+            .devices()
+            .into_iter()
+            .find(|(_, ips)| ips.contains(&addr.ip()))
+            .map(|d| d.0);
+        if let Some(on) = on.filter(|on| *on != device) {
+            return Err(VerbsError::Invalid(format!(
+                "{addr} is not on device {device} (it is on {on})"
+            )));
+        }
+        s.used.push(device);
+        s.listen_fabric.insert(addr, spec.fabric);
         s.listeners.insert(addr, admit);
         s.next_epoch += 1;
         let epoch = s.next_epoch;
@@ -276,7 +377,8 @@ impl Provider for FakeProvider {
             )));
         }
         let (admit, epoch) = {
-            let s = self.fabric.lock();
+            let mut s = self.fabric.lock();
+            s.connect_fabric.push((addr, opts.fabric));
             let Some(admit) = s.listeners.get(&addr) else {
                 return Err(VerbsError::Refused(format!("no RDMA listener at {addr}")));
             };

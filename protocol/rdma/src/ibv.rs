@@ -8,12 +8,12 @@
 //! pair owns its event channel, protection domain, completion queue and
 //! registered buffer.
 //!
-//! The connection manager picks the port and GID from the address bound or
-//! resolved, so [`DeviceSpec::port`] and [`DeviceSpec::gid_index`] are not
-//! used here; [`DeviceSpec::device`] picks the device (the first one when
-//! `None`), and a listener refuses queue pairs that arrive on another device
-//! (memory registered there would not be readable with the keys it hands
-//! out).
+//! The connection manager picks the device, port and GID from the address
+//! bound or resolved: [`Provider::device_of`] binds a connection manager id
+//! to the donor's `rdma://` address and names the device it lands on, and
+//! the donor registers and listens there. A listener refuses queue pairs
+//! that arrive on another device (memory registered there would not be
+//! readable with the keys it hands out).
 //!
 //! The private data of a connection request travels as one length byte and
 //! the token: InfiniBand and RoCE pad it to a fixed size on the wire, so the
@@ -38,8 +38,8 @@ use rdma_sys as sys;
 use sys::rdma_cm_event_type as ev;
 
 use crate::verbs::{
-    Admit, Completion, DeviceSpec, Listener, Memory, Provider, QpOptions, QueuePair, ReadWr,
-    Registration, Remote, VerbsError, WcStatus,
+    Admit, Completion, DeviceSpec, Fabric, Listener, Memory, Provider, QpOptions, QueuePair,
+    ReadWr, Registration, Remote, VerbsError, WcStatus,
 };
 
 /// The most private data an RC connection request carries (InfiniBand CM).
@@ -54,8 +54,36 @@ const LISTEN_TICK: Duration = Duration::from_millis(100);
 const RELEASE_WAIT: Duration = Duration::from_secs(2);
 /// Completions taken per `ibv_poll_cq` call.
 const WC_BATCH: usize = 32;
-/// Transport and RNR retries (7 is the most the wire format allows).
-const RETRIES: u8 = 7;
+/// RNR retries (7: "forever"; READs post no receives, so never used).
+const RNR_RETRIES: u8 = 7;
+/// `rdma_set_option` levels and names (`rdma/rdma_cma.h`; anonymous
+/// enums there, so not in the generated bindings).
+const RDMA_OPTION_ID: c_int = 0;
+const RDMA_OPTION_ID_TOS: c_int = 0;
+const RDMA_OPTION_ID_ACK_TIMEOUT: c_int = 3;
+
+/// Set a one-byte connection manager option on `id`.
+fn set_u8_option(
+    id: *mut sys::rdma_cm_id,
+    name: c_int,
+    value: u8,
+    what: &str,
+) -> Result<(), VerbsError> {
+    let mut v = value;
+    // SAFETY: a live id; the option value is one byte the call only reads.
+    let rc =
+        unsafe { sys::rdma_set_option(id, RDMA_OPTION_ID, name, ptr::addr_of_mut!(v).cast(), 1) };
+    check(rc, format_args!("rdma_set_option({what} = {value})"))
+}
+
+/// The traffic class `fabric` asks for, on `id` (before its route is
+/// resolved, or before an accepted id is accepted).
+fn set_traffic_class(id: *mut sys::rdma_cm_id, fabric: &Fabric) -> Result<(), VerbsError> {
+    match fabric.traffic_class {
+        Some(tos) => set_u8_option(id, RDMA_OPTION_ID_TOS, tos, "type of service"),
+        None => Ok(()),
+    }
+}
 
 /// The error of a failed C call, from `errno` (read before anything else).
 fn os_err(what: fmt::Arguments<'_>) -> VerbsError {
@@ -248,6 +276,9 @@ struct Device {
     ctx: *mut sys::ibv_context,
     /// The device's protection domain, allocated on first use.
     pd: Mutex<*mut sys::ibv_pd>,
+    /// The completion queue every queue pair a listener accepts on this
+    /// device shares, made on first use.
+    cq: Mutex<*mut sys::ibv_cq>,
     max_rd_atom: c_int,
 }
 
@@ -261,7 +292,23 @@ impl Device {
         }
         Ok(*pd)
     }
+
+    fn cq(&self) -> Result<*mut sys::ibv_cq, VerbsError> {
+        let mut cq = self.cq.lock().unwrap_or_else(PoisonError::into_inner);
+        if cq.is_null() {
+            // SAFETY: ctx is a live context; no completion channel.
+            let new = unsafe {
+                sys::ibv_create_cq(self.ctx, SHARED_CQE, ptr::null_mut(), ptr::null_mut(), 0)
+            };
+            *cq = non_null(new, format_args!("ibv_create_cq on {}", self.name))?;
+        }
+        Ok(*cq)
+    }
 }
+
+/// Entries of the CQ a device's accepted queue pairs share (they post no
+/// work; a flushed receive is the most one could ever produce).
+const SHARED_CQE: c_int = 64;
 
 /// The device list and the protection domains, shared by the provider and
 /// everything it made (registrations and accepted queue pairs keep the
@@ -301,6 +348,12 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         for d in &mut self.devices {
+            let cq = *d.cq.get_mut().unwrap_or_else(PoisonError::into_inner);
+            // SAFETY: every accepted queue pair on this CQ holds an
+            // Arc<Shared> (through its listener), so none is left.
+            if !cq.is_null() && unsafe { sys::ibv_destroy_cq(cq) } != 0 {
+                tracing::warn!(device = %d.name, "ibv_destroy_cq failed");
+            }
             let pd = *d.pd.get_mut().unwrap_or_else(PoisonError::into_inner);
             if !pd.is_null() {
                 // SAFETY: every registration and queue pair on this PD holds
@@ -376,6 +429,7 @@ impl IbvProvider {
                 name,
                 ctx,
                 pd: Mutex::new(ptr::null_mut()),
+                cq: Mutex::new(ptr::null_mut()),
                 max_rd_atom,
             });
         }
@@ -441,6 +495,43 @@ impl Provider for IbvProvider {
         Ok(self.shared.devices.iter().map(|d| d.name.clone()).collect())
     }
 
+    fn device_of(&self, addr: SocketAddr, spec: &DeviceSpec) -> Result<DeviceSpec, VerbsError> {
+        let mut id = ptr::null_mut();
+        let ps = sys::rdma_port_space::RDMA_PS_TCP;
+        // SAFETY: a NULL channel makes a synchronous id; `id` is a valid
+        // out pointer; the id is destroyed below.
+        let rc = unsafe { sys::rdma_create_id(ptr::null_mut(), &mut id, ptr::null_mut(), ps) };
+        check(rc, format_args!("rdma_create_id"))?;
+        // Port 0: the lookup must not hold the port the listener binds.
+        let mut sa = to_sockaddr(SocketAddr::new(addr.ip(), 0));
+        // SAFETY: a live id and a socket address the call only reads.
+        let rc = unsafe { sys::rdma_bind_addr(id, ptr::addr_of_mut!(sa).cast()) };
+        let bound = check(rc, format_args!("rdma_bind_addr {}", addr.ip())).map(|()| {
+            // SAFETY: a live, bound id: `verbs` is NULL (a wildcard) or the
+            // device context the address is on, whose device pointer is
+            // valid and whose name is NUL-terminated.
+            unsafe {
+                let verbs = (*id).verbs;
+                if verbs.is_null() {
+                    return None;
+                }
+                let name = sys::ibv_get_device_name((*verbs).device);
+                (!name.is_null()).then(|| CStr::from_ptr(name).to_string_lossy().into_owned())
+            }
+        });
+        // SAFETY: the id came from rdma_create_id, has no queue pair, and
+        // is destroyed once.
+        unsafe { sys::rdma_destroy_id(id) };
+        let on = bound.map_err(|e| {
+            VerbsError::NoDevice(format!(
+                " for {}: the address is on no RDMA device ({e})",
+                addr.ip()
+            ))
+        })?;
+        let first = self.shared.devices.first().map(|d| d.name.as_str());
+        crate::verbs::choose_device(addr, on.as_deref(), spec, first)
+    }
+
     fn register(
         &self,
         spec: &DeviceSpec,
@@ -497,6 +588,7 @@ impl Provider for IbvProvider {
             cut: Arc::clone(&cut),
             stop: Arc::clone(&stop),
             released: Some(released_tx),
+            fabric: spec.fabric,
         };
         // SAFETY: no arguments; NULL on failure.
         let channel = unsafe { sys::rdma_create_event_channel() };
@@ -615,6 +707,8 @@ struct ListenLoop {
     cut: Arc<Mutex<Vec<u64>>>,
     stop: Arc<AtomicBool>,
     released: Option<mpsc::Sender<()>>,
+    /// The accepted queue pairs' settings (their traffic class).
+    fabric: Fabric,
 }
 
 // SAFETY: the cm ids and the channel are used by one thread at a time: the
@@ -776,14 +870,21 @@ impl ListenLoop {
 
     fn accept(&self, id: *mut sys::rdma_cm_id, e: &CmEvent, dev: &Device) -> Result<(), String> {
         let pd = dev.pd().map_err(|e| e.to_string())?;
+        let cq = dev.cq().map_err(|e| e.to_string())?;
+        set_traffic_class(id, &self.fabric).map_err(|e| e.to_string())?;
         // SAFETY: all-zero is valid for this struct of pointers and integers.
         let mut attr: sys::ibv_qp_init_attr = unsafe { zeroed() };
+        // The device's one shared CQ: a responder posts nothing, so it
+        // stays empty (without it librdmacm makes two CQs and two
+        // completion channels for every accepted queue pair).
+        attr.send_cq = cq;
+        attr.recv_cq = cq;
         attr.cap.max_send_wr = 1;
         attr.cap.max_recv_wr = 1;
         attr.cap.max_send_sge = 1;
         attr.cap.max_recv_sge = 1;
         attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
-        // SAFETY: a live id on the PD's device; librdmacm makes the CQs.
+        // SAFETY: a live id on the device of the PD and the CQ.
         let rc = unsafe { sys::rdma_create_qp(id, pd, &mut attr) };
         check(rc, format_args!("rdma_create_qp")).map_err(|e| e.to_string())?;
         // SAFETY: all-zero is valid (no private data).
@@ -792,8 +893,8 @@ impl ListenLoop {
         param.initiator_depth = e
             .initiator_depth
             .min(u8::try_from(MAX_RD_ATOM).unwrap_or(0));
-        param.retry_count = RETRIES;
-        param.rnr_retry_count = RETRIES;
+        param.retry_count = self.fabric.retry_count.min(7);
+        param.rnr_retry_count = RNR_RETRIES;
         // SAFETY: a live id with a QP; param is read during the call.
         let rc = unsafe { sys::rdma_accept(id, &mut param) };
         check(rc, format_args!("rdma_accept")).map_err(|e| {
@@ -1039,6 +1140,17 @@ impl IbvQueuePair {
         let rc = unsafe { sys::rdma_create_id(c.channel, &mut id, ptr::null_mut(), ps) };
         check(rc, format_args!("rdma_create_id"))?;
         c.id = id;
+        // Both before the route is resolved: the class picks the path's
+        // service level, and the timeout is applied when the queue pair
+        // is readied to send (librdmacm 18 and kernel 4.18 or later).
+        set_traffic_class(c.id, &opts.fabric)?;
+        let exponent = opts.fabric.ack_timeout_exponent();
+        set_u8_option(
+            c.id,
+            RDMA_OPTION_ID_ACK_TIMEOUT,
+            exponent,
+            "ACK timeout exponent",
+        )?;
         let mut dst = to_sockaddr(addr);
         let dst_ptr = ptr::addr_of_mut!(dst).cast::<libc::sockaddr>();
         let timeout = ms(deadline)?;
@@ -1109,8 +1221,8 @@ impl IbvQueuePair {
         param.private_data_len = u8::try_from(frame.len()).unwrap_or(0);
         param.initiator_depth = u8::try_from(max_init.clamp(0, MAX_RD_ATOM)).unwrap_or(0);
         param.responder_resources = 0;
-        param.retry_count = RETRIES;
-        param.rnr_retry_count = RETRIES;
+        param.retry_count = opts.fabric.retry_count.min(7);
+        param.rnr_retry_count = RNR_RETRIES;
         // SAFETY: a live id with a QP; param and its data are read in the call.
         let rc = unsafe { sys::rdma_connect(c.id, &mut param) };
         check(rc, format_args!("rdma_connect {addr}"))?;

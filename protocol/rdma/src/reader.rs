@@ -13,19 +13,21 @@ use crate::plan::{
     Fault, Layout, Outcome, PlanError, SLOT_ROW_BYTES, Tracker, WRS_PER_ROW, build_reads,
     verify_into,
 };
-use crate::verbs::{Completion, QpOptions, QueuePair, ReadWr, VerbsError};
+use crate::verbs::{Completion, Fabric, QpOptions, QueuePair, ReadWr, VerbsError};
 
 /// Rows one buffer slot holds (one doorbell of 256 work requests).
 pub const DEFAULT_SLOT_ROWS: usize = 128;
 /// Slots per queue pair: lookups in flight at once.
 pub const DEFAULT_SLOTS: usize = 4;
 
-/// The queue pair a node asks for: room for every slot's work requests.
-pub fn qp_options(connect_timeout: Duration) -> QpOptions {
+/// The queue pair a node asks for: room for every slot's work requests,
+/// on the fabric settings of the donor it reads.
+pub fn qp_options(connect_timeout: Duration, fabric: Fabric) -> QpOptions {
     QpOptions {
         send_depth: DEFAULT_SLOTS * DEFAULT_SLOT_ROWS * WRS_PER_ROW,
         buffer_bytes: DEFAULT_SLOTS * DEFAULT_SLOT_ROWS * SLOT_ROW_BYTES,
         connect_timeout,
+        fabric,
     }
 }
 

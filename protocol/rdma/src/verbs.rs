@@ -151,15 +151,69 @@ pub trait Listener: Send + fmt::Debug {
     fn disconnect(&self, keys: &[u64]);
 }
 
-/// Which device and port a donor serves from (the config's `[donor.rdma]`).
+/// Which device a donor serves from, and its queue pairs' fabric
+/// settings (the config's `[donor.rdma]`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DeviceSpec {
-    /// The device's name (`mlx5_0`); any device when `None`.
+    /// The device's name (`mlx5_0`); the one the `rdma://` address is on
+    /// when `None` ([`Provider::device_of`]).
     pub device: Option<String>,
-    /// The device's port, from 1.
-    pub port: u8,
-    /// The GID index (RoCE); the connection manager's choice when `None`.
-    pub gid_index: Option<u8>,
+    /// The accepted queue pairs' settings (their traffic class: the READ
+    /// responses travel in it).
+    pub fabric: Fabric,
+}
+
+/// A queue pair's timing and class on the fabric. The defaults let a lost
+/// packet be resent well inside a route's hard timeout (100 ms by
+/// default): the connection manager's own default on RoCE waits about a
+/// second before the first resend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fabric {
+    /// How long the requester waits for an acknowledgement (a READ's
+    /// response) before it resends; the verbs round it up to 4.096 us
+    /// times a power of two ([`Fabric::ack_timeout_exponent`]).
+    pub ack_timeout: Duration,
+    /// Resends before the queue pair gives up (0 to 7).
+    pub retry_count: u8,
+    /// The packets' traffic class (the IP ToS byte on RoCE; the fabric's
+    /// default when `None`).
+    pub traffic_class: Option<u8>,
+}
+
+/// [`Fabric::ack_timeout`] unless the config says otherwise.
+pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_millis(16);
+/// [`Fabric::retry_count`] unless the config says otherwise (the most the
+/// wire format allows).
+pub const DEFAULT_RETRY_COUNT: u8 = 7;
+
+impl Default for Fabric {
+    fn default() -> Self {
+        Self {
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
+            retry_count: DEFAULT_RETRY_COUNT,
+            traffic_class: None,
+        }
+    }
+}
+
+impl Fabric {
+    /// The verbs' encoding of [`Fabric::ack_timeout`]: the smallest `n`
+    /// with 4.096 us x 2^n at least the timeout, from 1 to 31 (0 would
+    /// mean "wait forever").
+    pub fn ack_timeout_exponent(&self) -> u8 {
+        let unit_ns = 4096u128;
+        let want = self.ack_timeout.as_nanos();
+        let mut n = 1u8;
+        while n < 31 && (unit_ns << n) < want {
+            n += 1;
+        }
+        n
+    }
+
+    /// The timeout the exponent stands for.
+    pub fn effective_ack_timeout(&self) -> Duration {
+        Duration::from_nanos(4096u64 << self.ack_timeout_exponent())
+    }
 }
 
 /// How a node's queue pair is made.
@@ -171,6 +225,8 @@ pub struct QpOptions {
     pub buffer_bytes: usize,
     /// Time allowed to resolve, connect and be accepted.
     pub connect_timeout: Duration,
+    /// Its timing and class on the fabric (the donor's `[donor.rdma]`).
+    pub fabric: Fabric,
 }
 
 /// A verbs implementation.
@@ -180,6 +236,14 @@ pub trait Provider: Send + Sync + fmt::Debug {
 
     /// The RDMA devices this host has (names); empty when it has none.
     fn devices(&self) -> Result<Vec<String>, VerbsError>;
+
+    /// The device a donor listening at `addr` must register its memory
+    /// on and listen with: the one the address is on (the connection
+    /// manager accepts queue pairs there, and keys from another device's
+    /// registration would not read). A spec naming another device is an
+    /// error that says both; an address on no device (a wildcard) takes
+    /// the named device, or the first.
+    fn device_of(&self, addr: SocketAddr, spec: &DeviceSpec) -> Result<DeviceSpec, VerbsError>;
 
     /// Register `memory` for remote READs on the device `spec` names.
     fn register(
@@ -204,4 +268,91 @@ pub trait Provider: Send + Sync + fmt::Debug {
         private: &[u8],
         opts: &QpOptions,
     ) -> Result<Box<dyn QueuePair>, VerbsError>;
+}
+
+/// [`Provider::device_of`]'s rule, given the device `addr` is on (`None`:
+/// a wildcard address, on no device) and the host's first device.
+pub fn choose_device(
+    addr: SocketAddr,
+    on: Option<&str>,
+    spec: &DeviceSpec,
+    first: Option<&str>,
+) -> Result<DeviceSpec, VerbsError> {
+    let device = match (on, spec.device.as_deref()) {
+        (Some(on), Some(named)) if on != named => {
+            return Err(VerbsError::Invalid(format!(
+                "rdma://{addr} is on device {on}, not on {named} (the config's [donor.rdma] \
+                 device): name {on}, or remove the setting to use the address's device"
+            )));
+        }
+        (Some(on), _) => on,
+        (None, Some(named)) => named,
+        (None, None) => first.ok_or_else(|| VerbsError::NoDevice(String::new()))?,
+    };
+    Ok(DeviceSpec {
+        device: Some(device.to_string()),
+        fabric: spec.fabric,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_device_is_the_addresss_and_a_named_other_one_is_refused() {
+        let addr: SocketAddr = "10.0.0.7:7480".parse().expect("addr");
+        let named = |d: &str| DeviceSpec {
+            device: Some(d.into()),
+            ..DeviceSpec::default()
+        };
+        let any = DeviceSpec::default();
+        assert_eq!(
+            choose_device(addr, Some("mlx5_1"), &any, Some("mlx5_0")),
+            Ok(named("mlx5_1"))
+        );
+        assert_eq!(
+            choose_device(addr, Some("mlx5_1"), &named("mlx5_1"), Some("mlx5_0")),
+            Ok(named("mlx5_1"))
+        );
+        let e = choose_device(addr, Some("mlx5_1"), &named("mlx5_0"), Some("mlx5_0"))
+            .expect_err("another device named");
+        assert!(
+            e.to_string()
+                .contains("rdma://10.0.0.7:7480 is on device mlx5_1, not on mlx5_0"),
+            "{e}"
+        );
+        // A wildcard address: the named device, else the first.
+        assert_eq!(
+            choose_device(addr, None, &named("mlx5_3"), Some("mlx5_0")),
+            Ok(named("mlx5_3"))
+        );
+        assert_eq!(
+            choose_device(addr, None, &any, Some("mlx5_0")),
+            Ok(named("mlx5_0"))
+        );
+        assert!(matches!(
+            choose_device(addr, None, &any, None),
+            Err(VerbsError::NoDevice(_))
+        ));
+    }
+
+    #[test]
+    fn ack_timeouts_round_up_to_the_verbs_encoding() {
+        let f = |ms: f64| Fabric {
+            ack_timeout: Duration::from_secs_f64(ms / 1e3),
+            ..Fabric::default()
+        };
+        // 4.096 us x 2^12 = 16.8 ms: the default.
+        assert_eq!(Fabric::default().ack_timeout_exponent(), 12);
+        assert_eq!(
+            Fabric::default().effective_ack_timeout(),
+            Duration::from_nanos(16_777_216)
+        );
+        assert_eq!(f(0.0).ack_timeout_exponent(), 1);
+        assert_eq!(f(0.008).ack_timeout_exponent(), 1);
+        assert_eq!(f(0.0083).ack_timeout_exponent(), 2);
+        assert_eq!(f(100.0).ack_timeout_exponent(), 15);
+        assert_eq!(f(1e9).ack_timeout_exponent(), 31);
+    }
 }

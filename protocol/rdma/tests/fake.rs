@@ -10,7 +10,7 @@ use engram_rdma::book::RegionBook;
 use engram_rdma::fake::{FakeFault, FakeProvider};
 use engram_rdma::plan::{Fault, Outcome};
 use engram_rdma::reader::{DEFAULT_SLOT_ROWS, Reader, Session, Step, qp_options};
-use engram_rdma::verbs::{DeviceSpec, Provider, WcStatus};
+use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, WcStatus};
 
 const ROWS: u64 = 1000;
 
@@ -62,7 +62,7 @@ impl Rig {
                     match self.provider.connect(
                         self.addr,
                         &token,
-                        &qp_options(Duration::from_secs(1)),
+                        &qp_options(Duration::from_secs(1), Fabric::default()),
                     ) {
                         Ok(qp) => {
                             self.reader = Some(Reader::new(qp, DEFAULT_SLOT_ROWS));
@@ -240,7 +240,7 @@ fn a_restarted_donor_is_reconnected_and_its_region_learned_again() {
 #[test]
 fn a_queue_pair_without_a_granted_token_is_refused() {
     let rig = Rig::new(9300);
-    let opts = qp_options(Duration::from_secs(1));
+    let opts = qp_options(Duration::from_secs(1), Fabric::default());
     assert!(rig.provider.connect(rig.addr, &[0; 16], &opts).is_err());
     assert!(rig.provider.connect(rig.addr, b"short", &opts).is_err());
     let Some(g) = rig.book.grant(0, "node-1") else {

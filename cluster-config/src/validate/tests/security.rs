@@ -508,6 +508,48 @@ fn rdma_addresses_and_their_device() {
         "donor[0].rdma.device",
         "is not an RDMA device name",
     );
+    // The fabric settings, and their bounds.
+    let fabric = rdma.replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nrdma = { ack_timeout_ms = 4, retry_count = 3, traffic_class = 106 }",
+        1,
+    );
+    let dev = parse(&fabric)
+        .expect("valid")
+        .donor("donor-a")
+        .and_then(|d| d.rdma.clone());
+    assert_eq!(
+        dev,
+        Some(crate::RdmaDevice {
+            ack_timeout: Duration::from_millis(4),
+            retry_count: 3,
+            traffic_class: Some(106),
+            ..crate::RdmaDevice::default()
+        })
+    );
+    let out = rdma.replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nrdma = { ack_timeout_ms = 0, retry_count = 8, traffic_class = 256 }",
+        1,
+    );
+    expect_in(
+        &out,
+        26,
+        "donor[0].rdma.ack_timeout_ms",
+        "0 is out of range 1..=10000",
+    );
+    expect_in(
+        &out,
+        26,
+        "donor[0].rdma.retry_count",
+        "8 is out of range 0..=7",
+    );
+    expect_in(
+        &out,
+        26,
+        "donor[0].rdma.traffic_class",
+        "256 is out of range 0..=255",
+    );
     // Port and GID come from the address: a choice is refused, not ignored.
     expect_in(
         &bad,
