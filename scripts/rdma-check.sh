@@ -203,6 +203,12 @@ start_donor() {
         grep -q "ready listen=" "$dir/donor.log" 2>/dev/null && break
         sleep 0.1
     done
+    # RDMA is set up after the ready line (the tables' check words and
+    # registration): wait for its own line, up to 10 minutes.
+    for _ in $(seq 6000); do
+        grep -qE "serving one-sided reads|is not served" "$dir/donor.log" 2>/dev/null && break
+        sleep 0.1
+    done
 }
 start_donor
 grep -E "rdma|ready" "$dir/donor.log" || true

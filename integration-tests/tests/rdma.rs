@@ -14,7 +14,8 @@ use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ErrorCode, ROW_BYTES};
 use engram_rdma::fake::{FakeFault, FakeProvider};
 use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, WcStatus};
-use engram_store::resident::{MlockMode, ResidentTable};
+use engram_store::kept;
+use engram_store::resident::{Backing, ExpectedTable, LoadOptions, MlockMode, ResidentTable};
 use inference_node::memory::Memory;
 use inference_node::metrics::{NodeMetrics, RdmaLabels};
 use integration_tests::{free_port, gen_table, rack_pki, runtime};
@@ -286,6 +287,81 @@ fn both_ends_take_the_fabric_settings_of_the_donors_config() -> Result<()> {
         donor.kill(&rack).await;
         Ok(())
     })
+}
+
+/// A table kept in a memfd as a donor under systemd keeps it, served over
+/// RDMA on a kernel that pins shared memory only through a writable
+/// mapping (before Linux 6.2; the fake refuses as it does): registered
+/// through the writable shared view (`rw-s`), refused without it. Shared
+/// on the host socket afterwards, the memfd is sealed against new writers
+/// while the view stays. A restarted donor's adopted copy gets its view
+/// back while unsealed, and not once sealed.
+#[test]
+fn a_kept_table_registers_through_its_writable_view_and_is_still_sealed_for_sharing() -> Result<()>
+{
+    let rack = Rack::new("tls")?;
+    let load = |view: bool| -> Result<ResidentTable> {
+        let opts = LoadOptions {
+            backing: Backing::Memfd,
+            rdma_view: view,
+            trust_digest: true,
+            mlock: MlockMode::Off,
+            threads: 1,
+            ..LoadOptions::default()
+        };
+        Ok(ResidentTable::load_with(Some(TABLES[0]), &rack.paths[0], &opts, |_| None)?.0)
+    };
+    let provider = FakeProvider::new();
+    provider.fabric().refuse_read_only_shared(true);
+    let device = cluster_config::RdmaDevice::default();
+    let publish = |t: &ResidentTable| -> Result<usize> {
+        let book = memory_donor::rdma::open_book(Arc::new(provider.clone()), rack.rdma, &device)?;
+        let snap = memory_donor::rdma::snapshot(std::slice::from_ref(t));
+        Ok(memory_donor::rdma::sync(&book, snap))
+    };
+    // Sealed read-only and mapped r--s: refused, as such a kernel does.
+    let plain = load(false)?;
+    assert!(kept::is_sealed_read_only(
+        &plain.kept().context("kept")?.file
+    ));
+    assert_eq!(publish(&plain)?, 0);
+    assert!(provider.fabric().registered_perms().is_empty());
+    // With the view: registered through a writable shared mapping.
+    let t = load(true)?;
+    assert!(t.memory().has_writable_view());
+    assert_eq!(publish(&t)?, 1);
+    assert_eq!(provider.fabric().registered_perms(), ["rw-s", "rw-p"]);
+    let k = t.kept().context("kept")?;
+    assert!(
+        !kept::is_sealed_read_only(&k.file),
+        "sealed only when shared"
+    );
+    let want = ExpectedTable {
+        digest: t.digest,
+        layer: t.layer,
+        rows: t.rows,
+    };
+    // A restarted donor: the unsealed copy gets its view again.
+    let again = ResidentTable::adopt(t.id, k.file.try_clone()?, &want, true)?;
+    assert!(again.memory().has_writable_view());
+    drop(again);
+    // Shared on the host socket: sealed against new writers, the view kept.
+    assert!(kept::seal_for_sharing(&k.file));
+    assert!(kept::is_sealed_read_only(&k.file));
+    assert!(
+        kept::writable_view(&k.file, 4096).is_err(),
+        "a new writer is refused"
+    );
+    assert_eq!(
+        t.memory().registration_bytes()[..ROW_BYTES],
+        t.memory_bytes()[..ROW_BYTES]
+    );
+    assert_eq!(publish(&t)?, 1, "the view still registers");
+    // Adopted once sealed: no view (served, but not registered here).
+    let sealed = ResidentTable::adopt(t.id, k.file.try_clone()?, &want, true)?;
+    assert!(!sealed.memory().has_writable_view());
+    assert_eq!(publish(&sealed)?, 0);
+    Ok(())
 }
 
 #[test]
@@ -579,7 +655,6 @@ fn a_donor_built_without_rdma_says_so_and_serves_on_its_other_addresses() -> Res
     let config = rack.config.path.display().to_string();
     let donor =
         integration_tests::DonorProcess::start(&["--config", &config, "--name", "donor-a"])?;
-    let log = donor.log();
     let tls = rack
         .config
         .donor("donor-a")
@@ -590,6 +665,14 @@ fn a_donor_built_without_rdma_says_so_and_serves_on_its_other_addresses() -> Res
          feature); nodes reach this donor over {tls}",
         rack.rdma
     );
+    // RDMA is set up after READY: the line comes after the ready line.
+    donor.wait_line(Duration::from_secs(30), |l| {
+        l.contains("is not served").then_some(())
+    })?;
+    let log = donor.log();
+    let ready = log.find("ready listen=").context("no ready line")?;
+    let rdma = log.find("is not served").context("no rdma line")?;
+    assert!(ready < rdma, "RDMA set up before READY:\n{log}");
     // A build with the feature on a host without a device says "no RDMA
     // device found" instead (scripts/rdma-check.sh shows it).
     if engram_rdma::HAS_VERBS {

@@ -94,8 +94,15 @@ impl FdStore {
     /// The copy of table `id` at exactly `expected`, if systemd handed one
     /// back that is complete and intact, and whose digest was verified when
     /// it was loaded if `verified` asks for that (never when the store is
-    /// off: the handed copies are then released).
-    pub fn take(&self, id: u32, expected: &ExpectedTable, verified: bool) -> Option<ResidentTable> {
+    /// off: the handed copies are then released); with `rdma_view`, with
+    /// its writable view for RDMA where it can have one.
+    pub fn take(
+        &self,
+        id: u32,
+        expected: &ExpectedTable,
+        verified: bool,
+        rdma_view: bool,
+    ) -> Option<ResidentTable> {
         if !self.enabled {
             return None;
         }
@@ -113,7 +120,7 @@ impl FdStore {
             if adopted.is_some() {
                 continue;
             }
-            match ResidentTable::adopt(id, file, expected) {
+            match ResidentTable::adopt(id, file, expected, rdma_view) {
                 Ok(t) if verified && !t.kept().is_some_and(|k| k.record.verified) => {
                     tracing::warn!(
                         table = id,

@@ -124,7 +124,8 @@ pub fn snapshot(tables: &[ResidentTable]) -> Vec<TableRef> {
             id: t.id,
             rows: t.rows,
             digest: t.digest,
-            memory: t.memory(),
+            // Through the writable view where the kernel needs one.
+            memory: Arc::new(engram_store::resident::Registered(t.memory())),
         })
         .collect()
 }

@@ -459,6 +459,13 @@ pub fn load_tables(
     Ok(tables)
 }
 
+/// Whether tables kept in a memfd get a writable view for RDMA: when the
+/// donor serves RDMA on a kernel that registers shared memory only through
+/// a writable mapping (before Linux 6.2; docs/rdma.md).
+pub(crate) fn rdma_view(serves_rdma: bool) -> bool {
+    serves_rdma && engram_store::kept::writable_view_needed()
+}
+
 /// Where a table loaded now lives: its file's pages (`map_files`), or a
 /// copy in memory the fd store can keep; a memfd whenever the donor has a
 /// host socket (`host`), whose clients map it.
@@ -525,7 +532,12 @@ fn load_one(
         let id = t.id.unwrap_or(want.layer);
         if spec.map_files {
             known = store.take_file(id, &want, !spec.trust_digest);
-        } else if let Some(table) = store.take(id, &want, !spec.trust_digest) {
+        } else if let Some(table) = store.take(
+            id,
+            &want,
+            !spec.trust_digest,
+            rdma_view(spec.rdma.is_some()),
+        ) {
             let record = table.kept().map(|k| k.record);
             status.tables[i].opened(id, table.layer, table.rows, table.digest);
             status.tables[i].progress(table.rows, table.rows);
@@ -580,6 +592,7 @@ fn load_one(
         threads: load_threads(spec.load_threads),
         known_file: known.as_ref().map(|(mark, _)| *mark),
         numa_node: spec.numa_node,
+        rdma_view: rdma_view(spec.rdma.is_some()),
     };
     let (table, report) = ResidentTable::load_with(t.id, &t.path, &opts, progress)?;
     if report.reused {
@@ -788,24 +801,6 @@ pub async fn serve(
         bound.push(Endpoint::new(Transport::Quic, a));
         listeners.push(server::Listener::Quic(endpoint));
     }
-    if let Some(addr) = rdma {
-        let (sh, device, name) = (
-            Arc::clone(&shared),
-            spec.rdma.clone().unwrap_or_default(),
-            spec.server.name.clone(),
-        );
-        let fallback: Vec<Endpoint> = bound.clone();
-        let book = tokio::task::spawn_blocking(move || {
-            crate::rdma::start(&name, addr, &device, &sh.tables(), &fallback)
-        })
-        .await
-        .ok()
-        .flatten();
-        if let Some(book) = book {
-            bound.push(Endpoint::new(Transport::Rdma, addr));
-            shared.set_rdma(book);
-        }
-    }
     // Plain `IP:PORT` for TCP (what scripts have always read), URLs for the rest.
     let mut shown: Vec<String> = bound
         .iter()
@@ -832,6 +827,27 @@ pub async fn serve(
         .ready(&format!("serving {count} tables, 0 connections"))
     {
         tracing::warn!(error = %e, "sd_notify READY=1 failed");
+    }
+    // RDMA is set up after READY: checking every row and registering tens
+    // of GiB takes seconds to minutes, which would undo the fd store's
+    // instant restart and could run past the unit's start timeout. Nodes
+    // read over TLS or QUIC meanwhile; RegionQuery answers "unavailable"
+    // until the book is in place, and they ask again.
+    if let Some(addr) = rdma {
+        let (sh, device, name) = (
+            Arc::clone(&shared),
+            spec.rdma.clone().unwrap_or_default(),
+            spec.server.name.clone(),
+        );
+        let fallback: Vec<Endpoint> = bound.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Some(book) = crate::rdma::start(&name, addr, &device, &sh.tables(), &fallback) {
+                sh.set_rdma(book);
+                // A swap or reload while the tables were registered: the
+                // book follows the tables as they are now.
+                sh.sync_rdma();
+            }
+        });
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(server::run(listeners, Arc::clone(&shared), async move {

@@ -166,6 +166,7 @@ impl Loop {
             fd_store: Arc::clone(&self.ops.fd_store),
             map_files: self.spec.map_files,
             host_shared: self.spec.host.is_some(),
+            serves_rdma: self.spec.rdma.is_some(),
             numa_node: self.spec.numa_node,
             load_threads: self.spec.load_threads,
         }

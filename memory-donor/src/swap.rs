@@ -122,6 +122,8 @@ pub struct SwapContext {
     pub map_files: bool,
     /// The donor has a host socket: new versions go in a memfd its clients map.
     pub host_shared: bool,
+    /// The donor serves RDMA: see [`crate::serve::rdma_view`].
+    pub serves_rdma: bool,
     /// The NUMA node new versions are bound to.
     pub numa_node: Option<u32>,
     /// Threads that read, place and hash a table (0: every core).
@@ -569,6 +571,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         threads: crate::serve::load_threads(cx.load_threads),
         known_file: None,
         numa_node: cx.numa_node,
+        rdma_view: crate::serve::rdma_view(cx.serves_rdma),
     };
     // The descriptor `prepare` checked: the name is not opened again.
     let file = p

@@ -278,7 +278,12 @@ fn hardware(
     .context("the RDMA rack")?;
     let config = rack.config.display().to_string();
     let donor = DonorProcess::start(&["--config", &config, "--name", transports::DONOR])?;
-    if donor.endpoint(Transport::Rdma).is_none() {
+    // RDMA is set up after the ready line: wait for its own line.
+    let serving = donor.wait_line(Duration::from_secs(600), |l| {
+        (l.contains("serving one-sided reads") || l.contains("is not served"))
+            .then(|| l.contains("serving one-sided reads"))
+    });
+    if !serving.unwrap_or(false) {
         return Ok(Err(format!(
             "the donor did not serve rdma://{rdma_addr} (a build without --features rdma, or \
              the address is not on the device); its log:\n{}",

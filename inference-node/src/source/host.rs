@@ -412,5 +412,5 @@ fn map_table(table: u32, file: File, want: &ExpectedTable) -> Result<ResidentTab
     if !kept::is_sealed_read_only(&file) {
         return Err("its memory is not sealed against writes and resizing".into());
     }
-    ResidentTable::adopt(table, file, want).map_err(|e| e.to_string())
+    ResidentTable::adopt(table, file, want, false).map_err(|e| e.to_string())
 }

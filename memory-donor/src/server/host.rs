@@ -263,14 +263,12 @@ fn snapshot(shared: &Shared, told: &[Told]) -> io::Result<Vec<(Told, Option<Shar
             generation: t.kept().map(|k| k.record.generation),
         };
         let copy = match t.kept() {
-            Some(k) if !told.contains(&now) && kept::is_sealed_read_only(&k.file) => {
-                Some(Shareable {
-                    file: reopen_read_only(&k.file)?,
-                    bytes: k.file.metadata()?.len(),
-                    layer: t.layer,
-                    rows: t.rows,
-                })
-            }
+            Some(k) if !told.contains(&now) && kept::seal_for_sharing(&k.file) => Some(Shareable {
+                file: reopen_read_only(&k.file)?,
+                bytes: k.file.metadata()?.len(),
+                layer: t.layer,
+                rows: t.rows,
+            }),
             _ => None,
         };
         out.push((now, copy));

@@ -300,13 +300,101 @@ pub fn seal_writes(file: &File) -> Result<(), KeptError> {
     Ok(())
 }
 
-/// True when `file` is a memfd sealed against writes, shrinking and
-/// growing: its bytes can never change or go away under a mapping.
+/// Seal the memfd against new writers (`F_SEAL_FUTURE_WRITE`, Linux 5.1):
+/// no `write` and no new writable shared mapping, in this process or any
+/// other, while the writable views that exist already stay. The donor
+/// keeps one such view of a table it serves over RDMA on a kernel that
+/// registers only writable shared memory ([`writable_view_needed`]) and
+/// never writes through it.
+pub fn seal_future_writes(file: &File) -> Result<(), KeptError> {
+    // SAFETY: fcntl on a descriptor we own with integer arguments.
+    let r = unsafe {
+        libc::fcntl(
+            file.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_FUTURE_WRITE,
+        )
+    };
+    if r < 0 {
+        return Err(KeptError::Io {
+            op: "sealing the memfd against new writers",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// True when `file` is a memfd sealed against writes (or new writers),
+/// shrinking and growing: no process it is handed to can change its bytes,
+/// and they can never go away under a mapping.
 pub fn is_sealed_read_only(file: &File) -> bool {
     // SAFETY: fcntl on a descriptor the caller owns.
     let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-    let all = SEALS | libc::F_SEAL_WRITE;
-    seals >= 0 && seals & all == all
+    seals >= 0
+        && seals & SEALS == SEALS
+        && seals & (libc::F_SEAL_WRITE | libc::F_SEAL_FUTURE_WRITE) != 0
+}
+
+/// Make sure no process `file` is handed to can change it: sealed against
+/// writes already, or sealed against new writers now (a copy kept with a
+/// writable RDMA view, which stays; nothing writes through it). False
+/// (logged) when it cannot be sealed: it is then not shared.
+pub fn seal_for_sharing(file: &File) -> bool {
+    if is_sealed_read_only(file) {
+        return true;
+    }
+    match seal_future_writes(file) {
+        Ok(()) => is_sealed_read_only(file),
+        Err(e) => {
+            tracing::warn!(error = %e, "a kept copy cannot be sealed: it is not shared");
+            false
+        }
+    }
+}
+
+/// Whether this kernel pins a read-only RDMA registration of shared
+/// memory only through a writable mapping: before Linux 6.2,
+/// `ib_umem_get` pins every registration with `FOLL_WRITE | FOLL_FORCE`,
+/// which fails (`EFAULT`) on a `MAP_SHARED` mapping that is not writable.
+pub fn writable_view_needed() -> bool {
+    kernel_release().is_none_or(|v| v < (6, 2))
+}
+
+/// The running kernel's major and minor version (`uname -r`).
+pub fn kernel_release() -> Option<(u32, u32)> {
+    // SAFETY: uname fills the struct it is given; all-zero is a valid one.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out pointer.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return None;
+    }
+    let bytes: Vec<u8> = u
+        .release
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    parse_release(&String::from_utf8_lossy(&bytes))
+}
+
+fn parse_release(r: &str) -> Option<(u32, u32)> {
+    let mut it = r.split(|c: char| !c.is_ascii_digit());
+    let major = it.next()?.parse().ok()?;
+    let minor = it.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+/// A writable shared mapping of a kept memfd's first `len` bytes, for an
+/// RDMA registration that needs one ([`writable_view_needed`]). Nothing
+/// writes through it. Fails once the memfd is sealed against writes or
+/// new writers: make it first.
+pub fn writable_view(file: &File, len: usize) -> Result<memmap2::MmapMut, KeptError> {
+    // SAFETY: the memfd's size is sealed, so the mapping cannot lose pages;
+    // no code writes through it (it is handed to the NIC as read-only).
+    unsafe { memmap2::MmapOptions::new().len(len).map_mut(file) }.map_err(|source| KeptError::Io {
+        op: "mapping the memfd writable for RDMA",
+        source,
+    })
 }
 
 /// Read and check a kept memfd's record: sealed against resizing, its
@@ -386,6 +474,16 @@ pub fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_releases_parse() {
+        assert_eq!(parse_release("5.15.0-91-generic"), Some((5, 15)));
+        assert_eq!(parse_release("6.2.0"), Some((6, 2)));
+        assert_eq!(parse_release("6.18.44-fc-v1098"), Some((6, 18)));
+        assert_eq!(parse_release("4.18.0-513.el8.x86_64"), Some((4, 18)));
+        assert_eq!(parse_release("garbage"), None);
+        assert!(kernel_release().is_some());
+    }
 
     #[test]
     fn a_sealed_memfd_without_a_record_and_records_round_trip() {

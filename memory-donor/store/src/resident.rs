@@ -198,6 +198,13 @@ pub struct LoadOptions {
     /// Not for [`Backing::Mapped`] (the page cache's pages are placed by
     /// whoever read them first).
     pub numa_node: Option<u32>,
+    /// For [`Backing::Memfd`]: keep a writable shared view of the memfd
+    /// for RDMA registrations ([`Rows::registration_bytes`]), on a kernel
+    /// that needs one ([`kept::writable_view_needed`]). The memfd is then
+    /// sealed against writers only when it is first handed to another
+    /// process ([`kept::seal_future_writes`], which keeps the view), so a
+    /// restarted donor can make its view again.
+    pub rdma_view: bool,
 }
 
 impl Default for LoadOptions {
@@ -210,6 +217,7 @@ impl Default for LoadOptions {
             threads: crate::fill::cores(),
             known_file: None,
             numa_node: None,
+            rdma_view: false,
         }
     }
 }
@@ -225,6 +233,10 @@ pub struct Rows {
     /// The mapped file, open while the rows are served: it holds the read
     /// lease.
     file: Option<std::fs::File>,
+    /// A writable shared mapping of the same memfd pages, for an RDMA
+    /// registration on a kernel that pins only writable shared memory
+    /// ([`LoadOptions::rdma_view`]). Nothing writes through it.
+    view: Option<MmapMut>,
 }
 
 impl Rows {
@@ -235,7 +247,22 @@ impl Rows {
             len,
             paged: false,
             file: None,
+            view: None,
         }
+    }
+
+    /// The bytes an RDMA registration covers: the rows through the
+    /// writable view when there is one, else through the serving mapping.
+    pub fn registration_bytes(&self) -> &[u8] {
+        match &self.view {
+            Some(v) => &v[..self.len],
+            None => &self.map[..self.len],
+        }
+    }
+
+    /// True when RDMA registers the rows through a writable view.
+    pub fn has_writable_view(&self) -> bool {
+        self.view.is_some()
     }
 
     /// The table file whose pages these are (holding the read lease).
@@ -263,6 +290,17 @@ impl Rows {
     /// Lock the whole mapping (`mlock`), faulting in what is not mapped yet.
     pub fn lock(&self) -> std::io::Result<()> {
         self.map.lock()
+    }
+}
+
+/// A table's rows as an RDMA registration takes them
+/// ([`Rows::registration_bytes`]).
+#[derive(Debug, Clone)]
+pub struct Registered(pub std::sync::Arc<Rows>);
+
+impl AsRef<[u8]> for Registered {
+    fn as_ref(&self) -> &[u8] {
+        self.0.registration_bytes()
     }
 }
 
@@ -512,15 +550,22 @@ impl ResidentTable {
             }
             None => None,
         };
+        let mut view = None;
         let map = match &kept {
-            // The writable mapping goes, the memfd is sealed against
-            // writes, and the rows are mapped again read-only.
+            // The writable mapping goes (or stays as the RDMA view), the
+            // memfd is sealed against writes (or, with a view, when first
+            // shared), and the rows are mapped again read-only.
             Some(k) => {
                 let flen = map.len();
-                drop(map);
-                kept::seal_writes(&k.file).map_err(|e| memory(e.into_io()))?;
-                // SAFETY: the memfd is sealed against writes and resizing:
-                // its bytes cannot change or go away under the mapping.
+                if opts.rdma_view {
+                    view = Some(map);
+                } else {
+                    drop(map);
+                    kept::seal_writes(&k.file).map_err(|e| memory(e.into_io()))?;
+                }
+                // SAFETY: the memfd is sealed against resizing, so its
+                // pages cannot go away under the mapping, and against
+                // writes (or nothing writes through the view kept).
                 let map = unsafe { memmap2::MmapOptions::new().len(flen).map(&k.file) }
                     .map_err(memory)?;
                 let _ = map.advise(memmap2::Advice::HugePage);
@@ -542,7 +587,10 @@ impl ResidentTable {
             rows: file.meta.rows,
             digest,
             digest_prefix: digest.prefix(),
-            mem: std::sync::Arc::new(Rows::packed(map, len)),
+            mem: std::sync::Arc::new(Rows {
+                view,
+                ..Rows::packed(map, len)
+            }),
             kept,
             mark: None,
         };
@@ -560,10 +608,17 @@ impl ResidentTable {
     /// store) as table `expected`: refused unless its record is complete
     /// and names exactly that version, layer and size. Nothing is read but
     /// the record; the memory is not locked ([`Self::lock`] does that).
+    ///
+    /// With `rdma_view` ([`LoadOptions::rdma_view`]) a copy not yet sealed
+    /// against writers gets its writable view for RDMA and stays unsealed
+    /// until first shared; a sealed one cannot (its RDMA registration then
+    /// fails on such a kernel, and the table is read over the other
+    /// transports until it is reloaded).
     pub fn adopt(
         id: u32,
         file: std::fs::File,
         expected: &ExpectedTable,
+        rdma_view: bool,
     ) -> Result<Self, KeptError> {
         let (record, flen) = kept::inspect(&file)?;
         if record.id != id {
@@ -584,17 +639,32 @@ impl ResidentTable {
                 record.layer, record.rows, expected.layer, expected.rows
             )));
         }
-        // A copy kept by an older donor may lack the write seal: added now,
-        // before anything maps it (the kernel refuses it beside a writable
-        // mapping, which nothing here has). Without it the table is still
-        // served, but not shared with other processes.
-        if !kept::is_sealed_read_only(&file)
-            && let Err(e) = kept::seal_writes(&file)
-        {
-            tracing::warn!(table = id, error = %e, "the kept copy cannot be sealed against writes: it will not be shared on the host socket");
-        }
         let too_big = || KeptError::Bad("larger than the address space".into());
         let flen = usize::try_from(flen).map_err(|_| too_big())?;
+        let sealed = kept::is_sealed_read_only(&file);
+        let view = match (rdma_view, sealed) {
+            (true, false) => Some(kept::writable_view(&file, flen)?),
+            (true, true) => {
+                tracing::warn!(
+                    table = id,
+                    "the kept copy is sealed against writers (it was shared on the host socket): \
+                     this kernel registers RDMA memory only through a writable mapping, so the \
+                     table is read over the other transports until it is reloaded"
+                );
+                None
+            }
+            // A copy kept by an older donor may lack the write seal: added
+            // now, before anything maps it (the kernel refuses it beside a
+            // writable mapping, which nothing here has). Without it the
+            // table is still served, but not shared with other processes.
+            (false, false) => {
+                if let Err(e) = kept::seal_writes(&file) {
+                    tracing::warn!(table = id, error = %e, "the kept copy cannot be sealed against writes: it will not be shared on the host socket");
+                }
+                None
+            }
+            (false, true) => None,
+        };
         let len = usize::try_from(record.rows * ROW_BYTES as u64).map_err(|_| too_big())?;
         // SAFETY: the memfd's size is sealed, so the mapping cannot lose
         // pages under us; it is mapped read-only.
@@ -612,7 +682,10 @@ impl ResidentTable {
             rows: record.rows,
             digest: record.digest,
             digest_prefix: record.digest.prefix(),
-            mem: std::sync::Arc::new(Rows::packed(map, len)),
+            mem: std::sync::Arc::new(Rows {
+                view,
+                ..Rows::packed(map, len)
+            }),
             kept: Some(Kept {
                 pages: kept::pages(&file),
                 file,
@@ -723,6 +796,7 @@ impl ResidentTable {
                 len: span,
                 paged: true,
                 file: Some(handle),
+                view: None,
             }),
             kept: None,
             // Only a leased file is known not to have changed since.
@@ -999,7 +1073,8 @@ mod tests {
             .collect();
         drop(t);
         // The next process: the same rows, the same generation, nothing read.
-        let again = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &pin).expect("adopt");
+        let again =
+            ResidentTable::adopt(1, fd.try_clone().expect("dup"), &pin, false).expect("adopt");
         assert_eq!(again.kept().expect("kept").record.generation, generation);
         for (r, row) in want.iter().enumerate() {
             assert_eq!(again.row(r as u64), Some(&row[..]), "row {r}");
@@ -1011,19 +1086,22 @@ mod tests {
             digest: TableDigest([7; 32]),
             ..pin
         };
-        let e = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &other).expect_err("stale");
+        let e = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &other, false)
+            .expect_err("stale");
         assert!(e.to_string().contains("but the config pins"), "{e}");
-        let e = ResidentTable::adopt(14, fd.try_clone().expect("dup"), &pin).expect_err("id");
+        let e =
+            ResidentTable::adopt(14, fd.try_clone().expect("dup"), &pin, false).expect_err("id");
         assert!(e.to_string().contains("not table 14"), "{e}");
-        let e = ResidentTable::adopt(1, fd, &ExpectedTable { rows: 9, ..pin }).expect_err("rows");
+        let e = ResidentTable::adopt(1, fd, &ExpectedTable { rows: 9, ..pin }, false)
+            .expect_err("rows");
         assert!(e.to_string().contains("9 rows"), "{e}");
         // A load cut short: not sealed yet, no record.
         let (f, _, _) = kept::create(10_000, false).expect("memfd");
-        let e = ResidentTable::adopt(1, f, &pin).expect_err("unfinished");
+        let e = ResidentTable::adopt(1, f, &pin, false).expect_err("unfinished");
         assert!(e.to_string().contains("not sealed"), "{e}");
         // Not sealed at all (an ordinary file).
         let plain = std::fs::File::open(&path).expect("open");
-        let e = ResidentTable::adopt(1, plain, &pin).expect_err("plain");
+        let e = ResidentTable::adopt(1, plain, &pin, false).expect_err("plain");
         assert!(e.to_string().contains("sealable memfd"), "{e}");
     }
 
@@ -1066,7 +1144,7 @@ mod tests {
         kept::finish(&f, &mut map, &record).expect("record");
         map[len - 4096 + 70] ^= 0xff;
         drop(map);
-        let e = ResidentTable::adopt(1, f, &pin).expect_err("bad record");
+        let e = ResidentTable::adopt(1, f, &pin, false).expect_err("bad record");
         assert!(e.to_string().contains("checksum"), "{e}");
     }
 
@@ -1090,7 +1168,7 @@ mod tests {
         let loaded = ResidentTable::load_with(Some(1), &path, &opts, |_| None);
         let adopted = loaded.as_ref().ok().map(|(t, _)| {
             let f = t.kept().expect("kept").file.try_clone().expect("dup");
-            ResidentTable::adopt(1, f, &pin)
+            ResidentTable::adopt(1, f, &pin, false)
         });
         let _ = std::fs::write("/proc/sys/vm/nr_hugepages", before.to_string());
         let (t, _) = loaded.expect("load");

@@ -69,6 +69,12 @@ struct State {
     /// with, by the listener's address.
     listen_fabric: HashMap<SocketAddr, Fabric>,
     connect_fabric: Vec<(SocketAddr, Fabric)>,
+    /// Refuse, as kernels before 6.2 do, to register shared memory that is
+    /// not mapped writable.
+    writable_shared_only: bool,
+    /// The protection and flags (`/proc/self/maps`, like `r--s`) of the
+    /// mapping each registration covered, in order.
+    registered_perms: Vec<String>,
 }
 
 impl State {
@@ -89,6 +95,21 @@ impl State {
             None => Ok(devices[0].0.clone()),
         }
     }
+}
+
+/// The permissions column of `/proc/self/maps` for the mapping holding
+/// `addr` (`r--s`, `rw-p`, ...); `None` when no mapping holds it.
+fn mapping_perms(addr: u64) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|l| {
+        let mut f = l.split_whitespace();
+        let (lo, hi) = f.next()?.split_once('-')?;
+        let (lo, hi) = (
+            u64::from_str_radix(lo, 16).ok()?,
+            u64::from_str_radix(hi, 16).ok()?,
+        );
+        (lo <= addr && addr < hi).then(|| f.next().map(str::to_string))?
+    })
 }
 
 /// The fake's one device until [`FakeFabric::set_devices`] says otherwise.
@@ -164,6 +185,19 @@ impl FakeFabric {
             .iter()
             .map(|(d, ips)| (d.to_string(), ips.to_vec()))
             .collect();
+    }
+
+    /// Register as a kernel before 6.2 does: memory in a `MAP_SHARED`
+    /// mapping that is not writable is refused (`ib_umem_get` pins with
+    /// `FOLL_WRITE`, which fails with `EFAULT` there).
+    pub fn refuse_read_only_shared(&self, on: bool) {
+        self.lock().writable_shared_only = on;
+    }
+
+    /// The protection and flags of the mapping under each registration
+    /// made so far (`rw-s`, `r--s`, `rw-p`, ...), as the kernel saw them.
+    pub fn registered_perms(&self) -> Vec<String> {
+        self.lock().registered_perms.clone()
     }
 
     /// The device of each registration and listener made so far, in order.
@@ -314,8 +348,16 @@ impl Provider for FakeProvider {
         let bytes = memory.bytes();
         let addr = bytes.as_ptr() as u64;
         let len = bytes.len() as u64;
+        let perms = mapping_perms(addr).unwrap_or_else(|| "????".into());
         let mut s = self.fabric.lock();
         let device = s.pick(spec)?;
+        if s.writable_shared_only && perms.ends_with('s') && !perms.starts_with("rw") {
+            return Err(VerbsError::Io(format!(
+                "ibv_reg_mr of {len} bytes on {device}: Bad address (os error 14): a {perms} \
+                 mapping (this kernel pins shared memory only through a writable mapping)"
+            )));
+        }
+        s.registered_perms.push(perms);
         s.used.push(device);
         s.next_rkey = s.next_rkey.wrapping_add(0x9e37).max(1);
         while s.regions.contains_key(&s.next_rkey) {
