@@ -34,6 +34,11 @@ pub enum FakeFault {
     Revoke,
     /// The queue pair dies before the doorbell: the post fails.
     DeadQueuePair,
+    /// The path goes silent for this doorbell (a partition, a dead host):
+    /// nothing lands and nothing completes until the transport's retries
+    /// run out, then it completes with retries exceeded and the queue
+    /// pair is dead. Late detection, unlike an instant error.
+    Silence,
 }
 
 #[derive(Clone)]
@@ -72,6 +77,8 @@ struct State {
     /// Refuse, as kernels before 6.2 do, to register shared memory that is
     /// not mapped writable.
     writable_shared_only: bool,
+    /// Listener addresses whose paths are silent ([`FakeFabric::silence`]).
+    silent: HashSet<SocketAddr>,
     /// The protection and flags (`/proc/self/maps`, like `r--s`) of the
     /// mapping each registration covered, in order.
     registered_perms: Vec<String>,
@@ -145,15 +152,30 @@ impl FakeFabric {
         self.lock().faults.entry(addr).or_default().push_back(fault);
     }
 
-    /// The donor at `addr` is gone: its queue pairs die (their requests
-    /// complete with retries exceeded) and new connects are refused until
-    /// a listener binds the address again.
+    /// The donor's process at `addr` ended (its host still up): its end of
+    /// every queue pair disconnects, which a node sees as the connection
+    /// manager's DISCONNECTED on its next poll; posts are flushed; new
+    /// connects are refused until a listener binds the address again.
     pub fn kill(&self, addr: SocketAddr) {
         let mut s = self.lock();
         s.listeners.remove(&addr);
         s.next_epoch += 1;
         let e = s.next_epoch;
         s.epochs.insert(addr, e);
+    }
+
+    /// The path to `addr` goes silent (the host died, or a partition): no
+    /// event comes, nothing posted lands or completes until each queue
+    /// pair's retries run out (`ack_timeout x (retry_count + 1)`), and
+    /// then with retries exceeded. [`FakeFabric::heal`] ends it for
+    /// queue pairs made afterwards.
+    pub fn silence(&self, addr: SocketAddr) {
+        self.lock().silent.insert(addr);
+    }
+
+    /// The path to `addr` carries traffic again.
+    pub fn heal(&self, addr: SocketAddr) {
+        self.lock().silent.remove(&addr);
     }
 
     /// Deregister the region with key `rkey` (what a swap does).
@@ -439,13 +461,25 @@ impl Provider for FakeProvider {
             epoch,
             buffer: vec![0; opts.buffer_bytes],
             depth: opts.send_depth,
+            fabric_opts: opts.fabric,
             cq: VecDeque::new(),
             dead: false,
+            posted: 0,
+            retired: 0,
         }))
     }
 }
 
-/// A fake queue pair: its buffer, and completions waiting to be polled.
+/// A fake queue pair: its buffer, its send queue, and completions waiting
+/// to be polled.
+///
+/// As on hardware: work requests hold their send-queue entries until a
+/// completion at or after them is polled (a post past the depth fails);
+/// posting to a queue pair in the error state succeeds and every request
+/// completes flushed; a donor whose process ended is seen as the
+/// connection manager's DISCONNECTED on the next poll; a path that went
+/// silent completes nothing until the transport's retries run out
+/// (`ack_timeout x (retry_count + 1)` of the queue pair's fabric settings).
 struct FakeQp {
     fabric: Arc<FakeFabric>,
     peer: SocketAddr,
@@ -454,8 +488,14 @@ struct FakeQp {
     epoch: u64,
     buffer: Vec<u8>,
     depth: usize,
-    cq: VecDeque<(Option<Instant>, Completion)>,
+    fabric_opts: Fabric,
+    /// Completions: when each becomes visible, the completion, and the
+    /// count of requests posted up to its own (polling it retires them).
+    cq: VecDeque<(Option<Instant>, Completion, u64)>,
     dead: bool,
+    /// Work requests posted, and retired by a polled completion.
+    posted: u64,
+    retired: u64,
 }
 
 impl std::fmt::Debug for FakeQp {
@@ -476,19 +516,31 @@ impl Drop for FakeQp {
 }
 
 impl FakeQp {
-    /// Fail `wrs` from the first: it with `status`, the rest flushed.
-    fn fail(&mut self, wrs: &[ReadWr], status: WcStatus) {
+    /// Queue one completion per request of `wrs` (all of them: a failed or
+    /// flushed request completes whether signalled or not), the first with
+    /// `status` and the rest flushed, visible at `at`; the queue pair is in
+    /// the error state from here on.
+    fn fail_at(&mut self, wrs: &[ReadWr], status: WcStatus, at: Option<Instant>) {
         self.dead = true;
         for (i, w) in wrs.iter().enumerate() {
+            self.posted += 1;
             let s = if i == 0 { status } else { WcStatus::Flushed };
-            self.cq.push_back((
-                None,
-                Completion {
-                    wr_id: w.wr_id,
-                    status: s,
-                },
-            ));
+            let c = Completion {
+                wr_id: w.wr_id,
+                status: s,
+            };
+            self.cq.push_back((at, c, self.posted));
         }
+    }
+
+    fn fail(&mut self, wrs: &[ReadWr], status: WcStatus) {
+        self.fail_at(wrs, status, None);
+    }
+
+    /// When a path gone silent now gives up: the transport's retries.
+    fn retries_run_out(&self) -> Instant {
+        let f = self.fabric_opts;
+        Instant::now() + f.effective_ack_timeout() * (u32::from(f.retry_count) + 1)
     }
 }
 
@@ -502,9 +554,11 @@ impl QueuePair for FakeQp {
     }
 
     fn post_reads(&mut self, wrs: &[ReadWr]) -> Result<(), VerbsError> {
-        if wrs.len() > self.depth {
-            return Err(VerbsError::Invalid(format!(
-                "{} work requests, send queue depth {}",
+        let outstanding = (self.posted - self.retired) as usize;
+        if outstanding + wrs.len() > self.depth {
+            return Err(VerbsError::Io(format!(
+                "ibv_post_send: Cannot allocate memory (os error 12): {} work requests with \
+                 {outstanding} of {} send queue entries in use",
                 wrs.len(),
                 self.depth
             )));
@@ -521,19 +575,33 @@ impl QueuePair for FakeQp {
         let fabric = Arc::clone(&self.fabric);
         let mut s = fabric.lock();
         let fault = s.faults.get_mut(&self.peer).and_then(VecDeque::pop_front);
-        if self.dead || fault == Some(FakeFault::DeadQueuePair) {
+        if fault == Some(FakeFault::DeadQueuePair) {
+            // Some providers check the state and fail the post itself.
             self.dead = true;
             return Err(VerbsError::Dead(
                 "the queue pair is in the error state".into(),
             ));
         }
-        // A donor gone, or its listener disconnected this queue pair: the
-        // transport gives up as it would on hardware.
-        if s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch
+        // Gone: the donor's process ended (its end disconnected, the queue
+        // pair went to the error state) or its listener cut this queue
+        // pair; or it was in the error state already. The post is taken
+        // and flushed.
+        if self.dead
+            || s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch
             || s.cut.contains(&(self.peer, self.key))
         {
             drop(s);
-            self.fail(wrs, WcStatus::RetryExceeded);
+            // After a silent path's give-up, not before it.
+            let at = self.cq.back().and_then(|e| e.0);
+            self.fail_at(wrs, WcStatus::Flushed, at);
+            return Ok(());
+        }
+        // A silent path: nothing lands, nothing completes until the
+        // transport gives up.
+        if s.silent.contains(&self.peer) || fault == Some(FakeFault::Silence) {
+            drop(s);
+            let at = Some(self.retries_run_out());
+            self.fail_at(wrs, WcStatus::RetryExceeded, at);
             return Ok(());
         }
         match fault {
@@ -562,6 +630,7 @@ impl QueuePair for FakeQp {
             });
             let Some(src) = src else {
                 drop(s);
+                self.posted += i as u64;
                 self.fail(&wrs[i..], WcStatus::RemoteAccess);
                 return Ok(());
             };
@@ -577,31 +646,49 @@ impl QueuePair for FakeQp {
             .reads
             .fetch_add(wrs.len() as u64, Ordering::Relaxed);
         let visible = match fault {
-            Some(FakeFault::LoseCompletion) => return Ok(()),
+            Some(FakeFault::LoseCompletion) => {
+                self.posted += wrs.len() as u64;
+                return Ok(());
+            }
             Some(FakeFault::Late(d)) => Some(Instant::now() + d),
             _ => None,
         };
-        for w in wrs.iter().filter(|w| w.signaled) {
-            self.cq.push_back((
-                visible,
-                Completion {
+        for w in wrs {
+            self.posted += 1;
+            if w.signaled {
+                let c = Completion {
                     wr_id: w.wr_id,
                     status: WcStatus::Success,
-                },
-            ));
+                };
+                self.cq.push_back((visible, c, self.posted));
+            }
         }
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
+        // The connection manager's events, as the real provider reads
+        // them: the donor's end disconnected (its process ended, or its
+        // listener cut this queue pair).
+        {
+            let s = self.fabric.lock();
+            if s.epochs.get(&self.peer).copied().unwrap_or(0) != self.epoch
+                || s.cut.contains(&(self.peer, self.key))
+            {
+                return Err(VerbsError::Dead(
+                    "the connection manager reported RDMA_CM_EVENT_DISCONNECTED".into(),
+                ));
+            }
+        }
         let now = Instant::now();
         let mut n = 0;
         while n < max {
             match self.cq.front() {
-                Some((Some(t), _)) if *t > now => break,
-                Some((_, c)) => {
-                    out.push(*c);
+                Some((Some(t), ..)) if *t > now => break,
+                Some(&(_, c, upto)) => {
+                    out.push(c);
                     self.cq.pop_front();
+                    self.retired = self.retired.max(upto);
                     n += 1;
                 }
                 None => break,

@@ -1039,6 +1039,31 @@ impl Drop for Conn {
 }
 
 impl Conn {
+    /// The next connection manager event and its status, acked; `None`
+    /// when none is waiting (the channel is non-blocking).
+    fn next_event(&self) -> Result<Option<(ev::Type, c_int)>, VerbsError> {
+        let mut raw: *mut sys::rdma_cm_event = ptr::null_mut();
+        // SAFETY: a live channel; valid out pointer.
+        let rc = unsafe { sys::rdma_get_cm_event(self.channel, &mut raw) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
+                _ => Err(VerbsError::Io(format!("rdma_get_cm_event: {e}"))),
+            };
+        }
+        if raw.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: a valid event until acked; acked once.
+        let e = unsafe {
+            let e = ((*raw).event, (*raw).status);
+            sys::rdma_ack_cm_event(raw);
+            e
+        };
+        Ok(Some(e))
+    }
+
     /// Waits for `want` on the channel until `deadline`; acks every event.
     fn wait(&self, want: ev::Type, deadline: Instant) -> Result<(), VerbsError> {
         let step = event_name(want);
@@ -1050,18 +1075,8 @@ impl Conn {
             if !wait_readable(fd, ms).map_err(|e| VerbsError::Io(e.to_string()))? {
                 continue;
             }
-            let mut raw: *mut sys::rdma_cm_event = ptr::null_mut();
-            // SAFETY: a live channel with an event ready; valid out pointer.
-            let rc = unsafe { sys::rdma_get_cm_event(self.channel, &mut raw) };
-            check(rc, format_args!("rdma_get_cm_event"))?;
-            if raw.is_null() {
+            let Some((kind, status)) = self.next_event()? else {
                 continue;
-            }
-            // SAFETY: a valid event until acked; acked once.
-            let (kind, status) = unsafe {
-                let e = ((*raw).event, (*raw).status);
-                sys::rdma_ack_cm_event(raw);
-                e
             };
             let name = event_name(kind);
             return match kind {
@@ -1092,6 +1107,24 @@ struct IbvQueuePair {
     sges: Vec<sys::ibv_sge>,
     chain: Vec<sys::ibv_send_wr>,
     wcs: Vec<sys::ibv_wc>,
+    /// When `poll` next reads the connection manager's events.
+    next_cm_check: Instant,
+}
+
+/// How often a queue pair's `poll` reads its connection manager events
+/// (one `read` of a non-blocking descriptor).
+const CM_CHECK_EVERY: Duration = Duration::from_millis(1);
+
+/// Events after ESTABLISHED that end a node's queue pair: the donor's end
+/// went away, the device did, or the address moved to another one.
+fn ends_queue_pair(kind: ev::Type) -> bool {
+    matches!(
+        kind,
+        ev::RDMA_CM_EVENT_DISCONNECTED
+            | ev::RDMA_CM_EVENT_DEVICE_REMOVAL
+            | ev::RDMA_CM_EVENT_ADDR_CHANGE
+            | ev::RDMA_CM_EVENT_TIMEWAIT_EXIT
+    )
 }
 
 // SAFETY: the verbs objects are used from one thread at a time, through
@@ -1134,6 +1167,22 @@ impl IbvQueuePair {
         // SAFETY: no arguments; NULL on failure.
         let channel = unsafe { sys::rdma_create_event_channel() };
         c.channel = non_null(channel, format_args!("rdma_create_event_channel"))?;
+        // Non-blocking: reading an event must never stall a lookup (the
+        // connection waits with poll first; the queue pair checks for
+        // events between completions).
+        // SAFETY: the channel is live; fcntl on its descriptor.
+        let rc = unsafe {
+            let fd = (*c.channel).fd;
+            libc::fcntl(
+                fd,
+                libc::F_SETFL,
+                libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK,
+            )
+        };
+        check(
+            rc.min(0),
+            format_args!("making the event channel non-blocking"),
+        )?;
         let mut id = ptr::null_mut();
         let ps = sys::rdma_port_space::RDMA_PS_TCP;
         // SAFETY: a live channel and a valid out pointer.
@@ -1238,6 +1287,7 @@ impl IbvQueuePair {
             chain: Vec::with_capacity(n),
             // SAFETY: all-zero is a valid ibv_wc (integers and a union of them).
             wcs: (0..WC_BATCH).map(|_| unsafe { zeroed() }).collect(),
+            next_cm_check: Instant::now(),
         })
     }
 
@@ -1347,6 +1397,20 @@ impl QueuePair for IbvQueuePair {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
+        // A donor that disconnected, a device removed, an address moved:
+        // the queue pair is over now, not when a lookup times out.
+        let now = Instant::now();
+        if now >= self.next_cm_check {
+            self.next_cm_check = now + CM_CHECK_EVERY;
+            while let Some((kind, _)) = self.conn.next_event()? {
+                if ends_queue_pair(kind) {
+                    return Err(VerbsError::Dead(format!(
+                        "the connection manager reported {}",
+                        event_name(kind)
+                    )));
+                }
+            }
+        }
         let cq = self.conn.cq;
         // SAFETY: a live CQ and its context.
         let poll_cq = unsafe { (*(*cq).context).ops.poll_cq }

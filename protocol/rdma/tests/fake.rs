@@ -10,7 +10,7 @@ use engram_rdma::book::RegionBook;
 use engram_rdma::fake::{FakeFault, FakeProvider};
 use engram_rdma::plan::{Fault, Outcome};
 use engram_rdma::reader::{DEFAULT_SLOT_ROWS, Reader, Session, Step, qp_options};
-use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, WcStatus};
+use engram_rdma::verbs::{Completion, DeviceSpec, Fabric, Provider, ReadWr, WcStatus};
 
 const ROWS: u64 = 1000;
 
@@ -251,4 +251,158 @@ fn a_queue_pair_without_a_granted_token_is_refused() {
         rig.provider.connect(rig.addr, &g.token, &opts).is_err(),
         "used once"
     );
+}
+
+/// A raw queue pair of `depth` entries on `rig`'s donor, on `fabric`, and
+/// the region of table 0 (rows address and key).
+fn raw_qp(
+    rig: &Rig,
+    depth: usize,
+    fabric: Fabric,
+) -> (Box<dyn engram_rdma::verbs::QueuePair>, u64, u32) {
+    let Some(g) = rig.book.grant(0, "node-1") else {
+        panic!("no grant")
+    };
+    let opts = engram_rdma::verbs::QpOptions {
+        send_depth: depth,
+        buffer_bytes: 64 * ROW_BYTES,
+        connect_timeout: Duration::from_secs(1),
+        fabric,
+    };
+    let qp = rig
+        .provider
+        .connect(rig.addr, &g.token, &opts)
+        .expect("connected");
+    (qp, g.rows_addr, g.rows_rkey)
+}
+
+/// `n` one-row READs into consecutive rows of the buffer, the last one
+/// signalled.
+fn reads(n: usize, addr: u64, rkey: u32) -> Vec<ReadWr> {
+    (0..n)
+        .map(|i| ReadWr {
+            wr_id: i as u64,
+            local_offset: i * ROW_BYTES,
+            len: ROW_BYTES as u32,
+            remote_addr: addr + (i * ROW_BYTES) as u64,
+            rkey,
+            signaled: i + 1 == n,
+        })
+        .collect()
+}
+
+fn poll_all(qp: &mut Box<dyn engram_rdma::verbs::QueuePair>) -> Vec<Completion> {
+    let mut out = Vec::new();
+    qp.poll(&mut out, 64).expect("polled");
+    out
+}
+
+/// Send-queue entries are held until a completion at or after them is
+/// polled, across doorbells: a post past the depth fails as hardware's
+/// does, and polling frees the room.
+#[test]
+fn the_send_queue_holds_its_entries_until_their_completion_is_polled() {
+    let rig = Rig::new(9400);
+    let (mut qp, addr, rkey) = raw_qp(&rig, 8, Fabric::default());
+    assert!(qp.post_reads(&reads(5, addr, rkey)).is_ok());
+    let e = qp
+        .post_reads(&reads(4, addr, rkey))
+        .expect_err("past the depth");
+    assert!(
+        e.to_string().contains("5 of 8 send queue entries in use"),
+        "{e}"
+    );
+    assert!(qp.post_reads(&reads(3, addr, rkey)).is_ok(), "exactly full");
+    assert_eq!(
+        poll_all(&mut qp).len(),
+        2,
+        "one signalled completion a doorbell"
+    );
+    assert!(
+        qp.post_reads(&reads(8, addr, rkey)).is_ok(),
+        "all room again"
+    );
+}
+
+/// Posting to a queue pair in the error state succeeds, and every request
+/// (signalled or not) completes flushed, as on hardware.
+#[test]
+fn a_dead_queue_pair_takes_posts_and_flushes_every_request() {
+    let rig = Rig::new(9500);
+    let (mut qp, addr, rkey) = raw_qp(&rig, 16, Fabric::default());
+    rig.provider.fabric().inject(
+        rig.addr,
+        FakeFault::CompletionError(WcStatus::RemoteOperation),
+    );
+    assert!(qp.post_reads(&reads(3, addr, rkey)).is_ok());
+    let got: Vec<WcStatus> = poll_all(&mut qp).iter().map(|c| c.status).collect();
+    assert_eq!(
+        got,
+        [
+            WcStatus::RemoteOperation,
+            WcStatus::Flushed,
+            WcStatus::Flushed
+        ]
+    );
+    assert!(
+        qp.post_reads(&reads(4, addr, rkey)).is_ok(),
+        "the post is taken"
+    );
+    let got = poll_all(&mut qp);
+    assert_eq!(got.len(), 4, "unsignalled requests complete too");
+    assert!(got.iter().all(|c| c.status == WcStatus::Flushed), "{got:?}");
+}
+
+/// A donor process that ended disconnects its end: the node's next poll
+/// says so (the connection manager's event), before any READ times out.
+#[test]
+fn a_killed_donor_is_seen_on_the_next_poll_as_disconnected() {
+    let rig = Rig::new(9600);
+    let (mut qp, addr, rkey) = raw_qp(&rig, 16, Fabric::default());
+    assert!(qp.post_reads(&reads(2, addr, rkey)).is_ok());
+    assert_eq!(poll_all(&mut qp).len(), 1);
+    rig.provider.fabric().kill(rig.addr);
+    let mut out = Vec::new();
+    let e = qp.poll(&mut out, 64).expect_err("disconnected");
+    assert!(e.to_string().contains("RDMA_CM_EVENT_DISCONNECTED"), "{e}");
+}
+
+/// A path gone silent completes nothing, and says nothing, until the
+/// queue pair's retries run out (`ack_timeout x (retry_count + 1)` of its
+/// fabric settings); then retries exceeded, the rest flushed.
+#[test]
+fn a_silent_path_is_detected_only_when_the_retries_run_out() {
+    let rig = Rig::new(9700);
+    let fabric = Fabric {
+        ack_timeout: Duration::from_millis(2),
+        retry_count: 2,
+        traffic_class: None,
+    };
+    let (mut qp, addr, rkey) = raw_qp(&rig, 16, fabric);
+    rig.provider.fabric().silence(rig.addr);
+    let posted = Instant::now();
+    assert!(qp.post_reads(&reads(3, addr, rkey)).is_ok());
+    assert!(poll_all(&mut qp).is_empty(), "nothing yet");
+    // 4.096 us x 2^9 = 2.1 ms, three tries.
+    let gives_up = fabric.effective_ack_timeout() * 3;
+    let mut got = Vec::new();
+    while got.is_empty() {
+        assert!(posted.elapsed() < Duration::from_secs(5), "never detected");
+        got = poll_all(&mut qp);
+    }
+    assert!(posted.elapsed() >= gives_up, "{:?}", posted.elapsed());
+    let statuses: Vec<WcStatus> = got.iter().map(|c| c.status).collect();
+    assert_eq!(
+        statuses,
+        [
+            WcStatus::RetryExceeded,
+            WcStatus::Flushed,
+            WcStatus::Flushed
+        ]
+    );
+    assert!(
+        qp.buffer()[..3 * ROW_BYTES].iter().all(|&b| b == 0),
+        "nothing landed"
+    );
+    rig.provider.fabric().heal(rig.addr);
 }
