@@ -545,8 +545,14 @@ impl FakeQp {
 }
 
 impl QueuePair for FakeQp {
-    fn buffer(&self) -> &[u8] {
-        &self.buffer
+    fn buffer_len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    // The fake "NIC" writes while it holds `&mut self` (at the post), so
+    // any range may be borrowed here.
+    fn landed(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        self.buffer.get(offset..offset.checked_add(len)?)
     }
 
     fn send_depth(&self) -> usize {

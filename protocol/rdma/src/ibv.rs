@@ -980,9 +980,17 @@ impl PageBuf {
         Ok(Self { ptr, len, layout })
     }
 
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: `len` initialized (zeroed) bytes, live while self is.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    /// `len` bytes at `offset`, bounds checked. Never the whole buffer:
+    /// the NIC writes into it behind the compiler's back, so a reference
+    /// may cover only bytes no READ is landing in.
+    fn range(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: in bounds of `len` initialized (zeroed) bytes, live while
+        // self is; the caller names a range whose READs have completed.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) })
     }
 }
 
@@ -1136,7 +1144,7 @@ impl fmt::Debug for IbvQueuePair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IbvQueuePair")
             .field("send_depth", &self.depth)
-            .field("buffer_bytes", &self.buffer().len())
+            .field("buffer_bytes", &self.buffer_len())
             .finish()
     }
 }
@@ -1304,8 +1312,12 @@ impl IbvQueuePair {
 }
 
 impl QueuePair for IbvQueuePair {
-    fn buffer(&self) -> &[u8] {
-        self.conn.buffer.as_ref().map_or(&[], PageBuf::as_slice)
+    fn buffer_len(&self) -> usize {
+        self.conn.buffer.as_ref().map_or(0, |b| b.len)
+    }
+
+    fn landed(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        self.conn.buffer.as_ref()?.range(offset, len)
     }
 
     fn send_depth(&self) -> usize {
@@ -1320,7 +1332,7 @@ impl QueuePair for IbvQueuePair {
             let msg = format!("{} work requests (send depth {})", wrs.len(), self.depth);
             return Err(VerbsError::Invalid(msg));
         }
-        let cap = self.buffer().len();
+        let cap = self.buffer_len();
         for w in wrs {
             let end = w.local_offset.checked_add(w.len as usize);
             if end.is_none_or(|end| end > cap) {

@@ -92,7 +92,7 @@ impl Reader {
     /// Reads over `qp`, its buffer cut into slots of `slot_rows` rows.
     pub fn new(qp: Box<dyn QueuePair>, slot_rows: usize) -> Self {
         let slot_rows = slot_rows.max(1);
-        let slots = (qp.buffer().len() / (slot_rows * SLOT_ROW_BYTES)).max(1);
+        let slots = (qp.buffer_len() / (slot_rows * SLOT_ROW_BYTES)).max(1);
         let per_doorbell = (qp.send_depth() / slots).max(WRS_PER_ROW);
         Self {
             qp,
@@ -243,10 +243,10 @@ impl Reader {
     ) -> Result<(), Fault> {
         let base = read.slot * self.slot_rows * SLOT_ROW_BYTES;
         let n = read.rows.min(rows.len());
+        // Only this slot, whose reads all completed: others may be in flight.
         let slot = self
             .qp
-            .buffer()
-            .get(base..base + n * SLOT_ROW_BYTES)
+            .landed(base, n * SLOT_ROW_BYTES)
             .ok_or(Fault::Local)?;
         let r = verify_into(&rows[..n], layout, slot, &mut out[..n * ROW_BYTES]);
         self.free.push(read.slot);
@@ -257,8 +257,7 @@ impl Reader {
     pub fn slot_bytes(&self, read: &Read) -> &[u8] {
         let base = read.slot * self.slot_rows * SLOT_ROW_BYTES;
         self.qp
-            .buffer()
-            .get(base..base + read.rows * SLOT_ROW_BYTES)
+            .landed(base, read.rows * SLOT_ROW_BYTES)
             .unwrap_or(&[])
     }
 

@@ -121,8 +121,14 @@ pub struct Completion {
 /// A connected queue pair with its registered receive buffer. One user at
 /// a time (`&mut self`); the node keeps it behind a lock.
 pub trait QueuePair: Send + fmt::Debug {
-    /// The registered buffer READs land in.
-    fn buffer(&self) -> &[u8];
+    /// Bytes of the registered buffer READs land in.
+    fn buffer_len(&self) -> usize;
+
+    /// The buffer's bytes `offset .. offset + len`, once every READ into
+    /// them has completed; `None` out of bounds. Only that range is
+    /// borrowed: the NIC may still be writing other parts of the buffer
+    /// (other reads in flight), which no reference may span.
+    fn landed(&self, offset: usize, len: usize) -> Option<&[u8]>;
 
     /// Send queue depth: the most work requests outstanding at once.
     fn send_depth(&self) -> usize;

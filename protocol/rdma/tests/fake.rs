@@ -401,7 +401,8 @@ fn a_silent_path_is_detected_only_when_the_retries_run_out() {
         ]
     );
     assert!(
-        qp.buffer()[..3 * ROW_BYTES].iter().all(|&b| b == 0),
+        qp.landed(0, 3 * ROW_BYTES)
+            .is_some_and(|b| b.iter().all(|&b| b == 0)),
         "nothing landed"
     );
     rig.provider.fabric().heal(rig.addr);
