@@ -586,6 +586,17 @@ impl NotifySocket {
             .collect()
     }
 
+    /// Duplicates of the descriptors the store holds now, by name (what a
+    /// restarted service would be handed).
+    pub fn stored_files(&self) -> Result<Vec<(String, std::fs::File)>> {
+        self.store
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, fd)| Ok((n.clone(), std::fs::File::from(fd.try_clone()?))))
+            .collect()
+    }
+
     /// Put a descriptor into the store as a service would have.
     pub fn store_fd(&self, name: &str, fd: std::os::fd::OwnedFd) {
         self.store.lock().unwrap().push((name.to_string(), fd));

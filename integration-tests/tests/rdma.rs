@@ -158,7 +158,7 @@ impl Donor {
         let book = memory_donor::rdma::open_book(engram_rdma::provider()?, rack.rdma, &device)?;
         memory_donor::rdma::sync(&book, snapshot);
         if book.listen(rack.rdma).is_ok() {
-            shared.set_rdma(book);
+            shared.set_rdma(book, None);
         }
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(server::run(listeners, Arc::clone(&shared), async move {

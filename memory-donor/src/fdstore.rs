@@ -28,7 +28,9 @@ use std::os::fd::{AsFd, FromRawFd};
 use std::sync::{Arc, Mutex};
 
 use cluster_config::daemon::notify::Notifier;
+use engram_protocol::TableDigest;
 use engram_store::kept;
+use engram_store::kept_checks::{self, KeptChecks};
 use engram_store::resident::{Backing, ExpectedTable, FileMark, ResidentTable};
 
 /// The fd-store names the donor uses start with this.
@@ -41,6 +43,9 @@ pub struct FdStore {
     enabled: bool,
     /// Descriptors systemd handed this process, not yet adopted.
     handed: Mutex<Vec<(String, File)>>,
+    /// Tables' RDMA check words systemd handed back, kept apart: RDMA is
+    /// set up after the tables are served (and the rest released).
+    checks: Mutex<Vec<(String, File)>>,
 }
 
 impl FdStore {
@@ -53,26 +58,105 @@ impl FdStore {
             for (fd, name) in fds {
                 // SAFETY: systemd passed these descriptors to this process
                 // (LISTEN_PID matched); nothing else in it owns them.
-                let file = unsafe { File::from_raw_fd(fd) };
-                if name.starts_with(PREFIX) {
-                    handed.push((name, file));
-                } else {
-                    tracing::warn!(fd, name = %name, "fd store: a descriptor not named by this donor; closed");
-                }
+                handed.push((name, unsafe { File::from_raw_fd(fd) }));
+            }
+        }
+        Self::with_handed(notifier, wanted, handed)
+    }
+
+    /// The store with `handed` as the descriptors systemd passed back (by
+    /// name): [`FdStore::from_env`]'s, or a test's.
+    pub fn with_handed(notifier: Arc<Notifier>, wanted: bool, handed: Vec<(String, File)>) -> Self {
+        let (mut tables, mut checks) = (Vec::new(), Vec::new());
+        for (name, file) in handed {
+            if name.starts_with(PREFIX) && name.ends_with(CHECKS_TAG) {
+                checks.push((name, file));
+            } else if name.starts_with(PREFIX) {
+                tables.push((name, file));
+            } else {
+                tracing::warn!(name = %name, "fd store: a descriptor not named by this donor; closed");
             }
         }
         let enabled = wanted && notifier.is_enabled();
-        if !handed.is_empty() {
+        if !tables.is_empty() {
             tracing::info!(
-                count = handed.len(),
+                count = tables.len(),
                 "fd store: systemd handed back {} table copies",
-                handed.len()
+                tables.len()
             );
         }
         Self {
             notifier,
             enabled,
-            handed: Mutex::new(handed),
+            handed: Mutex::new(tables),
+            checks: Mutex::new(checks),
+        }
+    }
+
+    /// True when tables (and check words) are kept for the next start.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The RDMA check words of table `id` at `digest` (`rows` rows) a
+    /// previous process kept, when complete and intact (others under that
+    /// name are removed from the store).
+    pub fn take_checks(&self, id: u32, rows: u64, digest: &TableDigest) -> Option<KeptChecks> {
+        if !self.enabled {
+            return None;
+        }
+        let want = kept_checks::name(id, digest);
+        let mine: Vec<File> = {
+            let mut all = self.checks.lock().ok()?;
+            let (mine, rest): (Vec<_>, Vec<_>) = all.drain(..).partition(|(n, _)| *n == want);
+            *all = rest;
+            mine.into_iter().map(|(_, f)| f).collect()
+        };
+        let mut taken = None;
+        for file in mine {
+            if taken.is_some() {
+                continue;
+            }
+            match KeptChecks::open(file, id, rows, digest) {
+                Ok(k) => taken = Some(k),
+                Err(e) => {
+                    tracing::warn!(table = id, name = %want, "fd store: check words refused: {e}; computed again")
+                }
+            }
+        }
+        if taken.is_none() {
+            self.forget(&want);
+        }
+        taken
+    }
+
+    /// Hand table `id`'s check words at `digest` to the store.
+    pub fn keep_checks(&self, id: u32, digest: &TableDigest, checks: &KeptChecks) {
+        if !self.enabled {
+            return;
+        }
+        let name = kept_checks::name(id, digest);
+        match self.notifier.store_fd(&name, checks.file().as_fd()) {
+            Ok(()) => {
+                tracing::info!(table = id, name = %name, "fd store: RDMA check words kept for the next start")
+            }
+            Err(e) => tracing::warn!(
+                table = id,
+                "fd store: {e}; the next start computes this table's check words again"
+            ),
+        }
+    }
+
+    /// Close the check words no table took (versions not served now, or
+    /// a donor without RDMA now) and remove them from the store.
+    pub fn release_checks(&self) {
+        let rest: Vec<String> = match self.checks.lock() {
+            Ok(mut c) => c.drain(..).map(|(n, _)| n).collect(),
+            Err(_) => return,
+        };
+        for name in rest {
+            tracing::info!(name = %name, "fd store: check words not used now; released");
+            self.forget(&name);
         }
     }
 
@@ -292,6 +376,7 @@ impl FdStore {
     /// Remove the copy of table `t` (a version no longer served), or the
     /// descriptor of its file.
     pub fn forget_table(&self, t: &ResidentTable) {
+        self.forget(&kept_checks::name(t.id, &t.digest));
         if t.kept().is_some() {
             self.forget(&kept::name(t.id, &t.digest));
         } else if let Some(mark) = t.file_mark() {
@@ -317,11 +402,14 @@ impl FdStore {
     }
 }
 
+/// What ends the name of a table version's kept RDMA check words.
+const CHECKS_TAG: &str = "-checks";
+
 /// After a copy's name, what names a kept table file.
 const FILE_TAG: &str = "-file-";
 
 /// The store name of table `id`'s file at `digest`, marked `mark`.
-pub fn file_name(id: u32, digest: &engram_protocol::TableDigest, mark: &FileMark) -> String {
+pub fn file_name(id: u32, digest: &TableDigest, mark: &FileMark) -> String {
     format!(
         "{}{FILE_TAG}{}.{:09}-{}",
         kept::name(id, digest),
@@ -360,7 +448,7 @@ mod tests {
 
     #[test]
     fn a_file_mark_survives_its_name_and_a_bad_one_is_refused() {
-        let digest = engram_protocol::TableDigest([7; 32]);
+        let digest = TableDigest([7; 32]);
         for (sec, nsec, verified) in [
             (1_764_000_000i64, 5i64, true),
             (0, 999_999_999, false),

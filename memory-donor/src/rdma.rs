@@ -13,7 +13,10 @@ use std::sync::Arc;
 use cluster_config::{Endpoint, RdmaDevice};
 use engram_rdma::book::RegionBook;
 use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, VerbsError};
+use engram_store::kept_checks::KeptChecks;
 use engram_store::resident::ResidentTable;
+
+use crate::fdstore::FdStore;
 
 /// The provider's device settings from the config's.
 fn device_spec(d: &RdmaDevice) -> DeviceSpec {
@@ -52,8 +55,9 @@ pub fn start(
     donor: &str,
     addr: SocketAddr,
     device: &RdmaDevice,
-    tables: &[ResidentTable],
+    tables: Vec<TableRef>,
     fallback: &[Endpoint],
+    store: Option<&FdStore>,
 ) -> Option<Arc<RegionBook>> {
     let others: Vec<String> = fallback.iter().map(ToString::to_string).collect();
     let book = match engram_rdma::provider().and_then(|p| open_book(p, addr, device)) {
@@ -67,7 +71,7 @@ pub fn start(
             return None;
         }
     };
-    let registered = sync(&book, snapshot(tables));
+    let registered = sync_kept(&book, tables, store);
     if let Err(e) = book.listen(addr) {
         tracing::warn!(
             donor,
@@ -134,6 +138,42 @@ pub fn snapshot(tables: &[ResidentTable]) -> Vec<TableRef> {
 /// registered (replacing the old registration of the same table), tables
 /// gone are deregistered. Returns how many tables are registered.
 pub fn sync(book: &RegionBook, tables: Vec<TableRef>) -> usize {
+    sync_kept(book, tables, None)
+}
+
+/// The check words of `t`: kept by the previous process (`store`), or
+/// computed into a memfd to keep for the next start; `None` (the book
+/// computes them in memory) without a store.
+fn checks_for(t: &TableRef, store: &FdStore) -> Option<(Arc<KeptChecks>, bool)> {
+    if !store.is_enabled() {
+        return None;
+    }
+    if let Some(k) = store.take_checks(t.id, t.rows, &t.digest) {
+        tracing::info!(
+            table = t.id,
+            "rdma: check words taken from the fd store, not computed"
+        );
+        return Some((Arc::new(k), false));
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let seed = engram_rdma::check::seed(&t.digest);
+    let rows = t.memory.bytes();
+    match KeptChecks::create(t.id, t.rows, &t.digest, |out| {
+        engram_rdma::check::table_checks_into(seed, rows, out, threads);
+    }) {
+        Ok(k) => Some((Arc::new(k), true)),
+        Err(e) => {
+            tracing::warn!(
+                table = t.id,
+                "rdma: check words not kept for the next start: {e}"
+            );
+            None
+        }
+    }
+}
+
+/// [`sync`], the check words taken from and kept in `store`.
+pub fn sync_kept(book: &RegionBook, tables: Vec<TableRef>, store: Option<&FdStore>) -> usize {
     let keep: Vec<_> = tables.iter().map(|t| (t.id, t.digest)).collect();
     for gone in book.retain_or_stale(&keep) {
         tracing::info!(table = gone, "rdma: region deregistered");
@@ -142,18 +182,28 @@ pub fn sync(book: &RegionBook, tables: Vec<TableRef>) -> usize {
         if book.holds(t.id, &t.digest) {
             continue;
         }
-        match book.publish(t.id, t.rows, t.digest, t.memory) {
-            Ok(p) => tracing::info!(
-                table = t.id,
-                digest = %t.digest,
-                generation = p.generation,
-                registered_bytes = p.registered,
-                checks_ms = p.checks.as_secs_f64() * 1e3,
-                register_ms = p.register.as_secs_f64() * 1e3,
-                "rdma: region registered"
-            ),
+        let checks = store.and_then(|s| checks_for(&t, s));
+        let given = checks
+            .as_ref()
+            .map(|(k, _)| Arc::clone(k) as Arc<dyn engram_rdma::verbs::Memory>);
+        let (id, digest) = (t.id, t.digest);
+        match book.publish_with(t.id, t.rows, t.digest, t.memory, given) {
+            Ok(p) => {
+                if let (Some(s), Some((k, true))) = (store, &checks) {
+                    s.keep_checks(id, &digest, k);
+                }
+                tracing::info!(
+                    table = id,
+                    digest = %digest,
+                    generation = p.generation,
+                    registered_bytes = p.registered,
+                    checks_ms = p.checks.as_secs_f64() * 1e3,
+                    register_ms = p.register.as_secs_f64() * 1e3,
+                    "rdma: region registered"
+                );
+            }
             Err(e) => tracing::warn!(
-                table = t.id,
+                table = id,
                 "rdma: {e}; nodes read this table over the other transports"
             ),
         }

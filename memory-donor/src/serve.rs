@@ -442,6 +442,10 @@ pub fn load_tables(
         tables.push(table);
     }
     store.release_rest();
+    if spec.rdma.is_none() {
+        // No RDMA now: check words kept for it are of no use.
+        store.release_checks();
+    }
     if unlocked > 0 {
         let limit = memlock_limit().map_or("unknown".to_string(), |l| {
             if l == libc::RLIM_INFINITY {
@@ -840,9 +844,17 @@ pub async fn serve(
             spec.server.name.clone(),
         );
         let fallback: Vec<Endpoint> = bound.clone();
+        let store = Arc::clone(&ops.fd_store);
         tokio::task::spawn_blocking(move || {
-            if let Some(book) = crate::rdma::start(&name, addr, &device, &sh.tables(), &fallback) {
-                sh.set_rdma(book);
+            // Taken under the tables' lock, used after it is let go: lookups
+            // and swaps must not wait while every row is hashed.
+            let tables = crate::rdma::snapshot(&sh.tables());
+            let book = crate::rdma::start(&name, addr, &device, tables, &fallback, Some(&store));
+            // Check words of versions not served now (or of tables that
+            // could not be registered) go.
+            store.release_checks();
+            if let Some(book) = book {
+                sh.set_rdma(book, Some(store));
                 // A swap or reload while the tables were registered: the
                 // book follows the tables as they are now.
                 sh.sync_rdma();

@@ -113,6 +113,8 @@ pub struct Shared {
     drain_tx: tokio::sync::watch::Sender<bool>,
     /// The RDMA region book, when the donor serves RDMA.
     rdma: std::sync::OnceLock<Arc<engram_rdma::book::RegionBook>>,
+    /// Where new versions' RDMA check words are kept for the next start.
+    rdma_store: std::sync::OnceLock<Arc<crate::fdstore::FdStore>>,
 }
 
 /// What applying a new configuration could not change live.
@@ -170,6 +172,7 @@ impl Shared {
             permits_total: AtomicUsize::new(max),
             tls: std::sync::OnceLock::new(),
             rdma: std::sync::OnceLock::new(),
+            rdma_store: std::sync::OnceLock::new(),
             quic_open: AtomicUsize::new(0),
             quic_conns: Mutex::new(HashMap::new()),
             rdma_grantees: Mutex::new(HashMap::new()),
@@ -205,9 +208,17 @@ impl Shared {
         }
     }
 
-    /// Serve RDMA regions from `book` (once).
-    pub fn set_rdma(&self, book: Arc<engram_rdma::book::RegionBook>) {
+    /// Serve RDMA regions from `book` (once); new versions' check words
+    /// are kept in `store`.
+    pub fn set_rdma(
+        &self,
+        book: Arc<engram_rdma::book::RegionBook>,
+        store: Option<Arc<crate::fdstore::FdStore>>,
+    ) {
         let _ = self.rdma.set(book);
+        if let Some(s) = store {
+            let _ = self.rdma_store.set(s);
+        }
     }
 
     /// The RDMA region book, when the donor serves RDMA.
@@ -221,7 +232,7 @@ impl Shared {
     pub fn sync_rdma(&self) {
         if let Some(book) = self.rdma.get() {
             let tables = crate::rdma::snapshot(&self.tables());
-            crate::rdma::sync(book, tables);
+            crate::rdma::sync_kept(book, tables, self.rdma_store.get().map(|s| &**s));
         }
     }
 

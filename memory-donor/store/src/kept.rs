@@ -156,7 +156,7 @@ impl KeptError {
     }
 }
 
-fn os(op: &'static str) -> impl FnOnce(std::io::Error) -> KeptError {
+pub(crate) fn os(op: &'static str) -> impl FnOnce(std::io::Error) -> KeptError {
     move |source| KeptError::Io { op, source }
 }
 
@@ -244,7 +244,7 @@ pub fn create(rows: u64, huge: bool) -> Result<(File, u64, bool), KeptError> {
     Ok((f, small, false))
 }
 
-fn memfd(flags: libc::c_uint) -> Result<File, KeptError> {
+pub(crate) fn memfd(flags: libc::c_uint) -> Result<File, KeptError> {
     // SAFETY: the name is a NUL-terminated literal; memfd_create returns a
     // new descriptor we then own, or -1.
     let fd = unsafe {
@@ -271,7 +271,7 @@ pub fn finish(file: &File, map: &mut [u8], record: &Record) -> Result<(), KeptEr
     seal(file)
 }
 
-fn seal(file: &File) -> Result<(), KeptError> {
+pub(crate) fn seal(file: &File) -> Result<(), KeptError> {
     // SAFETY: fcntl on a descriptor we own with integer arguments.
     let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) };
     if r < 0 {

@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod fill;
 pub mod generate;
 pub mod kept;
+pub mod kept_checks;
 pub mod numa;
 pub mod pack;
 pub mod progress;

@@ -213,13 +213,36 @@ impl RegionBook {
         digest: TableDigest,
         memory: Arc<dyn Memory>,
     ) -> Result<Published, PublishError> {
+        self.publish_with(table, rows, digest, memory, None)
+    }
+
+    /// [`RegionBook::publish`] with the check words given (computed
+    /// before, or kept from a previous process: `check::table_checks` of
+    /// exactly these rows, 8 bytes a row), or computed here when `None`.
+    pub fn publish_with(
+        &self,
+        table: u32,
+        rows: u64,
+        digest: TableDigest,
+        memory: Arc<dyn Memory>,
+        checks: Option<Arc<dyn Memory>>,
+    ) -> Result<Published, PublishError> {
         let len = memory.bytes().len();
         if len as u64 != rows.saturating_mul(ROW_BYTES as u64) {
             return Err(PublishError::Size { table, len, rows });
         }
+        if let Some(c) = &checks
+            && c.bytes().len() as u64 != rows.saturating_mul(CHECK_BYTES as u64)
+        {
+            return Err(PublishError::Size {
+                table,
+                len: c.bytes().len(),
+                rows,
+            });
+        }
         let t0 = Instant::now();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if rows >= 1 << 22 {
+        if checks.is_none() && rows >= 1 << 22 {
             // A minute or so for a full-size table: say what is going on.
             tracing::info!(
                 table,
@@ -228,14 +251,13 @@ impl RegionBook {
                 "rdma: computing the check words (8 bytes a row) before registering"
             );
         }
-        let checks = table_checks(seed(&digest), memory.bytes(), threads);
+        let checks = checks.unwrap_or_else(|| {
+            Arc::new(table_checks(seed(&digest), memory.bytes(), threads)) as Arc<dyn Memory>
+        });
         let t1 = Instant::now();
         let verbs = |source| PublishError::Verbs { table, source };
         let rows_reg = self.provider.register(&self.spec, memory).map_err(verbs)?;
-        let checks_reg = self
-            .provider
-            .register(&self.spec, Arc::new(checks))
-            .map_err(verbs)?;
+        let checks_reg = self.provider.register(&self.spec, checks).map_err(verbs)?;
         let t2 = Instant::now();
         let generation = self.generation.fetch_add(1, Ordering::Relaxed);
         let old = {

@@ -30,8 +30,16 @@ pub fn check_word(seed: u64, row_id: u64, row: &[u8]) -> u64 {
 /// The check words of a whole table (`rows` is its row data, 264 bytes a
 /// row), 8 bytes LE each, computed on `threads` threads.
 pub fn table_checks(seed: u64, rows: &[u8], threads: usize) -> Vec<u8> {
-    let n = rows.len() / ROW_BYTES;
-    let mut out = vec![0u8; n * CHECK_BYTES];
+    let mut out = vec![0u8; rows.len() / ROW_BYTES * CHECK_BYTES];
+    table_checks_into(seed, rows, &mut out, threads);
+    out
+}
+
+/// [`table_checks`] into `out` (8 bytes a row of `rows`; extra words of
+/// `out` are left as they are).
+pub fn table_checks_into(seed: u64, rows: &[u8], out: &mut [u8], threads: usize) {
+    let n = (rows.len() / ROW_BYTES).min(out.len() / CHECK_BYTES);
+    let out = &mut out[..n * CHECK_BYTES];
     let threads = threads.clamp(1, 64);
     let per = n.div_ceil(threads).max(1);
     std::thread::scope(|s| {
@@ -46,7 +54,6 @@ pub fn table_checks(seed: u64, rows: &[u8], threads: usize) -> Vec<u8> {
             });
         }
     });
-    out
 }
 
 #[cfg(test)]
