@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cluster_config::Transport;
-use engram_protocol::messages::{LookupSection, RowsSection, begin_rows, encode_lookup};
+use engram_protocol::messages::{
+    LookupSection, RowsSection, begin_rows, encode_lookup, payload_checksum,
+};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::{DEFAULT_BUSY_POLL, DonorClient, Request};
@@ -113,6 +115,11 @@ pub struct FloorServerArgs {
 
 /// Set in a floor request's answer size: gather the rows it names.
 const GATHER: u32 = 1 << 31;
+
+/// Set in a floor request's answer size too: checksum the answer as a Rows
+/// answer must carry one (XXH3-64 of every byte after the first 8, written
+/// in the first 8), and the client checks it before the answer counts.
+const CHECKSUM: u32 = 1 << 30;
 
 /// Where a gathering request's rows start: after the request and answer
 /// sizes and the row count (u32 each); then one u64 per row.
@@ -257,10 +264,14 @@ pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
                     }
                 }
                 let resp = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
-                let len = ((resp & !GATHER) as usize).min(answer.len());
+                let len = ((resp & !(GATHER | CHECKSUM)) as usize).min(answer.len());
                 if resp & GATHER != 0 && gather(&tables, &buf[..want], &mut answer[..len]).is_none()
                 {
                     return;
+                }
+                if resp & CHECKSUM != 0 && len >= 8 {
+                    let sum = payload_checksum(&answer[8..len]);
+                    answer[..8].copy_from_slice(&sum.to_le_bytes());
                 }
                 if s.write_all(&answer[..len]).is_err() {
                     return;
@@ -349,6 +360,8 @@ struct FloorConn {
     gather: Option<(usize, u64, SplitMix64)>,
     /// The row ids of the gathering request being timed.
     asked: Vec<u64>,
+    /// Check the answer's checksum ([`CHECKSUM`]) inside the timing.
+    checksum: bool,
 }
 
 impl FloorConn {
@@ -365,7 +378,17 @@ impl FloorConn {
             poll,
             gather: None,
             asked: Vec::new(),
+            checksum: false,
         })
+    }
+
+    /// The server checksums each answer and the client checks it, as the
+    /// protocol requires of any server and client of these rows.
+    fn checksummed(mut self) -> Self {
+        let resp = u32::from_le_bytes([self.req[4], self.req[5], self.req[6], self.req[7]]);
+        self.req[4..8].copy_from_slice(&(resp | CHECKSUM).to_le_bytes());
+        self.checksum = true;
+        self
     }
 
     /// The same sizes, the server gathering `rows` random rows of tables of
@@ -416,6 +439,12 @@ impl FloorConn {
             }
         }
         self.s.read_exact(&mut self.resp[have..])?;
+        if self.checksum {
+            let sum = u64::from_le_bytes(self.resp[..8].try_into().unwrap_or_default());
+            if payload_checksum(&self.resp[8..]) != sum {
+                bail!("the floor's answer failed its checksum");
+            }
+        }
         let took = t.elapsed();
         if let Some((rows, ..)) = self.gather {
             let at = self.resp.len() - rows * ROW_BYTES;
@@ -498,6 +527,9 @@ enum Kind {
     Floor(Duration),
     /// The floor gathering the rows, its client polling as above.
     Gathering(Duration),
+    /// The floor gathering the rows and checksumming its answers, the
+    /// client checking them, polling as above.
+    GatheringSummed(Duration),
     /// The donor through `clients[i]`.
     Donor(usize),
     /// The donor through the least client the protocol allows
@@ -530,7 +562,7 @@ impl Series {
     ) -> Result<()> {
         let n = n.div_ceil(self.share);
         match (self.kind, self.floor.as_mut()) {
-            (Kind::Floor(_) | Kind::Gathering(_), Some(f)) => {
+            (Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_), Some(f)) => {
                 for _ in 0..n {
                     lat.record(f.one()?);
                 }
@@ -567,7 +599,7 @@ impl Series {
                     Ok(())
                 })
             }
-            (Kind::Floor(_) | Kind::Gathering(_), None) => {
+            (Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_), None) => {
                 bail!("floor series without a connection")
             }
         }
@@ -849,8 +881,9 @@ fn connect_clients(
 /// The series, in the order [`ratios`] reads them: per size (24 rows, then
 /// 48), floor blocking, floor polling, donor, donor not polling, the
 /// gathering floor blocking and polling, the donor over each transport of
-/// `secure`, the QUIC floor with QUIC, then the donor through the least
-/// protocol client blocking and polling.
+/// `secure`, the QUIC floor with QUIC, the donor through the least
+/// protocol client blocking and polling, then the floor gathering and
+/// checksumming blocking and polling.
 fn build_series(
     rt: &tokio::runtime::Runtime,
     floor: SocketAddr,
@@ -900,6 +933,14 @@ fn build_series(
             Kind::RawDonor(DEFAULT_BUSY_POLL),
             "donor, least protocol client polling".into(),
         ));
+        kinds.push((
+            Kind::GatheringSummed(Duration::ZERO),
+            "floor gathering and checksumming rows, blocking client".into(),
+        ));
+        kinds.push((
+            Kind::GatheringSummed(DEFAULT_BUSY_POLL),
+            "floor gathering and checksumming rows, polling client".into(),
+        ));
         for (kind, name) in kinds {
             let quic_conn = match (kind, quic_floor) {
                 (Kind::QuicFloor, Some((addr, cert))) => Some(
@@ -916,6 +957,11 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
+                Kind::GatheringSummed(poll) => Some(
+                    FloorConn::new(floor, req, ans, poll)?
+                        .gathering(rows, rows_per_table, seed)?
+                        .checksummed(),
+                ),
                 Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
             };
             let raw = match kind {
@@ -968,7 +1014,9 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
-                Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
+                Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) | Kind::GatheringSummed(_) => {
+                    None
+                }
             },
             quic: None,
             raw: None,

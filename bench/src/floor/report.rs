@@ -26,7 +26,7 @@ const QUIC_P50: f64 = 1.6;
 /// Series per size: the six floor and donor series, the donor over each
 /// secure transport, and the QUIC floor when QUIC is measured.
 pub(super) fn per_size(secure: &[Transport]) -> usize {
-    raw_at(secure) + 2
+    raw_at(secure) + 4
 }
 
 /// Where a size's two series through the least protocol client start
@@ -83,6 +83,8 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
     // through the least protocol client blocking and polling].
     let block = per_size(secure);
     let raw = raw_at(secure);
+    // Then the floor that also checksums, blocking and polling.
+    let summed = raw + 2;
     let mut ratios = Vec::new();
     for (k, rows) in [(0usize, 24usize), (block, 48)] {
         let m = |i: usize| results[k + i].median;
@@ -117,6 +119,30 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
                 "neither polling: donor through the least protocol client / floor gathering rows (the donor's share)".into(),
                 raw,
                 4,
+                None,
+            ),
+            (
+                "both polling: floor gathering and checksumming / floor gathering (the checksums' share)".into(),
+                summed + 1,
+                5,
+                None,
+            ),
+            (
+                "neither polling: floor gathering and checksumming / floor gathering (the checksums' share)".into(),
+                summed,
+                4,
+                None,
+            ),
+            (
+                "both clients polling, against the floor gathering and checksumming rows (what the protocol requires)".into(),
+                2,
+                summed + 1,
+                None,
+            ),
+            (
+                "neither client polling, against the floor gathering and checksumming rows (what the protocol requires)".into(),
+                3,
+                summed,
                 None,
             ),
             (
