@@ -348,6 +348,21 @@ fn spin_until_readable(s: &TcpStream, budget: Duration) {
     }
 }
 
+/// One `recv` that does not wait (`MSG_DONTWAIT`): bytes read, 0 at the
+/// peer's close, negative when nothing is there (or on an error).
+fn recv_now(s: &TcpStream, buf: &mut [u8]) -> isize {
+    use std::os::fd::AsRawFd;
+    // SAFETY: recv writes at most buf.len() bytes into buf.
+    unsafe {
+        libc::recv(
+            s.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    }
+}
+
 /// One blocking ping-pong connection to the floor server.
 struct FloorConn {
     s: TcpStream,
@@ -409,7 +424,6 @@ impl FloorConn {
     }
 
     fn one(&mut self) -> Result<Duration> {
-        use std::os::fd::AsRawFd;
         let asked = &mut self.asked;
         if let Some((rows, bound, rng)) = self.gather.as_mut() {
             for (i, id) in asked.iter_mut().take(*rows).enumerate() {
@@ -422,17 +436,7 @@ impl FloorConn {
         self.s.write_all(&self.req)?;
         let mut have = 0;
         while have < self.resp.len() && t.elapsed() < self.poll {
-            let rest = &mut self.resp[have..];
-            // SAFETY: recv writes at most rest.len() bytes into rest.
-            let n = unsafe {
-                libc::recv(
-                    self.s.as_raw_fd(),
-                    rest.as_mut_ptr().cast(),
-                    rest.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            match n {
+            match recv_now(&self.s, &mut self.resp[have..]) {
                 0 => bail!("floor server closed the connection"),
                 n if n > 0 => have += n as usize,
                 _ => std::hint::spin_loop(),

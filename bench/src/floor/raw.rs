@@ -7,7 +7,6 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -98,15 +97,7 @@ impl RawDonorConn {
             }
             let rest = &mut self.buf[have..];
             let n = if t.elapsed() < poll {
-                // SAFETY: recv writes at most rest.len() bytes into rest.
-                let n = unsafe {
-                    libc::recv(
-                        self.s.as_raw_fd(),
-                        rest.as_mut_ptr().cast(),
-                        rest.len(),
-                        libc::MSG_DONTWAIT,
-                    )
-                };
+                let n = super::recv_now(&self.s, rest);
                 if n < 0 {
                     std::hint::spin_loop();
                     continue;
