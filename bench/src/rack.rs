@@ -150,13 +150,6 @@ fn generate(path: &Path, layer: u32, base: u64) -> Result<()> {
     Ok(())
 }
 
-/// A port nobody listens on at `ip` right now (the kernel's pick).
-pub fn free_port(ip: Ipv4Addr) -> Result<u16> {
-    let l = std::net::TcpListener::bind((ip, 0))
-        .with_context(|| format!("binding {ip}:0 (is the loopback address usable?)"))?;
-    Ok(l.local_addr()?.port())
-}
-
 /// One node of the rack and the sources of both its routes.
 #[derive(Debug, Clone)]
 pub struct NodeSpec {
@@ -257,10 +250,13 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
     let mut donors = Vec::new();
     for (i, name) in spec.donors.iter().enumerate() {
         let ip = Ipv4Addr::new(127, 0, 0, 2 + i as u8);
-        let listen = Endpoint::new(spec.transport, SocketAddr::from((ip, free_port(ip)?)));
-        let mut control = SocketAddr::from((ip, free_port(ip)?));
+        let listen = Endpoint::new(
+            spec.transport,
+            SocketAddr::from((ip, integration_tests::free_port_on(ip)?)),
+        );
+        let mut control = SocketAddr::from((ip, integration_tests::free_port_on(ip)?));
         while control == listen.addr {
-            control = SocketAddr::from((ip, free_port(ip)?));
+            control = SocketAddr::from((ip, integration_tests::free_port_on(ip)?));
         }
         let host = if spec.host_sockets.contains(name) {
             format!(", \"unix://{}\"", host_socket(dir, name).display())

@@ -729,17 +729,29 @@ pub const MODEL_SEED: u64 = 11;
 /// (the kernel may hand a port just let go of out again at once), and so
 /// do tests running side by side.
 pub fn free_port() -> Result<u16> {
-    static GIVEN: Mutex<std::collections::BTreeSet<u16>> =
+    free_port_on(std::net::Ipv4Addr::LOCALHOST)
+}
+
+/// [`free_port`] on `ip` (another loopback address), free for UDP too: a
+/// donor may listen on both (TLS and QUIC on one port number).
+pub fn free_port_on(ip: std::net::Ipv4Addr) -> Result<u16> {
+    static GIVEN: Mutex<std::collections::BTreeSet<(std::net::Ipv4Addr, u16)>> =
         Mutex::new(std::collections::BTreeSet::new());
     for _ in 0..256 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        let port = std::net::TcpListener::bind((ip, 0))
+            .with_context(|| format!("binding {ip}:0 (is the address usable?)"))?
             .local_addr()?
             .port();
-        if GIVEN.lock().unwrap_or_else(|p| p.into_inner()).insert(port) {
+        if std::net::UdpSocket::bind((ip, port)).is_ok()
+            && GIVEN
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert((ip, port))
+        {
             return Ok(port);
         }
     }
-    bail!("no port on 127.0.0.1 that this process has not handed out already")
+    bail!("no port on {ip} free for TCP and UDP that this process has not handed out already")
 }
 
 /// True when python3 can import `modules`. Where it cannot, the test is

@@ -147,14 +147,6 @@ fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / GIB)
 }
 
-/// `MemAvailable` from `/proc/meminfo`, in bytes.
-pub fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 fn shown(dirs: &[PathBuf]) -> String {
     if dirs.is_empty() {
         return "none".into();
@@ -338,7 +330,7 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest, file: File) -> Result<Prepare
     } else {
         m.rows * ROW_BYTES as u64
     };
-    let avail = mem_available();
+    let avail = engram_store::kept::mem_available();
     // Room for the new version: beside everything (alongside), or in the
     // place of the old one (in place).
     let (room_budget, room_machine) = if req.in_place {

@@ -35,7 +35,7 @@ use integration_tests::{DonorProcess, free_port};
 use serde::Serialize;
 
 use super::{SEED, Tables, transports};
-use crate::stats::print_table;
+use crate::stats::{median, print_table};
 
 /// Rows of the in-process table the fake provider reads (264 MiB).
 const FAKE_ROWS: u64 = 1 << 20;
@@ -92,12 +92,6 @@ fn thread_cpu() -> Duration {
     // SAFETY: clock_gettime writes one timespec through the valid pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn random_rows(rng: &mut SplitMix64, n: usize, bound: u64) -> Vec<u64> {
@@ -233,11 +227,11 @@ fn cpu_costs(
             rig.reader.release(read);
             ns
         };
-        let (r, t) = (median(&rdma_rounds), median(&tcp_rounds));
+        let (r, t) = (median(rdma_rounds.clone()), median(tcp_rounds.clone()));
         out.push(CpuCost {
             rows,
             rdma_ns: r,
-            nic_copy_ns: median(&copies),
+            nic_copy_ns: median(copies),
             tcp_ns: t,
             ratio: if t > 0.0 { r / t } else { 0.0 },
             verify_ns,

@@ -380,20 +380,6 @@ fn host_socket(env: &Env, plan: &Plan, donor: &str) -> PathBuf {
     env.dir.join(format!("{}-{donor}.sock", plan.name))
 }
 
-/// A port free on `ip` now, for TCP and for UDP (a donor may listen on
-/// both: TLS and QUIC on one port number).
-fn free_port(ip: Ipv4Addr) -> Result<u16> {
-    for _ in 0..100 {
-        let l = std::net::TcpListener::bind((ip, 0))
-            .with_context(|| format!("binding {ip}:0 (is the address usable?)"))?;
-        let port = l.local_addr()?.port();
-        if std::net::UdpSocket::bind((ip, port)).is_ok() {
-            return Ok(port);
-        }
-    }
-    bail!("no port free for both TCP and UDP on {ip}")
-}
-
 /// Kill the child with SIGKILL when the thread that started it ends (an
 /// interrupted drill leaves nothing behind).
 fn die_with_parent(cmd: &mut Command) {
@@ -463,7 +449,7 @@ impl Rack {
             // In a namespace of its own any port is free.
             let port = |k: u16| -> Result<u16> {
                 match d.placement {
-                    Placement::Loopback => free_port(ip),
+                    Placement::Loopback => crate::free_port_on(ip),
                     Placement::Netns => Ok(7400 + k),
                 }
             };

@@ -174,13 +174,22 @@ pub fn memfd_len(rows: u64) -> Option<u64> {
 /// from `/proc/meminfo`.
 pub fn huge_pages_free() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |key: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(key))?;
-        line[key.len()..].split_whitespace().next()?.parse().ok()
-    };
-    let size = field("Hugepagesize:")?.saturating_mul(1024);
-    let free = field("HugePages_Free:")?;
+    let size = meminfo_field(&text, "Hugepagesize:")?.saturating_mul(1024);
+    let free = meminfo_field(&text, "HugePages_Free:")?;
     (size > 0).then_some((size, free.saturating_mul(size)))
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo_field(&text, "MemAvailable:").map(|kb| kb.saturating_mul(1024))
+}
+
+/// The number after `key` (with its colon) in `/proc/meminfo`'s text: kB
+/// for sizes, a count for page counts.
+fn meminfo_field(text: &str, key: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..].split_whitespace().next()?.parse().ok()
 }
 
 /// The pages a memfd's rows live in.
