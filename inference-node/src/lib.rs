@@ -1,17 +1,18 @@
 //! `inference-node`: the GPU machine's side of engram-rack.
 //!
 //! What it is: the Engram memory client and the Engram math. `client` is the
-//! donor client (TCP, handshake, pinned versions, pipelined lookups into
-//! caller buffers); `source` puts every place rows can come from (local RAM,
+//! donor client (TCP, TLS or QUIC; handshake, pinned versions, pipelined
+//! lookups into caller buffers); `source` puts every place rows can come from (local RAM,
 //! donors, the SSD copy) behind one trait; `router` picks among a table's
 //! sources per lookup, with deadlines, hedging, circuit breakers, probes and
 //! the table's policy when everything fails; `engram` computes what the
 //! model computes (token map, row addresses, dequantization, fusion on CPU
 //! or GPU).
 //!
-//! What it is not: a donor. It uses `memory-donor` only as a library, for
-//! its table loader and file reader (so the node loads and verifies a local
-//! copy exactly as a donor does); the donor never depends on the node.
+//! What it is not: a donor. It shares the table library (`engram-store`)
+//! with the donor, for the table loader and file reader (so the node loads
+//! and verifies a local copy exactly as a donor does); neither daemon
+//! depends on the other.
 
 pub mod canary;
 pub mod client;

@@ -4,7 +4,7 @@
 //!
 //! The fetch histogram is time observed by the node (queueing, network,
 //! the donor's work); the donor's own service time is the donor's
-//! `engram_donor_service_seconds`.
+//! `engram_donor_service_time_seconds`.
 
 use std::sync::Mutex;
 

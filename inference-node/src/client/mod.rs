@@ -1,4 +1,5 @@
-//! The donor client: one TCP connection to one donor, with the handshake,
+//! The donor client: one connection to one donor (TCP, TLS or a QUIC
+//! stream), with the handshake,
 //! pinned table versions, and pipelined lookups (many in flight, answered
 //! by request id), each bounded by a deadline.
 //!

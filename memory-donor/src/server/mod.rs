@@ -1,6 +1,7 @@
-//! The donor's data plane over TCP. Three layers: the codec
-//! (`engram_protocol`), the connection (`conn`: socket <-> frames, buffers,
-//! timeouts, one OS thread per connection) and the handler (`handler`:
+//! The donor's data plane over TCP, TLS and QUIC (and the host socket,
+//! `host`). Three layers: the codec (`engram_protocol`), the connection
+//! (`conn`: socket <-> frames, buffers, timeouts, one OS thread per TCP or
+//! TLS connection; `quic`: a task per stream) and the handler (`handler`:
 //! frame -> answer). `run` accepts connections up to a bound and, when the
 //! shutdown future resolves, drains: Goodbye to every client, in-flight work
 //! finishes, and stragglers are closed at the drain deadline.
