@@ -18,7 +18,7 @@ use cluster_config::{IoClass, SsdIo, SsdIoprio};
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::SplitMix64;
 use inference_node::source::ssd::{SsdOptions, SsdReader};
-use integration_tests::load::{Meter, Streamer};
+use rack_harness::load::{Meter, Streamer};
 use serde::Serialize;
 
 use crate::stats::{Latency, Summary, print_table};

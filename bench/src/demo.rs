@@ -17,8 +17,8 @@ use engram_bench::plot::{Panel, Series, Timeline};
 use engram_protocol::ROW_BYTES;
 use inference_node::model::StepRecord;
 use inference_node::model::summary::{Second, Seconds};
-use integration_tests::drill::node::read_trace;
-use integration_tests::drill::report::checksums;
+use rack_harness::drill::node::read_trace;
+use rack_harness::drill::report::checksums;
 
 use crate::rack::{self, Child, NodeSpec, RackSpec, TablePair};
 

@@ -1,4 +1,4 @@
-//! `engram-bench drill`: the failover drills of `integration_tests::drill`
+//! `engram-bench drill`: the failover drills of `rack_harness::drill`
 //! outside the test harness, with the paced node at a chosen token rate.
 //! Per drill: its timeline table, a PNG and SVG chart (tokens/s, worst
 //! stall, rows per source over time, the drill's events marked), and its
@@ -11,10 +11,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use engram_bench::plot::{Panel, Series, Timeline};
-use integration_tests::drill::drills::{self, Opts, SECONDS};
-use integration_tests::drill::report::buckets;
-use integration_tests::drill::{Env, Report};
-use integration_tests::netns::NetNs;
+use rack_harness::drill::drills::{self, Opts, SECONDS};
+use rack_harness::drill::report::buckets;
+use rack_harness::drill::{Env, Report};
+use rack_harness::netns::NetNs;
 use serde::Serialize;
 
 /// Settings of `drill`.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions, POSITION_BYTES, Segment};
-use integration_tests::bin;
+use rack_harness::bin;
 use serde::Serialize;
 
 use crate::rack::{self, Child, RackSpec};
@@ -269,7 +269,7 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     };
     let c_prog = compile_c(out)?;
     let pkg = out.join("python");
-    integration_tests::python_package(&pkg)?;
+    rack_harness::python_package(&pkg)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = |script: &str| {
         let mut cmd = client(Path::new("python3"));

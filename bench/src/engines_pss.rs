@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions};
-use integration_tests::bin;
+use rack_harness::bin;
 use serde::Serialize;
 
 use crate::rack::{self, Child, NodeSpec, RackSpec};

@@ -33,7 +33,7 @@ use engram_protocol::messages::{
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::{DEFAULT_BUSY_POLL, DonorClient, Request};
-use integration_tests::{DonorProcess, bin, gen_table};
+use rack_harness::{DonorProcess, bin, gen_table};
 use serde::Serialize;
 
 use self::report::Report;

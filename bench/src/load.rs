@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use engram_store::fill;
-use integration_tests::{NotifySocket, Process, bin};
+use rack_harness::{NotifySocket, Process, bin};
 
 use crate::plot::{Bar, Bars};
 use crate::stats::{median, print_table};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use inference_node::model::Summary;
-use integration_tests::load::{Meter, Streamer};
+use rack_harness::load::{Meter, Streamer};
 use serde::Serialize;
 
 use crate::rack::{self, NodeSpec, RackSpec};
@@ -78,7 +78,7 @@ pub fn run(out: &Path, hash_base: u64, rates: &[f64], seconds: f64, json: bool) 
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let load_file = out.join("load.bin");
-    integration_tests::load::data_file(&load_file, LOAD_FILE_BYTES)
+    rack_harness::load::data_file(&load_file, LOAD_FILE_BYTES)
         .with_context(|| format!("writing {}", load_file.display()))?;
     let runs_dir = out.join("runs");
     std::fs::create_dir_all(&runs_dir)?;

@@ -46,8 +46,8 @@ use inference_node::model::fetch::fetch_rows;
 use inference_node::router::{RouteSettings, Router, SourceHealth};
 use inference_node::source::{DonorSource, LocalRam, RowSource};
 use inference_node::tls::NodeTls;
-use integration_tests::netns::NetNs;
-use integration_tests::{DonorProcess, bin, gen_table};
+use rack_harness::netns::NetNs;
+use rack_harness::{DonorProcess, bin, gen_table};
 use serde::Serialize;
 
 use crate::plot::{Bar, Bars};
@@ -229,7 +229,7 @@ fn write_rack(
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     if secure {
         let _ = std::fs::remove_dir_all(dir.join("pki"));
-        integration_tests::rack_pki(&path).context("making the run's rack PKI")?;
+        rack_harness::rack_pki(&path).context("making the run's rack PKI")?;
     }
     cluster_config::Config::load(&path).map_err(|e| anyhow::anyhow!("{e}"))
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cluster_config::{Endpoint, Transport};
-use integration_tests::{DonorProcess, Process, bin};
+use rack_harness::{DonorProcess, Process, bin};
 use serde::{Deserialize, Serialize};
 
 /// Seed of the synthetic rows.
@@ -252,11 +252,11 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
         let ip = Ipv4Addr::new(127, 0, 0, 2 + i as u8);
         let listen = Endpoint::new(
             spec.transport,
-            SocketAddr::from((ip, integration_tests::free_port_on(ip)?)),
+            SocketAddr::from((ip, rack_harness::free_port_on(ip)?)),
         );
-        let mut control = SocketAddr::from((ip, integration_tests::free_port_on(ip)?));
+        let mut control = SocketAddr::from((ip, rack_harness::free_port_on(ip)?));
         while control == listen.addr {
-            control = SocketAddr::from((ip, integration_tests::free_port_on(ip)?));
+            control = SocketAddr::from((ip, rack_harness::free_port_on(ip)?));
         }
         let host = if spec.host_sockets.contains(name) {
             format!(", \"unix://{}\"", host_socket(dir, name).display())
@@ -304,7 +304,7 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
     if spec.transport.is_secure() {
         // A fresh PKI each time the config is written (new ports, same names).
         let _ = std::fs::remove_dir_all(dir.join("pki"));
-        integration_tests::rack_pki(&config).context("making the rack's PKI")?;
+        rack_harness::rack_pki(&config).context("making the rack's PKI")?;
     }
     Ok(Rack { config, donors })
 }

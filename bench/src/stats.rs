@@ -2,7 +2,7 @@
 //! over rounds, a plain table, and the synthetic table files the
 //! benchmarks generate on first use.
 
-pub use cluster_config::daemon::latency::{Latency, LatencySummary as Summary};
+pub use daemon_runtime::latency::{Latency, LatencySummary as Summary};
 
 /// Median of values (the mean of the middle two for an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -66,7 +66,7 @@ pub fn ensure_table(file: &std::path::Path, rows: u64, seed: u64) -> anyhow::Res
         file.display(),
         (rows * engram_protocol::ROW_BYTES as u64) as f64 / 1e9
     );
-    let status = std::process::Command::new(integration_tests::bin("memory-donor"))
+    let status = std::process::Command::new(rack_harness::bin("memory-donor"))
         .args(["gen", "--layer", "1", "--seed", &seed.to_string()])
         .args(["--rows", &rows.to_string()])
         .arg("--out")

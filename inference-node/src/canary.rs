@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cluster_config::Config;
-use cluster_config::daemon::latency::Latency;
+use daemon_runtime::latency::Latency;
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::SplitMix64;
 use tokio::time::Instant;

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
-use cluster_config::daemon::notify::Notifier;
+use daemon_runtime::notify::Notifier;
 use engram_protocol::node_api as api;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;

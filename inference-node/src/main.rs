@@ -184,7 +184,7 @@ struct FetchArgs {
 }
 
 fn main() -> Result<()> {
-    let log = cluster_config::daemon::logging::init_logging("warn");
+    let log = daemon_runtime::logging::init_logging("warn");
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

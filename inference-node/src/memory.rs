@@ -574,11 +574,11 @@ pub async fn serve_metrics(
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let render: cluster_config::daemon::metrics::Render = Arc::new(move || metrics.render());
-    let task = tokio::spawn(cluster_config::daemon::metrics::serve_metrics_with(
+    let render: daemon_runtime::metrics::Render = Arc::new(move || metrics.render());
+    let task = tokio::spawn(daemon_runtime::metrics::serve_metrics_with(
         listener,
         render,
-        cluster_config::daemon::metrics::HttpLimits {
+        daemon_runtime::metrics::HttpLimits {
             content_type: "text/plain; version=0.0.4; charset=utf-8",
             ..Default::default()
         },

@@ -1,6 +1,8 @@
-//! Harness for engram-rack's end-to-end tests: the real binaries, started as
-//! processes on loopback addresses, waited on through their `ready` line
-//! (never a sleep), and killed when a test ends, however it ends.
+//! The rack harness: engram-rack's real binaries, started as processes on
+//! loopback addresses (or in network namespaces it makes), waited on
+//! through their `ready` line (never a sleep), and killed when a test
+//! ends, however it ends. The end-to-end tests beside it and engram-bench
+//! both run racks with it.
 //!
 //! The binaries are the ones cargo built next to the test executable
 //! (`target/<profile>/`); build them first with `cargo build --workspace`

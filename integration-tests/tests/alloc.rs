@@ -20,7 +20,7 @@ use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
-use integration_tests::{DonorProcess, gen_table};
+use rack_harness::{DonorProcess, gen_table};
 
 /// Counts every allocation and reallocation, on any thread but those
 /// marked [`UNCOUNTED`].
@@ -96,7 +96,7 @@ fn write_config(dir: &Path, table: &Path, digest: TableDigest, ports: [u16; 2]) 
     );
     let path = dir.join("rack.toml");
     std::fs::write(&path, text).expect("config");
-    integration_tests::rack_pki(&path).expect("rack PKI");
+    rack_harness::rack_pki(&path).expect("rack PKI");
     Config::load(&path).expect("valid config")
 }
 
@@ -160,7 +160,7 @@ fn lookups_allocate_nothing_in_the_steady_state() {
     let _one = one_at_a_time();
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let port = || integration_tests::free_port().expect("port");
+    let port = || rack_harness::free_port().expect("port");
     let config = write_config(dir.path(), &table, digest, [port(), port()]);
     let _d = donor_d(&config);
     for (workers, runtime) in [(0, "one thread"), (2, "two worker threads")] {
@@ -259,8 +259,8 @@ fn a_donor_answers_lookups_over_tcp_and_tls_without_allocating() {
         &table,
         digest,
         [
-            integration_tests::free_port().expect("port"),
-            integration_tests::free_port().expect("port"),
+            rack_harness::free_port().expect("port"),
+            rack_harness::free_port().expect("port"),
         ],
     );
     let (_rt, _stop) = in_process_donor(&config, &table);
@@ -295,7 +295,7 @@ const LOOP_RATE: f64 = 1000.0;
 /// serving both over TCP and TLS, and a node per source: `donor` (TCP),
 /// `tls`, `ssd` and `local`, each with the default hedging.
 fn write_model_config(dir: &Path) -> Config {
-    use integration_tests::{MODEL_BASE, MODEL_SEED, free_port, gen_hashed_table};
+    use rack_harness::{MODEL_BASE, MODEL_SEED, free_port, gen_hashed_table};
     let params = engram_protocol::hashing::HashParams::new(
         engram_protocol::hashing::Preset::from_base(MODEL_BASE).expect("preset"),
     )
@@ -338,7 +338,7 @@ fn write_model_config(dir: &Path) -> Config {
     );
     let path = dir.join("rack.toml");
     std::fs::write(&path, text).expect("config");
-    integration_tests::rack_pki(&path).expect("rack PKI");
+    rack_harness::rack_pki(&path).expect("rack PKI");
     Config::load(&path).expect("valid config")
 }
 

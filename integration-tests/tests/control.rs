@@ -12,8 +12,8 @@ use engram_protocol::control::{
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
-use integration_tests::runtime as rt;
-use integration_tests::{DonorProcess, OpsAddrs, exchange, gen_table, sample, scrape};
+use rack_harness::runtime as rt;
+use rack_harness::{DonorProcess, OpsAddrs, exchange, gen_table, sample, scrape};
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -250,7 +250,7 @@ fn stats_and_metrics_count_lookups_and_survive_garbage() {
     // The operator's view of the same numbers.
     let ctl = |what: &str| {
         let control = ops.control.expect("control").to_string();
-        let out = std::process::Command::new(integration_tests::bin("memory-donor"))
+        let out = std::process::Command::new(rack_harness::bin("memory-donor"))
             .args(["ctl", &control, what])
             .output()
             .expect("ctl runs");
@@ -367,7 +367,7 @@ fn stats_and_metrics_count_lookups_and_survive_garbage() {
 /// A data-plane connection that says Hello and then never closes, to hold a
 /// drain open until its deadline.
 fn stubborn_connection(addr: std::net::SocketAddr) -> TcpStream {
-    let mut s = integration_tests::hello_stream(addr, "stubborn");
+    let mut s = rack_harness::hello_stream(addr, "stubborn");
     let mut first = [0u8; 16];
     s.read_exact(&mut first).expect("welcome");
     s

@@ -15,9 +15,9 @@ use engram_protocol::control::donor_control_client::DonorControlClient;
 use engram_protocol::control::{DrainRequest, ListTablesRequest, StatsRequest, SwapTableRequest};
 use inference_node::ClientOptions;
 use inference_node::source::{ControlTls, DonorSource, RowSource};
-use integration_tests::pki::TestPki;
-use integration_tests::runtime as rt;
-use integration_tests::{DonorProcess, OpsAddrs, bin, free_port, gen_table, sample, scrape};
+use rack_harness::pki::TestPki;
+use rack_harness::runtime as rt;
+use rack_harness::{DonorProcess, OpsAddrs, bin, free_port, gen_table, sample, scrape};
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::HealthCheckRequest;
@@ -427,7 +427,7 @@ fn silent_strangers_do_not_keep_operators_or_probes_out() {
         } else {
             std::net::Ipv4Addr::new(127, 0, 4, (i % 20) as u8)
         };
-        let s = integration_tests::connect_from(from, rack.control);
+        let s = rack_harness::connect_from(from, rack.control);
         silent.extend(s);
     }
     assert!(

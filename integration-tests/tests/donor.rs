@@ -10,8 +10,8 @@ use engram_protocol::{
     ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, decode,
 };
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
-use integration_tests::runtime as rt;
-use integration_tests::{DonorProcess, gen_table};
+use rack_harness::runtime as rt;
+use rack_harness::{DonorProcess, gen_table};
 
 const ROWS: u64 = 200_000;
 const SEED: u64 = 11;
@@ -188,7 +188,7 @@ fn a_garbage_connection_does_not_disturb_a_good_client() {
 
 /// Send raw frames and read one answer, for what the client refuses to send.
 fn raw_exchange(addr: std::net::SocketAddr, frames: &[u8]) -> Vec<u8> {
-    let mut s = integration_tests::hello_stream(addr, "raw");
+    let mut s = rack_harness::hello_stream(addr, "raw");
     s.write_all(frames).expect("write");
     s.shutdown(std::net::Shutdown::Write).expect("half close");
     let mut all = Vec::new();
@@ -540,7 +540,7 @@ fn a_donor_refuses_a_table_whose_pinned_digest_differs() {
     );
     let cfg = dir.path().join("rack.toml");
     std::fs::write(&cfg, config).expect("config");
-    let out = std::process::Command::new(integration_tests::bin("memory-donor"))
+    let out = std::process::Command::new(rack_harness::bin("memory-donor"))
         .args([
             "serve",
             "--config",

@@ -1,16 +1,16 @@
 //! Failover drills against the real binaries: each starts its own rack of
 //! donors on loopback addresses (or in network namespaces it creates), runs
 //! the paced node, injects its fault at chosen tokens and checks the
-//! invariants (`integration_tests::drill`). Every drill prints its timeline.
+//! invariants (`rack_harness::drill`). Every drill prints its timeline.
 //! The tables, the local-RAM reference and the SSD calibration are made
 //! once per run of this file.
 
 use std::sync::{Mutex, OnceLock};
 
-use integration_tests::drill::drills::{self, Opts, SECONDS};
-use integration_tests::drill::report::TimingMiss;
-use integration_tests::drill::{Env, Report};
-use integration_tests::netns::NetNs;
+use rack_harness::drill::drills::{self, Opts, SECONDS};
+use rack_harness::drill::report::TimingMiss;
+use rack_harness::drill::{Env, Report};
+use rack_harness::netns::NetNs;
 
 const OPTS: Opts = Opts {
     tokens_per_second: 100.0,

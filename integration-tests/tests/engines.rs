@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use integration_tests::{DonorProcess, bin, gen_hashed_table, model_rack, python_has};
+use rack_harness::{DonorProcess, bin, gen_hashed_table, model_rack, python_has};
 
 /// The rack of `model_rack` plus node `only-donor` (donor `d` alone, with a
 /// hard timeout past the tests' own deadlines).
@@ -119,14 +119,9 @@ fn the_c_library_serves_rows_fails_over_and_refuses_bad_calls() {
     );
 
     // A donor serving another version of table 1 is never used for it.
-    let (other, digest) = gen_hashed_table(
-        dir.path(),
-        "l1-other.etab",
-        1,
-        integration_tests::MODEL_BASE,
-        12,
-    )
-    .expect("gen");
+    let (other, digest) =
+        gen_hashed_table(dir.path(), "l1-other.etab", 1, rack_harness::MODEL_BASE, 12)
+            .expect("gen");
     let text = std::fs::read_to_string(&config).expect("config");
     let first = text.split("digest = \"").nth(1).expect("digest");
     let d1 = &first[..64];
@@ -210,7 +205,7 @@ fn the_python_package_passes_its_tests() {
             bin("memory-donor").parent().expect("bin dir"),
         );
     if std::env::var("ENGRAM_PYTHON_WHEEL").as_deref() != Ok("1") {
-        integration_tests::python_package(dir.path()).expect("package");
+        rack_harness::python_package(dir.path()).expect("package");
         cmd.env("PYTHONPATH", dir.path());
     }
     let status = cmd.status().expect("run pytest");

@@ -5,7 +5,7 @@
 use std::process::{Command, Output};
 
 use engram_protocol::hashing::{HashParams, Preset, hash_sequence};
-use integration_tests::{DonorProcess, bin};
+use rack_harness::{DonorProcess, bin};
 
 fn run(name: &str, args: &[&str]) -> Output {
     Command::new(bin(name))

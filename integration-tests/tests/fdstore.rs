@@ -20,7 +20,7 @@ use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::kept;
 use inference_node::{ClientOptions, DonorClient, Request};
-use integration_tests::{DonorProcess, NotifySocket, Process, gen_table, runtime};
+use rack_harness::{DonorProcess, NotifySocket, Process, gen_table, runtime};
 
 const ROWS: u64 = 300_000;
 const SAMPLE: [u64; 6] = [0, 1, 14, 15, 123_457, ROWS - 1];

@@ -18,7 +18,7 @@ use engram_store::resident::ExpectedTable;
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::source::{HostSource, RowSource, SourceError};
-use integration_tests::{DonorProcess, free_port, gen_table, runtime as rt, sample, scrape};
+use rack_harness::{DonorProcess, free_port, gen_table, runtime as rt, sample, scrape};
 
 const ROWS: u64 = 50_000;
 
@@ -226,7 +226,7 @@ fn the_shared_memory_is_sealed_and_a_user_not_allowed_is_refused() {
 /// The donor's first message to a process of `uid` and `gid` (a child
 /// forked here that drops to them, connects and reads).
 fn first_message_as(socket: &Path, uid: u32, gid: u32) -> String {
-    let addr = cluster_config::daemon::hostsock::sockaddr(socket).expect("path");
+    let addr = daemon_runtime::hostsock::sockaddr(socket).expect("path");
     let mut pipe = [0i32; 2];
     // SAFETY: pipe(2) into our array.
     assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
@@ -275,7 +275,7 @@ fn first_message_as(socket: &Path, uid: u32, gid: u32) -> String {
 
 /// The first descriptor the donor sends on a new connection.
 fn raw_first_table(socket: &Path) -> std::fs::File {
-    use cluster_config::daemon::hostsock::{MAX_MESSAGE, connect, recv};
+    use daemon_runtime::hostsock::{MAX_MESSAGE, connect, recv};
     let sock = connect(socket).expect("connect");
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
     for _ in 0..8 {

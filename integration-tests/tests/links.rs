@@ -21,8 +21,8 @@ use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
-use integration_tests::netns::{NetNs, Veth};
-use integration_tests::{DonorProcess, bin, gen_table, rack_pki, runtime};
+use rack_harness::netns::{NetNs, Veth};
+use rack_harness::{DonorProcess, bin, gen_table, rack_pki, runtime};
 
 const ROWS: u64 = 20_000;
 const SEED: u64 = 17;

@@ -15,15 +15,15 @@ use inference_node::memory::{Memory, MemoryError};
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::source::ssd::{SsdEngine, SsdOptions, SsdReader};
-use integration_tests::runtime as rt;
-use integration_tests::{DonorProcess, gen_table};
+use rack_harness::runtime as rt;
+use rack_harness::{DonorProcess, gen_table};
 
 const ROWS: u64 = 30_000;
 const SEED: u64 = 5;
 
 /// Two ports free on 127.0.0.1 now (so a restarted donor can bind them again).
 fn ports() -> (u16, u16) {
-    let port = || integration_tests::free_port().expect("free port");
+    let port = || rack_harness::free_port().expect("free port");
     (port(), port())
 }
 
@@ -104,7 +104,7 @@ fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
                 "every lookup is served, by the SSD copy"
             );
         }
-        let text = integration_tests::scrape(http).expect("scrape");
+        let text = rack_harness::scrape(http).expect("scrape");
         assert!(text.starts_with("HTTP/1.1 200"), "{text}");
         assert!(
             text.contains("engram_node_breaker_state{source=\"d\"} 2"),
@@ -375,7 +375,7 @@ fn the_canary_runs_token_paced_lookups_and_reports_sources() {
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
     let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
     let run = || {
-        let out = std::process::Command::new(integration_tests::bin("inference-node"))
+        let out = std::process::Command::new(rack_harness::bin("inference-node"))
             .args(["canary", "--config"])
             .arg(&config.path)
             .args([
@@ -404,7 +404,7 @@ fn the_canary_runs_token_paced_lookups_and_reports_sources() {
     let text = run();
     let last = text.lines().last().expect("summary");
     assert!(last.contains("failed 0 [ssd=200]"), "{last}");
-    let e = std::process::Command::new(integration_tests::bin("inference-node"))
+    let e = std::process::Command::new(rack_harness::bin("inference-node"))
         .args(["canary", "--config"])
         .arg(&config.path)
         .args(["--name", "nobody"])

@@ -1,7 +1,7 @@
 //! `--mlock require`: the donor's table memory is really locked, as the
 //! kernel counts it (`VmLck` in `/proc/PID/status`).
 
-use integration_tests::{DonorProcess, gen_table};
+use rack_harness::{DonorProcess, gen_table};
 
 const ROWS: u64 = 100_000;
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use integration_tests::{DonorProcess, bin, model_rack};
+use rack_harness::{DonorProcess, bin, model_rack};
 
 /// Run the node; returns (exit ok, stdout, stderr).
 fn run(config: &Path, name: &str, extra: &[&str]) -> (bool, String, String) {
@@ -235,8 +235,8 @@ fn donor_counting_pings(config: &Path) -> (DonorProcess, impl Fn() -> f64) {
         .metrics
         .expect("metrics address");
     let pings = move || {
-        let text = integration_tests::scrape(metrics).expect("scrape");
-        integration_tests::sample(&text, "engram_donor_pings_total").expect("pings series")
+        let text = rack_harness::scrape(metrics).expect("scrape");
+        rack_harness::sample(&text, "engram_donor_pings_total").expect("pings series")
     };
     (donor, pings)
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use engram_protocol::control::donor_control_client::DonorControlClient;
 use engram_protocol::control::{ListTablesRequest, LoadState};
-use integration_tests::{NotifySocket, OpsAddrs, Process, gen_table};
+use rack_harness::{NotifySocket, OpsAddrs, Process, gen_table};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;

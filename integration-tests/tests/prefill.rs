@@ -13,8 +13,8 @@ use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::model::fetch::fetch_rows;
-use integration_tests::runtime as rt;
-use integration_tests::{DonorProcess, gen_table, sample};
+use rack_harness::runtime as rt;
+use rack_harness::{DonorProcess, gen_table, sample};
 
 const ROWS: u64 = 600_000;
 const SWEEP: usize = 400_000;
@@ -47,14 +47,14 @@ fn write_config(dir: &Path, table: &Path, digest: TableDigest) -> Config {
     }
     let path = dir.join("rack.toml");
     std::fs::write(&path, text).expect("config");
-    integration_tests::rack_pki(&path).expect("rack PKI");
+    rack_harness::rack_pki(&path).expect("rack PKI");
     Config::load(&path).expect("valid config")
 }
 
 const TRANSPORTS: [Transport; 3] = [Transport::Tcp, Transport::Tls, Transport::Quic];
 
 fn port() -> u16 {
-    integration_tests::free_port().expect("free port")
+    rack_harness::free_port().expect("free port")
 }
 
 fn donor(config: &Config, name: &str) -> DonorProcess {

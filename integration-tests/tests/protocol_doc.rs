@@ -13,7 +13,7 @@ use engram_protocol::{
     ErrorCode, Frame, FrameHeader, FrameKind, HEADER_LEN, Hello, Limits, PROTOCOL_VERSION,
     TableDigest, decode,
 };
-use integration_tests::{DonorProcess, gen_table};
+use rack_harness::{DonorProcess, gen_table};
 
 /// A 1,000-row table and a donor serving it with extra `serve` flags.
 fn donor(extra: &[&str]) -> (tempfile::TempDir, TableDigest, DonorProcess) {

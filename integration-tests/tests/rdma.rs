@@ -18,11 +18,11 @@ use engram_store::kept;
 use engram_store::resident::{Backing, ExpectedTable, LoadOptions, MlockMode, ResidentTable};
 use inference_node::memory::Memory;
 use inference_node::metrics::{NodeMetrics, RdmaLabels};
-use integration_tests::{free_port, gen_table, rack_pki, runtime};
 use memory_donor::server::{self, Shared};
 use memory_donor::tls::{Access, DonorTls};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use rack_harness::{free_port, gen_table, rack_pki, runtime};
 
 const ROWS: u64 = 4_000;
 const SEED: u64 = 77;
@@ -656,8 +656,7 @@ fn a_donor_without_rdma_is_read_over_tls_and_plaintext_gets_no_region() -> Resul
 fn a_donor_built_without_rdma_says_so_and_serves_on_its_other_addresses() -> Result<()> {
     let rack = Rack::new("tls")?;
     let config = rack.config.path.display().to_string();
-    let donor =
-        integration_tests::DonorProcess::start(&["--config", &config, "--name", "donor-a"])?;
+    let donor = rack_harness::DonorProcess::start(&["--config", &config, "--name", "donor-a"])?;
     let tls = rack
         .config
         .donor("donor-a")

@@ -14,15 +14,15 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use cluster_config::RdmaDevice;
-use cluster_config::daemon::notify::Notifier;
+use daemon_runtime::notify::Notifier;
 use engram_protocol::ROW_BYTES;
 use engram_rdma::check::{check_word, seed};
 use engram_rdma::fake::FakeProvider;
 use engram_rdma::verbs::{Provider, QpOptions, ReadWr};
 use engram_store::resident::{MlockMode, ResidentTable};
-use integration_tests::{NotifySocket, free_port, gen_table};
 use memory_donor::fdstore::FdStore;
 use memory_donor::rdma::{open_book, snapshot, sync_kept};
+use rack_harness::{NotifySocket, free_port, gen_table};
 
 const ROWS: u64 = 3_000;
 

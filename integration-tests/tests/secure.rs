@@ -17,13 +17,13 @@ use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::tls::NodeTls;
-use integration_tests::{DonorProcess, gen_table, rack_pki, runtime as rt, sample, scrape};
+use rack_harness::{DonorProcess, gen_table, rack_pki, runtime as rt, sample, scrape};
 
 const ROWS: u64 = 20_000;
 const SEED: u64 = 9;
 
 fn free_port() -> u16 {
-    integration_tests::free_port().expect("free port")
+    rack_harness::free_port().expect("free port")
 }
 
 /// A rack with PKI: donor `d` on tcp, tls and quic (loopback), admitting
@@ -273,7 +273,7 @@ fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
 /// A plaintext Hello on `addr`; what came back, as text.
 fn plaintext_hello(addr: std::net::SocketAddr) -> Vec<u8> {
     use std::io::Read;
-    let mut s = integration_tests::hello_stream(addr, "plain");
+    let mut s = rack_harness::hello_stream(addr, "plain");
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
     buf
@@ -485,7 +485,7 @@ fn copy_dir(from: &Path, to: &Path) {
 /// A new CA and new certificates for every host.
 fn force_pki(config: &Path) {
     for step in ["init", "issue"] {
-        integration_tests::pki_step(config, step, true).expect("engram-cluster pki");
+        rack_harness::pki_step(config, step, true).expect("engram-cluster pki");
     }
 }
 
@@ -516,7 +516,7 @@ fn a_node_reload_takes_new_certificates_and_keeps_serving() {
         }
         // New certificates from the same CA for every host: the node takes
         // its own on reload and keeps being served.
-        integration_tests::pki_step(&rack.config.path, "issue", true).expect("issue --force");
+        rack_harness::pki_step(&rack.config.path, "issue", true).expect("issue --force");
         let report = mem
             .reload(&rack.config, "n-tls", &metrics)
             .await
@@ -565,7 +565,7 @@ fn half_open(
     bytes: &[u8],
 ) -> Option<std::net::TcpStream> {
     use std::io::Write;
-    let mut s = integration_tests::connect_from(from, to)?;
+    let mut s = rack_harness::connect_from(from, to)?;
     s.write_all(bytes).ok()?;
     Some(s)
 }
@@ -606,7 +606,7 @@ fn floods_of_strangers_never_take_a_nodes_place() {
     }
     assert!(held.len() >= 900, "only {} connections opened", held.len());
     let ca = &rack.config.tls.as_ref().expect("pki").ca;
-    let initials = integration_tests::quic_initials(quic, ca, [127, 0, 3], 40, 25);
+    let initials = rack_harness::quic_initials(quic, ca, [127, 0, 3], 40, 25);
     assert!(initials >= 900, "only {initials} QUIC Initials sent");
     std::thread::sleep(Duration::from_millis(200));
     let during = threads(rack.donor.id());

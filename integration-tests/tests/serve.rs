@@ -13,13 +13,13 @@ use engram_protocol::node_api::engram_node_client::EngramNodeClient;
 use engram_protocol::node_api::{
     GenerateRequest, TablesRequest, TablesResponse, generate_event, generate_request,
 };
-use integration_tests::{DonorProcess, NotifySocket, bin, model_rack};
+use rack_harness::{DonorProcess, NotifySocket, bin, model_rack};
 
 const TEXT: &str = "The rack hums in the corner of the room. The node asks for the rows early, \
                     and the rows are ready before the block needs them.";
 
 fn rt() -> tokio::runtime::Runtime {
-    integration_tests::runtime()
+    rack_harness::runtime()
 }
 
 /// Start the daemon for node `n` with the fake notify socket and `env`.
@@ -364,7 +364,7 @@ fn the_units_command_line_starts_the_daemon() {
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     // The unit serves the config's api address: give node `n` a free one.
-    let port = integration_tests::free_port().expect("port");
+    let port = rack_harness::free_port().expect("port");
     let text = std::fs::read_to_string(&config).expect("config");
     let text = text.replacen(
         "name = \"n\"\n",
@@ -534,9 +534,8 @@ fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
             .count();
         assert!(shared > 10, "{shared} shared steps");
     });
-    let text = integration_tests::scrape(metrics).expect("scrape");
-    let sample =
-        |s: &str| integration_tests::sample(&text, s).unwrap_or_else(|| panic!("{s}:\n{text}"));
+    let text = rack_harness::scrape(metrics).expect("scrape");
+    let sample = |s: &str| rack_harness::sample(&text, s).unwrap_or_else(|| panic!("{s}:\n{text}"));
     assert_eq!(sample("engram_node_queue_seconds_count"), 6.0);
     let steps = sample("engram_node_batch_size_count");
     assert!(

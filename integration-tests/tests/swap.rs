@@ -13,8 +13,8 @@ use engram_protocol::control::{ListTablesRequest, SwapTableRequest};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
-use integration_tests::runtime as rt;
-use integration_tests::{DonorProcess, OpsAddrs, gen_table};
+use rack_harness::runtime as rt;
+use rack_harness::{DonorProcess, OpsAddrs, gen_table};
 use tonic::Code;
 use tonic::transport::Channel;
 

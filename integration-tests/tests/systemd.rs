@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use integration_tests::bin;
+use rack_harness::bin;
 
 fn systemd_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd")

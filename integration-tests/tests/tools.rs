@@ -5,7 +5,7 @@ use std::process::{Command, Output};
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::first_mismatch;
-use integration_tests::{DonorProcess, bin, gen_table, python_has};
+use rack_harness::{DonorProcess, bin, gen_table, python_has};
 
 fn run(name: &str, args: &[&str]) -> Output {
     Command::new(bin(name)).args(args).output().expect("runs")

@@ -24,7 +24,7 @@ use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions, Segment};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::tls::NodeTls;
-use integration_tests::{DonorProcess, gen_hashed_table, rack_pki, runtime as rt, sample, scrape};
+use rack_harness::{DonorProcess, gen_hashed_table, rack_pki, runtime as rt, sample, scrape};
 
 /// Hashing base of the tables (about 120,000 rows each).
 const BASE: u64 = 5000;
@@ -39,7 +39,7 @@ const TRANSPORTS: [Transport; 3] = [Transport::Tcp, Transport::Tls, Transport::Q
 const WRITE_TIMEOUT_MS: u64 = 1500;
 
 fn free_port() -> u16 {
-    integration_tests::free_port().expect("free port")
+    rack_harness::free_port().expect("free port")
 }
 
 fn node_of(t: Transport) -> &'static str {

@@ -28,8 +28,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::daemon::accept::bounded_incoming;
-use cluster_config::daemon::logging::RateLimit;
+use daemon_runtime::accept::bounded_incoming;
+use daemon_runtime::logging::RateLimit;
 use engram_protocol::TableDigest;
 use engram_protocol::control as pb;
 use engram_protocol::control::donor_control_server::{DonorControl, DonorControlServer};
@@ -422,7 +422,7 @@ fn handshakes(
     static FAILED: RateLimit = RateLimit::new(5);
     static ACCEPT: RateLimit = RateLimit::new(1);
     let full = limits.handshake_timeout;
-    let budget = cluster_config::daemon::preauth::PreAuth::new(PREAUTH_PER_SOURCE, PREAUTH_TOTAL);
+    let budget = daemon_runtime::preauth::PreAuth::new(PREAUTH_PER_SOURCE, PREAUTH_TOTAL);
     let served = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let (tx, rx) = tokio::sync::mpsc::channel(limits.max_connections.max(1));
     tokio::spawn(async move {

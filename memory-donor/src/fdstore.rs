@@ -27,7 +27,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd};
 use std::sync::{Arc, Mutex};
 
-use cluster_config::daemon::notify::Notifier;
+use daemon_runtime::notify::Notifier;
 use engram_protocol::TableDigest;
 use engram_store::kept;
 use engram_store::kept_checks::{self, KeptChecks};

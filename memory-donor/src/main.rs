@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use cluster_config::daemon::notify::Notifier;
 use cluster_config::{Config, MlockMode};
+use daemon_runtime::notify::Notifier;
 use engram_protocol::ROW_BYTES;
 use engram_store::generate::{GenSpec, generate, table_shape};
 use engram_store::pack::pack;
@@ -434,7 +434,7 @@ fn run_serve(args: ServeArgs) -> Result<()> {
         (spec, None)
     };
     overrides.apply(&mut spec)?;
-    let log_level = cluster_config::daemon::logging::init_logging("info");
+    let log_level = daemon_runtime::logging::init_logging("info");
     if std::env::var_os("RUST_LOG").is_none()
         && let Some(level) = &spec.log_level
         && let Err(e) = log_level.set(level)

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use cluster_config::daemon::metrics::{Render, render_registry};
+use daemon_runtime::metrics::{Render, render_registry};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -217,7 +217,7 @@ impl Collector for DonorCollector {
 }
 
 /// The donor's registry (prefix `engram_donor`) as a render function for
-/// [`cluster_config::daemon::metrics::serve_metrics`].
+/// [`daemon_runtime::metrics::serve_metrics`].
 pub fn donor_metrics(status: Arc<DonorStatus>) -> Render {
     let mut registry = Registry::with_prefix("engram_donor");
     registry.register_collector(Box::new(DonorCollector::new(status)));

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::daemon::notify::Notifier;
 use cluster_config::{Config, Endpoint, TlsFiles, Transport};
+use daemon_runtime::notify::Notifier;
 use engram_protocol::Limits;
 use thiserror::Error;
 
@@ -347,9 +347,10 @@ impl OpsServers {
             let (l, bound) = bind(addr).await?;
             let render = crate::metrics::donor_metrics(Arc::clone(status));
             let stopped = stopped(&ops.stop);
-            ops.tasks.push(tokio::spawn(
-                cluster_config::daemon::metrics::serve_metrics(l, render, stopped),
-            ));
+            ops.tasks
+                .push(tokio::spawn(daemon_runtime::metrics::serve_metrics(
+                    l, render, stopped,
+                )));
             ops.metrics = Some(bound);
         }
         if ops.control.is_some() || ops.metrics.is_some() {

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cluster_config::daemon::latency::Latency;
+use daemon_runtime::latency::Latency;
 
 use engram_protocol::ErrorCode;
 

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster_config::daemon::logging::{LogLevel, RateLimit};
-use cluster_config::daemon::notify::Notifier;
+use daemon_runtime::logging::{LogLevel, RateLimit};
+use daemon_runtime::notify::Notifier;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 

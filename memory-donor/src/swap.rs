@@ -26,7 +26,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cluster_config::daemon::notify::Notifier;
+use daemon_runtime::notify::Notifier;
 use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use thiserror::Error;

@@ -31,7 +31,7 @@ use engram_rdma::verbs::{DeviceSpec, Fabric, Provider};
 use inference_node::source::rdma::RdmaPath;
 use inference_node::source::{DonorSource, RowSource};
 use inference_node::{DonorClient, Request};
-use integration_tests::{DonorProcess, free_port};
+use rack_harness::{DonorProcess, free_port};
 use serde::Serialize;
 
 use super::{SEED, Tables, transports};

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use inference_node::DEFAULT_BUSY_POLL;
-use integration_tests::DonorProcess;
+use rack_harness::DonorProcess;
 use serde::Serialize;
 
 use super::transports::{RestartResult, SetupResult};

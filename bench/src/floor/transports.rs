@@ -12,7 +12,7 @@ use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::client::TlsClient;
 use inference_node::tls::NodeTls;
 use inference_node::{ClientOptions, DonorClient, Request};
-use integration_tests::{DonorProcess, rack_pki};
+use rack_harness::{DonorProcess, rack_pki};
 use serde::Serialize;
 
 use super::{TABLES, Tables};

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use cluster_config::daemon::logging::LogLevel;
-use cluster_config::daemon::notify::Notifier;
+use daemon_runtime::logging::LogLevel;
+use daemon_runtime::notify::Notifier;
 use engram_protocol::node_api::SERVICE_NAME;
 use engram_protocol::node_api::engram_node_server::EngramNodeServer;
 use inference_node::daemon::{Daemon, LoopContext};
@@ -131,7 +131,7 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
                     .max_encoding_message_size(16 << 20),
             )
             .serve_with_incoming_shutdown(
-                cluster_config::daemon::accept::bounded_incoming(listener, args.max_connections),
+                daemon_runtime::accept::bounded_incoming(listener, args.max_connections),
                 async {
                     let _ = stop_rx.await;
                 },

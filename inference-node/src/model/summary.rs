@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cluster_config::daemon::latency::Latency;
 use cluster_config::plan::predict;
+use daemon_runtime::latency::Latency;
 use serde::{Deserialize, Serialize};
 
 use super::{BLOCKS, LoopSpec, StepKind, StepRecord, TableSlot};

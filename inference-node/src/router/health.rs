@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_config::Hedge;
-use cluster_config::daemon::latency::Latency;
+use daemon_runtime::latency::Latency;
 use engram_protocol::TableDigest;
 use prometheus_client::metrics::gauge::Gauge;
 

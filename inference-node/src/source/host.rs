@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use cluster_config::daemon::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
+use daemon_runtime::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
 use engram_protocol::TableDigest;
 use engram_store::kept;
 use engram_store::resident::{ExpectedTable, ResidentTable};

@@ -7,7 +7,7 @@
 //! change a byte under a mapping or make it fault. A swap or reload sends
 //! the new version's message; a table that stops being served is said to
 //! be gone. The wire format is PROTOCOL.md section 5; the packets are
-//! `cluster_config::daemon::hostsock`'s.
+//! `daemon_runtime::hostsock`'s.
 //!
 //! One thread accepts; each client has a thread that sends what changed,
 //! looking every [`WATCH`], until the client closes or the donor drains.
@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use cluster_config::daemon::hostsock::{HOST_PROTOCOL, bind, readable, send, seqpacket};
+use daemon_runtime::hostsock::{HOST_PROTOCOL, bind, readable, send, seqpacket};
 use engram_store::kept;
 use serde_json::json;
 

@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use cluster_config::daemon::logging::RateLimit;
-use cluster_config::daemon::preauth::{PreAuth, Ticket};
+use daemon_runtime::logging::RateLimit;
+use daemon_runtime::preauth::{PreAuth, Ticket};
 use engram_protocol::{Goodbye, Limits};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -469,7 +469,7 @@ impl Slot {
 }
 
 /// Data-plane connections before authentication from one source address
-/// at once (see [`cluster_config::daemon::preauth`]).
+/// at once (see [`daemon_runtime::preauth`]).
 pub const PREAUTH_PER_SOURCE: usize = 16;
 /// Data-plane connections before authentication at once, from every source.
 pub const PREAUTH_TOTAL: usize = 128;

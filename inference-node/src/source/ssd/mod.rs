@@ -375,8 +375,8 @@ impl SsdReader {
             PageError::Io(_) => SourceError::Failed(msg),
             PageError::Checksum { page, .. } => {
                 self.checksum_failures += 1;
-                static LIMIT: cluster_config::daemon::logging::RateLimit =
-                    cluster_config::daemon::logging::RateLimit::new(1);
+                static LIMIT: daemon_runtime::logging::RateLimit =
+                    daemon_runtime::logging::RateLimit::new(1);
                 if let Some(suppressed) = LIMIT.allow() {
                     tracing::error!(path = %self.path.display(), page, suppressed, "SSD copy: a page does not match its checksum; its rows are not used");
                 }

@@ -566,7 +566,7 @@ fn donors(
             }
         };
         let log_level = d.log_level.as_ref().map(|l| {
-            if let Err(e) = crate::daemon::logging::valid_filter(l.get_ref()) {
+            if let Err(e) = valid_log_filter(l.get_ref()) {
                 cx.at(
                     l.span(),
                     k("log_level"),
@@ -797,3 +797,11 @@ mod security;
 mod model;
 #[cfg(test)]
 mod tests;
+
+/// `Ok` when `directives` is a log filter the daemons accept
+/// (`info`, `memory_donor=debug,warn`); else the parser's complaint.
+pub(crate) fn valid_log_filter(directives: &str) -> Result<(), String> {
+    tracing_subscriber::EnvFilter::try_new(directives)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}

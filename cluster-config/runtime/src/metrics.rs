@@ -8,7 +8,7 @@
 //! not parse and 431 to a head too large, and closes a connection whose
 //! head is not in within the read timeout), 404 for other paths and 405
 //! for other methods. A connection whose head is not in yet is in a
-//! pre-auth budget ([`crate::daemon::preauth`]: a few per source address,
+//! pre-auth budget ([`crate::preauth`]: a few per source address,
 //! a bounded number in all, the oldest evicted to admit the newest, the
 //! read timeout shrinking as it fills), so silent connections never keep
 //! a scraper out; a bounded number of pages are rendered at once (more
@@ -34,7 +34,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
-use crate::daemon::preauth::{PreAuth, Ticket};
+use crate::preauth::{PreAuth, Ticket};
 
 /// Produces the metrics text on each scrape.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
@@ -116,8 +116,7 @@ pub async fn serve_metrics_with(
         let (stream, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
-                static LIMIT: crate::daemon::logging::RateLimit =
-                    crate::daemon::logging::RateLimit::new(1);
+                static LIMIT: crate::logging::RateLimit = crate::logging::RateLimit::new(1);
                 if let Some(suppressed) = LIMIT.allow() {
                     tracing::warn!(error = %e, suppressed, "metrics: accept failed");
                 }

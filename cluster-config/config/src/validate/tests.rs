@@ -544,3 +544,10 @@ fn headroom_and_log_level() {
 
 mod node;
 mod security;
+
+#[test]
+fn log_filters_are_validated() {
+    assert!(valid_log_filter("info").is_ok());
+    assert!(valid_log_filter("memory_donor=debug,warn").is_ok());
+    assert!(valid_log_filter("memory_donor=loud").is_err());
+}

@@ -30,7 +30,7 @@ fn dump(doc: &str, title: &str) -> Vec<u8> {
 
 #[test]
 fn the_worked_example_matches_the_encoders() {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../PROTOCOL.md"))
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../PROTOCOL.md"))
         .expect("PROTOCOL.md");
     let mut table = vec![0u8; 100 * ROW_BYTES];
     synthetic_rows(1, 1, 0, &mut table);
@@ -113,7 +113,7 @@ fn the_checksum_test_vector_holds() {
 #[test]
 fn the_error_code_table_is_the_codecs() {
     use engram_protocol::ErrorCode;
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../PROTOCOL.md"))
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../PROTOCOL.md"))
         .expect("PROTOCOL.md");
     let start = doc.find("| code | name |").expect("the error code table");
     let rows: Vec<(u16, String)> = doc[start..]
@@ -140,7 +140,7 @@ fn the_error_code_table_is_the_codecs() {
 #[test]
 fn the_table_header_example_is_the_writers() {
     use engram_protocol::etab::{TableMeta, encode_header};
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../PROTOCOL.md"))
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../PROTOCOL.md"))
         .expect("PROTOCOL.md");
     let mut table = vec![0u8; 100 * ROW_BYTES];
     synthetic_rows(1, 1, 0, &mut table);

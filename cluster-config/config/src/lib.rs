@@ -16,7 +16,6 @@
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
-pub mod daemon;
 pub mod model;
 pub mod pki;
 pub mod plan;

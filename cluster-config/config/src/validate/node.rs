@@ -110,7 +110,7 @@ pub(super) fn nodes(
             .and_then(|v| super::addr(cx, v, &k("api"), true))
             .unwrap_or(crate::DEFAULT_NODE_API);
         let log_level = n.log_level.as_ref().map(|l| {
-            if let Err(e) = crate::daemon::logging::valid_filter(l.get_ref()) {
+            if let Err(e) = super::valid_log_filter(l.get_ref()) {
                 cx.at(
                     l.span(),
                     k("log_level"),

@@ -71,8 +71,8 @@ pub fn bounded_incoming(
                 a = listener.accept() => match a {
                     Ok(x) => x,
                     Err(e) => {
-                        static LIMIT: crate::daemon::logging::RateLimit =
-                            crate::daemon::logging::RateLimit::new(1);
+                        static LIMIT: crate::logging::RateLimit =
+                            crate::logging::RateLimit::new(1);
                         if let Some(suppressed) = LIMIT.allow() {
                             tracing::warn!(error = %e, suppressed, "accept failed");
                         }
