@@ -5,15 +5,28 @@
 //! caller buffers or allocates anything; `decode` parses one whole frame into
 //! a borrowed view, and the caller advances its buffer only afterwards.
 //!
-//! Message payloads and their encoders live in `messages`.
+//! Message payloads and their encoders live in `messages`; a whole frame
+//! parsed (header and payload) in `decode`. The payload bounds the limits
+//! need are here, below both.
 
 use thiserror::Error;
 
-use crate::messages::{
-    ErrorFrame, Goodbye, Hello, LookupRef, Region, RegionQuery, RowsRef, WelcomeRef,
-};
 use crate::row::ROW_BYTES;
 
+/// Longest node or donor name, in bytes.
+pub const MAX_NAME: usize = 255;
+/// Longest Hello credential, in bytes.
+pub const MAX_CREDENTIAL: usize = 1024;
+/// Most tables one Welcome may list.
+pub const MAX_WELCOME_TABLES: usize = 1024;
+/// Bytes per table entry in Welcome.
+pub const TABLE_INFO_LEN: usize = 48;
+pub(crate) const WELCOME_HEAD_LEN: usize = 16;
+/// Largest Hello payload.
+pub const MAX_HELLO_PAYLOAD: usize = 12 + MAX_NAME + MAX_CREDENTIAL;
+/// Largest payload of the frames whose size does not depend on row caps.
+pub(crate) const MAX_FIXED_PAYLOAD: usize =
+    WELCOME_HEAD_LEN + MAX_NAME + TABLE_INFO_LEN * MAX_WELCOME_TABLES;
 /// Bytes in every frame header.
 pub const HEADER_LEN: usize = 16;
 /// Data-plane protocol version spoken by this build.
@@ -191,7 +204,7 @@ impl Limits {
         let sections = max_sections as u64;
         let lookup = 8 + 16 * sections + 8 * rows;
         let answer = 16 + 12 * sections + ROW_BYTES as u64 * rows;
-        let fixed = crate::messages::MAX_FIXED_PAYLOAD as u64;
+        let fixed = MAX_FIXED_PAYLOAD as u64;
         let mut max = if lookup > answer { lookup } else { answer };
         if fixed > max {
             max = fixed;
@@ -220,7 +233,7 @@ impl Limits {
     /// donor accepts once the handshake is done.
     pub const fn for_requests(&self) -> Self {
         let lookup = 8 + 16 * self.max_sections as u64 + 8 * self.max_rows as u64;
-        let hello = crate::messages::MAX_HELLO_PAYLOAD as u64;
+        let hello = MAX_HELLO_PAYLOAD as u64;
         let max = if lookup > hello { lookup } else { hello };
         let max = if max < self.max_payload as u64 {
             max as u32
@@ -236,7 +249,7 @@ impl Limits {
     /// Only a Hello fits: what a donor accepts before the handshake.
     pub const fn before_hello(&self) -> Self {
         Self {
-            max_payload: crate::messages::MAX_HELLO_PAYLOAD as u32,
+            max_payload: MAX_HELLO_PAYLOAD as u32,
             ..*self
         }
     }
@@ -358,89 +371,6 @@ impl FrameHeader {
         out.extend_from_slice(&[kind as u8, 0, 0, 0]);
         out.extend_from_slice(&request_id.to_le_bytes());
     }
-}
-
-/// One parsed frame, borrowing the buffer it came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Frame<'a> {
-    /// See [`Hello`].
-    Hello(Hello<'a>),
-    /// See [`WelcomeRef`].
-    Welcome(WelcomeRef<'a>),
-    /// See [`LookupRef`].
-    Lookup(LookupRef<'a>),
-    /// See [`RowsRef`].
-    Rows(RowsRef<'a>),
-    /// See [`ErrorFrame`].
-    Error(ErrorFrame<'a>),
-    /// Liveness probe.
-    Ping,
-    /// Answer to Ping.
-    Pong,
-    /// See [`Goodbye`].
-    Goodbye(Goodbye),
-    /// See [`RegionQuery`].
-    RegionQuery(RegionQuery),
-    /// See [`Region`].
-    Region(Region),
-}
-
-impl<'a> Frame<'a> {
-    /// Parse a payload of a known kind.
-    pub fn parse(kind: FrameKind, payload: &'a [u8], limits: &Limits) -> Result<Self, FrameError> {
-        Ok(match kind {
-            FrameKind::Hello => Self::Hello(Hello::parse(payload)?),
-            FrameKind::Welcome => Self::Welcome(WelcomeRef::parse(payload)?),
-            FrameKind::Lookup => Self::Lookup(LookupRef::parse(payload, limits)?),
-            FrameKind::Rows => Self::Rows(RowsRef::parse(payload, limits)?),
-            FrameKind::Error => Self::Error(ErrorFrame::parse(payload)?),
-            FrameKind::Ping | FrameKind::Pong => {
-                if !payload.is_empty() {
-                    return Err(FrameError::Malformed {
-                        kind,
-                        reason: "payload must be empty",
-                    });
-                }
-                if kind == FrameKind::Ping {
-                    Self::Ping
-                } else {
-                    Self::Pong
-                }
-            }
-            FrameKind::Goodbye => Self::Goodbye(Goodbye::parse(payload)?),
-            FrameKind::RegionQuery => Self::RegionQuery(RegionQuery::parse(payload)?),
-            FrameKind::Region => Self::Region(Region::parse(payload)?),
-        })
-    }
-}
-
-/// A whole frame found at the front of a buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decoded<'a> {
-    /// Its header.
-    pub header: FrameHeader,
-    /// Its parsed payload.
-    pub frame: Frame<'a>,
-    /// Bytes it occupies (advance the buffer by this much once done with it).
-    pub len: usize,
-}
-
-/// Decode the frame at the front of `buf`: `Ok(None)` while incomplete.
-/// On an error that is not fatal (see [`FrameError::is_fatal`]) the caller
-/// may skip `FrameHeader::frame_len` bytes and go on.
-pub fn decode<'a>(buf: &'a [u8], limits: &Limits) -> Result<Option<Decoded<'a>>, FrameError> {
-    let Some(header) = FrameHeader::peek(buf, limits)? else {
-        return Ok(None);
-    };
-    let Some(payload) = buf.get(HEADER_LEN..header.frame_len()) else {
-        return Ok(None);
-    };
-    let frame = Frame::parse(header.kind, payload, limits)?;
-    Ok(Some(Decoded {
-        header,
-        frame,
-        len: header.frame_len(),
-    }))
 }
 
 /// A bounds-checked little-endian reader over one payload.

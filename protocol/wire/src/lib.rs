@@ -15,6 +15,7 @@
 
 #[cfg(feature = "control")]
 pub mod control;
+pub mod decode;
 pub mod digest;
 pub mod etab;
 pub mod frame;
@@ -25,10 +26,10 @@ pub mod node_api;
 pub mod row;
 pub mod synthetic;
 
+pub use decode::{Decoded, Frame, decode};
 pub use digest::{DigestBuilder, TableDigest};
 pub use frame::{
-    Decoded, ErrorCode, Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits,
-    PROTOCOL_VERSION, decode,
+    ErrorCode, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, PROTOCOL_VERSION,
 };
 pub use messages::{
     EncodeError, ErrorFrame, Goodbye, Hello, LookupRef, LookupSection, Region, RegionQuery,

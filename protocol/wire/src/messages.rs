@@ -4,21 +4,17 @@
 use thiserror::Error;
 
 use crate::digest::TableDigest;
+use crate::frame::WELCOME_HEAD_LEN;
 use crate::frame::{Cursor, ErrorCode, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits};
+pub use crate::frame::{
+    MAX_CREDENTIAL, MAX_HELLO_PAYLOAD, MAX_NAME, MAX_WELCOME_TABLES, TABLE_INFO_LEN,
+};
 use crate::row::ROW_BYTES;
 
 /// First four bytes of every Hello payload.
 pub const HELLO_MAGIC: [u8; 4] = *b"ENGR";
-/// Longest node or donor name, in bytes.
-pub const MAX_NAME: usize = 255;
-/// Longest Hello credential, in bytes.
-pub const MAX_CREDENTIAL: usize = 1024;
 /// Longest Error message, in bytes.
 pub const MAX_MESSAGE: usize = 1024;
-/// Most tables one Welcome may list.
-pub const MAX_WELCOME_TABLES: usize = 1024;
-/// Bytes per table entry in Welcome.
-pub const TABLE_INFO_LEN: usize = 48;
 /// `table_id` of an Error that concerns no table.
 pub const NO_TABLE: u32 = u32::MAX;
 /// Bytes per section header in Lookup.
@@ -29,12 +25,6 @@ pub const ROWS_SECTION_LEN: usize = 12;
 pub const LOOKUP_HEAD_LEN: usize = 8;
 /// Bytes before the sections in Rows (checksum, count, reserved).
 pub const ROWS_HEAD_LEN: usize = 16;
-const WELCOME_HEAD_LEN: usize = 16;
-/// Largest Hello payload.
-pub const MAX_HELLO_PAYLOAD: usize = 12 + MAX_NAME + MAX_CREDENTIAL;
-/// Largest payload of the frames whose size does not depend on row caps.
-pub(crate) const MAX_FIXED_PAYLOAD: usize =
-    WELCOME_HEAD_LEN + MAX_NAME + TABLE_INFO_LEN * MAX_WELCOME_TABLES;
 
 /// A value that cannot be put on the wire.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
