@@ -3,16 +3,14 @@
 //! hashing preset, where the token map comes from, the shapes, the fusion
 //! weights and which backend fuses.
 //!
-//! This file holds the types (raw, with spans, and validated); the rules
-//! live in `validate/model.rs` beside the other rules.
+//! This file holds the validated types; the table as written is
+//! `raw::RawModel`, and the rules live in `validate/model.rs` beside the
+//! other rules.
 
 use std::fmt;
 use std::path::PathBuf;
 
 use engram_protocol::hashing::Preset;
-use serde::Deserialize;
-
-use crate::raw::S;
 
 /// Most raw token ids a tokenizer or token map may have.
 pub const MAX_RAW_VOCAB: u32 = 1 << 24;
@@ -22,23 +20,6 @@ pub const MAX_HIDDEN: u32 = 65_536;
 pub const MAX_STREAMS: u32 = 64;
 /// Largest fusion weight matrix accepted, in f32 bytes per layer.
 pub const MAX_WKV_BYTES: u64 = 16 << 30;
-
-/// `[model]` as written.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawModel {
-    pub hash_preset: Option<S<String>>,
-    pub hash_base: Option<S<i64>>,
-    pub tokenizer: Option<S<String>>,
-    pub token_map: Option<S<String>>,
-    pub compressed_vocab: Option<S<i64>>,
-    pub pad_token: Option<S<i64>>,
-    pub hidden: Option<S<i64>>,
-    pub streams: Option<S<i64>>,
-    pub weights: Option<S<String>>,
-    pub weights_seed: Option<S<i64>>,
-    pub fusion: Option<S<String>>,
-}
 
 /// Where the compressed vocabulary comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]

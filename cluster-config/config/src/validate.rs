@@ -13,11 +13,12 @@ use engram_protocol::etab::MAX_ROWS;
 use engram_protocol::frame::{DEFAULT_MAX_ROWS, MAX_ROWS_CEILING};
 use engram_protocol::messages::{MAX_NAME, NO_TABLE};
 
-use crate::raw::{RawConfig, RawDonor, RawTable, RawTls, S};
+use crate::raw::{RawConfig, RawDonor, RawTable, RawTls};
 use crate::{
     Config, ConfigError, Diagnostic, Donor, Endpoint, MlockMode, Plaintext, SCHEMA_VERSION, Table,
     TlsSettings, Transport,
 };
+use toml::Spanned;
 
 /// Highest layer id accepted.
 pub const MAX_LAYER: i64 = 1023;
@@ -44,7 +45,7 @@ impl Ctx<'_> {
         });
     }
 
-    fn int(&mut self, v: &S<i64>, key: &str, lo: i64, hi: i64) -> Option<i64> {
+    fn int(&mut self, v: &Spanned<i64>, key: &str, lo: i64, hi: i64) -> Option<i64> {
         let x = *v.get_ref();
         if (lo..=hi).contains(&x) {
             Some(x)
@@ -56,7 +57,7 @@ impl Ctx<'_> {
 
     fn opt_ms(
         &mut self,
-        v: &Option<S<i64>>,
+        v: &Option<Spanned<i64>>,
         key: &str,
         default_ms: i64,
         allow_zero: bool,
@@ -69,7 +70,7 @@ impl Ctx<'_> {
         Duration::from_millis(ms as u64)
     }
 
-    fn name(&mut self, v: &S<String>, key: &str) -> String {
+    fn name(&mut self, v: &Spanned<String>, key: &str) -> String {
         let n = v.get_ref();
         let ok_chars = n
             .chars()
@@ -84,7 +85,7 @@ impl Ctx<'_> {
         n.clone()
     }
 
-    fn path(&mut self, v: &S<String>, key: &str, base: &Path) -> PathBuf {
+    fn path(&mut self, v: &Spanned<String>, key: &str, base: &Path) -> PathBuf {
         if v.get_ref().trim().is_empty() {
             self.at(v.span(), key, "a path cannot be empty");
         }
@@ -202,7 +203,7 @@ fn tls(cx: &mut Ctx<'_>, t: &RawTls, base: &Path) -> TlsSettings {
     TlsSettings { dir, ca, operators }
 }
 
-fn tables(cx: &mut Ctx<'_>, raw: &[S<RawTable>], base: &Path) -> Vec<Table> {
+fn tables(cx: &mut Ctx<'_>, raw: &[Spanned<RawTable>], base: &Path) -> Vec<Table> {
     let mut out = Vec::new();
     let mut seen = HashSet::new();
     for (i, t) in raw.iter().enumerate() {
@@ -254,9 +255,9 @@ const MAX_SOCKET_PATH: usize = 107;
 /// addresses left.
 fn host_socket(
     cx: &mut Ctx<'_>,
-    list: &S<Vec<S<String>>>,
+    list: &Spanned<Vec<Spanned<String>>>,
     key: &str,
-) -> (Option<PathBuf>, S<Vec<S<String>>>) {
+) -> (Option<PathBuf>, Spanned<Vec<Spanned<String>>>) {
     let mut socket: Option<PathBuf> = None;
     let mut rest = Vec::new();
     for (j, a) in list.get_ref().iter().enumerate() {
@@ -287,12 +288,12 @@ fn host_socket(
             "a host socket serves only its own host: list a network address beside it (tls://127.0.0.1:7410 for a host-only donor)",
         );
     }
-    (socket, S::new(list.span(), rest))
+    (socket, Spanned::new(list.span(), rest))
 }
 
 fn endpoints(
     cx: &mut Ctx<'_>,
-    list: &S<Vec<S<String>>>,
+    list: &Spanned<Vec<Spanned<String>>>,
     key: &str,
     allow_wildcard: bool,
     default: Transport,
@@ -361,7 +362,12 @@ fn endpoints(
 }
 
 /// One `IP:PORT`; with `allow_wildcard`, a bindable one (`0.0.0.0`, port 0).
-fn addr(cx: &mut Ctx<'_>, a: &S<String>, key: &str, allow_wildcard: bool) -> Option<SocketAddr> {
+fn addr(
+    cx: &mut Ctx<'_>,
+    a: &Spanned<String>,
+    key: &str,
+    allow_wildcard: bool,
+) -> Option<SocketAddr> {
     addr_str(cx, a.get_ref(), a.span(), key, allow_wildcard)
 }
 
@@ -435,7 +441,7 @@ fn ops_addrs(
 
 fn donors(
     cx: &mut Ctx<'_>,
-    raw: &[S<RawDonor>],
+    raw: &[Spanned<RawDonor>],
     tables: &[Table],
     default_transport: Transport,
     base: &Path,
@@ -463,22 +469,23 @@ fn donors(
         // `unix://PATH` is the host socket, not a network endpoint.
         let (host_socket, network) = host_socket(cx, &d.listen, &k("listen"));
         let listen = endpoints(cx, &network, &k("listen"), true, default_transport);
-        let host_ids = |cx: &mut Ctx<'_>, v: &Option<S<Vec<S<i64>>>>, key: &str| -> Vec<u32> {
-            let Some(list) = v else {
-                return Vec::new();
+        let host_ids =
+            |cx: &mut Ctx<'_>, v: &Option<Spanned<Vec<Spanned<i64>>>>, key: &str| -> Vec<u32> {
+                let Some(list) = v else {
+                    return Vec::new();
+                };
+                if host_socket.is_none() {
+                    cx.at(list.span(), key, "only beside a unix:// listen address");
+                }
+                list.get_ref()
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(j, id)| {
+                        cx.int(id, &format!("{key}[{j}]"), 0, i64::from(u32::MAX - 1))
+                    })
+                    .map(|id| id as u32)
+                    .collect()
             };
-            if host_socket.is_none() {
-                cx.at(list.span(), key, "only beside a unix:// listen address");
-            }
-            list.get_ref()
-                .iter()
-                .enumerate()
-                .filter_map(|(j, id)| {
-                    cx.int(id, &format!("{key}[{j}]"), 0, i64::from(u32::MAX - 1))
-                })
-                .map(|id| id as u32)
-                .collect()
-        };
         if let Some(n) = &d.numa_node
             && d.map_files.unwrap_or(false)
         {

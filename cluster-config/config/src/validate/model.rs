@@ -7,13 +7,14 @@ use engram_protocol::row::ROW_VALUES;
 
 use super::Ctx;
 use crate::model::{
-    FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES, Model, RawModel,
-    TokenMapSource, WeightsSource,
+    FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES, Model, TokenMapSource,
+    WeightsSource,
 };
-use crate::raw::S;
+use crate::raw::RawModel;
+use toml::Spanned;
 
 /// Validate `[model]`.
-pub(super) fn model(cx: &mut Ctx<'_>, raw: &S<RawModel>, base: &Path) -> Model {
+pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> Model {
     let span = raw.span();
     let m = raw.get_ref();
     let hashing = match (&m.hash_preset, &m.hash_base) {

@@ -5,11 +5,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{Ctx, MAX_TIMEOUT_MS};
-use crate::raw::{RawLink, RawNode, RawRoute, S};
+use crate::raw::{RawLink, RawNode, RawRoute};
 use crate::{
     Donor, Hedge, Link, MAX_INTERFACE_NAME, Node, Policy, Route, SourceRef, SsdIo, SsdIoprio,
     Table, Transport,
 };
+use toml::Spanned;
 
 /// Fastest token rate accepted (a 100 us token).
 pub const MAX_TOKENS_PER_SECOND: f64 = 10_000.0;
@@ -29,7 +30,7 @@ pub const MAX_GRACE_US: i64 = 1_000_000;
 
 pub(super) fn nodes(
     cx: &mut Ctx<'_>,
-    raw: &[S<RawNode>],
+    raw: &[Spanned<RawNode>],
     tables: &[Table],
     donors: &[Donor],
     base: &Path,
