@@ -16,7 +16,6 @@
 
 use std::sync::Arc;
 
-use cluster_config::model::FusionBackend;
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
 use engram_protocol::row::{RowError, bf16_bits_to_f32, dequantize_row_bf16};
 use engram_protocol::{ROW_BYTES, ROW_VALUES, RowBytes};
@@ -309,38 +308,6 @@ impl CpuFusion {
         }
         Ok(())
     }
-}
-
-/// The backend the config asks for: `cpu`; `gpu` (an error when no GPU
-/// backend can start); `gpu-or-cpu` (the CPU, with a warning naming why,
-/// when the GPU backend cannot start).
-pub fn backend(
-    choice: FusionBackend,
-    weights: Arc<FusionWeights>,
-) -> Result<Box<dyn Fusion>, FusionError> {
-    match choice {
-        FusionBackend::Cpu => Ok(Box::new(CpuFusion::new(weights))),
-        FusionBackend::Gpu => gpu_backend(&weights),
-        FusionBackend::GpuOrCpu => match gpu_backend(&weights) {
-            Ok(b) => Ok(b),
-            Err(e) => {
-                tracing::warn!("GPU fusion is unavailable ({e}); fusing on the CPU");
-                Ok(Box::new(CpuFusion::new(weights)))
-            }
-        },
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_backend(weights: &FusionWeights) -> Result<Box<dyn Fusion>, FusionError> {
-    Ok(Box::new(super::gpu::GpuFusion::new(weights, 0)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_backend(_: &FusionWeights) -> Result<Box<dyn Fusion>, FusionError> {
-    Err(FusionError::Gpu(
-        "this build has no GPU support (build with --features cuda)".into(),
-    ))
 }
 
 #[cfg(test)]

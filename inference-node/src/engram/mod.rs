@@ -3,16 +3,19 @@
 //! and their fusion into the hidden state.
 //!
 //! Layers: `addresses` (what `inference-node addresses` prints), `tokenmap` (raw -> compressed ids), `weights` (the fusion
-//! weights, from a checkpoint or a seed), `fusion` (the CPU path and the
-//! backend choice), `gpu` (the CUDA path, behind the `cuda` feature).
+//! weights, from a checkpoint or a seed), `fusion` (the CPU path), `gpu`
+//! (the CUDA path, behind the `cuda` feature), `backend` (which of the two
+//! the config asks for).
 
 pub mod addresses;
+pub mod backend;
 pub mod fusion;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod tokenmap;
 pub mod weights;
 
-pub use fusion::{CpuFusion, Fusion, FusionError, backend};
+pub use backend::backend;
+pub use fusion::{CpuFusion, Fusion, FusionError};
 pub use tokenmap::{TokenMap, TokenMapError};
 pub use weights::{FusionShape, FusionWeights, WeightsError};
