@@ -1,7 +1,7 @@
 //! Reading and writing `.etab` files: open and check a header, stream the
 //! logical rows in order (for verify and for loading), read the page
 //! checksums, and write a table from rows in order (for gen and pack),
-//! digest and page checksums included; [`add_page_sums`] rewrites a file
+//! digest and page checksums included; [`crate::verify::add_page_sums`] rewrites a file
 //! made before page checksums existed.
 
 use std::fs::File;
@@ -265,23 +265,6 @@ impl TableFile {
         }
         Ok(())
     }
-
-    /// Recompute the digest and check every row decodes, every slack byte is
-    /// zero and every page matches its checksum (where the file has them),
-    /// on every core up to 16 ([`crate::verify`]); the first fault in the
-    /// file is the error.
-    pub fn verify(&self, progress: Option<&mut Progress>) -> Result<TableDigest, TableFileError> {
-        self.verify_on(crate::verify::default_threads(), progress)
-    }
-
-    /// [`Self::verify`] on `threads` threads.
-    pub fn verify_on(
-        &self,
-        threads: usize,
-        progress: Option<&mut Progress>,
-    ) -> Result<TableDigest, TableFileError> {
-        crate::verify::verify(self, threads, crate::fill::SEGMENT_BYTES, progress)
-    }
 }
 
 /// Tell the kernel we are done with a range of the file, so streaming a
@@ -498,34 +481,6 @@ impl TableWriter {
     }
 }
 
-/// Rewrite a table file made before page checksums existed with its
-/// `page_xxh3` tensor: every row is checked and the digest recomputed on
-/// the way (the file is verified), the new file is written beside the old
-/// one and moves into its place only once complete, synced and matching the
-/// old digest. Needs free space for one more copy of the table.
-pub fn add_page_sums(
-    path: &Path,
-    progress: Option<&mut Progress>,
-) -> Result<TableMeta, TableFileError> {
-    let table = TableFile::open(path)?;
-    if table.has_page_sums() {
-        table.verify(progress)?;
-        return Ok(table.meta);
-    }
-    let mut writer = TableWriter::create(path, table.meta.clone())?;
-    table.for_each_chunk(true, progress, |first_row, rows| {
-        engram_protocol::row::check_rows(rows).map_err(|(i, source)| {
-            TableFileError::CorruptRow {
-                path: path.to_path_buf(),
-                row: first_row + i as u64,
-                source,
-            }
-        })?;
-        writer.write_rows(rows)
-    })?;
-    writer.finish_expecting(table.meta.digest)
-}
-
 /// Remove a file's page checksums in place (the header loses `page_xxh3`,
 /// the file its last `pages x 8` bytes): the file as builds that predate
 /// page checksums wrote it, for those builds to read, and for tests of how
@@ -656,50 +611,6 @@ mod tests {
             f.write_all_at(&b, off).expect("restore");
             assert!(t.verify(None).is_ok());
         }
-    }
-
-    #[test]
-    fn old_files_gain_page_checksums_and_keep_their_digest() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (path, data) = write(dir.path(), 1000, 1000);
-        let with_len = std::fs::metadata(&path).expect("stat").len();
-        remove_page_sums(&path).expect("strip");
-        let old = TableFile::open(&path).expect("an old file still opens");
-        assert!(!old.has_page_sums());
-        assert_eq!(old.read_page_sums().expect("read"), None);
-        let hint = old.page_sums_hint().expect("a hint");
-        assert!(hint.contains("--write-page-checksums"), "{hint}");
-        assert_eq!(
-            old.verify(None).expect("verifies"),
-            TableDigest::of_rows(&data)
-        );
-        let meta = add_page_sums(&path, None).expect("add");
-        assert_eq!(meta, old.meta);
-        let new = TableFile::open(&path).expect("open");
-        assert!(new.has_page_sums());
-        assert_eq!(std::fs::metadata(&path).expect("stat").len(), with_len);
-        assert_eq!(new.verify(None).expect("verifies"), old.meta.digest);
-        // A second run only verifies.
-        assert_eq!(add_page_sums(&path, None).expect("again"), meta);
-    }
-
-    #[test]
-    fn a_corrupt_old_file_is_left_as_it_was() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (path, _) = write(dir.path(), 100, 100);
-        remove_page_sums(&path).expect("strip");
-        let t = TableFile::open(&path).expect("open");
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .expect("open rw");
-        f.write_all_at(&[0x01], t.layout.row_offset(20).expect("row") + 3)
-            .expect("write");
-        let before = std::fs::read(&path).expect("read");
-        let e = add_page_sums(&path, None).expect_err("digest differs");
-        assert!(matches!(e, TableFileError::DigestMismatch { .. }), "{e}");
-        assert_eq!(std::fs::read(&path).expect("read"), before);
-        assert!(!dir.path().join("t.etab.partial").exists());
     }
 
     #[test]
