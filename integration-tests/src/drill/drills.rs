@@ -9,34 +9,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use inference_node::model::{Checksum, StepKind};
 
-use super::handshakes::storm_handshakes;
+use super::handshakes::{self, storm_handshakes};
 use super::report::{ensure_timing, served_by};
-use super::storm::storm;
-use super::{Env, Outcome, Placement, Plan, Rack, Report, Version};
+use super::scaffold::{FAULT_AT, HEAL_AT, begin, finish};
+pub use super::scaffold::{Opts, SECONDS};
+use super::storm::{self, storm};
+use super::{Env, Placement, Plan, Rack, Report, Version};
 use crate::netns::NetNs;
 use crate::proxy::Faults;
 use crate::sample;
-
-/// Length of each drill's run at its token rate, seconds.
-pub const SECONDS: f64 = 6.0;
-/// When the fault starts and when it ends (the donor is healthy again),
-/// seconds into the run.
-pub(super) const FAULT_AT: f64 = 2.0;
-pub(super) const HEAL_AT: f64 = 4.0;
-
-/// How the drills run.
-#[derive(Debug, Clone, Copy)]
-pub struct Opts {
-    /// The node's token rate.
-    pub tokens_per_second: f64,
-}
-
-impl Opts {
-    /// Positions in a run of `seconds`.
-    pub fn tokens(&self, seconds: f64) -> u64 {
-        (seconds * self.tokens_per_second).round() as u64
-    }
-}
 
 /// A drill.
 pub type DrillFn = fn(&Env, &Opts) -> Result<Report>;
@@ -133,16 +114,8 @@ pub const ALL: &[(&str, &str, DrillFn)] = &[
         "SIGSTOP the primary until the node opens its breaker, then SIGCONT + SIGTERM (drain while excluded)",
         hung_sigterm,
     ),
-    (
-        "storm",
-        "random bytes, oversized lengths and silent connections at the primary",
-        storm,
-    ),
-    (
-        "storm-handshakes",
-        "1,000 half-open TLS handshakes, 1,000 spoofed QUIC Initials, refused handshakes, junk datagrams and 200 silent control connections at the primary (node over TLS, an operator's status)",
-        storm_handshakes,
-    ),
+    ("storm", storm::ABOUT, storm),
+    (handshakes::NAME, handshakes::ABOUT, storm_handshakes),
 ];
 
 /// The drill named `name`.
@@ -154,52 +127,6 @@ pub(super) fn about(name: &str) -> &'static str {
     ALL.iter()
         .find(|(n, _, _)| *n == name)
         .map_or("", |(_, a, _)| a)
-}
-
-/// The node's run and its end; `expect_ok`: it must exit 0.
-pub(super) fn finish(run: super::NodeRun, o: &Opts, expect_ok: bool) -> Result<Outcome> {
-    let out = run.finish(Duration::from_secs_f64(SECONDS * 4.0 + 60.0))?;
-    if expect_ok && !out.success {
-        bail!("the node failed:\n{}", out.log);
-    }
-    let want = o.tokens(SECONDS);
-    let decoded = out
-        .steps
-        .iter()
-        .filter(|s| s.kind != StepKind::Prefill)
-        .count() as u64;
-    if expect_ok && decoded != want {
-        bail!("the node ran {decoded} decode steps, not {want}");
-    }
-    Ok(out)
-}
-
-/// Follow the run from the fault's moment to the heal's, a tenth of a
-/// second at a time, sampling donor `donor`'s open connections; the most seen.
-pub(super) fn max_open_during_fault(
-    rack: &Rack,
-    run: &mut super::NodeRun,
-    o: &Opts,
-    donor: &str,
-) -> Result<f64> {
-    let mut open_max = 0.0f64;
-    let end_step = o.tokens(HEAL_AT);
-    let mut step = o.tokens(FAULT_AT);
-    while step < end_step {
-        step = (step + o.tokens(0.1).max(1)).min(end_step);
-        run.at_step(step)?;
-        let m = rack.donor_metrics(donor)?;
-        open_max = open_max.max(sample(&m, "engram_donor_connections_open").unwrap_or(0.0));
-    }
-    Ok(open_max)
-}
-
-/// Start the plan's rack and the node, and wait for the fault's moment.
-pub(super) fn begin(env: &Env, plan: &Plan, o: &Opts) -> Result<(Rack, super::NodeRun)> {
-    let rack = Rack::start(env, plan.clone())?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
-    Ok((rack, run))
 }
 
 /// `kill -9` both donors; when.

@@ -22,10 +22,14 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use self::quic::{quic_half_open, quic_intruders, quic_junk};
-use super::drills::{FAULT_AT, Opts, SECONDS, about, finish, max_open_during_fault};
 use super::report::ensure_timing;
+use super::scaffold::{FAULT_AT, Opts, SECONDS, finish, max_open_during_fault};
 use super::{Env, Plan, Rack, Report};
 use crate::sample;
+
+/// The handshake storm's name and what it does.
+pub(super) const NAME: &str = "storm-handshakes";
+pub(super) const ABOUT: &str = "1,000 half-open TLS handshakes, 1,000 spoofed QUIC Initials, refused handshakes, junk datagrams and 200 silent control connections at the primary (node over TLS, an operator's status)";
 
 mod quic;
 
@@ -443,7 +447,6 @@ fn status_later(rack: &Rack, after: Duration) -> Result<JoinHandle<Status>> {
 /// The drill: donors on TLS and QUIC, the node on TLS; the storm at
 /// donor-a's TLS and QUIC addresses in the fault window.
 pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
-    const NAME: &str = "storm-handshakes";
     let mut plan = Plan::new(NAME);
     plan.transport = cluster_config::Transport::Tls;
     plan.also_quic = true;
@@ -495,7 +498,7 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     .map(|r| refusals(&m, "data", r));
     let control_evicted = refusals(&m, "control", "preauth_evicted");
     let out = finish(run, o, true)?;
-    let mut r = Report::check(NAME, about(NAME), env, &plan, &out)?;
+    let mut r = Report::check(NAME, ABOUT, env, &plan, &out)?;
     let during: Vec<_> = r.between(from, to).collect();
     let by_a = during
         .iter()

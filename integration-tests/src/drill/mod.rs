@@ -12,13 +12,16 @@
 //! [`Plan`] and [`Rack`] (a config and its donors, proxies and network
 //! namespaces), [`node::NodeRun`] (the paced node, its progress and the
 //! drill's events on the node's clock), [`report::Report`] (timeline,
-//! figures, checks) and [`drills`] (the drills themselves). The tests in
+//! figures, checks), `scaffold` (what every drill does: its moments,
+//! starting the rack, checking the end) and [`drills`] (the list of drills
+//! and most of them; `storm` and `handshakes` hold the storms). The tests in
 //! `tests/drills.rs` and `engram-bench drill` run the same drills.
 
 pub mod drills;
 mod handshakes;
 pub mod node;
 pub mod report;
+mod scaffold;
 mod storm;
 
 use std::collections::BTreeMap;

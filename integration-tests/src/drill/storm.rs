@@ -14,10 +14,14 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 
-use super::drills::{Opts, about, begin, finish, max_open_during_fault};
 use super::report::ensure_timing;
+use super::scaffold::{Opts, begin, finish, max_open_during_fault};
 use super::{Env, Plan, Report};
 use crate::sample;
+
+/// What the storm drill does.
+pub(super) const ABOUT: &str =
+    "random bytes, oversized lengths and silent connections at the primary";
 
 /// What the storm did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +184,7 @@ pub(super) fn storm(env: &Env, o: &Opts) -> Result<Report> {
     )
     .unwrap_or(0.0);
     let out = finish(run, o, true)?;
-    let mut r = Report::check("storm", about("storm"), env, &plan, &out)?;
+    let mut r = Report::check("storm", ABOUT, env, &plan, &out)?;
     let during: Vec<_> = r.between(from, to).collect();
     let elsewhere = during
         .iter()
