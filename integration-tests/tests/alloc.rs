@@ -205,7 +205,7 @@ fn in_process_donor(config: &Config, table: &Path) -> (tokio::runtime::Runtime, 
         .enable_all()
         .build()
         .expect("runtime");
-    let spec = memory_donor::serve::ServeSpec::from_config(config, "d").expect("spec");
+    let spec = memory_donor::spec::ServeSpec::from_config(config, "d").expect("spec");
     let (t, _) = engram_store::resident::ResidentTable::load(
         1,
         table,

@@ -123,7 +123,7 @@ struct Donor {
 
 impl Donor {
     async fn start(rack: &Rack) -> Result<Self> {
-        let spec = memory_donor::serve::ServeSpec::from_config(&rack.config, "donor-a")?;
+        let spec = memory_donor::spec::ServeSpec::from_config(&rack.config, "donor-a")?;
         let tables = (0..TABLES.len())
             .map(|i| rack.table(i, &rack.paths[i]))
             .collect::<Result<Vec<_>>>()?;

@@ -41,9 +41,9 @@ use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::orders::{Order, SwapError, SwapRequest};
 use crate::stats::Stats;
-use crate::status::{DonorStatus, LoadState, Order, Phase};
-use crate::swap::{SwapError, SwapRequest};
+use crate::status::{DonorStatus, LoadState, Phase};
 use crate::tls::DonorTls;
 use gate::{Caller, Gate, Refusal, Rpc, Rules};
 

@@ -18,9 +18,12 @@ use engram_store::progress::Progress;
 use engram_store::table_file::TableFile;
 use engram_store::verify::add_page_sums;
 use memory_donor::fdstore::FdStore;
+use memory_donor::load::load_tables;
+use memory_donor::orders::Order;
 use memory_donor::reload::ReloadSource;
-use memory_donor::serve::{OpsServers, Overrides, ServeSpec, TableSpec, load_tables, serve};
-use memory_donor::status::{DonorStatus, Order, Phase};
+use memory_donor::serve::{OpsServers, serve};
+use memory_donor::spec::{Overrides, ServeSpec, TableSpec};
+use memory_donor::status::{DonorStatus, Phase};
 use memory_donor::supervise::Ops;
 
 #[derive(Parser)]

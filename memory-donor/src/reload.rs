@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use cluster_config::Config;
 use engram_protocol::TableDigest;
 
-use crate::serve::{Overrides, ServeError, ServeSpec};
-use crate::swap::SwapRequest;
+use crate::orders::SwapRequest;
+use crate::spec::{Overrides, ServeError, ServeSpec};
 
 /// Where the config came from, to read it again.
 #[derive(Debug, Clone)]
@@ -112,7 +112,7 @@ pub fn plan(running: &ServeSpec, new: ServeSpec, served: &[Served]) -> ReloadPla
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::TableSpec;
+    use crate::spec::TableSpec;
     use engram_store::resident::ExpectedTable;
 
     fn spec(tables: &[(u32, &str, u8)]) -> ServeSpec {

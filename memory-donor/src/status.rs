@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use tokio::sync::{Notify, mpsc, watch};
 
+use crate::orders::Order;
 use crate::stats::Stats;
 
 /// The donor's phase, as health checks see it.
@@ -226,15 +227,6 @@ pub struct DonorStatus {
     order_rx: Mutex<Option<mpsc::Receiver<Order>>>,
     /// The TLS state, set once at start when the rack has a PKI.
     pub tls: std::sync::OnceLock<Arc<crate::tls::DonorTls>>,
-}
-
-/// Something the serving loop is asked to do.
-#[derive(Debug)]
-pub enum Order {
-    /// Re-read the config file (SIGHUP).
-    Reload,
-    /// Load another version of a table and switch to it (the control plane).
-    Swap(crate::swap::SwapRequest, crate::swap::Reply),
 }
 
 /// Orders waiting for the serving loop; more are refused.

@@ -18,11 +18,12 @@ use daemon_runtime::notify::Notifier;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::orders::{Order, Reply, SwapError, SwapRequest};
 use crate::reload::{self, ReloadSource, Served};
-use crate::serve::ServeSpec;
 use crate::server::Shared;
-use crate::status::{DonorStatus, Order};
-use crate::swap::{self, SwapContext, SwapError};
+use crate::spec::ServeSpec;
+use crate::status::DonorStatus;
+use crate::swap::{self, SwapContext};
 use crate::watchdog::SelfProbe;
 
 /// What the serving loop uses besides the spec.
@@ -179,7 +180,7 @@ impl Loop {
     /// A swap the control plane asked for: only a file beneath the table
     /// directories (of the config as last reloaded), opened and checked off
     /// this loop; `reply` gets the verdict once it is known.
-    fn start_swap(&mut self, req: swap::SwapRequest, reply: swap::Reply) {
+    fn start_swap(&mut self, req: SwapRequest, reply: Reply) {
         if self.status.is_drain_requested() {
             let _ = reply.send(Err(SwapError::NotServing));
             return;

@@ -29,82 +29,15 @@ use std::time::Instant;
 use daemon_runtime::notify::Notifier;
 use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
 use engram_protocol::{ROW_BYTES, TableDigest};
-use thiserror::Error;
-use tokio::sync::oneshot;
 
 use crate::fdstore::FdStore;
+use crate::orders::{SwapAccepted, SwapError, SwapRequest};
 use crate::server::Shared;
 use crate::status::{DonorStatus, LoadState};
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
 use engram_store::resident::{ExpectedTable, LoadOptions, ResidentTable};
 use engram_store::table_file::TableFile;
-
-/// A request to serve another version of a table.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SwapRequest {
-    /// The table's data-plane id.
-    pub table: u32,
-    /// The new version's file.
-    pub path: PathBuf,
-    /// The digest the file must have, if known.
-    pub expected: Option<TableDigest>,
-    /// Unload the old version first (a short outage of this table).
-    pub in_place: bool,
-}
-
-/// A swap that passed its checks and is being loaded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SwapAccepted {
-    /// The version served until the switch.
-    pub old: TableDigest,
-    /// The version being loaded.
-    pub new: TableDigest,
-    /// Row bytes of the new version.
-    pub bytes: u64,
-    /// True when the old version is unloaded first.
-    pub in_place: bool,
-}
-
-/// Where the answer to a swap order goes.
-pub type Reply = oneshot::Sender<Result<SwapAccepted, SwapError>>;
-
-/// Why a swap was refused or failed.
-#[derive(Debug, Error)]
-pub enum SwapError {
-    /// Tables are still loading, or the donor drains.
-    #[error("the donor is not serving (loading or draining)")]
-    NotServing,
-    /// Another swap is being loaded.
-    #[error("another swap is under way; try again when it is done")]
-    Busy,
-    /// The donor does not serve that table.
-    #[error("table {0} is not served by this donor")]
-    UnknownTable(u32),
-    /// The file cannot be used.
-    #[error("{0}")]
-    BadFile(String),
-    /// The file is not one this donor may load on request (outside its
-    /// table directories).
-    #[error("{0}")]
-    NotAllowed(String),
-    /// The file is not the expected version.
-    #[error("{path}: digest is {actual}, not the expected {expected}")]
-    WrongVersion {
-        path: String,
-        expected: TableDigest,
-        actual: TableDigest,
-    },
-    /// The file is the version already served.
-    #[error("table {table} is already at digest {digest}")]
-    AlreadyServed { table: u32, digest: TableDigest },
-    /// Not enough RAM.
-    #[error("{0}")]
-    NoRoom(String),
-    /// Loading the new version failed.
-    #[error("loading the new version failed: {0}")]
-    Load(String),
-}
 
 /// What a swap needs from the serving loop.
 #[derive(Debug, Clone)]
@@ -122,7 +55,7 @@ pub struct SwapContext {
     pub map_files: bool,
     /// The donor has a host socket: new versions go in a memfd its clients map.
     pub host_shared: bool,
-    /// The donor serves RDMA: see [`crate::serve::rdma_view`].
+    /// The donor serves RDMA: see [`crate::load::rdma_view`].
     pub serves_rdma: bool,
     /// The NUMA node new versions are bound to.
     pub numa_node: Option<u32>,
@@ -558,12 +491,12 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
     let opts = LoadOptions {
         pinned: Some(pin),
         trust_digest: cx.trust_digest,
-        mlock: crate::serve::lock_mode(cx.mlock),
-        backing: crate::serve::backing(cx.map_files, cx.host_shared, &cx.fd_store),
-        threads: crate::serve::load_threads(cx.load_threads),
+        mlock: crate::load::lock_mode(cx.mlock),
+        backing: crate::load::backing(cx.map_files, cx.host_shared, &cx.fd_store),
+        threads: crate::load::load_threads(cx.load_threads),
         known_file: None,
         numa_node: cx.numa_node,
-        rdma_view: crate::serve::rdma_view(cx.serves_rdma),
+        rdma_view: crate::load::rdma_view(cx.serves_rdma),
     };
     // The descriptor `prepare` checked: the name is not opened again.
     let file = p
