@@ -1,0 +1,254 @@
+//! The table tools: `memory-donor gen`, `pack`, `verify` and `inspect`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use engram_protocol::ROW_BYTES;
+use engram_store::generate::{GenSpec, generate, table_shape};
+use engram_store::pack::pack;
+use engram_store::progress::Progress;
+use engram_store::table_file::TableFile;
+use engram_store::verify::add_page_sums;
+
+/// `memory-donor gen`.
+#[derive(clap::Args)]
+pub struct GenArgs {
+    #[arg(long)]
+    layer: u32,
+    /// Rows (default: the sum of the layer's primes under --hash-preset or --hash-base).
+    #[arg(long, required_unless_present_any = ["hash_preset", "hash_base"])]
+    rows: Option<u64>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    out: PathBuf,
+    /// Hashing preset (`v41`): sizes the table and is recorded in the metadata.
+    #[arg(long)]
+    hash_preset: Option<String>,
+    /// Hashing base size (primes above base - 1): sizes the table and is recorded.
+    #[arg(long)]
+    hash_base: Option<u64>,
+    /// Generator threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+/// `memory-donor pack`.
+#[derive(clap::Args)]
+pub struct PackArgs {
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[arg(long)]
+    layer: u32,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long)]
+    hash_preset: Option<String>,
+    #[arg(long)]
+    hash_base: Option<u64>,
+}
+
+/// `memory-donor verify`.
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Give files made before page checksums existed their `page_xxh3`
+    /// tensor (verifying them on the way; needs room for one more copy
+    /// of the file while it is rewritten).
+    #[arg(long)]
+    write_page_checksums: bool,
+    /// Threads that read, check and hash (default: every core, at most
+    /// 16; fewer leave cores to a donor serving on the same machine).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    threads: Option<u16>,
+}
+
+/// `memory-donor inspect`.
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    file: PathBuf,
+    #[arg(long)]
+    json: bool,
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Write a synthetic table.
+pub fn gen_table(a: GenArgs) -> Result<()> {
+    let GenArgs {
+        layer,
+        rows,
+        seed,
+        out,
+        hash_preset,
+        hash_base,
+        threads: t,
+    } = a;
+    let (rows, hash_preset, hash_base) =
+        table_shape(layer, rows, hash_preset, hash_base).map_err(anyhow::Error::msg)?;
+    let spec = GenSpec {
+        layer,
+        rows,
+        seed,
+        hash_preset,
+        hash_base,
+        threads: t.unwrap_or_else(cores),
+    };
+    let mut p = Progress::stderr(format!("generating layer {layer}"), rows, ROW_BYTES as u64);
+    let meta = generate(&out, &spec, Some(&mut p))
+        .with_context(|| format!("generating {}", out.display()))?;
+    p.finish();
+    println!(
+        "{}: layer {} rows {} digest {}",
+        out.display(),
+        meta.layer,
+        meta.rows,
+        meta.digest
+    );
+    Ok(())
+}
+
+/// Build a table from a checkpoint.
+pub fn pack_table(a: PackArgs) -> Result<()> {
+    let PackArgs {
+        checkpoint,
+        layer,
+        out,
+        hash_preset,
+        hash_base,
+    } = a;
+    let meta = pack(&checkpoint, layer, &out, hash_preset, hash_base, |rows| {
+        Some(Progress::stderr(
+            format!("packing layer {layer}"),
+            rows,
+            ROW_BYTES as u64,
+        ))
+    })?;
+    println!(
+        "{}: layer {} rows {} digest {}",
+        out.display(),
+        meta.layer,
+        meta.rows,
+        meta.digest
+    );
+    Ok(())
+}
+
+/// Verify table files (adding page checksums where asked).
+pub fn verify(a: VerifyArgs) -> Result<()> {
+    let VerifyArgs {
+        files,
+        write_page_checksums,
+        threads,
+    } = a;
+    let threads = threads.map_or_else(engram_store::verify::default_threads, usize::from);
+    let mut failed = 0;
+    for f in &files {
+        let result = TableFile::open(f).and_then(|t| {
+            let what = if write_page_checksums && !t.has_page_sums() {
+                "adding page checksums to"
+            } else {
+                "verifying"
+            };
+            let mut p = Progress::stderr(
+                format!("{what} {}", f.display()),
+                t.meta.rows,
+                ROW_BYTES as u64,
+            );
+            let d = if write_page_checksums {
+                add_page_sums(f, Some(&mut p))?.digest
+            } else {
+                t.verify_on(threads, Some(&mut p))?
+            };
+            p.finish();
+            let t = TableFile::open(f)?;
+            Ok((t, d))
+        });
+        match result {
+            Ok((t, d)) => {
+                let sums = if t.has_page_sums() {
+                    "page checksums ok"
+                } else {
+                    "no page checksums (add them with --write-page-checksums)"
+                };
+                println!(
+                    "{}: ok: layer {} rows {} digest {d}; {sums}",
+                    f.display(),
+                    t.meta.layer,
+                    t.meta.rows
+                );
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} of {} tables failed verification", files.len());
+    }
+    Ok(())
+}
+
+/// Print a table's metadata.
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    let (file, json) = (a.file.as_path(), a.json);
+    let t = TableFile::open(file)?;
+    let m = &t.meta;
+    if json {
+        let v = serde_json::json!({
+            "path": file.display().to_string(),
+            "format_version": engram_protocol::etab::FORMAT_VERSION,
+            "encoding": engram_protocol::etab::ENCODING,
+            "layer": m.layer,
+            "rows": m.rows,
+            "pages": t.layout.pages,
+            "data_start": t.layout.data_start,
+            "file_len": t.layout.file_len(),
+            "page_checksums": t.has_page_sums().then_some("xxh3_64"),
+            "digest": m.digest.to_hex(),
+            "digest_prefix": format!("{:016x}", m.digest.prefix()),
+            "hash_preset": m.hash_preset,
+            "hash_base": m.hash_base,
+            "source": m.source,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("file:        {}", file.display());
+        println!(
+            "format:      {} v{} ({})",
+            engram_protocol::etab::FORMAT_NAME,
+            engram_protocol::etab::FORMAT_VERSION,
+            engram_protocol::etab::ENCODING
+        );
+        println!("layer:       {}", m.layer);
+        println!(
+            "rows:        {} ({:.2} GiB of rows)",
+            m.rows,
+            (m.rows * ROW_BYTES as u64) as f64 / (1u64 << 30) as f64
+        );
+        println!(
+            "pages:       {} x 4096 bytes from offset {}",
+            t.layout.pages, t.layout.data_start
+        );
+        println!(
+            "checksums:   {}",
+            if t.has_page_sums() {
+                "XXH3-64 per page (page_xxh3)"
+            } else {
+                "none (add with `memory-donor verify --write-page-checksums`)"
+            }
+        );
+        println!("digest:      {}", m.digest);
+        println!(
+            "hashing:     preset {} base {}",
+            m.hash_preset.as_deref().unwrap_or("-"),
+            m.hash_base.map_or("-".into(), |b| b.to_string())
+        );
+        println!("source:      {}", m.source);
+    }
+    Ok(())
+}
