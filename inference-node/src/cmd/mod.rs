@@ -1,6 +1,11 @@
-//! Subcommands that run the node's model: `run` (a paced run over an
-//! input, with a trace and a summary) and `serve` (the daemon).
+//! One module per subcommand: `run` (a paced run over an input, with a
+//! trace and a summary) and `serve` (the daemon) run the node's model;
+//! `fetch` (rows by hand), `canary` (paced random lookups) and `engram`
+//! (`addresses`, `token-map`, `gpu-check`) are tools.
 
+pub mod canary;
+pub mod engram;
+pub mod fetch;
 pub mod run;
 pub mod serve;
 
