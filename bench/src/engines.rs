@@ -212,16 +212,7 @@ fn compile_c(out: &Path) -> Result<PathBuf> {
 
 /// Run it.
 pub fn run(args: &EnginesArgs) -> Result<()> {
-    if args.steps < 100 || args.repeat == 0 || args.paced_repeat == 0 {
-        bail!("--steps must be at least 100, --repeat and --paced-repeat at least 1");
-    }
-    if args
-        .rates
-        .iter()
-        .any(|r| !(r.is_finite() && *r > 0.0 && *r <= 10_000.0))
-    {
-        bail!("--rates must be token rates (0 < rate <= 10000)");
-    }
+    check_args(args)?;
     rack::kill_children_on_interrupt()?;
     let out = &rack::work_dir(&args.out)?;
     if args.pss {
@@ -237,145 +228,10 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     let config = &rk.config;
     let donor = Child::launch_donor(config, "donor-a", &[])?;
     donor.wait_ready(Duration::from_secs(120))?;
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    let pin = args.pin && cpus >= 2;
-    if args.pin && !pin {
-        eprintln!("--pin needs two CPUs or more; running unpinned");
-    }
-    if pin {
-        let st = Command::new("taskset")
-            .args([
-                "-a",
-                "-cp",
-                &(cpus - 1).to_string(),
-                &donor.pid().to_string(),
-            ])
-            .stdout(std::process::Stdio::null())
-            .status()
-            .context("running taskset (util-linux)")?;
-        if !st.success() {
-            bail!("taskset could not pin the donor");
-        }
-    }
-    // A client process, pinned to CPU 0 with --pin.
-    let client = |program: &Path| {
-        if pin {
-            let mut c = Command::new("taskset");
-            c.args(["-c", "0"]).arg(program);
-            c
-        } else {
-            Command::new(program)
-        }
-    };
-    let c_prog = compile_c(out)?;
-    let pkg = out.join("python");
-    rack_harness::python_package(&pkg)?;
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = |script: &str| {
-        let mut cmd = client(Path::new("python3"));
-        cmd.arg(root.join(script)).env("PYTHONPATH", &pkg);
-        cmd
-    };
-    let (steps, warmup) = (args.steps.to_string(), args.warmup.to_string());
-    let config_s = config.display().to_string();
-
-    let names = ["Rust", "C", "Python"];
-    let mut rounds: [Vec<Lat>; 3] = Default::default();
-    for r in 0..args.repeat {
-        for k in 0..3 {
-            let lang = (r + k) % 3;
-            eprintln!("round {}/{}: {}", r + 1, args.repeat, names[lang]);
-            let lat = match lang {
-                0 => {
-                    let mut cmd = client(&std::env::current_exe()?);
-                    cmd.args(["engines-rust-side", &config_s, "donor", &steps, &warmup]);
-                    json_of(cmd, "the Rust benchmark")?
-                }
-                1 => {
-                    let mut cmd = client(&c_prog);
-                    cmd.args([&config_s, "donor", &steps, &warmup]);
-                    json_of(cmd, "the C benchmark")?
-                }
-                _ => {
-                    let mut cmd = python("bench/engines/lookup_bench.py");
-                    cmd.args([&config_s, "donor", &steps, &warmup]);
-                    json_of(cmd, "the Python benchmark")?
-                }
-            };
-            rounds[lang].push(lat);
-        }
-    }
-    let med = |v: &[Lat], f: fn(&Lat) -> f64| median(v.iter().map(f).collect());
-    let rust = (med(&rounds[0], |l| l.p50_us), med(&rounds[0], |l| l.p99_us));
-    let languages: Vec<Language> = names
-        .iter()
-        .zip(&rounds)
-        .map(|(name, rs)| {
-            let (p50, p99) = (med(rs, |l| l.p50_us), med(rs, |l| l.p99_us));
-            Language {
-                language: (*name).into(),
-                p50_us: p50,
-                p99_us: p99,
-                mean_us: med(rs, |l| l.mean_us),
-                p50_over_rust: p50 / rust.0,
-                p99_over_rust: p99 / rust.1,
-                within_target: p50 / rust.0 <= P50_TARGET && p99 / rust.1 <= P99_TARGET,
-                rounds: rs.clone(),
-            }
-        })
-        .collect();
-
-    let mut paced = Vec::new();
-    for &rate in &args.rates {
-        let tokens = ((rate * args.seconds_per_point).round() as u64).max(10);
-        let (mut node_runs, mut python_runs) = (Vec::new(), Vec::new());
-        for r in 0..args.paced_repeat {
-            eprintln!(
-                "paced {rate} tokens/s, round {}/{}",
-                r + 1,
-                args.paced_repeat
-            );
-            let stdout = out.join("node-summary.json");
-            rack::run_node(
-                config,
-                "donor",
-                &[
-                    "--tokens".into(),
-                    tokens.to_string(),
-                    "--tokens-per-second".into(),
-                    rate.to_string(),
-                    "--json".into(),
-                    "--quiet".into(),
-                ],
-                &stdout,
-                Duration::from_secs(600),
-            )?;
-            let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stdout)?)?;
-            node_runs.push(s["tokens_per_second"].as_f64().context("node tokens/s")?);
-            let mut cmd = python("inference-node/python/examples/paced.py");
-            cmd.args([
-                &config_s,
-                "donor",
-                "--rate",
-                &rate.to_string(),
-                "--tokens",
-                &tokens.to_string(),
-                "--json",
-            ]);
-            let p: serde_json::Value = json_of(cmd, "the paced Python example")?;
-            python_runs.push(p["tokens_per_second"].as_f64().context("python tokens/s")?);
-        }
-        let (n, p) = (median(node_runs.clone()), median(python_runs.clone()));
-        paced.push(Paced {
-            rate,
-            node_tokens_per_second: n,
-            python_tokens_per_second: p,
-            python_over_node: p / n,
-            within_target: (p / n - 1.0).abs() <= PACED_TARGET,
-            node_runs,
-            python_runs,
-        });
-    }
+    let pin = pin_donor(&donor, args.pin)?;
+    let clients = Clients::new(out, config, pin)?;
+    let languages = step_rounds(args, &clients)?;
+    let paced = paced_rounds(args, &clients, out)?;
     drop(donor);
 
     let missed = languages.iter().filter(|l| !l.within_target).count()
@@ -397,14 +253,213 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
     std::fs::write(out.join("engines.json"), &json)?;
     if args.json {
         println!("{json}");
-        return Ok(());
+    } else {
+        print_report(args, &report, out);
     }
+    Ok(())
+}
+
+fn check_args(args: &EnginesArgs) -> Result<()> {
+    if args.steps < 100 || args.repeat == 0 || args.paced_repeat == 0 {
+        bail!("--steps must be at least 100, --repeat and --paced-repeat at least 1");
+    }
+    if args
+        .rates
+        .iter()
+        .any(|r| !(r.is_finite() && *r > 0.0 && *r <= 10_000.0))
+    {
+        bail!("--rates must be token rates (0 < rate <= 10000)");
+    }
+    Ok(())
+}
+
+/// With `asked` and two CPUs or more, pin the donor to the last CPU (the
+/// clients then run on CPU 0); whether it was pinned.
+fn pin_donor(donor: &Child, asked: bool) -> Result<bool> {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let pin = asked && cpus >= 2;
+    if asked && !pin {
+        eprintln!("--pin needs two CPUs or more; running unpinned");
+    }
+    if pin {
+        let st = Command::new("taskset")
+            .args([
+                "-a",
+                "-cp",
+                &(cpus - 1).to_string(),
+                &donor.pid().to_string(),
+            ])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .context("running taskset (util-linux)")?;
+        if !st.success() {
+            bail!("taskset could not pin the donor");
+        }
+    }
+    Ok(pin)
+}
+
+/// How the client processes are started: pinned to CPU 0 with `--pin`,
+/// the C program built, the Python package importable.
+struct Clients {
+    pin: bool,
+    c_prog: PathBuf,
+    pkg: PathBuf,
+    root: PathBuf,
+    config: String,
+    config_path: PathBuf,
+}
+
+impl Clients {
+    fn new(out: &Path, config: &Path, pin: bool) -> Result<Self> {
+        let c_prog = compile_c(out)?;
+        let pkg = out.join("python");
+        rack_harness::python_package(&pkg)?;
+        Ok(Self {
+            pin,
+            c_prog,
+            pkg,
+            root: Path::new(env!("CARGO_MANIFEST_DIR")).join(".."),
+            config: config.display().to_string(),
+            config_path: config.to_path_buf(),
+        })
+    }
+
+    /// A client process running `program`.
+    fn command(&self, program: &Path) -> Command {
+        if self.pin {
+            let mut c = Command::new("taskset");
+            c.args(["-c", "0"]).arg(program);
+            c
+        } else {
+            Command::new(program)
+        }
+    }
+
+    /// A client process running the repository's Python `script`.
+    fn python(&self, script: &str) -> Command {
+        let mut cmd = self.command(Path::new("python3"));
+        cmd.arg(self.root.join(script)).env("PYTHONPATH", &self.pkg);
+        cmd
+    }
+}
+
+/// The step benchmark in each language, `--repeat` rounds in a rotating
+/// order; medians against Rust's.
+fn step_rounds(args: &EnginesArgs, cl: &Clients) -> Result<Vec<Language>> {
+    let (steps, warmup) = (args.steps.to_string(), args.warmup.to_string());
+    let config = &cl.config;
+    let names = ["Rust", "C", "Python"];
+    let mut rounds: [Vec<Lat>; 3] = Default::default();
+    for r in 0..args.repeat {
+        for k in 0..3 {
+            let lang = (r + k) % 3;
+            eprintln!("round {}/{}: {}", r + 1, args.repeat, names[lang]);
+            let lat = match lang {
+                0 => {
+                    let mut cmd = cl.command(&std::env::current_exe()?);
+                    cmd.args(["engines-rust-side", config, "donor", &steps, &warmup]);
+                    json_of(cmd, "the Rust benchmark")?
+                }
+                1 => {
+                    let mut cmd = cl.command(&cl.c_prog);
+                    cmd.args([config, "donor", &steps, &warmup]);
+                    json_of(cmd, "the C benchmark")?
+                }
+                _ => {
+                    let mut cmd = cl.python("bench/engines/lookup_bench.py");
+                    cmd.args([config, "donor", &steps, &warmup]);
+                    json_of(cmd, "the Python benchmark")?
+                }
+            };
+            rounds[lang].push(lat);
+        }
+    }
+    let med = |v: &[Lat], f: fn(&Lat) -> f64| median(v.iter().map(f).collect());
+    let rust = (med(&rounds[0], |l| l.p50_us), med(&rounds[0], |l| l.p99_us));
+    Ok(names
+        .iter()
+        .zip(&rounds)
+        .map(|(name, rs)| {
+            let (p50, p99) = (med(rs, |l| l.p50_us), med(rs, |l| l.p99_us));
+            Language {
+                language: (*name).into(),
+                p50_us: p50,
+                p99_us: p99,
+                mean_us: med(rs, |l| l.mean_us),
+                p50_over_rust: p50 / rust.0,
+                p99_over_rust: p99 / rust.1,
+                within_target: p50 / rust.0 <= P50_TARGET && p99 / rust.1 <= P99_TARGET,
+                rounds: rs.clone(),
+            }
+        })
+        .collect())
+}
+
+/// The paced loop at each rate: the node's own and the Python example's
+/// tokens/s, `--paced-repeat` runs each.
+fn paced_rounds(args: &EnginesArgs, cl: &Clients, out: &Path) -> Result<Vec<Paced>> {
+    let mut paced = Vec::new();
+    for &rate in &args.rates {
+        let tokens = ((rate * args.seconds_per_point).round() as u64).max(10);
+        let (mut node_runs, mut python_runs) = (Vec::new(), Vec::new());
+        for r in 0..args.paced_repeat {
+            eprintln!(
+                "paced {rate} tokens/s, round {}/{}",
+                r + 1,
+                args.paced_repeat
+            );
+            let stdout = out.join("node-summary.json");
+            rack::run_node(
+                &cl.config_path,
+                "donor",
+                &[
+                    "--tokens".into(),
+                    tokens.to_string(),
+                    "--tokens-per-second".into(),
+                    rate.to_string(),
+                    "--json".into(),
+                    "--quiet".into(),
+                ],
+                &stdout,
+                Duration::from_secs(600),
+            )?;
+            let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stdout)?)?;
+            node_runs.push(s["tokens_per_second"].as_f64().context("node tokens/s")?);
+            let mut cmd = cl.python("inference-node/python/examples/paced.py");
+            cmd.args([
+                &cl.config,
+                "donor",
+                "--rate",
+                &rate.to_string(),
+                "--tokens",
+                &tokens.to_string(),
+                "--json",
+            ]);
+            let p: serde_json::Value = json_of(cmd, "the paced Python example")?;
+            python_runs.push(p["tokens_per_second"].as_f64().context("python tokens/s")?);
+        }
+        let (n, p) = (median(node_runs.clone()), median(python_runs.clone()));
+        paced.push(Paced {
+            rate,
+            node_tokens_per_second: n,
+            python_tokens_per_second: p,
+            python_over_node: p / n,
+            within_target: (p / n - 1.0).abs() <= PACED_TARGET,
+            node_runs,
+            python_runs,
+        });
+    }
+    Ok(paced)
+}
+
+fn print_report(args: &EnginesArgs, report: &Report, out: &Path) {
     println!(
         "One step (prefetch of one token, waits for both layers' rows) from a donor over {}, {} steps x {} rounds{}, medians:",
         args.transport,
         args.steps,
         args.repeat,
-        if pin {
+        if report.pinned {
             ", pinned (donor: last CPU, clients: CPU 0)"
         } else {
             ""
@@ -459,5 +514,4 @@ pub fn run(args: &EnginesArgs) -> Result<()> {
         report.missed,
         out.display()
     );
-    Ok(())
 }
