@@ -251,37 +251,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     let file = std::fs::canonicalize(&args.file)?;
     let bytes = std::fs::metadata(&file)?.len();
-    let names: [(&'static str, bool); 16] = [
-        ("hash floor: BLAKE3 of the file, all cores, warm", true),
-        ("read floor: the file read, all cores, warm", true),
-        ("memory floor: fresh memory written, all cores", true),
-        (
-            "donor start (the file's pages, the default), verified, warm",
-            false,
-        ),
-        (
-            "donor start (the file's pages), --trust-digest, warm",
-            false,
-        ),
-        ("read floor: the file read, all cores, cold", true),
-        ("donor start (the file's pages), verified, cold", false),
-        (
-            "donor start (the file's pages), verified, 1 load thread, warm",
-            false,
-        ),
-        (
-            "donor start, --copy-tables, verified, warm, memory the host took back",
-            false,
-        ),
-        ("donor restart from the fd store (the file's pages)", false),
-        ("donor start, --copy-tables, verified, warm", false),
-        ("donor start, --copy-tables, --trust-digest, warm", false),
-        ("donor start, --copy-tables, verified, cold", false),
-        ("memory-donor verify, cold", false),
-        ("memory-donor verify --threads 1, cold", false),
-        ("donor restart from the fd store, --copy-tables", false),
-    ];
-    let mut series: Vec<Series> = names
+    let mut series: Vec<Series> = SERIES
         .iter()
         .map(|&(name, floor)| Series {
             name,
@@ -290,61 +260,156 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         })
         .collect();
     let scratch = tempfile::tempdir()?;
-    let rows_bytes = bytes / 4096 * 3960;
-    // Page cache warm (the donor drops the file's pages behind it as it
-    // loads) and memory the host has backed, before each warm series.
-    let warm = |f: &Path| -> Result<()> {
-        read_all(f)?;
-        touch_memory(rows_bytes)?;
-        Ok(())
-    };
     for round in 0..args.rounds.max(1) {
         eprintln!("round {} of {}", round + 1, args.rounds.max(1));
-        warm(&file)?;
-        series[0].secs.push(hash_all(&file)?.as_secs_f64());
-        series[1].secs.push(read_all(&file)?.as_secs_f64());
-        touch_memory(rows_bytes)?;
-        series[2].secs.push(touch_memory(rows_bytes)?.as_secs_f64());
-        warm(&file)?;
-        series[3].secs.push(donor(&file, &[])?);
-        warm(&file)?;
-        series[4].secs.push(donor(&file, &["--trust-digest"])?);
-        drop_cache(&file)?;
-        series[5].secs.push(read_all(&file)?.as_secs_f64());
-        drop_cache(&file)?;
-        touch_memory(rows_bytes)?;
-        series[6].secs.push(donor(&file, &[])?);
-        warm(&file)?;
-        series[7].secs.push(donor(&file, &["--load-threads", "1"])?);
-        read_all(&file)?;
-        // Long enough for the host to take freed memory back.
-        std::thread::sleep(Duration::from_secs(4));
-        series[8].secs.push(donor(&file, &[COPY])?);
-        warm(&file)?;
-        series[9]
-            .secs
-            .push(restart_from_store(&file, scratch.path(), &[])?);
-        warm(&file)?;
-        series[10].secs.push(donor(&file, &[COPY])?);
-        warm(&file)?;
-        series[11]
-            .secs
-            .push(donor(&file, &[COPY, "--trust-digest"])?);
-        drop_cache(&file)?;
-        touch_memory(rows_bytes)?;
-        series[12].secs.push(donor(&file, &[COPY])?);
-        drop_cache(&file)?;
-        series[13].secs.push(verify(&file, &[])?);
-        drop_cache(&file)?;
-        series[14].secs.push(verify(&file, &["--threads", "1"])?);
-        warm(&file)?;
-        series[15]
-            .secs
-            .push(restart_from_store(&file, scratch.path(), &[COPY])?);
+        measure_round(&mut series, &file, bytes, scratch.path())?;
     }
     let med: Vec<f64> = series.iter().map(|s| median(s.secs.clone())).collect();
+    let (targets, figures) = targets_and_figures(&med);
+    let chart = Bars {
+        title: format!(
+            "engram-bench load: {:.2} GB table file, {} cores (medians of {} rounds)",
+            bytes as f64 / 1e9,
+            fill::cores(),
+            args.rounds.max(1)
+        ),
+        unit: "seconds".into(),
+        bars: series
+            .iter()
+            .zip(&med)
+            .map(|(s, m)| Bar {
+                label: s.name.into(),
+                value: *m,
+                floor: s.floor,
+            })
+            .collect(),
+    };
+    let (svg, png) = chart.write_both(&args.out.join("load"))?;
+    let out = Outcome {
+        file: &file,
+        bytes,
+        rounds: args.rounds.max(1),
+        series: &series,
+        med: &med,
+        targets: &targets,
+        figures: &figures,
+        charts: [&svg, &png],
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out.json())?);
+    } else {
+        out.print();
+    }
+    Ok(())
+}
+
+/// What a run measured, for its report.
+struct Outcome<'a> {
+    file: &'a Path,
+    bytes: u64,
+    rounds: usize,
+    series: &'a [Series],
+    med: &'a [f64],
+    targets: &'a [Target],
+    figures: &'a [(&'static str, f64)],
+    charts: [&'a Path; 2],
+}
+
+impl Outcome<'_> {
+    fn json(&self) -> serde_json::Value {
+        let (file, bytes, series, med, targets, figures) = (
+            self.file,
+            self.bytes,
+            self.series,
+            self.med,
+            self.targets,
+            self.figures,
+        );
+        let [svg, png] = self.charts;
+        serde_json::json!({
+            "benchmark": "load",
+            "file": file,
+            "file_bytes": bytes,
+            "cores": fill::cores(),
+            "rounds": self.rounds,
+            "series": series.iter().zip(med).map(|(s, m)| serde_json::json!({
+                "name": s.name,
+                "floor": s.floor,
+                "seconds": s.secs,
+                "median_seconds": m,
+                "gb_per_s": bytes as f64 / 1e9 / m,
+            })).collect::<Vec<_>>(),
+            "targets": targets.iter().map(|(name, v, t)| serde_json::json!({
+                "name": name, "value": v, "target": t, "met": v <= t,
+            })).collect::<Vec<_>>(),
+            "figures": figures.iter().map(|(name, v)| serde_json::json!({
+                "name": name, "value": v,
+            })).collect::<Vec<_>>(),
+            "chart": [svg, png],
+        })
+    }
+
+    fn print(&self) {
+        let (file, bytes, series, med, targets, figures) = (
+            self.file,
+            self.bytes,
+            self.series,
+            self.med,
+            self.targets,
+            self.figures,
+        );
+        let [svg, png] = self.charts;
+        println!(
+            "table file {} ({:.2} GB), {} cores, medians of {} rounds",
+            file.display(),
+            bytes as f64 / 1e9,
+            fill::cores(),
+            self.rounds
+        );
+        let rows: Vec<Vec<String>> = series
+            .iter()
+            .zip(med)
+            .map(|(s, m)| {
+                let all: Vec<String> = s.secs.iter().map(|x| format!("{x:.3}")).collect();
+                vec![
+                    s.name.to_string(),
+                    format!("{m:.3}"),
+                    format!("{:.2}", bytes as f64 / 1e9 / m),
+                    all.join(" "),
+                ]
+            })
+            .collect();
+        print_table(&["series", "median s", "GB/s", "rounds (s)"], &rows);
+        println!();
+        let rows: Vec<Vec<String>> = targets
+            .iter()
+            .map(|(name, v, t)| {
+                vec![
+                    name.to_string(),
+                    format!("{v:.2}"),
+                    format!("<= {t}"),
+                    if *v <= *t { "met" } else { "NOT met" }.to_string(),
+                ]
+            })
+            .collect();
+        print_table(&["target", "value", "target", ""], &rows);
+        println!();
+        let rows: Vec<Vec<String>> = figures
+            .iter()
+            .map(|(name, v)| vec![name.to_string(), format!("{v:.2}")])
+            .collect();
+        print_table(&["figure", "value"], &rows);
+        println!("chart: {} {}", svg.display(), png.display());
+    }
+}
+
+/// A target: name, value, the most it may be.
+type Target = (&'static str, f64, f64);
+
+/// The targets and the figures without one, from the series' medians.
+fn targets_and_figures(med: &[f64]) -> ([Target; 8], [(&'static str, f64); 2]) {
     let ratio = |a: usize, b: usize| med[a] / med[b];
-    let targets = [
+    let targets: [Target; 8] = [
         ("verified warm / hash floor", ratio(3, 0), 1.5),
         ("trust-digest warm / read floor warm", ratio(4, 1), 2.0),
         ("verified cold / read floor cold", ratio(6, 5), 1.2),
@@ -379,90 +444,91 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         ("verify cold / read floor cold", ratio(13, 5)),
         ("verify on 1 thread / verify on every core", ratio(14, 13)),
     ];
-    let chart = Bars {
-        title: format!(
-            "engram-bench load: {:.2} GB table file, {} cores (medians of {} rounds)",
-            bytes as f64 / 1e9,
-            fill::cores(),
-            args.rounds.max(1)
-        ),
-        unit: "seconds".into(),
-        bars: series
-            .iter()
-            .zip(&med)
-            .map(|(s, m)| Bar {
-                label: s.name.into(),
-                value: *m,
-                floor: s.floor,
-            })
-            .collect(),
+    (targets, figures)
+}
+
+/// One round of every series, each measured after the cache and memory
+/// state it names: the page cache warm (the donor drops the file's pages
+/// behind it as it loads) and memory the host has backed, or the file's
+/// pages dropped.
+fn measure_round(series: &mut [Series], file: &Path, bytes: u64, scratch: &Path) -> Result<()> {
+    let rows_bytes = bytes / 4096 * 3960;
+    let warm = |f: &Path| -> Result<()> {
+        read_all(f)?;
+        touch_memory(rows_bytes)?;
+        Ok(())
     };
-    let (svg, png) = chart.write_both(&args.out.join("load"))?;
-    if args.json {
-        let v = serde_json::json!({
-            "benchmark": "load",
-            "file": file,
-            "file_bytes": bytes,
-            "cores": fill::cores(),
-            "rounds": args.rounds.max(1),
-            "series": series.iter().zip(&med).map(|(s, m)| serde_json::json!({
-                "name": s.name,
-                "floor": s.floor,
-                "seconds": s.secs,
-                "median_seconds": m,
-                "gb_per_s": bytes as f64 / 1e9 / m,
-            })).collect::<Vec<_>>(),
-            "targets": targets.iter().map(|(name, v, t)| serde_json::json!({
-                "name": name, "value": v, "target": t, "met": v <= t,
-            })).collect::<Vec<_>>(),
-            "figures": figures.iter().map(|(name, v)| serde_json::json!({
-                "name": name, "value": v,
-            })).collect::<Vec<_>>(),
-            "chart": [svg, png],
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    println!(
-        "table file {} ({:.2} GB), {} cores, medians of {} rounds",
-        file.display(),
-        bytes as f64 / 1e9,
-        fill::cores(),
-        args.rounds.max(1)
-    );
-    let rows: Vec<Vec<String>> = series
-        .iter()
-        .zip(&med)
-        .map(|(s, m)| {
-            let all: Vec<String> = s.secs.iter().map(|x| format!("{x:.3}")).collect();
-            vec![
-                s.name.to_string(),
-                format!("{m:.3}"),
-                format!("{:.2}", bytes as f64 / 1e9 / m),
-                all.join(" "),
-            ]
-        })
-        .collect();
-    print_table(&["series", "median s", "GB/s", "rounds (s)"], &rows);
-    println!();
-    let rows: Vec<Vec<String>> = targets
-        .iter()
-        .map(|(name, v, t)| {
-            vec![
-                name.to_string(),
-                format!("{v:.2}"),
-                format!("<= {t}"),
-                if *v <= *t { "met" } else { "NOT met" }.to_string(),
-            ]
-        })
-        .collect();
-    print_table(&["target", "value", "target", ""], &rows);
-    println!();
-    let rows: Vec<Vec<String>> = figures
-        .iter()
-        .map(|(name, v)| vec![name.to_string(), format!("{v:.2}")])
-        .collect();
-    print_table(&["figure", "value"], &rows);
-    println!("chart: {} {}", svg.display(), png.display());
+    warm(file)?;
+    series[0].secs.push(hash_all(file)?.as_secs_f64());
+    series[1].secs.push(read_all(file)?.as_secs_f64());
+    touch_memory(rows_bytes)?;
+    series[2].secs.push(touch_memory(rows_bytes)?.as_secs_f64());
+    warm(file)?;
+    series[3].secs.push(donor(file, &[])?);
+    warm(file)?;
+    series[4].secs.push(donor(file, &["--trust-digest"])?);
+    drop_cache(file)?;
+    series[5].secs.push(read_all(file)?.as_secs_f64());
+    drop_cache(file)?;
+    touch_memory(rows_bytes)?;
+    series[6].secs.push(donor(file, &[])?);
+    warm(file)?;
+    series[7].secs.push(donor(file, &["--load-threads", "1"])?);
+    read_all(file)?;
+    // Long enough for the host to take freed memory back.
+    std::thread::sleep(Duration::from_secs(4));
+    series[8].secs.push(donor(file, &[COPY])?);
+    warm(file)?;
+    series[9].secs.push(restart_from_store(file, scratch, &[])?);
+    warm(file)?;
+    series[10].secs.push(donor(file, &[COPY])?);
+    warm(file)?;
+    series[11]
+        .secs
+        .push(donor(file, &[COPY, "--trust-digest"])?);
+    drop_cache(file)?;
+    touch_memory(rows_bytes)?;
+    series[12].secs.push(donor(file, &[COPY])?);
+    drop_cache(file)?;
+    series[13].secs.push(verify(file, &[])?);
+    drop_cache(file)?;
+    series[14].secs.push(verify(file, &["--threads", "1"])?);
+    warm(file)?;
+    series[15]
+        .secs
+        .push(restart_from_store(file, scratch, &[COPY])?);
     Ok(())
 }
+
+/// The series, in the order a round measures them: name, and whether it
+/// is a floor.
+const SERIES: [(&str, bool); 16] = [
+    ("hash floor: BLAKE3 of the file, all cores, warm", true),
+    ("read floor: the file read, all cores, warm", true),
+    ("memory floor: fresh memory written, all cores", true),
+    (
+        "donor start (the file's pages, the default), verified, warm",
+        false,
+    ),
+    (
+        "donor start (the file's pages), --trust-digest, warm",
+        false,
+    ),
+    ("read floor: the file read, all cores, cold", true),
+    ("donor start (the file's pages), verified, cold", false),
+    (
+        "donor start (the file's pages), verified, 1 load thread, warm",
+        false,
+    ),
+    (
+        "donor start, --copy-tables, verified, warm, memory the host took back",
+        false,
+    ),
+    ("donor restart from the fd store (the file's pages)", false),
+    ("donor start, --copy-tables, verified, warm", false),
+    ("donor start, --copy-tables, --trust-digest, warm", false),
+    ("donor start, --copy-tables, verified, cold", false),
+    ("memory-donor verify, cold", false),
+    ("memory-donor verify --threads 1, cold", false),
+    ("donor restart from the fd store, --copy-tables", false),
+];
