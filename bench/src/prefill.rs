@@ -305,189 +305,31 @@ fn prompt_rows(rng: &mut SplitMix64, n: usize, rows: u64) -> Vec<u64> {
 
 /// Run `engram-bench prefill`.
 pub fn run(args: &PrefillArgs) -> Result<()> {
-    if args.lengths.is_empty() || args.rounds == 0 || args.transports.is_empty() {
-        bail!("--lengths, --transports and --rounds must not be empty or zero");
-    }
-    let max_rows = args.lengths.iter().max().copied().unwrap_or(0) * 24;
-    if (args.rows as usize) < max_rows * 2 {
-        bail!(
-            "--rows {} is too few for {} distinct rows per table: give at least {}",
-            args.rows,
-            max_rows,
-            max_rows * 2
-        );
-    }
-    NetNs::check()
-        .map_err(|e| anyhow::anyhow!("the prefill bench needs network namespaces: {e}"))?;
-    std::fs::create_dir_all(&args.out)?;
-    // Absolute: the rack config names the table files, and a config's
-    // relative paths are taken from the config's own directory.
-    let out =
-        std::fs::canonicalize(&args.out).with_context(|| format!("{}", args.out.display()))?;
-    let mut pinned = Vec::new();
-    let mut files = Vec::new();
-    for (i, &t) in TABLES.iter().enumerate() {
-        let (path, digest) = gen_table(&out, &format!("prefill-{t}"), t, args.rows, 11 + i as u64)?;
-        pinned.push((t, digest));
-        files.push(path);
-    }
-    // Two namespaces, each with a donor and a floor server, links shaped.
-    let mut spaces = Vec::new();
-    for name in ["a", "b"] {
-        let ns = NetNs::create(&format!("prefill{name}"))?;
-        if args.link_mbit > 0 {
-            ns.shape(args.link_mbit)?;
-        }
-        spaces.push(ns);
-    }
-    let tables: Vec<(u32, TableDigest, PathBuf)> = pinned
-        .iter()
-        .zip(&files)
-        .map(|(&(t, d), p)| (t, d, p.clone()))
-        .collect();
-    let ips = [spaces[0].addr(), spaces[1].addr()];
-    let rack = write_rack(&out, &tables, args.rows, ips, &args.transports)?;
-    let mut donors = Vec::new();
-    let mut floors = Vec::new();
-    for (name, ns) in ["a", "b"].into_iter().zip(&spaces) {
-        let mut cmd = ns.command(bin("memory-donor"));
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(&rack.path)
-            .arg("--name")
-            .arg(format!("donor-{name}"))
-            .arg("--trust-digest")
-            .env("RUST_LOG", "info");
-        let donor = DonorProcess::spawn(cmd).with_context(|| format!("starting donor-{name}"))?;
-        let mut fcmd = ns.command(std::env::current_exe()?);
-        fcmd.args([
-            "prefill-floor-server",
-            "--listen",
-            &format!("{}:0", ns.addr()),
-        ]);
-        let floor = DonorProcess::spawn(fcmd).context("starting the floor's server")?;
-        donors.push(donor);
-        floors.push(floor);
-    }
-
+    check_args(args)?;
+    let bench = Bench::start(args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     let _guard = rt.enter();
-    let m = NodeMetrics::new();
-    let mut donor_setups = Vec::new();
-    for &t in &args.transports {
-        let sources: Vec<Arc<SourceHealth>> = donors
-            .iter()
-            .zip(["donor-a", "donor-b"])
-            .map(|(d, name)| {
-                let addr = d
-                    .endpoint(t)
-                    .with_context(|| format!("{name} does not listen on {t}"))?;
-                let opts = client_options(&rack, &pinned, t, name)?;
-                let src = DonorSource::new(name, vec![addr], opts);
-                Ok(health(&m, Arc::new(src), &pinned))
-            })
-            .collect::<Result<_>>()?;
-        donor_setups.push((
-            t,
-            DonorSetups {
-                one: routers(&m, &sources[..1]),
-                two: routers(&m, &sources),
-            },
-        ));
-    }
-    let mut locals = Vec::new();
-    for ((t, p), (_, digest)) in TABLES.iter().zip(&files).zip(&pinned) {
-        let expected = ExpectedTable {
-            digest: *digest,
-            layer: *t,
-            rows: args.rows,
-        };
-        let local = LocalRam::load(*t, p, expected, true).context("loading the local copy")?;
-        locals.push(health(&m, Arc::new(local), &pinned));
-    }
-    let setups = Setups {
-        donors: donor_setups,
-        // Each table's own copy.
-        local: [0, 1].map(|i| {
-            Arc::new(Router::new(
-                settings(TABLES[i]),
-                vec![locals[i].clone()],
-                &m,
-            ))
-        }),
-    };
+    let setups = bench.setups(args)?;
     let mut floor = TcpStream::connect(
-        floors[0]
+        bench.floors[0]
             .endpoint(Transport::Tcp)
             .context("the floor's server address")?,
     )?;
     floor.set_nodelay(true)?;
 
     let mut rng = SplitMix64::new(0x009e_f111);
-    let mut rows_out = Vec::new();
     let mut sink = vec![0u8; 1 << 20];
+    let mut rows_out = Vec::new();
     for &positions in &args.lengths {
-        let n = positions * 24;
-        let prompt = [
-            prompt_rows(&mut rng, n, args.rows),
-            prompt_rows(&mut rng, n, args.rows),
-        ];
-        let bytes = 2 * n * ROW_BYTES;
-        // A warm-up sweep each (connections made, pages touched), checked.
-        sweep(&rt, &setups.local, &prompt, true)
-            .with_context(|| format!("local RAM, {positions} positions"))?;
-        for (t, d) in &setups.donors {
-            for (label, r) in [("one donor", &d.one), ("two replicas", &d.two)] {
-                sweep(&rt, r, &prompt, true)
-                    .with_context(|| format!("{label} over {t}, {positions} positions"))?;
-            }
-        }
-        // Rounds interleave every series, so the machine's drift touches
-        // each alike.
-        let mut floor_s = Vec::new();
-        let mut local_s = Vec::new();
-        let mut donor_s = vec![(Vec::new(), Vec::new()); setups.donors.len()];
-        for _ in 0..args.rounds {
-            crate::rack::check_interrupted()?;
-            floor_s.push(floor_once(&mut floor, bytes, &mut sink)?);
-            for ((_, d), (one, two)) in setups.donors.iter().zip(&mut donor_s) {
-                one.push(sweep(&rt, &d.one, &prompt, false)?);
-                two.push(sweep(&rt, &d.two, &prompt, false)?);
-            }
-            local_s.push(sweep(&rt, &setups.local, &prompt, false)?);
-        }
-        let f = median(floor_s) * 1e3;
-        let transports = setups
-            .donors
-            .iter()
-            .zip(donor_s)
-            .map(|((t, _), (one, two))| {
-                let (one, two) = (median(one) * 1e3, median(two) * 1e3);
-                TransportRow {
-                    transport: t.to_string(),
-                    one_donor_ms: one,
-                    two_replicas_ms: two,
-                    one_vs_floor: f / one,
-                    two_vs_one: one / two,
-                }
-            })
-            .collect();
-        rows_out.push(LengthRow {
-            positions,
-            rows_per_table: n,
-            bytes,
-            floor_ms: f,
-            local_ms: median(local_s) * 1e3,
-            transports,
-        });
+        rows_out.push(measure_length(
+            args, &rt, &setups, &mut floor, &mut rng, &mut sink, positions,
+        )?);
     }
     drop(floor);
-    drop(donors);
-    drop(floors);
-    drop(spaces);
+    drop(bench);
 
     let targets = args
         .transports
@@ -516,6 +358,220 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         println!("chart: {} {}", svg.display(), png.display());
     }
     Ok(())
+}
+
+fn check_args(args: &PrefillArgs) -> Result<()> {
+    if args.lengths.is_empty() || args.rounds == 0 || args.transports.is_empty() {
+        bail!("--lengths, --transports and --rounds must not be empty or zero");
+    }
+    let max_rows = args.lengths.iter().max().copied().unwrap_or(0) * 24;
+    if (args.rows as usize) < max_rows * 2 {
+        bail!(
+            "--rows {} is too few for {} distinct rows per table: give at least {}",
+            args.rows,
+            max_rows,
+            max_rows * 2
+        );
+    }
+    Ok(())
+}
+
+/// The bench's rack: the tables, two network namespaces (links shaped),
+/// each with a donor and a floor server.
+struct Bench {
+    pinned: Vec<(u32, TableDigest)>,
+    files: Vec<PathBuf>,
+    rack: cluster_config::Config,
+    donors: Vec<DonorProcess>,
+    floors: Vec<DonorProcess>,
+    /// Dropped last: the processes run inside them.
+    _spaces: Vec<NetNs>,
+}
+
+impl Bench {
+    fn start(args: &PrefillArgs) -> Result<Self> {
+        NetNs::check()
+            .map_err(|e| anyhow::anyhow!("the prefill bench needs network namespaces: {e}"))?;
+        std::fs::create_dir_all(&args.out)?;
+        // Absolute: the rack config names the table files, and a config's
+        // relative paths are taken from the config's own directory.
+        let out =
+            std::fs::canonicalize(&args.out).with_context(|| format!("{}", args.out.display()))?;
+        let mut pinned = Vec::new();
+        let mut files = Vec::new();
+        for (i, &t) in TABLES.iter().enumerate() {
+            let (path, digest) =
+                gen_table(&out, &format!("prefill-{t}"), t, args.rows, 11 + i as u64)?;
+            pinned.push((t, digest));
+            files.push(path);
+        }
+        // Two namespaces, each with a donor and a floor server, links shaped.
+        let mut spaces = Vec::new();
+        for name in ["a", "b"] {
+            let ns = NetNs::create(&format!("prefill{name}"))?;
+            if args.link_mbit > 0 {
+                ns.shape(args.link_mbit)?;
+            }
+            spaces.push(ns);
+        }
+        let tables: Vec<(u32, TableDigest, PathBuf)> = pinned
+            .iter()
+            .zip(&files)
+            .map(|(&(t, d), p)| (t, d, p.clone()))
+            .collect();
+        let ips = [spaces[0].addr(), spaces[1].addr()];
+        let rack = write_rack(&out, &tables, args.rows, ips, &args.transports)?;
+        let mut donors = Vec::new();
+        let mut floors = Vec::new();
+        for (name, ns) in ["a", "b"].into_iter().zip(&spaces) {
+            let mut cmd = ns.command(bin("memory-donor"));
+            cmd.arg("serve")
+                .arg("--config")
+                .arg(&rack.path)
+                .arg("--name")
+                .arg(format!("donor-{name}"))
+                .arg("--trust-digest")
+                .env("RUST_LOG", "info");
+            let donor =
+                DonorProcess::spawn(cmd).with_context(|| format!("starting donor-{name}"))?;
+            let mut fcmd = ns.command(std::env::current_exe()?);
+            fcmd.args([
+                "prefill-floor-server",
+                "--listen",
+                &format!("{}:0", ns.addr()),
+            ]);
+            let floor = DonorProcess::spawn(fcmd).context("starting the floor's server")?;
+            donors.push(donor);
+            floors.push(floor);
+        }
+
+        Ok(Self {
+            pinned,
+            files,
+            rack,
+            donors,
+            floors,
+            _spaces: spaces,
+        })
+    }
+
+    /// The routers of every series: one donor and both replicas over each
+    /// transport, and each table's own copy in local RAM.
+    fn setups(&self, args: &PrefillArgs) -> Result<Setups> {
+        let (pinned, files, rack, donors) = (&self.pinned, &self.files, &self.rack, &self.donors);
+        let m = NodeMetrics::new();
+        let mut donor_setups = Vec::new();
+        for &t in &args.transports {
+            let sources: Vec<Arc<SourceHealth>> = donors
+                .iter()
+                .zip(["donor-a", "donor-b"])
+                .map(|(d, name)| {
+                    let addr = d
+                        .endpoint(t)
+                        .with_context(|| format!("{name} does not listen on {t}"))?;
+                    let opts = client_options(rack, pinned, t, name)?;
+                    let src = DonorSource::new(name, vec![addr], opts);
+                    Ok(health(&m, Arc::new(src), pinned))
+                })
+                .collect::<Result<_>>()?;
+            donor_setups.push((
+                t,
+                DonorSetups {
+                    one: routers(&m, &sources[..1]),
+                    two: routers(&m, &sources),
+                },
+            ));
+        }
+        let mut locals = Vec::new();
+        for ((t, p), (_, digest)) in TABLES.iter().zip(files).zip(pinned) {
+            let expected = ExpectedTable {
+                digest: *digest,
+                layer: *t,
+                rows: args.rows,
+            };
+            let local = LocalRam::load(*t, p, expected, true).context("loading the local copy")?;
+            locals.push(health(&m, Arc::new(local), pinned));
+        }
+        Ok(Setups {
+            donors: donor_setups,
+            // Each table's own copy.
+            local: [0, 1].map(|i| {
+                Arc::new(Router::new(
+                    settings(TABLES[i]),
+                    vec![locals[i].clone()],
+                    &m,
+                ))
+            }),
+        })
+    }
+}
+
+/// Every series at one prompt length: a checked warm-up sweep each, then
+/// `--rounds` rounds interleaving the series (so the machine's drift
+/// touches each alike); medians.
+#[allow(clippy::too_many_arguments)]
+fn measure_length(
+    args: &PrefillArgs,
+    rt: &tokio::runtime::Runtime,
+    setups: &Setups,
+    floor: &mut TcpStream,
+    rng: &mut SplitMix64,
+    sink: &mut [u8],
+    positions: usize,
+) -> Result<LengthRow> {
+    let n = positions * 24;
+    let prompt = [
+        prompt_rows(rng, n, args.rows),
+        prompt_rows(rng, n, args.rows),
+    ];
+    let bytes = 2 * n * ROW_BYTES;
+    // A warm-up sweep each (connections made, pages touched), checked.
+    sweep(rt, &setups.local, &prompt, true)
+        .with_context(|| format!("local RAM, {positions} positions"))?;
+    for (t, d) in &setups.donors {
+        for (label, r) in [("one donor", &d.one), ("two replicas", &d.two)] {
+            sweep(rt, r, &prompt, true)
+                .with_context(|| format!("{label} over {t}, {positions} positions"))?;
+        }
+    }
+    // Rounds interleave every series, so the machine's drift touches
+    // each alike.
+    let mut floor_s = Vec::new();
+    let mut local_s = Vec::new();
+    let mut donor_s = vec![(Vec::new(), Vec::new()); setups.donors.len()];
+    for _ in 0..args.rounds {
+        crate::rack::check_interrupted()?;
+        floor_s.push(floor_once(floor, bytes, sink)?);
+        for ((_, d), (one, two)) in setups.donors.iter().zip(&mut donor_s) {
+            one.push(sweep(rt, &d.one, &prompt, false)?);
+            two.push(sweep(rt, &d.two, &prompt, false)?);
+        }
+        local_s.push(sweep(rt, &setups.local, &prompt, false)?);
+    }
+    let f = median(floor_s) * 1e3;
+    let transports = setups
+        .donors
+        .iter()
+        .zip(donor_s)
+        .map(|((t, _), (one, two))| {
+            let (one, two) = (median(one) * 1e3, median(two) * 1e3);
+            TransportRow {
+                transport: t.to_string(),
+                one_donor_ms: one,
+                two_replicas_ms: two,
+                one_vs_floor: f / one,
+                two_vs_one: one / two,
+            }
+        })
+        .collect();
+    Ok(LengthRow {
+        positions,
+        rows_per_table: n,
+        bytes,
+        floor_ms: f,
+        local_ms: median(local_s) * 1e3,
+        transports,
+    })
 }
 
 /// One sweep of both tables' prompt rows through `routers`, concurrently,
