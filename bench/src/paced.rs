@@ -6,7 +6,7 @@
 //! A benchmark: it reports misses of the 10% target, it does not fail on
 //! them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -173,75 +173,12 @@ impl Point {
 
 /// Run it.
 pub fn run(args: &PacedArgs) -> Result<()> {
-    let default_rates: &[f64] = if args.contention || args.host_local || args.join {
-        &[100.0, 400.0]
-    } else if args.draft {
-        &[100.0, 400.0, 1000.0]
-    } else {
-        &[25.0, 50.0, 100.0, 200.0, 400.0, 1000.0]
-    };
-    let rates = args.rates.as_deref().unwrap_or(default_rates);
-    if rates.is_empty()
-        || rates
-            .iter()
-            .any(|r| !(r.is_finite() && *r > 0.0 && *r <= 100_000.0))
-    {
-        bail!("--rates must be token rates (0 < rate <= 100000)");
-    }
-    if !(args.seconds_per_point.is_finite() && args.seconds_per_point > 0.0) {
-        bail!("--seconds-per-point must be above 0");
-    }
-    if args.repeat == 0 {
-        bail!("--repeat must be 1 or more");
-    }
+    let rates = rates(args)?;
     rack::kill_children_on_interrupt()?;
     let t_all = Instant::now();
     let out = &rack::work_dir(&args.out)?;
-    if args.contention {
-        return crate::paced_contention::run(
-            out,
-            args.hash_base,
-            rates,
-            args.seconds_per_point,
-            args.json,
-        );
-    }
-    if args.host_local {
-        return crate::paced_host::run(
-            out,
-            args.hash_base,
-            rates,
-            args.seconds_per_point,
-            args.repeat,
-            args.json,
-        );
-    }
-    if args.join {
-        return crate::paced_join::run(&crate::paced_join::JoinArgs {
-            out,
-            hash_base: args.hash_base,
-            rates,
-            prefill: args.join_prefill,
-            seconds: args.seconds_per_point,
-            repeat: args.repeat,
-            json: args.json,
-        });
-    }
-    if args.draft {
-        if args.draft_us > inference_node::model::MAX_DRAFT_TIME.as_micros() as u64 {
-            bail!("--draft-us {} is over 1000000", args.draft_us);
-        }
-        return crate::paced_draft::run(&crate::paced_draft::DraftArgs {
-            out,
-            hash_base: args.hash_base,
-            rates,
-            ks: &args.draft_ks,
-            draft_us: args.draft_us,
-            reject_percent: args.draft_reject,
-            seconds: args.seconds_per_point,
-            repeat: args.repeat,
-            json: args.json,
-        });
+    if let Some(done) = other_mode(args, out, rates) {
+        return done;
     }
     let tables = rack::table_pair(out, args.hash_base)?;
     let rows = [tables.tables[0].rows, tables.tables[1].rows];
@@ -284,43 +221,9 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         donor.pid()
     );
 
-    let runs_dir = out.join("runs");
-    std::fs::create_dir_all(&runs_dir)?;
-    let mut runs: Vec<Vec<Vec<Run>>> = vec![vec![Vec::new(); rates.len()]; SOURCES.len()];
-    for rep in 0..args.repeat {
-        for (si, (node, label, _)) in SOURCES.iter().enumerate() {
-            for (ri, &rate) in rates.iter().enumerate() {
-                let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
-                let a = rack::paced_args(rate, args.seconds_per_point);
-                let timeout = Duration::from_secs_f64(args.seconds_per_point * 10.0 + 120.0);
-                rack::run_node(&rk.config, node, &a, &file, timeout)?;
-                let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
-                    .with_context(|| format!("reading {}", file.display()))?;
-                let r = Run::of(&s);
-                eprintln!(
-                    "run {}/{}: {label:<9} {rate:>6} tokens/s: measured {:>7.1}, predicted {:>7.1} ({:.3})",
-                    rep + 1,
-                    args.repeat,
-                    r.tokens_per_second,
-                    r.predicted_tokens_per_second,
-                    r.measured_over_predicted
-                );
-                runs[si][ri].push(r);
-            }
-        }
-    }
+    let points = measure(args, rates, &rk.config, out)?;
     drop(donor);
 
-    let mut points = Vec::new();
-    for (si, (node, label, _)) in SOURCES.iter().enumerate() {
-        for (ri, &rate) in rates.iter().enumerate() {
-            points.push(Point::of(
-                (node, label),
-                rate,
-                std::mem::take(&mut runs[si][ri]),
-            ));
-        }
-    }
     let missed = points.iter().filter(|p| !p.within_target).count();
     let report = Report {
         hash_base: args.hash_base,
@@ -342,7 +245,134 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    print!("{}", table(&report));
+    print_text(&report, out, &svg, &png, t_all);
+    Ok(())
+}
+
+/// The rates to run at: `--rates`, or the mode's defaults; checked.
+fn rates(args: &PacedArgs) -> Result<&[f64]> {
+    let default_rates: &[f64] = if args.contention || args.host_local || args.join {
+        &[100.0, 400.0]
+    } else if args.draft {
+        &[100.0, 400.0, 1000.0]
+    } else {
+        &[25.0, 50.0, 100.0, 200.0, 400.0, 1000.0]
+    };
+    let rates = args.rates.as_deref().unwrap_or(default_rates);
+    if rates.is_empty()
+        || rates
+            .iter()
+            .any(|r| !(r.is_finite() && *r > 0.0 && *r <= 100_000.0))
+    {
+        bail!("--rates must be token rates (0 < rate <= 100000)");
+    }
+    if !(args.seconds_per_point.is_finite() && args.seconds_per_point > 0.0) {
+        bail!("--seconds-per-point must be above 0");
+    }
+    if args.repeat == 0 {
+        bail!("--repeat must be 1 or more");
+    }
+    Ok(rates)
+}
+
+/// The modes with a module of their own (`--contention`, `--host-local`,
+/// `--join`, `--draft`): their result, or `None` for the plain sweep.
+fn other_mode(args: &PacedArgs, out: &Path, rates: &[f64]) -> Option<Result<()>> {
+    if args.contention {
+        return Some(crate::paced_contention::run(
+            out,
+            args.hash_base,
+            rates,
+            args.seconds_per_point,
+            args.json,
+        ));
+    }
+    if args.host_local {
+        return Some(crate::paced_host::run(
+            out,
+            args.hash_base,
+            rates,
+            args.seconds_per_point,
+            args.repeat,
+            args.json,
+        ));
+    }
+    if args.join {
+        return Some(crate::paced_join::run(&crate::paced_join::JoinArgs {
+            out,
+            hash_base: args.hash_base,
+            rates,
+            prefill: args.join_prefill,
+            seconds: args.seconds_per_point,
+            repeat: args.repeat,
+            json: args.json,
+        }));
+    }
+    if args.draft {
+        if args.draft_us > inference_node::model::MAX_DRAFT_TIME.as_micros() as u64 {
+            return Some(Err(anyhow::anyhow!(
+                "--draft-us {} is over 1000000",
+                args.draft_us
+            )));
+        }
+        return Some(crate::paced_draft::run(&crate::paced_draft::DraftArgs {
+            out,
+            hash_base: args.hash_base,
+            rates,
+            ks: &args.draft_ks,
+            draft_us: args.draft_us,
+            reject_percent: args.draft_reject,
+            seconds: args.seconds_per_point,
+            repeat: args.repeat,
+            json: args.json,
+        }));
+    }
+    None
+}
+
+/// Every source at every rate, `--repeat` times; one point each.
+fn measure(args: &PacedArgs, rates: &[f64], config: &Path, out: &Path) -> Result<Vec<Point>> {
+    let runs_dir = out.join("runs");
+    std::fs::create_dir_all(&runs_dir)?;
+    let mut runs: Vec<Vec<Vec<Run>>> = vec![vec![Vec::new(); rates.len()]; SOURCES.len()];
+    for rep in 0..args.repeat {
+        for (si, (node, label, _)) in SOURCES.iter().enumerate() {
+            for (ri, &rate) in rates.iter().enumerate() {
+                let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
+                let a = rack::paced_args(rate, args.seconds_per_point);
+                let timeout = Duration::from_secs_f64(args.seconds_per_point * 10.0 + 120.0);
+                rack::run_node(config, node, &a, &file, timeout)?;
+                let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+                    .with_context(|| format!("reading {}", file.display()))?;
+                let r = Run::of(&s);
+                eprintln!(
+                    "run {}/{}: {label:<9} {rate:>6} tokens/s: measured {:>7.1}, predicted {:>7.1} ({:.3})",
+                    rep + 1,
+                    args.repeat,
+                    r.tokens_per_second,
+                    r.predicted_tokens_per_second,
+                    r.measured_over_predicted
+                );
+                runs[si][ri].push(r);
+            }
+        }
+    }
+    let mut points = Vec::new();
+    for (si, (node, label, _)) in SOURCES.iter().enumerate() {
+        for (ri, &rate) in rates.iter().enumerate() {
+            points.push(Point::of(
+                (node, label),
+                rate,
+                std::mem::take(&mut runs[si][ri]),
+            ));
+        }
+    }
+    Ok(points)
+}
+
+fn print_text(report: &Report, out: &Path, svg: &Path, png: &Path, t_all: Instant) {
+    let missed = report.missed;
+    print!("{}", table(report));
     println!("fusion: {}", report.fusion);
     if missed == 0 {
         println!("every point is within 10% of its prediction");
@@ -371,7 +401,6 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         svg.display(),
         rack::since(t_all)
     );
-    Ok(())
 }
 
 fn table(r: &Report) -> String {

@@ -115,31 +115,7 @@ pub fn run(
 ) -> Result<()> {
     let t_all = Instant::now();
     let tables = rack::table_pair(out, hash_base)?;
-    let spec = RackSpec {
-        donors: &["donor-a", "donor-b"],
-        nodes: vec![
-            NodeSpec {
-                name: "host",
-                sources: &["donor-a"],
-                ssd_ioprio: None,
-            },
-            NodeSpec {
-                name: "tls",
-                sources: &["donor-b"],
-                ssd_ioprio: None,
-            },
-            NodeSpec {
-                name: "local",
-                sources: &["local"],
-                ssd_ioprio: None,
-            },
-        ],
-        probe_interval_ms: 1000,
-        trust_copies: true,
-        transport: cluster_config::Transport::Tls,
-        host_sockets: &["donor-a"],
-    };
-    let rk = rack::write_config(out, &tables, &spec)?;
+    let rk = rack::write_config(out, &tables, &rack_spec())?;
     let donors: Vec<Child> = ["donor-a", "donor-b"]
         .iter()
         .map(|d| Child::launch_donor(&rk.config, d, &[]))
@@ -171,20 +147,113 @@ pub fn run(
             r.table1_fetch_p50_us
         );
         back_to_back.push(r.table1_fetch_p50_us);
+        let round = Round {
+            config: &rk.config,
+            runs_dir: &runs_dir,
+            donors: [donors[0].pid(), donors[1].pid()],
+            rates,
+            seconds,
+            timeout,
+            rep,
+            repeat,
+        };
+        round.run_series(&mut runs)?;
+    }
+    drop(donors);
+    let back_to_back_p50 = median(back_to_back.clone());
+    let points = points_of(runs, rates, back_to_back_p50);
+    let file = out.join("paced-host.json");
+    let v = serde_json::json!({
+        "benchmark": "paced --host-local",
+        "hash_base": hash_base,
+        "rows": [tables.tables[0].rows, tables.tables[1].rows],
+        "seconds_per_point": seconds,
+        "repeat": repeat,
+        "tls_back_to_back_table1_fetch_p50_us": back_to_back_p50,
+        "tls_back_to_back_runs_us": back_to_back,
+        "points": points,
+    });
+    std::fs::write(&file, serde_json::to_vec_pretty(&v)?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    print_text(&points, repeat, seconds, back_to_back_p50);
+    println!(
+        "wrote {} ({:.0} s in all)",
+        file.display(),
+        rack::since(t_all)
+    );
+    Ok(())
+}
+
+/// Two donors (donor-a with a host socket), the node three ways: through
+/// donor-a's host socket, to donor-b over TLS, and from its own RAM.
+fn rack_spec() -> RackSpec {
+    RackSpec {
+        donors: &["donor-a", "donor-b"],
+        nodes: vec![
+            NodeSpec {
+                name: "host",
+                sources: &["donor-a"],
+                ssd_ioprio: None,
+            },
+            NodeSpec {
+                name: "tls",
+                sources: &["donor-b"],
+                ssd_ioprio: None,
+            },
+            NodeSpec {
+                name: "local",
+                sources: &["local"],
+                ssd_ioprio: None,
+            },
+        ],
+        probe_interval_ms: 1000,
+        trust_copies: true,
+        transport: cluster_config::Transport::Tls,
+        host_sockets: &["donor-a"],
+    }
+}
+
+/// One repetition of every series at every rate.
+struct Round<'a> {
+    config: &'a Path,
+    runs_dir: &'a Path,
+    /// donor-a's and donor-b's pids (their CPU time is measured).
+    donors: [u32; 2],
+    rates: &'a [f64],
+    seconds: f64,
+    timeout: Duration,
+    rep: usize,
+    repeat: usize,
+}
+
+impl Round<'_> {
+    fn run_series(&self, runs: &mut [Vec<Vec<Run>>]) -> Result<()> {
+        let (rates, seconds, timeout, rep, repeat) = (
+            self.rates,
+            self.seconds,
+            self.timeout,
+            self.rep,
+            self.repeat,
+        );
         for (si, (node, label, extra)) in SERIES.iter().enumerate() {
             for (ri, &rate) in rates.iter().enumerate() {
-                let file = runs_dir.join(format!("{node}-{si}-{rate}-{}.json", rep + 1));
+                let file = self
+                    .runs_dir
+                    .join(format!("{node}-{si}-{rate}-{}.json", rep + 1));
                 let mut a = rack::paced_args(rate, seconds);
                 a.extend(extra.iter().map(|x| x.to_string()));
                 // The donor the node reads: donor-a through its host
                 // socket, donor-b over TLS (none for `local`).
                 let donor = match *node {
-                    "host" => Some(donors[0].pid()),
-                    "tls" => Some(donors[1].pid()),
+                    "host" => Some(self.donors[0]),
+                    "tls" => Some(self.donors[1]),
                     _ => None,
                 };
                 let donor_before = donor.map(cpu_s).transpose()?.unwrap_or(0.0);
-                rack::run_node(&rk.config, node, &a, &file, timeout)?;
+                rack::run_node(self.config, node, &a, &file, timeout)?;
                 let donor_cpu = donor.map(cpu_s).transpose()?.unwrap_or(0.0) - donor_before;
                 let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
                     .with_context(|| format!("reading {}", file.display()))?;
@@ -198,9 +267,12 @@ pub fn run(
                 runs[si][ri].push(r);
             }
         }
+        Ok(())
     }
-    drop(donors);
-    let back_to_back_p50 = median(back_to_back.clone());
+}
+
+/// Each series' point at each rate: medians of its runs.
+fn points_of(mut runs: Vec<Vec<Vec<Run>>>, rates: &[f64], back_to_back_p50: f64) -> Vec<Point> {
     let mut points = Vec::new();
     for (si, (node, label, _)) in SERIES.iter().enumerate() {
         for (ri, &rate) in rates.iter().enumerate() {
@@ -225,22 +297,10 @@ pub fn run(
             });
         }
     }
-    let file = out.join("paced-host.json");
-    let v = serde_json::json!({
-        "benchmark": "paced --host-local",
-        "hash_base": hash_base,
-        "rows": [tables.tables[0].rows, tables.tables[1].rows],
-        "seconds_per_point": seconds,
-        "repeat": repeat,
-        "tls_back_to_back_table1_fetch_p50_us": back_to_back_p50,
-        "tls_back_to_back_runs_us": back_to_back,
-        "points": points,
-    });
-    std::fs::write(&file, serde_json::to_vec_pretty(&v)?)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
+    points
+}
+
+fn print_text(points: &[Point], repeat: usize, seconds: f64, back_to_back_p50: f64) {
     println!(
         "paced node, both tables from one donor: mapped through its host socket, or over loopback TLS \
          (medians of {repeat} runs of {seconds} s)"
@@ -260,7 +320,7 @@ pub fn run(
         "donor",
         "/b2b"
     );
-    for p in &points {
+    for p in points {
         println!(
             "{:<24} {:>6} {:>9.1} {:>10.1} us {:>10.1} us {:>8.0} {:>10.1} us {:>8.0} {:>7.0} us {:>6.2} {:>6.2} {:>6}",
             p.series,
@@ -281,7 +341,7 @@ pub fn run(
     println!(
         "table 1's fetch hop by hop (p50s): from the loop to an I/O thread, its round trip, back to the loop"
     );
-    for p in &points {
+    for p in points {
         let [io, rt, back] = p.table1_hops_us;
         println!(
             "{:<24} {:>6} {:>10.1} us {:>10.1} us {:>10.1} us",
@@ -293,12 +353,6 @@ pub fn run(
          node, donor: cores their processes took; /b2b: t1 fetch p50 over the same node's back-to-back \
          p50 over TLS, {back_to_back_p50:.1} us in this run, target 2 or less)"
     );
-    println!(
-        "wrote {} ({:.0} s in all)",
-        file.display(),
-        rack::since(t_all)
-    );
-    Ok(())
 }
 
 /// One run's figures; `donor_cpu_s`: the CPU its donor took meanwhile.
