@@ -135,18 +135,6 @@ pub fn run(
     let mut back_to_back: Vec<f64> = Vec::new();
     let timeout = Duration::from_secs_f64(seconds * 10.0 + 120.0);
     for rep in 0..repeat {
-        let file = runs_dir.join(format!("tls-back-to-back-{}.json", rep + 1));
-        let a = rack::paced_args(BACK_TO_BACK_RATE, BACK_TO_BACK_TOKENS / BACK_TO_BACK_RATE);
-        rack::run_node(&rk.config, "tls", &a, &file, timeout)?;
-        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
-            .with_context(|| format!("reading {}", file.display()))?;
-        let r = run_of(&s, 0.0)?;
-        eprintln!(
-            "run {}/{repeat}: TLS back to back: table 1 fetch p50 {:.1} us",
-            rep + 1,
-            r.table1_fetch_p50_us
-        );
-        back_to_back.push(r.table1_fetch_p50_us);
         let round = Round {
             config: &rk.config,
             runs_dir: &runs_dir,
@@ -157,6 +145,7 @@ pub fn run(
             rep,
             repeat,
         };
+        back_to_back.push(round.back_to_back()?);
         round.run_series(&mut runs)?;
     }
     drop(donors);
@@ -230,6 +219,25 @@ struct Round<'a> {
 }
 
 impl Round<'_> {
+    /// The TLS node back to back: table 1's fetch p50.
+    fn back_to_back(&self) -> Result<f64> {
+        let file = self
+            .runs_dir
+            .join(format!("tls-back-to-back-{}.json", self.rep + 1));
+        let a = rack::paced_args(BACK_TO_BACK_RATE, BACK_TO_BACK_TOKENS / BACK_TO_BACK_RATE);
+        rack::run_node(self.config, "tls", &a, &file, self.timeout)?;
+        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+            .with_context(|| format!("reading {}", file.display()))?;
+        let r = run_of(&s, 0.0)?;
+        eprintln!(
+            "run {}/{}: TLS back to back: table 1 fetch p50 {:.1} us",
+            self.rep + 1,
+            self.repeat,
+            r.table1_fetch_p50_us
+        );
+        Ok(r.table1_fetch_p50_us)
+    }
+
     fn run_series(&self, runs: &mut [Vec<Vec<Run>>]) -> Result<()> {
         let (rates, seconds, timeout, rep, repeat) = (
             self.rates,
