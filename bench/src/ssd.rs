@@ -13,13 +13,14 @@
 //! are medians over rounds.
 
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use cluster_config::SsdIo;
 use engram_protocol::ROW_BYTES;
+use engram_protocol::etab::{TableLayout, TableMeta};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_store::table_file::TableFile;
 use inference_node::source::ssd::{SsdOptions, SsdReader};
@@ -72,7 +73,7 @@ fn drop_cache(file: &std::fs::File) {
 
 struct Mmapped {
     map: memmap2::Mmap,
-    layout: engram_protocol::etab::TableLayout,
+    layout: TableLayout,
 }
 
 impl Mmapped {
@@ -134,92 +135,21 @@ pub fn run(args: &SsdArgs) -> Result<()> {
             meta.rows
         );
     }
-    let seed = meta
-        .source
-        .strip_prefix("synthetic seed=")
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok());
-    // Mapped anew each round after the cache is dropped: pages still mapped
-    // would survive the drop.
-    let map_cold = || -> Result<Mmapped> {
-        let file = std::fs::File::open(&args.file)?;
-        drop_cache(&file);
-        // SAFETY: the file is not modified while mapped (the benchmark owns it).
-        let map = unsafe { memmap2::Mmap::map(&file)? };
-        Ok(Mmapped {
-            map,
-            layout: table.layout,
-        })
-    };
-    let mut mm: Option<Mmapped> = None;
-    let open = |io, threads| {
-        SsdReader::open(
-            &args.file,
-            None,
-            true,
-            SsdOptions {
-                io,
-                direct: true,
-                pread_threads: threads,
-                ..SsdOptions::default()
-            },
-        )
-    };
-    let mut seq4 = open(SsdIo::Pread, 4)?;
-    let mut uring = open(SsdIo::Uring, 0)?;
-    let mut pool24 = open(SsdIo::Pread, 24)?;
-    if !uring.is_direct() {
+    let mut readers = Readers::open(args, table.layout)?;
+    if !readers.uring.is_direct() {
         eprintln!("warning: this file system refuses O_DIRECT; reads go through the page cache");
     }
-    const NAMES: [&str; 4] = [
-        "(a) mmap + memcpy",
-        "(b) 4 readers x 6 pread",
-        "(c) io_uring, 24 in flight",
-        "pread pool, 24 threads",
-    ];
     let mut rounds: Vec<[Summary; 4]> = Vec::new();
-    let mut out = vec![0u8; 24 * ROW_BYTES];
     for round in 0..args.rounds {
-        let mut lat: [Latency; 4] = Default::default();
-        for (s, l) in lat.iter_mut().enumerate() {
-            let mut rng = SplitMix64::new(1000 * round as u64 + s as u64);
-            if s == 0 {
-                drop(mm.take());
-                mm = Some(map_cold()?);
-            }
-            for b in 0..args.batches {
-                let rows: Vec<u64> = (0..24).map(|_| rng.below(meta.rows)).collect();
-                let t = Instant::now();
-                match s {
-                    0 => mm.as_ref().context("mapped")?.read(&rows, &mut out)?,
-                    1 => seq4.read(&rows, &mut out)?,
-                    2 => uring.read(&rows, &mut out)?,
-                    _ => pool24.read(&rows, &mut out)?,
-                }
-                l.record(t.elapsed());
-                if b % 64 == 0
-                    && let Some(seed) = seed
-                    && let Some(bad) = first_mismatch(seed, meta.layer, &rows, &out)
-                {
-                    bail!("{}: row {bad} is not the generator's", NAMES[s]);
-                }
-            }
-        }
-        rounds.push(lat.map(|l| l.summary()));
+        rounds.push(readers.round(args, &meta, round)?);
         eprintln!("round {} of {} done", round + 1, args.rounds);
     }
     let med: Vec<Summary> = (0..4)
         .map(|s| median_summary(&rounds.iter().map(|r| r[s]).collect::<Vec<_>>()))
         .collect();
-    let ratio = |a: &Summary, b: &Summary| {
-        (
-            a.p50_us / b.p50_us,
-            a.p99_us / b.p99_us,
-            a.p999_us / b.p999_us,
-        )
-    };
-    let (r50, r99, r999) = ratio(&med[2], &med[1]);
+    let direct = readers.uring.is_direct();
     if args.json {
+        let (r50, r99, r999) = ratio(&med[2], &med[1]);
         let series: Vec<_> = NAMES
             .iter()
             .zip(&med)
@@ -231,13 +161,120 @@ pub fn run(args: &SsdArgs) -> Result<()> {
             "rows": meta.rows,
             "batches_per_round": args.batches,
             "rounds": args.rounds,
-            "direct": uring.is_direct(),
+            "direct": direct,
             "series": series,
             "uring_over_seq4": {"p50": r50, "p99": r99, "p999": r999},
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
+    print_text(args, &meta, &med, direct)
+}
+
+/// The series' names, in the order a round measures them.
+const NAMES: [&str; 4] = [
+    "(a) mmap + memcpy",
+    "(b) 4 readers x 6 pread",
+    "(c) io_uring, 24 in flight",
+    "pread pool, 24 threads",
+];
+
+/// p50, p99 and p99.9 of `a` over `b`.
+fn ratio(a: &Summary, b: &Summary) -> (f64, f64, f64) {
+    (
+        a.p50_us / b.p50_us,
+        a.p99_us / b.p99_us,
+        a.p999_us / b.p999_us,
+    )
+}
+
+/// The four ways of reading a batch, each open on the file.
+struct Readers {
+    file: PathBuf,
+    layout: TableLayout,
+    /// Mapped anew each round after the cache is dropped: pages still
+    /// mapped would survive the drop.
+    mm: Option<Mmapped>,
+    seq4: SsdReader,
+    uring: SsdReader,
+    pool24: SsdReader,
+    out: Vec<u8>,
+}
+
+impl Readers {
+    fn open(args: &SsdArgs, layout: TableLayout) -> Result<Self> {
+        let open = |io, threads| {
+            SsdReader::open(
+                &args.file,
+                None,
+                true,
+                SsdOptions {
+                    io,
+                    direct: true,
+                    pread_threads: threads,
+                    ..SsdOptions::default()
+                },
+            )
+        };
+        Ok(Self {
+            file: args.file.clone(),
+            layout,
+            mm: None,
+            seq4: open(SsdIo::Pread, 4)?,
+            uring: open(SsdIo::Uring, 0)?,
+            pool24: open(SsdIo::Pread, 24)?,
+            out: vec![0u8; 24 * ROW_BYTES],
+        })
+    }
+
+    fn map_cold_at(path: &Path, layout: TableLayout) -> Result<Mmapped> {
+        let file = std::fs::File::open(path)?;
+        drop_cache(&file);
+        // SAFETY: the file is not modified while mapped (the benchmark owns it).
+        let map = unsafe { memmap2::Mmap::map(&file)? };
+        Ok(Mmapped { map, layout })
+    }
+
+    /// One round: `--batches` random 24-row batches through each way,
+    /// every 64th checked against the generator (a synthetic table).
+    fn round(&mut self, args: &SsdArgs, meta: &TableMeta, round: usize) -> Result<[Summary; 4]> {
+        let seed: Option<u64> = meta
+            .source
+            .strip_prefix("synthetic seed=")
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok());
+        let out = &mut self.out;
+        let mut lat: [Latency; 4] = Default::default();
+        for (s, l) in lat.iter_mut().enumerate() {
+            let mut rng = SplitMix64::new(1000 * round as u64 + s as u64);
+            if s == 0 {
+                drop(self.mm.take());
+                self.mm = Some(Self::map_cold_at(&self.file, self.layout)?);
+            }
+            for b in 0..args.batches {
+                let rows: Vec<u64> = (0..24).map(|_| rng.below(meta.rows)).collect();
+                let t = Instant::now();
+                match s {
+                    0 => self.mm.as_ref().context("mapped")?.read(&rows, out)?,
+                    1 => self.seq4.read(&rows, out)?,
+                    2 => self.uring.read(&rows, out)?,
+                    _ => self.pool24.read(&rows, out)?,
+                }
+                l.record(t.elapsed());
+                if b % 64 == 0
+                    && let Some(seed) = seed
+                    && let Some(bad) = first_mismatch(seed, meta.layer, &rows, out)
+                {
+                    bail!("{}: row {bad} is not the generator's", NAMES[s]);
+                }
+            }
+        }
+        Ok(lat.map(|l| l.summary()))
+    }
+}
+
+fn print_text(args: &SsdArgs, meta: &TableMeta, med: &[Summary], direct: bool) -> Result<()> {
+    let (r50, r99, r999) = ratio(&med[2], &med[1]);
     println!(
         "24-row batches from {} ({} rows, {:.2} GiB), {} batches x {} rounds, medians; O_DIRECT: {}",
         args.file.display(),
@@ -245,11 +282,11 @@ pub fn run(args: &SsdArgs) -> Result<()> {
         std::fs::metadata(&args.file)?.len() as f64 / (1u64 << 30) as f64,
         args.batches,
         args.rounds,
-        uring.is_direct()
+        direct
     );
     let rows: Vec<Vec<String>> = NAMES
         .iter()
-        .zip(&med)
+        .zip(med)
         .map(|(n, s)| {
             vec![
                 n.to_string(),
