@@ -93,78 +93,21 @@ pub fn run(a: &DraftArgs) -> Result<()> {
     donor.wait_ready(Duration::from_secs(120))?;
     let runs_dir = a.out.join("draft-runs");
     std::fs::create_dir_all(&runs_dir)?;
-    let mut points = Vec::new();
+    let cx = Runs {
+        a,
+        config: &rk.config,
+        runs_dir: &runs_dir,
+    };
     // Each rate's outputs without speculation: what every run must keep.
     let mut reference = Vec::new();
     for &rate in a.rates {
-        rack::check_interrupted()?;
-        let file = runs_dir.join(format!("plain-{rate}.json"));
-        let args = rack::paced_args(rate, a.seconds);
-        let timeout = Duration::from_secs_f64(a.seconds * 10.0 + 120.0);
-        rack::run_node(&rk.config, "donor", &args, &file, timeout)?;
-        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
-            .with_context(|| format!("reading {}", file.display()))?;
-        reference.push(s.outputs_digest);
+        reference.push(cx.plain(rate)?);
     }
+    let mut points = Vec::new();
     for &k in a.ks {
         for (&rate, want) in a.rates.iter().zip(&reference) {
             for prefetch in [false, true] {
-                let mut runs = Vec::new();
-                for rep in 0..a.repeat {
-                    rack::check_interrupted()?;
-                    let file = runs_dir.join(format!("k{k}-{rate}-{prefetch}-{}.json", rep + 1));
-                    let mut args = rack::paced_args(rate, a.seconds);
-                    args.extend([
-                        "--speculate".to_string(),
-                        k.to_string(),
-                        "--draft-us".into(),
-                        a.draft_us.to_string(),
-                        "--draft-reject".into(),
-                        a.reject_percent.to_string(),
-                    ]);
-                    if prefetch {
-                        args.push("--draft-prefetch".into());
-                    }
-                    let timeout = Duration::from_secs_f64(a.seconds * 10.0 + 120.0);
-                    rack::run_node(&rk.config, "donor", &args, &file, timeout)?;
-                    let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
-                        .with_context(|| format!("reading {}", file.display()))?;
-                    if s.failed_steps > 0 {
-                        bail!("k {k} at {rate} tokens/s: {} steps failed", s.failed_steps);
-                    }
-                    if s.outputs_digest != *want {
-                        bail!(
-                            "k {k} at {rate} tokens/s, prefetch {prefetch}: the outputs kept \
-                             ({}) are not the run without speculation's ({want}); see {}",
-                            s.outputs_digest,
-                            file.display()
-                        );
-                    }
-                    eprintln!(
-                        "k {k:>2} {rate:>6} tokens/s prefetch {:<3}: {:>8.1} tokens/s (predicted {:>8.1}), stall p99 {:>7.1} us, {} rejected",
-                        if prefetch { "on" } else { "off" },
-                        s.tokens_per_second,
-                        s.predicted_tokens_per_second,
-                        s.stall_p99_us,
-                        s.rejected_positions
-                    );
-                    runs.push(s);
-                }
-                let m = |f: &dyn Fn(&Summary) -> f64| median(runs.iter().map(f).collect());
-                points.push(Point {
-                    k,
-                    rate,
-                    prefetch,
-                    tokens_per_second: m(&|s| s.tokens_per_second),
-                    predicted_tokens_per_second: m(&|s| s.predicted_tokens_per_second),
-                    measured_over_predicted: m(&|s| s.measured_over_predicted),
-                    stall_p50_us: m(&|s| s.stall_p50_us),
-                    stall_p99_us: m(&|s| s.stall_p99_us),
-                    fetch_p50_us: m(&|s| s.tables.first().map_or(f64::NAN, |t| t.fetch_p50_us)),
-                    rejected_positions: m(&|s| s.rejected_positions as f64),
-                    wasted_bytes: m(&|s| s.wasted_bytes as f64),
-                    runs: runs.len(),
-                });
+                points.push(cx.point(k, rate, prefetch, want)?);
             }
         }
     }
@@ -200,6 +143,105 @@ pub fn run(a: &DraftArgs) -> Result<()> {
         rack::since(t_all)
     );
     Ok(())
+}
+
+/// Runs of the node against the bench's donor.
+struct Runs<'a> {
+    a: &'a DraftArgs<'a>,
+    config: &'a Path,
+    runs_dir: &'a Path,
+}
+
+impl Runs<'_> {
+    fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.a.seconds * 10.0 + 120.0)
+    }
+
+    /// A run at `rate` without speculation: the digest of its outputs.
+    fn plain(&self, rate: f64) -> Result<String> {
+        rack::check_interrupted()?;
+        let file = self.runs_dir.join(format!("plain-{rate}.json"));
+        let args = rack::paced_args(rate, self.a.seconds);
+        rack::run_node(self.config, "donor", &args, &file, self.timeout())?;
+        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+            .with_context(|| format!("reading {}", file.display()))?;
+        Ok(s.outputs_digest)
+    }
+
+    /// `repeat` runs drafting `k` tokens at `rate`, with or without
+    /// prefetch, each checked to keep the outputs `want`; their medians.
+    fn point(&self, k: usize, rate: f64, prefetch: bool, want: &str) -> Result<Point> {
+        let a = self.a;
+        let mut runs = Vec::new();
+        for rep in 0..a.repeat {
+            runs.push(self.speculating(k, rate, prefetch, want, rep)?);
+        }
+        let m = |f: &dyn Fn(&Summary) -> f64| median(runs.iter().map(f).collect());
+        Ok(Point {
+            k,
+            rate,
+            prefetch,
+            tokens_per_second: m(&|s| s.tokens_per_second),
+            predicted_tokens_per_second: m(&|s| s.predicted_tokens_per_second),
+            measured_over_predicted: m(&|s| s.measured_over_predicted),
+            stall_p50_us: m(&|s| s.stall_p50_us),
+            stall_p99_us: m(&|s| s.stall_p99_us),
+            fetch_p50_us: m(&|s| s.tables.first().map_or(f64::NAN, |t| t.fetch_p50_us)),
+            rejected_positions: m(&|s| s.rejected_positions as f64),
+            wasted_bytes: m(&|s| s.wasted_bytes as f64),
+            runs: runs.len(),
+        })
+    }
+
+    fn speculating(
+        &self,
+        k: usize,
+        rate: f64,
+        prefetch: bool,
+        want: &str,
+        rep: usize,
+    ) -> Result<Summary> {
+        let a = self.a;
+        rack::check_interrupted()?;
+        let file = self
+            .runs_dir
+            .join(format!("k{k}-{rate}-{prefetch}-{}.json", rep + 1));
+        let mut args = rack::paced_args(rate, a.seconds);
+        args.extend([
+            "--speculate".to_string(),
+            k.to_string(),
+            "--draft-us".into(),
+            a.draft_us.to_string(),
+            "--draft-reject".into(),
+            a.reject_percent.to_string(),
+        ]);
+        if prefetch {
+            args.push("--draft-prefetch".into());
+        }
+        rack::run_node(self.config, "donor", &args, &file, self.timeout())?;
+        let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
+            .with_context(|| format!("reading {}", file.display()))?;
+        if s.failed_steps > 0 {
+            bail!("k {k} at {rate} tokens/s: {} steps failed", s.failed_steps);
+        }
+        if s.outputs_digest != want {
+            bail!(
+                "k {k} at {rate} tokens/s, prefetch {prefetch}: the outputs kept \
+                 ({}) are not the run without speculation's ({want}); see {}",
+                s.outputs_digest,
+                file.display()
+            );
+        }
+        eprintln!(
+            "k {k:>2} {rate:>6} tokens/s prefetch {:<3}: {:>8.1} tokens/s (predicted {:>8.1}), stall p99 {:>7.1} us, {} rejected",
+            if prefetch { "on" } else { "off" },
+            s.tokens_per_second,
+            s.predicted_tokens_per_second,
+            s.stall_p99_us,
+            s.rejected_positions
+        );
+        Ok(s)
+    }
 }
 
 fn print_table(r: &Report) {
