@@ -253,37 +253,7 @@ pub fn run(a: &JoinArgs) -> Result<()> {
     let mut points = Vec::new();
     for &rate in a.rates {
         for budget in BUDGETS {
-            let mut runs = Vec::new();
-            let mut w_us = 0.0;
-            for _ in 0..a.repeat {
-                rack::check_interrupted()?;
-                let (r, w) = one(&rt, &mut nm, &tokens, rate, budget, a)?;
-                eprintln!(
-                    "{rate:>6} tokens/s budget {budget:>4}: decoders' steps {:>8.0} us before the join, \
-                     {:>8.0} us median and {:>8.0} us worst ({:.0} us fusing) over its {} prefill steps (W {w:.0} us)",
-                    r.before_p50_us,
-                    r.during_p50_us,
-                    r.during_max_us,
-                    r.during_max_fusion_us,
-                    r.during_steps
-                );
-                w_us = w;
-                runs.push(r);
-            }
-            let m = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
-            let during_max_us = m(|r| r.during_max_us);
-            points.push(Point {
-                rate,
-                budget,
-                w_us,
-                before_p50_us: m(|r| r.before_p50_us),
-                during_steps: m(|r| r.during_steps as f64),
-                during_p50_us: m(|r| r.during_p50_us),
-                during_max_us,
-                during_max_fusion_us: m(|r| r.during_max_fusion_us),
-                worst_over_w: during_max_us / w_us,
-                runs,
-            });
+            points.push(point(&rt, &mut nm, &tokens, rate, budget, a)?);
         }
     }
     drop(donor);
@@ -304,6 +274,60 @@ pub fn run(a: &JoinArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    print_text(&report, a);
+    println!(
+        "wrote {}, {} and {} ({:.0} s in all)",
+        a.out.join("paced-join.json").display(),
+        png.display(),
+        svg.display(),
+        rack::since(t_all)
+    );
+    Ok(())
+}
+
+/// `repeat` runs at `rate` with a join under `budget`: their medians.
+fn point(
+    rt: &tokio::runtime::Runtime,
+    nm: &mut NodeModel,
+    tokens: &Arc<Tokens>,
+    rate: f64,
+    budget: usize,
+    a: &JoinArgs,
+) -> Result<Point> {
+    let mut runs = Vec::new();
+    let mut w_us = 0.0;
+    for _ in 0..a.repeat {
+        rack::check_interrupted()?;
+        let (r, w) = one(rt, nm, tokens, rate, budget, a)?;
+        eprintln!(
+            "{rate:>6} tokens/s budget {budget:>4}: decoders' steps {:>8.0} us before the join, \
+             {:>8.0} us median and {:>8.0} us worst ({:.0} us fusing) over its {} prefill steps (W {w:.0} us)",
+            r.before_p50_us,
+            r.during_p50_us,
+            r.during_max_us,
+            r.during_max_fusion_us,
+            r.during_steps
+        );
+        w_us = w;
+        runs.push(r);
+    }
+    let m = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
+    let during_max_us = m(|r| r.during_max_us);
+    Ok(Point {
+        rate,
+        budget,
+        w_us,
+        before_p50_us: m(|r| r.before_p50_us),
+        during_steps: m(|r| r.during_steps as f64),
+        during_p50_us: m(|r| r.during_p50_us),
+        during_max_us,
+        during_max_fusion_us: m(|r| r.during_max_fusion_us),
+        worst_over_w: during_max_us / w_us,
+        runs,
+    })
+}
+
+fn print_text(report: &Report, a: &JoinArgs) {
     println!(
         "{DECODERS} sequences decoding from a donor over loopback TLS; a fifth joins with a prefill of {} positions (medians of {} runs):",
         a.prefill, a.repeat
@@ -334,14 +358,6 @@ pub fn run(a: &JoinArgs) -> Result<()> {
             p.worst_over_w
         );
     }
-    println!(
-        "wrote {}, {} and {} ({:.0} s in all)",
-        a.out.join("paced-join.json").display(),
-        png.display(),
-        svg.display(),
-        rack::since(t_all)
-    );
-    Ok(())
 }
 
 /// A budget as the table and chart name it (0: none).
