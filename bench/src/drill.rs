@@ -49,21 +49,7 @@ struct Row {
 
 /// Run the drills.
 pub fn run(args: &DrillArgs) -> Result<()> {
-    if !(args.tokens_per_second.is_finite() && (10.0..=2_000.0).contains(&args.tokens_per_second)) {
-        bail!(
-            "--tokens-per-second {} is outside 10..=2000",
-            args.tokens_per_second
-        );
-    }
-    if !(args.bucket.is_finite() && (0.05..=SECONDS).contains(&args.bucket)) {
-        bail!("--bucket {} is outside 0.05..={SECONDS} s", args.bucket);
-    }
-    for name in &args.only {
-        if drills::find(name).is_none() {
-            let all: Vec<&str> = drills::ALL.iter().map(|(n, _, _)| *n).collect();
-            bail!("no drill named {name:?}; the drills: {}", all.join(", "));
-        }
-    }
+    check_args(args)?;
     let chosen: Vec<_> = drills::ALL
         .iter()
         .filter(|(n, _, _)| args.only.is_empty() || args.only.iter().any(|o| o == n))
@@ -86,66 +72,14 @@ pub fn run(args: &DrillArgs) -> Result<()> {
     let mut rows = Vec::new();
     for (i, (name, about, f)) in chosen.iter().enumerate() {
         println!("[{}/{}] {name}: {about}", i + 1, chosen.len());
-        let t = Instant::now();
         if *name == "partition"
             && let Err(why) = NetNs::check()
         {
             println!("  skipped: {why}\n");
-            rows.push(Row {
-                drill: name.to_string(),
-                passed: true,
-                error: Some(format!("skipped: {why}")),
-                worst_stall_ms: None,
-                stall_bound_ms: None,
-                readmitted_ms: Vec::new(),
-                readmit_bound_ms: None,
-                figures: Vec::new(),
-            });
+            rows.push(Row::not_run(name, true, format!("skipped: {why}")));
             continue;
         }
-        let row = match f(&env, &opts) {
-            Ok(r) => {
-                println!("{}", r.timeline(args.bucket));
-                let stem = env.dir.join(name).join("timeline");
-                let (svg, png) = chart(&r)
-                    .write_both(&stem)
-                    .with_context(|| format!("writing {}", stem.display()))?;
-                println!(
-                    "  passed in {:.1} s; chart: {} and {}\n",
-                    t.elapsed().as_secs_f64(),
-                    png.display(),
-                    svg.display()
-                );
-                Row {
-                    drill: name.to_string(),
-                    passed: true,
-                    error: None,
-                    worst_stall_ms: Some(r.worst_stall_us / 1e3),
-                    stall_bound_ms: Some(r.stall_bound_us / 1e3),
-                    readmitted_ms: r
-                        .readmitted
-                        .iter()
-                        .map(|(d, s)| (d.clone(), s * 1e3))
-                        .collect(),
-                    readmit_bound_ms: Some(r.readmit_bound_s * 1e3),
-                    figures: r.figures.clone(),
-                }
-            }
-            Err(e) => {
-                println!("  FAILED: {e:#}\n");
-                Row {
-                    drill: name.to_string(),
-                    passed: false,
-                    error: Some(format!("{e:#}")),
-                    worst_stall_ms: None,
-                    stall_bound_ms: None,
-                    readmitted_ms: Vec::new(),
-                    readmit_bound_ms: None,
-                    figures: Vec::new(),
-                }
-            }
-        };
-        rows.push(row);
+        rows.push(run_one(&env, &opts, args, name, *f)?);
     }
     print!("{}", summary(&rows, args.tokens_per_second));
     let json = env.dir.join("drills.json");
@@ -161,6 +95,85 @@ pub fn run(args: &DrillArgs) -> Result<()> {
         bail!("drills failed: {}", failed.join(", "));
     }
     Ok(())
+}
+
+fn check_args(args: &DrillArgs) -> Result<()> {
+    if !(args.tokens_per_second.is_finite() && (10.0..=2_000.0).contains(&args.tokens_per_second)) {
+        bail!(
+            "--tokens-per-second {} is outside 10..=2000",
+            args.tokens_per_second
+        );
+    }
+    if !(args.bucket.is_finite() && (0.05..=SECONDS).contains(&args.bucket)) {
+        bail!("--bucket {} is outside 0.05..={SECONDS} s", args.bucket);
+    }
+    for name in &args.only {
+        if drills::find(name).is_none() {
+            let all: Vec<&str> = drills::ALL.iter().map(|(n, _, _)| *n).collect();
+            bail!("no drill named {name:?}; the drills: {}", all.join(", "));
+        }
+    }
+    Ok(())
+}
+
+impl Row {
+    /// A drill that did not run through: skipped (`passed`) or failed.
+    fn not_run(drill: &str, passed: bool, error: String) -> Self {
+        Self {
+            drill: drill.to_string(),
+            passed,
+            error: Some(error),
+            worst_stall_ms: None,
+            stall_bound_ms: None,
+            readmitted_ms: Vec::new(),
+            readmit_bound_ms: None,
+            figures: Vec::new(),
+        }
+    }
+}
+
+/// One drill: its timeline and chart when it passed; its row either way.
+fn run_one(
+    env: &Env,
+    opts: &Opts,
+    args: &DrillArgs,
+    name: &str,
+    f: drills::DrillFn,
+) -> Result<Row> {
+    let t = Instant::now();
+    Ok(match f(env, opts) {
+        Ok(r) => {
+            println!("{}", r.timeline(args.bucket));
+            let stem = env.dir.join(name).join("timeline");
+            let (svg, png) = chart(&r)
+                .write_both(&stem)
+                .with_context(|| format!("writing {}", stem.display()))?;
+            println!(
+                "  passed in {:.1} s; chart: {} and {}\n",
+                t.elapsed().as_secs_f64(),
+                png.display(),
+                svg.display()
+            );
+            Row {
+                drill: name.to_string(),
+                passed: true,
+                error: None,
+                worst_stall_ms: Some(r.worst_stall_us / 1e3),
+                stall_bound_ms: Some(r.stall_bound_us / 1e3),
+                readmitted_ms: r
+                    .readmitted
+                    .iter()
+                    .map(|(d, s)| (d.clone(), s * 1e3))
+                    .collect(),
+                readmit_bound_ms: Some(r.readmit_bound_s * 1e3),
+                figures: r.figures.clone(),
+            }
+        }
+        Err(e) => {
+            println!("  FAILED: {e:#}\n");
+            Row::not_run(name, false, format!("{e:#}"))
+        }
+    })
 }
 
 /// Every drill on one line: worst stall and re-admission against their bounds.
