@@ -650,22 +650,7 @@ pub fn run(args: &FloorArgs) -> Result<()> {
         .enable_all()
         .build()?;
     let clients = connect_clients(&rt, &servers.donor, rack.as_ref(), &tables.digests, &secure)?;
-    let quic_floor = match (&quic_cert, servers.floor.endpoint(Transport::Quic)) {
-        (Some((cert, _)), Some(addr)) => Some((addr, cert.as_path())),
-        _ => None,
-    };
-    let donor_tcp = servers
-        .donor
-        .endpoint(Transport::Tcp)
-        .context("the donor does not listen on tcp")?;
-    let series = build_series(
-        &rt,
-        servers.floor.addr,
-        (donor_tcp, &tables.digests),
-        quic_floor,
-        args.rows_per_table,
-        &secure,
-    )?;
+    let series = series_for(&rt, &servers, quic_cert.as_ref(), &tables, args, &secure)?;
     let results = measure(series, args, &rt, &clients)?;
     drop(clients);
     let host = if args.unix() {
@@ -673,28 +658,8 @@ pub fn run(args: &FloorArgs) -> Result<()> {
     } else {
         None
     };
-    let setup = transports::setup_times(
-        &rt,
-        &servers.donor,
-        rack.as_ref(),
-        &tables.digests,
-        &args.network(),
-        args.connects,
-    )?;
-    let restart = transports::restart_times(
-        &rt,
-        &mut servers.donor,
-        &servers.serve_args,
-        rack.as_ref(),
-        &tables.digests,
-        args,
-        pinned,
-    )?;
-    let rdma = if args.has(Transport::Rdma) {
-        Some(rdma::run(&rt, tmp.path(), &tables, &servers.donor, args)?)
-    } else {
-        None
-    };
+    let (setup, restart, rdma) =
+        connection_costs(&rt, &mut servers, rack.as_ref(), &tables, args, tmp.path())?;
     let (donor, clean) = servers.stop();
     let mut ratios = report::ratios(&results, &secure);
     if let Some(h) = &host {
@@ -722,6 +687,74 @@ pub fn run(args: &FloorArgs) -> Result<()> {
     }
     report.print_text(&donor);
     Ok(())
+}
+
+/// Every series' connection to its server, made.
+fn series_for(
+    rt: &tokio::runtime::Runtime,
+    servers: &Servers,
+    quic_cert: Option<&(PathBuf, PathBuf)>,
+    tables: &Tables,
+    args: &FloorArgs,
+    secure: &[Transport],
+) -> Result<Vec<Series>> {
+    let quic_floor = match (quic_cert, servers.floor.endpoint(Transport::Quic)) {
+        (Some((cert, _)), Some(addr)) => Some((addr, cert.as_path())),
+        _ => None,
+    };
+    let donor_tcp = servers
+        .donor
+        .endpoint(Transport::Tcp)
+        .context("the donor does not listen on tcp")?;
+    build_series(
+        rt,
+        servers.floor.addr,
+        (donor_tcp, &tables.digests),
+        quic_floor,
+        args.rows_per_table,
+        secure,
+    )
+}
+
+/// What a connection costs beyond its lookups: set-up per transport, a
+/// restarted donor's first lookup, and (`--transports rdma`) the RDMA
+/// series.
+fn connection_costs(
+    rt: &tokio::runtime::Runtime,
+    servers: &mut Servers,
+    rack: Option<&transports::Rack>,
+    tables: &Tables,
+    args: &FloorArgs,
+    tmp: &Path,
+) -> Result<(
+    Vec<transports::SetupResult>,
+    Vec<transports::RestartResult>,
+    Option<rdma::RdmaReport>,
+)> {
+    let pinned = servers.pinned;
+    let setup = transports::setup_times(
+        rt,
+        &servers.donor,
+        rack,
+        &tables.digests,
+        &args.network(),
+        args.connects,
+    )?;
+    let restart = transports::restart_times(
+        rt,
+        &mut servers.donor,
+        &servers.serve_args,
+        rack,
+        &tables.digests,
+        args,
+        pinned,
+    )?;
+    let rdma = if args.has(Transport::Rdma) {
+        Some(rdma::run(rt, tmp, tables, &servers.donor, args)?)
+    } else {
+        None
+    };
+    Ok((setup, restart, rdma))
 }
 
 /// The tables the donor serves.
@@ -896,105 +929,19 @@ fn build_series(
     rows_per_table: u64,
     secure: &[Transport],
 ) -> Result<Vec<Series>> {
+    let to = Endpoints {
+        rt,
+        floor,
+        donor,
+        digests,
+        quic_floor,
+        rows_per_table,
+    };
     let mut series: Vec<Series> = Vec::new();
     for sections in [1usize, 2] {
-        let (req, ans) = sizes(sections)?;
-        let rows = sections * 24;
-        let mut kinds = vec![
-            (
-                Kind::Floor(Duration::ZERO),
-                "floor, blocking client".to_string(),
-            ),
-            (
-                Kind::Floor(DEFAULT_BUSY_POLL),
-                "floor, polling client".to_string(),
-            ),
-            (Kind::Donor(0), "donor, project client".to_string()),
-            (Kind::Donor(1), "donor, client not polling".to_string()),
-            (
-                Kind::Gathering(Duration::ZERO),
-                "floor gathering rows, blocking client".to_string(),
-            ),
-            (
-                Kind::Gathering(DEFAULT_BUSY_POLL),
-                "floor gathering rows, polling client".to_string(),
-            ),
-        ];
-        for (i, t) in secure.iter().enumerate() {
-            kinds.push((
-                Kind::Donor(2 + i),
-                format!("donor over {t}, project client"),
-            ));
-        }
-        if quic_floor.is_some() {
-            kinds.push((Kind::QuicFloor, "QUIC floor (quinn), polling client".into()));
-        }
-        kinds.push((
-            Kind::RawDonor(Duration::ZERO),
-            "donor, least protocol client blocking".into(),
-        ));
-        kinds.push((
-            Kind::RawDonor(DEFAULT_BUSY_POLL),
-            "donor, least protocol client polling".into(),
-        ));
-        kinds.push((
-            Kind::GatheringSummed(Duration::ZERO),
-            "floor gathering and checksumming rows, blocking client".into(),
-        ));
-        kinds.push((
-            Kind::GatheringSummed(DEFAULT_BUSY_POLL),
-            "floor gathering and checksumming rows, polling client".into(),
-        ));
-        for (kind, name) in kinds {
-            let quic_conn = match (kind, quic_floor) {
-                (Kind::QuicFloor, Some((addr, cert))) => Some(
-                    rt.block_on(quic::QuicFloorConn::connect(addr, cert, req, ans))
-                        .context("connecting to the QUIC floor")?,
-                ),
-                _ => None,
-            };
+        for (kind, name) in kinds(secure, quic_floor.is_some()) {
             let seed = 7 + series.len() as u64;
-            let floor_conn = match kind {
-                Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
-                Kind::Gathering(poll) => Some(FloorConn::new(floor, req, ans, poll)?.gathering(
-                    rows,
-                    rows_per_table,
-                    seed,
-                )?),
-                Kind::GatheringSummed(poll) => Some(
-                    FloorConn::new(floor, req, ans, poll)?
-                        .gathering(rows, rows_per_table, seed)?
-                        .checksummed(),
-                ),
-                Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
-            };
-            let raw = match kind {
-                Kind::RawDonor(poll) => Some(raw::RawDonorConn::connect(
-                    donor,
-                    digests,
-                    sections,
-                    rows_per_table,
-                    seed,
-                    poll,
-                )?),
-                _ => None,
-            };
-            series.push(Series {
-                kind,
-                floor: floor_conn,
-                quic: quic_conn,
-                raw,
-                donor: DonorSeries::new(sections, 24, rows_per_table, seed),
-                share: 1,
-                result: SeriesResult {
-                    series: format!("{name}, {rows} rows"),
-                    rows,
-                    request_bytes: req,
-                    answer_bytes: ans,
-                    rounds: Vec::new(),
-                    median: Summary::default(),
-                },
-            });
+            series.push(to.series(kind, &name, sections, seed)?);
         }
     }
     // Bulk: one connection's 16,384-row lookup against a raw ping-pong of
@@ -1037,6 +984,130 @@ fn build_series(
         });
     }
     Ok(series)
+}
+
+/// The kinds of series measured at each size, with their names.
+fn kinds(secure: &[Transport], quic_floor: bool) -> Vec<(Kind, String)> {
+    let mut kinds = vec![
+        (
+            Kind::Floor(Duration::ZERO),
+            "floor, blocking client".to_string(),
+        ),
+        (
+            Kind::Floor(DEFAULT_BUSY_POLL),
+            "floor, polling client".to_string(),
+        ),
+        (Kind::Donor(0), "donor, project client".to_string()),
+        (Kind::Donor(1), "donor, client not polling".to_string()),
+        (
+            Kind::Gathering(Duration::ZERO),
+            "floor gathering rows, blocking client".to_string(),
+        ),
+        (
+            Kind::Gathering(DEFAULT_BUSY_POLL),
+            "floor gathering rows, polling client".to_string(),
+        ),
+    ];
+    for (i, t) in secure.iter().enumerate() {
+        kinds.push((
+            Kind::Donor(2 + i),
+            format!("donor over {t}, project client"),
+        ));
+    }
+    if quic_floor {
+        kinds.push((Kind::QuicFloor, "QUIC floor (quinn), polling client".into()));
+    }
+    kinds.push((
+        Kind::RawDonor(Duration::ZERO),
+        "donor, least protocol client blocking".into(),
+    ));
+    kinds.push((
+        Kind::RawDonor(DEFAULT_BUSY_POLL),
+        "donor, least protocol client polling".into(),
+    ));
+    kinds.push((
+        Kind::GatheringSummed(Duration::ZERO),
+        "floor gathering and checksumming rows, blocking client".into(),
+    ));
+    kinds.push((
+        Kind::GatheringSummed(DEFAULT_BUSY_POLL),
+        "floor gathering and checksumming rows, polling client".into(),
+    ));
+    kinds
+}
+
+/// Where the series' servers listen.
+struct Endpoints<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    floor: SocketAddr,
+    donor: SocketAddr,
+    digests: &'a [(u32, TableDigest)],
+    quic_floor: Option<(SocketAddr, &'a Path)>,
+    rows_per_table: u64,
+}
+
+impl Endpoints<'_> {
+    /// One series of `kind` at `sections` x 24 rows, its connection made.
+    fn series(&self, kind: Kind, name: &str, sections: usize, seed: u64) -> Result<Series> {
+        let (req, ans) = sizes(sections)?;
+        let rows = sections * 24;
+        let (rt, floor, donor, digests, quic_floor, rows_per_table) = (
+            self.rt,
+            self.floor,
+            self.donor,
+            self.digests,
+            self.quic_floor,
+            self.rows_per_table,
+        );
+        let quic_conn = match (kind, quic_floor) {
+            (Kind::QuicFloor, Some((addr, cert))) => Some(
+                rt.block_on(quic::QuicFloorConn::connect(addr, cert, req, ans))
+                    .context("connecting to the QUIC floor")?,
+            ),
+            _ => None,
+        };
+        let floor_conn = match kind {
+            Kind::Floor(poll) => Some(FloorConn::new(floor, req, ans, poll)?),
+            Kind::Gathering(poll) => Some(FloorConn::new(floor, req, ans, poll)?.gathering(
+                rows,
+                rows_per_table,
+                seed,
+            )?),
+            Kind::GatheringSummed(poll) => Some(
+                FloorConn::new(floor, req, ans, poll)?
+                    .gathering(rows, rows_per_table, seed)?
+                    .checksummed(),
+            ),
+            Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
+        };
+        let raw = match kind {
+            Kind::RawDonor(poll) => Some(raw::RawDonorConn::connect(
+                donor,
+                digests,
+                sections,
+                rows_per_table,
+                seed,
+                poll,
+            )?),
+            _ => None,
+        };
+        Ok(Series {
+            kind,
+            floor: floor_conn,
+            quic: quic_conn,
+            raw,
+            donor: DonorSeries::new(sections, 24, rows_per_table, seed),
+            share: 1,
+            result: SeriesResult {
+                series: format!("{name}, {rows} rows"),
+                rows,
+                request_bytes: req,
+                answer_bytes: ans,
+                rounds: Vec::new(),
+                median: Summary::default(),
+            },
+        })
+    }
 }
 
 /// Rows of the bulk series' lookups (the donors' default frame cap).
