@@ -74,108 +74,123 @@ impl Ratio {
     }
 }
 
+/// Where a series sits within a size's block of series: at a fixed
+/// index, or after the donor over each secure transport (the least
+/// protocol client's pair, then the checksumming floor's pair).
+#[derive(Debug, Clone, Copy)]
+enum At {
+    Fixed(usize),
+    Raw(usize),
+    Summed(usize),
+}
+
+impl At {
+    fn index(self, secure: &[Transport]) -> usize {
+        match self {
+            Self::Fixed(i) => i,
+            Self::Raw(i) => raw_at(secure) + i,
+            Self::Summed(i) => raw_at(secure) + 2 + i,
+        }
+    }
+}
+
+/// The ratios at each size that do not depend on the transports: what,
+/// numerator, denominator, target. A size's block is [floor blocking,
+/// floor polling, donor, donor not polling, gathering floor blocking,
+/// gathering floor polling, then the donor over each secure transport,
+/// then the QUIC floor with QUIC, then the donor through the least
+/// protocol client blocking and polling, then the floor that also
+/// checksums, blocking and polling].
+const PAIRS: [(&str, At, At, Option<Target>); 13] = [
+    (
+        "project client / blocking floor (the target)",
+        At::Fixed(2),
+        At::Fixed(0),
+        Some((TARGET_P50, Some(TARGET_P99))),
+    ),
+    ("both clients polling", At::Fixed(2), At::Fixed(1), None),
+    ("neither client polling", At::Fixed(3), At::Fixed(0), None),
+    (
+        "both clients polling, against the floor gathering rows",
+        At::Fixed(2),
+        At::Fixed(5),
+        None,
+    ),
+    (
+        "neither client polling, against the floor gathering rows",
+        At::Fixed(3),
+        At::Fixed(4),
+        None,
+    ),
+    (
+        "both polling: donor through the least protocol client / floor gathering rows (the donor's share)",
+        At::Raw(1),
+        At::Fixed(5),
+        None,
+    ),
+    (
+        "neither polling: donor through the least protocol client / floor gathering rows (the donor's share)",
+        At::Raw(0),
+        At::Fixed(4),
+        None,
+    ),
+    (
+        "both polling: floor gathering and checksumming / floor gathering (the checksums' share)",
+        At::Summed(1),
+        At::Fixed(5),
+        None,
+    ),
+    (
+        "neither polling: floor gathering and checksumming / floor gathering (the checksums' share)",
+        At::Summed(0),
+        At::Fixed(4),
+        None,
+    ),
+    (
+        "both clients polling, against the floor gathering and checksumming rows (what the protocol requires)",
+        At::Fixed(2),
+        At::Summed(1),
+        None,
+    ),
+    (
+        "neither client polling, against the floor gathering and checksumming rows (what the protocol requires)",
+        At::Fixed(3),
+        At::Summed(0),
+        None,
+    ),
+    (
+        "both polling: project client / least protocol client, same donor (the client's share)",
+        At::Fixed(2),
+        At::Raw(1),
+        None,
+    ),
+    (
+        "neither polling: project client / least protocol client, same donor (the client's share)",
+        At::Fixed(3),
+        At::Raw(0),
+        None,
+    ),
+];
+
 /// The ratios of the medians, per size: the donor against the floor, and
 /// each secure transport against plain TCP through the same client.
 pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Ratio> {
-    // Per size: [floor blocking, floor polling, donor, donor not polling,
-    // gathering floor blocking, gathering floor polling, then the donor
-    // over each of `secure`, then the QUIC floor with QUIC, then the donor
-    // through the least protocol client blocking and polling].
     let block = per_size(secure);
-    let raw = raw_at(secure);
-    // Then the floor that also checksums, blocking and polling.
-    let summed = raw + 2;
     let mut ratios = Vec::new();
     for (k, rows) in [(0usize, 24usize), (block, 48)] {
         let m = |i: usize| results[k + i].median;
-        let mut pairs: Vec<(String, usize, usize, Option<Target>)> = vec![
-            (
-                "project client / blocking floor (the target)".into(),
-                2,
-                0,
-                Some((TARGET_P50, Some(TARGET_P99))),
-            ),
-            ("both clients polling".into(), 2, 1, None),
-            ("neither client polling".into(), 3, 0, None),
-            (
-                "both clients polling, against the floor gathering rows".into(),
-                2,
-                5,
-                None,
-            ),
-            (
-                "neither client polling, against the floor gathering rows".into(),
-                3,
-                4,
-                None,
-            ),
-            (
-                "both polling: donor through the least protocol client / floor gathering rows (the donor's share)".into(),
-                raw + 1,
-                5,
-                None,
-            ),
-            (
-                "neither polling: donor through the least protocol client / floor gathering rows (the donor's share)".into(),
-                raw,
-                4,
-                None,
-            ),
-            (
-                "both polling: floor gathering and checksumming / floor gathering (the checksums' share)".into(),
-                summed + 1,
-                5,
-                None,
-            ),
-            (
-                "neither polling: floor gathering and checksumming / floor gathering (the checksums' share)".into(),
-                summed,
-                4,
-                None,
-            ),
-            (
-                "both clients polling, against the floor gathering and checksumming rows (what the protocol requires)".into(),
-                2,
-                summed + 1,
-                None,
-            ),
-            (
-                "neither client polling, against the floor gathering and checksumming rows (what the protocol requires)".into(),
-                3,
-                summed,
-                None,
-            ),
-            (
-                "both polling: project client / least protocol client, same donor (the client's share)".into(),
-                2,
-                raw + 1,
-                None,
-            ),
-            (
-                "neither polling: project client / least protocol client, same donor (the client's share)".into(),
-                3,
-                raw,
-                None,
-            ),
-        ];
-        for (i, t) in secure.iter().enumerate() {
-            let target = match t {
-                Transport::Tls => Some((TLS_P50, Some(TLS_P99))),
-                Transport::Quic => Some((QUIC_P50, None)),
-                Transport::Tcp | Transport::Rdma => None,
-            };
-            pairs.push((format!("{t} / tcp, same client"), 6 + i, 2, target));
-            if *t == Transport::Quic {
-                let quinn = 6 + secure.len();
-                pairs.push((
-                    "QUIC floor (quinn alone) / polling TCP floor (the floor of quic / tcp)".into(),
-                    quinn,
-                    1,
-                    None,
-                ));
-                pairs.push(("donor over quic / QUIC floor".into(), 6 + i, quinn, None));
-            }
-        }
+        let mut pairs: Vec<(String, usize, usize, Option<Target>)> = PAIRS
+            .iter()
+            .map(|&(what, num, den, target)| {
+                (
+                    what.to_string(),
+                    num.index(secure),
+                    den.index(secure),
+                    target,
+                )
+            })
+            .collect();
+        pairs.extend(transport_pairs(secure));
         for (what, num, den, target) in pairs {
             ratios.push(Ratio {
                 rows,
@@ -187,8 +202,39 @@ pub(super) fn ratios(results: &[SeriesResult], secure: &[Transport]) -> Vec<Rati
             });
         }
     }
-    // After both sizes: the bulk floor, the donor's bulk lookup, and the
-    // floor that also gathers the same number of random rows.
+    ratios.extend(bulk_ratios(results, block));
+    ratios
+}
+
+/// Each secure transport against plain TCP through the same client, and
+/// QUIC against quinn alone.
+fn transport_pairs(secure: &[Transport]) -> Vec<(String, usize, usize, Option<Target>)> {
+    let mut pairs = Vec::new();
+    for (i, t) in secure.iter().enumerate() {
+        let target = match t {
+            Transport::Tls => Some((TLS_P50, Some(TLS_P99))),
+            Transport::Quic => Some((QUIC_P50, None)),
+            Transport::Tcp | Transport::Rdma => None,
+        };
+        pairs.push((format!("{t} / tcp, same client"), 6 + i, 2, target));
+        if *t == Transport::Quic {
+            let quinn = 6 + secure.len();
+            pairs.push((
+                "QUIC floor (quinn alone) / polling TCP floor (the floor of quic / tcp)".into(),
+                quinn,
+                1,
+                None,
+            ));
+            pairs.push(("donor over quic / QUIC floor".into(), 6 + i, quinn, None));
+        }
+    }
+    pairs
+}
+
+/// After both sizes: the bulk floor, the donor's bulk lookup, and the
+/// floor that also gathers the same number of random rows.
+fn bulk_ratios(results: &[SeriesResult], block: usize) -> Vec<Ratio> {
+    let mut ratios = Vec::new();
     if let [floor, donor, gathering] = results.get(2 * block..2 * block + 3).unwrap_or_default() {
         let (f, d, g) = (&floor.median, &donor.median, &gathering.median);
         let ratio = |what: &str, num: &super::Summary, den: &super::Summary, target| Ratio {
@@ -338,6 +384,42 @@ impl Report<'_> {
 
     /// Print the report as text; `donor`'s log follows when it did not exit cleanly.
     pub(super) fn print_text(&self, donor: &DonorProcess) {
+        self.print_heading();
+        self.print_series();
+        if let Some(u) = self.udp {
+            println!(
+                "QUIC's UDP (quinn-udp on this kernel): GSO up to {} segments a send, GRO up to {} a receive, {} datagrams a recvmmsg",
+                u.gso_segments, u.gro_segments, u.recv_batch
+            );
+        }
+        println!(
+            "(polling clients poll for up to {} us before sleeping)",
+            DEFAULT_BUSY_POLL.as_micros()
+        );
+        for r in &self.ratios {
+            println!(
+                "{} rows, {}: p50 {:.3}x, p99 {:.3}x, p99.9 {:.3}x{}",
+                r.rows,
+                r.what,
+                r.p50,
+                r.p99,
+                r.p999,
+                r.verdict()
+            );
+        }
+        self.print_connections();
+        if let Some(r) = &self.rdma {
+            r.print_text();
+        }
+        if !self.clean {
+            println!(
+                "warning: the donor did not exit cleanly on SIGTERM; its log:\n{}",
+                donor.log()
+            );
+        }
+    }
+
+    fn print_heading(&self) {
         let args = self.args;
         println!(
             "engram-bench floor: 2 tables x {} rows ({:.2} GiB each), {} timed lookups per series after {} warm-up, \
@@ -361,6 +443,10 @@ impl Report<'_> {
             },
             args.rounds
         );
+    }
+
+    /// Every series' medians, and the host-local ones.
+    fn print_series(&self) {
         let rows: Vec<Vec<String>> = self
             .results
             .iter()
@@ -401,27 +487,10 @@ impl Report<'_> {
                 .collect();
             print_table(&["series", "p50 us", "p99 us", "p99.9 us"], &rows);
         }
-        if let Some(u) = self.udp {
-            println!(
-                "QUIC's UDP (quinn-udp on this kernel): GSO up to {} segments a send, GRO up to {} a receive, {} datagrams a recvmmsg",
-                u.gso_segments, u.gro_segments, u.recv_batch
-            );
-        }
-        println!(
-            "(polling clients poll for up to {} us before sleeping)",
-            DEFAULT_BUSY_POLL.as_micros()
-        );
-        for r in &self.ratios {
-            println!(
-                "{} rows, {}: p50 {:.3}x, p99 {:.3}x, p99.9 {:.3}x{}",
-                r.rows,
-                r.what,
-                r.p50,
-                r.p99,
-                r.p999,
-                r.verdict()
-            );
-        }
+    }
+
+    /// Connection set-up and restarts.
+    fn print_connections(&self) {
         if !self.setup.is_empty() {
             println!("connection set-up (connect to Welcome):");
             let rows: Vec<Vec<String>> = self
@@ -454,15 +523,6 @@ impl Report<'_> {
                 })
                 .collect();
             print_table(&["transport", "median ms", "each ms"], &rows);
-        }
-        if let Some(r) = &self.rdma {
-            r.print_text();
-        }
-        if !self.clean {
-            println!(
-                "warning: the donor did not exit cleanly on SIGTERM; its log:\n{}",
-                donor.log()
-            );
         }
     }
 }
