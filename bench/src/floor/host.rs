@@ -86,6 +86,23 @@ impl Series<'_> {
     }
 }
 
+/// The donor's tables mapped through its host socket (within 30 s).
+fn map_tables(socket: &Path, pins: &[(u32, ExpectedTable)]) -> Result<HostSource> {
+    let host = HostSource::new("bench-donor", socket.to_path_buf(), pins.to_vec())
+        .context("watching the donor's host socket")?;
+    let t0 = Instant::now();
+    while !pins.iter().all(|(id, _)| host.is_mapped(*id)) {
+        if t0.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "the donor's tables were not mapped through {} within 30 s",
+                socket.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(host)
+}
+
 /// Map the donor's tables through `socket`, load the local floor, and run
 /// both series.
 pub(super) fn run(socket: &Path, tables: &Tables, args: &FloorArgs) -> Result<HostReport> {
@@ -101,18 +118,7 @@ pub(super) fn run(socket: &Path, tables: &Tables, args: &FloorArgs) -> Result<Ho
             (id, want)
         })
         .collect();
-    let host = HostSource::new("bench-donor", socket.to_path_buf(), pins.clone())
-        .context("watching the donor's host socket")?;
-    let t0 = Instant::now();
-    while !pins.iter().all(|(id, _)| host.is_mapped(*id)) {
-        if t0.elapsed() > Duration::from_secs(30) {
-            bail!(
-                "the donor's tables were not mapped through {} within 30 s",
-                socket.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let host = map_tables(socket, &pins)?;
     eprintln!("host socket: tables mapped; loading the local floor");
     let copies: Vec<LocalRam> = pins
         .iter()
