@@ -208,25 +208,7 @@ fn cpu_costs(
             );
         }
         // The check words and the copy alone, on the last lookup's slot.
-        let verify_ns = {
-            let l = random_rows(&mut rng, rows, FAKE_ROWS);
-            let read = rig
-                .reader
-                .start(&l, &rig.layout)
-                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-            while rig.reader.outcome(&read) == Outcome::Pending {
-                rig.reader.poll();
-            }
-            let slot = rig.reader.slot_bytes(&read).to_vec();
-            let t0 = thread_cpu();
-            for _ in 0..n {
-                engram_rdma::plan::verify_into(&l, &rig.layout, &slot, &mut buf)
-                    .map_err(|f| anyhow::anyhow!("{f}"))?;
-            }
-            let ns = (thread_cpu() - t0).as_nanos() as f64 / n as f64;
-            rig.reader.release(read);
-            ns
-        };
+        let verify_ns = verify_cost(&mut rig, &mut rng, rows, n, &mut buf)?;
         let (r, t) = (median(rdma_rounds.clone()), median(tcp_rounds.clone()));
         out.push(CpuCost {
             rows,
@@ -240,6 +222,34 @@ fn cpu_costs(
         });
     }
     Ok((out, rig.checks_ms))
+}
+
+/// The check words' verification and the copy alone, per lookup of
+/// `rows` rows: nanoseconds.
+fn verify_cost(
+    rig: &mut FakeRig,
+    rng: &mut SplitMix64,
+    rows: usize,
+    n: usize,
+    buf: &mut [u8],
+) -> Result<f64> {
+    let l = random_rows(rng, rows, FAKE_ROWS);
+    let read = rig
+        .reader
+        .start(&l, &rig.layout)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    while rig.reader.outcome(&read) == Outcome::Pending {
+        rig.reader.poll();
+    }
+    let slot = rig.reader.slot_bytes(&read).to_vec();
+    let t0 = thread_cpu();
+    for _ in 0..n {
+        engram_rdma::plan::verify_into(&l, &rig.layout, &slot, buf)
+            .map_err(|f| anyhow::anyhow!("{f}"))?;
+    }
+    let ns = (thread_cpu() - t0).as_nanos() as f64 / n as f64;
+    rig.reader.release(read);
+    Ok(ns)
 }
 
 /// The hardware series, or why they cannot run here.
@@ -299,6 +309,18 @@ fn hardware(
     );
     let source = DonorSource::new(transports::DONOR, vec![tls], opts.clone()).with_rdma(Some(path));
     let client = rt.block_on(DonorClient::connect(tls, &opts))?;
+    measure_hardware(rt, &source, &client, tables, n, warmup)
+}
+
+/// Each size over RDMA and over TLS from the same donor, alternating.
+fn measure_hardware(
+    rt: &tokio::runtime::Runtime,
+    source: &DonorSource,
+    client: &DonorClient,
+    tables: &Tables,
+    n: usize,
+    warmup: usize,
+) -> Result<std::result::Result<Vec<HardwareSeries>, String>> {
     let mut out = Vec::new();
     let mut rng = SplitMix64::new(SEED);
     for rows in [24usize, 48] {
