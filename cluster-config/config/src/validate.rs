@@ -466,237 +466,347 @@ fn donors(
                 format!("donor {name:?} is defined twice"),
             );
         }
-        // `unix://PATH` is the host socket, not a network endpoint.
-        let (host_socket, network) = host_socket(cx, &d.listen, &k("listen"));
-        let listen = endpoints(cx, &network, &k("listen"), true, default_transport);
-        let host_ids =
-            |cx: &mut Ctx<'_>, v: &Option<Spanned<Vec<Spanned<i64>>>>, key: &str| -> Vec<u32> {
-                let Some(list) = v else {
-                    return Vec::new();
-                };
-                if host_socket.is_none() {
-                    cx.at(list.span(), key, "only beside a unix:// listen address");
-                }
-                list.get_ref()
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(j, id)| {
-                        cx.int(id, &format!("{key}[{j}]"), 0, i64::from(u32::MAX - 1))
-                    })
-                    .map(|id| id as u32)
-                    .collect()
-            };
-        if let Some(n) = &d.numa_node
-            && d.map_files.unwrap_or(false)
-        {
-            cx.at(
-                n.span(),
-                k("numa_node"),
-                "binds the donor's own copy of its tables; with map_files = true it serves the \
-                 page cache's pages, which it does not place",
-            );
-        }
-        let host_uids = host_ids(cx, &d.host_uids, &k("host_uids"));
-        let host_gids = host_ids(cx, &d.host_gids, &k("host_gids"));
-        let advertise = match &d.advertise {
-            Some(a) => {
-                let ads = endpoints(cx, a, &k("advertise"), false, default_transport);
-                for (j, e) in ads.iter().enumerate() {
-                    if !listen.iter().any(|l| l.transport == e.transport) {
-                        cx.at(
-                            a.get_ref()[j.min(a.get_ref().len() - 1)].span(),
-                            format!("{}[{j}]", k("advertise")),
-                            format!("{e}: the donor listens on no {} address", e.transport),
-                        );
-                    }
-                }
-                ads
-            }
-            None => {
-                if listen.iter().any(|a| a.addr.ip().is_unspecified()) {
-                    cx.at(
-                        d.listen.span(),
-                        k("listen"),
-                        "a wildcard listen address needs `advertise` (the address nodes dial)",
-                    );
-                }
-                listen.clone()
-            }
-        };
-        let mut held = Vec::new();
-        if d.tables.get_ref().is_empty() {
-            cx.at(
-                d.tables.span(),
-                k("tables"),
-                "a donor holds at least one table",
-            );
-        }
-        for (j, t) in d.tables.get_ref().iter().enumerate() {
-            let id = *t.get_ref();
-            if !tables.iter().any(|x| i64::from(x.id) == id) {
-                let known: Vec<String> = tables.iter().map(|x| x.id.to_string()).collect();
-                cx.at(
-                    t.span(),
-                    format!("{}[{j}]", k("tables")),
-                    format!("table {id} is not defined (defined: {})", known.join(", ")),
-                );
-            } else if held.contains(&(id as u32)) {
-                cx.at(
-                    t.span(),
-                    format!("{}[{j}]", k("tables")),
-                    format!("table {id} is listed twice"),
-                );
-            } else {
-                held.push(id as u32);
-            }
-        }
-        let ram_gib = *d.ram_gib.get_ref();
-        if !(ram_gib.is_finite() && ram_gib > 0.0 && ram_gib <= 1.0e6) {
-            cx.at(
-                d.ram_gib.span(),
-                k("ram_gib"),
-                format!("{ram_gib} is not a RAM size in GiB (0 < ram_gib <= 1e6)"),
-            );
-        }
-        let headroom_gib = match &d.headroom_gib {
-            None => crate::DEFAULT_HEADROOM_GIB,
-            Some(h) => {
-                let v = *h.get_ref();
-                if !(v.is_finite() && v >= 0.0 && v < ram_gib.max(0.0)) {
-                    cx.at(
-                        h.span(),
-                        k("headroom_gib"),
-                        format!("{v} is not a headroom in GiB (0 <= headroom_gib < ram_gib)"),
-                    );
-                }
-                v
-            }
-        };
-        let log_level = d.log_level.as_ref().map(|l| {
-            if let Err(e) = valid_log_filter(l.get_ref()) {
-                cx.at(
-                    l.span(),
-                    k("log_level"),
-                    format!("{:?} is not a log filter: {e}", l.get_ref()),
-                );
-            }
-            l.get_ref().clone()
-        });
-        let max_connections = d
-            .max_connections
-            .as_ref()
-            .and_then(|v| cx.int(v, &k("max_connections"), 1, 65_536))
-            .unwrap_or(256) as usize;
-        let max_rows = d
-            .max_rows
-            .as_ref()
-            .and_then(|v| cx.int(v, &k("max_rows"), 48, i64::from(MAX_ROWS_CEILING)))
-            .unwrap_or(i64::from(DEFAULT_MAX_ROWS)) as u32;
-        let mlock = match d.mlock.as_ref().map(|m| (m, m.get_ref().as_str())) {
-            None | Some((_, "try")) => MlockMode::Try,
-            Some((_, "require")) => MlockMode::Require,
-            Some((_, "off")) => MlockMode::Off,
-            Some((m, other)) => {
-                cx.at(
-                    m.span(),
-                    k("mlock"),
-                    format!("{other:?} is not one of \"try\", \"require\", \"off\""),
-                );
-                MlockMode::Try
-            }
-        };
-        let (control, metrics) = ops_addrs(cx, d, &listen, &k);
-        let clients = match &d.clients {
-            None => Vec::new(),
-            Some(list) => {
-                if list.get_ref().is_empty() {
-                    cx.at(
-                        list.span(),
-                        k("clients"),
-                        "an empty list would admit no node: leave `clients` out to admit every node",
-                    );
-                }
-                list.get_ref()
-                    .iter()
-                    .enumerate()
-                    .map(|(j, c)| cx.name(c, &format!("{}[{j}]", k("clients"))))
-                    .collect()
-            }
-        };
-        let table_dirs = match &d.table_dir {
-            Some(p) => vec![cx.path(p, &k("table_dir"), base)],
-            None => {
-                let mut dirs: Vec<PathBuf> = Vec::new();
-                for t in tables.iter().filter(|t| held.contains(&t.id)) {
-                    if let Some(p) = t.path.parent()
-                        && !dirs.iter().any(|d| d == p)
-                    {
-                        dirs.push(p.to_path_buf());
-                    }
-                }
-                dirs
-            }
-        };
-        let tls_cert = d
-            .tls_cert
-            .as_ref()
-            .map(|p| cx.path(p, &k("tls_cert"), base));
-        let tls_key = d.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
-        let rdma = rdma_device(cx, d, &listen, &k);
-        let map_files = d.map_files.unwrap_or_else(|| {
-            pages_by_default(
-                listen.iter().any(|e| e.transport == Transport::Rdma),
-                host_socket.is_some(),
-                d.numa_node.is_some(),
-            )
-        });
-        out.push(Donor {
-            name,
-            listen,
-            advertise,
-            tables: held,
-            ram_gib,
-            headroom_gib,
-            log_level,
-            max_connections,
-            max_rows,
-            mlock,
-            trust_digest: d.trust_digest.unwrap_or(false),
-            fd_store: d.fd_store.unwrap_or(true),
-            map_files,
-            numa_node: d
-                .numa_node
-                .as_ref()
-                .and_then(|v| cx.int(v, &k("numa_node"), 0, i64::from(crate::MAX_NUMA_NODE)))
-                .map(|n| n as u32),
-            load_threads: d
-                .load_threads
-                .as_ref()
-                .and_then(|v| cx.int(v, &k("load_threads"), 0, 1024))
-                .unwrap_or(0) as usize,
-            busy_poll: Duration::from_micros(
-                d.busy_poll_us
-                    .as_ref()
-                    .and_then(|v| cx.int(v, &k("busy_poll_us"), 0, 10_000))
-                    .unwrap_or(0) as u64,
-            ),
-            hello_timeout: cx.opt_ms(&d.hello_timeout_ms, &k("hello_timeout_ms"), 5_000, false),
-            idle_timeout: cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
-            write_timeout: cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),
-            drain_timeout: cx.opt_ms(&d.drain_timeout_ms, &k("drain_timeout_ms"), 5_000, false),
-            control,
-            metrics,
-            clients,
-            host_socket,
-            host_uids,
-            host_gids,
-            table_dirs,
-            tls_cert,
-            tls_key,
-            rdma,
-        });
+        out.push(donor(cx, d, name, &k, tables, default_transport, base));
     }
     out
+}
+
+/// One donor's entry, its name checked already; `k` names its keys.
+fn donor(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    name: String,
+    k: &dyn Fn(&str) -> String,
+    tables: &[Table],
+    default_transport: Transport,
+    base: &Path,
+) -> Donor {
+    // `unix://PATH` is the host socket, not a network endpoint.
+    let (host_socket, network) = host_socket(cx, &d.listen, &k("listen"));
+    let listen = endpoints(cx, &network, &k("listen"), true, default_transport);
+    let host_uids = host_ids(cx, &d.host_uids, &k("host_uids"), host_socket.is_some());
+    let host_gids = host_ids(cx, &d.host_gids, &k("host_gids"), host_socket.is_some());
+    let advertise = advertise(cx, d, k, &listen, default_transport);
+    let held = held_tables(cx, d, k, tables);
+    let (ram_gib, headroom_gib) = memory(cx, d, k);
+    let log_level = log_level(cx, &d.log_level, &k("log_level"));
+    let knobs = knobs(cx, d, k);
+    let mlock = mlock_mode(cx, d, k);
+    let (control, metrics) = ops_addrs(cx, d, &listen, &k);
+    let clients = clients(cx, d, k);
+    let table_dirs = table_dirs(cx, d, k, tables, &held, base);
+    let tls_cert = d
+        .tls_cert
+        .as_ref()
+        .map(|p| cx.path(p, &k("tls_cert"), base));
+    let tls_key = d.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
+    let rdma = rdma_device(cx, d, &listen, &k);
+    let map_files = d.map_files.unwrap_or_else(|| {
+        pages_by_default(
+            listen.iter().any(|e| e.transport == Transport::Rdma),
+            host_socket.is_some(),
+            d.numa_node.is_some(),
+        )
+    });
+    Donor {
+        name,
+        listen,
+        advertise,
+        tables: held,
+        ram_gib,
+        headroom_gib,
+        log_level,
+        max_connections: knobs.max_connections,
+        max_rows: knobs.max_rows,
+        mlock,
+        trust_digest: d.trust_digest.unwrap_or(false),
+        fd_store: d.fd_store.unwrap_or(true),
+        map_files,
+        numa_node: numa_node(cx, d, k),
+        load_threads: knobs.load_threads,
+        busy_poll: knobs.busy_poll,
+        hello_timeout: knobs.timeouts[0],
+        idle_timeout: knobs.timeouts[1],
+        write_timeout: knobs.timeouts[2],
+        drain_timeout: knobs.timeouts[3],
+        control,
+        metrics,
+        clients,
+        host_socket,
+        host_uids,
+        host_gids,
+        table_dirs,
+        tls_cert,
+        tls_key,
+        rdma,
+    }
+}
+
+/// A donor's data-plane limits, threads and timeouts, with their defaults.
+struct Knobs {
+    max_connections: usize,
+    max_rows: u32,
+    load_threads: usize,
+    busy_poll: Duration,
+    /// Hello, idle, write and drain.
+    timeouts: [Duration; 4],
+}
+
+fn knobs(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> Knobs {
+    let max_connections =
+        opt_int(cx, &d.max_connections, &k("max_connections"), 1, 65_536).unwrap_or(256) as usize;
+    let max_rows = opt_int(
+        cx,
+        &d.max_rows,
+        &k("max_rows"),
+        48,
+        i64::from(MAX_ROWS_CEILING),
+    )
+    .unwrap_or(i64::from(DEFAULT_MAX_ROWS)) as u32;
+    let load_threads =
+        opt_int(cx, &d.load_threads, &k("load_threads"), 0, 1024).unwrap_or(0) as usize;
+    let busy_poll = Duration::from_micros(
+        opt_int(cx, &d.busy_poll_us, &k("busy_poll_us"), 0, 10_000).unwrap_or(0) as u64,
+    );
+    let timeouts = [
+        cx.opt_ms(&d.hello_timeout_ms, &k("hello_timeout_ms"), 5_000, false),
+        cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
+        cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),
+        cx.opt_ms(&d.drain_timeout_ms, &k("drain_timeout_ms"), 5_000, false),
+    ];
+    Knobs {
+        max_connections,
+        max_rows,
+        load_threads,
+        busy_poll,
+        timeouts,
+    }
+}
+
+/// `numa_node`: a node number, and only where the donor keeps its own copy.
+fn numa_node(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> Option<u32> {
+    if let Some(n) = &d.numa_node
+        && d.map_files.unwrap_or(false)
+    {
+        cx.at(
+            n.span(),
+            k("numa_node"),
+            "binds the donor's own copy of its tables; with map_files = true it serves the \
+             page cache's pages, which it does not place",
+        );
+    }
+    opt_int(
+        cx,
+        &d.numa_node,
+        &k("numa_node"),
+        0,
+        i64::from(crate::MAX_NUMA_NODE),
+    )
+    .map(|n| n as u32)
+}
+
+/// An optional integer key, range-checked (out of range: reported, and
+/// `None`).
+fn opt_int(cx: &mut Ctx<'_>, v: &Option<Spanned<i64>>, key: &str, lo: i64, hi: i64) -> Option<i64> {
+    v.as_ref().and_then(|v| cx.int(v, key, lo, hi))
+}
+
+/// `host_uids` or `host_gids`: ids, only beside a host socket.
+fn host_ids(
+    cx: &mut Ctx<'_>,
+    v: &Option<Spanned<Vec<Spanned<i64>>>>,
+    key: &str,
+    has_host_socket: bool,
+) -> Vec<u32> {
+    let Some(list) = v else {
+        return Vec::new();
+    };
+    if !has_host_socket {
+        cx.at(list.span(), key, "only beside a unix:// listen address");
+    }
+    list.get_ref()
+        .iter()
+        .enumerate()
+        .filter_map(|(j, id)| cx.int(id, &format!("{key}[{j}]"), 0, i64::from(u32::MAX - 1)))
+        .map(|id| id as u32)
+        .collect()
+}
+
+/// The addresses nodes dial: `advertise` (each on a transport the donor
+/// listens on), else the listen addresses (no wildcard among them).
+fn advertise(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    k: &dyn Fn(&str) -> String,
+    listen: &[Endpoint],
+    default_transport: Transport,
+) -> Vec<Endpoint> {
+    match &d.advertise {
+        Some(a) => {
+            let ads = endpoints(cx, a, &k("advertise"), false, default_transport);
+            for (j, e) in ads.iter().enumerate() {
+                if !listen.iter().any(|l| l.transport == e.transport) {
+                    cx.at(
+                        a.get_ref()[j.min(a.get_ref().len() - 1)].span(),
+                        format!("{}[{j}]", k("advertise")),
+                        format!("{e}: the donor listens on no {} address", e.transport),
+                    );
+                }
+            }
+            ads
+        }
+        None => {
+            if listen.iter().any(|a| a.addr.ip().is_unspecified()) {
+                cx.at(
+                    d.listen.span(),
+                    k("listen"),
+                    "a wildcard listen address needs `advertise` (the address nodes dial)",
+                );
+            }
+            listen.to_vec()
+        }
+    }
+}
+
+/// The tables the donor holds: defined, each once, at least one.
+fn held_tables(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    k: &dyn Fn(&str) -> String,
+    tables: &[Table],
+) -> Vec<u32> {
+    let mut held = Vec::new();
+    if d.tables.get_ref().is_empty() {
+        cx.at(
+            d.tables.span(),
+            k("tables"),
+            "a donor holds at least one table",
+        );
+    }
+    for (j, t) in d.tables.get_ref().iter().enumerate() {
+        let id = *t.get_ref();
+        if !tables.iter().any(|x| i64::from(x.id) == id) {
+            let known: Vec<String> = tables.iter().map(|x| x.id.to_string()).collect();
+            cx.at(
+                t.span(),
+                format!("{}[{j}]", k("tables")),
+                format!("table {id} is not defined (defined: {})", known.join(", ")),
+            );
+        } else if held.contains(&(id as u32)) {
+            cx.at(
+                t.span(),
+                format!("{}[{j}]", k("tables")),
+                format!("table {id} is listed twice"),
+            );
+        } else {
+            held.push(id as u32);
+        }
+    }
+    held
+}
+
+/// A daemon's `log_level`: a filter the daemons accept.
+fn log_level(cx: &mut Ctx<'_>, v: &Option<Spanned<String>>, key: &str) -> Option<String> {
+    v.as_ref().map(|l| {
+        if let Err(e) = valid_log_filter(l.get_ref()) {
+            cx.at(
+                l.span(),
+                key,
+                format!("{:?} is not a log filter: {e}", l.get_ref()),
+            );
+        }
+        l.get_ref().clone()
+    })
+}
+
+/// `ram_gib` and `headroom_gib`, in range.
+fn memory(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> (f64, f64) {
+    let ram_gib = *d.ram_gib.get_ref();
+    if !(ram_gib.is_finite() && ram_gib > 0.0 && ram_gib <= 1.0e6) {
+        cx.at(
+            d.ram_gib.span(),
+            k("ram_gib"),
+            format!("{ram_gib} is not a RAM size in GiB (0 < ram_gib <= 1e6)"),
+        );
+    }
+    let headroom_gib = match &d.headroom_gib {
+        None => crate::DEFAULT_HEADROOM_GIB,
+        Some(h) => {
+            let v = *h.get_ref();
+            if !(v.is_finite() && v >= 0.0 && v < ram_gib.max(0.0)) {
+                cx.at(
+                    h.span(),
+                    k("headroom_gib"),
+                    format!("{v} is not a headroom in GiB (0 <= headroom_gib < ram_gib)"),
+                );
+            }
+            v
+        }
+    };
+    (ram_gib, headroom_gib)
+}
+
+fn mlock_mode(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> MlockMode {
+    match d.mlock.as_ref().map(|m| (m, m.get_ref().as_str())) {
+        None | Some((_, "try")) => MlockMode::Try,
+        Some((_, "require")) => MlockMode::Require,
+        Some((_, "off")) => MlockMode::Off,
+        Some((m, other)) => {
+            cx.at(
+                m.span(),
+                k("mlock"),
+                format!("{other:?} is not one of \"try\", \"require\", \"off\""),
+            );
+            MlockMode::Try
+        }
+    }
+}
+
+/// The node names admitted on the data plane (empty: every node).
+fn clients(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> Vec<String> {
+    match &d.clients {
+        None => Vec::new(),
+        Some(list) => {
+            if list.get_ref().is_empty() {
+                cx.at(
+                    list.span(),
+                    k("clients"),
+                    "an empty list would admit no node: leave `clients` out to admit every node",
+                );
+            }
+            list.get_ref()
+                .iter()
+                .enumerate()
+                .map(|(j, c)| cx.name(c, &format!("{}[{j}]", k("clients"))))
+                .collect()
+        }
+    }
+}
+
+/// Where a swap may load files from: `table_dir`, else the directories of
+/// the tables the donor holds.
+fn table_dirs(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    k: &dyn Fn(&str) -> String,
+    tables: &[Table],
+    held: &[u32],
+    base: &Path,
+) -> Vec<PathBuf> {
+    match &d.table_dir {
+        Some(p) => vec![cx.path(p, &k("table_dir"), base)],
+        None => {
+            let mut dirs: Vec<PathBuf> = Vec::new();
+            for t in tables.iter().filter(|t| held.contains(&t.id)) {
+                if let Some(p) = t.path.parent()
+                    && !dirs.iter().any(|d| d == p)
+                {
+                    dirs.push(p.to_path_buf());
+                }
+            }
+            dirs
+        }
+    }
 }
 
 /// Whether a donor that does not set `map_files` serves its tables from

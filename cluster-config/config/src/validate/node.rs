@@ -110,16 +110,7 @@ pub(super) fn nodes(
             .as_ref()
             .and_then(|v| super::addr(cx, v, &k("api"), true))
             .unwrap_or(crate::DEFAULT_NODE_API);
-        let log_level = n.log_level.as_ref().map(|l| {
-            if let Err(e) = super::valid_log_filter(l.get_ref()) {
-                cx.at(
-                    l.span(),
-                    k("log_level"),
-                    format!("{:?} is not a log filter: {e}", l.get_ref()),
-                );
-            }
-            l.get_ref().clone()
-        });
+        let log_level = super::log_level(cx, &n.log_level, &k("log_level"));
         let ssd_io = match n.ssd_io.as_ref().map(|m| (m, m.get_ref().as_str())) {
             None | Some((_, "auto")) => SsdIo::Auto,
             Some((_, "uring")) => SsdIo::Uring,
