@@ -24,7 +24,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use self::quic::{quic_half_open, quic_intruders, quic_junk};
 use super::report::ensure_timing;
 use super::scaffold::{FAULT_AT, Opts, SECONDS, finish, max_open_during_fault};
-use super::{Env, Plan, Rack, Report};
+use super::{Env, Outcome, Plan, Rack, Report};
 use crate::sample;
 
 /// The handshake storm's name and what it does.
@@ -447,6 +447,16 @@ fn status_later(rack: &Rack, after: Duration) -> Result<JoinHandle<Status>> {
 /// The drill: donors on TLS and QUIC, the node on TLS; the storm at
 /// donor-a's TLS and QUIC addresses in the fault window.
 pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
+    let plan = plan();
+    let seen = Seen::storm(env, o, &plan)?;
+    let mut r = Report::check(NAME, ABOUT, env, &plan, &seen.out)?;
+    let node = NodeDuring::of(&r, seen.from, seen.to);
+    seen.figures(&mut r, &plan, &node);
+    seen.check(&plan, &node)?;
+    Ok(r)
+}
+
+fn plan() -> Plan {
     let mut plan = Plan::new(NAME);
     plan.transport = cluster_config::Transport::Tls;
     plan.also_quic = true;
@@ -457,214 +467,294 @@ pub(super) fn storm_handshakes(env: &Env, o: &Opts) -> Result<Report> {
     plan.max_connections = 128;
     // A donor slowed by the storm would show as a hedge won elsewhere.
     plan.hedge = "2ms";
-    let hello = Duration::from_millis(plan.hello_timeout_ms);
-    let rack = Rack::start(env, plan.clone())?;
-    let intruders = Intruders::make(&rack.config, "n", &rack.dir.join("intruder"))?;
-    let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
-    run.at_second(FAULT_AT)?;
-    let (tls, quic) = (rack.listen("donor-a")?, rack.quic("donor-a")?);
-    let control = rack.control("donor-a")?;
-    let overflows_before = listen_overflows();
-    let storm = HandshakeStorm::start("donor-a", tls, quic, hello, &intruders)?;
-    let silent: Vec<TcpStream> = (0..CONTROL_SILENT)
-        .filter_map(|i| {
-            let from = std::net::Ipv4Addr::new(127, 0, 9, 1 + (i % CONTROL_SOURCES) as u8);
-            crate::connect_from(from, control)
+    plan
+}
+
+/// What the storm did and what donor-a and the operator saw.
+struct Seen {
+    out: Outcome,
+    /// The storm's start and end on the node's clock.
+    from: f64,
+    to: f64,
+    s: HandshakeStats,
+    /// Connections the host's accept queues dropped meanwhile.
+    overflows: u64,
+    silent_opened: usize,
+    status: Status,
+    open_max: f64,
+    /// donor-a's data-plane refusals: handshake_timeout, handshake_failed,
+    /// handshake_limit, preauth_evicted, quic_retry.
+    refused: [f64; 5],
+    control_evicted: f64,
+}
+
+/// The node's steps during the storm.
+struct NodeDuring {
+    steps: usize,
+    by_a: usize,
+    failovers: u64,
+    worst_us: f64,
+}
+
+impl NodeDuring {
+    fn of(r: &Report, from: f64, to: f64) -> Self {
+        let during: Vec<_> = r.between(from, to).collect();
+        let by_a = during
+            .iter()
+            .filter(|s| {
+                s.tables
+                    .iter()
+                    .all(|t| t.source.as_deref() == Some("donor-a"))
+            })
+            .count();
+        let steps = during.len();
+        let failovers: u64 = during
+            .iter()
+            .flat_map(|s| &s.tables)
+            .map(|t| u64::from(t.failovers))
+            .sum();
+        let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
+        Self {
+            steps,
+            by_a,
+            failovers,
+            worst_us: worst_in,
+        }
+    }
+}
+
+impl Seen {
+    /// Start the rack and the node, storm donor-a in the fault window.
+    fn storm(env: &Env, o: &Opts, plan: &Plan) -> Result<Self> {
+        let hello = Duration::from_millis(plan.hello_timeout_ms);
+        let rack = Rack::start(env, plan.clone())?;
+        let intruders = Intruders::make(&rack.config, "n", &rack.dir.join("intruder"))?;
+        let mut run = rack.run_node(o.tokens(SECONDS), o.tokens_per_second)?;
+        run.at_second(FAULT_AT)?;
+        let (tls, quic) = (rack.listen("donor-a")?, rack.quic("donor-a")?);
+        let control = rack.control("donor-a")?;
+        let overflows_before = listen_overflows();
+        let storm = HandshakeStorm::start("donor-a", tls, quic, hello, &intruders)?;
+        let silent: Vec<TcpStream> = (0..CONTROL_SILENT)
+            .filter_map(|i| {
+                let from = std::net::Ipv4Addr::new(127, 0, 9, 1 + (i % CONTROL_SOURCES) as u8);
+                crate::connect_from(from, control)
+            })
+            .collect();
+        let status = status_later(&rack, Duration::from_millis(500))?;
+        let from = run.event(
+            "handshake storm at donor-a: half-open TLS, TLS without a rack certificate, \
+             QUIC junk, spoofed and half-open QUIC Initials, QUIC without a certificate, \
+             silent control connections",
+        );
+        let open_max = max_open_during_fault(&rack, &mut run, o, "donor-a")?;
+        let status = status
+            .join()
+            .map_err(|_| anyhow::anyhow!("the status thread panicked"))?;
+        let s = storm.stop();
+        let overflows = listen_overflows().saturating_sub(overflows_before);
+        let silent_opened = silent.len();
+        drop(silent);
+        let to = run.event("storm over");
+        let m = rack.donor_metrics("donor-a")?;
+        let [timeouts, failed, limit, evicted, retried] = [
+            "handshake_timeout",
+            "handshake_failed",
+            "handshake_limit",
+            "preauth_evicted",
+            "quic_retry",
+        ]
+        .map(|r| refusals(&m, "data", r));
+        let control_evicted = refusals(&m, "control", "preauth_evicted");
+        let out = finish(run, o, true)?;
+        Ok(Self {
+            out,
+            from,
+            to,
+            s,
+            overflows,
+            silent_opened,
+            status,
+            open_max,
+            refused: [timeouts, failed, limit, evicted, retried],
+            control_evicted,
         })
-        .collect();
-    let status = status_later(&rack, Duration::from_millis(500))?;
-    let from = run.event(
-        "handshake storm at donor-a: half-open TLS, TLS without a rack certificate, \
-         QUIC junk, spoofed and half-open QUIC Initials, QUIC without a certificate, \
-         silent control connections",
-    );
-    let open_max = max_open_during_fault(&rack, &mut run, o, "donor-a")?;
-    let status = status
-        .join()
-        .map_err(|_| anyhow::anyhow!("the status thread panicked"))?;
-    let s = storm.stop();
-    let overflows = listen_overflows().saturating_sub(overflows_before);
-    let silent_opened = silent.len();
-    drop(silent);
-    let to = run.event("storm over");
-    let m = rack.donor_metrics("donor-a")?;
-    let [timeouts, failed, limit, evicted, retried] = [
-        "handshake_timeout",
-        "handshake_failed",
-        "handshake_limit",
-        "preauth_evicted",
-        "quic_retry",
-    ]
-    .map(|r| refusals(&m, "data", r));
-    let control_evicted = refusals(&m, "control", "preauth_evicted");
-    let out = finish(run, o, true)?;
-    let mut r = Report::check(NAME, ABOUT, env, &plan, &out)?;
-    let during: Vec<_> = r.between(from, to).collect();
-    let by_a = during
-        .iter()
-        .filter(|s| {
-            s.tables
-                .iter()
-                .all(|t| t.source.as_deref() == Some("donor-a"))
-        })
-        .count();
-    let steps = during.len();
-    let failovers: u64 = during
-        .iter()
-        .flat_map(|s| &s.tables)
-        .map(|t| u64::from(t.failovers))
-        .sum();
-    let worst_in = r.between(from, to).map(|s| s.stall_us).fold(0.0, f64::max);
-    let ms = |us: u64| us as f64 / 1e3;
-    let tls_mean = ms(s.tls_close_sum_us / s.tls_closed.max(1));
-    r.figure(
-        "TLS half-open handshakes",
-        format!(
-            "{} opened from {TLS_SOURCES} addresses (up to {TLS_HELD} held, {} open at once at most), \
-             {} closed by donor-a after {tls_mean:.0} ms on average, \
-             {:.0} ms at most (hello_timeout_ms {}); {} left open; {overflows} dropped by a \
-             full accept queue (the host's, all listeners)",
-            s.tls_half_open,
-            s.tls_held_max,
+    }
+
+    fn figures(&self, r: &mut Report, plan: &Plan, node: &NodeDuring) {
+        let (s, overflows, silent_opened, status, open_max) = (
+            &self.s,
+            self.overflows,
+            self.silent_opened,
+            &self.status,
+            self.open_max,
+        );
+        let [timeouts, failed, limit, evicted, retried] = self.refused;
+        let control_evicted = self.control_evicted;
+        let (by_a, steps, failovers, worst_in) =
+            (node.by_a, node.steps, node.failovers, node.worst_us);
+        let ms = |us: u64| us as f64 / 1e3;
+        let tls_mean = ms(s.tls_close_sum_us / s.tls_closed.max(1));
+        r.figure(
+            "TLS half-open handshakes",
+            format!(
+                "{} opened from {TLS_SOURCES} addresses (up to {TLS_HELD} held, {} open at once at most), \
+                 {} closed by donor-a after {tls_mean:.0} ms on average, \
+                 {:.0} ms at most (hello_timeout_ms {}); {} left open; {overflows} dropped by a \
+                 full accept queue (the host's, all listeners)",
+                s.tls_half_open,
+                s.tls_held_max,
+                s.tls_closed,
+                ms(s.tls_close_max_us),
+                plan.hello_timeout_ms,
+                s.tls_unclosed
+            ),
+        );
+        r.figure(
+            "TLS handshakes without a rack certificate",
+            format!(
+                "{} completed (none, or one from another CA), {} refused, {} let in",
+                s.tls_intruders, s.tls_refused, s.tls_admitted
+            ),
+        );
+        r.figure(
+            "QUIC",
+            format!(
+                "{} junk datagrams; {} Initials from {SPOOFED_SOURCES} spoofed-looking addresses; \
+                 {} half-open Initials: {} held then closed after {:.0} ms at most, \
+                 {} refused at once, {} unanswered, {} still in progress when the storm ended; \
+                 {} handshakes without a certificate, {} refused, {} let in, {} unanswered in time",
+                s.quic_junk,
+                s.quic_spoofed,
+                s.quic_initials,
+                s.quic_held,
+                ms(s.quic_close_max_us),
+                s.quic_refused_at_once,
+                s.quic_unanswered,
+                s.quic_initials
+                    .saturating_sub(s.quic_held + s.quic_refused_at_once + s.quic_unanswered),
+                s.quic_intruders,
+                s.quic_refused,
+                s.quic_admitted,
+                s.quic_no_verdict
+            ),
+        );
+        r.figure(
+            "donor-a's refusals",
+            format!(
+                "handshake_timeout {timeouts}, handshake_failed {failed}, handshake_limit {limit}, \
+                 preauth_evicted {evicted}, quic_retry {retried}; at most {open_max} connections \
+                 open (bound {})",
+                plan.max_connections
+            ),
+        );
+        r.figure(
+            "control plane",
+            format!(
+                "{silent_opened} silent connections from {CONTROL_SOURCES} addresses, \
+                 {control_evicted} evicted from the pre-auth budget; the operator's \
+                 `engram-cluster status` {} in {:.0} ms",
+                if status.ok { "succeeded" } else { "FAILED" },
+                status.took.as_secs_f64() * 1e3
+            ),
+        );
+        r.figure(
+            "node during the storm",
+            format!(
+                "worst stall {:.2} ms; {by_a} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
+                worst_in / 1e3
+            ),
+        );
+    }
+
+    /// The storm's invariants.
+    fn check(&self, plan: &Plan, node: &NodeDuring) -> Result<()> {
+        let (s, overflows, silent_opened, status) =
+            (&self.s, self.overflows, self.silent_opened, &self.status);
+        let [timeouts, failed, limit, evicted, retried] = self.refused;
+        let control_evicted = self.control_evicted;
+        let failovers = node.failovers;
+        let hello = Duration::from_millis(plan.hello_timeout_ms);
+        let ms = |us: u64| us as f64 / 1e3;
+        let bound = hello + CLOSE_ALLOWANCE;
+        // A connection whose handshake a full accept queue dropped waits in the
+        // kernel for the SYN-ACK's retransmit before the donor can see it.
+        let tls_bound = if overflows > 0 {
+            bound + SYNACK_RETRY
+        } else {
+            bound
+        };
+        ensure!(
+            s.tls_closed > 0 && s.tls_unclosed == 0,
+            "half-open TLS handshakes were not all closed by donor-a: {} closed, {} left open",
             s.tls_closed,
-            ms(s.tls_close_max_us),
-            plan.hello_timeout_ms,
             s.tls_unclosed
-        ),
-    );
-    r.figure(
-        "TLS handshakes without a rack certificate",
-        format!(
-            "{} completed (none, or one from another CA), {} refused, {} let in",
-            s.tls_intruders, s.tls_refused, s.tls_admitted
-        ),
-    );
-    r.figure(
-        "QUIC",
-        format!(
-            "{} junk datagrams; {} Initials from {SPOOFED_SOURCES} spoofed-looking addresses; \
-             {} half-open Initials: {} held then closed after {:.0} ms at most, \
-             {} refused at once, {} unanswered, {} still in progress when the storm ended; \
-             {} handshakes without a certificate, {} refused, {} let in, {} unanswered in time",
-            s.quic_junk,
-            s.quic_spoofed,
-            s.quic_initials,
-            s.quic_held,
+        );
+        ensure_timing!(
+            Duration::from_micros(s.tls_close_max_us) <= tls_bound,
+            "donor-a took {:.0} ms to close a half-open TLS handshake (hello timeout {} ms; \
+             {overflows} accept-queue overflows)",
+            ms(s.tls_close_max_us),
+            plan.hello_timeout_ms
+        );
+        ensure_timing!(
+            s.quic_held == 0 || Duration::from_micros(s.quic_close_max_us) <= bound,
+            "donor-a held a half-open QUIC handshake {:.0} ms (hello timeout {} ms)",
             ms(s.quic_close_max_us),
-            s.quic_refused_at_once,
-            s.quic_unanswered,
-            s.quic_initials
-                .saturating_sub(s.quic_held + s.quic_refused_at_once + s.quic_unanswered),
-            s.quic_intruders,
-            s.quic_refused,
-            s.quic_admitted,
-            s.quic_no_verdict
-        ),
-    );
-    r.figure(
-        "donor-a's refusals",
-        format!(
-            "handshake_timeout {timeouts}, handshake_failed {failed}, handshake_limit {limit}, \
-             preauth_evicted {evicted}, quic_retry {retried}; at most {open_max} connections \
-             open (bound {})",
-            plan.max_connections
-        ),
-    );
-    r.figure(
-        "control plane",
-        format!(
-            "{silent_opened} silent connections from {CONTROL_SOURCES} addresses, \
-             {control_evicted} evicted from the pre-auth budget; the operator's \
-             `engram-cluster status` {} in {:.0} ms",
-            if status.ok { "succeeded" } else { "FAILED" },
-            status.took.as_secs_f64() * 1e3
-        ),
-    );
-    r.figure(
-        "node during the storm",
-        format!(
-            "worst stall {:.2} ms; {by_a} of {steps} steps served by donor-a alone (the others by a hedge past 2 ms); {failovers} failovers",
-            worst_in / 1e3
-        ),
-    );
-    let bound = hello + CLOSE_ALLOWANCE;
-    // A connection whose handshake a full accept queue dropped waits in the
-    // kernel for the SYN-ACK's retransmit before the donor can see it.
-    let tls_bound = if overflows > 0 {
-        bound + SYNACK_RETRY
-    } else {
-        bound
-    };
-    ensure!(
-        s.tls_closed > 0 && s.tls_unclosed == 0,
-        "half-open TLS handshakes were not all closed by donor-a: {} closed, {} left open",
-        s.tls_closed,
-        s.tls_unclosed
-    );
-    ensure_timing!(
-        Duration::from_micros(s.tls_close_max_us) <= tls_bound,
-        "donor-a took {:.0} ms to close a half-open TLS handshake (hello timeout {} ms; \
-         {overflows} accept-queue overflows)",
-        ms(s.tls_close_max_us),
-        plan.hello_timeout_ms
-    );
-    ensure_timing!(
-        s.quic_held == 0 || Duration::from_micros(s.quic_close_max_us) <= bound,
-        "donor-a held a half-open QUIC handshake {:.0} ms (hello timeout {} ms)",
-        ms(s.quic_close_max_us),
-        plan.hello_timeout_ms
-    );
-    ensure!(
-        s.tls_admitted == 0 && s.quic_admitted == 0,
-        "donor-a let in clients without a rack certificate: {} over TLS, {} over QUIC",
-        s.tls_admitted,
-        s.quic_admitted
-    );
-    ensure!(
-        s.tls_refused > 0 && s.quic_refused > 0 && s.quic_initials > 0,
-        "the storm did not reach donor-a: {s:?}"
-    );
-    ensure!(
-        s.tls_half_open >= TLS_HELD as u64
-            && s.quic_spoofed >= SPOOFED_INITIALS as u64 * 9 / 10
-            && silent_opened >= CONTROL_SILENT as usize * 9 / 10,
-        "the storm fell short of its size: {} half-open TLS, {} spoofed Initials, \
-         {silent_opened} silent control connections",
-        s.tls_half_open,
-        s.quic_spoofed
-    );
-    ensure!(
-        status.ok,
-        "the operator's status failed during the storm: {}",
-        status.said
-    );
-    ensure_timing!(
-        status.took < Duration::from_secs(5),
-        "the operator's status took {:?} during the storm",
-        status.took
-    );
-    ensure!(
-        control_evicted > 0.0,
-        "no silent control connection was evicted: the control plane's pre-auth budget \
-         was never reached"
-    );
-    // Every half-open handshake the donor held and closed was a timeout
-    // (or evicted by a newer one from the pre-auth budget), every TLS
-    // intruder a failed handshake (QUIC's add to that), and the Initials
-    // past the first few in progress got a stateless Retry or hit the
-    // handshake limits.
-    let held = s.tls_closed + s.quic_held;
-    ensure!(
-        timeouts + evicted >= held as f64
-            && failed >= s.tls_refused as f64
-            && limit + retried > 0.0,
-        "donor-a's refusals (handshake_timeout {timeouts}, handshake_failed {failed}, \
-         handshake_limit {limit}, preauth_evicted {evicted}, quic_retry {retried}) do not \
-         account for the storm: {s:?}"
-    );
-    ensure!(
-        failovers == 0,
-        "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
-    );
-    Ok(r)
+            plan.hello_timeout_ms
+        );
+        ensure!(
+            s.tls_admitted == 0 && s.quic_admitted == 0,
+            "donor-a let in clients without a rack certificate: {} over TLS, {} over QUIC",
+            s.tls_admitted,
+            s.quic_admitted
+        );
+        ensure!(
+            s.tls_refused > 0 && s.quic_refused > 0 && s.quic_initials > 0,
+            "the storm did not reach donor-a: {s:?}"
+        );
+        ensure!(
+            s.tls_half_open >= TLS_HELD as u64
+                && s.quic_spoofed >= SPOOFED_INITIALS as u64 * 9 / 10
+                && silent_opened >= CONTROL_SILENT as usize * 9 / 10,
+            "the storm fell short of its size: {} half-open TLS, {} spoofed Initials, \
+             {silent_opened} silent control connections",
+            s.tls_half_open,
+            s.quic_spoofed
+        );
+        ensure!(
+            status.ok,
+            "the operator's status failed during the storm: {}",
+            status.said
+        );
+        ensure_timing!(
+            status.took < Duration::from_secs(5),
+            "the operator's status took {:?} during the storm",
+            status.took
+        );
+        ensure!(
+            control_evicted > 0.0,
+            "no silent control connection was evicted: the control plane's pre-auth budget \
+             was never reached"
+        );
+        // Every half-open handshake the donor held and closed was a timeout
+        // (or evicted by a newer one from the pre-auth budget), every TLS
+        // intruder a failed handshake (QUIC's add to that), and the Initials
+        // past the first few in progress got a stateless Retry or hit the
+        // handshake limits.
+        let held = s.tls_closed + s.quic_held;
+        ensure!(
+            timeouts + evicted >= held as f64
+                && failed >= s.tls_refused as f64
+                && limit + retried > 0.0,
+            "donor-a's refusals (handshake_timeout {timeouts}, handshake_failed {failed}, \
+             handshake_limit {limit}, preauth_evicted {evicted}, quic_retry {retried}) do not \
+             account for the storm: {s:?}"
+        );
+        ensure!(
+            failovers == 0,
+            "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
+        );
+        Ok(())
+    }
 }
