@@ -582,17 +582,7 @@ impl Seen {
     }
 
     fn figures(&self, r: &mut Report, plan: &Plan, node: &NodeDuring) {
-        let (s, overflows, silent_opened, status, open_max) = (
-            &self.s,
-            self.overflows,
-            self.silent_opened,
-            &self.status,
-            self.open_max,
-        );
-        let [timeouts, failed, limit, evicted, retried] = self.refused;
-        let control_evicted = self.control_evicted;
-        let (by_a, steps, failovers, worst_in) =
-            (node.by_a, node.steps, node.failovers, node.worst_us);
+        let (s, overflows) = (&self.s, self.overflows);
         let ms = |us: u64| us as f64 / 1e3;
         let tls_mean = ms(s.tls_close_sum_us / s.tls_closed.max(1));
         r.figure(
@@ -639,6 +629,16 @@ impl Seen {
                 s.quic_no_verdict
             ),
         );
+        self.rack_figures(r, plan, node);
+    }
+
+    /// What donor-a, its control plane and the node saw.
+    fn rack_figures(&self, r: &mut Report, plan: &Plan, node: &NodeDuring) {
+        let (silent_opened, status, open_max) = (self.silent_opened, &self.status, self.open_max);
+        let [timeouts, failed, limit, evicted, retried] = self.refused;
+        let control_evicted = self.control_evicted;
+        let (by_a, steps, failovers, worst_in) =
+            (node.by_a, node.steps, node.failovers, node.worst_us);
         r.figure(
             "donor-a's refusals",
             format!(
@@ -669,11 +669,7 @@ impl Seen {
 
     /// The storm's invariants.
     fn check(&self, plan: &Plan, node: &NodeDuring) -> Result<()> {
-        let (s, overflows, silent_opened, status) =
-            (&self.s, self.overflows, self.silent_opened, &self.status);
-        let [timeouts, failed, limit, evicted, retried] = self.refused;
-        let control_evicted = self.control_evicted;
-        let failovers = node.failovers;
+        let (s, overflows, silent_opened) = (&self.s, self.overflows, self.silent_opened);
         let hello = Duration::from_millis(plan.hello_timeout_ms);
         let ms = |us: u64| us as f64 / 1e3;
         let bound = hello + CLOSE_ALLOWANCE;
@@ -722,6 +718,15 @@ impl Seen {
             s.tls_half_open,
             s.quic_spoofed
         );
+        self.check_accounts(node)
+    }
+
+    /// The operator got through, and every handshake is accounted for.
+    fn check_accounts(&self, node: &NodeDuring) -> Result<()> {
+        let (s, status) = (&self.s, &self.status);
+        let [timeouts, failed, limit, evicted, retried] = self.refused;
+        let control_evicted = self.control_evicted;
+        let failovers = node.failovers;
         ensure!(
             status.ok,
             "the operator's status failed during the storm: {}",
