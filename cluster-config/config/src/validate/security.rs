@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 
 use super::Ctx;
-use crate::raw::RawConfig;
+use crate::raw::{RawConfig, RawDonor};
 use crate::{Donor, Node, Plaintext, TlsSettings, Transport};
 
 use crate::PLAINTEXT_WHY;
@@ -76,157 +76,207 @@ pub(super) fn check(
     nodes: &[Node],
 ) {
     for (i, (d, rd)) in donors.iter().zip(&raw.donors).enumerate() {
-        let rd = rd.get_ref();
-        let k = |f: &str| format!("donor[{i}].{f}");
-        for e in &d.listen {
-            if e.transport == Transport::Rdma && tls.is_none() {
+        donor(cx, i, d, rd.get_ref(), tls.is_some(), plaintext, nodes);
+    }
+    if plaintext == Plaintext::LoopbackOnly {
+        plaintext_nodes(cx, raw, nodes);
+    }
+    if tls.is_none() {
+        node_tls_without_pki(cx, raw);
+        return;
+    }
+    dns_names(cx, raw);
+}
+
+/// One donor's addresses, plaintext, and TLS keys.
+fn donor(
+    cx: &mut Ctx<'_>,
+    i: usize,
+    d: &Donor,
+    rd: &RawDonor,
+    has_pki: bool,
+    plaintext: Plaintext,
+    nodes: &[Node],
+) {
+    let k = |f: &str| format!("donor[{i}].{f}");
+    donor_listen(cx, &k, d, rd, has_pki, plaintext);
+    donor_plaintext(cx, &k, d, rd, has_pki, plaintext);
+    if !has_pki {
+        for (key, set) in [
+            ("clients", rd.clients.as_ref().map(|c| c.span())),
+            ("tls_cert", rd.tls_cert.as_ref().map(|c| c.span())),
+            ("tls_key", rd.tls_key.as_ref().map(|c| c.span())),
+        ] {
+            if let Some(span) = set {
                 cx.at(
-                    rd.listen.span(),
-                    k("listen"),
-                    format!(
-                        "{e} needs the rack's PKI: nodes learn RDMA regions and queue-pair \
-                         tokens over TLS or QUIC only; add [rack.tls] (see `engram-cluster pki init`)"
-                    ),
-                );
-            }
-            if e.transport.is_secure() && tls.is_none() {
-                cx.at(
-                    rd.listen.span(),
-                    k("listen"),
-                    format!(
-                        "{e} needs the rack's PKI: add [rack.tls] (see `engram-cluster pki init`)"
-                    ),
-                );
-            }
-            if e.transport == Transport::Tcp
-                && !loopback(e.addr)
-                && plaintext == Plaintext::LoopbackOnly
-            {
-                cx.at(
-                    rd.listen.span(),
-                    k("listen"),
-                    format!("{e} is plaintext on a non-loopback address: {PLAINTEXT_WHY}"),
-                );
-            }
-        }
-        if plaintext == Plaintext::LoopbackOnly {
-            for e in &d.advertise {
-                if e.transport == Transport::Tcp && !loopback(e.addr) {
-                    let span = rd.advertise.as_ref().map_or(rd.listen.span(), |a| a.span());
-                    cx.at(
-                        span,
-                        k("advertise"),
-                        format!(
-                            "{e} tells nodes to dial plaintext on a non-loopback address: \
-                             {PLAINTEXT_WHY}"
-                        ),
-                    );
-                }
-            }
-            if let (Some(m), Some(raw_m)) = (d.metrics, &rd.metrics)
-                && !loopback(m)
-            {
-                cx.at(
-                    raw_m.span(),
-                    k("metrics"),
-                    format!(
-                        "/metrics at {m} is plaintext HTTP, unauthenticated, on a non-loopback \
-                         address (scrape it through a local agent or a TLS proxy): {PLAINTEXT_WHY}"
-                    ),
+                    span,
+                    k(key),
+                    format!("`{key}` applies to TLS and QUIC, which need [rack.tls]"),
                 );
             }
         }
-        if let (Some(c), None, Plaintext::LoopbackOnly, Some(raw_c)) =
-            (d.control, tls, plaintext, &rd.control)
-            && !loopback(c)
-        {
+    }
+    if let Some(list) = &rd.clients {
+        for (j, c) in list.get_ref().iter().enumerate() {
+            if !nodes.iter().any(|n| &n.name == c.get_ref()) {
+                cx.at(
+                    c.span(),
+                    format!("donor[{i}].clients[{j}]"),
+                    format!("{:?} is not a node of this rack", c.get_ref()),
+                );
+            }
+        }
+    }
+}
+
+/// Each listen address: a PKI for TLS, QUIC and RDMA; plaintext TCP on
+/// loopback only, unless the rack allows it.
+fn donor_listen(
+    cx: &mut Ctx<'_>,
+    k: &dyn Fn(&str) -> String,
+    d: &Donor,
+    rd: &RawDonor,
+    has_pki: bool,
+    plaintext: Plaintext,
+) {
+    for e in &d.listen {
+        if e.transport == Transport::Rdma && !has_pki {
             cx.at(
-                raw_c.span(),
-                k("control"),
+                rd.listen.span(),
+                k("listen"),
                 format!(
-                    "control plane {c} would be plaintext and unauthenticated on a non-loopback \
-                     address (anyone could Drain or SwapTable this donor): {PLAINTEXT_WHY}"
+                    "{e} needs the rack's PKI: nodes learn RDMA regions and queue-pair \
+                     tokens over TLS or QUIC only; add [rack.tls] (see `engram-cluster pki init`)"
                 ),
             );
         }
-        if tls.is_none() {
-            for (key, set) in [
-                ("clients", rd.clients.as_ref().map(|c| c.span())),
-                ("tls_cert", rd.tls_cert.as_ref().map(|c| c.span())),
-                ("tls_key", rd.tls_key.as_ref().map(|c| c.span())),
-            ] {
-                if let Some(span) = set {
-                    cx.at(
-                        span,
-                        k(key),
-                        format!("`{key}` applies to TLS and QUIC, which need [rack.tls]"),
-                    );
-                }
-            }
+        if e.transport.is_secure() && !has_pki {
+            cx.at(
+                rd.listen.span(),
+                k("listen"),
+                format!("{e} needs the rack's PKI: add [rack.tls] (see `engram-cluster pki init`)"),
+            );
         }
-        if let Some(list) = &rd.clients {
-            for (j, c) in list.get_ref().iter().enumerate() {
-                if !nodes.iter().any(|n| &n.name == c.get_ref()) {
-                    cx.at(
-                        c.span(),
-                        format!("donor[{i}].clients[{j}]"),
-                        format!("{:?} is not a node of this rack", c.get_ref()),
-                    );
-                }
-            }
+        if e.transport == Transport::Tcp
+            && !loopback(e.addr)
+            && plaintext == Plaintext::LoopbackOnly
+        {
+            cx.at(
+                rd.listen.span(),
+                k("listen"),
+                format!("{e} is plaintext on a non-loopback address: {PLAINTEXT_WHY}"),
+            );
         }
     }
+}
+
+/// Advertised plaintext addresses, /metrics and a control plane without
+/// TLS: on loopback only, unless the rack allows plaintext.
+fn donor_plaintext(
+    cx: &mut Ctx<'_>,
+    k: &dyn Fn(&str) -> String,
+    d: &Donor,
+    rd: &RawDonor,
+    has_pki: bool,
+    plaintext: Plaintext,
+) {
     if plaintext == Plaintext::LoopbackOnly {
-        for (i, (n, rn)) in nodes.iter().zip(&raw.nodes).enumerate() {
-            let rn = rn.get_ref();
-            // The node API has no TLS: it stays on loopback (the default).
-            if let Some(raw_api) = &rn.api
-                && !loopback(n.api)
-            {
+        for e in &d.advertise {
+            if e.transport == Transport::Tcp && !loopback(e.addr) {
+                let span = rd.advertise.as_ref().map_or(rd.listen.span(), |a| a.span());
                 cx.at(
-                    raw_api.span(),
-                    format!("node[{i}].api"),
+                    span,
+                    k("advertise"),
                     format!(
-                        "the node API at {} is plaintext gRPC with no authentication (anyone \
-                         reaching it could Generate); keep it on loopback and front it with \
-                         your own authenticated proxy: {PLAINTEXT_WHY}",
-                        n.api
+                        "{e} tells nodes to dial plaintext on a non-loopback address: \
+                         {PLAINTEXT_WHY}"
                     ),
                 );
             }
-            if let (Some(m), Some(raw_m)) = (n.metrics, &rn.metrics)
-                && !loopback(m)
-            {
+        }
+        if let (Some(m), Some(raw_m)) = (d.metrics, &rd.metrics)
+            && !loopback(m)
+        {
+            cx.at(
+                raw_m.span(),
+                k("metrics"),
+                format!(
+                    "/metrics at {m} is plaintext HTTP, unauthenticated, on a non-loopback \
+                     address (scrape it through a local agent or a TLS proxy): {PLAINTEXT_WHY}"
+                ),
+            );
+        }
+    }
+    if let (Some(c), false, Plaintext::LoopbackOnly, Some(raw_c)) =
+        (d.control, has_pki, plaintext, &rd.control)
+        && !loopback(c)
+    {
+        cx.at(
+            raw_c.span(),
+            k("control"),
+            format!(
+                "control plane {c} would be plaintext and unauthenticated on a non-loopback \
+                 address (anyone could Drain or SwapTable this donor): {PLAINTEXT_WHY}"
+            ),
+        );
+    }
+}
+
+/// A node's API and /metrics stay on loopback in a rack without plaintext.
+fn plaintext_nodes(cx: &mut Ctx<'_>, raw: &RawConfig, nodes: &[Node]) {
+    for (i, (n, rn)) in nodes.iter().zip(&raw.nodes).enumerate() {
+        let rn = rn.get_ref();
+        // The node API has no TLS: it stays on loopback (the default).
+        if let Some(raw_api) = &rn.api
+            && !loopback(n.api)
+        {
+            cx.at(
+                raw_api.span(),
+                format!("node[{i}].api"),
+                format!(
+                    "the node API at {} is plaintext gRPC with no authentication (anyone \
+                     reaching it could Generate); keep it on loopback and front it with \
+                     your own authenticated proxy: {PLAINTEXT_WHY}",
+                    n.api
+                ),
+            );
+        }
+        if let (Some(m), Some(raw_m)) = (n.metrics, &rn.metrics)
+            && !loopback(m)
+        {
+            cx.at(
+                raw_m.span(),
+                format!("node[{i}].metrics"),
+                format!(
+                    "/metrics at {m} is plaintext HTTP, unauthenticated, on a non-loopback \
+                     address (scrape it through a local agent or a TLS proxy): {PLAINTEXT_WHY}"
+                ),
+            );
+        }
+    }
+}
+
+/// A node's TLS keys need the rack's PKI.
+fn node_tls_without_pki(cx: &mut Ctx<'_>, raw: &RawConfig) {
+    for (i, rn) in raw.nodes.iter().enumerate() {
+        let rn = rn.get_ref();
+        for (key, set) in [
+            ("tls_cert", rn.tls_cert.as_ref().map(|c| c.span())),
+            ("tls_key", rn.tls_key.as_ref().map(|c| c.span())),
+        ] {
+            if let Some(span) = set {
                 cx.at(
-                    raw_m.span(),
-                    format!("node[{i}].metrics"),
-                    format!(
-                        "/metrics at {m} is plaintext HTTP, unauthenticated, on a non-loopback \
-                         address (scrape it through a local agent or a TLS proxy): {PLAINTEXT_WHY}"
-                    ),
+                    span,
+                    format!("node[{i}].{key}"),
+                    format!("`{key}` needs [rack.tls]"),
                 );
             }
         }
     }
-    let Some(tls) = tls else {
-        for (i, rn) in raw.nodes.iter().enumerate() {
-            let rn = rn.get_ref();
-            for (key, set) in [
-                ("tls_cert", rn.tls_cert.as_ref().map(|c| c.span())),
-                ("tls_key", rn.tls_key.as_ref().map(|c| c.span())),
-            ] {
-                if let Some(span) = set {
-                    cx.at(
-                        span,
-                        format!("node[{i}].{key}"),
-                        format!("`{key}` needs [rack.tls]"),
-                    );
-                }
-            }
-        }
-        return;
-    };
-    // Every identity is a DNS name in its certificate.
+}
+
+/// Every identity is a DNS name in its certificate.
+fn dns_names(cx: &mut Ctx<'_>, raw: &RawConfig) {
     let dns = |n: &str| rustls::pki_types::DnsName::try_from(n).is_ok() && !n.contains('_');
     let hosts = raw
         .donors
@@ -266,5 +316,4 @@ pub(super) fn check(
             );
         }
     }
-    let _ = &tls.operators;
 }
