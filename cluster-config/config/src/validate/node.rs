@@ -23,6 +23,12 @@ pub const DEFAULT_MAX_BATCH: u32 = 16;
 /// Default `prefill_budget`: 256 positions (6,144 rows per table, about
 /// 1.6 MB) beside the decoders' rows in a step.
 pub const DEFAULT_PREFILL_BUDGET: usize = 256;
+/// A node's hard timeout for a lookup unless its config says
+/// (`lookup_timeout_ms`); the client library's default too.
+pub const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 100;
+/// A node's connect timeout unless its config says (`connect_timeout_ms`);
+/// the client library's default too.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 1_000;
 /// Largest `prefill_budget`.
 pub const MAX_PREFILL_BUDGET: i64 = 65_536;
 /// Longest grace accepted, in microseconds (one second).
@@ -48,127 +54,178 @@ pub(super) fn nodes(
                 format!("node {name:?} is defined twice"),
             );
         }
-        let lookup_timeout = cx.opt_ms(&n.lookup_timeout_ms, &k("lookup_timeout_ms"), 100, false);
-        let mut routes: Vec<Route> = Vec::new();
-        for (j, r) in n.routes.iter().enumerate() {
-            if let Some(route) = route(
-                cx,
-                r.get_ref(),
-                (i, j),
-                tables,
-                donors,
-                base,
-                lookup_timeout,
-            ) {
-                if routes.iter().any(|x| x.table == route.table) {
-                    cx.at(
-                        r.get_ref().table.span(),
-                        format!("node[{i}].route[{j}].table"),
-                        format!("table {} has two routes on this node", route.table),
-                    );
-                }
-                routes.push(route);
-            }
-        }
-        let tokens_per_second = match &n.tokens_per_second {
-            None => 100.0,
-            Some(v) => {
-                let x = *v.get_ref();
-                if x.is_finite() && x > 0.0 && x <= MAX_TOKENS_PER_SECOND {
-                    x
-                } else {
-                    cx.at(
-                        v.span(),
-                        k("tokens_per_second"),
-                        format!("{x} is not a token rate (0 < rate <= {MAX_TOKENS_PER_SECOND})"),
-                    );
-                    100.0
-                }
-            }
-        };
-        let breaker_failures = n
-            .breaker_failures
-            .as_ref()
-            .and_then(|v| cx.int(v, &k("breaker_failures"), 1, MAX_BREAKER_FAILURES))
-            .unwrap_or(3) as u32;
-        let max_batch = n
-            .max_batch
-            .as_ref()
-            .and_then(|v| cx.int(v, &k("max_batch"), 1, MAX_BATCH))
-            .map_or(DEFAULT_MAX_BATCH, |v| v as u32);
-        let prefill_budget = n
-            .prefill_budget
-            .as_ref()
-            .and_then(|v| cx.int(v, &k("prefill_budget"), 0, MAX_PREFILL_BUDGET))
-            .map_or(DEFAULT_PREFILL_BUDGET, |v| v as usize);
-        let metrics = n
-            .metrics
-            .as_ref()
-            .and_then(|v| super::addr(cx, v, &k("metrics"), true));
-        let api = n
-            .api
-            .as_ref()
-            .and_then(|v| super::addr(cx, v, &k("api"), true))
-            .unwrap_or(crate::DEFAULT_NODE_API);
-        let log_level = super::log_level(cx, &n.log_level, &k("log_level"));
-        let ssd_io = match n.ssd_io.as_ref().map(|m| (m, m.get_ref().as_str())) {
-            None | Some((_, "auto")) => SsdIo::Auto,
-            Some((_, "uring")) => SsdIo::Uring,
-            Some((_, "pread")) => SsdIo::Pread,
-            Some((m, other)) => {
-                cx.at(
-                    m.span(),
-                    k("ssd_io"),
-                    format!("{other:?} is not one of \"auto\", \"uring\", \"pread\""),
-                );
-                SsdIo::Auto
-            }
-        };
-        let mut links: Vec<(String, Link)> = Vec::new();
-        for (j, l) in n.links.iter().enumerate() {
-            if let Some((donor, link)) = link(cx, l.get_ref(), (i, j), donors) {
-                if links.iter().any(|(d, _)| *d == donor) {
-                    cx.at(
-                        l.get_ref().donor.span(),
-                        format!("node[{i}].link[{j}].donor"),
-                        format!("donor {donor:?} has two links on this node"),
-                    );
-                    continue;
-                }
-                links.push((donor, link));
-            }
-        }
-        let tls_cert = n
-            .tls_cert
-            .as_ref()
-            .map(|p| cx.path(p, &k("tls_cert"), base));
-        let tls_key = n.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
-        out.push(Node {
-            name,
-            routes,
-            connect_timeout: cx.opt_ms(
-                &n.connect_timeout_ms,
-                &k("connect_timeout_ms"),
-                1_000,
-                false,
-            ),
-            lookup_timeout,
-            tokens_per_second,
-            probe_interval: cx.opt_ms(&n.probe_interval_ms, &k("probe_interval_ms"), 1_000, false),
-            breaker_failures,
-            max_batch,
-            prefill_budget,
-            metrics,
-            api,
-            log_level,
-            ssd_io,
-            ssd_direct: n.ssd_direct.unwrap_or(true),
-            links,
-            tls_cert,
-            tls_key,
-        });
+        out.push(node(cx, i, n, name, tables, donors, base));
     }
     out
+}
+
+/// One node's entry, its name checked already.
+fn node(
+    cx: &mut Ctx<'_>,
+    i: usize,
+    n: &RawNode,
+    name: String,
+    tables: &[Table],
+    donors: &[Donor],
+    base: &Path,
+) -> Node {
+    let k = |f: &str| format!("node[{i}].{f}");
+    let lookup_timeout = cx.opt_ms(
+        &n.lookup_timeout_ms,
+        &k("lookup_timeout_ms"),
+        DEFAULT_LOOKUP_TIMEOUT_MS as i64,
+        false,
+    );
+    let routes = routes(cx, i, n, tables, donors, base, lookup_timeout);
+    let tokens_per_second = tokens_per_second(cx, n, &k);
+    let breaker_failures = super::opt_int(
+        cx,
+        &n.breaker_failures,
+        &k("breaker_failures"),
+        1,
+        MAX_BREAKER_FAILURES,
+    )
+    .unwrap_or(3) as u32;
+    let max_batch = super::opt_int(cx, &n.max_batch, &k("max_batch"), 1, MAX_BATCH)
+        .map_or(DEFAULT_MAX_BATCH, |v| v as u32);
+    let prefill_budget = super::opt_int(
+        cx,
+        &n.prefill_budget,
+        &k("prefill_budget"),
+        0,
+        MAX_PREFILL_BUDGET,
+    )
+    .map_or(DEFAULT_PREFILL_BUDGET, |v| v as usize);
+    let metrics = n
+        .metrics
+        .as_ref()
+        .and_then(|v| super::addr(cx, v, &k("metrics"), true));
+    let api = n
+        .api
+        .as_ref()
+        .and_then(|v| super::addr(cx, v, &k("api"), true))
+        .unwrap_or(crate::DEFAULT_NODE_API);
+    let log_level = super::log_level(cx, &n.log_level, &k("log_level"));
+    let ssd_io = ssd_io(cx, n, &k);
+    let links = links(cx, i, n, donors);
+    let tls_cert = n
+        .tls_cert
+        .as_ref()
+        .map(|p| cx.path(p, &k("tls_cert"), base));
+    let tls_key = n.tls_key.as_ref().map(|p| cx.path(p, &k("tls_key"), base));
+    Node {
+        name,
+        routes,
+        connect_timeout: cx.opt_ms(
+            &n.connect_timeout_ms,
+            &k("connect_timeout_ms"),
+            DEFAULT_CONNECT_TIMEOUT_MS as i64,
+            false,
+        ),
+        lookup_timeout,
+        tokens_per_second,
+        probe_interval: cx.opt_ms(&n.probe_interval_ms, &k("probe_interval_ms"), 1_000, false),
+        breaker_failures,
+        max_batch,
+        prefill_budget,
+        metrics,
+        api,
+        log_level,
+        ssd_io,
+        ssd_direct: n.ssd_direct.unwrap_or(true),
+        links,
+        tls_cert,
+        tls_key,
+    }
+}
+
+/// The node's routes: at most one per table.
+#[allow(clippy::too_many_arguments)]
+fn routes(
+    cx: &mut Ctx<'_>,
+    i: usize,
+    n: &RawNode,
+    tables: &[Table],
+    donors: &[Donor],
+    base: &Path,
+    lookup_timeout: Duration,
+) -> Vec<Route> {
+    let mut routes: Vec<Route> = Vec::new();
+    for (j, r) in n.routes.iter().enumerate() {
+        if let Some(route) = route(
+            cx,
+            r.get_ref(),
+            (i, j),
+            tables,
+            donors,
+            base,
+            lookup_timeout,
+        ) {
+            if routes.iter().any(|x| x.table == route.table) {
+                cx.at(
+                    r.get_ref().table.span(),
+                    format!("node[{i}].route[{j}].table"),
+                    format!("table {} has two routes on this node", route.table),
+                );
+            }
+            routes.push(route);
+        }
+    }
+    routes
+}
+
+fn tokens_per_second(cx: &mut Ctx<'_>, n: &RawNode, k: &dyn Fn(&str) -> String) -> f64 {
+    match &n.tokens_per_second {
+        None => 100.0,
+        Some(v) => {
+            let x = *v.get_ref();
+            if x.is_finite() && x > 0.0 && x <= MAX_TOKENS_PER_SECOND {
+                x
+            } else {
+                cx.at(
+                    v.span(),
+                    k("tokens_per_second"),
+                    format!("{x} is not a token rate (0 < rate <= {MAX_TOKENS_PER_SECOND})"),
+                );
+                100.0
+            }
+        }
+    }
+}
+
+fn ssd_io(cx: &mut Ctx<'_>, n: &RawNode, k: &dyn Fn(&str) -> String) -> SsdIo {
+    match n.ssd_io.as_ref().map(|m| (m, m.get_ref().as_str())) {
+        None | Some((_, "auto")) => SsdIo::Auto,
+        Some((_, "uring")) => SsdIo::Uring,
+        Some((_, "pread")) => SsdIo::Pread,
+        Some((m, other)) => {
+            cx.at(
+                m.span(),
+                k("ssd_io"),
+                format!("{other:?} is not one of \"auto\", \"uring\", \"pread\""),
+            );
+            SsdIo::Auto
+        }
+    }
+}
+
+/// The node's links: at most one per donor.
+fn links(cx: &mut Ctx<'_>, i: usize, n: &RawNode, donors: &[Donor]) -> Vec<(String, Link)> {
+    let mut links: Vec<(String, Link)> = Vec::new();
+    for (j, l) in n.links.iter().enumerate() {
+        if let Some((donor, link)) = link(cx, l.get_ref(), (i, j), donors) {
+            if links.iter().any(|(d, _)| *d == donor) {
+                cx.at(
+                    l.get_ref().donor.span(),
+                    format!("node[{i}].link[{j}].donor"),
+                    format!("donor {donor:?} has two links on this node"),
+                );
+                continue;
+            }
+            links.push((donor, link));
+        }
+    }
+    links
 }
 
 /// `[[node.link]]`: a donor of the rack, one of its advertised transports,
