@@ -246,35 +246,7 @@ fn link(
         );
         return None;
     };
-    let transport = l
-        .transport
-        .as_ref()
-        .and_then(|t| match Transport::parse(t.get_ref()) {
-            Some(tr) if donor.advertise.iter().any(|e| e.transport == tr) => Some(tr),
-            Some(tr) => {
-                let offered: Vec<String> = donor.advertise.iter().map(|e| e.to_string()).collect();
-                cx.at(
-                    t.span(),
-                    lk("transport"),
-                    format!(
-                        "donor {name:?} advertises no {tr} address (it advertises {})",
-                        offered.join(", ")
-                    ),
-                );
-                None
-            }
-            None => {
-                cx.at(
-                    t.span(),
-                    lk("transport"),
-                    format!(
-                        "{:?} is not one of \"tcp\", \"tls\", \"quic\", \"rdma\"",
-                        t.get_ref()
-                    ),
-                );
-                None
-            }
-        });
+    let transport = link_transport(cx, l, donor, &lk);
     let bind = l.bind.as_ref().and_then(|b| match b.get_ref().parse() {
         Ok(ip) => Some(ip),
         Err(_) => {
@@ -289,29 +261,7 @@ fn link(
             None
         }
     });
-    let interface = l.interface.as_ref().and_then(|f| {
-        let name = f.get_ref();
-        let ok = !name.is_empty()
-            && name.len() <= MAX_INTERFACE_NAME
-            && name != "."
-            && name != ".."
-            && name
-                .chars()
-                .all(|c| c.is_ascii_graphic() && c != '/' && c != ':');
-        if ok {
-            Some(name.clone())
-        } else {
-            cx.at(
-                f.span(),
-                lk("interface"),
-                format!(
-                    "{name:?} is not a network interface name: 1 to {MAX_INTERFACE_NAME} printable \
-                     characters without '/', ':' or spaces"
-                ),
-            );
-            None
-        }
-    });
+    let interface = interface(cx, l, &lk);
     Some((
         name.clone(),
         Link {
@@ -341,6 +291,58 @@ fn route(
         );
         return None;
     };
+    let sources = sources(cx, r, (i, j), table, donors);
+    let ssd_path = match &r.ssd_path {
+        Some(p) => cx.path(p, &rk("ssd_path"), base),
+        None => table.path.clone(),
+    };
+    let grace = match &r.grace_us {
+        Some(v) => cx.int(v, &rk("grace_us"), 0, MAX_GRACE_US).unwrap_or(0) as u64,
+        None => 100,
+    };
+    let hedge = match &r.hedge {
+        None => Hedge::Percentile(99.0),
+        Some(h) => parse_hedge(h.get_ref()).unwrap_or_else(|why| {
+            cx.at(h.span(), rk("hedge"), why);
+            Hedge::Off
+        }),
+    };
+    let policy = policy(cx, r, &rk);
+    let ssd_ioprio = match &r.ssd_ioprio {
+        None => SsdIoprio::DEFAULT,
+        Some(p) => SsdIoprio::parse(p.get_ref()).unwrap_or_else(|why| {
+            cx.at(p.span(), rk("ssd_ioprio"), why);
+            SsdIoprio::DEFAULT
+        }),
+    };
+    Some(Route {
+        table: table.id,
+        sources,
+        ssd_path,
+        trust_digest: r.trust_digest.unwrap_or(false),
+        grace: Duration::from_micros(grace),
+        hard_timeout: cx.opt_ms(
+            &r.hard_timeout_ms,
+            &rk("hard_timeout_ms"),
+            lookup_timeout.as_millis() as i64,
+            false,
+        ),
+        hedge,
+        policy,
+        ssd_ioprio,
+    })
+}
+
+/// A route's sources: each a donor holding the table, `ssd` or `local`,
+/// once; at least one.
+fn sources(
+    cx: &mut Ctx<'_>,
+    r: &RawRoute,
+    (i, j): (usize, usize),
+    table: &Table,
+    donors: &[Donor],
+) -> Vec<SourceRef> {
+    let rk = |f: &str| format!("node[{i}].route[{j}].{f}");
     let mut sources = Vec::new();
     if r.sources.get_ref().is_empty() {
         cx.at(
@@ -380,22 +382,11 @@ fn route(
         }
         sources.push(src);
     }
-    let ssd_path = match &r.ssd_path {
-        Some(p) => cx.path(p, &rk("ssd_path"), base),
-        None => table.path.clone(),
-    };
-    let grace = match &r.grace_us {
-        Some(v) => cx.int(v, &rk("grace_us"), 0, MAX_GRACE_US).unwrap_or(0) as u64,
-        None => 100,
-    };
-    let hedge = match &r.hedge {
-        None => Hedge::Percentile(99.0),
-        Some(h) => parse_hedge(h.get_ref()).unwrap_or_else(|why| {
-            cx.at(h.span(), rk("hedge"), why);
-            Hedge::Off
-        }),
-    };
-    let policy = match r.policy.as_ref().map(|m| (m, m.get_ref().as_str())) {
+    sources
+}
+
+fn policy(cx: &mut Ctx<'_>, r: &RawRoute, rk: &dyn Fn(&str) -> String) -> Policy {
+    match r.policy.as_ref().map(|m| (m, m.get_ref().as_str())) {
         None | Some((_, "fail")) => Policy::Fail,
         Some((_, "zeros")) => Policy::Zeros,
         Some((m, other)) => {
@@ -406,29 +397,71 @@ fn route(
             );
             Policy::Fail
         }
-    };
-    let ssd_ioprio = match &r.ssd_ioprio {
-        None => SsdIoprio::DEFAULT,
-        Some(p) => SsdIoprio::parse(p.get_ref()).unwrap_or_else(|why| {
-            cx.at(p.span(), rk("ssd_ioprio"), why);
-            SsdIoprio::DEFAULT
-        }),
-    };
-    Some(Route {
-        table: table.id,
-        sources,
-        ssd_path,
-        trust_digest: r.trust_digest.unwrap_or(false),
-        grace: Duration::from_micros(grace),
-        hard_timeout: cx.opt_ms(
-            &r.hard_timeout_ms,
-            &rk("hard_timeout_ms"),
-            lookup_timeout.as_millis() as i64,
-            false,
-        ),
-        hedge,
-        policy,
-        ssd_ioprio,
+    }
+}
+
+/// A link's transport: one the donor advertises.
+fn link_transport(
+    cx: &mut Ctx<'_>,
+    l: &RawLink,
+    donor: &Donor,
+    lk: &dyn Fn(&str) -> String,
+) -> Option<Transport> {
+    let name = &donor.name;
+    l.transport
+        .as_ref()
+        .and_then(|t| match Transport::parse(t.get_ref()) {
+            Some(tr) if donor.advertise.iter().any(|e| e.transport == tr) => Some(tr),
+            Some(tr) => {
+                let offered: Vec<String> = donor.advertise.iter().map(|e| e.to_string()).collect();
+                cx.at(
+                    t.span(),
+                    lk("transport"),
+                    format!(
+                        "donor {name:?} advertises no {tr} address (it advertises {})",
+                        offered.join(", ")
+                    ),
+                );
+                None
+            }
+            None => {
+                cx.at(
+                    t.span(),
+                    lk("transport"),
+                    format!(
+                        "{:?} is not one of \"tcp\", \"tls\", \"quic\", \"rdma\"",
+                        t.get_ref()
+                    ),
+                );
+                None
+            }
+        })
+}
+
+/// A link's interface: a name Linux would accept.
+fn interface(cx: &mut Ctx<'_>, l: &RawLink, lk: &dyn Fn(&str) -> String) -> Option<String> {
+    l.interface.as_ref().and_then(|f| {
+        let name = f.get_ref();
+        let ok = !name.is_empty()
+            && name.len() <= MAX_INTERFACE_NAME
+            && name != "."
+            && name != ".."
+            && name
+                .chars()
+                .all(|c| c.is_ascii_graphic() && c != '/' && c != ':');
+        if ok {
+            Some(name.clone())
+        } else {
+            cx.at(
+                f.span(),
+                lk("interface"),
+                format!(
+                    "{name:?} is not a network interface name: 1 to {MAX_INTERFACE_NAME} printable \
+                     characters without '/', ':' or spaces"
+                ),
+            );
+            None
+        }
     })
 }
 
