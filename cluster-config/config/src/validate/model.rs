@@ -15,9 +15,34 @@ use toml::Spanned;
 
 /// Validate `[model]`.
 pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> Model {
-    let span = raw.span();
     let m = raw.get_ref();
-    let hashing = match (&m.hash_preset, &m.hash_base) {
+    let hashing = hashing(cx, m);
+    let token_map = token_map(cx, m, base);
+    let vocab_max = i64::from(V41_COMPRESSED_VOCAB);
+    let compressed_vocab = match &m.compressed_vocab {
+        Some(v) => cx
+            .int(v, "model.compressed_vocab", 1, vocab_max)
+            .map(|v| v as u32),
+        None => (hashing == Preset::V41).then_some(V41_COMPRESSED_VOCAB),
+    };
+    let (pad_token, hidden, streams) = shapes(cx, raw);
+    let weights = weights(cx, m, base);
+    let fusion = fusion(cx, m);
+    Model {
+        hashing,
+        token_map,
+        compressed_vocab,
+        pad_token,
+        hidden,
+        streams,
+        weights,
+        fusion,
+    }
+}
+
+/// The hashing: `hash_preset` or `hash_base` (V4.1 by default).
+fn hashing(cx: &mut Ctx<'_>, m: &RawModel) -> Preset {
+    match (&m.hash_preset, &m.hash_base) {
         (Some(p), Some(_)) => {
             cx.at(
                 p.span(),
@@ -46,8 +71,12 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
             }
         }
         (None, None) => Preset::V41,
-    };
-    let token_map = match (&m.tokenizer, &m.token_map) {
+    }
+}
+
+/// Where the token map comes from: `tokenizer`, `token_map` or neither.
+fn token_map(cx: &mut Ctx<'_>, m: &RawModel, base: &Path) -> TokenMapSource {
+    match (&m.tokenizer, &m.token_map) {
         (Some(t), Some(_)) => {
             cx.at(
                 t.span(),
@@ -59,28 +88,24 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
         (Some(t), None) => TokenMapSource::Tokenizer(cx.path(t, "model.tokenizer", base)),
         (None, Some(t)) => TokenMapSource::Map(cx.path(t, "model.token_map", base)),
         (None, None) => TokenMapSource::None,
-    };
-    let vocab_max = i64::from(V41_COMPRESSED_VOCAB);
-    let compressed_vocab = match &m.compressed_vocab {
-        Some(v) => cx
-            .int(v, "model.compressed_vocab", 1, vocab_max)
-            .map(|v| v as u32),
-        None => (hashing == Preset::V41).then_some(V41_COMPRESSED_VOCAB),
-    };
-    let pad_token = m
-        .pad_token
-        .as_ref()
-        .and_then(|v| cx.int(v, "model.pad_token", 0, i64::from(MAX_RAW_VOCAB) - 1))
-        .unwrap_or(2) as u32;
-    let hidden = m
-        .hidden
-        .as_ref()
-        .and_then(|v| cx.int(v, "model.hidden", 1, i64::from(MAX_HIDDEN)))
+    }
+}
+
+/// The pad token, hidden size and streams; the fusion matrix they make
+/// within its bound.
+fn shapes(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>) -> (u32, u32, u32) {
+    let (span, m) = (raw.span(), raw.get_ref());
+    let pad_token = super::opt_int(
+        cx,
+        &m.pad_token,
+        "model.pad_token",
+        0,
+        i64::from(MAX_RAW_VOCAB) - 1,
+    )
+    .unwrap_or(2) as u32;
+    let hidden = super::opt_int(cx, &m.hidden, "model.hidden", 1, i64::from(MAX_HIDDEN))
         .unwrap_or(5120) as u32;
-    let streams = m
-        .streams
-        .as_ref()
-        .and_then(|v| cx.int(v, "model.streams", 1, i64::from(MAX_STREAMS)))
+    let streams = super::opt_int(cx, &m.streams, "model.streams", 1, i64::from(MAX_STREAMS))
         .unwrap_or(4) as u32;
     let wkv_bytes =
         (u64::from(streams) + 1) * u64::from(hidden) * (COLUMNS * ROW_VALUES) as u64 * 4;
@@ -97,7 +122,11 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
             ),
         );
     }
-    let weights = match (&m.weights, &m.weights_seed) {
+    (pad_token, hidden, streams)
+}
+
+fn weights(cx: &mut Ctx<'_>, m: &RawModel, base: &Path) -> Option<WeightsSource> {
+    match (&m.weights, &m.weights_seed) {
         (Some(w), Some(_)) => {
             cx.at(
                 w.span(),
@@ -112,8 +141,11 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
         )),
         // Only the model loop fuses; an engine embedding the memory has its own weights.
         (None, None) => None,
-    };
-    let fusion = match &m.fusion {
+    }
+}
+
+fn fusion(cx: &mut Ctx<'_>, m: &RawModel) -> FusionBackend {
+    match &m.fusion {
         None => FusionBackend::default(),
         Some(f) => FusionBackend::parse(f.get_ref()).unwrap_or_else(|| {
             cx.at(
@@ -126,16 +158,6 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
             );
             FusionBackend::default()
         }),
-    };
-    Model {
-        hashing,
-        token_map,
-        compressed_vocab,
-        pad_token,
-        hidden,
-        streams,
-        weights,
-        fusion,
     }
 }
 
