@@ -22,6 +22,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::stats::StatsSnapshot;
 use crate::status::{DonorStatus, LoadState, Phase};
 
 /// Prometheus buckets of the service-time histogram, in nanoseconds
@@ -81,6 +82,29 @@ impl Collector for DonorCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let s = self.status.stats.snapshot();
         let e = &mut encoder;
+        self.encode_traffic(e, &s)?;
+        self.encode_connections(e, &s)?;
+        self.encode_tables(e)?;
+        let draining = i64::from(self.status.phase() == Phase::Draining);
+        gauge(e, "draining", "1 once a drain started.", None, draining)?;
+        let up = self.status.started.elapsed().as_secs_f64();
+        ConstGauge::new(up).encode(e.encode_descriptor(
+            "uptime",
+            "Time since the donor started.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?)?;
+        Ok(())
+    }
+}
+
+impl DonorCollector {
+    /// Lookups, rows, bytes, pings, refusals, errors and the service time.
+    fn encode_traffic(
+        &self,
+        e: &mut DescriptorEncoder<'_>,
+        s: &StatsSnapshot,
+    ) -> Result<(), std::fmt::Error> {
         counter(e, "lookups", "Lookups answered.", s.lookups)?;
         {
             let mut m = e.encode_descriptor(
@@ -142,6 +166,14 @@ impl Collector for DonorCollector {
             )?;
             m.encode_histogram::<NoLabelSet>(t.sum_ns as f64 / 1e9, t.count(), &buckets, None)?;
         }
+        Ok(())
+    }
+
+    fn encode_connections(
+        &self,
+        e: &mut DescriptorEncoder<'_>,
+        s: &StatsSnapshot,
+    ) -> Result<(), std::fmt::Error> {
         let open = i64::try_from(s.open).unwrap_or(i64::MAX);
         gauge(
             e,
@@ -162,6 +194,11 @@ impl Collector for DonorCollector {
             "Data-plane connections refused at the connection bound.",
             s.refused,
         )?;
+        Ok(())
+    }
+
+    /// Each table's state, rows and bytes loaded.
+    fn encode_tables(&self, e: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let views: Vec<_> = self.status.tables.iter().map(|t| t.view()).collect();
         let table_labels = |v: &crate::status::TableView| {
             [("table", v.id.to_string()), ("layer", v.layer.to_string())]
@@ -203,15 +240,6 @@ impl Collector for DonorCollector {
                 ConstGauge::new(x).encode(m.encode_family(&table_labels(v))?)?;
             }
         }
-        let draining = i64::from(self.status.phase() == Phase::Draining);
-        gauge(e, "draining", "1 once a drain started.", None, draining)?;
-        let up = self.status.started.elapsed().as_secs_f64();
-        ConstGauge::new(up).encode(e.encode_descriptor(
-            "uptime",
-            "Time since the donor started.",
-            Some(&Unit::Seconds),
-            MetricType::Gauge,
-        )?)?;
         Ok(())
     }
 }
