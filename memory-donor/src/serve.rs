@@ -113,33 +113,12 @@ pub async fn serve(
     announce: &str,
     ops: crate::supervise::Ops,
 ) -> Result<Arc<Shared>, ServeError> {
-    let mut listeners = Vec::new();
-    let mut bound = Vec::new();
-    let mut quic = Vec::new();
-    let mut rdma = None;
-    for e in &spec.listen {
-        let listener = match e.transport {
-            Transport::Tcp => {
-                let (l, a) = bind(e.addr).await?;
-                bound.push(Endpoint::new(e.transport, a));
-                server::Listener::Tcp(l)
-            }
-            Transport::Tls => {
-                let (l, a) = bind(e.addr).await?;
-                bound.push(Endpoint::new(e.transport, a));
-                server::Listener::Tls(l)
-            }
-            Transport::Quic => {
-                quic.push(e.addr);
-                continue;
-            }
-            Transport::Rdma => {
-                rdma = Some(e.addr);
-                continue;
-            }
-        };
-        listeners.push(listener);
-    }
+    let Bound {
+        mut listeners,
+        mut bound,
+        quic,
+        rdma,
+    } = bind_all(&spec).await?;
     // The host socket is bound before the ready line, like the others.
     let host = match &spec.host {
         Some(h) => Some(server::host::HostListener::bind(h.clone()).map_err(|e| {
@@ -156,16 +135,7 @@ pub async fn serve(
             "a tls:// or quic:// address needs the rack's PKI ([rack.tls])".into(),
         ));
     }
-    for addr in quic {
-        let config = server::quic::server_config(&shared).map_err(ServeError::Config)?;
-        let endpoint = quinn::Endpoint::server(config, addr)
-            .map_err(|source| ServeError::Bind { addr, source })?;
-        let a = endpoint
-            .local_addr()
-            .map_err(|source| ServeError::Bind { addr, source })?;
-        bound.push(Endpoint::new(Transport::Quic, a));
-        listeners.push(server::Listener::Quic(endpoint));
-    }
+    bind_quic(&shared, quic, &mut listeners, &mut bound)?;
     // Plain `IP:PORT` for TCP (what scripts have always read), URLs for the rest.
     let mut shown: Vec<String> = bound
         .iter()
@@ -193,34 +163,8 @@ pub async fn serve(
     {
         tracing::warn!(error = %e, "sd_notify READY=1 failed");
     }
-    // RDMA is set up after READY: checking every row and registering tens
-    // of GiB takes seconds to minutes, which would undo the fd store's
-    // instant restart and could run past the unit's start timeout. Nodes
-    // read over TLS or QUIC meanwhile; RegionQuery answers "unavailable"
-    // until the book is in place, and they ask again.
     if let Some(addr) = rdma {
-        let (sh, device, name) = (
-            Arc::clone(&shared),
-            spec.rdma.clone().unwrap_or_default(),
-            spec.server.name.clone(),
-        );
-        let fallback: Vec<Endpoint> = bound.clone();
-        let store = Arc::clone(&ops.fd_store);
-        tokio::task::spawn_blocking(move || {
-            // Taken under the tables' lock, used after it is let go: lookups
-            // and swaps must not wait while every row is hashed.
-            let tables = crate::rdma::snapshot(&sh.tables());
-            let book = crate::rdma::start(&name, addr, &device, tables, &fallback, Some(&store));
-            // Check words of versions not served now (or of tables that
-            // could not be registered) go.
-            store.release_checks();
-            if let Some(book) = book {
-                sh.set_rdma(book, Some(store));
-                // A swap or reload while the tables were registered: the
-                // book follows the tables as they are now.
-                sh.sync_rdma();
-            }
-        });
+        start_rdma(&shared, &spec, addr, &bound, &ops);
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(server::run(listeners, Arc::clone(&shared), async move {
@@ -241,4 +185,104 @@ pub async fn serve(
         let _ = tokio::task::spawn_blocking(move || h.join()).await;
     }
     Ok(shared)
+}
+/// The data plane's TCP and TLS listeners, bound; the QUIC and RDMA
+/// addresses still to set up.
+struct Bound {
+    listeners: Vec<server::Listener>,
+    bound: Vec<Endpoint>,
+    quic: Vec<SocketAddr>,
+    rdma: Option<SocketAddr>,
+}
+
+async fn bind_all(spec: &ServeSpec) -> Result<Bound, ServeError> {
+    let mut listeners = Vec::new();
+    let mut bound = Vec::new();
+    let mut quic = Vec::new();
+    let mut rdma = None;
+    for e in &spec.listen {
+        let listener = match e.transport {
+            Transport::Tcp => {
+                let (l, a) = bind(e.addr).await?;
+                bound.push(Endpoint::new(e.transport, a));
+                server::Listener::Tcp(l)
+            }
+            Transport::Tls => {
+                let (l, a) = bind(e.addr).await?;
+                bound.push(Endpoint::new(e.transport, a));
+                server::Listener::Tls(l)
+            }
+            Transport::Quic => {
+                quic.push(e.addr);
+                continue;
+            }
+            Transport::Rdma => {
+                rdma = Some(e.addr);
+                continue;
+            }
+        };
+        listeners.push(listener);
+    }
+    Ok(Bound {
+        listeners,
+        bound,
+        quic,
+        rdma,
+    })
+}
+
+/// Bind each QUIC address (it needs the TLS state `shared` holds).
+fn bind_quic(
+    shared: &Arc<Shared>,
+    quic: Vec<SocketAddr>,
+    listeners: &mut Vec<server::Listener>,
+    bound: &mut Vec<Endpoint>,
+) -> Result<(), ServeError> {
+    for addr in quic {
+        let config = server::quic::server_config(shared).map_err(ServeError::Config)?;
+        let endpoint = quinn::Endpoint::server(config, addr)
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        let a = endpoint
+            .local_addr()
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        bound.push(Endpoint::new(Transport::Quic, a));
+        listeners.push(server::Listener::Quic(endpoint));
+    }
+    Ok(())
+}
+
+/// RDMA is set up after READY: checking every row and registering tens
+/// of GiB takes seconds to minutes, which would undo the fd store's
+/// instant restart and could run past the unit's start timeout. Nodes
+/// read over TLS or QUIC meanwhile; RegionQuery answers "unavailable"
+/// until the book is in place, and they ask again.
+fn start_rdma(
+    shared: &Arc<Shared>,
+    spec: &ServeSpec,
+    addr: SocketAddr,
+    bound: &[Endpoint],
+    ops: &crate::supervise::Ops,
+) {
+    let (sh, device, name) = (
+        Arc::clone(shared),
+        spec.rdma.clone().unwrap_or_default(),
+        spec.server.name.clone(),
+    );
+    let fallback: Vec<Endpoint> = bound.to_vec();
+    let store = Arc::clone(&ops.fd_store);
+    tokio::task::spawn_blocking(move || {
+        // Taken under the tables' lock, used after it is let go: lookups
+        // and swaps must not wait while every row is hashed.
+        let tables = crate::rdma::snapshot(&sh.tables());
+        let book = crate::rdma::start(&name, addr, &device, tables, &fallback, Some(&store));
+        // Check words of versions not served now (or of tables that
+        // could not be registered) go.
+        store.release_checks();
+        if let Some(book) = book {
+            sh.set_rdma(book, Some(store));
+            // A swap or reload while the tables were registered: the
+            // book follows the tables as they are now.
+            sh.sync_rdma();
+        }
+    });
 }
