@@ -123,8 +123,42 @@ fn plaintext_overrides(config: Option<&Config>, args: &ServeArgs) -> Result<()> 
     Ok(())
 }
 
+/// `memory-donor serve`.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let overrides = Overrides {
+    let overrides = overrides(&args);
+    let (mut spec, reload) = spec(&args, &overrides)?;
+    overrides.apply(&mut spec)?;
+    let log_level = daemon_runtime::logging::init_logging("info");
+    if std::env::var_os("RUST_LOG").is_none()
+        && let Some(level) = &spec.log_level
+        && let Err(e) = log_level.set(level)
+    {
+        tracing::warn!(level = %level, error = %e, "log_level not applied");
+    }
+    let notifier = Arc::new(Notifier::from_env().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "systemd notifications disabled");
+        Notifier::disabled()
+    }));
+    // Before anything else opens a descriptor: the ones systemd passed.
+    let fd_store = Arc::new(FdStore::from_env(Arc::clone(&notifier), spec.fd_store));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let run = Ops {
+        notifier,
+        log_level,
+        reload,
+        fd_store,
+    };
+    let result = rt.block_on(start_and_serve(spec, run));
+    // A swap still loading in a blocking thread is abandoned, not waited for.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    result
+}
+
+/// What the command line changes of the config (or of the defaults).
+fn overrides(args: &ServeArgs) -> Overrides {
+    Overrides {
         trust_digest: args.trust_digest,
         no_fd_store: args.no_fd_store,
         map_files: if args.map_files {
@@ -144,10 +178,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         credential_file: args.credential_file.clone(),
         control: args.control,
         metrics: args.metrics,
-    };
-    let (mut spec, reload) = if let Some(path) = &args.config {
+    }
+}
+
+/// What to serve, from the config or the flags; with a config, where a
+/// reload reads it again.
+fn spec(args: &ServeArgs, overrides: &Overrides) -> Result<(ServeSpec, Option<ReloadSource>)> {
+    Ok(if let Some(path) = &args.config {
         let config = Config::load(path)?;
-        plaintext_overrides(Some(&config), &args)?;
+        plaintext_overrides(Some(&config), args)?;
         let name = args.name.as_deref().context("--config needs --name")?;
         let spec = ServeSpec::from_config(&config, name)?;
         let reload = ReloadSource {
@@ -160,85 +199,63 @@ pub fn run(args: ServeArgs) -> Result<()> {
         if args.tables.is_empty() || args.listen.is_empty() {
             bail!("give --config FILE --name DONOR, or at least one --table and one --listen");
         }
-        plaintext_overrides(None, &args)?;
+        plaintext_overrides(None, args)?;
         let name = args.name.as_deref().unwrap_or("memory-donor");
         let spec = ServeSpec::from_flags(name, args.listen.clone(), args.tables.clone());
         (spec, None)
-    };
-    overrides.apply(&mut spec)?;
-    let log_level = daemon_runtime::logging::init_logging("info");
-    if std::env::var_os("RUST_LOG").is_none()
-        && let Some(level) = &spec.log_level
-        && let Err(e) = log_level.set(level)
-    {
-        tracing::warn!(level = %level, error = %e, "log_level not applied");
+    })
+}
+
+/// Signals, TLS, the operations servers, the load (a drain meanwhile
+/// exits), then serving until the drain.
+async fn start_and_serve(spec: ServeSpec, run: Ops) -> Result<()> {
+    let (notifier, fd_store) = (Arc::clone(&run.notifier), Arc::clone(&run.fd_store));
+    // Handlers first: a SIGTERM during a minutes-long load, or right after
+    // the ready line, must stop the donor cleanly, not kill it.
+    let signals = Signals::install()?;
+    // Then the control plane and metrics, so load progress and
+    // NOT_SERVING are visible while the tables load.
+    let status = spec.status();
+    if let Some((files, access)) = &spec.tls {
+        let tls = memory_donor::tls::DonorTls::load(files, access.clone())
+            .context("loading the donor's TLS certificate ([rack.tls])")?;
+        tracing::info!(identity = %tls.material().identity, cert = %files.cert.display(), "TLS material loaded");
+        let _ = status.tls.set(tls);
     }
-    let notifier = Arc::new(Notifier::from_env().unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "systemd notifications disabled");
-        Notifier::disabled()
-    }));
-    // Before anything else opens a descriptor: the ones systemd passed.
-    let fd_store = Arc::new(FdStore::from_env(Arc::clone(&notifier), spec.fd_store));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let result = rt.block_on(async move {
-        // Handlers first: a SIGTERM during a minutes-long load, or right after
-        // the ready line, must stop the donor cleanly, not kill it.
-        let signals = Signals::install()?;
-        // Then the control plane and metrics, so load progress and
-        // NOT_SERVING are visible while the tables load.
-        let status = spec.status();
-        if let Some((files, access)) = &spec.tls {
-            let tls = memory_donor::tls::DonorTls::load(files, access.clone())
-                .context("loading the donor's TLS certificate ([rack.tls])")?;
-            tracing::info!(identity = %tls.material().identity, cert = %files.cert.display(), "TLS material loaded");
-            let _ = status.tls.set(tls);
-        }
-        tokio::spawn(signals.forward(Arc::clone(&status)));
-        let _ = notifier.status("loading tables");
-        let ops = OpsServers::start(&spec, &status).await?;
-        let loading = tokio::task::spawn_blocking({
-            let (spec, status, notifier, store) = (
-                spec.clone(),
-                Arc::clone(&status),
-                Arc::clone(&notifier),
-                Arc::clone(&fd_store),
-            );
-            move || load_tables(&spec, &status, &notifier, &store)
-        });
-        let tables = tokio::select! {
-            loaded = loading => match loaded? {
-                Ok(t) => t,
-                Err(e) => {
-                    status.set_phase(Phase::Failed);
-                    let _ = notifier.status(&format!("failed: {e}"));
-                    ops.stop().await;
-                    return Err(e.into());
-                }
-            },
-            () = status.drain_requested() => {
-                tracing::info!("stop requested while loading: exiting");
-                let _ = notifier.stopping("stopping while loading");
-                ops.stop().await;
-                // The loading thread cannot be interrupted; nothing is served yet.
-                std::process::exit(0);
-            }
-        };
-        let announce = ops.describe();
-        let run = Ops {
-            notifier,
-            log_level,
-            reload,
-            fd_store,
-        };
-        serve(spec, tables, &status, &announce, run).await?;
-        ops.stop().await;
-        Ok::<(), anyhow::Error>(())
+    tokio::spawn(signals.forward(Arc::clone(&status)));
+    let _ = notifier.status("loading tables");
+    let ops = OpsServers::start(&spec, &status).await?;
+    let loading = tokio::task::spawn_blocking({
+        let (spec, status, notifier, store) = (
+            spec.clone(),
+            Arc::clone(&status),
+            Arc::clone(&notifier),
+            Arc::clone(&fd_store),
+        );
+        move || load_tables(&spec, &status, &notifier, &store)
     });
-    // A swap still loading in a blocking thread is abandoned, not waited for.
-    rt.shutdown_timeout(Duration::from_secs(1));
-    result
+    let tables = tokio::select! {
+        loaded = loading => match loaded? {
+            Ok(t) => t,
+            Err(e) => {
+                status.set_phase(Phase::Failed);
+                let _ = notifier.status(&format!("failed: {e}"));
+                ops.stop().await;
+                return Err(e.into());
+            }
+        },
+        () = status.drain_requested() => {
+            tracing::info!("stop requested while loading: exiting");
+            let _ = notifier.stopping("stopping while loading");
+            ops.stop().await;
+            // The loading thread cannot be interrupted; nothing is served yet.
+            std::process::exit(0);
+        }
+    };
+    let announce = ops.describe();
+    serve(spec, tables, &status, &announce, run).await?;
+    ops.stop().await;
+    Ok::<(), anyhow::Error>(())
 }
 
 /// The signals the donor acts on.
