@@ -14,6 +14,8 @@
 //! and verifies a local copy exactly as a donor does); neither daemon
 //! depends on the other.
 
+#![warn(missing_docs)]
+
 pub mod canary;
 pub mod client;
 pub mod daemon;

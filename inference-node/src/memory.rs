@@ -37,19 +37,39 @@ use crate::tls::NodeTls;
 pub enum MemoryError {
     /// The node is not in the config.
     #[error("node {name:?} is not in the config (nodes: {known})")]
-    UnknownNode { name: String, known: String },
+    UnknownNode {
+        /// The node name asked for.
+        name: String,
+        /// The config's node names, comma-separated.
+        known: String,
+    },
     /// The credential file could not be read.
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// A table's SSD copy cannot be used.
     #[error("table {table}: SSD copy: {source}")]
-    Ssd { table: u32, source: SsdError },
+    Ssd {
+        /// The table id.
+        table: u32,
+        /// Why the SSD copy cannot be used.
+        source: SsdError,
+    },
     /// A table's local copy cannot be loaded.
     #[error("table {table}: local copy: {source}")]
-    Local { table: u32, source: LoadError },
+    Local {
+        /// The table id.
+        table: u32,
+        /// Why the local copy cannot be loaded.
+        source: LoadError,
+    },
     /// Something failed that should not (a thread could not start).
     #[error("table {table}: {message}")]
-    Internal { table: u32, message: String },
+    Internal {
+        /// The table being set up.
+        table: u32,
+        /// What failed.
+        message: String,
+    },
     /// The node's certificate, key or the rack CA cannot be used.
     #[error("this node's TLS certificate ([rack.tls]): {0}")]
     Tls(#[from] cluster_config::tls::TlsError),
@@ -59,7 +79,12 @@ pub enum MemoryError {
     /// A reload would change what only a restart can (the tables routed,
     /// their versions and shapes).
     #[error("table {table}: {what}; restart the node to apply this config")]
-    RestartNeeded { table: u32, what: String },
+    RestartNeeded {
+        /// The table the change is about (0 when it is about no one table).
+        table: u32,
+        /// The change that needs a restart.
+        what: String,
+    },
 }
 
 /// What a donor connection was made with: a reload keeps the connection

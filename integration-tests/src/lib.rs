@@ -8,6 +8,7 @@
 //! (`target/<profile>/`); build them first with `cargo build --workspace`
 //! in the same profile (the README's test command does).
 
+#![warn(missing_docs)]
 #![allow(clippy::unwrap_used)]
 
 pub mod drill;

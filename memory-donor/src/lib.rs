@@ -18,6 +18,8 @@
 //! two daemons share only `engram-protocol`, `engram-store`, `engram-rdma`,
 //! `cluster-config` and `daemon-runtime`, and never depend on each other.
 
+#![warn(missing_docs)]
+
 pub mod control;
 pub mod fdstore;
 pub mod load;

@@ -69,13 +69,21 @@ pub enum SwapError {
     /// The file is not the expected version.
     #[error("{path}: digest is {actual}, not the expected {expected}")]
     WrongVersion {
+        /// The new table file, as shown to people.
         path: String,
+        /// The digest the request expected.
         expected: TableDigest,
+        /// The digest the file's header gives.
         actual: TableDigest,
     },
     /// The file is the version already served.
     #[error("table {table} is already at digest {digest}")]
-    AlreadyServed { table: u32, digest: TableDigest },
+    AlreadyServed {
+        /// The table id.
+        table: u32,
+        /// The version served now, which the file also holds.
+        digest: TableDigest,
+    },
     /// Not enough RAM.
     #[error("{0}")]
     NoRoom(String),

@@ -29,8 +29,11 @@ pub struct ReloadSource {
 /// A served table as the reload compares it: id, version, file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Served {
+    /// The table id.
     pub id: u32,
+    /// The version served.
     pub digest: TableDigest,
+    /// The table file it was loaded from (empty when not known).
     pub path: PathBuf,
 }
 

@@ -96,20 +96,32 @@ pub struct ServeSpec {
 /// Serve flags that override the config (at start and on every reload).
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
+    /// `--trust-digest`: skip recomputing digests at load.
     pub trust_digest: bool,
+    /// `--no-fd-store`: do not keep tables in systemd's fd store.
     pub no_fd_store: bool,
     /// `--map-files` (true) or `--copy-tables` (false); `None`: the
     /// config's choice.
     pub map_files: Option<bool>,
+    /// `--load-threads`: threads that read, place and hash a table at load (0: every core).
     pub load_threads: Option<usize>,
+    /// `--busy-poll-us`: how long connection threads busy-poll their socket, in microseconds.
     pub busy_poll_us: Option<u64>,
+    /// `--mlock`: whether to lock table memory.
     pub mlock: Option<MlockMode>,
+    /// `--max-connections`: most concurrent data-plane connections.
     pub max_connections: Option<usize>,
+    /// `--max-rows`: most rows in one lookup.
     pub max_rows: Option<u32>,
+    /// `--drain-timeout-ms`: how long a drain waits for clients, in milliseconds.
     pub drain_timeout_ms: Option<u64>,
+    /// `--hello-timeout-ms`: how long a new connection has to send Hello, in milliseconds.
     pub hello_timeout_ms: Option<u64>,
+    /// `--credential-file`: file holding the credential every Hello must carry.
     pub credential_file: Option<PathBuf>,
+    /// `--control`: control-plane (gRPC) address to bind.
     pub control: Option<SocketAddr>,
+    /// `--metrics`: Prometheus `/metrics` address to bind.
     pub metrics: Option<SocketAddr>,
 }
 
@@ -173,7 +185,9 @@ pub enum ServeError {
     /// An address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The address that could not be bound.
         addr: SocketAddr,
+        /// The OS error.
         source: std::io::Error,
     },
 }

@@ -42,10 +42,15 @@ use engram_store::table_file::TableFile;
 /// What a swap needs from the serving loop.
 #[derive(Debug, Clone)]
 pub struct SwapContext {
+    /// The data plane's state, whose served tables a swap replaces.
     pub shared: Arc<Shared>,
+    /// The donor's state, where a swap reports each table's load.
     pub status: Arc<DonorStatus>,
+    /// Where status notifications go (systemd), if anywhere.
     pub notifier: Arc<Notifier>,
+    /// Skip recomputing the new version's digest at load.
     pub trust_digest: bool,
+    /// Memory locking of the new version.
     pub mlock: MlockMode,
     /// Bytes the tables may take in all (`ram_gib - headroom_gib`), when known.
     pub budget: Option<u64>,

@@ -16,6 +16,8 @@
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
+#![warn(missing_docs)]
+
 pub mod model;
 pub mod pki;
 pub mod plan;
@@ -686,7 +688,9 @@ pub enum ConfigError {
     /// The file could not be read.
     #[error("{path}: {source}")]
     Io {
+        /// The config file.
         path: PathBuf,
+        /// The OS error, or why the file is too large to read.
         source: std::io::Error,
     },
     /// The file is not a valid rack config; every problem found is listed.

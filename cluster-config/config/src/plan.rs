@@ -126,6 +126,7 @@ impl Latencies {
 /// One donor's RAM.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DonorPlan {
+    /// The donor's name in the config.
     pub name: String,
     /// `(table id, bytes)` for each table it holds.
     pub tables: Vec<(u32, u64)>,
@@ -158,7 +159,9 @@ pub struct DonorPlan {
 /// One table on one node.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TablePlan {
+    /// Table id.
     pub table: u32,
+    /// Model layer the table serves (0 when the config has no such table).
     pub layer: u32,
     /// Sources in order of preference.
     pub sources: Vec<String>,
@@ -173,10 +176,13 @@ pub struct TablePlan {
 /// One node's predicted token time.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct NodePlan {
+    /// The node's name in the config.
     pub name: String,
+    /// The token rate the node's model runs at (`tokens_per_second`).
     pub tokens_per_second: f64,
     /// `W`, in milliseconds.
     pub token_ms: f64,
+    /// Each table it routes, in config order.
     pub tables: Vec<TablePlan>,
     /// Sum of the tables' overshoots, in milliseconds.
     pub extra_ms: f64,
@@ -189,8 +195,11 @@ pub struct NodePlan {
 /// The whole rack's plan.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Plan {
+    /// The rack's name.
     pub rack: String,
+    /// Each donor's memory, in config order.
     pub donors: Vec<DonorPlan>,
+    /// Each node's predicted token time, in config order.
     pub nodes: Vec<NodePlan>,
 }
 

@@ -41,7 +41,12 @@ pub const MAX_HANDSHAKE_BYTES: usize = 128 << 10;
 pub enum RecordError {
     /// A header that is not a TLS 1.3 application-data record.
     #[error("not a TLS 1.3 record (type {kind}, length {len})")]
-    BadHeader { kind: u8, len: usize },
+    BadHeader {
+        /// The record's content type byte.
+        kind: u8,
+        /// The record's length field, in bytes.
+        len: usize,
+    },
     /// Authentication failed: corrupted or forged bytes.
     #[error("a record failed authentication (corrupted or forged)")]
     Decrypt,
@@ -58,7 +63,9 @@ pub enum RecordError {
 
 /// A session in its handshake, either side.
 pub enum Handshake {
+    /// This end is the TLS client.
     Client(UnbufferedClientConnection),
+    /// This end is the TLS server.
     Server(UnbufferedServerConnection),
 }
 

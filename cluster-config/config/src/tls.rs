@@ -32,10 +32,20 @@ pub const MAX_PEM_BYTES: u64 = 1 << 20;
 pub enum TlsError {
     /// A file could not be read.
     #[error("{path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// Why it could not be read or is refused.
+        message: String,
+    },
     /// The material is unusable (no certificate, a key of another certificate...).
     #[error("{path}: {message}")]
-    Invalid { path: String, message: String },
+    Invalid {
+        /// The certificate or key file at fault.
+        path: String,
+        /// Why the material is unusable.
+        message: String,
+    },
     /// rustls refused to build a configuration.
     #[error("TLS configuration: {0}")]
     Config(String),

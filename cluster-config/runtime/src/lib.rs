@@ -7,6 +7,8 @@
 //! authenticated (`preauth`). It knows nothing of the cluster config: the
 //! daemons hand it plain values.
 
+#![warn(missing_docs)]
+
 pub mod accept;
 pub mod hostsock;
 pub mod latency;

@@ -69,7 +69,9 @@ typedef struct engram_view engram_view;
 // (`ENGRAM_NO_TOKEN` where the sequence has none: only leading slots; -1
 // is a DEAD token).
 typedef struct {
+  // Positions in this segment.
   size_t len;
+  // Raw ids of the three tokens before the segment, oldest first.
   int64_t context[3];
 } engram_segment;
 
@@ -106,10 +108,15 @@ typedef struct {
 // when 0 (a `local` copy served from its file's pages), 15 rows share
 // each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
 typedef struct {
+  // The first byte of the table's memory.
   const uint8_t *data;
+  // Bytes at `data`.
   size_t len;
+  // Rows in the table.
   uint64_t rows;
+  // The table id.
   uint32_t table;
+  // The Engram layer (1 or 14).
   uint32_t layer;
   // The donor's generation of this memory; 0 for the node's own copy.
   uint64_t generation;
@@ -124,15 +131,25 @@ typedef struct {
 
 // One layer's counters since the memory opened.
 typedef struct {
+  // The Engram layer (1 or 14).
   uint32_t layer;
+  // The table id.
   uint32_t table;
+  // Prefetches whose fetch of this layer ended.
   uint64_t prefetches;
+  // Distinct rows fetched.
   uint64_t rows;
+  // Messages sent.
   uint64_t messages;
+  // Hedges sent.
   uint64_t hedges;
+  // Failovers.
   uint64_t failovers;
+  // Fetches answered after the table's deadline.
   uint64_t late;
+  // Fetches answered with zeros by policy.
   uint64_t zeros;
+  // Fetches that failed (policy `fail`).
   uint64_t failed;
 } engram_layer_stats;
 

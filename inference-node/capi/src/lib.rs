@@ -17,6 +17,7 @@
 //! - A panic inside the library is caught and reported as
 //!   `ENGRAM_INTERNAL`; none crosses into C.
 
+#![warn(missing_docs)]
 #![allow(non_camel_case_types)] // C's names for C's types
 
 use std::cell::RefCell;
@@ -103,10 +104,15 @@ pub struct engram_view {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct engram_table_info {
+    /// The first byte of the table's memory.
     pub data: *const u8,
+    /// Bytes at `data`.
     pub len: usize,
+    /// Rows in the table.
     pub rows: u64,
+    /// The table id.
     pub table: u32,
+    /// The Engram layer (1 or 14).
     pub layer: u32,
     /// The donor's generation of this memory; 0 for the node's own copy.
     pub generation: u64,
@@ -126,7 +132,9 @@ pub struct engram_table_info {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct engram_segment {
+    /// Positions in this segment.
     pub len: usize,
+    /// Raw ids of the three tokens before the segment, oldest first.
     pub context: [i64; 3],
 }
 
@@ -163,15 +171,25 @@ pub struct engram_served {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct engram_layer_stats {
+    /// The Engram layer (1 or 14).
     pub layer: u32,
+    /// The table id.
     pub table: u32,
+    /// Prefetches whose fetch of this layer ended.
     pub prefetches: u64,
+    /// Distinct rows fetched.
     pub rows: u64,
+    /// Messages sent.
     pub messages: u64,
+    /// Hedges sent.
     pub hedges: u64,
+    /// Failovers.
     pub failovers: u64,
+    /// Fetches answered after the table's deadline.
     pub late: u64,
+    /// Fetches answered with zeros by policy.
     pub zeros: u64,
+    /// Fetches that failed (policy `fail`).
     pub failed: u64,
 }
 

@@ -13,33 +13,62 @@ use thiserror::Error;
 pub enum ClientError {
     /// The TCP connection could not be made.
     #[error("connecting to {addr}: {message}")]
-    Connect { addr: SocketAddr, message: String },
+    Connect {
+        /// The donor's address.
+        addr: SocketAddr,
+        /// Why the connection (or its TLS or QUIC handshake) failed.
+        message: String,
+    },
     /// No answer in time.
     #[error("timed out after {0:?} waiting for the donor")]
     Timeout(Duration),
     /// The donor refused the handshake (busy, unauthorized, version, draining).
     #[error("donor refused the connection: {code}: {message}")]
-    Refused { code: ErrorCode, message: String },
+    Refused {
+        /// The donor's error code.
+        code: ErrorCode,
+        /// The donor's explanation.
+        message: String,
+    },
     /// The donor serves this table at another version than the one pinned.
     #[error("donor {donor} serves table {table} at digest {advertised}, not the pinned {pinned}")]
     DigestMismatch {
+        /// The donor's name, as its Welcome gives it.
         donor: String,
+        /// The table id.
         table: u32,
+        /// The version the client pinned.
         pinned: TableDigest,
+        /// The version the donor serves.
         advertised: TableDigest,
     },
     /// The donor does not serve a pinned table.
     #[error("donor {donor} does not serve table {table}")]
-    TableMissing { donor: String, table: u32 },
+    TableMissing {
+        /// The donor's name, as its Welcome gives it.
+        donor: String,
+        /// The pinned table id it does not serve.
+        table: u32,
+    },
     /// The caller asked for a table it did not pin (a caller bug).
     #[error("table {0} was not pinned when connecting")]
     NotPinned(u32),
     /// One section of an answer failed.
     #[error("donor answered table {table} with {code}")]
-    Section { table: u32, code: ErrorCode },
+    Section {
+        /// The table id of the failed section.
+        table: u32,
+        /// The donor's error code for it.
+        code: ErrorCode,
+    },
     /// The donor answered the request with a typed error.
     #[error("donor error {code}: {message}")]
-    Donor { code: ErrorCode, message: String },
+    Donor {
+        /// The donor's error code.
+        code: ErrorCode,
+        /// The donor's explanation.
+        message: String,
+    },
     /// The answer's checksum did not match: its rows were discarded.
     #[error("corrupt answer: {0}")]
     Corrupt(String),

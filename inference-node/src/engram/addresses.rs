@@ -26,12 +26,20 @@ pub enum AddressError {
     List(String),
     /// A position's id is not accepted.
     #[error("position {position}: {error}")]
-    Id { position: usize, error: HashError },
+    Id {
+        /// Index of the position in the input.
+        position: usize,
+        /// Why its id is not accepted.
+        error: HashError,
+    },
     /// A raw id has no entry in the token map.
     #[error("position {position}: raw token id {raw} is not in the token map ({len} ids)")]
     Raw {
+        /// Index of the position in the input.
         position: usize,
+        /// The raw token id.
         raw: i64,
+        /// Raw ids the token map holds.
         len: usize,
     },
     /// The pad id is not accepted.

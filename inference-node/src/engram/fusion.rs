@@ -39,16 +39,23 @@ pub enum FusionError {
     /// Buffers do not agree on the number of positions.
     #[error("{what}: {got} does not fit {positions} positions (expected {expected})")]
     Length {
+        /// The buffer at fault, with its unit.
         what: &'static str,
+        /// Positions in the call.
         positions: usize,
+        /// Length the buffer needs for them.
         expected: usize,
+        /// Length it has.
         got: usize,
     },
     /// A row of a live position is corrupt.
     #[error("position {position}, column {column}: {error}")]
     Row {
+        /// Index of the position in the call.
         position: usize,
+        /// Which of the position's rows (`0..COLUMNS`).
         column: usize,
+        /// Why the row does not decode.
         error: RowError,
     },
     /// The GPU backend is not available or failed.

@@ -35,7 +35,9 @@ pub enum TokenMapError {
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// The OS error.
         source: std::io::Error,
     },
     /// The tokenizer could not be loaded or could not decode an id.
@@ -44,8 +46,11 @@ pub enum TokenMapError {
     /// A map file is malformed.
     #[error("{path}: line {line}: {reason}")]
     Map {
+        /// The map file.
         path: String,
+        /// The line at fault, from 1.
         line: usize,
+        /// What is wrong with it.
         reason: String,
     },
     /// The vocabulary is empty or larger than accepted.
@@ -56,7 +61,12 @@ pub enum TokenMapError {
         "the token map has {actual} compressed ids but the model expects {expected}: \
          a different map would change every hash"
     )]
-    CompressedSize { expected: u32, actual: u32 },
+    CompressedSize {
+        /// Compressed ids the model was trained with.
+        expected: u32,
+        /// Compressed ids the map has.
+        actual: u32,
+    },
 }
 
 /// Raw id -> compressed id.

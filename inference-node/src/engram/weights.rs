@@ -35,12 +35,19 @@ pub enum WeightsError {
     /// A file could not be opened or mapped.
     #[error("{path}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The OS error.
         source: std::io::Error,
     },
     /// The checkpoint lacks a tensor or holds one of the wrong kind.
     #[error("{path}: {reason}")]
-    Checkpoint { path: PathBuf, reason: String },
+    Checkpoint {
+        /// The checkpoint file (or the root of a sharded one) at fault.
+        path: PathBuf,
+        /// What is missing or wrong.
+        reason: String,
+    },
     /// The shape asked for is not accepted.
     #[error("fusion shape: {0}")]
     Shape(String),

@@ -302,7 +302,9 @@ pub async fn fetch_message(router: &Router, rows: &[u64], f: &mut Fetch) {
 /// whose lane is taken) on a task of its own.
 #[derive(Debug)]
 pub enum Pending {
+    /// On the lane of this table slot.
     Lane(usize),
+    /// On a task of its own, which sends its fetch here.
     Task(Receiver<Fetch>),
 }
 

@@ -30,17 +30,27 @@ pub enum InputError {
     /// The file could not be read.
     #[error("{path}: {source}")]
     Io {
+        /// The input file.
         path: PathBuf,
+        /// The OS error.
         source: std::io::Error,
     },
     /// The file is larger than accepted.
     #[error("{path}: {size} bytes is over the {MAX_INPUT_BYTES} accepted")]
-    TooLarge { path: PathBuf, size: u64 },
+    TooLarge {
+        /// The input file.
+        path: PathBuf,
+        /// Its size in bytes.
+        size: u64,
+    },
     /// A token-id file holds something that is not an id.
     #[error("{path}: token {index}: {text:?} is not a token id")]
     BadId {
+        /// The token-id file.
         path: PathBuf,
+        /// Index of the token in the file, from 0.
         index: usize,
+        /// The token's text (its first 40 characters).
         text: String,
     },
     /// No tokens.
@@ -57,7 +67,14 @@ pub enum InputError {
     Map(#[from] TokenMapError),
     /// A raw id the map does not know.
     #[error("token {index}: raw id {id} is outside the token map ({len} raw ids)")]
-    UnknownId { index: usize, id: u32, len: usize },
+    UnknownId {
+        /// Index of the token in the input, from 0.
+        index: usize,
+        /// The raw id.
+        id: u32,
+        /// Raw ids the token map holds.
+        len: usize,
+    },
 }
 
 /// Tokens ready for the loop: raw ids (they seed the stand-in hidden

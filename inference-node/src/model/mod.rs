@@ -168,17 +168,30 @@ pub enum LoopError {
     /// A token id the hashing refuses.
     #[error("sequence {seq}, position {index}: {error}")]
     Hash {
+        /// The sequence's tag.
         seq: usize,
+        /// Index of the position in the sequence.
         index: usize,
+        /// Why the hashing refuses it.
         error: HashError,
     },
     /// Fusion failed (a row that does not decode, a GPU error).
     #[error("step {step}: fusion: {error}")]
-    Fusion { step: u64, error: FusionError },
+    Fusion {
+        /// The step that failed.
+        step: u64,
+        /// Why fusion failed.
+        error: FusionError,
+    },
     /// A fetch did not hold the rows its positions need (a fetcher bug:
     /// no row is ever stood in for another).
     #[error("step {step}: {what}")]
-    Rows { step: u64, what: String },
+    Rows {
+        /// The step whose fetch fell short.
+        step: u64,
+        /// What the fetch lacked.
+        what: String,
+    },
     /// The trace could not be written.
     #[error("writing the trace: {0}")]
     Trace(#[from] std::io::Error),
@@ -209,6 +222,7 @@ pub struct Fetch {
     /// routers): when it was asked for and when a runtime thread first
     /// ran it, on the loop's clock. The loop adds when it saw the rows.
     pub asked: Option<Duration>,
+    /// When a runtime thread first ran the fetch, on the loop's clock.
     pub picked: Option<Duration>,
 }
 
@@ -375,8 +389,11 @@ pub struct TableRecord {
 /// waiting; rows in before their block cost nothing here).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Hops {
+    /// From the loop asking to a runtime thread taking the task up, in microseconds.
     pub to_io_us: f64,
+    /// From then to the rows being in, in microseconds.
     pub round_trip_us: f64,
+    /// From then to the loop having them, in microseconds.
     pub to_loop_us: f64,
 }
 

@@ -33,7 +33,14 @@ pub enum SetupError {
     Memory(#[from] MemoryError),
     /// A table has no source it could use at start.
     #[error("table {table} (layer {layer}) has no usable source at start: {why}")]
-    NoSource { table: u32, layer: u32, why: String },
+    NoSource {
+        /// The table id.
+        table: u32,
+        /// Its Engram layer.
+        layer: u32,
+        /// Why each configured source is not usable (or that none is configured).
+        why: String,
+    },
     /// The token map, tokenizer or input failed.
     #[error(transparent)]
     Input(#[from] InputError),

@@ -36,9 +36,11 @@ pub struct TableSummary {
     /// Fetch time (ready - step start) over the decode steps.
     #[serde(skip)]
     pub fetch: Latency,
-    /// Fetch-time percentiles (p50, p99, max), microseconds.
+    /// Fetch-time p50, microseconds.
     pub fetch_p50_us: f64,
+    /// Fetch-time p99, microseconds.
     pub fetch_p99_us: f64,
+    /// Fetch-time maximum, microseconds.
     pub fetch_max_us: f64,
     /// Each hop of the decode steps' fetches ([`super::Hops`]: to the I/O
     /// thread, round trip, to the loop), where the fetcher tells.
@@ -74,17 +76,20 @@ pub struct Summary {
     pub tokens_per_second: f64,
     /// Decode time over its stall-free time, minus one.
     pub slowdown: f64,
-    /// Stall per decode step: p50, p99, max (microseconds).
+    /// Stall per decode step: p50, microseconds.
     pub stall_p50_us: f64,
+    /// Stall per decode step: p99, microseconds.
     pub stall_p99_us: f64,
+    /// Stall per decode step: maximum, microseconds.
     pub stall_max_us: f64,
     /// Decode steps with any stall.
     pub stalled_steps: u64,
     /// Total overrun (compute past its blocks), milliseconds.
     pub overrun_ms: f64,
     /// Seed 000's formula over each decode step's measured fetch times:
-    /// tokens/s and slowdown.
+    /// tokens/s.
     pub predicted_tokens_per_second: f64,
+    /// The same formula's slowdown.
     pub predicted_slowdown: f64,
     /// Measured tokens/s over predicted.
     pub measured_over_predicted: f64,
@@ -392,13 +397,15 @@ pub struct Second {
     pub tokens: u64,
     /// Steps in it.
     pub steps: u64,
-    /// Stall p99 and max over its steps, microseconds.
+    /// Stall p99 over its steps, microseconds.
     pub stall_p99_us: f64,
+    /// Stall maximum over its steps, microseconds.
     pub stall_max_us: f64,
     /// Rows served, by source, over both tables.
     pub rows_by_source: BTreeMap<String, u64>,
-    /// Failovers and hedges.
+    /// Failovers.
     pub failovers: u64,
+    /// Hedges sent.
     pub hedges: u64,
     /// Steps with a failed table.
     pub failed: u64,

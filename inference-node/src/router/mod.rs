@@ -101,13 +101,21 @@ pub enum RouterError {
     /// Every source failed or was unavailable by the hard timeout.
     #[error("table {table}: no source answered within {elapsed:?}: {}", describe(.attempts))]
     AllFailed {
+        /// The table id.
         table: u32,
+        /// Time from the lookup's start to giving up.
         elapsed: Duration,
+        /// `(source, why)` for each source that failed or was not admissible.
         attempts: Vec<(String, String)>,
     },
     /// The request is wrong (out-of-range row, buffer size): no source can answer it.
     #[error("table {table}: bad request: {message}")]
-    BadRequest { table: u32, message: String },
+    BadRequest {
+        /// The table id.
+        table: u32,
+        /// What is wrong with the request.
+        message: String,
+    },
 }
 
 fn describe(attempts: &[(String, String)]) -> String {

@@ -72,7 +72,12 @@ pub enum SourceError {
     Unavailable(String),
     /// The source serves another version of the table.
     #[error("table {table}: {detail}")]
-    VersionMismatch { table: u32, detail: String },
+    VersionMismatch {
+        /// The table id.
+        table: u32,
+        /// How the source's version differs from the pinned one.
+        detail: String,
+    },
     /// The answer failed its checks (checksum, row encoding): discarded.
     #[error("corrupt answer: {0}")]
     Corrupt(String),

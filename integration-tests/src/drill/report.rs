@@ -58,11 +58,13 @@ pub struct Bucket {
     pub stall_max_us: f64,
     /// Rows served per source (both tables).
     pub rows_by_source: BTreeMap<String, u64>,
-    /// Failovers and hedges.
+    /// Failovers.
     pub failovers: u64,
+    /// Hedges sent.
     pub hedges: u64,
-    /// Steps with a table that failed, and with zeros served.
+    /// Steps with a table that failed.
     pub failed: u64,
+    /// Steps with zeros served by policy.
     pub zeros: u64,
 }
 
@@ -142,11 +144,13 @@ pub struct Report {
     pub readmitted: Vec<(String, f64)>,
     /// Two probe intervals plus a token and the allowance, seconds.
     pub readmit_bound_s: f64,
-    /// Positions whose output equals the reference's, and all positions.
+    /// Positions whose output equals the reference's.
     pub identical: usize,
+    /// All positions.
     pub positions: usize,
-    /// Steps with a failed table, and with zeros served.
+    /// Steps with a failed table.
     pub failed: usize,
+    /// Steps with zeros served by policy.
     pub zeros: usize,
 }
 

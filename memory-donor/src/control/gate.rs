@@ -94,12 +94,18 @@ pub enum Caller {
     /// Over TLS: the name its certificate proves (none when it names no
     /// host) and that name's role on this donor.
     Certified {
+        /// The host name its certificate proves, if it names one.
         identity: Option<String>,
+        /// That name's role on this donor, if it has one.
         role: Option<Role>,
+        /// Its address, where the connection tells it.
         peer: Option<SocketAddr>,
     },
     /// Over plaintext: only its address is known.
-    Plain { peer: Option<SocketAddr> },
+    Plain {
+        /// Its address, where the connection tells it.
+        peer: Option<SocketAddr>,
+    },
 }
 
 impl fmt::Display for Caller {

@@ -14,6 +14,8 @@
 //! the daemons carry the Region exchange over their authenticated data
 //! plane (PROTOCOL.md section 3.10).
 
+#![warn(missing_docs)]
+
 pub mod book;
 pub mod check;
 pub mod fake;

@@ -17,12 +17,19 @@ pub enum CheckpointError {
     /// Reading the index failed.
     #[error("{path}: {source}")]
     Io {
+        /// The index file that could not be read.
         path: PathBuf,
+        /// The OS error.
         source: std::io::Error,
     },
     /// The checkpoint is not laid out as expected.
     #[error("{path}: {reason}")]
-    Layout { path: PathBuf, reason: String },
+    Layout {
+        /// The checkpoint path (file, directory or index) at fault.
+        path: PathBuf,
+        /// What is not as expected.
+        reason: String,
+    },
 }
 
 /// A checkpoint's files: one, or shards named by an index.

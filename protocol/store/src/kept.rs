@@ -135,7 +135,9 @@ pub enum KeptError {
     /// The OS refused an operation.
     #[error("{op}: {source}")]
     Io {
+        /// The operation that failed (for example `memfd_create`).
         op: &'static str,
+        /// The OS error.
         source: std::io::Error,
     },
     /// No complete record: the load that made it did not finish.

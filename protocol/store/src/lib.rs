@@ -12,6 +12,8 @@
 //! fetching in `inference-node`. Both daemons depend on it and never on
 //! each other.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod fill;
 pub mod generate;

@@ -32,19 +32,31 @@ pub enum PackError {
     /// Reading the checkpoint failed.
     #[error("{path}: {what}: {source}")]
     Io {
+        /// The checkpoint file being read.
         path: PathBuf,
+        /// The operation that failed (`open` or `mmap`).
         what: &'static str,
+        /// The OS error.
         source: std::io::Error,
     },
     /// The checkpoint is not what pack expects.
     #[error("{path}: {reason}")]
-    Checkpoint { path: PathBuf, reason: String },
+    Checkpoint {
+        /// The checkpoint path at fault.
+        path: PathBuf,
+        /// What is not as expected.
+        reason: String,
+    },
     /// A row in the checkpoint is corrupt (NaN code or scale).
     #[error("{path}: layer {layer} row {row} is corrupt: {reason}")]
     CorruptRow {
+        /// The checkpoint holding the row.
         path: PathBuf,
+        /// Model layer of the table the row belongs to.
         layer: u32,
+        /// Index of the corrupt row in the table.
         row: u64,
+        /// Why the row does not decode.
         reason: String,
     },
     /// Writing the table failed.

@@ -26,12 +26,20 @@ pub enum LoadError {
     File(#[from] TableFileError),
     /// The file is not the table the config describes (version, layer or rows).
     #[error("{path}: {what}")]
-    Pinned { path: String, what: String },
+    Pinned {
+        /// The table file, as shown to people.
+        path: String,
+        /// What differs from the config.
+        what: String,
+    },
     /// Memory could not be had.
     #[error("{path}: cannot hold {bytes} bytes resident: {source}")]
     Memory {
+        /// The table file, as shown to people.
         path: String,
+        /// Bytes of table memory asked for.
         bytes: u64,
+        /// The OS error.
         source: std::io::Error,
     },
     /// `mlock` failed while required.
@@ -39,8 +47,11 @@ pub enum LoadError {
         "{path}: cannot lock {bytes} bytes of table memory ({source}); raise LimitMEMLOCK (systemd) or `ulimit -l`, or use --mlock try"
     )]
     Mlock {
+        /// The table file, as shown to people.
         path: String,
+        /// Bytes of table memory to lock.
         bytes: u64,
+        /// The OS error.
         source: std::io::Error,
     },
 }
@@ -117,11 +128,13 @@ pub struct LoadReport {
 /// checked, without reading or hashing them again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileMark {
-    /// The file's device and inode.
+    /// The file's device (`st_dev`).
     pub dev: u64,
+    /// The file's inode (`st_ino`).
     pub ino: u64,
-    /// Its change time (`st_ctime`, seconds and nanoseconds).
+    /// Its change time, whole seconds (`st_ctime`).
     pub ctime_sec: i64,
+    /// Its change time, nanoseconds past `ctime_sec` (`st_ctime_nsec`).
     pub ctime_nsec: i64,
     /// The rows were hashed against the header's digest.
     pub verified: bool,

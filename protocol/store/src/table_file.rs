@@ -26,18 +26,29 @@ pub enum TableFileError {
     /// The OS refused an operation.
     #[error("{path}: {op}: {source}")]
     Io {
+        /// The file operated on.
         path: PathBuf,
+        /// The operation that failed.
         op: &'static str,
+        /// The OS error.
         source: io::Error,
     },
     /// The header is not a valid `.etab` header.
     #[error("{path}: not a valid .etab table: {source}")]
-    Format { path: PathBuf, source: EtabError },
+    Format {
+        /// The table file.
+        path: PathBuf,
+        /// Why the header is not valid.
+        source: EtabError,
+    },
     /// A row does not decode.
     #[error("{path}: row {row} is corrupt: {source}")]
     CorruptRow {
+        /// The table file.
         path: PathBuf,
+        /// Index of the corrupt row.
         row: u64,
+        /// Why the row does not decode.
         source: RowError,
     },
     /// A page does not hash to its checksum in `page_xxh3`.
@@ -45,21 +56,33 @@ pub enum TableFileError {
         "{path}: page {page} hashes to {actual:016x} but its checksum is {expected:016x}: the file is corrupt"
     )]
     PageChecksum {
+        /// The table file.
         path: PathBuf,
+        /// Index of the page.
         page: u64,
+        /// The page's XXH3-64 as stored in `page_xxh3`.
         expected: u64,
+        /// The XXH3-64 the page's bytes hash to.
         actual: u64,
     },
     /// Bytes between rows that must be zero are not.
     #[error("{path}: page {page} has non-zero slack bytes (a writer bug or corruption)")]
-    Slack { path: PathBuf, page: u64 },
+    Slack {
+        /// The table file.
+        path: PathBuf,
+        /// Index of the page.
+        page: u64,
+    },
     /// The rows hash to another digest than the header's.
     #[error(
         "{path}: rows hash to {actual} but the header says {expected}: the file is corrupt or was modified"
     )]
     DigestMismatch {
+        /// The table file.
         path: PathBuf,
+        /// The digest the rows should hash to: the header's, or the one a writer was told to expect.
         expected: TableDigest,
+        /// The digest the rows hash to.
         actual: TableDigest,
     },
 }

@@ -47,7 +47,12 @@ pub const MAX_TEXT: usize = 512;
 pub enum EtabError {
     /// The file is shorter than its header says.
     #[error("file is {actual} bytes but its header needs {needed}")]
-    Truncated { needed: u64, actual: u64 },
+    Truncated {
+        /// Bytes the header needs the file to hold.
+        needed: u64,
+        /// Bytes the file holds.
+        actual: u64,
+    },
     /// The header length is above the bound or leaves the data unaligned.
     #[error(
         "header length {0} is not accepted (at most {MAX_HEADER_BYTES} bytes, data 4 KiB-aligned)"
@@ -58,14 +63,24 @@ pub enum EtabError {
     Json(String),
     /// A required metadata key is missing or has a bad value.
     #[error("metadata key `{key}`: {reason}")]
-    Metadata { key: &'static str, reason: String },
+    Metadata {
+        /// The metadata key at fault.
+        key: &'static str,
+        /// What is wrong with its value (or `missing`).
+        reason: String,
+    },
     /// The tensors are not `pages` (U8) and, optionally, `page_xxh3` (U64)
     /// of the right shapes and places.
     #[error("tensor layout: {0}")]
     Tensor(String),
     /// The file size does not match the header.
     #[error("file is {actual} bytes, the header describes {expected}")]
-    FileSize { expected: u64, actual: u64 },
+    FileSize {
+        /// File size in bytes that the header describes.
+        expected: u64,
+        /// File size in bytes.
+        actual: u64,
+    },
 }
 
 /// What a table file says about its table.

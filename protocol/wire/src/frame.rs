@@ -272,24 +272,46 @@ pub enum FrameError {
     BadHeader,
     /// Payload length above the configured maximum.
     #[error("frame payload of {len} bytes exceeds the maximum of {max}")]
-    TooLarge { len: u32, max: u32 },
+    TooLarge {
+        /// Payload length in bytes from the frame header.
+        len: u32,
+        /// Largest payload length accepted, in bytes.
+        max: u32,
+    },
     /// The payload does not parse as its kind.
     #[error("malformed {kind:?} frame: {reason}")]
     Malformed {
+        /// Kind of the frame whose payload is malformed.
         kind: FrameKind,
+        /// What is wrong with the payload.
         reason: &'static str,
     },
     /// More rows than the configured cap (framing is intact).
     #[error("{rows} rows exceed the cap of {max}")]
-    TooManyRows { rows: u64, max: u32 },
+    TooManyRows {
+        /// Rows counted, all sections together, up to the section that passed the cap.
+        rows: u64,
+        /// Configured cap on rows in one frame, all sections together.
+        max: u32,
+    },
     /// More sections than the configured cap (framing is intact).
     #[error("{sections} sections exceed the cap of {max}")]
-    TooManySections { sections: u32, max: u32 },
+    TooManySections {
+        /// Sections the frame declares.
+        sections: u32,
+        /// Configured cap on sections in one frame.
+        max: u32,
+    },
     /// A Rows payload whose checksum does not match (framing is intact).
     #[error(
         "rows checksum mismatch: frame says {expected:#018x}, payload hashes to {actual:#018x}"
     )]
-    Checksum { expected: u64, actual: u64 },
+    Checksum {
+        /// Checksum the frame carries.
+        expected: u64,
+        /// Checksum the payload hashes to.
+        actual: u64,
+    },
 }
 
 impl FrameError {

@@ -61,10 +61,20 @@ pub enum HashError {
     Preset(String),
     /// A compressed id outside the vocabulary (and not DEAD).
     #[error("compressed id {id} is out of range: ids are 0..{vocab} or -1 (DEAD)")]
-    IdOutOfRange { id: i64, vocab: u32 },
+    IdOutOfRange {
+        /// The rejected compressed id.
+        id: i64,
+        /// Compressed vocabulary size: valid ids are `0..vocab`.
+        vocab: u32,
+    },
     /// The pad id is outside the vocabulary.
     #[error("pad id {id} is out of range 0..{vocab}")]
-    PadOutOfRange { id: i64, vocab: u32 },
+    PadOutOfRange {
+        /// The rejected pad id.
+        id: i64,
+        /// Compressed vocabulary size: valid ids are `0..vocab`.
+        vocab: u32,
+    },
     /// The layer is not one of [`ENGRAM_LAYERS`].
     #[error("layer {0} does not run Engram (layers: 1, 14)")]
     Layer(u32),

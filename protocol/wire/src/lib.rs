@@ -13,6 +13,8 @@
 //! With the `control` feature, `control` holds the generated gRPC types and
 //! stubs of the donor's control plane (the IO lives in tonic, not here).
 
+#![warn(missing_docs)]
+
 #[cfg(feature = "control")]
 pub mod control;
 pub mod decode;

@@ -27,13 +27,26 @@ pub type RowBytes = [u8; ROW_BYTES];
 pub enum RowError {
     /// A value byte is an E4M3FN NaN code.
     #[error("value {index} holds the E4M3 NaN code {code:#04x}")]
-    NanCode { index: usize, code: u8 },
+    NanCode {
+        /// Index of the value byte within the row's values.
+        index: usize,
+        /// The NaN byte.
+        code: u8,
+    },
     /// A scale byte is the UE8M0 NaN (0xFF).
     #[error("scale {index} is the UE8M0 NaN 0xff")]
-    NanScale { index: usize },
+    NanScale {
+        /// Index of the scale byte within the row's scales.
+        index: usize,
+    },
     /// A buffer is not a whole number of rows, or the output does not match.
     #[error("buffer of {len} bytes is not {rows} rows of {ROW_BYTES} bytes")]
-    Length { len: usize, rows: usize },
+    Length {
+        /// Buffer length in bytes.
+        len: usize,
+        /// Rows the buffer was expected to hold.
+        rows: usize,
+    },
 }
 
 /// True when `code` is an E4M3FN NaN.

@@ -60,14 +60,21 @@ pub enum SsdError {
     File(#[from] TableFileError),
     /// The file is another table or version than the config pins.
     #[error("{path}: {what}")]
-    Pinned { path: PathBuf, what: String },
+    Pinned {
+        /// The SSD copy's file.
+        path: PathBuf,
+        /// What differs from the config's pin.
+        what: String,
+    },
     /// io_uring was required and the kernel refused it.
     #[error("io_uring is unavailable ({0}); set ssd_io = \"pread\" or \"auto\"")]
     NoUring(std::io::Error),
     /// Opening for reads failed.
     #[error("{path}: {source}")]
     Io {
+        /// The SSD copy's file (or, when its reader threads could not start, words naming them).
         path: PathBuf,
+        /// The OS error.
         source: std::io::Error,
     },
 }
