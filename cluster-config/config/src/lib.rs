@@ -25,7 +25,9 @@ mod raw;
 pub mod records;
 pub mod tls;
 mod validate;
-pub use validate::node::DEFAULT_PREFILL_BUDGET;
+pub use validate::node::{
+    DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_LOOKUP_TIMEOUT_MS, DEFAULT_PREFILL_BUDGET,
+};
 pub use validate::pages_by_default;
 
 use std::fmt;
@@ -340,6 +342,20 @@ pub const RDMA_CHECK_BYTES: u64 = 8;
 
 /// GiB a donor keeps free beside its tables unless `headroom_gib` says otherwise.
 pub const DEFAULT_HEADROOM_GIB: f64 = 2.0;
+
+/// A donor's data plane unless its config says: the most open connections
+/// (`max_connections`)...
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// ...the time a new connection has to say Hello (`hello_timeout_ms`)...
+pub const DEFAULT_HELLO_TIMEOUT_MS: u64 = 5_000;
+/// ...how long a ready connection may stay silent (`idle_timeout_ms`)...
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 600_000;
+/// ...how long a write may block on a client not reading
+/// (`write_timeout_ms`)...
+pub const DEFAULT_WRITE_TIMEOUT_MS: u64 = 10_000;
+/// ...and how long a drain waits for clients (`drain_timeout_ms`). The
+/// donor's own defaults (`ServerConfig::new`) are these.
+pub const DEFAULT_DRAIN_TIMEOUT_MS: u64 = 5_000;
 
 /// Bytes in a GiB.
 pub const GIB: f64 = (1u64 << 30) as f64;

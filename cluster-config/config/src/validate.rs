@@ -553,8 +553,9 @@ struct Knobs {
 }
 
 fn knobs(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> Knobs {
-    let max_connections =
-        opt_int(cx, &d.max_connections, &k("max_connections"), 1, 65_536).unwrap_or(256) as usize;
+    let ms = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    let max_connections = opt_int(cx, &d.max_connections, &k("max_connections"), 1, 65_536)
+        .map_or(crate::DEFAULT_MAX_CONNECTIONS, |n| n as usize);
     let max_rows = opt_int(
         cx,
         &d.max_rows,
@@ -569,10 +570,30 @@ fn knobs(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> Knobs {
         opt_int(cx, &d.busy_poll_us, &k("busy_poll_us"), 0, 10_000).unwrap_or(0) as u64,
     );
     let timeouts = [
-        cx.opt_ms(&d.hello_timeout_ms, &k("hello_timeout_ms"), 5_000, false),
-        cx.opt_ms(&d.idle_timeout_ms, &k("idle_timeout_ms"), 600_000, true),
-        cx.opt_ms(&d.write_timeout_ms, &k("write_timeout_ms"), 10_000, false),
-        cx.opt_ms(&d.drain_timeout_ms, &k("drain_timeout_ms"), 5_000, false),
+        cx.opt_ms(
+            &d.hello_timeout_ms,
+            &k("hello_timeout_ms"),
+            ms(crate::DEFAULT_HELLO_TIMEOUT_MS),
+            false,
+        ),
+        cx.opt_ms(
+            &d.idle_timeout_ms,
+            &k("idle_timeout_ms"),
+            ms(crate::DEFAULT_IDLE_TIMEOUT_MS),
+            true,
+        ),
+        cx.opt_ms(
+            &d.write_timeout_ms,
+            &k("write_timeout_ms"),
+            ms(crate::DEFAULT_WRITE_TIMEOUT_MS),
+            false,
+        ),
+        cx.opt_ms(
+            &d.drain_timeout_ms,
+            &k("drain_timeout_ms"),
+            ms(crate::DEFAULT_DRAIN_TIMEOUT_MS),
+            false,
+        ),
     ];
     Knobs {
         max_connections,

@@ -104,15 +104,16 @@ fn hello_credential(opts: &ClientOptions) -> &[u8] {
 }
 
 impl ClientOptions {
-    /// Options with defaults: 1 s to connect, 1 s per lookup, the default
+    /// Options with the node's defaults (`cluster_config::DEFAULT_CONNECT_TIMEOUT_MS`
+    /// to connect, `DEFAULT_LOOKUP_TIMEOUT_MS` per lookup), the default
     /// row cap, no credential, `DEFAULT_BUSY_POLL`.
     pub fn new(node_name: impl Into<String>, pinned: Vec<(u32, TableDigest)>) -> Self {
         Self {
             node_name: node_name.into(),
             credential: None,
             pinned,
-            connect_timeout: Duration::from_secs(1),
-            lookup_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(cluster_config::DEFAULT_CONNECT_TIMEOUT_MS),
+            lookup_timeout: Duration::from_millis(cluster_config::DEFAULT_LOOKUP_TIMEOUT_MS),
             max_rows: engram_protocol::frame::DEFAULT_MAX_ROWS,
             busy_poll: DEFAULT_BUSY_POLL,
             transport: Transport::Tcp,

@@ -60,16 +60,17 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults for everything but the name.
+    /// Defaults for everything but the name: the cluster config's own
+    /// (`cluster_config::DEFAULT_MAX_CONNECTIONS` and the timeouts beside it).
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
             limits: Limits::default(),
-            max_connections: 256,
-            hello_timeout: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(600),
-            write_timeout: Duration::from_secs(10),
-            drain_timeout: Duration::from_secs(5),
+            max_connections: cluster_config::DEFAULT_MAX_CONNECTIONS,
+            hello_timeout: Duration::from_millis(cluster_config::DEFAULT_HELLO_TIMEOUT_MS),
+            idle_timeout: Duration::from_millis(cluster_config::DEFAULT_IDLE_TIMEOUT_MS),
+            write_timeout: Duration::from_millis(cluster_config::DEFAULT_WRITE_TIMEOUT_MS),
+            drain_timeout: Duration::from_millis(cluster_config::DEFAULT_DRAIN_TIMEOUT_MS),
             credential: None,
             busy_poll: Duration::ZERO,
         }

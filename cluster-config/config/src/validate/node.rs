@@ -73,7 +73,7 @@ fn node(
     let lookup_timeout = cx.opt_ms(
         &n.lookup_timeout_ms,
         &k("lookup_timeout_ms"),
-        DEFAULT_LOOKUP_TIMEOUT_MS as i64,
+        i64::try_from(DEFAULT_LOOKUP_TIMEOUT_MS).unwrap_or(i64::MAX),
         false,
     );
     let routes = routes(cx, i, n, tables, donors, base, lookup_timeout);
@@ -119,7 +119,7 @@ fn node(
         connect_timeout: cx.opt_ms(
             &n.connect_timeout_ms,
             &k("connect_timeout_ms"),
-            DEFAULT_CONNECT_TIMEOUT_MS as i64,
+            i64::try_from(DEFAULT_CONNECT_TIMEOUT_MS).unwrap_or(i64::MAX),
             false,
         ),
         lookup_timeout,
