@@ -317,32 +317,24 @@ struct Outcome<'a> {
 
 impl Outcome<'_> {
     fn json(&self) -> serde_json::Value {
-        let (file, bytes, series, med, targets, figures) = (
-            self.file,
-            self.bytes,
-            self.series,
-            self.med,
-            self.targets,
-            self.figures,
-        );
         let [svg, png] = self.charts;
         serde_json::json!({
             "benchmark": "load",
-            "file": file,
-            "file_bytes": bytes,
+            "file": self.file,
+            "file_bytes": self.bytes,
             "cores": fill::cores(),
             "rounds": self.rounds,
-            "series": series.iter().zip(med).map(|(s, m)| serde_json::json!({
+            "series": self.series.iter().zip(self.med).map(|(s, m)| serde_json::json!({
                 "name": s.name,
                 "floor": s.floor,
                 "seconds": s.secs,
                 "median_seconds": m,
-                "gb_per_s": bytes as f64 / 1e9 / m,
+                "gb_per_s": self.bytes as f64 / 1e9 / m,
             })).collect::<Vec<_>>(),
-            "targets": targets.iter().map(|(name, v, t)| serde_json::json!({
+            "targets": self.targets.iter().map(|(name, v, t)| serde_json::json!({
                 "name": name, "value": v, "target": t, "met": v <= t,
             })).collect::<Vec<_>>(),
-            "figures": figures.iter().map(|(name, v)| serde_json::json!({
+            "figures": self.figures.iter().map(|(name, v)| serde_json::json!({
                 "name": name, "value": v,
             })).collect::<Vec<_>>(),
             "chart": [svg, png],
@@ -350,38 +342,32 @@ impl Outcome<'_> {
     }
 
     fn print(&self) {
-        let (file, bytes, series, med, targets, figures) = (
-            self.file,
-            self.bytes,
-            self.series,
-            self.med,
-            self.targets,
-            self.figures,
-        );
         let [svg, png] = self.charts;
         println!(
             "table file {} ({:.2} GB), {} cores, medians of {} rounds",
-            file.display(),
-            bytes as f64 / 1e9,
+            self.file.display(),
+            self.bytes as f64 / 1e9,
             fill::cores(),
             self.rounds
         );
-        let rows: Vec<Vec<String>> = series
+        let rows: Vec<Vec<String>> = self
+            .series
             .iter()
-            .zip(med)
+            .zip(self.med)
             .map(|(s, m)| {
                 let all: Vec<String> = s.secs.iter().map(|x| format!("{x:.3}")).collect();
                 vec![
                     s.name.to_string(),
                     format!("{m:.3}"),
-                    format!("{:.2}", bytes as f64 / 1e9 / m),
+                    format!("{:.2}", self.bytes as f64 / 1e9 / m),
                     all.join(" "),
                 ]
             })
             .collect();
         print_table(&["series", "median s", "GB/s", "rounds (s)"], &rows);
         println!();
-        let rows: Vec<Vec<String>> = targets
+        let rows: Vec<Vec<String>> = self
+            .targets
             .iter()
             .map(|(name, v, t)| {
                 vec![
@@ -394,7 +380,8 @@ impl Outcome<'_> {
             .collect();
         print_table(&["target", "value", "target", ""], &rows);
         println!();
-        let rows: Vec<Vec<String>> = figures
+        let rows: Vec<Vec<String>> = self
+            .figures
             .iter()
             .map(|(name, v)| vec![name.to_string(), format!("{v:.2}")])
             .collect();
