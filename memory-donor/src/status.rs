@@ -7,8 +7,10 @@
 //! control plane to the serving loop, which alone changes what is served.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use engram_protocol::{ROW_BYTES, TableDigest};
@@ -123,8 +125,8 @@ pub struct TableView {
 }
 
 impl TableStatus {
-    fn header(&self) -> std::sync::MutexGuard<'_, Header> {
-        self.header.lock().unwrap_or_else(|p| p.into_inner())
+    fn header(&self) -> MutexGuard<'_, Header> {
+        self.header.lock()
     }
 
     /// The file's header was read: the table's identity is known.
@@ -281,10 +283,7 @@ impl DonorStatus {
 
     /// The receiving end of the orders (the serving loop takes it once).
     pub fn take_orders(&self) -> Option<mpsc::Receiver<Order>> {
-        self.order_rx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
+        self.order_rx.lock().take()
     }
 
     /// How long a drain waits for clients.

@@ -15,7 +15,9 @@
 //! ([`PreAuth::deadline`]).
 
 use std::net::{IpAddr, Shutdown, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The shortest handshake deadline, however full the budget.
@@ -68,8 +70,8 @@ impl PreAuth {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock()
     }
 
     /// Admit a connection from `ip` (`stream`: a handle on its socket).
