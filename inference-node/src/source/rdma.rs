@@ -18,8 +18,9 @@
 //! - the region holds another version than the node pins: a version
 //!   mismatch, never a row of it.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
@@ -167,7 +168,7 @@ impl RdmaPath {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock()
     }
 
     /// The listener's address.

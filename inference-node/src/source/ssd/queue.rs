@@ -3,8 +3,9 @@
 //! storage is kept from job to job, and a completion per job in flight
 //! that is reused once its job is answered.
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use crate::source::SourceError;
@@ -22,7 +23,7 @@ pub(super) struct Job {
 pub(super) type Done = (Result<(), SourceError>, Vec<u8>, Vec<u64>);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock()
 }
 
 /// The jobs waiting for a reader, in order.
@@ -70,7 +71,7 @@ impl Queue {
             if let Some(job) = st.jobs.pop_front() {
                 return Some(job);
             }
-            st = self.ready.wait(st).unwrap_or_else(|p| p.into_inner());
+            self.ready.wait(&mut st);
         }
     }
 
