@@ -5,12 +5,12 @@
 //! guard drops (an error, a panic) and on SIGINT or SIGTERM, which kill
 //! every registered child at once.
 
-use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -313,9 +313,11 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
 static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-fn children() -> parking_lot::MutexGuard<'static, Vec<u32>> {
+fn children() -> std::sync::MutexGuard<'static, Vec<u32>> {
     // A panic while holding it leaves a plain list of pids, still usable.
-    CHILDREN.lock()
+    CHILDREN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn sigkill(pid: u32) {

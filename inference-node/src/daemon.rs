@@ -9,12 +9,11 @@
 //! watchdog. The gRPC side (`engram.node.v1.EngramNode`) only queues work
 //! and reads state.
 
-use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
@@ -289,7 +288,10 @@ fn apply_reload(
 ) {
     let r = nm.reload(&cx.handle, config, &cx.name, &cx.metrics);
     if r.is_ok() {
-        *shared.tokens_per_second.lock() = nm.tokens_per_second();
+        *shared
+            .tokens_per_second
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = nm.tokens_per_second();
         if let Some(n) = config.node(&cx.name) {
             shared.max_batch.store(n.max_batch, Ordering::Relaxed);
         }
@@ -698,7 +700,11 @@ impl api::engram_node_server::EngramNode for Daemon {
             .collect();
         Ok(Response::new(api::TablesResponse {
             tables,
-            tokens_per_second: *self.shared.tokens_per_second.lock(),
+            tokens_per_second: *self
+                .shared
+                .tokens_per_second
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
             fusion: self.fusion.into(),
             queued: self.shared.queued.load(Ordering::Relaxed),
             running: self.shared.running.load(Ordering::Relaxed),

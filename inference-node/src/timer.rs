@@ -5,12 +5,11 @@
 //! earliest (with 1 us timer slack) and wakes its task: precise to tens of
 //! microseconds, and idle between deadlines.
 
-use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -41,7 +40,7 @@ fn run(s: &'static Shared) {
     unsafe {
         libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
     }
-    let mut pending = s.pending.lock();
+    let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         let now = Instant::now();
         let mut due = Vec::new();
@@ -57,14 +56,15 @@ fn run(s: &'static Shared) {
             w.wake();
         }
         let next = pending.values().map(|(t, _)| *t).min();
-        match next {
-            None => s.changed.wait(&mut pending),
+        pending = match next {
+            None => s.changed.wait(pending).unwrap_or_else(|p| p.into_inner()),
             Some(t) => {
-                let _ = s
-                    .changed
-                    .wait_for(&mut pending, t.saturating_duration_since(Instant::now()));
+                s.changed
+                    .wait_timeout(pending, t.saturating_duration_since(Instant::now()))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
             }
-        }
+        };
     }
 }
 
@@ -105,7 +105,7 @@ impl Future for Sleep {
                 .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(d.into())));
             return f.as_mut().poll(cx);
         };
-        let mut p = s.pending.lock();
+        let mut p = s.pending.lock().unwrap_or_else(|p| p.into_inner());
         p.insert(self.id, (self.deadline, cx.waker().clone()));
         drop(p);
         s.changed.notify_one();
@@ -116,7 +116,10 @@ impl Future for Sleep {
 impl Drop for Sleep {
     fn drop(&mut self) {
         if let Some(Some(s)) = TIMER.get() {
-            s.pending.lock().remove(&self.id);
+            s.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.id);
         }
     }
 }
@@ -159,7 +162,9 @@ mod tests {
                     .is_pending()
             );
         }
-        let left = TIMER.get().and_then(|s| s.map(|s| s.pending.lock().len()));
+        let left = TIMER
+            .get()
+            .and_then(|s| s.map(|s| s.pending.lock().map(|p| p.len()).unwrap_or(0)));
         assert_eq!(left, Some(0));
     }
 }

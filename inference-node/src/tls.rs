@@ -3,8 +3,7 @@
 //! new material; live ones keep theirs; bad new material is refused and the
 //! old one kept).
 
-use parking_lot::RwLock;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use cluster_config::TlsFiles;
 use cluster_config::tls::{ALPN, Material, Reloadable, TlsError};
@@ -33,14 +32,14 @@ impl NodeTls {
     pub fn reload(&self, files: &TlsFiles) -> Result<Arc<Material>, TlsError> {
         let m = self.material.reload(files)?;
         let client = m.client_config(&[ALPN])?;
-        *self.client.write() = client;
-        *self.files.write() = files.clone();
+        *self.client.write().unwrap_or_else(|p| p.into_inner()) = client;
+        *self.files.write().unwrap_or_else(|p| p.into_inner()) = files.clone();
         Ok(m)
     }
 
     /// The client configuration new connections use.
     pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
-        Arc::clone(&self.client.read())
+        Arc::clone(&self.client.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// The material now.
@@ -50,6 +49,6 @@ impl NodeTls {
 
     /// The files it was last loaded from.
     pub fn files(&self) -> TlsFiles {
-        self.files.read().clone()
+        self.files.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }

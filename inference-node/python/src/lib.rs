@@ -4,10 +4,9 @@
 //! buffer-protocol objects, releases the GIL for every wait and every call
 //! that may block, and maps each error kind to its own exception class.
 
-use parking_lot::Mutex;
 use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::sync::mpsc::{Sender, channel};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use inference_node::embed::{self, EmbedError, EngramMemory, MetricsAt, OpenOptions, Segment};
@@ -615,7 +614,7 @@ impl Ticket {
     /// `layer`'s fetch has ended: for an event loop's
     /// `call_soon_threadsafe`.
     fn on_ready(&self, layer: u32, callback: Py<PyAny>) -> PyResult<()> {
-        let tx = notifier().lock().clone();
+        let tx = notifier().lock().unwrap_or_else(|p| p.into_inner()).clone();
         self.inner
             .on_ready(
                 layer,

@@ -18,11 +18,10 @@
 mod error;
 mod wire;
 
-use parking_lot::Mutex;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use cluster_config::Transport;

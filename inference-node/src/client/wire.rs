@@ -7,9 +7,9 @@
 //! (`lead`); `tokio`'s `read_buf` is cancel-safe and bytes read stay in the
 //! shared buffer.
 
-use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -88,8 +88,8 @@ impl Pending {
 /// up a writer.
 pub(super) type Session = std::sync::Arc<Mutex<Records>>;
 
-fn lock(s: &Session) -> parking_lot::MutexGuard<'_, Records> {
-    s.lock()
+fn lock(s: &Session) -> std::sync::MutexGuard<'_, Records> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The read side: whichever request holds it reads frames for everyone.
@@ -437,8 +437,8 @@ pub(super) struct Inner {
 }
 
 impl Inner {
-    pub fn pending(&self) -> parking_lot::MutexGuard<'_, Pending> {
-        self.pending.lock()
+    pub fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Fail every waiting request and refuse new ones.

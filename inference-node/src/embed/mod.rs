@@ -19,11 +19,10 @@
 pub mod batch;
 mod ticket;
 
-use parking_lot::RwLock;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
@@ -168,7 +167,7 @@ struct Shared {
     /// Fetches started ever and in flight now (what a warm-up and a
     /// close wait for).
     counts: Arc<FetchCounts>,
-    io: parking_lot::Mutex<
+    io: std::sync::Mutex<
         Option<(
             tokio::sync::oneshot::Sender<()>,
             std::thread::JoinHandle<()>,
@@ -277,13 +276,18 @@ impl EngramMemory {
                 state: RwLock::new(Some(Arc::new(open))),
                 counters: Arc::default(),
                 counts: Arc::default(),
-                io: parking_lot::Mutex::new(Some((stop_tx, thread))),
+                io: std::sync::Mutex::new(Some((stop_tx, thread))),
             },
         })
     }
 
     fn open_state(&self) -> Result<Arc<Open>, EmbedError> {
-        self.shared.state.read().clone().ok_or(EmbedError::Closed)
+        self.shared
+            .state
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or(EmbedError::Closed)
     }
 
     /// The node's name.
@@ -556,7 +560,12 @@ impl EngramMemory {
     /// thread. Tickets still held fail their waits with what their fetch
     /// came to, or a timeout. Closing twice is a no-op.
     pub fn close(&self, drain: Duration) {
-        let open = self.shared.state.write().take();
+        let open = self
+            .shared
+            .state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         let Some(open) = open else { return };
         let until = Instant::now() + drain;
         while self.shared.counts.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
@@ -572,7 +581,12 @@ impl EngramMemory {
             let _ = tx.send(());
         });
         let _ = rx.recv_timeout(Duration::from_secs(1));
-        let io = self.shared.io.lock().take();
+        let io = self
+            .shared
+            .io
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some((stop, thread)) = io {
             let _ = stop.send(());
             let _ = thread.join();

@@ -4,9 +4,8 @@
 //! between looks), then sleeps on the layer's own condition variable with
 //! the caller's deadline; nothing it holds is shared with another ticket.
 
-use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
@@ -47,7 +46,7 @@ impl Done {
     pub(crate) fn finish(&self, fetch: Fetch, took: Duration) {
         let _ = self.fetch.set((fetch, took));
         let callbacks = {
-            let mut g = self.sleep.lock();
+            let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
             std::mem::take(&mut *g)
         };
         self.woken.notify_all();
@@ -80,16 +79,20 @@ impl Done {
             // (Python); placed freely it costs nothing.
             std::thread::yield_now();
         }
-        let mut g = self.sleep.lock();
+        let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(f) = self.fetch.get() {
                 return Some(f);
             }
             match deadline {
-                None => self.woken.wait(&mut g),
+                None => g = self.woken.wait(g).unwrap_or_else(|p| p.into_inner()),
                 Some(d) => {
                     let left = d.checked_duration_since(Instant::now())?;
-                    let _ = self.woken.wait_for(&mut g, left);
+                    g = self
+                        .woken
+                        .wait_timeout(g, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
                 }
             }
         }
@@ -98,7 +101,7 @@ impl Done {
     /// Call `cb` once the fetch has ended (now, when it has).
     fn on_ready(&self, cb: Callback) {
         {
-            let mut g = self.sleep.lock();
+            let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
             if self.fetch.get().is_none() {
                 g.push(cb);
                 return;

@@ -2,7 +2,7 @@
 //! and spins only for its last stretch, so the loop is precise to a few
 //! microseconds without holding a core) and, for tests, a clock that jumps.
 
-use parking_lot::Mutex;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How the loop reads and spends time. Times are offsets from the run's start.
@@ -74,17 +74,17 @@ pub struct FakeClock {
 impl FakeClock {
     /// Move forward by `d` (work that takes time, such as fusion).
     pub fn advance(&self, d: Duration) {
-        *self.now.lock() += d;
+        *self.now.lock().unwrap_or_else(|p| p.into_inner()) += d;
     }
 }
 
 impl Clock for FakeClock {
     fn now(&self) -> Duration {
-        *self.now.lock()
+        *self.now.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn sleep_until(&self, t: Duration) {
-        let mut now = self.now.lock();
+        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
         *now = (*now).max(t);
     }
 }

@@ -7,10 +7,9 @@
 //! is timed on the lane, when the last row arrived, not when the loop
 //! looked.
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
@@ -37,7 +36,7 @@ const CHECK: Duration = Duration::from_millis(100);
 const WARM_HOLD: Duration = Duration::from_millis(1);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock()
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What the loop hands a lane: the rows, and the fetch whose buffers the
@@ -273,7 +272,7 @@ pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
             async move {
                 let mut out = Vec::new();
                 loop {
-                    let next = chunks.lock().next();
+                    let next = chunks.lock().unwrap_or_else(|p| p.into_inner()).next();
                     let Some((r, o)) = next else { break out };
                     out.push(router.fetch_stripe(r, o, stripe).await);
                 }
@@ -397,7 +396,11 @@ fn wait_lane(lane: &Lane, origin: Instant) -> Fetch {
         if !lane.alive.load(Ordering::Acquire) {
             return lost(origin);
         }
-        let _ = lane.ready.wait_for(&mut done, CHECK);
+        done = lane
+            .ready
+            .wait_timeout(done, CHECK)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
     }
 }
 

@@ -10,9 +10,8 @@
 //! version mismatch excludes the source for that table until a probe sees
 //! the pinned digest again.
 
-use parking_lot::Mutex;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_config::Hedge;
@@ -111,8 +110,8 @@ impl SourceHealth {
         self.threshold.store(threshold.max(1), Ordering::Relaxed);
     }
 
-    fn st(&self) -> parking_lot::MutexGuard<'_, State> {
-        self.state.lock()
+    fn st(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn set(&self, st: &mut State, b: Breaker) {

@@ -29,9 +29,8 @@
 pub mod health;
 mod lookup;
 
-use parking_lot::{Mutex, RwLock};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
@@ -286,7 +285,7 @@ impl Router {
     }
 
     fn state(&self) -> Arc<RouteState> {
-        self.state.read().clone()
+        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Its settings now.
@@ -310,11 +309,11 @@ impl Router {
     ) {
         settings.table = self.table_id;
         let next = Arc::new(RouteState::new(settings, sources, m));
-        *self.state.write() = next;
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = next;
     }
 
-    fn pool(&self) -> parking_lot::MutexGuard<'_, Pool> {
-        self.pool.lock()
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A fetch of `rows` of `table` by `deadline`, and a slot to run it

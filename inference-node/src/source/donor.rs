@@ -7,9 +7,8 @@
 //! restarted donor) and installs it when the donor welcomes us with the
 //! pinned versions.
 
-use parking_lot::Mutex;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use engram_protocol::TableDigest;
 use tokio::time::Instant;
@@ -77,7 +76,7 @@ impl Pinger {
             if self.stop.load(std::sync::atomic::Ordering::Acquire) {
                 return;
             }
-            let client = self.client.lock().take();
+            let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(c) = client
                 && let Err(e) = c.ping().await
             {
@@ -190,14 +189,14 @@ impl DonorSource {
     }
 
     fn live(&self) -> Option<Arc<DonorClient>> {
-        let cur = self.current.lock();
+        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         cur.as_ref()
             .filter(|c| !c.is_closed() && !c.is_draining())
             .cloned()
     }
 
     fn install(&self, client: Arc<DonorClient>) {
-        *self.current.lock() = Some(client);
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
     }
 
     async fn dial(&self) -> Result<DonorClient, ClientError> {
@@ -231,7 +230,7 @@ impl DonorSource {
     }
 
     fn forget(&self, client: &Arc<DonorClient>) {
-        let mut cur = self.current.lock();
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
             *cur = None;
         }
@@ -286,7 +285,7 @@ impl DonorSource {
     /// Said once per connection, with the donor's own reason when it sent
     /// one (an error frame before it closed, a QUIC close reason).
     fn lost(&self, client: &Arc<DonorClient>, e: &SourceError) {
-        let mut cur = self.current.lock();
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
             *cur = None;
             drop(cur);
@@ -295,7 +294,7 @@ impl DonorSource {
     }
 
     fn draining(&self) -> bool {
-        let cur = self.current.lock();
+        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         cur.as_ref().is_some_and(|c| c.poll_draining())
     }
 }
@@ -349,7 +348,7 @@ impl RowSource for DonorSource {
                 tokio::spawn(Arc::clone(&p).run());
                 p
             });
-            *pinger.client.lock() = Some(c);
+            *pinger.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
             pinger.go.notify_one();
         }
     }

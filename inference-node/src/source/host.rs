@@ -19,14 +19,13 @@
 //!
 //! The wire format is PROTOCOL.md section 5.
 
-use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use daemon_runtime::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
@@ -232,12 +231,12 @@ impl RowSource for HostSource {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> parking_lot::MutexGuard<'_, T> {
-    m.lock()
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn read<T>(m: &RwLock<T>) -> parking_lot::RwLockReadGuard<'_, T> {
-    m.read()
+fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Connect, take in what the donor sends, and connect again when it goes
@@ -361,7 +360,7 @@ fn session(
             Ok(t) => {
                 tracing::info!(donor = name, table, generation, "host socket: table mapped");
                 let t = Arc::new(t);
-                st.maps.write().insert(
+                st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
                     table,
                     Arc::new(Mapped {
                         table: Arc::clone(&t),
@@ -401,7 +400,10 @@ fn session(
 
 fn remove(st: &State, table: u32) {
     // The mapping goes when the last lookup holding it ends.
-    st.maps.write().remove(&table);
+    st.maps
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&table);
 }
 
 /// Map a table's descriptor: only a memfd sealed against writes, shrinking

@@ -18,9 +18,8 @@
 //! - the region holds another version than the node pins: a version
 //!   mismatch, never a row of it.
 
-use parking_lot::{Mutex, MutexGuard};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
@@ -168,7 +167,7 @@ impl RdmaPath {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock()
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The listener's address.

@@ -23,13 +23,12 @@ mod queue;
 mod tests;
 mod uring;
 
-use parking_lot::Mutex;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cluster_config::{SsdIo, SsdIoprio};
 use engram_protocol::etab::TableLayout;
@@ -592,8 +591,8 @@ impl Drop for CancelOnDrop<'_> {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> parking_lot::MutexGuard<'_, T> {
-    m.lock()
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One reader's thread: take the next lookup from the queue, read it, answer.

@@ -7,11 +7,10 @@
 //! Every job carries its batch's generation, and a batch waits for every
 //! job it queued, so an answer can never be taken for another batch's.
 
-use parking_lot::Mutex;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 
 use cluster_config::SsdIoprio;
 use engram_protocol::ROW_BYTES;
@@ -121,8 +120,9 @@ impl PreadPool {
 fn reader_thread(file: &File, jobs: &Mutex<mpsc::Receiver<Job>>, done: &mpsc::Sender<Answer>) {
     let mut page = Pages::new(1);
     loop {
-        let Ok(job) = jobs.lock().recv() else {
-            return;
+        let job = match jobs.lock().map(|r| r.recv()) {
+            Ok(Ok(job)) => job,
+            _ => return,
         };
         let buf = page.page_mut(0);
         let res = read_page(file, buf, job.read.offset).and_then(|n| {

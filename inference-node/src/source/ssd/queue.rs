@@ -3,9 +3,8 @@
 //! storage is kept from job to job, and a completion per job in flight
 //! that is reused once its job is answered.
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use crate::source::SourceError;
@@ -23,7 +22,7 @@ pub(super) struct Job {
 pub(super) type Done = (Result<(), SourceError>, Vec<u8>, Vec<u64>);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock()
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The jobs waiting for a reader, in order.
@@ -71,7 +70,7 @@ impl Queue {
             if let Some(job) = st.jobs.pop_front() {
                 return Some(job);
             }
-            self.ready.wait(&mut st);
+            st = self.ready.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
 
