@@ -4,7 +4,7 @@
 //! histogram (an uncontended lock, no allocation); readers (`Stats` over
 //! gRPC, `/metrics`) take a [`StatsSnapshot`] and do the arithmetic there.
 
-use parking_lot::Mutex;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -31,14 +31,14 @@ impl ServiceTime {
     /// Count one sample.
     #[inline]
     pub fn record(&self, d: Duration) {
-        let mut g = self.0.lock();
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
         g.0.record(d);
         g.1 =
             g.1.saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     }
 
     fn snapshot(&self) -> ServiceTimeSnapshot {
-        let g = self.0.lock();
+        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
         ServiceTimeSnapshot {
             latency: g.0.clone(),
             sum_ns: g.1,
@@ -135,13 +135,13 @@ impl Stats {
     /// `control`) for `reason` (a short snake_case word). Rare: a lock and
     /// a map are fine here.
     pub fn refusal(&self, plane: &'static str, reason: &'static str) {
-        let mut m = self.refusals.lock();
+        let mut m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
         *m.entry((plane, reason)).or_default() += 1;
     }
 
     /// Refusals so far, by plane and reason.
     pub fn refusals(&self) -> Vec<((&'static str, &'static str), u64)> {
-        let m = self.refusals.lock();
+        let m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
         m.iter().map(|(k, v)| (*k, *v)).collect()
     }
 
@@ -149,13 +149,19 @@ impl Stats {
     /// snake_case word: `write_timeout`, `peer_reset`, ...). Once per
     /// connection at most: a lock and a map are fine here.
     pub fn connection_error(&self, reason: &'static str) {
-        let mut m = self.connection_errors.lock();
+        let mut m = self
+            .connection_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         *m.entry(reason).or_default() += 1;
     }
 
     /// Sessions ended on an error so far, by reason.
     pub fn connection_errors(&self) -> Vec<(&'static str, u64)> {
-        let m = self.connection_errors.lock();
+        let m = self
+            .connection_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         m.iter().map(|(k, v)| (*k, *v)).collect()
     }
 

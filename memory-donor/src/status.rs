@@ -7,10 +7,8 @@
 //! control plane to the serving loop, which alone changes what is served.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-
-use parking_lot::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engram_protocol::{ROW_BYTES, TableDigest};
@@ -125,8 +123,8 @@ pub struct TableView {
 }
 
 impl TableStatus {
-    fn header(&self) -> MutexGuard<'_, Header> {
-        self.header.lock()
+    fn header(&self) -> std::sync::MutexGuard<'_, Header> {
+        self.header.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The file's header was read: the table's identity is known.
@@ -283,7 +281,10 @@ impl DonorStatus {
 
     /// The receiving end of the orders (the serving loop takes it once).
     pub fn take_orders(&self) -> Option<mpsc::Receiver<Order>> {
-        self.order_rx.lock().take()
+        self.order_rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// How long a drain waits for clients.

@@ -3,9 +3,7 @@
 //! plane, which identities are nodes (health, ListTables, Stats on the
 //! control plane) and which are operators (Drain, SwapTable too).
 
-use std::sync::Arc;
-
-use parking_lot::RwLock;
+use std::sync::{Arc, RwLock};
 
 use cluster_config::tls::{ALPN, Material, Reloadable, TlsError};
 use cluster_config::{Config, TlsFiles};
@@ -102,15 +100,15 @@ impl DonorTls {
     /// Load the material again and take the new access rules; on a bad
     /// certificate or key the old material stays (the rules still change).
     pub fn reload(&self, files: &TlsFiles, access: Access) -> Result<Arc<Material>, TlsError> {
-        *self.access.write() = Arc::new(access);
+        *self.access.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(access);
         let material = self.material.reload(files)?;
         let built = build(Arc::clone(&material))?;
-        *self.built.write() = Arc::new(built);
+        *self.built.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(built);
         Ok(material)
     }
 
     fn built(&self) -> Arc<Built> {
-        Arc::clone(&self.built.read())
+        Arc::clone(&self.built.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// The material now.
@@ -161,7 +159,7 @@ impl DonorTls {
 
     /// The access rules now.
     pub fn access(&self) -> Arc<Access> {
-        Arc::clone(&self.access.read())
+        Arc::clone(&self.access.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// May `identity` use the data plane?

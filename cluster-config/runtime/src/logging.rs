@@ -4,8 +4,8 @@
 //! and [`RateLimit`] for warnings a peer could otherwise repeat without
 //! bound (one per connection or per request).
 
-use parking_lot::Mutex;
 use std::io::IsTerminal;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tracing_subscriber::EnvFilter;
@@ -87,7 +87,7 @@ impl RateLimit {
 
     /// [`RateLimit::allow`] at a given instant.
     pub fn allow_at(&self, now: Instant) -> Option<u64> {
-        let mut g = self.state.lock();
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let w = g.get_or_insert(Window {
             start: now,
             passed: 0,

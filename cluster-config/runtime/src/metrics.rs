@@ -155,9 +155,9 @@ async fn answer(
     limits: &HttpLimits,
 ) {
     let content_type = limits.content_type;
-    let ticket = parking_lot::Mutex::new(Some(ticket));
+    let ticket = std::sync::Mutex::new(Some(ticket));
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        drop(ticket.lock().take());
+        drop(ticket.lock().map(|mut t| t.take()));
         let page = match permits.try_acquire() {
             Ok(_render) => respond(req.method(), req.uri().path(), &render, content_type),
             Err(_) => busy(),

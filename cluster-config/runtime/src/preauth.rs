@@ -15,9 +15,7 @@
 //! ([`PreAuth::deadline`]).
 
 use std::net::{IpAddr, Shutdown, TcpStream};
-use std::sync::Arc;
-
-use parking_lot::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The shortest handshake deadline, however full the budget.
@@ -70,8 +68,8 @@ impl PreAuth {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock()
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Admit a connection from `ip` (`stream`: a handle on its socket).

@@ -8,9 +8,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
-
-use parking_lot::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use engram_protocol::{FrameHeader, HEADER_LEN};
@@ -46,7 +44,7 @@ fn tls_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Erro
 }
 
 fn lock(session: &Mutex<TlsSession>) -> MutexGuard<'_, TlsSession> {
-    session.lock()
+    session.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Read more plaintext into `rb`: straight from the socket, or over TLS by
@@ -156,7 +154,7 @@ fn flush(conn: &Conn, out: &mut Vec<u8>, sealed: &mut Vec<u8>) -> io::Result<()>
     if out.is_empty() {
         return Ok(());
     }
-    let _guard = conn.write_lock.lock();
+    let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
     let Some(session) = &conn.tls else {
         let r = (&conn.stream).write_all(out);
         out.clear();
@@ -259,7 +257,7 @@ fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::R
     let mut sealed = Vec::new();
     flush(conn, out, &mut sealed)?;
     if let Some(session) = &conn.tls {
-        let _guard = conn.write_lock.lock();
+        let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
         sealed.clear();
         if let TlsSession::Open { records, .. } = &mut *lock(session) {
             records.seal_close_notify(&mut sealed).map_err(tls_error)?;

@@ -9,9 +9,7 @@
 //! unexpired, unused token.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-
-use parking_lot::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use engram_protocol::messages::Region;
@@ -138,6 +136,10 @@ pub struct RegionBook {
     listener: Mutex<Option<Box<dyn Listener>>>,
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// 16 bytes from the kernel's random source.
 fn random16() -> [u8; 16] {
     let mut b = [0u8; 16];
@@ -190,7 +192,7 @@ impl RegionBook {
             weak.upgrade()
                 .and_then(|b| b.admit(private, Instant::now()))
         });
-        let mut l = self.listener.lock();
+        let mut l = lock(&self.listener);
         *l = None;
         *l = Some(self.provider.listen(addr, &self.spec, admit)?);
         Ok(())
@@ -198,7 +200,7 @@ impl RegionBook {
 
     /// Stop accepting queue pairs.
     pub fn stop_listening(&self) {
-        *self.listener.lock() = None;
+        *lock(&self.listener) = None;
     }
 
     /// Register `memory` (the rows of table `table` at version `digest`)
@@ -259,7 +261,7 @@ impl RegionBook {
         let t2 = Instant::now();
         let generation = self.generation.fetch_add(1, Ordering::Relaxed);
         let old = {
-            let mut e = self.entries.lock();
+            let mut e = lock(&self.entries);
             let old = e
                 .iter()
                 .position(|x| x.table == table)
@@ -287,7 +289,7 @@ impl RegionBook {
     /// Deregister table `table` (it is no longer served).
     pub fn retire(&self, table: u32) {
         let old = {
-            let mut e = self.entries.lock();
+            let mut e = lock(&self.entries);
             e.iter()
                 .position(|x| x.table == table)
                 .map(|i| e.swap_remove(i))
@@ -297,8 +299,7 @@ impl RegionBook {
 
     /// True when `table` is registered at version `digest`.
     pub fn holds(&self, table: u32, digest: &TableDigest) -> bool {
-        self.entries
-            .lock()
+        lock(&self.entries)
             .iter()
             .any(|x| x.table == table && x.digest == *digest)
     }
@@ -307,9 +308,7 @@ impl RegionBook {
     /// another version stays registered until its new version is published
     /// (which replaces it). Returns the tables it dropped.
     pub fn retain_or_stale(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {
-        let ids: Vec<(u32, TableDigest)> = self
-            .entries
-            .lock()
+        let ids: Vec<(u32, TableDigest)> = lock(&self.entries)
             .iter()
             .filter(|x| keep.iter().any(|k| k.0 == x.table))
             .map(|x| (x.table, x.digest))
@@ -321,7 +320,7 @@ impl RegionBook {
     /// everything else is deregistered. Returns the tables it dropped.
     pub fn retain(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {
         let gone: Vec<Entry> = {
-            let mut e = self.entries.lock();
+            let mut e = lock(&self.entries);
             let (stay, gone): (Vec<Entry>, Vec<Entry>) = e
                 .drain(..)
                 .partition(|x| keep.contains(&(x.table, x.digest)));
@@ -336,7 +335,7 @@ impl RegionBook {
     /// table is not registered.
     pub fn grant(&self, table: u32, owner: &str) -> Option<Region> {
         let region = {
-            let e = self.entries.lock();
+            let e = lock(&self.entries);
             let x = e.iter().find(|x| x.table == table)?;
             let (r, c) = (x.rows_reg.remote(), x.checks_reg.remote());
             Region {
@@ -352,7 +351,7 @@ impl RegionBook {
             }
         };
         let now = Instant::now();
-        let mut t = self.tokens.lock();
+        let mut t = lock(&self.tokens);
         t.retain(|x| x.expires > now);
         make_room(
             &mut t,
@@ -379,7 +378,7 @@ impl RegionBook {
         }
         let presented = &private[..16];
         let owner = {
-            let mut t = self.tokens.lock();
+            let mut t = lock(&self.tokens);
             t.retain(|x| x.expires > now);
             let i = t.iter().position(|x| {
                 // Constant time in the token's bytes.
@@ -393,7 +392,7 @@ impl RegionBook {
         };
         let key = self.next_qp.fetch_add(1, Ordering::Relaxed);
         let evicted = {
-            let mut q = self.qps.lock();
+            let mut q = lock(&self.qps);
             let evicted = make_room(&mut q, |x| &x.owner, &owner, MAX_QPS_PER_OWNER, MAX_QPS);
             q.push(Qp { key, owner });
             evicted
@@ -406,12 +405,10 @@ impl RegionBook {
 
     /// The identities holding tokens or queue pairs.
     pub fn owners(&self) -> Vec<Arc<str>> {
-        let mut out: Vec<Arc<str>> = self
-            .qps
-            .lock()
+        let mut out: Vec<Arc<str>> = lock(&self.qps)
             .iter()
             .map(|x| Arc::clone(&x.owner))
-            .chain(self.tokens.lock().iter().map(|x| Arc::clone(&x.owner)))
+            .chain(lock(&self.tokens).iter().map(|x| Arc::clone(&x.owner)))
             .collect();
         out.sort();
         out.dedup();
@@ -421,9 +418,9 @@ impl RegionBook {
     /// Cut `owner` off: its tokens are dropped and its queue pairs
     /// disconnected. Returns how many queue pairs it held.
     pub fn revoke(&self, owner: &str) -> usize {
-        self.tokens.lock().retain(|x| &*x.owner != owner);
+        lock(&self.tokens).retain(|x| &*x.owner != owner);
         let keys: Vec<u64> = {
-            let mut q = self.qps.lock();
+            let mut q = lock(&self.qps);
             let keys = q
                 .iter()
                 .filter(|x| &*x.owner == owner)
@@ -440,15 +437,14 @@ impl RegionBook {
         if keys.is_empty() {
             return;
         }
-        if let Some(l) = self.listener.lock().as_ref() {
+        if let Some(l) = lock(&self.listener).as_ref() {
             l.disconnect(keys);
         }
     }
 
     /// Tables registered, with their generations.
     pub fn tables(&self) -> Vec<(u32, u64)> {
-        self.entries
-            .lock()
+        lock(&self.entries)
             .iter()
             .map(|x| (x.table, x.generation))
             .collect()
@@ -456,8 +452,7 @@ impl RegionBook {
 
     /// Bytes registered (pinned) now.
     pub fn registered_bytes(&self) -> u64 {
-        self.entries
-            .lock()
+        lock(&self.entries)
             .iter()
             .map(|x| x.rows_reg.remote().len + x.checks_reg.remote().len)
             .sum()

@@ -11,9 +11,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
-
-use parking_lot::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::verbs::{
@@ -144,7 +142,9 @@ impl std::fmt::Debug for FakeFabric {
 
 impl FakeFabric {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock()
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Queue `fault` for the next doorbell to the donor listening at `addr`.
