@@ -180,52 +180,11 @@ fn load_one(
             !spec.trust_digest,
             rdma_view(spec.rdma.is_some()),
         ) {
-            let record = table.kept().map(|k| k.record);
-            status.tables[i].opened(id, table.layer, table.rows, table.digest);
-            status.tables[i].progress(table.rows, table.rows);
-            let age_s = record.map_or(0, |r| {
-                engram_store::kept::unix_ms().saturating_sub(r.loaded_unix_ms) / 1000
-            });
-            tracing::info!(
-                table = id,
-                generation = record.map_or(0, |r| r.generation),
-                loaded_s_ago = age_s,
-                pages = table.kept().map_or("-", |k| k.pages.name()),
-                "table adopted from the fd store: serving the copy the previous process loaded, file not read"
-            );
-            let locked = lock_adopted(&table, spec.mlock)?;
-            let verified = record.is_some_and(|r| r.verified);
-            return Ok((
-                table,
-                Loaded {
-                    verified,
-                    locked,
-                    adopted: true,
-                },
-            ));
+            return adopted(spec, i, status, table);
         }
     }
-    let progress = |f: &engram_store::table_file::TableFile| {
-        let m = &f.meta;
-        let id = t.id.unwrap_or(m.layer);
-        status.tables[i].opened(id, m.layer, m.rows, m.digest);
-        let what = format!("loading {}", t.path.display());
-        let (status, total, notifier) = (Arc::clone(status), m.rows, Arc::clone(notifier));
-        let mut last_pct = u64::MAX;
-        Some(
-            Progress::log(what, total, engram_protocol::ROW_BYTES as u64).with_tap(move |done| {
-                status.tables[i].progress(done, total);
-                let pct = done * 100 / total.max(1);
-                if pct != last_pct {
-                    last_pct = pct;
-                    let line = format!("loading table {id}: {pct}%");
-                    if let Err(e) = notifier.extend_timeout(LOAD_EXTEND, &line) {
-                        tracing::debug!(error = %e, "sd_notify");
-                    }
-                }
-            }),
-        )
-    };
+    let progress =
+        |f: &engram_store::table_file::TableFile| Some(load_progress(t, i, f, status, notifier));
     let opts = LoadOptions {
         pinned: t.pinned,
         trust_digest: spec.trust_digest,
@@ -268,6 +227,68 @@ fn load_one(
             adopted: false,
         },
     ))
+}
+
+/// Serve a copy of table `i` taken from the fd store, loaded by the
+/// previous process.
+fn adopted(
+    spec: &ServeSpec,
+    i: usize,
+    status: &Arc<DonorStatus>,
+    table: ResidentTable,
+) -> Result<(ResidentTable, Loaded), ServeError> {
+    let id = table.id;
+    let record = table.kept().map(|k| k.record);
+    status.tables[i].opened(id, table.layer, table.rows, table.digest);
+    status.tables[i].progress(table.rows, table.rows);
+    let age_s = record.map_or(0, |r| {
+        engram_store::kept::unix_ms().saturating_sub(r.loaded_unix_ms) / 1000
+    });
+    tracing::info!(
+        table = id,
+        generation = record.map_or(0, |r| r.generation),
+        loaded_s_ago = age_s,
+        pages = table.kept().map_or("-", |k| k.pages.name()),
+        "table adopted from the fd store: serving the copy the previous process loaded, file not read"
+    );
+    let locked = lock_adopted(&table, spec.mlock)?;
+    let verified = record.is_some_and(|r| r.verified);
+    Ok((
+        table,
+        Loaded {
+            verified,
+            locked,
+            adopted: true,
+        },
+    ))
+}
+
+/// A load's progress: in table `i`'s status, the log, and systemd's status
+/// line (each percent extends the start timeout).
+fn load_progress(
+    t: &TableSpec,
+    i: usize,
+    f: &engram_store::table_file::TableFile,
+    status: &Arc<DonorStatus>,
+    notifier: &Arc<Notifier>,
+) -> Progress {
+    let m = &f.meta;
+    let id = t.id.unwrap_or(m.layer);
+    status.tables[i].opened(id, m.layer, m.rows, m.digest);
+    let what = format!("loading {}", t.path.display());
+    let (status, total, notifier) = (Arc::clone(status), m.rows, Arc::clone(notifier));
+    let mut last_pct = u64::MAX;
+    Progress::log(what, total, engram_protocol::ROW_BYTES as u64).with_tap(move |done| {
+        status.tables[i].progress(done, total);
+        let pct = done * 100 / total.max(1);
+        if pct != last_pct {
+            last_pct = pct;
+            let line = format!("loading table {id}: {pct}%");
+            if let Err(e) = notifier.extend_timeout(LOAD_EXTEND, &line) {
+                tracing::debug!(error = %e, "sd_notify");
+            }
+        }
+    })
 }
 
 /// Load threads for a configured count (0: every core).

@@ -261,7 +261,38 @@ impl Loop {
         if let Some(p) = self.probe.as_mut() {
             p.set_credential(plan.spec.server.credential.clone());
         }
-        match (self.status.tls.get(), &plan.spec.tls) {
+        self.reload_tls(&plan.spec, &mut not_applied);
+        for what in &not_applied {
+            tracing::warn!("reload: {what}: needs a restart; not applied");
+        }
+        self.spec = plan.spec;
+        let server = self.shared.config();
+        tracing::info!(
+            config = %src.path.display(),
+            hello_timeout_ms = server.hello_timeout.as_millis() as u64,
+            idle_timeout_ms = server.idle_timeout.as_millis() as u64,
+            write_timeout_ms = server.write_timeout.as_millis() as u64,
+            drain_timeout_ms = server.drain_timeout.as_millis() as u64,
+            busy_poll_us = server.busy_poll.as_micros() as u64,
+            max_connections = server.max_connections,
+            swaps = plan.swaps.len(),
+            "reload: config applied"
+        );
+        if plan.swaps.is_empty() {
+            return;
+        }
+        if self.swap_busy() {
+            tracing::warn!("reload: a swap is under way; reload again once it is done");
+            return;
+        }
+        self.reload_swaps(plan.swaps);
+    }
+
+    /// A reload's TLS: new certificate and key for new connections, and
+    /// the open sessions checked against the new CA and access rules.
+    /// Adding or removing `[rack.tls]` needs a restart (`not_applied`).
+    fn reload_tls(&self, spec: &ServeSpec, not_applied: &mut Vec<String>) {
+        match (self.status.tls.get(), &spec.tls) {
             (Some(tls), Some((files, access))) => match tls.reload(files, access.clone()) {
                 Ok(m) => {
                     self.shared.refresh_quic();
@@ -291,33 +322,14 @@ impl Loop {
                 }
             });
         }
-        for what in &not_applied {
-            tracing::warn!("reload: {what}: needs a restart; not applied");
-        }
-        self.spec = plan.spec;
-        let server = self.shared.config();
-        tracing::info!(
-            config = %src.path.display(),
-            hello_timeout_ms = server.hello_timeout.as_millis() as u64,
-            idle_timeout_ms = server.idle_timeout.as_millis() as u64,
-            write_timeout_ms = server.write_timeout.as_millis() as u64,
-            drain_timeout_ms = server.drain_timeout.as_millis() as u64,
-            busy_poll_us = server.busy_poll.as_micros() as u64,
-            max_connections = server.max_connections,
-            swaps = plan.swaps.len(),
-            "reload: config applied"
-        );
-        if plan.swaps.is_empty() {
-            return;
-        }
-        if self.swap_busy() {
-            tracing::warn!("reload: a swap is under way; reload again once it is done");
-            return;
-        }
+    }
+
+    /// A reload's swaps, one at a time: each RAM check sees the previous
+    /// swap's result.
+    fn reload_swaps(&mut self, swaps: Vec<SwapRequest>) {
         let cx = self.swap_context();
         self.swapping = Some(tokio::spawn(async move {
-            // One at a time: each RAM check sees the previous swap's result.
-            for req in plan.swaps {
+            for req in swaps {
                 let table = req.table;
                 match swap::prepare_off_loop(&cx, req, None).await {
                     Ok(p) => {

@@ -268,9 +268,33 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest, file: File) -> Result<Prepare
     } else {
         m.rows * ROW_BYTES as u64
     };
+    check_room(cx, &req, bytes, in_use, old_bytes)?;
+    let accepted = SwapAccepted {
+        old,
+        new: m.digest,
+        bytes,
+        in_place: req.in_place,
+    };
+    Ok(Prepared {
+        req,
+        file: Arc::new(file),
+        accepted,
+        layer: m.layer,
+        rows: m.rows,
+    })
+}
+
+/// Room for a new version of `bytes`: beside everything loaded (`in_use`),
+/// or in the place of the old one (`old_bytes`, in place), within the
+/// donor's table budget and the machine's available memory.
+fn check_room(
+    cx: &SwapContext,
+    req: &SwapRequest,
+    bytes: u64,
+    in_use: u64,
+    old_bytes: u64,
+) -> Result<(), SwapError> {
     let avail = engram_store::kept::mem_available();
-    // Room for the new version: beside everything (alongside), or in the
-    // place of the old one (in place).
     let (room_budget, room_machine) = if req.in_place {
         (
             cx.budget.map(|b| b.saturating_sub(in_use - old_bytes)),
@@ -316,19 +340,7 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest, file: File) -> Result<Prepare
             }
         )));
     }
-    let accepted = SwapAccepted {
-        old,
-        new: m.digest,
-        bytes,
-        in_place: req.in_place,
-    };
-    Ok(Prepared {
-        req,
-        file: Arc::new(file),
-        accepted,
-        layer: m.layer,
-        rows: m.rows,
-    })
+    Ok(())
 }
 
 impl Prepared {

@@ -64,76 +64,9 @@ pub async fn run(addr: &str, cmd: CtlCmd) -> Result<bool> {
     let ch = channel(addr).await?;
     let mut c = DonorControlClient::new(ch.clone());
     match cmd {
-        CtlCmd::Health => {
-            let mut h = HealthClient::new(ch);
-            let mut healthy = true;
-            for service in ["", SERVICE_NAME] {
-                let r = h
-                    .check(HealthCheckRequest {
-                        service: service.into(),
-                    })
-                    .await?
-                    .into_inner();
-                let status = r.status().as_str_name();
-                healthy &= status == "SERVING";
-                let shown = if service.is_empty() {
-                    "(donor)"
-                } else {
-                    service
-                };
-                println!("{shown}: {status}");
-            }
-            return Ok(healthy);
-        }
-        CtlCmd::Tables => {
-            let r = c.list_tables(ListTablesRequest {}).await?.into_inner();
-            println!(
-                "donor {}{}",
-                r.donor,
-                if r.draining { " (draining)" } else { "" }
-            );
-            for t in &r.tables {
-                let pct = if t.bytes_total == 0 {
-                    0.0
-                } else {
-                    t.bytes_done as f64 * 100.0 / t.bytes_total as f64
-                };
-                println!(
-                    "table {} layer {} rows {} digest {} {} {pct:.1}% {}{}",
-                    t.id,
-                    t.layer,
-                    t.rows,
-                    if t.digest.is_empty() { "-" } else { &t.digest },
-                    t.state().as_str_name().trim_start_matches("LOAD_STATE_"),
-                    t.path,
-                    if t.error.is_empty() {
-                        String::new()
-                    } else {
-                        format!(": {}", t.error)
-                    }
-                );
-            }
-        }
-        CtlCmd::Stats => {
-            let s = c.stats(StatsRequest {}).await?.into_inner();
-            println!("lookups {} rows {} bytes {}", s.lookups, s.rows, s.bytes);
-            if let Some(n) = s.connections {
-                println!(
-                    "connections open {} accepted {} refused {}",
-                    n.open, n.accepted, n.refused
-                );
-            }
-            if let Some(t) = s.service_time {
-                println!(
-                    "service time us: p50 {:.1} p90 {:.1} p99 {:.1} p99.9 {:.1} max {:.1} ({} samples)",
-                    t.p50_us, t.p90_us, t.p99_us, t.p999_us, t.max_us, t.count
-                );
-            }
-            for e in &s.errors {
-                println!("errors {} ({}): {}", e.name, e.code, e.count);
-            }
-            println!("uptime {:.0} s", s.uptime_seconds);
-        }
+        CtlCmd::Health => return health(ch).await,
+        CtlCmd::Tables => tables(&mut c).await?,
+        CtlCmd::Stats => stats(&mut c).await?,
         CtlCmd::Swap {
             table,
             path,
@@ -168,4 +101,80 @@ pub async fn run(addr: &str, cmd: CtlCmd) -> Result<bool> {
         }
     }
     Ok(true)
+}
+
+/// Each service's health; whether all are serving.
+async fn health(ch: Channel) -> Result<bool> {
+    let mut h = HealthClient::new(ch);
+    let mut healthy = true;
+    for service in ["", SERVICE_NAME] {
+        let r = h
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await?
+            .into_inner();
+        let status = r.status().as_str_name();
+        healthy &= status == "SERVING";
+        let shown = if service.is_empty() {
+            "(donor)"
+        } else {
+            service
+        };
+        println!("{shown}: {status}");
+    }
+    Ok(healthy)
+}
+
+async fn tables(c: &mut DonorControlClient<Channel>) -> Result<()> {
+    let r = c.list_tables(ListTablesRequest {}).await?.into_inner();
+    println!(
+        "donor {}{}",
+        r.donor,
+        if r.draining { " (draining)" } else { "" }
+    );
+    for t in &r.tables {
+        let pct = if t.bytes_total == 0 {
+            0.0
+        } else {
+            t.bytes_done as f64 * 100.0 / t.bytes_total as f64
+        };
+        println!(
+            "table {} layer {} rows {} digest {} {} {pct:.1}% {}{}",
+            t.id,
+            t.layer,
+            t.rows,
+            if t.digest.is_empty() { "-" } else { &t.digest },
+            t.state().as_str_name().trim_start_matches("LOAD_STATE_"),
+            t.path,
+            if t.error.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", t.error)
+            }
+        );
+    }
+    Ok(())
+}
+
+async fn stats(c: &mut DonorControlClient<Channel>) -> Result<()> {
+    let s = c.stats(StatsRequest {}).await?.into_inner();
+    println!("lookups {} rows {} bytes {}", s.lookups, s.rows, s.bytes);
+    if let Some(n) = s.connections {
+        println!(
+            "connections open {} accepted {} refused {}",
+            n.open, n.accepted, n.refused
+        );
+    }
+    if let Some(t) = s.service_time {
+        println!(
+            "service time us: p50 {:.1} p90 {:.1} p99 {:.1} p99.9 {:.1} max {:.1} ({} samples)",
+            t.p50_us, t.p90_us, t.p99_us, t.p999_us, t.max_us, t.count
+        );
+    }
+    for e in &s.errors {
+        println!("errors {} ({}): {}", e.name, e.code, e.count);
+    }
+    println!("uptime {:.0} s", s.uptime_seconds);
+    Ok(())
 }

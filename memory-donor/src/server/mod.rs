@@ -564,21 +564,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::clone(&shared.permits);
-    // Every second, live TLS and QUIC sessions are checked again: a
-    // certificate's expiry ends its sessions then, and a reload's new CA or
-    // access rules reach the open ones (SIGHUP also sweeps at once).
-    let sweeper = {
-        let shared = Arc::clone(&shared);
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(RECHECK_EVERY);
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                every.tick().await;
-                let sh = Arc::clone(&shared);
-                let _ = tokio::task::spawn_blocking(move || sh.recheck_sessions()).await;
-            }
-        })
-    };
+    let sweeper = tokio::spawn(recheck_every_second(Arc::clone(&shared)));
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut accepters = Vec::new();
     let mut quic = Vec::new();
@@ -602,47 +588,12 @@ pub async fn run(
                 continue;
             }
         };
-        let (shared, mut stop) = (Arc::clone(&shared), stop_tx.subscribe());
-        accepters.push(tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    _ = stop.recv() => return,
-                    a = listener.accept() => a,
-                };
-                let (stream, peer) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        // Out of file descriptors and the like: back off instead of spinning.
-                        if let Some(suppressed) = ACCEPT_WARN.allow() {
-                            tracing::warn!(error = %e, suppressed, "accept failed");
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                // Before authentication a connection counts against the
-                // pre-auth budget only (a full one evicts its oldest); it
-                // takes a served slot once it proves who it is.
-                let Ok(stream) = stream.into_std() else {
-                    continue;
-                };
-                let _ = stream.set_nonblocking(false);
-                let Ok(handle) = stream.try_clone() else {
-                    continue;
-                };
-                let (ticket, evicted) = shared.preauth.admit(peer.ip(), handle);
-                if evicted > 0 {
-                    shared.stats.refusal("data", "preauth_evicted");
-                }
-                spawn_connection(
-                    &shared,
-                    stream,
-                    peer,
-                    Slot::PreAuth { _ticket: ticket },
-                    tls,
-                );
-            }
-        }));
+        accepters.push(tokio::spawn(accept_loop(
+            listener,
+            tls,
+            Arc::clone(&shared),
+            stop_tx.subscribe(),
+        )));
     }
     shutdown.await;
     sweeper.abort();
@@ -653,6 +604,67 @@ pub async fn run(
     drain(&shared, &quic).await;
     for endpoint in quic {
         endpoint.close(quinn::VarInt::from_u32(0), b"donor stopped");
+    }
+}
+
+/// Every second, live TLS and QUIC sessions are checked again: a
+/// certificate's expiry ends its sessions then, and a reload's new CA or
+/// access rules reach the open ones (SIGHUP also sweeps at once).
+async fn recheck_every_second(shared: Arc<Shared>) {
+    let mut every = tokio::time::interval(RECHECK_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let sh = Arc::clone(&shared);
+        let _ = tokio::task::spawn_blocking(move || sh.recheck_sessions()).await;
+    }
+}
+
+/// Accept TCP (or, `tls`, TLS) connections until `stop`: each to a thread
+/// of its own, counted against the pre-auth budget until it authenticates.
+async fn accept_loop(
+    listener: TcpListener,
+    tls: bool,
+    shared: Arc<Shared>,
+    mut stop: tokio::sync::broadcast::Receiver<()>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.recv() => return,
+            a = listener.accept() => a,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                if let Some(suppressed) = ACCEPT_WARN.allow() {
+                    tracing::warn!(error = %e, suppressed, "accept failed");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Before authentication a connection counts against the
+        // pre-auth budget only (a full one evicts its oldest); it
+        // takes a served slot once it proves who it is.
+        let Ok(stream) = stream.into_std() else {
+            continue;
+        };
+        let _ = stream.set_nonblocking(false);
+        let Ok(handle) = stream.try_clone() else {
+            continue;
+        };
+        let (ticket, evicted) = shared.preauth.admit(peer.ip(), handle);
+        if evicted > 0 {
+            shared.stats.refusal("data", "preauth_evicted");
+        }
+        spawn_connection(
+            &shared,
+            stream,
+            peer,
+            Slot::PreAuth { _ticket: ticket },
+            tls,
+        );
     }
 }
 
