@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use inference_node::metrics::NodeMetrics;
 use inference_node::model::node::{Backbone, InputChoice, NodeModel};
 use inference_node::model::summary::Seconds;
-use inference_node::model::{Draft, LoopSpec, MAX_BATCH, MAX_DRAFT_TIME, MAX_SPECULATE};
+use inference_node::model::{Draft, LoopSpec, MAX_BATCH, MAX_DRAFT_TIME, MAX_SPECULATE, Tokens};
 
 /// Arguments of `run`.
 #[derive(clap::Args, Debug)]
@@ -92,26 +92,7 @@ pub struct RunArgs {
 
 /// Run it.
 pub async fn run(args: RunArgs) -> Result<()> {
-    if !(1..=MAX_BATCH).contains(&args.batch) {
-        bail!("--batch {} is not in 1..={MAX_BATCH}", args.batch);
-    }
-    if args.speculate > MAX_SPECULATE {
-        bail!("--speculate {} is over {MAX_SPECULATE}", args.speculate);
-    }
-    let draft = match args.draft_us {
-        None if args.draft_prefetch => bail!("--draft-prefetch needs --draft-us"),
-        None if args.draft_reject > 0 => bail!("--draft-reject needs --draft-us"),
-        None => None,
-        Some(_) if args.speculate == 0 => bail!("--draft-us needs --speculate 1 or more"),
-        Some(us) if us > MAX_DRAFT_TIME.as_micros() as u64 => {
-            bail!("--draft-us {us} is over {}", MAX_DRAFT_TIME.as_micros())
-        }
-        Some(us) => Some(Draft {
-            per_token: std::time::Duration::from_micros(us),
-            prefetch: args.draft_prefetch,
-            reject_percent: args.draft_reject,
-        }),
-    };
+    let draft = checked_draft(&args)?;
     let config = cluster_config::Config::load(&args.config)?;
     let node = config
         .node(&args.name)
@@ -128,13 +109,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             .with_context(|| format!("binding the metrics address {addr}"))?;
         eprintln!("metrics listen={bound}");
     }
-    let mut trace = match &args.trace {
+    let trace = match &args.trace {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
         )),
         None => None,
     };
-    let mut nm = NodeModel::from_config(&config, &args.name, args.tokens_per_second, &metrics)
+    let nm = NodeModel::from_config(&config, &args.name, args.tokens_per_second, &metrics)
         .await
         .with_context(|| format!("node {:?} cannot start", args.name))?;
     let input = match (&args.input, &args.ids) {
@@ -157,6 +138,55 @@ pub async fn run(args: RunArgs) -> Result<()> {
         warm_lead: std::time::Duration::from_micros(args.warm_us),
         ..LoopSpec::default()
     };
+    announce(&args, &tokens, &spec, &nm);
+    let cpu_before = process_cpu_s();
+    let rx = start_loop(&args, nm, tokens, spec, trace)?;
+    let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
+    flushed.context("writing the trace")?;
+    let mut summary = res?;
+    summary.cpu_s = process_cpu_s() - cpu_before;
+    drop(nm);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", summary.render());
+    }
+    if summary.failed_steps > 0 {
+        bail!(
+            "{} steps had a table with no usable rows (policy fail); see the trace for each error",
+            summary.failed_steps
+        );
+    }
+    Ok(())
+}
+
+/// The batch, speculation and draft flags, checked; the drafts, if any.
+fn checked_draft(args: &RunArgs) -> Result<Option<Draft>> {
+    if !(1..=MAX_BATCH).contains(&args.batch) {
+        bail!("--batch {} is not in 1..={MAX_BATCH}", args.batch);
+    }
+    if args.speculate > MAX_SPECULATE {
+        bail!("--speculate {} is over {MAX_SPECULATE}", args.speculate);
+    }
+    Ok(match args.draft_us {
+        None if args.draft_prefetch => bail!("--draft-prefetch needs --draft-us"),
+        None if args.draft_reject > 0 => bail!("--draft-reject needs --draft-us"),
+        None => None,
+        Some(_) if args.speculate == 0 => bail!("--draft-us needs --speculate 1 or more"),
+        Some(us) if us > MAX_DRAFT_TIME.as_micros() as u64 => {
+            bail!("--draft-us {us} is over {}", MAX_DRAFT_TIME.as_micros())
+        }
+        Some(us) => Some(Draft {
+            per_token: std::time::Duration::from_micros(us),
+            prefetch: args.draft_prefetch,
+            reject_percent: args.draft_reject,
+        }),
+    })
+}
+
+/// What the run is about to do, on stderr.
+fn announce(args: &RunArgs, tokens: &Tokens, spec: &LoopSpec, nm: &NodeModel) {
+    let draft = spec.draft;
     eprintln!(
         "running {} tokens from {} at {} tokens/s (fusion: {}, batch {}, prefill {}, speculate {}{})",
         args.tokens.map_or(tokens.raw.len() as u64, |t| t),
@@ -176,6 +206,25 @@ pub async fn run(args: RunArgs) -> Result<()> {
             None => String::new(),
         }
     );
+}
+
+/// What the loop thread hands back: the summary, the trace's flush, and
+/// the node (dropped on the caller's runtime).
+type LoopEnd = (
+    Result<inference_node::model::Summary, inference_node::model::LoopError>,
+    std::io::Result<()>,
+    NodeModel,
+);
+
+/// Run the model loop on a thread of its own (the I/O stays on this
+/// runtime), with the trace, progress and per-second lines.
+fn start_loop(
+    args: &RunArgs,
+    mut nm: NodeModel,
+    tokens: Tokens,
+    spec: LoopSpec,
+    mut trace: Option<std::io::BufWriter<std::fs::File>>,
+) -> Result<tokio::sync::oneshot::Receiver<LoopEnd>> {
     let stop = Arc::new(AtomicBool::new(false));
     super::stop_on_signals(stop.clone());
     let handle = tokio::runtime::Handle::current();
@@ -183,7 +232,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let backbone = args.backbone;
     let progress = args.progress_every.map(std::num::NonZeroU64::get);
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let cpu_before = process_cpu_s();
     std::thread::Builder::new()
         .name("model-loop".into())
         .spawn(move || {
@@ -219,23 +267,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             let _ = tx.send((res, flushed, nm));
         })
         .context("starting the loop thread")?;
-    let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
-    flushed.context("writing the trace")?;
-    let mut summary = res?;
-    summary.cpu_s = process_cpu_s() - cpu_before;
-    drop(nm);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
-    } else {
-        print!("{}", summary.render());
-    }
-    if summary.failed_steps > 0 {
-        bail!(
-            "{} steps had a table with no usable rows (policy fail); see the trace for each error",
-            summary.failed_steps
-        );
-    }
-    Ok(())
+    Ok(rx)
 }
 
 /// CPU seconds this process has taken so far, user and system.

@@ -66,32 +66,13 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
         .clone();
     apply_log_level(&log, node.log_level.as_deref());
     let _ = notifier.status("opening sources");
-    // The loopback rule, as `check` applies it to the config's addresses.
-    if let Some(addr) = args.metrics {
-        config
-            .plaintext_bind("--metrics: /metrics", addr)
-            .map_err(anyhow::Error::msg)?;
-    }
-    if let Some(addr) = args.listen {
-        config
-            .plaintext_bind("--listen: the node API (gRPC, no TLS)", addr)
-            .map_err(anyhow::Error::msg)?;
-    }
+    check_addresses(&config, &args)?;
     let metrics = Arc::new(NodeMetrics::new());
     let metrics_addr = match args.metrics.or(node.metrics) {
-        Some(addr) => {
-            let (bound, _task) = inference_node::memory::serve_metrics(addr, metrics.clone())
-                .await
-                .with_context(|| format!("binding the metrics address {addr}"))?;
-            Some(bound)
-        }
+        Some(addr) => Some(bind_metrics(addr, &metrics).await?),
         None => None,
     };
-    let api_addr = args.listen.unwrap_or(node.api);
-    let listener = tokio::net::TcpListener::bind(api_addr)
-        .await
-        .with_context(|| format!("binding the API address {api_addr}"))?;
-    let bound = listener.local_addr()?;
+    let (listener, bound) = bind_api(args.listen.unwrap_or(node.api)).await?;
 
     let nm = tokio::select! {
         nm = NodeModel::from_config(&config, &args.name, None, &metrics) => nm
@@ -118,26 +99,15 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
             .await;
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .concurrency_limit_per_connection(32)
-            .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-            .http2_max_header_list_size(16 << 10)
-            .add_service(health)
-            .add_service(
-                EngramNodeServer::new(daemon.clone())
-                    .max_decoding_message_size(64 << 20)
-                    .max_encoding_message_size(16 << 20),
-            )
-            .serve_with_incoming_shutdown(
-                daemon_runtime::accept::bounded_incoming(listener, args.max_connections),
-                async {
-                    let _ = stop_rx.await;
-                },
-            ),
-    );
-
+    let server = tokio::spawn(serve_api(
+        listener,
+        daemon.clone(),
+        health,
+        args.max_connections,
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
     let mut announce = format!("ready listen={bound}");
     if let Some(m) = metrics_addr {
         announce.push_str(&format!(" metrics={m}"));
@@ -156,7 +126,84 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
         }
     }
 
-    // Drain: refuse new work, let the running sequence finish until the deadline.
+    drain(&daemon, &reporter, &notifier, args.drain_timeout_ms).await;
+    let _ = stop_tx.send(());
+    // Streams still open end with the server.
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    drop(daemon);
+    drop(worker);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Serve `/metrics` at `addr`; where it is bound.
+async fn bind_metrics(addr: SocketAddr, metrics: &Arc<NodeMetrics>) -> Result<SocketAddr> {
+    let (bound, _task) = inference_node::memory::serve_metrics(addr, Arc::clone(metrics))
+        .await
+        .with_context(|| format!("binding the metrics address {addr}"))?;
+    Ok(bound)
+}
+
+/// The node API's listener, and where it is bound.
+async fn bind_api(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr)> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the API address {addr}"))?;
+    let bound = listener.local_addr()?;
+    Ok((listener, bound))
+}
+
+/// The loopback rule, as `check` applies it to the config's addresses.
+fn check_addresses(config: &cluster_config::Config, args: &ServeArgs) -> Result<()> {
+    if let Some(addr) = args.metrics {
+        config
+            .plaintext_bind("--metrics: /metrics", addr)
+            .map_err(anyhow::Error::msg)?;
+    }
+    if let Some(addr) = args.listen {
+        config
+            .plaintext_bind("--listen: the node API (gRPC, no TLS)", addr)
+            .map_err(anyhow::Error::msg)?;
+    }
+    Ok(())
+}
+
+/// The node API and its health service, until `stop`.
+async fn serve_api(
+    listener: tokio::net::TcpListener,
+    daemon: Daemon,
+    health: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    max_connections: usize,
+    stop: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(32)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .http2_max_header_list_size(16 << 10)
+        .add_service(health)
+        .add_service(
+            EngramNodeServer::new(daemon)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(16 << 20),
+        )
+        .serve_with_incoming_shutdown(
+            daemon_runtime::accept::bounded_incoming(listener, max_connections),
+            stop,
+        )
+        .await
+}
+
+/// Drain: refuse new work, let the running sequence finish until the
+/// deadline, then stop it.
+async fn drain(
+    daemon: &Daemon,
+    reporter: &tonic_health::server::HealthReporter,
+    notifier: &Notifier,
+    drain_timeout_ms: u64,
+) {
     tracing::info!("draining");
     let _ = notifier.stopping("draining");
     daemon.drain();
@@ -165,7 +212,7 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
             .set_service_status(name, ServingStatus::NotServing)
             .await;
     }
-    let deadline = Instant::now() + Duration::from_millis(args.drain_timeout_ms);
+    let deadline = Instant::now() + Duration::from_millis(drain_timeout_ms);
     while daemon.busy() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -176,13 +223,6 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    let _ = stop_tx.send(());
-    // Streams still open end with the server.
-    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    drop(daemon);
-    drop(worker);
-    tracing::info!("stopped");
-    Ok(())
 }
 
 fn stopped_early(notifier: &Notifier) -> Result<()> {

@@ -214,7 +214,21 @@ impl Checker {
             let msg = format!("a CA certificate, not a host's: {reissue}");
             self.push(Severity::Error, &key, cert_path, msg);
         }
-        let (dns, ips) = sans(&cert);
+        self.names_and_usage(host, &key, cert_path, &cert, &reissue);
+        self.validity(&key, cert_path, &cert, &reissue);
+    }
+
+    /// The certificate names the host and every address nodes dial, and
+    /// may be used for the host's role.
+    fn names_and_usage(
+        &mut self,
+        host: &Host,
+        key: &str,
+        cert_path: &Path,
+        cert: &X509Certificate<'_>,
+        reissue: &str,
+    ) {
+        let (dns, ips) = sans(cert);
         if !dns.iter().any(|d| d.eq_ignore_ascii_case(&host.name)) {
             let msg = format!(
                 "the certificate is for {}, not {:?}: {reissue}",
@@ -225,7 +239,7 @@ impl Checker {
                 },
                 host.name
             );
-            self.push(Severity::Error, &key, cert_path, msg);
+            self.push(Severity::Error, key, cert_path, msg);
         }
         let uncovered: Vec<String> = host
             .dialled
@@ -238,7 +252,7 @@ impl Checker {
                 "the certificate does not name {}, which nodes dial: {reissue}",
                 uncovered.join(", ")
             );
-            self.push(Severity::Error, &key, cert_path, msg);
+            self.push(Severity::Error, key, cert_path, msg);
         }
         if let Ok(Some(eku)) = cert.extended_key_usage() {
             let eku = eku.value;
@@ -248,10 +262,9 @@ impl Checker {
             };
             if !ok {
                 let msg = format!("its extended key usage lacks {needed}: {reissue}");
-                self.push(Severity::Error, &key, cert_path, msg);
+                self.push(Severity::Error, key, cert_path, msg);
             }
         }
-        self.validity(&key, cert_path, &cert, &reissue);
     }
 
     /// Not yet valid or expired: errors; expiring within [`EXPIRY_WARNING`]: a warning.
