@@ -4,7 +4,9 @@
 //! deterministic synthetic rows every test can check against (`synthetic`),
 //! the table version (`digest`), the `.etab` table file layout (`etab`),
 //! Engram row addressing from compressed token ids (`hashing`), and the
-//! data-plane frame codec (`frame` for framing, `messages` for payloads).
+//! data-plane frame codec (`frame` for framing, `messages` for payloads),
+//! and the data plane's client and server sessions as state machines
+//! (`session`).
 //!
 //! What it is not: it does no IO, owns no sockets, runs no async runtime and
 //! reads no clock. Bytes come in, typed values go out, and back; the daemons
@@ -26,6 +28,7 @@ pub mod messages;
 #[cfg(feature = "control")]
 pub mod node_api;
 pub mod row;
+pub mod session;
 pub mod synthetic;
 
 pub use decode::{Decoded, Frame, decode};
