@@ -429,18 +429,9 @@ pub(super) fn serve(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>,
             return;
         }
     }
-    let mut pump = Pump::new(
-        handler,
-        ReadBuf::new(INITIAL_BUF),
-        cfg.limits,
-        conn.id,
-        conn.peer,
-        conn.tls.is_none(),
-    );
+    let mut pump = Pump::new(handler, cfg.limits, conn.id, conn.peer, conn.tls.is_none());
     // Application data that came with the handshake's last flight.
-    pump.rb.reserve_frame(early.len());
-    pump.rb.buf[..early.len()].copy_from_slice(&early);
-    pump.rb.end = early.len();
+    pump.session.rb.push(&early);
     if let Err(ended) = session(
         &mut stream,
         &conn,
@@ -475,7 +466,7 @@ fn session(
             let step = pump.step(shared, &mut out);
             // A plain TCP client has authenticated once its Hello is
             // accepted: it needs a served slot before its Welcome goes out.
-            if pump.handler.is_ready()
+            if pump.session.is_ready()
                 && matches!(slot, Slot::PreAuth { .. })
                 && !slot.promote(shared)
             {
@@ -491,12 +482,12 @@ fn session(
                     // The error frame is the peer's to read; that the
                     // close itself failed changes nothing.
                     let _ = close_gracefully(conn, stream, &mut out);
-                    return Err(Ended::closed_on(pump.handler.last_error()));
+                    return Err(Ended::closed_on(pump.session.last_error()));
                 }
             }
         }
         flush(conn, &mut out, &mut sealed).map_err(writing)?;
-        if !pump.handler.is_ready()
+        if !pump.session.is_ready()
             && let Some(deadline) = hello_deadline
         {
             match deadline
@@ -507,16 +498,16 @@ fn session(
                 None => return Err(Ended::new("hello_timeout", "no Hello in time")),
             }
         }
-        let spin = if pump.handler.take_pinged() {
+        let spin = if pump.session.take_pinged() {
             cfg.busy_poll.max(super::AFTER_PING_POLL)
         } else {
             cfg.busy_poll
         };
-        match fill(stream, conn, &mut pump.rb, tin, spin) {
+        match fill(stream, conn, &mut pump.session.rb, tin, spin) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Ended::reading(&e, pump.handler.is_ready())),
+            Err(e) => return Err(Ended::reading(&e, pump.session.is_ready())),
         }
     }
 }

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 
 use super::ended::Ended;
 use super::handler::Handler;
-use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
+use super::pump::{INITIAL_BUF, Pump, Step};
 use super::{CONN_WARN, Shared};
 
 /// QUIC handshakes in progress at once; more are refused.
@@ -325,14 +325,7 @@ async fn serve_stream(
     let cfg = shared.config();
     let mut handler = Handler::new(shared, Arc::clone(&cfg));
     handler.set_identity(identity, chain);
-    let mut pump = Pump::new(
-        handler,
-        ReadBuf::new(INITIAL_BUF),
-        cfg.limits,
-        id,
-        peer,
-        false,
-    );
+    let mut pump = Pump::new(handler, cfg.limits, id, peer, false);
     if let Err(ended) = stream_session(send, recv, shared, &mut pump).await {
         ended.report(shared, id, peer, pump.handler.peer_name());
     }
@@ -361,17 +354,17 @@ async fn stream_session(
                     let _ = send.finish();
                     // Let the peer read the last answer before the stream goes.
                     let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
-                    return Err(Ended::closed_on(pump.handler.last_error()));
+                    return Err(Ended::closed_on(pump.session.last_error()));
                 }
             }
         }
         write(&mut send, &mut out, cfg.write_timeout).await?;
-        let wait = if pump.handler.is_ready() {
+        let wait = if pump.session.is_ready() {
             (!cfg.idle_timeout.is_zero()).then(|| Instant::now() + cfg.idle_timeout)
         } else {
             Some(hello_deadline)
         };
-        let rb = &mut pump.rb;
+        let rb = &mut pump.session.rb;
         if rb.end == rb.buf.len() {
             rb.reserve_frame(rb.end - rb.start + engram_protocol::HEADER_LEN);
         }
@@ -404,7 +397,7 @@ async fn stream_session(
                 .encode(&mut out);
             }
             _ = sleep_until(wait) => {
-                return Err(if pump.handler.is_ready() {
+                return Err(if pump.session.is_ready() {
                     Ended::new("idle_timeout", "idle timeout")
                 } else {
                     Ended::new("hello_timeout", "no Hello in time")
