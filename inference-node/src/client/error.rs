@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use engram_protocol::session::client::SessionError;
 use engram_protocol::{ErrorCode, TableDigest};
 use thiserror::Error;
 
@@ -87,15 +88,70 @@ pub enum ClientError {
 }
 
 impl ClientError {
-    /// True when another source (a replica, the SSD copy) may well succeed.
+    /// True when another source (a replica, the SSD copy) may well succeed:
+    /// the session's rule ([`SessionError::retry_elsewhere`]); a failed
+    /// connect or a time-out is this donor's trouble only.
     pub fn retry_elsewhere(&self) -> bool {
-        match self {
-            Self::NotPinned(_) | Self::BadRequest(_) => false,
-            // Out of range at the pinned version is out of range everywhere.
-            Self::Section { code, .. } | Self::Donor { code, .. } => {
-                !matches!(code, ErrorCode::RowOutOfRange | ErrorCode::RequestTooLarge)
-            }
-            _ => true,
+        self.to_session().retry_elsewhere()
+    }
+}
+
+impl From<SessionError> for ClientError {
+    /// The session's verdicts keep their kind (and so their retry-ability).
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::Refused { code, message } => Self::Refused { code, message },
+            SessionError::DigestMismatch {
+                donor,
+                table,
+                pinned,
+                advertised,
+            } => Self::DigestMismatch {
+                donor,
+                table,
+                pinned,
+                advertised,
+            },
+            SessionError::TableMissing { donor, table } => Self::TableMissing { donor, table },
+            SessionError::NotPinned(t) => Self::NotPinned(t),
+            SessionError::Section { table, code } => Self::Section { table, code },
+            SessionError::Donor { code, message } => Self::Donor { code, message },
+            SessionError::Corrupt(m) => Self::Corrupt(m),
+            SessionError::Protocol(m) => Self::Protocol(m),
+            SessionError::Disconnected(m) => Self::Disconnected(m),
+            SessionError::Draining => Self::Draining,
+            SessionError::BadRequest(m) => Self::BadRequest(m),
+        }
+    }
+}
+
+impl ClientError {
+    /// The same verdict as the session keeps it: what ends a connection
+    /// (IO failures and time-outs are a lost connection to the session).
+    pub(super) fn to_session(&self) -> SessionError {
+        match self.clone() {
+            Self::Connect { .. } | Self::Timeout(_) => SessionError::Disconnected(self.to_string()),
+            Self::Refused { code, message } => SessionError::Refused { code, message },
+            Self::DigestMismatch {
+                donor,
+                table,
+                pinned,
+                advertised,
+            } => SessionError::DigestMismatch {
+                donor,
+                table,
+                pinned,
+                advertised,
+            },
+            Self::TableMissing { donor, table } => SessionError::TableMissing { donor, table },
+            Self::NotPinned(t) => SessionError::NotPinned(t),
+            Self::Section { table, code } => SessionError::Section { table, code },
+            Self::Donor { code, message } => SessionError::Donor { code, message },
+            Self::Corrupt(m) => SessionError::Corrupt(m),
+            Self::Protocol(m) => SessionError::Protocol(m),
+            Self::Disconnected(m) => SessionError::Disconnected(m),
+            Self::Draining => SessionError::Draining,
+            Self::BadRequest(m) => SessionError::BadRequest(m),
         }
     }
 }

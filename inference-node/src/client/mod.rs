@@ -20,22 +20,22 @@ mod wire;
 
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use cluster_config::Transport;
 use cluster_config::records::{Handshake, Progress, Records};
-use engram_protocol::messages::{LookupSection, encode_lookup, encode_ping};
-use engram_protocol::{Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, TableInfo};
+use engram_protocol::messages::LookupSection;
+use engram_protocol::session::client::{self, ClientConfig, ClientSession, Kind};
+use engram_protocol::{ROW_BYTES, TableDigest, TableInfo};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 pub use error::ClientError;
 use wire::{
-    Answer, Direct, Inner, Next, Pending, PendingGuard, ReadHalf, ReadState, Reply, Waiter,
-    WriteHalf, WriteState, next_frame, parse,
+    Answer, Direct, Inner, Next, PendingGuard, ReadHalf, ReadState, Reply, Waiter, WriteHalf,
+    WriteState, next_frame,
 };
 
 /// Default `busy_poll`: longer than a loopback or rack-local answer takes
@@ -291,14 +291,64 @@ async fn tls_handshake(stream: &mut TcpStream, mut hs: Handshake) -> Result<Hand
     })
 }
 
-/// One section of a lookup: rows of one pinned table.
-#[derive(Debug, Clone, Copy)]
-pub struct Request<'a> {
-    /// Table id.
-    pub table: u32,
-    /// Row ids, answered in this order.
-    pub rows: &'a [u64],
+/// What a session runs over: the byte stream's halves, the TCP socket (for
+/// busy-polling and the drained half-close), the TLS records, the QUIC
+/// connection, and what a TLS handshake left over (ciphertext, plaintext).
+struct Carrier {
+    r: Box<dyn ReadHalf>,
+    w: Box<dyn WriteHalf>,
+    fd: Option<std::os::fd::RawFd>,
+    tls: Option<wire::TlsRecords>,
+    quic: Option<(quinn::Endpoint, quinn::Connection)>,
+    left: Option<(Vec<u8>, Vec<u8>)>,
 }
+
+/// A TCP connection to `addr`, through a TLS handshake when `tls`.
+async fn dial_stream(
+    addr: SocketAddr,
+    opts: &ClientOptions,
+    tls: bool,
+) -> Result<Carrier, ClientError> {
+    let connect_err = |e: std::io::Error| ClientError::Connect {
+        addr,
+        message: e.to_string(),
+    };
+    let mut stream = dial(addr, opts).await.map_err(connect_err)?;
+    stream.set_nodelay(true).map_err(connect_err)?;
+    let (records, left) = if tls {
+        let tls = opts.tls.as_ref().ok_or_else(|| {
+            ClientError::BadRequest("a tls:// donor needs the rack's PKI ([rack.tls])".into())
+        })?;
+        let hs = Handshake::client(tls.tls.client_config(), tls.server_name.clone())
+            .map_err(|e| connect_err(std::io::Error::other(e)))?;
+        let done =
+            tls_handshake(&mut stream, hs)
+                .await
+                .map_err(|message| ClientError::Connect {
+                    addr,
+                    message: format!("TLS handshake: {message}"),
+                })?;
+        (
+            Some(Arc::new(Mutex::new(done.records))),
+            Some((done.cipher, done.plain)),
+        )
+    } else {
+        (None, None)
+    };
+    let fd = stream.as_raw_fd();
+    let (r, w) = stream.into_split();
+    Ok(Carrier {
+        r: Box::new(r),
+        w: Box::new(w),
+        fd: Some(fd),
+        tls: records,
+        quic: None,
+        left,
+    })
+}
+
+/// One section of a lookup: rows of one pinned table.
+pub use engram_protocol::session::client::Request;
 
 /// A connection to one donor. Requests may be issued concurrently from many
 /// tasks (`&self`); they are pipelined on the one connection. A Goodbye is
@@ -311,7 +361,6 @@ pub struct DonorClient {
     donor: String,
     addr: SocketAddr,
     tables: Vec<TableInfo>,
-    pinned: Vec<(u32, u64)>,
     lookup_timeout: Duration,
 }
 
@@ -325,59 +374,35 @@ impl DonorClient {
     }
 
     async fn connect_inner(addr: SocketAddr, opts: &ClientOptions) -> Result<Self, ClientError> {
-        let connect_err = |e: std::io::Error| ClientError::Connect {
-            addr,
-            message: e.to_string(),
-        };
-        let (r, w, fd, session, quic, left) = match opts.transport {
+        let Carrier {
+            r,
+            w,
+            fd,
+            tls: session,
+            quic,
+            left,
+        } = match opts.transport {
             Transport::Quic => {
                 let (endpoint, conn, send, recv) = dial_quic(addr, opts).await?;
-                let (r, w): (Box<dyn ReadHalf>, Box<dyn WriteHalf>) =
-                    (Box::new(recv), Box::new(send));
-                (r, w, None, None, Some((endpoint, conn)), None)
+                Carrier {
+                    r: Box::new(recv),
+                    w: Box::new(send),
+                    fd: None,
+                    tls: None,
+                    quic: Some((endpoint, conn)),
+                    left: None,
+                }
             }
-            transport => {
-                let mut stream = dial(addr, opts).await.map_err(connect_err)?;
-                stream.set_nodelay(true).map_err(connect_err)?;
-                let (session, left) = match transport {
-                    Transport::Tls => {
-                        let tls = opts.tls.as_ref().ok_or_else(|| {
-                            ClientError::BadRequest(
-                                "a tls:// donor needs the rack's PKI ([rack.tls])".into(),
-                            )
-                        })?;
-                        let hs =
-                            Handshake::client(tls.tls.client_config(), tls.server_name.clone())
-                                .map_err(|e| connect_err(std::io::Error::other(e)))?;
-                        let done = tls_handshake(&mut stream, hs).await.map_err(|message| {
-                            ClientError::Connect {
-                                addr,
-                                message: format!("TLS handshake: {message}"),
-                            }
-                        })?;
-                        (
-                            Some(Arc::new(Mutex::new(done.records))),
-                            Some((done.cipher, done.plain)),
-                        )
-                    }
-                    _ => (None, None),
-                };
-                let fd = stream.as_raw_fd();
-                let (r, w) = stream.into_split();
-                let (r, w): (Box<dyn ReadHalf>, Box<dyn WriteHalf>) = (Box::new(r), Box::new(w));
-                (r, w, Some(fd), session, None, left)
-            }
+            transport => dial_stream(addr, opts, transport == Transport::Tls).await?,
         };
-        let limits = Limits::for_rows(opts.max_rows);
+        let mut proto: wire::Session = ClientSession::new(ClientConfig {
+            node: opts.node_name.clone(),
+            credential: hello_credential(opts).to_vec(),
+            pinned: opts.pinned.clone(),
+            max_rows: opts.max_rows,
+        });
         let mut out = Vec::with_capacity(1024);
-        let cred = hello_credential(opts);
-        Hello {
-            version: PROTOCOL_VERSION,
-            node: &opts.node_name,
-            credential: cred,
-        }
-        .encode(&mut out, 0)
-        .map_err(|e| ClientError::BadRequest(e.to_string()))?;
+        proto.hello(&mut out)?;
         let mut ws = WriteState {
             w,
             out,
@@ -394,7 +419,7 @@ impl DonorClient {
             rd.cipher.extend_from_slice(&cipher);
             rd.buf.extend_from_slice(&plain);
         }
-        let frame = match next_frame(&mut rd, &limits, Duration::ZERO, None).await {
+        let frame = match next_frame(&mut rd, proto.limits(), Duration::ZERO, None).await {
             Ok(Next::Frame(f)) => f,
             Ok(Next::Own) => return Err(ClientError::Protocol("Rows before Welcome".into())),
             // A TLS port answers a plaintext Hello with a TLS alert record.
@@ -409,66 +434,23 @@ impl DonorClient {
             // Over QUIC the donor's reason travels in the connection's close.
             Err(e) => return Err(quic.as_ref().map_or(e.clone(), |(_, c)| quic_refusal(c, e))),
         };
-        let (donor, tables, max_rows) = match parse(&frame, &limits)?.1 {
-            Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
-                w.donor.to_string(),
-                w.tables().collect::<Vec<_>>(),
-                w.max_rows,
-            ),
-            Frame::Welcome(w) => {
-                return Err(ClientError::Protocol(format!(
-                    "donor speaks protocol version {}, this client {PROTOCOL_VERSION}",
-                    w.version
-                )));
-            }
-            Frame::Error(e) => {
-                return Err(ClientError::Refused {
-                    code: e.code,
-                    message: e.message.to_string(),
-                });
-            }
-            Frame::Goodbye(_) => return Err(ClientError::Draining),
-            _ => return Err(ClientError::Protocol("expected Welcome".into())),
-        };
-        let mut pinned = Vec::new();
-        for &(table, digest) in &opts.pinned {
-            let t = tables.iter().find(|t| t.table_id == table).ok_or_else(|| {
-                ClientError::TableMissing {
-                    donor: donor.clone(),
-                    table,
-                }
-            })?;
-            if t.digest != digest {
-                return Err(ClientError::DigestMismatch {
-                    donor: donor.clone(),
-                    table,
-                    pinned: digest,
-                    advertised: t.digest,
-                });
-            }
-            pinned.push((table, digest.prefix()));
-        }
+        proto.welcome(&frame)?;
+        let (donor, tables) = (proto.donor().to_string(), proto.tables().to_vec());
         let inner = Inner {
             // The Hello went out whole: nothing is left to finish.
             writer: tokio::sync::Mutex::new(ws),
             reader: tokio::sync::Mutex::new(rd),
-            pending: Mutex::new(Pending::default()),
-            next_id: AtomicU64::new(1),
-            draining: AtomicBool::new(false),
-            // Requests are bounded by the smaller of the two row caps.
-            limits: Limits::for_rows(max_rows.min(opts.max_rows).max(1)),
+            limits: *proto.limits(),
+            session: Mutex::new(proto),
             busy_poll: opts.busy_poll,
             fd,
             quic,
-            opened: std::time::Instant::now(),
-            last_read_ns: AtomicU64::new(0),
         };
         Ok(Self {
             inner,
             donor,
             addr,
             tables,
-            pinned,
             lookup_timeout: opts.lookup_timeout,
         })
     }
@@ -495,7 +477,7 @@ impl DonorClient {
 
     /// True once the donor said Goodbye: send nothing new here.
     pub fn is_draining(&self) -> bool {
-        self.inner.draining.load(Ordering::Relaxed)
+        self.inner.session().is_draining()
     }
 
     /// Like [`Self::is_draining`], but first takes in what the donor sent
@@ -522,15 +504,16 @@ impl DonorClient {
 
     /// True once the connection failed or closed.
     pub fn is_closed(&self) -> bool {
-        self.inner.pending().closed.is_some()
+        self.inner.session().closed().is_some()
     }
 
     /// Send one frame built by `encode` and wait for the frame answering it.
     async fn request(
         &self,
+        kind: Kind,
         encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
     ) -> Reply {
-        match self.request_into(encode, None).await? {
+        match self.request_into(kind, encode, None).await? {
             Answer::Frame(f) => Ok(f),
             Answer::Placed(_) => Err(ClientError::Protocol("rows placed unasked".into())),
         }
@@ -540,6 +523,7 @@ impl DonorClient {
     /// into `direct`'s buffer when this request reads its own answer.
     async fn request_into(
         &self,
+        kind: Kind,
         encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
         direct: Option<Direct<'_>>,
     ) -> Result<Answer, ClientError> {
@@ -559,14 +543,7 @@ impl DonorClient {
             inner.close_if_drained();
             return Err(ClientError::Draining);
         }
-        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        {
-            let mut p = inner.pending();
-            if let Some(e) = &p.closed {
-                return Err(e.clone());
-            }
-            p.waiting.insert(id, Waiter::default());
-        }
+        let id = inner.session().begin(kind, Waiter::default())?;
         let _guard = PendingGuard { inner, id };
         {
             let mut ws = inner.writer.lock().await;
@@ -577,14 +554,14 @@ impl DonorClient {
                 ws.written = 0;
                 encode(&mut ws.out, id)?;
                 if let Err(e) = ws.seal() {
-                    inner.close(e.clone());
+                    inner.close(&e);
                     return Err(e);
                 }
                 sent = ws.finish().await;
             }
             if let Err(e) = sent {
                 let err = ClientError::Disconnected(e.to_string());
-                inner.close(err.clone());
+                inner.close(&err);
                 return Err(err);
             }
         }
@@ -592,9 +569,9 @@ impl DonorClient {
         // read side and read for everyone until our answer comes.
         tokio::select! {
             biased;
-            r = std::future::poll_fn(|cx| inner.pending().poll_reply(id, cx)) => r.map(Answer::Frame),
+            r = std::future::poll_fn(|cx| wire::poll_reply(&mut inner.session(), id, cx)) => r.map(Answer::Frame),
             mut rd = inner.reader.lock() => {
-                let came = inner.pending().take_reply(id);
+                let came = wire::take_reply(&mut inner.session(), id);
                 match came {
                     Some(r) => r.map(Answer::Frame),
                     None => inner.lead(&mut rd, id, direct).await,
@@ -603,11 +580,16 @@ impl DonorClient {
         }
     }
 
-    /// A well-formed answer of the wrong kind breaks the connection.
-    fn violation(&self, what: &str) -> ClientError {
-        let e = ClientError::Protocol(format!("unexpected answer to {what}"));
-        self.inner.close(e.clone());
-        e
+    /// An answer's verdict: a protocol violation (a well-formed answer of
+    /// the wrong kind or shape) breaks the connection.
+    fn checked<T>(&self, r: Result<T, client::SessionError>) -> Result<T, ClientError> {
+        r.map_err(|e| {
+            let e = ClientError::from(e);
+            if matches!(e, ClientError::Protocol(_)) {
+                self.inner.close(&e);
+            }
+            e
+        })
     }
 
     /// Fetch rows of one or more pinned tables in one message, within the
@@ -642,7 +624,6 @@ impl DonorClient {
         out: &mut [u8],
     ) -> Result<(), ClientError> {
         let total: usize = requests.iter().map(|r| r.rows.len()).sum();
-        let limits = &self.inner.limits;
         if out.len() != total * ROW_BYTES {
             return Err(ClientError::BadRequest(format!(
                 "output buffer is {} bytes, {total} rows need {}",
@@ -650,100 +631,21 @@ impl DonorClient {
                 total * ROW_BYTES
             )));
         }
-        if total > limits.max_rows as usize || requests.len() > limits.max_sections as usize {
-            return Err(ClientError::BadRequest(format!(
-                "{total} rows in {} sections exceed this connection's caps of {} rows and {} sections",
-                requests.len(),
-                limits.max_rows,
-                limits.max_sections
-            )));
-        }
         // Inline: a lookup of one or two tables allocates nothing here.
         let mut sections: smallvec::SmallVec<[LookupSection<'_>; 2]> = smallvec::SmallVec::new();
-        for r in requests {
-            let prefix = self
-                .pinned
-                .iter()
-                .find(|p| p.0 == r.table)
-                .ok_or(ClientError::NotPinned(r.table))?
-                .1;
-            sections.push(LookupSection {
-                table_id: r.table,
-                digest_prefix: prefix,
-                rows: r.rows,
-            });
-        }
+        self.inner.session().sections(requests, &mut sections)?;
         let direct = Direct {
             dest: &mut *out,
             sections: requests.len(),
         };
-        let encode = |buf: &mut Vec<u8>, id| {
-            encode_lookup(buf, id, &sections).map_err(|e| ClientError::BadRequest(e.to_string()))
-        };
-        let frame = match self.request_into(encode, Some(direct)).await? {
-            Answer::Frame(f) => f,
-            Answer::Placed(head) => return self.check_placed(&head, requests),
-        };
-        let rows = match parse(&frame, limits)?.1 {
-            Frame::Rows(rows) => rows,
-            Frame::Error(e) => {
-                return Err(ClientError::Donor {
-                    code: e.code,
-                    message: e.message.to_string(),
-                });
-            }
-            _ => return Err(self.violation("Lookup")),
-        };
-        if rows.section_count() as usize != requests.len() {
-            return Err(self.violation("Lookup (section count)"));
-        }
-        let mut at = 0;
-        for ((s, data), req) in rows.sections().zip(requests) {
-            if s.table_id != req.table {
-                return Err(self.violation("Lookup (section order)"));
-            }
-            if let Some(code) = s.status {
-                return Err(ClientError::Section {
-                    table: s.table_id,
-                    code,
-                });
-            }
-            if data.len() != req.rows.len() * ROW_BYTES {
-                return Err(self.violation("Lookup (row count)"));
-            }
-            out[at..at + data.len()].copy_from_slice(data);
-            at += data.len();
-        }
-        Ok(())
-    }
-
-    /// The head of a Rows answer whose rows were read into the caller's
-    /// buffer (checksum checked): its sections must be the request's, in
-    /// order, each served with its row count.
-    fn check_placed(&self, head: &[u8], requests: &[Request<'_>]) -> Result<(), ClientError> {
-        let at = |i: usize| head.get(i..i + 4).and_then(|b| <[u8; 4]>::try_from(b).ok());
-        let u32_at = |i: usize| at(i).map(u32::from_le_bytes);
-        let base = engram_protocol::HEADER_LEN + 8;
-        if u32_at(base) != Some(requests.len() as u32) || u32_at(base + 4) != Some(0) {
-            return Err(self.violation("Lookup (section count)"));
-        }
-        for (k, req) in requests.iter().enumerate() {
-            let e = base + 8 + 12 * k;
-            let (Some(table), Some(status), Some(rows)) = (u32_at(e), u32_at(e + 4), u32_at(e + 8))
-            else {
-                return Err(self.violation("Lookup (sections)"));
-            };
-            if table != req.table {
-                return Err(self.violation("Lookup (section order)"));
-            }
-            // Status (low half) and reserved (high half) are both 0 when
-            // served; a failed section has no rows, so its answer is never
-            // read this way.
-            if status != 0 || rows as usize != req.rows.len() {
-                return Err(self.violation("Lookup (row count)"));
-            }
-        }
-        Ok(())
+        let encode = |buf: &mut Vec<u8>, id| Ok(client::encode_lookup_frame(buf, id, &sections)?);
+        let answer = self
+            .request_into(Kind::Lookup, encode, Some(direct))
+            .await?;
+        self.checked(match answer {
+            Answer::Frame(f) => client::rows(&self.inner.limits, &f, requests, out),
+            Answer::Placed(head) => client::placed(&head, requests),
+        })
     }
 
     /// Ask the donor where table `table`'s RDMA region is (PROTOCOL.md
@@ -756,41 +658,28 @@ impl DonorClient {
         deadline: Instant,
     ) -> Result<engram_protocol::Region, ClientError> {
         let budget = deadline.saturating_duration_since(Instant::now());
-        let ask = self.request(|buf, id| {
-            engram_protocol::RegionQuery { table_id: table }.encode(buf, id);
+        let ask = self.request(Kind::Region, |buf, id| {
+            client::encode_region_query(buf, id, table);
             Ok(())
         });
         let frame = tokio::time::timeout_at(deadline, ask)
             .await
             .map_err(|_| ClientError::Timeout(budget))??;
-        match parse(&frame, &self.inner.limits)?.1 {
-            Frame::Region(r) if r.table_id == table => Ok(r),
-            Frame::Error(e) => Err(ClientError::Donor {
-                code: e.code,
-                message: e.message.to_string(),
-            }),
-            _ => Err(self.violation("RegionQuery")),
-        }
+        self.checked(client::region(&self.inner.limits, &frame, table))
     }
 
     /// Round-trip a Ping within the lookup timeout; returns the time it took.
     pub async fn ping(&self) -> Result<Duration, ClientError> {
         let start = Instant::now();
-        let ping = self.request(|buf, id| {
-            encode_ping(buf, id, false);
+        let ping = self.request(Kind::Ping, |buf, id| {
+            client::encode_ping_frame(buf, id);
             Ok(())
         });
         let frame = tokio::time::timeout(self.lookup_timeout, ping)
             .await
             .map_err(|_| ClientError::Timeout(self.lookup_timeout))??;
-        match parse(&frame, &self.inner.limits)?.1 {
-            Frame::Pong => Ok(start.elapsed()),
-            Frame::Error(e) => Err(ClientError::Donor {
-                code: e.code,
-                message: e.message.to_string(),
-            }),
-            _ => Err(self.violation("Ping")),
-        }
+        self.checked(client::pong(&self.inner.limits, &frame))?;
+        Ok(start.elapsed())
     }
 }
 

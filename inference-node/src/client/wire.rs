@@ -7,17 +7,16 @@
 //! (`lead`); `tokio`'s `read_buf` is cancel-safe and bytes read stay in the
 //! shared buffer.
 
-use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use cluster_config::records::{Opened, Records, record_len};
 use engram_protocol::messages::{ROWS_HEAD_LEN, ROWS_SECTION_LEN, payload_checksum_of_parts};
-use engram_protocol::{Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, decode};
+use engram_protocol::session::client::{ClientSession, Incoming};
+use engram_protocol::{FrameHeader, FrameKind, HEADER_LEN, Limits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The byte stream under a connection: a TCP socket's halves, or a QUIC stream's.
 pub(super) trait ReadHalf:
@@ -37,48 +36,45 @@ use super::ClientError;
 pub(super) type Reply = Result<Bytes, ClientError>;
 
 /// A request waiting for its answer: the answer once a reader handed it
-/// over, and whom to wake then. Kept in [`Pending`]'s map, whose storage
-/// is reused from request to request (nothing allocated per request).
+/// over, and whom to wake then. Kept in the session's in-flight list
+/// ([`Session`]), whose storage is reused from request to request (nothing
+/// allocated per request).
 #[derive(Debug, Default)]
 pub(super) struct Waiter {
     reply: Option<Reply>,
     waker: Option<Waker>,
 }
 
-#[derive(Debug, Default)]
-pub(super) struct Pending {
-    pub waiting: HashMap<u64, Waiter>,
-    pub closed: Option<ClientError>,
+/// The protocol's state of the connection (engram-protocol's client
+/// session, no IO) with each in-flight request's waiter.
+pub(super) type Session = ClientSession<Waiter>;
+
+/// Hand `reply` to request `id` and wake it; dropped when nobody waits
+/// for it any more (a cancelled request: a lost hedge).
+fn answer(s: &mut Session, id: u64, reply: Reply) -> Option<Waker> {
+    let w = s.slot(id)?;
+    w.reply = Some(reply);
+    w.waker.take()
 }
 
-impl Pending {
-    /// Hand `reply` to request `id` and wake it; dropped when nobody waits
-    /// for it any more (a cancelled request: a lost hedge).
-    fn answer(&mut self, id: u64, reply: Reply) -> Option<Waker> {
-        let w = self.waiting.get_mut(&id)?;
-        w.reply = Some(reply);
-        w.waker.take()
+/// Request `id`'s answer if it came; else wake `cx` when it does.
+pub(super) fn poll_reply(s: &mut Session, id: u64, cx: &mut Context<'_>) -> Poll<Reply> {
+    let Some(w) = s.slot(id) else {
+        return Poll::Ready(Err(ClientError::Disconnected("connection closed".into())));
+    };
+    if let Some(r) = w.reply.take() {
+        return Poll::Ready(r);
     }
+    match &mut w.waker {
+        Some(k) if k.will_wake(cx.waker()) => {}
+        k => *k = Some(cx.waker().clone()),
+    }
+    Poll::Pending
+}
 
-    /// Request `id`'s answer if it came; else wake `cx` when it does.
-    pub fn poll_reply(&mut self, id: u64, cx: &mut Context<'_>) -> Poll<Reply> {
-        let Some(w) = self.waiting.get_mut(&id) else {
-            return Poll::Ready(Err(ClientError::Disconnected("connection closed".into())));
-        };
-        if let Some(r) = w.reply.take() {
-            return Poll::Ready(r);
-        }
-        match &mut w.waker {
-            Some(k) if k.will_wake(cx.waker()) => {}
-            k => *k = Some(cx.waker().clone()),
-        }
-        Poll::Pending
-    }
-
-    /// Request `id`'s answer if it came.
-    pub fn take_reply(&mut self, id: u64) -> Option<Reply> {
-        self.waiting.get_mut(&id)?.reply.take()
-    }
+/// Request `id`'s answer if it came.
+pub(super) fn take_reply(s: &mut Session, id: u64) -> Option<Reply> {
+    s.slot(id)?.reply.take()
 }
 
 /// A TLS session's records (sealed and opened in place, with the keys
@@ -86,9 +82,9 @@ impl Pending {
 /// sides. Each side locks it only while a record is opened or sealed
 /// (never across an await), so a reader waiting for the donor never holds
 /// up a writer.
-pub(super) type Session = std::sync::Arc<Mutex<Records>>;
+pub(super) type TlsRecords = std::sync::Arc<Mutex<Records>>;
 
-fn lock(s: &Session) -> std::sync::MutexGuard<'_, Records> {
+fn lock(s: &TlsRecords) -> std::sync::MutexGuard<'_, Records> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -101,7 +97,7 @@ pub(super) struct ReadState {
     /// Whole plaintext frames are split off here.
     pub buf: BytesMut,
     /// Over TLS: the session, and ciphertext read but not yet decrypted.
-    pub tls: Option<Session>,
+    pub tls: Option<TlsRecords>,
     pub cipher: BytesMut,
     /// Over TLS: the donor's close_notify was read (after what came before
     /// it is taken).
@@ -114,7 +110,7 @@ pub(super) struct ReadState {
 
 impl ReadState {
     /// A read side over `r`, through `tls` when given.
-    pub fn new(r: Box<dyn ReadHalf>, fd: Option<RawFd>, tls: Option<Session>) -> Self {
+    pub fn new(r: Box<dyn ReadHalf>, fd: Option<RawFd>, tls: Option<TlsRecords>) -> Self {
         Self {
             r,
             fd,
@@ -206,7 +202,7 @@ pub(super) struct WriteState {
     pub out: Vec<u8>,
     pub written: usize,
     /// Over TLS: the session `out` is sealed with.
-    pub tls: Option<Session>,
+    pub tls: Option<TlsRecords>,
     /// Over TLS: the plaintext of the frame being sealed (the buffers
     /// trade places, so neither is allocated again).
     pub plain: Vec<u8>,
@@ -237,19 +233,6 @@ impl WriteState {
             self.written += n;
         }
         Ok(())
-    }
-}
-
-/// Parse a whole frame; a checksum failure is `Corrupt`, anything else `Protocol`.
-pub(super) fn parse<'a>(
-    frame: &'a [u8],
-    limits: &Limits,
-) -> Result<(FrameHeader, Frame<'a>), ClientError> {
-    match decode(frame, limits) {
-        Ok(Some(d)) => Ok((d.header, d.frame)),
-        Ok(None) => Err(ClientError::Protocol("incomplete frame".into())),
-        Err(e @ FrameError::Checksum { .. }) => Err(ClientError::Corrupt(e.to_string())),
-        Err(e) => Err(ClientError::Protocol(e.to_string())),
     }
 }
 
@@ -422,98 +405,82 @@ pub(super) async fn next_frame(
 pub(super) struct Inner {
     pub writer: tokio::sync::Mutex<WriteState>,
     pub reader: tokio::sync::Mutex<ReadState>,
-    pub pending: Mutex<Pending>,
-    pub next_id: AtomicU64,
-    pub draining: AtomicBool,
+    pub session: Mutex<Session>,
+    /// The session's limits once welcomed (they do not change after).
     pub limits: Limits,
     pub busy_poll: Duration,
     /// The socket, for a synchronous half-close (owned by the halves above).
     pub fd: Option<RawFd>,
     /// Over QUIC: the connection (closed once drained) and its endpoint.
     pub quic: Option<(quinn::Endpoint, quinn::Connection)>,
-    /// When the connection opened, and the last frame read, in ns after it.
-    pub opened: Instant,
-    pub last_read_ns: AtomicU64,
 }
 
 impl Inner {
-    pub fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn session(&self) -> std::sync::MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Fail every waiting request and refuse new ones.
-    pub fn close(&self, why: ClientError) {
-        let mut p = self.pending();
-        if p.closed.is_none() {
-            p.closed = Some(why.clone());
-        }
-        for w in p.waiting.values_mut() {
+    pub fn close(&self, why: &ClientError) {
+        self.session().close(why.to_session(), |w, why| {
             if w.reply.is_none() {
-                w.reply = Some(Err(why.clone()));
+                w.reply = Some(Err(why.clone().into()));
             }
             if let Some(k) = w.waker.take() {
                 k.wake();
             }
+        });
+    }
+
+    /// Request `id` is done (answered, failed, dropped): after a Goodbye,
+    /// once nothing is in flight, close our side so the donor's drain does
+    /// not wait for us.
+    pub fn finish(&self, id: u64) {
+        let drained = self.session().finish(id);
+        if drained {
+            self.half_close();
         }
     }
 
-    /// After a Goodbye, once nothing is in flight: close our side so the
-    /// donor's drain does not wait for us.
+    /// [`Self::finish`] with no request of ours: nothing in flight after a Goodbye.
     pub fn close_if_drained(&self) {
-        if !self.draining.load(Ordering::Relaxed) {
-            return;
+        let drained = self.session().close_if_drained();
+        if drained {
+            self.half_close();
         }
-        let mut p = self.pending();
-        if p.waiting.is_empty() && p.closed.is_none() {
-            p.closed = Some(ClientError::Draining);
-            if let Some(fd) = self.fd {
-                // SAFETY: shutdown(2) on our own socket; the fd stays open (owned by the halves).
-                unsafe { libc::shutdown(fd, libc::SHUT_WR) };
-            }
-            if let Some((_, conn)) = &self.quic {
-                conn.close(quinn::VarInt::from_u32(0), b"drained");
-            }
+    }
+
+    fn half_close(&self) {
+        if let Some(fd) = self.fd {
+            // SAFETY: shutdown(2) on our own socket; the fd stays open (owned by the halves).
+            unsafe { libc::shutdown(fd, libc::SHUT_WR) };
+        }
+        if let Some((_, conn)) = &self.quic {
+            conn.close(quinn::VarInt::from_u32(0), b"drained");
         }
     }
 
     /// Handle a frame read by the current reader: return it if it answers
-    /// `own`, hand it to the request it answers, or act on it.
+    /// `own`, hand it to the request it answers, or act on it (the
+    /// session decides which, and what breaks the protocol).
     fn dispatch(&self, frame: Bytes, own: u64) -> Result<Option<Bytes>, ClientError> {
-        let Ok(Some(h)) = FrameHeader::peek(&frame, &self.limits) else {
-            return Err(ClientError::Protocol("unreadable frame header".into()));
-        };
-        match h.kind {
-            FrameKind::Rows | FrameKind::Error | FrameKind::Pong | FrameKind::Region
-                if h.request_id != 0 =>
-            {
-                if h.request_id == own {
-                    return Ok(Some(frame));
-                }
-                // No waiter: the request was cancelled (a lost hedge); drop the answer.
-                let waker = self.pending().answer(h.request_id, Ok(frame));
+        let mut s = self.session();
+        match s.receive(&frame)? {
+            Incoming::Answer(id) if id == own => Ok(Some(frame)),
+            Incoming::Answer(id) => {
+                let waker = answer(&mut s, id, Ok(frame));
+                drop(s);
                 if let Some(k) = waker {
                     k.wake();
                 }
                 Ok(None)
             }
-            FrameKind::Goodbye => {
-                self.draining.store(true, Ordering::Relaxed);
+            // No waiter: the request was cancelled (a lost hedge); drop the answer.
+            Incoming::Stale => Ok(None),
+            Incoming::Goodbye => {
                 tracing::debug!("donor said Goodbye");
                 Ok(None)
             }
-            FrameKind::Error => {
-                // An unsolicited error (request id 0) ends the connection.
-                let msg = match parse(&frame, &self.limits) {
-                    Ok((_, Frame::Error(e))) => format!("{}: {}", e.code, e.message),
-                    _ => "unreadable error frame".into(),
-                };
-                Err(ClientError::Disconnected(format!(
-                    "donor closed the connection: {msg}"
-                )))
-            }
-            k => Err(ClientError::Protocol(format!(
-                "unexpected {k:?} frame from the donor"
-            ))),
         }
     }
 
@@ -533,21 +500,27 @@ impl Inner {
             let step = match next_frame(rd, &self.limits, self.busy_poll, expect).await {
                 Ok(Next::Frame(frame)) => self.dispatch(frame, own).map(|f| f.map(Answer::Frame)),
                 Ok(Next::Own) => match direct.as_mut() {
-                    Some(d) => read_rows_into(rd, d).await.map(|h| Some(Answer::Placed(h))),
+                    // The session learns of the answer from its header.
+                    Some(d) => {
+                        let taken = self.session().receive(&rd.buf[..HEADER_LEN]);
+                        match taken {
+                            Ok(_) => read_rows_into(rd, d).await.map(|h| Some(Answer::Placed(h))),
+                            Err(e) => Err(e.into()),
+                        }
+                    }
                     None => Err(ClientError::Protocol("no buffer for the answer".into())),
                 },
                 Err(e) => Err(e),
             };
             match step {
                 Ok(Some(answer)) => {
-                    self.last_read_ns
-                        .store(self.opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    self.session().read_at(Instant::now());
                     return Ok(answer);
                 }
                 Ok(None) => {}
                 Err(e @ ClientError::Corrupt(_)) => return Err(e),
                 Err(e) => {
-                    self.close(e.clone());
+                    self.close(&e);
                     return Err(e);
                 }
             }
@@ -558,8 +531,7 @@ impl Inner {
     /// Goodbye, the end of the connection) is waiting unread. Back-to-back
     /// requests skip the check; their readers see such frames anyway.
     pub fn idle(&self) -> bool {
-        let last = Duration::from_nanos(self.last_read_ns.load(Ordering::Relaxed));
-        self.opened.elapsed().saturating_sub(last) >= Duration::from_millis(1)
+        self.session().idle(Instant::now())
     }
 
     /// While nobody reads, take in what the donor sent meanwhile. Costs no
@@ -590,7 +562,7 @@ impl Inner {
             ended
         })();
         if let Err(e) = &step {
-            self.close(e.clone());
+            self.close(e);
         }
         step
     }
@@ -649,7 +621,6 @@ pub(super) struct PendingGuard<'a> {
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
-        self.inner.pending().waiting.remove(&self.id);
-        self.inner.close_if_drained();
+        self.inner.finish(self.id);
     }
 }
