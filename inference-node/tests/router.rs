@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cluster_config::{Hedge, Policy};
-use inference_node::router::{Breaker, RouterError};
+use inference_node::router::{Breaker, MissReason, RouterError};
 use inference_node::source::SourceError;
 use tokio::time::Instant;
 
@@ -353,7 +353,17 @@ async fn corrupt_answers_are_never_returned() {
     // With nothing good left, the caller gets an error, never the bytes.
     let r = rig(&[&a], settings(Hedge::Off, Policy::Fail));
     let (res, out) = fetch(&r).await;
-    assert!(matches!(res, Err(RouterError::AllFailed { .. })), "{res:?}");
+    // The error keeps each source's cause, typed: a's answer was corrupt.
+    match &res {
+        Err(RouterError::AllFailed { attempts, .. }) => assert!(
+            matches!(
+                attempts.as_slice(),
+                [m] if m.source == "a" && matches!(m.why, MissReason::Failed(SourceError::Corrupt(_)))
+            ),
+            "{attempts:?}"
+        ),
+        other => panic!("expected AllFailed, got {other:?}"),
+    }
     assert!(
         out.iter().all(|&b| b == 0xAA),
         "the caller's buffer is untouched"
@@ -389,7 +399,9 @@ async fn the_hard_timeout_bounds_a_lookup_and_the_policy_decides() {
         }) => {
             assert_eq!(table, TABLE);
             assert!(
-                attempts.iter().any(|(_, e)| e.contains("hard timeout")),
+                attempts
+                    .iter()
+                    .any(|a| matches!(a.why, MissReason::HardTimeout(_))),
                 "{attempts:?}"
             );
         }

@@ -76,6 +76,27 @@ pub struct SourceHealth {
     gauge: Gauge,
 }
 
+/// Why a source was not asked for a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skip {
+    /// It serves another version of the table.
+    Excluded,
+    /// Its circuit breaker is open.
+    BreakerOpen,
+    /// It said Goodbye.
+    Draining,
+}
+
+impl std::fmt::Display for Skip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Excluded => "excluded: serves another version",
+            Self::BreakerOpen => "circuit breaker open",
+            Self::Draining => "draining",
+        })
+    }
+}
+
 impl SourceHealth {
     /// `pinned`: the tables this node reads from it and their versions;
     /// `threshold`: consecutive failures that open the breaker.
@@ -134,14 +155,14 @@ impl SourceHealth {
     }
 
     /// Why not, for error messages.
-    pub fn why_not(&self, table: u32) -> &'static str {
+    pub fn why_not(&self, table: u32) -> Skip {
         let st = self.st();
         if st.excluded.contains(&table) {
-            "excluded: serves another version"
+            Skip::Excluded
         } else if st.breaker == Breaker::Open {
-            "circuit breaker open"
+            Skip::BreakerOpen
         } else {
-            "draining"
+            Skip::Draining
         }
     }
 

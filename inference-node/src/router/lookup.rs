@@ -18,6 +18,7 @@ use super::{
     COPY_READ_LIMIT, Fetched, Hedge, Policy, RouteState, Router, RouterError, error_kind,
     sleep_until,
 };
+use super::{Miss, MissReason};
 use crate::source::{FetchJob, FetchSlot, SourceError, SourceKind};
 
 /// Rotate the donors among `order` left by `k` (modulo their count), the
@@ -170,7 +171,7 @@ pub(super) struct Lookup<'r> {
     hedges: u32,
     failovers: u32,
     /// Sources that failed or were not admissible, and why.
-    failed: Vec<(String, String)>,
+    failed: Vec<Miss>,
 }
 
 impl<'r> Lookup<'r> {
@@ -204,10 +205,10 @@ impl<'r> Lookup<'r> {
             .filter(|&i| {
                 let ok = st.sources[i].admissible(s.table);
                 if !ok {
-                    failed.push((
-                        st.sources[i].source.name().to_string(),
-                        st.sources[i].why_not(s.table).to_string(),
-                    ));
+                    failed.push(Miss {
+                        source: st.sources[i].source.name().to_string(),
+                        why: MissReason::Skipped(st.sources[i].why_not(s.table)),
+                    });
                 }
                 ok
             })
@@ -352,10 +353,10 @@ impl<'r> Lookup<'r> {
             Err(e) => {
                 self.router.recycle(st, job, slot);
                 self.failure(a.source, &e);
-                self.failed.push((
-                    st.sources[a.source].source.name().to_string(),
-                    e.to_string(),
-                ));
+                self.failed.push(Miss {
+                    source: st.sources[a.source].source.name().to_string(),
+                    why: MissReason::Failed(e.clone()),
+                });
                 if !e.retry_elsewhere() {
                     return Err(RouterError::BadRequest {
                         table: st.settings.table,
@@ -376,10 +377,10 @@ impl<'r> Lookup<'r> {
         let st = self.st;
         let elapsed = self.start.elapsed();
         if elapsed >= st.settings.hard_timeout {
-            self.failed.push((
-                "(all)".into(),
-                format!("hard timeout {:?}", st.settings.hard_timeout),
-            ));
+            self.failed.push(Miss {
+                source: "(all)".into(),
+                why: MissReason::HardTimeout(st.settings.hard_timeout),
+            });
         }
         let router = self.router;
         match st.settings.policy {

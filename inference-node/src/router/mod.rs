@@ -40,7 +40,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use thiserror::Error;
 use tokio::time::Instant;
 
-pub use health::{Breaker, SourceHealth};
+pub use health::{Breaker, Skip, SourceHealth};
 use lookup::{Event, Lookup, Out};
 
 use crate::metrics::{ErrorLabels, NodeMetrics, SourceLabels, TableLabels};
@@ -105,8 +105,8 @@ pub enum RouterError {
         table: u32,
         /// Time from the lookup's start to giving up.
         elapsed: Duration,
-        /// `(source, why)` for each source that failed or was not admissible.
-        attempts: Vec<(String, String)>,
+        /// Each source that failed or was not asked, and why (typed).
+        attempts: Vec<Miss>,
     },
     /// The request is wrong (out-of-range row, buffer size): no source can answer it.
     #[error("table {table}: bad request: {message}")]
@@ -118,13 +118,39 @@ pub enum RouterError {
     },
 }
 
-fn describe(attempts: &[(String, String)]) -> String {
+/// One source that did not answer a lookup, and why.
+#[derive(Debug, Clone)]
+pub struct Miss {
+    /// The source's name (`(all)` for the hard timeout).
+    pub source: String,
+    /// Why it did not answer.
+    pub why: MissReason,
+}
+
+/// Why a source did not answer a lookup: typed, so a caller (and the
+/// metrics) tell a version mismatch from a lost connection or a hard
+/// timeout without reading strings.
+#[derive(Debug, Clone, Error)]
+pub enum MissReason {
+    /// The source was not asked.
+    #[error("{0}")]
+    Skipped(Skip),
+    /// The source was asked and failed; the error says whether another
+    /// source may do better ([`SourceError::retry_elsewhere`]).
+    #[error(transparent)]
+    Failed(#[from] SourceError),
+    /// The lookup's hard timeout passed with nothing usable.
+    #[error("hard timeout {0:?}")]
+    HardTimeout(Duration),
+}
+
+fn describe(attempts: &[Miss]) -> String {
     if attempts.is_empty() {
         return "no source configured".into();
     }
     attempts
         .iter()
-        .map(|(s, e)| format!("{s}: {e}"))
+        .map(|a| format!("{}: {}", a.source, a.why))
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -439,7 +465,7 @@ impl Router {
     }
 
     /// Loud, but at most once a second.
-    fn warn_zeros(&self, rows: usize, failed: &[(String, String)]) {
+    fn warn_zeros(&self, rows: usize, failed: &[Miss]) {
         let now_ms = self.started.elapsed().as_millis() as u64 + 1_000;
         let last = self.zeros_warned_ms.load(Ordering::Relaxed);
         if now_ms >= last + 1_000
