@@ -179,12 +179,12 @@ struct CopySpec {
 
 /// The sources the node's routes use, with what each was made from.
 #[derive(Debug, Default)]
-struct Pool {
+struct SourcePool {
     donors: Vec<(DonorSpec, Arc<SourceHealth>)>,
     copies: Vec<(CopySpec, Arc<SourceHealth>)>,
 }
 
-impl Pool {
+impl SourcePool {
     fn donor(&self, name: &str) -> Option<&(DonorSpec, Arc<SourceHealth>)> {
         self.donors.iter().find(|(s, _)| s.name == name)
     }
@@ -206,8 +206,8 @@ impl Pool {
 }
 
 /// A node's routes as a config describes them, over a new pool.
-struct Built {
-    pool: Pool,
+struct PlannedRoutes {
+    pool: SourcePool,
     /// One per routed table, in the config's order.
     routes: Vec<(RouteSettings, Vec<Arc<SourceHealth>>)>,
     /// Donor sources made now (not taken from the previous pool).
@@ -216,10 +216,10 @@ struct Built {
 
 /// What a reload may replace.
 #[derive(Debug)]
-struct Live {
+struct Reloadable {
     /// The node's TLS state (when the rack has a PKI), reloaded in place.
     tls: Option<Arc<NodeTls>>,
-    pool: Pool,
+    pool: SourcePool,
     probes: Vec<JoinHandle<()>>,
     probe_interval: Duration,
     breaker_failures: u32,
@@ -232,7 +232,7 @@ pub struct Memory {
     /// The routed tables as at startup: a reload cannot change them.
     tables: Vec<Table>,
     /// Held for a whole reload, so two never interleave.
-    live: tokio::sync::Mutex<Live>,
+    live: tokio::sync::Mutex<Reloadable>,
 }
 
 impl Drop for Memory {
@@ -258,7 +258,7 @@ impl Memory {
             Some(files) => Some(NodeTls::load(&files)?),
             None => None,
         };
-        let built = build(config, node, metrics, &Pool::default(), tls.as_ref()).await?;
+        let built = build(config, node, metrics, &SourcePool::default(), tls.as_ref()).await?;
         // A donor that is down at startup starts excluded, not on a first lookup's time.
         for h in &built.fresh {
             h.probe_at_start().await;
@@ -278,7 +278,7 @@ impl Memory {
         Ok(Self {
             routers,
             tables,
-            live: tokio::sync::Mutex::new(Live {
+            live: tokio::sync::Mutex::new(Reloadable {
                 tls,
                 pool: built.pool,
                 probes,
@@ -331,14 +331,14 @@ async fn build(
     config: &Config,
     node: &Node,
     metrics: &NodeMetrics,
-    old: &Pool,
+    old: &SourcePool,
     tls: Option<&Arc<NodeTls>>,
-) -> Result<Built, MemoryError> {
+) -> Result<PlannedRoutes, MemoryError> {
     let credential = config.credential()?;
     // The node's TLS state, reloaded in place: a renewed certificate keeps
     // the donor sources (and their breakers); new connections use it.
     let control_tls = tls.map(|t| ControlTls(Arc::clone(t)));
-    let mut pool = Pool::default();
+    let mut pool = SourcePool::default();
     let mut fresh = Vec::new();
 
     // One source (and breaker) per donor, pinned to every table routed to it.
@@ -517,7 +517,7 @@ async fn build(
         };
         routes.push((settings, sources));
     }
-    Ok(Built {
+    Ok(PlannedRoutes {
         pool,
         routes,
         fresh,
@@ -580,7 +580,7 @@ fn breaker_gauge(metrics: &NodeMetrics, source: &str) -> prometheus_client::metr
 
 /// A probe loop per source, for re-admission, and a tend loop, so what a
 /// source sends unasked (a donor's Goodbye) is read whatever its breaker.
-fn spawn_probes(pool: &Pool, interval: Duration) -> Vec<JoinHandle<()>> {
+fn spawn_probes(pool: &SourcePool, interval: Duration) -> Vec<JoinHandle<()>> {
     pool.all()
         .flat_map(|h| {
             [

@@ -136,7 +136,9 @@ impl Default for NodeMetrics {
 }
 
 impl NodeMetrics {
-    /// All series, registered under `engram_node_`.
+    /// All series, registered under `engram_node_`. Long because it is
+    /// one list: every series the node exports with its help text, in one
+    /// place (docs/node.md's table of node metrics follows it).
     pub fn new() -> Self {
         let m = Self {
             registry: Mutex::new(Registry::with_prefix("engram_node")),

@@ -28,7 +28,7 @@ pub struct ReloadSource {
 
 /// A served table as the reload compares it: id, version, file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Served {
+pub struct ServedTable {
     /// The table id.
     pub id: u32,
     /// The version served.
@@ -59,7 +59,7 @@ impl ReloadSource {
 }
 
 /// Compare a freshly read spec with the running one and what is served.
-pub fn plan(running: &ServeSpec, new: ServeSpec, served: &[Served]) -> ReloadPlan {
+pub fn plan(running: &ServeSpec, new: ServeSpec, served: &[ServedTable]) -> ReloadPlan {
     let mut restart = Vec::new();
     let mut spec = new;
     if spec.listen != running.listen {
@@ -135,9 +135,9 @@ mod tests {
         s
     }
 
-    fn served(list: &[(u32, &str, u8)]) -> Vec<Served> {
+    fn served(list: &[(u32, &str, u8)]) -> Vec<ServedTable> {
         list.iter()
-            .map(|&(id, path, d)| Served {
+            .map(|&(id, path, d)| ServedTable {
                 id,
                 digest: TableDigest([d; 32]),
                 path: path.into(),

@@ -18,7 +18,7 @@ use crate::spec::{ServeError, ServeSpec};
 
 /// The control-plane and metrics servers, bound and running.
 #[derive(Debug)]
-pub struct OpsServers {
+pub struct AdminServers {
     /// Where the control plane listens, if it does.
     pub control: Option<SocketAddr>,
     /// Where `/metrics` is served, if it is.
@@ -34,7 +34,7 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
     Ok((l, bound))
 }
 
-impl OpsServers {
+impl AdminServers {
     /// Bind the spec's control and metrics addresses and serve them from
     /// `status`; logs `ops control=ADDR metrics=ADDR` (`-` for none) once bound.
     pub async fn start(spec: &ServeSpec, status: &Arc<DonorStatus>) -> Result<Self, ServeError> {
@@ -111,7 +111,7 @@ pub async fn serve(
     tables: Vec<ResidentTable>,
     status: &Arc<DonorStatus>,
     announce: &str,
-    ops: crate::supervise::Ops,
+    ops: crate::supervise::LoopServices,
 ) -> Result<Arc<Shared>, ServeError> {
     let Bound {
         mut listeners,
@@ -261,7 +261,7 @@ fn start_rdma(
     spec: &ServeSpec,
     addr: SocketAddr,
     bound: &[Endpoint],
-    ops: &crate::supervise::Ops,
+    ops: &crate::supervise::LoopServices,
 ) {
     let (sh, device, name) = (
         Arc::clone(shared),

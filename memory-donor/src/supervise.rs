@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::orders::{Order, Reply, SwapError, SwapRequest};
-use crate::reload::{self, ReloadSource, Served};
+use crate::reload::{self, ReloadSource, ServedTable};
 use crate::server::Shared;
 use crate::spec::ServeSpec;
 use crate::status::DonorStatus;
@@ -28,7 +28,7 @@ use crate::watchdog::SelfProbe;
 
 /// What the serving loop uses besides the spec.
 #[derive(Debug)]
-pub struct Ops {
+pub struct LoopServices {
     /// systemd notifications (a no-op outside systemd).
     pub notifier: Arc<Notifier>,
     /// Changes the log level on reload.
@@ -45,11 +45,11 @@ const STATUS_EVERY: Duration = Duration::from_secs(5);
 /// The environment variable of the test-only stall (see the module docs).
 pub const TEST_STALL_ENV: &str = "ENGRAM_TEST_STALL_AFTER_MS";
 
-struct Loop {
+struct ServingLoop {
     spec: ServeSpec,
     shared: Arc<Shared>,
     status: Arc<DonorStatus>,
-    ops: Ops,
+    ops: LoopServices,
     probe: Option<SelfProbe>,
     swapping: Option<JoinHandle<()>>,
     shown: String,
@@ -68,7 +68,7 @@ pub async fn run(
     shared: Arc<Shared>,
     status: Arc<DonorStatus>,
     probe_addr: Option<cluster_config::Endpoint>,
-    ops: Ops,
+    ops: LoopServices,
 ) {
     let watchdog = ops.notifier.watchdog();
     // sd_watchdog_enabled(3): ping at half the timeout.
@@ -85,7 +85,7 @@ pub async fn run(
         )
     });
     let mut orders = status.take_orders();
-    let mut lp = Loop {
+    let mut lp = ServingLoop {
         spec,
         shared,
         status,
@@ -117,7 +117,7 @@ pub async fn run(
     }
 }
 
-impl Loop {
+impl ServingLoop {
     fn status_line(&self) -> String {
         // From the status, not the tables' lock: this loop must never wait on it.
         format!(
@@ -205,11 +205,11 @@ impl Loop {
         }));
     }
 
-    fn served(&self) -> Vec<Served> {
+    fn served(&self) -> Vec<ServedTable> {
         self.shared
             .tables()
             .iter()
-            .map(|t| Served {
+            .map(|t| ServedTable {
                 id: t.id,
                 digest: t.digest,
                 path: self

@@ -370,28 +370,7 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
         "swap: loading the new version"
     );
     if p.req.in_place {
-        let old = {
-            let mut tables = cx.shared.tables_mut();
-            tables
-                .iter()
-                .position(|t| t.id == id)
-                .map(|i| tables.remove(i))
-        };
-        // Unmapped here, outside the lock (and deregistered from RDMA, whose
-        // registration holds the rows mapped until then).
-        if let Some(t) = &old {
-            cx.fd_store.forget_table(t);
-        }
-        drop(old);
-        let sh = Arc::clone(&cx.shared);
-        let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
-        if let Some(i) = si {
-            cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Loading);
-        }
-        tracing::warn!(
-            table = id,
-            "swap in place: table unloaded; not served until the new version is loaded"
-        );
+        unload_for_in_place(&cx, &p, si).await;
     }
     let loaded = {
         let (cx2, p2) = (cx.clone(), p.clone());
@@ -438,6 +417,40 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
         .notifier
         .status(&format!("table {id} swapped to {}", short(new)));
     Ok(())
+}
+
+/// A swap in place: the old version unloaded first (and deregistered
+/// from RDMA), so both never take memory at once; the table is not served
+/// until the new version is loaded.
+async fn unload_for_in_place(cx: &SwapContext, p: &Prepared, si: Option<usize>) {
+    let id = p.req.table;
+    let old = {
+        let mut tables = cx.shared.tables_mut();
+        tables
+            .iter()
+            .position(|t| t.id == id)
+            .map(|i| tables.remove(i))
+    };
+    // Unmapped here, outside the lock (and deregistered from RDMA, whose
+    // registration holds the rows mapped until then).
+    if let Some(t) = &old {
+        cx.fd_store.forget_table(t);
+    }
+    drop(old);
+    let sh = Arc::clone(&cx.shared);
+    let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
+    if let Some(i) = si {
+        cx.status.tables[i].replaced(
+            p.req.path.clone(),
+            p.rows,
+            p.accepted.new,
+            LoadState::Loading,
+        );
+    }
+    tracing::warn!(
+        table = id,
+        "swap in place: table unloaded; not served until the new version is loaded"
+    );
 }
 
 fn short(d: TableDigest) -> String {

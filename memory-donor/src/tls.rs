@@ -60,9 +60,9 @@ pub enum Role {
     Operator,
 }
 
-/// Built rustls configurations for one generation of material.
+/// The rustls server configurations built for one generation of material.
 #[derive(Debug)]
-struct Built {
+struct ServerConfigs {
     material: Arc<Material>,
     data: Arc<rustls::ServerConfig>,
     control: Arc<rustls::ServerConfig>,
@@ -73,12 +73,12 @@ struct Built {
 #[derive(Debug)]
 pub struct DonorTls {
     material: Reloadable,
-    built: RwLock<Arc<Built>>,
+    built: RwLock<Arc<ServerConfigs>>,
     access: RwLock<Arc<Access>>,
 }
 
-fn build(material: Arc<Material>) -> Result<Built, TlsError> {
-    Ok(Built {
+fn build(material: Arc<Material>) -> Result<ServerConfigs, TlsError> {
+    Ok(ServerConfigs {
         data: material.server_config(&[ALPN])?,
         control: material.server_config(&[b"h2"])?,
         material,
@@ -107,7 +107,7 @@ impl DonorTls {
         Ok(material)
     }
 
-    fn built(&self) -> Arc<Built> {
+    fn built(&self) -> Arc<ServerConfigs> {
         Arc::clone(&self.built.read().unwrap_or_else(|p| p.into_inner()))
     }
 

@@ -220,92 +220,12 @@ impl Plan {
         let donors = config
             .donors
             .iter()
-            .map(|d| {
-                let tables: Vec<(u32, u64)> = d
-                    .tables
-                    .iter()
-                    .filter_map(|id| config.table(*id))
-                    .map(|t| (t.id, resident_bytes(t.rows, d.map_files)))
-                    .collect();
-                let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
-                // An RDMA donor keeps a check word beside every row, and a
-                // swap registers the new version's beside the old; tables
-                // served from their files' pages are not offered over RDMA.
-                let rdma = d.rdma.is_some() && !d.map_files;
-                let with_checks = |bytes: u64| {
-                    if rdma {
-                        bytes + bytes / engram_protocol::ROW_BYTES as u64 * crate::RDMA_CHECK_BYTES
-                    } else {
-                        bytes
-                    }
-                };
-                let largest = tables.iter().map(|t| with_checks(t.1)).max().unwrap_or(0);
-                let headroom_bytes = (d.headroom_gib * GIB) as u64;
-                let ram_bytes = (d.ram_gib * GIB) as u64;
-                let rdma_check_bytes = with_checks(table_bytes) - table_bytes;
-                let registered_bytes = if rdma {
-                    table_bytes + rdma_check_bytes
-                } else {
-                    0
-                };
-                let need_bytes = table_bytes + rdma_check_bytes + headroom_bytes;
-                DonorPlan {
-                    name: d.name.clone(),
-                    tables,
-                    table_bytes,
-                    headroom_bytes,
-                    rdma_check_bytes,
-                    registered_bytes,
-                    need_bytes,
-                    ram_bytes,
-                    fits: need_bytes <= ram_bytes,
-                    swap_fits: need_bytes + largest <= ram_bytes,
-                    numa_node: d.numa_node,
-                    host_socket: d.host_socket.as_ref().map(|p| p.display().to_string()),
-                }
-            })
+            .map(|d| DonorPlan::of(config, d))
             .collect();
         let nodes = config
             .nodes
             .iter()
-            .map(|n| {
-                let w = n.token_time().as_secs_f64() * 1e3;
-                let tables: Vec<TablePlan> = n
-                    .routes
-                    .iter()
-                    .map(|r| {
-                        let window_us = n
-                            .window(config, r.table)
-                            .map_or(0.0, |d| d.as_secs_f64() * 1e6);
-                        let fetch_us = r
-                            .sources
-                            .first()
-                            .map_or(0.0, |s| lat.of(s).as_secs_f64() * 1e6);
-                        TablePlan {
-                            table: r.table,
-                            layer: config.table(r.table).map_or(0, |t| t.layer),
-                            sources: r.sources.iter().map(ToString::to_string).collect(),
-                            window_us,
-                            fetch_us,
-                            over_us: (fetch_us - window_us).max(0.0),
-                        }
-                    })
-                    .collect();
-                let windows: Vec<(f64, f64)> = tables
-                    .iter()
-                    .map(|t| (t.window_us / 1e3, t.fetch_us / 1e3))
-                    .collect();
-                let p = predict(w, &windows);
-                NodePlan {
-                    name: n.name.clone(),
-                    tokens_per_second: n.tokens_per_second,
-                    token_ms: w,
-                    tables,
-                    extra_ms: p.extra_ms,
-                    slowdown: p.slowdown,
-                    predicted_tokens_per_second: p.tokens_per_second,
-                }
-            })
+            .map(|n| NodePlan::of(config, n, lat))
             .collect();
         Self {
             rack: config.rack.clone(),
@@ -322,7 +242,6 @@ impl Plan {
     /// The plan as a readable table.
     pub fn render(&self) -> String {
         use std::fmt::Write;
-        let gib = |b: u64| b as f64 / GIB;
         let mut s = String::new();
         let _ = writeln!(s, "rack {}", self.rack);
         let _ = writeln!(s, "\ndonors (GiB)");
@@ -331,6 +250,46 @@ impl Plan {
             "  {:<16} {:<12} {:>9} {:>9} {:>9} {:>9} {:>9}  {:<9} fits",
             "donor", "tables", "tables", "headroom", "need", "ram", "free", "swap room"
         );
+        self.render_donors(&mut s);
+        for n in &self.nodes {
+            let _ = writeln!(
+                s,
+                "\nnode {} at {} tokens/s (W = {:.3} ms)",
+                n.name, n.tokens_per_second, n.token_ms
+            );
+            let _ = writeln!(
+                s,
+                "  {:<6} {:<6} {:<32} {:>10} {:>10} {:>10}",
+                "table", "layer", "sources", "window us", "fetch us", "over us"
+            );
+            for t in &n.tables {
+                let _ = writeln!(
+                    s,
+                    "  {:<6} {:<6} {:<32} {:>10.1} {:>10.1} {:>10.1}",
+                    t.table,
+                    t.layer,
+                    t.sources.join(" -> "),
+                    t.window_us,
+                    t.fetch_us,
+                    t.over_us
+                );
+            }
+            let _ = writeln!(
+                s,
+                "  predicted: extra {:.3} ms, T = {:.3} ms, {:.1} tokens/s ({:.2}% slower)",
+                n.extra_ms,
+                n.token_ms + n.extra_ms,
+                n.predicted_tokens_per_second,
+                n.slowdown * 100.0
+            );
+        }
+        s
+    }
+    /// The donors' lines of [`Self::render`]: one per donor, then what RDMA
+    /// pins, NUMA binds and host sockets share.
+    fn render_donors(&self, s: &mut String) {
+        use std::fmt::Write;
+        let gib = |b: u64| b as f64 / GIB;
         for d in &self.donors {
             let ids: Vec<String> = d.tables.iter().map(|t| t.0.to_string()).collect();
             let free = gib(d.ram_bytes) - gib(d.need_bytes);
@@ -376,39 +335,96 @@ impl Plan {
                 );
             }
         }
-        for n in &self.nodes {
-            let _ = writeln!(
-                s,
-                "\nnode {} at {} tokens/s (W = {:.3} ms)",
-                n.name, n.tokens_per_second, n.token_ms
-            );
-            let _ = writeln!(
-                s,
-                "  {:<6} {:<6} {:<32} {:>10} {:>10} {:>10}",
-                "table", "layer", "sources", "window us", "fetch us", "over us"
-            );
-            for t in &n.tables {
-                let _ = writeln!(
-                    s,
-                    "  {:<6} {:<6} {:<32} {:>10.1} {:>10.1} {:>10.1}",
-                    t.table,
-                    t.layer,
-                    t.sources.join(" -> "),
-                    t.window_us,
-                    t.fetch_us,
-                    t.over_us
-                );
+    }
+}
+
+impl DonorPlan {
+    /// What donor `d` of `config` needs.
+    fn of(config: &Config, d: &crate::Donor) -> Self {
+        let tables: Vec<(u32, u64)> = d
+            .tables
+            .iter()
+            .filter_map(|id| config.table(*id))
+            .map(|t| (t.id, resident_bytes(t.rows, d.map_files)))
+            .collect();
+        let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
+        // An RDMA donor keeps a check word beside every row, and a
+        // swap registers the new version's beside the old; tables
+        // served from their files' pages are not offered over RDMA.
+        let rdma = d.rdma.is_some() && !d.map_files;
+        let with_checks = |bytes: u64| {
+            if rdma {
+                bytes + bytes / engram_protocol::ROW_BYTES as u64 * crate::RDMA_CHECK_BYTES
+            } else {
+                bytes
             }
-            let _ = writeln!(
-                s,
-                "  predicted: extra {:.3} ms, T = {:.3} ms, {:.1} tokens/s ({:.2}% slower)",
-                n.extra_ms,
-                n.token_ms + n.extra_ms,
-                n.predicted_tokens_per_second,
-                n.slowdown * 100.0
-            );
+        };
+        let largest = tables.iter().map(|t| with_checks(t.1)).max().unwrap_or(0);
+        let headroom_bytes = (d.headroom_gib * GIB) as u64;
+        let ram_bytes = (d.ram_gib * GIB) as u64;
+        let rdma_check_bytes = with_checks(table_bytes) - table_bytes;
+        let registered_bytes = if rdma {
+            table_bytes + rdma_check_bytes
+        } else {
+            0
+        };
+        let need_bytes = table_bytes + rdma_check_bytes + headroom_bytes;
+        DonorPlan {
+            name: d.name.clone(),
+            tables,
+            table_bytes,
+            headroom_bytes,
+            rdma_check_bytes,
+            registered_bytes,
+            need_bytes,
+            ram_bytes,
+            fits: need_bytes <= ram_bytes,
+            swap_fits: need_bytes + largest <= ram_bytes,
+            numa_node: d.numa_node,
+            host_socket: d.host_socket.as_ref().map(|p| p.display().to_string()),
         }
-        s
+    }
+}
+
+impl NodePlan {
+    /// Node `n`'s tables: windows, fetch times, the predicted rate.
+    fn of(config: &Config, n: &crate::Node, lat: &Latencies) -> Self {
+        let w = n.token_time().as_secs_f64() * 1e3;
+        let tables: Vec<TablePlan> = n
+            .routes
+            .iter()
+            .map(|r| {
+                let window_us = n
+                    .window(config, r.table)
+                    .map_or(0.0, |d| d.as_secs_f64() * 1e6);
+                let fetch_us = r
+                    .sources
+                    .first()
+                    .map_or(0.0, |s| lat.of(s).as_secs_f64() * 1e6);
+                TablePlan {
+                    table: r.table,
+                    layer: config.table(r.table).map_or(0, |t| t.layer),
+                    sources: r.sources.iter().map(ToString::to_string).collect(),
+                    window_us,
+                    fetch_us,
+                    over_us: (fetch_us - window_us).max(0.0),
+                }
+            })
+            .collect();
+        let windows: Vec<(f64, f64)> = tables
+            .iter()
+            .map(|t| (t.window_us / 1e3, t.fetch_us / 1e3))
+            .collect();
+        let p = predict(w, &windows);
+        NodePlan {
+            name: n.name.clone(),
+            tokens_per_second: n.tokens_per_second,
+            token_ms: w,
+            tables,
+            extra_ms: p.extra_ms,
+            slowdown: p.slowdown,
+            predicted_tokens_per_second: p.tokens_per_second,
+        }
     }
 }
 

@@ -108,15 +108,7 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
             let _ = stop_rx.await;
         },
     ));
-    let mut announce = format!("ready listen={bound}");
-    if let Some(m) = metrics_addr {
-        announce.push_str(&format!(" metrics={m}"));
-    }
-    eprintln!("{announce}");
-    tracing::info!(api = %bound, "serving");
-    if let Err(e) = notifier.ready(&format!("serving on {bound}")) {
-        tracing::debug!(error = %e, "sd_notify READY=1");
-    }
+    announce_ready(bound, metrics_addr, &notifier);
 
     loop {
         tokio::select! {
@@ -134,6 +126,20 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
     drop(worker);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Say where the node serves: one line on stderr (what scripts and tests
+/// wait for), the log, and systemd's READY.
+fn announce_ready(bound: SocketAddr, metrics: Option<SocketAddr>, notifier: &Notifier) {
+    let mut announce = format!("ready listen={bound}");
+    if let Some(m) = metrics {
+        announce.push_str(&format!(" metrics={m}"));
+    }
+    eprintln!("{announce}");
+    tracing::info!(api = %bound, "serving");
+    if let Err(e) = notifier.ready(&format!("serving on {bound}")) {
+        tracing::debug!(error = %e, "sd_notify READY=1");
+    }
 }
 
 /// Serve `/metrics` at `addr`; where it is bound.

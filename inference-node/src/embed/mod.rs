@@ -231,21 +231,7 @@ impl EngramMemory {
             }
         };
 
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| EmbedError::Internal(format!("starting the I/O runtime: {e}")))?;
-        let handle = rt.handle().clone();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("engram-io".into())
-            .spawn(move || {
-                rt.block_on(async {
-                    let _ = stop_rx.await;
-                });
-                rt.shutdown_timeout(Duration::from_secs(1));
-            })
-            .map_err(|e| EmbedError::Internal(format!("starting the I/O thread: {e}")))?;
+        let (handle, stop_tx, thread) = io_thread()?;
 
         let name = node.to_string();
         let chunk = chunk_rows(&cfg);
@@ -728,4 +714,32 @@ fn each_row(
         f(i, row).map_err(|e| EmbedError::BadInput(format!("row {i}: {e}")))?;
     }
     Ok(())
+}
+
+/// The I/O thread (`engram-io`): a current-thread runtime that runs the
+/// memory's fetches until told to stop; its handle, the stop, the thread.
+fn io_thread() -> Result<
+    (
+        Handle,
+        tokio::sync::oneshot::Sender<()>,
+        std::thread::JoinHandle<()>,
+    ),
+    EmbedError,
+> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| EmbedError::Internal(format!("starting the I/O runtime: {e}")))?;
+    let handle = rt.handle().clone();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("engram-io".into())
+        .spawn(move || {
+            rt.block_on(async {
+                let _ = stop_rx.await;
+            });
+            rt.shutdown_timeout(Duration::from_secs(1));
+        })
+        .map_err(|e| EmbedError::Internal(format!("starting the I/O thread: {e}")))?;
+    Ok((handle, stop_tx, thread))
 }

@@ -294,6 +294,41 @@ impl GpuFusion {
             .map_err(&copy)?;
         s.memcpy_htod(&[u32::MAX], &mut self.d_bad).map_err(&copy)?;
 
+        self.launch_kernels(li, n_live)?;
+
+        let back = gpu_err("copying from the GPU");
+        let s = &self.stream;
+        let mut bad = [0u32];
+        s.memcpy_dtoh(&self.d_bad, &mut bad).map_err(&back)?;
+        s.synchronize().map_err(&back)?;
+        if bad[0] != u32::MAX {
+            let staged = self.staging.as_slice().map_err(&wait)?;
+            let (position, column) = (bad[0] as usize / COLUMNS, bad[0] as usize % COLUMNS);
+            let off = (position * COLUMNS + column) * engram_protocol::ROW_BYTES;
+            let error = staged
+                .get(off..off + engram_protocol::ROW_BYTES)
+                .and_then(|r| r.try_into().ok())
+                .and_then(|r| engram_protocol::row::check_row(r).err())
+                .unwrap_or(RowError::Length { len: 0, rows: 1 });
+            return Err(FusionError::Row {
+                position,
+                column,
+                error,
+            });
+        }
+        s.memcpy_dtoh(&self.d_h.slice(..hidden.len()), &mut self.host_h)
+            .map_err(&back)?;
+        s.synchronize().map_err(&back)?;
+        let fused = self.host_h.as_slice().map_err(&back)?;
+        hidden.copy_from_slice(&fused[..hidden.len()]);
+        Ok(())
+    }
+
+    /// The three kernels over the `n_live` staged positions, on layer
+    /// index `li`'s weights: dequantize the rows, project them to the
+    /// key and value, gate them into the hidden streams.
+    fn launch_kernels(&mut self, li: usize, n_live: u32) -> Result<(), FusionError> {
+        let s = &self.stream;
         let launch = gpu_err("running a kernel");
         let cfg = LaunchConfig {
             grid_dim: (n_live * COLUMNS as u32, 1, 1),
@@ -340,30 +375,6 @@ impl GpuFusion {
         // SAFETY: each block reads and writes one stream of one live position,
         // all inside d_h (n positions), w, and d_kv (n_live positions).
         unsafe { b.launch(cfg) }.map_err(&launch)?;
-
-        let back = gpu_err("copying from the GPU");
-        let mut bad = [0u32];
-        s.memcpy_dtoh(&self.d_bad, &mut bad).map_err(&back)?;
-        s.synchronize().map_err(&back)?;
-        if bad[0] != u32::MAX {
-            let (position, column) = (bad[0] as usize / COLUMNS, bad[0] as usize % COLUMNS);
-            let off = (position * COLUMNS + column) * engram_protocol::ROW_BYTES;
-            let error = staged
-                .get(off..off + engram_protocol::ROW_BYTES)
-                .and_then(|r| r.try_into().ok())
-                .and_then(|r| engram_protocol::row::check_row(r).err())
-                .unwrap_or(RowError::Length { len: 0, rows: 1 });
-            return Err(FusionError::Row {
-                position,
-                column,
-                error,
-            });
-        }
-        s.memcpy_dtoh(&self.d_h.slice(..hidden.len()), &mut self.host_h)
-            .map_err(&back)?;
-        s.synchronize().map_err(&back)?;
-        let fused = self.host_h.as_slice().map_err(&back)?;
-        hidden.copy_from_slice(&fused[..hidden.len()]);
         Ok(())
     }
 }

@@ -1,4 +1,4 @@
-//! Live reload: a new config applied to the running routers, all or
+//! Reloadable reload: a new config applied to the running routers, all or
 //! nothing.
 //!
 //! What can change live: each route's sources and their order, grace, hard
@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use cluster_config::Config;
 
-use super::{Memory, MemoryError, Pool, build, find_node, spawn_probes};
+use super::{Memory, MemoryError, SourcePool, build, find_node, spawn_probes};
 use crate::metrics::NodeMetrics;
 use crate::router::{RouteSettings, SourceHealth};
 use crate::source::SourceKind;
@@ -187,7 +187,7 @@ impl Memory {
 }
 
 /// One route's settings and sources, and the pool they come from.
-type RouteView<'a> = (&'a RouteSettings, &'a [Arc<SourceHealth>], &'a Pool);
+type RouteView<'a> = (&'a RouteSettings, &'a [Arc<SourceHealth>], &'a SourcePool);
 
 /// What changes in one route, in words.
 fn describe(

@@ -513,7 +513,7 @@ pub fn run<C: Clock, F: Fetcher>(
     on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
 ) -> Result<Summary, LoopError> {
     check_spec(spec, tokens, &slots)?;
-    let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, spec);
+    let mut lp = step::TokenLoop::new(clock, fetcher, fusion, params, slots, spec);
     let shared = std::sync::Arc::new(tokens.clone());
     for (s, range) in step::split(tokens.raw.len(), spec.batch)
         .into_iter()
@@ -584,7 +584,7 @@ pub fn run_batch<C: Clock, F: Fetcher>(
         },
         &slots,
     )?;
-    let mut lp = step::Loop::new(clock, fetcher, fusion, params, slots, &spec);
+    let mut lp = step::TokenLoop::new(clock, fetcher, fusion, params, slots, &spec);
     let mut rec = StepRecord::default();
     loop {
         for tag in driver.cancelled() {

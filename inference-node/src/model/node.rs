@@ -142,27 +142,7 @@ impl NodeModel {
 
         let (tokenizer, map) = token_map(&model)?;
 
-        let shape = FusionShape::new(model.hidden as usize, model.streams as usize)
-            .map_err(|e| SetupError::Fusion(e.to_string()))?;
-        let weights = match &model.weights {
-            None => {
-                return Err(cfg(format!(
-                    "{}: the model loop fuses, so [model] needs fusion weights: \
-                     `weights = \"CHECKPOINT\"` or `weights_seed = N`",
-                    config.path.display()
-                )));
-            }
-            Some(WeightsSource::Seed(s)) => FusionWeights::from_seed(*s, shape),
-            Some(WeightsSource::Checkpoint(p)) => {
-                let p = p.clone();
-                tokio::task::spawn_blocking(move || FusionWeights::from_checkpoint(&p, shape))
-                    .await
-                    .map_err(|e| SetupError::Fusion(e.to_string()))?
-                    .map_err(|e| SetupError::Fusion(e.to_string()))?
-            }
-        };
-        let fusion = backend(model.fusion, Arc::new(weights))
-            .map_err(|e| SetupError::Fusion(e.to_string()))?;
+        let fusion = fusion_of(&config, &model).await?;
 
         let memory = Memory::from_config(&config, name, metrics).await?;
         let router = |t: u32| {
@@ -560,4 +540,29 @@ pub(crate) fn chunk_rows(config: &Config) -> usize {
         .min()
         .unwrap_or(engram_protocol::frame::DEFAULT_MAX_ROWS as usize)
         .max(24)
+}
+
+/// The fusion backend `model` asks for, with its weights (a seed's, or a
+/// checkpoint's read off the runtime's threads).
+async fn fusion_of(config: &Config, model: &Model) -> Result<Box<dyn Fusion>, SetupError> {
+    let shape = FusionShape::new(model.hidden as usize, model.streams as usize)
+        .map_err(|e| SetupError::Fusion(e.to_string()))?;
+    let weights = match &model.weights {
+        None => {
+            return Err(SetupError::Config(format!(
+                "{}: the model loop fuses, so [model] needs fusion weights: \
+                 `weights = \"CHECKPOINT\"` or `weights_seed = N`",
+                config.path.display()
+            )));
+        }
+        Some(WeightsSource::Seed(s)) => FusionWeights::from_seed(*s, shape),
+        Some(WeightsSource::Checkpoint(p)) => {
+            let p = p.clone();
+            tokio::task::spawn_blocking(move || FusionWeights::from_checkpoint(&p, shape))
+                .await
+                .map_err(|e| SetupError::Fusion(e.to_string()))?
+                .map_err(|e| SetupError::Fusion(e.to_string()))?
+        }
+    };
+    backend(model.fusion, Arc::new(weights)).map_err(|e| SetupError::Fusion(e.to_string()))
 }

@@ -1,7 +1,7 @@
 //! One step of the model loop, in the order the module header lists:
-//! [`Loop::hash`] (1), [`Loop::start_fetches`] (2), [`Loop::blocks`] with
-//! [`Loop::table_block`] for each Engram layer (3-4), and
-//! [`Loop::record`] (5). [`Loop::step`] runs them; `run` in the parent
+//! [`TokenLoop::hash`] (1), [`TokenLoop::start_fetches`] (2), [`TokenLoop::blocks`] with
+//! [`TokenLoop::table_block`] for each Engram layer (3-4), and
+//! [`TokenLoop::record`] (5). [`TokenLoop::step`] runs them; `run` in the parent
 //! module checks the spec, steps until the input or the stop flag ends, and
 //! keeps the summary.
 
@@ -98,7 +98,7 @@ struct Part<P> {
 /// in flight for them (one, or one per position group with draft
 /// prefetch), and how many rows the positions need per table. Its vectors
 /// are the loop's, lent for the step and given back
-/// ([`Loop::put_back`]).
+/// ([`TokenLoop::put_back`]).
 struct StepFetches<P> {
     unique: [Vec<u64>; 2],
     parts: [Vec<Part<P>>; 2],
@@ -110,7 +110,7 @@ struct StepFetches<P> {
 }
 
 /// The loop between steps: where each sequence is, and buffers reused.
-pub(super) struct Loop<'a, C, F: Fetcher> {
+pub(super) struct TokenLoop<'a, C, F: Fetcher> {
     pub(super) clock: &'a C,
     pub(super) fetcher: &'a mut F,
     pub(super) fusion: &'a mut dyn Fusion,
@@ -141,7 +141,7 @@ pub(super) fn split(n: usize, batch: usize) -> Vec<Range<usize>> {
     (0..batch).map(|i| i * len..(i + 1) * len).collect()
 }
 
-impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
+impl<'a, C: Clock, F: Fetcher> TokenLoop<'a, C, F> {
     /// A loop with no sequence yet (the spec already checked).
     pub(super) fn new(
         clock: &'a C,
@@ -196,7 +196,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         Ok(())
     }
 
-    /// Sequences in the loop, finished ones included until [`Loop::retire`].
+    /// Sequences in the loop, finished ones included until [`TokenLoop::retire`].
     pub(crate) fn sequences(&self) -> &[Seq<'a>] {
         &self.seqs
     }
@@ -322,21 +322,7 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
         };
         for (slot, q) in self.seqs.iter_mut().enumerate() {
             let prefill = q.prefilling();
-            let mut n = if prefill {
-                let n = (q.prefill - q.next).min(budget);
-                budget -= n;
-                n
-            } else {
-                let mut n = (q.speculate + 1).min(take);
-                if let Some(l) = q.limit {
-                    n = n.min(l.saturating_sub(q.decoded) as usize);
-                }
-                if let Some(max) = self.spec.max_tokens {
-                    n = n.min(max.saturating_sub(self.decoded + decoding) as usize);
-                }
-                n
-            };
-            n = n.min(q.range.end.saturating_sub(q.range.start + q.next));
+            let mut n = positions(q, self.spec, take, &mut budget, self.decoded + decoding);
             // Where the sequence goes on from when a draft is rejected: its
             // hasher before the wrong token, and that position.
             let mut resume = None;
@@ -608,36 +594,8 @@ impl<'a, C: Clock, F: Fetcher> Loop<'a, C, F> {
             }
         }
         let fused = self.clock.now().saturating_sub(fused_from);
-        rec.table = slot.table;
-        rec.layer = slot.layer;
-        rec.rows = needed;
-        rec.unique_rows = unique.len();
-        rec.messages = f.messages;
-        rec.window_us = us(cluster_config::window(self.w, slot.window_blocks));
-        rec.ready_us = us(f.ready.saturating_sub(t0));
-        rec.stall_us = us(stall);
-        // The source's name written over the last step's (its memory kept).
-        let mut source = rec.source.take().unwrap_or_default();
-        source.clear();
-        rec.source = if f.error.is_some() {
-            None
-        } else if f.sources.is_empty() {
-            source.push_str("none");
-            Some(source)
-        } else {
-            for (i, s) in f.sources.iter().enumerate() {
-                if i > 0 {
-                    source.push('+');
-                }
-                source.push_str(s);
-            }
-            Some(source)
-        };
-        rec.hedges = f.hedges;
-        rec.failovers = f.failovers;
-        rec.late = f.late;
-        rec.error = f.error.take();
-        rec.hops = hops;
+        let times = (self.w, t0, stall);
+        fill_record(rec, slot, times, (needed, unique.len()), hops, &mut f);
         // Its buffers serve a later fetch.
         self.fetcher.recycle(l, f);
         Ok((stall, fused))
@@ -674,6 +632,50 @@ fn rows_of(out: &mut Vec<u64>, work: &[Work], l: usize, group: Option<u32>) {
     );
     out.sort_unstable();
     out.dedup();
+}
+
+/// A table's line of the step record: its rows (`needed`, `unique`),
+/// window, readiness and stall (from the step time `w`, the step's start
+/// `t0` and the `stall`), the sources that answered and how, taken from
+/// the fetch `f` (its error moved out). The source's name is written over
+/// the last step's, whose memory is kept.
+fn fill_record(
+    rec: &mut TableRecord,
+    slot: TableSlot,
+    (w, t0, stall): (Duration, Duration, Duration),
+    (needed, unique): (usize, usize),
+    hops: Option<Hops>,
+    f: &mut Fetch,
+) {
+    rec.table = slot.table;
+    rec.layer = slot.layer;
+    rec.rows = needed;
+    rec.unique_rows = unique;
+    rec.messages = f.messages;
+    rec.window_us = us(cluster_config::window(w, slot.window_blocks));
+    rec.ready_us = us(f.ready.saturating_sub(t0));
+    rec.stall_us = us(stall);
+    let mut source = rec.source.take().unwrap_or_default();
+    source.clear();
+    rec.source = if f.error.is_some() {
+        None
+    } else if f.sources.is_empty() {
+        source.push_str("none");
+        Some(source)
+    } else {
+        for (i, s) in f.sources.iter().enumerate() {
+            if i > 0 {
+                source.push('+');
+            }
+            source.push_str(s);
+        }
+        Some(source)
+    };
+    rec.hedges = f.hedges;
+    rec.failovers = f.failovers;
+    rec.late = f.late;
+    rec.error = f.error.take();
+    rec.hops = hops;
 }
 
 /// Fetch `f`'s hops ([`Hops`]), the loop having waited for it from
@@ -837,6 +839,28 @@ fn gather(
         }
     }
     Ok(())
+}
+
+/// How many positions sequence `q` takes this step: a prefill's share of
+/// the `budget` left (taken from it), or a decoder's next token and its
+/// drafts within `take`, its own limit and the loop's (`decoded` tokens
+/// so far); never past the sequence's end.
+fn positions(q: &Seq<'_>, spec: &LoopSpec, take: usize, budget: &mut usize, decoded: u64) -> usize {
+    let n = if q.prefilling() {
+        let n = (q.prefill - q.next).min(*budget);
+        *budget -= n;
+        n
+    } else {
+        let mut n = (q.speculate + 1).min(take);
+        if let Some(l) = q.limit {
+            n = n.min(l.saturating_sub(q.decoded) as usize);
+        }
+        if let Some(max) = spec.max_tokens {
+            n = n.min(max.saturating_sub(decoded) as usize);
+        }
+        n
+    };
+    n.min(q.range.end.saturating_sub(q.range.start + q.next))
 }
 
 #[cfg(test)]

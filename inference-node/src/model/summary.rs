@@ -202,26 +202,7 @@ impl Summary {
         if r.tables.iter().any(|t| t.error.is_some()) {
             self.failed_steps += 1;
         }
-        for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
-            match (&rec.source, &rec.error) {
-                (_, Some(_)) => t.failed += 1,
-                (Some(s), None) => {
-                    t.zeros += u64::from(s == "zeros");
-                    // Counted in place: a name is cloned only the first time.
-                    match t.by_source.get_mut(s.as_str()) {
-                        Some(n) => *n += 1,
-                        None => {
-                            t.by_source.insert(s.clone(), 1);
-                        }
-                    }
-                }
-                (None, None) => {}
-            }
-            t.hedges += u64::from(rec.hedges);
-            t.failovers += u64::from(rec.failovers);
-            t.late += u64::from(rec.late);
-            t.rows += rec.unique_rows as u64;
-        }
+        self.count_sources(r);
         if r.kind == StepKind::Prefill {
             self.prefill_positions += r.positions.len() as u64;
             self.prefill_ms += r.time_us / 1e3;
@@ -273,6 +254,31 @@ impl Summary {
         self.draft_s += draft_ms / 1e3;
         self.predicted_ms += predict(w_ms, &tables[..n]).time_ms + draft_ms;
         self.predicted_from_start_ms += predict(w_ms, &from_start[..n]).time_ms + draft_ms;
+    }
+
+    /// Each table's answers of step `r`, by source (failed, zeros, hedges,
+    /// failovers, late, rows).
+    fn count_sources(&mut self, r: &StepRecord) {
+        for (t, rec) in self.tables.iter_mut().zip(&r.tables) {
+            match (&rec.source, &rec.error) {
+                (_, Some(_)) => t.failed += 1,
+                (Some(s), None) => {
+                    t.zeros += u64::from(s == "zeros");
+                    // Counted in place: a name is cloned only the first time.
+                    match t.by_source.get_mut(s.as_str()) {
+                        Some(n) => *n += 1,
+                        None => {
+                            t.by_source.insert(s.clone(), 1);
+                        }
+                    }
+                }
+                (None, None) => {}
+            }
+            t.hedges += u64::from(rec.hedges);
+            t.failovers += u64::from(rec.failovers);
+            t.late += u64::from(rec.late);
+            t.rows += rec.unique_rows as u64;
+        }
     }
 
     /// Close the run at `now` (its wall time).

@@ -250,15 +250,15 @@ impl RouteState {
 /// What attempts leave behind for the next ones: buffers, row lists and
 /// fetch slots, so that a lookup in the steady state allocates nothing.
 #[derive(Default)]
-struct Pool {
+struct AttemptBuffers {
     buffers: Vec<Vec<u8>>,
     rows: Vec<Vec<u64>>,
     slots: Vec<FetchSlot>,
 }
 
-impl std::fmt::Debug for Pool {
+impl std::fmt::Debug for AttemptBuffers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool")
+        f.debug_struct("AttemptBuffers")
             .field("buffers", &self.buffers.len())
             .field("rows", &self.rows.len())
             .field("slots", &self.slots.len())
@@ -276,7 +276,7 @@ pub struct Router {
     table_id: u32,
     state: RwLock<Arc<RouteState>>,
     table: TableSeries,
-    pool: Mutex<Pool>,
+    pool: Mutex<AttemptBuffers>,
     zeros_warned_ms: AtomicU64,
     started: std::time::Instant,
 }
@@ -299,7 +299,7 @@ impl Router {
             table_id: settings.table,
             state: RwLock::new(Arc::new(RouteState::new(settings, sources, m))),
             table,
-            pool: Mutex::new(Pool::default()),
+            pool: Mutex::new(AttemptBuffers::default()),
             zeros_warned_ms: AtomicU64::new(0),
             started: std::time::Instant::now(),
         }
@@ -338,7 +338,7 @@ impl Router {
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = next;
     }
 
-    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+    fn pool(&self) -> std::sync::MutexGuard<'_, AttemptBuffers> {
         self.pool.lock().unwrap_or_else(|p| p.into_inner())
     }
 

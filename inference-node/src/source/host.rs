@@ -317,85 +317,99 @@ fn session(
             st.settled.store(true, Ordering::Release);
             continue;
         }
-        let table = field("table")
-            .and_then(serde_json::Value::as_u64)
-            .and_then(|t| u32::try_from(t).ok())
-            .ok_or("a message without a table")?;
-        let Some((_, want)) = pinned.iter().find(|(id, _)| *id == table) else {
-            continue; // Not routed here.
-        };
-        if field("gone").is_some() {
-            remove(st, table);
-            lock(&st.other).remove(&table);
-            continue;
-        }
-        let digest = field("digest").and_then(|v| v.as_str()).unwrap_or_default();
-        if digest != want.digest.to_string() {
-            // Said before the mapping goes, so that a lookup that finds no
-            // mapping finds why: another version, never "unavailable".
-            lock(&st.other).insert(table, digest.parse().ok());
-            remove(st, table);
-            continue;
-        }
-        if let Some(why) = field("unshared").and_then(|v| v.as_str()) {
-            remove(st, table);
-            lock(&st.other).remove(&table);
-            tracing::warn!(donor = name, table, why, "host socket: table not shared");
-            continue;
-        }
-        let generation = field("generation")
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or_default();
-        let Some(file) = fd else {
-            return Err(format!("table {table}'s message carries no descriptor"));
-        };
-        if read(&st.maps)
-            .get(&table)
-            .is_some_and(|m| m.generation == generation)
-        {
-            lock(&st.other).remove(&table);
-            continue; // The same memory (a donor restarted from its fd store).
-        }
-        match map_table(table, file, want) {
-            Ok(t) => {
-                tracing::info!(donor = name, table, generation, "host socket: table mapped");
-                let t = Arc::new(t);
-                st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
-                    table,
-                    Arc::new(Mapped {
-                        table: Arc::clone(&t),
-                        generation,
-                    }),
-                );
-                // Only once the pinned version is mapped: a lookup in
-                // between still hears of the other one.
-                lock(&st.other).remove(&table);
-                // Then, with lookups already served, point this process's
-                // page tables at every page, so that later lookups take no
-                // page fault (a first touch of each page would): on a
-                // thread of its own, so the donor's next messages are read
-                // meanwhile (a large table takes seconds).
-                let who = name.to_string();
-                let spawned = std::thread::Builder::new()
-                    .name(format!("populate-{table}"))
-                    .spawn(move || {
-                        let t0 = std::time::Instant::now();
-                        t.populate();
-                        let ms = t0.elapsed().as_millis() as u64;
-                        tracing::debug!(donor = %who, table, ms, "host socket: every page of the table mapped");
-                    });
-                if let Err(e) = spawned {
-                    tracing::debug!(donor = name, table, error = %e, "host socket: pages left to be mapped on first use");
-                }
-            }
-            Err(e) => {
-                remove(st, table);
-                lock(&st.other).remove(&table);
-                tracing::warn!(donor = name, table, error = %e, "host socket: table refused");
-            }
-        }
+        table_message(name, &msg, fd, pinned, st)?;
     }
     Err("stopped".into())
+}
+
+/// A message about one table: its mapping (made, kept, or removed), or
+/// why the node cannot use it (another version, not shared).
+fn table_message(
+    name: &str,
+    msg: &serde_json::Value,
+    fd: Option<File>,
+    pinned: &[(u32, ExpectedTable)],
+    st: &State,
+) -> Result<(), String> {
+    let field = |k: &str| msg.get(k);
+    let table = field("table")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|t| u32::try_from(t).ok())
+        .ok_or("a message without a table")?;
+    let Some((_, want)) = pinned.iter().find(|(id, _)| *id == table) else {
+        return Ok(()); // Not routed here.
+    };
+    if field("gone").is_some() {
+        remove(st, table);
+        lock(&st.other).remove(&table);
+        return Ok(());
+    }
+    let digest = field("digest").and_then(|v| v.as_str()).unwrap_or_default();
+    if digest != want.digest.to_string() {
+        // Said before the mapping goes, so that a lookup that finds no
+        // mapping finds why: another version, never "unavailable".
+        lock(&st.other).insert(table, digest.parse().ok());
+        remove(st, table);
+        return Ok(());
+    }
+    if let Some(why) = field("unshared").and_then(|v| v.as_str()) {
+        remove(st, table);
+        lock(&st.other).remove(&table);
+        tracing::warn!(donor = name, table, why, "host socket: table not shared");
+        return Ok(());
+    }
+    let generation = field("generation")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or_default();
+    let Some(file) = fd else {
+        return Err(format!("table {table}'s message carries no descriptor"));
+    };
+    if read(&st.maps)
+        .get(&table)
+        .is_some_and(|m| m.generation == generation)
+    {
+        lock(&st.other).remove(&table);
+        return Ok(()); // The same memory (a donor restarted from its fd store).
+    }
+    match map_table(table, file, want) {
+        Ok(t) => {
+            tracing::info!(donor = name, table, generation, "host socket: table mapped");
+            let t = Arc::new(t);
+            st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
+                table,
+                Arc::new(Mapped {
+                    table: Arc::clone(&t),
+                    generation,
+                }),
+            );
+            // Only once the pinned version is mapped: a lookup in
+            // between still hears of the other one.
+            lock(&st.other).remove(&table);
+            // Then, with lookups already served, point this process's
+            // page tables at every page, so that later lookups take no
+            // page fault (a first touch of each page would): on a
+            // thread of its own, so the donor's next messages are read
+            // meanwhile (a large table takes seconds).
+            let who = name.to_string();
+            let spawned = std::thread::Builder::new()
+                .name(format!("populate-{table}"))
+                .spawn(move || {
+                    let t0 = std::time::Instant::now();
+                    t.populate();
+                    let ms = t0.elapsed().as_millis() as u64;
+                    tracing::debug!(donor = %who, table, ms, "host socket: every page of the table mapped");
+                });
+            if let Err(e) = spawned {
+                tracing::debug!(donor = name, table, error = %e, "host socket: pages left to be mapped on first use");
+            }
+        }
+        Err(e) => {
+            remove(st, table);
+            lock(&st.other).remove(&table);
+            tracing::warn!(donor = name, table, error = %e, "host socket: table refused");
+        }
+    }
+    Ok(())
 }
 
 fn remove(st: &State, table: u32) {

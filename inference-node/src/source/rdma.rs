@@ -248,99 +248,142 @@ impl RdmaPath {
             };
             match step {
                 Step::Backoff(_) => return Ok(RdmaOutcome::UseStream),
-                Step::Learn => match client.region(table, deadline).await {
-                    Ok(region) => {
-                        let mut st = self.state();
-                        st.unavailable_until = None;
-                        if let Err(w) = st.session.learned(&region, &pinned) {
-                            return Err(SourceError::VersionMismatch {
-                                table,
-                                detail: format!(
-                                    "its RDMA region holds digest {}, not the pinned {}",
-                                    w.region, w.pinned
-                                ),
-                            });
-                        }
+                Step::Learn => {
+                    if let Some(done) = self.learn(client, table, pinned, deadline).await {
+                        return done;
                     }
-                    Err(ClientError::Donor {
-                        code: ErrorCode::Unavailable | ErrorCode::Unauthorized,
-                        message,
-                    }) => {
-                        self.state().unavailable_until =
-                            Some(std::time::Instant::now() + UNAVAILABLE_RETRY);
-                        return self.use_stream(&message);
-                    }
-                    Err(e) => return Err(e.into()),
-                },
+                }
                 Step::Connect(token) => {
-                    let _one = self.connecting.lock().await;
-                    if self.state().session.is_connected() {
-                        continue;
-                    }
-                    let (provider, addr) = (Arc::clone(&self.provider), self.addr);
-                    let budget = deadline
-                        .saturating_duration_since(Instant::now())
-                        .min(self.connect_timeout);
-                    let opts = qp_options(budget, self.fabric);
-                    let made =
-                        tokio::task::spawn_blocking(move || provider.connect(addr, &token, &opts))
-                            .await;
-                    match made {
-                        Ok(Ok(qp)) => {
-                            let mut st = self.state();
-                            let old = st.reader.replace(Reader::new(qp, DEFAULT_SLOT_ROWS));
-                            st.session.connected();
-                            st.warned = false;
-                            drop(st);
-                            retire(old);
-                            tracing::info!(donor = %self.donor, "rdma://{addr}: queue pair connected");
-                        }
-                        Ok(Err(e)) => {
-                            self.state()
-                                .session
-                                .connect_failed(std::time::Instant::now());
-                            return self.use_stream(&format!("connecting a queue pair: {e}"));
-                        }
-                        Err(e) => {
-                            self.state()
-                                .session
-                                .connect_failed(std::time::Instant::now());
-                            return self.use_stream(&format!("connecting a queue pair: {e}"));
-                        }
+                    if let Some(done) = self.connect_queue_pair(token, deadline).await {
+                        return done;
                     }
                 }
                 Step::Read(layout) => {
-                    let per = self
-                        .state()
-                        .reader
-                        .as_ref()
-                        .map_or(DEFAULT_SLOT_ROWS, Reader::slot_rows);
-                    for (chunk, dst) in rows.chunks(per).zip(out.chunks_mut(per * ROW_BYTES)) {
-                        if let Err(f) = self.read(chunk, &layout, dst, deadline).await {
-                            let mut st = self.state();
-                            st.session.fault(table, f);
-                            let dead = if f.kills_queue_pair() {
-                                st.reader.take()
-                            } else {
-                                None
-                            };
-                            drop(st);
-                            retire(dead);
-                            tracing::debug!(donor = %self.donor, table, "rdma read failed: {f}");
-                            self.counters
-                                .faults
-                                .get_or_create(&crate::metrics::RdmaLabels {
-                                    source: self.donor.clone(),
-                                    kind: f.name().into(),
-                                })
-                                .inc();
-                            return Err(fault_error(&self.donor, f));
-                        }
-                    }
-                    return Ok(RdmaOutcome::Read);
+                    return self.read_rows(table, &layout, rows, out, deadline).await;
                 }
             }
         }
+    }
+
+    /// Ask the donor for the table's region over the stream: `None` when
+    /// learned (read next), else what the lookup ends with (the stream, or
+    /// a version mismatch).
+    async fn learn(
+        &self,
+        client: &DonorClient,
+        table: u32,
+        pinned: TableDigest,
+        deadline: Instant,
+    ) -> Option<Result<RdmaOutcome, SourceError>> {
+        match client.region(table, deadline).await {
+            Ok(region) => {
+                let mut st = self.state();
+                st.unavailable_until = None;
+                if let Err(w) = st.session.learned(&region, &pinned) {
+                    return Some(Err(SourceError::VersionMismatch {
+                        table,
+                        detail: format!(
+                            "its RDMA region holds digest {}, not the pinned {}",
+                            w.region, w.pinned
+                        ),
+                    }));
+                }
+            }
+            Err(ClientError::Donor {
+                code: ErrorCode::Unavailable | ErrorCode::Unauthorized,
+                message,
+            }) => {
+                self.state().unavailable_until =
+                    Some(std::time::Instant::now() + UNAVAILABLE_RETRY);
+                return Some(self.use_stream(&message));
+            }
+            Err(e) => return Some(Err(e.into())),
+        }
+        None
+    }
+
+    /// Connect a queue pair presenting `token` (one connect at a time):
+    /// `None` once connected, else the stream (connecting failed).
+    async fn connect_queue_pair(
+        &self,
+        token: [u8; 16],
+        deadline: Instant,
+    ) -> Option<Result<RdmaOutcome, SourceError>> {
+        let _one = self.connecting.lock().await;
+        if self.state().session.is_connected() {
+            return None;
+        }
+        let (provider, addr) = (Arc::clone(&self.provider), self.addr);
+        let budget = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.connect_timeout);
+        let opts = qp_options(budget, self.fabric);
+        let made = tokio::task::spawn_blocking(move || provider.connect(addr, &token, &opts)).await;
+        match made {
+            Ok(Ok(qp)) => {
+                let mut st = self.state();
+                let old = st.reader.replace(Reader::new(qp, DEFAULT_SLOT_ROWS));
+                st.session.connected();
+                st.warned = false;
+                drop(st);
+                retire(old);
+                tracing::info!(donor = %self.donor, "rdma://{addr}: queue pair connected");
+            }
+            Ok(Err(e)) => {
+                self.state()
+                    .session
+                    .connect_failed(std::time::Instant::now());
+                return Some(self.use_stream(&format!("connecting a queue pair: {e}")));
+            }
+            Err(e) => {
+                self.state()
+                    .session
+                    .connect_failed(std::time::Instant::now());
+                return Some(self.use_stream(&format!("connecting a queue pair: {e}")));
+            }
+        }
+        None
+    }
+
+    /// Read `rows` over RDMA with `layout`, a slot's worth at a time, into
+    /// `out`; a fault is counted, kills the queue pair where it must, and
+    /// fails the lookup over.
+    async fn read_rows(
+        &self,
+        table: u32,
+        layout: &engram_rdma::plan::Layout,
+        rows: &[u64],
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<RdmaOutcome, SourceError> {
+        let per = self
+            .state()
+            .reader
+            .as_ref()
+            .map_or(DEFAULT_SLOT_ROWS, Reader::slot_rows);
+        for (chunk, dst) in rows.chunks(per).zip(out.chunks_mut(per * ROW_BYTES)) {
+            if let Err(f) = self.read(chunk, layout, dst, deadline).await {
+                let mut st = self.state();
+                st.session.fault(table, f);
+                let dead = if f.kills_queue_pair() {
+                    st.reader.take()
+                } else {
+                    None
+                };
+                drop(st);
+                retire(dead);
+                tracing::debug!(donor = %self.donor, table, "rdma read failed: {f}");
+                self.counters
+                    .faults
+                    .get_or_create(&crate::metrics::RdmaLabels {
+                        source: self.donor.clone(),
+                        kind: f.name().into(),
+                    })
+                    .inc();
+                return Err(fault_error(&self.donor, f));
+            }
+        }
+        Ok(RdmaOutcome::Read)
     }
 
     /// One read of at most a slot's rows: start it (waiting for a free

@@ -13,10 +13,10 @@ use memory_donor::fdstore::FdStore;
 use memory_donor::load::load_tables;
 use memory_donor::orders::Order;
 use memory_donor::reload::ReloadSource;
-use memory_donor::serve::{OpsServers, serve};
+use memory_donor::serve::{AdminServers, serve};
 use memory_donor::spec::{Overrides, ServeSpec, TableSpec};
 use memory_donor::status::{DonorStatus, Phase};
-use memory_donor::supervise::Ops;
+use memory_donor::supervise::LoopServices;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -144,7 +144,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let run = Ops {
+    let run = LoopServices {
         notifier,
         log_level,
         reload,
@@ -208,7 +208,7 @@ fn spec(args: &ServeArgs, overrides: &Overrides) -> Result<(ServeSpec, Option<Re
 
 /// Signals, TLS, the operations servers, the load (a drain meanwhile
 /// exits), then serving until the drain.
-async fn start_and_serve(spec: ServeSpec, run: Ops) -> Result<()> {
+async fn start_and_serve(spec: ServeSpec, run: LoopServices) -> Result<()> {
     let (notifier, fd_store) = (Arc::clone(&run.notifier), Arc::clone(&run.fd_store));
     // Handlers first: a SIGTERM during a minutes-long load, or right after
     // the ready line, must stop the donor cleanly, not kill it.
@@ -224,7 +224,7 @@ async fn start_and_serve(spec: ServeSpec, run: Ops) -> Result<()> {
     }
     tokio::spawn(signals.forward(Arc::clone(&status)));
     let _ = notifier.status("loading tables");
-    let ops = OpsServers::start(&spec, &status).await?;
+    let ops = AdminServers::start(&spec, &status).await?;
     let loading = tokio::task::spawn_blocking({
         let (spec, status, notifier, store) = (
             spec.clone(),

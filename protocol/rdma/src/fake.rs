@@ -544,22 +544,10 @@ impl FakeQp {
     }
 }
 
-impl QueuePair for FakeQp {
-    fn buffer_len(&self) -> usize {
-        self.buffer.len()
-    }
-
-    // The fake "NIC" writes while it holds `&mut self` (at the post), so
-    // any range may be borrowed here.
-    fn landed(&self, offset: usize, len: usize) -> Option<&[u8]> {
-        self.buffer.get(offset..offset.checked_add(len)?)
-    }
-
-    fn send_depth(&self) -> usize {
-        self.depth
-    }
-
-    fn post_reads(&mut self, wrs: &[ReadWr]) -> Result<(), VerbsError> {
+impl FakeQp {
+    /// A post the real provider would refuse outright: more work requests
+    /// than the send queue has room for, or one landing outside the buffer.
+    fn admit_post(&self, wrs: &[ReadWr]) -> Result<(), VerbsError> {
         let outstanding = (self.posted - self.retired) as usize;
         if outstanding + wrs.len() > self.depth {
             return Err(VerbsError::Io(format!(
@@ -578,6 +566,50 @@ impl QueuePair for FakeQp {
                 w.wr_id
             )));
         }
+        Ok(())
+    }
+
+    /// The reads of `wrs` landed: their completions, as `fault` shapes them
+    /// (lost, or visible only later).
+    fn complete(&mut self, wrs: &[ReadWr], fault: Option<FakeFault>) {
+        let visible = match fault {
+            Some(FakeFault::LoseCompletion) => {
+                self.posted += wrs.len() as u64;
+                return;
+            }
+            Some(FakeFault::Late(d)) => Some(Instant::now() + d),
+            _ => None,
+        };
+        for w in wrs {
+            self.posted += 1;
+            if w.signaled {
+                let c = Completion {
+                    wr_id: w.wr_id,
+                    status: WcStatus::Success,
+                };
+                self.cq.push_back((visible, c, self.posted));
+            }
+        }
+    }
+}
+
+impl QueuePair for FakeQp {
+    fn buffer_len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    // The fake "NIC" writes while it holds `&mut self` (at the post), so
+    // any range may be borrowed here.
+    fn landed(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        self.buffer.get(offset..offset.checked_add(len)?)
+    }
+
+    fn send_depth(&self) -> usize {
+        self.depth
+    }
+
+    fn post_reads(&mut self, wrs: &[ReadWr]) -> Result<(), VerbsError> {
+        self.admit_post(wrs)?;
         let fabric = Arc::clone(&self.fabric);
         let mut s = fabric.lock();
         let fault = s.faults.get_mut(&self.peer).and_then(VecDeque::pop_front);
@@ -651,24 +683,7 @@ impl QueuePair for FakeQp {
         self.fabric
             .reads
             .fetch_add(wrs.len() as u64, Ordering::Relaxed);
-        let visible = match fault {
-            Some(FakeFault::LoseCompletion) => {
-                self.posted += wrs.len() as u64;
-                return Ok(());
-            }
-            Some(FakeFault::Late(d)) => Some(Instant::now() + d),
-            _ => None,
-        };
-        for w in wrs {
-            self.posted += 1;
-            if w.signaled {
-                let c = Completion {
-                    wr_id: w.wr_id,
-                    status: WcStatus::Success,
-                };
-                self.cq.push_back((visible, c, self.posted));
-            }
-        }
+        self.complete(wrs, fault);
         Ok(())
     }
 

@@ -1047,6 +1047,175 @@ impl Drop for Conn {
 }
 
 impl Conn {
+    /// A non-blocking event channel and a connection id on it, with the
+    /// fabric's traffic class and ACK timeout set: both before the route is
+    /// resolved (the class picks the path's service level, and the timeout
+    /// is applied when the queue pair is readied to send; librdmacm 18 and
+    /// kernel 4.18 or later).
+    fn open(opts: &QpOptions) -> Result<Self, VerbsError> {
+        let mut c = Conn {
+            channel: ptr::null_mut(),
+            id: ptr::null_mut(),
+            pd: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            qp: ptr::null_mut(),
+            mr: ptr::null_mut(),
+            connected: false,
+            buffer: None,
+        };
+        // SAFETY: no arguments; NULL on failure.
+        let channel = unsafe { sys::rdma_create_event_channel() };
+        c.channel = non_null(channel, format_args!("rdma_create_event_channel"))?;
+        // Non-blocking: reading an event must never stall a lookup (the
+        // connection waits with poll first; the queue pair checks for
+        // events between completions).
+        // SAFETY: the channel is live; fcntl on its descriptor.
+        let rc = unsafe {
+            let fd = (*c.channel).fd;
+            libc::fcntl(
+                fd,
+                libc::F_SETFL,
+                libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK,
+            )
+        };
+        check(
+            rc.min(0),
+            format_args!("making the event channel non-blocking"),
+        )?;
+        let mut id = ptr::null_mut();
+        let ps = sys::rdma_port_space::RDMA_PS_TCP;
+        // SAFETY: a live channel and a valid out pointer.
+        let rc = unsafe { sys::rdma_create_id(c.channel, &mut id, ptr::null_mut(), ps) };
+        check(rc, format_args!("rdma_create_id"))?;
+        c.id = id;
+        set_traffic_class(c.id, &opts.fabric)?;
+        let exponent = opts.fabric.ack_timeout_exponent();
+        set_u8_option(
+            c.id,
+            RDMA_OPTION_ID_ACK_TIMEOUT,
+            exponent,
+            "ACK timeout exponent",
+        )?;
+        Ok(c)
+    }
+
+    /// Resolve `addr`'s address and route by `deadline`: the device that
+    /// reaches it.
+    fn resolve(
+        &mut self,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<*mut sys::ibv_context, VerbsError> {
+        let ms = |d| millis_left(d).ok_or_else(|| VerbsError::Timeout("connecting".into()));
+        let mut dst = to_sockaddr(addr);
+        let dst_ptr = ptr::addr_of_mut!(dst).cast::<libc::sockaddr>();
+        let timeout = ms(deadline)?;
+        // SAFETY: a live id; the address is only read.
+        let rc = unsafe { sys::rdma_resolve_addr(self.id, ptr::null_mut(), dst_ptr, timeout) };
+        check(rc, format_args!("rdma_resolve_addr {addr}"))?;
+        self.wait(ev::RDMA_CM_EVENT_ADDR_RESOLVED, deadline)?;
+        let timeout = ms(deadline)?;
+        // SAFETY: a live id with its address resolved.
+        let rc = unsafe { sys::rdma_resolve_route(self.id, timeout) };
+        check(rc, format_args!("rdma_resolve_route {addr}"))?;
+        self.wait(ev::RDMA_CM_EVENT_ROUTE_RESOLVED, deadline)?;
+        // SAFETY: a live id; `verbs` is set once the address is resolved.
+        let ctx = unsafe { (*self.id).verbs };
+        if ctx.is_null() {
+            return Err(VerbsError::Io(format!("no RDMA device reaches {addr}")));
+        }
+        Ok(ctx)
+    }
+
+    /// The protection domain, the completion queue and the reliable queue
+    /// pair for `depth` reads in flight, on device `ctx`, within what the
+    /// device allows; the device's initiator depth.
+    fn make_queue_pair(
+        &mut self,
+        ctx: *mut sys::ibv_context,
+        depth: u32,
+    ) -> Result<c_int, VerbsError> {
+        // SAFETY: all-zero is a valid ibv_device_attr (integers).
+        let mut dattr: sys::ibv_device_attr = unsafe { zeroed() };
+        // SAFETY: a live context and a valid out struct.
+        let (max_wr, max_cqe, max_init) = if unsafe { sys::ibv_query_device(ctx, &mut dattr) } == 0
+        {
+            (dattr.max_qp_wr, dattr.max_cqe, dattr.max_qp_init_rd_atom)
+        } else {
+            (c_int::MAX, c_int::MAX, 1)
+        };
+        let cqe = c_int::try_from(depth + 1).unwrap_or(c_int::MAX);
+        if c_int::try_from(depth).unwrap_or(c_int::MAX) > max_wr || cqe > max_cqe {
+            return Err(VerbsError::Invalid(format!(
+                "send depth {depth} (the device allows {max_wr} work requests, {max_cqe} cqes)"
+            )));
+        }
+        // SAFETY: a live context.
+        self.pd = non_null(
+            unsafe { sys::ibv_alloc_pd(ctx) },
+            format_args!("ibv_alloc_pd"),
+        )?;
+        // One CQ for both queues; one spare entry for a flushed receive.
+        // SAFETY: a live context; no completion channel.
+        let cq = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), ptr::null_mut(), 0) };
+        self.cq = non_null(cq, format_args!("ibv_create_cq"))?;
+        // SAFETY: all-zero is valid for this struct of pointers and integers.
+        let mut qattr: sys::ibv_qp_init_attr = unsafe { zeroed() };
+        qattr.send_cq = self.cq;
+        qattr.recv_cq = self.cq;
+        qattr.cap.max_send_wr = depth;
+        qattr.cap.max_recv_wr = 1;
+        qattr.cap.max_send_sge = 1;
+        qattr.cap.max_recv_sge = 1;
+        qattr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        // SAFETY: a live id whose route is resolved; PD and CQ on its device.
+        let rc = unsafe { sys::rdma_create_qp(self.id, self.pd, &mut qattr) };
+        check(rc, format_args!("rdma_create_qp"))?;
+        // SAFETY: the id now holds the QP just made.
+        self.qp = unsafe { (*self.id).qp };
+        Ok(max_init)
+    }
+
+    /// The landing buffer of `bytes`, registered for local writes: its
+    /// address and local key.
+    fn register_buffer(&mut self, bytes: usize) -> Result<(*mut u8, u32), VerbsError> {
+        let buffer = PageBuf::new(bytes)?;
+        let (base, len) = (buffer.ptr.as_ptr(), buffer.len);
+        self.buffer = Some(buffer);
+        let access = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as c_int;
+        // SAFETY: the buffer lives in `self` and is freed after this MR.
+        let mr = unsafe { sys::ibv_reg_mr(self.pd, base.cast::<c_void>(), len, access) };
+        self.mr = non_null(mr, format_args!("ibv_reg_mr of {len} bytes"))?;
+        // SAFETY: a valid MR.
+        let lkey = unsafe { (*self.mr).lkey };
+        Ok((base, lkey))
+    }
+
+    /// Connect to `addr` with `frame` as the private data, by `deadline`.
+    fn establish(
+        &mut self,
+        addr: SocketAddr,
+        frame: &[u8],
+        max_init: c_int,
+        opts: &QpOptions,
+        deadline: Instant,
+    ) -> Result<(), VerbsError> {
+        // SAFETY: all-zero is valid; the private data outlives the call.
+        let mut param: sys::rdma_conn_param = unsafe { zeroed() };
+        param.private_data = frame.as_ptr().cast();
+        param.private_data_len = u8::try_from(frame.len()).unwrap_or(0);
+        param.initiator_depth = u8::try_from(max_init.clamp(0, MAX_RD_ATOM)).unwrap_or(0);
+        param.responder_resources = 0;
+        param.retry_count = opts.fabric.retry_count.min(7);
+        param.rnr_retry_count = RNR_RETRIES;
+        // SAFETY: a live id with a QP; param and its data are read in the call.
+        let rc = unsafe { sys::rdma_connect(self.id, &mut param) };
+        check(rc, format_args!("rdma_connect {addr}"))?;
+        self.wait(ev::RDMA_CM_EVENT_ESTABLISHED, deadline)?;
+        self.connected = true;
+        Ok(())
+    }
+
     /// The next connection manager event and its status, acked; `None`
     /// when none is waiting (the channel is non-blocking).
     fn next_event(&self) -> Result<Option<(ev::Type, c_int)>, VerbsError> {
@@ -1161,130 +1330,11 @@ impl IbvQueuePair {
             .checked_add(opts.connect_timeout)
             .or_else(|| now.checked_add(Duration::from_secs(86_400)))
             .unwrap_or(now);
-        let ms = |d| millis_left(d).ok_or_else(|| VerbsError::Timeout("connecting".into()));
-        let mut c = Conn {
-            channel: ptr::null_mut(),
-            id: ptr::null_mut(),
-            pd: ptr::null_mut(),
-            cq: ptr::null_mut(),
-            qp: ptr::null_mut(),
-            mr: ptr::null_mut(),
-            connected: false,
-            buffer: None,
-        };
-        // SAFETY: no arguments; NULL on failure.
-        let channel = unsafe { sys::rdma_create_event_channel() };
-        c.channel = non_null(channel, format_args!("rdma_create_event_channel"))?;
-        // Non-blocking: reading an event must never stall a lookup (the
-        // connection waits with poll first; the queue pair checks for
-        // events between completions).
-        // SAFETY: the channel is live; fcntl on its descriptor.
-        let rc = unsafe {
-            let fd = (*c.channel).fd;
-            libc::fcntl(
-                fd,
-                libc::F_SETFL,
-                libc::fcntl(fd, libc::F_GETFL) | libc::O_NONBLOCK,
-            )
-        };
-        check(
-            rc.min(0),
-            format_args!("making the event channel non-blocking"),
-        )?;
-        let mut id = ptr::null_mut();
-        let ps = sys::rdma_port_space::RDMA_PS_TCP;
-        // SAFETY: a live channel and a valid out pointer.
-        let rc = unsafe { sys::rdma_create_id(c.channel, &mut id, ptr::null_mut(), ps) };
-        check(rc, format_args!("rdma_create_id"))?;
-        c.id = id;
-        // Both before the route is resolved: the class picks the path's
-        // service level, and the timeout is applied when the queue pair
-        // is readied to send (librdmacm 18 and kernel 4.18 or later).
-        set_traffic_class(c.id, &opts.fabric)?;
-        let exponent = opts.fabric.ack_timeout_exponent();
-        set_u8_option(
-            c.id,
-            RDMA_OPTION_ID_ACK_TIMEOUT,
-            exponent,
-            "ACK timeout exponent",
-        )?;
-        let mut dst = to_sockaddr(addr);
-        let dst_ptr = ptr::addr_of_mut!(dst).cast::<libc::sockaddr>();
-        let timeout = ms(deadline)?;
-        // SAFETY: a live id; the address is only read.
-        let rc = unsafe { sys::rdma_resolve_addr(c.id, ptr::null_mut(), dst_ptr, timeout) };
-        check(rc, format_args!("rdma_resolve_addr {addr}"))?;
-        c.wait(ev::RDMA_CM_EVENT_ADDR_RESOLVED, deadline)?;
-        let timeout = ms(deadline)?;
-        // SAFETY: a live id with its address resolved.
-        let rc = unsafe { sys::rdma_resolve_route(c.id, timeout) };
-        check(rc, format_args!("rdma_resolve_route {addr}"))?;
-        c.wait(ev::RDMA_CM_EVENT_ROUTE_RESOLVED, deadline)?;
-        // SAFETY: a live id; `verbs` is set once the address is resolved.
-        let ctx = unsafe { (*c.id).verbs };
-        if ctx.is_null() {
-            return Err(VerbsError::Io(format!("no RDMA device reaches {addr}")));
-        }
-        // SAFETY: all-zero is a valid ibv_device_attr (integers).
-        let mut dattr: sys::ibv_device_attr = unsafe { zeroed() };
-        // SAFETY: a live context and a valid out struct.
-        let (max_wr, max_cqe, max_init) = if unsafe { sys::ibv_query_device(ctx, &mut dattr) } == 0
-        {
-            (dattr.max_qp_wr, dattr.max_cqe, dattr.max_qp_init_rd_atom)
-        } else {
-            (c_int::MAX, c_int::MAX, 1)
-        };
-        let cqe = c_int::try_from(depth + 1).unwrap_or(c_int::MAX);
-        if c_int::try_from(depth).unwrap_or(c_int::MAX) > max_wr || cqe > max_cqe {
-            return Err(VerbsError::Invalid(format!(
-                "send depth {depth} (the device allows {max_wr} work requests, {max_cqe} cqes)"
-            )));
-        }
-        // SAFETY: a live context.
-        c.pd = non_null(
-            unsafe { sys::ibv_alloc_pd(ctx) },
-            format_args!("ibv_alloc_pd"),
-        )?;
-        // One CQ for both queues; one spare entry for a flushed receive.
-        // SAFETY: a live context; no completion channel.
-        let cq = unsafe { sys::ibv_create_cq(ctx, cqe, ptr::null_mut(), ptr::null_mut(), 0) };
-        c.cq = non_null(cq, format_args!("ibv_create_cq"))?;
-        // SAFETY: all-zero is valid for this struct of pointers and integers.
-        let mut qattr: sys::ibv_qp_init_attr = unsafe { zeroed() };
-        qattr.send_cq = c.cq;
-        qattr.recv_cq = c.cq;
-        qattr.cap.max_send_wr = depth;
-        qattr.cap.max_recv_wr = 1;
-        qattr.cap.max_send_sge = 1;
-        qattr.cap.max_recv_sge = 1;
-        qattr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
-        // SAFETY: a live id whose route is resolved; PD and CQ on its device.
-        let rc = unsafe { sys::rdma_create_qp(c.id, c.pd, &mut qattr) };
-        check(rc, format_args!("rdma_create_qp"))?;
-        // SAFETY: the id now holds the QP just made.
-        c.qp = unsafe { (*c.id).qp };
-        let buffer = PageBuf::new(opts.buffer_bytes)?;
-        let (base, len) = (buffer.ptr.as_ptr(), buffer.len);
-        c.buffer = Some(buffer);
-        let access = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as c_int;
-        // SAFETY: the buffer lives in `c` and is freed after this MR.
-        let mr = unsafe { sys::ibv_reg_mr(c.pd, base.cast::<c_void>(), len, access) };
-        c.mr = non_null(mr, format_args!("ibv_reg_mr of {len} bytes"))?;
-        // SAFETY: a valid MR.
-        let lkey = unsafe { (*c.mr).lkey };
-        // SAFETY: all-zero is valid; the private data outlives the call.
-        let mut param: sys::rdma_conn_param = unsafe { zeroed() };
-        param.private_data = frame.as_ptr().cast();
-        param.private_data_len = u8::try_from(frame.len()).unwrap_or(0);
-        param.initiator_depth = u8::try_from(max_init.clamp(0, MAX_RD_ATOM)).unwrap_or(0);
-        param.responder_resources = 0;
-        param.retry_count = opts.fabric.retry_count.min(7);
-        param.rnr_retry_count = RNR_RETRIES;
-        // SAFETY: a live id with a QP; param and its data are read in the call.
-        let rc = unsafe { sys::rdma_connect(c.id, &mut param) };
-        check(rc, format_args!("rdma_connect {addr}"))?;
-        c.wait(ev::RDMA_CM_EVENT_ESTABLISHED, deadline)?;
-        c.connected = true;
+        let mut c = Conn::open(opts)?;
+        let ctx = c.resolve(addr, deadline)?;
+        let max_init = c.make_queue_pair(ctx, depth)?;
+        let (base, lkey) = c.register_buffer(opts.buffer_bytes)?;
+        c.establish(addr, &frame, max_init, opts, deadline)?;
         let n = opts.send_depth;
         Ok(Self {
             conn: c,

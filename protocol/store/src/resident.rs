@@ -509,17 +509,7 @@ impl ResidentTable {
         let (mut map, memfd) = match opts.backing {
             Backing::Mapped => return Self::load_mapped(id, file, opts, progress),
             Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
-            Backing::Memfd => {
-                let (f, flen, huge) =
-                    kept::create(file.meta.rows, true).map_err(|e| memory(e.into_io()))?;
-                let flen = usize::try_from(flen)
-                    .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
-                // SAFETY: the memfd is ours alone until it is handed on, and
-                // its size is fixed (sealed once filled).
-                let map =
-                    unsafe { memmap2::MmapOptions::new().len(flen).map_mut(&f) }.map_err(memory)?;
-                (map, Some((f, huge)))
-            }
+            Backing::Memfd => memfd_map(file.meta.rows, &memory)?,
         };
         if let Some(node) = opts.numa_node {
             crate::numa::bind(&map, node).map_err(memory)?;
@@ -551,47 +541,30 @@ impl ResidentTable {
                     verified: !opts.trust_digest,
                 };
                 kept::finish(&f, &mut map, &record).map_err(|e| memory(e.into_io()))?;
+                let pages = if hugetlb {
+                    kept::Pages::HugeTlb
+                } else {
+                    kept::Pages::for_shmem()
+                };
                 Some(Kept {
-                    pages: if hugetlb {
-                        kept::Pages::HugeTlb
-                    } else {
-                        kept::Pages::for_shmem()
-                    },
+                    pages,
                     file: f,
                     record,
                 })
             }
             None => None,
         };
-        let mut view = None;
-        let map = match &kept {
-            // The writable mapping goes (or stays as the RDMA view), the
-            // memfd is sealed against writes (or, with a view, when first
-            // shared), and the rows are mapped again read-only.
+        let (map, view) = match &kept {
             Some(k) => {
-                let flen = map.len();
-                if opts.rdma_view {
-                    view = Some(map);
-                } else {
-                    drop(map);
-                    kept::seal_writes(&k.file).map_err(|e| memory(e.into_io()))?;
-                }
-                // SAFETY: the memfd is sealed against resizing, so its
-                // pages cannot go away under the mapping, and against
-                // writes (or nothing writes through the view kept).
-                let map = unsafe { memmap2::MmapOptions::new().len(flen).map(&k.file) }
-                    .map_err(memory)?;
-                let _ = map.advise(memmap2::Advice::HugePage);
-                if locked {
-                    lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
-                        path: shown.clone(),
-                        bytes,
-                        source,
-                    })?;
-                }
-                map
+                let relock = locked.then_some(opts.mlock);
+                let mlock_err = |source| LoadError::Mlock {
+                    path: shown.clone(),
+                    bytes,
+                    source,
+                };
+                map_sealed(k, map, opts.rdma_view, relock, &memory, &mlock_err)?
             }
-            None => map.make_read_only().map_err(memory)?,
+            None => (map.make_read_only().map_err(memory)?, None),
         };
         let digest = file.meta.digest;
         let table = Self {
@@ -864,6 +837,52 @@ fn lock_on_fault(map: &[u8], mode: MlockMode) -> Result<bool, std::io::Error> {
         return Err(e);
     }
     Ok(false)
+}
+
+/// A memfd for `rows` rows (in huge pages where the system has them) and
+/// its writable mapping, to be filled; whether it is in huge pages.
+fn memfd_map(
+    rows: u64,
+    memory: &dyn Fn(std::io::Error) -> LoadError,
+) -> Result<(MmapMut, Option<(std::fs::File, bool)>), LoadError> {
+    let (f, flen, huge) = kept::create(rows, true).map_err(|e| memory(e.into_io()))?;
+    let flen = usize::try_from(flen)
+        .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
+    // SAFETY: the memfd is ours alone until it is handed on, and its size
+    // is fixed (sealed once filled).
+    let map = unsafe { memmap2::MmapOptions::new().len(flen).map_mut(&f) }.map_err(memory)?;
+    Ok((map, Some((f, huge))))
+}
+
+/// A filled memfd's rows mapped again read-only: the writable mapping `map`
+/// goes (or stays as the RDMA view, with `rdma_view`), the memfd is sealed
+/// against writes (or, with a view, when first shared), and the new
+/// mapping is locked again where `relock` says.
+fn map_sealed(
+    k: &Kept,
+    map: MmapMut,
+    rdma_view: bool,
+    relock: Option<MlockMode>,
+    memory: &dyn Fn(std::io::Error) -> LoadError,
+    mlock_err: &dyn Fn(std::io::Error) -> LoadError,
+) -> Result<(Mmap, Option<MmapMut>), LoadError> {
+    let flen = map.len();
+    let view = if rdma_view {
+        Some(map)
+    } else {
+        drop(map);
+        kept::seal_writes(&k.file).map_err(|e| memory(e.into_io()))?;
+        None
+    };
+    // SAFETY: the memfd is sealed against resizing, so its pages cannot go
+    // away under the mapping, and against writes (or nothing writes through
+    // the view kept).
+    let map = unsafe { memmap2::MmapOptions::new().len(flen).map(&k.file) }.map_err(memory)?;
+    let _ = map.advise(memmap2::Advice::HugePage);
+    if let Some(mode) = relock {
+        lock_on_fault(&map, mode).map_err(mlock_err)?;
+    }
+    Ok((map, view))
 }
 
 #[cfg(test)]

@@ -197,7 +197,7 @@ pub fn fuzz_client(bytes: &[u8]) {
         match ops.next().unwrap_or(0) % 4 {
             0 => {}
             1 | 2 => {
-                let kind = if begun.len() % 2 == 0 {
+                let kind = if begun.len().is_multiple_of(2) {
                     Kind::Lookup
                 } else {
                     Kind::Ping
