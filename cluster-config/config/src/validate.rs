@@ -870,23 +870,7 @@ fn rdma_device(
         return None;
     }
     let r = raw.get_ref();
-    let device = r.device.as_ref().map(|n| {
-        let v = n.get_ref();
-        let ok = !v.is_empty()
-            && v.len() <= 63
-            && v.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
-        if !ok {
-            cx.at(
-                n.span(),
-                k("rdma.device"),
-                format!(
-                    "{v:?} is not an RDMA device name (1-63 of A-Z a-z 0-9 _ - ., like \"mlx5_0\")"
-                ),
-            );
-        }
-        v.clone()
-    });
+    let device = r.device.as_ref().map(|n| rdma_device_name(cx, n, k));
     // The connection manager takes the port and the GID from the address
     // it binds or resolves: a choice here would be ignored, so it is
     // refused rather than silently dropped.
@@ -927,6 +911,26 @@ fn rdma_device(
         retry_count,
         traffic_class,
     })
+}
+
+/// An RDMA device's name: 1 to 63 of A-Z a-z 0-9 _ - . (an error
+/// where it is not, the name kept either way).
+fn rdma_device_name(cx: &mut Ctx<'_>, n: &Spanned<String>, k: &dyn Fn(&str) -> String) -> String {
+    let v = n.get_ref();
+    let ok = !v.is_empty()
+        && v.len() <= 63
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if !ok {
+        cx.at(
+            n.span(),
+            k("rdma.device"),
+            format!(
+                "{v:?} is not an RDMA device name (1-63 of A-Z a-z 0-9 _ - ., like \"mlx5_0\")"
+            ),
+        );
+    }
+    v.clone()
 }
 
 pub(crate) mod node;

@@ -374,14 +374,7 @@ impl DonorClient {
     }
 
     async fn connect_inner(addr: SocketAddr, opts: &ClientOptions) -> Result<Self, ClientError> {
-        let Carrier {
-            r,
-            w,
-            fd,
-            tls: session,
-            quic,
-            left,
-        } = match opts.transport {
+        let carrier = match opts.transport {
             Transport::Quic => {
                 let (endpoint, conn, send, recv) = dial_quic(addr, opts).await?;
                 Carrier {
@@ -395,6 +388,8 @@ impl DonorClient {
             }
             transport => dial_stream(addr, opts, transport == Transport::Tls).await?,
         };
+        let Carrier { r, w, fd, quic, .. } = carrier;
+        let (session, left) = (carrier.tls, carrier.left);
         let mut proto: wire::Session = ClientSession::new(ClientConfig {
             node: opts.node_name.clone(),
             credential: hello_credential(opts).to_vec(),

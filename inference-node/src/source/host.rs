@@ -322,6 +322,40 @@ fn session(
     Err("stopped".into())
 }
 
+/// Serve table `table` (`generation`) from its new mapping `t`, then
+/// populate its page tables on a thread of its own.
+fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State) {
+    tracing::info!(donor = name, table, generation, "host socket: table mapped");
+    let t = Arc::new(t);
+    st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
+        table,
+        Arc::new(Mapped {
+            table: Arc::clone(&t),
+            generation,
+        }),
+    );
+    // Only once the pinned version is mapped: a lookup in
+    // between still hears of the other one.
+    lock(&st.other).remove(&table);
+    // Then, with lookups already served, point this process's
+    // page tables at every page, so that later lookups take no
+    // page fault (a first touch of each page would): on a
+    // thread of its own, so the donor's next messages are read
+    // meanwhile (a large table takes seconds).
+    let who = name.to_string();
+    let spawned = std::thread::Builder::new()
+        .name(format!("populate-{table}"))
+        .spawn(move || {
+            let t0 = std::time::Instant::now();
+            t.populate();
+            let ms = t0.elapsed().as_millis() as u64;
+            tracing::debug!(donor = %who, table, ms, "host socket: every page of the table mapped");
+        });
+    if let Err(e) = spawned {
+        tracing::debug!(donor = name, table, error = %e, "host socket: pages left to be mapped on first use");
+    }
+}
+
 /// A message about one table: its mapping (made, kept, or removed), or
 /// why the node cannot use it (another version, not shared).
 fn table_message(
@@ -372,37 +406,7 @@ fn table_message(
         return Ok(()); // The same memory (a donor restarted from its fd store).
     }
     match map_table(table, file, want) {
-        Ok(t) => {
-            tracing::info!(donor = name, table, generation, "host socket: table mapped");
-            let t = Arc::new(t);
-            st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
-                table,
-                Arc::new(Mapped {
-                    table: Arc::clone(&t),
-                    generation,
-                }),
-            );
-            // Only once the pinned version is mapped: a lookup in
-            // between still hears of the other one.
-            lock(&st.other).remove(&table);
-            // Then, with lookups already served, point this process's
-            // page tables at every page, so that later lookups take no
-            // page fault (a first touch of each page would): on a
-            // thread of its own, so the donor's next messages are read
-            // meanwhile (a large table takes seconds).
-            let who = name.to_string();
-            let spawned = std::thread::Builder::new()
-                .name(format!("populate-{table}"))
-                .spawn(move || {
-                    let t0 = std::time::Instant::now();
-                    t.populate();
-                    let ms = t0.elapsed().as_millis() as u64;
-                    tracing::debug!(donor = %who, table, ms, "host socket: every page of the table mapped");
-                });
-            if let Err(e) = spawned {
-                tracing::debug!(donor = name, table, error = %e, "host socket: pages left to be mapped on first use");
-            }
-        }
+        Ok(t) => install(name, table, generation, t, st),
         Err(e) => {
             remove(st, table);
             lock(&st.other).remove(&table);

@@ -316,7 +316,6 @@ fn config_text(
             t.push_str("operators = [\"ops-1\"]\n");
         }
     }
-    let scheme = plan.transport.as_str();
     for f in tables {
         write!(
             t,
@@ -329,25 +328,7 @@ fn config_text(
         )?;
     }
     for d in donors {
-        let quic = d
-            .quic
-            .map(|q| format!(", \"quic://{q}\""))
-            .unwrap_or_default();
-        let host = if plan.host_socket {
-            format!(", \"unix://{}\"", host_socket(env, plan, d.name).display())
-        } else {
-            String::new()
-        };
-        write!(
-            t,
-            "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"{quic}{host}]\nadvertise = [\"{scheme}://{}\"{quic}]\nmetrics = \"{}\"\n\
-             tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
-             drain_timeout_ms = 2000\n",
-            d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
-        )?;
-        if let Some(c) = d.control {
-            writeln!(t, "control = \"{c}\"")?;
-        }
+        donor_text(&mut t, env, plan, d)?;
     }
     for (name, sources) in nodes {
         let list: Vec<String> = sources.iter().map(|s| format!("\"{s}\"")).collect();
@@ -376,6 +357,31 @@ fn config_text(
         "\n[model]\nhash_base = {BASE}\nweights_seed = 5\nhidden = 16\nstreams = 4\nfusion = \"cpu\"\n"
     )?;
     Ok(t)
+}
+
+/// Donor `d`'s `[[donor]]` section of the drill's config, appended to `t`.
+fn donor_text(t: &mut String, env: &Env, plan: &Plan, d: &DonorAddrs) -> Result<()> {
+    let scheme = plan.transport.as_str();
+    let quic = d
+        .quic
+        .map(|q| format!(", \"quic://{q}\""))
+        .unwrap_or_default();
+    let host = if plan.host_socket {
+        format!(", \"unix://{}\"", host_socket(env, plan, d.name).display())
+    } else {
+        String::new()
+    };
+    write!(
+        t,
+        "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"{quic}{host}]\nadvertise = [\"{scheme}://{}\"{quic}]\nmetrics = \"{}\"\n\
+         tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
+         drain_timeout_ms = 2000\n",
+        d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
+    )?;
+    if let Some(c) = d.control {
+        writeln!(t, "control = \"{c}\"")?;
+    }
+    Ok(())
 }
 
 /// Where donor `donor` of `plan` has its host socket ([`Plan::host_socket`]).
@@ -417,6 +423,67 @@ struct Donor {
     process: Option<DonorProcess>,
 }
 
+impl Donor {
+    /// Donor `d`, the `i`th of `plan`: its addresses (on loopback, or in a
+    /// network namespace of its own), its fault proxy, its home under
+    /// `dir` and notify socket; not started.
+    fn place(plan: &Plan, dir: &Path, i: usize, d: &DonorPlan) -> Result<Self> {
+        let (netns, ip) = match d.placement {
+            Placement::Loopback => (None, Ipv4Addr::new(127, 0, 0, 2 + i as u8)),
+            Placement::Netns => {
+                let ns = NetNs::create(d.name)
+                    .with_context(|| format!("a network namespace for {}", d.name))?;
+                let ip = ns.addr();
+                (Some(ns), ip)
+            }
+        };
+        // In a namespace of its own any port is free.
+        let port = |k: u16| -> Result<u16> {
+            match d.placement {
+                Placement::Loopback => crate::free_port_on(ip),
+                Placement::Netns => Ok(7400 + k),
+            }
+        };
+        let listen = SocketAddr::from((ip, port(0)?));
+        let mut metrics = SocketAddr::from((ip, port(1)?));
+        while metrics == listen {
+            metrics = SocketAddr::from((ip, port(1)?));
+        }
+        let mut control = None;
+        if plan.control {
+            let mut c = SocketAddr::from((ip, port(2)?));
+            while c == listen || c == metrics {
+                c = SocketAddr::from((ip, port(2)?));
+            }
+            control = Some(c);
+        }
+        let proxy = if d.proxied {
+            Some(FaultProxy::start("127.0.0.1:0".parse()?, listen)?)
+        } else {
+            None
+        };
+        let advertise = proxy.as_ref().map_or(listen, FaultProxy::addr);
+        let home = dir.join(d.name);
+        std::fs::create_dir_all(&home)?;
+        let notify = crate::NotifySocket::bind(&home)?;
+        Ok(Donor {
+            notify,
+            plan: d.clone(),
+            addrs: DonorAddrs {
+                name: d.name,
+                listen,
+                advertise,
+                metrics,
+                quic: plan.also_quic.then_some(listen),
+                control,
+            },
+            proxy,
+            netns,
+            process: None,
+        })
+    }
+}
+
 /// A drill's rack: the config, and its donors running.
 #[derive(Debug)]
 pub struct Rack {
@@ -440,59 +507,7 @@ impl Rack {
         std::fs::create_dir_all(&dir)?;
         let mut donors = Vec::new();
         for (i, d) in plan.donors.iter().enumerate() {
-            let (netns, ip) = match d.placement {
-                Placement::Loopback => (None, Ipv4Addr::new(127, 0, 0, 2 + i as u8)),
-                Placement::Netns => {
-                    let ns = NetNs::create(d.name)
-                        .with_context(|| format!("a network namespace for {}", d.name))?;
-                    let ip = ns.addr();
-                    (Some(ns), ip)
-                }
-            };
-            // In a namespace of its own any port is free.
-            let port = |k: u16| -> Result<u16> {
-                match d.placement {
-                    Placement::Loopback => crate::free_port_on(ip),
-                    Placement::Netns => Ok(7400 + k),
-                }
-            };
-            let listen = SocketAddr::from((ip, port(0)?));
-            let mut metrics = SocketAddr::from((ip, port(1)?));
-            while metrics == listen {
-                metrics = SocketAddr::from((ip, port(1)?));
-            }
-            let mut control = None;
-            if plan.control {
-                let mut c = SocketAddr::from((ip, port(2)?));
-                while c == listen || c == metrics {
-                    c = SocketAddr::from((ip, port(2)?));
-                }
-                control = Some(c);
-            }
-            let proxy = if d.proxied {
-                Some(FaultProxy::start("127.0.0.1:0".parse()?, listen)?)
-            } else {
-                None
-            };
-            let advertise = proxy.as_ref().map_or(listen, FaultProxy::addr);
-            let home = dir.join(d.name);
-            std::fs::create_dir_all(&home)?;
-            let notify = crate::NotifySocket::bind(&home)?;
-            donors.push(Donor {
-                notify,
-                plan: d.clone(),
-                addrs: DonorAddrs {
-                    name: d.name,
-                    listen,
-                    advertise,
-                    metrics,
-                    quic: plan.also_quic.then_some(listen),
-                    control,
-                },
-                proxy,
-                netns,
-                process: None,
-            });
+            donors.push(Donor::place(&plan, &dir, i, d)?);
         }
         let addrs: Vec<DonorAddrs> = donors.iter().map(|d| d.addrs.clone()).collect();
         let sources: Vec<String> = plan.sources.iter().map(|s| s.to_string()).collect();

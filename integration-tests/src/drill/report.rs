@@ -200,18 +200,7 @@ impl Report {
             failed: out.steps.iter().filter(|s| failed(s)).count(),
             zeros: out.steps.iter().filter(|s| zeros(s)).count(),
         };
-        let mut wrong = Vec::new();
-        for s in &out.steps {
-            let suppressed = failed(s) || zeros(s);
-            for p in &s.positions {
-                r.positions += 1;
-                match reference.get(&(p.seq, p.index)) {
-                    Some(c) if *c == p.checksum => r.identical += 1,
-                    _ if suppressed => {}
-                    _ => wrong.push((s.step, p.index)),
-                }
-            }
-        }
+        let wrong = r.compare(out, reference);
         r.figures.push((
             "outputs identical to local RAM".into(),
             format!("{}/{} positions", r.identical, r.positions),
@@ -251,6 +240,29 @@ impl Report {
             r.timeline(0.5)
         );
         Ok(r)
+    }
+
+    /// Compare every fused position of `out` with the local-RAM
+    /// `reference`, counting the identical ones: the `(step, position)` of
+    /// each that differs (a failed or zero-filled step's do not count).
+    fn compare(
+        &mut self,
+        out: &Outcome,
+        reference: &BTreeMap<(u32, u32), Checksum>,
+    ) -> Vec<(u64, u32)> {
+        let mut wrong = Vec::new();
+        for s in &out.steps {
+            let suppressed = failed(s) || zeros(s);
+            for p in &s.positions {
+                self.positions += 1;
+                match reference.get(&(p.seq, p.index)) {
+                    Some(c) if *c == p.checksum => self.identical += 1,
+                    _ if suppressed => {}
+                    _ => wrong.push((s.step, p.index)),
+                }
+            }
+        }
+        wrong
     }
 
     /// The first step at or after `from_us` that `source` served, if any.

@@ -1319,6 +1319,22 @@ impl fmt::Debug for IbvQueuePair {
 }
 
 impl IbvQueuePair {
+    /// Every read of `wrs` lands inside the registered buffer.
+    fn check_landing(&self, wrs: &[ReadWr]) -> Result<(), VerbsError> {
+        let cap = self.buffer_len();
+        for w in wrs {
+            let end = w.local_offset.checked_add(w.len as usize);
+            if end.is_none_or(|end| end > cap) {
+                let msg = format!(
+                    "read of {} bytes at {} (buffer {cap})",
+                    w.len, w.local_offset
+                );
+                return Err(VerbsError::Invalid(msg));
+            }
+        }
+        Ok(())
+    }
+
     fn connect(addr: SocketAddr, private: &[u8], opts: &QpOptions) -> Result<Self, VerbsError> {
         let frame = frame_private(private)?;
         let depth = u32::try_from(opts.send_depth)
@@ -1382,17 +1398,7 @@ impl QueuePair for IbvQueuePair {
             let msg = format!("{} work requests (send depth {})", wrs.len(), self.depth);
             return Err(VerbsError::Invalid(msg));
         }
-        let cap = self.buffer_len();
-        for w in wrs {
-            let end = w.local_offset.checked_add(w.len as usize);
-            if end.is_none_or(|end| end > cap) {
-                let msg = format!(
-                    "read of {} bytes at {} (buffer {cap})",
-                    w.len, w.local_offset
-                );
-                return Err(VerbsError::Invalid(msg));
-            }
-        }
+        self.check_landing(wrs)?;
         self.sges.clear();
         self.chain.clear();
         for w in wrs {

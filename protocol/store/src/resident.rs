@@ -491,7 +491,7 @@ impl ResidentTable {
         if let Some(hint) = file.page_sums_hint() {
             tracing::warn!("{hint}");
         }
-        let mut progress = progress(&file);
+        let progress = progress(&file);
         let shown = file.path.display().to_string();
         if let Some(pin) = opts.pinned
             && let Some(what) = pin.mismatch(&file.meta)
@@ -511,57 +511,23 @@ impl ResidentTable {
             Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
             Backing::Memfd => memfd_map(file.meta.rows, &memory)?,
         };
-        if let Some(node) = opts.numa_node {
-            crate::numa::bind(&map, node).map_err(memory)?;
-        }
-        // Huge pages cut TLB misses on random row reads; advisory, so failure is fine.
-        let _ = map.advise(memmap2::Advice::HugePage);
-        let locked = lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
+        let mlock_err = |source| LoadError::Mlock {
             path: shown.clone(),
             bytes,
             source,
-        })?;
-        let fill = FillOptions {
-            threads: opts.threads.max(1),
-            digest: !opts.trust_digest,
-            ..FillOptions::default()
         };
-        let digest = crate::fill::fill(&file, &mut map[..len], fill, progress.as_mut())?;
-        check_digest(&file, digest, progress)?;
+        let locked = fill_memory(&file, &mut map, len, opts, progress, &memory, &mlock_err)?;
         let id = id.unwrap_or(file.meta.layer);
         let kept = match memfd {
             Some((f, hugetlb)) => {
-                let record = Record {
-                    id,
-                    layer: file.meta.layer,
-                    rows: file.meta.rows,
-                    digest: file.meta.digest,
-                    generation: kept::generation(),
-                    loaded_unix_ms: kept::unix_ms(),
-                    verified: !opts.trust_digest,
-                };
-                kept::finish(&f, &mut map, &record).map_err(|e| memory(e.into_io()))?;
-                let pages = if hugetlb {
-                    kept::Pages::HugeTlb
-                } else {
-                    kept::Pages::for_shmem()
-                };
-                Some(Kept {
-                    pages,
-                    file: f,
-                    record,
-                })
+                let verified = !opts.trust_digest;
+                Some(keep(f, hugetlb, &mut map, id, &file, verified, &memory)?)
             }
             None => None,
         };
         let (map, view) = match &kept {
             Some(k) => {
                 let relock = locked.then_some(opts.mlock);
-                let mlock_err = |source| LoadError::Mlock {
-                    path: shown.clone(),
-                    bytes,
-                    source,
-                };
                 map_sealed(k, map, opts.rdma_view, relock, &memory, &mlock_err)?
             }
             None => (map.make_read_only().map_err(memory)?, None),
@@ -715,7 +681,7 @@ impl ResidentTable {
         id: Option<u32>,
         file: TableFile,
         opts: &LoadOptions,
-        mut progress: Option<Progress>,
+        progress: Option<Progress>,
     ) -> Result<(Self, LoadReport), LoadError> {
         let shown = file.path.display().to_string();
         let bytes = file.meta.rows * ROW_BYTES as u64;
@@ -753,20 +719,13 @@ impl ResidentTable {
         let (verified, locked) = match reused {
             Some(k) => (k.verified, false),
             None => {
-                let locked =
-                    lock_on_fault(&map, opts.mlock).map_err(|source| LoadError::Mlock {
-                        path: shown.clone(),
-                        bytes,
-                        source,
-                    })?;
-                let touch = FillOptions {
-                    threads: opts.threads.max(1),
-                    digest: !opts.trust_digest,
-                    drop_behind: false,
-                    ..FillOptions::default()
+                let mlock_err = |source| LoadError::Mlock {
+                    path: shown.clone(),
+                    bytes,
+                    source,
                 };
-                let digest = crate::fill::touch_mapped(&file, &map, touch, progress.as_mut())?;
-                check_digest(&file, digest, progress)?;
+                let locked = lock_on_fault(&map, opts.mlock).map_err(mlock_err)?;
+                read_mapped(&file, &map, opts, progress)?;
                 (!opts.trust_digest, locked)
             }
         };
@@ -837,6 +796,86 @@ fn lock_on_fault(map: &[u8], mode: MlockMode) -> Result<bool, std::io::Error> {
         return Err(e);
     }
     Ok(false)
+}
+
+/// Fill `map`'s first `len` bytes with `file`'s rows: the memory bound
+/// to its NUMA node, advised into huge pages and locked as `opts` say, the
+/// rows read and placed on `opts.threads` threads and their digest
+/// checked (unless trusted). Whether the memory is locked.
+fn fill_memory(
+    file: &TableFile,
+    map: &mut MmapMut,
+    len: usize,
+    opts: &LoadOptions,
+    mut progress: Option<Progress>,
+    memory: &dyn Fn(std::io::Error) -> LoadError,
+    mlock_err: &dyn Fn(std::io::Error) -> LoadError,
+) -> Result<bool, LoadError> {
+    if let Some(node) = opts.numa_node {
+        crate::numa::bind(map, node).map_err(memory)?;
+    }
+    // Huge pages cut TLB misses on random row reads; advisory, so failure is fine.
+    let _ = map.advise(memmap2::Advice::HugePage);
+    let locked = lock_on_fault(map, opts.mlock).map_err(mlock_err)?;
+    let fill = FillOptions {
+        threads: opts.threads.max(1),
+        digest: !opts.trust_digest,
+        ..FillOptions::default()
+    };
+    let digest = crate::fill::fill(file, &mut map[..len], fill, progress.as_mut())?;
+    check_digest(file, digest, progress)?;
+    Ok(locked)
+}
+
+/// Read a mapped table file's pages in (on `opts.threads` threads), its
+/// digest checked unless `opts.trust_digest`.
+fn read_mapped(
+    file: &TableFile,
+    map: &Mmap,
+    opts: &LoadOptions,
+    mut progress: Option<Progress>,
+) -> Result<(), LoadError> {
+    let touch = FillOptions {
+        threads: opts.threads.max(1),
+        digest: !opts.trust_digest,
+        drop_behind: false,
+        ..FillOptions::default()
+    };
+    let digest = crate::fill::touch_mapped(file, map, touch, progress.as_mut())?;
+    check_digest(file, digest, progress)
+}
+
+/// A filled memfd made a copy the next process may adopt: its record
+/// (table `id` of `file`, `verified` or not) written after the rows.
+fn keep(
+    f: std::fs::File,
+    hugetlb: bool,
+    map: &mut MmapMut,
+    id: u32,
+    file: &TableFile,
+    verified: bool,
+    memory: &dyn Fn(std::io::Error) -> LoadError,
+) -> Result<Kept, LoadError> {
+    let record = Record {
+        id,
+        layer: file.meta.layer,
+        rows: file.meta.rows,
+        digest: file.meta.digest,
+        generation: kept::generation(),
+        loaded_unix_ms: kept::unix_ms(),
+        verified,
+    };
+    kept::finish(&f, map, &record).map_err(|e| memory(e.into_io()))?;
+    let pages = if hugetlb {
+        kept::Pages::HugeTlb
+    } else {
+        kept::Pages::for_shmem()
+    };
+    Ok(Kept {
+        pages,
+        file: f,
+        record,
+    })
 }
 
 /// A memfd for `rows` rows (in huge pages where the system has them) and

@@ -402,35 +402,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<(TableMeta, TableLayou
         key: "__metadata__",
         reason: "missing".into(),
     })?;
-    let m: BTreeMap<String, String> = serde_json::from_value(metadata)
-        .map_err(|e| EtabError::Json(format!("__metadata__: {e}")))?;
-    expect_eq(&m, "format", FORMAT_NAME)?;
-    let version: u32 = meta_num(&m, "format_version")?;
-    if version != FORMAT_VERSION {
-        return Err(EtabError::Metadata {
-            key: "format_version",
-            reason: format!("{version} is not supported (this build reads {FORMAT_VERSION})"),
-        });
-    }
-    expect_eq(&m, "encoding", ENCODING)?;
-    expect_eq(&m, "rows_per_page", &ROWS_PER_PAGE.to_string())?;
-    expect_eq(&m, "row_bytes", &ROW_BYTES.to_string())?;
-    let meta = TableMeta {
-        layer: meta_num(&m, "layer")?,
-        rows: meta_num(&m, "rows")?,
-        digest: meta_str(&m, "digest_blake3")?.parse().map_err(
-            |e: crate::digest::DigestParseError| EtabError::Metadata {
-                key: "digest_blake3",
-                reason: e.to_string(),
-            },
-        )?,
-        hash_preset: m.get("hash_preset").cloned(),
-        hash_base: match m.get("hash_base") {
-            Some(_) => Some(meta_num(&m, "hash_base")?),
-            None => None,
-        },
-        source: m.get("source").cloned().unwrap_or_default(),
-    };
+    let meta = parse_metadata(metadata)?;
     validate_meta(&meta)?;
 
     let pages = pages_for(meta.rows);
@@ -476,6 +448,41 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<(TableMeta, TableLayou
         });
     }
     Ok((meta, layout))
+}
+
+/// The `__metadata__` object: the format, its version and encoding
+/// checked, the table's own fields read.
+fn parse_metadata(metadata: serde_json::Value) -> Result<TableMeta, EtabError> {
+    let m: BTreeMap<String, String> = serde_json::from_value(metadata)
+        .map_err(|e| EtabError::Json(format!("__metadata__: {e}")))?;
+    expect_eq(&m, "format", FORMAT_NAME)?;
+    let version: u32 = meta_num(&m, "format_version")?;
+    if version != FORMAT_VERSION {
+        return Err(EtabError::Metadata {
+            key: "format_version",
+            reason: format!("{version} is not supported (this build reads {FORMAT_VERSION})"),
+        });
+    }
+    expect_eq(&m, "encoding", ENCODING)?;
+    expect_eq(&m, "rows_per_page", &ROWS_PER_PAGE.to_string())?;
+    expect_eq(&m, "row_bytes", &ROW_BYTES.to_string())?;
+    let meta = TableMeta {
+        layer: meta_num(&m, "layer")?,
+        rows: meta_num(&m, "rows")?,
+        digest: meta_str(&m, "digest_blake3")?.parse().map_err(
+            |e: crate::digest::DigestParseError| EtabError::Metadata {
+                key: "digest_blake3",
+                reason: e.to_string(),
+            },
+        )?,
+        hash_preset: m.get("hash_preset").cloned(),
+        hash_base: match m.get("hash_base") {
+            Some(_) => Some(meta_num(&m, "hash_base")?),
+            None => None,
+        },
+        source: m.get("source").cloned().unwrap_or_default(),
+    };
+    Ok(meta)
 }
 
 #[cfg(test)]
