@@ -392,15 +392,10 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
             }
         }
     };
-    if let Some(t) = &old {
-        cx.fd_store.forget_table(t);
-    }
-    drop(old);
     // RDMA follows: the new version registered, then the old one
     // deregistered, so a node still reading the old region gets a remote
     // access error and learns the new one.
-    let sh = Arc::clone(&cx.shared);
-    let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
+    retire(&cx, old).await;
     if let Some(i) = si {
         cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Ready);
     }
@@ -419,6 +414,17 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
     Ok(())
 }
 
+/// A version no longer served: out of the fd store, unmapped, and RDMA's
+/// registrations brought in line with the tables served now.
+async fn retire(cx: &SwapContext, old: Option<ResidentTable>) {
+    if let Some(t) = &old {
+        cx.fd_store.forget_table(t);
+    }
+    drop(old);
+    let sh = Arc::clone(&cx.shared);
+    let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
+}
+
 /// A swap in place: the old version unloaded first (and deregistered
 /// from RDMA), so both never take memory at once; the table is not served
 /// until the new version is loaded.
@@ -433,12 +439,7 @@ async fn unload_for_in_place(cx: &SwapContext, p: &Prepared, si: Option<usize>) 
     };
     // Unmapped here, outside the lock (and deregistered from RDMA, whose
     // registration holds the rows mapped until then).
-    if let Some(t) = &old {
-        cx.fd_store.forget_table(t);
-    }
-    drop(old);
-    let sh = Arc::clone(&cx.shared);
-    let _ = tokio::task::spawn_blocking(move || sh.sync_rdma()).await;
+    retire(cx, old).await;
     if let Some(i) = si {
         cx.status.tables[i].replaced(
             p.req.path.clone(),

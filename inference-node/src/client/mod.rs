@@ -577,9 +577,8 @@ impl DonorClient {
 
     /// An answer's verdict: a protocol violation (a well-formed answer of
     /// the wrong kind or shape) breaks the connection.
-    fn checked<T>(&self, r: Result<T, client::SessionError>) -> Result<T, ClientError> {
+    fn checked<T>(&self, r: Result<T, ClientError>) -> Result<T, ClientError> {
         r.map_err(|e| {
-            let e = ClientError::from(e);
             if matches!(e, ClientError::Protocol(_)) {
                 self.inner.close(&e);
             }
@@ -633,7 +632,7 @@ impl DonorClient {
             dest: &mut *out,
             sections: requests.len(),
         };
-        let encode = |buf: &mut Vec<u8>, id| Ok(client::encode_lookup_frame(buf, id, &sections)?);
+        let encode = |buf: &mut Vec<u8>, id| client::encode_lookup_frame(buf, id, &sections);
         let answer = self
             .request_into(Kind::Lookup, encode, Some(direct))
             .await?;

@@ -422,9 +422,9 @@ impl Inner {
 
     /// Fail every waiting request and refuse new ones.
     pub fn close(&self, why: &ClientError) {
-        self.session().close(why.to_session(), |w, why| {
+        self.session().close(why.clone(), |w, why| {
             if w.reply.is_none() {
-                w.reply = Some(Err(why.clone().into()));
+                w.reply = Some(Err(why.clone()));
             }
             if let Some(k) = w.waker.take() {
                 k.wake();
@@ -505,7 +505,7 @@ impl Inner {
                         let taken = self.session().receive(&rd.buf[..HEADER_LEN]);
                         match taken {
                             Ok(_) => read_rows_into(rd, d).await.map(|h| Some(Answer::Placed(h))),
-                            Err(e) => Err(e.into()),
+                            Err(e) => Err(e),
                         }
                     }
                     None => Err(ClientError::Protocol("no buffer for the answer".into())),

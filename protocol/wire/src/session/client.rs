@@ -9,6 +9,7 @@
 //! driver (the node's async client) does the IO: it writes what the session
 //! encodes and hands it every whole frame it reads. Time is passed in.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -21,11 +22,24 @@ use crate::{
     PROTOCOL_VERSION, ROW_BYTES, RegionQuery, TableDigest, TableInfo, decode,
 };
 
-/// Why a session failed or refused a request: typed, so a caller decides
-/// from the kind whether another donor may do better
-/// ([`SessionError::retry_elsewhere`]).
+/// Why a donor could not serve a request: the session's verdicts, and its
+/// driver's own (a failed connect, a deadline). Typed, so a caller decides
+/// from the kind whether another source may do better
+/// ([`SessionError::retry_elsewhere`]), not from strings.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SessionError {
+    /// The connection could not be made (by the driver: dialing, the TLS
+    /// or QUIC handshake).
+    #[error("connecting to {addr}: {message}")]
+    Connect {
+        /// The donor's address.
+        addr: SocketAddr,
+        /// Why the connection failed.
+        message: String,
+    },
+    /// No answer in time (the driver's deadline).
+    #[error("timed out after {0:?} waiting for the donor")]
+    Timeout(Duration),
     /// The donor refused the handshake (busy, unauthorized, version, draining).
     #[error("donor refused the connection: {code}: {message}")]
     Refused {
