@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use cluster_config::records::{Opened, Records, record_len};
 use engram_protocol::messages::{ROWS_HEAD_LEN, ROWS_SECTION_LEN, payload_checksum_of_parts};
-use engram_protocol::session::client::{ClientSession, Incoming};
+use engram_protocol::session::client::{self, ClientSession, Incoming};
 use engram_protocol::{FrameHeader, FrameKind, HEADER_LEN, Limits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The byte stream under a connection: a TCP socket's halves, or a QUIC stream's.
@@ -313,7 +313,7 @@ pub(super) const DIRECT_MIN_BYTES: usize = 64 << 10;
 impl Direct<'_> {
     /// The payload of a Rows answer that serves every section.
     fn payload_len(&self) -> usize {
-        ROWS_HEAD_LEN + ROWS_SECTION_LEN * self.sections + self.dest.len()
+        client::rows_payload_len(self.sections, self.dest.len())
     }
 }
 

@@ -282,9 +282,11 @@ impl<T> ClientSession<T> {
             return Err(SessionError::Protocol("a second Welcome".into()));
         }
         let (donor, tables, max_rows) = match parse(frame, &self.limits)?.1 {
-            Frame::Welcome(w) if w.version == PROTOCOL_VERSION => {
-                (w.donor.to_string(), w.tables().collect(), w.max_rows)
-            }
+            Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
+                w.donor.to_string(),
+                w.tables().collect::<Vec<_>>(),
+                w.max_rows,
+            ),
             Frame::Welcome(w) => {
                 return Err(SessionError::Protocol(format!(
                     "donor speaks protocol version {}, this client {PROTOCOL_VERSION}",
@@ -303,7 +305,6 @@ impl<T> ClientSession<T> {
             }
             _ => return Err(SessionError::Protocol("expected Welcome".into())),
         };
-        let tables: Vec<TableInfo> = tables;
         let mut pins = Vec::with_capacity(self.config.pinned.len());
         for &(table, digest) in &self.config.pinned {
             let t = tables.iter().find(|t| t.table_id == table).ok_or_else(|| {
