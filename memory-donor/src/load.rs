@@ -2,7 +2,7 @@
 //! fd store when a copy of exactly its version is there, else read (and
 //! verified, unless trusted) into memory, with its state in the donor's
 //! status and systemd's status line; then locked. The load parameters a
-//! swap uses too (`backing`, `lock_mode`, `load_threads`, `rdma_view`)
+//! swap uses too (`backing`, `load_threads`, `rdma_view`)
 //! live here.
 
 use std::path::{Path, PathBuf};
@@ -121,16 +121,6 @@ pub(crate) fn backing(map_files: bool, host: bool, store: &FdStore) -> Backing {
     }
 }
 
-/// The store's locking mode for the config's `mlock`.
-pub(crate) fn lock_mode(mode: MlockMode) -> engram_store::resident::MlockMode {
-    use engram_store::resident::MlockMode as Store;
-    match mode {
-        MlockMode::Try => Store::Try,
-        MlockMode::Require => Store::Require,
-        MlockMode::Off => Store::Off,
-    }
-}
-
 /// How a table came to be resident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Loaded {
@@ -188,7 +178,7 @@ fn load_one(
     let opts = LoadOptions {
         pinned: t.pinned,
         trust_digest: spec.trust_digest,
-        mlock: lock_mode(spec.mlock),
+        mlock: spec.mlock,
         backing: backing(spec.map_files, spec.host.is_some(), store),
         threads: load_threads(spec.load_threads),
         known_file: known.as_ref().map(|(mark, _)| *mark),

@@ -522,7 +522,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
     let opts = LoadOptions {
         pinned: Some(pin),
         trust_digest: cx.trust_digest,
-        mlock: crate::load::lock_mode(cx.mlock),
+        mlock: cx.mlock,
         backing: crate::load::backing(cx.map_files, cx.host_shared, &cx.fd_store),
         threads: crate::load::load_threads(cx.load_threads),
         known_file: None,

@@ -210,17 +210,8 @@ pub struct Table {
     pub digest: TableDigest,
 }
 
-/// Whether a donor locks table memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum MlockMode {
-    /// Lock if the memlock limit allows; otherwise warn once and go on.
-    #[default]
-    Try,
-    /// Lock or refuse to start.
-    Require,
-    /// Do not lock.
-    Off,
-}
+/// Whether a donor locks table memory (`mlock`): the store's own mode.
+pub use engram_store::resident::MlockMode;
 
 /// The highest NUMA node a donor may name (`numa_node`; Linux's
 /// `MAX_NUMNODES` is at most 1024).

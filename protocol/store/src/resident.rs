@@ -56,13 +56,15 @@ pub enum LoadError {
     },
 }
 
-/// Whether to lock a resident table's memory (`mlock`).
+/// Whether to lock a resident table's memory (`mlock`): the config's
+/// `mlock` key and the donor's `--mlock` flag (with the `clap` feature).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum MlockMode {
-    /// Lock if the memlock limit allows; otherwise go on unlocked.
+    /// Lock if the memlock limit allows; otherwise warn once and go on unlocked.
     #[default]
     Try,
-    /// Lock or refuse to load.
+    /// Lock or refuse to load (a donor refuses to start).
     Require,
     /// Do not lock.
     Off,
