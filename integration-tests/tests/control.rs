@@ -247,30 +247,50 @@ fn stats_and_metrics_count_lookups_and_survive_garbage() {
         assert!(s.uptime_seconds > 0.0);
         c
     });
-    // The operator's view of the same numbers.
-    let ctl = |what: &str| {
-        let control = ops.control.expect("control").to_string();
-        let out = std::process::Command::new(rack_harness::bin("memory-donor"))
-            .args(["ctl", &control, what])
+    // The operator's view of the same numbers: `engram-cluster status` by
+    // the donor's control address (no config: plaintext).
+    let addr = ops.control.expect("control").to_string();
+    let status = |args: &[&str]| {
+        let out = std::process::Command::new(rack_harness::bin("engram-cluster"))
+            .arg("status")
+            .args(args)
             .output()
-            .expect("ctl runs");
+            .expect("engram-cluster runs");
         (
-            out.status.success(),
+            out.status.code(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
-    let (ok, text) = ctl("health");
-    assert!(ok && text.contains("(donor): SERVING"), "{text}");
-    let (ok, text) = ctl("stats");
-    assert!(ok && text.contains("lookups 11 rows 240"), "{text}");
-    assert!(text.contains("errors row_out_of_range (3): 1"), "{text}");
-    let (ok, text) = ctl("tables");
+    let (code, text, err) = status(&[&addr, "--detail"]);
+    assert_eq!(code, Some(0), "{text}{err}");
+    let head = format!("{addr}  {addr}  SERVING");
     assert!(
-        ok && text.contains(&format!(
-            "table 1 layer 1 rows {ROWS} digest {} READY 100.0%",
+        text.lines().nth(1).is_some_and(|l| l.starts_with(&head)),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("{addr} ({addr}): SERVING")),
+        "{text}"
+    );
+    assert!(text.contains("  lookups 11 rows 240"), "{text}");
+    assert!(text.contains("  errors row_out_of_range (3): 1"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "  table 1 layer 1 rows {ROWS} digest {} ready 100.0%",
             digest.to_hex()
         )),
         "{text}"
+    );
+    // Without a config, donors are named by address, and there is no "all".
+    let (code, _, err) = status(&[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("name the donors to ask"), "{err}");
+    let (code, _, err) = status(&["not-an-address"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("is not a control address (HOST:PORT)"),
+        "{err}"
     );
     let page = scrape(metrics).expect("scrape");
     let (head, body) = page.split_once("\r\n\r\n").expect("a head");

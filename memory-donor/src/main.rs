@@ -1,6 +1,7 @@
 //! `memory-donor`: serve Engram tables from RAM; generate, pack, verify and
 //! inspect table files. This file parses the command line; each
-//! subcommand is a module of `cmd`.
+//! subcommand is a module of `cmd`. Operators ask a running donor with
+//! `engram-cluster status|drain|swap`.
 
 mod cmd;
 
@@ -31,13 +32,6 @@ enum Cmd {
     Inspect(cmd::tables::InspectArgs),
     /// Load tables resident and serve lookups (TCP, TLS, QUIC, RDMA, the host socket).
     Serve(cmd::serve::ServeArgs),
-    /// Ask a running donor's control plane (at ADDR, its --control address).
-    Ctl {
-        /// The control plane's IP:PORT (or http://IP:PORT).
-        addr: String,
-        #[command(subcommand)]
-        cmd: cmd::ctl::CtlCmd,
-    },
 }
 
 fn main() -> Result<()> {
@@ -47,14 +41,5 @@ fn main() -> Result<()> {
         Cmd::Verify(a) => cmd::tables::verify(a),
         Cmd::Inspect(a) => cmd::tables::inspect(a),
         Cmd::Serve(a) => cmd::serve::run(a),
-        Cmd::Ctl { addr, cmd } => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            if !rt.block_on(cmd::ctl::run(&addr, cmd))? {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
     }
 }

@@ -1,20 +1,22 @@
-//! `engram-cluster status|drain|swap`: operate the rack's donors through
-//! their control planes, named as in the rack config. With `[rack.tls]`
-//! each donor is dialled over TLS as an operator (`--as`, by default the
-//! only one in `[rack.tls] operators`): the rack CA as the only root, the
-//! operator's certificate and key from the PKI directory, the donor's
-//! certificate checked against its name. Without it the control plane is
-//! plaintext and answers Drain and SwapTable only from the donor's own
-//! host, so these commands work there alone (dialling loopback).
+//! `engram-cluster status|drain|swap`: the rack's one operator client. It
+//! operates donors through their control planes, named as in the rack
+//! config (`--config`), or, without a config, by their control addresses
+//! (HOST:PORT, dialled in plaintext). With `[rack.tls]` each donor is
+//! dialled over TLS as an operator (`--as`, by default the only one in
+//! `[rack.tls] operators`): the rack CA as the only root, the operator's
+//! certificate and key from the PKI directory, the donor's certificate
+//! checked against its name. Without it the control plane is plaintext and
+//! answers Drain and SwapTable only from the donor's own host, so these
+//! commands work there alone (dialling loopback).
 
 use std::fmt::Write as _;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use cluster_config::tls::Material;
-use cluster_config::{Config, ConfigError, Donor};
+use cluster_config::{Config, ConfigError};
 use engram_protocol::TableDigest;
 use engram_protocol::control::donor_control_client::DonorControlClient;
 use engram_protocol::control::{
@@ -36,12 +38,13 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Where the rack is described and whom to act as.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Dial {
-    /// The rack config (TOML).
+    /// The rack config (TOML): donors are named as in it. Without it each
+    /// donor is given by its control address (HOST:PORT), dialled in plaintext.
     #[arg(long)]
-    config: PathBuf,
+    config: Option<PathBuf>,
     /// The operator to act as: its certificate and key in the rack's PKI
     /// (default: the only name in [rack.tls] operators).
-    #[arg(long = "as", value_name = "OPERATOR")]
+    #[arg(long = "as", value_name = "OPERATOR", requires = "config")]
     operator: Option<String>,
 }
 
@@ -53,21 +56,26 @@ pub enum OpsCmd {
     Status {
         #[command(flatten)]
         dial: Dial,
-        /// Donors to ask (default: all).
+        /// Donors to ask: names in --config (default: all), or control
+        /// addresses without it.
         donors: Vec<String>,
+        /// Also print each donor's tables (file, progress, error) and all
+        /// its counters (service-time percentiles, errors by kind).
+        #[arg(long)]
+        detail: bool,
     },
     /// Start a donor's drain, as SIGTERM does: clients get Goodbye, then it exits.
     Drain {
         #[command(flatten)]
         dial: Dial,
-        /// The donor, by name.
+        /// The donor: its name in --config, or its control address without it.
         donor: String,
     },
     /// Load another version of a table on a donor and switch to it (watch `status`).
     Swap {
         #[command(flatten)]
         dial: Dial,
-        /// The donor, by name.
+        /// The donor: its name in --config, or its control address without it.
         donor: String,
         /// The table's id.
         #[arg(long)]
@@ -183,16 +191,31 @@ pub fn operator(config: &Config, asked: Option<&str>) -> Result<Option<String>, 
     }
 }
 
+/// A donor to dial: its name (or its address, without a config) and its
+/// control address.
+#[derive(Debug, Clone)]
+struct Target {
+    name: String,
+    addr: SocketAddr,
+}
+
 /// Dials donors' control planes as one operator (or in plaintext).
 #[derive(Debug)]
 struct Dialer {
-    config: Config,
+    /// The rack config; without one, donors are named by their addresses.
+    config: Option<Config>,
     material: Option<Material>,
 }
 
 impl Dialer {
     fn new(dial: &Dial) -> Result<Self, OpsError> {
-        let config = Config::load(&dial.config)?;
+        let Some(path) = &dial.config else {
+            return Ok(Self {
+                config: None,
+                material: None,
+            });
+        };
+        let config = Config::load(path)?;
         let material = match operator(&config, dial.operator.as_deref())? {
             None => {
                 if dial.operator.is_some() {
@@ -214,34 +237,68 @@ impl Dialer {
                 Some(m)
             }
         };
-        Ok(Self { config, material })
-    }
-
-    fn donor(&self, name: &str) -> Result<&Donor, OpsError> {
-        self.config.donor(name).ok_or_else(|| {
-            let names: Vec<&str> = self.config.donors.iter().map(|d| d.name.as_str()).collect();
-            OpsError::Usage(format!(
-                "{}: no donor named {name:?} (donors: {})",
-                self.config.path.display(),
-                names.join(", ")
-            ))
+        Ok(Self {
+            config: Some(config),
+            material,
         })
     }
 
-    fn address(donor: &Donor) -> Result<SocketAddr, OpsError> {
-        donor.control_endpoint().ok_or_else(|| {
+    /// The donor `arg` names: one of the config's, or an address.
+    fn target(&self, arg: &str) -> Result<Target, OpsError> {
+        let Some(config) = &self.config else {
+            return address(arg).map(|addr| Target {
+                name: arg.to_string(),
+                addr,
+            });
+        };
+        let donor = config.donor(arg).ok_or_else(|| {
+            let names: Vec<&str> = config.donors.iter().map(|d| d.name.as_str()).collect();
+            OpsError::Usage(format!(
+                "{}: no donor named {arg:?} (donors: {})",
+                config.path.display(),
+                names.join(", ")
+            ))
+        })?;
+        let addr = donor.control_endpoint().ok_or_else(|| {
             OpsError::Usage(format!(
                 "{}: no control plane (set `control` in its [[donor]] entry)",
                 donor.name
             ))
+        })?;
+        Ok(Target {
+            name: donor.name.clone(),
+            addr,
         })
     }
 
-    async fn channel(&self, donor: &Donor) -> Result<Channel, OpsError> {
-        let addr = Self::address(donor)?;
+    /// Every donor `status` asks when none is named.
+    fn all(&self) -> Result<Vec<String>, OpsError> {
+        let Some(config) = &self.config else {
+            return Err(OpsError::Usage(
+                "name the donors to ask: their control addresses (HOST:PORT), or their \
+                 names with --config FILE"
+                    .into(),
+            ));
+        };
+        let all: Vec<String> = config
+            .donors
+            .iter()
+            .filter(|d| d.control_endpoint().is_some())
+            .map(|d| d.name.clone())
+            .collect();
+        if all.is_empty() {
+            return Err(OpsError::Usage(format!(
+                "{}: no donor has a control plane (`control` in its [[donor]] entry)",
+                config.path.display()
+            )));
+        }
+        Ok(all)
+    }
+
+    async fn channel(&self, target: &Target) -> Result<Channel, OpsError> {
         let connect = |message: String| OpsError::Connect {
-            donor: donor.name.clone(),
-            addr,
+            donor: target.name.clone(),
+            addr: target.addr,
             message,
         };
         let scheme = if self.material.is_some() {
@@ -249,17 +306,30 @@ impl Dialer {
         } else {
             "http"
         };
-        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{}", target.addr))
             .map_err(|e| connect(chain(&e)))?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(CALL_TIMEOUT);
         if let Some(m) = &self.material {
             ep = ep
-                .tls_config(m.grpc_client(&donor.name))
+                .tls_config(m.grpc_client(&target.name))
                 .map_err(|e| connect(chain(&e)))?;
         }
         ep.connect().await.map_err(|e| connect(chain(&e)))
     }
+}
+
+/// A control address given on the command line (HOST:PORT).
+fn address(arg: &str) -> Result<SocketAddr, OpsError> {
+    let usage = |why: String| {
+        OpsError::Usage(format!(
+            "{arg:?} is not a control address (HOST:PORT): {why}; to name donors, pass --config FILE"
+        ))
+    };
+    arg.to_socket_addrs()
+        .map_err(|e| usage(e.to_string()))?
+        .next()
+        .ok_or_else(|| usage("it resolves to no address".into()))
 }
 
 /// One donor's answers to `status`.
@@ -283,10 +353,9 @@ impl DonorState {
     }
 }
 
-async fn donor_state(dialer: &Dialer, donor: &Donor) -> Result<DonorState, OpsError> {
-    let name = donor.name.as_str();
-    let addr = Dialer::address(donor)?;
-    let ch = dialer.channel(donor).await?;
+async fn donor_state(dialer: &Dialer, target: &Target) -> Result<DonorState, OpsError> {
+    let name = target.name.as_str();
+    let ch = dialer.channel(target).await?;
     let health = HealthClient::new(ch.clone())
         .check(HealthCheckRequest {
             service: String::new(),
@@ -310,7 +379,7 @@ async fn donor_state(dialer: &Dialer, donor: &Donor) -> Result<DonorState, OpsEr
         .into_inner();
     Ok(DonorState {
         donor: name.to_string(),
-        addr,
+        addr: target.addr,
         health,
         tables,
         stats,
@@ -397,26 +466,69 @@ pub fn render(states: &[(String, Result<DonorState, String>)]) -> String {
     out
 }
 
-async fn status(dial: &Dial, names: &[String]) -> Result<bool, OpsError> {
+/// One donor in full: each table with its file, progress and error, then
+/// every counter (`status --detail`).
+pub fn render_detail(s: &DonorState) -> String {
+    let mut out = format!("{} ({}): {}", s.donor, s.addr, s.health);
+    if s.tables.draining {
+        out.push_str(" (draining)");
+    }
+    out.push('\n');
+    for t in &s.tables.tables {
+        let pct = if t.bytes_total == 0 {
+            0.0
+        } else {
+            t.bytes_done as f64 * 100.0 / t.bytes_total as f64
+        };
+        let digest = if t.digest.is_empty() { "-" } else { &t.digest };
+        let _ = write!(
+            out,
+            "  table {} layer {} rows {} digest {digest} {} {pct:.1}% {}",
+            t.id,
+            t.layer,
+            t.rows,
+            t.state().label(),
+            t.path
+        );
+        if !t.error.is_empty() {
+            let _ = write!(out, ": {}", t.error);
+        }
+        out.push('\n');
+    }
+    let st = &s.stats;
+    let _ = writeln!(
+        out,
+        "  lookups {} rows {} bytes {}",
+        st.lookups, st.rows, st.bytes
+    );
+    if let Some(n) = st.connections {
+        let _ = writeln!(
+            out,
+            "  connections open {} accepted {} refused {}",
+            n.open, n.accepted, n.refused
+        );
+    }
+    if let Some(t) = st.service_time {
+        let _ = writeln!(
+            out,
+            "  service time us: p50 {:.1} p90 {:.1} p99 {:.1} p99.9 {:.1} max {:.1} ({} samples)",
+            t.p50_us, t.p90_us, t.p99_us, t.p999_us, t.max_us, t.count
+        );
+    }
+    for e in &st.errors {
+        let _ = writeln!(out, "  errors {} ({}): {}", e.name, e.code, e.count);
+    }
+    let _ = writeln!(out, "  uptime {}", uptime(st.uptime_seconds));
+    out
+}
+
+async fn status(dial: &Dial, names: &[String], detail: bool) -> Result<bool, OpsError> {
     let dialer = std::sync::Arc::new(Dialer::new(dial)?);
     let donors: Vec<String> = if names.is_empty() {
-        let all: Vec<String> = dialer
-            .config
-            .donors
-            .iter()
-            .filter(|d| d.control_endpoint().is_some())
-            .map(|d| d.name.clone())
-            .collect();
-        if all.is_empty() {
-            return Err(OpsError::Usage(format!(
-                "{}: no donor has a control plane (`control` in its [[donor]] entry)",
-                dialer.config.path.display()
-            )));
-        }
-        all
+        dialer.all()?
     } else {
         for n in names {
-            dialer.donor(n)?;
+            dialer.target(n)?;
         }
         names.to_vec()
     };
@@ -425,8 +537,8 @@ async fn status(dial: &Dial, names: &[String]) -> Result<bool, OpsError> {
     for (i, name) in donors.iter().enumerate() {
         let (dialer, name) = (std::sync::Arc::clone(&dialer), name.clone());
         set.spawn(async move {
-            let r = match dialer.donor(&name) {
-                Ok(d) => donor_state(&dialer, d).await,
+            let r = match dialer.target(&name) {
+                Ok(t) => donor_state(&dialer, &t).await,
                 Err(e) => Err(e),
             };
             (i, r)
@@ -446,6 +558,11 @@ async fn status(dial: &Dial, names: &[String]) -> Result<bool, OpsError> {
         }
     }
     print!("{}", render(&states));
+    if detail {
+        for s in states.iter().filter_map(|(_, s)| s.as_ref().ok()) {
+            print!("\n{}", render_detail(s));
+        }
+    }
     Ok(states
         .iter()
         .all(|(_, s)| s.as_ref().is_ok_and(DonorState::serving)))
@@ -453,8 +570,8 @@ async fn status(dial: &Dial, names: &[String]) -> Result<bool, OpsError> {
 
 async fn drain(dial: &Dial, name: &str) -> Result<(), OpsError> {
     let dialer = Dialer::new(dial)?;
-    let donor = dialer.donor(name)?;
-    let ch = dialer.channel(donor).await?;
+    let target = dialer.target(name)?;
+    let ch = dialer.channel(&target).await?;
     let d = DonorControlClient::new(ch)
         .drain(DrainRequest {})
         .await
@@ -480,8 +597,8 @@ async fn swap(
         .parse()
         .map_err(|e| OpsError::Usage(format!("--digest {digest:?}: {e}")))?;
     let dialer = Dialer::new(dial)?;
-    let donor = dialer.donor(name)?;
-    let ch = dialer.channel(donor).await?;
+    let target = dialer.target(name)?;
+    let ch = dialer.channel(&target).await?;
     let r = DonorControlClient::new(ch)
         .swap_table(SwapTableRequest {
             table_id: table,
@@ -517,7 +634,11 @@ pub fn run(cmd: OpsCmd) -> ExitCode {
     };
     let result = rt.block_on(async {
         match &cmd {
-            OpsCmd::Status { dial, donors } => status(dial, donors).await,
+            OpsCmd::Status {
+                dial,
+                donors,
+                detail,
+            } => status(dial, donors, *detail).await,
             OpsCmd::Drain { dial, donor } => drain(dial, donor).await.map(|()| true),
             OpsCmd::Swap {
                 dial,
@@ -596,6 +717,34 @@ mod tests {
     }
 
     #[test]
+    fn without_a_config_donors_are_addresses() {
+        let dialer = Dialer {
+            config: None,
+            material: None,
+        };
+        let t = dialer.target("127.0.0.1:7411").expect("an address");
+        assert_eq!((t.name.as_str(), t.addr.port()), ("127.0.0.1:7411", 7411));
+        let e = dialer.target("donor-a").expect_err("a name");
+        assert!(
+            e.to_string()
+                .contains("\"donor-a\" is not a control address (HOST:PORT)")
+                && e.to_string().contains("pass --config FILE"),
+            "{e}"
+        );
+        let e = dialer.all().expect_err("no config, no list");
+        assert!(e.to_string().contains("name the donors to ask"), "{e}");
+        let named = Dialer {
+            config: Some(config("")),
+            material: None,
+        };
+        assert_eq!(named.all().expect("all"), vec!["d".to_string()]);
+        let t = named.target("d").expect("d");
+        assert_eq!(t.addr.to_string(), "127.0.0.1:7411");
+        let e = named.target("127.0.0.1:7411").expect_err("not a name");
+        assert!(e.to_string().contains("no donor named"), "{e}");
+    }
+
+    #[test]
     fn status_is_a_short_table() {
         let state = DonorState {
             donor: "donor-a".into(),
@@ -640,5 +789,51 @@ mod tests {
             "{out}"
         );
         assert_eq!(lines[2], "donor-b: refused: no");
+    }
+
+    #[test]
+    fn detail_shows_every_table_and_counter() {
+        let state = DonorState {
+            donor: "donor-a".into(),
+            addr: "10.0.0.11:7411".parse().expect("addr"),
+            health: "NOT_SERVING".into(),
+            tables: ListTablesResponse {
+                donor: "donor-a".into(),
+                tables: vec![TableStatus {
+                    id: 1,
+                    layer: 1,
+                    rows: 10,
+                    state: LoadState::Loading.into(),
+                    bytes_done: 1,
+                    bytes_total: 4,
+                    path: "/t/l1.etab".into(),
+                    ..TableStatus::default()
+                }],
+                draining: true,
+            },
+            stats: StatsResponse {
+                lookups: 3,
+                rows: 72,
+                errors: vec![engram_protocol::control::ErrorCount {
+                    name: "row_out_of_range".into(),
+                    code: 3,
+                    count: 1,
+                }],
+                uptime_seconds: 61.0,
+                ..StatsResponse::default()
+            },
+        };
+        let out = render_detail(&state);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "donor-a (10.0.0.11:7411): NOT_SERVING (draining)",
+                "  table 1 layer 1 rows 10 digest - loading 25.0% /t/l1.etab",
+                "  lookups 3 rows 72 bytes 0",
+                "  errors row_out_of_range (3): 1",
+                "  uptime 1m01s",
+            ]
+        );
     }
 }

@@ -1,7 +1,6 @@
-//! One module per subcommand group: `serve` (the daemon), `tables` (`gen`,
-//! `pack`, `verify`, `inspect`) and `ctl` (a running donor's control
-//! plane).
+//! One module per subcommand group: `serve` (the daemon) and `tables`
+//! (`gen`, `pack`, `verify`, `inspect`). A running donor is operated with
+//! `engram-cluster status|drain|swap`.
 
-pub mod ctl;
 pub mod serve;
 pub mod tables;
