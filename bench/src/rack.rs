@@ -10,12 +10,12 @@ use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cluster_config::{Endpoint, Transport};
+use engram_sync::Mutex;
 use rack_harness::{DonorProcess, Process, bin};
 use serde::{Deserialize, Serialize};
 
@@ -313,11 +313,9 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
 static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-fn children() -> std::sync::MutexGuard<'static, Vec<u32>> {
+fn children() -> engram_sync::MutexGuard<'static, Vec<u32>> {
     // A panic while holding it leaves a plain list of pids, still usable.
-    CHILDREN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    CHILDREN.lock()
 }
 
 fn sigkill(pid: u32) {

@@ -11,14 +11,15 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
 use daemon_runtime::notify::Notifier;
 use engram_protocol::node_api as api;
+use engram_sync::Mutex;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -288,10 +289,7 @@ fn apply_reload(
 ) {
     let r = nm.reload(&cx.handle, config, &cx.name, &cx.metrics);
     if r.is_ok() {
-        *shared
-            .tokens_per_second
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = nm.tokens_per_second();
+        *shared.tokens_per_second.lock() = nm.tokens_per_second();
         if let Some(n) = config.node(&cx.name) {
             shared.max_batch.store(n.max_batch, Ordering::Relaxed);
         }
@@ -700,11 +698,7 @@ impl api::engram_node_server::EngramNode for Daemon {
             .collect();
         Ok(Response::new(api::TablesResponse {
             tables,
-            tokens_per_second: *self
-                .shared
-                .tokens_per_second
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
+            tokens_per_second: *self.shared.tokens_per_second.lock(),
             fusion: self.fusion.into(),
             queued: self.shared.queued.load(Ordering::Relaxed),
             running: self.shared.running.load(Ordering::Relaxed),

@@ -6,8 +6,7 @@
 //! the donor's work); the donor's own service time is the donor's
 //! `engram_donor_service_time_seconds`.
 
-use std::sync::Mutex;
-
+use engram_sync::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -166,7 +165,7 @@ impl NodeMetrics {
             batch_sequences: Gauge::default(),
         };
         {
-            let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
+            let mut r = m.registry.lock();
             r.register(
                 "fetch_seconds",
                 "Time from sending a lookup to a source to its valid answer, seen by the node",
@@ -266,7 +265,7 @@ impl NodeMetrics {
     /// The text exposition of every series.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        let r = self.registry.lock();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &r);
         out

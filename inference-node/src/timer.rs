@@ -8,10 +8,12 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
+
+use engram_sync::{Condvar, Mutex};
 
 struct Shared {
     pending: Mutex<HashMap<u64, (Instant, Waker)>>,
@@ -40,7 +42,7 @@ fn run(s: &'static Shared) {
     unsafe {
         libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
     }
-    let mut pending = s.pending.lock().unwrap_or_else(|p| p.into_inner());
+    let mut pending = s.pending.lock();
     loop {
         let now = Instant::now();
         let mut due = Vec::new();
@@ -57,11 +59,10 @@ fn run(s: &'static Shared) {
         }
         let next = pending.values().map(|(t, _)| *t).min();
         pending = match next {
-            None => s.changed.wait(pending).unwrap_or_else(|p| p.into_inner()),
+            None => s.changed.wait(pending),
             Some(t) => {
                 s.changed
                     .wait_timeout(pending, t.saturating_duration_since(Instant::now()))
-                    .unwrap_or_else(|p| p.into_inner())
                     .0
             }
         };
@@ -105,7 +106,7 @@ impl Future for Sleep {
                 .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(d.into())));
             return f.as_mut().poll(cx);
         };
-        let mut p = s.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut p = s.pending.lock();
         p.insert(self.id, (self.deadline, cx.waker().clone()));
         drop(p);
         s.changed.notify_one();
@@ -116,10 +117,7 @@ impl Future for Sleep {
 impl Drop for Sleep {
     fn drop(&mut self) {
         if let Some(Some(s)) = TIMER.get() {
-            s.pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&self.id);
+            s.pending.lock().remove(&self.id);
         }
     }
 }
@@ -162,9 +160,7 @@ mod tests {
                     .is_pending()
             );
         }
-        let left = TIMER
-            .get()
-            .and_then(|s| s.map(|s| s.pending.lock().map(|p| p.len()).unwrap_or(0)));
+        let left = TIMER.get().and_then(|s| s.map(|s| s.pending.lock().len()));
         assert_eq!(left, Some(0));
     }
 }

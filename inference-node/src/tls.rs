@@ -3,10 +3,11 @@
 //! new material; live ones keep theirs; bad new material is refused and the
 //! old one kept).
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use cluster_config::TlsFiles;
 use cluster_config::tls::{ALPN, Material, Reloadable, TlsError};
+use engram_sync::RwLock;
 
 /// A node's certificate and the client configuration of its donor connections.
 #[derive(Debug)]
@@ -32,14 +33,14 @@ impl NodeTls {
     pub fn reload(&self, files: &TlsFiles) -> Result<Arc<Material>, TlsError> {
         let m = self.material.reload(files)?;
         let client = m.client_config(&[ALPN])?;
-        *self.client.write().unwrap_or_else(|p| p.into_inner()) = client;
-        *self.files.write().unwrap_or_else(|p| p.into_inner()) = files.clone();
+        *self.client.write() = client;
+        *self.files.write() = files.clone();
         Ok(m)
     }
 
     /// The client configuration new connections use.
     pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
-        Arc::clone(&self.client.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&self.client.read())
     }
 
     /// The material now.
@@ -49,6 +50,6 @@ impl NodeTls {
 
     /// The files it was last loaded from.
     pub fn files(&self) -> TlsFiles {
-        self.files.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.files.read().clone()
     }
 }

@@ -297,7 +297,7 @@ async fn a_version_mismatch_excludes_the_source_until_its_digest_matches() {
     );
     let b = Fake::new("b", Fault::Ok(us(30)));
     let r = rig(&[&a, &b], settings(Hedge::Fixed(us(200)), Policy::Fail));
-    *a.digest.lock().expect("lock") = OTHER;
+    *a.digest.lock() = OTHER;
     fetch(&r).await.0.expect("b answers");
     assert!(!r.health[0].admissible(TABLE));
     assert_eq!(
@@ -309,7 +309,7 @@ async fn a_version_mismatch_excludes_the_source_until_its_digest_matches() {
     assert_eq!(a.calls(), 1, "excluded: never asked again");
     r.health[0].probe().await;
     assert!(!r.health[0].admissible(TABLE), "still the wrong digest");
-    *a.digest.lock().expect("lock") = PINNED;
+    *a.digest.lock() = PINNED;
     a.set(Fault::Ok(us(10)));
     r.health[0].probe().await;
     assert!(r.health[0].admissible(TABLE));

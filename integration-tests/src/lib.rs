@@ -21,12 +21,13 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::TableDigest;
 use engram_protocol::hashing::{HashParams, Preset};
+use engram_sync::{Condvar, Mutex};
 
 /// Path of a workspace binary built in the same profile as the running
 /// executable: beside it (`target/<profile>/engram-bench`) or one level up
@@ -167,10 +168,10 @@ impl Process {
         let log2 = Arc::clone(&log);
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                log2.lines.lock().unwrap().0.push(line);
+                log2.lines.lock().0.push(line);
                 log2.grew.notify_all();
             }
-            log2.lines.lock().unwrap().1 = true;
+            log2.lines.lock().1 = true;
             log2.grew.notify_all();
         });
         Ok(Self { child, log })
@@ -184,7 +185,7 @@ impl Process {
     ) -> Result<T> {
         let end = Instant::now() + timeout;
         let mut seen = 0;
-        let mut guard = self.log.lines.lock().unwrap();
+        let mut guard = self.log.lines.lock();
         loop {
             for line in &guard.0[seen..] {
                 if let Some(t) = f(line) {
@@ -200,7 +201,7 @@ impl Process {
                     guard.0.join("\n")
                 );
             }
-            guard = self.log.grew.wait_timeout(guard, end - now).unwrap().0;
+            guard = self.log.grew.wait_timeout(guard, end - now).0;
         }
     }
 
@@ -208,13 +209,12 @@ impl Process {
     /// is collected (after it exited, the reader thread may still lag).
     pub fn wait_log_closed(&self, timeout: Duration) {
         let end = Instant::now() + timeout;
-        let mut guard = self.log.lines.lock().unwrap();
+        let mut guard = self.log.lines.lock();
         while !guard.1 && Instant::now() < end {
             guard = self
                 .log
                 .grew
                 .wait_timeout(guard, end.saturating_duration_since(Instant::now()))
-                .unwrap()
                 .0;
         }
     }
@@ -319,7 +319,7 @@ impl Process {
 
     /// The log so far.
     pub fn log(&self) -> String {
-        self.log.lines.lock().unwrap().0.join("\n")
+        self.log.lines.lock().0.join("\n")
     }
 }
 
@@ -567,12 +567,12 @@ impl NotifySocket {
                     .unwrap_or("stored")
                     .to_string();
                 if lines.contains(&"FDSTORE=1") {
-                    let mut s = store2.lock().unwrap();
+                    let mut s = store2.lock();
                     s.extend(fds.into_iter().map(|f| (name.clone(), f)));
                 } else if lines.contains(&"FDSTOREREMOVE=1") {
-                    store2.lock().unwrap().retain(|(n, _)| *n != name);
+                    store2.lock().retain(|(n, _)| *n != name);
                 }
-                got2.0.lock().unwrap().push((Instant::now(), msg));
+                got2.0.lock().push((Instant::now(), msg));
                 got2.1.notify_all();
             }
         });
@@ -581,12 +581,7 @@ impl NotifySocket {
 
     /// The names of the descriptors the store holds now, in order.
     pub fn stored(&self) -> Vec<String> {
-        self.store
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(n, _)| n.clone())
-            .collect()
+        self.store.lock().iter().map(|(n, _)| n.clone()).collect()
     }
 
     /// Duplicates of the descriptors the store holds now, by name (what a
@@ -594,7 +589,6 @@ impl NotifySocket {
     pub fn stored_files(&self) -> Result<Vec<(String, std::fs::File)>> {
         self.store
             .lock()
-            .unwrap()
             .iter()
             .map(|(n, fd)| Ok((n.clone(), std::fs::File::from(fd.try_clone()?))))
             .collect()
@@ -602,12 +596,12 @@ impl NotifySocket {
 
     /// Put a descriptor into the store as a service would have.
     pub fn store_fd(&self, name: &str, fd: std::os::fd::OwnedFd) {
-        self.store.lock().unwrap().push((name.to_string(), fd));
+        self.store.lock().push((name.to_string(), fd));
     }
 
     /// Empty the store (as `systemctl clean --what=fdstore` would).
     pub fn clear_store(&self) {
-        self.store.lock().unwrap().clear();
+        self.store.lock().clear();
     }
 
     /// Set `cmd` up as systemd starts a service: this socket as
@@ -618,7 +612,7 @@ impl NotifySocket {
     pub fn attach(&self, cmd: &mut Command) -> Result<Vec<std::os::fd::OwnedFd>> {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
         use std::os::unix::process::CommandExt;
-        let store = self.store.lock().unwrap();
+        let store = self.store.lock();
         let mut fds: Vec<RawFd> = Vec::new();
         let mut held: Vec<OwnedFd> = Vec::new();
         let mut names = Vec::new();
@@ -655,7 +649,7 @@ impl NotifySocket {
 
     /// Every message so far, with its arrival time.
     pub fn messages(&self) -> Vec<(Instant, String)> {
-        self.got.0.lock().unwrap().clone()
+        self.got.0.lock().clone()
     }
 
     /// Wait (at most `timeout`) until the messages so far satisfy `f`.
@@ -665,7 +659,7 @@ impl NotifySocket {
         mut f: impl FnMut(&[(Instant, String)]) -> bool,
     ) -> Result<()> {
         let end = Instant::now() + timeout;
-        let mut g = self.got.0.lock().unwrap();
+        let mut g = self.got.0.lock();
         loop {
             if f(&g) {
                 return Ok(());
@@ -675,7 +669,7 @@ impl NotifySocket {
                 let all: Vec<&str> = g.iter().map(|(_, m)| m.as_str()).collect();
                 bail!("timed out; notifications so far:\n{}", all.join("\n---\n"));
             }
-            g = self.got.1.wait_timeout(g, end - now).unwrap().0;
+            g = self.got.1.wait_timeout(g, end - now).0;
         }
     }
 
@@ -745,12 +739,7 @@ pub fn free_port_on(ip: std::net::Ipv4Addr) -> Result<u16> {
             .with_context(|| format!("binding {ip}:0 (is the address usable?)"))?
             .local_addr()?
             .port();
-        if std::net::UdpSocket::bind((ip, port)).is_ok()
-            && GIVEN
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert((ip, port))
-        {
+        if std::net::UdpSocket::bind((ip, port)).is_ok() && GIVEN.lock().insert((ip, port)) {
             return Ok(port);
         }
     }

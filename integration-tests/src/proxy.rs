@@ -5,10 +5,11 @@
 
 use anyhow::Context;
 use engram_protocol::{FrameKind, HEADER_LEN};
+use engram_sync::Mutex;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::sync::{Arc, mpsc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -61,11 +62,11 @@ struct Shared {
 
 impl Shared {
     fn faults(&self) -> Faults {
-        *lock(&self.faults)
+        *self.faults.lock()
     }
 
     fn bump(&self, f: impl FnOnce(&mut ProxyStats)) {
-        f(&mut lock(&self.stats));
+        f(&mut self.stats.lock());
     }
 }
 
@@ -83,10 +84,6 @@ impl Conn {
         let _ = self.client.shutdown(Shutdown::Both);
         let _ = self.server.shutdown(Shutdown::Both);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A running proxy; dropping it stops accepting and closes every connection it holds.
@@ -135,7 +132,7 @@ impl FaultProxy {
 
     /// Replaces the faults; open connections apply them from their next frame.
     pub fn set(&self, faults: Faults) {
-        *lock(&self.shared.faults) = faults;
+        *self.shared.faults.lock() = faults;
     }
 
     /// Faults currently in force.
@@ -150,16 +147,16 @@ impl FaultProxy {
 
     /// Snapshot of the counters.
     pub fn stats(&self) -> ProxyStats {
-        let open = lock(&self.shared.conns).len() as u64;
+        let open = self.shared.conns.lock().len() as u64;
         ProxyStats {
             open,
-            ..*lock(&self.shared.stats)
+            ..*self.shared.stats.lock()
         }
     }
 
     /// Closes every open connection now, both sides.
     pub fn cut_all(&self) {
-        lock(&self.shared.conns).iter().for_each(|c| c.close());
+        self.shared.conns.lock().iter().for_each(|c| c.close());
     }
 }
 
@@ -208,7 +205,7 @@ fn serve(client: TcpStream, shared: &Arc<Shared>) {
         closed: AtomicBool::new(false),
     });
     {
-        let mut conns = lock(&shared.conns);
+        let mut conns = shared.conns.lock();
         if shared.stop.load(SeqCst) {
             return conn.close();
         }
@@ -216,7 +213,7 @@ fn serve(client: TcpStream, shared: &Arc<Shared>) {
     }
     let _ = run(&conn, shared);
     conn.close();
-    lock(&shared.conns).retain(|c| !Arc::ptr_eq(c, &conn));
+    shared.conns.lock().retain(|c| !Arc::ptr_eq(c, &conn));
 }
 
 /// Client->server on this thread; server->client on a reader and a (delaying) writer thread.
@@ -361,7 +358,7 @@ mod tests {
                 let seen = Arc::clone(&seen2);
                 thread::spawn(move || {
                     while let Ok((kind, id, _)) = read_frame(&mut s) {
-                        lock(&seen).push(kind);
+                        seen.lock().push(kind);
                         let reply = match kind {
                             1 => frame(2, id, b""),
                             3 => frame(4, id, &rows(id)),
@@ -499,7 +496,7 @@ mod tests {
         c.write_all(&frame(3, 1, b"k")).unwrap();
         assert_closed(&mut c);
         wait_until("connection closed", || p.stats().open == 0);
-        assert_eq!(*lock(&seen), vec![1]);
+        assert_eq!(*seen.lock(), vec![1]);
         assert_eq!(p.stats().dropped, 1);
     }
 

@@ -64,10 +64,10 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 /// The count is the process's: one test counts at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static ONE_AT_A_TIME: engram_sync::Mutex<()> = engram_sync::Mutex::new(());
 
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+fn one_at_a_time() -> engram_sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock()
 }
 
 const ROWS: u64 = 30_000;

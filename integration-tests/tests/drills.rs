@@ -5,8 +5,9 @@
 //! The tables, the local-RAM reference and the SSD calibration are made
 //! once per run of this file.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
+use engram_sync::Mutex;
 use rack_harness::drill::drills::{self, Opts, SECONDS};
 use rack_harness::drill::report::TimingMiss;
 use rack_harness::drill::{Env, Report};
@@ -56,7 +57,7 @@ fn remove_stale(tmp: &std::path::Path) {
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn drill(name: &str) -> Report {
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let _alone = ONE_AT_A_TIME.lock();
     let f = drills::find(name).expect("a drill of that name");
     let run = || match f(env(), &OPTS) {
         Ok(r) => {

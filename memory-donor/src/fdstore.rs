@@ -25,13 +25,14 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use daemon_runtime::notify::Notifier;
 use engram_protocol::TableDigest;
 use engram_store::kept;
 use engram_store::kept_checks::{self, KeptChecks};
 use engram_store::resident::{Backing, ExpectedTable, FileMark, ResidentTable};
+use engram_sync::Mutex;
 
 /// The fd-store names the donor uses start with this.
 const PREFIX: &str = "etab-";
@@ -107,7 +108,7 @@ impl FdStore {
         }
         let want = kept_checks::name(id, digest);
         let mine: Vec<File> = {
-            let mut all = self.checks.lock().ok()?;
+            let mut all = self.checks.lock();
             let (mine, rest): (Vec<_>, Vec<_>) = all.drain(..).partition(|(n, _)| *n == want);
             *all = rest;
             mine.into_iter().map(|(_, f)| f).collect()
@@ -150,10 +151,7 @@ impl FdStore {
     /// Close the check words no table took (versions not served now, or
     /// a donor without RDMA now) and remove them from the store.
     pub fn release_checks(&self) {
-        let rest: Vec<String> = match self.checks.lock() {
-            Ok(mut c) => c.drain(..).map(|(n, _)| n).collect(),
-            Err(_) => return,
-        };
+        let rest: Vec<String> = self.checks.lock().drain(..).map(|(n, _)| n).collect();
         for name in rest {
             tracing::info!(name = %name, "fd store: check words not used now; released");
             self.forget(&name);
@@ -163,7 +161,7 @@ impl FdStore {
     /// True when a copy may be taken: the store is on and systemd handed
     /// something back (otherwise there is nothing to look up).
     pub fn may_hold(&self) -> bool {
-        self.enabled && self.handed.lock().is_ok_and(|h| !h.is_empty())
+        self.enabled && !self.handed.lock().is_empty()
     }
 
     /// Where a table loaded now should live.
@@ -192,7 +190,7 @@ impl FdStore {
         }
         let want = kept::name(id, &expected.digest);
         let mine: Vec<File> = {
-            let mut handed = self.handed.lock().ok()?;
+            let mut handed = self.handed.lock();
             let (mine, rest): (Vec<_>, Vec<_>) =
                 handed.drain(..).partition(|(name, _)| *name == want);
             *handed = rest;
@@ -245,7 +243,7 @@ impl FdStore {
         }
         let prefix = format!("{}{FILE_TAG}", kept::name(id, &expected.digest));
         let mut mine: Vec<(String, File)> = {
-            let mut handed = self.handed.lock().ok()?;
+            let mut handed = self.handed.lock();
             let (mine, rest): (Vec<_>, Vec<_>) = handed
                 .drain(..)
                 .partition(|(name, _)| name.starts_with(&prefix));
@@ -388,10 +386,7 @@ impl FdStore {
     /// version, a table no longer served, a refused copy) and remove it
     /// from the store.
     pub fn release_rest(&self) {
-        let rest: Vec<(String, File)> = match self.handed.lock() {
-            Ok(mut h) => h.drain(..).collect(),
-            Err(_) => return,
-        };
+        let rest: Vec<(String, File)> = self.handed.lock().drain(..).collect();
         let mut names: Vec<String> = rest.into_iter().map(|(n, _)| n).collect();
         names.sort();
         names.dedup();

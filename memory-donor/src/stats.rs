@@ -4,13 +4,13 @@
 //! histogram (an uncontended lock, no allocation); readers (`Stats` over
 //! gRPC, `/metrics`) take a [`StatsSnapshot`] and do the arithmetic there.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use daemon_runtime::latency::Latency;
 
 use engram_protocol::ErrorCode;
+use engram_sync::Mutex;
 
 /// Error codes counted one by one; larger codes share the last slot.
 pub const ERROR_SLOTS: usize = 16;
@@ -31,14 +31,14 @@ impl ServiceTime {
     /// Count one sample.
     #[inline]
     pub fn record(&self, d: Duration) {
-        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.0.lock();
         g.0.record(d);
         g.1 =
             g.1.saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     }
 
     fn snapshot(&self) -> ServiceTimeSnapshot {
-        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let g = self.0.lock();
         ServiceTimeSnapshot {
             latency: g.0.clone(),
             sum_ns: g.1,
@@ -135,13 +135,13 @@ impl Stats {
     /// `control`) for `reason` (a short snake_case word). Rare: a lock and
     /// a map are fine here.
     pub fn refusal(&self, plane: &'static str, reason: &'static str) {
-        let mut m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.refusals.lock();
         *m.entry((plane, reason)).or_default() += 1;
     }
 
     /// Refusals so far, by plane and reason.
     pub fn refusals(&self) -> Vec<((&'static str, &'static str), u64)> {
-        let m = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self.refusals.lock();
         m.iter().map(|(k, v)| (*k, *v)).collect()
     }
 
@@ -149,19 +149,13 @@ impl Stats {
     /// snake_case word: `write_timeout`, `peer_reset`, ...). Once per
     /// connection at most: a lock and a map are fine here.
     pub fn connection_error(&self, reason: &'static str) {
-        let mut m = self
-            .connection_errors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut m = self.connection_errors.lock();
         *m.entry(reason).or_default() += 1;
     }
 
     /// Sessions ended on an error so far, by reason.
     pub fn connection_errors(&self) -> Vec<(&'static str, u64)> {
-        let m = self
-            .connection_errors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let m = self.connection_errors.lock();
         m.iter().map(|(k, v)| (*k, *v)).collect()
     }
 

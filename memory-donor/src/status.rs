@@ -7,11 +7,12 @@
 //! control plane to the serving loop, which alone changes what is served.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_sync::Mutex;
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::orders::Order;
@@ -123,8 +124,8 @@ pub struct TableView {
 }
 
 impl TableStatus {
-    fn header(&self) -> std::sync::MutexGuard<'_, Header> {
-        self.header.lock().unwrap_or_else(|p| p.into_inner())
+    fn header(&self) -> engram_sync::MutexGuard<'_, Header> {
+        self.header.lock()
     }
 
     /// The file's header was read: the table's identity is known.
@@ -281,10 +282,7 @@ impl DonorStatus {
 
     /// The receiving end of the orders (the serving loop takes it once).
     pub fn take_orders(&self) -> Option<mpsc::Receiver<Order>> {
-        self.order_rx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
+        self.order_rx.lock().take()
     }
 
     /// How long a drain waits for clients.

@@ -3,10 +3,11 @@
 //! plane, which identities are nodes (health, ListTables, Stats on the
 //! control plane) and which are operators (Drain, SwapTable too).
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use cluster_config::tls::{ALPN, Material, Reloadable, TlsError};
 use cluster_config::{Config, TlsFiles};
+use engram_sync::RwLock;
 
 /// Who may do what on this donor.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -100,15 +101,15 @@ impl DonorTls {
     /// Load the material again and take the new access rules; on a bad
     /// certificate or key the old material stays (the rules still change).
     pub fn reload(&self, files: &TlsFiles, access: Access) -> Result<Arc<Material>, TlsError> {
-        *self.access.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(access);
+        *self.access.write() = Arc::new(access);
         let material = self.material.reload(files)?;
         let built = build(Arc::clone(&material))?;
-        *self.built.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(built);
+        *self.built.write() = Arc::new(built);
         Ok(material)
     }
 
     fn built(&self) -> Arc<ServerConfigs> {
-        Arc::clone(&self.built.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&self.built.read())
     }
 
     /// The material now.
@@ -159,7 +160,7 @@ impl DonorTls {
 
     /// The access rules now.
     pub fn access(&self) -> Arc<Access> {
-        Arc::clone(&self.access.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&self.access.read())
     }
 
     /// May `identity` use the data plane?

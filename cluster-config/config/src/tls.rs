@@ -9,8 +9,9 @@
 //! or an operator). `engram-cluster pki issue` writes certificates that way.
 
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
+use engram_sync::RwLock;
 use rustls::RootCertStore;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -363,14 +364,14 @@ impl Reloadable {
 
     /// The material now.
     pub fn get(&self) -> Arc<Material> {
-        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&self.current.read())
     }
 
     /// Load `files` again (they may be new paths); on any problem the old
     /// material stays and the error says why.
     pub fn reload(&self, files: &TlsFiles) -> Result<Arc<Material>, TlsError> {
         let m = Arc::new(Material::load(files)?);
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&m);
+        *self.current.write() = Arc::clone(&m);
         Ok(m)
     }
 }

@@ -5,9 +5,9 @@
 //! bound (one per connection or per request).
 
 use std::io::IsTerminal;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use engram_sync::Mutex;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -87,7 +87,7 @@ impl RateLimit {
 
     /// [`RateLimit::allow`] at a given instant.
     pub fn allow_at(&self, now: Instant) -> Option<u64> {
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.state.lock();
         let w = g.get_or_insert(Window {
             start: now,
             passed: 0,

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use engram_sync::Mutex;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
@@ -155,9 +156,9 @@ async fn answer(
     limits: &HttpLimits,
 ) {
     let content_type = limits.content_type;
-    let ticket = std::sync::Mutex::new(Some(ticket));
+    let ticket = Mutex::new(Some(ticket));
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        drop(ticket.lock().map(|mut t| t.take()));
+        drop(ticket.lock().take());
         let page = match permits.try_acquire() {
             Ok(_render) => respond(req.method(), req.uri().path(), &render, content_type),
             Err(_) => busy(),

@@ -15,8 +15,10 @@
 //! ([`PreAuth::deadline`]).
 
 use std::net::{IpAddr, Shutdown, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+use engram_sync::Mutex;
 
 /// The shortest handshake deadline, however full the budget.
 pub const MIN_DEADLINE: Duration = Duration::from_millis(250);
@@ -68,8 +70,8 @@ impl PreAuth {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> engram_sync::MutexGuard<'_, Inner> {
+        self.inner.lock()
     }
 
     /// Admit a connection from `ip` (`stream`: a handle on its socket).

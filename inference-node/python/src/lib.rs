@@ -5,10 +5,11 @@
 //! that may block, and maps each error kind to its own exception class.
 
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+use engram_sync::Mutex;
 use inference_node::embed::{self, EmbedError, EngramMemory, MetricsAt, OpenOptions, Segment};
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
@@ -614,7 +615,7 @@ impl Ticket {
     /// `layer`'s fetch has ended: for an event loop's
     /// `call_soon_threadsafe`.
     fn on_ready(&self, layer: u32, callback: Py<PyAny>) -> PyResult<()> {
-        let tx = notifier().lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let tx = notifier().lock().clone();
         self.inner
             .on_ready(
                 layer,

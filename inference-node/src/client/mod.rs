@@ -20,8 +20,10 @@ mod wire;
 
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+
+use engram_sync::Mutex;
 
 pub use cluster_config::Transport;
 use cluster_config::records::{Handshake, Progress, Records};

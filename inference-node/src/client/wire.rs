@@ -8,7 +8,6 @@
 //! shared buffer.
 
 use std::os::fd::RawFd;
-use std::sync::Mutex;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -17,6 +16,7 @@ use cluster_config::records::{Opened, Records, record_len};
 use engram_protocol::messages::{ROWS_HEAD_LEN, ROWS_SECTION_LEN, payload_checksum_of_parts};
 use engram_protocol::session::client::{self, ClientSession, Incoming};
 use engram_protocol::{FrameHeader, FrameKind, HEADER_LEN, Limits};
+use engram_sync::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The byte stream under a connection: a TCP socket's halves, or a QUIC stream's.
 pub(super) trait ReadHalf:
@@ -84,8 +84,8 @@ pub(super) fn take_reply(s: &mut Session, id: u64) -> Option<Reply> {
 /// up a writer.
 pub(super) type TlsRecords = std::sync::Arc<Mutex<Records>>;
 
-fn lock(s: &TlsRecords) -> std::sync::MutexGuard<'_, Records> {
-    s.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(s: &TlsRecords) -> engram_sync::MutexGuard<'_, Records> {
+    s.lock()
 }
 
 /// The read side: whichever request holds it reads frames for everyone.
@@ -416,8 +416,8 @@ pub(super) struct Inner {
 }
 
 impl Inner {
-    pub fn session(&self) -> std::sync::MutexGuard<'_, Session> {
-        self.session.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn session(&self) -> engram_sync::MutexGuard<'_, Session> {
+        self.session.lock()
     }
 
     /// Fail every waiting request and refuse new ones.

@@ -21,14 +21,15 @@ mod ticket;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS, HashParams};
 use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, dequantize_row_bf16};
 use engram_protocol::{ROW_BYTES, RowBytes};
+use engram_sync::RwLock;
 use thiserror::Error;
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
@@ -167,7 +168,7 @@ struct Shared {
     /// Fetches started ever and in flight now (what a warm-up and a
     /// close wait for).
     counts: Arc<FetchCounts>,
-    io: std::sync::Mutex<
+    io: engram_sync::Mutex<
         Option<(
             tokio::sync::oneshot::Sender<()>,
             std::thread::JoinHandle<()>,
@@ -262,18 +263,13 @@ impl EngramMemory {
                 state: RwLock::new(Some(Arc::new(open))),
                 counters: Arc::default(),
                 counts: Arc::default(),
-                io: std::sync::Mutex::new(Some((stop_tx, thread))),
+                io: engram_sync::Mutex::new(Some((stop_tx, thread))),
             },
         })
     }
 
     fn open_state(&self) -> Result<Arc<Open>, EmbedError> {
-        self.shared
-            .state
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or(EmbedError::Closed)
+        self.shared.state.read().clone().ok_or(EmbedError::Closed)
     }
 
     /// The node's name.
@@ -546,12 +542,7 @@ impl EngramMemory {
     /// thread. Tickets still held fail their waits with what their fetch
     /// came to, or a timeout. Closing twice is a no-op.
     pub fn close(&self, drain: Duration) {
-        let open = self
-            .shared
-            .state
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let open = self.shared.state.write().take();
         let Some(open) = open else { return };
         let until = Instant::now() + drain;
         while self.shared.counts.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
@@ -567,12 +558,7 @@ impl EngramMemory {
             let _ = tx.send(());
         });
         let _ = rx.recv_timeout(Duration::from_secs(1));
-        let io = self
-            .shared
-            .io
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let io = self.shared.io.lock().take();
         if let Some((stop, thread)) = io {
             let _ = stop.send(());
             let _ = thread.join();

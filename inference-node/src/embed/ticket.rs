@@ -5,11 +5,12 @@
 //! the caller's deadline; nothing it holds is shared with another ticket.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS};
+use engram_sync::{Condvar, Mutex};
 
 use super::EmbedError;
 use crate::model::Fetch;
@@ -46,7 +47,7 @@ impl Done {
     pub(crate) fn finish(&self, fetch: Fetch, took: Duration) {
         let _ = self.fetch.set((fetch, took));
         let callbacks = {
-            let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            let mut g = self.sleep.lock();
             std::mem::take(&mut *g)
         };
         self.woken.notify_all();
@@ -79,20 +80,16 @@ impl Done {
             // (Python); placed freely it costs nothing.
             std::thread::yield_now();
         }
-        let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.sleep.lock();
         loop {
             if let Some(f) = self.fetch.get() {
                 return Some(f);
             }
             match deadline {
-                None => g = self.woken.wait(g).unwrap_or_else(|p| p.into_inner()),
+                None => g = self.woken.wait(g),
                 Some(d) => {
                     let left = d.checked_duration_since(Instant::now())?;
-                    g = self
-                        .woken
-                        .wait_timeout(g, left)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    g = self.woken.wait_timeout(g, left).0;
                 }
             }
         }
@@ -101,7 +98,7 @@ impl Done {
     /// Call `cb` once the fetch has ended (now, when it has).
     fn on_ready(&self, cb: Callback) {
         {
-            let mut g = self.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            let mut g = self.sleep.lock();
             if self.fetch.get().is_none() {
                 g.push(cb);
                 return;

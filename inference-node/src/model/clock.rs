@@ -2,8 +2,9 @@
 //! and spins only for its last stretch, so the loop is precise to a few
 //! microseconds without holding a core) and, for tests, a clock that jumps.
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use engram_sync::Mutex;
 
 /// How the loop reads and spends time. Times are offsets from the run's start.
 pub trait Clock {
@@ -74,17 +75,17 @@ pub struct FakeClock {
 impl FakeClock {
     /// Move forward by `d` (work that takes time, such as fusion).
     pub fn advance(&self, d: Duration) {
-        *self.now.lock().unwrap_or_else(|p| p.into_inner()) += d;
+        *self.now.lock() += d;
     }
 }
 
 impl Clock for FakeClock {
     fn now(&self) -> Duration {
-        *self.now.lock().unwrap_or_else(|p| p.into_inner())
+        *self.now.lock()
     }
 
     fn sleep_until(&self, t: Duration) {
-        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        let mut now = self.now.lock();
         *now = (*now).max(t);
     }
 }

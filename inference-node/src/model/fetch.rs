@@ -7,12 +7,13 @@
 //! is timed on the lane, when the last row arrived, not when the loop
 //! looked.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
+use engram_sync::{Condvar, Mutex};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
@@ -34,10 +35,6 @@ const CHECK: Duration = Duration::from_millis(100);
 /// all ended: it is for rows due within a window of a few hundred
 /// microseconds, not for a failover.
 const WARM_HOLD: Duration = Duration::from_millis(1);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// What the loop hands a lane: the rows, and the fetch whose buffers the
 /// answer reuses.
@@ -70,7 +67,7 @@ struct Alive(Arc<Lane>);
 impl Drop for Alive {
     fn drop(&mut self) {
         self.0.alive.store(false, Ordering::Release);
-        let _g = lock(&self.0.done);
+        let _g = self.0.done.lock();
         self.0.ready.notify_all();
     }
 }
@@ -174,7 +171,7 @@ async fn run_lane(
         }
         let picked = origin.elapsed();
         let (sweep, asked, mut f) = {
-            let mut job = lock(&lane.job);
+            let mut job = lane.job.lock();
             std::mem::swap(&mut rows, &mut job.rows);
             (job.sweep, job.asked, std::mem::take(&mut job.spare))
         };
@@ -189,7 +186,7 @@ async fn run_lane(
         f.ready = origin.elapsed();
         (f.asked, f.picked) = (Some(asked), Some(picked));
         counts.in_flight.fetch_sub(1, Ordering::AcqRel);
-        *lock(&lane.done) = Some(f);
+        *lane.done.lock() = Some(f);
         lane.ready.notify_one();
     }
 }
@@ -272,7 +269,7 @@ pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
             async move {
                 let mut out = Vec::new();
                 loop {
-                    let next = chunks.lock().unwrap_or_else(|p| p.into_inner()).next();
+                    let next = chunks.lock().next();
                     let Some((r, o)) = next else { break out };
                     out.push(router.fetch_stripe(r, o, stripe).await);
                 }
@@ -319,7 +316,7 @@ impl Fetcher for RouterFetcher {
             self.busy[slot] = true;
             let lane = &self.lanes[slot];
             {
-                let mut job = lock(&lane.job);
+                let mut job = lane.job.lock();
                 job.rows.clear();
                 job.rows.extend_from_slice(rows);
                 (job.sweep, job.asked) = (sweep, asked);
@@ -383,12 +380,12 @@ impl Fetcher for RouterFetcher {
 fn wait_lane(lane: &Lane, origin: Instant) -> Fetch {
     let spin_until = Instant::now() + SPIN;
     while Instant::now() < spin_until {
-        if let Some(f) = lock(&lane.done).take() {
+        if let Some(f) = lane.done.lock().take() {
             return f;
         }
         std::thread::yield_now();
     }
-    let mut done = lock(&lane.done);
+    let mut done = lane.done.lock();
     loop {
         if let Some(f) = done.take() {
             return f;
@@ -396,11 +393,7 @@ fn wait_lane(lane: &Lane, origin: Instant) -> Fetch {
         if !lane.alive.load(Ordering::Acquire) {
             return lost(origin);
         }
-        done = lane
-            .ready
-            .wait_timeout(done, CHECK)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        done = lane.ready.wait_timeout(done, CHECK).0;
     }
 }
 

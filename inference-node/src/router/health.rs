@@ -10,13 +10,14 @@
 //! version mismatch excludes the source for that table until a probe sees
 //! the pinned digest again.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_config::Hedge;
 use daemon_runtime::latency::Latency;
 use engram_protocol::TableDigest;
+use engram_sync::Mutex;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::source::{RowSource, SourceError};
@@ -131,8 +132,8 @@ impl SourceHealth {
         self.threshold.store(threshold.max(1), Ordering::Relaxed);
     }
 
-    fn st(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn st(&self) -> engram_sync::MutexGuard<'_, State> {
+        self.state.lock()
     }
 
     fn set(&self, st: &mut State, b: Breaker) {

@@ -29,12 +29,13 @@
 pub mod health;
 mod lookup;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
 use engram_protocol::ROW_BYTES;
+use engram_sync::{Mutex, RwLock};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 use thiserror::Error;
@@ -311,7 +312,7 @@ impl Router {
     }
 
     fn state(&self) -> Arc<RouteState> {
-        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.state.read().clone()
     }
 
     /// Its settings now.
@@ -335,11 +336,11 @@ impl Router {
     ) {
         settings.table = self.table_id;
         let next = Arc::new(RouteState::new(settings, sources, m));
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = next;
+        *self.state.write() = next;
     }
 
-    fn pool(&self) -> std::sync::MutexGuard<'_, AttemptBuffers> {
-        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    fn pool(&self) -> engram_sync::MutexGuard<'_, AttemptBuffers> {
+        self.pool.lock()
     }
 
     /// A fetch of `rows` of `table` by `deadline`, and a slot to run it

@@ -8,9 +8,10 @@
 //! pinned versions.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use engram_protocol::TableDigest;
+use engram_sync::Mutex;
 use tokio::time::Instant;
 
 use super::{FetchFuture, FetchJob, FetchSlot, ProbeFuture, RowSource, SourceError, SourceKind};
@@ -76,7 +77,7 @@ impl Pinger {
             if self.stop.load(std::sync::atomic::Ordering::Acquire) {
                 return;
             }
-            let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let client = self.client.lock().take();
             if let Some(c) = client
                 && let Err(e) = c.ping().await
             {
@@ -189,14 +190,14 @@ impl DonorSource {
     }
 
     fn live(&self) -> Option<Arc<DonorClient>> {
-        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let cur = self.current.lock();
         cur.as_ref()
             .filter(|c| !c.is_closed() && !c.is_draining())
             .cloned()
     }
 
     fn install(&self, client: Arc<DonorClient>) {
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
+        *self.current.lock() = Some(client);
     }
 
     async fn dial(&self) -> Result<DonorClient, ClientError> {
@@ -230,7 +231,7 @@ impl DonorSource {
     }
 
     fn forget(&self, client: &Arc<DonorClient>) {
-        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cur = self.current.lock();
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
             *cur = None;
         }
@@ -285,7 +286,7 @@ impl DonorSource {
     /// Said once per connection, with the donor's own reason when it sent
     /// one (an error frame before it closed, a QUIC close reason).
     fn lost(&self, client: &Arc<DonorClient>, e: &SourceError) {
-        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cur = self.current.lock();
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
             *cur = None;
             drop(cur);
@@ -294,7 +295,7 @@ impl DonorSource {
     }
 
     fn draining(&self) -> bool {
-        let cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let cur = self.current.lock();
         cur.as_ref().is_some_and(|c| c.poll_draining())
     }
 }
@@ -348,7 +349,7 @@ impl RowSource for DonorSource {
                 tokio::spawn(Arc::clone(&p).run());
                 p
             });
-            *pinger.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
+            *pinger.client.lock() = Some(c);
             pinger.go.notify_one();
         }
     }

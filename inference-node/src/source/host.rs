@@ -24,14 +24,15 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use daemon_runtime::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
 use engram_protocol::TableDigest;
 use engram_store::kept;
 use engram_store::resident::{ExpectedTable, ResidentTable};
+use engram_sync::{Mutex, RwLock};
 use tokio::time::Instant;
 
 use super::{
@@ -105,7 +106,7 @@ impl HostSource {
             gap_metric: gaps,
             ..State::default()
         });
-        *lock(&state.down) = Some("not connected yet".into());
+        *state.down.lock() = Some("not connected yet".into());
         let (st, p, n) = (Arc::clone(&state), path.clone(), name.clone());
         std::thread::Builder::new()
             .name(format!("host-{name}"))
@@ -125,31 +126,31 @@ impl HostSource {
 
     /// Whether table `table` is mapped now, at its pinned version.
     pub fn is_mapped(&self, table: u32) -> bool {
-        read(&self.state.maps).contains_key(&table)
+        self.state.maps.read().contains_key(&table)
     }
 
     /// The generation of table `table`'s mapping, if mapped.
     pub fn generation(&self, table: u32) -> Option<u64> {
-        read(&self.state.maps).get(&table).map(|m| m.generation)
+        self.state.maps.read().get(&table).map(|m| m.generation)
     }
 
     /// Copy rows out of the mapping; no await point.
     pub fn read(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
-        let Some(m) = read(&self.state.maps).get(&table).cloned() else {
+        let Some(m) = self.state.maps.read().get(&table).cloned() else {
             return Err(self.why_not(table));
         };
         super::gather_rows(&m.table, rows, out)
     }
 
     fn why_not(&self, table: u32) -> SourceError {
-        if let Some(d) = lock(&self.state.other).get(&table) {
+        if let Some(d) = self.state.other.lock().get(&table) {
             let detail = match d {
                 Some(d) => format!("the donor's host socket serves digest {d}"),
                 None => "the donor's host socket serves another version".into(),
             };
             return SourceError::VersionMismatch { table, detail };
         }
-        let down = lock(&self.state.down).clone();
+        let down = self.state.down.lock().clone();
         SourceError::Unavailable(format!(
             "table {table} is not mapped from {}'s host socket {}{}",
             self.name,
@@ -195,7 +196,9 @@ impl RowSource for HostSource {
     }
 
     fn view(&self, table: u32) -> Option<TableView> {
-        read(&self.state.maps)
+        self.state
+            .maps
+            .read()
             .get(&table)
             .map(|m| TableView::new(Arc::clone(&m.table), Some(m.generation), true))
     }
@@ -209,18 +212,18 @@ impl RowSource for HostSource {
             while !self.state.settled.load(Ordering::Acquire) && Instant::now() < until {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            let maps = read(&self.state.maps);
+            let maps = self.state.maps.read();
             let mut tables: Vec<(u32, TableDigest)> =
                 maps.iter().map(|(id, m)| (*id, m.table.digest)).collect();
             drop(maps);
             // Another version, as a donor over the network would say it.
-            for (id, d) in lock(&self.state.other).iter() {
+            for (id, d) in self.state.other.lock().iter() {
                 if let Some(d) = d {
                     tables.push((*id, *d));
                 }
             }
             if tables.is_empty() {
-                let down = lock(&self.state.down).clone().unwrap_or_default();
+                let down = self.state.down.lock().clone().unwrap_or_default();
                 return Err(SourceError::Unavailable(format!(
                     "nothing mapped from {} yet: {down}",
                     self.path.display()
@@ -229,14 +232,6 @@ impl RowSource for HostSource {
             Ok(tables)
         })
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Connect, take in what the donor sends, and connect again when it goes
@@ -254,7 +249,7 @@ fn watch(name: &str, path: &Path, pinned: &[(u32, ExpectedTable)], st: &State) {
             Err(e) => Err(format!("cannot connect to {}: {e}", path.display())),
         };
         if let Err(why) = ended {
-            let mapped = !read(&st.maps).is_empty();
+            let mapped = !st.maps.read().is_empty();
             let was_synced = st.synced.swap(false, Ordering::Relaxed);
             if was_synced && mapped {
                 st.gaps.fetch_add(1, Ordering::Relaxed);
@@ -266,7 +261,7 @@ fn watch(name: &str, path: &Path, pinned: &[(u32, ExpectedTable)], st: &State) {
                 tracing::warn!(donor = name, why = %why, "host socket lost");
             }
             was_up |= was_synced;
-            *lock(&st.down) = Some(why);
+            *st.down.lock() = Some(why);
             st.settled.store(true, Ordering::Release);
         }
         std::thread::sleep(RETRY);
@@ -306,7 +301,7 @@ fn session(
                 ));
             }
             welcomed = true;
-            *lock(&st.down) = None;
+            *st.down.lock() = None;
             continue;
         }
         if !welcomed {
@@ -327,7 +322,7 @@ fn session(
 fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State) {
     tracing::info!(donor = name, table, generation, "host socket: table mapped");
     let t = Arc::new(t);
-    st.maps.write().unwrap_or_else(|p| p.into_inner()).insert(
+    st.maps.write().insert(
         table,
         Arc::new(Mapped {
             table: Arc::clone(&t),
@@ -336,7 +331,7 @@ fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State
     );
     // Only once the pinned version is mapped: a lookup in
     // between still hears of the other one.
-    lock(&st.other).remove(&table);
+    st.other.lock().remove(&table);
     // Then, with lookups already served, point this process's
     // page tables at every page, so that later lookups take no
     // page fault (a first touch of each page would): on a
@@ -375,20 +370,20 @@ fn table_message(
     };
     if field("gone").is_some() {
         remove(st, table);
-        lock(&st.other).remove(&table);
+        st.other.lock().remove(&table);
         return Ok(());
     }
     let digest = field("digest").and_then(|v| v.as_str()).unwrap_or_default();
     if digest != want.digest.to_string() {
         // Said before the mapping goes, so that a lookup that finds no
         // mapping finds why: another version, never "unavailable".
-        lock(&st.other).insert(table, digest.parse().ok());
+        st.other.lock().insert(table, digest.parse().ok());
         remove(st, table);
         return Ok(());
     }
     if let Some(why) = field("unshared").and_then(|v| v.as_str()) {
         remove(st, table);
-        lock(&st.other).remove(&table);
+        st.other.lock().remove(&table);
         tracing::warn!(donor = name, table, why, "host socket: table not shared");
         return Ok(());
     }
@@ -398,18 +393,20 @@ fn table_message(
     let Some(file) = fd else {
         return Err(format!("table {table}'s message carries no descriptor"));
     };
-    if read(&st.maps)
+    if st
+        .maps
+        .read()
         .get(&table)
         .is_some_and(|m| m.generation == generation)
     {
-        lock(&st.other).remove(&table);
+        st.other.lock().remove(&table);
         return Ok(()); // The same memory (a donor restarted from its fd store).
     }
     match map_table(table, file, want) {
         Ok(t) => install(name, table, generation, t, st),
         Err(e) => {
             remove(st, table);
-            lock(&st.other).remove(&table);
+            st.other.lock().remove(&table);
             tracing::warn!(donor = name, table, error = %e, "host socket: table refused");
         }
     }
@@ -418,10 +415,7 @@ fn table_message(
 
 fn remove(st: &State, table: u32) {
     // The mapping goes when the last lookup holding it ends.
-    st.maps
-        .write()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&table);
+    st.maps.write().remove(&table);
 }
 
 /// Map a table's descriptor: only a memfd sealed against writes, shrinking

@@ -19,13 +19,14 @@
 //!   mismatch, never a row of it.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use engram_rdma::plan::{Fault, Outcome};
 use engram_rdma::reader::{DEFAULT_SLOT_ROWS, Reader, Session, StartError, Step, qp_options};
 use engram_rdma::verbs::{Fabric, Provider};
+use engram_sync::{Mutex, MutexGuard};
 use tokio::time::Instant;
 
 use super::SourceError;
@@ -167,7 +168,7 @@ impl RdmaPath {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock()
     }
 
     /// The listener's address.

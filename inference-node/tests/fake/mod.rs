@@ -1,13 +1,14 @@
 //! A fake source with fault injection, and a router over fakes, for the
 //! router's tests under paused tokio time.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
 use engram_protocol::synthetic::{first_mismatch, synthetic_row};
 use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_sync::Mutex;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::{RouteSettings, Router, RouterError, SourceHealth};
 use inference_node::source::{FetchFuture, ProbeFuture, RowSource, SourceError, SourceKind};
@@ -66,7 +67,7 @@ impl Fake {
     }
 
     pub fn set(&self, f: Fault) {
-        *self.fault.lock().expect("lock") = f;
+        *self.fault.lock() = f;
     }
 
     pub fn calls(&self) -> u32 {
@@ -95,7 +96,7 @@ impl RowSource for Fake {
         deadline: Instant,
     ) -> FetchFuture<'a> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        let fault = self.fault.lock().expect("lock").clone();
+        let fault = self.fault.lock().clone();
         Box::pin(async move {
             assert_eq!(table, TABLE);
             let out = &mut buf[..];
@@ -131,7 +132,7 @@ impl RowSource for Fake {
     fn probe(&self) -> ProbeFuture<'_> {
         Box::pin(async move {
             if self.healthy.load(Ordering::SeqCst) {
-                Ok(vec![(TABLE, *self.digest.lock().expect("lock"))])
+                Ok(vec![(TABLE, *self.digest.lock())])
             } else {
                 Err(SourceError::Unavailable("probe refused".into()))
             }

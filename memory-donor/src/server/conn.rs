@@ -8,7 +8,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_protocol::{FrameHeader, HEADER_LEN};
@@ -16,6 +16,7 @@ use engram_protocol::{FrameHeader, HEADER_LEN};
 use super::ended::Ended;
 use super::handler::Handler;
 use cluster_config::records::{MAX_RECORD, Opened, Progress, record_len};
+use engram_sync::{Mutex, MutexGuard};
 
 use super::pump::{INITIAL_BUF, Pump, ReadBuf, Step};
 use super::{Conn, Shared, Slot, TlsSession};
@@ -44,7 +45,7 @@ fn tls_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Erro
 }
 
 fn lock(session: &Mutex<TlsSession>) -> MutexGuard<'_, TlsSession> {
-    session.lock().unwrap_or_else(|p| p.into_inner())
+    session.lock()
 }
 
 /// Read more plaintext into `rb`: straight from the socket, or over TLS by
@@ -154,7 +155,7 @@ fn flush(conn: &Conn, out: &mut Vec<u8>, sealed: &mut Vec<u8>) -> io::Result<()>
     if out.is_empty() {
         return Ok(());
     }
-    let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = conn.write_lock.lock();
     let Some(session) = &conn.tls else {
         let r = (&conn.stream).write_all(out);
         out.clear();
@@ -257,7 +258,7 @@ fn close_gracefully(conn: &Conn, stream: &TcpStream, out: &mut Vec<u8>) -> io::R
     let mut sealed = Vec::new();
     flush(conn, out, &mut sealed)?;
     if let Some(session) = &conn.tls {
-        let _guard = conn.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = conn.write_lock.lock();
         sealed.clear();
         if let TlsSession::Open { records, .. } = &mut *lock(session) {
             records.seal_close_notify(&mut sealed).map_err(tls_error)?;

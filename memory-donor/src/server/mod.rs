@@ -21,13 +21,14 @@ pub mod quic;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use daemon_runtime::logging::RateLimit;
 use daemon_runtime::preauth::{PreAuth, Ticket};
 use engram_protocol::{Goodbye, Limits};
+use engram_sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -195,11 +196,7 @@ impl Shared {
     /// After a certificate reload: new QUIC handshakes use the new
     /// material too (TLS connections take it per connection already).
     pub fn refresh_quic(&self) {
-        let endpoints = self
-            .quic_endpoints
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let endpoints = self.quic_endpoints.lock().clone();
         for e in endpoints {
             match quic::server_config(self) {
                 Ok(c) => e.set_server_config(Some(c)),
@@ -245,7 +242,7 @@ impl Shared {
 
     /// The configuration now (a connection keeps the one it started with).
     pub fn config(&self) -> Arc<ServerConfig> {
-        Arc::clone(&self.config.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&self.config.read())
     }
 
     /// Apply `new` to connections accepted from now on. The name cannot
@@ -272,24 +269,24 @@ impl Shared {
             ));
             new.max_connections = total;
         }
-        *self.config.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        *self.config.write() = Arc::new(new);
         NotApplied(kept)
     }
 
     /// The tables, read-locked: hold the guard for as long as one answer
     /// must see one version of them.
     pub fn tables(&self) -> RwLockReadGuard<'_, Vec<ResidentTable>> {
-        self.tables.read().unwrap_or_else(|p| p.into_inner())
+        self.tables.read()
     }
 
     /// The tables, write-locked (a swap). Lookups wait while it is held:
     /// keep it to a pointer swap, and drop replaced tables after releasing it.
     pub fn tables_mut(&self) -> RwLockWriteGuard<'_, Vec<ResidentTable>> {
-        self.tables.write().unwrap_or_else(|p| p.into_inner())
+        self.tables.write()
     }
 
-    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Conn>>> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    fn conns(&self) -> MutexGuard<'_, HashMap<u64, Arc<Conn>>> {
+        self.conns.lock()
     }
 
     /// Open connections (TCP, TLS and QUIC).
@@ -313,7 +310,7 @@ impl Shared {
         for c in conns {
             let Some(session) = &c.tls else { continue };
             let chain: Option<Vec<rustls::pki_types::CertificateDer<'static>>> =
-                match &*session.lock().unwrap_or_else(|p| p.into_inner()) {
+                match &*session.lock() {
                     TlsSession::Open { chain, .. } => Some(chain.clone()),
                     _ => None,
                 };
@@ -335,7 +332,6 @@ impl Shared {
         let quic: Vec<(u64, quinn::Connection)> = self
             .quic_conns
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .iter()
             .map(|(id, c)| (*id, c.clone()))
             .collect();
@@ -363,7 +359,7 @@ impl Shared {
     /// Remember that `identity` (proved by `chain`) was granted an RDMA
     /// token, so its queue pairs are checked again with the sessions.
     pub fn rdma_granted(&self, identity: &str, chain: &Chain) {
-        let mut g = self.rdma_grantees.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.rdma_grantees.lock();
         if g.get(identity) != Some(chain) {
             g.insert(identity.to_owned(), Arc::clone(chain));
         }
@@ -376,22 +372,14 @@ impl Shared {
         let Some(book) = self.rdma() else { return 0 };
         let mut cut = 0;
         for owner in book.owners() {
-            let chain = self
-                .rdma_grantees
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&*owner)
-                .cloned();
+            let chain = self.rdma_grantees.lock().get(&*owner).cloned();
             let verdict = match &chain {
                 Some(chain) => tls.still_admits(chain, crate::tls::Plane::Data).map(|_| ()),
                 None => Err("no certificate on record".to_string()),
             };
             if let Err(why) = verdict {
                 let qps = book.revoke(&owner);
-                self.rdma_grantees
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&*owner);
+                self.rdma_grantees.lock().remove(&*owner);
                 tracing::warn!(identity = %owner, queue_pairs = qps, "RDMA access cut: {why}");
                 self.stats.refusal("rdma", "revoked");
                 cut += qps;
@@ -574,11 +562,7 @@ pub async fn run(
             Listener::Tls(l) => (l, true),
             Listener::Quic(endpoint) => {
                 quic.push(endpoint.clone());
-                shared
-                    .quic_endpoints
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(endpoint.clone());
+                shared.quic_endpoints.lock().push(endpoint.clone());
                 accepters.push(tokio::spawn(quic::accept_loop(
                     endpoint,
                     Arc::clone(&shared),
@@ -668,22 +652,27 @@ async fn accept_loop(
     }
 }
 
+/// `m`'s lock, tried every millisecond until `deadline`; `None` if it
+/// stayed taken.
+fn lock_until<T>(m: &Mutex<T>, deadline: std::time::Instant) -> Option<MutexGuard<'_, T>> {
+    loop {
+        if let Some(g) = m.try_lock() {
+            return Some(g);
+        }
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Send Goodbye without ever blocking: take the connection's write lock
 /// only if free (retrying until `deadline`), and send without waiting for
 /// buffer space. A Goodbye that cannot go out whole closes the connection,
 /// which keeps the stream framed; the client sees a lost connection instead.
 fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
     use std::os::fd::AsRawFd;
-    let guard = loop {
-        match c.write_lock.try_lock() {
-            Ok(g) => break Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(std::sync::TryLockError::WouldBlock) => break None,
-        }
-    };
+    let guard = lock_until(&c.write_lock, deadline);
     // Over TLS the Goodbye is a record of the session (never waiting for it
     // either: a connection thread holds it only while bytes move through it).
     let mut sealed = Vec::new();
@@ -692,18 +681,7 @@ fn send_goodbye(c: &Conn, bye: &[u8], deadline: std::time::Instant) {
         Some(session) => {
             // A handshake holds the session throughout: such a connection
             // is simply closed.
-            let locked = loop {
-                match session.try_lock() {
-                    Ok(s) => break Some(s),
-                    Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-                    Err(std::sync::TryLockError::WouldBlock)
-                        if std::time::Instant::now() < deadline =>
-                    {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    Err(std::sync::TryLockError::WouldBlock) => break None,
-                }
-            };
+            let locked = lock_until(session, deadline);
             let (Some(mut s), Some(_)) = (locked, guard.as_ref()) else {
                 let _ = c.stream.shutdown(std::net::Shutdown::Both);
                 return;

@@ -44,7 +44,7 @@ pub const MAX_STREAMS: u32 = 4;
 
 /// Handshakes in progress per source address.
 #[derive(Debug, Default)]
-struct PerSource(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+struct PerSource(engram_sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
 
 /// One handshake's place in [`PerSource`]; dropping it frees the place.
 #[derive(Debug)]
@@ -52,7 +52,7 @@ struct SourceSlot(Arc<PerSource>, std::net::IpAddr);
 
 impl PerSource {
     fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.0.lock();
         let n = m.entry(ip).or_default();
         if *n >= MAX_HANDSHAKES_PER_SOURCE {
             return None;
@@ -64,7 +64,7 @@ impl PerSource {
 
 impl Drop for SourceSlot {
     fn drop(&mut self) {
-        let mut m = self.0.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.0.0.lock();
         if let Some(n) = m.get_mut(&self.1) {
             *n -= 1;
             if *n == 0 {
@@ -229,11 +229,7 @@ async fn serve_connection(
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
     shared.stats.open.fetch_add(1, Ordering::Relaxed);
     shared.quic_open.fetch_add(1, Ordering::Relaxed);
-    shared
-        .quic_conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(id, conn.clone());
+    shared.quic_conns.lock().insert(id, conn.clone());
     let mut streams = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -261,11 +257,7 @@ async fn serve_connection(
     streams.abort_all();
     while streams.join_next().await.is_some() {}
     shared.quic_open.fetch_sub(1, Ordering::Relaxed);
-    shared
-        .quic_conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&id);
+    shared.quic_conns.lock().remove(&id);
     shared.stats.open.fetch_sub(1, Ordering::Relaxed);
     drop(permit);
 }

@@ -9,11 +9,12 @@
 //! unexpired, unused token.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use engram_protocol::messages::Region;
 use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_sync::Mutex;
 
 use crate::check::{CHECK_BYTES, seed, table_checks};
 use crate::verbs::{DeviceSpec, Listener, Memory, Provider, Registration, VerbsError};
@@ -136,10 +137,6 @@ pub struct RegionBook {
     listener: Mutex<Option<Box<dyn Listener>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// 16 bytes from the kernel's random source.
 fn random16() -> [u8; 16] {
     let mut b = [0u8; 16];
@@ -192,7 +189,7 @@ impl RegionBook {
             weak.upgrade()
                 .and_then(|b| b.admit(private, Instant::now()))
         });
-        let mut l = lock(&self.listener);
+        let mut l = self.listener.lock();
         *l = None;
         *l = Some(self.provider.listen(addr, &self.spec, admit)?);
         Ok(())
@@ -200,7 +197,7 @@ impl RegionBook {
 
     /// Stop accepting queue pairs.
     pub fn stop_listening(&self) {
-        *lock(&self.listener) = None;
+        *self.listener.lock() = None;
     }
 
     /// Register `memory` (the rows of table `table` at version `digest`)
@@ -261,7 +258,7 @@ impl RegionBook {
         let t2 = Instant::now();
         let generation = self.generation.fetch_add(1, Ordering::Relaxed);
         let old = {
-            let mut e = lock(&self.entries);
+            let mut e = self.entries.lock();
             let old = e
                 .iter()
                 .position(|x| x.table == table)
@@ -289,7 +286,7 @@ impl RegionBook {
     /// Deregister table `table` (it is no longer served).
     pub fn retire(&self, table: u32) {
         let old = {
-            let mut e = lock(&self.entries);
+            let mut e = self.entries.lock();
             e.iter()
                 .position(|x| x.table == table)
                 .map(|i| e.swap_remove(i))
@@ -299,7 +296,8 @@ impl RegionBook {
 
     /// True when `table` is registered at version `digest`.
     pub fn holds(&self, table: u32, digest: &TableDigest) -> bool {
-        lock(&self.entries)
+        self.entries
+            .lock()
             .iter()
             .any(|x| x.table == table && x.digest == *digest)
     }
@@ -308,7 +306,9 @@ impl RegionBook {
     /// another version stays registered until its new version is published
     /// (which replaces it). Returns the tables it dropped.
     pub fn retain_or_stale(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {
-        let ids: Vec<(u32, TableDigest)> = lock(&self.entries)
+        let ids: Vec<(u32, TableDigest)> = self
+            .entries
+            .lock()
             .iter()
             .filter(|x| keep.iter().any(|k| k.0 == x.table))
             .map(|x| (x.table, x.digest))
@@ -320,7 +320,7 @@ impl RegionBook {
     /// everything else is deregistered. Returns the tables it dropped.
     pub fn retain(&self, keep: &[(u32, TableDigest)]) -> Vec<u32> {
         let gone: Vec<Entry> = {
-            let mut e = lock(&self.entries);
+            let mut e = self.entries.lock();
             let (stay, gone): (Vec<Entry>, Vec<Entry>) = e
                 .drain(..)
                 .partition(|x| keep.contains(&(x.table, x.digest)));
@@ -335,7 +335,7 @@ impl RegionBook {
     /// table is not registered.
     pub fn grant(&self, table: u32, owner: &str) -> Option<Region> {
         let region = {
-            let e = lock(&self.entries);
+            let e = self.entries.lock();
             let x = e.iter().find(|x| x.table == table)?;
             let (r, c) = (x.rows_reg.remote(), x.checks_reg.remote());
             Region {
@@ -351,7 +351,7 @@ impl RegionBook {
             }
         };
         let now = Instant::now();
-        let mut t = lock(&self.tokens);
+        let mut t = self.tokens.lock();
         t.retain(|x| x.expires > now);
         make_room(
             &mut t,
@@ -378,7 +378,7 @@ impl RegionBook {
         }
         let presented = &private[..16];
         let owner = {
-            let mut t = lock(&self.tokens);
+            let mut t = self.tokens.lock();
             t.retain(|x| x.expires > now);
             let i = t.iter().position(|x| {
                 // Constant time in the token's bytes.
@@ -392,7 +392,7 @@ impl RegionBook {
         };
         let key = self.next_qp.fetch_add(1, Ordering::Relaxed);
         let evicted = {
-            let mut q = lock(&self.qps);
+            let mut q = self.qps.lock();
             let evicted = make_room(&mut q, |x| &x.owner, &owner, MAX_QPS_PER_OWNER, MAX_QPS);
             q.push(Qp { key, owner });
             evicted
@@ -405,10 +405,12 @@ impl RegionBook {
 
     /// The identities holding tokens or queue pairs.
     pub fn owners(&self) -> Vec<Arc<str>> {
-        let mut out: Vec<Arc<str>> = lock(&self.qps)
+        let mut out: Vec<Arc<str>> = self
+            .qps
+            .lock()
             .iter()
             .map(|x| Arc::clone(&x.owner))
-            .chain(lock(&self.tokens).iter().map(|x| Arc::clone(&x.owner)))
+            .chain(self.tokens.lock().iter().map(|x| Arc::clone(&x.owner)))
             .collect();
         out.sort();
         out.dedup();
@@ -418,9 +420,9 @@ impl RegionBook {
     /// Cut `owner` off: its tokens are dropped and its queue pairs
     /// disconnected. Returns how many queue pairs it held.
     pub fn revoke(&self, owner: &str) -> usize {
-        lock(&self.tokens).retain(|x| &*x.owner != owner);
+        self.tokens.lock().retain(|x| &*x.owner != owner);
         let keys: Vec<u64> = {
-            let mut q = lock(&self.qps);
+            let mut q = self.qps.lock();
             let keys = q
                 .iter()
                 .filter(|x| &*x.owner == owner)
@@ -437,14 +439,15 @@ impl RegionBook {
         if keys.is_empty() {
             return;
         }
-        if let Some(l) = lock(&self.listener).as_ref() {
+        if let Some(l) = self.listener.lock().as_ref() {
             l.disconnect(keys);
         }
     }
 
     /// Tables registered, with their generations.
     pub fn tables(&self) -> Vec<(u32, u64)> {
-        lock(&self.entries)
+        self.entries
+            .lock()
             .iter()
             .map(|x| (x.table, x.generation))
             .collect()
@@ -452,7 +455,8 @@ impl RegionBook {
 
     /// Bytes registered (pinned) now.
     pub fn registered_bytes(&self) -> u64 {
-        lock(&self.entries)
+        self.entries
+            .lock()
             .iter()
             .map(|x| x.rows_reg.remote().len + x.checks_reg.remote().len)
             .sum()

@@ -11,8 +11,10 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
+
+use engram_sync::{Mutex, MutexGuard};
 
 use crate::verbs::{
     Admit, Completion, DeviceSpec, Fabric, Listener, Memory, Provider, QpOptions, QueuePair,
@@ -142,9 +144,7 @@ impl std::fmt::Debug for FakeFabric {
 
 impl FakeFabric {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state.lock()
     }
 
     /// Queue `fault` for the next doorbell to the donor listening at `addr`.

@@ -30,10 +30,11 @@ use std::os::raw::{c_int, c_void};
 use std::panic::{self, AssertUnwindSafe};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use engram_sync::Mutex;
 use rdma_sys as sys;
 use sys::rdma_cm_event_type as ev;
 
@@ -284,7 +285,7 @@ struct Device {
 
 impl Device {
     fn pd(&self) -> Result<*mut sys::ibv_pd, VerbsError> {
-        let mut pd = self.pd.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pd = self.pd.lock();
         if pd.is_null() {
             // SAFETY: ctx is a live context from rdma_get_devices.
             let new = unsafe { sys::ibv_alloc_pd(self.ctx) };
@@ -294,7 +295,7 @@ impl Device {
     }
 
     fn cq(&self) -> Result<*mut sys::ibv_cq, VerbsError> {
-        let mut cq = self.cq.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cq = self.cq.lock();
         if cq.is_null() {
             // SAFETY: ctx is a live context; no completion channel.
             let new = unsafe {
@@ -348,13 +349,13 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         for d in &mut self.devices {
-            let cq = *d.cq.get_mut().unwrap_or_else(PoisonError::into_inner);
+            let cq = *d.cq.get_mut();
             // SAFETY: every accepted queue pair on this CQ holds an
             // Arc<Shared> (through its listener), so none is left.
             if !cq.is_null() && unsafe { sys::ibv_destroy_cq(cq) } != 0 {
                 tracing::warn!(device = %d.name, "ibv_destroy_cq failed");
             }
-            let pd = *d.pd.get_mut().unwrap_or_else(PoisonError::into_inner);
+            let pd = *d.pd.get_mut();
             if !pd.is_null() {
                 // SAFETY: every registration and queue pair on this PD holds
                 // an Arc<Shared>, so none is left.
@@ -666,7 +667,7 @@ impl Listener for IbvListener {
     }
 
     fn disconnect(&self, keys: &[u64]) {
-        let mut cut = self.cut.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cut = self.cut.lock();
         cut.extend_from_slice(keys);
         // Bounded: keys the loop has not taken yet, at most the book's
         // queue pairs; duplicates are harmless.
@@ -849,7 +850,7 @@ impl ListenLoop {
 
     /// Disconnect and destroy the accepted queue pairs the book cut.
     fn disconnect_cut(&mut self) {
-        let keys = std::mem::take(&mut *self.cut.lock().unwrap_or_else(PoisonError::into_inner));
+        let keys = std::mem::take(&mut *self.cut.lock());
         if keys.is_empty() {
             return;
         }

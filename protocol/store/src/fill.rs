@@ -22,7 +22,6 @@
 //! [`TableDigest::of_rows`] for sizes around every boundary.
 
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -31,6 +30,7 @@ use blake3::hazmat::{
 };
 use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
 use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_sync::Mutex;
 
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
@@ -160,18 +160,15 @@ pub(crate) fn run_segments<W>(
                     }
                     match work(&mut state, s) {
                         Ok((placed, cv)) => {
-                            if let Some(cv) = cv
-                                && let Ok(mut all) = cvs.lock()
-                            {
-                                all[s] = cv;
+                            if let Some(cv) = cv {
+                                cvs.lock()[s] = cv;
                             }
                             done.fetch_add(placed, Ordering::Relaxed);
                         }
                         Err(e) => {
                             failed.store(true, Ordering::Relaxed);
-                            if let Ok(mut first) = first_error.lock()
-                                && first.as_ref().is_none_or(|(at, _)| s < *at)
-                            {
+                            let mut first = first_error.lock();
+                            if first.as_ref().is_none_or(|(at, _)| s < *at) {
                                 *first = Some((s, e));
                             }
                             break;
@@ -193,10 +190,10 @@ pub(crate) fn run_segments<W>(
             p.update(done.load(Ordering::Relaxed));
         }
     });
-    if let Some((_, e)) = first_error.into_inner().ok().flatten() {
+    if let Some((_, e)) = first_error.into_inner() {
         return Err(e);
     }
-    Ok(cvs.into_inner().unwrap_or_default())
+    Ok(cvs.into_inner())
 }
 
 /// Bytes of rows in one page of a table file (15 rows; the rest is slack).
@@ -344,14 +341,12 @@ pub fn hash_parallel(bytes: &[u8], threads: usize) -> TableDigest {
                         .set_input_offset(a as u64)
                         .update(&bytes[a..b])
                         .finalize_non_root();
-                    if let Ok(mut all) = cvs.lock() {
-                        all[s] = cv;
-                    }
+                    cvs.lock()[s] = cv;
                 }
             });
         }
     });
-    root(&cvs.into_inner().unwrap_or_default())
+    root(&cvs.into_inner())
 }
 
 /// The root of the left-balanced tree over equal subtrees (the last may
@@ -701,8 +696,8 @@ mod tests {
         let file = table(dir.path(), 20_000);
         let lines = std::sync::Arc::new(Mutex::new(Vec::new()));
         let l2 = std::sync::Arc::clone(&lines);
-        let mut p = Progress::new("x", 20_000, 264, Box::new(|_| {}))
-            .with_tap(move |d| l2.lock().expect("lock").push(d));
+        let mut p =
+            Progress::new("x", 20_000, 264, Box::new(|_| {})).with_tap(move |d| l2.lock().push(d));
         let mut got = vec![0u8; 20_000 * ROW_BYTES];
         let opts = FillOptions {
             digest: false,
@@ -712,7 +707,7 @@ mod tests {
             fill(&file, &mut got, opts, Some(&mut p)).expect("fill"),
             None
         );
-        assert_eq!(lines.lock().expect("lock").last(), Some(&20_000));
+        assert_eq!(lines.lock().last(), Some(&20_000));
         assert!(got == sequential(&file));
     }
 

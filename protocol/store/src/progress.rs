@@ -198,23 +198,20 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
+
+    use engram_sync::Mutex;
 
     #[test]
     fn reports_are_rate_limited_and_the_last_is_final() {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let l2 = Arc::clone(&lines);
-        let mut p = Progress::new(
-            "x",
-            10,
-            264,
-            Box::new(move |l| l2.lock().expect("lock").push(l.clone())),
-        );
+        let mut p = Progress::new("x", 10, 264, Box::new(move |l| l2.lock().push(l.clone())));
         for i in 0..10 {
             p.update(i);
         }
         p.finish();
-        let lines = lines.lock().expect("lock");
+        let lines = lines.lock();
         assert_eq!(lines.len(), 1, "updates within 2 s are not reported");
         assert!(lines[0].finished);
         assert_eq!(lines[0].percent(), 100.0);
@@ -225,27 +222,19 @@ mod tests {
     fn a_bar_replaces_the_lines_but_not_the_final_one() {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let l2 = Arc::clone(&lines);
-        let mut p = Progress::new(
-            "x",
-            10,
-            264,
-            Box::new(move |l| l2.lock().expect("lock").push(l.clone())),
-        )
-        .with_bar(ProgressDrawTarget::hidden());
+        let mut p = Progress::new("x", 10, 264, Box::new(move |l| l2.lock().push(l.clone())))
+            .with_bar(ProgressDrawTarget::hidden());
         p.every = Duration::ZERO;
         let bar = p.bar.clone().expect("a bar");
         assert_eq!(bar.length(), Some(2640));
         p.update(4);
         assert_eq!(bar.position(), 4 * 264);
-        assert!(
-            lines.lock().expect("lock").is_empty(),
-            "no lines while a bar shows"
-        );
+        assert!(lines.lock().is_empty(), "no lines while a bar shows");
         p.update(99);
         assert_eq!(bar.position(), 2640, "never past the end");
         p.finish();
         assert!(bar.is_finished());
-        let lines = lines.lock().expect("lock");
+        let lines = lines.lock();
         assert_eq!(lines.len(), 1);
         assert!(lines[0].finished);
     }

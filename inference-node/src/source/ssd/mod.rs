@@ -27,14 +27,15 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 use cluster_config::{SsdIo, SsdIoprio};
 use engram_protocol::etab::TableLayout;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
 use engram_store::table_file::{TableFile, TableFileError};
+use engram_sync::Mutex;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use thiserror::Error;
@@ -512,7 +513,7 @@ impl SsdSource {
     /// A completion for the next job: one kept from an earlier job, else
     /// a new one.
     fn completion(&self) -> Arc<Completion> {
-        let kept = lock(&self.completions).pop();
+        let kept = self.completions.lock().pop();
         match kept {
             Some(c) => {
                 c.reset();
@@ -525,7 +526,7 @@ impl SsdSource {
     /// Keep `c` for a later job, when nothing else holds it any more.
     fn keep(&self, c: Arc<Completion>) {
         if Arc::strong_count(&c) == 1 {
-            let mut kept = lock(&self.completions);
+            let mut kept = self.completions.lock();
             if kept.len() < KEPT_COMPLETIONS {
                 kept.push(c);
             }
@@ -589,10 +590,6 @@ impl Drop for CancelOnDrop<'_> {
             c.cancel();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One reader's thread: take the next lookup from the queue, read it, answer.

@@ -9,11 +9,12 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
 
 use cluster_config::SsdIoprio;
 use engram_protocol::ROW_BYTES;
+use engram_sync::Mutex;
 
 use super::ioprio;
 use super::pages::{PAGE, PageError, PageRead, Pages};
@@ -120,9 +121,8 @@ impl PreadPool {
 fn reader_thread(file: &File, jobs: &Mutex<mpsc::Receiver<Job>>, done: &mpsc::Sender<Answer>) {
     let mut page = Pages::new(1);
     loop {
-        let job = match jobs.lock().map(|r| r.recv()) {
-            Ok(Ok(job)) => job,
-            _ => return,
+        let Ok(job) = jobs.lock().recv() else {
+            return;
         };
         let buf = page.page_mut(0);
         let res = read_page(file, buf, job.read.offset).and_then(|n| {

@@ -4,8 +4,10 @@
 //! that is reused once its job is answered.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+
+use engram_sync::{Condvar, Mutex};
 
 use crate::source::SourceError;
 
@@ -20,10 +22,6 @@ pub(super) struct Job {
 
 /// A job's outcome, with its buffers.
 pub(super) type Done = (Result<(), SourceError>, Vec<u8>, Vec<u64>);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The jobs waiting for a reader, in order.
 #[derive(Debug, Default)]
@@ -50,7 +48,7 @@ impl Queue {
     /// Queue `job` for the next free reader; handed back when the readers
     /// have stopped.
     pub fn push(&self, job: Job) -> Result<(), Job> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if st.stopped {
             return Err(job);
         }
@@ -62,7 +60,7 @@ impl Queue {
 
     /// The next job, waiting for one; `None` once stopped.
     pub fn pop(&self) -> Option<Job> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         loop {
             if st.stopped {
                 return None;
@@ -70,14 +68,14 @@ impl Queue {
             if let Some(job) = st.jobs.pop_front() {
                 return Some(job);
             }
-            st = self.ready.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.ready.wait(st);
         }
     }
 
     /// Stop the readers: each returns from [`Self::pop`]; jobs still
     /// queued are dropped (their callers see the reader stopped).
     pub fn stop(&self) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.stopped = true;
         st.jobs.clear();
         drop(st);
@@ -107,12 +105,12 @@ struct CompletionState {
 impl Completion {
     /// Ready for another job.
     pub fn reset(&self) {
-        *lock(&self.state) = CompletionState::default();
+        *self.state.lock() = CompletionState::default();
     }
 
     /// True when the caller no longer waits.
     pub fn is_cancelled(&self) -> bool {
-        lock(&self.state).cancelled
+        self.state.lock().cancelled
     }
 
     /// The reader's answer: kept for the caller, or dropped when the
@@ -120,7 +118,7 @@ impl Completion {
     /// so the caller finds the completion free to reuse.
     pub fn complete(self: Arc<Self>, done: Done) {
         let waker = {
-            let mut st = lock(&self.state);
+            let mut st = self.state.lock();
             st.ended = true;
             if st.cancelled {
                 return;
@@ -136,7 +134,7 @@ impl Completion {
 
     /// The job is gone: if it was not answered, its caller stops waiting.
     fn end(&self) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if st.ended {
             return;
         }
@@ -151,7 +149,7 @@ impl Completion {
     /// The outcome once there; `Ready(None)` when the job was dropped
     /// unanswered (the readers stopped).
     pub fn poll_done(&self, cx: &mut Context<'_>) -> Poll<Option<Done>> {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if let Some(done) = st.done.take() {
             return Poll::Ready(Some(done));
         }
@@ -168,7 +166,7 @@ impl Completion {
     /// The caller stops waiting: the job is skipped, or its outcome
     /// dropped.
     pub fn cancel(&self) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.cancelled = true;
         st.waker = None;
         st.done = None;

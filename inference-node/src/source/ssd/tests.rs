@@ -4,13 +4,14 @@
 //! the next batch is right.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 
 use cluster_config::SsdIo;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::generate::{GenSpec, generate};
 use engram_store::resident::ExpectedTable;
+use engram_sync::Mutex;
 use io_uring::{IoUring, squeue};
 
 use super::uring::{MAX_RESETS, Ring, RingFactory};
@@ -74,7 +75,7 @@ struct FaultyRing {
 
 impl Ring for FaultyRing {
     unsafe fn push(&mut self, entry: &squeue::Entry) -> bool {
-        let mut s = self.script.lock().expect("script");
+        let mut s = self.script.lock();
         s.pushes += 1;
         if s.full_every.is_some_and(|n| s.pushes.is_multiple_of(n)) {
             return false;
@@ -91,13 +92,13 @@ impl Ring for FaultyRing {
     }
 
     fn submit_and_wait(&mut self, want: usize) -> std::io::Result<usize> {
-        let gate = self.script.lock().expect("script").gate.take();
+        let gate = self.script.lock().gate.take();
         if let Some(gate) = gate {
             self.ring.submit()?;
-            self.script.lock().expect("script").held = true;
+            self.script.lock().held = true;
             let _ = gate.recv();
         }
-        let mut s = self.script.lock().expect("script");
+        let mut s = self.script.lock();
         s.waits += 1;
         let interrupted = s.interrupt_every.is_some_and(|n| s.waits.is_multiple_of(n));
         if s.always_fail || interrupted {
@@ -115,7 +116,7 @@ impl Ring for FaultyRing {
     }
 
     fn reap(&mut self, into: &mut Vec<(u64, i32)>) {
-        let s = self.script.lock().expect("script");
+        let s = self.script.lock();
         if s.always_fail {
             return;
         }
@@ -195,7 +196,7 @@ fn interrupted_waits_and_a_full_queue_never_return_a_wrong_row() {
     assert!(stats.interrupted > 100, "{stats:?}");
     assert_eq!(stats.resets, 0, "EINTR and a full queue are retried");
     assert_eq!(r.engine(), SsdEngine::Uring);
-    assert!(script.lock().expect("script").pushes > 300 * 24);
+    assert!(script.lock().pushes > 300 * 24);
 }
 
 #[test]
@@ -230,7 +231,7 @@ fn a_ring_that_keeps_failing_is_given_up_and_the_next_batches_are_right() {
     }
     // Given up on: the pread pool reads from now on, and reads right.
     assert_eq!(r.engine(), SsdEngine::Pread);
-    assert!(script.lock().expect("script").waits >= u64::from(MAX_RESETS) * 3);
+    assert!(script.lock().waits >= u64::from(MAX_RESETS) * 3);
     read_and_check(&mut r, 100);
 }
 
@@ -314,7 +315,7 @@ fn every_io_uring_read_carries_the_configured_priority() {
         let mut r = SsdReader::open_with(&path, pin(digest), false, opts, rings).expect("open");
         assert_eq!(r.ioprio(), got);
         read_and_check(&mut r, 20);
-        let seen = std::mem::take(&mut script.lock().expect("script").ioprios);
+        let seen = std::mem::take(&mut script.lock().ioprios);
         assert!(seen.len() >= 20 * 24);
         assert!(
             seen.iter().all(|&p| p == ioprio::value(got)),
@@ -389,7 +390,7 @@ async fn a_lookup_does_not_wait_for_a_batch_held_on_a_busy_drive() {
     let mut a = Box::pin(src.fetch(1, &rows_a, out_a, deadline));
     // A is queued and taken by a reader, which the gate holds mid-batch.
     let short = std::time::Duration::from_millis(5);
-    while !script.lock().expect("script").held {
+    while !script.lock().held {
         assert!(
             tokio::time::timeout(short, &mut a).await.is_err(),
             "A ended"
@@ -415,7 +416,7 @@ async fn a_lookup_dropped_mid_read_leaves_the_next_ones_right() {
     let rows_a = [1u64, 2, 3];
     let mut a = Box::pin(src.fetch(1, &rows_a, vec![0u8; 3 * ROW_BYTES], deadline));
     let short = std::time::Duration::from_millis(5);
-    while !script.lock().expect("script").held {
+    while !script.lock().held {
         assert!(
             tokio::time::timeout(short, &mut a).await.is_err(),
             "A ended"
