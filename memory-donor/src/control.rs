@@ -1,6 +1,6 @@
 //! The donor's control plane over gRPC (tonic): the standard
 //! `grpc.health.v1` service and `engram.control.v1.DonorControl`
-//! (ListTables, Stats, Drain, SwapTable), answered from [`DonorStatus`]. It
+//! (ListTables, Stats, Drain, SwapTable), answered from [`DonorState`]. It
 //! is bound and served before the tables load, so a node sees NOT_SERVING
 //! and the load's progress instead of a refused connection.
 //!
@@ -43,7 +43,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::orders::{Order, SwapError, SwapRequest};
 use crate::stats::Stats;
-use crate::status::{DonorStatus, LoadState, Phase};
+use crate::status::{DonorState, LoadState, Phase};
 use crate::tls::DonorTls;
 use gate::{Caller, Gate, Refusal, Rpc, Rules};
 
@@ -85,7 +85,7 @@ pub const PREAUTH_TOTAL: usize = 64;
 /// `DonorControl` over the donor's status.
 #[derive(Debug, Clone)]
 pub struct ControlService {
-    status: Arc<DonorStatus>,
+    status: Arc<DonorState>,
     health: HealthReporter,
     rules: Arc<Rules>,
 }
@@ -93,7 +93,7 @@ pub struct ControlService {
 impl ControlService {
     /// A service answering from `status` and keeping `health` in step with
     /// it; `rules` name callers in the log.
-    pub fn new(status: Arc<DonorStatus>, health: HealthReporter, rules: Arc<Rules>) -> Self {
+    pub fn new(status: Arc<DonorState>, health: HealthReporter, rules: Arc<Rules>) -> Self {
         Self {
             status,
             health,
@@ -303,7 +303,7 @@ fn swap_status(e: &SwapError) -> Status {
 /// donor's phase: SERVING only while [`Phase::Serving`].
 pub async fn serve_control(
     listener: TcpListener,
-    status: Arc<DonorStatus>,
+    status: Arc<DonorState>,
     limits: ControlLimits,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {

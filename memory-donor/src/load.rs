@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use daemon_runtime::notify::Notifier;
 
-use crate::status::{DonorStatus, LoadState};
+use crate::status::{DonorState, LoadState};
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
 use engram_store::resident::{Backing, ExpectedTable, LoadError, LoadOptions, ResidentTable};
@@ -39,7 +39,7 @@ const LOAD_EXTEND: Duration = Duration::from_secs(120);
 /// a stuck one times out).
 pub fn load_tables(
     spec: &ServeSpec,
-    status: &Arc<DonorStatus>,
+    status: &Arc<DonorState>,
     notifier: &Arc<Notifier>,
     store: &FdStore,
 ) -> Result<Vec<ResidentTable>, ServeError> {
@@ -150,7 +150,7 @@ fn expected(t: &TableSpec) -> Option<ExpectedTable> {
 fn load_one(
     spec: &ServeSpec,
     i: usize,
-    status: &Arc<DonorStatus>,
+    status: &Arc<DonorState>,
     notifier: &Arc<Notifier>,
     store: &FdStore,
 ) -> Result<(ResidentTable, Loaded), ServeError> {
@@ -224,7 +224,7 @@ fn load_one(
 fn adopted(
     spec: &ServeSpec,
     i: usize,
-    status: &Arc<DonorStatus>,
+    status: &Arc<DonorState>,
     table: ResidentTable,
 ) -> Result<(ResidentTable, Loaded), ServeError> {
     let id = table.id;
@@ -259,7 +259,7 @@ fn load_progress(
     t: &TableSpec,
     i: usize,
     f: &engram_store::table_file::TableFile,
-    status: &Arc<DonorStatus>,
+    status: &Arc<DonorState>,
     notifier: &Arc<Notifier>,
 ) -> Progress {
     let m = &f.meta;

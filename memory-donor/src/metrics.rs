@@ -1,5 +1,5 @@
 //! The donor's Prometheus metrics: a `prometheus-client` collector that
-//! reads [`DonorStatus`] at scrape time. The lookup path never touches the
+//! reads [`DonorState`] at scrape time. The lookup path never touches the
 //! registry; it only bumps the relaxed atomics in `stats`, so a scrape
 //! costs the scraper, not the lookups.
 //!
@@ -23,7 +23,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::stats::StatsSnapshot;
-use crate::status::{DonorStatus, LoadState, Phase};
+use crate::status::{DonorState, LoadState, Phase};
 
 /// Prometheus buckets of the service-time histogram, in nanoseconds
 /// (counted to the latency histogram's 1%): 5 us .. 100 ms.
@@ -49,12 +49,12 @@ pub const METRIC_BOUNDS_NS: [u64; 16] = [
 /// Reads the donor's status into metric families.
 #[derive(Debug)]
 pub struct DonorCollector {
-    status: Arc<DonorStatus>,
+    status: Arc<DonorState>,
 }
 
 impl DonorCollector {
     /// A collector over `status`.
-    pub fn new(status: Arc<DonorStatus>) -> Self {
+    pub fn new(status: Arc<DonorState>) -> Self {
         Self { status }
     }
 }
@@ -246,7 +246,7 @@ impl DonorCollector {
 
 /// The donor's registry (prefix `engram_donor`) as a render function for
 /// [`daemon_runtime::metrics::serve_metrics`].
-pub fn donor_metrics(status: Arc<DonorStatus>) -> Render {
+pub fn donor_metrics(status: Arc<DonorState>) -> Render {
     let mut registry = Registry::with_prefix("engram_donor");
     registry.register_collector(Box::new(DonorCollector::new(status)));
     render_registry(Arc::new(registry))
@@ -259,7 +259,7 @@ mod tests {
 
     #[test]
     fn a_scrape_shows_counts_histogram_and_tables() {
-        let status = DonorStatus::new(
+        let status = DonorState::new(
             "d",
             Duration::from_secs(1),
             [(Some(7), "/t.etab".into())],

@@ -11,7 +11,7 @@ use cluster_config::{Endpoint, Transport};
 
 use crate::control::{ControlLimits, serve_control};
 use crate::server::{self, Shared};
-use crate::status::{DonorStatus, Phase};
+use crate::status::{DonorState, Phase};
 use engram_store::resident::ResidentTable;
 
 use crate::spec::{ServeError, ServeSpec};
@@ -37,7 +37,7 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
 impl AdminServers {
     /// Bind the spec's control and metrics addresses and serve them from
     /// `status`; logs `ops control=ADDR metrics=ADDR` (`-` for none) once bound.
-    pub async fn start(spec: &ServeSpec, status: &Arc<DonorStatus>) -> Result<Self, ServeError> {
+    pub async fn start(spec: &ServeSpec, status: &Arc<DonorState>) -> Result<Self, ServeError> {
         let (stop, _) = tokio::sync::watch::channel(false);
         let stopped = |stop: &tokio::sync::watch::Sender<bool>| {
             let mut rx = stop.subscribe();
@@ -109,7 +109,7 @@ impl AdminServers {
 pub async fn serve(
     spec: ServeSpec,
     tables: Vec<ResidentTable>,
-    status: &Arc<DonorStatus>,
+    status: &Arc<DonorState>,
     announce: &str,
     ops: crate::supervise::LoopServices,
 ) -> Result<Arc<Shared>, ServeError> {

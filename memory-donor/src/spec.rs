@@ -13,7 +13,7 @@ use engram_protocol::Limits;
 use thiserror::Error;
 
 use crate::server::{self, ServerConfig};
-use crate::status::DonorStatus;
+use crate::status::DonorState;
 use crate::tls::Access;
 use cluster_config::MlockMode;
 use engram_store::resident::{ExpectedTable, LoadError};
@@ -194,8 +194,8 @@ pub enum ServeError {
 
 impl ServeSpec {
     /// The shared state of a donor about to load this spec's tables.
-    pub fn status(&self) -> Arc<DonorStatus> {
-        DonorStatus::new(
+    pub fn status(&self) -> Arc<DonorState> {
+        DonorState::new(
             self.server.name.clone(),
             self.server.drain_timeout,
             self.tables.iter().map(|t| (t.id, t.path.clone())),

@@ -209,9 +209,12 @@ impl TableStatus {
     }
 }
 
-/// The donor's state, shared by the loader, the data plane and the control plane.
+/// The donor's state, shared by the loader, the data plane and the control
+/// plane: its name, phase and drain request, each table's load status, the
+/// data-plane counters, the mailbox of orders for the serving loop and the
+/// TLS state.
 #[derive(Debug)]
-pub struct DonorStatus {
+pub struct DonorState {
     /// Name announced in Welcome.
     pub name: String,
     /// When the donor started.
@@ -233,7 +236,7 @@ pub struct DonorStatus {
 /// Orders waiting for the serving loop; more are refused.
 const MAX_ORDERS: usize = 16;
 
-impl DonorStatus {
+impl DonorState {
     /// A donor about to load `tables` (`(configured id, file)` each).
     pub fn new(
         name: impl Into<String>,
@@ -348,7 +351,7 @@ mod tests {
 
     #[test]
     fn table_views_follow_the_load() {
-        let s = DonorStatus::new(
+        let s = DonorState::new(
             "d",
             Duration::from_secs(1),
             [(Some(7), PathBuf::from("/t.etab"))],
@@ -375,7 +378,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_drain_is_requested_once() {
-        let s = DonorStatus::new("d", Duration::from_secs(1), [], false);
+        let s = DonorState::new("d", Duration::from_secs(1), [], false);
         let mut phases = s.watch_phase();
         assert_eq!(s.phase(), Phase::Loading);
         assert!(s.request_drain());

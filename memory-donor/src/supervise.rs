@@ -22,7 +22,7 @@ use crate::orders::{Order, Reply, SwapError, SwapRequest};
 use crate::reload::{self, ReloadSource, ServedTable};
 use crate::server::Shared;
 use crate::spec::ServeSpec;
-use crate::status::DonorStatus;
+use crate::status::DonorState;
 use crate::swap::{self, SwapContext};
 use crate::watchdog::SelfProbe;
 
@@ -48,7 +48,7 @@ pub const TEST_STALL_ENV: &str = "ENGRAM_TEST_STALL_AFTER_MS";
 struct ServingLoop {
     spec: ServeSpec,
     shared: Arc<Shared>,
-    status: Arc<DonorStatus>,
+    status: Arc<DonorState>,
     ops: LoopServices,
     probe: Option<SelfProbe>,
     swapping: Option<JoinHandle<()>>,
@@ -66,7 +66,7 @@ async fn next_order(rx: &mut Option<mpsc::Receiver<Order>>) -> Option<Order> {
 pub async fn run(
     spec: ServeSpec,
     shared: Arc<Shared>,
-    status: Arc<DonorStatus>,
+    status: Arc<DonorState>,
     probe_addr: Option<cluster_config::Endpoint>,
     ops: LoopServices,
 ) {

@@ -33,7 +33,7 @@ use engram_protocol::{ROW_BYTES, TableDigest};
 use crate::fdstore::FdStore;
 use crate::orders::{SwapAccepted, SwapError, SwapRequest};
 use crate::server::Shared;
-use crate::status::{DonorStatus, LoadState};
+use crate::status::{DonorState, LoadState};
 use cluster_config::MlockMode;
 use engram_store::progress::Progress;
 use engram_store::resident::{ExpectedTable, LoadOptions, ResidentTable};
@@ -45,7 +45,7 @@ pub struct SwapContext {
     /// The data plane's state, whose served tables a swap replaces.
     pub shared: Arc<Shared>,
     /// The donor's state, where a swap reports each table's load.
-    pub status: Arc<DonorStatus>,
+    pub status: Arc<DonorState>,
     /// Where status notifications go (systemd), if anywhere.
     pub notifier: Arc<Notifier>,
     /// Skip recomputing the new version's digest at load.
@@ -351,7 +351,7 @@ impl Prepared {
 }
 
 /// The status entry of table `id`.
-fn status_index(status: &DonorStatus, id: u32) -> Option<usize> {
+fn status_index(status: &DonorState, id: u32) -> Option<usize> {
     status.tables.iter().position(|t| t.view().id == id)
 }
 

@@ -334,7 +334,7 @@ fn address(arg: &str) -> Result<SocketAddr, OpsError> {
 
 /// One donor's answers to `status`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct DonorState {
+pub struct DonorReport {
     /// Its name.
     pub donor: String,
     /// Its control address.
@@ -347,13 +347,13 @@ pub struct DonorState {
     pub stats: StatsResponse,
 }
 
-impl DonorState {
+impl DonorReport {
     fn serving(&self) -> bool {
         self.health == "SERVING"
     }
 }
 
-async fn donor_state(dialer: &Dialer, target: &Target) -> Result<DonorState, OpsError> {
+async fn donor_report(dialer: &Dialer, target: &Target) -> Result<DonorReport, OpsError> {
     let name = target.name.as_str();
     let ch = dialer.channel(target).await?;
     let health = HealthClient::new(ch.clone())
@@ -377,7 +377,7 @@ async fn donor_state(dialer: &Dialer, target: &Target) -> Result<DonorState, Ops
         .await
         .map_err(|s| call_error(name, "Stats", &s))?
         .into_inner();
-    Ok(DonorState {
+    Ok(DonorReport {
         donor: name.to_string(),
         addr: target.addr,
         health,
@@ -396,7 +396,7 @@ fn uptime(s: f64) -> String {
 }
 
 /// The `status` table: one line per donor (an error in place of a failed one).
-pub fn render(states: &[(String, Result<DonorState, String>)]) -> String {
+pub fn render(states: &[(String, Result<DonorReport, String>)]) -> String {
     let head = [
         "DONOR", "CONTROL", "HEALTH", "TABLES", "LOOKUPS", "P99_US", "CONNS", "UPTIME",
     ];
@@ -468,7 +468,7 @@ pub fn render(states: &[(String, Result<DonorState, String>)]) -> String {
 
 /// One donor in full: each table with its file, progress and error, then
 /// every counter (`status --detail`).
-pub fn render_detail(s: &DonorState) -> String {
+pub fn render_detail(s: &DonorReport) -> String {
     let mut out = format!("{} ({}): {}", s.donor, s.addr, s.health);
     if s.tables.draining {
         out.push_str(" (draining)");
@@ -538,13 +538,13 @@ async fn status(dial: &Dial, names: &[String], detail: bool) -> Result<bool, Ops
         let (dialer, name) = (std::sync::Arc::clone(&dialer), name.clone());
         set.spawn(async move {
             let r = match dialer.target(&name) {
-                Ok(t) => donor_state(&dialer, &t).await,
+                Ok(t) => donor_report(&dialer, &t).await,
                 Err(e) => Err(e),
             };
             (i, r)
         });
     }
-    let mut states: Vec<(String, Result<DonorState, String>)> = donors
+    let mut states: Vec<(String, Result<DonorReport, String>)> = donors
         .iter()
         .map(|n| (n.clone(), Err("no answer".to_string())))
         .collect();
@@ -565,7 +565,7 @@ async fn status(dial: &Dial, names: &[String], detail: bool) -> Result<bool, Ops
     }
     Ok(states
         .iter()
-        .all(|(_, s)| s.as_ref().is_ok_and(DonorState::serving)))
+        .all(|(_, s)| s.as_ref().is_ok_and(DonorReport::serving)))
 }
 
 async fn drain(dial: &Dial, name: &str) -> Result<(), OpsError> {
@@ -746,7 +746,7 @@ mod tests {
 
     #[test]
     fn status_is_a_short_table() {
-        let state = DonorState {
+        let state = DonorReport {
             donor: "donor-a".into(),
             addr: "10.0.0.11:7411".parse().expect("addr"),
             health: "SERVING".into(),
@@ -793,7 +793,7 @@ mod tests {
 
     #[test]
     fn detail_shows_every_table_and_counter() {
-        let state = DonorState {
+        let state = DonorReport {
             donor: "donor-a".into(),
             addr: "10.0.0.11:7411".parse().expect("addr"),
             health: "NOT_SERVING".into(),

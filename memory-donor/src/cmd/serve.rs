@@ -15,7 +15,7 @@ use memory_donor::orders::Order;
 use memory_donor::reload::ReloadSource;
 use memory_donor::serve::{AdminServers, serve};
 use memory_donor::spec::{Overrides, ServeSpec, TableSpec};
-use memory_donor::status::{DonorStatus, Phase};
+use memory_donor::status::{DonorState, Phase};
 use memory_donor::supervise::LoopServices;
 
 #[derive(clap::Args)]
@@ -282,7 +282,7 @@ impl Signals {
 
     /// SIGTERM and SIGINT request a drain; SIGHUP orders a reload (carried
     /// out once the tables are loaded, when it comes during the load).
-    async fn forward(mut self, status: Arc<DonorStatus>) {
+    async fn forward(mut self, status: Arc<DonorState>) {
         loop {
             let why = tokio::select! {
                 _ = self.term.recv() => "SIGTERM",
