@@ -32,6 +32,7 @@ use engram_protocol::TableDigest;
 use engram_store::kept;
 use engram_store::kept_checks::{self, KeptChecks};
 use engram_store::resident::{Backing, ExpectedTable, FileMark, ResidentTable};
+use engram_store::resume::KeptCopies;
 use engram_sync::Mutex;
 
 /// The fd-store names the donor uses start with this.
@@ -394,6 +395,50 @@ impl FdStore {
             tracing::info!(name = %name, "fd store: copy of a version not served now; released");
             self.forget(&name);
         }
+    }
+}
+
+/// The start decision's view of the store (`engram_store::resume`).
+impl KeptCopies for FdStore {
+    fn may_hold(&self) -> bool {
+        FdStore::may_hold(self)
+    }
+
+    fn take(
+        &self,
+        id: u32,
+        expected: &ExpectedTable,
+        verified: bool,
+        rdma_view: bool,
+    ) -> Option<ResidentTable> {
+        FdStore::take(self, id, expected, verified, rdma_view)
+    }
+
+    fn take_file(
+        &self,
+        id: u32,
+        expected: &ExpectedTable,
+        verified: bool,
+    ) -> Option<(FileMark, String)> {
+        FdStore::take_file(self, id, expected, verified)
+    }
+
+    fn forget(&self, name: &str) {
+        FdStore::forget(self, name);
+    }
+
+    /// The mark is removed from the store, so that the next start reads
+    /// and verifies the file, and the donor exits with code 3, as when the
+    /// file is opened for writing.
+    fn file_changed(&self, name: String) -> Box<dyn FnOnce() + Send + 'static> {
+        let forget = self.forgetter(name);
+        Box::new(move || {
+            tracing::error!(
+                "a table's file changed on disk under its pages: its mark is removed from the fd store and the donor exits (the next start reads and verifies the file)"
+            );
+            forget();
+            std::process::exit(3);
+        })
     }
 }
 

@@ -1,24 +1,24 @@
-//! Loading a spec's tables resident at start: each taken from systemd's
-//! fd store when a copy of exactly its version is there, else read (and
-//! verified, unless trusted) into memory, with its state in the donor's
-//! status and systemd's status line; then locked. The load parameters a
-//! swap uses too (`backing`, `load_threads`, `rdma_view`)
-//! live here.
+//! Loading a spec's tables resident at start, through the store's start
+//! decision (`engram_store::resume`: the copy of exactly its version kept
+//! in systemd's fd store, its file's pages as the previous process left
+//! them, or a load, verified unless trusted), with each table's state in
+//! the donor's status, its progress in systemd's status line, and what
+//! happened in the log. The load parameters a swap uses too (`backing`,
+//! `load_threads`, `rdma_view`) live here.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use daemon_runtime::notify::Notifier;
-
-use crate::status::{DonorState, LoadState};
 use cluster_config::MlockMode;
+use daemon_runtime::notify::Notifier;
 use engram_store::progress::Progress;
-use engram_store::resident::{Backing, ExpectedTable, LoadError, LoadOptions, ResidentTable};
+use engram_store::resident::{Backing, LoadOptions, ResidentTable};
+use engram_store::resume::{How, Resumed, resume_or_load};
+use engram_store::table_file::TableFile;
 
 use crate::fdstore::FdStore;
-
 use crate::spec::{ServeError, ServeSpec, TableSpec};
+use crate::status::{DonorState, LoadState};
 
 fn memlock_limit() -> Option<u64> {
     let mut r = libc::rlimit {
@@ -60,7 +60,7 @@ pub fn load_tables(
             }
         };
         st.set_state(LoadState::Ready);
-        if !report.adopted {
+        if report.how == How::Loaded {
             store.keep(&table);
         }
         tracing::info!(
@@ -70,7 +70,7 @@ pub fn load_tables(
             digest = %table.digest,
             verified = report.verified,
             locked = report.locked,
-            adopted = report.adopted,
+            how = ?report.how,
             file_pages = !table.memory().is_packed(),
             "table resident"
         );
@@ -121,136 +121,56 @@ pub(crate) fn backing(map_files: bool, host: bool, store: &FdStore) -> Backing {
     }
 }
 
-/// How a table came to be resident.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Loaded {
-    /// The digest was recomputed at this load (or at the load that made an
-    /// adopted copy).
-    pub verified: bool,
-    /// The memory is locked (an adopted copy: being locked in the background).
-    pub locked: bool,
-    /// Taken from systemd's fd store: nothing was read.
-    pub adopted: bool,
-}
-
-/// What table `t` must be: the config's pin, else its file's header.
-fn expected(t: &TableSpec) -> Option<ExpectedTable> {
-    t.pinned.or_else(|| {
-        let f = engram_store::table_file::TableFile::open(&t.path).ok()?;
-        Some(ExpectedTable {
-            digest: f.meta.digest,
-            layer: f.meta.layer,
-            rows: f.meta.rows,
-        })
-    })
-}
-
-/// Take table `i` of `spec` from the fd store if a copy of exactly its
-/// version is there; else load it, reporting into `status.tables[i]`.
+/// Table `i` of `spec` made resident by the store's start decision
+/// (`engram_store::resume`: a kept copy adopted, its file's pages served
+/// on, or a load), reported into `status.tables[i]` and the log.
 fn load_one(
     spec: &ServeSpec,
     i: usize,
     status: &Arc<DonorState>,
     notifier: &Arc<Notifier>,
     store: &FdStore,
-) -> Result<(ResidentTable, Loaded), ServeError> {
+) -> Result<(ResidentTable, Resumed), ServeError> {
     let t = &spec.tables[i];
-    // What the previous process left of a table served from its file's
-    // pages: the file's mark, and its name in the store.
-    let mut known: Option<(engram_store::resident::FileMark, String)> = None;
-    // The file's header is read for its version only when there is a copy
-    // to compare it with.
-    if let Some(want) = store.may_hold().then(|| expected(t)).flatten() {
-        let id = t.id.unwrap_or(want.layer);
-        if spec.map_files {
-            known = store.take_file(id, &want, !spec.trust_digest);
-        } else if let Some(table) = store.take(
-            id,
-            &want,
-            !spec.trust_digest,
-            rdma_view(spec.rdma.is_some()),
-        ) {
-            return adopted(spec, i, status, table);
-        }
-    }
-    let progress =
-        |f: &engram_store::table_file::TableFile| Some(load_progress(t, i, f, status, notifier));
+    let progress = |f: &TableFile| Some(load_progress(t, i, f, status, notifier));
     let opts = LoadOptions {
         pinned: t.pinned,
         trust_digest: spec.trust_digest,
         mlock: spec.mlock,
         backing: backing(spec.map_files, spec.host.is_some(), store),
         threads: load_threads(spec.load_threads),
-        known_file: known.as_ref().map(|(mark, _)| *mark),
+        known_file: None,
         numa_node: spec.numa_node,
         rdma_view: rdma_view(spec.rdma.is_some()),
     };
-    let (table, report) = ResidentTable::load_with(t.id, &t.path, &opts, progress)?;
-    if report.reused {
-        status.tables[i].progress(table.rows, table.rows);
-        tracing::info!(
-            table = table.id,
-            "table adopted from the fd store: serving the file's pages as the previous process left them (the file unchanged since), not read or hashed"
-        );
-        let locked = lock_adopted(&table, spec.mlock)?;
-        if let Some((_, name)) = known {
-            check_reused_pages(&table, &t.path, store.forgetter(name));
+    let (table, resumed) = resume_or_load(t.id, &t.path, &opts, store, progress)?;
+    let st = &status.tables[i];
+    match resumed.how {
+        How::Loaded => {}
+        How::FilePages => {
+            st.progress(table.rows, table.rows);
+            tracing::info!(
+                table = table.id,
+                "table adopted from the fd store: serving the file's pages as the previous process left them (the file unchanged since), not read or hashed"
+            );
         }
-        return Ok((
-            table,
-            Loaded {
-                verified: report.verified,
-                locked,
-                adopted: true,
-            },
-        ));
+        How::Adopted => {
+            let record = table.kept().map(|k| k.record);
+            st.opened(table.id, table.layer, table.rows, table.digest);
+            st.progress(table.rows, table.rows);
+            let age_s = record.map_or(0, |r| {
+                engram_store::kept::unix_ms().saturating_sub(r.loaded_unix_ms) / 1000
+            });
+            tracing::info!(
+                table = table.id,
+                generation = record.map_or(0, |r| r.generation),
+                loaded_s_ago = age_s,
+                pages = table.kept().map_or("-", |k| k.pages.name()),
+                "table adopted from the fd store: serving the copy the previous process loaded, file not read"
+            );
+        }
     }
-    if let Some((_, stale)) = &known {
-        // Replaced by the mark of this load.
-        store.forget(stale);
-    }
-    Ok((
-        table,
-        Loaded {
-            verified: report.verified,
-            locked: report.locked,
-            adopted: false,
-        },
-    ))
-}
-
-/// Serve a copy of table `i` taken from the fd store, loaded by the
-/// previous process.
-fn adopted(
-    spec: &ServeSpec,
-    i: usize,
-    status: &Arc<DonorState>,
-    table: ResidentTable,
-) -> Result<(ResidentTable, Loaded), ServeError> {
-    let id = table.id;
-    let record = table.kept().map(|k| k.record);
-    status.tables[i].opened(id, table.layer, table.rows, table.digest);
-    status.tables[i].progress(table.rows, table.rows);
-    let age_s = record.map_or(0, |r| {
-        engram_store::kept::unix_ms().saturating_sub(r.loaded_unix_ms) / 1000
-    });
-    tracing::info!(
-        table = id,
-        generation = record.map_or(0, |r| r.generation),
-        loaded_s_ago = age_s,
-        pages = table.kept().map_or("-", |k| k.pages.name()),
-        "table adopted from the fd store: serving the copy the previous process loaded, file not read"
-    );
-    let locked = lock_adopted(&table, spec.mlock)?;
-    let verified = record.is_some_and(|r| r.verified);
-    Ok((
-        table,
-        Loaded {
-            verified,
-            locked,
-            adopted: true,
-        },
-    ))
+    Ok((table, resumed))
 }
 
 /// A load's progress: in table `i`'s status, the log, and systemd's status
@@ -258,7 +178,7 @@ fn adopted(
 fn load_progress(
     t: &TableSpec,
     i: usize,
-    f: &engram_store::table_file::TableFile,
+    f: &TableFile,
     status: &Arc<DonorState>,
     notifier: &Arc<Notifier>,
 ) -> Progress {
@@ -287,104 +207,5 @@ pub(crate) fn load_threads(n: usize) -> usize {
         engram_store::fill::cores()
     } else {
         n
-    }
-}
-
-/// Lock an adopted table's memory: with `require`, now (a pass over its
-/// pages before serving); with `try`, in the background while it serves.
-fn lock_adopted(table: &ResidentTable, mode: MlockMode) -> Result<bool, ServeError> {
-    match mode {
-        MlockMode::Off => Ok(false),
-        MlockMode::Require => {
-            table.lock().map_err(|source| {
-                ServeError::Load(LoadError::Mlock {
-                    path: format!("table {} (adopted)", table.id),
-                    bytes: table.bytes(),
-                    source,
-                })
-            })?;
-            Ok(true)
-        }
-        MlockMode::Try => {
-            let (memory, id) = (table.memory(), table.id);
-            let spawned = std::thread::Builder::new()
-                .name(format!("lock-{id}"))
-                .spawn(move || {
-                    let began = std::time::Instant::now();
-                    match memory.lock() {
-                        Ok(()) => tracing::info!(
-                            table = id,
-                            took_ms = began.elapsed().as_millis() as u64,
-                            "adopted table's memory locked"
-                        ),
-                        Err(e) => tracing::warn!(
-                            table = id,
-                            "adopted table's memory not locked ({e}); raise LimitMEMLOCK"
-                        ),
-                    }
-                });
-            Ok(spawned.is_ok())
-        }
-    }
-}
-
-/// A table served on from its file's pages without being read: check
-/// every page against the file's page checksums, in the background (pages
-/// the kernel dropped while no donor held the file are read from the disk
-/// again). A page that does not match means the file changed on disk
-/// without its change time moving: the donor says so, removes the mark
-/// from the fd store (`forget`), so that the next start reads and verifies
-/// the file, and exits with code 3, as when the file is opened for writing.
-fn check_reused_pages(table: &ResidentTable, shown: &Path, forget: impl FnOnce() + Send + 'static) {
-    use std::os::fd::AsRawFd;
-    let (memory, id, shown) = (table.memory(), table.id, shown.display().to_string());
-    // The served file itself, whatever the path names by now.
-    let Some(served) = memory
-        .file()
-        .map(|f| PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())))
-    else {
-        return;
-    };
-    let spawned = std::thread::Builder::new()
-        .name(format!("check-{id}"))
-        .spawn(move || {
-            let began = std::time::Instant::now();
-            let sums = engram_store::table_file::TableFile::open(&served)
-                .and_then(|f| f.read_page_sums());
-            let sums = match sums {
-                Ok(Some(sums)) => sums,
-                Ok(None) => {
-                    tracing::info!(table = id, file = shown, "no page checksums: the pages of a table served on from its file are not checked");
-                    return;
-                }
-                Err(e) => {
-                    tracing::warn!(table = id, file = shown, "cannot read the page checksums to check a table served on from its file: {e}");
-                    return;
-                }
-            };
-            match engram_store::verify::first_bad_page((*memory).as_ref(), &sums) {
-                None => tracing::info!(
-                    table = id,
-                    pages = sums.len(),
-                    took_ms = began.elapsed().as_millis() as u64,
-                    "the pages of a table served on from its file match the file's page checksums"
-                ),
-                Some(page) => {
-                    tracing::error!(
-                        table = id,
-                        page,
-                        file = shown,
-                        "a page of a table served on from its file does not match its checksum: the file changed on disk without its change time moving; its mark is removed from the fd store and the donor exits (the next start reads and verifies the file)"
-                    );
-                    forget();
-                    std::process::exit(3);
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(
-            table = id,
-            "cannot start checking the pages of a table served on from its file: {e}"
-        );
     }
 }

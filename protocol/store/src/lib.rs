@@ -23,5 +23,6 @@ pub mod numa;
 pub mod pack;
 pub mod progress;
 pub mod resident;
+pub mod resume;
 pub mod table_file;
 pub mod verify;
