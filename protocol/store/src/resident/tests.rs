@@ -1,0 +1,324 @@
+//! Tests of `resident`.
+
+use super::*;
+use crate::generate::{GenSpec, generate};
+use engram_protocol::synthetic::is_synthetic_row;
+
+fn table(dir: &Path) -> (std::path::PathBuf, TableDigest) {
+    let path = dir.join("t.etab");
+    let spec = GenSpec {
+        layer: 1,
+        rows: 10_000,
+        seed: 4,
+        hash_preset: None,
+        hash_base: None,
+        threads: 2,
+    };
+    let meta = generate(&path, &spec, None).expect("gen");
+    (path, meta.digest)
+}
+
+#[test]
+fn loads_every_row_and_checks_versions() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, digest) = table(dir.path());
+    let pin = ExpectedTable {
+        digest,
+        layer: 1,
+        rows: 10_000,
+    };
+    let (t, report) =
+        ResidentTable::load(7, &path, Some(pin), false, MlockMode::Try, |_| None).expect("load");
+    assert!(report.verified);
+    assert_eq!((t.id, t.layer, t.rows, t.digest), (7, 1, 10_000, digest));
+    for r in [0, 1, 14, 15, 9_999] {
+        assert!(
+            is_synthetic_row(4, 1, r, t.row(r).expect("in range")),
+            "row {r}"
+        );
+    }
+    assert!(t.row(10_000).is_none());
+    assert!(t.row(u64::MAX).is_none());
+    for wrong in [
+        ExpectedTable {
+            digest: TableDigest([1; 32]),
+            ..pin
+        },
+        ExpectedTable { layer: 14, ..pin },
+        ExpectedTable { rows: 9_999, ..pin },
+    ] {
+        assert!(matches!(
+            ResidentTable::load(7, &path, Some(wrong), false, MlockMode::Off, |_| None),
+            Err(LoadError::Pinned { .. })
+        ));
+    }
+}
+
+/// Write `byte` over the first byte of row `row` of the file at `path`.
+fn set_row_byte(path: &Path, row: u64, byte: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = TableFile::open(path).expect("open");
+    let off = f.layout.row_offset(row).expect("in range");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|w| w.write_all_at(&[byte], off))
+        .expect("write");
+}
+
+#[test]
+fn a_modified_row_fails_verification_unless_trusted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, _) = table(dir.path());
+    set_row_byte(&path, 5000, 0x11);
+    let err =
+        ResidentTable::load(1, &path, None, false, MlockMode::Off, |_| None).expect_err("corrupt");
+    assert!(err.to_string().contains("rows hash to"), "{err}");
+    let (t, report) =
+        ResidentTable::load(1, &path, None, true, MlockMode::Off, |_| None).expect("trusted");
+    assert!(!report.verified);
+    assert_eq!(t.row(5000).expect("row")[0], 0x11);
+}
+
+/// Load `path` with `backing`.
+fn load_as(
+    path: &Path,
+    backing: Backing,
+    trust_digest: bool,
+) -> Result<(ResidentTable, LoadReport), LoadError> {
+    let opts = LoadOptions {
+        trust_digest,
+        mlock: MlockMode::Off,
+        backing,
+        ..LoadOptions::default()
+    };
+    ResidentTable::load_with(Some(3), path, &opts, |_| None)
+}
+
+#[test]
+fn a_table_served_from_its_files_pages_has_the_copys_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("big.etab");
+    let spec = GenSpec {
+        layer: 2,
+        rows: 40_000,
+        seed: 5,
+        hash_preset: None,
+        hash_base: None,
+        threads: 2,
+    };
+    let meta = generate(&path, &spec, None).expect("gen");
+    let (copy, _) = load_as(&path, Backing::Anonymous, false).expect("copy");
+    let (mapped, report) = load_as(&path, Backing::Mapped, false).expect("mapped");
+    assert!(report.verified);
+    assert_eq!(
+        (mapped.id, mapped.rows, mapped.digest),
+        (3, 40_000, meta.digest)
+    );
+    assert!(copy.memory().is_packed() && !mapped.memory().is_packed());
+    assert!(mapped.kept().is_none());
+    for r in 0..40_000 {
+        assert_eq!(mapped.row(r), copy.row(r), "row {r}");
+    }
+    assert!(mapped.row(40_000).is_none());
+    // Dropped, the table still serves its rows to whoever holds its memory.
+    let mem = mapped.memory();
+    drop(mapped);
+    let bytes: &[u8] = (*mem).as_ref();
+    assert_eq!(bytes.len(), 40_000usize.div_ceil(15) * 4096);
+
+    // A changed row: refused unless trusted, which then serves it.
+    drop(mem);
+    set_row_byte(&path, 31_000, 0x5a);
+    let err = load_as(&path, Backing::Mapped, false).expect_err("corrupt");
+    assert!(err.to_string().contains("rows hash to"), "{err}");
+    let (t, report) = load_as(&path, Backing::Mapped, true).expect("trusted");
+    assert!(!report.verified);
+    assert_eq!(t.row(31_000).expect("row")[0], 0x5a);
+}
+
+#[test]
+fn a_mark_of_the_same_unchanged_leased_file_serves_its_pages_without_reading_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, _) = table(dir.path());
+    let load = |known: Option<FileMark>, trust_digest: bool| {
+        let opts = LoadOptions {
+            trust_digest,
+            mlock: MlockMode::Off,
+            backing: Backing::Mapped,
+            known_file: known,
+            ..LoadOptions::default()
+        };
+        ResidentTable::load_with(Some(3), &path, &opts, |_| None)
+    };
+    let (first, report) = load(None, false).expect("load");
+    assert!(report.verified && !report.reused);
+    let mark = first.file_mark().expect("leased, marked");
+    assert!(mark.verified);
+    let row5 = first.row(5).expect("row").to_vec();
+    drop(first);
+    // The same file, unchanged: served on, marked verified.
+    let (again, report) = load(Some(mark), false).expect("reuse");
+    assert!(report.verified && report.reused && !report.locked);
+    assert_eq!(again.row(5).expect("row"), &row5[..]);
+    assert_eq!(again.file_mark(), Some(mark));
+    drop(again);
+    // A changed row moves the change time on: read and hashed again,
+    // and refused.
+    set_row_byte(&path, 5, 0x5a);
+    let err = load(Some(mark), false).expect_err("changed since");
+    assert!(err.to_string().contains("rows hash to"), "{err}");
+    // A mark taken after the change is what the pages are served on:
+    // nothing is hashed (the changed row is served).
+    let f = TableFile::open(&path).expect("open");
+    let now = FileMark::of(f.handle(), true).expect("stat");
+    let (t, report) = load(Some(now), false).expect("reuse");
+    assert!(report.reused);
+    assert_eq!(t.row(5).expect("row")[0], 0x5a);
+    drop(t);
+    // Never hashed: counts only for a donor that trusts digests.
+    let trusted = FileMark {
+        verified: false,
+        ..now
+    };
+    assert!(load(Some(trusted), false).is_err());
+    let (_, report) = load(Some(trusted), true).expect("trusted");
+    assert!(report.reused && !report.verified);
+    // Another file's mark counts for nothing.
+    let other = FileMark {
+        ino: now.ino + 1,
+        ..now
+    };
+    let (_, report) = load(Some(other), true).expect("trusted");
+    assert!(!report.reused);
+}
+
+#[test]
+fn a_kept_copy_is_adopted_and_a_stale_or_unfinished_one_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, pin, opts) = kept_load(dir.path(), MlockMode::Off);
+    let digest = pin.digest;
+    let opts = LoadOptions {
+        pinned: Some(pin),
+        ..opts
+    };
+    let (t, _) = ResidentTable::load_with(None, &path, &opts, |_| None).expect("load");
+    let kept = t.kept().expect("a memfd");
+    assert_eq!(kept.record.id, 1, "the id defaults to the layer");
+    assert_eq!((kept.record.digest, kept.record.rows), (digest, 10_000));
+    assert!(kept.record.verified);
+    assert_eq!(
+        kept.record.name(),
+        format!("etab-1-{}", &digest.to_hex()[..16])
+    );
+    let fd = kept.file.try_clone().expect("dup");
+    let generation = kept.record.generation;
+    let want: Vec<Vec<u8>> = (0..10_000)
+        .map(|r| t.row(r).expect("row").to_vec())
+        .collect();
+    drop(t);
+    // The next process: the same rows, the same generation, nothing read.
+    let again = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &pin, false).expect("adopt");
+    assert_eq!(again.kept().expect("kept").record.generation, generation);
+    for (r, row) in want.iter().enumerate() {
+        assert_eq!(again.row(r as u64), Some(&row[..]), "row {r}");
+    }
+    assert_eq!(again.memory().as_ref().as_ref().len(), 10_000 * ROW_BYTES);
+    again.lock().ok();
+    // Another version pinned, another table id, another size: refused.
+    let other = ExpectedTable {
+        digest: TableDigest([7; 32]),
+        ..pin
+    };
+    let e =
+        ResidentTable::adopt(1, fd.try_clone().expect("dup"), &other, false).expect_err("stale");
+    assert!(e.to_string().contains("but the config pins"), "{e}");
+    let e = ResidentTable::adopt(14, fd.try_clone().expect("dup"), &pin, false).expect_err("id");
+    assert!(e.to_string().contains("not table 14"), "{e}");
+    let e =
+        ResidentTable::adopt(1, fd, &ExpectedTable { rows: 9, ..pin }, false).expect_err("rows");
+    assert!(e.to_string().contains("9 rows"), "{e}");
+    // A load cut short: not sealed yet, no record.
+    let (f, _, _) = kept::create(10_000, false).expect("memfd");
+    let e = ResidentTable::adopt(1, f, &pin, false).expect_err("unfinished");
+    assert!(e.to_string().contains("not sealed"), "{e}");
+    // Not sealed at all (an ordinary file).
+    let plain = std::fs::File::open(&path).expect("open");
+    let e = ResidentTable::adopt(1, plain, &pin, false).expect_err("plain");
+    assert!(e.to_string().contains("sealable memfd"), "{e}");
+}
+
+/// `table`'s file, its pin, and the options of a load into a memfd.
+fn kept_load(dir: &Path, mlock: MlockMode) -> (std::path::PathBuf, ExpectedTable, LoadOptions) {
+    let (path, digest) = table(dir);
+    let pin = ExpectedTable {
+        digest,
+        layer: 1,
+        rows: 10_000,
+    };
+    let opts = LoadOptions {
+        backing: Backing::Memfd,
+        mlock,
+        ..LoadOptions::default()
+    };
+    (path, pin, opts)
+}
+
+#[test]
+fn a_flipped_record_byte_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, pin, opts) = kept_load(dir.path(), MlockMode::Off);
+    let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
+    let loaded = t.kept().expect("kept").file.try_clone().expect("dup");
+    let record = t.kept().expect("kept").record;
+    drop(t);
+    // A loaded copy is sealed against writes: not even a writable
+    // mapping of it can be made.
+    assert!(kept::is_sealed_read_only(&loaded));
+    let len = loaded.metadata().expect("stat").len() as usize;
+    // SAFETY: a test's own memfd; the mapping must be refused.
+    assert!(unsafe { memmap2::MmapOptions::new().len(len).map_mut(&loaded) }.is_err());
+    // So the flipped byte goes into a fresh memfd with the same record.
+    let (f, len, _) = kept::create(record.rows, false).expect("memfd");
+    let len = len as usize;
+    // Through a mapping: hugetlbfs has no write(2).
+    // SAFETY: a test's own memfd, mapped while nothing else uses it.
+    let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&f) }.expect("map");
+    kept::finish(&f, &mut map, &record).expect("record");
+    map[len - 4096 + 70] ^= 0xff;
+    drop(map);
+    let e = ResidentTable::adopt(1, f, &pin, false).expect_err("bad record");
+    assert!(e.to_string().contains("checksum"), "{e}");
+}
+
+/// Reserve `more` huge pages (root only); returns the count to restore.
+fn reserve_huge_pages(more: u64) -> Option<u64> {
+    let path = "/proc/sys/vm/nr_hugepages";
+    let now: u64 = std::fs::read_to_string(path).ok()?.trim().parse().ok()?;
+    std::fs::write(path, (now + more).to_string()).ok()?;
+    let (_, free) = kept::huge_pages_free()?;
+    (free >= more * (2 << 20)).then_some(now)
+}
+
+#[test]
+fn reserved_huge_pages_back_a_kept_table() {
+    let Some(before) = reserve_huge_pages(64) else {
+        eprintln!("skipped: cannot reserve huge pages (not root?)");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, pin, opts) = kept_load(dir.path(), MlockMode::Try);
+    let loaded = ResidentTable::load_with(Some(1), &path, &opts, |_| None);
+    let adopted = loaded.as_ref().ok().map(|(t, _)| {
+        let f = t.kept().expect("kept").file.try_clone().expect("dup");
+        ResidentTable::adopt(1, f, &pin, false)
+    });
+    let _ = std::fs::write("/proc/sys/vm/nr_hugepages", before.to_string());
+    let (t, _) = loaded.expect("load");
+    assert_eq!(t.kept().expect("kept").pages, kept::Pages::HugeTlb);
+    let again = adopted.expect("adopted").expect("adopt");
+    assert_eq!(again.kept().expect("kept").pages, kept::Pages::HugeTlb);
+    for r in [0, 14, 15, 9_999] {
+        assert_eq!(again.row(r), t.row(r));
+    }
+}
