@@ -2,7 +2,7 @@
 //! loopback addresses (or in network namespaces it makes), waited on
 //! through their `ready` line (never a sleep), and killed when a test
 //! ends, however it ends. The end-to-end tests beside it and engram-bench
-//! both run racks with it.
+//! both run racks with it, and write their rack configs with [`rack_toml`].
 //!
 //! The binaries are the ones cargo built next to the test executable
 //! (`target/<profile>/`); build them first with `cargo build --workspace`
@@ -16,6 +16,7 @@ pub mod load;
 pub mod netns;
 pub mod pki;
 pub mod proxy;
+pub mod rack_toml;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
