@@ -29,6 +29,7 @@ use anyhow::{Context, Result, bail};
 use engram_protocol::TableDigest;
 use engram_protocol::hashing::{HashParams, Preset};
 use engram_sync::{Condvar, Mutex};
+use rack_toml::{DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry};
 
 /// Path of a workspace binary built in the same profile as the running
 /// executable: beside it (`target/<profile>/engram-bench`) or one level up
@@ -786,43 +787,49 @@ pub fn python_package(dir: &Path) -> Result<()> {
 
 /// Two tables (layers 1 and 14), donor `d` serving both (frame cap 500
 /// rows), donor `gone` that never runs, and three nodes: `n` (donor, then
-/// SSD), `ref` (local RAM), `stranded` (only the absent donor).
-pub fn model_rack(dir: &Path) -> Result<PathBuf> {
+/// SSD), `ref` (local RAM), `stranded` (only the absent donor). Tests that
+/// change the rack take it from here; [`model_rack`] writes it as it is.
+pub fn model_rack_config(dir: &Path) -> Result<RackToml> {
     let params = HashParams::new(Preset::from_base(MODEL_BASE)?)?;
     let (l1, d1) = gen_hashed_table(dir, "l1.etab", 1, MODEL_BASE, MODEL_SEED)?;
     let (l14, d14) = gen_hashed_table(dir, "l14.etab", 14, MODEL_BASE, MODEL_SEED)?;
     let [r1, r14] = [params.layers[0].rows, params.layers[1].rows];
-    let route = |t: u32, path: &Path, sources: &str| {
-        format!(
-            "[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = \"{}\"\n",
-            path.display()
+    let node = |name: &str, sources: &[&str]| NodeEntry {
+        tokens_per_second: Some(50.0),
+        probe_interval_ms: Some(200),
+        ..NodeEntry::new(
+            name,
+            vec![
+                RouteEntry::new(1, sources.iter().copied()).ssd_path(&l1),
+                RouteEntry::new(14, sources.iter().copied()).ssd_path(&l14),
+            ],
         )
     };
-    let node = |name: &str, sources: &str| {
-        format!(
-            "[[node]]\nname = \"{name}\"\ntokens_per_second = 50\nprobe_interval_ms = 200\n{}{}",
-            route(1, &l1, sources),
-            route(14, &l14, sources)
-        )
-    };
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {r1}\ndigest = \"{d1}\"\n\
-         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = {r14}\ndigest = \"{d14}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\n\
-         [[donor]]\nname = \"gone\"\nlisten = [\"127.0.0.1:{}\"]\ntables = [1, 14]\nram_gib = 1.0\n\
-         {}{}{}\
-         [model]\nhash_base = {MODEL_BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n",
-        l1.display(),
-        l14.display(),
-        free_port()?,
-        free_port()?,
-        node("n", "\"d\", \"ssd\""),
-        node("ref", "\"local\""),
-        node("stranded", "\"gone\""),
-    );
+    let mut rack = RackToml::new("t");
+    rack.table = vec![
+        TableEntry::new(1, &l1, r1, d1),
+        TableEntry::new(14, &l14, r14, d14),
+    ];
+    rack.donor = vec![
+        DonorEntry {
+            max_rows: Some(500),
+            ..DonorEntry::new("d", [format!("127.0.0.1:{}", free_port()?)], [1, 14])
+        },
+        DonorEntry::new("gone", [format!("127.0.0.1:{}", free_port()?)], [1, 14]),
+    ];
+    rack.node = vec![
+        node("n", &["d", "ssd"]),
+        node("ref", &["local"]),
+        node("stranded", &["gone"]),
+    ];
+    rack.model = Some(ModelSection::synthetic(MODEL_BASE, 3, 8, 2));
+    Ok(rack)
+}
+
+/// [`model_rack_config`] written to `dir/rack.toml`; returns its path.
+pub fn model_rack(dir: &Path) -> Result<PathBuf> {
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text)?;
+    model_rack_config(dir)?.write(&path)?;
     Ok(path)
 }
 

@@ -6,25 +6,29 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use rack_harness::{DonorProcess, bin, gen_hashed_table, model_rack, python_has};
+use rack_harness::rack_toml::{NodeEntry, RackToml, RouteEntry, TableEntry};
+use rack_harness::{DonorProcess, bin, gen_hashed_table, model_rack_config, python_has};
 
-/// The rack of `model_rack` plus node `only-donor` (donor `d` alone, with a
-/// hard timeout past the tests' own deadlines).
-fn rack(dir: &Path) -> PathBuf {
-    let config = model_rack(dir).expect("rack");
-    let text = std::fs::read_to_string(&config).expect("config");
-    let route = |t: u32, f: &str| {
-        format!(
-            "[[node.route]]\ntable = {t}\nsources = [\"d\"]\nssd_path = \"{}\"\n",
-            dir.join(f).display()
+/// The rack of `model_rack_config` plus node `only-donor` (donor `d`
+/// alone, with a hard timeout past the tests' own deadlines).
+fn rack_config(dir: &Path) -> RackToml {
+    let mut rack = model_rack_config(dir).expect("rack");
+    let route = |t: u32, f: &str| RouteEntry::new(t, ["d"]).ssd_path(dir.join(f));
+    rack.node.push(NodeEntry {
+        tokens_per_second: Some(50.0),
+        lookup_timeout_ms: Some(1000),
+        ..NodeEntry::new(
+            "only-donor",
+            vec![route(1, "l1.etab"), route(14, "l14.etab")],
         )
-    };
-    let extra = format!(
-        "[[node]]\nname = \"only-donor\"\ntokens_per_second = 50\nlookup_timeout_ms = 1000\n{}{}",
-        route(1, "l1.etab"),
-        route(14, "l14.etab")
-    );
-    std::fs::write(&config, text + &extra).expect("write config");
+    });
+    rack
+}
+
+/// `rack` written to `dir/rack.toml`.
+fn write_rack(dir: &Path, rack: &RackToml) -> PathBuf {
+    let config = dir.join("rack.toml");
+    rack.write(&config).expect("write config");
     config
 }
 
@@ -88,7 +92,8 @@ fn s(p: &Path) -> String {
 #[test]
 fn the_c_library_serves_rows_fails_over_and_refuses_bad_calls() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = rack(dir.path());
+    let rack = rack_config(dir.path());
+    let config = write_rack(dir.path(), &rack);
     let prog = compile(
         "inference-node/capi/tests/c/engram_test.c",
         &dir.path().join("engram_test"),
@@ -122,14 +127,10 @@ fn the_c_library_serves_rows_fails_over_and_refuses_bad_calls() {
     let (other, digest) =
         gen_hashed_table(dir.path(), "l1-other.etab", 1, rack_harness::MODEL_BASE, 12)
             .expect("gen");
-    let text = std::fs::read_to_string(&config).expect("config");
-    let first = text.split("digest = \"").nth(1).expect("digest");
-    let d1 = &first[..64];
-    let swapped = text
-        .replacen(&s(&l1), &s(&other), 1)
-        .replacen(d1, &digest.to_string(), 1);
+    let mut swapped = rack.clone();
+    swapped.table[0] = TableEntry::new(1, &other, rack.table[0].rows, digest);
     let other_config = dir.path().join("other.toml");
-    std::fs::write(&other_config, swapped).expect("write");
+    swapped.write(&other_config).expect("write");
     let _other = start_donor(&other_config);
     c_test(&prog, &["rows", &c, "n", &s(&l1), &s(&l14), "500", "d"]);
 }
@@ -137,7 +138,7 @@ fn the_c_library_serves_rows_fails_over_and_refuses_bad_calls() {
 #[test]
 fn the_c_example_runs_against_a_real_donor() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = rack(dir.path());
+    let config = write_rack(dir.path(), &rack_config(dir.path()));
     let prog = compile(
         "inference-node/capi/examples/lookup.c",
         &dir.path().join("lookup"),
@@ -160,18 +161,12 @@ fn the_c_example_runs_against_a_real_donor() {
 #[test]
 fn the_c_library_views_a_host_local_donors_tables_and_its_own_copy() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = rack(dir.path());
     // Donor d also listens on a host socket: node only-donor maps its tables.
     let sock = dir.path().join("d.sock");
-    let text = std::fs::read_to_string(&config).expect("config");
-    let (head, tail) = text
-        .split_once("[[donor]]\nname = \"d\"\nlisten = [")
-        .expect("donor d");
-    let text = format!(
-        "{head}[[donor]]\nname = \"d\"\nlisten = [\"unix://{}\", {tail}",
-        s(&sock)
-    );
-    std::fs::write(&config, text).expect("write config");
+    let mut rack = rack_config(dir.path());
+    let d = rack.donor_mut("d").expect("donor d");
+    d.listen.insert(0, format!("unix://{}", s(&sock)));
+    let config = write_rack(dir.path(), &rack);
     let prog = compile(
         "inference-node/capi/tests/c/engram_test.c",
         &dir.path().join("engram_test"),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use rack_harness::{DonorProcess, bin, model_rack};
+use rack_harness::{DonorProcess, bin, model_rack, model_rack_config};
 
 /// Run the node; returns (exit ok, stdout, stderr).
 fn run(config: &Path, name: &str, extra: &[&str]) -> (bool, String, String) {
@@ -193,9 +193,10 @@ fn a_table_with_no_usable_source_stops_the_node_at_start() {
 #[test]
 fn a_wide_batch_step_is_one_message_per_table_up_to_the_frame_cap() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = model_rack(dir.path()).expect("rack");
-    let text = std::fs::read_to_string(&config).expect("config");
-    std::fs::write(&config, text.replace("max_rows = 500", "max_rows = 8192")).expect("config");
+    let mut rack = model_rack_config(dir.path()).expect("rack");
+    rack.donor_mut("d").expect("donor d").max_rows = Some(8192);
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("config");
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     let t = dir.path().join("batch.jsonl");

@@ -13,7 +13,7 @@ use engram_protocol::node_api::engram_node_client::EngramNodeClient;
 use engram_protocol::node_api::{
     GenerateRequest, TablesRequest, TablesResponse, generate_event, generate_request,
 };
-use rack_harness::{DonorProcess, NotifySocket, bin, model_rack};
+use rack_harness::{DonorProcess, NotifySocket, bin, model_rack, model_rack_config};
 
 const TEXT: &str = "The rack hums in the corner of the room. The node asks for the rows early, \
                     and the rows are ready before the block needs them.";
@@ -126,7 +126,9 @@ fn text_request(max_tokens: u64) -> GenerateRequest {
 #[test]
 fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = model_rack(dir.path()).expect("rack");
+    let mut rack = model_rack_config(dir.path()).expect("rack");
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("config");
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     let notify = NotifySocket::bind(dir.path()).expect("notify socket");
@@ -231,15 +233,11 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
         .expect("watchdog pings while healthy");
 
     // SIGHUP applies a new rate, policy and hedge live.
-    let text = std::fs::read_to_string(&config).expect("config");
-    let changed = text
-        .replacen("tokens_per_second = 50", "tokens_per_second = 25", 1)
-        .replacen(
-            "sources = [\"d\", \"ssd\"]",
-            "sources = [\"d\", \"ssd\"]\npolicy = \"zeros\"\nhedge = \"off\"",
-            1,
-        );
-    std::fs::write(&config, &changed).expect("write");
+    let n = rack.node_mut("n").expect("node n");
+    n.tokens_per_second = Some(25.0);
+    n.route[0].policy = Some("zeros".into());
+    n.route[0].hedge = Some("off".into());
+    rack.write(&config).expect("write");
     node.signal(libc::SIGHUP);
     let deadline = Instant::now() + Duration::from_secs(15);
     rt().block_on(async {
@@ -360,18 +358,15 @@ fn the_units_command_line_starts_the_daemon() {
         .find_map(|l| l.strip_prefix("ExecStart="))
         .expect("ExecStart=");
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = model_rack(dir.path()).expect("rack");
+    let mut rack = model_rack_config(dir.path()).expect("rack");
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("config");
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     // The unit serves the config's api address: give node `n` a free one.
     let port = rack_harness::free_port().expect("port");
-    let text = std::fs::read_to_string(&config).expect("config");
-    let text = text.replacen(
-        "name = \"n\"\n",
-        &format!("name = \"n\"\napi = \"127.0.0.1:{port}\"\n"),
-        1,
-    );
-    std::fs::write(&config, text).expect("write");
+    rack.node_mut("n").expect("node n").api = Some(format!("127.0.0.1:{port}"));
+    rack.write(&config).expect("write");
     let mut words = exec.split_whitespace();
     assert_eq!(words.next(), Some("/usr/local/bin/inference-node"));
     let mut cmd = Command::new(bin("inference-node"));
@@ -459,11 +454,10 @@ fn sigterm_lets_the_running_sequence_end_by_the_drain_deadline_and_refuses_new_o
 #[test]
 fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = model_rack(dir.path()).expect("rack");
-    let text = std::fs::read_to_string(&config).expect("config");
-    let batched = text.replacen("name = \"n\"\n", "name = \"n\"\nmax_batch = 2\n", 1);
-    assert_ne!(batched, text);
-    std::fs::write(&config, batched).expect("config");
+    let mut rack = model_rack_config(dir.path()).expect("rack");
+    rack.node_mut("n").expect("node n").max_batch = Some(2);
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("config");
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     let notify = NotifySocket::bind(dir.path()).expect("notify socket");

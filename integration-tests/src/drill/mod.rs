@@ -25,7 +25,6 @@ mod scaffold;
 mod storm;
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -37,6 +36,9 @@ use engram_protocol::hashing::{HashParams, Preset};
 
 use crate::netns::NetNs;
 use crate::proxy::FaultProxy;
+use crate::rack_toml::{
+    DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use crate::{DonorProcess, Process, bin, gen_hashed_table};
 
 pub use node::{Event, NodeRun, Outcome};
@@ -135,7 +137,7 @@ impl Env {
             ("ref", vec!["local".to_string()]),
             ("cal", vec!["ssd".to_string()]),
         ];
-        std::fs::write(&config, config_text(&env, &plan, &[], &nodes, false)?)?;
+        rack_config(&env, &plan, &[], &nodes, false).write(&config)?;
         let reference = NodeRun::start(&config, "ref", max_tokens, 5_000.0, &dir.join("ref"))?;
         let calibration = NodeRun::start(&config, "cal", 300, 100.0, &dir.join("cal"))?;
         let r = reference.finish(Duration::from_secs(120))?;
@@ -296,92 +298,79 @@ struct DonorAddrs {
 
 /// The config: tables (`other`: the other version), donors, and nodes with
 /// their routes.
-fn config_text(
+fn rack_config(
     env: &Env,
     plan: &Plan,
     donors: &[DonorAddrs],
     nodes: &[(&str, Vec<String>)],
     other: bool,
-) -> Result<String> {
+) -> RackToml {
     let tables = if other { &env.other } else { &env.tables };
-    let mut t = String::from("version = 1\n[rack]\nname = \"drill\"\n");
+    let mut rack = RackToml::new("drill");
     let netns = plan.donors.iter().any(|d| d.placement == Placement::Netns);
     if netns && plan.transport == cluster_config::Transport::Tcp {
         // Plain TCP over the namespaces' veth links: said explicitly.
-        t.push_str("plaintext = \"allow\"\n");
+        rack.rack.plaintext = Some("allow".into());
     }
     if plan.transport.is_secure() {
-        t.push_str("[rack.tls]\n");
-        if plan.control {
-            t.push_str("operators = [\"ops-1\"]\n");
-        }
+        let operators = if plan.control { &["ops-1"][..] } else { &[] };
+        rack.rack.tls = Some(TlsSection::with_operators(operators.iter().copied()));
     }
-    for f in tables {
-        write!(
-            t,
-            "\n[[table]]\nid = {}\nlayer = {}\npath = \"{}\"\nrows = {}\ndigest = \"{}\"\n",
-            f.id,
-            f.id,
-            f.path.display(),
-            f.rows,
-            f.digest
-        )?;
-    }
-    for d in donors {
-        donor_text(&mut t, env, plan, d)?;
-    }
-    for (name, sources) in nodes {
-        let list: Vec<String> = sources.iter().map(|s| format!("\"{s}\"")).collect();
-        write!(
-            t,
-            "\n[[node]]\nname = \"{name}\"\ntokens_per_second = 100\nprobe_interval_ms = {}\n\
-             breaker_failures = {}\nconnect_timeout_ms = 200\n",
-            plan.probe_interval_ms, plan.breaker_failures
-        )?;
-        for f in &env.tables {
-            write!(
-                t,
-                "[[node.route]]\ntable = {}\nsources = [{}]\nssd_path = \"{}\"\nhedge = \"{}\"\n\
-                 hard_timeout_ms = {}\npolicy = \"{}\"\n",
-                f.id,
-                list.join(", "),
-                f.path.display(),
-                plan.hedge,
-                plan.hard_timeout_ms,
-                plan.policy
-            )?;
-        }
-    }
-    write!(
-        t,
-        "\n[model]\nhash_base = {BASE}\nweights_seed = 5\nhidden = 16\nstreams = 4\nfusion = \"cpu\"\n"
-    )?;
-    Ok(t)
+    rack.table = tables
+        .iter()
+        .map(|f| TableEntry::new(f.id, &f.path, f.rows, &f.digest))
+        .collect();
+    rack.donor = donors.iter().map(|d| donor_entry(env, plan, d)).collect();
+    rack.node = nodes
+        .iter()
+        .map(|(name, sources)| NodeEntry {
+            tokens_per_second: Some(100.0),
+            probe_interval_ms: Some(plan.probe_interval_ms),
+            breaker_failures: Some(plan.breaker_failures),
+            connect_timeout_ms: Some(200),
+            ..NodeEntry::new(
+                *name,
+                env.tables.iter().map(|f| route(plan, f, sources)).collect(),
+            )
+        })
+        .collect();
+    rack.model = Some(ModelSection {
+        fusion: Some("cpu".into()),
+        ..ModelSection::synthetic(BASE, 5, 16, 4)
+    });
+    rack
 }
 
-/// Donor `d`'s `[[donor]]` section of the drill's config, appended to `t`.
-fn donor_text(t: &mut String, env: &Env, plan: &Plan, d: &DonorAddrs) -> Result<()> {
-    let scheme = plan.transport.as_str();
-    let quic = d
-        .quic
-        .map(|q| format!(", \"quic://{q}\""))
-        .unwrap_or_default();
-    let host = if plan.host_socket {
-        format!(", \"unix://{}\"", host_socket(env, plan, d.name).display())
-    } else {
-        String::new()
-    };
-    write!(
-        t,
-        "\n[[donor]]\nname = \"{}\"\nlisten = [\"{scheme}://{}\"{quic}{host}]\nadvertise = [\"{scheme}://{}\"{quic}]\nmetrics = \"{}\"\n\
-         tables = [1, 14]\nram_gib = 1.0\nheadroom_gib = 0.0\nmax_connections = {}\nhello_timeout_ms = {}\n\
-         drain_timeout_ms = 2000\n",
-        d.name, d.listen, d.advertise, d.metrics, plan.max_connections, plan.hello_timeout_ms
-    )?;
-    if let Some(c) = d.control {
-        writeln!(t, "control = \"{c}\"")?;
+/// A drill node's route to table `f` from `sources`, its SSD copy the
+/// pinned file.
+fn route(plan: &Plan, f: &TableFile, sources: &[String]) -> RouteEntry {
+    RouteEntry {
+        hedge: Some(plan.hedge.into()),
+        hard_timeout_ms: Some(plan.hard_timeout_ms),
+        policy: Some(plan.policy.into()),
+        ..RouteEntry::new(f.id, sources.iter().cloned()).ssd_path(&f.path)
     }
-    Ok(())
+}
+
+/// Donor `d`'s `[[donor]]` entry of the drill's config.
+fn donor_entry(env: &Env, plan: &Plan, d: &DonorAddrs) -> DonorEntry {
+    let scheme = plan.transport.as_str();
+    let quic = d.quic.map(|q| format!("quic://{q}"));
+    let host = plan
+        .host_socket
+        .then(|| format!("unix://{}", host_socket(env, plan, d.name).display()));
+    let listen = std::iter::once(format!("{scheme}://{}", d.listen)).chain(quic.clone());
+    let advertise = std::iter::once(format!("{scheme}://{}", d.advertise)).chain(quic);
+    DonorEntry {
+        advertise: Some(advertise.collect()),
+        metrics: Some(d.metrics.to_string()),
+        headroom_gib: Some(0.0),
+        max_connections: Some(plan.max_connections as u64),
+        hello_timeout_ms: Some(plan.hello_timeout_ms),
+        drain_timeout_ms: Some(2000),
+        control: d.control.map(|c| c.to_string()),
+        ..DonorEntry::new(d.name, listen.chain(host), [1, 14])
+    }
 }
 
 /// Where donor `donor` of `plan` has its host socket ([`Plan::host_socket`]).
@@ -513,12 +502,9 @@ impl Rack {
         let sources: Vec<String> = plan.sources.iter().map(|s| s.to_string()).collect();
         let nodes = [("n", sources)];
         let config = dir.join("rack.toml");
-        std::fs::write(&config, config_text(env, &plan, &addrs, &nodes, false)?)?;
+        rack_config(env, &plan, &addrs, &nodes, false).write(&config)?;
         let other_config = dir.join("other.toml");
-        std::fs::write(
-            &other_config,
-            config_text(env, &plan, &addrs, &nodes, true)?,
-        )?;
+        rack_config(env, &plan, &addrs, &nodes, true).write(&other_config)?;
         if plan.transport.is_secure() {
             crate::rack_pki(&config)?;
         }
