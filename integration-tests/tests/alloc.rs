@@ -20,6 +20,9 @@ use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
+use rack_harness::rack_toml::{
+    DonorEntry, LinkEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, gen_table};
 
 /// Counts every allocation and reallocation, on any thread but those
@@ -77,25 +80,31 @@ const COUNTED: usize = 2_000;
 
 fn write_config(dir: &Path, table: &Path, digest: TableDigest, ports: [u16; 2]) -> Config {
     let [tcp, tls] = ports;
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"tcp://127.0.0.1:{tcp}\", \"tls://127.0.0.1:{tls}\"]\n\
-         tables = [1]\nram_gib = 1.0\nclients = [\"donor\", \"tls\"]\n\
-         [[node]]\nname = \"donor\"\nlookup_timeout_ms = 2000\ntokens_per_second = 1\n\
-         [[node.route]]\ntable = 1\nsources = [\"d\"]\nhedge = \"off\"\n\
-         [[node.link]]\ndonor = \"d\"\ntransport = \"tcp\"\n\
-         [[node]]\nname = \"tls\"\nlookup_timeout_ms = 2000\ntokens_per_second = 1\n\
-         [[node.route]]\ntable = 1\nsources = [\"d\"]\nhedge = \"off\"\n\
-         [[node.link]]\ndonor = \"d\"\ntransport = \"tls\"\n\
-         [[node]]\nname = \"ssd\"\nlookup_timeout_ms = 2000\ntokens_per_second = 1\n\
-         [[node.route]]\ntable = 1\nsources = [\"ssd\"]\nhedge = \"off\"\n\
-         [[node]]\nname = \"local\"\nlookup_timeout_ms = 2000\ntokens_per_second = 1\n\
-         [[node.route]]\ntable = 1\nsources = [\"local\"]\nhedge = \"off\"\n",
-        table.display()
-    );
+    let node = |name: &str, source: &str, link: Option<&str>| NodeEntry {
+        lookup_timeout_ms: Some(2000),
+        tokens_per_second: Some(1.0),
+        link: link.map(|t| LinkEntry::new("d", t)).into_iter().collect(),
+        ..NodeEntry::new(name, vec![RouteEntry::new(1, [source]).hedge("off")])
+    };
+    let mut rack = RackToml::new("t");
+    rack.rack.tls = Some(TlsSection::default());
+    rack.table = vec![TableEntry::new(1, table, ROWS, digest)];
+    let listen = [
+        format!("tcp://127.0.0.1:{tcp}"),
+        format!("tls://127.0.0.1:{tls}"),
+    ];
+    rack.donor = vec![DonorEntry {
+        clients: Some(vec!["donor".into(), "tls".into()]),
+        ..DonorEntry::new("d", listen, [1])
+    }];
+    rack.node = vec![
+        node("donor", "d", Some("tcp")),
+        node("tls", "d", Some("tls")),
+        node("ssd", "ssd", None),
+        node("local", "local", None),
+    ];
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     rack_harness::rack_pki(&path).expect("rack PKI");
     Config::load(&path).expect("valid config")
 }
@@ -303,41 +312,44 @@ fn write_model_config(dir: &Path) -> Config {
     let (l1, d1) = gen_hashed_table(dir, "l1.etab", 1, MODEL_BASE, MODEL_SEED).expect("gen");
     let (l14, d14) = gen_hashed_table(dir, "l14.etab", 14, MODEL_BASE, MODEL_SEED).expect("gen");
     let [r1, r14] = [params.layers[0].rows, params.layers[1].rows];
-    let node = |name: &str, source: &str, link: &str| {
-        let route = |t: u32, path: &Path| {
-            format!(
-                "[[node.route]]\ntable = {t}\nsources = [\"{source}\"]\nssd_path = \"{}\"\n",
-                path.display()
-            )
-        };
-        format!(
-            "[[node]]\nname = \"{name}\"\nlookup_timeout_ms = 2000\ntokens_per_second = 50\n{}{}{link}",
-            route(1, &l1),
-            route(14, &l14)
+    let node = |name: &str, source: &str, link: Option<&str>| NodeEntry {
+        lookup_timeout_ms: Some(2000),
+        tokens_per_second: Some(50.0),
+        link: link.map(|t| LinkEntry::new("d", t)).into_iter().collect(),
+        ..NodeEntry::new(
+            name,
+            vec![
+                RouteEntry::new(1, [source]).ssd_path(&l1),
+                RouteEntry::new(14, [source]).ssd_path(&l14),
+            ],
         )
     };
-    let link = |t: &str| format!("[[node.link]]\ndonor = \"d\"\ntransport = \"{t}\"\n");
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {r1}\ndigest = \"{d1}\"\n\
-         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = {r14}\ndigest = \"{d14}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"tcp://127.0.0.1:{}\", \"tls://127.0.0.1:{}\", \"quic://127.0.0.1:{}\"]\n\
-         tables = [1, 14]\nram_gib = 1.0\nclients = [\"donor\", \"tls\", \"quic\"]\n\
-         {}{}{}{}{}\
-         [model]\nhash_base = {MODEL_BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n",
-        l1.display(),
-        l14.display(),
-        free_port().expect("port"),
-        free_port().expect("port"),
-        free_port().expect("port"),
-        node("donor", "d", &link("tcp")),
-        node("tls", "d", &link("tls")),
-        node("quic", "d", &link("quic")),
-        node("ssd", "ssd", ""),
-        node("local", "local", ""),
-    );
+    let mut rack = RackToml::new("t");
+    rack.rack.tls = Some(TlsSection::default());
+    rack.table = vec![
+        TableEntry::new(1, &l1, r1, d1),
+        TableEntry::new(14, &l14, r14, d14),
+    ];
+    let port = || free_port().expect("port");
+    let listen = [
+        format!("tcp://127.0.0.1:{}", port()),
+        format!("tls://127.0.0.1:{}", port()),
+        format!("quic://127.0.0.1:{}", port()),
+    ];
+    rack.donor = vec![DonorEntry {
+        clients: Some(vec!["donor".into(), "tls".into(), "quic".into()]),
+        ..DonorEntry::new("d", listen, [1, 14])
+    }];
+    rack.node = vec![
+        node("donor", "d", Some("tcp")),
+        node("tls", "d", Some("tls")),
+        node("quic", "d", Some("quic")),
+        node("ssd", "ssd", None),
+        node("local", "local", None),
+    ];
+    rack.model = Some(ModelSection::synthetic(MODEL_BASE, 3, 8, 2));
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     rack_harness::rack_pki(&path).expect("rack PKI");
     Config::load(&path).expect("valid config")
 }

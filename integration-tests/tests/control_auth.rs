@@ -16,6 +16,9 @@ use engram_protocol::control::{DrainRequest, ListTablesRequest, StatsRequest, Sw
 use inference_node::ClientOptions;
 use inference_node::source::{ControlTls, DonorSource, RowSource};
 use rack_harness::pki::TestPki;
+use rack_harness::rack_toml::{
+    DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::runtime as rt;
 use rack_harness::{DonorProcess, OpsAddrs, bin, free_port, gen_table, sample, scrape};
 use tonic::Code;
@@ -58,22 +61,21 @@ impl Rack {
             pki
         });
         let control = std::net::SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
-        let text = format!(
-            "version = 1\n[rack]\nname = \"t\"\n{}\
-             [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{v1}\"\n\
-             [[donor]]\nname = \"d\"\nlisten = [\"tcp://127.0.0.1:{}\"]\ntables = [1]\nram_gib = 1.0\nheadroom_gib = 0.1\n\
-             control = \"{control}\"\nmetrics = \"127.0.0.1:0\"\n\
-             [[node]]\nname = \"n\"\n[[node.route]]\ntable = 1\nsources = [\"d\"]\n",
-            if tls {
-                "[rack.tls]\noperators = [\"ops-1\"]\n"
-            } else {
-                ""
-            },
-            p1.display(),
-            free_port().expect("port"),
-        );
+        let mut rack = RackToml::new("t");
+        if tls {
+            rack.rack.tls = Some(TlsSection::with_operators(["ops-1"]));
+        }
+        rack.table = vec![TableEntry::new(1, &p1, ROWS, v1)];
+        let listen = format!("tcp://127.0.0.1:{}", free_port().expect("port"));
+        rack.donor = vec![DonorEntry {
+            headroom_gib: Some(0.1),
+            control: Some(control.to_string()),
+            metrics: Some("127.0.0.1:0".into()),
+            ..DonorEntry::new("d", [listen], [1])
+        }];
+        rack.node = vec![NodeEntry::new("n", vec![RouteEntry::new(1, ["d"])])];
         let config = dir.path().join("rack.toml");
-        std::fs::write(&config, text).expect("write config");
+        rack.write(&config).expect("write config");
         Self {
             dir,
             config,

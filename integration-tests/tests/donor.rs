@@ -10,6 +10,7 @@ use engram_protocol::{
     ErrorCode, Frame, Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, decode,
 };
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+use rack_harness::rack_toml::{DonorEntry, RackToml, TableEntry};
 use rack_harness::runtime as rt;
 use rack_harness::{DonorProcess, gen_table};
 
@@ -471,16 +472,15 @@ fn serves_from_the_cluster_config_with_a_credential() {
     let (p1, d1) = gen_table(dir.path(), "l1.etab", 1, 5000, 3).expect("gen");
     let (p14, d14) = gen_table(dir.path(), "l14.etab", 14, 6000, 3).expect("gen");
     std::fs::write(dir.path().join("secret"), "let-me-in\n").expect("secret");
-    let config = format!(
-        "version = 1\n[rack]\nname = \"t\"\ncredential_file = \"secret\"\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = 5000\ndigest = \"{d1}\"\n\
-         [[table]]\nid = 14\nlayer = 14\npath = \"{}\"\nrows = 6000\ndigest = \"{d14}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\"]\ntables = [1, 14]\nram_gib = 1.0\n",
-        p1.display(),
-        p14.display()
-    );
+    let mut rack = RackToml::new("t");
+    rack.rack.credential_file = Some("secret".into());
+    rack.table = vec![
+        TableEntry::new(1, &p1, 5000, d1),
+        TableEntry::new(14, &p14, 6000, d14),
+    ];
+    rack.donor = vec![DonorEntry::new("d", ["127.0.0.1:0"], [1, 14])];
     let cfg = dir.path().join("rack.toml");
-    std::fs::write(&cfg, config).expect("config");
+    rack.write(&cfg).expect("config");
     let donor = DonorProcess::start(&["--config", &cfg.display().to_string(), "--name", "d"])
         .expect("donor");
     rt().block_on(async {
@@ -532,14 +532,11 @@ fn serves_from_the_cluster_config_with_a_credential() {
 fn a_donor_refuses_a_table_whose_pinned_digest_differs() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (p1, _) = gen_table(dir.path(), "l1.etab", 1, 100, 3).expect("gen");
-    let config = format!(
-        "version = 1\n[rack]\nname = \"t\"\n[[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = 100\ndigest = \"{}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\"]\ntables = [1]\nram_gib = 1.0\n",
-        p1.display(),
-        TableDigest([9; 32])
-    );
+    let mut rack = RackToml::new("t");
+    rack.table = vec![TableEntry::new(1, &p1, 100, TableDigest([9; 32]))];
+    rack.donor = vec![DonorEntry::new("d", ["127.0.0.1:0"], [1])];
     let cfg = dir.path().join("rack.toml");
-    std::fs::write(&cfg, config).expect("config");
+    rack.write(&cfg).expect("config");
     let out = std::process::Command::new(rack_harness::bin("memory-donor"))
         .args([
             "serve",

@@ -18,6 +18,7 @@ use engram_store::resident::ExpectedTable;
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::source::{HostSource, RowSource, SourceError};
+use rack_harness::rack_toml::{DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry};
 use rack_harness::{DonorProcess, free_port, gen_table, runtime as rt, sample, scrape};
 
 const ROWS: u64 = 50_000;
@@ -31,29 +32,36 @@ struct Rack {
 
 /// Donor `d` on loopback TCP and a host socket, serving table 1 (version
 /// `v1`, seed 1; `v2`, seed 2, sits beside it for swaps), with a control
-/// plane and metrics; node `n` routes table 1 to `["d", "ssd"]`. `extra`
-/// goes into the donor's entry.
-fn rack(extra: &str) -> Rack {
+/// plane and metrics; node `n` routes table 1 to `["d", "ssd"]`. `edit`
+/// changes the donor's entry.
+fn rack(edit: impl FnOnce(&mut DonorEntry)) -> Rack {
     let dir = tempfile::tempdir().expect("tempdir");
     let (v1, d1) = gen_table(dir.path(), "v1.etab", 1, ROWS, 1).expect("gen v1");
     let (v2, d2) = gen_table(dir.path(), "v2.etab", 1, ROWS, 2).expect("gen v2");
     let socket = dir.path().join("d.sock");
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{d1}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{}\", \"unix://{}\"]\ntables = [1]\n\
-         ram_gib = 4.0\nheadroom_gib = 1.0\ncontrol = \"127.0.0.1:{}\"\nmetrics = \"127.0.0.1:{}\"\n{extra}\
-         [[node]]\nname = \"n\"\ntokens_per_second = 1\nprobe_interval_ms = 100\n\
-         [[node.route]]\ntable = 1\nsources = [\"d\", \"ssd\"]\nssd_path = \"{}\"\nhedge = \"off\"\n",
-        v1.display(),
-        free_port().expect("port"),
-        socket.display(),
-        free_port().expect("port"),
-        free_port().expect("port"),
-        v1.display(),
-    );
+    let mut toml = RackToml::new("t");
+    toml.table = vec![TableEntry::new(1, &v1, ROWS, d1)];
+    let listen = [
+        format!("127.0.0.1:{}", free_port().expect("port")),
+        format!("unix://{}", socket.display()),
+    ];
+    let mut donor = DonorEntry {
+        ram_gib: 4.0,
+        headroom_gib: Some(1.0),
+        control: Some(format!("127.0.0.1:{}", free_port().expect("port"))),
+        metrics: Some(format!("127.0.0.1:{}", free_port().expect("port"))),
+        ..DonorEntry::new("d", listen, [1])
+    };
+    edit(&mut donor);
+    toml.donor = vec![donor];
+    let route = RouteEntry::new(1, ["d", "ssd"]).ssd_path(&v1).hedge("off");
+    toml.node = vec![NodeEntry {
+        tokens_per_second: Some(1.0),
+        probe_interval_ms: Some(100),
+        ..NodeEntry::new("n", vec![route])
+    }];
     let path = dir.path().join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    toml.write(&path).expect("config");
     let config = Config::load(&path).expect("valid config");
     Rack {
         dir,
@@ -115,7 +123,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn the_node_maps_the_donors_tables_and_the_donor_answers_no_lookup() {
-    let rack = rack("");
+    let rack = rack(|_| ());
     let donor = rack.start();
     let log = donor.log();
     assert!(
@@ -160,7 +168,10 @@ fn the_node_maps_the_donors_tables_and_the_donor_answers_no_lookup() {
 #[test]
 fn the_shared_memory_is_sealed_and_a_user_not_allowed_is_refused() {
     // Only root (this test, to check the descriptor) and uid or gid 4242.
-    let rack = rack("host_uids = [0, 4242]\nhost_gids = [4242]\n");
+    let rack = rack(|d| {
+        d.host_uids = Some(vec![0, 4242]);
+        d.host_gids = Some(vec![4242]);
+    });
     let _donor = rack.start();
     let file = raw_first_table(&rack.socket);
     // The descriptor is read-only: writes through it fail.
@@ -290,7 +301,7 @@ fn raw_first_table(socket: &Path) -> std::fs::File {
 
 #[test]
 fn kill_9_of_the_donor_under_load_costs_no_lookup() {
-    let rack = rack("");
+    let rack = rack(|_| ());
     let mut donor = rack.start();
     let metrics = NodeMetrics::new();
     let gaps = metrics
@@ -354,7 +365,7 @@ fn kill_9_of_the_donor_under_load_costs_no_lookup() {
 
 #[test]
 fn a_swap_while_four_threads_read_gives_no_torn_or_wrong_row() {
-    let rack = rack("");
+    let rack = rack(|_| ());
     let donor = rack.start();
     let ops = donor.ops().expect("ops");
     let v1 = Arc::new(HostSource::new("d", rack.socket.clone(), rack.pin(0)).expect("watch"));
@@ -459,7 +470,7 @@ fn table_numa_maps(pid: u32) -> Vec<String> {
 fn numa_node_binds_the_tables_for_the_donor_and_every_process_that_maps_them() {
     // This host has one NUMA node (0); the binding shows in numa_maps as
     // the mapping's policy, for the donor and for a process mapping it.
-    let bound = rack("numa_node = 0\n");
+    let bound = rack(|d| d.numa_node = Some(0));
     let donor = bound.start();
     let maps = table_numa_maps(donor.id());
     assert!(!maps.is_empty(), "the donor maps no table memory");
@@ -481,7 +492,7 @@ fn numa_node_binds_the_tables_for_the_donor_and_every_process_that_maps_them() {
     drop(donor);
 
     // A node this host does not have: the donor says so and exits.
-    let far = rack("numa_node = 7\n");
+    let far = rack(|d| d.numa_node = Some(7));
     let mut p = DonorProcess::launch(&[
         "--config",
         &far.config.path.display().to_string(),

@@ -22,6 +22,9 @@ use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use rack_harness::netns::{NetNs, Veth};
+use rack_harness::rack_toml::{
+    DonorEntry, LinkEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, bin, gen_table, rack_pki, runtime};
 
 const ROWS: u64 = 20_000;
@@ -128,40 +131,61 @@ fn write_config(
     transport: Transport,
 ) -> Config {
     let (t, e) = (tb.addr(), eth.addr());
+    let addr = |scheme: &str, ip| format!("{scheme}://{ip}:{PORT}");
+    let listen = vec![
+        addr("tls", t),
+        addr("tls", e),
+        addr("quic", t),
+        addr("quic", e),
+    ];
+    let link = LinkEntry::new("d", transport);
     // With `interface` the node's connections leave through the link
     // whatever address they dial: the donor advertises its Ethernet address
     // alone, the one every node knows it by. With `bind` the route to the
     // dialled address decides: the Thunderbolt address comes first.
-    let (tie, advertise) = match tie {
+    let (link, advertise) = match tie {
         Tie::Interface => (
-            format!("interface = \"{}\"\n", tb.host_if()),
-            format!("\"tls://{e}:{PORT}\", \"quic://{e}:{PORT}\""),
+            LinkEntry {
+                interface: Some(tb.host_if()),
+                ..link
+            },
+            vec![addr("tls", e), addr("quic", e)],
         ),
         Tie::Bind => (
-            format!("bind = \"{}\"\n", tb.host_addr()),
-            format!(
-                "\"tls://{t}:{PORT}\", \"tls://{e}:{PORT}\", \"quic://{t}:{PORT}\", \"quic://{e}:{PORT}\""
-            ),
+            LinkEntry {
+                bind: Some(tb.host_addr().to_string()),
+                ..link
+            },
+            listen.clone(),
         ),
     };
+    let mut rack = RackToml::new("t");
+    rack.rack.tls = Some(TlsSection::with_operators(["op"]));
+    rack.table = vec![TableEntry::new(1, table, ROWS, digest)];
+    rack.donor = vec![DonorEntry {
+        advertise: Some(advertise),
+        ..DonorEntry::new("d", listen, [1])
+    }];
     // Each lookup waits for the donor up to the window (W/40 = 50 ms at 0.5
     // tokens/s) before the SSD copy is asked too: a loaded
     // machine's hiccup does not make the copy win a lookup the link served.
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\noperators = [\"op\"]\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
-         [[donor]]\nname = \"d\"\n\
-         listen = [\"tls://{t}:{PORT}\", \"tls://{e}:{PORT}\", \"quic://{t}:{PORT}\", \"quic://{e}:{PORT}\"]\n\
-         advertise = [{advertise}]\ntables = [1]\nram_gib = 1.0\n\
-         [[node]]\nname = \"n\"\ntokens_per_second = 0.5\nprobe_interval_ms = 100\n\
-         connect_timeout_ms = 300\nlookup_timeout_ms = 500\n\
-         [[node.route]]\ntable = 1\nsources = [\"d\", \"ssd\"]\nssd_path = \"{}\"\nhedge = \"off\"\n\
-         [[node.link]]\ndonor = \"d\"\ntransport = \"{transport}\"\n{tie}",
-        table.display(),
-        table.display(),
-    );
+    rack.node = vec![NodeEntry {
+        tokens_per_second: Some(0.5),
+        probe_interval_ms: Some(100),
+        connect_timeout_ms: Some(300),
+        lookup_timeout_ms: Some(500),
+        link: vec![link],
+        ..NodeEntry::new(
+            "n",
+            vec![
+                RouteEntry::new(1, ["d", "ssd"])
+                    .ssd_path(table)
+                    .hedge("off"),
+            ],
+        )
+    }];
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     let config = Config::load(&path).expect("valid config");
     rack_pki(&path).expect("rack PKI");
     config

@@ -15,6 +15,7 @@ use inference_node::memory::{Memory, MemoryError};
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::source::ssd::{SsdEngine, SsdOptions, SsdReader};
+use rack_harness::rack_toml::{DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry};
 use rack_harness::runtime as rt;
 use rack_harness::{DonorProcess, gen_table};
 
@@ -37,21 +38,36 @@ fn write_config(
     table: &Path,
     digest: TableDigest,
     ports: (u16, u16),
-    sources: &str,
+    sources: &[&str],
 ) -> Config {
+    write_rack(dir, &rack_config(table, digest, ports, sources))
+}
+
+/// The rack [`write_config`] writes.
+fn rack_config(table: &Path, digest: TableDigest, ports: (u16, u16), sources: &[&str]) -> RackToml {
     let (port, control) = ports;
-    let text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:{port}\"]\ncontrol = \"127.0.0.1:{control}\"\n\
-         tables = [1]\nram_gib = 1.0\n\
-         [[node]]\nname = \"n\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
-         tokens_per_second = 1\n\
-         [[node.route]]\ntable = 1\nsources = [{sources}]\nhedge = \"off\"\n",
-        table.display()
-    );
+    let mut rack = RackToml::new("t");
+    rack.table = vec![TableEntry::new(1, table, ROWS, digest)];
+    rack.donor = vec![DonorEntry {
+        control: Some(format!("127.0.0.1:{control}")),
+        ..DonorEntry::new("d", [format!("127.0.0.1:{port}")], [1])
+    }];
+    rack.node = vec![NodeEntry {
+        probe_interval_ms: Some(100),
+        lookup_timeout_ms: Some(2000),
+        tokens_per_second: Some(1.0),
+        ..NodeEntry::new(
+            "n",
+            vec![RouteEntry::new(1, sources.iter().copied()).hedge("off")],
+        )
+    }];
+    rack
+}
+
+/// `rack` written to `dir/rack.toml`, loaded.
+fn write_rack(dir: &Path, rack: &RackToml) -> Config {
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     Config::load(&path).expect("valid config")
 }
 
@@ -77,7 +93,7 @@ fn random_rows(seed: u64) -> Vec<u64> {
 fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), &["d", "ssd"]);
     let mut d = donor(&config);
     rt().block_on(async {
         let metrics = std::sync::Arc::new(NodeMetrics::new());
@@ -144,9 +160,9 @@ fn a_donor_at_another_version_is_never_used() {
     assert_ne!(digest, other_digest);
     let port = ports();
     // The donor serves the other version (its own config pins that one).
-    let donor_cfg = write_config(other.path(), &other_table, other_digest, port, "\"d\"");
+    let donor_cfg = write_config(other.path(), &other_table, other_digest, port, &["d"]);
     let _d = donor(&donor_cfg);
-    let config = write_config(dir.path(), &table, digest, port, "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, port, &["d", "ssd"]);
     rt().block_on(async {
         let metrics = NodeMetrics::new();
         let mem = Memory::from_config(&config, "n", &metrics)
@@ -300,7 +316,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
         SsdReader::open(&table, Some(pin), false, SsdOptions::default()).expect_err("corrupt copy");
     assert!(e.to_string().contains("page 1 hashes to"), "{e}");
     // A node whose only source is that copy does not start.
-    let config = write_config(dir.path(), &table, digest, ports(), "\"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), &["ssd"]);
     rt().block_on(async {
         let e = Memory::from_config(&config, "n", &NodeMetrics::new())
             .await
@@ -313,7 +329,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
 fn a_node_with_a_local_copy_serves_itself() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, ports(), "\"local\"");
+    let config = write_config(dir.path(), &table, digest, ports(), &["local"]);
     rt().block_on(async {
         let mem = Memory::from_config(&config, "n", &NodeMetrics::new())
             .await
@@ -327,7 +343,7 @@ fn a_node_with_a_local_copy_serves_itself() {
 fn a_draining_donor_hands_over_without_a_failed_lookup() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), &["d", "ssd"]);
     let mut d = donor(&config);
     rt().block_on(async {
         let metrics = NodeMetrics::new();
@@ -373,7 +389,7 @@ fn a_draining_donor_hands_over_without_a_failed_lookup() {
 fn the_canary_runs_token_paced_lookups_and_reports_sources() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-    let config = write_config(dir.path(), &table, digest, ports(), "\"d\", \"ssd\"");
+    let config = write_config(dir.path(), &table, digest, ports(), &["d", "ssd"]);
     let run = || {
         let out = std::process::Command::new(rack_harness::bin("inference-node"))
             .args(["canary", "--config"])
@@ -423,14 +439,9 @@ fn a_page_flipped_on_disk_under_a_running_node_is_never_used() {
     let copy = dir.path().join("copy.etab");
     std::fs::copy(&table, &copy).expect("copy");
     let port = ports();
-    let config = write_config(dir.path(), &table, digest, port, "\"ssd\", \"d\"");
-    let text = std::fs::read_to_string(&config.path).expect("read config");
-    std::fs::write(
-        &config.path,
-        format!("{text}ssd_path = \"{}\"\n", copy.display()),
-    )
-    .expect("config");
-    let config = Config::load(&config.path).expect("valid config");
+    let mut rack = rack_config(&table, digest, port, &["ssd", "d"]);
+    rack.node[0].route[0].ssd_path = Some(copy.clone());
+    let config = write_rack(dir.path(), &rack);
     let _d = donor(&config);
     rt().block_on(async {
         let metrics = NodeMetrics::new();

@@ -13,6 +13,9 @@ use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::model::fetch::fetch_rows;
+use rack_harness::rack_toml::{
+    DonorEntry, LinkEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::runtime as rt;
 use rack_harness::{DonorProcess, gen_table, sample};
 
@@ -24,29 +27,28 @@ const SEED: u64 = 9;
 /// table; nodes `n-tcp`, `n-tls` and `n-quic` route to both, each over the
 /// transport its name says. The rack has its PKI.
 fn write_config(dir: &Path, table: &Path, digest: TableDigest) -> Config {
-    let mut text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n",
-        table.display()
-    );
+    let mut rack = RackToml::new("t");
+    rack.rack.tls = Some(TlsSection::default());
+    rack.table = vec![TableEntry::new(1, table, ROWS, digest)];
     for name in ["a", "b"] {
         let (tcp, tls, quic) = (port(), port(), port());
-        text.push_str(&format!(
-            "[[donor]]\nname = \"{name}\"\n\
-             listen = [\"tcp://127.0.0.1:{tcp}\", \"tls://127.0.0.1:{tls}\", \"quic://127.0.0.1:{quic}\"]\n\
-             tables = [1]\nram_gib = 1.0\n"
-        ));
+        let listen = [
+            format!("tcp://127.0.0.1:{tcp}"),
+            format!("tls://127.0.0.1:{tls}"),
+            format!("quic://127.0.0.1:{quic}"),
+        ];
+        rack.donor.push(DonorEntry::new(name, listen, [1]));
     }
     for t in TRANSPORTS {
-        text.push_str(&format!(
-            "[[node]]\nname = \"n-{t}\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
-             [[node.route]]\ntable = 1\nsources = [\"a\", \"b\"]\n\
-             [[node.link]]\ndonor = \"a\"\ntransport = \"{t}\"\n\
-             [[node.link]]\ndonor = \"b\"\ntransport = \"{t}\"\n"
-        ));
+        rack.node.push(NodeEntry {
+            probe_interval_ms: Some(100),
+            lookup_timeout_ms: Some(2000),
+            link: vec![LinkEntry::new("a", t), LinkEntry::new("b", t)],
+            ..NodeEntry::new(format!("n-{t}"), vec![RouteEntry::new(1, ["a", "b"])])
+        });
     }
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     rack_harness::rack_pki(&path).expect("rack PKI");
     Config::load(&path).expect("valid config")
 }

@@ -22,6 +22,9 @@ use memory_donor::server::{self, Shared};
 use memory_donor::tls::{Access, DonorTls};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use rack_harness::rack_toml::{
+    DonorEntry, NodeEntry, RackToml, RdmaSection, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{free_port, gen_table, rack_pki, runtime};
 
 const ROWS: u64 = 4_000;
@@ -59,42 +62,51 @@ struct Rack {
 impl Rack {
     /// A rack whose donor speaks `secure` (`tls` or `quic`) beside RDMA.
     fn new(secure: &str) -> Result<Self> {
-        Self::with(secure, "")
+        Self::with(secure, None)
     }
 
-    /// [`Rack::new`], the donor's section ending with `donor_extra`.
-    fn with(secure: &str, donor_extra: &str) -> Result<Self> {
+    /// [`Rack::new`], the donor with `[donor.rdma]` settings `rdma`.
+    fn with(secure: &str, rdma: Option<RdmaSection>) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let mut paths = Vec::new();
-        let mut t = String::from("version = 1\n[rack]\nname = \"rdma\"\n[rack.tls]\n");
+        let mut rack = RackToml::new("rdma");
+        rack.rack.tls = Some(TlsSection::default());
         for id in TABLES {
             let (path, digest) = gen_table(dir.path(), &format!("t{id}.etab"), id, ROWS, SEED)?;
-            t.push_str(&format!(
-                "[[table]]\nid = {id}\nlayer = {id}\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n",
-                path.display()
-            ));
+            rack.table.push(TableEntry::new(id, &path, ROWS, digest));
             paths.push(path);
         }
-        let (tls, tcp, rdma) = (free_port()?, free_port()?, free_port()?);
+        let (tls, tcp, rdma_port) = (free_port()?, free_port()?, free_port()?);
         let tls_addr: SocketAddr = ([127, 0, 0, 1], tls).into();
         let tcp_addr: SocketAddr = ([127, 0, 0, 1], tcp).into();
         // The fake fabric needs no socket; each rack gets its own address.
-        let rdma_addr: SocketAddr = ([127, 0, 0, 1], rdma).into();
-        t.push_str(&format!(
-            "[[donor]]\nname = \"donor-a\"\nlisten = [\"{secure}://{tls_addr}\", \"tcp://{tcp_addr}\", \"rdma://{rdma_addr}\"]\n\
-             tables = [1, 14]\nram_gib = 4.0\nheadroom_gib = 0.5\ndrain_timeout_ms = 200\n{donor_extra}\
-             [[node]]\nname = \"node-a\"\nprobe_interval_ms = 100\n\
-             tokens_per_second = 2.0\nbreaker_failures = 1000\n"
-        ));
-        for (id, path) in TABLES.iter().zip(&paths) {
-            t.push_str(&format!(
-                "[[node.route]]\ntable = {id}\nsources = [\"donor-a\", \"ssd\"]\nssd_path = \"{}\"\n\
-                 hard_timeout_ms = 300\nhedge = \"off\"\n",
-                path.display()
-            ));
-        }
+        let rdma_addr: SocketAddr = ([127, 0, 0, 1], rdma_port).into();
+        let listen = [
+            format!("{secure}://{tls_addr}"),
+            format!("tcp://{tcp_addr}"),
+            format!("rdma://{rdma_addr}"),
+        ];
+        rack.donor.push(DonorEntry {
+            ram_gib: 4.0,
+            headroom_gib: Some(0.5),
+            drain_timeout_ms: Some(200),
+            rdma,
+            ..DonorEntry::new("donor-a", listen, TABLES)
+        });
+        let route = |(id, path): (&u32, &PathBuf)| RouteEntry {
+            hard_timeout_ms: Some(300),
+            ..RouteEntry::new(*id, ["donor-a", "ssd"])
+                .ssd_path(path)
+                .hedge("off")
+        };
+        rack.node.push(NodeEntry {
+            probe_interval_ms: Some(100),
+            tokens_per_second: Some(2.0),
+            breaker_failures: Some(1000),
+            ..NodeEntry::new("node-a", TABLES.iter().zip(&paths).map(route).collect())
+        });
         let path = dir.path().join("rack.toml");
-        std::fs::write(&path, t)?;
+        rack.write(&path)?;
         rack_pki(&path)?;
         let config = Config::load(&path).context("config")?;
         Ok(Self {
@@ -272,7 +284,12 @@ fn both_ends_take_the_fabric_settings_of_the_donors_config() -> Result<()> {
     fake();
     let rack = Rack::with(
         "tls",
-        "rdma = { ack_timeout_ms = 4, retry_count = 3, traffic_class = 106 }\n",
+        Some(RdmaSection {
+            ack_timeout_ms: Some(4),
+            retry_count: Some(3),
+            traffic_class: Some(106),
+            ..RdmaSection::default()
+        }),
     )?;
     runtime().block_on(async {
         let (donor, _memory, _metrics) = warm(&rack, 5).await?;

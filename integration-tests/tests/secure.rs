@@ -17,6 +17,9 @@ use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::tls::NodeTls;
+use rack_harness::rack_toml::{
+    DonorEntry, LinkEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, gen_table, rack_pki, runtime as rt, sample, scrape};
 
 const ROWS: u64 = 20_000;
@@ -29,32 +32,43 @@ fn free_port() -> u16 {
 /// A rack with PKI: donor `d` on tcp, tls and quic (loopback), admitting
 /// nodes `n-tls`, `n-quic` and `n-tcp`; node `n-out` exists but is not
 /// admitted. Each node reaches `d` over the transport its name says.
-fn write_config(dir: &Path, table: &Path, digest: TableDigest) -> Config {
+fn rack_config(table: &Path, digest: TableDigest) -> RackToml {
     let (tcp, tls, quic, metrics) = (free_port(), free_port(), free_port(), free_port());
-    let mut text = format!(
-        "version = 1\n[rack]\nname = \"t\"\n[rack.tls]\noperators = [\"op\"]\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS}\ndigest = \"{digest}\"\n\
-         [[donor]]\nname = \"d\"\n\
-         listen = [\"tcp://127.0.0.1:{tcp}\", \"tls://127.0.0.1:{tls}\", \"quic://127.0.0.1:{quic}\"]\n\
-         metrics = \"127.0.0.1:{metrics}\"\ntables = [1]\nram_gib = 1.0\nhello_timeout_ms = 2000\n\
-         clients = [\"n-tls\", \"n-quic\", \"n-tcp\"]\n",
-        table.display()
-    );
+    let mut rack = RackToml::new("t");
+    rack.rack.tls = Some(TlsSection::with_operators(["op"]));
+    rack.table = vec![TableEntry::new(1, table, ROWS, digest)];
+    let listen = [
+        format!("tcp://127.0.0.1:{tcp}"),
+        format!("tls://127.0.0.1:{tls}"),
+        format!("quic://127.0.0.1:{quic}"),
+    ];
+    rack.donor = vec![DonorEntry {
+        metrics: Some(format!("127.0.0.1:{metrics}")),
+        hello_timeout_ms: Some(2000),
+        clients: Some(vec!["n-tls".into(), "n-quic".into(), "n-tcp".into()]),
+        ..DonorEntry::new("d", listen, [1])
+    }];
     for (node, transport) in [
         ("n-tls", "tls"),
         ("n-quic", "quic"),
         ("n-tcp", "tcp"),
         ("n-out", "tls"),
     ] {
-        text.push_str(&format!(
-            "[[node]]\nname = \"{node}\"\nprobe_interval_ms = 100\nlookup_timeout_ms = 2000\n\
-             tokens_per_second = 1\n\
-             [[node.route]]\ntable = 1\nsources = [\"d\", \"ssd\"]\nhedge = \"off\"\n\
-             [[node.link]]\ndonor = \"d\"\ntransport = \"{transport}\"\n"
-        ));
+        rack.node.push(NodeEntry {
+            probe_interval_ms: Some(100),
+            lookup_timeout_ms: Some(2000),
+            tokens_per_second: Some(1.0),
+            link: vec![LinkEntry::new("d", transport)],
+            ..NodeEntry::new(node, vec![RouteEntry::new(1, ["d", "ssd"]).hedge("off")])
+        });
     }
+    rack
+}
+
+/// `rack` written to `dir/rack.toml`, with its PKI.
+fn write_config(dir: &Path, rack: &RackToml) -> Config {
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     let config = Config::load(&path).expect("valid config");
     rack_pki(&path).expect("rack PKI");
     config
@@ -62,6 +76,8 @@ fn write_config(dir: &Path, table: &Path, digest: TableDigest) -> Config {
 
 struct Rack {
     _dir: tempfile::TempDir,
+    /// The config as written.
+    toml: RackToml,
     config: Config,
     digest: TableDigest,
     donor: DonorProcess,
@@ -71,7 +87,8 @@ impl Rack {
     fn start() -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-        let config = write_config(dir.path(), &table, digest);
+        let toml = rack_config(&table, digest);
+        let config = write_config(dir.path(), &toml);
         let donor = DonorProcess::start(&[
             "--config",
             &config.path.display().to_string(),
@@ -81,6 +98,7 @@ impl Rack {
         .expect("donor starts");
         Self {
             _dir: dir,
+            toml,
             config,
             digest,
             donor,
@@ -89,6 +107,14 @@ impl Rack {
 
     fn addr(&self, t: Transport) -> std::net::SocketAddr {
         self.donor.endpoint(t).expect("listens on it")
+    }
+
+    /// Rewrite the config file with donor `d` admitting only `clients`.
+    fn rewrite_clients(&self, clients: &[&str]) {
+        let mut toml = self.toml.clone();
+        let d = toml.donor_mut("d").expect("donor d");
+        d.clients = Some(clients.iter().map(|c| c.to_string()).collect());
+        toml.write(&self.config.path).expect("write");
     }
 
     fn metrics(&self) -> String {
@@ -229,7 +255,7 @@ fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
         keep_going().await;
 
         // An expired certificate, signed by the rack's own CA.
-        let expired = expired_files(&rack.config);
+        let expired = expired_files(&rack);
         let e = raw_tls_connect(tls, &expired, &rack.config).await;
         assert!(e.is_err(), "an expired certificate is refused");
         keep_going().await;
@@ -280,19 +306,16 @@ fn plaintext_hello(addr: std::net::SocketAddr) -> Vec<u8> {
 }
 
 /// Certificates for the config's hosts, signed by its CA, that expired a day ago.
-fn expired_files(config: &Config) -> cluster_config::TlsFiles {
+fn expired_files(rack: &Rack) -> cluster_config::TlsFiles {
+    let config = &rack.config;
     let tls = config.tls.as_ref().expect("tls");
     let dir = config.path.parent().expect("dir").join("expired");
-    let text = std::fs::read_to_string(&config.path).expect("config text");
-    let text = text.replace(
-        "[rack.tls]\n",
-        &format!(
-            "[rack.tls]\ndir = \"expired\"\nca = \"{}\"\n",
-            tls.ca.display()
-        ),
-    );
+    let mut toml = rack.toml.clone();
+    let section = toml.rack.tls.as_mut().expect("[rack.tls]");
+    section.dir = Some("expired".into());
+    section.ca = Some(tls.ca.display().to_string());
     let path = config.path.parent().expect("dir").join("expired.toml");
-    std::fs::write(&path, text).expect("write");
+    toml.write(&path).expect("write");
     let expired_cfg = Config::load(&path).expect("config");
     let past = std::time::SystemTime::now() - Duration::from_secs(3 * 86_400);
     cluster_config::pki::issue_at(&expired_cfg, past, 1, true).expect("issue expired");
@@ -434,11 +457,7 @@ fn sighup_cuts_the_live_sessions_of_a_client_no_longer_allowed() {
         .expect("quic");
         lookup(&tls, 1).await;
         lookup(&quic, 2).await;
-        rewrite_config(
-            &rack.config.path,
-            "clients = [\"n-tls\", \"n-quic\", \"n-tcp\"]",
-            "clients = [\"n-quic\", \"n-tcp\"]",
-        );
+        rack.rewrite_clients(&["n-quic", "n-tcp"]);
         rack.donor.signal(libc::SIGHUP);
         wait_log(&rack.donor, "TLS session cut", 1);
         let mut out = vec![0u8; 24 * ROW_BYTES];
@@ -453,11 +472,7 @@ fn sighup_cuts_the_live_sessions_of_a_client_no_longer_allowed() {
         );
         // n-quic is still allowed: its session goes on.
         lookup(&quic, 4).await;
-        rewrite_config(
-            &rack.config.path,
-            "clients = [\"n-quic\", \"n-tcp\"]",
-            "clients = [\"n-tcp\"]",
-        );
+        rack.rewrite_clients(&["n-tcp"]);
         rack.donor.signal(libc::SIGHUP);
         wait_log(&rack.donor, "QUIC session cut", 1);
         assert!(
@@ -466,12 +481,6 @@ fn sighup_cuts_the_live_sessions_of_a_client_no_longer_allowed() {
         );
         assert!(rack.refusals("revoked") >= 2.0, "{}", rack.metrics());
     });
-}
-
-/// Replace `from` by `to` in the config file at `path`.
-fn rewrite_config(path: &Path, from: &str, to: &str) {
-    let text = std::fs::read_to_string(path).expect("config");
-    std::fs::write(path, text.replacen(from, to, 1)).expect("write");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -13,6 +13,7 @@ use engram_protocol::control::{ListTablesRequest, SwapTableRequest};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ErrorCode, ROW_BYTES, TableDigest};
 use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+use rack_harness::rack_toml::{DonorEntry, RackToml, TableEntry};
 use rack_harness::runtime as rt;
 use rack_harness::{DonorProcess, OpsAddrs, gen_table};
 use tonic::Code;
@@ -181,14 +182,18 @@ fn swap_table_switches_versions_without_mixing_them() {
     });
 }
 
-fn config(path: &std::path::Path, digest: TableDigest, extra: &str) -> String {
-    format!(
-        "version = 1\n[rack]\nname = \"t\"\n\
-         [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = {ROWS2}\ndigest = \"{digest}\"\n\
-         [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\"]\ncontrol = \"127.0.0.1:0\"\ntables = [1]\n\
-         ram_gib = 0.05\nheadroom_gib = 0.0\n{extra}\n",
-        path.display()
-    )
+/// Table 1 at `path`, pinned to `digest`, and donor `d` with a 0.05 GiB
+/// budget and a control plane.
+fn config(path: &std::path::Path, digest: TableDigest) -> RackToml {
+    let mut rack = RackToml::new("t");
+    rack.table = vec![TableEntry::new(1, path, ROWS2, digest)];
+    rack.donor = vec![DonorEntry {
+        control: Some("127.0.0.1:0".into()),
+        ram_gib: 0.05,
+        headroom_gib: Some(0.0),
+        ..DonorEntry::new("d", ["127.0.0.1:0"], [1])
+    }];
+    rack
 }
 
 /// 120,000 rows are 31.7 MB: one version fits the 53.7 MB (0.05 GiB) budget, two do not.
@@ -200,14 +205,16 @@ fn sighup_reloads_rejects_bad_configs_and_swaps_within_ram() {
     let (v1, d1) = gen_table(dir.path(), "v1.etab", 1, ROWS2, 1).expect("gen v1");
     let (v2, d2) = gen_table(dir.path(), "v2.etab", 1, ROWS2, 2).expect("gen v2");
     let cfg = dir.path().join("rack.toml");
-    std::fs::write(&cfg, config(&v1, d1, "")).expect("config");
+    config(&v1, d1).write(&cfg).expect("config");
     let donor = DonorProcess::start(&["--config", &cfg.display().to_string(), "--name", "d"])
         .expect("donor");
     let ops = donor.ops().expect("ops");
     let runtime = rt();
 
     // An invalid config: rejected with its diagnostics, nothing changes.
-    std::fs::write(&cfg, config(&v2, d2, "colour = \"blue\"")).expect("config");
+    // The unknown key is text after the last table the config has, donor d.
+    let text = config(&v2, d2).to_toml().expect("toml") + "colour = \"blue\"\n";
+    std::fs::write(&cfg, text).expect("config");
     donor.signal(libc::SIGHUP);
     let line = donor
         .wait_line(Duration::from_secs(10), |l| {
@@ -230,7 +237,9 @@ fn sighup_reloads_rejects_bad_configs_and_swaps_within_ram() {
 
     // v2 and a short hello timeout: the timeout applies at once; the swap
     // is refused, since both versions would not fit the RAM budget.
-    std::fs::write(&cfg, config(&v2, d2, "hello_timeout_ms = 300")).expect("config");
+    let mut short_hello = config(&v2, d2);
+    short_hello.donor[0].hello_timeout_ms = Some(300);
+    short_hello.write(&cfg).expect("config");
     donor.signal(libc::SIGHUP);
     donor
         .wait_line(Duration::from_secs(10), |l| {

@@ -5,6 +5,7 @@ use std::process::{Command, Output};
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::first_mismatch;
+use rack_harness::rack_toml::{DonorEntry, RackToml, TableEntry};
 use rack_harness::{DonorProcess, bin, gen_table, python_has};
 
 fn run(name: &str, args: &[&str]) -> Output {
@@ -266,17 +267,14 @@ fn python_host_client_from_protocol_md_reads_mapped_rows() {
     let (path, digest) = gen_table(dir.path(), "t.etab", 1, 3000, 4).expect("gen");
     let socket = dir.path().join("d.sock");
     let config = dir.path().join("rack.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "version = 1\n[rack]\nname = \"t\"\n\
-             [[table]]\nid = 1\nlayer = 1\npath = \"{}\"\nrows = 3000\ndigest = \"{digest}\"\n\
-             [[donor]]\nname = \"d\"\nlisten = [\"127.0.0.1:0\", \"unix://{}\"]\ntables = [1]\nram_gib = 1.0\n",
-            path.display(),
-            socket.display()
-        ),
-    )
-    .expect("config");
+    let mut rack = RackToml::new("t");
+    rack.table = vec![TableEntry::new(1, &path, 3000, digest)];
+    let listen = [
+        "127.0.0.1:0".to_string(),
+        format!("unix://{}", socket.display()),
+    ];
+    rack.donor = vec![DonorEntry::new("d", listen, [1])];
+    rack.write(&config).expect("config");
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/engram_host_client.py");

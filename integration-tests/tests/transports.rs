@@ -24,6 +24,9 @@ use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions, Segment};
 use inference_node::memory::Memory;
 use inference_node::metrics::NodeMetrics;
 use inference_node::tls::NodeTls;
+use rack_harness::rack_toml::{
+    DonorEntry, LinkEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, gen_hashed_table, rack_pki, runtime as rt, sample, scrape};
 
 /// Hashing base of the tables (about 120,000 rows each).
@@ -162,46 +165,50 @@ impl Rack {
 
 fn write_config(dir: &Path, tables: [(&Path, TableDigest); 2], rows: [u64; 2]) -> PathBuf {
     let (tcp, tls, quic, metrics) = (free_port(), free_port(), free_port(), free_port());
-    let mut text = String::from("version = 1\n[rack]\nname = \"t\"\n[rack.tls]\n");
-    for ((layer, (path, digest)), rows) in [1, 14].into_iter().zip(tables).zip(rows) {
-        text.push_str(&format!(
-            "[[table]]\nid = {layer}\nlayer = {layer}\npath = \"{}\"\nrows = {rows}\ndigest = \"{digest}\"\n",
-            path.display()
-        ));
-    }
-    text.push_str(&format!(
-        "[[donor]]\nname = \"d\"\n\
-         listen = [\"tcp://127.0.0.1:{tcp}\", \"tls://127.0.0.1:{tls}\", \"quic://127.0.0.1:{quic}\"]\n\
-         metrics = \"127.0.0.1:{metrics}\"\ntables = [1, 14]\nram_gib = 1.0\n\
-         write_timeout_ms = {WRITE_TIMEOUT_MS}\nclients = [\"n-tcp\", \"n-tls\", \"n-quic\"]\n"
-    ));
-    let route = |t: u32, path: &Path, sources: &str| {
-        format!(
-            "[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = \"{}\"\n\
-             hedge = \"off\"\ngrace_us = 1000000\n",
-            path.display()
-        )
+    let mut rack = RackToml::new("t");
+    rack.rack.tls = Some(TlsSection::default());
+    rack.table = [1, 14]
+        .into_iter()
+        .zip(tables)
+        .zip(rows)
+        .map(|((layer, (path, digest)), rows)| TableEntry::new(layer, path, rows, digest))
+        .collect();
+    let listen = [
+        format!("tcp://127.0.0.1:{tcp}"),
+        format!("tls://127.0.0.1:{tls}"),
+        format!("quic://127.0.0.1:{quic}"),
+    ];
+    rack.donor = vec![DonorEntry {
+        metrics: Some(format!("127.0.0.1:{metrics}")),
+        write_timeout_ms: Some(WRITE_TIMEOUT_MS),
+        clients: Some(vec!["n-tcp".into(), "n-tls".into(), "n-quic".into()]),
+        ..DonorEntry::new("d", listen, [1, 14])
+    }];
+    let routes = |sources: &[&str]| -> Vec<RouteEntry> {
+        [(1, tables[0].0), (14, tables[1].0)]
+            .into_iter()
+            .map(|(t, path)| RouteEntry {
+                grace_us: Some(1_000_000),
+                ..RouteEntry::new(t, sources.iter().copied())
+                    .ssd_path(path)
+                    .hedge("off")
+            })
+            .collect()
     };
     for t in TRANSPORTS {
-        text.push_str(&format!(
-            "[[node]]\nname = \"{}\"\ntokens_per_second = 0.05\nprobe_interval_ms = 200\n\
-             connect_timeout_ms = 10000\nlookup_timeout_ms = 30000\n{}{}\
-             [[node.link]]\ndonor = \"d\"\ntransport = \"{t}\"\n",
-            node_of(t),
-            route(1, tables[0].0, "\"d\", \"ssd\""),
-            route(14, tables[1].0, "\"d\", \"ssd\""),
-        ));
+        rack.node.push(NodeEntry {
+            tokens_per_second: Some(0.05),
+            probe_interval_ms: Some(200),
+            connect_timeout_ms: Some(10_000),
+            lookup_timeout_ms: Some(30_000),
+            link: vec![LinkEntry::new("d", t)],
+            ..NodeEntry::new(node_of(t), routes(&["d", "ssd"]))
+        });
     }
-    text.push_str(&format!(
-        "[[node]]\nname = \"ref\"\n{}{}",
-        route(1, tables[0].0, "\"local\""),
-        route(14, tables[1].0, "\"local\"")
-    ));
-    text.push_str(&format!(
-        "[model]\nhash_base = {BASE}\nweights_seed = 3\nhidden = 8\nstreams = 2\n"
-    ));
+    rack.node.push(NodeEntry::new("ref", routes(&["local"])));
+    rack.model = Some(ModelSection::synthetic(BASE, 3, 8, 2));
     let path = dir.join("rack.toml");
-    std::fs::write(&path, text).expect("config");
+    rack.write(&path).expect("config");
     path
 }
 
