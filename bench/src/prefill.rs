@@ -47,6 +47,9 @@ use inference_node::router::{RouteSettings, Router, SourceHealth};
 use inference_node::source::{DonorSource, LocalRam, RowSource};
 use inference_node::tls::NodeTls;
 use rack_harness::netns::NetNs;
+use rack_harness::rack_toml::{
+    DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, bin, gen_table};
 use serde::Serialize;
 
@@ -194,39 +197,37 @@ fn write_rack(
     transports: &[Transport],
 ) -> Result<cluster_config::Config> {
     let secure = transports.iter().any(|t| t.is_secure());
-    let mut text = String::from("version = 1\n[rack]\nname = \"prefill\"\n");
+    let mut rack = RackToml::new("prefill");
     if transports.contains(&Transport::Tcp) {
         // The namespaces' addresses are not loopback: plaintext is this
         // run's choice, on links only it uses.
-        text.push_str("plaintext = \"allow\"\n");
+        rack.rack.plaintext = Some("allow".into());
     }
     if secure {
-        text.push_str("[rack.tls]\n");
+        rack.rack.tls = Some(TlsSection::default());
     }
-    for (id, digest, path) in tables {
-        text.push_str(&format!(
-            "[[table]]\nid = {id}\nlayer = {id}\npath = \"{}\"\nrows = {rows}\ndigest = \"{digest}\"\n",
-            path.display()
-        ));
-    }
-    for (name, ip) in ["donor-a", "donor-b"].into_iter().zip(ips) {
-        let listen: Vec<String> = transports
-            .iter()
-            .map(|t| format!("\"{t}://{ip}:0\""))
-            .collect();
-        text.push_str(&format!(
-            "[[donor]]\nname = \"{name}\"\nlisten = [{}]\ntables = [1, 14]\nram_gib = 64.0\n",
-            listen.join(", ")
-        ));
-    }
-    text.push_str(&format!("[[node]]\nname = \"{NODE}\"\n"));
-    for (id, _, _) in tables {
-        text.push_str(&format!(
-            "[[node.route]]\ntable = {id}\nsources = [\"donor-a\", \"donor-b\"]\n"
-        ));
-    }
+    rack.table = tables
+        .iter()
+        .map(|(id, digest, path)| TableEntry::new(*id, path, rows, digest))
+        .collect();
+    rack.donor = ["donor-a", "donor-b"]
+        .into_iter()
+        .zip(ips)
+        .map(|(name, ip)| DonorEntry {
+            ram_gib: 64.0,
+            ..DonorEntry::new(
+                name,
+                transports.iter().map(|t| format!("{t}://{ip}:0")),
+                [1, 14],
+            )
+        })
+        .collect();
+    let routes = tables
+        .iter()
+        .map(|(id, _, _)| RouteEntry::new(*id, ["donor-a", "donor-b"]));
+    rack.node = vec![NodeEntry::new(NODE, routes.collect())];
     let path = dir.join("prefill-rack.toml");
-    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    rack.write(&path)?;
     if secure {
         let _ = std::fs::remove_dir_all(dir.join("pki"));
         rack_harness::rack_pki(&path).context("making the run's rack PKI")?;

@@ -6,7 +6,6 @@
 //! every registered child at once.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -16,6 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use cluster_config::{Endpoint, Transport};
 use engram_sync::Mutex;
+use rack_harness::rack_toml::{
+    DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, Process, bin};
 use serde::{Deserialize, Serialize};
 
@@ -233,20 +235,17 @@ pub fn host_socket(dir: &Path, name: &str) -> PathBuf {
 /// Write `dir/rack.toml` for `tables` as `spec` says.
 pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<Rack> {
     let [t1, t14] = &tables.tables;
-    let mut text = String::from("version = 1\n[rack]\nname = \"local\"\n");
+    let mut rack = RackToml::new("local");
     if spec.transport.is_secure() {
-        text.push_str("[rack.tls]\n");
+        rack.rack.tls = Some(TlsSection::default());
     }
-    for (id, t) in [(1, t1), (14, t14)] {
-        write!(
-            text,
-            "\n[[table]]\nid = {id}\nlayer = {}\npath = \"{}\"\nrows = {}\ndigest = \"{}\"\n",
-            t.layer,
-            t.path.display(),
-            t.rows,
-            t.digest
-        )?;
-    }
+    rack.table = [(1, t1), (14, t14)]
+        .into_iter()
+        .map(|(id, t)| TableEntry {
+            layer: t.layer,
+            ..TableEntry::new(id, &t.path, t.rows, &t.digest)
+        })
+        .collect();
     let mut donors = Vec::new();
     for (i, name) in spec.donors.iter().enumerate() {
         let ip = Ipv4Addr::new(127, 0, 0, 2 + i as u8);
@@ -258,55 +257,57 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
         while control == listen.addr {
             control = SocketAddr::from((ip, rack_harness::free_port_on(ip)?));
         }
-        let host = if spec.host_sockets.contains(name) {
-            format!(", \"unix://{}\"", host_socket(dir, name).display())
-        } else {
-            String::new()
-        };
-        write!(
-            text,
-            "\n[[donor]]\nname = \"{name}\"\nlisten = [\"{listen}\"{host}]\ntables = [1, 14]\n\
-             ram_gib = 2.0\ncontrol = \"{control}\"\n"
-        )?;
+        let host = spec
+            .host_sockets
+            .contains(name)
+            .then(|| format!("unix://{}", host_socket(dir, name).display()));
+        rack.donor.push(DonorEntry {
+            ram_gib: 2.0,
+            control: Some(control.to_string()),
+            ..DonorEntry::new(
+                *name,
+                std::iter::once(listen.to_string()).chain(host),
+                [1, 14],
+            )
+        });
         donors.push(DonorAddrs {
             name: (*name).to_string(),
             listen,
             control,
         });
     }
-    for n in &spec.nodes {
-        let sources: Vec<String> = n.sources.iter().map(|s| format!("\"{s}\"")).collect();
-        write!(
-            text,
-            "\n[[node]]\nname = \"{}\"\ntokens_per_second = 100\nprobe_interval_ms = {}\n",
-            n.name, spec.probe_interval_ms
-        )?;
-        for (id, t) in [(1, t1), (14, t14)] {
-            write!(
-                text,
-                "[[node.route]]\ntable = {id}\nsources = [{}]\nssd_path = \"{}\"\ntrust_digest = {}\n",
-                sources.join(", "),
-                t.path.display(),
-                spec.trust_copies
-            )?;
-            if let Some(p) = n.ssd_ioprio {
-                writeln!(text, "ssd_ioprio = \"{p}\"")?;
-            }
-        }
-    }
-    write!(
-        text,
-        "\n[model]\nhash_base = {}\nweights_seed = 1\nhidden = {HIDDEN}\nstreams = {STREAMS}\nfusion = \"cpu\"\n",
-        tables.base
-    )?;
+    rack.node = spec
+        .nodes
+        .iter()
+        .map(|n| node_entry(n, [t1, t14], spec))
+        .collect();
+    rack.model = Some(ModelSection {
+        fusion: Some("cpu".into()),
+        ..ModelSection::synthetic(tables.base, 1, HIDDEN, STREAMS)
+    });
     let config = dir.join("rack.toml");
-    std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
+    rack.write(&config)?;
     if spec.transport.is_secure() {
         // A fresh PKI each time the config is written (new ports, same names).
         let _ = std::fs::remove_dir_all(dir.join("pki"));
         rack_harness::rack_pki(&config).context("making the rack's PKI")?;
     }
     Ok(Rack { config, donors })
+}
+
+/// Node `n`'s entry: a route to each of `tables` (layers 1 and 14) with
+/// the table's file as its SSD copy.
+fn node_entry(n: &NodeSpec, tables: [&TableFile; 2], spec: &RackSpec) -> NodeEntry {
+    let route = |id, t: &TableFile| RouteEntry {
+        trust_digest: Some(spec.trust_copies),
+        ssd_ioprio: n.ssd_ioprio.map(Into::into),
+        ..RouteEntry::new(id, n.sources.iter().copied()).ssd_path(&t.path)
+    };
+    NodeEntry {
+        tokens_per_second: Some(100.0),
+        probe_interval_ms: Some(spec.probe_interval_ms),
+        ..NodeEntry::new(n.name, vec![route(1, tables[0]), route(14, tables[1])])
+    }
 }
 
 /// Pids of the children alive now; the interrupt handler kills them.

@@ -12,6 +12,9 @@ use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::client::TlsClient;
 use inference_node::tls::NodeTls;
 use inference_node::{ClientOptions, DonorClient, Request};
+use rack_harness::rack_toml::{
+    DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+};
 use rack_harness::{DonorProcess, rack_pki};
 use serde::Serialize;
 
@@ -45,33 +48,26 @@ impl Rack {
         if secure.is_empty() && extra.is_empty() {
             return Ok(None);
         }
-        let mut t = String::from("version = 1\n[rack]\nname = \"bench\"\n");
+        let mut rack = RackToml::new("bench");
         if !secure.is_empty() {
-            t.push_str("[rack.tls]\n");
+            rack.rack.tls = Some(TlsSection::default());
         }
         for (((id, _), (_, digest)), path) in TABLES.iter().zip(&tables.digests).zip(&tables.paths)
         {
-            t.push_str(&format!(
-                "[[table]]\nid = {id}\nlayer = {id}\npath = \"{}\"\nrows = {}\ndigest = \"{digest}\"\n",
-                path.display(),
-                tables.rows
-            ));
+            rack.table
+                .push(TableEntry::new(*id, path, tables.rows, digest));
         }
-        let mut listen = vec!["\"tcp://127.0.0.1:0\"".to_string()];
-        listen.extend(secure.iter().map(|s| format!("\"{s}://127.0.0.1:0\"")));
-        listen.extend(extra.iter().map(|e| format!("\"{e}\"")));
-        t.push_str(&format!(
-            "[[donor]]\nname = \"{DONOR}\"\nlisten = [{}]\ntables = [1, 14]\nram_gib = 1024.0\n",
-            listen.join(", ")
-        ));
-        t.push_str(&format!("[[node]]\nname = \"{NODE}\"\n"));
-        for (id, _) in TABLES {
-            t.push_str(&format!(
-                "[[node.route]]\ntable = {id}\nsources = [\"{DONOR}\"]\n"
-            ));
-        }
+        let listen = std::iter::once("tcp://127.0.0.1:0".to_string())
+            .chain(secure.iter().map(|s| format!("{s}://127.0.0.1:0")))
+            .chain(extra.iter().cloned());
+        rack.donor.push(DonorEntry {
+            ram_gib: 1024.0,
+            ..DonorEntry::new(DONOR, listen, [1, 14])
+        });
+        let routes = TABLES.iter().map(|(id, _)| RouteEntry::new(*id, [DONOR]));
+        rack.node.push(NodeEntry::new(NODE, routes.collect()));
         let config = dir.join("bench-rack.toml");
-        std::fs::write(&config, t)?;
+        rack.write(&config)?;
         let parsed = Config::load(&config).map_err(|e| anyhow::anyhow!("{e}"))?;
         if !secure.is_empty() {
             rack_pki(&config).context("making the run's rack PKI")?;
