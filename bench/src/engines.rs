@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions, POSITION_BYTES, Segment};
+use inference_node::embed::{EmbeddedNode, MetricsAt, OpenOptions, POSITION_BYTES, Segment};
 use rack_harness::bin;
 use serde::Serialize;
 
@@ -139,7 +139,7 @@ pub fn rust_side(a: &RustSideArgs) -> Result<()> {
 
 /// The Rust side: steps through the embedded API in this process.
 fn rust_round(config: &Path, node: &str, steps: usize, warmup: usize) -> Result<Lat> {
-    let mem = EngramMemory::open_with(
+    let mem = EmbeddedNode::open_with(
         config,
         node,
         &OpenOptions {

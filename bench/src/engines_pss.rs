@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions};
+use inference_node::embed::{EmbeddedNode, MetricsAt, OpenOptions};
 use rack_harness::bin;
 use serde::Serialize;
 
@@ -34,7 +34,7 @@ pub struct EngineArgs {
 /// The engine process: open, view both tables, read every page, say
 /// `ready BYTES`, and hold the views until stdin closes.
 pub fn engine(args: &EngineArgs) -> Result<()> {
-    let mem = EngramMemory::open_with(
+    let mem = EmbeddedNode::open_with(
         &args.config,
         &args.node,
         &OpenOptions {

@@ -16,7 +16,7 @@ use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::SplitMix64;
 use tokio::time::Instant;
 
-use crate::memory::{Memory, MemoryError};
+use crate::memory::{MemoryError, Routers};
 use crate::metrics::NodeMetrics;
 use crate::router::Router;
 
@@ -82,7 +82,7 @@ pub async fn run(
     mut status: impl FnMut(&str),
     shutdown: impl Future<Output = ()>,
 ) -> Result<Vec<(u32, TableReport)>, MemoryError> {
-    let memory = Memory::from_config(config, name, &metrics).await?;
+    let memory = Routers::from_config(config, name, &metrics).await?;
     // `from_config` found the node; its rate is the default.
     let rate = spec
         .tokens_per_second

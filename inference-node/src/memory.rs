@@ -4,7 +4,7 @@
 //! copy opened (and its digest checked) at startup, and a probe loop per
 //! source for re-admission.
 //!
-//! [`Memory::reload`] applies a new config to the live routers (see
+//! [`Routers::reload`] applies a new config to the live routers (see
 //! `reload`); startup and reload build sources through the same code
 //! (`build`), a reload reusing what it already has.
 
@@ -225,9 +225,10 @@ struct Reloadable {
     breaker_failures: u32,
 }
 
-/// Every router of one node.
+/// Every router of one node (one per routed table), with the sources they
+/// share and what a reload may replace.
 #[derive(Debug)]
-pub struct Memory {
+pub struct Routers {
     routers: Vec<Arc<Router>>,
     /// The routed tables as at startup: a reload cannot change them.
     tables: Vec<Table>,
@@ -235,7 +236,7 @@ pub struct Memory {
     live: tokio::sync::Mutex<Reloadable>,
 }
 
-impl Drop for Memory {
+impl Drop for Routers {
     fn drop(&mut self) {
         for p in &self.live.get_mut().probes {
             p.abort();
@@ -243,7 +244,7 @@ impl Drop for Memory {
     }
 }
 
-impl Memory {
+impl Routers {
     /// Set up node `name` of `config`: open SSD and local copies (checking
     /// their digests unless the route trusts them), make donor sources,
     /// probe every donor once so one that is down starts excluded, and start

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cluster_config::Config;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
-use inference_node::memory::Memory;
+use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use rack_harness::rack_toml::{
     DonorEntry, LinkEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
@@ -127,7 +127,7 @@ fn allocations(config: &Config, node: &str, workers: usize, counted: usize) -> u
     .expect("runtime");
     rt.block_on(async {
         let metrics = NodeMetrics::new();
-        let mem = Memory::from_config(config, node, &metrics)
+        let mem = Routers::from_config(config, node, &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");

@@ -15,7 +15,7 @@ use cluster_config::Config;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
-use inference_node::memory::Memory;
+use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use inference_node::source::{HostSource, RowSource, SourceError};
 use rack_harness::rack_toml::{DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry};
@@ -132,7 +132,7 @@ fn the_node_maps_the_donors_tables_and_the_donor_answers_no_lookup() {
     );
     rt().block_on(async {
         let metrics = Arc::new(NodeMetrics::new());
-        let mem = Memory::from_config(&rack.config, "n", &metrics)
+        let mem = Routers::from_config(&rack.config, "n", &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use cluster_config::{Config, Transport};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
-use inference_node::memory::Memory;
+use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use rack_harness::netns::{NetNs, Veth};
@@ -218,7 +218,7 @@ fn dedicated_link(tie: Tie, transport: Transport) {
     let what = format!("{transport} tied by {tie:?}");
     runtime().block_on(async {
         let metrics = NodeMetrics::new();
-        let memory = Memory::from_config(&rack.config, "n", &metrics)
+        let memory = Routers::from_config(&rack.config, "n", &metrics)
             .await
             .expect("memory");
         let router = memory.router(1).expect("router");

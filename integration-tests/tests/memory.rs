@@ -11,7 +11,7 @@ use cluster_config::{Config, SsdIo};
 use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
-use inference_node::memory::{Memory, MemoryError};
+use inference_node::memory::{MemoryError, Routers};
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::source::ssd::{SsdEngine, SsdOptions, SsdReader};
@@ -97,7 +97,7 @@ fn a_killed_donor_fails_over_to_ssd_and_is_readmitted_when_it_returns() {
     let mut d = donor(&config);
     rt().block_on(async {
         let metrics = std::sync::Arc::new(NodeMetrics::new());
-        let mem = Memory::from_config(&config, "n", &metrics)
+        let mem = Routers::from_config(&config, "n", &metrics)
             .await
             .expect("memory");
         let (http, _server) = inference_node::memory::serve_metrics(
@@ -165,7 +165,7 @@ fn a_donor_at_another_version_is_never_used() {
     let config = write_config(dir.path(), &table, digest, port, &["d", "ssd"]);
     rt().block_on(async {
         let metrics = NodeMetrics::new();
-        let mem = Memory::from_config(&config, "n", &metrics)
+        let mem = Routers::from_config(&config, "n", &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");
@@ -318,7 +318,7 @@ fn copies_that_are_not_what_the_config_pins_are_refused() {
     // A node whose only source is that copy does not start.
     let config = write_config(dir.path(), &table, digest, ports(), &["ssd"]);
     rt().block_on(async {
-        let e = Memory::from_config(&config, "n", &NodeMetrics::new())
+        let e = Routers::from_config(&config, "n", &NodeMetrics::new())
             .await
             .expect_err("refused");
         assert!(matches!(e, MemoryError::Ssd { table: 1, .. }), "{e}");
@@ -331,7 +331,7 @@ fn a_node_with_a_local_copy_serves_itself() {
     let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
     let config = write_config(dir.path(), &table, digest, ports(), &["local"]);
     rt().block_on(async {
-        let mem = Memory::from_config(&config, "n", &NodeMetrics::new())
+        let mem = Routers::from_config(&config, "n", &NodeMetrics::new())
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");
@@ -347,7 +347,7 @@ fn a_draining_donor_hands_over_without_a_failed_lookup() {
     let mut d = donor(&config);
     rt().block_on(async {
         let metrics = NodeMetrics::new();
-        let mem = Memory::from_config(&config, "n", &metrics)
+        let mem = Routers::from_config(&config, "n", &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");
@@ -445,7 +445,7 @@ fn a_page_flipped_on_disk_under_a_running_node_is_never_used() {
     let _d = donor(&config);
     rt().block_on(async {
         let metrics = NodeMetrics::new();
-        let mem = Memory::from_config(&config, "n", &metrics)
+        let mem = Routers::from_config(&config, "n", &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");

@@ -271,11 +271,11 @@ fn a_paced_node_pings_its_donor_before_each_step_unless_told_not_to() {
 /// here, so one Ping a call), and the prefetch after it is served.
 #[test]
 fn the_embedded_memory_warms_its_donor_when_asked() {
-    use inference_node::embed::{EngramMemory, Segment};
+    use inference_node::embed::{EmbeddedNode, Segment};
     let dir = tempfile::tempdir().expect("tempdir");
     let config = model_rack(dir.path()).expect("rack");
     let (_donor, pings) = donor_counting_pings(&config);
-    let mem = EngramMemory::open(&config, "n").expect("open");
+    let mem = EmbeddedNode::open(&config, "n").expect("open");
     let step = |i: i64, warm: bool| {
         if warm {
             mem.warm(std::time::Duration::from_micros(300))

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use cluster_config::{Config, Transport};
 use engram_protocol::TableDigest;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
-use inference_node::memory::Memory;
+use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use inference_node::model::fetch::fetch_rows;
 use rack_harness::rack_toml::{
@@ -107,7 +107,7 @@ fn sweep_and_kill(config: &Config, rows: &[u64], transport: Transport, signal: O
     let node = format!("n-{transport}");
     rt().block_on(async {
         let metrics = std::sync::Arc::new(NodeMetrics::new());
-        let mem = Memory::from_config(config, &node, &metrics)
+        let mem = Routers::from_config(config, &node, &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router").clone();

@@ -16,7 +16,7 @@ use engram_rdma::fake::{FakeFault, FakeProvider};
 use engram_rdma::verbs::{DeviceSpec, Fabric, Provider, WcStatus};
 use engram_store::kept;
 use engram_store::resident::{Backing, ExpectedTable, LoadOptions, MlockMode, ResidentTable};
-use inference_node::memory::Memory;
+use inference_node::memory::Routers;
 use inference_node::metrics::{NodeMetrics, RdmaLabels};
 use memory_donor::server::{self, Shared};
 use memory_donor::tls::{Access, DonorTls};
@@ -199,7 +199,7 @@ impl Donor {
 
 /// `n` lookups of 24 random rows of each table; every answer's rows are
 /// checked against the generator of `seed`. Returns the sources that served.
-async fn lookups(memory: &Memory, n: usize, seed: u64, salt: u64) -> Result<Vec<String>> {
+async fn lookups(memory: &Routers, n: usize, seed: u64, salt: u64) -> Result<Vec<String>> {
     let mut served = Vec::new();
     let mut out = vec![0u8; 24 * ROW_BYTES];
     for k in 0..n as u64 {
@@ -230,7 +230,7 @@ fn reads(rack: &Rack) -> u64 {
 
 /// The donor and a node on `rack`, after `n` lookups of each table all
 /// served by the donor.
-async fn warm(rack: &Rack, n: usize) -> Result<(Donor, Memory, NodeMetrics)> {
+async fn warm(rack: &Rack, n: usize) -> Result<(Donor, Routers, NodeMetrics)> {
     let donor = Donor::start(rack).await?;
     let metrics = NodeMetrics::new();
     let memory = node_with(rack, &metrics).await?;
@@ -242,8 +242,8 @@ async fn warm(rack: &Rack, n: usize) -> Result<(Donor, Memory, NodeMetrics)> {
 }
 
 /// A node whose metrics the test reads.
-async fn node_with(rack: &Rack, metrics: &NodeMetrics) -> Result<Memory> {
-    Ok(Memory::from_config(&rack.config, "node-a", metrics).await?)
+async fn node_with(rack: &Rack, metrics: &NodeMetrics) -> Result<Routers> {
+    Ok(Routers::from_config(&rack.config, "node-a", metrics).await?)
 }
 
 fn count(family: &Family<RdmaLabels, Counter>, kind: &str) -> u64 {
@@ -571,7 +571,7 @@ fn a_dead_queue_pair_is_torn_down_off_the_async_workers() -> Result<()> {
 }
 
 /// Wait (up to 2 s) until lookups are served by the donor over RDMA again.
-async fn back_over_rdma(rack: &Rack, memory: &Memory, what: &str) -> Result<()> {
+async fn back_over_rdma(rack: &Rack, memory: &Routers, what: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(2);
     let mut salt = 1000;
     loop {

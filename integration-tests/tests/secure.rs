@@ -13,7 +13,7 @@ use cluster_config::{Config, Transport};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use inference_node::client::{ClientError, ClientOptions, DonorClient, Request, TlsClient};
-use inference_node::memory::Memory;
+use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
 use inference_node::tls::NodeTls;
@@ -191,7 +191,7 @@ fn rows_over_tls_quic_and_tcp_equal_the_table() {
     rt().block_on(async {
         let metrics = Arc::new(NodeMetrics::new());
         for node in ["n-tls", "n-quic", "n-tcp"] {
-            let mem = Memory::from_config(&rack.config, node, &metrics)
+            let mem = Routers::from_config(&rack.config, node, &metrics)
                 .await
                 .expect("memory");
             let router = mem.router(1).expect("router");
@@ -516,7 +516,7 @@ fn a_node_reload_takes_new_certificates_and_keeps_serving() {
     let rack = Rack::start();
     rt().block_on(async {
         let metrics = Arc::new(NodeMetrics::new());
-        let mem = Memory::from_config(&rack.config, "n-tls", &metrics)
+        let mem = Routers::from_config(&rack.config, "n-tls", &metrics)
             .await
             .expect("memory");
         let router = mem.router(1).expect("router");

@@ -20,8 +20,8 @@ use cluster_config::{Config, Transport};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{Frame, Limits, LookupSection, ROW_BYTES, TableDigest};
 use inference_node::client::{ClientOptions, DonorClient, Request, TlsClient};
-use inference_node::embed::{EngramMemory, MetricsAt, OpenOptions, Segment};
-use inference_node::memory::Memory;
+use inference_node::embed::{EmbeddedNode, MetricsAt, OpenOptions, Segment};
+use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use inference_node::tls::NodeTls;
 use rack_harness::rack_toml::{
@@ -272,7 +272,7 @@ fn every_lookup_size_is_served_by_the_donor_on_every_transport() {
             // Through the node's router, which would fall back to its SSD
             // copy if the donor failed: every size served by the donor.
             let metrics = Arc::new(NodeMetrics::new());
-            let mem = Memory::from_config(&rack.config, node_of(t), &metrics)
+            let mem = Routers::from_config(&rack.config, node_of(t), &metrics)
                 .await
                 .expect("memory");
             let router = mem.router(1).expect("router");
@@ -299,7 +299,7 @@ fn pipelined_bursts_of_64_are_served_on_one_connection_on_every_transport() {
     rt().block_on(async {
         for t in TRANSPORTS {
             let metrics = Arc::new(NodeMetrics::new());
-            let mem = Memory::from_config(&rack.config, node_of(t), &metrics)
+            let mem = Routers::from_config(&rack.config, node_of(t), &metrics)
                 .await
                 .expect("memory");
             let router = mem.router(1).expect("router").clone();
@@ -342,7 +342,7 @@ fn pipelined_bursts_of_64_are_served_on_one_connection_on_every_transport() {
 /// Both layers' rows of a prefetch of `ids` (cut into `segments`) from
 /// `mem`, with how each layer was served.
 fn prefetch(
-    mem: &EngramMemory,
+    mem: &EmbeddedNode,
     ids: &[i64],
     segments: &[Segment],
 ) -> [(Vec<u8>, inference_node::embed::Served); 2] {
@@ -363,7 +363,7 @@ fn a_batch_of_64_sequences_and_a_32k_prefill_through_the_node_are_served_by_the_
         let opts = OpenOptions {
             metrics: MetricsAt::Off,
         };
-        EngramMemory::open_with(&rack.config.path, node, &opts).expect("open")
+        EmbeddedNode::open_with(&rack.config.path, node, &opts).expect("open")
     };
     let reference = open("ref");
     let mut rng = SplitMix64::new(7);

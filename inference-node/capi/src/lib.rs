@@ -27,7 +27,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use inference_node::embed::{
-    self, CONTEXT, EmbedError, EngramMemory, MetricsAt, OpenOptions, Segment, Ticket,
+    self, CONTEXT, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, Segment, Ticket,
 };
 
 /// What a call came to.
@@ -80,7 +80,7 @@ pub const ENGRAM_METRICS_OFF: u32 = 1;
 /// A node's Engram memory. Opaque.
 #[derive(Debug)]
 pub struct engram_memory {
-    inner: EngramMemory,
+    inner: EmbeddedNode,
 }
 
 /// Both layers' rows of one prefetch, on their way. Opaque.
@@ -393,7 +393,7 @@ pub unsafe extern "C" fn engram_open_ex(
                 MetricsAt::Config
             },
         };
-        match EngramMemory::open_with(Path::new(config), node, &opts) {
+        match EmbeddedNode::open_with(Path::new(config), node, &opts) {
             Ok(m) => {
                 // SAFETY: `out` is writable (the caller's promise), checked non-NULL.
                 unsafe { *out = Box::into_raw(Box::new(engram_memory { inner: m })) };

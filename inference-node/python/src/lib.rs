@@ -10,7 +10,7 @@ use std::sync::mpsc::{Sender, channel};
 use std::time::Duration;
 
 use engram_sync::Mutex;
-use inference_node::embed::{self, EmbedError, EngramMemory, MetricsAt, OpenOptions, Segment};
+use inference_node::embed::{self, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, Segment};
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -176,7 +176,7 @@ fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
 /// A node's Engram memory (see `engram_rack.Memory`).
 #[pyclass(name = "Memory", module = "engram_rack._native", frozen)]
 struct Memory {
-    inner: EngramMemory,
+    inner: EmbeddedNode,
 }
 
 #[pymethods]
@@ -201,7 +201,7 @@ impl Memory {
             })?),
         };
         let inner = py
-            .detach(|| EngramMemory::open_with(&config, &node, &OpenOptions { metrics }))
+            .detach(|| EmbeddedNode::open_with(&config, &node, &OpenOptions { metrics }))
             .map_err(err)?;
         Ok(Self { inner })
     }
@@ -225,7 +225,7 @@ impl Memory {
     }
 
     /// Warm the path to the next prefetch's rows, due in about `lead_us`
-    /// microseconds (see `EngramMemory::warm`); returns at once.
+    /// microseconds (see `EmbeddedNode::warm`); returns at once.
     #[pyo3(signature = (lead_us))]
     fn warm(&self, lead_us: u64) -> PyResult<()> {
         self.inner.warm(Duration::from_micros(lead_us)).map_err(err)

@@ -20,7 +20,7 @@ pub const CONTEXT: usize = MAX_NGRAM - 1;
 /// Most segments one batch holds.
 pub const MAX_SEGMENTS: usize = 65_536;
 
-/// Row ids of a DEAD position in [`super::EngramMemory::addresses`]' output.
+/// Row ids of a DEAD position in [`super::EmbeddedNode::addresses`]' output.
 pub const NO_ROW: u64 = u64::MAX;
 
 /// One sequence's part of a batch.

@@ -1,19 +1,19 @@
 //! The node's Engram memory as a library, for inference engines that run
 //! their own forward pass (the Python package and the C library wrap this).
 //!
-//! [`EngramMemory::open`] builds from the cluster config and a node name
+//! [`EmbeddedNode::open`] builds from the cluster config and a node name
 //! exactly what `inference-node run` builds (its routers over shared
 //! sources, SSD and local copies opened and their digests checked, donors
 //! probed, probe loops running, the same metrics), on an I/O thread of its
 //! own that runs a tokio runtime as the node's does. A step then asks for
-//! both tables' rows at once ([`EngramMemory::prefetch`]: one message per
+//! both tables' rows at once ([`EmbeddedNode::prefetch`]: one message per
 //! table, returning at once) and later takes each layer's rows into its own
 //! buffer ([`Ticket::wait`], with its own deadline).
 //!
 //! Thread safety: the memory and its tickets are `Send + Sync`. No call
 //! holds a lock across a wait that another call needs: a prefetch takes a
 //! read lock only to clone the open state, and a wait sleeps on its own
-//! ticket. [`EngramMemory::close`] (or the last drop) lets fetches in
+//! ticket. [`EmbeddedNode::close`] (or the last drop) lets fetches in
 //! flight end, for a bounded time, then stops the probes and the thread.
 
 pub mod batch;
@@ -37,7 +37,7 @@ use tokio::task::JoinHandle;
 pub use batch::{CONTEXT, MAX_SEGMENTS, NO_ROW, NO_TOKEN, Segment};
 pub use ticket::{POSITION_BYTES, Served, Ticket};
 
-use crate::memory::Memory;
+use crate::memory::Routers;
 use crate::metrics::NodeMetrics;
 use crate::model::fetch::{FetchCounts, fetch_rows};
 use crate::model::node::{SetupError, chunk_rows, layer_tables, token_map, usable_at_start};
@@ -46,7 +46,7 @@ pub use crate::source::TableView;
 use batch::Addressing;
 use ticket::{Done, LayerCounters};
 
-/// The longest lead [`EngramMemory::warm`] takes (it keeps a thread
+/// The longest lead [`EmbeddedNode::warm`] takes (it keeps a thread
 /// polling for that long at most).
 pub const MAX_WARM_LEAD: Duration = Duration::from_secs(1);
 
@@ -94,13 +94,13 @@ pub enum MetricsAt {
     /// The node's `metrics` address in the config, if it has one.
     #[default]
     Config,
-    /// Nowhere (read them with [`EngramMemory::metrics_text`]).
+    /// Nowhere (read them with [`EmbeddedNode::metrics_text`]).
     Off,
     /// This address.
     Addr(SocketAddr),
 }
 
-/// Which layers a row-id prefetch ([`EngramMemory::prefetch_rows`]) carries.
+/// Which layers a row-id prefetch ([`EmbeddedNode::prefetch_rows`]) carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RowLayers {
     /// Layer 1's ids, then layer 14's, per position.
@@ -109,7 +109,7 @@ pub enum RowLayers {
     One(u32),
 }
 
-/// How [`EngramMemory::open_with`] opens.
+/// How [`EmbeddedNode::open_with`] opens.
 #[derive(Debug, Clone, Default)]
 pub struct OpenOptions {
     /// Where `/metrics` is served.
@@ -145,7 +145,7 @@ pub struct LayerStats {
 #[derive(Debug)]
 struct Open {
     /// Held for its sources and probe loops (its drop stops them).
-    memory: Memory,
+    memory: Routers,
     routers: [Arc<Router>; 2],
     tables: [u32; 2],
     /// Each table's row count (row ids at or past it are refused).
@@ -176,13 +176,14 @@ struct Shared {
     >,
 }
 
-/// A node's Engram memory, embedded. See the module documentation.
+/// A node embedded in an engine process: its routers, I/O thread and
+/// metrics, opened from the cluster config. See the module documentation.
 #[derive(Debug)]
-pub struct EngramMemory {
+pub struct EmbeddedNode {
     shared: Shared,
 }
 
-impl EngramMemory {
+impl EmbeddedNode {
     /// Open node `node` of the cluster config at `config`, serving
     /// `/metrics` where the config says.
     pub fn open(config: &Path, node: &str) -> Result<Self, EmbedError> {
@@ -566,7 +567,7 @@ impl EngramMemory {
     }
 }
 
-impl Drop for EngramMemory {
+impl Drop for EmbeddedNode {
     fn drop(&mut self) {
         self.close(DEFAULT_DRAIN);
     }
@@ -605,7 +606,7 @@ async fn build(
     metrics_at: Option<SocketAddr>,
 ) -> Result<Open, SetupError> {
     let metrics = Arc::new(NodeMetrics::new());
-    let memory = Memory::from_config(&cfg, &name, &metrics).await?;
+    let memory = Routers::from_config(&cfg, &name, &metrics).await?;
     let router = |t: u32| {
         memory
             .router(t)

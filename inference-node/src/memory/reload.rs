@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use cluster_config::Config;
 
-use super::{Memory, MemoryError, SourcePool, build, find_node, spawn_probes};
+use super::{MemoryError, Routers, SourcePool, build, find_node, spawn_probes};
 use crate::metrics::NodeMetrics;
 use crate::router::{RouteSettings, SourceHealth};
 use crate::source::SourceKind;
@@ -67,7 +67,7 @@ impl fmt::Display for ReloadReport {
     }
 }
 
-impl Memory {
+impl Routers {
     /// Apply node `name` of `config` to the running routers, or change
     /// nothing and return why not: the node must route the same tables,
     /// with the same digests, layers and row counts. Sources the node

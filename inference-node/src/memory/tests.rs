@@ -11,7 +11,7 @@ use engram_protocol::synthetic::first_mismatch;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::generate::{GenSpec, generate};
 
-use super::{Memory, MemoryError};
+use super::{MemoryError, Routers};
 use crate::metrics::NodeMetrics;
 use crate::router::{Fetched, Router, RouterError};
 
@@ -108,7 +108,7 @@ async fn a_reload_applies_route_settings_and_the_token_rate() {
     let routes = route(1, "\"ssd\"", "hedge = \"off\"") + &route(14, "\"ssd\"", "");
     let metrics = NodeMetrics::new();
     let before = rack.config("tokens_per_second = 1", &routes);
-    let mem = Memory::from_config(&before, "n", &metrics)
+    let mem = Routers::from_config(&before, "n", &metrics)
         .await
         .expect("memory");
     let r1 = mem.router(1).expect("router");
@@ -156,7 +156,7 @@ async fn a_new_policy_decides_the_next_lookup() {
     let metrics = NodeMetrics::new();
     // The donor is down (excluded at startup): every lookup fails.
     let config = rack.config("", &route(1, "\"d\"", ""));
-    let mem = Memory::from_config(&config, "n", &metrics)
+    let mem = Routers::from_config(&config, "n", &metrics)
         .await
         .expect("memory");
     let r1 = mem.router(1).expect("router");
@@ -172,7 +172,7 @@ async fn a_reload_adds_reorders_and_removes_sources() {
     let rack = rack();
     let metrics = NodeMetrics::new();
     let config = rack.config("", &route(1, "\"ssd\"", ""));
-    let mem = Memory::from_config(&config, "n", &metrics)
+    let mem = Routers::from_config(&config, "n", &metrics)
         .await
         .expect("memory");
     let r1 = mem.router(1).expect("router");
@@ -234,7 +234,7 @@ async fn a_reload_that_changes_the_tables_is_refused_and_nothing_changes() {
     let rack = rack();
     let metrics = NodeMetrics::new();
     let routes = route(1, "\"ssd\"", "hedge = \"off\"") + &route(14, "\"ssd\"", "");
-    let mem = Memory::from_config(&rack.config("", &routes), "n", &metrics)
+    let mem = Routers::from_config(&rack.config("", &routes), "n", &metrics)
         .await
         .expect("memory");
     let r1 = mem.router(1).expect("router");
@@ -283,7 +283,7 @@ async fn a_new_copy_that_cannot_be_opened_is_refused_and_nothing_changes() {
     let rack = rack();
     let metrics = NodeMetrics::new();
     let config = rack.config("", &route(1, "\"ssd\"", "hedge = \"off\""));
-    let mem = Memory::from_config(&config, "n", &metrics)
+    let mem = Routers::from_config(&config, "n", &metrics)
         .await
         .expect("memory");
     let r1 = mem.router(1).expect("router");

@@ -18,7 +18,7 @@ use super::input::{self, InputError, Tokens};
 use super::{LoopError, LoopSpec, StepRecord, Summary, TableSlot};
 use crate::engram::tokenmap::{TokenMap, load_tokenizer};
 use crate::engram::{Fusion, FusionShape, FusionWeights, backend};
-use crate::memory::{Memory, MemoryError};
+use crate::memory::{MemoryError, Routers};
 use crate::metrics::NodeMetrics;
 use crate::router::Router;
 
@@ -76,7 +76,7 @@ pub enum InputChoice {
 
 /// A node ready to run its model loop.
 pub struct NodeModel {
-    memory: Memory,
+    memory: Routers,
     routers: [Arc<Router>; 2],
     slots: [TableSlot; 2],
     params: HashParams,
@@ -144,7 +144,7 @@ impl NodeModel {
 
         let fusion = fusion_of(&config, &model).await?;
 
-        let memory = Memory::from_config(&config, name, metrics).await?;
+        let memory = Routers::from_config(&config, name, metrics).await?;
         let router = |t: u32| {
             memory
                 .router(t)
@@ -182,7 +182,7 @@ impl NodeModel {
     }
 
     /// Apply a new config between sequences: what its routes change (see
-    /// `Memory::reload`) and the node's token rate. The `[model]` table,
+    /// `Routers::reload`) and the node's token rate. The `[model]` table,
     /// and which tables the node routes, need a restart. All or nothing.
     pub fn reload(
         &mut self,
@@ -229,7 +229,7 @@ impl NodeModel {
     }
 
     /// The memory (every router of the node).
-    pub fn memory(&self) -> &Memory {
+    pub fn memory(&self) -> &Routers {
         &self.memory
     }
 
