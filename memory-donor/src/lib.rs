@@ -6,7 +6,7 @@
 //! data plane (`server`: TCP, TLS and QUIC connections, the host socket,
 //! and the handler over the `engram-protocol` codec), and the operations
 //! side. A start reads what to serve (`spec`), loads it (`load`, taking
-//! copies kept in systemd's fd store, `fdstore`), and `serve` wires the
+//! copies kept in systemd's fd store, `fdstore`), and `daemon` wires the
 //! rest: the shared state (`status`, with the counters in `stats`), the
 //! gRPC control plane (`control`), the Prometheus metrics (`metrics`) and
 //! the loop (`supervise`) that carries out the orders (`orders`: reloads,
@@ -16,18 +16,19 @@
 //!
 //! What it is not: the client. Inference nodes use `inference-node`; the
 //! two daemons share only `engram-protocol`, `engram-store`, `engram-rdma`,
-//! `cluster-config` and `daemon-runtime`, and never depend on each other.
+//! `engram-sync`, `cluster-config` and `daemon-runtime`, and never depend
+//! on each other.
 
 #![warn(missing_docs)]
 
 pub mod control;
+pub mod daemon;
 pub mod fdstore;
 pub mod load;
 pub mod metrics;
 pub mod orders;
 pub mod rdma;
 pub mod reload;
-pub mod serve;
 pub mod server;
 pub mod spec;
 pub mod stats;
