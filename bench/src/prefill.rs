@@ -244,6 +244,7 @@ fn client_options(
 ) -> Result<ClientOptions> {
     let mut opts = ClientOptions::new(NODE, pinned.to_vec());
     opts.transport = transport;
+    opts.lookup_timeout = crate::LOOKUP_TIMEOUT;
     if transport.is_secure() {
         let files = rack.tls_files(NODE).context("the bench's certificate")?;
         opts.tls = Some(TlsClient {

@@ -384,6 +384,7 @@ pub(super) fn run(
         };
     let mut opts = inference_node::ClientOptions::new("engram-bench", tables.digests.clone());
     opts.busy_poll = Duration::ZERO;
+    opts.lookup_timeout = crate::LOOKUP_TIMEOUT;
     let addr = floor_donor
         .endpoint(Transport::Tcp)
         .context("the floor donor's TCP address")?;

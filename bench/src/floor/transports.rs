@@ -85,6 +85,7 @@ pub(super) fn options(
 ) -> Result<ClientOptions> {
     let mut opts = ClientOptions::new(NODE, digests.to_vec());
     opts.transport = transport;
+    opts.lookup_timeout = crate::LOOKUP_TIMEOUT;
     if transport.is_secure() {
         let rack = rack.context("TLS and QUIC need the run's rack")?;
         let files = rack
