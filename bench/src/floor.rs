@@ -17,6 +17,7 @@ mod quic;
 mod raw;
 mod rdma;
 mod report;
+mod split;
 mod transports;
 
 use std::io::{Read, Write};
@@ -377,6 +378,10 @@ struct FloorConn {
     asked: Vec<u64>,
     /// Check the answer's checksum ([`CHECKSUM`]) inside the timing.
     checksum: bool,
+    /// Lookups so far: the rows are checked on every 16th, outside the
+    /// timing, as the donor series check theirs (so that the client's CPU
+    /// per lookup compares like for like).
+    n: u64,
 }
 
 impl FloorConn {
@@ -394,6 +399,7 @@ impl FloorConn {
             gather: None,
             asked: Vec::new(),
             checksum: false,
+            n: 0,
         })
     }
 
@@ -450,7 +456,10 @@ impl FloorConn {
             }
         }
         let took = t.elapsed();
-        if let Some((rows, ..)) = self.gather {
+        self.n += 1;
+        let check = self.n.is_multiple_of(CHECK_EVERY);
+        if let Some((rows, ..)) = self.gather.as_ref().filter(|_| check) {
+            let rows = *rows;
             let at = self.resp.len() - rows * ROW_BYTES;
             for (s, ids) in self.asked[..rows].chunks(24).enumerate() {
                 let bytes = &self.resp[at + s * 24 * ROW_BYTES..][..ids.len() * ROW_BYTES];
@@ -502,7 +511,7 @@ impl DonorSeries {
         let elapsed = t.elapsed();
         // Check answers outside the timed window (every 16th lookup).
         self.n += 1;
-        if self.n.is_multiple_of(16) {
+        if self.n.is_multiple_of(CHECK_EVERY) {
             for (s, rows) in self.ids.iter().enumerate() {
                 let layer = TABLES[s].0;
                 let bytes = &self.out[s * self.per * ROW_BYTES..(s + 1) * self.per * ROW_BYTES];
@@ -553,6 +562,10 @@ struct Series {
     /// This series runs one lookup for every `share` of the others (the
     /// bulk series: each moves 4.3 MB).
     share: usize,
+    /// The process that answers this series (the floor server or the donor).
+    server_pid: u32,
+    /// Its timed chunks' CPU and wake-up time, both ends.
+    split: split::Split,
     result: SeriesResult,
 }
 
@@ -563,14 +576,14 @@ impl Series {
         rt: &tokio::runtime::Runtime,
         clients: &[DonorClient],
         lat: &mut Latency,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let n = n.div_ceil(self.share);
         match (self.kind, self.floor.as_mut()) {
             (Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_), Some(f)) => {
                 for _ in 0..n {
                     lat.record(f.one()?);
                 }
-                Ok(())
+                Ok(n)
             }
             (Kind::RawDonor(_), _) => {
                 let r = self
@@ -580,7 +593,7 @@ impl Series {
                 for _ in 0..n {
                     lat.record(r.one()?);
                 }
-                Ok(())
+                Ok(n)
             }
             (Kind::Donor(i), _) => {
                 let (d, c) = (&mut self.donor, &clients[i]);
@@ -588,7 +601,7 @@ impl Series {
                     for _ in 0..n {
                         lat.record(d.one(c).await?);
                     }
-                    Ok(())
+                    Ok(n)
                 })
             }
             (Kind::QuicFloor, _) => {
@@ -600,7 +613,7 @@ impl Series {
                     for _ in 0..n {
                         lat.record(q.one(DEFAULT_BUSY_POLL).await?);
                     }
-                    Ok(())
+                    Ok(n)
                 })
             }
             (Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_), None) => {
@@ -618,6 +631,8 @@ struct SeriesResult {
     answer_bytes: usize,
     rounds: Vec<Summary>,
     median: Summary,
+    /// Where its lookups' time went, both ends (means over all rounds).
+    split: Option<split::PerLookup>,
 }
 
 /// Run the floor benchmark.
@@ -708,6 +723,10 @@ fn series_for(
         .context("the donor does not listen on tcp")?;
     build_series(
         rt,
+        Pids {
+            floor: servers.floor.id(),
+            donor: servers.donor.id(),
+        },
         servers.floor.addr,
         (donor_tcp, &tables.digests),
         quic_floor,
@@ -923,6 +942,7 @@ fn connect_clients(
 /// checksumming blocking and polling.
 fn build_series(
     rt: &tokio::runtime::Runtime,
+    pids: Pids,
     floor: SocketAddr,
     (donor, digests): (SocketAddr, &[(u32, TableDigest)]),
     quic_floor: Option<(SocketAddr, &Path)>,
@@ -931,6 +951,7 @@ fn build_series(
 ) -> Result<Vec<Series>> {
     let to = Endpoints {
         rt,
+        pids,
         floor,
         donor,
         digests,
@@ -973,6 +994,8 @@ fn build_series(
             raw: None,
             donor: DonorSeries::new(1, BULK_ROWS, rows_per_table, seed),
             share: BULK_SHARE,
+            server_pid: pids.serving(kind),
+            split: split::Split::default(),
             result: SeriesResult {
                 series: format!("{name}, {BULK_ROWS} rows (bulk)"),
                 rows: BULK_ROWS,
@@ -980,6 +1003,7 @@ fn build_series(
                 answer_bytes: ans,
                 rounds: Vec::new(),
                 median: Summary::default(),
+                split: None,
             },
         });
     }
@@ -1036,9 +1060,29 @@ fn kinds(secure: &[Transport], quic_floor: bool) -> Vec<(Kind, String)> {
     kinds
 }
 
+/// The processes of the two servers.
+#[derive(Debug, Clone, Copy)]
+struct Pids {
+    floor: u32,
+    donor: u32,
+}
+
+impl Pids {
+    /// The process that answers a series of `kind`.
+    fn serving(self, kind: Kind) -> u32 {
+        match kind {
+            Kind::Donor(_) | Kind::RawDonor(_) => self.donor,
+            Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_) | Kind::QuicFloor => {
+                self.floor
+            }
+        }
+    }
+}
+
 /// Where the series' servers listen.
 struct Endpoints<'a> {
     rt: &'a tokio::runtime::Runtime,
+    pids: Pids,
     floor: SocketAddr,
     donor: SocketAddr,
     digests: &'a [(u32, TableDigest)],
@@ -1098,6 +1142,8 @@ impl Endpoints<'_> {
             raw,
             donor: DonorSeries::new(sections, 24, rows_per_table, seed),
             share: 1,
+            server_pid: self.pids.serving(kind),
+            split: split::Split::default(),
             result: SeriesResult {
                 series: format!("{name}, {rows} rows"),
                 rows,
@@ -1105,10 +1151,14 @@ impl Endpoints<'_> {
                 answer_bytes: ans,
                 rounds: Vec::new(),
                 median: Summary::default(),
+                split: None,
             },
         })
     }
 }
+
+/// Every series checks the rows of one lookup in this many, outside the timing.
+const CHECK_EVERY: u64 = 16;
 
 /// Rows of the bulk series' lookups (the donors' default frame cap).
 pub(crate) const BULK_ROWS: usize = 16_384;
@@ -1140,6 +1190,7 @@ fn measure(
         .into_iter()
         .map(|mut s| {
             s.result.median = median_summary(&s.result.rounds);
+            s.result.split = s.split.per_lookup();
             s.result
         })
         .collect())
@@ -1157,7 +1208,9 @@ fn measure_round(
     while done < lookups {
         let n = CHUNK.min(lookups - done);
         for (s, l) in series.iter_mut().zip(&mut lat) {
-            s.run(n, rt, clients, l)?;
+            let before = split::Mark::now(s.server_pid);
+            let ran = s.run(n, rt, clients, l)?;
+            s.split.add(&before, &split::Mark::now(s.server_pid), ran);
         }
         done += n;
     }

@@ -52,6 +52,21 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
             assert!(names.contains(&want.as_str()), "{names:?}");
         }
     }
+    // Every series says where its lookups' time went: both ends did some
+    // work for every lookup, and the parts fit in the wall time.
+    for s in series {
+        let split = &s["split"];
+        let us = |k: &str| split[k].as_f64().unwrap_or_else(|| panic!("{k} in {s}"));
+        assert!(
+            us("client_cpu_us") > 0.0 && us("server_cpu_us") > 0.0,
+            "{s}"
+        );
+        assert!(
+            us("server_waiting_us") >= 0.0 && us("neither_us") >= 0.0,
+            "{s}"
+        );
+        assert!(us("wall_us") + 1e-6 >= us("neither_us"), "{s}");
+    }
     let ratios = v["ratios"].as_array().expect("ratios");
     let against: Vec<f64> = ratios
         .iter()

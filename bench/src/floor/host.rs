@@ -178,6 +178,8 @@ pub(super) fn run(socket: &Path, tables: &Tables, args: &FloorArgs) -> Result<Ho
                 answer_bytes: s.sections * 24 * ROW_BYTES,
                 median: median_summary(&s.rounds),
                 rounds: s.rounds,
+                // Gathered in this process: no server to split from.
+                split: None,
             })
             .collect(),
         page_kib,

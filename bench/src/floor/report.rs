@@ -419,6 +419,42 @@ impl Report<'_> {
         }
     }
 
+    /// Where each series' lookups spent their time, both ends.
+    fn print_split(&self) {
+        let rows: Vec<Vec<String>> = self
+            .results
+            .iter()
+            .filter_map(|r| {
+                let p = r.split?;
+                Some(vec![
+                    r.series.clone(),
+                    format!("{:.1}", p.wall_us),
+                    format!("{:.1}", p.client_cpu_us),
+                    format!("{:.1}", p.server_cpu_us),
+                    format!("{:.1}", p.server_waiting_us),
+                    format!("{:.1}", p.neither_us),
+                ])
+            })
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        println!(
+            "where a lookup's time goes (means per lookup over the rounds, from the kernel's schedstat of every thread of the client's and the serving process; wall includes the untimed work between lookups):"
+        );
+        print_table(
+            &[
+                "series",
+                "wall us",
+                "client CPU us",
+                "server CPU us",
+                "server waiting for a CPU us",
+                "neither on a CPU us",
+            ],
+            &rows,
+        );
+    }
+
     fn print_heading(&self) {
         let args = self.args;
         println!(
@@ -464,6 +500,7 @@ impl Report<'_> {
             &["series", "req/ans bytes", "p50 us", "p99 us", "p99.9 us"],
             &rows,
         );
+        self.print_split();
         if let Some(h) = &self.host {
             println!(
                 "host-local (gathered in this process, no request): the donor's mapping{}",
