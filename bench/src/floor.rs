@@ -458,8 +458,7 @@ impl FloorConn {
         let took = t.elapsed();
         self.n += 1;
         let check = self.n.is_multiple_of(CHECK_EVERY);
-        if let Some((rows, ..)) = self.gather.as_ref().filter(|_| check) {
-            let rows = *rows;
+        if let Some(&(rows, ..)) = self.gather.as_ref().filter(|_| check) {
             let at = self.resp.len() - rows * ROW_BYTES;
             for (s, ids) in self.asked[..rows].chunks(24).enumerate() {
                 let bytes = &self.resp[at + s * 24 * ROW_BYTES..][..ids.len() * ROW_BYTES];
