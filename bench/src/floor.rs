@@ -11,8 +11,14 @@
 //! same tables in RAM (prefetched together, then copied, as the donor
 //! does) before it answers: the least any server of these rows can do, so
 //! that the donor's ratio to it is what its software adds.
+//!
+//! A third, the protocol's floor ([`proto`]), speaks the real protocol
+//! with nothing beyond what PROTOCOL.md requires; the least protocol
+//! client ([`raw`]) against it and against the donor splits the donor's
+//! gap into what the protocol costs and what the donor adds.
 
 mod host;
+mod proto;
 mod quic;
 mod raw;
 mod rdma;
@@ -237,7 +243,14 @@ pub fn floor_server(args: &FloorServerArgs) -> Result<()> {
         (Some(c), Some(k)) => format!(",quic://{}", quic::serve(c, k)?),
         _ => String::new(),
     };
-    eprintln!("ready listen={}{quic}", listener.local_addr()?);
+    // The protocol's floor on a listener of its own.
+    let proto = TcpListener::bind("127.0.0.1:0")?;
+    let proto_addr = proto.local_addr()?;
+    {
+        let tables = std::sync::Arc::clone(&tables);
+        std::thread::spawn(move || proto::serve(proto, tables, poll));
+    }
+    eprintln!("ready listen={},{proto_addr}{quic}", listener.local_addr()?);
     // Large enough for a bulk lookup's answer (16,384 rows, 4.3 MB).
     let answer = vec![0x5Au8; 8 << 20];
     for stream in listener.incoming() {
@@ -550,6 +563,9 @@ enum Kind {
     /// quinn itself moving the same bytes, its client polling like the
     /// project's.
     QuicFloor,
+    /// The least protocol client against the protocol's floor
+    /// ([`proto`]), polling for this long before blocking.
+    ProtoFloor(Duration),
 }
 
 struct Series {
@@ -584,7 +600,7 @@ impl Series {
                 }
                 Ok(n)
             }
-            (Kind::RawDonor(_), _) => {
+            (Kind::RawDonor(_) | Kind::ProtoFloor(_), _) => {
                 let r = self
                     .raw
                     .as_mut()
@@ -720,13 +736,22 @@ fn series_for(
         .donor
         .endpoint(Transport::Tcp)
         .context("the donor does not listen on tcp")?;
+    // The floor server's second plain listener.
+    let proto = servers
+        .floor
+        .endpoints
+        .iter()
+        .filter(|e| e.transport == Transport::Tcp)
+        .nth(1)
+        .map(|e| e.addr)
+        .context("the floor server announced no protocol's floor")?;
     build_series(
         rt,
         Pids {
             floor: servers.floor.id(),
             donor: servers.donor.id(),
         },
-        servers.floor.addr,
+        (servers.floor.addr, proto),
         (donor_tcp, &tables.digests),
         quic_floor,
         args.rows_per_table,
@@ -937,12 +962,13 @@ fn connect_clients(
 /// 48), floor blocking, floor polling, donor, donor not polling, the
 /// gathering floor blocking and polling, the donor over each transport of
 /// `secure`, the QUIC floor with QUIC, the donor through the least
-/// protocol client blocking and polling, then the floor gathering and
-/// checksumming blocking and polling.
+/// protocol client blocking and polling, the floor gathering and
+/// checksumming blocking and polling, then the least protocol client
+/// against the protocol's floor ([`proto`]) blocking and polling.
 fn build_series(
     rt: &tokio::runtime::Runtime,
     pids: Pids,
-    floor: SocketAddr,
+    (floor, proto): (SocketAddr, SocketAddr),
     (donor, digests): (SocketAddr, &[(u32, TableDigest)]),
     quic_floor: Option<(SocketAddr, &Path)>,
     rows_per_table: u64,
@@ -952,6 +978,7 @@ fn build_series(
         rt,
         pids,
         floor,
+        proto,
         donor,
         digests,
         quic_floor,
@@ -985,9 +1012,11 @@ fn build_series(
                     rows_per_table,
                     seed,
                 )?),
-                Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) | Kind::GatheringSummed(_) => {
-                    None
-                }
+                Kind::Donor(_)
+                | Kind::QuicFloor
+                | Kind::RawDonor(_)
+                | Kind::GatheringSummed(_)
+                | Kind::ProtoFloor(_) => None,
             },
             quic: None,
             raw: None,
@@ -1040,22 +1069,24 @@ fn kinds(secure: &[Transport], quic_floor: bool) -> Vec<(Kind, String)> {
     if quic_floor {
         kinds.push((Kind::QuicFloor, "QUIC floor (quinn), polling client".into()));
     }
-    kinds.push((
-        Kind::RawDonor(Duration::ZERO),
-        "donor, least protocol client blocking".into(),
-    ));
-    kinds.push((
-        Kind::RawDonor(DEFAULT_BUSY_POLL),
-        "donor, least protocol client polling".into(),
-    ));
-    kinds.push((
-        Kind::GatheringSummed(Duration::ZERO),
-        "floor gathering and checksumming rows, blocking client".into(),
-    ));
-    kinds.push((
-        Kind::GatheringSummed(DEFAULT_BUSY_POLL),
-        "floor gathering and checksumming rows, polling client".into(),
-    ));
+    // Blocking, then polling: `@` in a name is the way it waits.
+    type Waits = fn(Duration) -> Kind;
+    let pairs: [(Waits, &str); 3] = [
+        (Kind::RawDonor, "donor, least protocol client @"),
+        (
+            Kind::GatheringSummed,
+            "floor gathering and checksumming rows, @ client",
+        ),
+        (
+            Kind::ProtoFloor,
+            "protocol's floor, least protocol client @",
+        ),
+    ];
+    for (kind, name) in pairs {
+        for (poll, word) in [(Duration::ZERO, "blocking"), (DEFAULT_BUSY_POLL, "polling")] {
+            kinds.push((kind(poll), name.replace('@', word)));
+        }
+    }
     kinds
 }
 
@@ -1071,9 +1102,11 @@ impl Pids {
     fn serving(self, kind: Kind) -> u32 {
         match kind {
             Kind::Donor(_) | Kind::RawDonor(_) => self.donor,
-            Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_) | Kind::QuicFloor => {
-                self.floor
-            }
+            Kind::Floor(_)
+            | Kind::Gathering(_)
+            | Kind::GatheringSummed(_)
+            | Kind::QuicFloor
+            | Kind::ProtoFloor(_) => self.floor,
         }
     }
 }
@@ -1083,6 +1116,8 @@ struct Endpoints<'a> {
     rt: &'a tokio::runtime::Runtime,
     pids: Pids,
     floor: SocketAddr,
+    /// The protocol's floor, in the floor server's process.
+    proto: SocketAddr,
     donor: SocketAddr,
     digests: &'a [(u32, TableDigest)],
     quic_floor: Option<(SocketAddr, &'a Path)>,
@@ -1121,17 +1156,24 @@ impl Endpoints<'_> {
                     .gathering(rows, rows_per_table, seed)?
                     .checksummed(),
             ),
-            Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) => None,
+            Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) | Kind::ProtoFloor(_) => None,
         };
         let raw = match kind {
-            Kind::RawDonor(poll) => Some(raw::RawDonorConn::connect(
-                donor,
-                digests,
-                sections,
-                rows_per_table,
-                seed,
-                poll,
-            )?),
+            Kind::RawDonor(poll) | Kind::ProtoFloor(poll) => {
+                let to = if matches!(kind, Kind::RawDonor(_)) {
+                    donor
+                } else {
+                    self.proto
+                };
+                Some(raw::RawDonorConn::connect(
+                    to,
+                    digests,
+                    sections,
+                    rows_per_table,
+                    seed,
+                    poll,
+                )?)
+            }
             _ => None,
         };
         Ok(Series {

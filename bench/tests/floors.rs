@@ -82,6 +82,30 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
         against.iter().all(|r| r.is_finite() && *r > 0.0),
         "{against:?}"
     );
+    // The protocol's floor: the least protocol client against the least
+    // server the protocol allows (its rows checked like every series'),
+    // both ways of waiting, at both sizes, and the ratios that split the
+    // donor's gap into the protocol's share and the donor's own.
+    for rows in [24, 48] {
+        for client in ["blocking", "polling"] {
+            let want = format!("protocol's floor, least protocol client {client}, {rows} rows");
+            assert!(names.contains(&want.as_str()), "{names:?}");
+        }
+    }
+    let split: Vec<f64> = ratios
+        .iter()
+        .filter(|r| {
+            r["what"].as_str().is_some_and(|w| {
+                w.contains("(the protocol's own share)")
+                    || w.contains("(what the donor adds to the protocol)")
+            })
+        })
+        .map(|r| r["p50"].as_f64().expect("p50"))
+        .collect();
+    assert!(
+        split.len() == 8 && split.iter().all(|r| r.is_finite() && *r > 0.0),
+        "{ratios:?}"
+    );
     // The bulk series: a 16,384-row lookup against a raw ping-pong of the
     // same bytes and against a floor that gathers as many rows (its rows
     // checked), and their ratios.

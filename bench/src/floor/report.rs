@@ -24,9 +24,11 @@ const TLS_P99: f64 = 1.3;
 const QUIC_P50: f64 = 1.6;
 
 /// Series per size: the six floor and donor series, the donor over each
-/// secure transport, and the QUIC floor when QUIC is measured.
+/// secure transport, the QUIC floor when QUIC is measured, the least
+/// protocol client's pair, the checksumming floor's pair and the
+/// protocol's floor's pair.
 pub(super) fn per_size(secure: &[Transport]) -> usize {
-    raw_at(secure) + 4
+    raw_at(secure) + 6
 }
 
 /// Where a size's two series through the least protocol client start
@@ -76,12 +78,14 @@ impl Ratio {
 
 /// Where a series sits within a size's block of series: at a fixed
 /// index, or after the donor over each secure transport (the least
-/// protocol client's pair, then the checksumming floor's pair).
+/// protocol client's pair, the checksumming floor's pair, then the
+/// protocol's floor's pair).
 #[derive(Debug, Clone, Copy)]
 enum At {
     Fixed(usize),
     Raw(usize),
     Summed(usize),
+    Proto(usize),
 }
 
 impl At {
@@ -90,6 +94,7 @@ impl At {
             Self::Fixed(i) => i,
             Self::Raw(i) => raw_at(secure) + i,
             Self::Summed(i) => raw_at(secure) + 2 + i,
+            Self::Proto(i) => raw_at(secure) + 4 + i,
         }
     }
 }
@@ -99,9 +104,10 @@ impl At {
 /// floor polling, donor, donor not polling, gathering floor blocking,
 /// gathering floor polling, then the donor over each secure transport,
 /// then the QUIC floor with QUIC, then the donor through the least
-/// protocol client blocking and polling, then the floor that also
-/// checksums, blocking and polling].
-const PAIRS: [(&str, At, At, Option<Target>); 13] = [
+/// protocol client blocking and polling, the floor that also checksums,
+/// blocking and polling, then the least protocol client against the
+/// protocol's floor, blocking and polling].
+const PAIRS: [(&str, At, At, Option<Target>); 19] = [
     (
         "project client / blocking floor (the target)",
         At::Fixed(2),
@@ -168,6 +174,42 @@ const PAIRS: [(&str, At, At, Option<Target>); 13] = [
         "neither polling: project client / least protocol client, same donor (the client's share)",
         At::Fixed(3),
         At::Raw(0),
+        None,
+    ),
+    (
+        "both polling: protocol's floor / floor gathering rows, least clients (the protocol's own share)",
+        At::Proto(1),
+        At::Fixed(5),
+        None,
+    ),
+    (
+        "neither polling: protocol's floor / floor gathering rows, least clients (the protocol's own share)",
+        At::Proto(0),
+        At::Fixed(4),
+        None,
+    ),
+    (
+        "both polling: donor / protocol's floor, through the least protocol client (what the donor adds to the protocol)",
+        At::Raw(1),
+        At::Proto(1),
+        None,
+    ),
+    (
+        "neither polling: donor / protocol's floor, through the least protocol client (what the donor adds to the protocol)",
+        At::Raw(0),
+        At::Proto(0),
+        None,
+    ),
+    (
+        "both clients polling, against the protocol's floor (the target's gap beyond what the protocol requires)",
+        At::Fixed(2),
+        At::Proto(1),
+        None,
+    ),
+    (
+        "neither client polling, against the protocol's floor (the target's gap beyond what the protocol requires)",
+        At::Fixed(3),
+        At::Proto(0),
         None,
     ),
 ];

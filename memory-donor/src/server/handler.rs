@@ -150,17 +150,7 @@ impl<'a> Handler<'a> {
             Some(id) => id.clone(),
             None => hello.node.to_string(),
         };
-        let tables: Vec<TableInfo> = self
-            .shared
-            .tables()
-            .iter()
-            .map(|t| TableInfo {
-                table_id: t.id,
-                layer: t.layer,
-                rows: t.rows,
-                digest: t.digest,
-            })
-            .collect();
+        let tables: Vec<TableInfo> = self.shared.tables().iter().map(|t| t.info()).collect();
         let welcome = Welcome {
             version: PROTOCOL_VERSION,
             donor: &cfg.name,

@@ -388,6 +388,16 @@ impl ResidentTable {
         }
     }
 
+    /// What a Welcome says of this table.
+    pub fn info(&self) -> engram_protocol::messages::TableInfo {
+        engram_protocol::messages::TableInfo {
+            table_id: self.id,
+            layer: self.layer,
+            rows: self.rows,
+            digest: self.digest,
+        }
+    }
+
     /// Ask the CPU to start loading row `row` into cache (a hint; no effect
     /// when out of range). Issuing this for every row of a lookup before
     /// copying any of them overlaps their DRAM latencies: measured on a
