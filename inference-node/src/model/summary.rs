@@ -2,11 +2,13 @@
 //! formula predicts from the fetch times the same run measured.
 
 use std::collections::BTreeMap;
+use std::hash::Hasher as _;
 use std::time::Duration;
 
 use cluster_config::plan::predict;
 use daemon_runtime::latency::Latency;
 use serde::{Deserialize, Serialize};
+use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
 
 use super::{BLOCKS, LoopSpec, StepKind, StepRecord, TableSlot};
 
@@ -190,12 +192,12 @@ impl Summary {
         self.rejected_positions += r.rejected;
         self.wasted_bytes += r.wasted_bytes;
         for p in &r.positions {
-            let mut h = xxhash_rust::xxh3::Xxh3::new();
-            h.update(&p.seq.to_le_bytes());
-            h.update(&p.index.to_le_bytes());
-            h.update(&p.checksum.hex());
+            let mut h = RawHasher::new(SecretBuffer::default());
+            h.write(&p.seq.to_le_bytes());
+            h.write(&p.index.to_le_bytes());
+            h.write(&p.checksum.hex());
             // A sum: the same whatever order the positions came in.
-            self.outputs_sum = self.outputs_sum.wrapping_add(h.digest());
+            self.outputs_sum = self.outputs_sum.wrapping_add(h.finish());
             self.outputs_count += 1;
         }
         self.overrun_ms += r.overrun_us / 1e3;

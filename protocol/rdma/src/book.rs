@@ -151,7 +151,7 @@ fn random16() -> [u8; 16] {
             let t = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
-            let h = xxhash_rust::xxh3::xxh3_128(&t.to_le_bytes());
+            let h = twox_hash::XxHash3_128::oneshot(&t.to_le_bytes());
             return h.to_le_bytes();
         }
         at += n as usize;

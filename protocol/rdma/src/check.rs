@@ -7,7 +7,7 @@
 //! makes a row read from the wrong offset fail it.
 
 use engram_protocol::{ROW_BYTES, TableDigest};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use twox_hash::XxHash3_64;
 
 /// Bytes of one check word.
 pub const CHECK_BYTES: usize = 8;
@@ -24,7 +24,7 @@ pub fn check_word(seed: u64, row_id: u64, row: &[u8]) -> u64 {
     buf[..8].copy_from_slice(&row_id.to_le_bytes());
     let n = row.len().min(ROW_BYTES);
     buf[8..8 + n].copy_from_slice(&row[..n]);
-    xxh3_64_with_seed(&buf, seed)
+    XxHash3_64::oneshot_with_seed(seed, &buf)
 }
 
 /// The check words of a whole table (`rows` is its row data, 264 bytes a

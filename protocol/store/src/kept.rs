@@ -84,7 +84,7 @@ impl Record {
         b[32..64].copy_from_slice(&self.digest.0);
         b[64..72].copy_from_slice(&self.generation.to_le_bytes());
         b[72..80].copy_from_slice(&self.loaded_unix_ms.to_le_bytes());
-        let sum = xxhash_rust::xxh3::xxh3_64(&b[..RECORD]);
+        let sum = twox_hash::XxHash3_64::oneshot(&b[..RECORD]);
         b[RECORD..].copy_from_slice(&sum.to_le_bytes());
         b
     }
@@ -105,7 +105,7 @@ impl Record {
                 u32_at(8)
             )));
         }
-        if xxhash_rust::xxh3::xxh3_64(&b[..RECORD]) != u64_at(RECORD) {
+        if twox_hash::XxHash3_64::oneshot(&b[..RECORD]) != u64_at(RECORD) {
             return Err(KeptError::Bad(
                 "the record's checksum does not match".into(),
             ));

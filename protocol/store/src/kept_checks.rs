@@ -27,7 +27,7 @@ use std::fs::File;
 
 use engram_protocol::TableDigest;
 use memmap2::MmapMut;
-use xxhash_rust::xxh3::xxh3_64;
+use twox_hash::XxHash3_64;
 
 use crate::kept::{self, KeptError};
 
@@ -82,7 +82,7 @@ impl KeptChecks {
             .map_err(kept::os("sizing the check words' memfd"))?;
         let mut map = map(&file, flen)?;
         fill(&mut map[..len]);
-        let record = encode(id, rows, digest, xxh3_64(&map[..len]));
+        let record = encode(id, rows, digest, XxHash3_64::oneshot(&map[..len]));
         map[len..len + RECORD + 8].copy_from_slice(&record);
         kept::seal(&file)?;
         Ok(Self { map, len, file })
@@ -107,7 +107,7 @@ impl KeptChecks {
         let map = map(&file, flen)?;
         let rec = &map[len..len + RECORD + 8];
         let sum = u64::from_le_bytes(rec[RECORD..RECORD + 8].try_into().unwrap_or_default());
-        if &rec[..8] != MAGIC || xxh3_64(&rec[..RECORD]) != sum {
+        if &rec[..8] != MAGIC || XxHash3_64::oneshot(&rec[..RECORD]) != sum {
             return Err(KeptError::Bad(
                 "no complete record (its writing was cut short)".into(),
             ));
@@ -118,7 +118,7 @@ impl KeptChecks {
                 "the words of another table, version or size".into(),
             ));
         }
-        if xxh3_64(&map[..len]) != words_sum {
+        if XxHash3_64::oneshot(&map[..len]) != words_sum {
             return Err(KeptError::Bad(
                 "the words changed since they were kept".into(),
             ));
@@ -146,7 +146,7 @@ fn encode(id: u32, rows: u64, digest: &TableDigest, words_sum: u64) -> [u8; RECO
     b[16..24].copy_from_slice(&rows.to_le_bytes());
     b[24..56].copy_from_slice(&digest.0);
     b[56..64].copy_from_slice(&words_sum.to_le_bytes());
-    let sum = xxh3_64(&b[..RECORD]);
+    let sum = XxHash3_64::oneshot(&b[..RECORD]);
     b[RECORD..].copy_from_slice(&sum.to_le_bytes());
     b
 }

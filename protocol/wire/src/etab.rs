@@ -116,7 +116,7 @@ pub struct TableLayout {
 /// The checksum of one 4 KiB page, as stored in `page_xxh3`: XXH3-64
 /// (seed 0) over all 4096 bytes, slack included.
 pub fn page_checksum(page: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(page)
+    twox_hash::XxHash3_64::oneshot(page)
 }
 
 /// Pages needed for `rows` rows.

@@ -33,17 +33,20 @@ pub struct EncodeError(pub &'static str);
 
 /// The checksum carried by Rows: XXH3-64 (seed 0) of the payload after the checksum field.
 pub fn payload_checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes)
+    twox_hash::XxHash3_64::oneshot(bytes)
 }
 
 /// [`payload_checksum`] of the concatenation of `parts` (a Rows payload
 /// whose rows were read into a buffer of their own).
 pub fn payload_checksum_of_parts(parts: &[&[u8]]) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    use std::hash::Hasher;
+    use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
+    // The default secret by reference: nothing allocated.
+    let mut h = RawHasher::new(SecretBuffer::default());
     for p in parts {
-        h.update(p);
+        h.write(p);
     }
-    h.digest()
+    h.finish()
 }
 
 fn check_len(len: usize, max: usize, what: &'static str) -> Result<(), EncodeError> {
