@@ -18,6 +18,7 @@
 //! gap into what the protocol costs and what the donor adds.
 
 mod host;
+mod pace;
 mod proto;
 mod quic;
 mod raw;
@@ -95,6 +96,12 @@ pub struct FloorArgs {
     /// (like for like). 0: both servers block.
     #[arg(long, default_value_t = 0)]
     pub(crate) server_busy_poll_us: u64,
+    /// Every series waits this long (spinning) from the end of one timed
+    /// lookup to the start of its next, so that each server has been idle
+    /// as long as every other before each request (docs/benchmarks.md,
+    /// "The same pause before every lookup"). 0: back to back.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) pause_us: u64,
     /// More arguments for the donor's `serve` (repeat the flag), e.g.
     /// `--donor-arg=--copy-tables` to serve a copy instead of the table
     /// files' pages.
@@ -442,7 +449,7 @@ impl FloorConn {
         Ok(self)
     }
 
-    fn one(&mut self) -> Result<Duration> {
+    fn one(&mut self, pace: &mut pace::Pacer) -> Result<Duration> {
         let asked = &mut self.asked;
         if let Some((rows, bound, rng)) = self.gather.as_mut() {
             for (i, id) in asked.iter_mut().take(*rows).enumerate() {
@@ -451,7 +458,7 @@ impl FloorConn {
                 self.req[at..at + 8].copy_from_slice(&id.to_le_bytes());
             }
         }
-        let t = Instant::now();
+        let t = pace.start();
         self.s.write_all(&self.req)?;
         let mut have = 0;
         while have < self.resp.len() && t.elapsed() < self.poll {
@@ -468,7 +475,7 @@ impl FloorConn {
                 bail!("the floor's answer failed its checksum");
             }
         }
-        let took = t.elapsed();
+        let took = pace.took(t);
         self.n += 1;
         let check = self.n.is_multiple_of(CHECK_EVERY);
         if let Some(&(rows, ..)) = self.gather.as_ref().filter(|_| check) {
@@ -507,7 +514,7 @@ impl DonorSeries {
         }
     }
 
-    async fn one(&mut self, client: &DonorClient) -> Result<Duration> {
+    async fn one(&mut self, client: &DonorClient, pace: &mut pace::Pacer) -> Result<Duration> {
         for v in &mut self.ids {
             v.iter_mut()
                 .for_each(|r| *r = self.rng.below(self.rows_per_table));
@@ -518,9 +525,9 @@ impl DonorSeries {
             .zip(TABLES)
             .map(|(rows, (table, _))| Request { table, rows })
             .collect();
-        let t = Instant::now();
+        let t = pace.start();
         client.lookup(&reqs, &mut self.out).await?;
-        let elapsed = t.elapsed();
+        let elapsed = pace.took(t);
         // Check answers outside the timed window (every 16th lookup).
         self.n += 1;
         if self.n.is_multiple_of(CHECK_EVERY) {
@@ -581,6 +588,9 @@ struct Series {
     server_pid: u32,
     /// Its timed chunks' CPU and wake-up time, both ends.
     split: split::Split,
+    /// The same pause before each of its lookups as before every other
+    /// series' ([`pace`]).
+    pacer: pace::Pacer,
     result: SeriesResult,
 }
 
@@ -593,10 +603,11 @@ impl Series {
         lat: &mut Latency,
     ) -> Result<usize> {
         let n = n.div_ceil(self.share);
+        self.pacer.begin();
         match (self.kind, self.floor.as_mut()) {
             (Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_), Some(f)) => {
                 for _ in 0..n {
-                    lat.record(f.one()?);
+                    lat.record(f.one(&mut self.pacer)?);
                 }
                 Ok(n)
             }
@@ -606,15 +617,15 @@ impl Series {
                     .as_mut()
                     .context("raw client series without a connection")?;
                 for _ in 0..n {
-                    lat.record(r.one()?);
+                    lat.record(r.one(&mut self.pacer)?);
                 }
                 Ok(n)
             }
             (Kind::Donor(i), _) => {
-                let (d, c) = (&mut self.donor, &clients[i]);
+                let (d, c, pace) = (&mut self.donor, &clients[i], &mut self.pacer);
                 rt.block_on(async {
                     for _ in 0..n {
-                        lat.record(d.one(c).await?);
+                        lat.record(d.one(c, pace).await?);
                     }
                     Ok(n)
                 })
@@ -624,9 +635,10 @@ impl Series {
                     .quic
                     .as_mut()
                     .context("QUIC floor series without a connection")?;
+                let pace = &mut self.pacer;
                 rt.block_on(async {
                     for _ in 0..n {
-                        lat.record(q.one(DEFAULT_BUSY_POLL).await?);
+                        lat.record(q.one(DEFAULT_BUSY_POLL, pace).await?);
                     }
                     Ok(n)
                 })
@@ -648,6 +660,9 @@ struct SeriesResult {
     median: Summary,
     /// Where its lookups' time went, both ends (means over all rounds).
     split: Option<split::PerLookup>,
+    /// The share of its lookups that started later than the pause after
+    /// the last, its own work between lookups being longer ([`pace`]).
+    pause_overran: f64,
 }
 
 /// Run the floor benchmark.
@@ -1024,6 +1039,7 @@ fn build_series(
             share: BULK_SHARE,
             server_pid: pids.serving(kind),
             split: split::Split::default(),
+            pacer: pace::Pacer::new(Duration::ZERO),
             result: SeriesResult {
                 series: format!("{name}, {BULK_ROWS} rows (bulk)"),
                 rows: BULK_ROWS,
@@ -1032,6 +1048,7 @@ fn build_series(
                 rounds: Vec::new(),
                 median: Summary::default(),
                 split: None,
+                pause_overran: 0.0,
             },
         });
     }
@@ -1185,6 +1202,7 @@ impl Endpoints<'_> {
             share: 1,
             server_pid: self.pids.serving(kind),
             split: split::Split::default(),
+            pacer: pace::Pacer::new(Duration::ZERO),
             result: SeriesResult {
                 series: format!("{name}, {rows} rows"),
                 rows,
@@ -1193,6 +1211,7 @@ impl Endpoints<'_> {
                 rounds: Vec::new(),
                 median: Summary::default(),
                 split: None,
+                pause_overran: 0.0,
             },
         })
     }
@@ -1217,6 +1236,9 @@ fn measure(
     rt: &tokio::runtime::Runtime,
     clients: &[DonorClient],
 ) -> Result<Vec<SeriesResult>> {
+    for s in &mut series {
+        s.pacer = pace::Pacer::new(Duration::from_micros(args.pause_us));
+    }
     // Warm up every series, then alternate them in chunks so that any drift
     // of the machine lands on all of them alike.
     for s in &mut series {
@@ -1232,6 +1254,7 @@ fn measure(
         .map(|mut s| {
             s.result.median = median_summary(&s.result.rounds);
             s.result.split = s.split.per_lookup();
+            s.result.pause_overran = s.pacer.overran();
             s.result
         })
         .collect())

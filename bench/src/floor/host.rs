@@ -178,8 +178,10 @@ pub(super) fn run(socket: &Path, tables: &Tables, args: &FloorArgs) -> Result<Ho
                 answer_bytes: s.sections * 24 * ROW_BYTES,
                 median: median_summary(&s.rounds),
                 rounds: s.rounds,
-                // Gathered in this process: no server to split from.
+                // Gathered in this process: no server to split from, nor
+                // one to let go idle between lookups.
                 split: None,
+                pause_overran: 0.0,
             })
             .collect(),
         page_kib,

@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -195,9 +195,13 @@ impl QuicFloorConn {
     /// One request and its answer, polling for it for up to `poll` (the
     /// stream once after each yield, as the project's client polls a
     /// QUIC stream), then waiting.
-    pub(super) async fn one(&mut self, poll: Duration) -> Result<Duration> {
+    pub(super) async fn one(
+        &mut self,
+        poll: Duration,
+        pace: &mut super::pace::Pacer,
+    ) -> Result<Duration> {
         use futures_util::FutureExt;
-        let t = Instant::now();
+        let t = pace.start();
         self.send.write_all(&self.req).await?;
         let mut have = 0;
         while have < self.resp.len() {
@@ -213,6 +217,6 @@ impl QuicFloorConn {
                 None => tokio::task::yield_now().await,
             }
         }
-        Ok(t.elapsed())
+        Ok(pace.took(t))
     }
 }

@@ -116,14 +116,14 @@ impl RawDonorConn {
 
     /// One timed lookup of random rows (ids drawn outside the timing),
     /// its answer checked against the generator outside the timing.
-    pub(super) fn one(&mut self) -> Result<Duration> {
+    pub(super) fn one(&mut self, pace: &mut super::pace::Pacer) -> Result<Duration> {
         for v in &mut self.ids {
             v.iter_mut()
                 .for_each(|r| *r = self.rng.below(self.rows_per_table));
         }
         let id = self.next_id;
         self.next_id += 1;
-        let t = Instant::now();
+        let t = pace.start();
         self.req.clear();
         // On the stack: one or two sections, nothing allocated.
         let n = self.ids.len().min(2);
@@ -156,7 +156,7 @@ impl RawDonorConn {
             self.out[at..at + data.len()].copy_from_slice(data);
             at += data.len();
         }
-        let took = t.elapsed();
+        let took = pace.took(t);
         if !id.is_multiple_of(super::CHECK_EVERY) {
             return Ok(took);
         }

@@ -393,6 +393,10 @@ pub(super) struct Report<'a> {
     pub(super) udp: Option<super::quic::UdpOffloads>,
 }
 
+/// A series whose lookups started late more often than this is named
+/// under the series table.
+const LATE_NOTED: f64 = 0.01;
+
 impl Report<'_> {
     /// Print the report as JSON.
     pub(super) fn print_json(&self) -> Result<()> {
@@ -409,6 +413,7 @@ impl Report<'_> {
             "pinned": self.pinned,
             "busy_poll_us": DEFAULT_BUSY_POLL.as_micros() as u64,
             "server_busy_poll_us": args.server_busy_poll_us,
+            "pause_us": args.pause_us,
             "series": self.results,
             "ratios": self.ratios,
             "target": { "p50": TARGET_P50, "p99": TARGET_P99, "met": met },
@@ -482,7 +487,7 @@ impl Report<'_> {
             return;
         }
         println!(
-            "where a lookup's time goes (means per lookup over the rounds, from the kernel's schedstat of every thread of the client's and the serving process; wall includes the untimed work between lookups):"
+            "where a lookup's time goes (means per lookup over the rounds, from the kernel's schedstat of every thread of the client's and the serving process; wall includes the untimed work and the pause between lookups):"
         );
         print_table(
             &[
@@ -501,11 +506,19 @@ impl Report<'_> {
         let args = self.args;
         println!(
             "engram-bench floor: 2 tables x {} rows ({:.2} GiB each), {} timed lookups per series after {} warm-up, \
-             1 in flight, loopback TCP{}{}; medians of {} rounds",
+             1 in flight, {}, loopback TCP{}{}; medians of {} rounds",
             args.rows_per_table,
             self.gib,
             args.lookups,
             args.warmup,
+            if args.pause_us > 0 {
+                format!(
+                    "each {} us after the last one's answer (--pause-us)",
+                    args.pause_us
+                )
+            } else {
+                "back to back".to_string()
+            },
             if self.pinned {
                 ", client and servers pinned to separate CPUs"
             } else {
@@ -542,6 +555,18 @@ impl Report<'_> {
             &["series", "req/ans bytes", "p50 us", "p99 us", "p99.9 us"],
             &rows,
         );
+        let late: Vec<String> = self
+            .results
+            .iter()
+            .filter(|r| r.pause_overran > LATE_NOTED)
+            .map(|r| format!("{} ({:.0}%)", r.series, r.pause_overran * 100.0))
+            .collect();
+        if self.args.pause_us > 0 && !late.is_empty() {
+            println!(
+                "lookups that started later than the pause after the last, their series' own work between lookups being longer: {}",
+                late.join(", ")
+            );
+        }
         self.print_split();
         if let Some(h) = &self.host {
             println!(
