@@ -15,6 +15,7 @@
 //! Layers: `wire` (socket <-> frames, shared read and write state) and this
 //! module (the API: handshake, lookups, pings).
 
+mod deadline;
 mod error;
 mod wire;
 
@@ -609,9 +610,9 @@ impl DonorClient {
         deadline: Instant,
     ) -> Result<(), ClientError> {
         let budget = deadline.saturating_duration_since(Instant::now());
-        tokio::time::timeout_at(deadline, self.lookup_inner(requests, out))
+        deadline::within(deadline, self.lookup_inner(requests, out))
             .await
-            .map_err(|_| ClientError::Timeout(budget))?
+            .map_err(|()| ClientError::Timeout(budget))?
     }
 
     async fn lookup_inner(

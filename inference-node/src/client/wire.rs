@@ -365,7 +365,7 @@ pub(super) async fn next_frame(
                         poll_until = None;
                     }
                     if now >= next_yield {
-                        tokio::task::yield_now().await;
+                        super::deadline::busy_yield().await;
                         next_yield = Instant::now() + YIELD_EVERY;
                     } else {
                         std::hint::spin_loop();
@@ -385,7 +385,7 @@ pub(super) async fn next_frame(
                         if Instant::now() >= until {
                             poll_until = None;
                         }
-                        tokio::task::yield_now().await;
+                        super::deadline::busy_yield().await;
                         continue;
                     }
                 }
