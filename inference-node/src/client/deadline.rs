@@ -91,39 +91,32 @@ mod tests {
         });
     }
 
+    /// `fut` never finishes: `within` ends it at its deadline, 20 ms on.
+    async fn times_out(fut: impl Future<Output = ()>) {
+        let t = Instant::now();
+        assert_eq!(within(t + Duration::from_millis(20), fut).await, Err(()));
+        let took = t.elapsed();
+        assert!(took >= Duration::from_millis(20), "{took:?}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+    }
+
     #[test]
     fn a_busy_polling_future_times_out_on_the_clock() {
-        rt().block_on(async {
-            let t = Instant::now();
-            let deadline = t + Duration::from_millis(20);
-            let spin = async {
-                loop {
-                    busy_yield().await;
-                }
-            };
-            assert_eq!(within(deadline, spin).await, Err::<(), ()>(()));
-            let took = t.elapsed();
-            assert!(took >= Duration::from_millis(20), "{took:?}");
-            assert!(took < Duration::from_secs(2), "{took:?}");
-        });
+        rt().block_on(times_out(async {
+            loop {
+                busy_yield().await;
+            }
+        }));
     }
 
     #[test]
     fn a_future_that_sleeps_times_out_on_the_timer() {
-        rt().block_on(async {
-            let t = Instant::now();
-            let deadline = t + Duration::from_millis(20);
-            // Yields first (no timer), then waits for nothing at all: only
-            // the runtime's timer can end it.
-            let stuck = async {
-                busy_yield().await;
-                std::future::pending::<()>().await;
-            };
-            assert_eq!(within(deadline, stuck).await, Err(()));
-            let took = t.elapsed();
-            assert!(took >= Duration::from_millis(20), "{took:?}");
-            assert!(took < Duration::from_secs(2), "{took:?}");
-        });
+        // Yields first (no timer), then waits for nothing at all: only the
+        // runtime's timer can end it.
+        rt().block_on(times_out(async {
+            busy_yield().await;
+            std::future::pending::<()>().await;
+        }));
     }
 
     #[test]
