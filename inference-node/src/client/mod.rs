@@ -17,6 +17,7 @@
 
 mod deadline;
 mod error;
+mod quiet;
 mod wire;
 
 use std::net::{IpAddr, SocketAddr};
@@ -301,6 +302,8 @@ struct Carrier {
     r: Box<dyn ReadHalf>,
     w: Box<dyn WriteHalf>,
     fd: Option<std::os::fd::RawFd>,
+    /// The halves keep the socket out of the runtime's reactor.
+    quiet: bool,
     tls: Option<wire::TlsRecords>,
     quic: Option<(quinn::Endpoint, quinn::Connection)>,
     left: Option<(Vec<u8>, Vec<u8>)>,
@@ -339,10 +342,21 @@ async fn dial_stream(
         (None, None)
     };
     let fd = stream.as_raw_fd();
-    let (r, w) = stream.into_split();
+    // A polling client reads the socket itself: out of the runtime's
+    // reactor until it must wait (`quiet`). One that sleeps waits there
+    // every time, so its socket stays in.
+    let (r, w, quiet): (Box<dyn ReadHalf>, Box<dyn WriteHalf>, bool) = if opts.busy_poll.is_zero() {
+        let (r, w) = stream.into_split();
+        (Box::new(r), Box::new(w), false)
+    } else {
+        let std = stream.into_std().map_err(connect_err)?;
+        let (r, w) = quiet::split(std).map_err(connect_err)?;
+        (Box::new(r), Box::new(w), true)
+    };
     Ok(Carrier {
-        r: Box::new(r),
-        w: Box::new(w),
+        r,
+        w,
+        quiet,
         fd: Some(fd),
         tls: records,
         quic: None,
@@ -384,6 +398,7 @@ impl DonorClient {
                     r: Box::new(recv),
                     w: Box::new(send),
                     fd: None,
+                    quiet: false,
                     tls: None,
                     quic: Some((endpoint, conn)),
                     left: None,
@@ -391,7 +406,14 @@ impl DonorClient {
             }
             transport => dial_stream(addr, opts, transport == Transport::Tls).await?,
         };
-        let Carrier { r, w, fd, quic, .. } = carrier;
+        let Carrier {
+            r,
+            w,
+            fd,
+            quic,
+            quiet,
+            ..
+        } = carrier;
         let (session, left) = (carrier.tls, carrier.left);
         let mut proto: wire::Session = ClientSession::new(ClientConfig {
             node: opts.node_name.clone(),
@@ -413,6 +435,7 @@ impl DonorClient {
             .await
             .map_err(|e| ClientError::Disconnected(e.to_string()))?;
         let mut rd = ReadState::new(r, fd, session);
+        rd.quiet = quiet;
         if let Some((cipher, plain)) = left {
             rd.cipher.extend_from_slice(&cipher);
             rd.buf.extend_from_slice(&plain);

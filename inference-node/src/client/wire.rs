@@ -22,8 +22,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub(super) trait ReadHalf:
     tokio::io::AsyncRead + Unpin + Send + Sync + std::fmt::Debug
 {
+    /// Before a busy-poll: stop watching the socket through the runtime
+    /// when nobody needs that (a half kept out of the reactor,
+    /// [`super::quiet`]); nothing for the others.
+    fn quiet(&mut self) {}
 }
-impl<T: tokio::io::AsyncRead + Unpin + Send + Sync + std::fmt::Debug> ReadHalf for T {}
+impl ReadHalf for tokio::net::tcp::OwnedReadHalf {}
+impl ReadHalf for quinn::RecvStream {}
 /// See [`ReadHalf`].
 pub(super) trait WriteHalf:
     tokio::io::AsyncWrite + Unpin + Send + Sync + std::fmt::Debug
@@ -106,6 +111,10 @@ pub(super) struct ReadState {
     /// halfway through reading them into its own buffer (its request was
     /// cancelled): discarded before the next frame.
     pub skip: usize,
+    /// The read half keeps its socket out of the runtime's reactor
+    /// ([`super::quiet`]): a look at what arrived reads the socket itself,
+    /// so that it does not put the socket back in.
+    pub quiet: bool,
 }
 
 impl ReadState {
@@ -114,6 +123,7 @@ impl ReadState {
         Self {
             r,
             fd,
+            quiet: false,
             buf: BytesMut::with_capacity(64 << 10),
             tls,
             cipher: BytesMut::new(),
@@ -155,6 +165,16 @@ impl ReadState {
             into.reserve(64 << 10);
         }
         (&mut self.r, into)
+    }
+
+    /// One look at the socket itself, never a wait, into the buffer
+    /// [`Self::stream_and_target`] names: None when nothing has arrived.
+    fn look(&mut self, fd: RawFd) -> Option<std::io::Result<usize>> {
+        self.stream_and_target();
+        match self.recv_now(fd) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            r => Some(r),
+        }
     }
 
     /// Over TLS: open the whole records buffered, in place, and move their
@@ -338,6 +358,9 @@ pub(super) async fn next_frame(
     own: Option<(u64, usize)>,
 ) -> Result<Next, ClientError> {
     let mut poll_until = (!busy_poll.is_zero()).then(|| Instant::now() + busy_poll);
+    if poll_until.is_some() {
+        rd.r.quiet();
+    }
     let mut next_yield = Instant::now() + YIELD_EVERY;
     loop {
         rd.settle();
@@ -535,14 +558,21 @@ impl Inner {
     }
 
     /// While nobody reads, take in what the donor sent meanwhile. Costs no
-    /// system call unless the reactor saw the socket become readable.
+    /// system call unless the reactor saw the socket become readable; a
+    /// socket kept out of the reactor is read once.
     pub fn poll_idle(&self, rd: &mut ReadState) -> Result<(), ClientError> {
         let step = (|| -> Result<(), ClientError> {
             let mut ended = Ok(());
             loop {
-                let (r, into) = rd.stream_and_target();
-                // One poll: what has arrived, never a wait.
-                match futures_util::FutureExt::now_or_never(r.read_buf(into)) {
+                // One look at what has arrived, never a wait.
+                let got = match rd.fd {
+                    Some(fd) if rd.quiet => rd.look(fd),
+                    _ => {
+                        let (r, into) = rd.stream_and_target();
+                        futures_util::FutureExt::now_or_never(r.read_buf(into))
+                    }
+                };
+                match got {
                     None => break,
                     Some(n) => {
                         ended = read_result(n);
