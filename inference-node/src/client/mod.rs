@@ -502,9 +502,11 @@ impl DonorClient {
     }
 
     /// Like [`Self::is_draining`], but first takes in what the donor sent
-    /// while nobody was reading (no system call unless the socket is
-    /// readable): a Goodbye that arrived between two lookups is seen before
-    /// the next one is sent, so the router moves away without a failover.
+    /// while nobody was reading (once nothing was read for a millisecond;
+    /// one `recv` on a polling connection, whose socket is outside the
+    /// reactor, else no system call unless the socket is readable): a
+    /// Goodbye that arrived between two lookups is seen before the next
+    /// one is sent, so the router moves away without a failover.
     pub fn poll_draining(&self) -> bool {
         let inner = &self.inner;
         if !self.is_draining()
