@@ -542,14 +542,9 @@ impl DonorClient {
         }
     }
 
-    /// [`Self::request`], the rows of a large Rows answer read straight
-    /// into `direct`'s buffer when this request reads its own answer.
-    async fn request_into(
-        &self,
-        kind: Kind,
-        encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
-        direct: Option<Direct<'_>>,
-    ) -> Result<Answer, ClientError> {
+    /// Begin a request on a connection that read nothing for a while or
+    /// is draining: first take in what the donor sent meanwhile.
+    fn begin_after_a_look(&self, kind: Kind) -> Result<u64, ClientError> {
         let inner = &self.inner;
         if inner.idle()
             && let Ok(mut rd) = inner.reader.try_lock()
@@ -566,7 +561,29 @@ impl DonorClient {
             inner.close_if_drained();
             return Err(ClientError::Draining);
         }
-        let id = inner.session().begin(kind, Waiter::default())?;
+        inner.session().begin(kind, Waiter::default())
+    }
+
+    /// [`Self::request`], the rows of a large Rows answer read straight
+    /// into `direct`'s buffer when this request reads its own answer.
+    async fn request_into(
+        &self,
+        kind: Kind,
+        encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
+        direct: Option<Direct<'_>>,
+    ) -> Result<Answer, ClientError> {
+        let inner = &self.inner;
+        // One look at the session when it read lately and is not draining
+        // (back-to-back requests).
+        let begun = {
+            let mut s = inner.session();
+            let now = std::time::Instant::now();
+            (!s.idle(now) && !s.is_draining()).then(|| s.begin(kind, Waiter::default()))
+        };
+        let id = match begun {
+            Some(id) => id?,
+            None => self.begin_after_a_look(kind)?,
+        };
         let _guard = PendingGuard { inner, id };
         {
             let mut ws = inner.writer.lock().await;
