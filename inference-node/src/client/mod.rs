@@ -238,10 +238,12 @@ async fn dial_quic(
         .map_err(|e| err(format!("QUIC: {e}")))?
         .await
         .map_err(|e| err(format!("QUIC handshake: {e}")))?;
+    // A donor that refuses the node closes the connection right after
+    // the handshake, with its reason.
     let (send, recv) = conn
         .open_bi()
         .await
-        .map_err(|e| err(format!("QUIC stream: {e}")))?;
+        .map_err(|e| quic_refusal(&conn, err(format!("QUIC stream: {e}"))))?;
     Ok((endpoint, conn, send, recv))
 }
 
@@ -430,10 +432,16 @@ impl DonorClient {
             tls: session.clone(),
             plain: Vec::new(),
         };
+        // Over QUIC the donor's reason for a refusal travels in the
+        // connection's close, which can come before the Hello is even out.
+        let refused = |e: ClientError| match &quic {
+            Some((_, c)) => quic_refusal(c, e),
+            None => e,
+        };
         ws.seal()?;
-        ws.finish()
-            .await
-            .map_err(|e| ClientError::Disconnected(e.to_string()))?;
+        if let Err(e) = ws.finish().await {
+            return Err(refused(ClientError::Disconnected(e.to_string())));
+        }
         let mut rd = ReadState::new(r, fd, session);
         rd.quiet = quiet;
         if let Some((cipher, plain)) = left {
@@ -452,8 +460,7 @@ impl DonorClient {
                         .into(),
                 });
             }
-            // Over QUIC the donor's reason travels in the connection's close.
-            Err(e) => return Err(quic.as_ref().map_or(e.clone(), |(_, c)| quic_refusal(c, e))),
+            Err(e) => return Err(refused(e)),
         };
         proto.welcome(&frame)?;
         let (donor, tables) = (proto.donor().to_string(), proto.tables().to_vec());
