@@ -567,6 +567,9 @@ enum Kind {
     /// The donor through the least client the protocol allows
     /// ([`raw::RawDonorConn`]), polling for this long before blocking.
     RawDonor(Duration),
+    /// The same least client on the bench's runtime, sleeping in its
+    /// reactor ([`raw::RawDonorConn::one_in_runtime`]).
+    RawDonorInRuntime,
     /// quinn itself moving the same bytes, its client polling like the
     /// project's.
     QuicFloor,
@@ -620,6 +623,20 @@ impl Series {
                     lat.record(r.one(&mut self.pacer)?);
                 }
                 Ok(n)
+            }
+            (Kind::RawDonorInRuntime, _) => {
+                let (r, pace) = (
+                    self.raw
+                        .as_mut()
+                        .context("raw client series without a connection")?,
+                    &mut self.pacer,
+                );
+                rt.block_on(async {
+                    for _ in 0..n {
+                        lat.record(r.one_in_runtime(pace).await?);
+                    }
+                    Ok(n)
+                })
             }
             (Kind::Donor(i), _) => {
                 let (d, c, pace) = (&mut self.donor, &clients[i], &mut self.pacer);
@@ -978,8 +995,9 @@ fn connect_clients(
 /// gathering floor blocking and polling, the donor over each transport of
 /// `secure`, the QUIC floor with QUIC, the donor through the least
 /// protocol client blocking and polling, the floor gathering and
-/// checksumming blocking and polling, then the least protocol client
-/// against the protocol's floor ([`proto`]) blocking and polling.
+/// checksumming blocking and polling, the least protocol client against
+/// the protocol's floor ([`proto`]) blocking and polling, then the donor
+/// through the least protocol client sleeping in the runtime.
 fn build_series(
     rt: &tokio::runtime::Runtime,
     pids: Pids,
@@ -1030,6 +1048,7 @@ fn build_series(
                 Kind::Donor(_)
                 | Kind::QuicFloor
                 | Kind::RawDonor(_)
+                | Kind::RawDonorInRuntime
                 | Kind::GatheringSummed(_)
                 | Kind::ProtoFloor(_) => None,
             },
@@ -1104,6 +1123,10 @@ fn kinds(secure: &[Transport], quic_floor: bool) -> Vec<(Kind, String)> {
             kinds.push((kind(poll), name.replace('@', word)));
         }
     }
+    kinds.push((
+        Kind::RawDonorInRuntime,
+        "donor, least protocol client sleeping in the runtime".to_string(),
+    ));
     kinds
 }
 
@@ -1118,7 +1141,7 @@ impl Pids {
     /// The process that answers a series of `kind`.
     fn serving(self, kind: Kind) -> u32 {
         match kind {
-            Kind::Donor(_) | Kind::RawDonor(_) => self.donor,
+            Kind::Donor(_) | Kind::RawDonor(_) | Kind::RawDonorInRuntime => self.donor,
             Kind::Floor(_)
             | Kind::Gathering(_)
             | Kind::GatheringSummed(_)
@@ -1173,7 +1196,11 @@ impl Endpoints<'_> {
                     .gathering(rows, rows_per_table, seed)?
                     .checksummed(),
             ),
-            Kind::Donor(_) | Kind::QuicFloor | Kind::RawDonor(_) | Kind::ProtoFloor(_) => None,
+            Kind::Donor(_)
+            | Kind::QuicFloor
+            | Kind::RawDonor(_)
+            | Kind::RawDonorInRuntime
+            | Kind::ProtoFloor(_) => None,
         };
         let raw = match kind {
             Kind::RawDonor(poll) | Kind::ProtoFloor(poll) => {
@@ -1191,6 +1218,17 @@ impl Endpoints<'_> {
                     poll,
                 )?)
             }
+            Kind::RawDonorInRuntime => Some(
+                raw::RawDonorConn::connect(
+                    donor,
+                    digests,
+                    sections,
+                    rows_per_table,
+                    seed,
+                    Duration::ZERO,
+                )?
+                .in_runtime(rt)?,
+            ),
             _ => None,
         };
         Ok(Series {

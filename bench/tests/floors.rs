@@ -17,6 +17,24 @@ fn bench(args: &[&str]) -> serde_json::Value {
 }
 
 /// A short `engram-bench floor --json` over `transports`, on small tables.
+/// Exactly `count` ratios whose names contain one of `marks`, each a
+/// finite positive p50.
+fn assert_ratios(ratios: &[serde_json::Value], marks: &[&str], count: usize) {
+    let p50s: Vec<f64> = ratios
+        .iter()
+        .filter(|r| {
+            r["what"]
+                .as_str()
+                .is_some_and(|w| marks.iter().any(|m| w.contains(m)))
+        })
+        .map(|r| r["p50"].as_f64().expect("p50"))
+        .collect();
+    assert!(
+        p50s.len() == count && p50s.iter().all(|r| r.is_finite() && *r > 0.0),
+        "{marks:?}: {ratios:?}"
+    );
+}
+
 fn short_floor(transports: &str) -> serde_json::Value {
     bench(&[
         "floor",
@@ -92,19 +110,29 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
             assert!(names.contains(&want.as_str()), "{names:?}");
         }
     }
-    let split: Vec<f64> = ratios
-        .iter()
-        .filter(|r| {
-            r["what"].as_str().is_some_and(|w| {
-                w.contains("(the protocol's own share)")
-                    || w.contains("(what the donor adds to the protocol)")
-            })
-        })
-        .map(|r| r["p50"].as_f64().expect("p50"))
-        .collect();
-    assert!(
-        split.len() == 8 && split.iter().all(|r| r.is_finite() && *r > 0.0),
-        "{ratios:?}"
+    assert_ratios(
+        ratios,
+        &[
+            "(the protocol's own share)",
+            "(what the donor adds to the protocol)",
+        ],
+        8,
+    );
+    // The least protocol client sleeping in the runtime's reactor, at both
+    // sizes, and the ratios that split the sleeping client's gap into the
+    // runtime's share and the project client's own.
+    for rows in [24, 48] {
+        let want = format!("donor, least protocol client sleeping in the runtime, {rows} rows");
+        assert!(names.contains(&want.as_str()), "{names:?}");
+    }
+    assert_ratios(
+        ratios,
+        &[
+            "(what waiting in the runtime's reactor costs)",
+            "(the client's share beyond the runtime)",
+            "(the least a client in the runtime gets)",
+        ],
+        6,
     );
     // The bulk series: a 16,384-row lookup against a raw ping-pong of the
     // same bytes and against a floor that gathers as many rows (its rows

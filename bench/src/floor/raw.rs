@@ -5,10 +5,19 @@
 //! client must (the rows checked against the generator on every 16th
 //! lookup, outside the timing, as the other series do). Against the project's client on the same donor it splits
 //! what the donor adds to the gathering floor from what the client adds.
+//!
+//! In the runtime ([`RawDonorConn::in_runtime`]) it does the same through
+//! the bench's async runtime, the one the project's client runs on: the
+//! request written and the answer read by the runtime's socket, which
+//! sleeps in its reactor. Against the blocking one it is what waiting in
+//! a reactor costs any client that watches several sockets and timers at
+//! once; against the project's client, what the client adds beyond that.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::messages::{Hello, LookupSection, encode_lookup};
@@ -34,6 +43,8 @@ pub(super) struct RawDonorConn {
     buf: Vec<u8>,
     out: Vec<u8>,
     next_id: u64,
+    /// The socket registered with the runtime, for [`Self::one_in_runtime`].
+    runtime: Option<tokio::net::TcpStream>,
 }
 
 impl RawDonorConn {
@@ -65,6 +76,7 @@ impl RawDonorConn {
             buf: vec![0; 64 << 10],
             out: vec![0; sections * 24 * ROW_BYTES],
             next_id: 1,
+            runtime: None,
         };
         Hello {
             version: PROTOCOL_VERSION,
@@ -85,16 +97,8 @@ impl RawDonorConn {
         let t = Instant::now();
         let mut have = 0;
         loop {
-            if have >= HEADER_LEN
-                && let Some(h) = FrameHeader::peek(&self.buf[..have], &self.limits)?
-            {
-                let len = h.frame_len();
-                if len > self.buf.len() {
-                    bail!("a {len}-byte frame does not fit the buffer");
-                }
-                if have >= len {
-                    return Ok(len);
-                }
+            if let Some(len) = whole(&self.buf, have, &self.limits)? {
+                return Ok(len);
             }
             let rest = &mut self.buf[have..];
             let n = if t.elapsed() < poll {
@@ -117,6 +121,49 @@ impl RawDonorConn {
     /// One timed lookup of random rows (ids drawn outside the timing),
     /// its answer checked against the generator outside the timing.
     pub(super) fn one(&mut self, pace: &mut super::pace::Pacer) -> Result<Duration> {
+        let (id, t) = self.begin(pace)?;
+        self.s.write_all(&self.req)?;
+        let len = self.read_frame(self.poll)?;
+        self.end(id, len, t, pace)
+    }
+
+    /// Register the socket with `rt` for [`Self::one_in_runtime`] (after
+    /// Hello, which was read blocking).
+    pub(super) fn in_runtime(mut self, rt: &tokio::runtime::Runtime) -> Result<Self> {
+        let s = self.s.try_clone()?;
+        s.set_nonblocking(true)?;
+        let _in = rt.enter();
+        self.runtime = Some(tokio::net::TcpStream::from_std(s)?);
+        Ok(self)
+    }
+
+    /// [`Self::one`] through the runtime's socket, on the runtime.
+    pub(super) async fn one_in_runtime(
+        &mut self,
+        pace: &mut super::pace::Pacer,
+    ) -> Result<Duration> {
+        let (id, t) = self.begin(pace)?;
+        let s = self
+            .runtime
+            .as_mut()
+            .context("the connection is not in the runtime")?;
+        s.write_all(&self.req).await?;
+        let mut have = 0;
+        let len = loop {
+            if let Some(len) = whole(&self.buf, have, &self.limits)? {
+                break len;
+            }
+            match s.read(&mut self.buf[have..]).await? {
+                0 => bail!("the donor closed the connection"),
+                n => have += n,
+            }
+        };
+        self.end(id, len, t, pace)
+    }
+
+    /// Draw the next lookup's rows, start its timing and write its request
+    /// into `req`: its id and start.
+    fn begin(&mut self, pace: &mut super::pace::Pacer) -> Result<(u64, Instant)> {
         for v in &mut self.ids {
             v.iter_mut()
                 .for_each(|r| *r = self.rng.below(self.rows_per_table));
@@ -137,8 +184,19 @@ impl RawDonorConn {
         };
         let sections = [section(0), section(1)];
         encode_lookup(&mut self.req, id, &sections[..n])?;
-        self.s.write_all(&self.req)?;
-        let len = self.read_frame(self.poll)?;
+        Ok((id, t))
+    }
+
+    /// Take lookup `id`'s answer, the first `len` bytes of `buf`, as any
+    /// client must (decoded, checksum checked, rows copied out), end its
+    /// timing, and check its rows on every 16th lookup.
+    fn end(
+        &mut self,
+        id: u64,
+        len: usize,
+        t: Instant,
+        pace: &mut super::pace::Pacer,
+    ) -> Result<Duration> {
         let Some(d) = decode(&self.buf[..len], &self.limits)? else {
             bail!("an incomplete answer");
         };
@@ -168,4 +226,20 @@ impl RawDonorConn {
         }
         Ok(took)
     }
+}
+
+/// The length of the whole frame at the front of `buf`'s first `have`
+/// bytes, once they hold it all; an error when it cannot fit `buf`.
+fn whole(buf: &[u8], have: usize, limits: &Limits) -> Result<Option<usize>> {
+    if have < HEADER_LEN {
+        return Ok(None);
+    }
+    let Some(h) = FrameHeader::peek(&buf[..have], limits)? else {
+        return Ok(None);
+    };
+    let len = h.frame_len();
+    if len > buf.len() {
+        bail!("a {len}-byte frame does not fit the buffer");
+    }
+    Ok((have >= len).then_some(len))
 }

@@ -28,7 +28,7 @@ const QUIC_P50: f64 = 1.6;
 /// protocol client's pair, the checksumming floor's pair and the
 /// protocol's floor's pair.
 pub(super) fn per_size(secure: &[Transport]) -> usize {
-    raw_at(secure) + 6
+    raw_at(secure) + 7
 }
 
 /// Where a size's two series through the least protocol client start
@@ -86,6 +86,8 @@ enum At {
     Raw(usize),
     Summed(usize),
     Proto(usize),
+    /// The least protocol client sleeping in the runtime.
+    Runtime,
 }
 
 impl At {
@@ -95,6 +97,7 @@ impl At {
             Self::Raw(i) => raw_at(secure) + i,
             Self::Summed(i) => raw_at(secure) + 2 + i,
             Self::Proto(i) => raw_at(secure) + 4 + i,
+            Self::Runtime => raw_at(secure) + 6,
         }
     }
 }
@@ -105,9 +108,10 @@ impl At {
 /// gathering floor polling, then the donor over each secure transport,
 /// then the QUIC floor with QUIC, then the donor through the least
 /// protocol client blocking and polling, the floor that also checksums,
-/// blocking and polling, then the least protocol client against the
-/// protocol's floor, blocking and polling].
-const PAIRS: [(&str, At, At, Option<Target>); 19] = [
+/// blocking and polling, the least protocol client against the protocol's
+/// floor, blocking and polling, then the donor through the least protocol
+/// client sleeping in the runtime].
+const PAIRS: [(&str, At, At, Option<Target>); 22] = [
     (
         "project client / blocking floor (the target)",
         At::Fixed(2),
@@ -210,6 +214,24 @@ const PAIRS: [(&str, At, At, Option<Target>); 19] = [
         "neither client polling, against the protocol's floor (the target's gap beyond what the protocol requires)",
         At::Fixed(3),
         At::Proto(0),
+        None,
+    ),
+    (
+        "neither polling: least protocol client sleeping in the runtime / blocking, same donor (what waiting in the runtime's reactor costs)",
+        At::Runtime,
+        At::Raw(0),
+        None,
+    ),
+    (
+        "neither polling: project client / least protocol client sleeping in the runtime, same donor (the client's share beyond the runtime)",
+        At::Fixed(3),
+        At::Runtime,
+        None,
+    ),
+    (
+        "neither polling: donor through the least protocol client sleeping in the runtime / floor gathering rows (the least a client in the runtime gets)",
+        At::Runtime,
+        At::Fixed(4),
         None,
     ),
 ];
