@@ -1202,34 +1202,23 @@ impl Endpoints<'_> {
             | Kind::RawDonorInRuntime
             | Kind::ProtoFloor(_) => None,
         };
-        let raw = match kind {
-            Kind::RawDonor(poll) | Kind::ProtoFloor(poll) => {
-                let to = if matches!(kind, Kind::RawDonor(_)) {
-                    donor
-                } else {
-                    self.proto
-                };
-                Some(raw::RawDonorConn::connect(
-                    to,
-                    digests,
-                    sections,
-                    rows_per_table,
-                    seed,
-                    poll,
-                )?)
-            }
-            Kind::RawDonorInRuntime => Some(
-                raw::RawDonorConn::connect(
-                    donor,
-                    digests,
-                    sections,
-                    rows_per_table,
-                    seed,
-                    Duration::ZERO,
-                )?
-                .in_runtime(rt)?,
-            ),
+        let raw_to = match kind {
+            Kind::RawDonor(poll) => Some((donor, poll)),
+            Kind::RawDonorInRuntime => Some((donor, Duration::ZERO)),
+            Kind::ProtoFloor(poll) => Some((self.proto, poll)),
             _ => None,
+        };
+        let raw = match raw_to {
+            Some((to, poll)) => {
+                let c =
+                    raw::RawDonorConn::connect(to, digests, sections, rows_per_table, seed, poll)?;
+                Some(if matches!(kind, Kind::RawDonorInRuntime) {
+                    c.in_runtime(rt)?
+                } else {
+                    c
+                })
+            }
+            None => None,
         };
         Ok(Series {
             kind,

@@ -17,14 +17,13 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
 use anyhow::{Context, Result, bail};
 use engram_protocol::messages::{Hello, LookupSection, encode_lookup};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{
     Frame, FrameHeader, HEADER_LEN, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, decode,
 };
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{SEED, TABLES};
 
