@@ -402,6 +402,9 @@ struct FloorConn {
     /// timing, as the donor series check theirs (so that the client's CPU
     /// per lookup compares like for like).
     n: u64,
+    /// The same socket registered with the bench's runtime, for
+    /// [`FloorConn::one_in_runtime`].
+    runtime: Option<tokio::net::TcpStream>,
 }
 
 impl FloorConn {
@@ -420,7 +423,17 @@ impl FloorConn {
             asked: Vec::new(),
             checksum: false,
             n: 0,
+            runtime: None,
         })
+    }
+
+    /// Register the socket with `rt` for [`Self::one_in_runtime`].
+    fn in_runtime(mut self, rt: &tokio::runtime::Runtime) -> Result<Self> {
+        let s = self.s.try_clone()?;
+        s.set_nonblocking(true)?;
+        let _in = rt.enter();
+        self.runtime = Some(tokio::net::TcpStream::from_std(s)?);
+        Ok(self)
     }
 
     /// The server checksums each answer and the client checks it, as the
@@ -450,15 +463,7 @@ impl FloorConn {
     }
 
     fn one(&mut self, pace: &mut pace::Pacer) -> Result<Duration> {
-        let asked = &mut self.asked;
-        if let Some((rows, bound, rng)) = self.gather.as_mut() {
-            for (i, id) in asked.iter_mut().take(*rows).enumerate() {
-                *id = rng.below(*bound);
-                let at = GATHER_ROWS_AT + i * 8;
-                self.req[at..at + 8].copy_from_slice(&id.to_le_bytes());
-            }
-        }
-        let t = pace.start();
+        let t = self.begin(pace);
         self.s.write_all(&self.req)?;
         let mut have = 0;
         while have < self.resp.len() && t.elapsed() < self.poll {
@@ -469,6 +474,40 @@ impl FloorConn {
             }
         }
         self.s.read_exact(&mut self.resp[have..])?;
+        self.end(t, pace)
+    }
+
+    /// [`Self::one`] through the runtime's socket, on the runtime: the
+    /// client sleeps in its reactor, as an async client that watches
+    /// several sockets and timers must.
+    async fn one_in_runtime(&mut self, pace: &mut pace::Pacer) -> Result<Duration> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let t = self.begin(pace);
+        let s = self
+            .runtime
+            .as_mut()
+            .context("the floor connection is not in the runtime")?;
+        s.write_all(&self.req).await?;
+        s.read_exact(&mut self.resp).await?;
+        self.end(t, pace)
+    }
+
+    /// Draw the rows of a gathering request (outside the timing), then
+    /// start the timing.
+    fn begin(&mut self, pace: &mut pace::Pacer) -> Instant {
+        if let Some((rows, bound, rng)) = self.gather.as_mut() {
+            for (i, id) in self.asked.iter_mut().take(*rows).enumerate() {
+                *id = rng.below(*bound);
+                let at = GATHER_ROWS_AT + i * 8;
+                self.req[at..at + 8].copy_from_slice(&id.to_le_bytes());
+            }
+        }
+        pace.start()
+    }
+
+    /// The answer is in: check its checksum (when asked to), end the
+    /// timing, and check its rows on every 16th lookup.
+    fn end(&mut self, t: Instant, pace: &mut pace::Pacer) -> Result<Duration> {
         if self.checksum {
             let sum = u64::from_le_bytes(self.resp[..8].try_into().unwrap_or_default());
             if payload_checksum(&self.resp[8..]) != sum {
@@ -570,6 +609,9 @@ enum Kind {
     /// The same least client on the bench's runtime, sleeping in its
     /// reactor ([`raw::RawDonorConn::one_in_runtime`]).
     RawDonorInRuntime,
+    /// The floor gathering the rows, its client on the bench's runtime,
+    /// sleeping in its reactor ([`FloorConn::one_in_runtime`]).
+    GatheringInRuntime,
     /// quinn itself moving the same bytes, its client polling like the
     /// project's.
     QuicFloor,
@@ -624,6 +666,12 @@ impl Series {
                 }
                 Ok(n)
             }
+            (Kind::GatheringInRuntime, Some(f)) => rt.block_on(async {
+                for _ in 0..n {
+                    lat.record(f.one_in_runtime(&mut self.pacer).await?);
+                }
+                Ok(n)
+            }),
             (Kind::RawDonorInRuntime, _) => {
                 let (r, pace) = (
                     self.raw
@@ -660,7 +708,13 @@ impl Series {
                     Ok(n)
                 })
             }
-            (Kind::Floor(_) | Kind::Gathering(_) | Kind::GatheringSummed(_), None) => {
+            (
+                Kind::Floor(_)
+                | Kind::Gathering(_)
+                | Kind::GatheringSummed(_)
+                | Kind::GatheringInRuntime,
+                None,
+            ) => {
                 bail!("floor series without a connection")
             }
         }
@@ -996,8 +1050,10 @@ fn connect_clients(
 /// `secure`, the QUIC floor with QUIC, the donor through the least
 /// protocol client blocking and polling, the floor gathering and
 /// checksumming blocking and polling, the least protocol client against
-/// the protocol's floor ([`proto`]) blocking and polling, then the donor
-/// through the least protocol client sleeping in the runtime.
+/// the protocol's floor ([`proto`]) blocking and polling, the donor
+/// through the least protocol client sleeping in the runtime, the
+/// gathering floor, its client sleeping in the runtime, then the first of
+/// these again.
 fn build_series(
     rt: &tokio::runtime::Runtime,
     pids: Pids,
@@ -1049,6 +1105,7 @@ fn build_series(
                 | Kind::QuicFloor
                 | Kind::RawDonor(_)
                 | Kind::RawDonorInRuntime
+                | Kind::GatheringInRuntime
                 | Kind::GatheringSummed(_)
                 | Kind::ProtoFloor(_) => None,
             },
@@ -1127,6 +1184,16 @@ fn kinds(secure: &[Transport], quic_floor: bool) -> Vec<(Kind, String)> {
         Kind::RawDonorInRuntime,
         "donor, least protocol client sleeping in the runtime".to_string(),
     ));
+    kinds.push((
+        Kind::GatheringInRuntime,
+        "floor gathering rows, client sleeping in the runtime".to_string(),
+    ));
+    // The same series again, on its own connection: how far apart two
+    // identical series come out is what the run can resolve.
+    kinds.push((
+        Kind::RawDonorInRuntime,
+        "donor, least protocol client sleeping in the runtime, again".to_string(),
+    ));
     kinds
 }
 
@@ -1144,6 +1211,7 @@ impl Pids {
             Kind::Donor(_) | Kind::RawDonor(_) | Kind::RawDonorInRuntime => self.donor,
             Kind::Floor(_)
             | Kind::Gathering(_)
+            | Kind::GatheringInRuntime
             | Kind::GatheringSummed(_)
             | Kind::QuicFloor
             | Kind::ProtoFloor(_) => self.floor,
@@ -1195,6 +1263,11 @@ impl Endpoints<'_> {
                 FloorConn::new(floor, req, ans, poll)?
                     .gathering(rows, rows_per_table, seed)?
                     .checksummed(),
+            ),
+            Kind::GatheringInRuntime => Some(
+                FloorConn::new(floor, req, ans, Duration::ZERO)?
+                    .gathering(rows, rows_per_table, seed)?
+                    .in_runtime(rt)?,
             ),
             Kind::Donor(_)
             | Kind::QuicFloor
@@ -1256,6 +1329,16 @@ const BULK_SHARE: usize = 100;
 /// Lookups a series runs before the next series takes its turn.
 const CHUNK: usize = 250;
 
+/// Seeds the order in which the series take their turns ([`measure_round`]).
+const SHUFFLE_SEED: u64 = 0x005e_ed0f_0de5;
+
+/// Put `order` in a random order (Fisher-Yates).
+fn shuffle(order: &mut [usize], rng: &mut SplitMix64) {
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+}
+
 /// Warm up every series, run the rounds, and take each series' medians over rounds.
 fn measure(
     mut series: Vec<Series>,
@@ -1266,15 +1349,15 @@ fn measure(
     for s in &mut series {
         s.pacer = pace::Pacer::new(Duration::from_micros(args.pause_us));
     }
-    // Warm up every series, then alternate them in chunks so that any drift
-    // of the machine lands on all of them alike.
+    // Warm up every series, then alternate them in chunks, in a new order
+    // each pass, so that any drift of the machine lands on all of them alike.
     for s in &mut series {
         let mut lat = Latency::default();
         s.run(args.warmup, rt, clients, &mut lat)?;
     }
     for round in 0..args.rounds {
         eprintln!("round {} of {}", round + 1, args.rounds);
-        measure_round(&mut series, args.lookups, rt, clients)?;
+        measure_round(&mut series, round, args.lookups, rt, clients)?;
     }
     Ok(series
         .into_iter()
@@ -1287,18 +1370,29 @@ fn measure(
         .collect())
 }
 
-/// One round: `lookups` timed lookups per series, the series taking turns in chunks.
+/// One round: `lookups` timed lookups per series, the series taking turns
+/// in chunks, in a new random order each pass.
 fn measure_round(
     series: &mut [Series],
+    round: usize,
     lookups: usize,
     rt: &tokio::runtime::Runtime,
     clients: &[DonorClient],
 ) -> Result<()> {
     let mut lat: Vec<Latency> = series.iter().map(|_| Latency::default()).collect();
+    // A new order every pass: in a fixed one each series always follows
+    // the same other, and what that one leaves behind (a CPU that spun or
+    // slept, the host's view of it) lands on it alone. Two identical
+    // series were 2 to 5% apart at p50 in a fixed order, within 1.4% in
+    // shuffled ones (docs/benchmarks.md, "A new order every pass").
+    let mut order: Vec<usize> = (0..series.len()).collect();
+    let mut rng = SplitMix64::new(SHUFFLE_SEED ^ round as u64);
     let mut done = 0;
     while done < lookups {
         let n = CHUNK.min(lookups - done);
-        for (s, l) in series.iter_mut().zip(&mut lat) {
+        shuffle(&mut order, &mut rng);
+        for &i in &order {
+            let (s, l) = (&mut series[i], &mut lat[i]);
             let before = split::Mark::now(s.server_pid);
             let ran = s.run(n, rt, clients, l)?;
             s.split.add(&before, &split::Mark::now(s.server_pid), ran);
@@ -1309,4 +1403,30 @@ fn measure_round(
         s.result.rounds.push(l.summary());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// Every pass runs every series once, and a series follows a different
+    /// one from pass to pass.
+    #[test]
+    fn each_pass_runs_every_series_once_after_changing_others() {
+        let mut rng = SplitMix64::new(SHUFFLE_SEED);
+        let mut order: Vec<usize> = (0..30).collect();
+        let (mut orders, mut before_five) = (HashSet::new(), HashSet::new());
+        for _ in 0..20 {
+            shuffle(&mut order, &mut rng);
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..30).collect::<Vec<_>>());
+            orders.insert(order.clone());
+            let at = order.iter().position(|&i| i == 5).expect("series 5 runs");
+            before_five.insert(at.checked_sub(1).map(|p| order[p]));
+        }
+        assert_eq!(orders.len(), 20);
+        assert!(before_five.len() >= 10, "{before_five:?}");
+    }
 }

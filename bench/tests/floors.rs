@@ -134,6 +134,28 @@ fn the_floor_run_has_a_floor_that_gathers_the_rows() {
         ],
         6,
     );
+    // The gathering floor with its client sleeping in the runtime too (the
+    // like for like of the project's client not polling), and the least
+    // protocol client's series a second time: the two identical series'
+    // ratio is what the run resolves.
+    for rows in [24, 48] {
+        for want in [
+            format!("floor gathering rows, client sleeping in the runtime, {rows} rows"),
+            format!("donor, least protocol client sleeping in the runtime, again, {rows} rows"),
+        ] {
+            assert!(names.contains(&want.as_str()), "{names:?}");
+        }
+    }
+    assert_ratios(
+        ratios,
+        &[
+            "(what waiting in the runtime's reactor costs the floor)",
+            "(the donor's share in the runtime)",
+            "(like for like)",
+            "(two identical series: what the run resolves)",
+        ],
+        8,
+    );
     // The bulk series: a 16,384-row lookup against a raw ping-pong of the
     // same bytes and against a floor that gathers as many rows (its rows
     // checked), and their ratios.

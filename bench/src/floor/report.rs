@@ -25,10 +25,12 @@ const QUIC_P50: f64 = 1.6;
 
 /// Series per size: the six floor and donor series, the donor over each
 /// secure transport, the QUIC floor when QUIC is measured, the least
-/// protocol client's pair, the checksumming floor's pair and the
-/// protocol's floor's pair.
+/// protocol client's pair, the checksumming floor's pair, the
+/// protocol's floor's pair, then the least protocol client and the
+/// gathering floor with their clients sleeping in the runtime, and the
+/// least protocol client's series again.
 pub(super) fn per_size(secure: &[Transport]) -> usize {
-    raw_at(secure) + 7
+    raw_at(secure) + 9
 }
 
 /// Where a size's two series through the least protocol client start
@@ -88,6 +90,10 @@ enum At {
     Proto(usize),
     /// The least protocol client sleeping in the runtime.
     Runtime,
+    /// The gathering floor, its client sleeping in the runtime.
+    GatheringRuntime,
+    /// [`At::Runtime`]'s series again.
+    RuntimeAgain,
 }
 
 impl At {
@@ -98,6 +104,8 @@ impl At {
             Self::Summed(i) => raw_at(secure) + 2 + i,
             Self::Proto(i) => raw_at(secure) + 4 + i,
             Self::Runtime => raw_at(secure) + 6,
+            Self::GatheringRuntime => raw_at(secure) + 7,
+            Self::RuntimeAgain => raw_at(secure) + 8,
         }
     }
 }
@@ -109,9 +117,10 @@ impl At {
 /// then the QUIC floor with QUIC, then the donor through the least
 /// protocol client blocking and polling, the floor that also checksums,
 /// blocking and polling, the least protocol client against the protocol's
-/// floor, blocking and polling, then the donor through the least protocol
-/// client sleeping in the runtime].
-const PAIRS: [(&str, At, At, Option<Target>); 22] = [
+/// floor, blocking and polling, the donor through the least protocol
+/// client sleeping in the runtime, the gathering floor, its client
+/// sleeping in the runtime, then the least protocol client's again].
+const PAIRS: [(&str, At, At, Option<Target>); 26] = [
     (
         "project client / blocking floor (the target)",
         At::Fixed(2),
@@ -232,6 +241,30 @@ const PAIRS: [(&str, At, At, Option<Target>); 22] = [
         "neither polling: donor through the least protocol client sleeping in the runtime / floor gathering rows (the least a client in the runtime gets)",
         At::Runtime,
         At::Fixed(4),
+        None,
+    ),
+    (
+        "neither polling: floor gathering rows, client sleeping in the runtime / blocking (what waiting in the runtime's reactor costs the floor)",
+        At::GatheringRuntime,
+        At::Fixed(4),
+        None,
+    ),
+    (
+        "neither polling: least protocol client / floor gathering rows, both sleeping in the runtime (the donor's share in the runtime)",
+        At::Runtime,
+        At::GatheringRuntime,
+        None,
+    ),
+    (
+        "neither client polling, against the floor gathering rows with its client sleeping in the runtime too (like for like)",
+        At::Fixed(3),
+        At::GatheringRuntime,
+        None,
+    ),
+    (
+        "neither polling: least protocol client sleeping in the runtime, again / the first series (two identical series: what the run resolves)",
+        At::RuntimeAgain,
+        At::Runtime,
         None,
     ),
 ];
