@@ -384,6 +384,15 @@ fn recv_now(s: &TcpStream, buf: &mut [u8]) -> isize {
     }
 }
 
+/// `s` (a second handle to its socket, non-blocking) registered with
+/// `rt`'s reactor, for a client that sleeps in the runtime.
+fn in_runtime(s: &TcpStream, rt: &tokio::runtime::Runtime) -> Result<tokio::net::TcpStream> {
+    let s = s.try_clone()?;
+    s.set_nonblocking(true)?;
+    let _in = rt.enter();
+    Ok(tokio::net::TcpStream::from_std(s)?)
+}
+
 /// One blocking ping-pong connection to the floor server.
 struct FloorConn {
     s: TcpStream,
@@ -429,10 +438,7 @@ impl FloorConn {
 
     /// Register the socket with `rt` for [`Self::one_in_runtime`].
     fn in_runtime(mut self, rt: &tokio::runtime::Runtime) -> Result<Self> {
-        let s = self.s.try_clone()?;
-        s.set_nonblocking(true)?;
-        let _in = rt.enter();
-        self.runtime = Some(tokio::net::TcpStream::from_std(s)?);
+        self.runtime = Some(in_runtime(&self.s, rt)?);
         Ok(self)
     }
 

@@ -129,10 +129,7 @@ impl RawDonorConn {
     /// Register the socket with `rt` for [`Self::one_in_runtime`] (after
     /// Hello, which was read blocking).
     pub(super) fn in_runtime(mut self, rt: &tokio::runtime::Runtime) -> Result<Self> {
-        let s = self.s.try_clone()?;
-        s.set_nonblocking(true)?;
-        let _in = rt.enter();
-        self.runtime = Some(tokio::net::TcpStream::from_std(s)?);
+        self.runtime = Some(super::in_runtime(&self.s, rt)?);
         Ok(self)
     }
 
