@@ -50,6 +50,7 @@ struct Row {
 /// Run the drills.
 pub fn run(args: &DrillArgs) -> Result<()> {
     check_args(args)?;
+    crate::rack::kill_children_on_interrupt()?;
     let chosen: Vec<_> = drills::ALL
         .iter()
         .filter(|(n, _, _)| args.only.is_empty() || args.only.iter().any(|o| o == n))
@@ -71,6 +72,7 @@ pub fn run(args: &DrillArgs) -> Result<()> {
     );
     let mut rows = Vec::new();
     for (i, (name, about, f)) in chosen.iter().enumerate() {
+        crate::rack::check_interrupted()?;
         println!("[{}/{}] {name}: {about}", i + 1, chosen.len());
         if *name == "partition"
             && let Err(why) = NetNs::check()

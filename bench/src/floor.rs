@@ -744,6 +744,7 @@ struct SeriesResult {
 
 /// Run the floor benchmark.
 pub fn run(args: &FloorArgs) -> Result<()> {
+    crate::rack::kill_children_on_interrupt()?;
     let tmp = tempfile::tempdir()?;
     let tables = generate_tables(args, tmp.path())?;
     let secure = args.secure();
@@ -1395,6 +1396,7 @@ fn measure_round(
     let mut rng = SplitMix64::new(SHUFFLE_SEED ^ round as u64);
     let mut done = 0;
     while done < lookups {
+        crate::rack::check_interrupted()?;
         let n = CHUNK.min(lookups - done);
         shuffle(&mut order, &mut rng);
         for &i in &order {

@@ -247,6 +247,7 @@ fn restart_from_store(file: &Path, dir: &Path, extra: &[&str]) -> Result<f64> {
 
 /// Run the benchmark.
 pub fn run(args: &LoadArgs) -> Result<()> {
+    crate::rack::kill_children_on_interrupt()?;
     ensure_file(args)?;
     std::fs::create_dir_all(&args.out)?;
     let file = std::fs::canonicalize(&args.file)?;

@@ -307,6 +307,7 @@ fn prompt_rows(rng: &mut SplitMix64, n: usize, rows: u64) -> Vec<u64> {
 
 /// Run `engram-bench prefill`.
 pub fn run(args: &PrefillArgs) -> Result<()> {
+    crate::rack::kill_children_on_interrupt()?;
     check_args(args)?;
     let bench = Bench::start(args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cluster_config::{Endpoint, Transport};
-use engram_sync::Mutex;
 use rack_harness::rack_toml::{
     DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
 };
@@ -310,26 +309,12 @@ fn node_entry(n: &NodeSpec, tables: [&TableFile; 2], spec: &RackSpec) -> NodeEnt
     }
 }
 
-/// Pids of the children alive now; the interrupt handler kills them.
-static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-fn children() -> engram_sync::MutexGuard<'static, Vec<u32>> {
-    // A panic while holding it leaves a plain list of pids, still usable.
-    CHILDREN.lock()
-}
-
-fn sigkill(pid: u32) {
-    // SAFETY: kill(2) on a child this process has not reaped yet (its
-    // guard holds the registry's lock until after the wait) has no memory
-    // effects.
-    unsafe {
-        libc::kill(pid as i32, libc::SIGKILL);
-    }
-}
-
-/// From now on, SIGINT and SIGTERM kill every registered child (the
-/// waits on them then fail, and the command exits non-zero).
+/// From now on, SIGINT and SIGTERM kill every process this command
+/// started through the harness and refuse new ones (the waits on them,
+/// and lookups to them, then fail, the command unwinds, removing its
+/// scratch directories, and exits non-zero).
 pub fn kill_children_on_interrupt() -> Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -352,9 +337,7 @@ pub fn kill_children_on_interrupt() -> Result<()> {
                     }
                     INTERRUPTED.store(true, Ordering::SeqCst);
                     eprintln!("interrupted: stopping every process this run started");
-                    for &pid in children().iter() {
-                        sigkill(pid);
-                    }
+                    rack_harness::stop_all_processes();
                 }
             });
         })?;
@@ -369,13 +352,13 @@ pub fn check_interrupted() -> Result<()> {
     Ok(())
 }
 
-/// A child process, registered for the interrupt handler while it lives;
-/// dropping it kills it (SIGKILL) and reaps it.
+/// A named child process (killed by the interrupt handler while it
+/// lives); dropping it kills it (SIGKILL) and reaps it.
 #[derive(Debug)]
 pub struct Child {
     name: String,
     pid: u32,
-    process: Option<Process>,
+    process: Process,
 }
 
 impl Child {
@@ -387,18 +370,14 @@ impl Child {
         ))
     }
 
-    /// Guard an already started process.
+    /// Name an already started process (the harness registered it for
+    /// the interrupt handler when it started it).
     pub fn register(name: &str, process: Process) -> Self {
         let pid = process.id();
-        let mut list = children();
-        list.push(pid);
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            sigkill(pid);
-        }
         Self {
             name: name.to_string(),
             pid,
-            process: Some(process),
+            process,
         }
     }
 
@@ -427,14 +406,9 @@ impl Child {
         &self.name
     }
 
-    fn process(&self) -> &Process {
-        // Only `Drop` takes it out.
-        self.process.as_ref().expect("present until dropped")
-    }
-
     /// Wait (at most `timeout`) for a stderr line `f` accepts.
     pub fn wait_line<T>(&self, timeout: Duration, f: impl FnMut(&str) -> Option<T>) -> Result<T> {
-        let r = self.process().wait_line(timeout, f);
+        let r = self.process.wait_line(timeout, f);
         check_interrupted()?;
         r
     }
@@ -442,33 +416,19 @@ impl Child {
     /// Wait (at most `timeout`) for it to exit.
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
         let name = self.name.clone();
-        let st = self
-            .process
-            .as_mut()
-            .expect("present until dropped")
-            .wait(timeout);
+        let st = self.process.wait(timeout);
         check_interrupted()?;
         st.with_context(|| format!("{name} still runs after {timeout:?}"))
     }
 
     /// Send `sig`.
     pub fn signal(&self, sig: i32) {
-        self.process().signal(sig);
+        self.process.signal(sig);
     }
 
     /// Its stderr so far.
     pub fn log(&self) -> String {
-        self.process().log()
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        // Hold the registry while killing and reaping, so the interrupt
-        // handler never signals a pid that was reaped (and maybe reused).
-        let mut list = children();
-        list.retain(|&p| p != self.pid);
-        drop(self.process.take());
+        self.process.log()
     }
 }
 

@@ -144,6 +144,28 @@ struct Log {
     grew: Condvar,
 }
 
+/// The processes started here and not yet reaped, by pid, and whether
+/// [`stop_all_processes`] ran (no more may start then). Reaping a process
+/// and taking it off the list happen under this lock, so a pid on it is
+/// never one the kernel has handed to another process.
+static LIVE: Mutex<(Vec<u32>, bool)> = Mutex::new((Vec::new(), false));
+
+/// Kill (SIGKILL) every process started here that has not been reaped,
+/// and refuse to start any more: what a command's interrupt handler does
+/// so that none of its children outlive it. The waits on them then end,
+/// and their owners' drops reap them.
+pub fn stop_all_processes() {
+    let mut live = LIVE.lock();
+    live.1 = true;
+    for &pid in &live.0 {
+        // SAFETY: kill(2) on a child not yet reaped (see LIVE) has no
+        // memory effects.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGKILL);
+        }
+    }
+}
+
 /// A started process whose stderr is collected; killed on drop.
 #[derive(Debug)]
 pub struct Process {
@@ -160,11 +182,17 @@ impl Process {
     /// Start `cmd` with its stdout sent to `stdout` (a file, say),
     /// collecting its stderr.
     pub fn spawn_with_stdout(mut cmd: Command, stdout: Stdio) -> Result<Self> {
+        let mut live = LIVE.lock();
+        if live.1 {
+            bail!("stopping: not starting {cmd:?}");
+        }
         let mut child = cmd
             .stdout(stdout)
             .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("starting {cmd:?}"))?;
+        live.0.push(child.id());
+        drop(live);
         let stderr = child.stderr.take().context("no stderr")?;
         let log = Arc::new(Log::default());
         let log2 = Arc::clone(&log);
@@ -310,7 +338,7 @@ impl Process {
     pub fn wait(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let end = Instant::now() + timeout;
         while Instant::now() < end {
-            if let Ok(Some(s)) = self.child.try_wait() {
+            if let Some(s) = self.try_reap() {
                 self.wait_log_closed(Duration::from_secs(1));
                 return Some(s);
             }
@@ -325,10 +353,26 @@ impl Process {
     }
 }
 
+impl Process {
+    /// Its exit status if it has exited (reaped, and off [`LIVE`]).
+    fn try_reap(&mut self) -> Option<std::process::ExitStatus> {
+        let mut live = LIVE.lock();
+        let st = self.child.try_wait().ok().flatten()?;
+        forget_pid(&mut live.0, self.child.id());
+        Some(st)
+    }
+}
+
+fn forget_pid(live: &mut Vec<u32>, pid: u32) {
+    live.retain(|&p| p != pid);
+}
+
 impl Drop for Process {
     fn drop(&mut self) {
+        let mut live = LIVE.lock();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        forget_pid(&mut live.0, self.child.id());
     }
 }
 
