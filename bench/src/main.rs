@@ -3,6 +3,7 @@
 
 #![allow(clippy::print_stdout)]
 
+mod checksum;
 mod contention;
 mod demo;
 mod drill;
@@ -54,6 +55,8 @@ enum Cmd {
     Engines(engines::EnginesArgs),
     /// Donor lookups against a raw blocking-socket ping-pong of the same sizes.
     Floor(floor::FloorArgs),
+    /// A Rows answer's checksum on a core idle a moment before: SSE2 against the widest vectors, by length.
+    Checksum(checksum::ChecksumArgs),
     /// A prompt's rows in one sweep: one donor, two replicas on links of their own (network namespaces) and local RAM, against the raw bandwidth of the same link.
     Prefill(prefill::PrefillArgs),
     /// Donor start: a verified, a trusted, a cold load and a restart from systemd's fd store, against the hash and read floors of the same file.
@@ -87,6 +90,7 @@ fn main() -> Result<()> {
         Cmd::Engines(a) => engines::run(&a),
         Cmd::EnginesRustSide(a) => engines::rust_side(&a),
         Cmd::Floor(a) => floor::run(&a),
+        Cmd::Checksum(a) => checksum::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Load(a) => load::run(&a),
         Cmd::Prefill(a) => prefill::run(&a),

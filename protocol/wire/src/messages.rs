@@ -32,9 +32,26 @@ pub const ROWS_HEAD_LEN: usize = 16;
 pub struct EncodeError(pub &'static str);
 
 /// The checksum carried by Rows: XXH3-64 (seed 0) of the payload after the checksum field.
+///
+/// A lookup's answer is summed once by the donor and once by the client,
+/// each time by a thread that was idle a moment before, whose core then
+/// runs its first 256-bit (AVX2) instructions slowly: summing a 24-row
+/// answer that way took 585 to 595 ns, 16 bytes at a time (SSE2, the
+/// x86-64 baseline) 345 to 365 ns (`engram-bench checksum`;
+/// docs/benchmarks.md, "The checksum of a small answer"). From
+/// [`WIDE_SUM_FROM`] bytes on the wider vectors win. xxh3 is the same
+/// function either way; only the instructions differ.
 pub fn payload_checksum(bytes: &[u8]) -> u64 {
-    twox_hash::XxHash3_64::oneshot(bytes)
+    if bytes.len() < WIDE_SUM_FROM {
+        xxhash_rust::xxh3::xxh3_64(bytes)
+    } else {
+        twox_hash::XxHash3_64::oneshot(bytes)
+    }
 }
+
+/// Payloads from this long on are summed with the widest vectors the CPU
+/// has ([`payload_checksum`]); both ways cost the same near 20 KiB.
+pub const WIDE_SUM_FROM: usize = 16 << 10;
 
 /// [`payload_checksum`] of the concatenation of `parts` (a Rows payload
 /// whose rows were read into a buffer of their own).

@@ -692,3 +692,40 @@ fn the_checksum_of_parts_is_the_checksum_of_their_concatenation() {
         assert_eq!(payload_checksum_of_parts(&[a, b]), payload_checksum(&bytes));
     }
 }
+
+/// Short payloads are summed one way, long ones another
+/// (`WIDE_SUM_FROM`): both are XXH3-64 with seed 0, on either side of the
+/// switch and at every length class of xxh3 (up to 16, 128, 240 bytes,
+/// then stripes).
+#[test]
+fn the_checksum_is_xxh3_64_on_both_sides_of_the_switch() {
+    use engram_protocol::messages::{WIDE_SUM_FROM, payload_checksum, payload_checksum_of_parts};
+    assert_eq!(payload_checksum(b""), 0x2D06_8005_38D3_94C2);
+    let bytes: Vec<u8> = (0..WIDE_SUM_FROM as u32 * 2)
+        .map(|i| (i * 131 % 251) as u8)
+        .collect();
+    for len in [
+        1,
+        16,
+        17,
+        128,
+        129,
+        240,
+        241,
+        1024,
+        6356,
+        12_704,
+        WIDE_SUM_FROM - 1,
+        WIDE_SUM_FROM,
+        WIDE_SUM_FROM + 1,
+        bytes.len(),
+    ] {
+        let b = &bytes[..len];
+        // The streaming sum always takes the wide way.
+        assert_eq!(
+            payload_checksum(b),
+            payload_checksum_of_parts(&[b]),
+            "{len}"
+        );
+    }
+}

@@ -1,0 +1,43 @@
+//! `engram-bench checksum` as a user runs it: every length summed both
+//! ways (the command fails if they disagree), each with a pause and back
+//! to back, with the way `payload_checksum` picks.
+
+use std::process::Command;
+
+#[test]
+fn the_checksum_run_times_both_ways_at_every_length() {
+    let out = Command::new(env!("CARGO_BIN_EXE_engram-bench"))
+        .args(["checksum", "--calls", "30", "--json"])
+        .output()
+        .expect("engram-bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let points = v["points"].as_array().expect("points");
+    assert_eq!(points.len(), 12, "{points:?}");
+    for p in points {
+        for k in [
+            "sse2_ns",
+            "wide_ns",
+            "payload_checksum_ns",
+            "chosen_vs_best",
+        ] {
+            let x = p[k].as_f64().expect(k);
+            assert!(x.is_finite() && x > 0.0, "{k}: {p}");
+        }
+    }
+    assert!(
+        points
+            .iter()
+            .any(|p| p["what"] == "24 rows" && p["pause_us"] == 50)
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_engram-bench"))
+        .args(["checksum", "--calls", "0"])
+        .output()
+        .expect("engram-bench runs");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--calls"));
+}
