@@ -469,6 +469,7 @@ impl DonorClient {
             writer: tokio::sync::Mutex::new(ws),
             reader: tokio::sync::Mutex::new(rd),
             limits: *proto.limits(),
+            pins: proto.pins().to_vec(),
             session: Mutex::new(proto),
             busy_poll: opts.busy_poll,
             fd,
@@ -543,7 +544,10 @@ impl DonorClient {
         kind: Kind,
         encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
     ) -> Reply {
-        match self.request_into(kind, encode, None).await? {
+        match self
+            .request_into(kind, encode, None, Instant::now())
+            .await?
+        {
             Answer::Frame(f) => Ok(f),
             Answer::Placed(_) => Err(ClientError::Protocol("rows placed unasked".into())),
         }
@@ -572,28 +576,36 @@ impl DonorClient {
     }
 
     /// [`Self::request`], the rows of a large Rows answer read straight
-    /// into `direct`'s buffer when this request reads its own answer.
+    /// into `direct`'s buffer when this request reads its own answer;
+    /// begun at `now`.
+    ///
+    /// A lone request (the common case) takes one session lock to begin,
+    /// one to see that nobody answered it meanwhile and one to take its
+    /// answer, and waits on neither async lock: each is tried first.
     async fn request_into(
         &self,
         kind: Kind,
         encode: impl FnOnce(&mut Vec<u8>, u64) -> Result<(), ClientError>,
         direct: Option<Direct<'_>>,
+        now: Instant,
     ) -> Result<Answer, ClientError> {
         let inner = &self.inner;
         // One look at the session when it read lately and is not draining
         // (back-to-back requests).
         let begun = {
             let mut s = inner.session();
-            let now = std::time::Instant::now();
-            (!s.idle(now) && !s.is_draining()).then(|| s.begin(kind, Waiter::default()))
+            (!s.idle(now.into_std()) && !s.is_draining()).then(|| s.begin(kind, Waiter::default()))
         };
         let id = match begun {
             Some(id) => id?,
             None => self.begin_after_a_look(kind)?,
         };
-        let _guard = PendingGuard { inner, id };
+        let mut guard = PendingGuard::new(inner, id);
         {
-            let mut ws = inner.writer.lock().await;
+            let mut ws = match inner.writer.try_lock() {
+                Ok(ws) => ws,
+                Err(_) => inner.writer.lock().await,
+            };
             // A request cancelled mid-write left its tail: finish it first.
             let mut sent = ws.finish().await;
             if sent.is_ok() {
@@ -613,7 +625,15 @@ impl DonorClient {
             }
         }
         // Either another request reads our answer for us, or we take the
-        // read side and read for everyone until our answer comes.
+        // read side and read for everyone until our answer comes. Whoever
+        // held the read side may have read our answer before letting go.
+        if let Ok(mut rd) = inner.reader.try_lock() {
+            let came = wire::take_reply(&mut inner.session(), id);
+            return match came {
+                Some(r) => r.map(Answer::Frame),
+                None => inner.lead(&mut rd, &mut guard, direct).await,
+            };
+        }
         tokio::select! {
             biased;
             r = std::future::poll_fn(|cx| wire::poll_reply(&mut inner.session(), id, cx)) => r.map(Answer::Frame),
@@ -621,7 +641,7 @@ impl DonorClient {
                 let came = wire::take_reply(&mut inner.session(), id);
                 match came {
                     Some(r) => r.map(Answer::Frame),
-                    None => inner.lead(&mut rd, id, direct).await,
+                    None => inner.lead(&mut rd, &mut guard, direct).await,
                 }
             }
         }
@@ -647,7 +667,8 @@ impl DonorClient {
         requests: &[Request<'_>],
         out: &mut [u8],
     ) -> Result<(), ClientError> {
-        self.lookup_until(requests, out, Instant::now() + self.lookup_timeout)
+        let now = Instant::now();
+        self.lookup_from(requests, out, now, now + self.lookup_timeout)
             .await
     }
 
@@ -658,16 +679,28 @@ impl DonorClient {
         out: &mut [u8],
         deadline: Instant,
     ) -> Result<(), ClientError> {
-        let budget = deadline.saturating_duration_since(Instant::now());
-        deadline::within(deadline, self.lookup_inner(requests, out))
+        self.lookup_from(requests, out, Instant::now(), deadline)
             .await
-            .map_err(|()| ClientError::Timeout(budget))?
+    }
+
+    /// `lookup_until`, begun at `now` (one clock read per lookup).
+    async fn lookup_from(
+        &self,
+        requests: &[Request<'_>],
+        out: &mut [u8],
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<(), ClientError> {
+        deadline::within(deadline, self.lookup_inner(requests, out, now))
+            .await
+            .map_err(|()| ClientError::Timeout(deadline.saturating_duration_since(now)))?
     }
 
     async fn lookup_inner(
         &self,
         requests: &[Request<'_>],
         out: &mut [u8],
+        now: Instant,
     ) -> Result<(), ClientError> {
         let total: usize = requests.iter().map(|r| r.rows.len()).sum();
         if out.len() != total * ROW_BYTES {
@@ -679,14 +712,20 @@ impl DonorClient {
         }
         // Inline: a lookup of one or two tables allocates nothing here.
         let mut sections: smallvec::SmallVec<[LookupSection<'_>; 2]> = smallvec::SmallVec::new();
-        self.inner.session().sections(requests, &mut sections)?;
+        // From the pins and limits kept outside the session: no lock.
+        client::sections(
+            &self.inner.limits,
+            &self.inner.pins,
+            requests,
+            &mut sections,
+        )?;
         let direct = Direct {
             dest: &mut *out,
             sections: requests.len(),
         };
         let encode = |buf: &mut Vec<u8>, id| client::encode_lookup_frame(buf, id, &sections);
         let answer = self
-            .request_into(Kind::Lookup, encode, Some(direct))
+            .request_into(Kind::Lookup, encode, Some(direct), now)
             .await?;
         self.checked(match answer {
             Answer::Frame(f) => client::rows(&self.inner.limits, &f, requests, out),

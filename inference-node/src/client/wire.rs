@@ -119,6 +119,11 @@ pub(super) struct ReadState {
     /// Wakes a reader sleeping on the socket by its lookup's deadline
     /// ([`super::deadline::watch`]); made at its first such sleep.
     clock: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The clock as [`next_frame`] last read it, no later than the read
+    /// that completed the frame it returned: when the session last read
+    /// (an earlier time only makes the idle check look sooner). A
+    /// polling reader reads the clock anyway; this saves another read.
+    pub seen: Instant,
 }
 
 impl ReadState {
@@ -129,6 +134,7 @@ impl ReadState {
             fd,
             quiet: false,
             clock: None,
+            seen: Instant::now(),
             buf: BytesMut::with_capacity(64 << 10),
             tls,
             cipher: BytesMut::new(),
@@ -373,11 +379,13 @@ pub(super) async fn next_frame(
     busy_poll: Duration,
     own: Option<(u64, usize)>,
 ) -> Result<Next, ClientError> {
-    let mut poll_until = (!busy_poll.is_zero()).then(|| Instant::now() + busy_poll);
+    let start = Instant::now();
+    rd.seen = start;
+    let mut poll_until = (!busy_poll.is_zero()).then(|| start + busy_poll);
     if poll_until.is_some() {
         rd.r.quiet();
     }
-    let mut next_yield = Instant::now() + YIELD_EVERY;
+    let mut next_yield = start + YIELD_EVERY;
     loop {
         rd.settle();
         if let Some((id, payload)) = own
@@ -400,6 +408,7 @@ pub(super) async fn next_frame(
             (Some(until), Some(fd)) => match rd.recv_now(fd) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     let now = Instant::now();
+                    rd.seen = now;
                     if now >= until {
                         poll_until = None;
                     }
@@ -421,7 +430,9 @@ pub(super) async fn next_frame(
                 match futures_util::FutureExt::now_or_never(r.read_buf(into)) {
                     Some(n) => n,
                     None => {
-                        if Instant::now() >= until {
+                        let now = Instant::now();
+                        rd.seen = now;
+                        if now >= until {
                             poll_until = None;
                         }
                         super::deadline::busy_yield().await;
@@ -441,14 +452,20 @@ pub(super) async fn next_frame(
                 let into = if tls.is_some() { cipher } else { buf };
                 make_room(into);
                 let mut read = pin!(r.read_buf(into));
-                std::future::poll_fn(|cx| {
+                let mut slept = false;
+                let n = std::future::poll_fn(|cx| {
                     let p = read.as_mut().poll(cx);
                     if p.is_pending() {
+                        slept = true;
                         super::deadline::watch(clock, cx);
                     }
                     p
                 })
-                .await
+                .await;
+                if slept {
+                    rd.seen = Instant::now();
+                }
+                n
             }
         };
         read_result(n)?;
@@ -463,6 +480,9 @@ pub(super) struct Inner {
     pub session: Mutex<Session>,
     /// The session's limits once welcomed (they do not change after).
     pub limits: Limits,
+    /// The session's pins once welcomed ([`ClientSession::pins`]): a
+    /// lookup's sections are built without the session's lock.
+    pub pins: Vec<(u32, u64)>,
     pub busy_poll: Duration,
     /// The socket, for a synchronous half-close (owned by the halves above).
     pub fd: Option<RawFd>,
@@ -518,11 +538,18 @@ impl Inner {
     /// Handle a frame read by the current reader: return it if it answers
     /// `own`, hand it to the request it answers, or act on it (the
     /// session decides which, and what breaks the protocol).
-    fn dispatch(&self, frame: Bytes, own: u64) -> Result<Option<Bytes>, ClientError> {
+    /// The reader's own answer is its request's end: the session
+    /// notes it (and the read, at `at`) under the same lock.
+    fn dispatch(&self, frame: Bytes, own: u64, at: Instant) -> Result<Option<Bytes>, ClientError> {
         let mut s = self.session();
         match s.receive(&frame)? {
             Incoming::Answer(id) if id == own => {
-                s.read_at(Instant::now());
+                s.read_at(at);
+                let drained = s.finish(id);
+                drop(s);
+                if drained {
+                    self.half_close();
+                }
                 Ok(Some(frame))
             }
             Incoming::Answer(id) => {
@@ -547,22 +574,30 @@ impl Inner {
     pub async fn lead(
         &self,
         rd: &mut ReadState,
-        own: u64,
+        guard: &mut PendingGuard<'_>,
         mut direct: Option<Direct<'_>>,
     ) -> Result<Answer, ClientError> {
+        let own = guard.id;
         let expect = direct
             .as_ref()
             .filter(|d| d.dest.len() >= DIRECT_MIN_BYTES)
             .map(|d| (own, d.payload_len()));
         loop {
             let step = match next_frame(rd, &self.limits, self.busy_poll, expect).await {
-                Ok(Next::Frame(frame)) => self.dispatch(frame, own).map(|f| f.map(Answer::Frame)),
+                Ok(Next::Frame(frame)) => match self.dispatch(frame, own, rd.seen) {
+                    Ok(Some(f)) => {
+                        // `dispatch` finished the request.
+                        guard.done = true;
+                        Ok(Some(Answer::Frame(f)))
+                    }
+                    r => r.map(|_| None),
+                },
                 Ok(Next::Own) => match direct.as_mut() {
                     // The session learns of the answer from its header.
                     Some(d) => {
                         let taken = {
                             let mut s = self.session();
-                            s.read_at(Instant::now());
+                            s.read_at(rd.seen);
                             s.receive(&rd.buf[..HEADER_LEN])
                         };
                         match taken {
@@ -623,8 +658,9 @@ impl Inner {
             rd.settle();
             // What came before the end is taken in first: a Goodbye followed
             // by the close is a drain, not just a lost connection.
+            let at = Instant::now();
             while let Some(frame) = split_frame(&mut rd.buf, &self.limits)? {
-                self.dispatch(frame, 0)?;
+                self.dispatch(frame, 0, at)?;
             }
             ended
         })();
@@ -684,11 +720,25 @@ async fn read_rows_into(rd: &mut ReadState, d: &mut Direct<'_>) -> Result<Bytes,
 pub(super) struct PendingGuard<'a> {
     pub inner: &'a Inner,
     pub id: u64,
+    /// The session already finished the request (with its answer).
+    pub done: bool,
+}
+
+impl<'a> PendingGuard<'a> {
+    pub fn new(inner: &'a Inner, id: u64) -> Self {
+        Self {
+            inner,
+            id,
+            done: false,
+        }
+    }
 }
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
-        self.inner.finish(self.id);
+        if !self.done {
+            self.inner.finish(self.id);
+        }
     }
 }
 

@@ -507,37 +507,56 @@ impl<T> ClientSession<T> {
     }
 
     /// The sections of a lookup of `requests` (each table pinned), into
-    /// `into`; refused over the connection's caps.
+    /// `into`; refused over the connection's caps ([`sections`]).
     pub fn sections<'r>(
         &self,
         requests: &[Request<'r>],
         into: &mut impl Extend<LookupSection<'r>>,
     ) -> Result<(), SessionError> {
-        let total: usize = requests.iter().map(|r| r.rows.len()).sum();
-        let limits = &self.limits;
-        if total > limits.max_rows as usize || requests.len() > limits.max_sections as usize {
-            return Err(SessionError::BadRequest(format!(
-                "{total} rows in {} sections exceed this connection's caps of {} rows and {} sections",
-                requests.len(),
-                limits.max_rows,
-                limits.max_sections
-            )));
-        }
-        for r in requests {
-            let prefix = self
-                .pins
-                .iter()
-                .find(|p| p.0 == r.table)
-                .ok_or(SessionError::NotPinned(r.table))?
-                .1;
-            into.extend([LookupSection {
-                table_id: r.table,
-                digest_prefix: prefix,
-                rows: r.rows,
-            }]);
-        }
-        Ok(())
+        sections(&self.limits, &self.pins, requests, into)
     }
+
+    /// `(table, digest prefix)` of each pinned table, once welcomed; with
+    /// [`Self::limits`], all [`sections`] needs (neither changes after the
+    /// Welcome, so a driver may keep copies and build requests without
+    /// the session).
+    pub fn pins(&self) -> &[(u32, u64)] {
+        &self.pins
+    }
+}
+
+/// The sections of a lookup of `requests` into `into`, each table's
+/// digest prefix taken from `pins` (`(table, prefix)`, as
+/// [`ClientSession::pins`]); refused over `limits`' caps or for a table
+/// not pinned.
+pub fn sections<'r>(
+    limits: &Limits,
+    pins: &[(u32, u64)],
+    requests: &[Request<'r>],
+    into: &mut impl Extend<LookupSection<'r>>,
+) -> Result<(), SessionError> {
+    let total: usize = requests.iter().map(|r| r.rows.len()).sum();
+    if total > limits.max_rows as usize || requests.len() > limits.max_sections as usize {
+        return Err(SessionError::BadRequest(format!(
+            "{total} rows in {} sections exceed this connection's caps of {} rows and {} sections",
+            requests.len(),
+            limits.max_rows,
+            limits.max_sections
+        )));
+    }
+    for r in requests {
+        let prefix = pins
+            .iter()
+            .find(|p| p.0 == r.table)
+            .ok_or(SessionError::NotPinned(r.table))?
+            .1;
+        into.extend([LookupSection {
+            table_id: r.table,
+            digest_prefix: prefix,
+            rows: r.rows,
+        }]);
+    }
+    Ok(())
 }
 
 /// The rows of a whole answer to a Lookup of `requests`, checked

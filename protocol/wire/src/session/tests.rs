@@ -235,6 +235,42 @@ fn a_lookup_of_an_unpinned_table_or_over_the_caps_is_refused_before_it_is_sent()
 }
 
 #[test]
+fn sections_from_kept_pins_and_limits_are_the_sessions() {
+    // A driver that copies the pins and limits after the Welcome builds
+    // the same sections, and refuses the same requests, without the session.
+    let (c, _) = connected();
+    let (pins, limits) = (c.pins().to_vec(), *c.limits());
+    assert_eq!(pins.len(), 1);
+    assert_eq!(pins[0].0, toy::TABLE);
+    let rows = [3u64, 1, 4];
+    let mut two = Vec::new();
+    for req in [
+        [Request {
+            table: toy::TABLE,
+            rows: &rows,
+        }],
+        [Request {
+            table: 9,
+            rows: &rows,
+        }],
+    ] {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let from_session = c.sections(&req, &mut a);
+        let kept = client::sections(&limits, &pins, &req, &mut b);
+        assert_eq!(from_session, kept);
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        two.push(kept);
+    }
+    assert_eq!(two, [Ok(()), Err(SessionError::NotPinned(9))]);
+    let many = vec![0u64; limits.max_rows as usize + 1];
+    let big = [Request {
+        table: toy::TABLE,
+        rows: &many,
+    }];
+    assert!(client::sections(&limits, &pins, &big, &mut Vec::new()).is_err());
+}
+
+#[test]
 fn a_section_the_donor_cannot_serve_comes_back_typed() {
     let (mut c, mut d) = connected();
     let mut wire = Vec::new();
