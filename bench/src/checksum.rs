@@ -5,13 +5,16 @@
 //! the x86-64 baseline) and with the widest vectors the CPU has (AVX2),
 //! against `payload_checksum`, which picks one by length
 //! ([`engram_protocol::messages::WIDE_SUM_FROM`]). Back to back (no pause)
-//! too, where the wide vectors are always faster.
+//! too, where the wide vectors are always faster; and after a pause that
+//! keeps the wide units awake as a polling reader does
+//! ([`engram_protocol::messages::keep_wide_units_warm`] each turn), after
+//! which `payload_checksum` sums with them at any length.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use engram_protocol::ROW_BYTES;
-use engram_protocol::messages::{WIDE_SUM_FROM, payload_checksum};
+use engram_protocol::messages::{WIDE_SUM_FROM, keep_wide_units_warm, payload_checksum};
 use engram_protocol::session::client::rows_payload_len;
 use serde::Serialize;
 
@@ -40,6 +43,8 @@ struct Point {
     what: String,
     bytes: usize,
     pause_us: u64,
+    /// The pause kept the wide vector units awake.
+    warm: bool,
     sse2_ns: f64,
     wide_ns: f64,
     payload_checksum_ns: f64,
@@ -93,7 +98,7 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
         if sums.iter().any(|&s| s != sums[0]) {
             bail!("the ways disagree on {what}: {sums:x?}");
         }
-        for pause_us in [args.pause_us, 0] {
+        for (pause_us, warm) in [(args.pause_us, false), (args.pause_us, true), (0, false)] {
             let pause = Duration::from_micros(pause_us);
             let mut ns: [Vec<f64>; 3] = Default::default();
             // The ways take turns, call by call, so drift lands on all,
@@ -103,6 +108,9 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
                 let k = ORDERS[(i / 3) % ORDERS.len()][i % 3];
                 let until = Instant::now() + pause;
                 while Instant::now() < until {
+                    if warm {
+                        keep_wide_units_warm();
+                    }
                     std::hint::spin_loop();
                 }
                 let t = Instant::now();
@@ -114,6 +122,7 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
                 what: what.clone(),
                 bytes,
                 pause_us,
+                warm,
                 sse2_ns: sse2,
                 wide_ns: wide,
                 payload_checksum_ns: chosen,
@@ -136,15 +145,16 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
         args.calls
     );
     println!(
-        "{:<9} {:>9} {:>9} {:>9} {:>9} {:>17} {:>9}",
-        "payload", "bytes", "pause us", "SSE2", "wide", "payload_checksum", "vs best"
+        "{:<9} {:>9} {:>9} {:>5} {:>9} {:>9} {:>17} {:>9}",
+        "payload", "bytes", "pause us", "warm", "SSE2", "wide", "payload_checksum", "vs best"
     );
     for p in &points {
         println!(
-            "{:<9} {:>9} {:>9} {:>9.0} {:>9.0} {:>17.0} {:>9.3}",
+            "{:<9} {:>9} {:>9} {:>5} {:>9.0} {:>9.0} {:>17.0} {:>9.3}",
             p.what,
             p.bytes,
             p.pause_us,
+            if p.warm { "yes" } else { "no" },
             p.sse2_ns,
             p.wide_ns,
             p.payload_checksum_ns,

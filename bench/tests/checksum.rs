@@ -1,6 +1,7 @@
 //! `engram-bench checksum` as a user runs it: every length summed both
 //! ways (the command fails if they disagree), each with a pause and back
-//! to back, with the way `payload_checksum` picks.
+//! to back, and after a pause that kept the wide units warm, with the way
+//! `payload_checksum` picks.
 
 use std::process::Command;
 
@@ -17,7 +18,9 @@ fn the_checksum_run_times_both_ways_at_every_length() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     let points = v["points"].as_array().expect("points");
-    assert_eq!(points.len(), 12, "{points:?}");
+    // Six lengths, each after a pause, after a pause that kept the wide
+    // units warm, and back to back.
+    assert_eq!(points.len(), 18, "{points:?}");
     for p in points {
         for k in [
             "sse2_ns",
@@ -29,11 +32,14 @@ fn the_checksum_run_times_both_ways_at_every_length() {
             assert!(x.is_finite() && x > 0.0, "{k}: {p}");
         }
     }
-    assert!(
-        points
-            .iter()
-            .any(|p| p["what"] == "24 rows" && p["pause_us"] == 50)
-    );
+    for warm in [false, true] {
+        assert!(
+            points
+                .iter()
+                .any(|p| p["what"] == "24 rows" && p["pause_us"] == 50 && p["warm"] == warm),
+            "{points:?}"
+        );
+    }
     let bad = Command::new(env!("CARGO_BIN_EXE_engram-bench"))
         .args(["checksum", "--calls", "0"])
         .output()

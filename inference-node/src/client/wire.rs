@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use cluster_config::records::{Opened, Records, record_len};
-use engram_protocol::messages::{ROWS_HEAD_LEN, ROWS_SECTION_LEN, payload_checksum_of_parts};
+use engram_protocol::messages::{
+    ROWS_HEAD_LEN, ROWS_SECTION_LEN, keep_wide_units_warm, payload_checksum_of_parts,
+};
 use engram_protocol::session::client::{self, ClientSession, Incoming};
 use engram_protocol::{FrameHeader, FrameKind, HEADER_LEN, Limits};
 use engram_sync::Mutex;
@@ -407,6 +409,8 @@ pub(super) async fn next_frame(
         let n = match (poll_until, rd.fd) {
             (Some(until), Some(fd)) => match rd.recv_now(fd) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // The answer's checksum then runs on awake wide units.
+                    keep_wide_units_warm();
                     let now = Instant::now();
                     rd.seen = now;
                     if now >= until {

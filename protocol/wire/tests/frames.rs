@@ -699,7 +699,11 @@ fn the_checksum_of_parts_is_the_checksum_of_their_concatenation() {
 /// then stripes).
 #[test]
 fn the_checksum_is_xxh3_64_on_both_sides_of_the_switch() {
-    use engram_protocol::messages::{WIDE_SUM_FROM, payload_checksum, payload_checksum_of_parts};
+    use engram_protocol::messages::{
+        WIDE_SUM_FROM, keep_wide_units_warm, payload_checksum, payload_checksum_of_parts,
+    };
+    assert_eq!(payload_checksum(b""), 0x2D06_8005_38D3_94C2);
+    keep_wide_units_warm();
     assert_eq!(payload_checksum(b""), 0x2D06_8005_38D3_94C2);
     let bytes: Vec<u8> = (0..WIDE_SUM_FROM as u32 * 2)
         .map(|i| (i * 131 % 251) as u8)
@@ -722,10 +726,11 @@ fn the_checksum_is_xxh3_64_on_both_sides_of_the_switch() {
     ] {
         let b = &bytes[..len];
         // The streaming sum always takes the wide way.
-        assert_eq!(
-            payload_checksum(b),
-            payload_checksum_of_parts(&[b]),
-            "{len}"
-        );
+        let wide = payload_checksum_of_parts(&[b]);
+        assert_eq!(payload_checksum(b), wide, "{len}");
+        // After a polling reader's turns, short payloads take it too.
+        keep_wide_units_warm();
+        assert_eq!(payload_checksum(b), wide, "{len}, warm");
+        assert_eq!(payload_checksum(b), wide, "{len}, after the warm one");
     }
 }
