@@ -8,7 +8,10 @@
 //! too, where the wide vectors are always faster; and after a pause that
 //! keeps the wide units awake as a polling reader does
 //! ([`engram_protocol::messages::keep_wide_units_warm`] each turn), after
-//! which `payload_checksum` sums with them at any length.
+//! which `payload_checksum` sums with them at any length. And after an
+//! idle pause whose end wakes the units [`WOKEN_BEFORE`] before the sum,
+//! as the donor does when a request comes in and a sleeping client when
+//! its answer does: how soon the wide units are awake.
 
 use std::time::{Duration, Instant};
 
@@ -37,6 +40,11 @@ pub struct ChecksumArgs {
     json: bool,
 }
 
+/// How long before the sum an idle pause's end wakes the wide units, in
+/// the "woken" rows: about the least a donor spends parsing a request and
+/// gathering its rows before it sums the answer.
+const WOKEN_BEFORE: Duration = Duration::from_nanos(500);
+
 /// One length, one pause: median nanoseconds a call.
 #[derive(Debug, Serialize)]
 struct Point {
@@ -45,6 +53,9 @@ struct Point {
     pause_us: u64,
     /// The pause kept the wide vector units awake.
     warm: bool,
+    /// The pause was idle, and its end woke the wide units this many ns
+    /// before the sum ([`WOKEN_BEFORE`]).
+    woken_ns: Option<u64>,
     sse2_ns: f64,
     wide_ns: f64,
     payload_checksum_ns: f64,
@@ -98,7 +109,13 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
         if sums.iter().any(|&s| s != sums[0]) {
             bail!("the ways disagree on {what}: {sums:x?}");
         }
-        for (pause_us, warm) in [(args.pause_us, false), (args.pause_us, true), (0, false)] {
+        let woken = Some(WOKEN_BEFORE);
+        for (pause_us, warm, woken) in [
+            (args.pause_us, false, None),
+            (args.pause_us, true, None),
+            (args.pause_us, false, woken),
+            (0, false, None),
+        ] {
             let pause = Duration::from_micros(pause_us);
             let mut ns: [Vec<f64>; 3] = Default::default();
             // The ways take turns, call by call, so drift lands on all,
@@ -113,6 +130,13 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
                     }
                     std::hint::spin_loop();
                 }
+                if let Some(before) = woken {
+                    keep_wide_units_warm();
+                    let until = Instant::now() + before;
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                }
                 let t = Instant::now();
                 std::hint::black_box(ways[k](std::hint::black_box(&data)));
                 ns[k].push(t.elapsed().as_nanos() as f64);
@@ -123,6 +147,7 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
                 bytes,
                 pause_us,
                 warm,
+                woken_ns: woken.map(|d| d.as_nanos() as u64),
                 sse2_ns: sse2,
                 wide_ns: wide,
                 payload_checksum_ns: chosen,
@@ -145,16 +170,22 @@ pub fn run(args: &ChecksumArgs) -> Result<()> {
         args.calls
     );
     println!(
-        "{:<9} {:>9} {:>9} {:>5} {:>9} {:>9} {:>17} {:>9}",
-        "payload", "bytes", "pause us", "warm", "SSE2", "wide", "payload_checksum", "vs best"
+        "{:<9} {:>9} {:>9} {:>12} {:>9} {:>9} {:>17} {:>9}",
+        "payload", "bytes", "pause us", "wide units", "SSE2", "wide", "payload_checksum", "vs best"
     );
     for p in &points {
+        let units = match (p.warm, p.woken_ns) {
+            (true, _) => "kept warm".to_string(),
+            (false, Some(ns)) => format!("woken {ns} ns"),
+            (false, None) if p.pause_us > 0 => "idle".to_string(),
+            (false, None) => "-".to_string(),
+        };
         println!(
-            "{:<9} {:>9} {:>9} {:>5} {:>9.0} {:>9.0} {:>17.0} {:>9.3}",
+            "{:<9} {:>9} {:>9} {:>12} {:>9.0} {:>9.0} {:>17.0} {:>9.3}",
             p.what,
             p.bytes,
             p.pause_us,
-            if p.warm { "yes" } else { "no" },
+            units,
             p.sse2_ns,
             p.wide_ns,
             p.payload_checksum_ns,

@@ -1,7 +1,7 @@
 //! `engram-bench checksum` as a user runs it: every length summed both
 //! ways (the command fails if they disagree), each with a pause and back
-//! to back, and after a pause that kept the wide units warm, with the way
-//! `payload_checksum` picks.
+//! to back, after a pause that kept the wide units warm and after one
+//! whose end woke them, with the way `payload_checksum` picks.
 
 use std::process::Command;
 
@@ -19,8 +19,8 @@ fn the_checksum_run_times_both_ways_at_every_length() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     let points = v["points"].as_array().expect("points");
     // Six lengths, each after a pause, after a pause that kept the wide
-    // units warm, and back to back.
-    assert_eq!(points.len(), 18, "{points:?}");
+    // units warm, after one whose end woke them, and back to back.
+    assert_eq!(points.len(), 24, "{points:?}");
     for p in points {
         for k in [
             "sse2_ns",
@@ -32,11 +32,12 @@ fn the_checksum_run_times_both_ways_at_every_length() {
             assert!(x.is_finite() && x > 0.0, "{k}: {p}");
         }
     }
-    for warm in [false, true] {
+    for (warm, woken) in [(false, false), (true, false), (false, true)] {
         assert!(
-            points
-                .iter()
-                .any(|p| p["what"] == "24 rows" && p["pause_us"] == 50 && p["warm"] == warm),
+            points.iter().any(|p| p["what"] == "24 rows"
+                && p["pause_us"] == 50
+                && p["warm"] == warm
+                && p["woken_ns"].is_u64() == woken),
             "{points:?}"
         );
     }

@@ -458,6 +458,13 @@ pub(super) async fn next_frame(
                 let mut read = pin!(r.read_buf(into));
                 let mut slept = false;
                 let n = std::future::poll_fn(|cx| {
+                    if slept {
+                        // Woken, most likely by the answer: wake the wide
+                        // units before the read copies it in, so that its
+                        // checksum finds them awake (docs/benchmarks.md,
+                        // "The units woken when a request comes").
+                        keep_wide_units_warm();
+                    }
                     let p = read.as_mut().poll(cx);
                     if p.is_pending() {
                         slept = true;
@@ -749,6 +756,46 @@ impl Drop for PendingGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader asleep on its socket wakes the wide units when it is woken,
+    /// before it reads the answer in, so that the answer's sum finds them
+    /// awake.
+    #[test]
+    fn a_reader_woken_by_its_answer_wakes_the_wide_units() {
+        use engram_protocol::messages::{encode_ping, payload_checksum, wide_units_marked};
+        use tokio::io::AsyncWriteExt;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let mut c = tokio::net::TcpStream::connect(l.local_addr().expect("addr"))
+                .await
+                .expect("connect");
+            let (s, _) = l.accept().await.expect("accept");
+            let (r, _w) = s.into_split();
+            let mut rd = ReadState::new(Box::new(r), None, None);
+            let _ = payload_checksum(b"takes any mark left on this thread");
+            let answer = async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let mut pong = Vec::new();
+                encode_ping(&mut pong, 3, true);
+                c.write_all(&pong).await.expect("write");
+            };
+            let limits = Limits::default();
+            let (got, ()) =
+                tokio::join!(next_frame(&mut rd, &limits, Duration::ZERO, None), answer);
+            assert!(matches!(got, Ok(Next::Frame(_))));
+            #[cfg(target_arch = "x86_64")]
+            assert_eq!(
+                wide_units_marked(),
+                std::arch::is_x86_feature_detected!("avx2")
+            );
+        });
+    }
 
     #[test]
     fn an_empty_buffer_reads_at_the_front_of_its_storage() {

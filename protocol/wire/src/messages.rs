@@ -54,6 +54,13 @@ pub fn payload_checksum(bytes: &[u8]) -> u64 {
     }
 }
 
+/// Whether this thread's next [`payload_checksum`] takes the wide units
+/// because [`keep_wide_units_warm`] ran since its last one (never where
+/// AVX2 is absent). Leaves the mark as it is.
+pub fn wide_units_marked() -> bool {
+    WIDE_WARM.get()
+}
+
 thread_local! {
     /// This thread ran 256-bit instructions since its last
     /// [`payload_checksum`] ([`keep_wide_units_warm`]).
@@ -63,9 +70,12 @@ thread_local! {
 /// Run two 256-bit instructions, where the CPU has AVX2, so that this
 /// thread's next [`payload_checksum`] finds the wide vector units awake
 /// and sums with them at any length. For a loop that spins waiting for an
-/// answer, once a turn (a few ns); nothing where AVX2 is absent. A sum
-/// long after the last call (the spinning gave way to a sleep) still takes
-/// the wide units, cold: correct, a few hundred ns slower.
+/// answer, once a turn (a few ns); for a thread that slept, once when its
+/// bytes arrive, ahead of the work before the sum: the units take under
+/// 0.5 us to wake here (`engram-bench checksum`, "woken" rows). Nothing
+/// where AVX2 is absent. A sum long after the last call (the spinning gave
+/// way to a sleep) still takes the wide units, cold: correct, a few
+/// hundred ns slower.
 pub fn keep_wide_units_warm() {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
