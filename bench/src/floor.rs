@@ -335,7 +335,8 @@ fn gather(
             t.prefetch(id);
         }
         let (t, id) = row(i);
-        answer[start + i * ROW_BYTES..][..ROW_BYTES].copy_from_slice(t.row(id)?);
+        t.row(id)?
+            .write_to(&mut answer[start + i * ROW_BYTES..][..ROW_BYTES]);
     }
     Some(())
 }

@@ -227,6 +227,9 @@ pub struct DonorEntry {
     /// The NUMA node its tables are bound to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub numa_node: Option<u32>,
+    /// How its shared tables lie: `"packed"` or `"planar"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_layout: Option<String>,
     /// The directory SwapTable loads from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub table_dir: Option<String>,

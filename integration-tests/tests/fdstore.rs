@@ -195,7 +195,7 @@ fn a_copy_of_another_version_or_an_unfinished_one_is_released_and_the_file_loade
     // An unfinished copy under v2's name (a load killed half way: sized,
     // never sealed, no record): refused, and v2 loaded from its file.
     notify.clear_store();
-    let (f, _, _) = kept::create(ROWS, false).expect("memfd");
+    let (f, _, _) = kept::create(ROWS, kept::KeptLayout::Packed, false).expect("memfd");
     notify.store_fd(&kept::name(1, &d2), f.into());
     let (third, _) = start(&notify, &["--table", &t2, "--listen", "127.0.0.1:0"]);
     let log = third.log();

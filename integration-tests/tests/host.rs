@@ -2,8 +2,10 @@
 //! maps the donor's tables and serves lookups from the mapping (the donor
 //! answers no lookup), the memory is sealed (every way to write it fails),
 //! a user the donor does not allow is refused and counted, a `kill -9` of
-//! the donor under load costs no lookup, and a hot swap while four threads
-//! read never gives a torn or wrong row.
+//! the donor under load costs no lookup, a hot swap while four threads
+//! read never gives a torn or wrong row, and a planar donor's memory is
+//! what engines' host-table kernels read while its network rows stay the
+//! same.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -17,6 +19,8 @@ use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
 use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
+use engram_store::resident::RowLayout;
+use inference_node::client::{ClientOptions, DonorClient, Request};
 use inference_node::source::{HostSource, RowSource, SourceError};
 use rack_harness::rack_toml::{DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry};
 use rack_harness::{DonorProcess, free_port, gen_table, runtime as rt, sample, scrape};
@@ -286,6 +290,12 @@ fn first_message_as(socket: &Path, uid: u32, gid: u32) -> String {
 
 /// The first descriptor the donor sends on a new connection.
 fn raw_first_table(socket: &Path) -> std::fs::File {
+    raw_first_table_message(socket).1
+}
+
+/// The first message with a descriptor the donor sends on a new
+/// connection, and the descriptor.
+fn raw_first_table_message(socket: &Path) -> (serde_json::Value, std::fs::File) {
     use daemon_runtime::hostsock::{MAX_MESSAGE, connect, recv};
     let sock = connect(socket).expect("connect");
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
@@ -293,7 +303,7 @@ fn raw_first_table(socket: &Path) -> std::fs::File {
         let (n, fd) = recv(sock.as_raw_fd(), &mut buf).expect("recv");
         assert!(n > 0 && n <= MAX_MESSAGE, "a message of {n} bytes");
         if let Some(f) = fd {
-            return f;
+            return (serde_json::from_slice(&buf[..n]).expect("json"), f);
         }
     }
     panic!("no descriptor in the donor's first messages")
@@ -507,4 +517,64 @@ fn numa_node_binds_the_tables_for_the_donor_and_every_process_that_maps_them() {
         log.contains("NUMA node 7 is not online on this host (its nodes: 0)"),
         "{log}"
     );
+}
+
+#[test]
+fn a_planar_donor_shares_engine_layout_and_answers_the_same_rows() {
+    let rack = rack(|d| d.host_layout = Some("planar".into()));
+    let donor = rack.start();
+    // The host socket says so, with where the scales start.
+    let scales_at = engram_store::kept::planar_scales_at(ROWS).expect("at") as usize;
+    let (said, _) = raw_first_table_message(&rack.socket);
+    assert_eq!(said["layout"], "planar", "{said}");
+    assert_eq!(said["scales_at"], scales_at as u64, "{said}");
+    let host = HostSource::new("d", rack.socket.clone(), rack.pin(0)).expect("host source");
+    wait_for("the mapping", || host.is_mapped(1));
+    let view = host.view(1).expect("view");
+    assert_eq!(view.layout(), RowLayout::Planar { scales_at });
+    assert_eq!(view.offset(3), None, "split rows have no single offset");
+    // Every row, through the mapping and where a kernel reads it.
+    let all: Vec<u64> = (0..ROWS).collect();
+    let mut out = vec![0u8; all.len() * ROW_BYTES];
+    host.read(1, &all, &mut out).expect("read");
+    assert_eq!(first_mismatch(1, 1, &all, &out), None);
+    let bytes = view.bytes();
+    for r in random_rows(5, 1000) {
+        let (v, s) = view.offsets(r).expect("offsets");
+        let row = &out[r as usize * ROW_BYTES..][..ROW_BYTES];
+        assert_eq!((v, s), (r as usize * 256, scales_at + r as usize * 8));
+        assert_eq!(&bytes[v..v + 256], &row[..256], "row {r}'s values");
+        assert_eq!(&bytes[s..s + 8], &row[256..], "row {r}'s scales");
+    }
+    // Over the network the donor gathers the same rows from planar memory,
+    // for every size up to a long lookup.
+    let addr = rack.config.donor("d").expect("donor").listen[0].addr;
+    rt().block_on(async {
+        let pins = vec![(1, rack.tables[0].1)];
+        let c = DonorClient::connect(addr, &ClientOptions::new("n", pins))
+            .await
+            .expect("connects");
+        for n in [1usize, 24, 48, 16_384] {
+            let rows = random_rows(n as u64, n);
+            let mut got = vec![0u8; n * ROW_BYTES];
+            let req = [Request { table: 1, rows: &rows }];
+            c.lookup(&req, &mut got).await.expect("lookup");
+            assert_eq!(first_mismatch(1, 1, &rows, &got), None, "{n} rows");
+        }
+    });
+    drop(host);
+    drop(donor);
+    // Planar without a host socket is refused, naming the key.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut toml = RackToml::new("t");
+    toml.table = vec![TableEntry::new(1, &rack.tables[0].0, ROWS, rack.tables[0].1)];
+    toml.donor = vec![DonorEntry {
+        host_layout: Some("planar".into()),
+        ..DonorEntry::new("d", ["127.0.0.1:7400"], [1])
+    }];
+    let path = dir.path().join("rack.toml");
+    toml.write(&path).expect("config");
+    let e = Config::load(&path).expect_err("planar without a host socket");
+    assert!(e.to_string().contains("host_layout"), "{e}");
+    assert!(e.to_string().contains("host socket"), "{e}");
 }

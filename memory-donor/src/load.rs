@@ -142,6 +142,7 @@ fn load_one(
         known_file: None,
         numa_node: spec.numa_node,
         rdma_view: rdma_view(spec.rdma.is_some()),
+        planar: spec.host_layout == cluster_config::KeptLayout::Planar,
     };
     let (table, resumed) = resume_or_load(t.id, &t.path, &opts, store, progress)?;
     let st = &status.tables[i];

@@ -75,6 +75,8 @@ pub struct ServeSpec {
     pub map_files: bool,
     /// Bind the tables' memory to this NUMA node.
     pub numa_node: Option<u32>,
+    /// How the tables lie in their memfds (planar for engines' kernels).
+    pub host_layout: cluster_config::KeptLayout,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
     /// Control-plane (gRPC) address to bind.
@@ -230,6 +232,7 @@ impl ServeSpec {
             // Flags give plain TCP addresses only: nothing needs a copy.
             map_files: cluster_config::pages_by_default(false, false, false),
             numa_node: None,
+            host_layout: cluster_config::KeptLayout::Packed,
             load_threads: 0,
             control: None,
             metrics: None,
@@ -288,6 +291,7 @@ impl ServeSpec {
             fd_store: d.fd_store,
             map_files: d.map_files,
             numa_node: d.numa_node,
+            host_layout: d.host_layout,
             load_threads: d.load_threads,
             control: d.control,
             metrics: d.metrics,

@@ -170,6 +170,7 @@ impl ServingLoop {
             serves_rdma: self.spec.rdma.is_some(),
             numa_node: self.spec.numa_node,
             load_threads: self.spec.load_threads,
+            planar: self.spec.host_layout == cluster_config::KeptLayout::Planar,
         }
     }
 

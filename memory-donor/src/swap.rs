@@ -66,6 +66,8 @@ pub struct SwapContext {
     pub numa_node: Option<u32>,
     /// Threads that read, place and hash a table (0: every core).
     pub load_threads: usize,
+    /// New versions are planar (`host_layout`).
+    pub planar: bool,
 }
 
 /// A checked swap, ready to load.
@@ -528,6 +530,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         known_file: None,
         numa_node: cx.numa_node,
         rdma_view: crate::load::rdma_view(cx.serves_rdma),
+        planar: cx.planar,
     };
     // The descriptor `prepare` checked: the name is not opened again.
     let file = p

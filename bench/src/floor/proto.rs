@@ -144,7 +144,7 @@ impl<'a> Conn<'a> {
                             t.prefetch(a);
                         }
                         let row = t.row(r).ok_or_else(|| anyhow::anyhow!("a row"))?;
-                        self.out.extend_from_slice(row);
+                        row.extend_into(&mut self.out);
                     }
                 }
                 finish_rows(&mut self.out, start)?;

@@ -212,6 +212,8 @@ pub struct Table {
 
 /// Whether a donor locks table memory (`mlock`): the store's own mode.
 pub use engram_store::resident::MlockMode;
+/// How a donor's shared tables lie in memory (`host_layout`).
+pub use engram_store::kept::KeptLayout;
 
 /// The highest NUMA node a donor may name (`numa_node`; Linux's
 /// `MAX_NUMNODES` is at most 1024).
@@ -273,6 +275,10 @@ pub struct Donor {
     /// host with two sockets runs one donor per socket, each serving from
     /// its own node's memory; `None`: the kernel's default placement.
     pub numa_node: Option<u32>,
+    /// How its tables lie in the memory it shares on its host socket
+    /// (`host_layout`): packed rows (the default), or planar for engines
+    /// whose own host-table kernels read it in place (docs/engines.md).
+    pub host_layout: KeptLayout,
     /// Threads that read, place and hash a table at load (0: every core).
     pub load_threads: usize,
     /// Connection threads check their socket without sleeping for up to

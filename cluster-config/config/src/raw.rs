@@ -75,6 +75,7 @@ pub(crate) struct RawDonor {
     pub host_uids: Option<Spanned<Vec<Spanned<i64>>>>,
     pub host_gids: Option<Spanned<Vec<Spanned<i64>>>>,
     pub numa_node: Option<Spanned<i64>>,
+    pub host_layout: Option<Spanned<String>>,
     pub table_dir: Option<Spanned<String>>,
     pub tls_cert: Option<Spanned<String>>,
     pub tls_key: Option<Spanned<String>>,

@@ -15,7 +15,7 @@ use engram_protocol::messages::{MAX_NAME, NO_TABLE};
 
 use crate::raw::{RawConfig, RawDonor, RawTable, RawTls};
 use crate::{
-    Config, ConfigError, Diagnostic, Donor, Endpoint, MlockMode, Plaintext, SCHEMA_VERSION, Table,
+    Config, ConfigError, Diagnostic, Donor, Endpoint, KeptLayout, MlockMode, Plaintext, SCHEMA_VERSION, Table,
     TlsSettings, Transport,
 };
 use toml::Spanned;
@@ -508,6 +508,7 @@ fn donor(
             d.numa_node.is_some(),
         )
     });
+    let host_layout = host_layout(cx, d, k, &listen, (host_socket.is_some(), map_files));
     Donor {
         name,
         listen,
@@ -523,6 +524,7 @@ fn donor(
         fd_store: d.fd_store.unwrap_or(true),
         map_files,
         numa_node: numa_node(cx, d, k),
+        host_layout,
         load_threads: knobs.load_threads,
         busy_poll: knobs.busy_poll,
         hello_timeout: knobs.timeouts[0],
@@ -602,6 +604,46 @@ fn knobs(cx: &mut Ctx<'_>, d: &RawDonor, k: &dyn Fn(&str) -> String) -> Knobs {
         busy_poll,
         timeouts,
     }
+}
+
+/// `host_layout`: "packed" or "planar"; planar only for a donor with a
+/// host socket (what it is for), its own copy (not `map_files`: a file's
+/// pages are packed) and no `rdma://` address (one-sided reads take whole
+/// rows).
+fn host_layout(
+    cx: &mut Ctx<'_>,
+    d: &RawDonor,
+    k: &dyn Fn(&str) -> String,
+    listen: &[Endpoint],
+    (host_socket, map_files): (bool, bool),
+) -> KeptLayout {
+    let Some(v) = &d.host_layout else {
+        return KeptLayout::Packed;
+    };
+    let Some(layout) = KeptLayout::parse(v.get_ref()) else {
+        cx.at(
+            v.span(),
+            k("host_layout"),
+            format!("{:?} is not one of \"packed\", \"planar\"", v.get_ref()),
+        );
+        return KeptLayout::Packed;
+    };
+    if layout == KeptLayout::Planar {
+        let why = if !host_socket {
+            Some("lays tables out for engines that map them: it needs a host socket (a unix:// address in listen)")
+        } else if map_files {
+            Some("needs the donor's own copy of its tables: with map_files = true it serves the files' packed pages")
+        } else if listen.iter().any(|e| e.transport == Transport::Rdma) {
+            Some("cannot serve rdma://: one-sided reads take each row's 264 bytes whole")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            cx.at(v.span(), k("host_layout"), format!("\"planar\" {why}"));
+            return KeptLayout::Packed;
+        }
+    }
+    layout
 }
 
 /// `numa_node`: a node number, and only where the donor keeps its own copy.

@@ -27,7 +27,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use inference_node::embed::{
-    self, CONTEXT, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, Segment, Ticket,
+    self, CONTEXT, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, RowLayout, Segment, Ticket,
 };
 
 /// What a call came to.
@@ -97,10 +97,12 @@ pub struct engram_view {
 }
 
 /// What `engram_view_info` says of a view. `data[0..len)` is
-/// read-only memory, valid until the view is freed. When `packed` is 1
-/// (always for a host-local donor's memory), row r starts at `r * 264`;
-/// when 0 (a `local` copy served from its file's pages), 15 rows share
-/// each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
+/// read-only memory, valid until the view is freed. When `packed` is 1,
+/// row r starts at `r * 264`; when `planar` is 1 (a host-local donor whose
+/// tables are laid out for engines' host-table kernels), row r's 256
+/// values start at `r * 256` and its 8 scale bytes at `scales_at + r * 8`;
+/// when both are 0 (a `local` copy served from its file's pages), 15 rows
+/// share each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct engram_table_info {
@@ -121,8 +123,12 @@ pub struct engram_table_info {
     /// 1 when every process on the host maps this same memory (a
     /// host-local donor's); 0 for this process's own copy.
     pub shared: u8,
-    /// 1 when rows are back to back; 0 for 15 rows per 4 KiB page.
+    /// 1 when rows are back to back; 0 for 15 rows per 4 KiB page or planar.
     pub packed: u8,
+    /// 1 when the rows are planar (values, then scales at `scales_at`).
+    pub planar: u8,
+    /// Where a planar table's scale bytes start in `data`; 0 otherwise.
+    pub scales_at: u64,
 }
 
 /// One sequence's part of a batch: `len` positions, after `context`, the
@@ -815,6 +821,11 @@ pub unsafe extern "C" fn engram_view_info(
             digest: v.digest().0,
             shared: u8::from(v.shared()),
             packed: u8::from(v.packed()),
+            planar: u8::from(matches!(v.layout(), RowLayout::Planar { .. })),
+            scales_at: match v.layout() {
+                RowLayout::Planar { scales_at } => scales_at as u64,
+                _ => 0,
+            },
         };
         // SAFETY: `info` is writable (the caller's promise).
         unsafe { info.write(i) };

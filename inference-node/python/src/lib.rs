@@ -10,7 +10,9 @@ use std::sync::mpsc::{Sender, channel};
 use std::time::Duration;
 
 use engram_sync::Mutex;
-use inference_node::embed::{self, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, Segment};
+use inference_node::embed::{
+    self, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, RowLayout, Segment,
+};
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -381,6 +383,15 @@ struct TableView {
     inner: embed::TableView,
 }
 
+impl TableView {
+    fn out_of_range(&self, row: u64) -> PyErr {
+        bad(format!(
+            "row {row} is out of range ({} rows)",
+            self.inner.rows()
+        ))
+    }
+}
+
 #[pymethods]
 impl TableView {
     /// Its table id.
@@ -425,20 +436,43 @@ impl TableView {
         self.inner.shared()
     }
 
-    /// True when rows are back to back; false for 15 rows per 4 KiB page.
+    /// True when rows are back to back; false for 15 rows per 4 KiB page
+    /// or planar.
     #[getter]
     fn packed(&self) -> bool {
         self.inner.packed()
     }
 
-    /// Where row `row` starts in the buffer.
+    /// How the rows lie: "packed", "paged" (15 rows per 4 KiB page) or
+    /// "planar" (values from 0, scales from `scales_at`).
+    #[getter]
+    fn layout(&self) -> &'static str {
+        self.inner.layout().name()
+    }
+
+    /// Where a planar table's scale bytes start (None for the others).
+    #[getter]
+    fn scales_at(&self) -> Option<usize> {
+        match self.inner.layout() {
+            RowLayout::Planar { scales_at } => Some(scales_at),
+            _ => None,
+        }
+    }
+
+    /// Where row `row` starts in the buffer (its 264 bytes contiguous:
+    /// packed or paged; a planar table has `offsets`).
     fn offset(&self, row: u64) -> PyResult<usize> {
-        self.inner.offset(row).ok_or_else(|| {
-            bad(format!(
-                "row {row} is out of range ({} rows)",
-                self.inner.rows()
-            ))
-        })
+        if let RowLayout::Planar { .. } = self.inner.layout() {
+            return Err(bad(
+                "a planar table's rows are split: use offsets(row)".into(),
+            ));
+        }
+        self.inner.offset(row).ok_or_else(|| self.out_of_range(row))
+    }
+
+    /// Where row `row`'s values and its scale bytes start, in any layout.
+    fn offsets(&self, row: u64) -> PyResult<(usize, usize)> {
+        self.inner.offsets(row).ok_or_else(|| self.out_of_range(row))
     }
 
     /// The buffer protocol: read-only, one dimension of bytes.

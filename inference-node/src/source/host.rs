@@ -402,7 +402,8 @@ fn table_message(
         st.other.lock().remove(&table);
         return Ok(()); // The same memory (a donor restarted from its fd store).
     }
-    match map_table(table, file, want) {
+    let layout = field("layout").and_then(|v| v.as_str()).unwrap_or("packed");
+    match map_table(table, file, want, layout) {
         Ok(t) => install(name, table, generation, t, st),
         Err(e) => {
             remove(st, table);
@@ -420,9 +421,26 @@ fn remove(st: &State, table: u32) {
 
 /// Map a table's descriptor: only a memfd sealed against writes, shrinking
 /// and growing, whose record names the pinned version.
-fn map_table(table: u32, file: File, want: &ExpectedTable) -> Result<ResidentTable, String> {
+/// The message's `layout` must be one this build reads and the one the
+/// memfd's own record names.
+fn map_table(
+    table: u32,
+    file: File,
+    want: &ExpectedTable,
+    layout: &str,
+) -> Result<ResidentTable, String> {
     if !kept::is_sealed_read_only(&file) {
         return Err("its memory is not sealed against writes and resizing".into());
     }
-    ResidentTable::adopt(table, file, want, false).map_err(|e| e.to_string())
+    let said = kept::KeptLayout::parse(layout)
+        .ok_or_else(|| format!("layout {layout:?} (this build reads packed and planar)"))?;
+    let t = ResidentTable::adopt(table, file, want, false).map_err(|e| e.to_string())?;
+    let record = t.kept().map(|k| k.record.layout);
+    if record != Some(said) {
+        return Err(format!(
+            "the message says {layout} rows but the memory's record says {}",
+            record.map_or("none", kept::KeptLayout::name)
+        ));
+    }
+    Ok(t)
 }

@@ -22,8 +22,7 @@ use std::sync::Arc;
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::TableDigest;
-use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
-use engram_store::resident::ResidentTable;
+use engram_store::resident::{ResidentTable, RowLayout, RowRef};
 use thiserror::Error;
 use tokio::time::Instant;
 
@@ -224,7 +223,7 @@ pub(crate) fn gather_rows(
         let row = t.row(r).ok_or_else(|| {
             SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
         })?;
-        dst.copy_from_slice(row);
+        row.write_to(dst);
     }
     Ok(())
 }
@@ -314,12 +313,14 @@ pub trait RowSource: Send + Sync + fmt::Debug + 'static {
 /// A table's memory as this process maps it, held open (and unchanged)
 /// while the view lives: what an engine that gathers rows itself reads.
 ///
-/// The layout is [`TableView::packed`]'s: rows back to back (row `r` at
-/// `r * 264`) for a table in a memfd or in RAM, which is every table a
-/// host socket shares; or the table file's pages, 15 rows to a 4 KiB page
-/// with 136 bytes of slack at each page's end (row `r` at
-/// `(r / 15) * 4096 + (r % 15) * 264`), for a `local` copy served from its
-/// file's pages. [`TableView::offset`] says where any row starts.
+/// The layout is [`TableView::layout`]'s: rows back to back (row `r` at
+/// `r * 264`) for a table in a memfd or in RAM; planar (row `r`'s 256
+/// values at `r * 256`, its 8 scale bytes at `scales_at + r * 8`) for a
+/// host-local donor's table laid out for engines' host-table kernels; or
+/// the table file's pages, 15 rows to a 4 KiB page with 136 bytes of slack
+/// at each page's end (row `r` at `(r / 15) * 4096 + (r % 15) * 264`), for
+/// a `local` copy served from its file's pages. [`TableView::offsets`]
+/// says where any row's values and scales start.
 #[derive(Debug, Clone)]
 pub struct TableView {
     table: Arc<ResidentTable>,
@@ -375,23 +376,33 @@ impl TableView {
         self.shared
     }
 
-    /// True when rows are back to back; false for 15 rows to a 4 KiB page.
+    /// True when rows are back to back; false for 15 rows to a 4 KiB page
+    /// or planar.
     pub fn packed(&self) -> bool {
         self.table.memory().is_packed()
     }
 
-    /// Where row `row` starts in [`Self::bytes`], or `None` past the end.
-    pub fn offset(&self, row: u64) -> Option<usize> {
-        let at = if self.packed() {
-            row.checked_mul(ROW_BYTES as u64)?
-        } else {
-            (row / ROWS_PER_PAGE) * PAGE_BYTES + (row % ROWS_PER_PAGE) * ROW_BYTES as u64
-        };
-        (row < self.table.rows).then(|| usize::try_from(at).ok())?
+    /// How the rows lie in [`Self::bytes`].
+    pub fn layout(&self) -> RowLayout {
+        self.table.memory().layout()
     }
 
-    /// Row `row`'s 264 bytes, or `None` past the end.
-    pub fn row(&self, row: u64) -> Option<&[u8]> {
+    /// Where row `row` starts in [`Self::bytes`] when its 264 bytes are
+    /// contiguous (packed or paged), or `None` past the end or for a
+    /// planar table ([`Self::offsets`]).
+    pub fn offset(&self, row: u64) -> Option<usize> {
+        let layout = self.layout();
+        (layout.whole_rows() && row < self.table.rows).then(|| layout.offsets(row).0)
+    }
+
+    /// Where row `row`'s values and its scale bytes start in
+    /// [`Self::bytes`], in any layout; `None` past the end.
+    pub fn offsets(&self, row: u64) -> Option<(usize, usize)> {
+        (row < self.table.rows).then(|| self.layout().offsets(row))
+    }
+
+    /// Row `row` as it lies in memory, or `None` past the end.
+    pub fn row(&self, row: u64) -> Option<RowRef<'_>> {
         self.table.row(row)
     }
 }

@@ -220,7 +220,7 @@ impl<'a> Handler<'a> {
                 }
                 // In range: checked above.
                 if let Some(row) = table.row(r) {
-                    out.extend_from_slice(row);
+                    row.extend_into(out);
                 }
             }
             served += s.rows.len() as u64;

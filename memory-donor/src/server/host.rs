@@ -247,6 +247,7 @@ struct Shareable {
     bytes: u64,
     layer: u32,
     rows: u64,
+    layout: kept::KeptLayout,
 }
 
 /// The tables served now, as the client would be told of them, with a
@@ -268,12 +269,32 @@ fn snapshot(shared: &Shared, told: &[Told]) -> io::Result<Vec<(Told, Option<Shar
                 bytes: k.file.metadata()?.len(),
                 layer: t.layer,
                 rows: t.rows,
+                layout: k.record.layout,
             }),
             _ => None,
         };
         out.push((now, copy));
     }
     Ok(out)
+}
+
+/// The message that hands over table `t`'s memory `c`: where its rows
+/// lie (a planar table says where its scales start).
+fn table_message(t: &Told, c: &Shareable, digest: &str) -> serde_json::Value {
+    let mut m = json!({
+        "table": t.table,
+        "layer": c.layer,
+        "rows": c.rows,
+        "digest": digest,
+        "generation": t.generation.unwrap_or_default(),
+        "layout": c.layout.name(),
+        "bytes": c.bytes,
+    });
+    if c.layout == kept::KeptLayout::Planar {
+        m["values_at"] = json!(0);
+        m["scales_at"] = json!(kept::planar_scales_at(c.rows).unwrap_or_default());
+    }
+    m
 }
 
 /// Send the client what changed since `told`, until it closes or the
@@ -295,19 +316,7 @@ fn serve_client(client: &OwnedFd, shared: &Shared) -> io::Result<()> {
             }
             let digest = t.digest.to_string();
             match copy {
-                Some(c) => send(
-                    fd,
-                    &json!({
-                        "table": t.table,
-                        "layer": c.layer,
-                        "rows": c.rows,
-                        "digest": digest,
-                        "generation": t.generation.unwrap_or_default(),
-                        "layout": "packed",
-                        "bytes": c.bytes,
-                    }),
-                    Some(c.file.as_raw_fd()),
-                )?,
+                Some(c) => send(fd, &table_message(t, c, &digest), Some(c.file.as_raw_fd()))?,
                 None => send(
                     fd,
                     &json!({

@@ -105,13 +105,13 @@ pub fn fill(
     }
     let segment = opts.segment.max(blake3::CHUNK_LEN).next_power_of_two();
     let segments = total.div_ceil(segment).max(1);
-    let base = Base(dst.as_mut_ptr());
+    let dest = Dest::Packed(Base(dst.as_mut_ptr()));
     let cvs = run_segments(
         segments,
         opts.threads,
         progress,
         || Worker::new(file),
-        |work, s| work.segment(base, total, segment, s, segments, opts),
+        |work, s| work.segment(dest, total, segment, s, segments, opts),
     )?;
     if !opts.digest {
         return Ok(None);
@@ -120,6 +120,77 @@ pub fn fill(
         return Ok(Some(TableDigest::of_rows(dst)));
     }
     Ok(Some(root(&cvs)))
+}
+
+/// [`fill`] into a planar layout: row `r`'s 256 values to `values[r * 256..]`
+/// and its 8 scale bytes to `scales[r * 8..]` (exactly `rows * 256` and at
+/// least `rows * 8` bytes). The digest is the rows' (as if back to back):
+/// each worker reads its segment's rows into a buffer of its own, hashes
+/// them there, then scatters them.
+pub fn fill_planar(
+    file: &TableFile,
+    values: &mut [u8],
+    scales: &mut [u8],
+    opts: FillOptions,
+    progress: Option<&mut Progress>,
+) -> Result<Option<TableDigest>, TableFileError> {
+    let rows = file.layout.rows;
+    if values.len() as u64 != rows * VALUES as u64 || (scales.len() as u64) < rows * SCALES as u64
+    {
+        return Err(io_error(
+            file,
+            "fill",
+            format!(
+                "buffers of {} and {} bytes for {rows} planar rows",
+                values.len(),
+                scales.len()
+            ),
+        ));
+    }
+    let total = rows as usize * ROW_BYTES;
+    let segment = opts.segment.max(blake3::CHUNK_LEN).next_power_of_two();
+    let segments = total.div_ceil(segment).max(1);
+    let dest = Dest::Planar {
+        values: Base(values.as_mut_ptr()),
+        scales: Base(scales.as_mut_ptr()),
+    };
+    let cvs = run_segments(
+        segments,
+        opts.threads,
+        progress,
+        || Worker::new(file),
+        |work, s| work.segment(dest, total, segment, s, segments, opts),
+    )?;
+    if !opts.digest {
+        return Ok(None);
+    }
+    if segments == 1 {
+        let mut h = blake3::Hasher::new();
+        for r in 0..rows as usize {
+            h.update(&values[r * VALUES..][..VALUES]);
+            h.update(&scales[r * SCALES..][..SCALES]);
+        }
+        return Ok(Some(TableDigest(*h.finalize().as_bytes())));
+    }
+    Ok(Some(root(&cvs)))
+}
+
+/// A row's value bytes, then its scale bytes.
+const VALUES: usize = 256;
+const SCALES: usize = ROW_BYTES - VALUES;
+
+/// Where a fill places rows.
+#[derive(Clone, Copy)]
+enum Dest {
+    /// Back to back from this address.
+    Packed(Base),
+    /// Values from one address, scales from another.
+    Planar {
+        /// Row `r`'s values at `r * 256`.
+        values: Base,
+        /// Row `r`'s scales at `r * 8`.
+        scales: Base,
+    },
 }
 
 /// Run `work` over segments `0..segments` on `threads` workers (each with
@@ -379,12 +450,29 @@ fn io_error(file: &TableFile, op: &'static str, what: String) -> TableFileError 
     }
 }
 
+/// Scatter `rows` (back to back; the first is row `r0`) into a planar
+/// table's values and scales.
+fn scatter(rows: &[u8], r0: usize, values: Base, scales: Base) {
+    for (i, r) in rows.chunks_exact(ROW_BYTES).enumerate() {
+        // SAFETY: row r0 + i lies inside both regions (checked against the
+        // row count in `fill_planar`), and only this worker places it.
+        unsafe {
+            let v = values.0.add((r0 + i) * VALUES);
+            std::ptr::copy_nonoverlapping(r.as_ptr(), v, VALUES);
+            let sc = scales.0.add((r0 + i) * SCALES);
+            std::ptr::copy_nonoverlapping(r.as_ptr().add(VALUES), sc, SCALES);
+        }
+    }
+}
+
 /// One worker's buffers.
 struct Worker<'a> {
     file: &'a TableFile,
     slack: Vec<u8>,
     head: [u8; ROW_BYTES],
     iov: Vec<libc::iovec>,
+    /// A planar fill's rows, read and hashed here before they are scattered.
+    scratch: Vec<u8>,
 }
 
 impl<'a> Worker<'a> {
@@ -394,6 +482,7 @@ impl<'a> Worker<'a> {
             slack: vec![0; PAGE_BYTES as usize],
             head: [0; ROW_BYTES],
             iov: Vec::with_capacity(2 * PAGES_PER_CALL),
+            scratch: Vec::new(),
         }
     }
 
@@ -401,7 +490,7 @@ impl<'a> Worker<'a> {
     /// returns the rows placed and the segment's chaining value.
     fn segment(
         &mut self,
-        base: Base,
+        dest: Dest,
         total: usize,
         size: usize,
         s: usize,
@@ -413,34 +502,60 @@ impl<'a> Worker<'a> {
         let b = (a + size).min(total);
         let r0 = a.div_ceil(row);
         let r1 = b.div_ceil(row).min(total / row);
-        // SAFETY: rows r0..r1 lie inside the buffer (r1 * 264 <= total)
-        // and start in segment s, which only this worker claimed.
-        let mine = unsafe {
-            std::slice::from_raw_parts_mut(base.0.add(r0 * row), (r1.max(r0) - r0) * row)
-        };
-        self.read_rows(r0 as u64, r1 as u64, mine)?;
-        let cv = if opts.digest && segments > 1 {
-            let mut h = blake3::Hasher::new();
-            h.set_input_offset(a as u64);
-            let head = (r0 * row).min(b) - a;
-            if head > 0 {
-                let prev = r0 as u64 - 1;
-                let off = self.file.layout.row_offset(prev).unwrap_or_default();
-                read_exact_at(self.file, &mut self.head, off)?;
-                h.update(&self.head[row - (r0 * row - a)..][..head]);
+        let n = r1.max(r0) - r0;
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mine: &mut [u8] = match dest {
+            // SAFETY: rows r0..r1 lie inside the buffer (r1 * 264 <= total)
+            // and start in segment s, which only this worker claimed.
+            Dest::Packed(base) => unsafe {
+                std::slice::from_raw_parts_mut(base.0.add(r0 * row), n * row)
+            },
+            Dest::Planar { .. } => {
+                scratch.resize(n * row, 0);
+                &mut scratch[..]
             }
-            let body = b.saturating_sub(r0 * row);
-            h.update(&mine[..body]);
-            Some(h.finalize_non_root())
-        } else {
-            None
         };
+        let read = self.read_rows(r0 as u64, r1 as u64, mine);
+        let cv = read.and_then(|()| self.hash_segment(mine, (a, b), (r0, segments), opts));
+        if let (Ok(_), Dest::Planar { values, scales }) = (&cv, dest) {
+            scatter(mine, r0, values, scales);
+        }
+        self.scratch = scratch;
+        let cv = cv?;
         if opts.drop_behind
             && let Some((off, len)) = self.span(r0 as u64, r1 as u64)
         {
             advise(self.file, off, len, libc::POSIX_FADV_DONTNEED);
         }
-        Ok(((r1.max(r0) - r0) as u64, cv))
+        Ok((n as u64, cv))
+    }
+
+    /// The chaining value of a segment (bytes `a..b` of the rows back to
+    /// back), whose rows from `r0` on are in `mine`; `None` when not
+    /// hashing or when the segment is the whole table.
+    fn hash_segment(
+        &mut self,
+        mine: &[u8],
+        (a, b): (usize, usize),
+        (r0, segments): (usize, usize),
+        opts: FillOptions,
+    ) -> Result<Option<ChainingValue>, TableFileError> {
+        let row = ROW_BYTES;
+        if !opts.digest || segments <= 1 {
+            return Ok(None);
+        }
+        let mut h = blake3::Hasher::new();
+        h.set_input_offset(a as u64);
+        let head = (r0 * row).min(b) - a;
+        if head > 0 {
+            let prev = r0 as u64 - 1;
+            let off = self.file.layout.row_offset(prev).unwrap_or_default();
+            read_exact_at(self.file, &mut self.head, off)?;
+            h.update(&self.head[row - (r0 * row - a)..][..head]);
+        }
+        let body = b.saturating_sub(r0 * row);
+        h.update(&mine[..body]);
+        Ok(Some(h.finalize_non_root()))
     }
 
     /// The whole pages of the file that rows `r0..r1` lie in (offset,

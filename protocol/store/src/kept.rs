@@ -3,16 +3,17 @@
 //! by systemd, which kept the descriptor in its fd store) can serve them
 //! at once instead of reading the table file again.
 //!
-//! Layout of the memfd: the rows back to back from offset 0, then, in the
-//! memfd's last 4 KiB, the record (all integers little-endian):
+//! Layout of the memfd: the rows from offset 0 ([`KeptLayout`]: back to
+//! back, or planar as the engines' host-table kernels read them), then, in
+//! the memfd's last 4 KiB, the record (all integers little-endian):
 //!
 //! | offset | bytes | field |
 //! | --- | --- | --- |
 //! | 0 | 8 | magic `ENGRKEPT` |
-//! | 8 | 4 | record version (1) |
+//! | 8 | 4 | record version (1 packed; 2 when bit 1 of the flags may be set) |
 //! | 12 | 4 | table id |
 //! | 16 | 4 | model layer |
-//! | 20 | 4 | flags (bit 0: the digest was verified at load) |
+//! | 20 | 4 | flags (bit 0: the digest was verified at load; bit 1: planar) |
 //! | 24 | 8 | rows |
 //! | 32 | 32 | table digest (BLAKE3) |
 //! | 64 | 8 | generation (random, one per load) |
@@ -37,8 +38,14 @@ use thiserror::Error;
 
 /// The record's magic.
 const MAGIC: &[u8; 8] = b"ENGRKEPT";
-/// The record's version.
+/// The record's version for packed rows (what every build reads).
 const VERSION: u32 = 1;
+/// The record's version when the flags may say planar: a build that reads
+/// only version 1 refuses such a copy instead of serving its bytes as
+/// packed rows.
+const VERSION_LAYOUT: u32 = 2;
+/// Flag bit: the rows are planar.
+const PLANAR: u32 = 2;
 /// Bytes the record takes (then its checksum).
 const RECORD: usize = 80;
 /// The tail the record lives in.
@@ -64,6 +71,61 @@ pub struct Record {
     pub loaded_unix_ms: u64,
     /// True when the digest was recomputed at load.
     pub verified: bool,
+    /// How the rows lie in the memfd.
+    pub layout: KeptLayout,
+}
+
+/// How a kept memfd's rows lie in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeptLayout {
+    /// Row `r`'s 264 bytes at `r * 264` (what the data plane sends).
+    #[default]
+    Packed,
+    /// Every row's 256 E4M3 values first (row `r`'s at `r * 256`), then,
+    /// from [`planar_scales_at`] (the values' end rounded up to 4 KiB),
+    /// every row's 8 scale bytes (row `r`'s at `scales_at + r * 8`): the
+    /// layout the engines' host-table kernels read (vLLM's `weight` and
+    /// `weight_scale_inv`, SGLang's `weight` and `scale`), so an engine can
+    /// hand this memory to its own lookup as it is.
+    Planar,
+}
+
+impl KeptLayout {
+    /// Its name in configs, messages and status.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Packed => "packed",
+            Self::Planar => "planar",
+        }
+    }
+
+    /// The layout named `s`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "packed" => Some(Self::Packed),
+            "planar" => Some(Self::Planar),
+            _ => None,
+        }
+    }
+
+    /// Bytes `rows` rows take in this layout; `None` on overflow.
+    pub fn rows_len(self, rows: u64) -> Option<u64> {
+        match self {
+            Self::Packed => rows.checked_mul(ROW_BYTES as u64),
+            Self::Planar => planar_scales_at(rows)?.checked_add(rows.checked_mul(SCALE_BYTES)?),
+        }
+    }
+}
+
+/// Scale bytes a row carries (the last 8 of its 264).
+pub const SCALE_BYTES: u64 = 8;
+/// Value bytes a row carries (the first 256 of its 264).
+pub const VALUE_BYTES: u64 = 256;
+
+/// Where a planar table's scales start: its values' bytes rounded up to
+/// 4 KiB. `None` on overflow.
+pub fn planar_scales_at(rows: u64) -> Option<u64> {
+    rows.checked_mul(VALUE_BYTES)?.checked_next_multiple_of(TAIL)
 }
 
 impl Record {
@@ -76,10 +138,14 @@ impl Record {
     fn encode(&self) -> [u8; RECORD + 8] {
         let mut b = [0u8; RECORD + 8];
         b[0..8].copy_from_slice(MAGIC);
-        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        let (version, planar) = match self.layout {
+            KeptLayout::Packed => (VERSION, 0),
+            KeptLayout::Planar => (VERSION_LAYOUT, PLANAR),
+        };
+        b[8..12].copy_from_slice(&version.to_le_bytes());
         b[12..16].copy_from_slice(&self.id.to_le_bytes());
         b[16..20].copy_from_slice(&self.layer.to_le_bytes());
-        b[20..24].copy_from_slice(&u32::from(self.verified).to_le_bytes());
+        b[20..24].copy_from_slice(&(u32::from(self.verified) | planar).to_le_bytes());
         b[24..32].copy_from_slice(&self.rows.to_le_bytes());
         b[32..64].copy_from_slice(&self.digest.0);
         b[64..72].copy_from_slice(&self.generation.to_le_bytes());
@@ -99,10 +165,10 @@ impl Record {
         if b.len() < RECORD + 8 || &b[0..8] != MAGIC {
             return Err(KeptError::NoRecord);
         }
-        if u32_at(8) != VERSION {
+        let version = u32_at(8);
+        if version != VERSION && version != VERSION_LAYOUT {
             return Err(KeptError::Bad(format!(
-                "record version {} (this build reads {VERSION})",
-                u32_at(8)
+                "record version {version} (this build reads {VERSION} and {VERSION_LAYOUT})"
             )));
         }
         if twox_hash::XxHash3_64::oneshot(&b[..RECORD]) != u64_at(RECORD) {
@@ -116,6 +182,11 @@ impl Record {
             id: u32_at(12),
             layer: u32_at(16),
             verified: u32_at(20) & 1 == 1,
+            layout: if version == VERSION_LAYOUT && u32_at(20) & PLANAR != 0 {
+                KeptLayout::Planar
+            } else {
+                KeptLayout::Packed
+            },
             rows: u64_at(24),
             digest: TableDigest(digest),
             generation: u64_at(64),
@@ -162,11 +233,12 @@ pub(crate) fn os(op: &'static str) -> impl FnOnce(std::io::Error) -> KeptError {
     move |source| KeptError::Io { op, source }
 }
 
-/// Bytes a memfd holding `rows` rows and the record takes (before any
-/// rounding up to the huge page size).
+/// Bytes a memfd holding `rows` rows in `layout` and the record takes
+/// (before any rounding up to the huge page size).
 /// `None` when that overflows.
-pub fn memfd_len(rows: u64) -> Option<u64> {
-    rows.checked_mul(ROW_BYTES as u64)?
+pub fn memfd_len(rows: u64, layout: KeptLayout) -> Option<u64> {
+    layout
+        .rows_len(rows)?
         .div_ceil(TAIL)
         .checked_mul(TAIL)?
         .checked_add(TAIL)
@@ -233,11 +305,12 @@ impl Pages {
     }
 }
 
-/// A new memfd for `rows` rows, sized and sealed against resizing later;
-/// hugetlb-backed when enough huge pages are free and `huge` allows.
-/// Returns the file, its length, and whether it is hugetlb-backed.
-pub fn create(rows: u64, huge: bool) -> Result<(File, u64, bool), KeptError> {
-    let small = memfd_len(rows).ok_or_else(|| KeptError::Bad(format!("{rows} rows")))?;
+/// A new memfd for `rows` rows in `layout`, sized and sealed against
+/// resizing later; hugetlb-backed when enough huge pages are free and
+/// `huge` allows. Returns the file, its length, and whether it is
+/// hugetlb-backed.
+pub fn create(rows: u64, layout: KeptLayout, huge: bool) -> Result<(File, u64, bool), KeptError> {
+    let small = memfd_len(rows, layout).ok_or_else(|| KeptError::Bad(format!("{rows} rows")))?;
     if huge
         && let Some((page, free)) = huge_pages_free()
         && page > 4096
@@ -433,7 +506,7 @@ pub fn inspect(file: &File) -> Result<(Record, u64), KeptError> {
     file.read_exact_at(&mut tail, len - TAIL)
         .map_err(os("reading the record"))?;
     let record = Record::decode(&tail)?;
-    if memfd_len(record.rows).is_none_or(|need| len < need) {
+    if memfd_len(record.rows, record.layout).is_none_or(|need| len < need) {
         return Err(KeptError::Bad(format!(
             "{len} bytes cannot hold the {} rows its record names",
             record.rows
@@ -498,9 +571,9 @@ mod tests {
 
     #[test]
     fn a_sealed_memfd_without_a_record_and_records_round_trip() {
-        let (f, len, huge) = create(100, false).expect("memfd");
+        let (f, len, huge) = create(100, KeptLayout::Packed, false).expect("memfd");
         assert!(!huge && !is_hugetlb(&f));
-        assert_eq!(len, memfd_len(100).expect("len"));
+        assert_eq!(len, memfd_len(100, KeptLayout::Packed).expect("len"));
         seal(&f).expect("seal");
         assert!(matches!(inspect(&f), Err(KeptError::NoRecord)));
         // Sealed: it cannot grow or shrink.
@@ -513,8 +586,11 @@ mod tests {
             generation: generation(),
             loaded_unix_ms: unix_ms(),
             verified: false,
+            layout: KeptLayout::Packed,
         };
         assert_eq!(Record::decode(&r.encode()).expect("decode"), r);
+        // Packed records stay version 1, which every build reads.
+        assert_eq!(&r.encode()[8..12], &1u32.to_le_bytes());
         f.write_all_at(&r.encode(), len - TAIL).expect("write");
         assert_eq!(inspect(&f).expect("inspect"), (r, len));
         // A record naming more rows than the memfd holds.
@@ -533,6 +609,52 @@ mod tests {
         f.write_all_at(&huge_rows.encode(), len - TAIL)
             .expect("write");
         assert!(inspect(&f).is_err());
-        assert!(memfd_len(u64::MAX).is_none());
+        assert!(memfd_len(u64::MAX, KeptLayout::Packed).is_none());
+        assert!(memfd_len(u64::MAX / 200, KeptLayout::Planar).is_none());
+    }
+
+    #[test]
+    fn planar_records_are_version_2_and_size_their_memfd() {
+        let r = Record {
+            id: 1,
+            layer: 1,
+            rows: 1000,
+            digest: TableDigest([9; 32]),
+            generation: 7,
+            loaded_unix_ms: 8,
+            verified: true,
+            layout: KeptLayout::Planar,
+        };
+        let b = r.encode();
+        assert_eq!(&b[8..12], &2u32.to_le_bytes());
+        assert_eq!(Record::decode(&b).expect("decode"), r);
+        // Values 256,000 bytes, rounded to 258,048; then 8,000 of scales.
+        assert_eq!(planar_scales_at(1000), Some(258_048));
+        assert_eq!(KeptLayout::Planar.rows_len(1000), Some(266_048));
+        assert_eq!(memfd_len(1000, KeptLayout::Planar), Some(266_240 + 4096));
+        // A version-1 record never reads as planar, whatever its flags.
+        let mut old = b;
+        old[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let sum = twox_hash::XxHash3_64::oneshot(&old[..RECORD]);
+        old[RECORD..].copy_from_slice(&sum.to_le_bytes());
+        assert_eq!(
+            Record::decode(&old).expect("decode").layout,
+            KeptLayout::Packed
+        );
+        // A future version is refused by name.
+        let mut new = b;
+        new[8..12].copy_from_slice(&3u32.to_le_bytes());
+        let sum = twox_hash::XxHash3_64::oneshot(&new[..RECORD]);
+        new[RECORD..].copy_from_slice(&sum.to_le_bytes());
+        assert!(
+            Record::decode(&new)
+                .expect_err("v3")
+                .to_string()
+                .contains("record version 3")
+        );
+        // Past 64 GiB of values: the real V4.1 table.
+        let rows = 384_016_682u64;
+        let at = planar_scales_at(rows).expect("at");
+        assert!(at > 64 << 30 && at % 4096 == 0 && at >= rows * 256);
     }
 }

@@ -24,5 +24,6 @@ pub mod pack;
 pub mod progress;
 pub mod resident;
 pub mod resume;
+pub mod rowref;
 pub mod table_file;
 pub mod verify;

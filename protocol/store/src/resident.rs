@@ -8,13 +8,14 @@
 
 use std::path::Path;
 
-use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
+use engram_protocol::etab::PAGE_BYTES;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use memmap2::{Mmap, MmapMut};
 use thiserror::Error;
 
 use crate::fill::FillOptions;
-use crate::kept::{self, KeptError, Record};
+use crate::kept::{self, KeptError, KeptLayout, Record};
+pub use crate::rowref::{RowLayout, RowRef};
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
@@ -220,6 +221,10 @@ pub struct LoadOptions {
     /// process ([`kept::seal_future_writes`], which keeps the view), so a
     /// restarted donor can make its view again.
     pub rdma_view: bool,
+    /// For [`Backing::Memfd`]: lay the rows out planar
+    /// ([`KeptLayout::Planar`]), as engines' host-table kernels read
+    /// them. Ignored for the other backings.
+    pub planar: bool,
 }
 
 impl Default for LoadOptions {
@@ -233,18 +238,19 @@ impl Default for LoadOptions {
             known_file: None,
             numa_node: None,
             rdma_view: false,
+            planar: false,
         }
     }
 }
 
 /// A table's memory: a read-only mapping whose first `len` bytes are the
-/// rows, back to back, or (`paged`) a table file's pages, 15 rows and the
-/// slack in each 4 KiB.
+/// rows in `layout`: back to back, planar, or a table file's pages (15
+/// rows and the slack in each 4 KiB).
 #[derive(Debug)]
 pub struct Rows {
     map: Mmap,
     len: usize,
-    paged: bool,
+    layout: RowLayout,
     /// The mapped file, open while the rows are served: it holds the read
     /// lease.
     file: Option<std::fs::File>,
@@ -255,12 +261,12 @@ pub struct Rows {
 }
 
 impl Rows {
-    /// A copy: `len` bytes of rows back to back at the start of `map`.
-    fn packed(map: Mmap, len: usize) -> Self {
+    /// A copy: `len` bytes of rows in `layout` at the start of `map`.
+    fn copy(map: Mmap, len: usize, layout: RowLayout) -> Self {
         Self {
             map,
             len,
-            paged: false,
+            layout,
             file: None,
             view: None,
         }
@@ -286,20 +292,14 @@ impl Rows {
     }
 
     /// True when the rows are back to back ([`AsRef`] is then exactly
-    /// them); false for a table served from its file's pages.
+    /// them); false for a table served from its file's pages or planar.
     pub fn is_packed(&self) -> bool {
-        !self.paged
+        self.layout == RowLayout::Packed
     }
 
-    /// Where row `row` starts in the mapping.
-    #[inline]
-    fn offset(&self, row: u64) -> usize {
-        if self.paged {
-            (row / ROWS_PER_PAGE) as usize * PAGE_BYTES as usize
-                + (row % ROWS_PER_PAGE) as usize * ROW_BYTES
-        } else {
-            row as usize * ROW_BYTES
-        }
+    /// How the rows lie in the mapping.
+    pub fn layout(&self) -> RowLayout {
+        self.layout
     }
 
     /// Lock the whole mapping (`mlock`), faulting in what is not mapped yet.
@@ -361,14 +361,13 @@ pub struct ResidentTable {
 }
 
 impl ResidentTable {
-    /// The bytes of row `row`, or `None` when out of range.
+    /// Row `row` as it lies in memory, or `None` when out of range.
     #[inline]
-    pub fn row(&self, row: u64) -> Option<&[u8]> {
+    pub fn row(&self, row: u64) -> Option<RowRef<'_>> {
         if row >= self.rows {
             return None;
         }
-        let at = self.mem.offset(row);
-        self.mem.map.get(at..at + ROW_BYTES)
+        crate::rowref::row_in(&self.mem.map, self.mem.layout, row)
     }
 
     /// Map every page of the table into this process now
@@ -406,17 +405,18 @@ impl ResidentTable {
     pub fn prefetch(&self, row: u64) {
         #[cfg(target_arch = "x86_64")]
         if row < self.rows {
-            let start = self.mem.map.as_ptr().wrapping_add(self.mem.offset(row));
+            let (values, scales) = self.mem.layout.offsets(row);
+            let base = self.mem.map.as_ptr();
+            let (start, len) = if self.mem.layout.whole_rows() {
+                (base.wrapping_add(values), ROW_BYTES)
+            } else {
+                prefetch_line(base.wrapping_add(scales));
+                (base.wrapping_add(values), kept::VALUE_BYTES as usize)
+            };
             let first = start as usize & !63;
             let mut line = first;
-            while line < start as usize + ROW_BYTES {
-                // SAFETY: SSE is part of the x86_64 baseline, and a prefetch
-                // never faults or reads memory architecturally (any address is fine).
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                        line as *const i8,
-                    )
-                };
+            while line < start as usize + len {
+                prefetch_line(line as *const u8);
                 line += 64;
             }
         }
@@ -425,8 +425,8 @@ impl ResidentTable {
     }
 
     /// The rows' memory (264 bytes a row, back to back, unless the table
-    /// is served from its file's pages), shared: it stays mapped while any
-    /// holder keeps it, after the table itself is dropped.
+    /// is served from its file's pages or planar), shared: it stays mapped
+    /// while any holder keeps it, after the table itself is dropped.
     pub fn memory(&self) -> std::sync::Arc<Rows> {
         std::sync::Arc::clone(&self.mem)
     }
@@ -510,7 +510,15 @@ impl ResidentTable {
         {
             return Err(LoadError::Pinned { path: shown, what });
         }
-        let bytes = file.meta.rows * ROW_BYTES as u64;
+        let planar = opts.planar && opts.backing == Backing::Memfd;
+        let kept_layout = if planar {
+            KeptLayout::Planar
+        } else {
+            KeptLayout::Packed
+        };
+        let bytes = kept_layout
+            .rows_len(file.meta.rows)
+            .unwrap_or(u64::MAX);
         let memory = |source| LoadError::Memory {
             path: shown.clone(),
             bytes,
@@ -521,19 +529,34 @@ impl ResidentTable {
         let (mut map, memfd) = match opts.backing {
             Backing::Mapped => return Self::load_mapped(id, file, opts, progress),
             Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
-            Backing::Memfd => memfd_map(file.meta.rows, &memory)?,
+            Backing::Memfd => memfd_map(file.meta.rows, kept_layout, &memory)?,
+        };
+        let layout = match kept_layout {
+            KeptLayout::Packed => RowLayout::Packed,
+            KeptLayout::Planar => RowLayout::Planar {
+                scales_at: planar_scales_at(file.meta.rows, &memory)?,
+            },
         };
         let mlock_err = |source| LoadError::Mlock {
             path: shown.clone(),
             bytes,
             source,
         };
-        let locked = fill_memory(&file, &mut map, len, opts, progress, &memory, &mlock_err)?;
+        let locked = fill_memory(
+            &file,
+            &mut map,
+            (len, layout),
+            opts,
+            progress,
+            &memory,
+            &mlock_err,
+        )?;
         let id = id.unwrap_or(file.meta.layer);
         let kept = match memfd {
             Some((f, hugetlb)) => {
                 let verified = !opts.trust_digest;
-                Some(keep(f, hugetlb, &mut map, id, &file, verified, &memory)?)
+                let made = (id, kept_layout, verified);
+                Some(keep(f, hugetlb, &mut map, made, &file, &memory)?)
             }
             None => None,
         };
@@ -553,7 +576,7 @@ impl ResidentTable {
             digest_prefix: digest.prefix(),
             mem: std::sync::Arc::new(Rows {
                 view,
-                ..Rows::packed(map, len)
+                ..Rows::copy(map, len, layout)
             }),
             kept,
             mark: None,
@@ -629,7 +652,19 @@ impl ResidentTable {
             }
             (false, true) => None,
         };
-        let len = usize::try_from(record.rows * ROW_BYTES as u64).map_err(|_| too_big())?;
+        let len = record
+            .layout
+            .rows_len(record.rows)
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or_else(too_big)?;
+        let layout = match record.layout {
+            KeptLayout::Packed => RowLayout::Packed,
+            KeptLayout::Planar => RowLayout::Planar {
+                scales_at: kept::planar_scales_at(record.rows)
+                    .and_then(|a| usize::try_from(a).ok())
+                    .ok_or_else(too_big)?,
+            },
+        };
         // SAFETY: the memfd's size is sealed, so the mapping cannot lose
         // pages under us; it is mapped read-only.
         let map =
@@ -648,7 +683,7 @@ impl ResidentTable {
             digest_prefix: record.digest.prefix(),
             mem: std::sync::Arc::new(Rows {
                 view,
-                ..Rows::packed(map, len)
+                ..Rows::copy(map, len, layout)
             }),
             kept: Some(Kept {
                 pages: kept::pages(&file),
@@ -751,7 +786,7 @@ impl ResidentTable {
             mem: std::sync::Arc::new(Rows {
                 map,
                 len: span,
-                paged: true,
+                layout: RowLayout::Paged,
                 file: Some(handle),
                 view: None,
             }),
@@ -817,7 +852,7 @@ fn lock_on_fault(map: &[u8], mode: MlockMode) -> Result<bool, std::io::Error> {
 fn fill_memory(
     file: &TableFile,
     map: &mut MmapMut,
-    len: usize,
+    (len, layout): (usize, RowLayout),
     opts: &LoadOptions,
     mut progress: Option<Progress>,
     memory: &dyn Fn(std::io::Error) -> LoadError,
@@ -834,7 +869,15 @@ fn fill_memory(
         digest: !opts.trust_digest,
         ..FillOptions::default()
     };
-    let digest = crate::fill::fill(file, &mut map[..len], fill, progress.as_mut())?;
+    let digest = match layout {
+        RowLayout::Planar { scales_at } => {
+            let (values, scales) = map[..len].split_at_mut(scales_at);
+            let rows = file.meta.rows as usize;
+            let values = &mut values[..rows * kept::VALUE_BYTES as usize];
+            crate::fill::fill_planar(file, values, scales, fill, progress.as_mut())?
+        }
+        _ => crate::fill::fill(file, &mut map[..len], fill, progress.as_mut())?,
+    };
     check_digest(file, digest, progress)?;
     Ok(locked)
 }
@@ -863,9 +906,8 @@ fn keep(
     f: std::fs::File,
     hugetlb: bool,
     map: &mut MmapMut,
-    id: u32,
+    (id, layout, verified): (u32, KeptLayout, bool),
     file: &TableFile,
-    verified: bool,
     memory: &dyn Fn(std::io::Error) -> LoadError,
 ) -> Result<Kept, LoadError> {
     let record = Record {
@@ -876,6 +918,7 @@ fn keep(
         generation: kept::generation(),
         loaded_unix_ms: kept::unix_ms(),
         verified,
+        layout,
     };
     kept::finish(&f, map, &record).map_err(|e| memory(e.into_io()))?;
     let pages = if hugetlb {
@@ -890,13 +933,37 @@ fn keep(
     })
 }
 
-/// A memfd for `rows` rows (in huge pages where the system has them) and
-/// its writable mapping, to be filled; whether it is in huge pages.
-fn memfd_map(
+/// Where a planar table of `rows` rows keeps its scales, as an offset in
+/// this address space.
+fn planar_scales_at(
     rows: u64,
     memory: &dyn Fn(std::io::Error) -> LoadError,
+) -> Result<usize, LoadError> {
+    kept::planar_scales_at(rows)
+        .and_then(|a| usize::try_from(a).ok())
+        .ok_or_else(|| memory(std::io::Error::other("larger than the address space")))
+}
+
+/// Prefetch the cache line at `p` (a hint: never faults).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch_line(p: *const u8) {
+    // SAFETY: SSE is part of the x86_64 baseline, and a prefetch never
+    // faults or reads memory architecturally (any address is fine).
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+}
+
+/// A memfd for `rows` rows in `layout` (in huge pages where the system
+/// has them) and its writable mapping, to be filled; whether it is in
+/// huge pages.
+fn memfd_map(
+    rows: u64,
+    layout: KeptLayout,
+    memory: &dyn Fn(std::io::Error) -> LoadError,
 ) -> Result<(MmapMut, Option<(std::fs::File, bool)>), LoadError> {
-    let (f, flen, huge) = kept::create(rows, true).map_err(|e| memory(e.into_io()))?;
+    let (f, flen, huge) = kept::create(rows, layout, true).map_err(|e| memory(e.into_io()))?;
     let flen = usize::try_from(flen)
         .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
     // SAFETY: the memfd is ours alone until it is handed on, and its size

@@ -33,7 +33,7 @@ fn loads_every_row_and_checks_versions() {
     assert_eq!((t.id, t.layer, t.rows, t.digest), (7, 1, 10_000, digest));
     for r in [0, 1, 14, 15, 9_999] {
         assert!(
-            is_synthetic_row(4, 1, r, t.row(r).expect("in range")),
+            is_synthetic_row(4, 1, r, &t.row(r).expect("in range").to_vec()),
             "row {r}"
         );
     }
@@ -77,7 +77,7 @@ fn a_modified_row_fails_verification_unless_trusted() {
     let (t, report) =
         ResidentTable::load(1, &path, None, true, MlockMode::Off, |_| None).expect("trusted");
     assert!(!report.verified);
-    assert_eq!(t.row(5000).expect("row")[0], 0x11);
+    assert_eq!(t.row(5000).expect("row").values()[0], 0x11);
 }
 
 /// Load `path` with `backing`.
@@ -118,7 +118,11 @@ fn a_table_served_from_its_files_pages_has_the_copys_rows() {
     assert!(copy.memory().is_packed() && !mapped.memory().is_packed());
     assert!(mapped.kept().is_none());
     for r in 0..40_000 {
-        assert_eq!(mapped.row(r), copy.row(r), "row {r}");
+        assert_eq!(
+            mapped.row(r).map(|x| x.to_vec()),
+            copy.row(r).map(|x| x.to_vec()),
+            "row {r}"
+        );
     }
     assert!(mapped.row(40_000).is_none());
     // Dropped, the table still serves its rows to whoever holds its memory.
@@ -134,7 +138,7 @@ fn a_table_served_from_its_files_pages_has_the_copys_rows() {
     assert!(err.to_string().contains("rows hash to"), "{err}");
     let (t, report) = load_as(&path, Backing::Mapped, true).expect("trusted");
     assert!(!report.verified);
-    assert_eq!(t.row(31_000).expect("row")[0], 0x5a);
+    assert_eq!(t.row(31_000).expect("row").values()[0], 0x5a);
 }
 
 #[test]
@@ -160,7 +164,7 @@ fn a_mark_of_the_same_unchanged_leased_file_serves_its_pages_without_reading_the
     // The same file, unchanged: served on, marked verified.
     let (again, report) = load(Some(mark), false).expect("reuse");
     assert!(report.verified && report.reused && !report.locked);
-    assert_eq!(again.row(5).expect("row"), &row5[..]);
+    assert_eq!(again.row(5).expect("row").to_vec(), row5);
     assert_eq!(again.file_mark(), Some(mark));
     drop(again);
     // A changed row moves the change time on: read and hashed again,
@@ -174,7 +178,7 @@ fn a_mark_of_the_same_unchanged_leased_file_serves_its_pages_without_reading_the
     let now = FileMark::of(f.handle(), true).expect("stat");
     let (t, report) = load(Some(now), false).expect("reuse");
     assert!(report.reused);
-    assert_eq!(t.row(5).expect("row")[0], 0x5a);
+    assert_eq!(t.row(5).expect("row").values()[0], 0x5a);
     drop(t);
     // Never hashed: counts only for a donor that trusts digests.
     let trusted = FileMark {
@@ -221,7 +225,7 @@ fn a_kept_copy_is_adopted_and_a_stale_or_unfinished_one_refused() {
     let again = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &pin, false).expect("adopt");
     assert_eq!(again.kept().expect("kept").record.generation, generation);
     for (r, row) in want.iter().enumerate() {
-        assert_eq!(again.row(r as u64), Some(&row[..]), "row {r}");
+        assert_eq!(again.row(r as u64).map(|x| x.to_vec()), Some(row.clone()), "row {r}");
     }
     assert_eq!(again.memory().as_ref().as_ref().len(), 10_000 * ROW_BYTES);
     again.lock().ok();
@@ -239,13 +243,65 @@ fn a_kept_copy_is_adopted_and_a_stale_or_unfinished_one_refused() {
         ResidentTable::adopt(1, fd, &ExpectedTable { rows: 9, ..pin }, false).expect_err("rows");
     assert!(e.to_string().contains("9 rows"), "{e}");
     // A load cut short: not sealed yet, no record.
-    let (f, _, _) = kept::create(10_000, false).expect("memfd");
+    let (f, _, _) = kept::create(10_000, KeptLayout::Packed, false).expect("memfd");
     let e = ResidentTable::adopt(1, f, &pin, false).expect_err("unfinished");
     assert!(e.to_string().contains("not sealed"), "{e}");
     // Not sealed at all (an ordinary file).
     let plain = std::fs::File::open(&path).expect("open");
     let e = ResidentTable::adopt(1, plain, &pin, false).expect_err("plain");
     assert!(e.to_string().contains("sealable memfd"), "{e}");
+}
+
+#[test]
+fn a_planar_copy_holds_every_row_and_is_adopted_as_planar() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, pin, opts) = kept_load(dir.path(), MlockMode::Off);
+    // Small segments: many workers' scatters meet at segment edges.
+    let opts = LoadOptions {
+        planar: true,
+        threads: 3,
+        ..opts
+    };
+    let (t, report) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
+    assert!(report.verified, "the digest is the rows' as if back to back");
+    let scales_at = kept::planar_scales_at(10_000).expect("at") as usize;
+    assert_eq!(t.memory().layout(), RowLayout::Planar { scales_at });
+    assert!(!t.memory().is_packed());
+    let k = t.kept().expect("kept");
+    assert_eq!(k.record.layout, KeptLayout::Planar);
+    let bytes = t.memory_bytes();
+    for r in [0u64, 1, 14, 15, 4_999, 9_999] {
+        let row = t.row(r).expect("row").to_vec();
+        assert!(is_synthetic_row(4, 1, r, &row), "row {r}");
+        // Where an engine's kernel reads it: values at r * 256, scales at
+        // scales_at + r * 8.
+        let r = r as usize;
+        assert_eq!(&bytes[r * 256..r * 256 + 256], &row[..256]);
+        assert_eq!(&bytes[scales_at + r * 8..scales_at + r * 8 + 8], &row[256..]);
+    }
+    let fd = k.file.try_clone().expect("dup");
+    let again = ResidentTable::adopt(1, fd, &pin, false).expect("adopt");
+    assert_eq!(again.memory().layout(), RowLayout::Planar { scales_at });
+    for r in (0..10_000).step_by(997) {
+        assert_eq!(
+            again.row(r).map(|x| x.to_vec()),
+            t.row(r).map(|x| x.to_vec())
+        );
+    }
+    // A planar fill of a single segment hashes the same.
+    let small = FillOptions {
+        segment: 1 << 30,
+        threads: 1,
+        ..FillOptions::default()
+    };
+    let file = TableFile::open(&path).expect("open");
+    let mut values = vec![0u8; 10_000 * 256];
+    let mut scales = vec![0u8; 10_000 * 8];
+    let d = crate::fill::fill_planar(&file, &mut values, &mut scales, small, None).expect("fill");
+    assert_eq!(d, Some(pin.digest));
+    let e = crate::fill::fill_planar(&file, &mut values[1..], &mut scales, small, None)
+        .expect_err("short");
+    assert!(e.to_string().contains("planar rows"), "{e}");
 }
 
 /// `table`'s file, its pin, and the options of a load into a memfd.
@@ -279,7 +335,7 @@ fn a_flipped_record_byte_is_refused() {
     // SAFETY: a test's own memfd; the mapping must be refused.
     assert!(unsafe { memmap2::MmapOptions::new().len(len).map_mut(&loaded) }.is_err());
     // So the flipped byte goes into a fresh memfd with the same record.
-    let (f, len, _) = kept::create(record.rows, false).expect("memfd");
+    let (f, len, _) = kept::create(record.rows, KeptLayout::Packed, false).expect("memfd");
     let len = len as usize;
     // Through a mapping: hugetlbfs has no write(2).
     // SAFETY: a test's own memfd, mapped while nothing else uses it.
@@ -319,6 +375,6 @@ fn reserved_huge_pages_back_a_kept_table() {
     let again = adopted.expect("adopted").expect("adopt");
     assert_eq!(again.kept().expect("kept").pages, kept::Pages::HugeTlb);
     for r in [0, 14, 15, 9_999] {
-        assert_eq!(again.row(r), t.row(r));
+        assert_eq!(again.row(r).map(|x| x.to_vec()), t.row(r).map(|x| x.to_vec()));
     }
 }
