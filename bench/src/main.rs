@@ -10,6 +10,7 @@ mod drill;
 mod engines;
 mod engines_pss;
 mod floor;
+mod layout;
 mod load;
 mod paced;
 mod paced_contention;
@@ -57,6 +58,8 @@ enum Cmd {
     Floor(floor::FloorArgs),
     /// A Rows answer's checksum on a core idle a moment before: SSE2 against the widest vectors, by length.
     Checksum(checksum::ChecksumArgs),
+    /// What a planar table (host_layout = "planar") costs the donor's network gather against a packed one.
+    Layout(layout::LayoutArgs),
     /// A prompt's rows in one sweep: one donor, two replicas on links of their own (network namespaces) and local RAM, against the raw bandwidth of the same link.
     Prefill(prefill::PrefillArgs),
     /// Donor start: a verified, a trusted, a cold load and a restart from systemd's fd store, against the hash and read floors of the same file.
@@ -91,6 +94,7 @@ fn main() -> Result<()> {
         Cmd::EnginesRustSide(a) => engines::rust_side(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Checksum(a) => checksum::run(&a),
+        Cmd::Layout(a) => layout::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Load(a) => load::run(&a),
         Cmd::Prefill(a) => prefill::run(&a),

@@ -17,10 +17,10 @@ use cluster_config::Config;
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
-use inference_node::memory::Routers;
-use inference_node::metrics::NodeMetrics;
 use engram_store::resident::RowLayout;
 use inference_node::client::{ClientOptions, DonorClient, Request};
+use inference_node::memory::Routers;
+use inference_node::metrics::NodeMetrics;
 use inference_node::source::{HostSource, RowSource, SourceError};
 use rack_harness::rack_toml::{DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry};
 use rack_harness::{DonorProcess, free_port, gen_table, runtime as rt, sample, scrape};
@@ -557,7 +557,10 @@ fn a_planar_donor_shares_engine_layout_and_answers_the_same_rows() {
         for n in [1usize, 24, 48, 16_384] {
             let rows = random_rows(n as u64, n);
             let mut got = vec![0u8; n * ROW_BYTES];
-            let req = [Request { table: 1, rows: &rows }];
+            let req = [Request {
+                table: 1,
+                rows: &rows,
+            }];
             c.lookup(&req, &mut got).await.expect("lookup");
             assert_eq!(first_mismatch(1, 1, &rows, &got), None, "{n} rows");
         }
@@ -567,7 +570,12 @@ fn a_planar_donor_shares_engine_layout_and_answers_the_same_rows() {
     // Planar without a host socket is refused, naming the key.
     let dir = tempfile::tempdir().expect("tempdir");
     let mut toml = RackToml::new("t");
-    toml.table = vec![TableEntry::new(1, &rack.tables[0].0, ROWS, rack.tables[0].1)];
+    toml.table = vec![TableEntry::new(
+        1,
+        &rack.tables[0].0,
+        ROWS,
+        rack.tables[0].1,
+    )];
     toml.donor = vec![DonorEntry {
         host_layout: Some("planar".into()),
         ..DonorEntry::new("d", ["127.0.0.1:7400"], [1])

@@ -210,10 +210,10 @@ pub struct Table {
     pub digest: TableDigest,
 }
 
-/// Whether a donor locks table memory (`mlock`): the store's own mode.
-pub use engram_store::resident::MlockMode;
 /// How a donor's shared tables lie in memory (`host_layout`).
 pub use engram_store::kept::KeptLayout;
+/// Whether a donor locks table memory (`mlock`): the store's own mode.
+pub use engram_store::resident::MlockMode;
 
 /// The highest NUMA node a donor may name (`numa_node`; Linux's
 /// `MAX_NUMNODES` is at most 1024).

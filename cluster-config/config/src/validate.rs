@@ -15,8 +15,8 @@ use engram_protocol::messages::{MAX_NAME, NO_TABLE};
 
 use crate::raw::{RawConfig, RawDonor, RawTable, RawTls};
 use crate::{
-    Config, ConfigError, Diagnostic, Donor, Endpoint, KeptLayout, MlockMode, Plaintext, SCHEMA_VERSION, Table,
-    TlsSettings, Transport,
+    Config, ConfigError, Diagnostic, Donor, Endpoint, KeptLayout, MlockMode, Plaintext,
+    SCHEMA_VERSION, Table, TlsSettings, Transport,
 };
 use toml::Spanned;
 
@@ -630,9 +630,13 @@ fn host_layout(
     };
     if layout == KeptLayout::Planar {
         let why = if !host_socket {
-            Some("lays tables out for engines that map them: it needs a host socket (a unix:// address in listen)")
+            Some(
+                "lays tables out for engines that map them: it needs a host socket (a unix:// address in listen)",
+            )
         } else if map_files {
-            Some("needs the donor's own copy of its tables: with map_files = true it serves the files' packed pages")
+            Some(
+                "needs the donor's own copy of its tables: with map_files = true it serves the files' packed pages",
+            )
         } else if listen.iter().any(|e| e.transport == Transport::Rdma) {
             Some("cannot serve rdma://: one-sided reads take each row's 264 bytes whole")
         } else {

@@ -464,7 +464,7 @@ impl TableView {
     fn offset(&self, row: u64) -> PyResult<usize> {
         if let RowLayout::Planar { .. } = self.inner.layout() {
             return Err(bad(
-                "a planar table's rows are split: use offsets(row)".into(),
+                "a planar table's rows are split: use offsets(row)".into()
             ));
         }
         self.inner.offset(row).ok_or_else(|| self.out_of_range(row))
@@ -472,7 +472,9 @@ impl TableView {
 
     /// Where row `row`'s values and its scale bytes start, in any layout.
     fn offsets(&self, row: u64) -> PyResult<(usize, usize)> {
-        self.inner.offsets(row).ok_or_else(|| self.out_of_range(row))
+        self.inner
+            .offsets(row)
+            .ok_or_else(|| self.out_of_range(row))
     }
 
     /// The buffer protocol: read-only, one dimension of bytes.

@@ -43,8 +43,8 @@ use crate::model::fetch::{FetchCounts, fetch_rows};
 use crate::model::node::{SetupError, chunk_rows, layer_tables, token_map, usable_at_start};
 use crate::router::Router;
 pub use crate::source::TableView;
-pub use engram_store::resident::RowLayout;
 use batch::Addressing;
+pub use engram_store::resident::RowLayout;
 use ticket::{Done, LayerCounters};
 
 /// The longest lead [`EmbeddedNode::warm`] takes (it keeps a thread

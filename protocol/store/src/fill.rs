@@ -135,8 +135,7 @@ pub fn fill_planar(
     progress: Option<&mut Progress>,
 ) -> Result<Option<TableDigest>, TableFileError> {
     let rows = file.layout.rows;
-    if values.len() as u64 != rows * VALUES as u64 || (scales.len() as u64) < rows * SCALES as u64
-    {
+    if values.len() as u64 != rows * VALUES as u64 || (scales.len() as u64) < rows * SCALES as u64 {
         return Err(io_error(
             file,
             "fill",

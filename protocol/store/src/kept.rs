@@ -125,7 +125,8 @@ pub const VALUE_BYTES: u64 = 256;
 /// Where a planar table's scales start: its values' bytes rounded up to
 /// 4 KiB. `None` on overflow.
 pub fn planar_scales_at(rows: u64) -> Option<u64> {
-    rows.checked_mul(VALUE_BYTES)?.checked_next_multiple_of(TAIL)
+    rows.checked_mul(VALUE_BYTES)?
+        .checked_next_multiple_of(TAIL)
 }
 
 impl Record {

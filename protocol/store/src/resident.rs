@@ -15,8 +15,8 @@ use thiserror::Error;
 
 use crate::fill::FillOptions;
 use crate::kept::{self, KeptError, KeptLayout, Record};
-pub use crate::rowref::{RowLayout, RowRef};
 use crate::progress::Progress;
+pub use crate::rowref::{RowLayout, RowRef};
 use crate::table_file::{TableFile, TableFileError};
 
 /// Why a table could not be loaded.
@@ -516,9 +516,7 @@ impl ResidentTable {
         } else {
             KeptLayout::Packed
         };
-        let bytes = kept_layout
-            .rows_len(file.meta.rows)
-            .unwrap_or(u64::MAX);
+        let bytes = kept_layout.rows_len(file.meta.rows).unwrap_or(u64::MAX);
         let memory = |source| LoadError::Memory {
             path: shown.clone(),
             bytes,

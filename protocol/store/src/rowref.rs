@@ -45,9 +45,10 @@ impl RowLayout {
                     + (row % ROWS_PER_PAGE) as usize * ROW_BYTES;
                 (at, at + VALUE_BYTES as usize)
             }
-            Self::Planar { scales_at } => {
-                (r * VALUE_BYTES as usize, scales_at + r * SCALE_BYTES as usize)
-            }
+            Self::Planar { scales_at } => (
+                r * VALUE_BYTES as usize,
+                scales_at + r * SCALE_BYTES as usize,
+            ),
         }
     }
 

@@ -561,12 +561,25 @@ fn host_layout_is_planar_only_beside_a_host_socket_and_a_copy() {
         r#"listen = ["0.0.0.0:7410", "unix:///run/engram-rack/d.sock"]"#,
         1,
     );
-    let planar = host.replacen("ram_gib = 251.0", "ram_gib = 251.0\nhost_layout = \"planar\"", 1);
+    let planar = host.replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nhost_layout = \"planar\"",
+        1,
+    );
     assert_eq!(a(&parse(&planar).expect("valid")), KeptLayout::Planar);
     let odd = planar.replacen("\"planar\"", "\"rows\"", 1);
     expect_in(&odd, 26, "donor[0].host_layout", "not one of");
-    let no_socket = good().replacen("ram_gib = 251.0", "ram_gib = 251.0\nhost_layout = \"planar\"", 1);
-    expect_in(&no_socket, 26, "donor[0].host_layout", "needs a host socket");
+    let no_socket = good().replacen(
+        "ram_gib = 251.0",
+        "ram_gib = 251.0\nhost_layout = \"planar\"",
+        1,
+    );
+    expect_in(
+        &no_socket,
+        26,
+        "donor[0].host_layout",
+        "needs a host socket",
+    );
     let mapped = planar.replacen("host_layout", "map_files = true\nhost_layout", 1);
     expect_in(&mapped, 27, "donor[0].host_layout", "map_files");
 }

@@ -225,7 +225,11 @@ fn a_kept_copy_is_adopted_and_a_stale_or_unfinished_one_refused() {
     let again = ResidentTable::adopt(1, fd.try_clone().expect("dup"), &pin, false).expect("adopt");
     assert_eq!(again.kept().expect("kept").record.generation, generation);
     for (r, row) in want.iter().enumerate() {
-        assert_eq!(again.row(r as u64).map(|x| x.to_vec()), Some(row.clone()), "row {r}");
+        assert_eq!(
+            again.row(r as u64).map(|x| x.to_vec()),
+            Some(row.clone()),
+            "row {r}"
+        );
     }
     assert_eq!(again.memory().as_ref().as_ref().len(), 10_000 * ROW_BYTES);
     again.lock().ok();
@@ -263,7 +267,10 @@ fn a_planar_copy_holds_every_row_and_is_adopted_as_planar() {
         ..opts
     };
     let (t, report) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
-    assert!(report.verified, "the digest is the rows' as if back to back");
+    assert!(
+        report.verified,
+        "the digest is the rows' as if back to back"
+    );
     let scales_at = kept::planar_scales_at(10_000).expect("at") as usize;
     assert_eq!(t.memory().layout(), RowLayout::Planar { scales_at });
     assert!(!t.memory().is_packed());
@@ -277,7 +284,10 @@ fn a_planar_copy_holds_every_row_and_is_adopted_as_planar() {
         // scales_at + r * 8.
         let r = r as usize;
         assert_eq!(&bytes[r * 256..r * 256 + 256], &row[..256]);
-        assert_eq!(&bytes[scales_at + r * 8..scales_at + r * 8 + 8], &row[256..]);
+        assert_eq!(
+            &bytes[scales_at + r * 8..scales_at + r * 8 + 8],
+            &row[256..]
+        );
     }
     let fd = k.file.try_clone().expect("dup");
     let again = ResidentTable::adopt(1, fd, &pin, false).expect("adopt");
@@ -375,6 +385,9 @@ fn reserved_huge_pages_back_a_kept_table() {
     let again = adopted.expect("adopted").expect("adopt");
     assert_eq!(again.kept().expect("kept").pages, kept::Pages::HugeTlb);
     for r in [0, 14, 15, 9_999] {
-        assert_eq!(again.row(r).map(|x| x.to_vec()), t.row(r).map(|x| x.to_vec()));
+        assert_eq!(
+            again.row(r).map(|x| x.to_vec()),
+            t.row(r).map(|x| x.to_vec())
+        );
     }
 }
