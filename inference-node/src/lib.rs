@@ -24,6 +24,7 @@ pub mod engram;
 pub mod memory;
 pub mod metrics;
 pub mod model;
+pub mod ring;
 pub mod router;
 pub mod rowlist;
 pub mod source;

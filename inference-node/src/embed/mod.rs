@@ -299,6 +299,11 @@ impl EmbeddedNode {
         Ok(self.open_state()?.tables)
     }
 
+    /// The row counts of layers 1's and 14's tables.
+    pub fn table_rows(&self) -> Result<[u64; 2], EmbedError> {
+        Ok(self.open_state()?.table_rows)
+    }
+
     /// Where `/metrics` is served, if anywhere.
     pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, EmbedError> {
         Ok(self.open_state()?.metrics_addr)

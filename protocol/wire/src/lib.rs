@@ -27,6 +27,7 @@ pub mod hashing;
 pub mod messages;
 #[cfg(feature = "control")]
 pub mod node_api;
+pub mod ring;
 pub mod row;
 pub mod session;
 pub mod synthetic;

@@ -1,0 +1,499 @@
+//! The ring's client: one native thread per ring polls its request words,
+//! starts each request's fetch on the node's Engram memory (one message per
+//! table, as any prefetch), writes the rows into the slot when they come,
+//! then its status, then publishes the done word (release). No Python and
+//! no CUDA call on this path: an engine whose main thread waits in its
+//! engine loop cannot stall it, and it runs the same during graph capture.
+//!
+//! Requests are served in `seq` order. A request whose rows are not in by
+//! the client's own deadline (set below the GPU's, so the GPU never reaches
+//! its own) gets zeros and [`Status::Late`]; a table whose every source
+//! failed gets zeros and [`Status::Zeros`] or [`Status::Failed`] by its
+//! policy; positions with invalid ids get zeros and [`Status::BadIds`].
+//! When idle the thread spins for [`RingOptions::idle_spin`], then naps
+//! [`RingOptions::idle_sleep`] at a time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use engram_protocol::ROW_BYTES;
+use engram_protocol::hashing::ENGRAM_LAYERS;
+use engram_protocol::ring::{NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD};
+
+use super::{RingMemory, Status, client_state, header, slot};
+use crate::embed::{EmbedError, EmbeddedNode, RowLayers, Served, Ticket};
+
+/// How a ring is served.
+#[derive(Debug, Clone, Copy)]
+pub struct RingOptions {
+    /// Keep spinning this long after the last request before napping.
+    pub idle_spin: Duration,
+    /// One nap when idle (the latency a request after a quiet spell pays).
+    pub idle_sleep: Duration,
+    /// Give up on a request this long after it is seen (zeros,
+    /// [`Status::Late`]); capped below the ring's GPU deadline.
+    pub deadline: Duration,
+}
+
+impl Default for RingOptions {
+    fn default() -> Self {
+        Self {
+            idle_spin: Duration::from_millis(2),
+            idle_sleep: Duration::from_micros(20),
+            deadline: Duration::from_millis(200),
+        }
+    }
+}
+
+/// What a ring's client has done.
+#[derive(Debug, Default)]
+pub struct RingCounters {
+    /// Requests seen.
+    pub requests: AtomicU64,
+    /// Layer sections answered with rows.
+    pub served: AtomicU64,
+    /// Layer sections answered with zeros: failed, by policy, or late.
+    pub zeros: AtomicU64,
+    /// Of those, given up at the client's deadline.
+    pub late: AtomicU64,
+    /// Positions whose ids were invalid.
+    pub bad_positions: AtomicU64,
+    /// Requests the engine rewrote while they were read or served.
+    pub stale: AtomicU64,
+}
+
+/// A ring being served; dropping it stops the thread (the header then
+/// says the client is gone).
+#[derive(Debug)]
+pub struct RingServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    counters: Arc<RingCounters>,
+    ring: Arc<RingMemory>,
+}
+
+impl RingServer {
+    /// Its counters.
+    pub fn counters(&self) -> &RingCounters {
+        &self.counters
+    }
+
+    /// The ring.
+    pub fn ring(&self) -> &Arc<RingMemory> {
+        &self.ring
+    }
+
+    /// Stop serving and wait for the thread.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for RingServer {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// Serve `ring` from `mem` on a thread of its own.
+pub fn serve(
+    mem: Arc<EmbeddedNode>,
+    ring: Arc<RingMemory>,
+    opts: RingOptions,
+) -> Result<RingServer, EmbedError> {
+    let sh = *ring.shape();
+    let tables = mem.table_rows()?;
+    let mut rows = [0u64; 2];
+    for l in 0..sh.layers as usize {
+        let slot = ENGRAM_LAYERS
+            .iter()
+            .position(|&x| x == sh.layer_ids[l])
+            .ok_or_else(|| {
+                EmbedError::BadInput(format!(
+                    "the ring's layer section {l} is layer {}: the Engram layers are 1 and 14",
+                    sh.layer_ids[l]
+                ))
+            })?;
+        rows[l] = tables[slot];
+    }
+    if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
+        return Err(EmbedError::BadInput(
+            "a ring's two layer sections are layer 1's, then layer 14's".into(),
+        ));
+    }
+    // The client gives up before the GPU does, so the GPU reads its zeros
+    // and status, not its own deadline.
+    let gpu = Duration::from_nanos(sh.gpu_deadline_ns);
+    let deadline = opts.deadline.min(gpu.mul_f64(0.8));
+    ring.word(header::CLIENT_DEADLINE_NS as u64)
+        .store(deadline.as_nanos() as u64, Ordering::Relaxed);
+    ring.set_client(std::process::id(), client_state::SERVING);
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(RingCounters::default());
+    let poller = Poller {
+        mem,
+        ring: Arc::clone(&ring),
+        rows,
+        opts: RingOptions { deadline, ..opts },
+        counters: Arc::clone(&counters),
+        seen: vec![0; sh.slots as usize],
+        inflight: Vec::new(),
+    };
+    let s = Arc::clone(&stop);
+    let thread = std::thread::Builder::new()
+        .name("engram-ring".into())
+        .spawn(move || poller.run(&s))
+        .map_err(|e| EmbedError::Internal(format!("the ring thread cannot start: {e}")))?;
+    Ok(RingServer {
+        stop,
+        thread: Some(thread),
+        counters,
+        ring,
+    })
+}
+
+/// One request on its way.
+struct Inflight {
+    slot: u32,
+    seq: u64,
+    positions: u32,
+    /// Layer sections still to answer.
+    left: u32,
+    /// Sections with invalid positions.
+    bad: u32,
+    /// `None`: nothing to fetch (every position DEAD or invalid).
+    ticket: Option<Ticket>,
+    seen: Instant,
+}
+
+struct Poller {
+    mem: Arc<EmbeddedNode>,
+    ring: Arc<RingMemory>,
+    /// Rows in each layer section's table.
+    rows: [u64; 2],
+    opts: RingOptions,
+    counters: Arc<RingCounters>,
+    /// The last request seen in each slot.
+    seen: Vec<u64>,
+    inflight: Vec<Inflight>,
+}
+
+/// CLOCK_MONOTONIC in ns: the same clock in every process on the host.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Poller {
+    fn run(mut self, stop: &AtomicBool) {
+        // Naps of a few microseconds, not the default 50 us of slack.
+        // SAFETY: prctl with integer arguments on this thread.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64, 0, 0, 0) };
+        self.adopt_answered();
+        let mut last_event = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            self.ring
+                .word(header::HEARTBEAT_NS as u64)
+                .store(monotonic_ns(), Ordering::Release);
+            let mut busy = self.take_requests();
+            busy |= self.finish();
+            if busy || !self.inflight.is_empty() {
+                if busy {
+                    last_event = Instant::now();
+                }
+                std::hint::spin_loop();
+            } else if last_event.elapsed() < self.opts.idle_spin {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(self.opts.idle_sleep);
+            }
+        }
+        self.ring.set_client(0, client_state::GONE);
+    }
+
+    /// Requests already answered when the ring is attached (a client that
+    /// restarted): not served again.
+    fn adopt_answered(&mut self) {
+        let sh = *self.ring.shape();
+        for s in 0..sh.slots {
+            let seq = self.ring.request(s);
+            if (0..sh.layers).all(|l| self.ring.done(s, l) >= seq) {
+                self.seen[s as usize] = seq;
+            }
+        }
+    }
+
+    /// Start the fetches of new requests, oldest first; true when any.
+    fn take_requests(&mut self) -> bool {
+        let sh = *self.ring.shape();
+        let mut new: Vec<(u64, u32)> = Vec::new();
+        for s in 0..sh.slots {
+            let seq = self.ring.request(s);
+            if seq > self.seen[s as usize] {
+                self.seen[s as usize] = seq;
+                new.push((seq, s));
+            }
+        }
+        new.sort_unstable();
+        for &(seq, s) in &new {
+            self.counters.requests.fetch_add(1, Ordering::Relaxed);
+            self.start(s, seq);
+        }
+        !new.is_empty()
+    }
+
+    /// Read slot `s`'s request `seq` and start its fetch.
+    fn start(&mut self, s: u32, seq: u64) {
+        let sh = *self.ring.shape();
+        let base = sh.slot_at(s);
+        let positions = self
+            .ring
+            .word32(base + slot::POSITIONS as u64)
+            .load(Ordering::Relaxed);
+        let mask = self
+            .ring
+            .word32(base + slot::MASK as u64)
+            .load(Ordering::Relaxed);
+        let mask = mask & ((1 << sh.layers) - 1);
+        let positions = positions.min(sh.positions);
+        let (ids, bad) = self.read_ids(s, mask, positions);
+        // The engine may have moved on while the ids were read.
+        if self.ring.request(s) != seq {
+            self.counters.stale.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let mut f = Inflight {
+            slot: s,
+            seq,
+            positions,
+            left: mask,
+            bad,
+            ticket: None,
+            seen: Instant::now(),
+        };
+        let live = ids.iter().any(|&r| r != crate::embed::NO_ROW);
+        if mask != 0 && live {
+            let layers = match (mask, sh.layers) {
+                (3, _) => RowLayers::Both,
+                (m, _) => RowLayers::One(sh.layer_ids[m.trailing_zeros() as usize]),
+            };
+            let cols = sh.first_column as usize..(sh.first_column + sh.columns) as usize;
+            match self.mem.prefetch_rows(&ids, layers, cols) {
+                Ok(t) => f.ticket = Some(t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "engine ring: a request could not start");
+                    self.answer_all(&f, Status::Failed, 0);
+                    return;
+                }
+            }
+        }
+        if f.ticket.is_none() {
+            // Nothing to fetch: every position DEAD (graph padding,
+            // dummy batches) or invalid.
+            let status = if bad != 0 { Status::BadIds } else { Status::Ok };
+            self.answer_all(&f, status, 0);
+            return;
+        }
+        self.inflight.push(f);
+    }
+
+    /// Slot `s`'s ids of the sections in `mask`, per position the
+    /// sections' columns in order (what `prefetch_rows` takes), checked:
+    /// a position with any id out of range, or a no-row id beside live
+    /// ones, becomes DEAD; the mask of sections where that happened.
+    fn read_ids(&self, s: u32, mask: u32, positions: u32) -> (Vec<u64>, u32) {
+        let sh = *self.ring.shape();
+        let base = sh.slot_at(s);
+        let cols = sh.columns as usize;
+        let sections: Vec<u32> = (0..sh.layers).filter(|l| mask & (1 << l) != 0).collect();
+        let per = sections.len() * cols;
+        let mut out = vec![crate::embed::NO_ROW; positions as usize * per];
+        let mut bad = 0u32;
+        let mut raw = vec![0i64; cols];
+        for p in 0..positions {
+            let mut ok = true;
+            let mut dead = true;
+            let dst = &mut out[p as usize * per..(p as usize + 1) * per];
+            for (k, &l) in sections.iter().enumerate() {
+                let at = base + sh.id_at(l, p, 0);
+                // SAFETY: the position's ids lie inside the slot (the
+                // position is below the shape's bound).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.ring.as_ptr().add(at as usize),
+                        raw.as_mut_ptr().cast::<u8>(),
+                        cols * 8,
+                    )
+                };
+                for (c, &id) in raw.iter().enumerate() {
+                    if id == NO_ROW {
+                        continue;
+                    }
+                    dead = false;
+                    if id < 0 || id as u64 >= self.rows[l as usize] {
+                        ok = false;
+                        bad |= 1 << l;
+                    }
+                    dst[k * cols + c] = id as u64;
+                }
+            }
+            let partial = dst.iter().any(|&r| r == crate::embed::NO_ROW);
+            if !dead && (!ok || partial) {
+                if ok {
+                    bad |= mask;
+                }
+                self.counters.bad_positions.fetch_add(1, Ordering::Relaxed);
+                dst.fill(crate::embed::NO_ROW);
+            }
+        }
+        (out, bad)
+    }
+
+    /// Answer the sections whose rows are in, or whose time is up; true
+    /// when any was answered.
+    fn finish(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.inflight.len() {
+            let done = self.finish_one(i);
+            any |= done.1;
+            if done.0 {
+                self.inflight.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        any
+    }
+
+    /// (request finished, a section answered).
+    fn finish_one(&mut self, i: usize) -> (bool, bool) {
+        let sh = *self.ring.shape();
+        let f = &self.inflight[i];
+        let late = f.seen.elapsed() >= self.opts.deadline;
+        let mut answered = 0u32;
+        for l in (0..sh.layers).filter(|l| f.left & (1 << l) != 0) {
+            let layer = sh.layer_ids[l as usize];
+            let Some(t) = &f.ticket else { continue };
+            if t.ready(layer).unwrap_or(true) {
+                answered |= 1 << l;
+                self.answer_from(f, l, t, layer);
+            } else if late {
+                answered |= 1 << l;
+                self.counters.late.fetch_add(1, Ordering::Relaxed);
+                self.answer(f, l, Status::Late, SERVED_LATE, false);
+            }
+        }
+        let f = &mut self.inflight[i];
+        f.left &= !answered;
+        (f.left == 0, answered != 0)
+    }
+
+    /// Section `l`'s rows from its ticket into the slot.
+    fn answer_from(&self, f: &Inflight, l: u32, t: &Ticket, layer: u32) {
+        if self.ring.request(f.slot) != f.seq {
+            self.counters.stale.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let out = self.rows_of(f, l);
+        match t.wait(layer, out, Some(Duration::ZERO)) {
+            Ok(served) => {
+                let (status, zeros) = if served.zeros {
+                    (Status::Zeros, true)
+                } else if f.bad & (1 << l) != 0 {
+                    (Status::BadIds, false)
+                } else {
+                    (Status::Ok, false)
+                };
+                self.answer(f, l, status, served_bits(&served), !zeros);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, layer, "engine ring: no rows");
+                self.answer(f, l, Status::Failed, 0, false);
+            }
+        }
+    }
+
+    /// Layer section `l`'s rows of request `f`, in the slot.
+    #[allow(clippy::mut_from_ref)]
+    fn rows_of(&self, f: &Inflight, l: u32) -> &mut [u8] {
+        let sh = self.ring.shape();
+        let at = sh.slot_at(f.slot) + sh.layer_rows_at(l);
+        let n = f.positions as usize * sh.columns as usize * ROW_BYTES;
+        // SAFETY: the section's first `positions` rows lie inside the slot;
+        // until its done word is published only this thread writes them,
+        // and the engine reads them only after.
+        unsafe { std::slice::from_raw_parts_mut(self.ring.as_ptr().add(at as usize), n) }
+    }
+
+    /// Every section of `f` answered with `status` (zeros unless Ok).
+    fn answer_all(&self, f: &Inflight, status: Status, served: u32) {
+        for l in (0..self.ring.shape().layers).filter(|l| f.left & (1 << l) != 0) {
+            self.answer(f, l, status, served, false);
+        }
+    }
+
+    /// Publish section `l`'s answer: rows (zeros unless `rows_in`), then
+    /// status, then the done word.
+    fn answer(&self, f: &Inflight, l: u32, status: Status, served: u32, rows_in: bool) {
+        if self.ring.request(f.slot) != f.seq {
+            self.counters.stale.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if !rows_in {
+            self.rows_of(f, l).fill(0);
+        }
+        let base = self.ring.shape().slot_at(f.slot);
+        let c = &self.counters;
+        let hdr = if matches!(status, Status::Ok | Status::BadIds) && rows_in {
+            c.served.fetch_add(1, Ordering::Relaxed);
+            header::SERVED
+        } else {
+            c.zeros.fetch_add(1, Ordering::Relaxed);
+            header::FAILED
+        };
+        self.ring.word(hdr as u64).fetch_add(1, Ordering::Relaxed);
+        let off = 4 * u64::from(l);
+        self.ring
+            .word32(base + slot::SERVED as u64 + off)
+            .store(served, Ordering::Relaxed);
+        self.ring
+            .word32(base + slot::STATUS as u64 + off)
+            .store(status as u32, Ordering::Relaxed);
+        self.ring
+            .word(base + slot::DONE as u64 + 8 * u64::from(l))
+            .store(f.seq, Ordering::Release);
+    }
+}
+
+/// The `SERVED_*` bits of an answer.
+fn served_bits(s: &Served) -> u32 {
+    let mut b = 0;
+    if s.sources.iter().any(|x| x == "ssd") {
+        b |= SERVED_SSD;
+    }
+    if s.hedges > 0 {
+        b |= SERVED_HEDGED;
+    }
+    if s.failovers > 0 {
+        b |= SERVED_FAILOVER;
+    }
+    if s.late {
+        b |= SERVED_LATE;
+    }
+    b
+}

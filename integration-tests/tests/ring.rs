@@ -1,0 +1,281 @@
+//! The engine ring against a real donor: a CPU stand-in for the engine's
+//! kernels publishes requests and spins on the done words with a clock of
+//! its own (the GPU timer's part), while the node's ring client serves
+//! them from the rack. Rows equal the table's, DEAD and invalid positions
+//! are zeros with their status, requests in flight together are all
+//! served, a `kill -9` of the donor fails over to the SSD copy with no
+//! request lost, a frozen rack is answered (SSD or late zeros) before the
+//! GPU's deadline, and a client that goes leaves every wait to end at
+//! that deadline, never hanging.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engram_protocol::ROW_BYTES;
+use engram_protocol::ring::{NO_ROW, SERVED_SSD, client_state};
+use engram_protocol::synthetic::{SplitMix64, first_mismatch};
+use inference_node::embed::EmbeddedNode;
+use inference_node::ring::{RingMemory, RingOptions, Shape, Status, serve};
+use rack_harness::{DonorProcess, MODEL_SEED, model_rack};
+
+const POSITIONS: u32 = 64;
+
+fn shape() -> Shape {
+    Shape {
+        slots: 4,
+        layers: 2,
+        columns: 24,
+        positions: POSITIONS,
+        first_column: 0,
+        layer_ids: [1, 14],
+        gpu_deadline_ns: 2_000_000_000,
+    }
+}
+
+/// The engine's side, on the CPU: the next `seq`, and a wait that spins on
+/// a done word until it or the GPU's deadline (its own clock).
+struct Engine {
+    ring: Arc<RingMemory>,
+    seq: u64,
+}
+
+/// What one layer section's wait came to.
+#[derive(Debug)]
+struct Answer {
+    status: Option<u32>,
+    served: u32,
+    rows: Vec<u8>,
+}
+
+impl Engine {
+    fn publish(&mut self, ids: &[[Vec<i64>; 2]]) -> u64 {
+        self.seq += 1;
+        let mut flat = Vec::new();
+        for l in 0..2 {
+            for p in ids {
+                flat.extend_from_slice(&p[l]);
+            }
+        }
+        self.ring
+            .publish(self.seq, 3, ids.len() as u32, &flat)
+            .expect("publish");
+        self.seq
+    }
+
+    /// Spin on `seq`'s done word of section `l` (the kernel's loop); at
+    /// the GPU's deadline, zeros and no status.
+    fn wait(&self, seq: u64, l: u32, positions: u32) -> Answer {
+        let sh = *self.ring.shape();
+        let s = (seq % u64::from(sh.slots)) as u32;
+        let t0 = Instant::now();
+        let limit = Duration::from_nanos(sh.gpu_deadline_ns);
+        loop {
+            if self.ring.done(s, l) == seq {
+                return Answer {
+                    status: Some(self.ring.status(s, l)),
+                    served: self.ring.served(s, l),
+                    rows: self.ring.rows(s, l, positions),
+                };
+            }
+            if t0.elapsed() > limit {
+                let n = positions as usize * sh.columns as usize * ROW_BYTES;
+                return Answer {
+                    status: None,
+                    served: 0,
+                    rows: vec![0; n],
+                };
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Random positions of both tables: live ones with valid ids, some DEAD.
+fn positions(rng: &mut SplitMix64, n: usize, rows: [u64; 2]) -> Vec<[Vec<i64>; 2]> {
+    (0..n)
+        .map(|_| {
+            if rng.below(8) == 0 {
+                return [vec![NO_ROW; 24], vec![NO_ROW; 24]];
+            }
+            [0, 1].map(|l| (0..24).map(|_| rng.below(rows[l]) as i64).collect())
+        })
+        .collect()
+}
+
+/// Every position's rows are the table's (zeros for DEAD ones).
+fn check(ids: &[[Vec<i64>; 2]], l: usize, got: &[u8]) {
+    let layer = [1, 14][l];
+    for (p, pos) in ids.iter().enumerate() {
+        let bytes = &got[p * 24 * ROW_BYTES..(p + 1) * 24 * ROW_BYTES];
+        if pos[l][0] == NO_ROW {
+            assert!(bytes.iter().all(|&b| b == 0), "DEAD position {p}");
+            continue;
+        }
+        let rows: Vec<u64> = pos[l].iter().map(|&r| r as u64).collect();
+        assert_eq!(
+            first_mismatch(MODEL_SEED, layer, &rows, bytes),
+            None,
+            "position {p}, layer {layer}"
+        );
+    }
+}
+
+fn start_donor(config: &Path) -> DonorProcess {
+    DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts")
+}
+
+fn served_ring(
+    mem: &Arc<EmbeddedNode>,
+    opts: RingOptions,
+) -> (Engine, inference_node::ring::RingServer) {
+    let ring = Arc::new(RingMemory::create(&shape()).expect("ring"));
+    let server = serve(Arc::clone(mem), Arc::clone(&ring), opts).expect("serve");
+    (Engine { ring, seq: 0 }, server)
+}
+
+#[test]
+fn a_ring_is_served_with_the_tables_rows_and_every_status() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let _donor = start_donor(&config);
+    let mem = Arc::new(EmbeddedNode::open(&config, "n").expect("open"));
+    let rows = mem.table_rows().expect("rows");
+    let (mut eng, server) = served_ring(&mem, RingOptions::default());
+    assert_eq!(eng.ring.client_state(), client_state::SERVING);
+    let mut rng = SplitMix64::new(7);
+    // One request at a time, of every size up to a slot.
+    for i in 0..100 {
+        let n = 1 + rng.below(u64::from(POSITIONS)) as usize;
+        let ids = positions(&mut rng, n, rows);
+        let seq = eng.publish(&ids);
+        for l in 0..2 {
+            let a = eng.wait(seq, l, n as u32);
+            assert_eq!(a.status, Some(Status::Ok as u32), "step {i}, section {l}");
+            check(&ids, l as usize, &a.rows);
+        }
+    }
+    // Three in flight at once (micro-batches, graphs in flight).
+    let batches: Vec<_> = (0..3).map(|_| positions(&mut rng, 16, rows)).collect();
+    let seqs: Vec<u64> = batches.iter().map(|b| eng.publish(b)).collect();
+    for (b, &seq) in batches.iter().zip(&seqs) {
+        for l in 0..2 {
+            let a = eng.wait(seq, l, 16);
+            assert_eq!(a.status, Some(Status::Ok as u32));
+            check(b, l as usize, &a.rows);
+        }
+    }
+    // Invalid ids (past the table; a no-row id beside live ones): those
+    // positions are zeros, the rest served, and the status says so.
+    let mut bad = positions(&mut rng, 4, rows);
+    bad[0] = [vec![NO_ROW; 24], vec![NO_ROW; 24]];
+    bad[1][0][3] = rows[0] as i64;
+    bad[2][1][5] = NO_ROW;
+    bad[3][1][0] = -7;
+    let seq = eng.publish(&bad);
+    for l in 0..2 {
+        let a = eng.wait(seq, l, 4);
+        assert_eq!(a.status, Some(Status::BadIds as u32), "section {l}");
+        assert!(a.rows[ROW_BYTES * 24..].iter().all(|&b| b == 0));
+    }
+    assert_eq!(
+        server
+            .counters()
+            .bad_positions
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    // A request of DEAD positions only (graph padding, a dummy batch):
+    // answered at once with zeros, nothing fetched.
+    let dead = vec![[vec![NO_ROW; 24], vec![NO_ROW; 24]]; 8];
+    let seq = eng.publish(&dead);
+    let a = eng.wait(seq, 0, 8);
+    assert_eq!(a.status, Some(Status::Ok as u32));
+    assert!(a.rows.iter().all(|&b| b == 0));
+    server.stop();
+    assert_eq!(eng.ring.client_state(), client_state::GONE);
+}
+
+#[test]
+fn kill_9_of_the_donor_fails_over_through_the_ring_and_a_gone_client_never_hangs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let donor = start_donor(&config);
+    let mem = Arc::new(EmbeddedNode::open(&config, "n").expect("open"));
+    let rows = mem.table_rows().expect("rows");
+    let (mut eng, server) = served_ring(&mem, RingOptions::default());
+    let mut rng = SplitMix64::new(9);
+    let mut ssd = 0;
+    for i in 0..120 {
+        if i == 40 {
+            donor.signal(libc::SIGKILL);
+        }
+        let ids = positions(&mut rng, 8, rows);
+        let seq = eng.publish(&ids);
+        for l in 0..2 {
+            let a = eng.wait(seq, l, 8);
+            assert_eq!(
+                a.status,
+                Some(Status::Ok as u32),
+                "step {i}: no request lost"
+            );
+            check(&ids, l as usize, &a.rows);
+            ssd += usize::from(a.served & SERVED_SSD != 0);
+        }
+    }
+    assert!(ssd > 0, "the SSD copy served after the kill");
+    // The client goes: the engine's waits end at the GPU's deadline.
+    server.stop();
+    let short = Shape {
+        gpu_deadline_ns: 50_000_000,
+        ..*eng.ring.shape()
+    };
+    let ring = Arc::new(RingMemory::create(&short).expect("ring"));
+    let mut orphan = Engine { ring, seq: 0 };
+    let seq = orphan.publish(&positions(&mut rng, 2, rows));
+    let t0 = Instant::now();
+    let a = orphan.wait(seq, 0, 2);
+    assert_eq!(a.status, None, "no client: the deadline ends the wait");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert!(a.rows.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_frozen_rack_is_answered_before_the_gpus_deadline() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = model_rack(dir.path()).expect("rack");
+    let donor = start_donor(&config);
+    let mem = Arc::new(EmbeddedNode::open(&config, "n").expect("open"));
+    let rows = mem.table_rows().expect("rows");
+    let opts = RingOptions {
+        deadline: Duration::from_millis(30),
+        ..RingOptions::default()
+    };
+    let (mut eng, _server) = served_ring(&mem, opts);
+    let mut rng = SplitMix64::new(3);
+    // Warm, then freeze the donor: every request is still answered, by
+    // the SSD copy or as late zeros, never left to the GPU's deadline.
+    let ids = positions(&mut rng, 8, rows);
+    let seq = eng.publish(&ids);
+    assert_eq!(eng.wait(seq, 0, 8).status, Some(Status::Ok as u32));
+    donor.signal(libc::SIGSTOP);
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let ids = positions(&mut rng, 8, rows);
+        let seq = eng.publish(&ids);
+        for l in 0..2 {
+            let a = eng.wait(seq, l, 8);
+            let st = a.status.expect("answered before the GPU's deadline");
+            assert!(st == Status::Ok as u32 || st == Status::Late as u32, "{st}");
+            if st == Status::Ok as u32 {
+                check(&ids, l as usize, &a.rows);
+            } else {
+                assert!(a.rows.iter().all(|&b| b == 0));
+            }
+            statuses.push(st);
+        }
+    }
+    donor.signal(libc::SIGCONT);
+    assert_eq!(statuses.len(), 40);
+}

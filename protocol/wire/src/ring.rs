@@ -1,0 +1,455 @@
+//! The engine ring: shared memory through which an engine's GPU kernels
+//! ask for rows and the host's rack client answers, with no host sync on
+//! the engine's side (PROTOCOL.md section 6; docs/engines.md).
+//!
+//! The engine process makes the ring (a memfd), registers it with its GPU
+//! and hands it to the host's rack client (its own process, or
+//! `inference-node engines` through the engine socket). A kernel writes a
+//! step's row ids into slot `seq % slots`, then publishes `seq` in the
+//! slot's request word with a system-scope release store; the client polls
+//! the request words, fetches the rows, writes them and a status into the
+//! slot, and publishes `seq` in the slot's done word of each layer; a
+//! kernel on the engine's side stream spins on that word (or its deadline)
+//! and gathers the rows. This module is the layout and its checks only:
+//! offsets, the header, and the bounds every client applies before it
+//! trusts a byte of the ring.
+//!
+//! Header (the ring's first 4 KiB; integers little-endian):
+//!
+//! | offset | bytes | field | written by |
+//! | --- | --- | --- | --- |
+//! | 0 | 8 | magic `ENGRRING` | engine |
+//! | 8 | 4 | version (1) | engine |
+//! | 12 | 4 | slots (1 to 64) | engine |
+//! | 16 | 4 | layers (1 or 2) | engine |
+//! | 20 | 4 | columns per position per layer (1 to 24) | engine |
+//! | 24 | 4 | positions a slot holds at most | engine |
+//! | 28 | 4 | the first column (columns `first..first + columns`) | engine |
+//! | 32 | 8 | the layers' Engram layer ids, `u32` each (unused: 0) | engine |
+//! | 40 | 8 | slot stride in bytes | engine |
+//! | 48 | 8 | ring bytes | engine |
+//! | 56 | 8 | the GPU's deadline, ns from publish | engine |
+//! | 64 | 4 | the client's pid (0: none attached) | client |
+//! | 68 | 4 | client state: 0 never attached, 1 serving, 2 gone | client |
+//! | 72 | 8 | client heartbeat, its monotonic clock in ns | client |
+//! | 80 | 8 | the client's own give-up age, ns | client |
+//! | 88 | 8 | requests served | client |
+//! | 96 | 8 | requests failed or given up | client |
+//!
+//! Slot `s` starts at `4096 + s * stride`:
+//!
+//! | offset | bytes | field | written by |
+//! | --- | --- | --- | --- |
+//! | 0 | 8 | request word: the request's `seq` (0: none yet) | engine, last |
+//! | 8 | 4 | positions in the request | engine |
+//! | 12 | 4 | layer mask (bit `i`: layer section `i` asked) | engine |
+//! | 16 | 8 x 2 | done word of each layer section: `seq` once answered | client, last |
+//! | 32 | 4 x 2 | status of each layer section ([`Status`]) | client |
+//! | 40 | 4 x 2 | how each was served ([`SERVED_SSD`] and friends) | client |
+//! | 48 | 8 | the GPU timer at publish (diagnostic) | engine |
+//! | 64 | | ids: `i64 [layers][positions][columns]` (-1: no row) | engine |
+//! | | | rows: `[layers][positions][columns][264]` bytes, 64-aligned | client |
+
+use crate::row::ROW_BYTES;
+
+/// The ring's magic.
+pub const MAGIC: &[u8; 8] = b"ENGRRING";
+/// The layout version this build reads and writes.
+pub const VERSION: u32 = 1;
+/// The header's size (the slots start here).
+pub const HEADER_BYTES: u64 = 4096;
+/// Most slots a ring may have.
+pub const MAX_SLOTS: u32 = 64;
+/// Most layer sections a slot has (V4.1's two Engram layers).
+pub const MAX_LAYERS: u32 = 2;
+/// Most columns per position per layer.
+pub const MAX_COLUMNS: u32 = 24;
+/// Most positions a slot may hold (a chunked prefill goes in several).
+pub const MAX_POSITIONS: u32 = 65_536;
+/// Largest ring a client maps.
+pub const MAX_RING_BYTES: u64 = 4 << 30;
+/// Where a slot's ids start.
+pub const IDS_AT: u64 = 64;
+/// An id that asks for no row (a DEAD position, or graph padding).
+pub const NO_ROW: i64 = -1;
+
+/// Header field offsets.
+pub mod header {
+    /// Slots.
+    pub const SLOTS: usize = 12;
+    /// Layer sections.
+    pub const LAYERS: usize = 16;
+    /// Columns.
+    pub const COLUMNS: usize = 20;
+    /// Positions per slot.
+    pub const POSITIONS: usize = 24;
+    /// First column.
+    pub const FIRST_COLUMN: usize = 28;
+    /// Layer ids.
+    pub const LAYER_IDS: usize = 32;
+    /// Slot stride.
+    pub const STRIDE: usize = 40;
+    /// Ring bytes.
+    pub const BYTES: usize = 48;
+    /// GPU deadline.
+    pub const GPU_DEADLINE_NS: usize = 56;
+    /// Client pid.
+    pub const CLIENT_PID: usize = 64;
+    /// Client state.
+    pub const CLIENT_STATE: usize = 68;
+    /// Client heartbeat.
+    pub const HEARTBEAT_NS: usize = 72;
+    /// The client's give-up age.
+    pub const CLIENT_DEADLINE_NS: usize = 80;
+    /// Requests served.
+    pub const SERVED: usize = 88;
+    /// Requests failed.
+    pub const FAILED: usize = 96;
+}
+
+/// Slot field offsets.
+pub mod slot {
+    /// Request word.
+    pub const REQUEST: usize = 0;
+    /// Positions.
+    pub const POSITIONS: usize = 8;
+    /// Layer mask.
+    pub const MASK: usize = 12;
+    /// Done words (8 bytes per layer section).
+    pub const DONE: usize = 16;
+    /// Statuses (4 bytes per layer section).
+    pub const STATUS: usize = 32;
+    /// How each was served (4 bytes per layer section).
+    pub const SERVED: usize = 40;
+    /// The GPU timer at publish.
+    pub const PUBLISHED_NS: usize = 48;
+}
+
+/// Client states in the header.
+pub mod client_state {
+    /// No client has attached.
+    pub const NEVER: u32 = 0;
+    /// A client serves the ring.
+    pub const SERVING: u32 = 1;
+    /// The client has let go (closed, or told the engine to stop).
+    pub const GONE: u32 = 2;
+}
+
+/// How a layer section's request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Status {
+    /// Rows served.
+    Ok = 0,
+    /// Zeros by the table's `zeros` policy (every source failed).
+    Zeros = 1,
+    /// Every source failed under the table's `fail` policy: the rows are
+    /// zeros and the engine must fail the request.
+    Failed = 2,
+    /// Some positions' ids were invalid (past the table, or a no-row id
+    /// beside live ids): those positions are zeros, the rest served.
+    BadIds = 3,
+    /// The client gave up at its own deadline: zeros.
+    Late = 4,
+}
+
+/// Served by the SSD copy (after a failover).
+pub const SERVED_SSD: u32 = 1;
+/// A hedge was sent.
+pub const SERVED_HEDGED: u32 = 2;
+/// A source failed and another served.
+pub const SERVED_FAILOVER: u32 = 4;
+/// An answer came after the table's deadline.
+pub const SERVED_LATE: u32 = 8;
+
+/// A ring's shape: what its header says, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Slots.
+    pub slots: u32,
+    /// Layer sections per slot.
+    pub layers: u32,
+    /// Columns per position per layer.
+    pub columns: u32,
+    /// Positions a slot holds at most.
+    pub positions: u32,
+    /// The first column.
+    pub first_column: u32,
+    /// The Engram layer of each section (0: unused).
+    pub layer_ids: [u32; 2],
+    /// The GPU's deadline, ns from publish.
+    pub gpu_deadline_ns: u64,
+}
+
+/// Why a ring's header is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("engine ring: {0}")]
+pub struct RingError(pub String);
+
+fn round_up(x: u64, to: u64) -> Option<u64> {
+    x.checked_next_multiple_of(to)
+}
+
+impl Shape {
+    /// Check the shape's bounds (what a client applies to a header before
+    /// it trusts any offset computed from it).
+    pub fn check(&self) -> Result<(), RingError> {
+        let bad = |m: String| Err(RingError(m));
+        if !(1..=MAX_SLOTS).contains(&self.slots) {
+            return bad(format!("{} slots (1 to {MAX_SLOTS})", self.slots));
+        }
+        if !(1..=MAX_LAYERS).contains(&self.layers) {
+            return bad(format!("{} layers (1 to {MAX_LAYERS})", self.layers));
+        }
+        if !(1..=MAX_COLUMNS).contains(&self.columns)
+            || self.first_column + self.columns > MAX_COLUMNS
+        {
+            return bad(format!(
+                "columns {}..{} (within 0..{MAX_COLUMNS})",
+                self.first_column,
+                self.first_column + self.columns
+            ));
+        }
+        if !(1..=MAX_POSITIONS).contains(&self.positions) {
+            return bad(format!(
+                "{} positions a slot (1 to {MAX_POSITIONS})",
+                self.positions
+            ));
+        }
+        for (i, &l) in self.layer_ids.iter().enumerate() {
+            let used = (i as u32) < self.layers;
+            if used == (l == 0) {
+                return bad(format!(
+                    "layer section {i} has layer id {l} with {} layers",
+                    self.layers
+                ));
+            }
+        }
+        match self.bytes() {
+            Some(b) if b <= MAX_RING_BYTES => Ok(()),
+            _ => bad(format!(
+                "{} slots of {} positions need more than {} GiB",
+                self.slots,
+                self.positions,
+                MAX_RING_BYTES >> 30
+            )),
+        }
+    }
+
+    /// Ids of one layer section of a slot, in bytes.
+    fn ids_len(&self) -> Option<u64> {
+        u64::from(self.positions)
+            .checked_mul(u64::from(self.columns))?
+            .checked_mul(8)
+    }
+
+    /// Rows of one layer section of a slot, in bytes.
+    fn rows_len(&self) -> Option<u64> {
+        u64::from(self.positions)
+            .checked_mul(u64::from(self.columns))?
+            .checked_mul(ROW_BYTES as u64)
+    }
+
+    /// Where a slot's rows start, from the slot's start.
+    pub fn rows_at(&self) -> Option<u64> {
+        round_up(
+            IDS_AT + self.ids_len()?.checked_mul(u64::from(self.layers))?,
+            64,
+        )
+    }
+
+    /// A slot's stride (4 KiB aligned).
+    pub fn stride(&self) -> Option<u64> {
+        let end = self
+            .rows_at()?
+            .checked_add(self.rows_len()?.checked_mul(u64::from(self.layers))?)?;
+        round_up(end, 4096)
+    }
+
+    /// The ring's bytes.
+    pub fn bytes(&self) -> Option<u64> {
+        HEADER_BYTES.checked_add(self.stride()?.checked_mul(u64::from(self.slots))?)
+    }
+
+    /// Where slot `s` starts.
+    pub fn slot_at(&self, s: u32) -> u64 {
+        HEADER_BYTES + u64::from(s) * self.stride().unwrap_or(0)
+    }
+
+    /// Where layer section `l`'s id of position `p`, column `c` is, from
+    /// the slot's start.
+    pub fn id_at(&self, l: u32, p: u32, c: u32) -> u64 {
+        IDS_AT
+            + ((u64::from(l) * u64::from(self.positions) + u64::from(p)) * u64::from(self.columns)
+                + u64::from(c))
+                * 8
+    }
+
+    /// Where layer section `l`'s rows start, from the slot's start.
+    pub fn layer_rows_at(&self, l: u32) -> u64 {
+        self.rows_at().unwrap_or(0) + u64::from(l) * self.rows_len().unwrap_or(0)
+    }
+
+    /// The header's engine-written part.
+    pub fn encode(&self) -> Result<[u8; 64], RingError> {
+        self.check()?;
+        let mut h = [0u8; 64];
+        h[0..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        let put32 = |h: &mut [u8; 64], at: usize, v: u32| {
+            h[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        };
+        put32(&mut h, header::SLOTS, self.slots);
+        put32(&mut h, header::LAYERS, self.layers);
+        put32(&mut h, header::COLUMNS, self.columns);
+        put32(&mut h, header::POSITIONS, self.positions);
+        put32(&mut h, header::FIRST_COLUMN, self.first_column);
+        put32(&mut h, header::LAYER_IDS, self.layer_ids[0]);
+        put32(&mut h, header::LAYER_IDS + 4, self.layer_ids[1]);
+        let stride = self.stride().unwrap_or(0);
+        h[header::STRIDE..header::STRIDE + 8].copy_from_slice(&stride.to_le_bytes());
+        let bytes = self.bytes().unwrap_or(0);
+        h[header::BYTES..header::BYTES + 8].copy_from_slice(&bytes.to_le_bytes());
+        h[header::GPU_DEADLINE_NS..header::GPU_DEADLINE_NS + 8]
+            .copy_from_slice(&self.gpu_deadline_ns.to_le_bytes());
+        Ok(h)
+    }
+
+    /// Read and check a header (at least its first 64 bytes) of a ring
+    /// `len` bytes long: the magic, the version, the bounds, and the
+    /// stride and size it states against the ones its shape gives.
+    pub fn decode(h: &[u8], len: u64) -> Result<Self, RingError> {
+        if h.len() < 64 || &h[0..8] != MAGIC {
+            return Err(RingError("no ring header (magic ENGRRING)".into()));
+        }
+        let u32_at = |at: usize| u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        if u32_at(8) != VERSION {
+            return Err(RingError(format!(
+                "layout version {} (this build reads {VERSION})",
+                u32_at(8)
+            )));
+        }
+        let shape = Self {
+            slots: u32_at(header::SLOTS),
+            layers: u32_at(header::LAYERS),
+            columns: u32_at(header::COLUMNS),
+            positions: u32_at(header::POSITIONS),
+            first_column: u32_at(header::FIRST_COLUMN),
+            layer_ids: [u32_at(header::LAYER_IDS), u32_at(header::LAYER_IDS + 4)],
+            gpu_deadline_ns: u64_at(header::GPU_DEADLINE_NS),
+        };
+        shape.check()?;
+        let (stride, bytes) = (u64_at(header::STRIDE), u64_at(header::BYTES));
+        if Some(stride) != shape.stride() || Some(bytes) != shape.bytes() {
+            return Err(RingError(format!(
+                "the header states a stride of {stride} and {bytes} bytes; its shape gives {:?} and {:?}",
+                shape.stride(),
+                shape.bytes()
+            )));
+        }
+        if len < bytes {
+            return Err(RingError(format!(
+                "{len} bytes of memory for a ring of {bytes}"
+            )));
+        }
+        Ok(shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_shape() -> Shape {
+        Shape {
+            slots: 8,
+            layers: 2,
+            columns: 24,
+            positions: 256,
+            first_column: 0,
+            layer_ids: [1, 14],
+            gpu_deadline_ns: 50_000_000,
+        }
+    }
+
+    #[test]
+    fn a_header_round_trips_and_its_offsets_hold_what_they_say() {
+        let s = decode_shape();
+        let h = s.encode().expect("encode");
+        let len = s.bytes().expect("bytes");
+        assert_eq!(Shape::decode(&h, len).expect("decode"), s);
+        // 256 positions x 24 columns x 2 layers: 98,304 bytes of ids, then
+        // 3,244,032 of rows, in 3,342,336 + 64 rounded to 4 KiB.
+        assert_eq!(s.rows_at(), Some(64 + 98_304));
+        assert_eq!(s.stride(), Some(3_346_432));
+        assert_eq!(len, 4096 + 8 * 3_346_432);
+        assert_eq!(s.id_at(1, 0, 0), 64 + 256 * 24 * 8);
+        assert_eq!(s.layer_rows_at(1), s.rows_at().unwrap() + 256 * 24 * 264);
+        assert!(s.layer_rows_at(1) + 256 * 24 * 264 <= s.stride().unwrap());
+        assert_eq!(s.slot_at(3), 4096 + 3 * 3_346_432);
+    }
+
+    #[test]
+    fn every_bound_is_checked_before_an_offset_is_trusted() {
+        let s = decode_shape();
+        let len = s.bytes().expect("bytes");
+        let bad = |edit: &dyn Fn(&mut Shape)| {
+            let mut t = s;
+            edit(&mut t);
+            t.check().expect_err("refused").0
+        };
+        assert!(bad(&|t| t.slots = 0).contains("slots"));
+        assert!(bad(&|t| t.slots = 65).contains("slots"));
+        assert!(bad(&|t| t.layers = 3).contains("layers"));
+        assert!(bad(&|t| t.columns = 25).contains("columns"));
+        assert!(bad(&|t| t.first_column = 1).contains("columns 1..25"));
+        assert!(bad(&|t| t.positions = 0).contains("positions"));
+        assert!(bad(&|t| t.positions = 70_000).contains("positions"));
+        assert!(bad(&|t| t.layer_ids = [1, 0]).contains("layer section 1"));
+        assert!(
+            bad(&|t| {
+                t.positions = 65_536;
+                t.slots = 64
+            })
+            .contains("GiB")
+        );
+        let one = Shape {
+            layers: 1,
+            layer_ids: [14, 0],
+            ..s
+        };
+        one.check().expect("one layer");
+        // A header whose stated sizes disagree with its shape, or memory
+        // too short for it, or garbage.
+        let mut h = s.encode().expect("encode");
+        h[header::STRIDE] ^= 1;
+        assert!(
+            Shape::decode(&h, len)
+                .expect_err("stride")
+                .0
+                .contains("stride")
+        );
+        let h = s.encode().expect("encode");
+        assert!(
+            Shape::decode(&h, len - 1)
+                .expect_err("short")
+                .0
+                .contains("bytes of memory")
+        );
+        assert!(Shape::decode(&[0u8; 64], len).is_err());
+        assert!(Shape::decode(&h[..10], len).is_err());
+        let mut v = h;
+        v[8] = 9;
+        assert!(
+            Shape::decode(&v, len)
+                .expect_err("version")
+                .0
+                .contains("version 9")
+        );
+    }
+}
