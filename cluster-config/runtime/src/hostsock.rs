@@ -186,6 +186,52 @@ pub fn recv(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<File>)> {
     Ok((n as usize, first))
 }
 
+/// A peer's credentials, as the kernel recorded them at connect.
+#[derive(Debug, Clone, Copy)]
+pub struct Cred {
+    /// The peer's process id.
+    pub pid: i32,
+    /// Its user id.
+    pub uid: u32,
+    /// Its primary group id.
+    pub gid: u32,
+}
+
+/// The credentials of the peer of the connected Unix socket `fd`
+/// (`SO_PEERCRED`).
+pub fn peer_credentials(fd: RawFd) -> io::Result<Cred> {
+    // SAFETY: an all-zero ucred is valid; getsockopt writes at most its size.
+    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: as above, into our own struct.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut c).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Cred {
+        pid: c.pid,
+        uid: c.uid,
+        gid: c.gid,
+    })
+}
+
+/// A new read-only open of the file behind `file` (for a memfd: its
+/// memory), through `/proc/self/fd`: a holder can map it `PROT_READ`
+/// only.
+pub fn reopen_read_only(file: &File) -> io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,13 +15,15 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use daemon_runtime::hostsock::{HOST_PROTOCOL, bind, readable, send, seqpacket};
+use daemon_runtime::hostsock::{
+    HOST_PROTOCOL, bind, peer_credentials, readable, reopen_read_only, send, seqpacket,
+};
 use engram_store::kept;
 use serde_json::json;
 
@@ -347,47 +349,6 @@ fn serve_client(client: &OwnedFd, shared: &Shared) -> io::Result<()> {
             return Ok(());
         }
     }
-}
-
-/// A peer's credentials, as the kernel recorded them at connect.
-#[derive(Debug, Clone, Copy)]
-struct Cred {
-    pid: i32,
-    uid: u32,
-    gid: u32,
-}
-
-fn peer_credentials(fd: RawFd) -> io::Result<Cred> {
-    // SAFETY: an all-zero ucred is valid; getsockopt writes at most its size.
-    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: as above, into our own struct.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut c).cast(),
-            &mut len,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(Cred {
-        pid: c.pid,
-        uid: c.uid,
-        gid: c.gid,
-    })
-}
-
-/// A new read-only open of the file behind `file` (for a memfd: its
-/// memory), through `/proc/self/fd`: a holder can map it `PROT_READ`
-/// only.
-fn reopen_read_only(file: &File) -> io::Result<File> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
 #[cfg(test)]
