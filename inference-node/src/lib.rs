@@ -20,6 +20,7 @@ pub mod canary;
 pub mod client;
 pub mod daemon;
 pub mod embed;
+pub mod engines;
 pub mod engram;
 pub mod memory;
 pub mod metrics;

@@ -1,4 +1,5 @@
-//! `inference-node`: the engram-rack inference node (`run`, `serve`) and
+//! `inference-node`: the engram-rack inference node (`run`, `serve`,
+//! `engines`) and
 //! its tools (`fetch`, `canary`, `addresses`, `token-map`, `gpu-check`).
 //! This file parses the command line; each subcommand is a module of `cmd`.
 
@@ -30,6 +31,8 @@ enum Cmd {
     TokenMap(cmd::engram::TokenMapArgs),
     /// The node daemon: gRPC API (submit sequences, stream per-token records, table state), health, /metrics, systemd notify.
     Serve(cmd::serve::ServeArgs),
+    /// The host's one rack client for its engine processes: serves their rings and hands them host-local tables (docs/engines.md).
+    Engines(cmd::engines::EnginesArgs),
     /// Run the model loop over an input at a token rate: trace, status lines, summary vs seed 000's formula.
     Run(cmd::run::RunArgs),
     /// Compare GPU fusion with the CPU path and measure its throughput (needs --features cuda).
@@ -47,6 +50,7 @@ fn main() -> Result<()> {
         Cmd::Canary(args) => rt.block_on(cmd::canary::canary(args)),
         Cmd::Run(args) => rt.block_on(cmd::run::run(args)),
         Cmd::Serve(args) => rt.block_on(cmd::serve::run(args, log)),
+        Cmd::Engines(args) => rt.block_on(cmd::engines::run(args)),
         Cmd::Addresses(args) => cmd::engram::addresses(args),
         Cmd::TokenMap(args) => cmd::engram::token_map(args),
         Cmd::GpuCheck(args) => cmd::engram::gpu_check(&args),

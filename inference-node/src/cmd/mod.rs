@@ -1,9 +1,11 @@
 //! One module per subcommand: `run` (a paced run over an input, with a
 //! trace and a summary) and `serve` (the daemon) run the node's model;
+//! `engines` serves the host's engine processes;
 //! `fetch` (rows by hand), `canary` (paced random lookups) and `engram`
 //! (`addresses`, `token-map`, `gpu-check`) are tools.
 
 pub mod canary;
+pub mod engines;
 pub mod engram;
 pub mod fetch;
 pub mod run;

@@ -72,9 +72,16 @@ pub struct RingServer {
     thread: Option<JoinHandle<()>>,
     counters: Arc<RingCounters>,
     ring: Arc<RingMemory>,
+    deadline: Duration,
 }
 
 impl RingServer {
+    /// The age at which the client gives up on a request (below the
+    /// ring's GPU deadline).
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
     /// Its counters.
     pub fn counters(&self) -> &RingCounters {
         &self.counters
@@ -158,6 +165,7 @@ pub fn serve(
         thread: Some(thread),
         counters,
         ring,
+        deadline,
     })
 }
 

@@ -401,6 +401,12 @@ impl TableView {
         (row < self.table.rows).then(|| self.layout().offsets(row))
     }
 
+    /// The memfd the memory lives in (a host-local donor's, or a copy kept
+    /// in one), to hand to another process on this host.
+    pub fn file(&self) -> Option<&std::fs::File> {
+        self.table.kept().map(|k| &k.file)
+    }
+
     /// Row `row` as it lies in memory, or `None` past the end.
     pub fn row(&self, row: u64) -> Option<RowRef<'_>> {
         self.table.row(row)

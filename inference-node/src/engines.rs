@@ -1,0 +1,335 @@
+//! The engine socket: one rack client per host, shared by every engine
+//! process on it (each GPU rank of vLLM or SGLang), instead of one client
+//! per rank. `inference-node engines` opens the node's Engram memory once
+//! (one connection and one breaker per donor, one SSD copy, one set of
+//! probes) and serves a `SOCK_SEQPACKET` Unix socket (PROTOCOL.md
+//! section 6):
+//!
+//! - to each engine it hands, per Engram layer, the host-local donor's
+//!   table memory when there is one (a read-only memfd, as the donor's own
+//!   host socket does; planar when the donor lays it out for engines), or
+//!   says the table is remote;
+//! - it takes the engine's rings (memfds the engine made and registered
+//!   with its GPU) and serves each on a thread of its own ([`serve`]);
+//! - when the engine closes the socket, its rings stop being served.
+//!
+//! Every engine is checked by its credentials (`SO_PEERCRED`) against the
+//! allowed users and groups; at most [`MAX_ENGINES`] at once and
+//! [`MAX_RINGS`] rings each. A ring's memory is checked before use
+//! ([`RingMemory::open`]); a bad message gets a refusal, never a panic,
+//! and does not touch other engines.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use daemon_runtime::hostsock::{
+    MAX_MESSAGE, bind, peer_credentials, readable, recv, reopen_read_only, send, seqpacket,
+};
+use engram_store::resident::RowLayout;
+use serde_json::json;
+
+use crate::embed::EmbeddedNode;
+use crate::ring::{RingMemory, RingOptions, RingServer, serve};
+
+/// The engine protocol's version.
+pub const ENGINE_PROTOCOL: u32 = 1;
+/// Engines connected at once.
+pub const MAX_ENGINES: usize = 64;
+/// Rings one engine may have served at once.
+pub const MAX_RINGS: usize = 8;
+/// How often threads look for the stop flag.
+const WATCH: Duration = Duration::from_millis(50);
+
+/// Who may connect: these users and groups; with both empty, this
+/// process's own user and group.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineAccess {
+    /// Allowed user ids.
+    pub uids: Vec<u32>,
+    /// Allowed group ids (the peer's primary group).
+    pub gids: Vec<u32>,
+}
+
+impl EngineAccess {
+    /// Whether a peer of `uid` and `gid` may connect.
+    pub fn allows(&self, uid: u32, gid: u32) -> bool {
+        if self.uids.is_empty() && self.gids.is_empty() {
+            // SAFETY: getuid and getgid cannot fail.
+            let (me, group) = unsafe { (libc::getuid(), libc::getgid()) };
+            return uid == me || gid == group;
+        }
+        self.uids.contains(&uid) || self.gids.contains(&gid)
+    }
+}
+
+/// A bound engine socket; the file goes when it is dropped.
+#[derive(Debug)]
+pub struct EngineListener {
+    fd: OwnedFd,
+    path: PathBuf,
+    access: EngineAccess,
+    ring: RingOptions,
+}
+
+impl EngineListener {
+    /// Bind `path` (a stale socket there is replaced; any other file is an
+    /// error), mode 0660.
+    pub fn bind(path: &Path, access: EngineAccess, ring: RingOptions) -> io::Result<Self> {
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(path)?;
+            }
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} exists and is not a socket", path.display()),
+                ));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let fd = seqpacket()?;
+        bind(&fd, path)?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))?;
+        // SAFETY: listen and fcntl on our own bound socket.
+        unsafe {
+            if libc::listen(fd.as_raw_fd(), 64) < 0
+                || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(Self {
+            fd,
+            path: path.to_path_buf(),
+            access,
+            ring,
+        })
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Serve engines until `stop` is set.
+    pub fn run(&self, mem: &Arc<EmbeddedNode>, stop: &Arc<AtomicBool>) {
+        let open = Arc::new(AtomicUsize::new(0));
+        while !stop.load(Ordering::Relaxed) {
+            if !readable(self.fd.as_raw_fd(), WATCH) {
+                continue;
+            }
+            // SAFETY: accept4 on our listening socket; no address wanted.
+            let c = unsafe {
+                libc::accept4(
+                    self.fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC,
+                )
+            };
+            if c < 0 {
+                continue;
+            }
+            // SAFETY: a new descriptor only we own.
+            let client = unsafe { OwnedFd::from_raw_fd(c) };
+            self.admit(client, mem, stop, &open);
+        }
+    }
+
+    /// Check a new engine and start its thread, or refuse it.
+    fn admit(
+        &self,
+        client: OwnedFd,
+        mem: &Arc<EmbeddedNode>,
+        stop: &Arc<AtomicBool>,
+        open: &Arc<AtomicUsize>,
+    ) {
+        let refuse = |why: String| {
+            tracing::warn!(socket = %self.path.display(), why, "engine socket: refused");
+            let _ = send(
+                client.as_raw_fd(),
+                &json!({"engram_engine": ENGINE_PROTOCOL, "refused": why}),
+                None,
+            );
+        };
+        let cred = match peer_credentials(client.as_raw_fd()) {
+            Ok(c) => c,
+            Err(e) => return refuse(format!("no credentials: {e}")),
+        };
+        if !self.access.allows(cred.uid, cred.gid) {
+            return refuse(format!(
+                "uid {} gid {} (pid {}) may not use this engine socket",
+                cred.uid, cred.gid, cred.pid
+            ));
+        }
+        if open.fetch_add(1, Ordering::AcqRel) >= MAX_ENGINES {
+            open.fetch_sub(1, Ordering::AcqRel);
+            return refuse(format!(
+                "the engine socket is at its bound of {MAX_ENGINES} engines"
+            ));
+        }
+        tracing::info!(
+            pid = cred.pid,
+            uid = cred.uid,
+            "engine socket: engine attached"
+        );
+        let (mem, stop, count) = (Arc::clone(mem), Arc::clone(stop), Arc::clone(open));
+        let ring = self.ring;
+        let spawned = std::thread::Builder::new()
+            .name(format!("engine-{}", cred.pid))
+            .spawn(move || {
+                if let Err(e) = serve_engine(&client, &mem, ring, &stop) {
+                    tracing::debug!(pid = cred.pid, error = %e, "engine socket: engine ended");
+                }
+                tracing::info!(pid = cred.pid, "engine socket: engine detached");
+                count.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "engine socket: cannot start an engine thread");
+            open.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for EngineListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Tell the engine what the node has, then serve its rings until it
+/// closes the socket or the node stops.
+fn serve_engine(
+    client: &OwnedFd,
+    mem: &Arc<EmbeddedNode>,
+    ring: RingOptions,
+    stop: &AtomicBool,
+) -> io::Result<()> {
+    let fd = client.as_raw_fd();
+    hello(fd, mem, ring)?;
+    let mut rings: Vec<RingServer> = Vec::new();
+    let mut buf = vec![0u8; MAX_MESSAGE + 1];
+    while !stop.load(Ordering::Relaxed) {
+        if !readable(fd, WATCH) {
+            continue;
+        }
+        let (n, file) = recv(fd, &mut buf)?;
+        if n == 0 {
+            return Ok(()); // The engine closed.
+        }
+        let reply = match parse(&buf[..n]) {
+            Some(m) if m.get("ring").is_some() => attach(mem, ring, file, &mut rings),
+            _ => {
+                json!({"refused": "a message this node does not know (it takes {\"ring\": ...} with a memfd)"})
+            }
+        };
+        send(fd, &reply, None)?;
+    }
+    Ok(())
+}
+
+fn parse(b: &[u8]) -> Option<serde_json::Value> {
+    if b.len() > MAX_MESSAGE {
+        return None;
+    }
+    serde_json::from_slice(b).ok()
+}
+
+/// The first messages: the node, then one per Engram layer (its memory
+/// with a descriptor when a host-local donor's is mapped here, else
+/// "remote"), then `synced`.
+fn hello(fd: i32, mem: &EmbeddedNode, ring: RingOptions) -> io::Result<()> {
+    let (tables, rows) = match (mem.tables(), mem.table_rows()) {
+        (Ok(t), Ok(r)) => (t, r),
+        _ => return Err(io::Error::other("the node's memory is closed")),
+    };
+    send(
+        fd,
+        &json!({
+            "engram_engine": ENGINE_PROTOCOL,
+            "node": mem.node(),
+            "layers": mem.layers(),
+            "tables": tables,
+            "rows": rows,
+            "ring_deadline_ns": ring.deadline.as_nanos() as u64,
+            "pid": std::process::id(),
+        }),
+        None,
+    )?;
+    for (i, layer) in mem.layers().into_iter().enumerate() {
+        let shared = mem
+            .table_view(layer, Duration::from_secs(2))
+            .ok()
+            .filter(|v| v.shared());
+        let memory = shared.as_ref().and_then(|v| v.file().map(|f| (v, f)));
+        match memory.map(|(v, f)| (v, reopen_read_only(f))) {
+            Some((v, Ok(file))) => send(fd, &table_message(v), Some(file.as_raw_fd()))?,
+            _ => send(
+                fd,
+                &json!({"table": tables[i], "layer": layer, "remote": true}),
+                None,
+            )?,
+        }
+    }
+    send(fd, &json!({"synced": true}), None)
+}
+
+/// What an engine is told of a host-local table's memory.
+fn table_message(v: &crate::embed::TableView) -> serde_json::Value {
+    let mut m = json!({
+        "table": v.table(),
+        "layer": v.layer(),
+        "rows": v.rows(),
+        "digest": v.digest().to_string(),
+        "generation": v.generation().unwrap_or_default(),
+        "bytes": v.bytes().len(),
+        "layout": v.layout().name(),
+    });
+    if let RowLayout::Planar { scales_at } = v.layout() {
+        m["values_at"] = json!(0);
+        m["scales_at"] = json!(scales_at);
+    }
+    m
+}
+
+/// Take a ring: check its memory and serve it.
+fn attach(
+    mem: &Arc<EmbeddedNode>,
+    opts: RingOptions,
+    file: Option<File>,
+    rings: &mut Vec<RingServer>,
+) -> serde_json::Value {
+    let refused = |why: String| json!({"ring": "refused", "why": why});
+    if rings.len() >= MAX_RINGS {
+        return refused(format!(
+            "an engine may have {MAX_RINGS} rings served at once"
+        ));
+    }
+    let Some(file) = file else {
+        return refused("the message carries no memfd".into());
+    };
+    let ring = match RingMemory::open(file) {
+        Ok(r) => Arc::new(r),
+        Err(e) => return refused(e.to_string()),
+    };
+    let shape = *ring.shape();
+    match serve(Arc::clone(mem), ring, opts) {
+        Ok(s) => {
+            let reply = json!({
+                "ring": "serving",
+                "slots": shape.slots,
+                "positions": shape.positions,
+                "deadline_ns": s.deadline().as_nanos() as u64,
+            });
+            rings.push(s);
+            reply
+        }
+        Err(e) => refused(e.to_string()),
+    }
+}
