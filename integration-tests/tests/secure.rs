@@ -615,7 +615,7 @@ fn floods_of_strangers_never_take_a_nodes_place() {
     }
     assert!(held.len() >= 900, "only {} connections opened", held.len());
     let ca = &rack.config.tls.as_ref().expect("pki").ca;
-    let initials = rack_harness::quic_initials(quic, ca, [127, 0, 3], 40, 25);
+    let initials = rack_harness::forge::quic_initials(quic, ca, [127, 0, 3], 40, 25);
     assert!(initials >= 900, "only {initials} QUIC Initials sent");
     std::thread::sleep(Duration::from_millis(200));
     let during = threads(rack.donor.id());

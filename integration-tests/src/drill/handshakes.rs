@@ -238,7 +238,7 @@ impl HandshakeStorm {
         let ca = intruders.ca.clone();
         spawn(Box::new(move |_: &AtomicBool, c: &Counters| {
             let per = SPOOFED_INITIALS / usize::from(SPOOFED_SOURCES);
-            let sent = crate::quic_initials(quic, &ca, [127, 0, 8], SPOOFED_SOURCES, per);
+            let sent = crate::forge::quic_initials(quic, &ca, [127, 0, 8], SPOOFED_SOURCES, per);
             c.quic_spoofed.fetch_add(sent as u64, Ordering::Relaxed);
         }));
         let (cfg, d) = (quic_config.clone(), donor.to_string());
