@@ -21,6 +21,7 @@ use cluster_config::Config;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
+use self::forged::{ForgedDial, forged_then_dial};
 use self::quic::{quic_half_open, quic_intruders, quic_junk};
 use super::scaffold::{FAULT_AT, Opts, SECONDS, finish, max_open_during_fault};
 use super::{Env, Outcome, Plan, Rack, Report};
@@ -28,8 +29,9 @@ use crate::sample;
 
 /// The handshake storm's name and what it does.
 pub(super) const NAME: &str = "storm-handshakes";
-pub(super) const ABOUT: &str = "1,000 half-open TLS handshakes, 1,000 spoofed QUIC Initials, refused handshakes, junk datagrams and 200 silent control connections at the primary (node over TLS, an operator's status)";
+pub(super) const ABOUT: &str = "1,000 half-open TLS handshakes, 1,000 spoofed QUIC Initials, 1,000 more forged from the node's own address, refused handshakes, junk datagrams and 200 silent control connections at the primary (node over TLS, a QUIC dial from the node's address, an operator's status)";
 
+mod forged;
 mod quic;
 mod verdict;
 
@@ -486,6 +488,10 @@ struct Seen {
     /// handshake_limit, preauth_evicted, quic_retry.
     refused: [f64; 5],
     control_evicted: f64,
+    /// Initials forged from the node's address, and its QUIC dial through
+    /// them; the Retry tokens donor-a validated.
+    forged: ForgedDial,
+    validated: f64,
 }
 
 /// The node's steps during the storm.
@@ -542,6 +548,8 @@ impl Seen {
             })
             .collect();
         let status = status_later(&rack, Duration::from_millis(500))?;
+        let config = rack.config.clone();
+        let forged = std::thread::spawn(move || forged_then_dial(&config, "n", "donor-a", quic));
         let from = run.event(
             "handshake storm at donor-a: half-open TLS, TLS without a rack certificate, \
              QUIC junk, spoofed and half-open QUIC Initials, QUIC without a certificate, \
@@ -551,6 +559,9 @@ impl Seen {
         let status = status
             .join()
             .map_err(|_| anyhow::anyhow!("the status thread panicked"))?;
+        let forged = forged
+            .join()
+            .map_err(|_| anyhow::anyhow!("the forging thread panicked"))??;
         let s = storm.stop();
         let overflows = listen_overflows().saturating_sub(overflows_before);
         let silent_opened = silent.len();
@@ -566,6 +577,7 @@ impl Seen {
         ]
         .map(|r| refusals(&m, "data", r));
         let control_evicted = refusals(&m, "control", "preauth_evicted");
+        let validated = sample(&m, "engram_donor_quic_validated_total").unwrap_or(0.0);
         let out = finish(run, o, true)?;
         Ok(Self {
             out,
@@ -578,6 +590,8 @@ impl Seen {
             open_max,
             refused: [timeouts, failed, limit, evicted, retried],
             control_evicted,
+            forged,
+            validated,
         })
     }
 }

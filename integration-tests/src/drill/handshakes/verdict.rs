@@ -62,6 +62,10 @@ impl Seen {
                 s.quic_no_verdict
             ),
         );
+        r.figure(
+            "QUIC from the node's own address",
+            self.forged.figure(self.validated),
+        );
         self.rack_figures(r, plan, node);
     }
 
@@ -192,6 +196,11 @@ impl Seen {
         ensure!(
             failovers == 0,
             "{failovers} failovers during the storm: the node's connection to donor-a was hurt"
+        );
+        ensure!(
+            self.forged.served(),
+            "Initials forged from the node's address kept it out over QUIC: {}",
+            self.forged.figure(self.validated)
         );
         Ok(())
     }
