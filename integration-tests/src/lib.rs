@@ -12,11 +12,13 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod drill;
+pub mod forge;
 pub mod load;
 pub mod netns;
 pub mod pki;
 pub mod proxy;
 pub mod rack_toml;
+pub mod secure;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -877,60 +879,6 @@ pub fn model_rack(dir: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Real QUIC Initials (quinn's own ClientHello for server name `d`, never
-/// answered) at `to` from `sources` loopback addresses `net.1`, `net.2`,
-/// ... (addresses a test can bind, looking like many hosts, as spoofed
-/// sources would), `per_source` from each; the client trusts the CA in
-/// `ca`. Returns how many were sent.
-pub fn quic_initials(
-    to: SocketAddr,
-    ca: &Path,
-    net: [u8; 3],
-    sources: u8,
-    per_source: usize,
-) -> usize {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut store = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(&std::fs::read(ca).unwrap_or_default()).flatten() {
-        let _ = store.add(c);
-    }
-    let Ok(builder) = rustls::ClientConfig::builder_with_provider(cluster_config::tls::provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-    else {
-        return 0;
-    };
-    let mut tls = builder.with_root_certificates(store).with_no_client_auth();
-    tls.alpn_protocols = vec![cluster_config::tls::ALPN.to_vec()];
-    let Ok(crypto) = quinn::crypto::rustls::QuicClientConfig::try_from(Arc::new(tls)) else {
-        return 0;
-    };
-    let config = quinn::ClientConfig::new(Arc::new(crypto));
-    let ep_config = Arc::new(quinn_proto::EndpointConfig::default());
-    let mut sent = 0;
-    let mut buf = Vec::with_capacity(1500);
-    for i in 0..sources {
-        let from = std::net::Ipv4Addr::new(net[0], net[1], net[2], 1 + i);
-        let Ok(sock) = std::net::UdpSocket::bind((from, 0)) else {
-            continue;
-        };
-        let mut endpoint = quinn_proto::Endpoint::new(Arc::clone(&ep_config), None, false, None);
-        for _ in 0..per_source {
-            let now = Instant::now();
-            let Ok((_, mut conn)) = endpoint.connect(now, config.clone(), to, "d") else {
-                continue;
-            };
-            buf.clear();
-            if let Some(t) = conn.poll_transmit(now, 1, &mut buf)
-                && sock.send_to(&buf[..t.size], to).is_ok()
-            {
-                sent += 1;
-            }
-        }
-    }
-    sent
-}
-
 /// A TCP connection to `to` from the loopback address `from` (any of
 /// 127.0.0.0/8, so a test can look like many hosts), or `None`.
 pub fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> Option<std::net::TcpStream> {
@@ -938,16 +886,11 @@ pub fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> Option<std::net
     let SocketAddr::V4(to) = to else {
         return None;
     };
-    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(ip).to_be(),
-        },
-        sin_zero: [0; 8],
-    };
     let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    let (local, remote) = (sin(from, 0), sin(*to.ip(), to.port()));
+    let (local, remote) = (
+        forge::sockaddr_in(from, 0),
+        forge::sockaddr_in(*to.ip(), to.port()),
+    );
     // SAFETY: plain socket calls on a descriptor owned here and handed to
     // TcpStream once; every result is checked.
     unsafe {

@@ -10,155 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster_config::{Config, Transport};
-use engram_protocol::synthetic::{SplitMix64, first_mismatch};
-use engram_protocol::{ROW_BYTES, TableDigest};
-use inference_node::client::{ClientError, ClientOptions, DonorClient, Request, TlsClient};
+use engram_protocol::ROW_BYTES;
+use engram_protocol::synthetic::first_mismatch;
+use inference_node::client::{ClientError, DonorClient, Request};
 use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
 use inference_node::router::Router;
-use inference_node::tls::NodeTls;
-use rack_harness::rack_toml::{
-    DonorEntry, LinkEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
-};
-use rack_harness::{DonorProcess, gen_table, rack_pki, runtime as rt, sample, scrape};
-
-const ROWS: u64 = 20_000;
-const SEED: u64 = 9;
-
-fn free_port() -> u16 {
-    rack_harness::free_port().expect("free port")
-}
-
-/// A rack with PKI: donor `d` on tcp, tls and quic (loopback), admitting
-/// nodes `n-tls`, `n-quic` and `n-tcp`; node `n-out` exists but is not
-/// admitted. Each node reaches `d` over the transport its name says.
-fn rack_config(table: &Path, digest: TableDigest) -> RackToml {
-    let (tcp, tls, quic, metrics) = (free_port(), free_port(), free_port(), free_port());
-    let mut rack = RackToml::new("t");
-    rack.rack.tls = Some(TlsSection::with_operators(["op"]));
-    rack.table = vec![TableEntry::new(1, table, ROWS, digest)];
-    let listen = [
-        format!("tcp://127.0.0.1:{tcp}"),
-        format!("tls://127.0.0.1:{tls}"),
-        format!("quic://127.0.0.1:{quic}"),
-    ];
-    rack.donor = vec![DonorEntry {
-        metrics: Some(format!("127.0.0.1:{metrics}")),
-        hello_timeout_ms: Some(2000),
-        clients: Some(vec!["n-tls".into(), "n-quic".into(), "n-tcp".into()]),
-        ..DonorEntry::new("d", listen, [1])
-    }];
-    for (node, transport) in [
-        ("n-tls", "tls"),
-        ("n-quic", "quic"),
-        ("n-tcp", "tcp"),
-        ("n-out", "tls"),
-    ] {
-        rack.node.push(NodeEntry {
-            probe_interval_ms: Some(100),
-            lookup_timeout_ms: Some(2000),
-            tokens_per_second: Some(1.0),
-            link: vec![LinkEntry::new("d", transport)],
-            ..NodeEntry::new(node, vec![RouteEntry::new(1, ["d", "ssd"]).hedge("off")])
-        });
-    }
-    rack
-}
-
-/// `rack` written to `dir/rack.toml`, with its PKI.
-fn write_config(dir: &Path, rack: &RackToml) -> Config {
-    let path = dir.join("rack.toml");
-    rack.write(&path).expect("config");
-    let config = Config::load(&path).expect("valid config");
-    rack_pki(&path).expect("rack PKI");
-    config
-}
-
-struct Rack {
-    _dir: tempfile::TempDir,
-    /// The config as written.
-    toml: RackToml,
-    config: Config,
-    digest: TableDigest,
-    donor: DonorProcess,
-}
-
-impl Rack {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (table, digest) = gen_table(dir.path(), "l1.etab", 1, ROWS, SEED).expect("gen");
-        let toml = rack_config(&table, digest);
-        let config = write_config(dir.path(), &toml);
-        let donor = DonorProcess::start(&[
-            "--config",
-            &config.path.display().to_string(),
-            "--name",
-            "d",
-        ])
-        .expect("donor starts");
-        Self {
-            _dir: dir,
-            toml,
-            config,
-            digest,
-            donor,
-        }
-    }
-
-    fn addr(&self, t: Transport) -> std::net::SocketAddr {
-        self.donor.endpoint(t).expect("listens on it")
-    }
-
-    /// Rewrite the config file with donor `d` admitting only `clients`.
-    fn rewrite_clients(&self, clients: &[&str]) {
-        let mut toml = self.toml.clone();
-        let d = toml.donor_mut("d").expect("donor d");
-        d.clients = Some(clients.iter().map(|c| c.to_string()).collect());
-        toml.write(&self.config.path).expect("write");
-    }
-
-    fn metrics(&self) -> String {
-        let addr = self
-            .config
-            .donor("d")
-            .and_then(|d| d.metrics)
-            .expect("metrics");
-        scrape(addr).expect("scrape")
-    }
-
-    fn refusals(&self, reason: &str) -> f64 {
-        sample(
-            &self.metrics(),
-            &format!("engram_donor_refusals_total{{plane=\"data\",reason=\"{reason}\"}}"),
-        )
-        .unwrap_or(0.0)
-    }
-
-    /// Client options of node `node` (its own certificate files unless `files`).
-    fn opts(
-        &self,
-        node: &str,
-        transport: Transport,
-        files: Option<cluster_config::TlsFiles>,
-    ) -> ClientOptions {
-        let mut o = ClientOptions::new(node, vec![(1, self.digest)]);
-        o.transport = transport;
-        o.connect_timeout = Duration::from_secs(5);
-        let files = files
-            .or_else(|| self.config.tls_files(node))
-            .expect("tls files");
-        o.tls = Some(TlsClient {
-            tls: NodeTls::load(&files).expect("node material"),
-            server_name: cluster_config::tls::server_name("d").expect("name"),
-        });
-        o
-    }
-}
-
-fn random_rows(seed: u64) -> Vec<u64> {
-    let mut s = SplitMix64::new(seed);
-    (0..24).map(|_| s.below(ROWS)).collect()
-}
+use rack_harness::secure::{SEED, SecureRack, lookup, random_rows, threads};
+use rack_harness::{DonorProcess, rack_pki, runtime as rt, sample};
 
 /// One checked lookup through a router; who served it.
 async fn fetch(router: &Router, i: u64) -> String {
@@ -169,25 +28,9 @@ async fn fetch(router: &Router, i: u64) -> String {
     f.source.expect("rows").to_string()
 }
 
-/// One checked lookup straight through a client.
-async fn lookup(c: &DonorClient, i: u64) {
-    let rows = random_rows(i);
-    let mut out = vec![0u8; rows.len() * ROW_BYTES];
-    c.lookup(
-        &[Request {
-            table: 1,
-            rows: &rows,
-        }],
-        &mut out,
-    )
-    .await
-    .expect("lookup");
-    assert_eq!(first_mismatch(SEED, 1, &rows, &out), None, "wrong rows");
-}
-
 #[test]
 fn rows_over_tls_quic_and_tcp_equal_the_table() {
-    let rack = Rack::start();
+    let rack = SecureRack::start();
     rt().block_on(async {
         let metrics = Arc::new(NodeMetrics::new());
         for node in ["n-tls", "n-quic", "n-tcp"] {
@@ -207,7 +50,7 @@ fn rows_over_tls_quic_and_tcp_equal_the_table() {
 
 #[test]
 fn intruders_are_refused_clearly_and_counted_while_a_node_is_served() {
-    let rack = Rack::start();
+    let rack = SecureRack::start();
     let tls = rack.addr(Transport::Tls);
     rt().block_on(async {
         let live = DonorClient::connect(tls, &rack.opts("n-tls", Transport::Tls, None))
@@ -306,7 +149,7 @@ fn plaintext_hello(addr: std::net::SocketAddr) -> Vec<u8> {
 }
 
 /// Certificates for the config's hosts, signed by its CA, that expired a day ago.
-fn expired_files(rack: &Rack) -> cluster_config::TlsFiles {
+fn expired_files(rack: &SecureRack) -> cluster_config::TlsFiles {
     let config = &rack.config;
     let tls = config.tls.as_ref().expect("tls");
     let dir = config.path.parent().expect("dir").join("expired");
@@ -367,7 +210,7 @@ async fn raw_tls_connect(
 
 #[test]
 fn sighup_rotates_certificates_and_a_new_ca_cuts_sessions_of_the_old_one() {
-    let rack = Rack::start();
+    let rack = SecureRack::start();
     let tls = rack.addr(Transport::Tls);
     let dir = rack.config.path.parent().expect("dir").to_path_buf();
     rt().block_on(async {
@@ -441,7 +284,7 @@ fn sighup_rotates_certificates_and_a_new_ca_cuts_sessions_of_the_old_one() {
 /// SIGHUP, over TLS and QUIC alike, while the others keep theirs.
 #[test]
 fn sighup_cuts_the_live_sessions_of_a_client_no_longer_allowed() {
-    let rack = Rack::start();
+    let rack = SecureRack::start();
     rt().block_on(async {
         let tls = DonorClient::connect(
             rack.addr(Transport::Tls),
@@ -513,7 +356,7 @@ fn wait_log(p: &DonorProcess, needle: &str, n: usize) {
 
 #[test]
 fn a_node_reload_takes_new_certificates_and_keeps_serving() {
-    let rack = Rack::start();
+    let rack = SecureRack::start();
     rt().block_on(async {
         let metrics = Arc::new(NodeMetrics::new());
         let mem = Routers::from_config(&rack.config, "n-tls", &metrics)
@@ -556,16 +399,6 @@ fn a_node_reload_takes_new_certificates_and_keeps_serving() {
     });
 }
 
-/// Threads of process `pid` now.
-fn threads(pid: u32) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("Threads:")
-}
-
 /// A TCP connection to `to` from `from` (any 127.0.0.0/8 address), which
 /// sends `bytes` and then says nothing.
 fn half_open(
@@ -587,7 +420,7 @@ fn half_open(
 /// TCP and QUIC.
 #[test]
 fn floods_of_strangers_never_take_a_nodes_place() {
-    let rack = Rack::start();
+    let rack = SecureRack::start();
     let (tls, tcp, quic) = (
         rack.addr(Transport::Tls),
         rack.addr(Transport::Tcp),
@@ -615,7 +448,7 @@ fn floods_of_strangers_never_take_a_nodes_place() {
     }
     assert!(held.len() >= 900, "only {} connections opened", held.len());
     let ca = &rack.config.tls.as_ref().expect("pki").ca;
-    let initials = rack_harness::quic_initials(quic, ca, [127, 0, 3], 40, 25);
+    let initials = rack_harness::forge::quic_initials(quic, ca, [127, 0, 3], 40, 25);
     assert!(initials >= 900, "only {initials} QUIC Initials sent");
     std::thread::sleep(Duration::from_millis(200));
     let during = threads(rack.donor.id());
@@ -646,10 +479,12 @@ fn floods_of_strangers_never_take_a_nodes_place() {
     });
     println!(
         "{} half-open connections and {initials} QUIC Initials: donor threads {before} before, \
-         {during} during; {} evicted unauthenticated, {} QUIC Retries, {} handshake limits",
+         {during} during; {} evicted unauthenticated, {} QUIC Retries, {} Retry tokens \
+         validated, {} handshake limits",
         held.len(),
         rack.refusals("preauth_evicted"),
         rack.refusals("quic_retry"),
+        sample(&rack.metrics(), "engram_donor_quic_validated_total").unwrap_or(0.0),
         rack.refusals("handshake_limit")
     );
     assert!(rack.refusals("preauth_evicted") > 0.0, "{}", rack.metrics());

@@ -5,7 +5,7 @@
 //!
 //! Series (all prefixed `engram_donor_`): `lookups_total`, `rows_total`,
 //! `bytes_total`, `pings_total`, `errors_total{code}`,
-//! `refusals_total{plane,reason}`,
+//! `refusals_total{plane,reason}`, `quic_validated_total`,
 //! `connection_errors_total{reason}`, `service_time_seconds` (histogram),
 //! `connections_open`, `connections_accepted_total`,
 //! `connections_refused_total`, `table_state{table,layer,state}`,
@@ -193,6 +193,12 @@ impl DonorCollector {
             "connections_refused",
             "Data-plane connections refused at the connection bound.",
             s.refused,
+        )?;
+        counter(
+            e,
+            "quic_validated",
+            "QUIC Initials whose source address a token proved (a Retry's, or one from NEW_TOKEN): each counts against its own address's handshakes only. Retries sent: refusals_total{reason=\"quic_retry\"}.",
+            s.quic_validated,
         )?;
         Ok(())
     }

@@ -106,6 +106,9 @@ pub struct Stats {
     pub pings: AtomicU64,
     /// Time from a whole Lookup frame to its answer encoded.
     pub service: ServiceTime,
+    /// QUIC Initials whose source address a token proved (a Retry's, or
+    /// one from NEW_TOKEN).
+    pub quic_validated: AtomicU64,
     errors: [AtomicU64; ERROR_SLOTS],
     refusals: Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
     connection_errors: Mutex<std::collections::BTreeMap<&'static str, u64>>,
@@ -175,6 +178,7 @@ impl Stats {
             rows: load(&self.rows),
             bytes: load(&self.bytes),
             pings: load(&self.pings),
+            quic_validated: load(&self.quic_validated),
             errors: std::array::from_fn(|i| load(&self.errors[i])),
             service: self.service.snapshot(),
         }
@@ -198,6 +202,8 @@ pub struct StatsSnapshot {
     pub pings: u64,
     /// Bytes of Rows frames written.
     pub bytes: u64,
+    /// QUIC Initials whose source address a token proved.
+    pub quic_validated: u64,
     /// Errors by code (index: the code's number; the last slot also holds larger codes).
     pub errors: [u64; ERROR_SLOTS],
     /// Service times.

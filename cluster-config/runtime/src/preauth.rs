@@ -13,6 +13,14 @@
 //! in through any flood that does not open the whole budget in that time.
 //! The handshake deadline shrinks as the budget fills
 //! ([`PreAuth::deadline`]).
+//!
+//! Connections are charged to their TCP peer's address, which the
+//! three-way handshake proved: the peer answered the SYN-ACK sent there. A
+//! stranger who forges a node's address gets no connection (its SYNs are
+//! answered at that address, and go no further than the kernel's SYN
+//! queue), so it can never fill the node's share. A transport without
+//! that proof (QUIC's Initials) must validate the address before charging
+//! it: the donor's QUIC budget does so with Retries.
 
 use std::net::{IpAddr, Shutdown, TcpStream};
 use std::sync::Arc;

@@ -494,6 +494,12 @@ impl DonorClient {
         self.addr
     }
 
+    /// The local UDP address of a QUIC connection (`None` over TCP and TLS).
+    pub fn quic_local_addr(&self) -> Option<SocketAddr> {
+        let (endpoint, _) = self.inner.quic.as_ref()?;
+        endpoint.local_addr().ok()
+    }
+
     /// The tables the donor announced.
     pub fn tables(&self) -> &[TableInfo] {
         &self.tables

@@ -9,13 +9,18 @@
 //! Bounds: one connection permit per authenticated QUIC connection (the
 //! same `max_connections` as TCP and TLS, taken once the client's
 //! certificate is admitted: `busy` in CONNECTION_CLOSE at the bound); at
-//! most [`MAX_HANDSHAKES`] handshakes in progress and
-//! [`MAX_HANDSHAKES_PER_SOURCE`] from one address (more are refused at
-//! once, before any crypto); past [`RETRY_ABOVE`] handshakes a client whose
-//! address is not validated gets a stateless Retry first, so spoofed
-//! Initials hold nothing; each handshake within the hello timeout;
-//! [`MAX_STREAMS`] streams per connection, and the idle timeout as QUIC's
-//! own. 0-RTT is not accepted: see PROTOCOL.md.
+//! most [`MAX_HANDSHAKES`] handshakes in progress, of which at most
+//! [`MAX_HANDSHAKES_PER_SOURCE`] unvalidated and as many validated ones
+//! from one address (`budget`): past [`RETRY_ABOVE`] handshakes, or its
+//! address's limit, a client whose address is not validated gets a
+//! stateless Retry, never a refusal, so Initials with a forged source hold
+//! nothing and keep no node out; a client back with the Retry's token is
+//! counted against its own address only and gets a place, taking over the
+//! oldest unvalidated handshake if it must. Each handshake within the
+//! hello timeout; [`MAX_STREAMS`] streams per connection, and the idle
+//! timeout as QUIC's own. 0-RTT is not accepted: see PROTOCOL.md.
+
+mod budget;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,17 +28,19 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use engram_protocol::Goodbye;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+use self::budget::{Handshakes, Place, Verdict};
 use super::ended::Ended;
 use super::handler::Handler;
 use super::pump::{INITIAL_BUF, Pump, Step};
 use super::{CONN_WARN, Shared};
 
-/// QUIC handshakes in progress at once; more are refused.
+/// QUIC handshakes in progress at once, validated or not.
 pub const MAX_HANDSHAKES: usize = 64;
-/// Handshakes in progress from one source address at once.
+/// Handshakes in progress from one source address at once, in each class
+/// (address validated, or not).
 pub const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
 /// Handshakes in progress past which a client whose address is not yet
 /// validated is sent a stateless Retry: a spoofed source never gets past
@@ -41,38 +48,6 @@ pub const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
 pub const RETRY_ABOVE: usize = 8;
 /// Concurrent bidirectional streams (sessions) per QUIC connection.
 pub const MAX_STREAMS: u32 = 4;
-
-/// Handshakes in progress per source address.
-#[derive(Debug, Default)]
-struct PerSource(engram_sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
-
-/// One handshake's place in [`PerSource`]; dropping it frees the place.
-#[derive(Debug)]
-struct SourceSlot(Arc<PerSource>, std::net::IpAddr);
-
-impl PerSource {
-    fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
-        let mut m = self.0.lock();
-        let n = m.entry(ip).or_default();
-        if *n >= MAX_HANDSHAKES_PER_SOURCE {
-            return None;
-        }
-        *n += 1;
-        Some(SourceSlot(Arc::clone(self), ip))
-    }
-}
-
-impl Drop for SourceSlot {
-    fn drop(&mut self) {
-        let mut m = self.0.0.lock();
-        if let Some(n) = m.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.1);
-            }
-        }
-    }
-}
 
 /// The quinn server configuration for the donor's TLS state now.
 pub fn server_config(shared: &Shared) -> Result<quinn::ServerConfig, String> {
@@ -100,8 +75,11 @@ pub(super) async fn accept_loop(
     permits: Arc<Semaphore>,
     mut stop: tokio::sync::broadcast::Receiver<()>,
 ) {
-    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-    let per_source = Arc::new(PerSource::default());
+    let handshakes = Handshakes::new(budget::Limits {
+        total: MAX_HANDSHAKES,
+        per_source: MAX_HANDSHAKES_PER_SOURCE,
+        retry_above: RETRY_ABOVE,
+    });
     loop {
         let incoming = tokio::select! {
             _ = stop.recv() => break,
@@ -111,31 +89,38 @@ pub(super) async fn accept_loop(
             },
         };
         let peer = incoming.remote_address();
-        let busy = MAX_HANDSHAKES - handshakes.available_permits();
-        if busy >= RETRY_ABOVE && !incoming.remote_address_validated() && incoming.may_retry() {
-            // Stateless: the donor keeps nothing until the client comes back
-            // from its address with the token.
-            shared.stats.refusal("data", "quic_retry");
-            let _ = incoming.retry();
-            continue;
+        let validated = incoming.remote_address_validated();
+        if validated {
+            shared.stats.quic_validated.fetch_add(1, Ordering::Relaxed);
         }
-        let Some(source) = per_source.take(peer.ip()) else {
-            shared.stats.refusal("data", "handshake_limit");
-            incoming.refuse();
-            continue;
-        };
-        let Ok(handshake) = Arc::clone(&handshakes).try_acquire_owned() else {
-            shared.stats.refusal("data", "handshake_limit");
-            if let Some(suppressed) = CONN_WARN.allow() {
-                tracing::warn!(%peer, suppressed, "QUIC handshake refused: {MAX_HANDSHAKES} already in progress");
+        match handshakes.admit(peer.ip(), validated) {
+            Verdict::Admit(place) => {
+                if place.evicted_another {
+                    shared.stats.refusal("data", "handshake_evicted");
+                }
+                let (shared, permits) = (Arc::clone(&shared), Arc::clone(&permits));
+                tokio::spawn(async move {
+                    serve_connection(incoming, peer, shared, permits, place).await;
+                });
             }
-            incoming.refuse();
-            continue;
-        };
-        let (shared, permits) = (Arc::clone(&shared), Arc::clone(&permits));
-        tokio::spawn(async move {
-            serve_connection(incoming, peer, shared, permits, (handshake, source)).await;
-        });
+            // Stateless: the donor keeps nothing until the client comes
+            // back from its address with the token.
+            Verdict::Retry => {
+                shared.stats.refusal("data", "quic_retry");
+                // An unvalidated Initial may always be retried; refused
+                // should quinn ever say otherwise.
+                if let Err(e) = incoming.retry() {
+                    e.into_incoming().refuse();
+                }
+            }
+            Verdict::Refuse => {
+                shared.stats.refusal("data", "handshake_limit");
+                if let Some(suppressed) = CONN_WARN.allow() {
+                    tracing::warn!(%peer, suppressed, "QUIC handshake refused: {MAX_HANDSHAKES} validated handshakes already in progress");
+                }
+                incoming.refuse();
+            }
+        }
     }
     // New connections are refused from now on; live ones drain.
     endpoint.set_server_config(None);
@@ -147,6 +132,7 @@ async fn admit(
     incoming: quinn::Incoming,
     peer: SocketAddr,
     shared: &Shared,
+    place: &Place,
 ) -> Option<(quinn::Connection, String, super::Chain)> {
     let stats = &shared.stats;
     let timeout = shared.config().hello_timeout.max(Duration::from_millis(1));
@@ -158,7 +144,15 @@ async fn admit(
             return None;
         }
     };
-    let conn = match tokio::time::timeout(timeout, connecting).await {
+    let finished = tokio::select! {
+        r = tokio::time::timeout(timeout, connecting) => r,
+        // Dropping the handshake closes it: a validated newcomer took its place.
+        () = place.evicted() => {
+            tracing::debug!(%peer, "QUIC handshake evicted by a validated one");
+            return None;
+        }
+    };
+    let conn = match finished {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             stats.refusal("data", "handshake_failed");
@@ -207,10 +201,10 @@ async fn serve_connection(
     peer: SocketAddr,
     shared: Arc<Shared>,
     permits: Arc<Semaphore>,
-    handshake: (OwnedSemaphorePermit, SourceSlot),
+    place: Place,
 ) {
-    let admitted = admit(incoming, peer, &shared).await;
-    drop(handshake);
+    let admitted = admit(incoming, peer, &shared, &place).await;
+    drop(place);
     let Some((conn, identity, chain)) = admitted else {
         return;
     };

@@ -494,6 +494,35 @@ mod tests {
         );
     }
 
+    /// A connection request names no address the book keys anything by:
+    /// only a token granted over an authenticated session admits. Forged
+    /// requests (from a node's address or any other) are refused and
+    /// leave nothing behind, and the node's own token still admits.
+    #[test]
+    fn requests_without_a_granted_token_leave_no_state() {
+        let book = RegionBook::new(Arc::new(FakeProvider::new()), DeviceSpec::default());
+        let d = TableDigest([5; 32]);
+        assert!(
+            book.publish(0, 1, d, Arc::new(vec![0u8; ROW_BYTES]))
+                .is_ok()
+        );
+        let Some(mine) = book.grant(0, "node-1") else {
+            panic!("no grant")
+        };
+        let now = Instant::now();
+        for i in 0..1000u32 {
+            let mut forged = [0u8; 16];
+            forged[..4].copy_from_slice(&i.to_le_bytes());
+            forged[4..].copy_from_slice(&mine.token[4..]);
+            if forged != mine.token {
+                assert!(book.admit(&forged, now).is_none());
+            }
+        }
+        assert_eq!(book.qps.lock().len(), 0);
+        assert_eq!(book.tokens.lock().len(), 1);
+        assert!(book.admit(&mine.token, now).is_some());
+    }
+
     #[test]
     fn publishing_again_revokes_the_old_version() {
         let p = FakeProvider::new();

@@ -806,6 +806,11 @@ impl ListenLoop {
         }
     }
 
+    /// A connection request proves nothing about its source (its
+    /// addresses can be forged on the fabric), so nothing is kept by
+    /// source: only a token the book granted over an authenticated
+    /// session admits, and a request without one is rejected and its id
+    /// destroyed at once.
     fn on_request(&mut self, e: &CmEvent) {
         let id = e.id;
         // `dev_index` came from `pick` and the device list never changes.
