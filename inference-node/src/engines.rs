@@ -34,7 +34,7 @@ use engram_store::resident::RowLayout;
 use serde_json::json;
 
 use crate::embed::EmbeddedNode;
-use crate::ring::{RingMemory, RingOptions, RingServer, serve};
+use crate::ring::{RingHandle, RingHub, RingMemory, RingOptions};
 
 /// The engine protocol's version.
 pub const ENGINE_PROTOCOL: u32 = 1;
@@ -117,8 +117,10 @@ impl EngineListener {
         &self.path
     }
 
-    /// Serve engines until `stop` is set.
-    pub fn run(&self, mem: &Arc<EmbeddedNode>, stop: &Arc<AtomicBool>) {
+    /// Serve engines until `stop` is set: every engine's rings on one
+    /// thread (one [`RingHub`]).
+    pub fn run(&self, mem: &Arc<EmbeddedNode>, stop: &Arc<AtomicBool>) -> io::Result<()> {
+        let hub = Arc::new(RingHub::start(Arc::clone(mem), self.ring).map_err(io::Error::other)?);
         let open = Arc::new(AtomicUsize::new(0));
         while !stop.load(Ordering::Relaxed) {
             if !readable(self.fd.as_raw_fd(), WATCH) {
@@ -138,15 +140,16 @@ impl EngineListener {
             }
             // SAFETY: a new descriptor only we own.
             let client = unsafe { OwnedFd::from_raw_fd(c) };
-            self.admit(client, mem, stop, &open);
+            self.admit(client, (mem, &hub), stop, &open);
         }
+        Ok(())
     }
 
     /// Check a new engine and start its thread, or refuse it.
     fn admit(
         &self,
         client: OwnedFd,
-        mem: &Arc<EmbeddedNode>,
+        (mem, hub): (&Arc<EmbeddedNode>, &Arc<RingHub>),
         stop: &Arc<AtomicBool>,
         open: &Arc<AtomicUsize>,
     ) {
@@ -180,11 +183,11 @@ impl EngineListener {
             "engine socket: engine attached"
         );
         let (mem, stop, count) = (Arc::clone(mem), Arc::clone(stop), Arc::clone(open));
-        let ring = self.ring;
+        let (hub, ring) = (Arc::clone(hub), self.ring);
         let spawned = std::thread::Builder::new()
             .name(format!("engine-{}", cred.pid))
             .spawn(move || {
-                if let Err(e) = serve_engine(&client, &mem, ring, &stop) {
+                if let Err(e) = serve_engine(&client, (&mem, &hub), ring, &stop) {
                     tracing::debug!(pid = cred.pid, error = %e, "engine socket: engine ended");
                 }
                 tracing::info!(pid = cred.pid, "engine socket: engine detached");
@@ -207,13 +210,13 @@ impl Drop for EngineListener {
 /// closes the socket or the node stops.
 fn serve_engine(
     client: &OwnedFd,
-    mem: &Arc<EmbeddedNode>,
+    (mem, hub): (&Arc<EmbeddedNode>, &RingHub),
     ring: RingOptions,
     stop: &AtomicBool,
 ) -> io::Result<()> {
     let fd = client.as_raw_fd();
     hello(fd, mem, ring)?;
-    let mut rings: Vec<RingServer> = Vec::new();
+    let mut rings: Vec<RingHandle> = Vec::new();
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
     while !stop.load(Ordering::Relaxed) {
         if !readable(fd, WATCH) {
@@ -224,7 +227,7 @@ fn serve_engine(
             return Ok(()); // The engine closed.
         }
         let reply = match parse(&buf[..n]) {
-            Some(m) if m.get("ring").is_some() => attach(mem, ring, file, &mut rings),
+            Some(m) if m.get("ring").is_some() => attach(hub, file, &mut rings),
             _ => {
                 json!({"refused": "a message this node does not know (it takes {\"ring\": ...} with a memfd)"})
             }
@@ -299,12 +302,7 @@ fn table_message(v: &crate::embed::TableView) -> serde_json::Value {
 }
 
 /// Take a ring: check its memory and serve it.
-fn attach(
-    mem: &Arc<EmbeddedNode>,
-    opts: RingOptions,
-    file: Option<File>,
-    rings: &mut Vec<RingServer>,
-) -> serde_json::Value {
+fn attach(hub: &RingHub, file: Option<File>, rings: &mut Vec<RingHandle>) -> serde_json::Value {
     let refused = |why: String| json!({"ring": "refused", "why": why});
     if rings.len() >= MAX_RINGS {
         return refused(format!(
@@ -319,7 +317,7 @@ fn attach(
         Err(e) => return refused(e.to_string()),
     };
     let shape = *ring.shape();
-    match serve(Arc::clone(mem), ring, opts) {
+    match hub.add(ring) {
         Ok(s) => {
             let reply = json!({
                 "ring": "serving",
@@ -332,4 +330,108 @@ fn attach(
         }
         Err(e) => refused(e.to_string()),
     }
+}
+
+/// What the node says of one Engram layer's table to an engine.
+#[derive(Debug)]
+pub struct EngineTable {
+    /// The Engram layer.
+    pub layer: u32,
+    /// The table id.
+    pub table: u32,
+    /// The host-local donor's memory of it (read-only memfd) and the
+    /// message that came with it, or `None`: the table is remote (rows
+    /// come through a ring).
+    pub memory: Option<(File, serde_json::Value)>,
+}
+
+/// An engine's end of the engine socket: what the node has, and its rings.
+#[derive(Debug)]
+pub struct EngineClient {
+    sock: OwnedFd,
+    /// The node's first message (`node`, `layers`, `tables`, `rows`,
+    /// `ring_deadline_ns`).
+    pub hello: serde_json::Value,
+    /// Each Engram layer's table.
+    pub tables: Vec<EngineTable>,
+}
+
+impl EngineClient {
+    /// Connect to the engine socket at `path` and read what the node has
+    /// (at most `wait` for each message).
+    pub fn connect(path: &Path, wait: Duration) -> io::Result<Self> {
+        let sock = daemon_runtime::hostsock::connect(path)?;
+        let hello = next(&sock, wait)?.0;
+        if let Some(why) = hello.get("refused").and_then(|v| v.as_str()) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                why.to_string(),
+            ));
+        }
+        if hello.get("engram_engine").and_then(|v| v.as_u64()) != Some(u64::from(ENGINE_PROTOCOL)) {
+            return Err(io::Error::other(format!("not an engine socket: {hello}")));
+        }
+        let mut tables = Vec::new();
+        loop {
+            let (m, file) = next(&sock, wait)?;
+            if m.get("synced").is_some() {
+                break;
+            }
+            if tables.len() >= 2 {
+                return Err(io::Error::other("more than two tables before synced"));
+            }
+            let num = |k: &str| m.get(k).and_then(|v| v.as_u64()).unwrap_or_default() as u32;
+            let memory = match (m.get("remote").is_some(), file) {
+                (false, Some(f)) => Some((f, m.clone())),
+                _ => None,
+            };
+            tables.push(EngineTable {
+                layer: num("layer"),
+                table: num("table"),
+                memory,
+            });
+        }
+        Ok(Self {
+            sock,
+            hello,
+            tables,
+        })
+    }
+
+    /// Hand the node `ring` to serve; its reply (`"ring": "serving"` with
+    /// the client's deadline, or `"refused"` with why).
+    pub fn attach(&self, ring: &RingMemory, wait: Duration) -> io::Result<serde_json::Value> {
+        send(
+            self.sock.as_raw_fd(),
+            &json!({"ring": {"slots": ring.shape().slots}}),
+            Some(ring.file().as_raw_fd()),
+        )?;
+        Ok(next(&self.sock, wait)?.0)
+    }
+
+    /// The socket (an engine may watch it: readable with nothing to read
+    /// means the node went).
+    pub fn socket(&self) -> &OwnedFd {
+        &self.sock
+    }
+}
+
+/// The next message on `sock` and its descriptor, within `wait`.
+fn next(sock: &OwnedFd, wait: Duration) -> io::Result<(serde_json::Value, Option<File>)> {
+    if !readable(sock.as_raw_fd(), wait) {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the node said nothing",
+        ));
+    }
+    let mut buf = vec![0u8; MAX_MESSAGE + 1];
+    let (n, file) = recv(sock.as_raw_fd(), &mut buf)?;
+    if n == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the node closed the socket",
+        ));
+    }
+    let m = parse(&buf[..n]).ok_or_else(|| io::Error::other("a message that is not JSON"))?;
+    Ok((m, file))
 }

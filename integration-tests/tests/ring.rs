@@ -17,6 +17,7 @@ use engram_protocol::ring::{NO_ROW, SERVED_SSD, client_state};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use inference_node::embed::EmbeddedNode;
 use inference_node::ring::{RingMemory, RingOptions, Shape, Status, serve};
+use rack_harness::ring_engine::CpuEngine as Engine;
 use rack_harness::{DonorProcess, MODEL_SEED, model_rack};
 
 const POSITIONS: u32 = 64;
@@ -33,78 +34,22 @@ fn shape() -> Shape {
     }
 }
 
-/// The engine's side, on the CPU: the next `seq`, and a wait that spins on
-/// a done word until it or the GPU's deadline (its own clock).
-struct Engine {
-    ring: Arc<RingMemory>,
-    seq: u64,
-}
-
-/// What one layer section's wait came to.
-#[derive(Debug)]
-struct Answer {
-    status: Option<u32>,
-    served: u32,
-    rows: Vec<u8>,
-}
-
-impl Engine {
-    fn publish(&mut self, ids: &[[Vec<i64>; 2]]) -> u64 {
-        self.seq += 1;
-        let mut flat = Vec::new();
-        for l in 0..2 {
-            for p in ids {
-                flat.extend_from_slice(&p[l]);
-            }
-        }
-        self.ring
-            .publish(self.seq, 3, ids.len() as u32, &flat)
-            .expect("publish");
-        self.seq
-    }
-
-    /// Spin on `seq`'s done word of section `l` (the kernel's loop); at
-    /// the GPU's deadline, zeros and no status.
-    fn wait(&self, seq: u64, l: u32, positions: u32) -> Answer {
-        let sh = *self.ring.shape();
-        let s = (seq % u64::from(sh.slots)) as u32;
-        let t0 = Instant::now();
-        let limit = Duration::from_nanos(sh.gpu_deadline_ns);
-        loop {
-            if self.ring.done(s, l) == seq {
-                return Answer {
-                    status: Some(self.ring.status(s, l)),
-                    served: self.ring.served(s, l),
-                    rows: self.ring.rows(s, l, positions),
-                };
-            }
-            if t0.elapsed() > limit {
-                let n = positions as usize * sh.columns as usize * ROW_BYTES;
-                return Answer {
-                    status: None,
-                    served: 0,
-                    rows: vec![0; n],
-                };
-            }
-            std::hint::spin_loop();
-        }
-    }
-}
-
 /// Random positions of both tables: live ones with valid ids, some DEAD.
-fn positions(rng: &mut SplitMix64, n: usize, rows: [u64; 2]) -> Vec<[Vec<i64>; 2]> {
+fn positions(rng: &mut SplitMix64, n: usize, rows: [u64; 2]) -> Vec<Vec<Vec<i64>>> {
     (0..n)
         .map(|_| {
             if rng.below(8) == 0 {
-                return [vec![NO_ROW; 24], vec![NO_ROW; 24]];
+                return vec![vec![NO_ROW; 24], vec![NO_ROW; 24]];
             }
-            [0, 1].map(|l| (0..24).map(|_| rng.below(rows[l]) as i64).collect())
+            (0..2)
+                .map(|l| (0..24).map(|_| rng.below(rows[l]) as i64).collect())
+                .collect()
         })
         .collect()
 }
 
 /// Every position's rows are the table's (zeros for DEAD ones).
-fn check(ids: &[[Vec<i64>; 2]], l: usize, got: &[u8]) {
+fn check(ids: &[Vec<Vec<i64>>], l: usize, got: &[u8]) {
     let layer = [1, 14][l];
     for (p, pos) in ids.iter().enumerate() {
         let bytes = &got[p * 24 * ROW_BYTES..(p + 1) * 24 * ROW_BYTES];
@@ -132,7 +77,7 @@ fn served_ring(
 ) -> (Engine, inference_node::ring::RingServer) {
     let ring = Arc::new(RingMemory::create(&shape()).expect("ring"));
     let server = serve(Arc::clone(mem), Arc::clone(&ring), opts).expect("serve");
-    (Engine { ring, seq: 0 }, server)
+    (Engine::new(ring), server)
 }
 
 #[test]
@@ -149,7 +94,7 @@ fn a_ring_is_served_with_the_tables_rows_and_every_status() {
     for i in 0..100 {
         let n = 1 + rng.below(u64::from(POSITIONS)) as usize;
         let ids = positions(&mut rng, n, rows);
-        let seq = eng.publish(&ids);
+        let seq = eng.publish(3, &ids);
         for l in 0..2 {
             let a = eng.wait(seq, l, n as u32);
             assert_eq!(a.status, Some(Status::Ok as u32), "step {i}, section {l}");
@@ -158,7 +103,7 @@ fn a_ring_is_served_with_the_tables_rows_and_every_status() {
     }
     // Three in flight at once (micro-batches, graphs in flight).
     let batches: Vec<_> = (0..3).map(|_| positions(&mut rng, 16, rows)).collect();
-    let seqs: Vec<u64> = batches.iter().map(|b| eng.publish(b)).collect();
+    let seqs: Vec<u64> = batches.iter().map(|b| eng.publish(3, b)).collect();
     for (b, &seq) in batches.iter().zip(&seqs) {
         for l in 0..2 {
             let a = eng.wait(seq, l, 16);
@@ -169,11 +114,11 @@ fn a_ring_is_served_with_the_tables_rows_and_every_status() {
     // Invalid ids (past the table; a no-row id beside live ones): those
     // positions are zeros, the rest served, and the status says so.
     let mut bad = positions(&mut rng, 4, rows);
-    bad[0] = [vec![NO_ROW; 24], vec![NO_ROW; 24]];
+    bad[0] = vec![vec![NO_ROW; 24], vec![NO_ROW; 24]];
     bad[1][0][3] = rows[0] as i64;
     bad[2][1][5] = NO_ROW;
     bad[3][1][0] = -7;
-    let seq = eng.publish(&bad);
+    let seq = eng.publish(3, &bad);
     for l in 0..2 {
         let a = eng.wait(seq, l, 4);
         assert_eq!(a.status, Some(Status::BadIds as u32), "section {l}");
@@ -188,8 +133,8 @@ fn a_ring_is_served_with_the_tables_rows_and_every_status() {
     );
     // A request of DEAD positions only (graph padding, a dummy batch):
     // answered at once with zeros, nothing fetched.
-    let dead = vec![[vec![NO_ROW; 24], vec![NO_ROW; 24]]; 8];
-    let seq = eng.publish(&dead);
+    let dead = vec![vec![vec![NO_ROW; 24], vec![NO_ROW; 24]]; 8];
+    let seq = eng.publish(3, &dead);
     let a = eng.wait(seq, 0, 8);
     assert_eq!(a.status, Some(Status::Ok as u32));
     assert!(a.rows.iter().all(|&b| b == 0));
@@ -212,7 +157,7 @@ fn kill_9_of_the_donor_fails_over_through_the_ring_and_a_gone_client_never_hangs
             donor.signal(libc::SIGKILL);
         }
         let ids = positions(&mut rng, 8, rows);
-        let seq = eng.publish(&ids);
+        let seq = eng.publish(3, &ids);
         for l in 0..2 {
             let a = eng.wait(seq, l, 8);
             assert_eq!(
@@ -232,8 +177,8 @@ fn kill_9_of_the_donor_fails_over_through_the_ring_and_a_gone_client_never_hangs
         ..*eng.ring.shape()
     };
     let ring = Arc::new(RingMemory::create(&short).expect("ring"));
-    let mut orphan = Engine { ring, seq: 0 };
-    let seq = orphan.publish(&positions(&mut rng, 2, rows));
+    let mut orphan = Engine::new(ring);
+    let seq = orphan.publish(3, &positions(&mut rng, 2, rows));
     let t0 = Instant::now();
     let a = orphan.wait(seq, 0, 2);
     assert_eq!(a.status, None, "no client: the deadline ends the wait");
@@ -257,13 +202,13 @@ fn a_frozen_rack_is_answered_before_the_gpus_deadline() {
     // Warm, then freeze the donor: every request is still answered, by
     // the SSD copy or as late zeros, never left to the GPU's deadline.
     let ids = positions(&mut rng, 8, rows);
-    let seq = eng.publish(&ids);
+    let seq = eng.publish(3, &ids);
     assert_eq!(eng.wait(seq, 0, 8).status, Some(Status::Ok as u32));
     donor.signal(libc::SIGSTOP);
     let mut statuses = Vec::new();
     for _ in 0..20 {
         let ids = positions(&mut rng, 8, rows);
-        let seq = eng.publish(&ids);
+        let seq = eng.publish(3, &ids);
         for l in 0..2 {
             let a = eng.wait(seq, l, 8);
             let st = a.status.expect("answered before the GPU's deadline");

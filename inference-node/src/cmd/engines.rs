@@ -86,7 +86,9 @@ pub async fn run(args: EnginesArgs) -> Result<()> {
     }
     let m = Arc::clone(&mem);
     let s = Arc::clone(&stop);
-    tokio::task::spawn_blocking(move || listener.run(&m, &s)).await?;
+    tokio::task::spawn_blocking(move || listener.run(&m, &s))
+        .await?
+        .context("serving engines")?;
     stop.store(true, Ordering::Relaxed);
     mem.close(Duration::from_secs(2));
     tracing::info!("stopped");

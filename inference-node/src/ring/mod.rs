@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 pub use engram_protocol::ring::{RingError, Shape, Status};
 use engram_protocol::ring::{client_state, header, slot};
-pub use serve::{RingCounters, RingOptions, RingServer, serve};
+pub use serve::{RingCounters, RingHandle, RingHub, RingOptions, RingServer, serve};
 
 /// A ring's memory, mapped read-write and shared with the engine.
 #[derive(Debug)]

@@ -1,17 +1,19 @@
-//! The ring's client: one native thread per ring polls its request words,
-//! starts each request's fetch on the node's Engram memory (one message per
-//! table, as any prefetch), writes the rows into the slot when they come,
-//! then its status, then publishes the done word (release). No Python and
-//! no CUDA call on this path: an engine whose main thread waits in its
-//! engine loop cannot stall it, and it runs the same during graph capture.
+//! The rings' client: one native thread per host client (per
+//! [`RingHub`]) polls the request words of every ring it serves, starts
+//! each request's fetch on the node's Engram memory (one message per table,
+//! as any prefetch), writes the rows into the slot when they come, then
+//! its status, then publishes the done word (release). No Python and no
+//! CUDA call on this path: an engine whose main thread waits in its engine
+//! loop cannot stall it, and it runs the same during graph capture.
 //!
-//! Requests are served in `seq` order. A request whose rows are not in by
-//! the client's own deadline (set below the GPU's, so the GPU never reaches
-//! its own) gets zeros and [`Status::Late`]; a table whose every source
-//! failed gets zeros and [`Status::Zeros`] or [`Status::Failed`] by its
-//! policy; positions with invalid ids get zeros and [`Status::BadIds`].
-//! When idle the thread spins for [`RingOptions::idle_spin`], then naps
-//! [`RingOptions::idle_sleep`] at a time.
+//! Requests are served in `seq` order per ring. A request whose rows are
+//! not in by the client's own deadline (set below the GPU's, so the GPU
+//! never reaches its own) gets zeros and [`Status::Late`]; a table whose
+//! every source failed gets zeros and [`Status::Zeros`] or
+//! [`Status::Failed`] by its policy; positions with invalid ids get zeros
+//! and [`Status::BadIds`]. When idle the thread spins for
+//! [`RingOptions::idle_spin`], then naps [`RingOptions::idle_sleep`] at a
+//! time.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::ENGRAM_LAYERS;
 use engram_protocol::ring::{NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD};
+use engram_sync::Mutex;
 
 use super::{RingMemory, Status, client_state, header, slot};
 use crate::embed::{EmbedError, EmbeddedNode, RowLayers, Served, Ticket};
@@ -64,24 +67,27 @@ pub struct RingCounters {
     pub stale: AtomicU64,
 }
 
-/// A ring being served; dropping it stops the thread (the header then
-/// says the client is gone).
+/// One host client's rings and the thread that serves them all.
 #[derive(Debug)]
-pub struct RingServer {
+pub struct RingHub {
+    mem: Arc<EmbeddedNode>,
+    opts: RingOptions,
+    added: Arc<Mutex<Vec<RingState>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// A ring a hub serves; dropping it lets the ring go (its header then says
+/// the client is gone).
+#[derive(Debug)]
+pub struct RingHandle {
+    gone: Arc<AtomicBool>,
     counters: Arc<RingCounters>,
     ring: Arc<RingMemory>,
     deadline: Duration,
 }
 
-impl RingServer {
-    /// The age at which the client gives up on a request (below the
-    /// ring's GPU deadline).
-    pub fn deadline(&self) -> Duration {
-        self.deadline
-    }
-
+impl RingHandle {
     /// Its counters.
     pub fn counters(&self) -> &RingCounters {
         &self.counters
@@ -92,12 +98,54 @@ impl RingServer {
         &self.ring
     }
 
-    /// Stop serving and wait for the thread.
-    pub fn stop(mut self) {
-        self.halt();
+    /// The age at which the client gives up on a request (below the
+    /// ring's GPU deadline).
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+}
+
+impl Drop for RingHandle {
+    fn drop(&mut self) {
+        self.gone.store(true, Ordering::Release);
+    }
+}
+
+impl RingHub {
+    /// A hub serving from `mem`, its thread started.
+    pub fn start(mem: Arc<EmbeddedNode>, opts: RingOptions) -> Result<Self, EmbedError> {
+        let added = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (a, s) = (Arc::clone(&added), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("engram-rings".into())
+            .spawn(move || run(&a, &s, opts))
+            .map_err(|e| EmbedError::Internal(format!("the ring thread cannot start: {e}")))?;
+        Ok(Self {
+            mem,
+            opts,
+            added,
+            stop,
+            thread: Some(thread),
+        })
     }
 
-    fn halt(&mut self) {
+    /// Serve `ring` too: checked against the node's tables first.
+    pub fn add(&self, ring: Arc<RingMemory>) -> Result<RingHandle, EmbedError> {
+        let st = RingState::new(Arc::clone(&self.mem), Arc::clone(&ring), self.opts)?;
+        let handle = RingHandle {
+            gone: Arc::clone(&st.gone),
+            counters: Arc::clone(&st.counters),
+            ring,
+            deadline: st.opts.deadline,
+        };
+        self.added.lock().push(st);
+        Ok(handle)
+    }
+}
+
+impl Drop for RingHub {
+    fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -105,9 +153,34 @@ impl RingServer {
     }
 }
 
-impl Drop for RingServer {
-    fn drop(&mut self) {
-        self.halt();
+/// One ring served by a hub of its own (an engine process serving its own
+/// ring); dropping it stops the thread.
+#[derive(Debug)]
+pub struct RingServer {
+    handle: RingHandle,
+    hub: RingHub,
+}
+
+impl RingServer {
+    /// Its counters.
+    pub fn counters(&self) -> &RingCounters {
+        self.handle.counters()
+    }
+
+    /// The ring.
+    pub fn ring(&self) -> &Arc<RingMemory> {
+        self.handle.ring()
+    }
+
+    /// The client's give-up age.
+    pub fn deadline(&self) -> Duration {
+        self.handle.deadline()
+    }
+
+    /// Stop serving and wait for the thread.
+    pub fn stop(self) {
+        drop(self.handle);
+        drop(self.hub);
     }
 }
 
@@ -117,59 +190,53 @@ pub fn serve(
     ring: Arc<RingMemory>,
     opts: RingOptions,
 ) -> Result<RingServer, EmbedError> {
-    let sh = *ring.shape();
-    let tables = mem.table_rows()?;
-    let mut rows = [0u64; 2];
-    for l in 0..sh.layers as usize {
-        let slot = ENGRAM_LAYERS
-            .iter()
-            .position(|&x| x == sh.layer_ids[l])
-            .ok_or_else(|| {
-                EmbedError::BadInput(format!(
-                    "the ring's layer section {l} is layer {}: the Engram layers are 1 and 14",
-                    sh.layer_ids[l]
-                ))
-            })?;
-        rows[l] = tables[slot];
+    let hub = RingHub::start(mem, opts)?;
+    let handle = hub.add(ring)?;
+    Ok(RingServer { handle, hub })
+}
+
+/// The hub's thread: every ring's one pass, spinning while any is busy.
+fn run(added: &Mutex<Vec<RingState>>, stop: &AtomicBool, opts: RingOptions) {
+    // Naps of a few microseconds, not the default 50 us of slack.
+    // SAFETY: prctl with integer arguments on this thread.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64, 0, 0, 0) };
+    let mut rings: Vec<RingState> = Vec::new();
+    let mut last_event = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        if let Some(mut new) = added.try_lock()
+            && !new.is_empty()
+        {
+            rings.append(&mut new);
+        }
+        rings.retain(|r| {
+            let gone = r.gone.load(Ordering::Acquire);
+            if gone {
+                r.ring.set_client(0, client_state::GONE);
+            }
+            !gone
+        });
+        let mut busy = false;
+        let mut inflight = false;
+        for r in &mut rings {
+            busy |= r.poll();
+            inflight |= !r.inflight.is_empty();
+        }
+        if busy {
+            last_event = Instant::now();
+        }
+        if busy || inflight || last_event.elapsed() < opts.idle_spin {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(opts.idle_sleep);
+        }
     }
-    if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
-        return Err(EmbedError::BadInput(
-            "a ring's two layer sections are layer 1's, then layer 14's".into(),
-        ));
+    for r in &rings {
+        r.ring.set_client(0, client_state::GONE);
     }
-    // The client gives up before the GPU does, so the GPU reads its zeros
-    // and status, not its own deadline.
-    let gpu = Duration::from_nanos(sh.gpu_deadline_ns);
-    let deadline = opts.deadline.min(gpu.mul_f64(0.8));
-    ring.word(header::CLIENT_DEADLINE_NS as u64)
-        .store(deadline.as_nanos() as u64, Ordering::Relaxed);
-    ring.set_client(std::process::id(), client_state::SERVING);
-    let stop = Arc::new(AtomicBool::new(false));
-    let counters = Arc::new(RingCounters::default());
-    let poller = Poller {
-        mem,
-        ring: Arc::clone(&ring),
-        rows,
-        opts: RingOptions { deadline, ..opts },
-        counters: Arc::clone(&counters),
-        seen: vec![0; sh.slots as usize],
-        inflight: Vec::new(),
-    };
-    let s = Arc::clone(&stop);
-    let thread = std::thread::Builder::new()
-        .name("engram-ring".into())
-        .spawn(move || poller.run(&s))
-        .map_err(|e| EmbedError::Internal(format!("the ring thread cannot start: {e}")))?;
-    Ok(RingServer {
-        stop,
-        thread: Some(thread),
-        counters,
-        ring,
-        deadline,
-    })
 }
 
 /// One request on its way.
+#[derive(Debug)]
 struct Inflight {
     slot: u32,
     seq: u64,
@@ -183,13 +250,15 @@ struct Inflight {
     seen: Instant,
 }
 
-struct Poller {
+#[derive(Debug)]
+struct RingState {
     mem: Arc<EmbeddedNode>,
     ring: Arc<RingMemory>,
     /// Rows in each layer section's table.
     rows: [u64; 2],
     opts: RingOptions,
     counters: Arc<RingCounters>,
+    gone: Arc<AtomicBool>,
     /// The last request seen in each slot.
     seen: Vec<u64>,
     inflight: Vec<Inflight>,
@@ -206,31 +275,63 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-impl Poller {
-    fn run(mut self, stop: &AtomicBool) {
-        // Naps of a few microseconds, not the default 50 us of slack.
-        // SAFETY: prctl with integer arguments on this thread.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64, 0, 0, 0) };
-        self.adopt_answered();
-        let mut last_event = Instant::now();
-        while !stop.load(Ordering::Relaxed) {
-            self.ring
-                .word(header::HEARTBEAT_NS as u64)
-                .store(monotonic_ns(), Ordering::Release);
-            let mut busy = self.take_requests();
-            busy |= self.finish();
-            if busy || !self.inflight.is_empty() {
-                if busy {
-                    last_event = Instant::now();
-                }
-                std::hint::spin_loop();
-            } else if last_event.elapsed() < self.opts.idle_spin {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(self.opts.idle_sleep);
-            }
+impl RingState {
+    /// A ring's state, checked against the node's tables, its header told
+    /// who serves it and when it gives up.
+    fn new(
+        mem: Arc<EmbeddedNode>,
+        ring: Arc<RingMemory>,
+        opts: RingOptions,
+    ) -> Result<Self, EmbedError> {
+        let sh = *ring.shape();
+        let tables = mem.table_rows()?;
+        let mut rows = [0u64; 2];
+        for l in 0..sh.layers as usize {
+            let slot = ENGRAM_LAYERS
+                .iter()
+                .position(|&x| x == sh.layer_ids[l])
+                .ok_or_else(|| {
+                    EmbedError::BadInput(format!(
+                        "the ring's layer section {l} is layer {}: the Engram layers are 1 and 14",
+                        sh.layer_ids[l]
+                    ))
+                })?;
+            rows[l] = tables[slot];
         }
-        self.ring.set_client(0, client_state::GONE);
+        if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
+            return Err(EmbedError::BadInput(
+                "a ring's two layer sections are layer 1's, then layer 14's".into(),
+            ));
+        }
+        // The client gives up before the GPU does, so the GPU reads its
+        // zeros and status, not its own deadline.
+        let gpu = Duration::from_nanos(sh.gpu_deadline_ns);
+        let deadline = opts.deadline.min(gpu.mul_f64(0.8));
+        ring.word(header::CLIENT_DEADLINE_NS as u64)
+            .store(deadline.as_nanos() as u64, Ordering::Relaxed);
+        ring.set_client(std::process::id(), client_state::SERVING);
+        let mut st = Self {
+            mem,
+            ring,
+            rows,
+            opts: RingOptions { deadline, ..opts },
+            counters: Arc::default(),
+            gone: Arc::default(),
+            seen: vec![0; sh.slots as usize],
+            inflight: Vec::new(),
+        };
+        st.adopt_answered();
+        Ok(st)
+    }
+
+    /// One pass: the heartbeat, new requests, finished fetches; true when
+    /// anything happened.
+    fn poll(&mut self) -> bool {
+        self.ring
+            .word(header::HEARTBEAT_NS as u64)
+            .store(monotonic_ns(), Ordering::Release);
+        let busy = self.take_requests();
+        busy | self.finish()
     }
 
     /// Requests already answered when the ring is attached (a client that
