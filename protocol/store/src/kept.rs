@@ -82,11 +82,12 @@ pub enum KeptLayout {
     #[default]
     Packed,
     /// Every row's 256 E4M3 values first (row `r`'s at `r * 256`), then,
-    /// from [`planar_scales_at`] (the values' end rounded up to 4 KiB),
-    /// every row's 8 scale bytes (row `r`'s at `scales_at + r * 8`): the
-    /// layout the engines' host-table kernels read (vLLM's `weight` and
-    /// `weight_scale_inv`, SGLang's `weight` and `scale`), so an engine can
-    /// hand this memory to its own lookup as it is.
+    /// right after them ([`planar_scales_at`], `rows * 256`), every row's
+    /// 8 scale bytes (row `r`'s at `scales_at + r * 8`): exactly the host
+    /// tables the engines build (vLLM's `weight` then `weight_scale_inv`
+    /// in one allocation, SGLang's `weight` then `scale`, which it slices
+    /// at `rows * 256`), so an engine hands this memory to its own lookup
+    /// as it is.
     Planar,
 }
 
@@ -122,11 +123,10 @@ pub const SCALE_BYTES: u64 = 8;
 /// Value bytes a row carries (the first 256 of its 264).
 pub const VALUE_BYTES: u64 = 256;
 
-/// Where a planar table's scales start: its values' bytes rounded up to
-/// 4 KiB. `None` on overflow.
+/// Where a planar table's scales start: right after its values, as the
+/// engines slice their own host tables. `None` on overflow.
 pub fn planar_scales_at(rows: u64) -> Option<u64> {
-    rows.checked_mul(VALUE_BYTES)?
-        .checked_next_multiple_of(TAIL)
+    rows.checked_mul(VALUE_BYTES)
 }
 
 impl Record {
@@ -629,10 +629,13 @@ mod tests {
         let b = r.encode();
         assert_eq!(&b[8..12], &2u32.to_le_bytes());
         assert_eq!(Record::decode(&b).expect("decode"), r);
-        // Values 256,000 bytes, rounded to 258,048; then 8,000 of scales.
-        assert_eq!(planar_scales_at(1000), Some(258_048));
-        assert_eq!(KeptLayout::Planar.rows_len(1000), Some(266_048));
-        assert_eq!(memfd_len(1000, KeptLayout::Planar), Some(266_240 + 4096));
+        // Values 256,000 bytes, then 8,000 of scales: 264,000, as packed.
+        assert_eq!(planar_scales_at(1000), Some(256_000));
+        assert_eq!(KeptLayout::Planar.rows_len(1000), Some(264_000));
+        assert_eq!(
+            memfd_len(1000, KeptLayout::Planar),
+            memfd_len(1000, KeptLayout::Packed)
+        );
         // A version-1 record never reads as planar, whatever its flags.
         let mut old = b;
         old[8..12].copy_from_slice(&1u32.to_le_bytes());
@@ -656,6 +659,6 @@ mod tests {
         // Past 64 GiB of values: the real V4.1 table.
         let rows = 384_016_682u64;
         let at = planar_scales_at(rows).expect("at");
-        assert!(at > 64 << 30 && at % 4096 == 0 && at >= rows * 256);
+        assert!(at > 64 << 30 && at == rows * 256);
     }
 }

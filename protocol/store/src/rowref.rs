@@ -17,7 +17,7 @@ pub enum RowLayout {
     Paged,
     /// Row `r`'s values at `r * 256`, its scales at `scales_at + r * 8`.
     Planar {
-        /// Where the scales start (4 KiB aligned).
+        /// Where the scales start (right after the values).
         scales_at: usize,
     },
 }
