@@ -4,7 +4,10 @@
 //! buffer-protocol objects, releases the GIL for every wait and every call
 //! that may block, and maps each error kind to its own exception class.
 
+mod ring;
+
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::mpsc::{Sender, channel};
 use std::time::Duration;
@@ -178,7 +181,9 @@ fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
 /// A node's Engram memory (see `engram_rack.Memory`).
 #[pyclass(name = "Memory", module = "engram_rack._native", frozen)]
 struct Memory {
-    inner: EmbeddedNode,
+    inner: Arc<EmbeddedNode>,
+    /// The thread that serves this process's rings, once one is served.
+    hub: Mutex<Option<inference_node::ring::RingHub>>,
 }
 
 #[pymethods]
@@ -205,7 +210,33 @@ impl Memory {
         let inner = py
             .detach(|| EmbeddedNode::open_with(&config, &node, &OpenOptions { metrics }))
             .map_err(err)?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: Arc::new(inner),
+            hub: Mutex::new(None),
+        })
+    }
+
+    /// Serve `ring` from this memory, on this process's ring thread (one
+    /// for all its rings): for an engine with no host client.
+    fn serve_ring(&self, py: Python<'_>, ring: &ring::Ring) -> PyResult<ring::RingHandle> {
+        let r = Arc::clone(&ring.inner);
+        let mem = Arc::clone(&self.inner);
+        let handle = py.detach(|| {
+            let mut hub = self.hub.lock();
+            if hub.is_none() {
+                *hub = Some(inference_node::ring::RingHub::start(
+                    mem,
+                    inference_node::ring::RingOptions::default(),
+                )?);
+            }
+            match hub.as_ref() {
+                Some(h) => h.add(r),
+                None => Err(EmbedError::Internal("no ring thread".into())),
+            }
+        });
+        Ok(ring::RingHandle {
+            inner: Mutex::new(Some(handle.map_err(err)?)),
+        })
     }
 
     /// Row ids of `ids` (int64 buffer) cut into `segments` [(len, context)],
@@ -371,7 +402,10 @@ impl Memory {
     #[pyo3(signature = (drain=2.0))]
     fn close(&self, py: Python<'_>, drain: f64) -> PyResult<()> {
         let d = timeout(Some(drain))?.unwrap_or_default();
-        py.detach(|| self.inner.close(d));
+        py.detach(|| {
+            self.hub.lock().take();
+            self.inner.close(d)
+        });
         Ok(())
     }
 }
@@ -712,6 +746,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Ticket>()?;
     m.add_class::<Served>()?;
     m.add_class::<TableView>()?;
+    m.add_class::<ring::Ring>()?;
+    m.add_class::<ring::RingHandle>()?;
+    m.add_class::<ring::EngineLink>()?;
     m.add_function(wrap_pyfunction!(dequantize_f32, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_bf16, m)?)?;
     m.add("NO_TOKEN", embed::NO_TOKEN)?;

@@ -354,6 +354,13 @@ class Memory:
         fresh call gives the new version. Writing to it is refused."""
         return self._m.table_view(int(layer), float(wait))
 
+    def serve_ring(self, ring) -> "_native.RingHandle":
+        """Serve `ring` (an `engram_rack.ring.Ring`'s native ring, or a
+        `_native.Ring`) from this memory, on this process's one ring thread:
+        for an engine with no host client (`inference-node engines`).
+        Returns a handle; `close()` it (or drop it) to let the ring go."""
+        return self._m.serve_ring(getattr(ring, "native", ring))
+
     def stats(self) -> list[dict]:
         """Per-layer counters since opening: prefetches, rows, messages,
         hedges, failovers, late, zeros, failed."""

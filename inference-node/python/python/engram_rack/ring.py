@@ -1,0 +1,331 @@
+"""The engine ring's GPU side: rows from the rack with no host sync.
+
+A `RingLookup` is one rank's ring (`_native.Ring`, a memfd the host's rack
+client maps and serves) and three Triton kernels, all launched on the
+caller's current stream, so they are captured in CUDA graphs and replayed
+like any kernel:
+
+- `publish`: one program bumps a counter in GPU memory (`seq`), writes the
+  step's ids for one or both layer sections into slot `seq % slots`, then
+  publishes `seq` in the slot's request word with a system-scope release
+  store (`st.release.sys`). A captured copy would always write the same
+  address, so the slot is chosen on the device, from the counter.
+- `wait`: one program reads the `seq` its section was last published
+  with, spins with acquire loads
+  (`ld.acquire.sys`) and the GPU timer (`%globaltimer`) until the
+  section's done word says `seq` or the ring's GPU deadline passes, and
+  records `(seq, status)` in GPU memory: the client's status, or
+  `STATUS_TIMEOUT`. A status that is not rows bumps a per-section counter
+  in GPU memory that the engine reads later, without a sync.
+- `gather`: a grid reads `(seq, status)`, and gathers and dequantizes the
+  slot's rows into the engine's output (bf16, or raw bytes), zeros where
+  the status gives no rows: the same arithmetic as the engine's own lookup
+  (`scale0_zero`: vLLM reads a scale byte of 0 as 0.0, SGLang as 2^-127).
+
+The host side never blocks: the rack client (a native thread, on the host
+or in this process) polls the request words and answers.
+
+On CPU (`TRITON_INTERPRET=1`) the same kernels run under Triton's
+interpreter: the release store is an atomic exchange, the acquire load a
+volatile load, and the GPU timer a word in memory that a host thread
+advances (`FakeTimer`): how the tests run the protocol with a real client.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from . import ROW_BYTES, BadInputError, _native
+from . import cuda as _cuda
+
+__all__ = ["RingLookup", "FakeTimer", "STATUS_NAMES"]
+
+STATUS_OK, STATUS_ZEROS, STATUS_FAILED, STATUS_BAD_IDS, STATUS_LATE, STATUS_TIMEOUT = range(6)
+#: What each status means.
+STATUS_NAMES = ("ok", "zeros", "failed", "bad ids", "late", "timeout")
+HEADER_BYTES = 4096
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as _e:  # pragma: no cover - Triton ships with torch on Linux
+    raise ImportError(f"engram_rack.ring needs Triton: {_e}") from None
+
+
+@triton.jit
+def _now(timer, FAKE: tl.constexpr):
+    if FAKE:
+        t = tl.load(timer, volatile=True)
+    else:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    return t
+
+@triton.jit
+def _store_release(ptr, value, INTERP: tl.constexpr):
+    if INTERP:
+        tl.atomic_xchg(ptr, value)
+    else:
+        tl.inline_asm_elementwise(
+            "st.release.sys.global.b64 [$1], $2; mov.u64 $0, 0;", "=l,l,l",
+            [ptr, value], dtype=tl.int64, is_pure=False, pack=1)
+
+@triton.jit
+def _load_acquire(ptr, INTERP: tl.constexpr):
+    if INTERP:
+        v = tl.load(ptr, volatile=True)
+    else:
+        v = tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr],
+            dtype=tl.int64, is_pure=False, pack=1)
+    return v
+
+@triton.jit
+def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer,
+            SLOTS: tl.constexpr, STRIDE: tl.constexpr, POS: tl.constexpr,
+            COLS: tl.constexpr, FIRST: tl.constexpr, MASK: tl.constexpr,
+            BLOCK: tl.constexpr, INTERP: tl.constexpr, FAKE: tl.constexpr):
+    seq = tl.load(ctr) + 1
+    tl.store(ctr, seq)
+    base = ring + 4096 + (seq % SLOTS) * STRIDE
+    ids = (base + 64).to(tl.pointer_type(tl.int64))
+    total = n * COLS
+    for start in range(0, total, BLOCK):
+        k = start + tl.arange(0, BLOCK)
+        valid = k < total
+        t = (k // COLS).to(tl.int64)
+        c = (k % COLS).to(tl.int64)
+        if MASK & 1:
+            v = tl.load(ids0 + t * st0 + (FIRST + c) * sc0, mask=valid, other=-1)
+            tl.store(ids + t * COLS + c, v.to(tl.int64), mask=valid)
+        if MASK & 2:
+            v = tl.load(ids1 + t * st1 + (FIRST + c) * sc1, mask=valid, other=-1)
+            tl.store(ids + (POS + t) * COLS + c, v.to(tl.int64), mask=valid)
+    tl.store((base + 8).to(tl.pointer_type(tl.int32)), n.to(tl.int32))
+    tl.store((base + 12).to(tl.pointer_type(tl.int32)), MASK)
+    tl.store((base + 48).to(tl.pointer_type(tl.int64)), _now(timer, FAKE))
+    if MASK & 1:
+        tl.store(last, seq)
+    if MASK & 2:
+        tl.store(last + 1, seq)
+    tl.debug_barrier()
+    _store_release(base.to(tl.pointer_type(tl.int64)), seq, INTERP)
+
+@triton.jit
+def _wait(last, ring, state, fails, timer, deadline_ns, L: tl.constexpr,
+         SLOTS: tl.constexpr, STRIDE: tl.constexpr, INTERP: tl.constexpr,
+         FAKE: tl.constexpr):
+    seq = tl.load(last + L)
+    base = ring + 4096 + (seq % SLOTS) * STRIDE
+    done_at = (base + 16 + 8 * L).to(tl.pointer_type(tl.int64))
+    start = _now(timer, FAKE)
+    done = _load_acquire(done_at, INTERP)
+    waited = start - start
+    while (done != seq) & (waited < deadline_ns):
+        done = _load_acquire(done_at, INTERP)
+        waited = _now(timer, FAKE) - start
+    status = tl.load((base + 32 + 4 * L).to(tl.pointer_type(tl.int32)), volatile=True)
+    status = tl.where(done == seq, status.to(tl.int64), 5)
+    tl.store(state + 2 * L, seq)
+    tl.store(state + 2 * L + 1, status)
+    bad = ((status != 0) & (status != 3)).to(tl.int64)
+    tl.store(fails + L, tl.load(fails + L) + bad)
+
+@triton.jit
+def _gather(ring, state, out, n, o_t, o_c, L: tl.constexpr, SLOTS: tl.constexpr,
+           STRIDE: tl.constexpr, ROWS_AT: tl.constexpr, COLS: tl.constexpr,
+           LOCAL: tl.constexpr, PACKED: tl.constexpr, SCALE0_ZERO: tl.constexpr,
+           BLOCK_R: tl.constexpr):
+    seq = tl.load(state + 2 * L)
+    status = tl.load(state + 2 * L + 1)
+    usable = (status == 0) | (status == 3)
+    rows = ring + 4096 + (seq % SLOTS) * STRIDE + ROWS_AT
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = r < n * LOCAL
+    t = (r // LOCAL).to(tl.int64)
+    c = (r % LOCAL).to(tl.int64)
+    live = valid & (c < COLS) & usable
+    row = rows + (t * COLS + c) * 264
+    cols = tl.arange(0, 256)
+    dst = t[:, None] * o_t + c[:, None] * o_c
+    if PACKED:
+        b = tl.load(row[:, None] + cols[None, :], mask=live[:, None], other=0)
+        tl.store(out + dst + cols[None, :], b, mask=valid[:, None])
+        sc = tl.arange(0, 8)
+        s = tl.load(row[:, None] + 256 + sc[None, :], mask=live[:, None], other=0)
+        tl.store(out + dst + 256 + sc[None, :], s, mask=valid[:, None])
+    else:
+        w = row.to(tl.pointer_type(tl.float8e4nv))
+        values = tl.load(w[:, None] + cols[None, :], mask=live[:, None], other=0.0)
+        exps = tl.load(row[:, None] + 256 + cols[None, :] // 32, mask=live[:, None], other=0)
+        exps = exps.to(tl.int32)
+        scale = (exps << 23).to(tl.float32, bitcast=True)
+        if not SCALE0_ZERO:
+            scale = tl.where(exps == 0, 2.0 ** -127, scale)
+        v = values.to(tl.float32) * scale
+        if not SCALE0_ZERO:
+            v = tl.where(live[:, None], v, 0.0)
+        tl.store(out + dst + cols[None, :], v.to(tl.bfloat16), mask=valid[:, None])
+
+
+def _kernels():
+    """The three kernels (compiled on first launch)."""
+    return _publish, _wait, _gather
+
+
+class FakeTimer:
+    """The GPU timer's stand-in on CPU: a word a thread keeps at the host's
+    monotonic clock (ns), every `tick` seconds, until `stop()`."""
+
+    def __init__(self, tick: float = 1e-4):
+        self.word = torch.zeros(1, dtype=torch.int64)
+        self._stop = threading.Event()
+        self._tick = tick
+        self.word[0] = time.monotonic_ns()
+        self._thread = threading.Thread(target=self._run, name="fake-gpu-timer", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.word[0] = time.monotonic_ns()
+            time.sleep(self._tick)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+class RingLookup:
+    """One rank's rows through a ring (see the module's docs).
+
+    `layer_ids`: the ring's sections' Engram layers (`(1, 14)`, `(1,)` or
+    `(14,)`); `columns`: this rank's columns `[lo, hi)` of the 24 (hi past
+    24: padded heads, zeros); `positions`: the most one request carries (a
+    longer step goes in turns of this many); `slots`: requests in flight
+    at most; `deadline`: the GPU's, in seconds. Serve the ring with
+    `link.serve(lookup.native)` (the host's client, or this process's
+    memory) before the first step.
+    """
+
+    def __init__(self, layer_ids, columns, *, positions: int, device, slots: int = 8,
+                 deadline: float = 0.05, timer: FakeTimer | None = None):
+        layer_ids = tuple(int(x) for x in layer_ids)
+        lo, hi = (int(c) for c in columns)
+        real_hi = min(hi, 24)
+        if not 0 <= lo < real_hi:
+            raise BadInputError(f"columns ({lo}, {hi}): a rank owns at least one of the 24")
+        self.layer_ids = layer_ids
+        self.lo, self.hi, self.real_hi = lo, hi, real_hi
+        self.positions = int(positions)
+        self.device = torch.device(device)
+        ids = layer_ids + (0,) * (2 - len(layer_ids))
+        self.native = _native.Ring(int(slots), len(layer_ids), real_hi - lo, self.positions, lo,
+                                   ids, int(deadline * 1e9))
+        (self.slots, self.layers, self.cols, _, _, _, self.deadline_ns) = self.native.shape
+        self.stride = self.native.stride
+        self.rows_at = self.native.rows_at
+        self._interp = self.device.type == "cpu"
+        if self._interp and not _interpret():
+            raise BadInputError("a ring on CPU runs its kernels under TRITON_INTERPRET=1")
+        if self._interp and timer is None:
+            timer = FakeTimer()
+        self._timer = timer
+        self.memory = self._map()
+        self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
+        #: The `seq` each section was last published with.
+        self.last = torch.zeros(2, dtype=torch.int64, device=self.device)
+        #: Sections published by `publish` whose wait is still to come
+        #: (section -> positions): a layer that finds its section here
+        #: waits for that request instead of publishing its own.
+        self.pending: dict[int, int] = {}
+        self.state = torch.zeros(2 * self.layers, dtype=torch.int64, device=self.device)
+        #: Per section: requests answered without rows (failed, zeros, late,
+        #: timed out), counted on the device; read it when convenient.
+        self.failures = torch.zeros(self.layers, dtype=torch.int64, device=self.device)
+        self._timer_word = timer.word if timer is not None else self.counter
+
+    def _map(self) -> torch.Tensor:
+        """The ring as a uint8 tensor the kernels address: a CPU tensor over
+        the mapping, or (CUDA) the mapping registered and viewed on the device."""
+        host = torch.frombuffer(memoryview(self.native), dtype=torch.uint8)
+        if self._interp:
+            return host
+        _cuda.register(self.native.address, self.native.nbytes, read_only=False)
+        return _cuda.device_view(self.native.address, (self.native.nbytes,), torch.uint8,
+                                 self.device)
+
+    def section(self, layer: int) -> int:
+        """The ring section of Engram layer `layer`."""
+        try:
+            return self.layer_ids.index(int(layer))
+        except ValueError:
+            raise BadInputError(f"layer {layer}: this ring carries {self.layer_ids}") from None
+
+    def publish(self, ids: dict[int, torch.Tensor], n: int) -> None:
+        """Publish a request of `n` positions: `ids[section]` is `[T, 24]`
+        (any integer dtype, any strides; this rank's columns are read).
+        Launches one kernel; returns at once."""
+        if not 0 < n <= self.positions:
+            raise BadInputError(f"{n} positions: a request carries 1 to {self.positions}")
+        mask = 0
+        for s in ids:
+            mask |= 1 << s
+        a = ids.get(0, next(iter(ids.values())))
+        b = ids.get(1, a)
+        _kernels()[0][(1,)](
+            self.counter, self.last, self.memory, a, b, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            n, self._timer_word, SLOTS=self.slots, STRIDE=self.stride, POS=self.positions,
+            COLS=self.cols, FIRST=self.lo, MASK=mask, BLOCK=256, INTERP=self._interp,
+            FAKE=self._timer is not None)
+
+    def wait(self, section: int) -> None:
+        """Launch the wait for the last request's `section`."""
+        _kernels()[1][(1,)](
+            self.last, self.memory, self.state, self.failures, self._timer_word,
+            self.deadline_ns, L=section, SLOTS=self.slots, STRIDE=self.stride,
+            INTERP=self._interp, FAKE=self._timer is not None)
+
+    def gather(self, section: int, out: torch.Tensor, n: int, *, scale0_zero: bool) -> None:
+        """Launch the gather of the last request's `section` into `out`
+        (`[n, hi - lo, 256]` bf16, or `[n, hi - lo, 264]` uint8 raw rows;
+        any strides whose last is 1)."""
+        local = self.hi - self.lo
+        packed = out.dtype == torch.uint8
+        width = ROW_BYTES if packed else 256
+        if out.ndim != 3 or out.shape[0] < n or out.shape[1] != local or out.shape[2] < width \
+                or out.stride(2) != 1:
+            raise BadInputError(f"out must be [>= {n}, {local}, {width}] with unit last stride, "
+                                f"got {tuple(out.shape)} strides {out.stride()}")
+        block = 16
+        grid = (max(1, -(-n * local // block)),)
+        _kernels()[2][grid](
+            self.memory, self.state, out, n, out.stride(0), out.stride(1), L=section,
+            SLOTS=self.slots, STRIDE=self.stride,
+            ROWS_AT=self.rows_at + section * self.positions * self.cols * ROW_BYTES,
+            COLS=self.cols, LOCAL=local, PACKED=packed, SCALE0_ZERO=scale0_zero, BLOCK_R=block)
+
+    def lookup(self, layer: int, ids: torch.Tensor, out: torch.Tensor, *,
+               scale0_zero: bool) -> None:
+        """One layer's rows of `ids` (`[T, 24]`) into `out`, in turns of at
+        most `positions`: publish, wait, gather each. Kernels only."""
+        s = self.section(layer)
+        total = ids.shape[0]
+        for start in range(0, total, self.positions):
+            n = min(self.positions, total - start)
+            self.publish({s: ids[start:start + n]}, n)
+            self.wait(s)
+            self.gather(s, out[start:start + n], n, scale0_zero=scale0_zero)
+
+    def close(self) -> None:
+        """Stop the fake timer, if any."""
+        if self._timer is not None and isinstance(self._timer, FakeTimer):
+            self._timer.stop()
