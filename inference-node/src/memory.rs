@@ -299,6 +299,13 @@ impl Routers {
         &self.routers
     }
 
+    /// Whether any source of `table` may give a view of it
+    /// ([`crate::source::RowSource::may_view`]).
+    pub fn may_view(&self, table: u32) -> bool {
+        self.router(table)
+            .is_some_and(|r| r.sources().iter().any(|h| h.source.may_view(table)))
+    }
+
     /// Table `table`'s memory as this process maps it, at its pinned
     /// version: a host-local donor's (one copy for the host) before the
     /// node's own `local` copy; `None` when neither holds it now (it is

@@ -147,12 +147,16 @@ def tables(tmp_path_factory):
 
 
 def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str = "fail",
-                 metrics: int | None = None, model: str = "", transport: str = "tcp") -> Path:
+                 metrics: int | None = None, model: str = "", transport: str = "tcp",
+                 host_socket: Path | None = None) -> Path:
     """The rack: table 1 from `tables[l1]` (another version than the node's
     copy when l1 is "l1-other"), donor `d` serving both tables over
     `transport` (`tls` and `quic` with a rack PKI made by `engram-cluster
     pki`), and nodes `n` (d, then the SSD copy), `only-donor` (d alone) and
-    `ref` (local RAM)."""
+    `ref` (local RAM). With `host_socket`, donor `h` also serves both
+    tables on this host, planar, through that socket (and TCP), and node
+    `hl` routes both to it (then the SSD copy); node `mixed` routes layer 1
+    to `h` and layer 14 to `d`."""
     (p1, d1, r1), (p14, d14, r14) = tables[l1], tables["l14"]
     # Plain TCP as a bare address (tests read the port back from it).
     listen = f"127.0.0.1:{port}" if transport == "tcp" else f"{transport}://127.0.0.1:{port}"
@@ -174,6 +178,7 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
         # A hard timeout past the callers' deadlines: the hung-donor tests time out first.
         + node("only-donor", '"d"', "lookup_timeout_ms = 1000\n")
         + node("ref", '"local"')
+        + (host_donor(host_socket, tables, policy) if host_socket else "")
         + f"[model]\nhash_base = {HASH_BASE}\n{model}"
     )
     path.write_text(text)
@@ -182,6 +187,81 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
             subprocess.run([binary("engram-cluster"), "pki", step, "--config", str(path)],
                            check=True, capture_output=True)
     return path
+
+
+def host_donor(socket: Path, tables, policy: str) -> str:
+    """Donor `h` (TCP and a planar host socket) and nodes `hl` and `mixed`."""
+    p1, p14 = tables["l1"][0], tables["l14"][0]
+
+    def route(t, p, sources):
+        return (f'[[node.route]]\ntable = {t}\nsources = [{sources}]\nssd_path = "{p}"\n'
+                f'policy = "{policy}"\n')
+
+    return (
+        f'[[donor]]\nname = "h"\nlisten = ["127.0.0.1:{free_port()}", "unix://{socket}"]\n'
+        'tables = [1, 14]\nram_gib = 1.0\nmax_rows = 500\nhost_layout = "planar"\n'
+        '[[node]]\nname = "hl"\ntokens_per_second = 100\nprobe_interval_ms = 200\n'
+        + route(1, p1, '"h", "ssd"') + route(14, p14, '"h", "ssd"')
+        + '[[node]]\nname = "mixed"\ntokens_per_second = 100\nprobe_interval_ms = 200\n'
+        + route(1, p1, '"h", "ssd"') + route(14, p14, '"d", "ssd"')
+    )
+
+
+class Engines:
+    """`inference-node engines` for a node of a config: the host's one rack
+    client, on `socket`; killed on stop()."""
+
+    def __init__(self, config: Path, node: str, socket: Path):
+        self.socket = socket
+        env = dict(os.environ, RUST_LOG="info")
+        self.proc = subprocess.Popen(
+            [binary("inference-node"), "engines", "--config", str(config), "--name", node,
+             "--socket", str(socket), "--metrics", "off"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if "ready engines=" in line:
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60):
+            self.stop()
+            raise RuntimeError("inference-node engines never became ready:\n"
+                               + "".join(self.lines[-20:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def host_rack(tmp_path, tables):
+    """The rack with a host-local planar donor `h` (started) beside `d`
+    (not started: `rack.start()`), and `engines(node)` to start the host's
+    rack client for a node."""
+    socket = tmp_path / "h.sock"
+    config = write_config(tmp_path / "rack.toml", tables, free_port(), host_socket=socket)
+    r = Rack(tmp_path, config, {1: tables["l1"][0], 14: tables["l14"][0]})
+    r.start("h")
+    clients: list[Engines] = []
+
+    def engines(node: str) -> Engines:
+        e = Engines(config, node, tmp_path / f"engines-{node}.sock")
+        clients.append(e)
+        return e
+
+    r.engines = engines
+    yield r
+    for e in clients:
+        e.stop()
+    for d in r.donors:
+        d.stop()
 
 
 @pytest.fixture

@@ -502,6 +502,12 @@ impl EmbeddedNode {
                 ))
             })?;
         let table = open.tables[slot];
+        // Only a host-local donor's table is worth waiting for.
+        let wait = if open.memory.may_view(table) {
+            wait
+        } else {
+            Duration::ZERO
+        };
         let until = Instant::now() + wait;
         loop {
             if let Some(v) = open.memory.table_view(table) {

@@ -83,4 +83,8 @@ impl RowSource for LocalRam {
     fn view(&self, table: u32) -> Option<TableView> {
         (table == self.table.id).then(|| TableView::new(Arc::clone(&self.table), None, false))
     }
+
+    fn may_view(&self, table: u32) -> bool {
+        table == self.table.id
+    }
 }

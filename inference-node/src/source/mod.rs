@@ -308,6 +308,14 @@ pub trait RowSource: Send + Sync + fmt::Debug + 'static {
         let _ = table;
         None
     }
+
+    /// Whether [`Self::view`] may give a view of `table`, now or once a
+    /// host socket hands it over (a host-local donor, the node's own
+    /// copy); false lets a caller that would wait for one not wait.
+    fn may_view(&self, table: u32) -> bool {
+        let _ = table;
+        false
+    }
 }
 
 /// A table's memory as this process maps it, held open (and unchanged)
