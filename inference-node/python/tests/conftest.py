@@ -271,3 +271,15 @@ def rack(tmp_path, tables):
     yield r
     for d in r.donors:
         d.stop()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _close_plugin_links():
+    """The engine plugins' process-wide rack link, closed at the end (its
+    ring thread and memory stopped before the interpreter goes)."""
+    yield
+    try:
+        from engram_rack import plugin
+    except ImportError:
+        return
+    plugin.reset()

@@ -1,16 +1,9 @@
 """Rows for an inference engine's Engram layer, as torch tensors.
 
-The pieces the vLLM and SGLang plugins share (`engram_rack.vllm`,
-`engram_rack.sglang`), usable by any torch engine that hashes on its own:
+Torch helpers for engines that read rows themselves (the plugins read
+theirs through the engines' own kernels: `engram_rack.host`,
+`engram_rack.ring`):
 
-- `LayerRows`: one Engram layer's rows for one rank. `start(hash_ids)` takes
-  the engine's row ids (any device, `[T, 24]`, the same ids engram_rack
-  computes), copies them to pinned host memory and starts one fetch per
-  table with `Memory.prefetch_rows`; `ready(T)` waits into a pinned buffer,
-  copies it to the ids' device without blocking and dequantizes there,
-  returning bf16 `[T, w, 256]`. With `view=True` and a host-local donor the
-  copy is skipped: rows are gathered on the device straight from the table
-  every process on the host maps (`Memory.table_view`).
 - `dequantize_rows`: 264-byte rows to bf16 values with torch ops, the values
   `engram_rack.dequantize` gives (a scale byte of 0 is 2^-127).
 - `gather_view`: a Triton kernel that gathers and dequantizes rows straight
@@ -26,9 +19,9 @@ import threading
 
 import torch
 
-from . import COLUMNS, LAYERS, ROW_BYTES, ROW_VALUES, BadInputError, Memory
+from . import ROW_BYTES, ROW_VALUES, BadInputError
 
-__all__ = ["LayerRows", "dequantize_rows", "gather_view", "scale_values"]
+__all__ = ["dequantize_rows", "gather_view", "scale_values", "view_tensor"]
 
 #: Values that share one scale byte.
 _BLOCK = 32
@@ -130,23 +123,13 @@ def _gather_kernel():
         return _KERNEL
 
 
-class _Pointer:
-    """A raw device-accessible address for a Triton argument (a host table
-    registered with CUDA is addressed directly through unified addressing)."""
-
-    def __init__(self, ptr: int, dtype=torch.uint8):
-        self._ptr = ptr
-        self.dtype = dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
 def view_tensor(view, device: torch.device | str = "cpu"):
     """A table view as something the gather kernel reads on `device`: a CPU
-    uint8 tensor over the mapping, or (CUDA) the mapping registered with the
-    driver (read-only, mapped) and addressed directly. The registration lasts
-    as long as the returned object."""
+    uint8 tensor over the mapping, or (CUDA) the same memory registered
+    once per process by `engram_rack.cuda`'s rules and viewed on the
+    device (no copy)."""
+    from . import cuda as _cuda
+
     device = torch.device(device)
     host = torch.frombuffer(memoryview(view), dtype=torch.uint8) if len(view) else \
         torch.empty(0, dtype=torch.uint8)
@@ -154,30 +137,13 @@ def view_tensor(view, device: torch.device | str = "cpu"):
         return host
     if device.type != "cuda":
         raise BadInputError(f"table views are gathered on CPU or CUDA devices, not {device}")
-    return _Registered(host)
-
-
-class _Registered(_Pointer):
-    """A host mapping registered with CUDA for as long as this object lives."""
-
-    _MAPPED = 0x02
-    _READ_ONLY = 0x08
-
-    def __init__(self, host: torch.Tensor):
-        cudart = torch.cuda.cudart()
-        ptr, size = host.data_ptr(), host.numel()
-        err = cudart.cudaHostRegister(ptr, size, self._MAPPED | self._READ_ONLY)
-        if int(err) != 0:
-            raise BadInputError(f"cudaHostRegister of the table view ({size} bytes) failed: {err}")
-        super().__init__(ptr)
-        self._host = host
-        self._cudart = cudart
-
-    def __del__(self):
-        try:
-            self._cudart.cudaHostUnregister(self._ptr)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    how = _cuda.host_table_access(device)
+    if how == "copy":
+        raise BadInputError("a whole table view is not copied: ENGRAM_RACK_HOST_REGISTER=copy "
+                            "copies a rank's rows (engram_rack.host.HostTable.on)")
+    if how == "read-only":
+        _cuda.register(host.data_ptr(), host.numel(), read_only=True)
+    return _cuda.device_view(host.data_ptr(), (host.numel(),), torch.uint8, device)
 
 
 def gather_view(table, rows: int, packed: bool, ids: torch.Tensor,
@@ -202,122 +168,3 @@ def gather_view(table, rows: int, packed: bool, ids: torch.Tensor,
         COLS=w, PAGED=not packed, BLOCK_R=block,
     )
     return out
-
-
-class LayerRows:
-    """One Engram layer's rows for one engine rank.
-
-    `memory`: an open `engram_rack.Memory`; `layer`: 1 or 14; `columns`: the
-    heads `[lo, hi)` this rank owns (a tensor-parallel slice; `hi` may pass
-    24 when heads are padded to a multiple of the ranks: those come back as
-    zeros); `max_tokens`: the most positions one step brings; `device`:
-    where `ready` returns rows. `view=True` gathers from the host's shared
-    table (`Memory.table_view`) on the device instead of fetching.
-    """
-
-    def __init__(self, memory: Memory, layer: int, *, columns: tuple[int, int] = (0, COLUMNS),
-                 max_tokens: int, device: torch.device | str, view: bool = False,
-                 view_wait: float = 5.0):
-        if layer not in LAYERS:
-            raise BadInputError(f"layer {layer}: Engram layers are {LAYERS}")
-        lo, hi = (int(c) for c in columns)
-        if not (0 <= lo < COLUMNS and lo < hi):
-            raise BadInputError(f"columns ({lo}, {hi}): give 0 <= lo < 24 and lo < hi")
-        if max_tokens <= 0:
-            raise BadInputError(f"max_tokens {max_tokens}: give at least 1")
-        self.memory = memory
-        self.layer = layer
-        self.lo, self.hi = lo, hi
-        self.real_hi = min(hi, COLUMNS)
-        self.width = hi - lo
-        self.max_tokens = int(max_tokens)
-        self.device = torch.device(device)
-        pin = self.device.type == "cuda"
-        real = self.real_hi - lo
-        self._host_ids = torch.empty((self.max_tokens, real), dtype=torch.int64, pin_memory=pin)
-        self._host_rows = torch.zeros((self.max_tokens, real, ROW_BYTES), dtype=torch.uint8,
-                                      pin_memory=pin)
-        self._copied = torch.cuda.Event() if pin else None
-        self._ticket = None
-        #: What the last `ready` was served by (`Served`: sources, zeros...).
-        self.last_served = None
-        self._positions = 0
-        self._view = None
-        if view:
-            v = memory.table_view(layer, view_wait)
-            self._view = (v, view_tensor(v, self.device), v.rows, v.packed)
-
-    @property
-    def uses_view(self) -> bool:
-        """Whether rows are gathered from the host's shared table."""
-        return self._view is not None
-
-    def _slice(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        if hash_ids.ndim != 2 or hash_ids.shape[1] < self.real_hi:
-            raise BadInputError(f"hash ids must be [T, 24], got {tuple(hash_ids.shape)}")
-        if hash_ids.shape[0] > self.max_tokens:
-            raise BadInputError(f"{hash_ids.shape[0]} positions: this layer was set up for "
-                                f"at most {self.max_tokens}")
-        return hash_ids[:, self.lo:self.real_hi]
-
-    def start(self, hash_ids: torch.Tensor) -> None:
-        """Start this step's fetch for the engine's row ids `[T, 24]` (global
-        columns; a position whose ids are all -1 is DEAD). Copies the ids to
-        host memory (a device sync on a GPU: the caller's eager break)."""
-        ids = self._slice(hash_ids)
-        n = ids.shape[0]
-        self._positions = n
-        self._ids_device = ids
-        if self._view is not None or n == 0:
-            self._ticket = None
-            return
-        host = self._host_ids[:n]
-        host.copy_(ids)
-        self._ticket = self.memory.prefetch_rows(host.numpy(), layer=self.layer,
-                                                 columns=(self.lo, self.real_hi))
-
-    def ready(self, num_tokens: int | None = None, *, out: torch.Tensor | None = None,
-              timeout: float | None = None) -> torch.Tensor:
-        """This step's rows: bf16 `[T, w, 256]` on the device (the first
-        `num_tokens` positions when given), written into `out` when given (a
-        persistent buffer, as a CUDA graph needs). Raises what `Ticket.wait`
-        raises."""
-        n = self._positions if num_tokens is None else int(num_tokens)
-        if n > self._positions:
-            raise BadInputError(f"{n} positions asked; this step started {self._positions}")
-        shape = (n, self.width, ROW_VALUES)
-        if out is None:
-            out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
-        elif tuple(out.shape) != shape or out.dtype != torch.bfloat16:
-            raise BadInputError(f"out must be bf16 {shape}, got {out.dtype} {tuple(out.shape)}")
-        real = self.real_hi - self.lo
-        if real != self.width:
-            out[:, real:].zero_()  # heads past 24: padding a rank owns
-        if n == 0:
-            return out
-        if self._view is not None:
-            _, table, rows, packed = self._view
-            ids = self._ids_device[:n]
-            if ids.device != self.device:
-                ids = ids.to(self.device)
-            if real == self.width and out.is_contiguous():
-                return gather_view(table, rows, packed, ids, out)
-            out[:, :real] = gather_view(table, rows, packed, ids)
-            return out
-        if self._ticket is None:
-            raise BadInputError("ready() before start(): no fetch in flight")
-        if self._copied is not None:
-            self._copied.synchronize()  # last step's copy out of the buffer has ended
-        buf = self._host_rows[:self._positions]
-        self.last_served = self._ticket.wait(self.layer, buf.numpy(), timeout)
-        dev = buf[:n].to(self.device, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        out[:, :real] = dequantize_rows(dev)
-        return out
-
-    def close(self) -> None:
-        """Drop the view's registration and the last ticket."""
-        self._view = None
-        self._ticket = None
-

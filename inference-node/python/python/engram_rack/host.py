@@ -45,14 +45,15 @@ class HostTable:
         if self.scales_at != self.rows * VALUES:
             raise SetupError(f"layer {layer}'s table is not planar as the engines read it "
                              f"(scales at {scales_at}, not {self.rows * VALUES})")
+        array = np.frombuffer(buffer, dtype=np.uint8)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only buffer, on purpose
-            self._bytes = torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
+            self._bytes = torch.from_numpy(array)
         if self._bytes.numel() < self.rows * (VALUES + SCALES):
             raise SetupError(f"layer {layer}'s table memory is {self._bytes.numel()} bytes, "
                              f"short of {self.rows} rows")
         self._keep = keep
-        self.address = self._bytes.data_ptr()
+        self.address = int(array.ctypes.data)
         self.nbytes = self.rows * (VALUES + SCALES)
         self._device: dict = {}
 
@@ -89,9 +90,11 @@ class HostTable:
             return self._copied(device, values, scales)
         if how == "read-only":
             _cuda.register(self.address, self.nbytes, read_only=True)
-        return (_cuda.device_view(values.data_ptr(), tuple(values.shape), torch.float8_e4m3fn,
-                                  device),
-                _cuda.device_view(scales.data_ptr(), tuple(scales.shape), torch.uint8, device))
+        lo = int(lo)
+        at_values = self.address + lo * VALUES
+        at_scales = self.address + self.scales_at + lo * SCALES
+        return (_cuda.device_view(at_values, tuple(values.shape), torch.float8_e4m3fn, device),
+                _cuda.device_view(at_scales, tuple(scales.shape), torch.uint8, device))
 
     def _copied(self, device, values, scales):
         """A private pinned copy of these rows (what `copy` asks for)."""

@@ -1,22 +1,30 @@
-"""engram_rack inside SGLang: DeepSeek V4.1's Engram rows from the rack.
+"""engram_rack inside SGLang: DeepSeek V4.1's Engram tables from the rack.
 
-An SGLang plugin (entry point `sglang.srt.plugins`, name `engram_rack`). Off
-unless `ENGRAM_RACK_CONFIG` names the rack's cluster config (then
-`ENGRAM_RACK_NODE` names this host's node). When on, it registers with
-SGLang's `HookRegistry`:
+An SGLang plugin (entry point `sglang.srt.plugins`, name `engram_rack`),
+off unless the environment names the rack (`ENGRAM_RACK_SOCKET`, or
+`ENGRAM_RACK_CONFIG` with `ENGRAM_RACK_NODE`). When on, it turns on
+SGLang's own shared host table (`SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1`,
+layout `shared`: every rank looks up its own tokens' rows in the whole
+table, no collective, under DP attention and context parallelism alike)
+and gives it the rack's memory, with hooks in SGLang's `HookRegistry`:
 
-- REPLACE `sglang.srt.layers.engram.EngramEmbedding` with
-  `RackEngramEmbedding`: no table is allocated or loaded; `forward(indices)`
-  (int64 `[T, 24]` row ids) returns bf16 `[T, 24, 256]` fetched from the rack
-  (this tensor-parallel rank's rows only, zeros elsewhere, as SGLang's own
-  sharded table gives before its all-reduce);
-- AFTER `sglang.srt.layers.engram.EngramHasher.forward`: as soon as a
-  batch's hash ids exist, both layers' fetches start (one message per
-  table), so they overlap the layers before the Engram layers;
-  `forward` then only waits.
+- REPLACE `sglang.srt.layers.engram._HostTable` with `RackHostTable`: for
+  a table a host-local donor serves, the donor's planar memory (mapped
+  read-only, registered with CUDA once), which SGLang's own gather kernel
+  reads; for a remote table, no memory at all (a meta tensor) and the
+  engine ring;
+- AROUND `engram_gather`: a remote table's rows come from the ring's wait
+  and gather kernels (SGLang's scale rule: byte 0 is 2^-127); every other
+  call is SGLang's own;
+- AFTER `EngramHasher.forward`: as soon as a batch's ids exist, one kernel
+  publishes every remote layer's ids (before block 0), so the layers only
+  wait;
+- AROUND `EngramEmbedding._load_rows` and `initialize_dummy_weights`: the
+  loaders leave the rack's tables alone.
 
-`ENGRAM_RACK_VIEW=1` with a host-local donor gathers rows on the device from
-the table every process on the host maps. See docs/engines.md.
+Errors stop SGLang: a configuration or version error raises SystemExit
+from the plugin (SGLang logs and ignores exceptions there), and a table
+the rack cannot give fails the model's construction. See docs/engines.md.
 """
 
 from __future__ import annotations
@@ -25,172 +33,185 @@ import logging
 import os
 import threading
 
-from .vllm import PluginError, memory, settings
+from . import plugin as _plugin
+from .plugin import PluginError, link, settings
 
 log = logging.getLogger("engram_rack.sglang")
 
 #: SGLang releases whose Engram classes this plugin is written against.
 SUPPORTED = ("0.5.23",)
-EMBEDDING = "sglang.srt.layers.engram.EngramEmbedding"
+HOST_TABLE = "sglang.srt.layers.engram._HostTable"
+GATHER = "sglang.kernels.ops.embeddings.engram_gather.engram_gather"
 HASHER_FORWARD = "sglang.srt.layers.engram.EngramHasher.forward"
+LOAD_ROWS = "sglang.srt.layers.engram.EngramEmbedding._load_rows"
+DUMMY = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
+RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
+#: A remote table's stand-in address (never a real one: not canonical x86-64).
+_REMOTE_BASE = 0x7E00_0000_0000_0000
 
 _lock = threading.Lock()
-#: The live embeddings by layer index (0: layer 1, 1: layer 14), for prefetch.
-_embeddings: dict[int, object] = {}
 _registered = False
+#: Remote tables by their stand-in weight address: (ring, layer).
+_remote: dict[int, tuple] = {}
+#: The ring every remote layer of this process shares, once made.
+_ring = None
+
+__all__ = ["PluginError", "RackHostTable", "check_version", "register"]
 
 
 def check_version(version: str) -> None:
     """Refuse an SGLang release the hooks were not written against."""
     if not any(version == s or version.startswith(s + ".") for s in SUPPORTED):
         raise PluginError(f"SGLang {version} is not supported by engram_rack.sglang "
-                          f"(supported: {', '.join(SUPPORTED)}); unset ENGRAM_RACK_CONFIG "
-                          "to run SGLang without the rack")
+                          f"(supported: {', '.join(SUPPORTED)}); unset ENGRAM_RACK_SOCKET and "
+                          "ENGRAM_RACK_CONFIG to run SGLang without the rack")
 
 
-def _tp() -> tuple[int, int]:
-    try:
-        from sglang.srt.runtime_context import get_parallel
+def _remote_ring(device):
+    """The ring of every remote layer (both sections when both are)."""
+    global _ring
+    from .ring import RingLookup
 
-        p = get_parallel()
-        return int(p.tp_rank), int(p.tp_size)
-    except Exception:  # noqa: BLE001 - no runtime context (a single process)
-        return 0, 1
-
-
-def embedding_class():
-    """`RackEngramEmbedding`, built against the installed torch."""
-    import torch
-    from torch import nn
-
-    from . import COLUMNS, LAYERS
-    from .engine import LayerRows
-
-    class RackEngramEmbedding(nn.Module):
-        """SGLang's `EngramEmbedding` with its rows from the rack."""
-
-        def __init__(self, num_embeddings: int, dim: int, layer_id: int,
-                     column_bounds: tuple[int, ...]):
-            super().__init__()
-            if layer_id not in LAYERS:
-                raise PluginError(f"Engram layer {layer_id}: the rack serves layers {LAYERS}")
-            self.dim = dim
-            self.layer_id = layer_id
-            self.layer_index = LAYERS.index(layer_id)
-            rank, size = _tp()
-            self.tp_size = size
-            # SGLang shards rows by hash column where they divide evenly:
-            # this rank owns the columns [lo, hi).
-            per = -(-COLUMNS // size)
-            self.lo, self.hi = min(rank * per, COLUMNS), min((rank + 1) * per, COLUMNS)
-            self.rows = 0
-            self.row_start = 0
-            self.host_table = None
-            self.peer = None
-            self.staged_by_scheduler = False
-            self._sort_host_reads = False
-            for name, width, dtype in (("weight", dim, torch.float8_e4m3fn),
-                                       ("scale", dim // 32, torch.float8_e8m0fnu)):
-                p = nn.Parameter(torch.empty(0, width, dtype=dtype), requires_grad=False)
-                p.weight_loader = self._discard
-                setattr(self, name, p)
-            self._rows = None
-            self._pending = None
-            with _lock:
-                _embeddings[self.layer_index] = self
-
-        @staticmethod
-        def _discard(param, loaded_weight) -> None:
-            """The checkpoint's table stays on disk: the rack serves it."""
-
-        @property
-        def shared_host_table_without_ats(self) -> bool:
-            return False
-
-        @property
-        def _shared(self) -> bool:
-            return False
-
-        def finish_load(self, label: str) -> None:
-            pass
-
-        def enable_scheduler_staging(self) -> None:
-            pass
-
-        def new_rows(self, indices: torch.Tensor) -> torch.Tensor:
-            return torch.empty(*indices.shape, self.dim, dtype=torch.bfloat16,
-                               device=indices.device)
-
-        def _layer_rows(self, device, tokens: int) -> LayerRows:
-            r = self._rows
-            if r is None or r.device != torch.device(device) or r.max_tokens < tokens:
-                cap = max(tokens, 256 if r is None else 2 * r.max_tokens)
-                r = LayerRows(memory(), self.layer_id, columns=(self.lo, self.hi),
-                              max_tokens=cap, device=device,
-                              view=os.environ.get("ENGRAM_RACK_VIEW", "") == "1")
-                self._rows = r
-            return r
-
-        def prefetch(self, indices: torch.Tensor) -> None:
-            """Start this layer's fetch for `indices` (`[T, 24]`)."""
-            if self.lo >= self.hi or indices.shape[0] == 0:
-                return
-            self._layer_rows(indices.device, indices.shape[0]).start(indices)
-            self._pending = indices
-
-        def forward(self, indices: torch.Tensor, forward_batch=None, *,
-                    cp_all_tokens: bool = False) -> torch.Tensor:
-            out = torch.zeros(*indices.shape, self.dim, dtype=torch.bfloat16,
-                              device=indices.device)
-            if indices.shape[0] == 0 or self.lo >= self.hi:
-                return out
-            pending, self._pending = self._pending, None
-            same = pending is not None and (pending is indices or (
-                pending.shape == indices.shape and bool(torch.equal(pending, indices))))
-            rows = self._layer_rows(indices.device, indices.shape[0])
-            if not same:
-                rows.start(indices)
-            out[:, self.lo:self.hi] = rows.ready(indices.shape[0])
-            if self.tp_size > 1:
-                # Each rank holds its own columns: the sum is the whole row
-                # set, as after SGLang's own sharded lookup.
-                from sglang.srt.distributed import tensor_model_parallel_all_reduce
-
-                out = tensor_model_parallel_all_reduce(out)
-            return out
-
-    RackEngramEmbedding.__module__ = __name__
-    return RackEngramEmbedding
+    with _lock:
+        if _ring is None:
+            lk = link()
+            layers = tuple(layer for layer in (1, 14) if lk.table(layer) is None)
+            _ring = RingLookup(layers, (0, 24), positions=RING_POSITIONS, device=device)
+            lk.serve(_ring)
+        return _ring
 
 
-def prefetch_after_hash(result, *args, **kwargs):
-    """AFTER `EngramHasher.forward`: start both layers' fetches for the hash
-    ids it returned (`[T, layers, 24]`)."""
-    try:
-        if result is not None and result.ndim == 3 and result.shape[0]:
-            for index, emb in list(_embeddings.items()):
-                if index < result.shape[1]:
-                    emb.prefetch(result[:, index])
-    except Exception:  # noqa: BLE001 - the forward fetches on its own then
-        log.exception("engram_rack: prefetch after hashing failed; the layers fetch")
+class RackHostTable:
+    """SGLang's `_HostTable` over the rack (see the module's docs): the
+    constructor's arguments are SGLang's; the layer comes from its name."""
+
+    def __init__(self, layout: str, nbytes: int, name: str, group):
+        import torch
+
+        try:
+            self.layer = int(str(name).rsplit("_", 1)[-1])
+        except ValueError:
+            raise PluginError(f"an Engram host table named {name!r}: no layer in it") from None
+        self.layout = "shared"
+        self.nbytes = int(nbytes)
+        self.group = group
+        self.dirty = False
+        device = _plugin.device()
+        table = link().table(self.layer)
+        self.table = table
+        if table is None:
+            # No memory here: weight and scale are views of nothing.
+            self.bytes = torch.empty(self.nbytes, dtype=torch.uint8, device="meta")
+            self.device_ptr = _REMOTE_BASE + (self.layer << 40)
+            _remote[self.device_ptr] = (_remote_ring(device), self.layer)
+            return
+        if max(1, table.nbytes) != self.nbytes:
+            raise PluginError(f"layer {self.layer}: SGLang's table is {self.nbytes} bytes, the "
+                              f"host's {table.nbytes} ({table.rows} rows)")
+        self.bytes = table._bytes[: self.nbytes]
+        from . import cuda as _cuda
+
+        values, _ = table.on(device)
+        # Registered or read through page tables, the host address is the
+        # device's (unified addressing); a private copy has its own.
+        copied = _cuda.host_table_access(device) == "copy"
+        self.device_ptr = values.data_ptr() if copied else table.address
+
+    def finish_load(self, label: str) -> None:
+        where = "remote (engine ring)" if self.table is None else "the host-local donor's memory"
+        log.info("engram_rack: table %s (layer %d) is %s", label, self.layer, where)
+
+
+def rack_gather(original, weight_ptr, scale_ptr, ids, out, dim, block_size, row_lo=0,
+                row_hi=2 ** 62, sort_ids=False):
+    """AROUND `engram_gather`: a remote table's rows from the ring."""
+    entry = _remote.get(int(weight_ptr))
+    if entry is None:
+        return original(weight_ptr, scale_ptr, ids, out, dim, block_size, row_lo, row_hi,
+                        sort_ids)
+    ring, layer = entry
+    n = ids.numel() // 24
+    if n == 0:
+        return out
+    ids2 = ids.reshape(n, 24)
+    rows = out.view(n, 24, dim)
+    s = ring.section(layer)
+    if ring.pending.pop(s, None) == n:
+        ring.wait(s)
+        ring.gather(s, rows, n, scale0_zero=False)
+    else:
+        ring.lookup(layer, ids2, rows, scale0_zero=False)
+    return out
+
+
+def publish_after_hash(result, *args, **kwargs):
+    """AFTER `EngramHasher.forward`: publish every remote layer's ids
+    (`[T, layers, 24]`) in one kernel, before block 0."""
+    ring = _ring
+    if ring is None or result is None or result.ndim != 3:
+        return result
+    n = result.shape[0]
+    if not 0 < n <= ring.positions:
+        return result
+    ids = {ring.section(layer): result[:, i] for i, layer in enumerate((1, 14))
+           if layer in ring.layer_ids and i < result.shape[1]}
+    if ids:
+        ring.publish(ids, n)
+        for s in ids:
+            ring.pending[s] = n
     return result
 
 
-def register() -> None:
-    """The `sglang.srt.plugins` entry point."""
-    global _registered
-    if settings() is None:
-        log.debug("engram_rack: ENGRAM_RACK_CONFIG is not set; the plugin is off")
-        return
-    import sglang
+def skip_rack_rows(original, self, *args, **kwargs):
+    """AROUND `EngramEmbedding._load_rows`: the rack's tables are not
+    written (a donor's memory is read-only)."""
+    if isinstance(getattr(self, "host_table", None), RackHostTable):
+        return None
+    return original(self, *args, **kwargs)
 
-    check_version(sglang.__version__)
+
+def dummy_without_rack_tables(original, model, *args, **kwargs):
+    """AROUND `initialize_dummy_weights`: the rack's tables are left out."""
+    held = []
+    for m in model.modules():
+        if isinstance(getattr(m, "host_table", None), RackHostTable):
+            held.append((m, m._parameters.pop("weight", None), m._parameters.pop("scale", None)))
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        for m, w, s in held:
+            m._parameters["weight"], m._parameters["scale"] = w, s
+
+
+def _install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    with _lock:
-        if _registered:
+    os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"
+    os.environ["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] = "shared"
+    HookRegistry.register(HOST_TABLE, RackHostTable, HookType.REPLACE)
+    HookRegistry.register(GATHER, rack_gather, HookType.AROUND)
+    HookRegistry.register(HASHER_FORWARD, publish_after_hash, HookType.AFTER)
+    HookRegistry.register(LOAD_ROWS, skip_rack_rows, HookType.AROUND)
+    HookRegistry.register(DUMMY, dummy_without_rack_tables, HookType.AROUND)
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point. SGLang logs and ignores a
+    plugin's exceptions, so an error here ends the process instead."""
+    global _registered
+    try:
+        if settings() is None:
+            log.debug("engram_rack: the rack is not configured; the plugin is off")
             return
-        HookRegistry.register(EMBEDDING, embedding_class(), HookType.REPLACE)
-        HookRegistry.register(HASHER_FORWARD, prefetch_after_hash, HookType.AFTER)
-        _registered = True
-    log.info("engram_rack: DeepSeek V4.1 Engram rows come from the rack")
+        import sglang
+
+        check_version(sglang.__version__)
+        with _lock:
+            if _registered:
+                return
+            _install()
+            _registered = True
+    except PluginError as e:
+        log.critical("engram_rack: %s", e)
+        raise SystemExit(f"engram_rack: {e}") from e
+    log.info("engram_rack: DeepSeek V4.1 Engram tables come from the rack")

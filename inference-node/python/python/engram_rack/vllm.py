@@ -1,25 +1,26 @@
-"""engram_rack inside vLLM: DeepSeek V4.1's Engram rows from the rack.
+"""engram_rack inside vLLM: DeepSeek V4.1's Engram tables from the rack.
 
 A vLLM general plugin (entry point `vllm.general_plugins`, name
 `engram_rack`), loaded by vLLM in every process before the model is built.
-It is off unless `ENGRAM_RACK_CONFIG` names the rack's cluster config; then
-`ENGRAM_RACK_NODE` must name this host's node in it. When on, it rebinds the
-V4.1 `Engram` class (the common module and the nvidia and amd model modules)
-to `RackEngram`, which:
+Off unless the environment names the rack (`ENGRAM_RACK_SOCKET`, the
+host's engine socket; or `ENGRAM_RACK_CONFIG` with `ENGRAM_RACK_NODE`).
+When on, V4.1's `Engram` builds `RackEmbedding`, a `ParallelEngramEmbedding`
+that replaces two things only, and leaves vLLM's side stream, events, CUDA
+graphs and async scheduling as they are:
 
-- allocates no table (zero-row placeholders: the loader copies nothing);
-- at `prepare_embeddings(hash_ids)` (int32 `[T, 24]` row ids, once per step
-  per layer, before the decoder layers) copies the ids to pinned host memory
-  and starts one fetch per table (`Memory.prefetch_rows`), for this
-  tensor-parallel rank's head slice;
-- at `_ready_rows(T)` waits into a pinned buffer, copies it to the GPU
-  without blocking, dequantizes there and returns bf16 `[T, heads, 256]`.
+- its storage: for a table a host-local donor serves (planar, mapped from
+  the donor's memfd), the rank's rows `[vocab_start_idx, vocab_end_idx)`
+  of that memory, registered with CUDA once (read-only, or through the
+  host's page tables: `engram_rack.cuda`), so vLLM's own lookup kernel
+  reads them through UVA exactly as it reads its `cpu_offload` table. The
+  weight loaders (checkpoint and dummy) leave it alone; it counts as
+  loaded.
+- its `lookup()`, for a table across the network: publish, wait and gather
+  kernels on the engine ring (`engram_rack.ring`), served by the host's
+  rack client; no host sync, no Python on the rows' path.
 
-Both hooks are eager breaks, as in vLLM's own offload path.
-`ENGRAM_RACK_VIEW=1` with a host-local donor gathers rows on the GPU from the
-table every process on the host maps, with no copy. `ENGRAM_RACK_METRICS`
-sets where rank 0 serves /metrics ("off", or "IP:PORT"; default the node's
-`metrics`); other ranks serve none. See docs/engines.md.
+Each rank reads only its own tokens' rows (`dp_size` 1: no DP exchange),
+its TP head slice as vLLM shards heads. See docs/engines.md.
 """
 
 from __future__ import annotations
@@ -29,39 +30,25 @@ import os
 import sys
 import threading
 
+from . import plugin as _plugin
+from .plugin import PluginError, global_rank, link, settings
+
+__all__ = ["PluginError", "global_rank", "install", "link", "register", "settings"]
+
 log = logging.getLogger("engram_rack.vllm")
 
-#: vLLM releases whose Engram hooks this plugin is written against.
+#: vLLM releases whose Engram classes this plugin is written against.
 SUPPORTED = ("0.33.",)
-#: The V4.1 model modules that bind `Engram` by name.
 MODEL_MODULES = (
     "vllm.models.deepseek_v41.nvidia.model",
     "vllm.models.deepseek_v41.amd.model",
 )
 COMMON = "vllm.models.deepseek_v41.common.engram"
+#: Positions one ring request carries (a longer step goes in turns).
+RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 
 _lock = threading.Lock()
-_memory = None
 _class = None
-
-
-class PluginError(RuntimeError):
-    """The plugin is asked for but cannot run: says why and what to set."""
-
-
-def settings() -> tuple[str, str] | None:
-    """(config, node) from the environment, None when the plugin is off, or
-    PluginError when it is asked for but incomplete."""
-    config = os.environ.get("ENGRAM_RACK_CONFIG", "").strip()
-    if not config:
-        return None
-    node = os.environ.get("ENGRAM_RACK_NODE", "").strip()
-    if not node:
-        raise PluginError("ENGRAM_RACK_CONFIG is set but ENGRAM_RACK_NODE is not: "
-                          "name this host's [[node]] in the rack config")
-    if not os.path.isfile(config):
-        raise PluginError(f"ENGRAM_RACK_CONFIG={config}: no such file")
-    return config, node
 
 
 def check_version(version: str) -> None:
@@ -69,121 +56,164 @@ def check_version(version: str) -> None:
     if not version.startswith(SUPPORTED):
         raise PluginError(f"vLLM {version} is not supported by engram_rack.vllm "
                           f"(supported: {', '.join(s + 'x' for s in SUPPORTED)}); "
-                          "unset ENGRAM_RACK_CONFIG to run vLLM without the rack")
+                          "unset ENGRAM_RACK_SOCKET and ENGRAM_RACK_CONFIG to run "
+                          "vLLM without the rack")
 
 
-def memory():
-    """This process's `engram_rack.Memory`, opened on first use."""
-    global _memory
-    with _lock:
-        if _memory is None or _memory.closed:
-            from . import Memory
-
-            found = settings()
-            if found is None:
-                raise PluginError("ENGRAM_RACK_CONFIG is not set")
-            config, node = found
-            metrics = os.environ.get("ENGRAM_RACK_METRICS") or None
-            if _rank() != 0:
-                metrics = "off"
-            _memory = Memory(config, node, metrics=metrics)
-            log.info("engram_rack: node %s of %s, tables %s", node, config, _memory.tables)
-        return _memory
+def _discard(param, loaded_weight) -> None:
+    """The checkpoint's table stays on disk: the rack serves it."""
 
 
-def _rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except Exception:  # noqa: BLE001 - no distributed state yet
-        return 0
-
-
-def rack_engram_class(engram_cls):
-    """A subclass of vLLM's `Engram` whose rows come from the rack."""
+def embedding_class(base):
+    """`RackEmbedding`: vLLM's `ParallelEngramEmbedding` over the rack."""
     import torch
     from torch import nn
 
-    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
 
-    from .engine import LayerRows
+    from .ring import RingLookup
 
-    class _Placeholder(nn.Module):
-        """Stands where vLLM's table would: zero rows, so the loader copies
-        nothing, and the shape facts `Engram` reads."""
+    class RackEmbedding(base):
+        """This rank's head slice of one Engram table, from the rack."""
 
-        def __init__(self, layout, layer_hash_index: int):
-            super().__init__()
-            self.layer = int(layout.layer_ids[layer_hash_index])
-            self.dim = layout.head_dim
-            self.n_hash_cols = (layout.max_ngram_size - 1) * layout.n_heads
-            self.tp_size = get_tensor_model_parallel_world_size()
-            self.dp_size = 1
-            self.cpu_offload = False
-            self.part_n_hash_cols = -(-self.n_hash_cols // self.tp_size)
+        _weight_loader = staticmethod(_discard)
+
+        def __init__(self, layer: int, num_embeddings: int, dim: int,
+                     head_sizes: tuple[int, ...], block_size: int = 32) -> None:
+            nn.Module.__init__(self)
+            tp = get_tensor_model_parallel_world_size()
+            self.rack_layer = int(layer)
+            self.num_embeddings, self.dim, self.block_size = num_embeddings, dim, block_size
+            self.n_hash_cols = len(head_sizes)
+            self.tp_size, self.dp_size = tp, 1
+            self.part_n_hash_cols = -(-self.n_hash_cols // tp)
             self.head_start = get_tensor_model_parallel_rank() * self.part_n_hash_cols
-            for name, width, dtype in (("weight", self.dim, torch.float8_e4m3fn),
-                                       ("weight_scale_inv", self.dim // 32, torch.uint8)):
-                p = nn.Parameter(torch.empty(0, width, dtype=dtype, device="cpu"),
-                                 requires_grad=False)
-                p.weight_loader = self._discard
+            end = self.head_start + self.part_n_hash_cols
+            self.vocab_start_idx = sum(head_sizes[:self.head_start])
+            self.vocab_end_idx = sum(head_sizes[:end])
+            self.part_num_embeddings = self.vocab_end_idx - self.vocab_start_idx
+            self.peer_rows = 0
+            self.dp_shared_memory = False
+            self.use_thp = False
+            self._views = self._view_src = None
+            self.device = _plugin.device()
+            # vLLM's side stream and event (Engram._init_staging) on a GPU.
+            self.cpu_offload = self.device.type == "cuda"
+            self._num_sms = _sm_count(self.device)
+            self.table = link().table(layer)
+            self.ring = None
+            weight, scales = self._allocate_weights()
+            for name, t in (("weight", weight), ("weight_scale_inv", scales)):
+                p = nn.Parameter(t, requires_grad=False)
+                p.weight_loader = _discard
+                p.engram_rack = True
                 setattr(self, name, p)
+            if self.table is None:
+                self._start_ring()
 
-        @staticmethod
-        def _discard(param, loaded_weight) -> None:
-            """The checkpoint's table stays on disk: the rack serves it."""
+        def _allocate_weights(self):
+            """The rank's rows of the host-local table, or empty placeholders
+            for a remote one (no memory: the ring brings its rows)."""
+            if self.table is None:
+                return (torch.empty(0, self.dim, dtype=torch.float8_e4m3fn, device="cpu"),
+                        torch.empty(0, self.dim // 32, dtype=torch.uint8, device="cpu"))
+            if self.table.rows != self.num_embeddings:
+                raise PluginError(f"layer {self.rack_layer}: the host's table has "
+                                  f"{self.table.rows} rows, the model {self.num_embeddings}")
+            lo, hi = self.vocab_start_idx, self.vocab_end_idx
+            return self.table.values(lo, hi), self.table.scales(lo, hi)
+
+        def _storage(self):
+            """The rows as the device reads them: over the host's memory
+            (registered once per process), never a copy unless asked."""
+            if self._views is None:
+                lo, hi = self.vocab_start_idx, self.vocab_end_idx
+                self._views = self.table.on(self.device, lo, hi)
+            return self._views
+
+        def _start_ring(self):
+            cols = (self.head_start, self.head_start + self.part_n_hash_cols)
+            self.ring = RingLookup((self.rack_layer,), cols, positions=RING_POSITIONS,
+                                   device=self.device)
+            link().serve(self.ring)
 
         def collapse_huge_pages(self) -> None:
             pass
 
+        def lookup(self, indices, out, background: bool = False) -> None:
+            """vLLM's lookup: its own kernel over the host's memory, or the
+            ring's kernels for a remote table (vLLM's byte-0 scale rule)."""
+            if self.ring is None:
+                return super().lookup(indices, out, background)
+            if indices.shape[0] * self.part_n_hash_cols == 0:
+                return None
+            if out.dtype == torch.uint8 and out.ndim == 2:
+                out = out.view(out.shape[0], self.part_n_hash_cols, -1)
+            self.ring.lookup(self.rack_layer, indices, out, scale0_zero=True)
+            return None
+
+    RackEmbedding.__module__ = __name__
+    return RackEmbedding
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def rack_engram_class(engram_cls, embedding_cls):
+    """A subclass of vLLM's `Engram` that builds `RackEmbedding`."""
+
     class RackEngram(engram_cls):
-        """vLLM's V4.1 `Engram` with its rows fetched from the rack."""
+        """vLLM's V4.1 `Engram` over the rack's table."""
 
         def _create_embedding(self, layout, layer_hash_index: int):
-            return _Placeholder(layout, layer_hash_index)
-
-        def _init_staging(self, max_tokens: int, head_dim: int) -> None:
-            table = self.embed_tokens
-            self.staged_rows = torch.empty(max_tokens, table.part_n_hash_cols, head_dim,
-                                           dtype=torch.bfloat16)
-            self._prefetch_stream = None
-            self._prefetch_done = None
-            start = table.head_start
-            self._rack = LayerRows(
-                memory(), table.layer,
-                columns=(start, start + table.part_n_hash_cols),
-                max_tokens=max_tokens, device=self.staged_rows.device,
-                view=os.environ.get("ENGRAM_RACK_VIEW", "") == "1",
-            )
-
-        def prepare_embeddings(self, hash_ids: torch.Tensor) -> None:
-            self._rack_start(hash_ids)
-
-        @eager_break_during_capture
-        def _rack_start(self, hash_ids: torch.Tensor) -> None:
-            self._rack.start(hash_ids)
-
-        def _ready_rows(self, num_tokens: int) -> torch.Tensor:
-            rows = self.staged_rows[:num_tokens]
-            self._rack_fill(rows)
-            return rows
-
-        @eager_break_during_capture
-        def _rack_fill(self, rows: torch.Tensor) -> None:
-            self._rack.ready(rows.shape[0], out=rows)
+            heads = tuple(s for order in layout.primes[layer_hash_index] for s in order)
+            return embedding_cls(layout.layer_ids[layer_hash_index],
+                                 layout.num_embeddings[layer_hash_index],
+                                 layout.head_dim, heads)
 
     RackEngram.__module__ = __name__
     return RackEngram
 
 
+def _skip_rack_tables(original):
+    """vLLM's dummy weight initializer, leaving the rack's tables alone (a
+    write into a donor's read-only memory would be a fault, not a value)."""
+
+    def init(param, *args, **kwargs):
+        if getattr(param, "engram_rack", False):
+            return None
+        return original(param, *args, **kwargs)
+
+    init.engram_rack_wrapped = True
+    return init
+
+
+def _count_rack_tables(load_weights):
+    """A model's `load_weights` that also counts the rack's tables as
+    loaded (a checkpoint without them is fine: the rack has them)."""
+
+    def load(self, weights):
+        loaded = load_weights(self, weights)
+        if loaded is not None:
+            loaded = set(loaded)
+            loaded.update(n for n, p in self.named_parameters() if getattr(p, "engram_rack", False))
+        return loaded
+
+    load.engram_rack_wrapped = True
+    return load
+
+
 def install() -> type:
-    """Rebind `Engram` in vLLM's V4.1 modules to `RackEngram`; returns it.
-    Idempotent (vLLM may load plugins more than once per process)."""
+    """Rebind `Engram` in vLLM's V4.1 modules to `RackEngram` and guard
+    the loaders; returns the class. Idempotent."""
     global _class
     import importlib
 
@@ -194,26 +224,55 @@ def install() -> type:
     with _lock:
         if _class is None:
             base = common.Engram
-            _class = base if getattr(base, "__module__", "") == __name__ else rack_engram_class(base)
+            if getattr(base, "__module__", "") == __name__:
+                _class = base
+            else:
+                _class = rack_engram_class(base, embedding_class(common.ParallelEngramEmbedding))
         common.Engram = _class
+        _patch_loaders()
         for name in MODEL_MODULES:
             mod = sys.modules.get(name)
             if mod is None:
                 try:
                     mod = importlib.import_module(name)
-                except Exception as e:  # noqa: BLE001 - a platform's module may not import here
-                    log.debug("engram_rack: %s not imported (%s); it binds the patched class "
-                              "when it is", name, e)
+                except Exception as e:  # noqa: BLE001 - a platform's module may not import
+                    log.debug("engram_rack: %s not imported (%s)", name, e)
                     continue
             if hasattr(mod, "Engram"):
                 mod.Engram = _class
+            for cls in vars(mod).values():
+                lw = getattr(cls, "load_weights", None) if isinstance(cls, type) else None
+                if lw is not None and cls.__name__.startswith("DeepseekV41") \
+                        and not getattr(lw, "engram_rack_wrapped", False):
+                    cls.load_weights = _count_rack_tables(lw)
     return _class
 
 
+def _patch_loaders() -> None:
+    import importlib
+
+    for name in ("vllm.model_executor.model_loader.dummy_loader",
+                 "vllm.model_executor.model_loader.weight_utils"):
+        mod = importlib.import_module(name)
+        f = getattr(mod, "initialize_single_dummy_weight", None)
+        if f is not None and not getattr(f, "engram_rack_wrapped", False):
+            mod.initialize_single_dummy_weight = _skip_rack_tables(f)
+
+
+def copy_env_to_ray() -> None:
+    """Have vLLM's Ray workers inherit `ENGRAM_RACK_*`."""
+    var = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+    have = [p.strip() for p in os.environ.get(var, "").split(",") if p.strip()]
+    if "ENGRAM_RACK_" not in have:
+        os.environ[var] = ",".join(have + ["ENGRAM_RACK_"])
+
+
 def register() -> None:
-    """The `vllm.general_plugins` entry point."""
+    """The `vllm.general_plugins` entry point: errors stop vLLM (it does not
+    catch them)."""
     if settings() is None:
-        log.debug("engram_rack: ENGRAM_RACK_CONFIG is not set; the plugin is off")
+        log.debug("engram_rack: the rack is not configured; the plugin is off")
         return
+    copy_env_to_ray()
     install()
-    log.info("engram_rack: DeepSeek V4.1 Engram rows come from the rack")
+    log.info("engram_rack: DeepSeek V4.1 Engram tables come from the rack")
