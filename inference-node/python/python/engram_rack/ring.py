@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from . import ROW_BYTES, BadInputError, _native
+from . import LAYERS, ROW_BYTES, BadInputError, _native
 from . import cuda as _cuda
 
 __all__ = ["RingLookup", "FakeTimer", "STATUS_NAMES"]
@@ -219,6 +219,9 @@ class RingLookup:
     def __init__(self, layer_ids, columns, *, positions: int, device, slots: int = 8,
                  deadline: float = 0.05, timer: FakeTimer | None = None):
         layer_ids = tuple(int(x) for x in layer_ids)
+        if not layer_ids or any(x not in LAYERS for x in layer_ids) or \
+                list(layer_ids) != sorted(set(layer_ids)):
+            raise BadInputError(f"layers {layer_ids}: one or both of {LAYERS}, in order")
         lo, hi = (int(c) for c in columns)
         real_hi = min(hi, 24)
         if not 0 <= lo < real_hi:

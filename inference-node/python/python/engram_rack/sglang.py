@@ -122,11 +122,30 @@ class RackHostTable:
         log.info("engram_rack: table %s (layer %d) is %s", label, self.layer, where)
 
 
+def gather_on_cpu(weight_ptr, scale_ptr, ids, out, dim, block_size, row_lo=0,
+                  row_hi=2 ** 62):
+    """SGLang's own gather kernel launched as `engram_gather` launches it,
+    for ids on the CPU (Triton's interpreter), which `engram_gather`
+    itself refuses: how an engine without a GPU, and the tests, read a
+    host table through SGLang's arithmetic."""
+    from sglang.kernels.ops.embeddings.engram_gather import _E8M0_ZERO, _engram_gather_kernel
+
+    n = ids.numel()
+    if n:
+        _engram_gather_kernel[(n,)](weight_ptr, scale_ptr, ids, ids, out, row_lo, row_hi,
+                                    DIM=dim, BLK=block_size, E8M0_ZERO=_E8M0_ZERO,
+                                    HAS_DST=False)
+    return out
+
+
 def rack_gather(original, weight_ptr, scale_ptr, ids, out, dim, block_size, row_lo=0,
                 row_hi=2 ** 62, sort_ids=False):
     """AROUND `engram_gather`: a remote table's rows from the ring."""
     entry = _remote.get(int(weight_ptr))
     if entry is None:
+        if not ids.is_cuda:
+            return gather_on_cpu(weight_ptr, scale_ptr, ids, out, dim, block_size, row_lo,
+                                 row_hi)
         return original(weight_ptr, scale_ptr, ids, out, dim, block_size, row_lo, row_hi,
                         sort_ids)
     ring, layer = entry

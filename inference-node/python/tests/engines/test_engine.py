@@ -82,45 +82,52 @@ def test_the_gather_kernel_reads_both_layouts(packed):
             np.testing.assert_array_equal(bits(got[t, c]), expect.view(np.int16))
 
 
-def test_layer_rows_from_a_view_match_fetched_rows(rack, tmp_path):
-    """The `local` copy's view (paged layout) gathered by the kernel gives
-    what a fetch through the donor gives."""
+def test_a_views_gather_and_the_ring_give_the_reference_rows(rack, tmp_path):
+    """The `local` copy's view (paged layout) gathered by the kernel, and a
+    fetch through the ring with SGLang's scale rule, both give the V4.1
+    reference's values (`engram_rack.dequantize`), a head slice included."""
+    from engram_rack.ring import RingLookup
+
     rack.start()
     with er.Memory(rack.config, "ref", metrics="off") as ref, \
             er.Memory(rack.config, "n", metrics="off") as mem:
         ids = torch.tensor(np.random.default_rng(2).integers(0, 20_000, (6, 24)))
         ids[2] = -1  # a DEAD position
-        viewed = engine.LayerRows(ref, 1, max_tokens=8, device="cpu", view=True)
-        fetched = engine.LayerRows(mem, 1, max_tokens=8, device="cpu")
-        assert viewed.uses_view and not fetched.uses_view
-        for r in (viewed, fetched):
-            r.start(ids)
-        a, b = viewed.ready(), fetched.ready()
+        view = ref.table_view(1)
+        a = engine.gather_view(engine.view_tensor(view), view.rows, view.packed, ids)
+        ring = RingLookup((1,), (0, 24), positions=8, device="cpu", deadline=5.0)
+        handle = mem.serve_ring(ring.native)  # noqa: F841 - kept while in use
+        b = torch.empty(6, 24, 256, dtype=torch.bfloat16)
+        ring.lookup(1, ids, b, scale0_zero=False)
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         assert not bool((b[2] != 0).any())
         want = er.dequantize(read_rows(rack.tables[1], ids[0].numpy()), dtype="bfloat16")
         np.testing.assert_array_equal(bits(b[0]), want.view(np.int16))
         # A rank's head slice, padded past 24 as vLLM pads a 5-way split.
-        part = engine.LayerRows(mem, 1, columns=(20, 25), max_tokens=8, device="cpu")
-        part.start(ids)
-        got = part.ready()
-        assert got.shape == (6, 5, 256)
+        part = RingLookup((1,), (20, 25), positions=8, device="cpu", deadline=5.0)
+        h2 = mem.serve_ring(part.native)  # noqa: F841
+        got = torch.empty(6, 5, 256, dtype=torch.bfloat16)
+        part.lookup(1, ids, got, scale0_zero=False)
         assert torch.equal(got[:, :4].view(torch.int16), b[:, 20:].view(torch.int16))
         assert not bool((got[:, 4] != 0).any())
+        ring.close()
+        part.close()
 
 
-def test_layer_rows_refuse_bad_input(rack):
-    rack.start()
-    with er.Memory(rack.config, "n", metrics="off") as mem:
-        with pytest.raises(er.BadInputError):
-            engine.LayerRows(mem, 2, max_tokens=4, device="cpu")
-        r = engine.LayerRows(mem, 14, max_tokens=4, device="cpu")
-        with pytest.raises(er.BadInputError, match="at most 4"):
-            r.start(torch.zeros(5, 24, dtype=torch.int64))
-        with pytest.raises(er.BadInputError, match=r"\[T, 24\]"):
-            r.start(torch.zeros(2, 7, dtype=torch.int64))
-        with pytest.raises(er.BadInputError, match="before start"):
-            r._positions = 1
-            r.ready()
-        with pytest.raises(er.BadInputError):
-            r.start(torch.full((1, 24), 10**9, dtype=torch.int64))  # past the table
+def test_a_ring_refuses_bad_input():
+    from engram_rack.ring import RingLookup
+
+    with pytest.raises(er.BadInputError, match="columns"):
+        RingLookup((1,), (24, 30), positions=4, device="cpu")
+    with pytest.raises(er.BadInputError):
+        RingLookup((2,), (0, 24), positions=4, device="cpu")  # no Engram layer 2
+    r = RingLookup((14,), (0, 24), positions=4, device="cpu")
+    try:
+        with pytest.raises(er.BadInputError, match="positions"):
+            r.publish({0: torch.zeros(5, 24, dtype=torch.int64)}, 5)
+        with pytest.raises(er.BadInputError, match="carries"):
+            r.section(1)
+        with pytest.raises(er.BadInputError, match="out must be"):
+            r.gather(0, torch.empty(2, 7, 256, dtype=torch.bfloat16), 2, scale0_zero=True)
+    finally:
+        r.close()

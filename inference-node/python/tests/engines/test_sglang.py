@@ -1,16 +1,21 @@
 """engram_rack.sglang against SGLang's own V4.1 Engram code, on CPU.
 
-SGLang's hasher (its host path, as the scheduler's stager runs it) makes the
-row ids; SGLang's `Engram` with its own `EngramEmbedding` (loaded through its
-own weight loader from the same table file) is the reference; the same
-`Engram` built after the plugin's REPLACE hook fetches rows from a real
-donor. Rows and `Engram.forward` (projection and gate) must be bit-identical.
+SGLang's hasher makes the row ids; SGLang's `Engram` over its own table
+(loaded through its own weight loader from the same table file) is the
+reference; the same `Engram`, built after the plugin's hooks are applied by
+SGLang's own `HookRegistry`, reads the rack: a host-local donor's planar
+memory through SGLang's own gather kernel, or a remote table through the
+engine ring. Rows and `Engram.forward` must be bit-identical, for decode,
+prefill, mixed batches, with and without the hasher's early publish; the
+plugin joins no collective under DP attention (two gloo ranks with unequal
+and idle batches); a captured decode has no host sync.
 """
 
 from __future__ import annotations
 
 import os
 
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import signal  # noqa: E402
@@ -27,13 +32,12 @@ from conftest import HASH_BASE, read_rows  # noqa: E402
 from torch import nn  # noqa: E402
 
 import engram_rack as er  # noqa: E402
+from engram_rack import plugin as rack_plugin  # noqa: E402
 from engram_rack import sglang as plugin  # noqa: E402
-from engram_rack import vllm as common  # noqa: E402
 
 HIDDEN = 64
 HC = 4
 V41_COMPRESSED_VOCAB = 99_092
-ORIGINAL = SE.EngramEmbedding
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,9 +45,43 @@ def one_rank():
     """One tensor-parallel rank, as a single-GPU SGLang process publishes."""
     from sglang.srt.runtime_context import get_parallel
 
-    get_parallel().override_permanently(tp_size=1, tp_rank=0, attn_dp_size=1, attn_cp_size=1)
+    get_parallel().override_permanently(tp_size=1, tp_rank=0, attn_dp_size=1, attn_cp_size=1,
+                                        tp_group=None)
     yield
     get_parallel().clear_stamp()
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """The plugin's hooks applied by SGLang's own registry (undone after),
+    and the GPU queries SGLang's host table makes answered for CPU."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    originals = {name: getattr(mod, attr) for name, (mod, attr) in _targets().items()}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(SE, "_sorted_host_reads", lambda device: False)
+    HookRegistry.reset()
+    plugin._registered = False
+    yield HookRegistry
+    for name, (mod, attr) in _targets().items():
+        setattr(mod, attr, originals[name])
+        if mod is not SE and hasattr(SE, attr):
+            setattr(SE, attr, originals[name])
+    HookRegistry.reset()
+    plugin._registered = False
+    plugin._remote.clear()
+    plugin._ring = None
+    for k in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+        os.environ.pop(k, None)
+
+
+def _targets():
+    import sglang.kernels.ops.embeddings.engram_gather as G
+    import sglang.srt.model_loader.weight_utils as W
+
+    return {"host": (SE, "_HostTable"), "gather": (G, "engram_gather"),
+            "hash": (SE.EngramHasher, "forward"), "load": (SE.EngramEmbedding, "_load_rows"),
+            "dummy": (W, "initialize_dummy_weights")}
 
 
 def hf_config():
@@ -99,50 +137,70 @@ def table_rows(rack, layer):
     return int(block.split("rows = ", 1)[1].split("\n", 1)[0])
 
 
-class Pair:
-    """SGLang's `Engram` over its own table and the same class built with the
-    plugin's embedding, sharing the projection and gate weights."""
+def reference_rows(rack, layer, ids):
+    """SGLang's own gather kernel over SGLang's own table (loaded from the
+    table file): `[T, 24, 256]` bf16."""
+    rows = read_rows(rack.tables[layer], np.arange(table_rows(rack, layer)))
+    w = torch.from_numpy(np.ascontiguousarray(rows[:, :256]))
+    s = torch.from_numpy(np.ascontiguousarray(rows[:, 256:]))
+    out = torch.empty(ids.numel(), 256, dtype=torch.bfloat16)
+    plugin.gather_on_cpu(w.data_ptr(), s.data_ptr(), ids.reshape(-1), out, 256, 32)
+    return out.view(*ids.shape, 256)
 
-    def __init__(self, rack, layer_id: int, node: str):
+
+class Pair:
+    """SGLang's `Engram` over its own table and the same class built with
+    the plugin's hooks applied, sharing the projection and gate weights."""
+
+    def __init__(self, rack, layer_id: int, node: str, hooks, socket=None):
         rows = [table_rows(rack, 1), table_rows(rack, 14)]
         self.layout = layout(rows)
-        SE.EngramEmbedding = ORIGINAL
+        self.rack_ref = rack
+        self.layer_id = layer_id
         torch.manual_seed(layer_id)
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
             self.ref = SE.Engram(hf_config(), layer_id, self.layout, prefix="e")
-            data = torch.from_numpy(read_rows(rack.tables[layer_id], np.arange(rows[layer_id != 1])))
-            emb = self.ref.embed
-            emb.weight.weight_loader(emb.weight, data[:, :256].contiguous().view(torch.float8_e4m3fn))
-            emb.scale.weight_loader(emb.scale, data[:, 256:].contiguous().view(torch.float8_e8m0fnu))
             for p in (self.ref.wkv.weight, self.ref.q_weight, self.ref.k_weight):
                 p.data.copy_(torch.randn(p.shape) * 0.05)
-            os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node,
-                              ENGRAM_RACK_METRICS="off")
-            common._memory = None
-            SE.EngramEmbedding = plugin.embedding_class()
+            for k in ("ENGRAM_RACK_SOCKET", "ENGRAM_RACK_CONFIG", "ENGRAM_RACK_NODE"):
+                os.environ.pop(k, None)
+            if socket is not None:
+                os.environ["ENGRAM_RACK_SOCKET"] = str(socket)
+            else:
+                os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node)
+            os.environ["ENGRAM_RACK_METRICS"] = "off"
+            rack_plugin.reset()
+            plugin.register()
+            hooks.apply_hooks()
             self.rack = SE.Engram(hf_config(), layer_id, self.layout, prefix="e")
         finally:
             torch.set_default_dtype(default)
-            SE.EngramEmbedding = ORIGINAL
         self.rack.load_state_dict(
             {k: v for k, v in self.ref.state_dict().items() if not k.startswith("embed.")},
             strict=False)
         self.index = self.layout.layer_ids.index(layer_id)
 
-    def step(self, ids, x, prefetch: bool):
+    @property
+    def remote(self) -> bool:
+        return self.rack.embed.host_table.table is None
+
+    def step(self, ids, x, publish: bool):
         layer_ids = ids[:, self.index]
-        if prefetch:
-            plugin.prefetch_after_hash(ids)
+        if publish:
+            plugin.publish_after_hash(ids)
         got_rows = self.rack.embed(layer_ids)
-        want_rows = self.ref.embed(layer_ids)
+        want_rows = reference_rows(self.rack_ref, self.layer_id, layer_ids)
         assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
         assert bool((got_rows != 0).any())
-        if prefetch:
-            plugin.prefetch_after_hash(ids)
+        if publish:
+            plugin.publish_after_hash(ids)
         got = self.rack(x, layer_ids, None, input_ids=torch.zeros(ids.shape[0], dtype=torch.int64))
-        want = self.ref(x, layer_ids, None, input_ids=torch.zeros(ids.shape[0], dtype=torch.int64))
+        # The reference's gate over the reference rows.
+        kv, _ = self.ref.wkv(want_rows.flatten(-2))
+        want = SE.engram_gate(x, kv, self.ref.q_weight, self.ref.k_weight, self.ref.eps,
+                              self.ref.clamp_value)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -162,10 +220,16 @@ def test_sglang_hashes_are_engram_racks_row_ids(rack):
     np.testing.assert_array_equal(ids.numpy().astype(np.uint64), want)
 
 
+@pytest.mark.parametrize("where", ["remote", "host-local", "engine socket"])
 @pytest.mark.parametrize("layer_id", [1, 14])
-def test_decode_prefill_and_mixed_batches_match_sglangs_own_table(rack, layer_id):
+def test_decode_prefill_and_mixed_batches_match_sglangs_own_table(host_rack, hooks, layer_id,
+                                                                  where):
+    rack = host_rack
     rack.start()
-    pair = Pair(rack, layer_id, "n")
+    socket = rack.engines("mixed").socket if where == "engine socket" else None
+    node = {"remote": "n", "host-local": "hl", "engine socket": "mixed"}[where]
+    pair = Pair(rack, layer_id, node, hooks, socket)
+    assert pair.remote == (where == "remote" or (where == "engine socket" and layer_id == 14))
     h = hasher(pair.layout)
     rng = np.random.default_rng(30 + layer_id)
     p = rng.integers(0, 5000, 20).tolist()
@@ -177,75 +241,72 @@ def test_decode_prefill_and_mixed_batches_match_sglangs_own_table(rack, layer_id
     ]
     for i, seqs in enumerate(cases):
         ids, _ = h.hash_windows(*windows(seqs))
-        pair.step(ids, hidden(ids.shape[0], i), prefetch=i % 2 == 0)
+        pair.step(ids, hidden(ids.shape[0], i), publish=i % 2 == 0)
 
 
-def test_a_donor_killed_mid_run_changes_nothing(rack):
-    donor = rack.start()
-    pair = Pair(rack, 1, "n")
+def test_a_donor_killed_mid_run_changes_nothing(host_rack, hooks):
+    donor = host_rack.start()
+    pair = Pair(host_rack, 1, "n", hooks)
+    assert pair.remote
     h = hasher(pair.layout)
     seq = np.random.default_rng(8).integers(0, 5000, 30).tolist()
-    served = []
     for k in range(4, 20):
         if k == 10:
             donor.signal(signal.SIGKILL)
         ids, _ = h.hash_windows(*windows([(seq[:k], [seq[k]]), (seq[:2], seq[2:k])]))
-        pair.step(ids, hidden(ids.shape[0], k), prefetch=True)
-        served.append(set(pair.rack.embed._rows.last_served.sources))
-    assert "d" in set().union(*served[:6]), served
-    assert "d" not in set().union(*served[7:]) and "ssd" in set().union(*served[7:]), served
+        pair.step(ids, hidden(ids.shape[0], k), publish=True)
+    assert rack_plugin.link().memory.stats()[0]["failovers"] > 0
 
 
-def test_registration_goes_through_sglangs_hook_registry(monkeypatch, rack):
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def test_registration_goes_through_sglangs_hook_registry(monkeypatch, rack, hooks):
+    from sglang.srt.plugins.hook_registry import HookType
 
     monkeypatch.delenv("ENGRAM_RACK_CONFIG", raising=False)
+    monkeypatch.delenv("ENGRAM_RACK_SOCKET", raising=False)
     plugin.register()  # off
     assert not plugin._registered
     monkeypatch.setenv("ENGRAM_RACK_CONFIG", str(rack.config))
     monkeypatch.setenv("ENGRAM_RACK_NODE", "n")
     plugin.register()
-    hooks = HookRegistry._hooks
-    assert [t for t, _, _ in hooks[plugin.EMBEDDING]] == [HookType.REPLACE]
-    assert [t for t, _, _ in hooks[plugin.HASHER_FORWARD]] == [HookType.AFTER]
-    with pytest.raises(common.PluginError, match="not supported"):
+    h = hooks._hooks
+    assert [t for t, _, _ in h[plugin.HOST_TABLE]] == [HookType.REPLACE]
+    assert [t for t, _, _ in h[plugin.GATHER]] == [HookType.AROUND]
+    assert [t for t, _, _ in h[plugin.HASHER_FORWARD]] == [HookType.AFTER]
+    with pytest.raises(plugin.PluginError, match="not supported"):
         plugin.check_version("0.5.22")
     plugin.check_version(sglang.__version__)
 
 
-def test_sglang_loads_the_plugin_through_its_entry_point(monkeypatch, rack):
-    """SGLang's own loader finds the entry point, runs register(), and its
-    `apply_hooks` puts the plugin's embedding where `Engram` looks it up."""
+def test_plugin_errors_stop_sglang(monkeypatch, tmp_path, hooks):
+    """SGLang logs and ignores a plugin's exceptions: a misconfigured rack
+    must end the process instead of running SGLang without it."""
+    monkeypatch.delenv("ENGRAM_RACK_SOCKET", raising=False)
+    monkeypatch.setenv("ENGRAM_RACK_CONFIG", str(tmp_path / "missing.toml"))
+    monkeypatch.setenv("ENGRAM_RACK_NODE", "n")
+    with pytest.raises(SystemExit, match="no such file"):
+        plugin.register()
+
+
+def test_sglang_loads_the_plugin_through_its_entry_point(monkeypatch, rack, hooks):
     from importlib.metadata import entry_points
 
     import sglang.srt.plugins as loader
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "engram_rack"]
     assert eps and eps[0].value == "engram_rack.sglang:register"
+    monkeypatch.delenv("ENGRAM_RACK_SOCKET", raising=False)
     monkeypatch.setenv("ENGRAM_RACK_CONFIG", str(rack.config))
     monkeypatch.setenv("ENGRAM_RACK_NODE", "n")
     monkeypatch.setattr(loader, "_plugins_loaded", False)
     loader.load_plugins()
-    HookRegistry.apply_hooks()
-    try:
-        assert SE.EngramEmbedding.__module__ == "engram_rack.sglang"
-    finally:
-        SE.EngramEmbedding = ORIGINAL
+    assert SE._HostTable is plugin.RackHostTable
+    assert os.environ["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] == "shared"
 
 
-def test_a_donor_serving_another_table_version_is_refused(rack, tables):
+def test_a_donor_serving_another_table_version_is_refused(rack, tables, hooks):
     from conftest import write_config
 
     port = int(rack.config.read_text().split('listen = ["127.0.0.1:')[1].split('"')[0])
     rack.start(config=write_config(rack.dir / "other.toml", tables, port, l1="l1-other"))
     with pytest.raises(er.SetupError, match="another version"):
-        Pair(rack, 1, "only-donor").step(*_one_step(), prefetch=False)
-    pair = Pair(rack, 1, "n")  # the SSD copy behind it serves the right rows
-    pair.step(*_one_step(), prefetch=False)
-
-
-def _one_step():
-    h = hasher(layout([0, 0]))
-    ids, _ = h.hash_windows(*windows([([1, 2, 3], [4, 5])]))
-    return ids, hidden(2, 3)
+        Pair(rack, 1, "only-donor", hooks)
