@@ -53,8 +53,10 @@ _lock = threading.Lock()
 _registered = False
 #: Remote tables by their stand-in weight address: (ring, layer).
 _remote: dict[int, tuple] = {}
-#: The ring every remote layer of this process shares, once made.
+#: The ring every remote layer of this process shares, once made, and
+#: the link that serves it.
 _ring = None
+_ring_link = None
 
 __all__ = ["PluginError", "RackHostTable", "check_version", "register"]
 
@@ -69,12 +71,13 @@ def check_version(version: str) -> None:
 
 def _remote_ring(device):
     """The ring of every remote layer (both sections when both are)."""
-    global _ring
+    global _ring, _ring_link
     from .ring import RingLookup
 
+    lk = link()
     with _lock:
-        if _ring is None:
-            lk = link()
+        if _ring is None or _ring_link is not lk:
+            _ring_link = lk
             layers = tuple(layer for layer in (1, 14) if lk.table(layer) is None)
             _ring = RingLookup(layers, (0, 24), positions=RING_POSITIONS, device=device)
             lk.serve(_ring)

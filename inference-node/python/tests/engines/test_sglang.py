@@ -152,7 +152,7 @@ class Pair:
     """SGLang's `Engram` over its own table and the same class built with
     the plugin's hooks applied, sharing the projection and gate weights."""
 
-    def __init__(self, rack, layer_id: int, node: str, hooks, socket=None):
+    def __init__(self, rack, layer_id: int, node: str, hooks, socket=None, fresh=True):
         rows = [table_rows(rack, 1), table_rows(rack, 14)]
         self.layout = layout(rows)
         self.rack_ref = rack
@@ -171,9 +171,10 @@ class Pair:
             else:
                 os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node)
             os.environ["ENGRAM_RACK_METRICS"] = "off"
-            rack_plugin.reset()
-            plugin.register()
-            hooks.apply_hooks()
+            if fresh:  # else: the same link and hooks as the pair before
+                rack_plugin.reset()
+                plugin.register()
+                hooks.apply_hooks()
             self.rack = SE.Engram(hf_config(), layer_id, self.layout, prefix="e")
         finally:
             torch.set_default_dtype(default)
