@@ -118,11 +118,20 @@ impl EngineListener {
     }
 
     /// Serve engines until `stop` is set: every engine's rings on one
-    /// thread (one [`RingHub`]).
-    pub fn run(&self, mem: &Arc<EmbeddedNode>, stop: &Arc<AtomicBool>) -> io::Result<()> {
+    /// thread (one [`RingHub`]). `alive` is called every [`WATCH`] while
+    /// that thread keeps making passes (a watchdog's ping).
+    pub fn run(
+        &self,
+        mem: &Arc<EmbeddedNode>,
+        stop: &Arc<AtomicBool>,
+        alive: &dyn Fn(),
+    ) -> io::Result<()> {
         let hub = Arc::new(RingHub::start(Arc::clone(mem), self.ring).map_err(io::Error::other)?);
         let open = Arc::new(AtomicUsize::new(0));
         while !stop.load(Ordering::Relaxed) {
+            if hub.alive(Duration::from_secs(1)) {
+                alive();
+            }
             if !readable(self.fd.as_raw_fd(), WATCH) {
                 continue;
             }

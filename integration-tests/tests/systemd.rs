@@ -16,7 +16,11 @@ fn systemd_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd")
 }
 
-const UNITS: [&str; 2] = ["memory-donor.service", "inference-node.service"];
+const UNITS: [&str; 3] = [
+    "memory-donor.service",
+    "inference-node.service",
+    "engram-engines.service",
+];
 
 fn settings(unit: &str) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(systemd_dir().join(unit)).expect("unit file");
@@ -56,13 +60,19 @@ fn units_carry_the_operations_settings() {
             ("ProtectHome", "yes"),
             ("NoNewPrivileges", "yes"),
             ("PrivateTmp", "yes"),
-            ("ExecReload", "/bin/kill -HUP $MAINPID"),
         ] {
             assert_eq!(get(k), v, "{unit}: {k}");
         }
+        // The engine client applies a new config by restarting (its
+        // engines see their rings' deadlines meanwhile): no reload.
+        if unit == "engram-engines.service" {
+            assert!(s.iter().all(|(k, _)| k != "ExecReload"), "{unit}");
+        } else {
+            assert_eq!(get("ExecReload"), "/bin/kill -HUP $MAINPID", "{unit}");
+        }
         // No capability, but for the node CAP_SYS_NICE (its SSD copy's
         // reads at real-time I/O priority).
-        let caps = if unit.starts_with("inference-node") {
+        let caps = if unit.starts_with("inference-node") || unit.starts_with("engram-engines") {
             "CAP_SYS_NICE"
         } else {
             ""
@@ -76,8 +86,13 @@ fn units_carry_the_operations_settings() {
         } else {
             "ENGRAM_NODE_NAME"
         };
+        let verb = if unit.starts_with("engram-engines") {
+            "engines"
+        } else {
+            "serve"
+        };
         assert!(get("ExecStart").contains(&format!(
-            " serve --config /etc/engram-rack/rack.toml --name ${{{var}}}"
+            " {verb} --config /etc/engram-rack/rack.toml --name ${{{var}}}"
         )));
         assert_eq!(get("Environment"), format!("{var}=%H"), "{unit}");
         assert_eq!(

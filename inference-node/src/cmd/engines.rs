@@ -79,14 +79,27 @@ pub async fn run(args: EnginesArgs) -> Result<()> {
         .with_context(|| format!("binding the engine socket {}", args.socket.display()))?;
     let stop = Arc::new(AtomicBool::new(false));
     super::stop_on_signals(Arc::clone(&stop));
+    super::ignore_hangups("inference-node engines");
     eprintln!("ready engines={}", listener.path().display());
     tracing::info!(socket = %listener.path().display(), node = args.name, "serving engines");
-    if let Ok(n) = Notifier::from_env() {
-        let _ = n.ready(&format!("serving engines on {}", listener.path().display()));
-    }
+    let notifier = Notifier::from_env().unwrap_or_else(|_| Notifier::disabled());
+    let _ = notifier.ready(&format!("serving engines on {}", listener.path().display()));
     let m = Arc::clone(&mem);
     let s = Arc::clone(&stop);
-    tokio::task::spawn_blocking(move || listener.run(&m, &s))
+    // WATCHDOG=1 at half the interval systemd set, while the ring thread
+    // keeps making passes.
+    let every = notifier.watchdog().map(|w| w / 2);
+    let last = std::sync::Mutex::new(std::time::Instant::now());
+    let ping = move || {
+        let (Some(every), Ok(mut at)) = (every, last.lock()) else {
+            return;
+        };
+        if at.elapsed() >= every {
+            *at = std::time::Instant::now();
+            let _ = notifier.watchdog_ping();
+        }
+    };
+    tokio::task::spawn_blocking(move || listener.run(&m, &s, &ping))
         .await?
         .context("serving engines")?;
     stop.store(true, Ordering::Relaxed);

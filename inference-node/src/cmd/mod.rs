@@ -14,6 +14,20 @@ pub mod serve;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Log SIGHUP and go on (a process that cannot reload a config is not
+/// ended by the reload signal's default action).
+pub fn ignore_hangups(what: &'static str) {
+    tokio::spawn(async move {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            tracing::warn!("SIGHUP: {what} does not reload its config; restart it to apply one");
+        }
+    });
+}
+
 /// Set `stop` on SIGINT or SIGTERM (the run ends after its current step).
 pub fn stop_on_signals(stop: Arc<AtomicBool>) {
     tokio::spawn(async move {

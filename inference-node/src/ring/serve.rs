@@ -74,6 +74,8 @@ pub struct RingHub {
     opts: RingOptions,
     added: Arc<Mutex<Vec<RingState>>>,
     stop: Arc<AtomicBool>,
+    /// CLOCK_MONOTONIC at the thread's last pass over its rings.
+    pass: Arc<AtomicU64>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -116,18 +118,27 @@ impl RingHub {
     pub fn start(mem: Arc<EmbeddedNode>, opts: RingOptions) -> Result<Self, EmbedError> {
         let added = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (a, s) = (Arc::clone(&added), Arc::clone(&stop));
+        let pass = Arc::new(AtomicU64::new(monotonic_ns()));
+        let (a, s, p) = (Arc::clone(&added), Arc::clone(&stop), Arc::clone(&pass));
         let thread = std::thread::Builder::new()
             .name("engram-rings".into())
-            .spawn(move || run(&a, &s, opts))
+            .spawn(move || run(&a, &s, &p, opts))
             .map_err(|e| EmbedError::Internal(format!("the ring thread cannot start: {e}")))?;
         Ok(Self {
             mem,
             opts,
             added,
             stop,
+            pass,
             thread: Some(thread),
         })
+    }
+
+    /// Whether the ring thread has made a pass over its rings within
+    /// `within` (a wedged thread has not: what a watchdog asks).
+    pub fn alive(&self, within: Duration) -> bool {
+        let last = self.pass.load(Ordering::Relaxed);
+        monotonic_ns().saturating_sub(last) <= within.as_nanos() as u64
     }
 
     /// Serve `ring` too: checked against the node's tables first.
@@ -196,13 +207,14 @@ pub fn serve(
 }
 
 /// The hub's thread: every ring's one pass, spinning while any is busy.
-fn run(added: &Mutex<Vec<RingState>>, stop: &AtomicBool, opts: RingOptions) {
+fn run(added: &Mutex<Vec<RingState>>, stop: &AtomicBool, pass: &AtomicU64, opts: RingOptions) {
     // Naps of a few microseconds, not the default 50 us of slack.
     // SAFETY: prctl with integer arguments on this thread.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1u64, 0, 0, 0) };
     let mut rings: Vec<RingState> = Vec::new();
     let mut last_event = Instant::now();
     while !stop.load(Ordering::Relaxed) {
+        pass.store(monotonic_ns(), Ordering::Relaxed);
         if let Some(mut new) = added.try_lock()
             && !new.is_empty()
         {
