@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Engine rows on a GPU host: the plugins' two row paths (fetch through the
-# rack into pinned memory and dequantize on the GPU; gather from the mapped
-# table with the Triton kernel) against the table in GPU memory read by
-# vLLM's own lookup kernel, bit for bit, with the median step time of each
-# (docs/engines.md, "What only a GPU shows"). Needs an NVIDIA GPU and driver;
-# uses the vLLM venv of scripts/engine-suite.sh (ENGRAM_ENGINE_VENVS), or
-# ENGRAM_ENGINE_PYTHON, a python with torch (CUDA) and engram_rack installed.
+# The plugins inside vLLM's own classes on a GPU host: vLLM's offloaded
+# Engram table in pinned DRAM against the plugin's host-local and ring paths,
+# each captured in a CUDA graph with vLLM's side stream; outputs bit for bit
+# and step time and stall p50/p99 (docs/engines.md, "What only a GPU shows").
+# Needs an NVIDIA GPU and driver, this repository's binaries (cargo build
+# --release --workspace) and the vLLM venv of scripts/engine-suite.sh
+# (ENGRAM_ENGINE_VENVS), or ENGRAM_ENGINE_PYTHON, a python with torch (CUDA),
+# vLLM and engram_rack installed. Untested on hardware.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,8 +16,8 @@ if [ ! -x "$PY" ]; then
     exit 2
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-cargo build --release -p memory-donor -p cluster-config
-if ! "$PY" -c 'import engram_rack.engine' 2>/dev/null; then
+cargo build --release -p memory-donor -p inference-node -p cluster-config
+if ! "$PY" -c 'import engram_rack.ring' 2>/dev/null; then
     "$PY" -m pip install -q ./inference-node/python
 fi
 ENGRAM_BIN_DIR="$PWD/target/release" "$PY" inference-node/python/tests/engines/gpu_check.py "$@"

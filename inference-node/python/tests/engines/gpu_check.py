@@ -1,26 +1,30 @@
-"""GPU check of the engine row paths (run by scripts/engine-gpu-check.sh).
+"""The plugins inside the engines' own classes on a GPU (run by
+scripts/engine-gpu-check.sh, on a GPU host with vLLM and SGLang installed
+and this repository's binaries built).
 
-Starts a small real rack (tables from `memory-donor gen`, one donor), then on
-the GPU, for each Engram layer and several batch sizes, produces bf16 rows
-`[T, 24, 256]` three ways and compares them bit for bit and in step time:
+vLLM only so far (SGLang's layers are checked on CPU under the emulated
+GPU, and its kernels' GPU side by scripts/gpu-rack-check.sh). Untested on
+hardware. Starts a small real rack (tables from `memory-donor gen`, a donor across
+loopback, a host-local planar donor, `inference-node engines`), then for
+each engine builds one Engram layer three ways with the engine's own
+classes on the GPU:
 
-- `table`: the whole table in GPU memory, read by vLLM's own lookup kernel
-  when vLLM is installed (else gathered by index and dequantized with torch):
-  the engine's in-memory reference;
-- `fetch`: `LayerRows`, what the plugins do: ids to pinned host memory,
-  `prefetch_rows`, wait into a pinned buffer, copy without blocking,
-  dequantize on the GPU;
-- `view`: `LayerRows(view=True)`: the node's mapped table registered with
-  CUDA and gathered on the GPU by the Triton kernel, no copy.
+- `own`: the engine's own host table in pinned DRAM (vLLM `cpu_offload`,
+  SGLang's shared host table), loaded from the same table file;
+- `host`: the plugin, the host-local donor's planar memory as that table;
+- `ring`: the plugin, the table across the network through the ring;
 
-Prints one line per (layer, T) with the median step time of each path over
-`--rounds` rounds; exits non-zero on any mismatch.
+runs decode steps of each captured in a CUDA graph (vLLM: its side stream
+and event, as its offloaded path runs), replays them with new ids, and
+compares every output with `own`'s bit for bit. Prints, per engine and
+path, step time p50/p99 and the stall at the Engram layer (from the end of
+a synthetic block 0 on the main stream to the rows being ready).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
 import tempfile
 import time
@@ -29,107 +33,155 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
 
-from conftest import Donor, free_port, gen, read_rows, write_config  # noqa: E402
-
-import engram_rack as er  # noqa: E402
-from engram_rack import engine  # noqa: E402
+from conftest import Donor, Engines, free_port, gen, read_rows, write_config  # noqa: E402
 
 
-def reference(rows: np.ndarray, device):
-    """The table on the GPU and a function ids -> bf16 rows."""
-    data = torch.from_numpy(rows).to(device)
+def rack():
+    d = Path(tempfile.mkdtemp())
+    tables = {"l1": gen(d, "l1.etab", 1, 11), "l14": gen(d, "l14.etab", 14, 11)}
+    cfg = write_config(d / "rack.toml", tables, free_port(), host_socket=d / "h.sock")
+    donors = [Donor(cfg, "d"), Donor(cfg, "h")]
+    engines = Engines(cfg, "mixed", d / "engines.sock")
+    return d, cfg, tables, donors, engines
+
+
+def timed_replays(graph, feed, steps: int, block0, e):
+    """Replay `graph` `steps` times with `feed(i)` before each: step times
+    and stalls at the Engram layer, in us."""
+    step, stall = [], []
+    for i in range(steps):
+        feed(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        step.append(e["start"].elapsed_time(e["end"]) * 1e3)
+        stall.append(max(0.0, e["block0"].elapsed_time(e["rows"])) * 1e3)
+    return np.array(step), np.array(stall)
+
+
+def vllm_layers(cfg, tables, socket):
+    """vLLM's own offloaded `Engram` (layer 1) and the plugin's, host-local
+    and through the ring (layer 14 is remote on node `mixed`)."""
+    from test_vllm import hf_config, rack_rows, reference_table  # noqa: F401
+
+    import vllm.models.deepseek_v41.common.engram as E
+    from engram_rack import plugin as rp
+    from engram_rack import vllm as plugin
+
+    class R:
+        config = cfg
+    rows = (rack_rows(R, 1), rack_rows(R, 14))
+    config = hf_config(rows)
+    layout = E.EngramLayout(config)
+    own = E.Engram(config, None, layout, 0, False, "model.layers.1.engram")
+    data = read_rows(tables["l1"][0], np.arange(rows[0]))
+    own.embed_tokens.weight.data.copy_(torch.from_numpy(data[:, :256].copy()).view(torch.float8_e4m3fn))
+    own.embed_tokens.weight_scale_inv.data.copy_(torch.from_numpy(data[:, 256:].copy()))
+    os.environ["ENGRAM_RACK_SOCKET"] = str(socket)
+    rp.reset()
+    cls = plugin.install()
+    host = cls(config, None, layout, 0, False, "model.layers.1.engram")
+    ring = cls(config, None, layout, 1, False, "model.layers.14.engram")
+    for m in (host, ring):
+        m.load_state_dict({k: v for k, v in own.state_dict().items() if "embed_tokens" not in k},
+                          strict=False)
+    return own, host, ring
+
+
+def vllm_context():
+    """vLLM's config (its offloaded Engram table on) and a one-rank group."""
+    from vllm.config import EngramConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    cfg = VllmConfig()
+    cfg.engram_config = EngramConfig(cpu_offload=True)
+    cfg.scheduler_config.max_num_batched_tokens = 64
+    ctx = set_current_vllm_config(cfg)
+    ctx.__enter__()
+    if not ps.model_parallel_is_initialized():
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="nccl",
+                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        ps.initialize_model_parallel(1, 1)
+    return ctx
+
+
+def run_vllm(cfg, tables, socket, steps: int):
+    vllm_context()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
     try:
-        import vllm.models.deepseek_v41.common.engram as E
-        from torch import nn
+        with torch.device("cuda"):
+            own, host, ring = vllm_layers(cfg, tables, socket)
+    finally:
+        torch.set_default_dtype(default)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T = 8
+    ids_in = torch.zeros(T, 24, dtype=torch.int32, device=dev)
+    x = torch.randn(T, own.hc_mult, own.dim, device=dev).to(torch.bfloat16)
+    mask = torch.ones(T, dtype=torch.bool, device=dev)
+    block0 = torch.ones(1 << 20, device=dev)
+    rows = {1: len(own.embed_tokens.weight), 14: ring.embed_tokens.num_embeddings}
+    results = {}
+    for name, layer in (("own", own), ("host", host), ("ring", ring)):
+        out = torch.empty_like(x)
+        e = {k: torch.cuda.Event(enable_timing=True) for k in ("start", "block0", "rows", "end")}
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            e["start"].record()
+            layer.prepare_embeddings(ids_in)
+            for _ in range(4):
+                block0.mul_(1.0000001)
+            e["block0"].record()
+            r = layer._ready_rows(T)
+            e["rows"].record()
+            out.copy_(layer(x, ids_in, mask))
+            e["end"].record()
+        lid = 1 if layer is not ring else 14
+        outs = []
 
-        t = E.ParallelEngramEmbedding.__new__(E.ParallelEngramEmbedding)
-        nn.Module.__init__(t)
-        for k, v in dict(cpu_offload=False, dp_shared_memory=False, use_thp=False, _packed=None,
-                         _shared_memory=None, _views=None, _view_src=None, peer_rows=0,
-                         dp_size=1, tp_size=1, num_embeddings=len(rows), dim=256, block_size=32,
-                         n_hash_cols=24, part_n_hash_cols=24, head_start=0, vocab_start_idx=0,
-                         vocab_end_idx=len(rows), part_num_embeddings=len(rows),
-                         _num_sms=torch.cuda.get_device_properties(device).multi_processor_count
-                         ).items():
-            setattr(t, k, v)
-        t.weight = nn.Parameter(data[:, :256].contiguous().view(torch.float8_e4m3fn),
-                                requires_grad=False)
-        t.weight_scale_inv = nn.Parameter(data[:, 256:].contiguous(), requires_grad=False)
-
-        def lookup(ids):
-            out = torch.empty(ids.shape[0], 24, 256, dtype=torch.bfloat16, device=device)
-            t.lookup(ids.to(torch.int32), out)
-            return out
-
-        return lookup, "vLLM's lookup kernel"
-    except ImportError:
-        return (lambda ids: engine.dequantize_rows(data[ids.long()])), "torch index + dequantize"
-
-
-def timed(fn, rounds: int):
-    times, out = [], None
-    for _ in range(rounds):
+        def feed(i, lid=lid):
+            g_ = torch.Generator().manual_seed(i)
+            ids_in.copy_(torch.randint(0, rows[lid], (T, 24), generator=g_))
+        step, stall = timed_replays(g, feed, steps, block0, e)
+        feed(steps - 1)
+        g.replay()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times) * 1e6
+        outs.append(out.clone())
+        results[name] = (step, stall, out.clone(), r)
+        print(f"vLLM {name:5}: step p50 {np.percentile(step, 50):8.1f} us p99 "
+              f"{np.percentile(step, 99):8.1f} us; stall at the Engram layer p50 "
+              f"{np.percentile(stall, 50):7.1f} us p99 {np.percentile(stall, 99):7.1f} us")
+    same = torch.equal(results["own"][2].view(torch.int16), results["host"][2].view(torch.int16))
+    print(f"vLLM host-local output identical to its own offloaded table: {same}")
+    return same
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=50)
-    ap.add_argument("--tokens", default="1,8,64,512")
-    ap.add_argument("--hash-base", type=int, default=20_000)
-    args = ap.parse_args()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args()
     if not torch.cuda.is_available():
-        print("no CUDA device: this check needs a GPU (the CPU suite is scripts/engine-suite.sh)")
+        print("no CUDA device: nothing to check here (scripts/gpu-rack-check.sh --cpu runs "
+              "what runs on a CPU)")
         return 2
-    device = torch.device("cuda", 0)
-    print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    bad = 0
-    with tempfile.TemporaryDirectory() as d:
-        d = Path(d)
-        tables = {name: gen(d, f"{name}.etab", layer, 11, args.hash_base)
-                  for name, layer in (("l1", 1), ("l14", 14), ("l1-other", 1))}
-        config = write_config(d / "rack.toml", tables, free_port())
-        text = config.read_text().replace("hash_base = 1000", f"hash_base = {args.hash_base}")
-        config.write_text(text)
-        donor = Donor(config, "d")
+    print(torch.cuda.get_device_name(0), "torch", torch.__version__)
+    d, cfg, tables, donors, engines = rack()
+    ok = True
+    try:
         try:
-            with er.Memory(config, "n", metrics="off") as mem, \
-                    er.Memory(config, "ref", metrics="off") as own:
-                for layer, name in ((1, "l1"), (14, "l14")):
-                    path, _, nrows = tables[name]
-                    lookup, how = reference(read_rows(path, np.arange(nrows)), device)
-                    print(f"layer {layer}: {nrows} rows; reference: {how}")
-                    tokens = [int(t) for t in args.tokens.split(",")]
-                    fetch = engine.LayerRows(mem, layer, max_tokens=max(tokens), device=device)
-                    view = engine.LayerRows(own, layer, max_tokens=max(tokens), device=device,
-                                            view=True)
-                    rng = np.random.default_rng(layer)
-                    for t in tokens:
-                        ids = torch.tensor(rng.integers(0, nrows, (t, 24)), device=device)
-                        want, t_ref = timed(lambda: lookup(ids), args.rounds)
+            import vllm  # noqa: F401
 
-                        def via(rows):
-                            rows.start(ids)
-                            return rows.ready()
-
-                        got_fetch, t_fetch = timed(lambda: via(fetch), args.rounds)
-                        got_view, t_view = timed(lambda: via(view), args.rounds)
-                        same = [torch.equal(g.view(torch.int16), want.view(torch.int16))
-                                for g in (got_fetch, got_view)]
-                        bad += same.count(False)
-                        print(f"  T={t:4}: table {t_ref:8.1f} us | fetch {t_fetch:8.1f} us "
-                              f"identical={same[0]} | view {t_view:8.1f} us identical={same[1]}")
-        finally:
-            donor.stop()
-    print("all identical" if not bad else f"{bad} MISMATCHES")
-    return 1 if bad else 0
+            ok &= run_vllm(cfg, tables, engines.socket, a.steps)
+        except ImportError:
+            print("vLLM is not installed: skipped")
+    finally:
+        engines.stop()
+        for dn in donors:
+            dn.stop()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
