@@ -87,7 +87,8 @@ impl RingMemory {
             ));
         }
         let len = file.metadata().map_err(io("stat"))?.len();
-        if len < engram_protocol::ring::HEADER_BYTES || len > engram_protocol::ring::MAX_RING_BYTES
+        if !(engram_protocol::ring::HEADER_BYTES..=engram_protocol::ring::MAX_RING_BYTES)
+            .contains(&len)
         {
             return Err(RingError(format!("{len} bytes is not a ring")));
         }
@@ -130,7 +131,7 @@ impl RingMemory {
 
     /// The 8-byte word at `at` (8-aligned, inside the mapping).
     fn word(&self, at: u64) -> &AtomicU64 {
-        debug_assert!(at % 8 == 0 && (at as usize) + 8 <= self.len());
+        debug_assert!(at.is_multiple_of(8) && (at as usize) + 8 <= self.len());
         // SAFETY: `at` is 8-aligned inside the mapping (offsets come from
         // the checked shape), which lives as long as `self`.
         unsafe { &*(self.as_ptr().add(at as usize) as *const AtomicU64) }
@@ -138,7 +139,7 @@ impl RingMemory {
 
     /// The 4-byte word at `at` (4-aligned, inside the mapping).
     fn word32(&self, at: u64) -> &AtomicU32 {
-        debug_assert!(at % 4 == 0 && (at as usize) + 4 <= self.len());
+        debug_assert!(at.is_multiple_of(4) && (at as usize) + 4 <= self.len());
         // SAFETY: as `word`, 4-aligned.
         unsafe { &*(self.as_ptr().add(at as usize) as *const AtomicU32) }
     }

@@ -298,17 +298,16 @@ impl RingState {
         let sh = *ring.shape();
         let tables = mem.table_rows()?;
         let mut rows = [0u64; 2];
-        for l in 0..sh.layers as usize {
-            let slot = ENGRAM_LAYERS
-                .iter()
-                .position(|&x| x == sh.layer_ids[l])
-                .ok_or_else(|| {
-                    EmbedError::BadInput(format!(
-                        "the ring's layer section {l} is layer {}: the Engram layers are 1 and 14",
-                        sh.layer_ids[l]
-                    ))
-                })?;
-            rows[l] = tables[slot];
+        for (l, (id, n)) in sh.layer_ids.iter().zip(&mut rows).enumerate() {
+            if l >= sh.layers as usize {
+                break;
+            }
+            let slot = ENGRAM_LAYERS.iter().position(|x| x == id).ok_or_else(|| {
+                EmbedError::BadInput(format!(
+                    "the ring's layer section {l} is layer {id}: the Engram layers are 1 and 14"
+                ))
+            })?;
+            *n = tables[slot];
         }
         if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
             return Err(EmbedError::BadInput(
@@ -472,7 +471,7 @@ impl RingState {
                     dst[k * cols + c] = id as u64;
                 }
             }
-            let partial = dst.iter().any(|&r| r == crate::embed::NO_ROW);
+            let partial = dst.contains(&crate::embed::NO_ROW);
             if !dead && (!ok || partial) {
                 if ok {
                     bad |= mask;
