@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use daemon_runtime::hostsock::{
-    MAX_MESSAGE, bind, peer_credentials, readable, recv, reopen_read_only, send, seqpacket,
+    MAX_MESSAGE, listen, peer_credentials, readable, recv, reopen_read_only, send,
 };
 use engram_store::resident::RowLayout;
 use serde_json::json;
@@ -45,27 +45,8 @@ pub const MAX_RINGS: usize = 8;
 /// How often threads look for the stop flag.
 const WATCH: Duration = Duration::from_millis(50);
 
-/// Who may connect: these users and groups; with both empty, this
-/// process's own user and group.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct EngineAccess {
-    /// Allowed user ids.
-    pub uids: Vec<u32>,
-    /// Allowed group ids (the peer's primary group).
-    pub gids: Vec<u32>,
-}
-
-impl EngineAccess {
-    /// Whether a peer of `uid` and `gid` may connect.
-    pub fn allows(&self, uid: u32, gid: u32) -> bool {
-        if self.uids.is_empty() && self.gids.is_empty() {
-            // SAFETY: getuid and getgid cannot fail.
-            let (me, group) = unsafe { (libc::getuid(), libc::getgid()) };
-            return uid == me || gid == group;
-        }
-        self.uids.contains(&uid) || self.gids.contains(&gid)
-    }
-}
+/// Who may connect (the peer's credentials).
+pub use daemon_runtime::hostsock::Access as EngineAccess;
 
 /// A bound engine socket; the file goes when it is dropped.
 #[derive(Debug)]
@@ -80,32 +61,8 @@ impl EngineListener {
     /// Bind `path` (a stale socket there is replaced; any other file is an
     /// error), mode 0660.
     pub fn bind(path: &Path, access: EngineAccess, ring: RingOptions) -> io::Result<Self> {
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-                std::fs::remove_file(path)?;
-            }
-            Ok(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("{} exists and is not a socket", path.display()),
-                ));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        let fd = seqpacket()?;
-        bind(&fd, path)?;
-        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))?;
-        // SAFETY: listen and fcntl on our own bound socket.
-        unsafe {
-            if libc::listen(fd.as_raw_fd(), 64) < 0
-                || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) < 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-        }
         Ok(Self {
-            fd,
+            fd: listen(path)?,
             path: path.to_path_buf(),
             access,
             ring,

@@ -186,6 +186,61 @@ pub fn recv(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<File>)> {
     Ok((n as usize, first))
 }
 
+/// Who may connect to a host or engine socket: these users and groups (by
+/// the peer's credentials); with both empty, this process's own user and
+/// group.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Access {
+    /// Allowed user ids.
+    pub uids: Vec<u32>,
+    /// Allowed group ids (the peer's primary group).
+    pub gids: Vec<u32>,
+}
+
+impl Access {
+    /// Whether a peer of `uid` and `gid` may connect.
+    pub fn allows(&self, uid: u32, gid: u32) -> bool {
+        if self.uids.is_empty() && self.gids.is_empty() {
+            // SAFETY: getuid and getgid cannot fail.
+            let (me, my_group) = unsafe { (libc::getuid(), libc::getgid()) };
+            return uid == me || gid == my_group;
+        }
+        self.uids.contains(&uid) || self.gids.contains(&gid)
+    }
+}
+
+/// A listening, non-blocking `SOCK_SEQPACKET` socket at `path`, mode 0660:
+/// a stale socket file an earlier process left there is replaced; any
+/// other file there is an error. (Non-blocking: a client that connects and
+/// goes before the accept must not leave an accept loop waiting.)
+pub fn listen(path: &Path) -> io::Result<OwnedFd> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            std::fs::remove_file(path)?;
+        }
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let fd = seqpacket()?;
+    bind(&fd, path)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))?;
+    // SAFETY: listen and fcntl on our own bound socket, integer arguments.
+    unsafe {
+        if libc::listen(fd.as_raw_fd(), 64) < 0
+            || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) < 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(fd)
+}
+
 /// A peer's credentials, as the kernel recorded them at connect.
 #[derive(Debug, Clone, Copy)]
 pub struct Cred {

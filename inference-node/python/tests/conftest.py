@@ -189,6 +189,18 @@ def write_config(path: Path, tables, port: int, *, l1: str = "l1", policy: str =
     return path
 
 
+def point_plugins_at(rack, node: str, socket=None) -> None:
+    """Name the rack for the engine plugins: the engine socket, or the
+    config and node (and no /metrics), as an engine's environment would."""
+    for k in ("ENGRAM_RACK_SOCKET", "ENGRAM_RACK_CONFIG", "ENGRAM_RACK_NODE"):
+        os.environ.pop(k, None)
+    if socket is not None:
+        os.environ["ENGRAM_RACK_SOCKET"] = str(socket)
+    else:
+        os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node)
+    os.environ["ENGRAM_RACK_METRICS"] = "off"
+
+
 def host_donor(socket: Path, tables, policy: str) -> str:
     """Donor `h` (TCP and a planar host socket) and nodes `hl` and `mixed`."""
     p1, p14 = tables["l1"][0], tables["l14"][0]

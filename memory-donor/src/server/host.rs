@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use daemon_runtime::hostsock::{
-    HOST_PROTOCOL, bind, peer_credentials, readable, reopen_read_only, send, seqpacket,
+    HOST_PROTOCOL, listen, peer_credentials, readable, reopen_read_only, send,
 };
 use engram_store::kept;
 use serde_json::json;
@@ -36,27 +36,8 @@ pub const MAX_CLIENTS: usize = 64;
 /// The longest a send to a client may wait (a client that stops reading).
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Who may connect: these users and groups (by the peer's credentials);
-/// with both empty, the donor's own user and group.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HostAccess {
-    /// Allowed user ids.
-    pub uids: Vec<u32>,
-    /// Allowed group ids (the peer's primary group).
-    pub gids: Vec<u32>,
-}
-
-impl HostAccess {
-    /// Whether a peer of `uid` and `gid` may connect.
-    pub fn allows(&self, uid: u32, gid: u32) -> bool {
-        if self.uids.is_empty() && self.gids.is_empty() {
-            // SAFETY: getuid and getgid cannot fail.
-            let (me, my_group) = unsafe { (libc::getuid(), libc::getgid()) };
-            return uid == me || gid == my_group;
-        }
-        self.uids.contains(&uid) || self.gids.contains(&gid)
-    }
-}
+/// Who may connect (the peer's credentials).
+pub use daemon_runtime::hostsock::Access as HostAccess;
 
 /// What the host socket serves: where, and to whom.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,34 +60,7 @@ impl HostListener {
     /// replaced; any other file there is an error), readable and writable
     /// by its owner and group (0660).
     pub fn bind(spec: HostSpec) -> io::Result<Self> {
-        let path = &spec.path;
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-                std::fs::remove_file(path)?;
-            }
-            Ok(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("{} exists and is not a socket", path.display()),
-                ));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        let fd = seqpacket()?;
-        bind(&fd, path)?;
-        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660))?;
-        // SAFETY: listen on our own bound socket.
-        if unsafe { libc::listen(fd.as_raw_fd(), 64) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // Non-blocking: a client that connects and goes before the accept
-        // must not leave the thread waiting for the next one (it watches
-        // for the drain between polls).
-        // SAFETY: fcntl on our own descriptor with integer arguments.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = listen(&spec.path)?;
         Ok(Self { fd, spec })
     }
 

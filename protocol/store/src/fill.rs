@@ -103,9 +103,28 @@ pub fn fill(
             format!("buffer of {total} bytes for {rows} rows"),
         ));
     }
+    let dest = Dest::Packed(Base(dst.as_mut_ptr()));
+    let Some((segments, cvs)) = place(file, dest, total, opts, progress)? else {
+        return Ok(None);
+    };
+    if segments == 1 {
+        return Ok(Some(TableDigest::of_rows(dst)));
+    }
+    Ok(Some(root(&cvs)))
+}
+
+/// Place `total` bytes of rows (as if back to back) at `dest` in
+/// segments on `opts.threads` workers: the segment count and the
+/// segments' chaining values, or `None` when not hashing.
+fn place(
+    file: &TableFile,
+    dest: Dest,
+    total: usize,
+    opts: FillOptions,
+    progress: Option<&mut Progress>,
+) -> Result<Option<(usize, Vec<ChainingValue>)>, TableFileError> {
     let segment = opts.segment.max(blake3::CHUNK_LEN).next_power_of_two();
     let segments = total.div_ceil(segment).max(1);
-    let dest = Dest::Packed(Base(dst.as_mut_ptr()));
     let cvs = run_segments(
         segments,
         opts.threads,
@@ -113,13 +132,7 @@ pub fn fill(
         || Worker::new(file),
         |work, s| work.segment(dest, total, segment, s, segments, opts),
     )?;
-    if !opts.digest {
-        return Ok(None);
-    }
-    if segments == 1 {
-        return Ok(Some(TableDigest::of_rows(dst)));
-    }
-    Ok(Some(root(&cvs)))
+    Ok(opts.digest.then_some((segments, cvs)))
 }
 
 /// [`fill`] into a planar layout: row `r`'s 256 values to `values[r * 256..]`
@@ -147,22 +160,13 @@ pub fn fill_planar(
         ));
     }
     let total = rows as usize * ROW_BYTES;
-    let segment = opts.segment.max(blake3::CHUNK_LEN).next_power_of_two();
-    let segments = total.div_ceil(segment).max(1);
     let dest = Dest::Planar {
         values: Base(values.as_mut_ptr()),
         scales: Base(scales.as_mut_ptr()),
     };
-    let cvs = run_segments(
-        segments,
-        opts.threads,
-        progress,
-        || Worker::new(file),
-        |work, s| work.segment(dest, total, segment, s, segments, opts),
-    )?;
-    if !opts.digest {
+    let Some((segments, cvs)) = place(file, dest, total, opts, progress)? else {
         return Ok(None);
-    }
+    };
     if segments == 1 {
         let mut h = blake3::Hasher::new();
         for r in 0..rows as usize {

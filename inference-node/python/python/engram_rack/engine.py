@@ -33,27 +33,32 @@ _PAGE_ROWS = 15
 _PAGE_BYTES = 4096
 
 
-def scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
+def scale_values(scale_bytes: torch.Tensor, scale0_zero: bool = False) -> torch.Tensor:
     """UE8M0 scale bytes (uint8) to their f32 values, 2^(s - 127).
 
     The byte is the f32 exponent field, so `s << 23` is the value for s >= 1;
-    s = 0 is 2^-127, a subnormal, as the V4.1 reference reads it (not 0.0).
+    s = 0 is 2^-127, a subnormal, as the V4.1 reference reads it, or 0.0 with
+    `scale0_zero` (vLLM's lookup kernel's rule).
     """
     bits = scale_bytes.to(torch.int32) << 23
-    bits = torch.where(scale_bytes == 0, torch.full_like(bits, _TWO_TO_MINUS_127_BITS), bits)
+    if not scale0_zero:
+        bits = torch.where(scale_bytes == 0, torch.full_like(bits, _TWO_TO_MINUS_127_BITS), bits)
     return bits.view(torch.float32)
 
 
-def dequantize_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_rows(rows: torch.Tensor, out: torch.Tensor | None = None, *,
+                    scale0_zero: bool = False) -> torch.Tensor:
     """Rows (uint8, last axis 264) to bf16 values (last axis 256), on the
     rows' device: each E4M3 code times its block's scale in f32 (exact),
-    rounded to bf16. Zero rows (a DEAD position, a padded head) give zeros."""
+    rounded to bf16 (`scale0_zero`: a scale byte of 0 reads as 0.0, as
+    vLLM's kernel reads it). Zero rows (a DEAD position, a padded head)
+    give zeros."""
     if rows.dtype != torch.uint8 or rows.ndim == 0 or rows.shape[-1] != ROW_BYTES:
         raise BadInputError(f"rows must be uint8 with a last axis of {ROW_BYTES}, got "
                             f"{rows.dtype} {tuple(rows.shape)}")
     lead = rows.shape[:-1]
     codes = rows[..., :ROW_VALUES].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-    scales = scale_values(rows[..., ROW_VALUES:])
+    scales = scale_values(rows[..., ROW_VALUES:], scale0_zero)
     values = codes.view(*lead, _SCALES, _BLOCK) * scales.unsqueeze(-1)
     values = values.view(*lead, ROW_VALUES)
     if out is None:

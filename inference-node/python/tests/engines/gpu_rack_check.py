@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engram_rack import cuda as rcuda  # noqa: E402
+from engram_rack.engine import dequantize_rows  # noqa: E402
 from engram_rack.ring import FakeTimer, RingLookup  # noqa: E402
 
 COLS = 24
@@ -49,13 +50,8 @@ def table(rows: int, seed: int = 1) -> np.ndarray:
 
 
 def reference(rows: np.ndarray, scale0_zero: bool) -> torch.Tensor:
-    codes = torch.from_numpy(np.ascontiguousarray(rows[..., :256])).view(torch.float8_e4m3fn)
-    s = torch.from_numpy(np.ascontiguousarray(rows[..., 256:])).to(torch.int32)
-    scale = (s << 23).view(torch.float32)
-    if not scale0_zero:
-        scale = torch.where(s == 0, torch.tensor(2.0 ** -127), scale)
-    v = codes.to(torch.float32).view(*codes.shape[:-1], 8, 32) * scale.unsqueeze(-1)
-    return v.view(*codes.shape).to(torch.bfloat16)
+    """The engines' arithmetic on the CPU (torch)."""
+    return dequantize_rows(torch.from_numpy(np.ascontiguousarray(rows)), scale0_zero=scale0_zero)
 
 
 class Responder:

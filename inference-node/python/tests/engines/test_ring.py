@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import engram_rack as er  # noqa: E402
+from engram_rack.engine import dequantize_rows  # noqa: E402
 from engram_rack.ring import STATUS_OK, STATUS_TIMEOUT, RingLookup  # noqa: E402
 
 ROWS = {1: None, 14: None}
@@ -30,13 +31,7 @@ ROWS = {1: None, 14: None}
 def reference(rows: np.ndarray, scale0_zero: bool) -> torch.Tensor:
     """bf16 values of raw rows by the engines' arithmetic (vLLM's scale
     byte 0 is 0.0, SGLang's 2^-127): f32 code x f32 scale, rounded once."""
-    codes = torch.from_numpy(np.ascontiguousarray(rows[..., :256])).view(torch.float8_e4m3fn)
-    sbytes = torch.from_numpy(np.ascontiguousarray(rows[..., 256:])).to(torch.int32)
-    scale = (sbytes << 23).view(torch.float32)
-    if not scale0_zero:
-        scale = torch.where(sbytes == 0, torch.tensor(2.0 ** -127), scale)
-    v = codes.to(torch.float32).view(*codes.shape[:-1], 8, 32) * scale.unsqueeze(-1)
-    return v.view(*codes.shape).to(torch.bfloat16)
+    return dequantize_rows(torch.from_numpy(np.ascontiguousarray(rows)), scale0_zero=scale0_zero)
 
 
 def table_rows(rack, layer: int) -> int:

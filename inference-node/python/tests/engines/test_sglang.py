@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 sglang = pytest.importorskip("sglang")
 SE = pytest.importorskip("sglang.srt.layers.engram")
 
-from conftest import HASH_BASE, read_rows  # noqa: E402
+from conftest import HASH_BASE, point_plugins_at, read_rows  # noqa: E402
 from torch import nn  # noqa: E402
 
 import engram_rack as er  # noqa: E402
@@ -164,13 +164,7 @@ class Pair:
             self.ref = SE.Engram(hf_config(), layer_id, self.layout, prefix="e")
             for p in (self.ref.wkv.weight, self.ref.q_weight, self.ref.k_weight):
                 p.data.copy_(torch.randn(p.shape) * 0.05)
-            for k in ("ENGRAM_RACK_SOCKET", "ENGRAM_RACK_CONFIG", "ENGRAM_RACK_NODE"):
-                os.environ.pop(k, None)
-            if socket is not None:
-                os.environ["ENGRAM_RACK_SOCKET"] = str(socket)
-            else:
-                os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node)
-            os.environ["ENGRAM_RACK_METRICS"] = "off"
+            point_plugins_at(rack, node, socket)
             if fresh:  # else: the same link and hooks as the pair before
                 rack_plugin.reset()
                 plugin.register()

@@ -27,7 +27,13 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
-from conftest import HASH_BASE, free_port, read_rows, write_config  # noqa: E402
+from conftest import (  # noqa: E402
+    HASH_BASE,
+    free_port,
+    point_plugins_at,
+    read_rows,
+    write_config,
+)
 
 import engram_rack as er  # noqa: E402
 
@@ -131,13 +137,7 @@ class Pair:
         self.config = hf_config((rack_rows(rack, 1), rack_rows(rack, 14)))
         layout = E.EngramLayout(self.config)
         self.layout = layout
-        for k in ("ENGRAM_RACK_SOCKET", "ENGRAM_RACK_CONFIG", "ENGRAM_RACK_NODE"):
-            os.environ.pop(k, None)
-        if socket is not None:
-            os.environ["ENGRAM_RACK_SOCKET"] = str(socket)
-        else:
-            os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node)
-        os.environ["ENGRAM_RACK_METRICS"] = "off"
+        point_plugins_at(rack, node, socket)
         rack_plugin.reset()
         cls = plugin.install()
         assert E.Engram is cls and cls.__module__ == "engram_rack.vllm"

@@ -25,6 +25,7 @@ vllm = pytest.importorskip("vllm")
 E = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
 
 import emulation  # noqa: E402
+from conftest import point_plugins_at  # noqa: E402
 from test_vllm import (  # noqa: E402, F401
     Pair,
     hash_state,
@@ -41,10 +42,7 @@ from engram_rack import vllm as plugin  # noqa: E402
 
 def build(rack, node: str, layer_index: int):
     """The plugin's Engram layer, built as vLLM builds the model."""
-    for k in ("ENGRAM_RACK_SOCKET", "ENGRAM_RACK_CONFIG", "ENGRAM_RACK_NODE"):
-        os.environ.pop(k, None)
-    os.environ.update(ENGRAM_RACK_CONFIG=str(rack.config), ENGRAM_RACK_NODE=node,
-                      ENGRAM_RACK_METRICS="off")
+    point_plugins_at(rack, node)
     rack_plugin.reset()
     cls = plugin.install()
     config = hf_config((rack_rows(rack, 1), rack_rows(rack, 14)))
