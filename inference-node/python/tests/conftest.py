@@ -295,3 +295,11 @@ def _close_plugin_links():
     except ImportError:
         return
     plugin.reset()
+    # A process group left to the interpreter's exit can abort it (its
+    # threads outlive the objects that own them).
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -33,6 +33,7 @@ advances (`FakeTimer`): how the tests run the protocol with a real client.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -184,24 +185,29 @@ def _kernels():
 
 class FakeTimer:
     """The GPU timer's stand-in on CPU: a word a thread keeps at the host's
-    monotonic clock (ns), every `tick` seconds, until `stop()`."""
+    monotonic clock (ns), every `tick` seconds, until `stop()` (or the
+    interpreter's exit: a thread stopped there inside torch's C++ would
+    abort the process)."""
 
     def __init__(self, tick: float = 1e-4):
         self.word = torch.zeros(1, dtype=torch.int64)
+        self._word = self.word.numpy()  # written without torch's C++
         self._stop = threading.Event()
         self._tick = tick
-        self.word[0] = time.monotonic_ns()
+        self._word[0] = time.monotonic_ns()
         self._thread = threading.Thread(target=self._run, name="fake-gpu-timer", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)
 
     def _run(self):
         while not self._stop.is_set():
-            self.word[0] = time.monotonic_ns()
+            self._word[0] = time.monotonic_ns()
             time.sleep(self._tick)
 
     def stop(self):
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class RingLookup:
