@@ -220,6 +220,10 @@ pub struct LoadOptions {
     /// process ([`kept::seal_future_writes`], which keeps the view), so a
     /// restarted donor can make its view again.
     pub rdma_view: bool,
+    /// Read, place and hash at this background priority
+    /// ([`crate::background`]): a donor's load beside the host's other
+    /// work (a node mapping its tables, an engine).
+    pub background: Option<crate::background::Background>,
 }
 
 impl Default for LoadOptions {
@@ -233,6 +237,7 @@ impl Default for LoadOptions {
             known_file: None,
             numa_node: None,
             rdma_view: false,
+            background: None,
         }
     }
 }
@@ -832,6 +837,7 @@ fn fill_memory(
     let fill = FillOptions {
         threads: opts.threads.max(1),
         digest: !opts.trust_digest,
+        background: opts.background,
         ..FillOptions::default()
     };
     let digest = crate::fill::fill(file, &mut map[..len], fill, progress.as_mut())?;
@@ -851,6 +857,7 @@ fn read_mapped(
         threads: opts.threads.max(1),
         digest: !opts.trust_digest,
         drop_behind: false,
+        background: opts.background,
         ..FillOptions::default()
     };
     let digest = crate::fill::touch_mapped(file, map, touch, progress.as_mut())?;
