@@ -376,20 +376,48 @@ impl ResidentTable {
         self.mem.map.get(at..at + ROW_BYTES)
     }
 
-    /// Map every page of the table into this process now
+    /// Map the pages of bytes `range` of the table's memory
+    /// ([`Self::memory_bytes`]) into this process now
     /// (`MADV_POPULATE_READ`; a read of each page where the kernel lacks
-    /// it), so that no lookup takes a page fault. For memory another
+    /// it), so that no lookup takes a page fault there. For memory another
     /// process filled (a host socket's memfd): its pages exist, but this
     /// process's page tables do not point at them until touched, and a
-    /// first touch costs a fault in the middle of a lookup.
-    pub fn populate(&self) {
-        let map = &self.mem.map;
-        if map.advise(memmap2::Advice::PopulateRead).is_ok() {
-            return;
+    /// first touch costs a fault in the middle of a lookup. The call holds
+    /// the address space's lock (for reading) while it runs: a large table
+    /// is populated a slice at a time ([`crate::background::slices`]).
+    pub fn populate_range(&self, range: std::ops::Range<usize>) {
+        if let Some(bytes) = self.memory_bytes().get(range) {
+            crate::fill::populate(bytes);
         }
-        for page in map.chunks(4096) {
-            // SAFETY: a read of a byte inside the mapping.
-            let _ = unsafe { std::ptr::read_volatile(page.as_ptr()) };
+    }
+
+    /// Drop this process's page-table entries for bytes `range` of the
+    /// table's memory (`MADV_DONTNEED`), for a table in a memfd (loaded
+    /// into one, or mapped from another process's): its pages stay in the
+    /// memfd, and a later read maps them again. Done a slice at a time
+    /// before a large mapping is let go, it keeps the `munmap` (which
+    /// holds the address space's lock for writing while it clears the
+    /// page tables) short. False, and nothing done, for any other table,
+    /// whose pages this would discard.
+    pub fn release_range(&self, range: std::ops::Range<usize>) -> bool {
+        if self.kept.is_none() {
+            return false;
+        }
+        let Some(bytes) = self.memory_bytes().get(range) else {
+            return false;
+        };
+        if bytes.is_empty() {
+            return true;
+        }
+        // SAFETY: advice over part of a shared mapping of a memfd this
+        // table owns: MADV_DONTNEED clears page-table entries only; the
+        // pages stay in the memfd and a later read faults them back in.
+        unsafe {
+            libc::madvise(
+                bytes.as_ptr().cast_mut().cast(),
+                bytes.len(),
+                libc::MADV_DONTNEED,
+            ) == 0
         }
     }
 
