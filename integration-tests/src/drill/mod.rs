@@ -14,12 +14,16 @@
 //! drill's events on the node's clock), [`report::Report`] (timeline,
 //! figures, checks), `scaffold` (what every drill does: its moments,
 //! starting the rack, checking the end) and [`drills`] (the list of drills
-//! and most of them; `storm` and `handshakes` hold the storms). The tests in
+//! and most of them; `storm` and `handshakes` hold the storms,
+//! `generation` the drills of a donor back with a new generation, and
+//! [`random`] the seeded random-schedule drill). The tests in
 //! `tests/drills.rs` and `engram-bench drill` run the same drills.
 
 pub mod drills;
+mod generation;
 mod handshakes;
 pub mod node;
+pub mod random;
 pub mod report;
 mod scaffold;
 mod storm;
@@ -88,21 +92,29 @@ pub struct Env {
     pub ssd_fetch_us: f64,
     /// Positions the reference covers.
     pub max_tokens: u64,
+    /// The tables' hashing base ([`BASE`] unless asked otherwise).
+    pub base: u64,
 }
 
 impl Env {
     /// Generate the tables in `dir`, run the reference (`max_tokens`
     /// positions) and the SSD calibration.
     pub fn prepare(dir: &Path, max_tokens: u64) -> Result<Self> {
+        Self::prepare_with(dir, max_tokens, BASE)
+    }
+
+    /// [`Self::prepare`] with tables of hashing base `base` (larger
+    /// tables: a load, and the mapping of a new generation, take longer).
+    pub fn prepare_with(dir: &Path, max_tokens: u64, base: u64) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = std::fs::canonicalize(dir)?;
         NetNs::remove_stale();
-        let params = HashParams::new(Preset::from_base(BASE)?)?;
+        let params = HashParams::new(Preset::from_base(base)?)?;
         let make = |seed: u64, tag: &str| -> Result<[TableFile; 2]> {
             let mut out = Vec::new();
             for (i, layer) in [1u32, 14].into_iter().enumerate() {
                 let name = format!("{tag}-layer{layer}.etab");
-                let (path, digest) = gen_hashed_table(&dir, &name, layer, BASE, seed)?;
+                let (path, digest) = gen_hashed_table(&dir, &name, layer, base, seed)?;
                 // On disk before the node reads it with O_DIRECT: a read of
                 // pages still dirty in the page cache waits for their
                 // writeback (tens of milliseconds on a fresh VM), which is
@@ -129,6 +141,7 @@ impl Env {
             reference: BTreeMap::new(),
             ssd_fetch_us: 0.0,
             max_tokens,
+            base,
         };
         // The reference and the calibration run side by side.
         let plan = Plan::new("prepare");
@@ -336,7 +349,7 @@ fn rack_config(
         .collect();
     rack.model = Some(ModelSection {
         fusion: Some("cpu".into()),
-        ..ModelSection::synthetic(BASE, 5, 16, 4)
+        ..ModelSection::synthetic(env.base, 5, 16, 4)
     });
     rack
 }

@@ -23,6 +23,8 @@ pub(super) const HEAL_AT: f64 = 4.0;
 pub struct Opts {
     /// The node's token rate.
     pub tokens_per_second: f64,
+    /// The seed of the random-schedule drills' schedule.
+    pub seed: u64,
 }
 
 impl Opts {
