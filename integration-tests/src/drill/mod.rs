@@ -36,6 +36,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::{HashParams, Preset};
 
 use crate::netns::NetNs;
@@ -374,9 +375,14 @@ fn donor_entry(env: &Env, plan: &Plan, d: &DonorAddrs) -> DonorEntry {
         .then(|| format!("unix://{}", host_socket(env, plan, d.name).display()));
     let listen = std::iter::once(format!("{scheme}://{}", d.listen)).chain(quic.clone());
     let advertise = std::iter::once(format!("{scheme}://{}", d.advertise)).chain(quic);
+    // Room for both tables and a swap's new version beside them, however
+    // large `Env::base` makes them.
+    let tables = env.tables.iter().map(|t| t.rows).sum::<u64>() * ROW_BYTES as u64;
+    let ram_gib = (tables as f64 * 2.0 / f64::from(1u32 << 30)).max(1.0);
     DonorEntry {
         advertise: Some(advertise.collect()),
         metrics: Some(d.metrics.to_string()),
+        ram_gib,
         headroom_gib: Some(0.0),
         max_connections: Some(plan.max_connections as u64),
         hello_timeout_ms: Some(plan.hello_timeout_ms),
