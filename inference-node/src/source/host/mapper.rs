@@ -1,13 +1,17 @@
-//! The host source's mapper: a thread of its own, at idle priority
-//! (`SCHED_IDLE`), that does the work a new generation brings beside the
-//! lookups, never on their path:
+//! The host source's mapper: the work a new generation brings beside the
+//! lookups, never on their path. A thread of the source's own coordinates
+//! it; the heavy part runs on a helper thread at idle priority
+//! (`SCHED_IDLE`), which holds no lock a lookup could wait for.
 //!
 //! - **Ready** a new generation before it serves: map its pages into this
 //!   process a slice at a time (`MADV_POPULATE_READ`, 4 MiB a call, so the
 //!   address space's lock is held briefly), while lookups go on reading
 //!   the generation in service (the same version: the same rows). Only
-//!   then does it replace it, in one pointer swap. A donor that moves on
-//!   meanwhile (another generation, another version, gone) abandons it.
+//!   then does it replace it, in one pointer swap under the table map's
+//!   lock, taken at normal priority: a thread at idle priority holding it
+//!   could wait behind any other work on its core while lookups wait for
+//!   it. A donor that moves on meanwhile (another generation, another
+//!   version, gone) abandons it.
 //! - **Warm** a table's first mapping, which serves at once (there is
 //!   nothing else to read here): its pages mapped in the same way while
 //!   it serves.
@@ -15,14 +19,14 @@
 //!   it: its page tables cleared a slice at a time (`MADV_DONTNEED`),
 //!   then unmapped, and its memory let go (for a donor that restarted,
 //!   the last reference to its old memfd: freeing it takes time in
-//!   proportion to its size), here rather than on the thread of whoever
-//!   let go of it last.
+//!   proportion to its size), at idle priority, rather than on the thread
+//!   of whoever let go of it last.
 //!
-//! Measured before this thread existed (docs/benchmarks.md): the watcher
-//! freed the old generation while holding the table map's write lock, so
-//! a lookup waited for all of it (406 ms for a 660 MB table), and a new
-//! generation was populated by a thread per table at normal priority,
-//! with lookups faulting on its pages meanwhile.
+//! Measured before this existed (docs/benchmarks.md): the watcher freed
+//! the old generation while holding the table map's write lock, so a
+//! lookup waited for all of it (406 ms for a 660 MB table); a new
+//! generation served at once and was populated by a thread per table at
+//! normal priority, with lookups faulting on its pages meanwhile.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -30,7 +34,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use engram_store::background::{Background, lower_this_thread, slices};
-use engram_store::resident::ResidentTable;
 use engram_sync::{Condvar, Mutex};
 
 use super::{Mapped, RETRY, State};
@@ -49,7 +52,7 @@ enum Job {
     /// still the one wanted.
     Ready(u32, Arc<Mapped>),
     /// Populate a generation in service while it serves.
-    Warm(u32, Arc<Mapped>),
+    Warm(Arc<Mapped>),
     /// Unmap a generation out of service once nothing holds it.
     Retire(Arc<Mapped>),
 }
@@ -65,7 +68,7 @@ pub(super) struct Mapper {
 struct Queue {
     jobs: VecDeque<Job>,
     /// The generation being readied to replace each table's mapping.
-    wanted: HashMap<u32, u64>,
+    wanted: HashMap<u32, Arc<Mapped>>,
 }
 
 impl Mapper {
@@ -74,7 +77,9 @@ impl Mapper {
     /// another `ready`) comes first.
     pub(super) fn ready(&self, table: u32, m: Arc<Mapped>) {
         let mut q = self.queue.lock();
-        q.wanted.insert(table, m.generation);
+        if let Some(old) = q.wanted.insert(table, Arc::clone(&m)) {
+            old.done.store(true, Ordering::Release);
+        }
         // A generation of the table still waiting its turn is not wanted
         // any more: let go at once, so that a donor sending generation
         // after generation holds at most one waiting here.
@@ -89,24 +94,30 @@ impl Mapper {
         self.wake.notify_one();
     }
 
-    /// Populate `m`, table `table`'s mapping in service, while it serves.
-    pub(super) fn warm(&self, table: u32, m: Arc<Mapped>) {
-        self.push(Job::Warm(table, m));
+    /// Populate `m`, a table's mapping in service, while it serves.
+    pub(super) fn warm(&self, m: Arc<Mapped>) {
+        self.push(Job::Warm(m));
     }
 
-    /// Let `m` go once nothing holds it.
+    /// Let `m` go (out of service) once nothing holds it.
     pub(super) fn retire(&self, m: Arc<Mapped>) {
+        m.done.store(true, Ordering::Release);
         self.push(Job::Retire(m));
     }
 
     /// Whether `generation` is being readied for `table`.
     pub(super) fn readying(&self, table: u32, generation: u64) -> bool {
-        self.queue.lock().wanted.get(&table) == Some(&generation)
+        let q = self.queue.lock();
+        q.wanted
+            .get(&table)
+            .is_some_and(|m| m.generation == generation)
     }
 
     /// Stop readying anything for `table`: what is under way is retired.
     pub(super) fn forget(&self, table: u32) {
-        self.queue.lock().wanted.remove(&table);
+        if let Some(m) = self.queue.lock().wanted.remove(&table) {
+            m.done.store(true, Ordering::Release);
+        }
     }
 
     fn push(&self, job: Job) {
@@ -124,28 +135,18 @@ impl Mapper {
     }
 }
 
-/// The mapper thread of donor `name`'s source, until the source is dropped.
+/// The mapper of donor `name`'s source, until the source is dropped.
 pub(super) fn run(name: &str, st: &State) {
-    if let Err(e) = lower_this_thread(Background::Idle) {
-        tracing::debug!(donor = name, error = %e, "host socket: the mapper stays at normal priority");
-    }
     let mut retiring: Vec<Arc<Mapped>> = Vec::new();
     while !st.stop.load(Ordering::Relaxed) {
         let wait = if retiring.is_empty() { RETRY } else { RECHECK };
         match st.mapper.next(wait) {
             Some(Job::Ready(table, m)) => ready(name, table, m, st, &mut retiring),
-            Some(Job::Warm(table, m)) => {
+            Some(Job::Warm(m)) => {
                 let t0 = Instant::now();
-                let serving = || {
-                    !st.stop.load(Ordering::Relaxed)
-                        && st
-                            .maps
-                            .read()
-                            .get(&table)
-                            .is_some_and(|x| Arc::ptr_eq(x, &m))
-                };
-                if populate(&m.table, serving) {
+                if at_idle(name, || populate(&m, st)) {
                     let ms = t0.elapsed().as_millis() as u64;
+                    let table = m.table.id;
                     tracing::debug!(
                         donor = name,
                         table,
@@ -157,7 +158,11 @@ pub(super) fn run(name: &str, st: &State) {
             Some(Job::Retire(m)) => retiring.push(m),
             None => {}
         }
-        retiring.retain(|m| !let_go(m));
+        let (free, held): (Vec<_>, Vec<_>) = retiring.drain(..).partition(unheld);
+        retiring = held;
+        if !free.is_empty() {
+            at_idle(name, move || free.into_iter().for_each(let_go));
+        }
     }
 }
 
@@ -165,19 +170,17 @@ pub(super) fn run(name: &str, st: &State) {
 /// wanted; what it replaces (or `m`, abandoned) goes to `retiring`.
 fn ready(name: &str, table: u32, m: Arc<Mapped>, st: &State, retiring: &mut Vec<Arc<Mapped>>) {
     let t0 = Instant::now();
-    let wanted = || !st.stop.load(Ordering::Relaxed) && st.mapper.readying(table, m.generation);
-    if !populate(&m.table, wanted) {
-        retiring.push(m);
-        return;
-    }
+    let populated = at_idle(name, || populate(&m, st));
     let populated_ms = t0.elapsed().as_millis() as u64;
     let old = {
         // Checked and swapped under the queue's lock: a `forget` (the
         // donor moved on) either comes first, and `m` is abandoned, or
-        // after, and removes what was put in service.
+        // after, and takes out of service what was put in.
         let mut q = st.mapper.queue.lock();
-        if q.wanted.get(&table) != Some(&m.generation) {
+        let wanted = q.wanted.get(&table).is_some_and(|w| Arc::ptr_eq(w, &m));
+        if !(populated && wanted) {
             drop(q);
+            m.done.store(true, Ordering::Release);
             retiring.push(m);
             return;
         }
@@ -194,32 +197,64 @@ fn ready(name: &str, table: u32, m: Arc<Mapped>, st: &State, retiring: &mut Vec<
         populated_ms,
         "host socket: new generation in service, its pages mapped first"
     );
-    retiring.extend(old);
+    if let Some(old) = old {
+        old.done.store(true, Ordering::Release);
+        retiring.push(old);
+    }
 }
 
-/// Map every page of `t` into this process, a slice at a time, while
-/// `go_on()`; whether it got to the end.
-fn populate(t: &ResidentTable, mut go_on: impl FnMut() -> bool) -> bool {
-    for range in slices(t.memory_bytes().len(), SLICE) {
-        if !go_on() {
+/// Run `work` on a helper thread at idle priority and wait for it (run
+/// here, at this thread's priority, where no thread can be started).
+fn at_idle<T: Send + Default>(name: &str, work: impl FnOnce() -> T + Send) -> T {
+    let job = Mutex::new(Some(work));
+    let run = || job.lock().take().map(|w| w());
+    std::thread::scope(|s| {
+        let helper = std::thread::Builder::new().name(format!("idle-{name}"));
+        let idle = || {
+            if let Err(e) = lower_this_thread(Background::Idle) {
+                tracing::debug!(donor = name, error = %e, "host socket: mapping at normal priority");
+            }
+            run()
+        };
+        let done = match helper.spawn_scoped(s, idle) {
+            Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            Err(e) => {
+                tracing::debug!(donor = name, error = %e, "host socket: no idle thread; mapping here");
+                None
+            }
+        };
+        // The job runs once, on the helper or (when it could not start) here.
+        done.or_else(run).unwrap_or_default()
+    })
+}
+
+/// Map every page of `m` into this process, a slice at a time, while it
+/// is wanted (and the source not dropped); whether it got to the end.
+/// Takes no lock: it runs at idle priority.
+fn populate(m: &Mapped, st: &State) -> bool {
+    for range in slices(m.table.memory_bytes().len(), SLICE) {
+        if m.done.load(Ordering::Acquire) || st.stop.load(Ordering::Relaxed) {
             return false;
         }
-        t.populate_range(range);
+        m.table.populate_range(range);
     }
     true
 }
 
-/// Let generation `m` go if nothing but the mapper holds it (no lookup,
-/// no view: out of the table map, neither can take it again): its page
-/// tables cleared a slice at a time, then unmapped. Whether it went.
-fn let_go(m: &Arc<Mapped>) -> bool {
-    if Arc::strong_count(m) > 1 || Arc::strong_count(&m.table) > 1 {
-        return false;
-    }
+/// Whether nothing but the mapper holds `m` (no lookup, no view: out of
+/// the table map, neither can take it again).
+fn unheld(m: &Arc<Mapped>) -> bool {
+    Arc::strong_count(m) == 1 && Arc::strong_count(&m.table) == 1
+}
+
+/// Let an unheld generation go: its page tables cleared a slice at a
+/// time, then unmapped (and its memory freed when it was the last
+/// reference to it).
+fn let_go(m: Arc<Mapped>) {
     for range in slices(m.table.memory_bytes().len(), SLICE) {
         m.table.release_range(range);
     }
-    true
+    drop(m);
 }
 
 #[cfg(test)]
@@ -228,7 +263,7 @@ mod tests {
 
     use engram_protocol::synthetic::first_mismatch;
     use engram_store::generate::{GenSpec, generate};
-    use engram_store::resident::{Backing, LoadOptions};
+    use engram_store::resident::{Backing, LoadOptions, ResidentTable};
 
     use super::*;
 
@@ -256,10 +291,7 @@ mod tests {
         };
         let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None).expect("load");
         assert!(t.kept().is_some(), "a memfd copy");
-        Arc::new(Mapped {
-            table: Arc::new(t),
-            generation,
-        })
+        Arc::new(Mapped::new(t, generation))
     }
 
     /// A state serving `m` for table 1, with its mapper running.

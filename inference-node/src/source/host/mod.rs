@@ -58,6 +58,20 @@ const FIRST_SYNC: Duration = Duration::from_secs(2);
 struct Mapped {
     table: Arc<ResidentTable>,
     generation: u64,
+    /// Set once this mapping is neither in service nor wanted: the
+    /// mapper's work on it stops (read without a lock by a thread at idle
+    /// priority, which must hold none).
+    done: AtomicBool,
+}
+
+impl Mapped {
+    fn new(table: ResidentTable, generation: u64) -> Self {
+        Self {
+            table: Arc::new(table),
+            generation,
+            done: AtomicBool::new(false),
+        }
+    }
 }
 
 /// What the watcher learned, shared with the lookups.
@@ -368,10 +382,7 @@ fn session(
 /// when nothing of the table is mapped now (its pages then mapped in the
 /// background while it serves), else once the mapper has readied it.
 fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State) {
-    let m = Arc::new(Mapped {
-        table: Arc::new(t),
-        generation,
-    });
+    let m = Arc::new(Mapped::new(t, generation));
     let serving = st.maps.read().get(&table).map(|m| m.generation);
     if let Some(old) = serving {
         tracing::info!(
@@ -394,7 +405,7 @@ fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State
     if let Some(old) = old {
         st.mapper.retire(old);
     }
-    st.mapper.warm(table, m);
+    st.mapper.warm(m);
 }
 
 /// A message about one table: its mapping (made, kept, or removed), or
