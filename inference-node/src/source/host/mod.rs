@@ -22,7 +22,8 @@
 //!   the same generation (a restart from the fd store) keeps its mapping.
 //!
 //! Two threads per donor: the watcher (the socket's messages; it maps a
-//! descriptor, which is quick) and the [`mapper`]. The wire format is
+//! descriptor, which is quick) and the [`mapper`] (with a helper at idle
+//! priority while it has pages to map in or out). The wire format is
 //! PROTOCOL.md section 5.
 
 mod mapper;
