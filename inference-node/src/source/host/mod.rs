@@ -98,6 +98,9 @@ struct State {
     counters: Option<HostCounters>,
     /// New generations readied, old ones let go.
     mapper: mapper::Mapper,
+    /// Tables mapped at some point (only a table's very first mapping
+    /// serves before its pages are mapped in).
+    mapped: Mutex<std::collections::HashSet<u32>>,
     stop: AtomicBool,
 }
 
@@ -379,19 +382,24 @@ fn session(
     Err("stopped".into())
 }
 
-/// Serve table `table` (`generation`) from its new mapping `t`: at once
-/// when nothing of the table is mapped now (its pages then mapped in the
-/// background while it serves), else once the mapper has readied it.
+/// Serve table `table` (`generation`) from its new mapping `t`: once the
+/// mapper has readied it, or at once for the table's very first mapping
+/// (the node starting: nothing of it was served from here yet), whose
+/// pages are then mapped in while it serves.
 fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State) {
     let m = Arc::new(Mapped::new(t, generation));
     let serving = st.maps.read().get(&table).map(|m| m.generation);
-    if let Some(old) = serving {
+    let first = serving.is_none() && st.mapped.lock().insert(table);
+    if !first {
+        // Lookups read the generation in service meanwhile or, with none
+        // (after another version), go to the route's other sources as
+        // they did while that version was served.
         tracing::info!(
             donor = name,
             table,
             generation,
-            serving = old,
-            "host socket: new generation mapped; serving the one in service until its pages are mapped"
+            serving,
+            "host socket: new generation mapped; in service once its pages are mapped"
         );
         st.mapper.ready(table, m);
         return;
