@@ -12,7 +12,7 @@ use inference_node::model::{Checksum, StepKind};
 use super::generation;
 use super::handshakes::{self, storm_handshakes};
 use super::report::{ensure_timing, served_by};
-use super::scaffold::{FAULT_AT, HEAL_AT, begin, finish};
+use super::scaffold::{FAULT_AT, HEAL_AT, Named, begin, finish};
 pub use super::scaffold::{Opts, SECONDS};
 use super::storm::{self, storm};
 use super::{Env, Placement, Plan, Rack, Report, Version};
@@ -163,6 +163,14 @@ pub(super) fn about(name: &str) -> &'static str {
     ALL.iter()
         .find(|(n, _, _)| *n == name)
         .map_or("", |(_, a, _)| a)
+}
+
+/// Drill `name` with its description, for a drill kept in a module of its own.
+fn named(name: &'static str) -> Named {
+    Named {
+        name,
+        about: about(name),
+    }
 }
 
 /// `kill -9` both donors; when.
@@ -405,34 +413,34 @@ fn kill_9_host(env: &Env, o: &Opts) -> Result<Report> {
 }
 
 fn restart_host_new_generation(env: &Env, o: &Opts) -> Result<Report> {
-    generation::restart_new_generation(env, o, "restart-host-new-generation", true)
+    generation::restart_new_generation(env, o, named("restart-host-new-generation"), true)
 }
 
 fn restart_tls_new_generation(env: &Env, o: &Opts) -> Result<Report> {
-    generation::restart_new_generation(env, o, "restart-tls-new-generation", false)
+    generation::restart_new_generation(env, o, named("restart-tls-new-generation"), false)
 }
 
 fn swap_host(env: &Env, o: &Opts) -> Result<Report> {
-    generation::swap(env, o, "swap-host", true)
+    generation::swap(env, o, named("swap-host"), true)
 }
 
 fn swap_tls(env: &Env, o: &Opts) -> Result<Report> {
-    generation::swap(env, o, "swap-tls", false)
+    generation::swap(env, o, named("swap-tls"), false)
 }
 
 fn random_host(env: &Env, o: &Opts) -> Result<Report> {
     let tcp = cluster_config::Transport::Tcp;
-    super::random::random(env, o, "random-host", tcp, true)
+    super::random::random(env, o, named("random-host"), tcp, true)
 }
 
 fn random_tls(env: &Env, o: &Opts) -> Result<Report> {
     let tls = cluster_config::Transport::Tls;
-    super::random::random(env, o, "random-tls", tls, false)
+    super::random::random(env, o, named("random-tls"), tls, false)
 }
 
 fn random_quic(env: &Env, o: &Opts) -> Result<Report> {
     let quic = cluster_config::Transport::Quic;
-    super::random::random(env, o, "random-quic", quic, false)
+    super::random::random(env, o, named("random-quic"), quic, false)
 }
 
 fn sigstop(env: &Env, o: &Opts) -> Result<Report> {

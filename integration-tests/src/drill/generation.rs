@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use super::drills::about;
-use super::scaffold::{FAULT_AT, HEAL_AT, Opts, begin, finish};
+use super::scaffold::{FAULT_AT, HEAL_AT, Named, Opts, begin, finish};
 use super::{Env, NodeRun, Plan, Rack, Report, Version};
 use crate::sample;
 
@@ -153,10 +152,10 @@ pub(super) fn worst_step_hops(r: &mut Report) {
 pub(super) fn restart_new_generation(
     env: &Env,
     o: &Opts,
-    name: &str,
+    drill: Named,
     host: bool,
 ) -> Result<Report> {
-    let plan = plan(name, host, false);
+    let plan = plan(drill.name, host, false);
     let (mut rack, mut run) = begin(env, &plan, o)?;
     let mut served = Vec::new();
     for (donor, at) in [("donor-b", FAULT_AT), ("donor-a", HEAL_AT)] {
@@ -174,7 +173,7 @@ pub(super) fn restart_new_generation(
         served.push((donor, ready, took));
     }
     let out = finish(run, o, true)?;
-    let mut r = Report::check(name, about(name), env, &plan, &out)?;
+    let mut r = Report::check(drill.name, drill.about, env, &plan, &out)?;
     if host {
         r.all_from("donor-a")?;
         for (donor, ready, took) in served {
@@ -248,8 +247,8 @@ fn swap_both(
 /// `swap-host` (`host`) and its baseline over TLS: donor-a's tables hot
 /// swapped to another version (the node moves to donor-b), then back to
 /// the pinned one, a new generation the node takes up again.
-pub(super) fn swap(env: &Env, o: &Opts, name: &str, host: bool) -> Result<Report> {
-    let plan = plan(name, host, true);
+pub(super) fn swap(env: &Env, o: &Opts, drill: Named, host: bool) -> Result<Report> {
+    let plan = plan(drill.name, host, true);
     let (rack, mut run) = begin(env, &plan, o)?;
     let (_, away) = swap_both(&rack, &mut run, env, "donor-a", Version::Other)?;
     run.at_second(HEAL_AT)?;
@@ -265,7 +264,7 @@ pub(super) fn swap(env: &Env, o: &Opts, name: &str, host: bool) -> Result<Report
         run.event("donor-a's new generation mapped");
     }
     let out = finish(run, o, true)?;
-    let mut r = Report::check(name, about(name), env, &plan, &out)?;
+    let mut r = Report::check(drill.name, drill.about, env, &plan, &out)?;
     // After the last swap away: lookups already asked of donor-a may
     // land, and over a host socket the node hears of the new version
     // within the donor's 50 ms watch, reading its mapping of the pinned

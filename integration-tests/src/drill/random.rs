@@ -15,9 +15,8 @@
 use anyhow::Result;
 use engram_protocol::synthetic::SplitMix64;
 
-use super::drills::about;
 use super::generation::{start_fresh, worst_step_hops};
-use super::scaffold::{Opts, finish};
+use super::scaffold::{Named, Opts, finish};
 use super::{DonorPlan, Env, NodeRun, Placement, Plan, Rack, Report};
 
 /// The donors of the drill.
@@ -164,11 +163,11 @@ fn act(rack: &mut Rack, run: &mut NodeRun, f: &Fault, begin: bool) -> Result<()>
 pub(super) fn random(
     env: &Env,
     o: &Opts,
-    name: &str,
+    drill: Named,
     transport: cluster_config::Transport,
     host: bool,
 ) -> Result<Report> {
-    let plan = plan(name, transport, host);
+    let plan = plan(drill.name, transport, host);
     let faults = schedule(o.seed);
     let mut moments: Vec<(f64, usize, bool)> = faults
         .iter()
@@ -183,7 +182,7 @@ pub(super) fn random(
         act(&mut rack, &mut run, &faults[i], begin)?;
     }
     let out = finish(run, o, true)?;
-    let mut r = Report::check(name, about(name), env, &plan, &out)?;
+    let mut r = Report::check(drill.name, drill.about, env, &plan, &out)?;
     r.figure("schedule", describe(o.seed, &faults));
     let restarts = faults.iter().filter(|f| f.kind != Kind::Stop).count();
     if host {
