@@ -32,6 +32,15 @@ pub struct DrillArgs {
     /// Width of a timeline row, seconds.
     #[arg(long, default_value_t = 0.5)]
     bucket: f64,
+    /// The seed of the random-schedule drills (`random-*`): the same seed
+    /// gives the same schedule over every transport.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The drill tables' hashing base (1000: about 24k rows, 6 MB a table;
+    /// 100000: about 2.5M rows, 660 MB): larger tables make a donor's load
+    /// and the mapping of a new generation take longer.
+    #[arg(long, default_value_t = rack_harness::drill::BASE)]
+    base: u64,
 }
 
 /// One drill's line in `drills.json`.
@@ -57,6 +66,7 @@ pub fn run(args: &DrillArgs) -> Result<()> {
         .collect();
     let opts = Opts {
         tokens_per_second: args.tokens_per_second,
+        seed: args.seed,
     };
     let t = Instant::now();
     println!(
@@ -64,7 +74,7 @@ pub fn run(args: &DrillArgs) -> Result<()> {
         opts.tokens(SECONDS),
         args.dir.display()
     );
-    let env = Env::prepare(&args.dir, opts.tokens(SECONDS))?;
+    let env = Env::prepare_with(&args.dir, opts.tokens(SECONDS), args.base)?;
     println!(
         "prepared in {:.1} s; one SSD fetch of a step's rows takes at most {:.2} ms here\n",
         t.elapsed().as_secs_f64(),
@@ -84,6 +94,7 @@ pub fn run(args: &DrillArgs) -> Result<()> {
         rows.push(run_one(&env, &opts, args, name, *f)?);
     }
     print!("{}", summary(&rows, args.tokens_per_second));
+    print!("{}", host_against_tls(&rows));
     let json = env.dir.join("drills.json");
     std::fs::write(&json, serde_json::to_vec_pretty(&rows)?)
         .with_context(|| format!("writing {}", json.display()))?;
@@ -209,6 +220,31 @@ fn summary(rows: &[Row], rate: f64) -> String {
             ms(r.stall_bound_ms),
             re,
             re_bound
+        );
+    }
+    t
+}
+
+/// Each drill over host sockets beside its baseline over TLS, when both
+/// ran: their worst stalls and the ratio, measured in this run (the same
+/// schedule, the same machine).
+fn host_against_tls(rows: &[Row]) -> String {
+    let mut t = String::new();
+    for host in rows.iter().filter(|r| r.drill.contains("host")) {
+        let twin = host.drill.replace("host", "tls");
+        let Some(tls) = rows.iter().find(|r| r.drill == twin) else {
+            continue;
+        };
+        let (Some(h), Some(n)) = (host.worst_stall_ms, tls.worst_stall_ms) else {
+            continue;
+        };
+        if t.is_empty() {
+            t += "host sockets against TLS (worst stall, same schedule):\n";
+        }
+        t += &format!(
+            "  {:<28} {h:>7.2} ms  {twin:<27} {n:>7.2} ms  ratio {:.2}\n",
+            host.drill,
+            h / n.max(1e-3)
         );
     }
     t

@@ -79,7 +79,7 @@ pub fn run(args: &LayoutArgs) -> Result<()> {
             ..LoadOptions::default()
         };
         let (t, _) = ResidentTable::load_with(Some(1), &path, &opts, |_| None)?;
-        t.populate();
+        t.populate_range(0..t.memory_bytes().len());
         Ok(t)
     };
     let packed = load(false)?;

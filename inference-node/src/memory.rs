@@ -442,17 +442,18 @@ async fn build(
                             })
                             .collect();
                         tracing::info!(donor = %d.name, socket = %path.display(), "the donor is on this host: its tables are mapped from its host socket");
-                        let gaps = metrics
-                            .host_gaps
-                            .get_or_create(&SourceOnly {
-                                source: d.name.clone(),
-                            })
-                            .clone();
-                        let host = crate::source::HostSource::with_gap_metric(
+                        let source = SourceOnly {
+                            source: d.name.clone(),
+                        };
+                        let counters = crate::source::HostCounters {
+                            gaps: metrics.host_gaps.get_or_create(&source).clone(),
+                            generations: metrics.host_generations.get_or_create(&source).clone(),
+                        };
+                        let host = crate::source::HostSource::with_counters(
                             d.name.clone(),
                             path.clone(),
                             pins,
-                            Some(gaps),
+                            Some(counters),
                         )
                         .map_err(|e| MemoryError::Internal {
                             table: spec.pinned.first().map_or(0, |p| p.0),

@@ -67,6 +67,9 @@ pub struct NodeMetrics {
     /// Times a host-local donor went away while its tables stayed mapped
     /// (and kept being served from the mapping).
     pub host_gaps: Family<SourceOnly, Counter>,
+    /// Generations of a host-local donor's tables put in service (each
+    /// table's first mapping included).
+    pub host_generations: Family<SourceOnly, Counter>,
     /// Answers refused because the source serves another table version.
     pub version_mismatches: Family<SourceLabels, Counter>,
     /// Answers discarded because a checksum or row check failed.
@@ -150,6 +153,7 @@ impl NodeMetrics {
             source_errors: Family::default(),
             breaker_state: Family::default(),
             host_gaps: Family::default(),
+            host_generations: Family::default(),
             version_mismatches: Family::default(),
             checksum_failures: Family::default(),
             rows_served: Family::default(),
@@ -202,6 +206,11 @@ impl NodeMetrics {
                 "host_gaps",
                 "Times a host-local donor went away while its tables stayed mapped and served",
                 m.host_gaps.clone(),
+            );
+            r.register(
+                "host_generations",
+                "Generations of a host-local donor's tables put in service, each table's first mapping included",
+                m.host_generations.clone(),
             );
             r.register(
                 "version_mismatches",

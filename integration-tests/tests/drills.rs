@@ -15,7 +15,12 @@ use rack_harness::netns::NetNs;
 
 const OPTS: Opts = Opts {
     tokens_per_second: 100.0,
+    seed: SEED,
 };
+
+/// The random-schedule drills' seed: the same schedule in every run, over
+/// every transport.
+const SEED: u64 = 1;
 
 fn env() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
@@ -116,6 +121,41 @@ fn drill_kill_9_tls_batch() {
 #[test]
 fn drill_kill_9_host() {
     drill("kill-9-host");
+}
+
+#[test]
+fn drill_restart_host_new_generation() {
+    drill("restart-host-new-generation");
+}
+
+#[test]
+fn drill_restart_tls_new_generation() {
+    drill("restart-tls-new-generation");
+}
+
+#[test]
+fn drill_swap_host() {
+    drill("swap-host");
+}
+
+#[test]
+fn drill_swap_tls() {
+    drill("swap-tls");
+}
+
+#[test]
+fn drill_random_host() {
+    drill("random-host");
+}
+
+#[test]
+fn drill_random_tls() {
+    drill("random-tls");
+}
+
+#[test]
+fn drill_random_quic() {
+    drill("random-quic");
 }
 
 #[test]

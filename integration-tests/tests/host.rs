@@ -21,7 +21,7 @@ use engram_store::resident::RowLayout;
 use inference_node::client::{ClientOptions, DonorClient, Request};
 use inference_node::memory::Routers;
 use inference_node::metrics::NodeMetrics;
-use inference_node::source::{HostSource, RowSource, SourceError};
+use inference_node::source::{HostCounters, HostSource, RowSource, SourceError};
 use rack_harness::rack_toml::{DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry};
 use rack_harness::{DonorProcess, free_port, gen_table, runtime as rt, sample, scrape};
 
@@ -314,12 +314,13 @@ fn kill_9_of_the_donor_under_load_costs_no_lookup() {
     let rack = rack(|_| ());
     let mut donor = rack.start();
     let metrics = NodeMetrics::new();
-    let gaps = metrics
-        .host_gaps
-        .get_or_create(&inference_node::metrics::SourceOnly { source: "d".into() })
-        .clone();
+    let source = inference_node::metrics::SourceOnly { source: "d".into() };
+    let counters = HostCounters {
+        gaps: metrics.host_gaps.get_or_create(&source).clone(),
+        generations: metrics.host_generations.get_or_create(&source).clone(),
+    };
     let src = Arc::new(
-        HostSource::with_gap_metric("d", rack.socket.clone(), rack.pin(0), Some(gaps))
+        HostSource::with_counters("d", rack.socket.clone(), rack.pin(0), Some(counters))
             .expect("watch"),
     );
     wait_for("the mapping", || src.is_mapped(1));
@@ -359,13 +360,21 @@ fn kill_9_of_the_donor_under_load_costs_no_lookup() {
         Some(1.0),
         "{text}"
     );
-    // Back: a new load (no fd store here), so a new generation, mapped in
-    // its turn while the readers read.
+    // Back: a new load (no fd store here), so a new generation, readied
+    // while the readers read the old one, then put in their place.
     drop(donor);
     let _donor = rack.start();
     wait_for("the new generation", || {
         src.generation(1).is_some_and(|g| Some(g) != generation)
     });
+    // The first mapping and the new generation, each put in service once.
+    assert_eq!(src.generations(), 2);
+    let text = metrics.render();
+    assert_eq!(
+        sample(&text, "engram_node_host_generations_total{source=\"d\"}"),
+        Some(2.0),
+        "{text}"
+    );
     std::thread::sleep(Duration::from_millis(100));
     stop.store(true, Ordering::Relaxed);
     for r in readers {

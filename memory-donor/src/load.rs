@@ -4,7 +4,7 @@
 //! them, or a load, verified unless trusted), with each table's state in
 //! the donor's status, its progress in systemd's status line, and what
 //! happened in the log. The load parameters a swap uses too (`backing`,
-//! `load_threads`, `rdma_view`) live here.
+//! `load_threads`, `rdma_view`, the `BACKGROUND` priority) live here.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -143,6 +143,7 @@ fn load_one(
         numa_node: spec.numa_node,
         rdma_view: rdma_view(spec.rdma.is_some()),
         planar: spec.host_layout == cluster_config::KeptLayout::Planar,
+        background: Some(BACKGROUND),
     };
     let (table, resumed) = resume_or_load(t.id, &t.path, &opts, store, progress)?;
     let st = &status.tables[i];
@@ -224,6 +225,15 @@ fn load_progress(
         }
     })
 }
+
+/// The priority a donor reads, places and hashes a table at, at start or
+/// in a swap: the lowest normal one. A load is work beside the host's
+/// other work (a node on the same host mapping its tables, an engine, the
+/// donor's own connection threads): on an idle host it runs as fast as
+/// before, on a busy one it gives way, but it is never starved (a swap
+/// must end).
+pub(crate) const BACKGROUND: engram_store::background::Background =
+    engram_store::background::Background::Low;
 
 /// Load threads for a configured count (0: every core).
 pub(crate) fn load_threads(n: usize) -> usize {

@@ -531,6 +531,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         numa_node: cx.numa_node,
         rdma_view: crate::load::rdma_view(cx.serves_rdma),
         planar: cx.planar,
+        background: Some(crate::load::BACKGROUND),
     };
     // The descriptor `prepare` checked: the name is not opened again.
     let file = p

@@ -27,7 +27,7 @@ use thiserror::Error;
 use tokio::time::Instant;
 
 pub use donor::{ControlTls, DonorSource};
-pub use host::HostSource;
+pub use host::{HostCounters, HostSource};
 pub use local::LocalRam;
 pub use ssd::SsdSource;
 

@@ -14,12 +14,16 @@
 //! drill's events on the node's clock), [`report::Report`] (timeline,
 //! figures, checks), `scaffold` (what every drill does: its moments,
 //! starting the rack, checking the end) and [`drills`] (the list of drills
-//! and most of them; `storm` and `handshakes` hold the storms). The tests in
+//! and most of them; `storm` and `handshakes` hold the storms,
+//! `generation` the drills of a donor back with a new generation, and
+//! [`random`] the seeded random-schedule drill). The tests in
 //! `tests/drills.rs` and `engram-bench drill` run the same drills.
 
 pub mod drills;
+mod generation;
 mod handshakes;
 pub mod node;
+pub mod random;
 pub mod report;
 mod scaffold;
 mod storm;
@@ -32,6 +36,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::{HashParams, Preset};
 
 use crate::netns::NetNs;
@@ -88,21 +93,29 @@ pub struct Env {
     pub ssd_fetch_us: f64,
     /// Positions the reference covers.
     pub max_tokens: u64,
+    /// The tables' hashing base ([`BASE`] unless asked otherwise).
+    pub base: u64,
 }
 
 impl Env {
     /// Generate the tables in `dir`, run the reference (`max_tokens`
     /// positions) and the SSD calibration.
     pub fn prepare(dir: &Path, max_tokens: u64) -> Result<Self> {
+        Self::prepare_with(dir, max_tokens, BASE)
+    }
+
+    /// [`Self::prepare`] with tables of hashing base `base` (larger
+    /// tables: a load, and the mapping of a new generation, take longer).
+    pub fn prepare_with(dir: &Path, max_tokens: u64, base: u64) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = std::fs::canonicalize(dir)?;
         NetNs::remove_stale();
-        let params = HashParams::new(Preset::from_base(BASE)?)?;
+        let params = HashParams::new(Preset::from_base(base)?)?;
         let make = |seed: u64, tag: &str| -> Result<[TableFile; 2]> {
             let mut out = Vec::new();
             for (i, layer) in [1u32, 14].into_iter().enumerate() {
                 let name = format!("{tag}-layer{layer}.etab");
-                let (path, digest) = gen_hashed_table(&dir, &name, layer, BASE, seed)?;
+                let (path, digest) = gen_hashed_table(&dir, &name, layer, base, seed)?;
                 // On disk before the node reads it with O_DIRECT: a read of
                 // pages still dirty in the page cache waits for their
                 // writeback (tens of milliseconds on a fresh VM), which is
@@ -129,6 +142,7 @@ impl Env {
             reference: BTreeMap::new(),
             ssd_fetch_us: 0.0,
             max_tokens,
+            base,
         };
         // The reference and the calibration run side by side.
         let plan = Plan::new("prepare");
@@ -336,7 +350,7 @@ fn rack_config(
         .collect();
     rack.model = Some(ModelSection {
         fusion: Some("cpu".into()),
-        ..ModelSection::synthetic(BASE, 5, 16, 4)
+        ..ModelSection::synthetic(env.base, 5, 16, 4)
     });
     rack
 }
@@ -361,9 +375,14 @@ fn donor_entry(env: &Env, plan: &Plan, d: &DonorAddrs) -> DonorEntry {
         .then(|| format!("unix://{}", host_socket(env, plan, d.name).display()));
     let listen = std::iter::once(format!("{scheme}://{}", d.listen)).chain(quic.clone());
     let advertise = std::iter::once(format!("{scheme}://{}", d.advertise)).chain(quic);
+    // Room for both tables and a swap's new version beside them, however
+    // large `Env::base` makes them.
+    let tables = env.tables.iter().map(|t| t.rows).sum::<u64>() * ROW_BYTES as u64;
+    let ram_gib = (tables as f64 * 2.0 / f64::from(1u32 << 30)).max(1.0);
     DonorEntry {
         advertise: Some(advertise.collect()),
         metrics: Some(d.metrics.to_string()),
+        ram_gib,
         headroom_gib: Some(0.0),
         max_connections: Some(plan.max_connections as u64),
         hello_timeout_ms: Some(plan.hello_timeout_ms),

@@ -321,6 +321,30 @@ impl Report {
         Ok(())
     }
 
+    /// Check that `source` served every table of every step, with no
+    /// failover (a host-local donor whose mapping serves through its own
+    /// restart).
+    pub fn all_from(&self, source: &str) -> Result<()> {
+        let failovers: u32 = self
+            .steps
+            .iter()
+            .flat_map(|s| &s.tables)
+            .map(|t| t.failovers)
+            .sum();
+        let elsewhere = self
+            .steps
+            .iter()
+            .filter(|s| s.tables.iter().any(|t| t.source.as_deref() != Some(source)))
+            .count();
+        if failovers > 0 || elsewhere > 0 {
+            bail!(
+                "{failovers} failovers and {elsewhere} steps not served by {source} alone\n{}",
+                self.timeline(0.5)
+            );
+        }
+        Ok(())
+    }
+
     /// Steps that started in `[from_us, to_us)`.
     pub fn between(&self, from_us: f64, to_us: f64) -> impl Iterator<Item = &StepRecord> {
         self.steps

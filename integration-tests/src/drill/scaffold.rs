@@ -18,11 +18,21 @@ pub const SECONDS: f64 = 6.0;
 pub(super) const FAULT_AT: f64 = 2.0;
 pub(super) const HEAL_AT: f64 = 4.0;
 
+/// A drill's name and what it does, as its report shows them (handed to
+/// the drills that live outside `drills`, which holds the list).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Named {
+    pub name: &'static str,
+    pub about: &'static str,
+}
+
 /// How the drills run.
 #[derive(Debug, Clone, Copy)]
 pub struct Opts {
     /// The node's token rate.
     pub tokens_per_second: f64,
+    /// The seed of the random-schedule drills' schedule.
+    pub seed: u64,
 }
 
 impl Opts {

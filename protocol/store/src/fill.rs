@@ -32,6 +32,7 @@ use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_sync::Mutex;
 
+use crate::background::Background;
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
@@ -55,6 +56,9 @@ pub struct FillOptions {
     /// Tell the kernel to drop each part of the file from the page cache
     /// once placed, so a table's load does not push everything else out.
     pub drop_behind: bool,
+    /// Run the workers at this background priority (the caller's thread
+    /// keeps its own): a load beside serving work on the same host.
+    pub background: Option<Background>,
 }
 
 impl Default for FillOptions {
@@ -64,6 +68,7 @@ impl Default for FillOptions {
             segment: SEGMENT_BYTES,
             digest: true,
             drop_behind: true,
+            background: None,
         }
     }
 }
@@ -129,7 +134,10 @@ fn place(
         segments,
         opts.threads,
         progress,
-        || Worker::new(file),
+        || {
+            lower(opts.background);
+            Worker::new(file)
+        },
         |work, s| work.segment(dest, total, segment, s, segments, opts),
     )?;
     Ok(opts.digest.then_some((segments, cvs)))
@@ -322,7 +330,10 @@ pub fn touch_mapped(
         segments,
         opts.threads,
         progress,
-        || vec![0u8; GATHER_BYTES],
+        || {
+            lower(opts.background);
+            vec![0u8; GATHER_BYTES]
+        },
         |buf, s| {
             let a = s * segment;
             let b = (a + segment).min(total);
@@ -369,9 +380,19 @@ pub(crate) fn hash_gathered(
     }
 }
 
+/// Lower a worker thread to `how`, when asked (a worker that cannot be
+/// lowered works on at its priority).
+fn lower(how: Option<Background>) {
+    if let Some(how) = how
+        && let Err(e) = crate::background::lower_this_thread(how)
+    {
+        tracing::debug!(error = %e, "a load worker stays at its priority");
+    }
+}
+
 /// Read `bytes` (part of a mapping) into memory: `MADV_POPULATE_READ`,
 /// or one read a page where the kernel lacks it (before 5.14).
-fn populate(bytes: &[u8]) {
+pub(crate) fn populate(bytes: &[u8]) {
     if bytes.is_empty() {
         return;
     }

@@ -3,8 +3,9 @@
 //! What it is: `.etab` table files (`table_file`: open, check, stream,
 //! verify, write; `verify` checks one on every core), tables held resident in RAM (`resident`), reading V4.1
 //! checkpoints (`checkpoint`) and packing them into tables (`pack`), the
-//! synthetic table generator (`generate`), and the progress reporting the
-//! long-running ones share (`progress`).
+//! synthetic table generator (`generate`), the progress reporting the
+//! long-running ones share (`progress`), and how work beside serving runs
+//! (`background`: low priority, in slices).
 //!
 //! What it is not: a server or a client. It opens files and maps memory,
 //! never a socket; the wire format lives in `engram-protocol` (which this
@@ -14,6 +15,7 @@
 
 #![warn(missing_docs)]
 
+pub mod background;
 pub mod checkpoint;
 pub mod fill;
 pub mod generate;

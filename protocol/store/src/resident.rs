@@ -225,6 +225,10 @@ pub struct LoadOptions {
     /// ([`KeptLayout::Planar`]), as engines' host-table kernels read
     /// them. Ignored for the other backings.
     pub planar: bool,
+    /// Read, place and hash at this background priority
+    /// ([`crate::background`]): a donor's load beside the host's other
+    /// work (a node mapping its tables, an engine).
+    pub background: Option<crate::background::Background>,
 }
 
 impl Default for LoadOptions {
@@ -239,6 +243,7 @@ impl Default for LoadOptions {
             numa_node: None,
             rdma_view: false,
             planar: false,
+            background: None,
         }
     }
 }
@@ -370,20 +375,48 @@ impl ResidentTable {
         crate::rowref::row_in(&self.mem.map, self.mem.layout, row)
     }
 
-    /// Map every page of the table into this process now
+    /// Map the pages of bytes `range` of the table's memory
+    /// ([`Self::memory_bytes`]) into this process now
     /// (`MADV_POPULATE_READ`; a read of each page where the kernel lacks
-    /// it), so that no lookup takes a page fault. For memory another
+    /// it), so that no lookup takes a page fault there. For memory another
     /// process filled (a host socket's memfd): its pages exist, but this
     /// process's page tables do not point at them until touched, and a
-    /// first touch costs a fault in the middle of a lookup.
-    pub fn populate(&self) {
-        let map = &self.mem.map;
-        if map.advise(memmap2::Advice::PopulateRead).is_ok() {
-            return;
+    /// first touch costs a fault in the middle of a lookup. The call holds
+    /// the address space's lock (for reading) while it runs: a large table
+    /// is populated a slice at a time ([`crate::background::slices`]).
+    pub fn populate_range(&self, range: std::ops::Range<usize>) {
+        if let Some(bytes) = self.memory_bytes().get(range) {
+            crate::fill::populate(bytes);
         }
-        for page in map.chunks(4096) {
-            // SAFETY: a read of a byte inside the mapping.
-            let _ = unsafe { std::ptr::read_volatile(page.as_ptr()) };
+    }
+
+    /// Drop this process's page-table entries for bytes `range` of the
+    /// table's memory (`MADV_DONTNEED`), for a table in a memfd (loaded
+    /// into one, or mapped from another process's): its pages stay in the
+    /// memfd, and a later read maps them again. Done a slice at a time
+    /// before a large mapping is let go, it keeps the `munmap` (which
+    /// holds the address space's lock for writing while it clears the
+    /// page tables) short. False, and nothing done, for any other table,
+    /// whose pages this would discard.
+    pub fn release_range(&self, range: std::ops::Range<usize>) -> bool {
+        if self.kept.is_none() {
+            return false;
+        }
+        let Some(bytes) = self.memory_bytes().get(range) else {
+            return false;
+        };
+        if bytes.is_empty() {
+            return true;
+        }
+        // SAFETY: advice over part of a shared mapping of a memfd this
+        // table owns: MADV_DONTNEED clears page-table entries only; the
+        // pages stay in the memfd and a later read faults them back in.
+        unsafe {
+            libc::madvise(
+                bytes.as_ptr().cast_mut().cast(),
+                bytes.len(),
+                libc::MADV_DONTNEED,
+            ) == 0
         }
     }
 
@@ -865,6 +898,7 @@ fn fill_memory(
     let fill = FillOptions {
         threads: opts.threads.max(1),
         digest: !opts.trust_digest,
+        background: opts.background,
         ..FillOptions::default()
     };
     let digest = match layout {
@@ -892,6 +926,7 @@ fn read_mapped(
         threads: opts.threads.max(1),
         digest: !opts.trust_digest,
         drop_behind: false,
+        background: opts.background,
         ..FillOptions::default()
     };
     let digest = crate::fill::touch_mapped(file, map, touch, progress.as_mut())?;

@@ -29,11 +29,13 @@ fn the_tree_of_segments_is_blake3_of_the_rows() {
         for segment in [1024usize, 2048, 4096, 65_536, 1 << 22] {
             for threads in [1, 3] {
                 let mut got = vec![0u8; want.len()];
+                // The workers lowered, or not: the same rows and digest.
                 let opts = FillOptions {
                     threads,
                     segment,
                     digest: true,
                     drop_behind: false,
+                    background: (threads == 3).then_some(Background::Low),
                 };
                 let d = fill(&file, &mut got, opts, None).expect("fill");
                 assert!(got == want, "rows {rows} segment {segment}");
@@ -69,6 +71,7 @@ fn hashing_a_mapped_file_gathers_blake3_of_the_rows() {
                     segment,
                     digest: true,
                     drop_behind: false,
+                    background: None,
                 };
                 let last = std::sync::Arc::new(AtomicU64::new(0));
                 let l2 = std::sync::Arc::clone(&last);

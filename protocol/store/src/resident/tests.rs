@@ -391,3 +391,31 @@ fn reserved_huge_pages_back_a_kept_table() {
         );
     }
 }
+
+#[test]
+fn pages_populated_and_released_in_slices_keep_a_memfds_rows_and_no_others_are_released() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, _) = table(dir.path());
+    let all: Vec<u64> = (0..10_000).collect();
+    let rows_ok = |t: &ResidentTable| {
+        all.iter()
+            .all(|&r| is_synthetic_row(4, 1, r, t.row(r).expect("in range")))
+    };
+    let (memfd, _) = load_as(&path, Backing::Memfd, true).expect("load");
+    let len = memfd.memory_bytes().len();
+    for range in crate::background::slices(len, 8192) {
+        memfd.populate_range(range.clone());
+        assert!(memfd.release_range(range), "a memfd's pages are released");
+    }
+    // Out of range: nothing done; the rows were kept by the memfd.
+    memfd.populate_range(len..len + 4096);
+    assert!(!memfd.release_range(len..len + 4096));
+    assert!(rows_ok(&memfd));
+    // Anonymous memory and a file's pages would lose rows or cost a
+    // reread: never released.
+    for backing in [Backing::Anonymous, Backing::Mapped] {
+        let (t, _) = load_as(&path, backing, true).expect("load");
+        assert!(!t.release_range(0..4096), "{backing:?}");
+        assert!(rows_ok(&t), "{backing:?}");
+    }
+}

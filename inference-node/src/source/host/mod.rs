@@ -9,15 +9,24 @@
 //!   names the pinned version, layer and row count; a donor that moves to
 //!   another version drops it, and lookups then get `VersionMismatch`, as
 //!   from a donor over the network.
-//! - **Swaps.** A new generation arrives as a new descriptor; it replaces
-//!   the old mapping between lookups. A lookup holds the mapping it
-//!   started with (an `Arc`), so the old one is unmapped once no lookup
-//!   uses it, and no row is ever torn.
+//! - **Swaps.** A new generation arrives as a new descriptor (a swap, a
+//!   reload, a donor restarted without its fd store). It is readied in
+//!   the background ([`mapper`]: its pages mapped in at idle priority, a
+//!   slice at a time, while lookups read the generation in service), then
+//!   replaces the old mapping between lookups. A lookup holds the mapping
+//!   it started with (an `Arc`), so no row is ever torn; the old one is
+//!   unmapped by the mapper once no lookup or view holds it, never on a
+//!   lookup's path.
 //! - **A donor that dies costs nothing.** The mapping outlives the donor
 //!   process. The watcher reconnects (every 100 ms) and counts the gap;
 //!   the same generation (a restart from the fd store) keeps its mapping.
 //!
-//! The wire format is PROTOCOL.md section 5.
+//! Two threads per donor: the watcher (the socket's messages; it maps a
+//! descriptor, which is quick) and the [`mapper`] (with a helper at idle
+//! priority while it has pages to map in or out). The wire format is
+//! PROTOCOL.md section 5.
+
+mod mapper;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -40,7 +49,7 @@ use super::{
 };
 
 /// How often the watcher tries the socket again while the donor is away,
-/// and how often it looks at its stop flag.
+/// and how often it (and the mapper) look at the stop flag.
 const RETRY: Duration = Duration::from_millis(100);
 /// The longest a probe waits for the first exchange with the donor.
 const FIRST_SYNC: Duration = Duration::from_secs(2);
@@ -50,6 +59,20 @@ const FIRST_SYNC: Duration = Duration::from_secs(2);
 struct Mapped {
     table: Arc<ResidentTable>,
     generation: u64,
+    /// Set once this mapping is neither in service nor wanted: the
+    /// mapper's work on it stops (read without a lock by a thread at idle
+    /// priority, which must hold none).
+    done: AtomicBool,
+}
+
+impl Mapped {
+    fn new(table: ResidentTable, generation: u64) -> Self {
+        Self {
+            table: Arc::new(table),
+            generation,
+            done: AtomicBool::new(false),
+        }
+    }
 }
 
 /// What the watcher learned, shared with the lookups.
@@ -69,9 +92,42 @@ struct State {
     settled: AtomicBool,
     /// Times the donor went away while the node held its mappings.
     gaps: AtomicU64,
-    /// The same, for `/metrics`, when the source has one.
-    gap_metric: Option<prometheus_client::metrics::counter::Counter>,
+    /// Generations put in service (each table's first mapping included).
+    generations: AtomicU64,
+    /// The same two, for `/metrics`, when the source has them.
+    counters: Option<HostCounters>,
+    /// New generations readied, old ones let go.
+    mapper: mapper::Mapper,
+    /// Tables mapped at some point (only a table's very first mapping
+    /// serves before its pages are mapped in).
+    mapped: Mutex<std::collections::HashSet<u32>>,
     stop: AtomicBool,
+}
+
+impl State {
+    fn count_gap(&self) {
+        self.gaps.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = &self.counters {
+            c.gaps.inc();
+        }
+    }
+
+    fn count_generation(&self) {
+        self.generations.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = &self.counters {
+            c.generations.inc();
+        }
+    }
+}
+
+/// A host source's counters in `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct HostCounters {
+    /// `engram_node_host_gaps_total`: times the donor went away while its
+    /// tables stayed mapped.
+    pub gaps: prometheus_client::metrics::counter::Counter,
+    /// `engram_node_host_generations_total`: generations put in service.
+    pub generations: prometheus_client::metrics::counter::Counter,
 }
 
 /// A donor on this host, read through its shared memory.
@@ -90,27 +146,34 @@ impl HostSource {
         path: PathBuf,
         pinned: Vec<(u32, ExpectedTable)>,
     ) -> io::Result<Self> {
-        Self::with_gap_metric(name, path, pinned, None)
+        Self::with_counters(name, path, pinned, None)
     }
 
-    /// [`Self::new`], each gap also counted in `gaps`
-    /// (`engram_node_host_gaps_total`).
-    pub fn with_gap_metric(
+    /// [`Self::new`], each gap and generation also counted in `counters`.
+    pub fn with_counters(
         name: impl Into<String>,
         path: PathBuf,
         pinned: Vec<(u32, ExpectedTable)>,
-        gaps: Option<prometheus_client::metrics::counter::Counter>,
+        counters: Option<HostCounters>,
     ) -> io::Result<Self> {
         let name = name.into();
         let state = Arc::new(State {
-            gap_metric: gaps,
+            counters,
             ..State::default()
         });
         *state.down.lock() = Some("not connected yet".into());
-        let (st, p, n) = (Arc::clone(&state), path.clone(), name.clone());
+        let (st, n) = (Arc::clone(&state), name.clone());
         std::thread::Builder::new()
+            .name(format!("map-{name}"))
+            .spawn(move || mapper::run(&n, &st))?;
+        let (st, p, n) = (Arc::clone(&state), path.clone(), name.clone());
+        let watcher = std::thread::Builder::new()
             .name(format!("host-{name}"))
-            .spawn(move || watch(&n, &p, &pinned, &st))?;
+            .spawn(move || watch(&n, &p, &pinned, &st));
+        if let Err(e) = watcher {
+            state.stop.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
         Ok(Self { name, path, state })
     }
 
@@ -122,6 +185,11 @@ impl HostSource {
     /// Times the donor went away while its memory kept being served.
     pub fn gaps(&self) -> u64 {
         self.state.gaps.load(Ordering::Relaxed)
+    }
+
+    /// Generations put in service, each table's first mapping included.
+    pub fn generations(&self) -> u64 {
+        self.state.generations.load(Ordering::Relaxed)
     }
 
     /// Whether table `table` is mapped now, at its pinned version.
@@ -259,10 +327,7 @@ fn watch(name: &str, path: &Path, pinned: &[(u32, ExpectedTable)], st: &State) {
             let mapped = !st.maps.read().is_empty();
             let was_synced = st.synced.swap(false, Ordering::Relaxed);
             if was_synced && mapped {
-                st.gaps.fetch_add(1, Ordering::Relaxed);
-                if let Some(c) = &st.gap_metric {
-                    c.inc();
-                }
+                st.count_gap();
                 tracing::warn!(donor = name, why = %why, "host socket: the donor went away; its memory keeps being served from the mappings");
             } else if was_synced {
                 tracing::warn!(donor = name, why = %why, "host socket lost");
@@ -324,38 +389,39 @@ fn session(
     Err("stopped".into())
 }
 
-/// Serve table `table` (`generation`) from its new mapping `t`, then
-/// populate its page tables on a thread of its own.
+/// Serve table `table` (`generation`) from its new mapping `t`: once the
+/// mapper has readied it, or at once for the table's very first mapping
+/// (the node starting: nothing of it was served from here yet), whose
+/// pages are then mapped in while it serves.
 fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State) {
-    tracing::info!(donor = name, table, generation, "host socket: table mapped");
-    let t = Arc::new(t);
-    st.maps.write().insert(
-        table,
-        Arc::new(Mapped {
-            table: Arc::clone(&t),
+    let m = Arc::new(Mapped::new(t, generation));
+    let serving = st.maps.read().get(&table).map(|m| m.generation);
+    let first = serving.is_none() && st.mapped.lock().insert(table);
+    if !first {
+        // Lookups read the generation in service meanwhile or, with none
+        // (after another version), go to the route's other sources as
+        // they did while that version was served.
+        tracing::info!(
+            donor = name,
+            table,
             generation,
-        }),
-    );
+            serving,
+            "host socket: new generation mapped; in service once its pages are mapped"
+        );
+        st.mapper.ready(table, m);
+        return;
+    }
+    tracing::info!(donor = name, table, generation, "host socket: table mapped");
+    st.mapper.forget(table);
+    let old = st.maps.write().insert(table, Arc::clone(&m));
     // Only once the pinned version is mapped: a lookup in
     // between still hears of the other one.
     st.other.lock().remove(&table);
-    // Then, with lookups already served, point this process's
-    // page tables at every page, so that later lookups take no
-    // page fault (a first touch of each page would): on a
-    // thread of its own, so the donor's next messages are read
-    // meanwhile (a large table takes seconds).
-    let who = name.to_string();
-    let spawned = std::thread::Builder::new()
-        .name(format!("populate-{table}"))
-        .spawn(move || {
-            let t0 = std::time::Instant::now();
-            t.populate();
-            let ms = t0.elapsed().as_millis() as u64;
-            tracing::debug!(donor = %who, table, ms, "host socket: every page of the table mapped");
-        });
-    if let Err(e) = spawned {
-        tracing::debug!(donor = name, table, error = %e, "host socket: pages left to be mapped on first use");
+    st.count_generation();
+    if let Some(old) = old {
+        st.mapper.retire(old);
     }
+    st.mapper.warm(m);
 }
 
 /// A message about one table: its mapping (made, kept, or removed), or
@@ -406,8 +472,14 @@ fn table_message(
         .get(&table)
         .is_some_and(|m| m.generation == generation)
     {
+        // The same memory (a donor restarted from its fd store): whatever
+        // was being readied is not wanted any more.
+        st.mapper.forget(table);
         st.other.lock().remove(&table);
-        return Ok(()); // The same memory (a donor restarted from its fd store).
+        return Ok(());
+    }
+    if st.mapper.readying(table, generation) {
+        return Ok(()); // Being readied already.
     }
     let layout = field("layout").and_then(|v| v.as_str()).unwrap_or("packed");
     match map_table(table, file, want, layout) {
@@ -421,9 +493,14 @@ fn table_message(
     Ok(())
 }
 
+/// Take table `table` out of service (and stop readying a generation of
+/// it); the mapper unmaps it once the last lookup or view holding it ends.
 fn remove(st: &State, table: u32) {
-    // The mapping goes when the last lookup holding it ends.
-    st.maps.write().remove(&table);
+    st.mapper.forget(table);
+    let old = st.maps.write().remove(&table);
+    if let Some(old) = old {
+        st.mapper.retire(old);
+    }
 }
 
 /// Map a table's descriptor: only a memfd sealed against writes, shrinking
