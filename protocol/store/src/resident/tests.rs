@@ -399,7 +399,7 @@ fn pages_populated_and_released_in_slices_keep_a_memfds_rows_and_no_others_are_r
     let all: Vec<u64> = (0..10_000).collect();
     let rows_ok = |t: &ResidentTable| {
         all.iter()
-            .all(|&r| is_synthetic_row(4, 1, r, t.row(r).expect("in range")))
+            .all(|&r| is_synthetic_row(4, 1, r, &t.row(r).expect("in range").to_vec()))
     };
     let (memfd, _) = load_as(&path, Backing::Memfd, true).expect("load");
     let len = memfd.memory_bytes().len();
