@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::ROW_BYTES;
-use engram_store::generate::{GenSpec, generate, table_shape};
+use engram_store::generate::{GenSpec, generate, generate_sparse, parse_rows, table_shape};
 use engram_store::pack::pack;
 use engram_store::progress::Progress;
 use engram_store::table_file::TableFile;
@@ -31,6 +31,12 @@ pub struct GenArgs {
     /// Generator threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Write a sparse file: only the pages holding these rows (ids and
+    /// ranges A..B, comma-separated) carry their rows; every other page is
+    /// a hole of zero rows. The digest and page checksums are the table's,
+    /// so it verifies: how a full-size table is checked on a small disk.
+    #[arg(long, value_name = "ROWS")]
+    sparse_rows: Option<String>,
 }
 
 /// `memory-donor pack`.
@@ -86,6 +92,7 @@ pub fn gen_table(a: GenArgs) -> Result<()> {
         hash_preset,
         hash_base,
         threads: t,
+        sparse_rows,
     } = a;
     let (rows, hash_preset, hash_base) =
         table_shape(layer, rows, hash_preset, hash_base).map_err(anyhow::Error::msg)?;
@@ -98,8 +105,14 @@ pub fn gen_table(a: GenArgs) -> Result<()> {
         threads: t.unwrap_or_else(cores),
     };
     let mut p = Progress::stderr(format!("generating layer {layer}"), rows, ROW_BYTES as u64);
-    let meta = generate(&out, &spec, Some(&mut p))
-        .with_context(|| format!("generating {}", out.display()))?;
+    let meta = match sparse_rows {
+        Some(list) => {
+            let touched = parse_rows(&list).map_err(|e| anyhow::anyhow!("--sparse-rows: {e}"))?;
+            generate_sparse(&out, &spec, &touched, Some(&mut p))
+        }
+        None => generate(&out, &spec, Some(&mut p)),
+    }
+    .with_context(|| format!("generating {}", out.display()))?;
     p.finish();
     println!(
         "{}: layer {} rows {} digest {}",

@@ -17,6 +17,7 @@
 pub mod checkpoint;
 pub mod fill;
 pub mod generate;
+pub mod holes;
 pub mod kept;
 pub mod kept_checks;
 pub mod numa;

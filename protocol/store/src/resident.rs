@@ -376,14 +376,39 @@ impl ResidentTable {
     /// process filled (a host socket's memfd): its pages exist, but this
     /// process's page tables do not point at them until touched, and a
     /// first touch costs a fault in the middle of a lookup.
+    ///
+    /// Only pages that exist are touched: a kept memfd's holes (a sparse
+    /// table's untouched rows) are left alone, since a read fault there
+    /// would give the memfd a zeroed page of its own and a 94 GiB table
+    /// that holds a few pages would take 94 GiB.
     pub fn populate(&self) {
         let map = &self.mem.map;
-        if map.advise(memmap2::Advice::PopulateRead).is_ok() {
-            return;
-        }
-        for page in map.chunks(4096) {
-            // SAFETY: a read of a byte inside the mapping.
-            let _ = unsafe { std::ptr::read_volatile(page.as_ptr()) };
+        let ranges = match &self.kept {
+            Some(k) => crate::holes::data_extents(&k.file, 0..map.len() as u64),
+            None => vec![0..map.len() as u64],
+        };
+        for r in ranges {
+            let page = PAGE_BYTES as usize;
+            let a = (r.start as usize / page * page).min(map.len());
+            let b = (r.end as usize)
+                .div_ceil(page)
+                .saturating_mul(page)
+                .min(map.len());
+            let bytes = &map[a..b];
+            // SAFETY: advice over pages of this mapping; populating only reads.
+            let advised = unsafe {
+                libc::madvise(
+                    bytes.as_ptr().cast_mut().cast(),
+                    bytes.len(),
+                    libc::MADV_POPULATE_READ,
+                )
+            };
+            if advised != 0 {
+                for p in bytes.chunks(page) {
+                    // SAFETY: a read of a byte inside the mapping.
+                    let _ = unsafe { std::ptr::read_volatile(p.as_ptr()) };
+                }
+            }
         }
     }
 
@@ -865,6 +890,8 @@ fn fill_memory(
     let fill = FillOptions {
         threads: opts.threads.max(1),
         digest: !opts.trust_digest,
+        // The memory is new: a hole in the file stays untouched there.
+        skip_holes: true,
         ..FillOptions::default()
     };
     let digest = match layout {
