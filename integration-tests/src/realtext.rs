@@ -25,7 +25,10 @@ pub fn v4_tokenizer() -> Option<PathBuf> {
     let script = format!(
         "import os, {TOKENIZER_MODULE} as m; print(os.path.join(os.path.dirname(m.__file__), 'tokenizer.json'))"
     );
-    let out = Command::new("python3").args(["-c", &script]).output().ok()?;
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .ok()?;
     if !out.status.success() {
         return None;
     }

@@ -59,12 +59,23 @@ fn the_v4_tokenizer_gives_99092_compressed_ids_and_the_pad() {
     assert_eq!(g["raw_vocab"].as_u64(), Some(129_280));
     assert_eq!(g["compressed_vocab"].as_u64(), Some(99_092));
     let pad = map.get(V41_PAD_RAW_ID).expect("pad");
-    assert_eq!(Some(u64::from(pad)), g["pad"].as_u64(), "the pad's compressed id");
+    assert_eq!(
+        Some(u64::from(pad)),
+        g["pad"].as_u64(),
+        "the pad's compressed id"
+    );
     for (l, m) in V41_MULTIPLIERS.iter().enumerate() {
-        assert_eq!(&ids(&g["multipliers"][l])[..], &m[..], "layer {l} multipliers");
+        assert_eq!(
+            &ids(&g["multipliers"][l])[..],
+            &m[..],
+            "layer {l} multipliers"
+        );
     }
     let params = HashParams::v41();
-    assert_eq!(ids(&g["rows"]), [params.layers[0].rows, params.layers[1].rows]);
+    assert_eq!(
+        ids(&g["rows"]),
+        [params.layers[0].rows, params.layers[1].rows]
+    );
 }
 
 #[test]
@@ -89,7 +100,11 @@ fn known_texts_give_the_independently_computed_rows() {
             .iter()
             .map(|&i| u64::from(map.get(i as u32).expect("in the map")))
             .collect();
-        assert_eq!(compressed, ids(&t["compressed"]), "compressed ids of {text:?}");
+        assert_eq!(
+            compressed,
+            ids(&t["compressed"]),
+            "compressed ids of {text:?}"
+        );
         let ours = rows_of(&params, pad, &compressed);
         for (l, layer) in ["1", "14"].into_iter().enumerate() {
             let want: Vec<Vec<u64>> = t["rows"][layer]
