@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use engram_protocol::ROW_BYTES;
 use engram_store::generate::{GenSpec, generate, generate_sparse, parse_rows, table_shape};
-use engram_store::pack::pack;
+use engram_store::pack::{PackSpec, pack};
 use engram_store::progress::Progress;
 use engram_store::table_file::TableFile;
 use engram_store::verify::add_page_sums;
@@ -52,6 +52,10 @@ pub struct PackArgs {
     hash_preset: Option<String>,
     #[arg(long)]
     hash_base: Option<u64>,
+    /// The checkpoint's config.json (default: the one in the checkpoint's
+    /// directory, if any): the table's rows and hashing are checked against it.
+    #[arg(long)]
+    config_json: Option<PathBuf>,
 }
 
 /// `memory-donor verify`.
@@ -132,8 +136,20 @@ pub fn pack_table(a: PackArgs) -> Result<()> {
         out,
         hash_preset,
         hash_base,
+        config_json,
     } = a;
-    let meta = pack(&checkpoint, layer, &out, hash_preset, hash_base, |rows| {
+    if config_json.is_none() && !engram_store::checkpoint::config_beside(&checkpoint).is_file() {
+        eprintln!(
+            "note: no config.json in the checkpoint's directory: the table is not checked \
+             against the model's engram parameters (name one with --config-json)"
+        );
+    }
+    let spec = PackSpec {
+        hash_preset,
+        hash_base,
+        config_json,
+    };
+    let meta = pack(&checkpoint, layer, &out, &spec, |rows| {
         Some(Progress::stderr(
             format!("packing layer {layer}"),
             rows,
