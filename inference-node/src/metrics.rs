@@ -37,6 +37,9 @@ pub struct SourceOnly {
     pub source: String,
 }
 
+mod model;
+pub use model::{ModelMetrics, ModelSeries};
+
 type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn fetch_histogram() -> Histogram {
@@ -90,6 +93,8 @@ pub struct NodeMetrics {
     pub batch_size: Histogram,
     /// Sequences in the daemon's running batch now.
     pub batch_sequences: Gauge,
+    /// The model loop's deployment series (`engram_node_model_*`).
+    pub model: ModelMetrics,
 }
 
 /// Labels of the RDMA series.
@@ -163,6 +168,7 @@ impl NodeMetrics {
             // 1, 2, 4 .. 1024 sequences.
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
             batch_sequences: Gauge::default(),
+            model: ModelMetrics::default(),
         };
         {
             let mut r = m.registry.lock();
@@ -258,6 +264,7 @@ impl NodeMetrics {
                 "The engine reading each table's SSD copy (1 in use), whether reads are O_DIRECT and pages checked, and the I/O priority they have",
                 m.ssd_engine.clone(),
             );
+            m.model.register(&mut r);
         }
         m
     }

@@ -26,6 +26,7 @@
 
 pub mod clock;
 mod config_json;
+pub mod deployment;
 pub(crate) use config_json::check as check_config_json;
 pub mod fetch;
 #[cfg(feature = "cuda")]
