@@ -73,6 +73,66 @@ impl TextArgs {
     }
 }
 
+/// `--real-text`: the node decodes a real text through the real V4
+/// tokenizer instead of its built-in text (word-level tokens).
+#[derive(Debug, Clone, Args)]
+pub struct RealTextArgs {
+    /// Decode a real text (Around the World in 80 Days unless --text)
+    /// through the published V4 tokenizer (--tokenizer), V4.1's token map
+    /// and V4.1's hashing (its multipliers; primes above the tables' base).
+    #[arg(long)]
+    pub real_text: bool,
+    #[command(flatten)]
+    pub text: TextArgs,
+}
+
+/// What a node needs to decode a real text.
+#[derive(Debug, Clone)]
+pub struct NodeText {
+    /// The tokenizer.json, for `[model] tokenizer`.
+    pub tokenizer: PathBuf,
+    /// The text, line ends made `\n` (written in the bench's directory).
+    pub text: PathBuf,
+}
+
+impl NodeText {
+    /// `inference-node run`'s arguments for it.
+    pub fn args(&self) -> Vec<String> {
+        vec!["--input".into(), self.text.display().to_string()]
+    }
+}
+
+impl RealTextArgs {
+    /// With `--real-text`: the tokenizer, and the text made plain in `dir`.
+    pub fn node_text(&self, dir: &std::path::Path) -> Result<Option<NodeText>> {
+        if !self.real_text {
+            return Ok(None);
+        }
+        let (text, tokenizer) = self.text.paths()?;
+        let body = std::fs::read_to_string(&text)
+            .with_context(|| format!("reading {}", text.display()))?;
+        let plain_text = dir.join("real-text.txt");
+        std::fs::write(&plain_text, plain(&body))
+            .with_context(|| format!("writing {}", plain_text.display()))?;
+        Ok(Some(NodeText {
+            tokenizer,
+            text: plain_text,
+        }))
+    }
+
+    /// The workload line a report prints.
+    pub fn describe(&self, t: Option<&NodeText>) -> String {
+        match t {
+            Some(t) => format!(
+                "tokens: a real text ({}) through the V4 tokenizer ({}), V4.1's token map and hashing",
+                t.text.display(),
+                t.tokenizer.display()
+            ),
+            None => "tokens: the node's built-in text as word-level tokens (synthetic ids)".into(),
+        }
+    }
+}
+
 /// The text as a model would be given it: line ends as `\n` (Project
 /// Gutenberg's files end lines with CRLF), no byte-order mark.
 pub fn plain(text: &str) -> String {
