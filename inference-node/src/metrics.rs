@@ -95,6 +95,9 @@ pub struct NodeMetrics {
     pub batch_sequences: Gauge,
     /// The model loop's deployment series (`engram_node_model_*`).
     pub model: ModelMetrics,
+    /// Each routed table's window at the node's token rate (what
+    /// `engram-cluster plan` computes).
+    pub table_window_seconds: Family<TableLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 /// Labels of the RDMA series.
@@ -169,6 +172,7 @@ impl NodeMetrics {
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
             batch_sequences: Gauge::default(),
             model: ModelMetrics::default(),
+            table_window_seconds: Family::default(),
         };
         {
             let mut r = m.registry.lock();
@@ -263,6 +267,11 @@ impl NodeMetrics {
                 "ssd_engine",
                 "The engine reading each table's SSD copy (1 in use), whether reads are O_DIRECT and pages checked, and the I/O priority they have",
                 m.ssd_engine.clone(),
+            );
+            r.register(
+                "table_window_seconds",
+                "Each routed table's window at the node's token rate: the time its rows have before their block (engram-cluster plan's window)",
+                m.table_window_seconds.clone(),
             );
             m.model.register(&mut r);
         }

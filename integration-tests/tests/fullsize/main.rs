@@ -359,8 +359,9 @@ fn ssd_rows(t: &Tables) {
 }
 
 /// The node maps donor `p`'s planar copies: its routers read them, and
-/// its view of each has the rows where their offsets say.
-fn host_rows(t: &Tables, config: &Config) {
+/// its view of each has the rows where their offsets say; the window it
+/// reports for each table is the plan's.
+fn host_rows(t: &Tables, config: &Config, planned: &serde_json::Value) {
     runtime().block_on(async {
         let metrics = NodeMetrics::new();
         let mem = Routers::from_config(config, "n", &metrics)
@@ -381,6 +382,18 @@ fn host_rows(t: &Tables, config: &Config) {
             }
             t.check(i, &rows, &out, "host socket");
             let view = mem.table_view(LAYERS[i]).expect("a view");
+            let plan = &planned["nodes"][0]["tables"][i];
+            let series = format!(
+                "engram_node_table_window_seconds{{table=\"{}\"}}",
+                LAYERS[i]
+            );
+            let window = sample(&metrics.render(), &series).expect("the node's window");
+            let planned_us = plan["window_us"].as_f64().expect("window");
+            assert!(
+                (window * 1e6 - planned_us).abs() < 1e-6,
+                "{window} s, planned {planned_us} us"
+            );
+            assert_eq!(plan["table"].as_u64(), Some(u64::from(LAYERS[i])));
             assert!(view.shared() && view.layout().name() == "planar");
             let bytes = view.bytes();
             for &r in &rows {
@@ -441,7 +454,7 @@ fn full_size_tables_are_served_and_checked_end_to_end() {
         donor_rows(&t, addr, name);
     }
     ssd_rows(&t);
-    host_rows(&t, &config);
+    host_rows(&t, &config, &planned);
     python::view_rows(&t, &config);
     rdma::rows(&t);
 }
