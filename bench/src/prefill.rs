@@ -312,7 +312,7 @@ enum Prompts {
     Text {
         ids: Vec<u32>,
         pad: i64,
-        params: HashParams,
+        params: Box<HashParams>,
     },
 }
 
@@ -335,7 +335,7 @@ impl Prompts {
         Ok(Self::Text {
             ids: w.compressed,
             pad: w.pad,
-            params,
+            params: Box::new(params),
         })
     }
 

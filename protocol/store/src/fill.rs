@@ -36,7 +36,7 @@ use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
 mod mapped;
-pub(crate) use mapped::hash_gathered;
+pub(crate) use mapped::{hash_gathered, populate};
 pub use mapped::{hash_parallel, touch_mapped};
 
 /// Default segment: 4 MiB of rows (4,096 BLAKE3 chunks).

@@ -35,6 +35,21 @@ pub struct GenSpec {
     pub threads: usize,
 }
 
+impl GenSpec {
+    /// The metadata of the table this makes (its digest to come), its
+    /// source naming the generator's seed and layer, then `note`.
+    fn meta(&self, note: String) -> TableMeta {
+        TableMeta {
+            layer: self.layer,
+            rows: self.rows,
+            digest: TableDigest([0; 32]),
+            hash_preset: self.hash_preset.clone(),
+            hash_base: self.hash_base,
+            source: format!("synthetic seed={} layer={}{note}", self.seed, self.layer),
+        }
+    }
+}
+
 /// The row count and hashing metadata of a table to generate: `rows` as
 /// given, or the sum of the layer's 24 primes when a hashing preset
 /// (`v41`) or base size is given; both at once must agree.
@@ -81,15 +96,7 @@ pub fn generate(
     spec: &GenSpec,
     mut progress: Option<&mut Progress>,
 ) -> Result<TableMeta, TableFileError> {
-    let meta = TableMeta {
-        layer: spec.layer,
-        rows: spec.rows,
-        digest: TableDigest([0; 32]),
-        hash_preset: spec.hash_preset.clone(),
-        hash_base: spec.hash_base,
-        source: format!("synthetic seed={} layer={}", spec.seed, spec.layer),
-    };
-    let mut writer = TableWriter::create(path, meta)?;
+    let mut writer = TableWriter::create(path, spec.meta(String::new()))?;
     let chunks = spec.rows.div_ceil(CHUNK_ROWS);
     let threads = spec.threads.clamp(1, 64) as u64;
     thread::scope(|s| {
@@ -202,20 +209,11 @@ pub fn generate_sparse(
             pages.len()
         )));
     }
-    let meta = TableMeta {
-        layer: spec.layer,
-        rows: spec.rows,
-        digest: TableDigest([0; 32]),
-        hash_preset: spec.hash_preset.clone(),
-        hash_base: spec.hash_base,
-        source: format!(
-            "synthetic seed={} layer={} sparse: {} pages hold rows, the rest are zero",
-            spec.seed,
-            spec.layer,
-            pages.len()
-        ),
-    };
-    let mut writer = TableWriter::create(path, meta)?;
+    let note = format!(
+        " sparse: {} pages hold rows, the rest are zero",
+        pages.len()
+    );
+    let mut writer = TableWriter::create(path, spec.meta(note))?;
     let total = engram_protocol::etab::pages_for(spec.rows);
     let mut next = 0u64;
     let mut buf = vec![0u8; 15 * ROW_BYTES];

@@ -107,7 +107,7 @@ mod tests {
         // A file system without SEEK_DATA reports everything as data: the
         // answers below are then the conservative ones.
         let extents = data_extents(&f, 0..64 * mib);
-        if extents == vec![0..64 * mib] {
+        if extents.len() == 1 && extents[0] == (0..64 * mib) {
             assert!(!is_hole(&f, 0, mib));
             eprintln!("skipped: this file system does not report holes");
             return;

@@ -385,7 +385,7 @@ impl ResidentTable {
         let map = &self.mem.map;
         let ranges = match &self.kept {
             Some(k) => crate::holes::data_extents(&k.file, 0..map.len() as u64),
-            None => vec![0..map.len() as u64],
+            None => std::iter::once(0..map.len() as u64).collect(),
         };
         for r in ranges {
             let page = PAGE_BYTES as usize;
@@ -394,21 +394,7 @@ impl ResidentTable {
                 .div_ceil(page)
                 .saturating_mul(page)
                 .min(map.len());
-            let bytes = &map[a..b];
-            // SAFETY: advice over pages of this mapping; populating only reads.
-            let advised = unsafe {
-                libc::madvise(
-                    bytes.as_ptr().cast_mut().cast(),
-                    bytes.len(),
-                    libc::MADV_POPULATE_READ,
-                )
-            };
-            if advised != 0 {
-                for p in bytes.chunks(page) {
-                    // SAFETY: a read of a byte inside the mapping.
-                    let _ = unsafe { std::ptr::read_volatile(p.as_ptr()) };
-                }
-            }
+            crate::fill::populate(&map[a..b]);
         }
     }
 

@@ -120,7 +120,7 @@ pub(crate) fn hash_gathered(
 
 /// Read `bytes` (part of a mapping) into memory: `MADV_POPULATE_READ`,
 /// or one read a page where the kernel lacks it (before 5.14).
-fn populate(bytes: &[u8]) {
+pub(crate) fn populate(bytes: &[u8]) {
     if bytes.is_empty() {
         return;
     }

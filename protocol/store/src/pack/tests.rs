@@ -250,15 +250,8 @@ fn config_json_differences_are_refused_naming_the_field() {
     let dir = tempfile::tempdir().expect("tempdir");
     let rows = HashParams::new(Preset::Base(1000)).expect("params").layers[0].rows as usize;
     let (w, s) = rows_data(rows);
-    let (wn, sn) = tensor_names(1);
     let ck = dir.path().join("model.safetensors");
-    write_st(
-        &ck,
-        vec![
-            (&wn, Dtype::F8_E4M3, vec![rows, 256], &w),
-            (&sn, Dtype::F8_E8M0, vec![rows, 8], &s),
-        ],
-    );
+    write_far(&ck, 8, &w, &s, rows);
     let out = dir.path().join("l1.etab");
     let cfg = dir.path().join("config.json");
     for (field, value) in [
