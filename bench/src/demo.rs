@@ -21,6 +21,7 @@ use rack_harness::drill::node::read_trace;
 use rack_harness::drill::report::checksums;
 
 use crate::rack::{self, Child, NodeSpec, RackSpec, TablePair};
+use crate::realtext::{NodeText, RealTextArgs};
 
 /// Settings of the demo.
 #[derive(Debug, Clone, clap::Args)]
@@ -46,6 +47,8 @@ pub struct DemoArgs {
     /// to the step's rows; 0: off); default: the node's.
     #[arg(long, value_name = "US")]
     warm_us: Option<u64>,
+    #[command(flatten)]
+    real: RealTextArgs,
 }
 
 /// Rate of the reference run on local RAM: only its outputs matter.
@@ -102,12 +105,15 @@ fn demo(args: &DemoArgs, pids: &mut Started) -> Result<()> {
     let t_all = Instant::now();
     let dir = rack::work_dir(&args.dir)?;
     let tables = tables(args, &dir)?;
-    let config = rack_config(&dir, &tables, args.host_local)?;
+    let text = args.real.node_text(&dir)?;
+    println!("   {}", args.real.describe(text.as_ref()));
+    let config = rack_config(&dir, &tables, args.host_local, text.as_ref())?;
     let mut demo = Demo {
         args,
         tokens: (args.seconds as f64 * args.tokens_per_second).round() as u64,
         dir,
         config,
+        text,
         pids,
     };
     let (donor_a, donor_b) = demo.start_donors_and_reference()?;
@@ -179,7 +185,12 @@ fn tables(args: &DemoArgs, dir: &Path) -> Result<TablePair> {
 
 /// Write the rack config (two donors, node "rack" over them and its SSD
 /// copy, node "ref" on local RAM) and return its path.
-fn rack_config(dir: &Path, tables: &TablePair, host_local: bool) -> Result<PathBuf> {
+fn rack_config(
+    dir: &Path,
+    tables: &TablePair,
+    host_local: bool,
+    text: Option<&NodeText>,
+) -> Result<PathBuf> {
     let spec = RackSpec {
         donors: &["donor-a", "donor-b"],
         nodes: vec![
@@ -202,6 +213,7 @@ fn rack_config(dir: &Path, tables: &TablePair, host_local: bool) -> Result<PathB
         } else {
             &[]
         },
+        tokenizer: text.map(|t| t.tokenizer.clone()),
     };
     let rk = rack::write_config(dir, tables, &spec)?;
     println!("2. rack config {}:", rk.config.display());
@@ -238,6 +250,8 @@ struct Demo<'a> {
     dir: PathBuf,
     /// The rack config.
     config: PathBuf,
+    /// The real text the nodes decode (`--real-text`).
+    text: Option<NodeText>,
     pids: &'a mut Started,
 }
 
@@ -287,6 +301,9 @@ impl Demo<'_> {
             args.extend(["--warm-us".into(), us.to_string()]);
         }
         args.extend(["--trace".into(), self.trace(node).display().to_string()]);
+        if let Some(t) = &self.text {
+            args.extend(t.args());
+        }
         args
     }
 

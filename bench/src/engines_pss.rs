@@ -110,6 +110,7 @@ pub fn run(out: &Path, hash_base: u64, json: bool) -> Result<()> {
         trust_copies: true,
         transport: cluster_config::Transport::Tls,
         host_sockets: &["donor-a"],
+        tokenizer: None,
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let donor = Child::launch_donor(&rk.config, "donor-a", &[])?;

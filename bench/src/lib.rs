@@ -2,5 +2,6 @@
 //! ([`model`]) and the charts reports are drawn with ([`plot`]). The
 //! measurements themselves live in the binary.
 
+pub mod locality;
 pub mod model;
 pub mod plot;

@@ -19,6 +19,7 @@ mod paced_host;
 mod paced_join;
 mod prefill;
 mod rack;
+mod realtext;
 mod ssd;
 mod stats;
 
@@ -66,6 +67,8 @@ enum Cmd {
     Load(load::LoadArgs),
     /// SSD copy reads: mmap, seed 000's 4 x 6 pread scheme, and io_uring with 24 reads in flight.
     Ssd(ssd::SsdArgs),
+    /// What a real text does to the rows (V4 tokenizer, V4.1 hashing): repeats per n-gram order, LRU and static hot-set hits by size, batch deduplication, SSD pages per token.
+    Locality(realtext::LocalityArgs),
     /// Seed 000's timing model for one V4.1 token: windows, overshoot, tokens/s, slowdown.
     Model(model::ModelArgs),
     /// (internal) Write a sample heatmap and timeline (SVG and PNG) to look at.
@@ -96,6 +99,7 @@ fn main() -> Result<()> {
         Cmd::Checksum(a) => checksum::run(&a),
         Cmd::Layout(a) => layout::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
+        Cmd::Locality(a) => realtext::locality(&a),
         Cmd::Load(a) => load::run(&a),
         Cmd::Prefill(a) => prefill::run(&a),
         Cmd::PrefillFloorServer(a) => prefill::floor_server(&a),

@@ -15,6 +15,7 @@ use inference_node::model::Summary;
 use serde::Serialize;
 
 use crate::rack::{self, Child, NodeSpec, RackSpec};
+use crate::realtext::{NodeText, RealTextArgs};
 use crate::stats::median;
 
 /// Settings of `engram-bench paced`.
@@ -73,6 +74,9 @@ pub struct PacedArgs {
     /// after it, fetched for nothing).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
     draft_reject: u8,
+    /// For the main series: a real text through the V4 tokenizer.
+    #[command(flatten)]
+    real: RealTextArgs,
 }
 
 /// (node, label, sources of both routes).
@@ -98,11 +102,27 @@ struct Run {
     /// Per table (layer 1, layer 14).
     fetch_p50_us: Vec<f64>,
     fetch_p99_us: Vec<f64>,
+    /// Seed 004's figures: row bytes per token (both tables, every source).
+    bytes_per_token: f64,
+    /// Rows in before their block needed them.
+    prefetch_hit_rate: f64,
+    /// Fetch time hidden under compute.
+    overlap: f64,
+    /// Stall p95, microseconds.
+    stall_p95_us: f64,
+    /// The donor's CPU time per decoded token, microseconds (0 for the
+    /// series without a donor).
+    donor_cpu_us_per_token: f64,
 }
 
 impl Run {
-    fn of(s: &Summary) -> Self {
+    fn of(s: &Summary, donor_cpu_s: f64) -> Self {
         Self {
+            bytes_per_token: s.deployment.bytes_per_token.values().sum(),
+            prefetch_hit_rate: s.deployment.prefetch_hit_rate,
+            overlap: s.deployment.overlap,
+            stall_p95_us: s.stall_p95_us,
+            donor_cpu_us_per_token: donor_cpu_s * 1e6 / s.tokens.max(1) as f64,
             tokens: s.tokens,
             tokens_per_second: s.tokens_per_second,
             predicted_tokens_per_second: s.predicted_tokens_per_second,
@@ -131,6 +151,9 @@ struct Point {
     within_target: bool,
     stall_p99_us: f64,
     fetch_p50_us: Vec<f64>,
+    prefetch_hit_rate: f64,
+    overlap: f64,
+    donor_cpu_us_per_token: f64,
     repeats: Vec<Run>,
 }
 
@@ -164,6 +187,9 @@ impl Point {
             predicted_slowdown: m(&|r| r.predicted_slowdown),
             measured_over_predicted: ratio,
             within_target: (ratio - 1.0).abs() <= TARGET,
+            prefetch_hit_rate: m(&|r| r.prefetch_hit_rate),
+            overlap: m(&|r| r.overlap),
+            donor_cpu_us_per_token: m(&|r| r.donor_cpu_us_per_token),
             stall_p99_us: m(&|r| r.stall_p99_us),
             fetch_p50_us: fetch,
             repeats: runs,
@@ -182,6 +208,8 @@ pub fn run(args: &PacedArgs) -> Result<()> {
     }
     let tables = rack::table_pair(out, args.hash_base)?;
     let rows = [tables.tables[0].rows, tables.tables[1].rows];
+    let text = args.real.node_text(out)?;
+    eprintln!("{}", args.real.describe(text.as_ref()));
     let spec = RackSpec {
         donors: &["donor-a"],
         nodes: SOURCES
@@ -197,6 +225,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         trust_copies: true,
         transport: cluster_config::Transport::Tcp,
         host_sockets: &[],
+        tokenizer: text.as_ref().map(|t| t.tokenizer.clone()),
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let fusion = format!(
@@ -221,7 +250,7 @@ pub fn run(args: &PacedArgs) -> Result<()> {
         donor.pid()
     );
 
-    let points = measure(args, rates, &rk.config, out)?;
+    let points = measure(args, rates, &rk.config, out, (text.as_ref(), donor.pid()))?;
     drop(donor);
 
     let missed = points.iter().filter(|p| !p.within_target).count();
@@ -331,7 +360,13 @@ fn other_mode(args: &PacedArgs, out: &Path, rates: &[f64]) -> Option<Result<()>>
 }
 
 /// Every source at every rate, `--repeat` times; one point each.
-fn measure(args: &PacedArgs, rates: &[f64], config: &Path, out: &Path) -> Result<Vec<Point>> {
+fn measure(
+    args: &PacedArgs,
+    rates: &[f64],
+    config: &Path,
+    out: &Path,
+    (text, donor): (Option<&NodeText>, u32),
+) -> Result<Vec<Point>> {
     let runs_dir = out.join("runs");
     std::fs::create_dir_all(&runs_dir)?;
     let mut runs: Vec<Vec<Vec<Run>>> = vec![vec![Vec::new(); rates.len()]; SOURCES.len()];
@@ -339,19 +374,28 @@ fn measure(args: &PacedArgs, rates: &[f64], config: &Path, out: &Path) -> Result
         for (si, (node, label, _)) in SOURCES.iter().enumerate() {
             for (ri, &rate) in rates.iter().enumerate() {
                 let file = runs_dir.join(format!("{node}-{rate}-{}.json", rep + 1));
-                let a = rack::paced_args(rate, args.seconds_per_point);
+                let mut a = rack::paced_args(rate, args.seconds_per_point);
+                a.extend(text.map(NodeText::args).unwrap_or_default());
                 let timeout = Duration::from_secs_f64(args.seconds_per_point * 10.0 + 120.0);
+                let cpu_before = rack::cpu_s(donor)?;
                 rack::run_node(config, node, &a, &file, timeout)?;
+                let donor_cpu = rack::cpu_s(donor)? - cpu_before;
                 let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
                     .with_context(|| format!("reading {}", file.display()))?;
-                let r = Run::of(&s);
+                let on_donor = *node == "donor";
+                let r = Run::of(&s, if on_donor { donor_cpu } else { 0.0 });
                 eprintln!(
-                    "run {}/{}: {label:<9} {rate:>6} tokens/s: measured {:>7.1}, predicted {:>7.1} ({:.3})",
+                    "run {}/{}: {label:<9} {rate:>6} tokens/s: measured {:>7.1}, predicted {:>7.1} ({:.3}); {:.0} B/token, hits {:.1}%, overlap {:.1}%, stall p95 {:.0} us, donor CPU {:.1} us/token",
                     rep + 1,
                     args.repeat,
                     r.tokens_per_second,
                     r.predicted_tokens_per_second,
-                    r.measured_over_predicted
+                    r.measured_over_predicted,
+                    r.bytes_per_token,
+                    r.prefetch_hit_rate * 100.0,
+                    r.overlap * 100.0,
+                    r.stall_p95_us,
+                    r.donor_cpu_us_per_token
                 );
                 runs[si][ri].push(r);
             }
@@ -405,7 +449,7 @@ fn print_text(report: &Report, out: &Path, svg: &Path, png: &Path, t_all: Instan
 
 fn table(r: &Report) -> String {
     let mut s = format!(
-        "{:<10} {:>6} {:>10} {:>10} {:>9} {:>9} {:>9} {:>14} {:>7}\n",
+        "{:<10} {:>6} {:>10} {:>10} {:>9} {:>9} {:>9} {:>14} {:>7} {:>7} {:>8} {:>10}\n",
         "source",
         "rate",
         "measured",
@@ -414,15 +458,18 @@ fn table(r: &Report) -> String {
         "predicted",
         "meas/pred",
         "fetch p50 us",
-        "within"
+        "within",
+        "hits",
+        "overlap",
+        "donor CPU"
     );
     s += &format!(
-        "{:<10} {:>6} {:>10} {:>10} {:>9} {:>9} {:>9} {:>14} {:>7}\n",
-        "", "tok/s", "tok/s", "tok/s", "", "slowdown", "", "layer 1/14", "10%"
+        "{:<10} {:>6} {:>10} {:>10} {:>9} {:>9} {:>9} {:>14} {:>7} {:>7} {:>8} {:>10}\n",
+        "", "tok/s", "tok/s", "tok/s", "", "slowdown", "", "layer 1/14", "10%", "", "", "us/token"
     );
     for p in &r.points {
         s += &format!(
-            "{:<10} {:>6} {:>10.1} {:>10.1} {:>8.2}% {:>8.2}% {:>9.3} {:>14} {:>7}\n",
+            "{:<10} {:>6} {:>10.1} {:>10.1} {:>8.2}% {:>8.2}% {:>9.3} {:>14} {:>7} {:>6.1}% {:>7.1}% {:>10.1}\n",
             p.label,
             p.rate,
             p.measured_tokens_per_second,
@@ -435,7 +482,10 @@ fn table(r: &Report) -> String {
                 p.fetch_p50_us.first().copied().unwrap_or(f64::NAN),
                 p.fetch_p50_us.get(1).copied().unwrap_or(f64::NAN)
             ),
-            if p.within_target { "yes" } else { "NO" }
+            if p.within_target { "yes" } else { "NO" },
+            p.prefetch_hit_rate * 100.0,
+            p.overlap * 100.0,
+            p.donor_cpu_us_per_token
         );
     }
     s

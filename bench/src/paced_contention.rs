@@ -75,6 +75,7 @@ pub fn run(out: &Path, hash_base: u64, rates: &[f64], seconds: f64, json: bool) 
         trust_copies: true,
         transport: cluster_config::Transport::Tcp,
         host_sockets: &[],
+        tokenizer: None,
     };
     let rk = rack::write_config(out, &tables, &spec)?;
     let load_file = out.join("load.bin");

@@ -41,26 +41,6 @@ const BACK_TO_BACK_RATE: f64 = 100_000.0;
 /// Steps of a back-to-back run.
 const BACK_TO_BACK_TOKENS: f64 = 3000.0;
 
-/// CPU seconds process `pid` has taken so far (user and system), from
-/// `/proc/PID/stat`.
-fn cpu_s(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The fields after the command name (which may hold spaces).
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .context("an unreadable /proc stat line")?;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
-    let ticks: f64 = [12, 13]
-        .iter()
-        .map(|&i| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))
-        .sum();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok(ticks / hz)
-}
-
 /// One node run.
 #[derive(Debug, Clone, Serialize)]
 struct Run {
@@ -202,6 +182,7 @@ fn rack_spec() -> RackSpec {
         trust_copies: true,
         transport: cluster_config::Transport::Tls,
         host_sockets: &["donor-a"],
+        tokenizer: None,
     }
 }
 
@@ -260,9 +241,9 @@ impl Round<'_> {
                     "tls" => Some(self.donors[1]),
                     _ => None,
                 };
-                let donor_before = donor.map(cpu_s).transpose()?.unwrap_or(0.0);
+                let donor_before = donor.map(rack::cpu_s).transpose()?.unwrap_or(0.0);
                 rack::run_node(self.config, node, &a, &file, timeout)?;
-                let donor_cpu = donor.map(cpu_s).transpose()?.unwrap_or(0.0) - donor_before;
+                let donor_cpu = donor.map(rack::cpu_s).transpose()?.unwrap_or(0.0) - donor_before;
                 let s: Summary = serde_json::from_slice(&std::fs::read(&file)?)
                     .with_context(|| format!("reading {}", file.display()))?;
                 let r = run_of(&s, donor_cpu)?;

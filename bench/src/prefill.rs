@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use cluster_config::{Hedge, Policy, Transport};
+use engram_protocol::hashing::{HashParams, Preset, hash_sequence};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
@@ -83,6 +84,12 @@ pub struct PrefillArgs {
     /// Where the tables and the chart go (`prefill.svg`, `prefill.png`).
     #[arg(long, default_value = "target/bench-prefill")]
     out: PathBuf,
+    /// Prompts from a real text instead of random distinct rows: its
+    /// first positions through the V4 tokenizer, V4.1's token map and
+    /// hashing (primes above a base sized to the tables), each table's
+    /// distinct rows.
+    #[command(flatten)]
+    real: crate::realtext::RealTextArgs,
 }
 
 /// Arguments of the floor's server (`prefill-floor-server`).
@@ -165,6 +172,8 @@ struct TargetsMet {
 struct Report {
     link_mbit: u32,
     rounds: usize,
+    /// Where the prompts' rows came from.
+    prompts: String,
     lengths: Vec<LengthRow>,
     targets: Vec<TargetsMet>,
 }
@@ -294,6 +303,86 @@ fn routers(m: &NodeMetrics, sources: &[Arc<SourceHealth>]) -> [Arc<Router>; 2] {
     TABLES.map(|t| Arc::new(Router::new(settings(t), sources.to_vec(), m)))
 }
 
+/// Where a prompt's rows come from.
+enum Prompts {
+    /// `24 x positions` random distinct rows of each table.
+    Random(SplitMix64),
+    /// A real text's first positions, hashed with `params`: each table's
+    /// distinct rows.
+    Text {
+        ids: Vec<u32>,
+        pad: i64,
+        params: Box<HashParams>,
+    },
+}
+
+impl Prompts {
+    /// Random prompts, or (with `--real-text`) the text's, hashed with the
+    /// largest base whose tables fit in `rows` rows.
+    fn new(args: &PrefillArgs) -> Result<Self> {
+        if !args.real.real_text {
+            return Ok(Self::Random(SplitMix64::new(0x009e_f111)));
+        }
+        let w = args.real.text.load()?;
+        let mut base = args.rows / 24;
+        let params = loop {
+            let p = HashParams::new(Preset::from_base(base)?)?;
+            if p.layers.iter().all(|l| l.rows <= args.rows) {
+                break p;
+            }
+            base -= base / 64 + 1;
+        };
+        Ok(Self::Text {
+            ids: w.compressed,
+            pad: w.pad,
+            params: Box::new(params),
+        })
+    }
+
+    /// What the report says of the prompts.
+    fn describe(&self) -> String {
+        match self {
+            Self::Random(_) => "24 random distinct rows per position and table".into(),
+            Self::Text { ids, params, .. } => format!(
+                "a real text's first positions ({} V4 tokens), V4.1's token map and hashing with primes above {}: each table's distinct rows",
+                ids.len(),
+                params.preset.base() - 1
+            ),
+        }
+    }
+
+    /// The rows of both tables for a prompt of `positions`, sorted.
+    fn rows(&mut self, positions: usize, rows: u64) -> Result<[Vec<u64>; 2]> {
+        let (ids, pad, params) = match self {
+            Self::Random(rng) => {
+                let n = positions * 24;
+                return Ok([prompt_rows(rng, n, rows), prompt_rows(rng, n, rows)]);
+            }
+            Self::Text { ids, pad, params } => (ids, *pad, params),
+        };
+        if ids.is_empty() {
+            bail!("the text has no tokens");
+        }
+        let seq: Vec<i64> = ids
+            .iter()
+            .cycle()
+            .take(positions)
+            .map(|&i| i64::from(i))
+            .collect();
+        let mut out = [Vec::new(), Vec::new()];
+        for p in hash_sequence(params, pad, &seq)?.into_iter().flatten() {
+            for (o, layer) in out.iter_mut().zip(p) {
+                o.extend(layer);
+            }
+        }
+        for o in &mut out {
+            o.sort_unstable();
+            o.dedup();
+        }
+        Ok(out)
+    }
+}
+
 /// `n` distinct rows of a table of `rows`, sorted (a prompt's addresses).
 fn prompt_rows(rng: &mut SplitMix64, n: usize, rows: u64) -> Vec<u64> {
     let mut v: Vec<u64> = Vec::with_capacity(n);
@@ -323,12 +412,18 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     )?;
     floor.set_nodelay(true)?;
 
-    let mut rng = SplitMix64::new(0x009e_f111);
+    let mut prompts = Prompts::new(args)?;
     let mut sink = vec![0u8; 1 << 20];
     let mut rows_out = Vec::new();
     for &positions in &args.lengths {
         rows_out.push(measure_length(
-            args, &rt, &setups, &mut floor, &mut rng, &mut sink, positions,
+            args,
+            &rt,
+            &setups,
+            &mut floor,
+            &mut prompts,
+            &mut sink,
+            positions,
         )?);
     }
     drop(floor);
@@ -349,6 +444,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     let report = Report {
         link_mbit: args.link_mbit,
         rounds: args.rounds,
+        prompts: prompts.describe(),
         lengths: rows_out,
         targets,
     };
@@ -518,16 +614,13 @@ fn measure_length(
     rt: &tokio::runtime::Runtime,
     setups: &Setups,
     floor: &mut TcpStream,
-    rng: &mut SplitMix64,
+    prompts: &mut Prompts,
     sink: &mut [u8],
     positions: usize,
 ) -> Result<LengthRow> {
-    let n = positions * 24;
-    let prompt = [
-        prompt_rows(rng, n, args.rows),
-        prompt_rows(rng, n, args.rows),
-    ];
-    let bytes = 2 * n * ROW_BYTES;
+    let prompt = prompts.rows(positions, args.rows)?;
+    let n = prompt[0].len().max(prompt[1].len());
+    let bytes = (prompt[0].len() + prompt[1].len()) * ROW_BYTES;
     // A warm-up sweep each (connections made, pages touched), checked.
     sweep(rt, &setups.local, &prompt, true)
         .with_context(|| format!("local RAM, {positions} positions"))?;
@@ -644,6 +737,7 @@ fn print_report(r: &Report) {
         links(r.link_mbit),
         r.rounds
     );
+    println!("prompts: {}", r.prompts);
     let ms_gbps = |bytes: usize, ms: f64| format!("{ms:.2} ({:.3})", gbps(bytes, ms));
     let mut rows: Vec<Vec<String>> = Vec::new();
     for l in &r.lengths {

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cluster_config::{Endpoint, Transport};
+use engram_protocol::hashing::V41_COMPRESSED_VOCAB;
 use rack_harness::rack_toml::{
     DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
 };
@@ -179,6 +180,10 @@ pub struct RackSpec {
     /// Donors that also listen on a host socket (`DIR/NAME.sock`): a node
     /// on this host maps their tables instead of asking for rows.
     pub host_sockets: &'static [&'static str],
+    /// The V4 tokenizer.json the nodes tokenize a real text with (`[model]
+    /// tokenizer`; the map it gives must have V4.1's 99,092 ids); `None`:
+    /// the node's built-in text, as word-level tokens.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl RackSpec {
@@ -197,6 +202,7 @@ impl RackSpec {
             trust_copies: true,
             transport: Transport::Tcp,
             host_sockets: &[],
+            tokenizer: None,
         }
     }
 }
@@ -282,6 +288,8 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
         .collect();
     rack.model = Some(ModelSection {
         fusion: Some("cpu".into()),
+        tokenizer: spec.tokenizer.as_ref().map(|t| t.display().to_string()),
+        compressed_vocab: spec.tokenizer.as_ref().map(|_| V41_COMPRESSED_VOCAB),
         ..ModelSection::synthetic(tables.base, 1, HIDDEN, STREAMS)
     });
     let config = dir.join("rack.toml");
@@ -481,6 +489,26 @@ pub fn run_node(
         bail!("node {name} failed ({st}):\n{}", node.log());
     }
     Ok(())
+}
+
+/// CPU seconds process `pid` has taken so far (user and system), from
+/// `/proc/PID/stat`.
+pub fn cpu_s(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command name (which may hold spaces).
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("an unreadable /proc stat line")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
+    let ticks: f64 = [12, 13]
+        .iter()
+        .map(|&i| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(ticks / hz)
 }
 
 /// Seconds since `t`, for messages.

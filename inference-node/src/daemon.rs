@@ -233,6 +233,7 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
             shared: &shared,
             tokenizer: &tokenizer,
             metrics: &cx.metrics,
+            series: cx.metrics.model.series(nm.slots().map(|s| s.table)),
             slots: nm.slots(),
             spec: spec.clone(),
             active: BTreeMap::new(),
@@ -332,6 +333,8 @@ struct Batcher<'a> {
     shared: &'a Shared,
     tokenizer: &'a InputTokenizer,
     metrics: &'a crate::metrics::NodeMetrics,
+    /// The model loop's deployment series.
+    series: crate::metrics::ModelSeries,
     slots: [TableSlot; 2],
     spec: LoopSpec,
     active: BTreeMap<u64, Active>,
@@ -470,6 +473,7 @@ impl BatchDriver for Batcher<'_> {
     fn after_step(&mut self, rec: Option<&StepRecord>, finished: &[u64]) {
         if let Some(rec) = rec {
             (self.ping)();
+            self.series.record(rec);
             let mut in_step = 0u64;
             for (&tag, a) in &mut self.active {
                 let positions: Vec<_> = rec

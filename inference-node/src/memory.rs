@@ -515,9 +515,17 @@ async fn build(
             }
             sources.push(health);
         }
+        let window = node.window(config, table.id).unwrap_or_default();
+        let labels = crate::metrics::TableLabels {
+            table: table.id.to_string(),
+        };
+        metrics
+            .table_window_seconds
+            .get_or_create(&labels)
+            .set(window.as_secs_f64());
         let settings = RouteSettings {
             table: table.id,
-            window: node.window(config, table.id).unwrap_or_default(),
+            window,
             grace: route.grace,
             hard_timeout: route.hard_timeout,
             hedge: route.hedge,

@@ -37,6 +37,9 @@ pub struct SourceOnly {
     pub source: String,
 }
 
+mod model;
+pub use model::{ModelMetrics, ModelSeries};
+
 type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn fetch_histogram() -> Histogram {
@@ -93,6 +96,11 @@ pub struct NodeMetrics {
     pub batch_size: Histogram,
     /// Sequences in the daemon's running batch now.
     pub batch_sequences: Gauge,
+    /// The model loop's deployment series (`engram_node_model_*`).
+    pub model: ModelMetrics,
+    /// Each routed table's window at the node's token rate (what
+    /// `engram-cluster plan` computes).
+    pub table_window_seconds: Family<TableLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 /// Labels of the RDMA series.
@@ -167,6 +175,8 @@ impl NodeMetrics {
             // 1, 2, 4 .. 1024 sequences.
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
             batch_sequences: Gauge::default(),
+            model: ModelMetrics::default(),
+            table_window_seconds: Family::default(),
         };
         {
             let mut r = m.registry.lock();
@@ -267,6 +277,12 @@ impl NodeMetrics {
                 "The engine reading each table's SSD copy (1 in use), whether reads are O_DIRECT and pages checked, and the I/O priority they have",
                 m.ssd_engine.clone(),
             );
+            r.register(
+                "table_window_seconds",
+                "Each routed table's window at the node's token rate: the time its rows have before their block (engram-cluster plan's window)",
+                m.table_window_seconds.clone(),
+            );
+            m.model.register(&mut r);
         }
         m
     }

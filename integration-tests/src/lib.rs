@@ -18,6 +18,7 @@ pub mod netns;
 pub mod pki;
 pub mod proxy;
 pub mod rack_toml;
+pub mod realtext;
 pub mod ring_engine;
 pub mod secure;
 

@@ -471,6 +471,9 @@ pub struct ModelSection {
     /// The fusion backend (`"cpu"`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fusion: Option<String>,
+    /// The checkpoint's `config.json`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
 }
 
 impl ModelSection {

@@ -187,6 +187,52 @@ fn a_table_with_no_usable_source_stops_the_node_at_start() {
     assert!(!ok && err.contains("nobody"), "{err}");
 }
 
+/// The checkpoint's config.json (`[model] config`) that agrees with the
+/// node lets it run; one that differs in a field stops it at start,
+/// naming the field.
+#[test]
+fn a_config_json_that_differs_from_the_node_stops_it_naming_the_field() {
+    use engram_protocol::hashing::{HashParams, Preset};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut rack = model_rack_config(dir.path()).expect("rack");
+    let json = dir.path().join("config.json");
+    if let Some(m) = rack.model.as_mut() {
+        m.config = Some(json.display().to_string());
+    }
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("config");
+    let p = HashParams::new(Preset::from_base(rack_harness::MODEL_BASE).expect("base"))
+        .expect("params");
+    let good = serde_json::json!({
+        "hidden_size": 8, "hc_mult": 2, "rms_norm_eps": 1e-20,
+        "engram_layer_ids": [1, 14],
+        "engram_num_embeddings": [p.layers[0].rows, p.layers[1].rows],
+        "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
+        "engram_vocab_size": rack_harness::MODEL_BASE, "engram_compressed_vocab_size": 99_092,
+        "engram_pad_token_id": 2
+    });
+    std::fs::write(&json, good.to_string()).expect("write");
+    let (ok, _, err) = run(&config, "ref", &["--tokens", "3"]);
+    assert!(ok, "{err}");
+    for (field, value) in [
+        ("hidden_size", serde_json::json!(16)),
+        (
+            "engram_num_embeddings",
+            serde_json::json!([p.layers[0].rows + 1, p.layers[1].rows]),
+        ),
+        ("rms_norm_eps", serde_json::json!(1e-6)),
+    ] {
+        let mut bad = good.clone();
+        bad[field] = value;
+        std::fs::write(&json, bad.to_string()).expect("write");
+        let (ok, _, err) = run(&config, "ref", &["--tokens", "3"]);
+        assert!(
+            !ok && err.contains(field) && err.contains("config.json"),
+            "{field}: {err}"
+        );
+    }
+}
+
 /// A batch step asks each table's rows in one message however many
 /// sequences it holds, up to the donor's frame cap: 256 sequences, over
 /// 2,048 distinct rows per table, one message each.

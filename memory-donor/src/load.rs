@@ -59,6 +59,7 @@ pub fn load_tables(
                 return Err(e);
             }
         };
+        st.resident(table.memory_bytes().len() as u64);
         st.set_state(LoadState::Ready);
         if report.how == How::Loaded {
             store.keep(&table);

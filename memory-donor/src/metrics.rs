@@ -10,7 +10,7 @@
 //! `connections_open`, `connections_accepted_total`,
 //! `connections_refused_total`, `table_state{table,layer,state}`,
 //! `table_rows{table,layer}`, `table_loaded_bytes{table,layer}`,
-//! `table_bytes{table,layer}`, `draining`, `uptime_seconds`.
+//! `table_bytes{table,layer}`, `table_memory_bytes{table,layer}`, `draining`, `cpu_seconds_total`, `uptime_seconds`.
 
 use std::sync::Arc;
 
@@ -87,6 +87,14 @@ impl Collector for DonorCollector {
         self.encode_tables(e)?;
         let draining = i64::from(self.status.phase() == Phase::Draining);
         gauge(e, "draining", "1 once a drain started.", None, draining)?;
+        ConstCounter::new(daemon_runtime::metrics::process_cpu_seconds()).encode(
+            e.encode_descriptor(
+                "cpu",
+                "CPU time the donor's process has taken, user and system (over a node's engram_node_model_tokens_total: donor CPU per token).",
+                Some(&Unit::Seconds),
+                MetricType::Counter,
+            )?,
+        )?;
         let up = self.status.started.elapsed().as_secs_f64();
         ConstGauge::new(up).encode(e.encode_descriptor(
             "uptime",
@@ -233,6 +241,11 @@ impl DonorCollector {
                 None,
             ),
             ("table_bytes", "Row bytes of each table in all.", None),
+            (
+                "table_memory_bytes",
+                "Memory each table's rows take as served: its file's pages, its rows back to back, or planar (what engram-cluster plan counts).",
+                None,
+            ),
         ];
         for (name, help, unit) in per_table {
             let mut m = e.encode_descriptor(name, help, unit, MetricType::Gauge)?;
@@ -240,6 +253,7 @@ impl DonorCollector {
                 let x = match name {
                     "table_rows" => v.rows,
                     "table_loaded_bytes" => v.bytes_done,
+                    "table_memory_bytes" => v.memory_bytes,
                     _ => v.bytes_total,
                 };
                 let x = i64::try_from(x).unwrap_or(i64::MAX);

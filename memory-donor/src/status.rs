@@ -96,6 +96,8 @@ pub struct TableStatus {
     header: Mutex<Header>,
     state: AtomicU8,
     rows_done: AtomicU64,
+    /// Bytes of memory the rows take as served (0 until resident).
+    memory: AtomicU64,
 }
 
 /// A table's load at one moment.
@@ -115,6 +117,10 @@ pub struct TableView {
     pub bytes_done: u64,
     /// Row bytes in all.
     pub bytes_total: u64,
+    /// Memory the rows take as served (0 until resident): their file's
+    /// pages (15 rows and slack to 4 KiB, `map_files`), the rows back to
+    /// back, or planar (values, then scales from a 4 KiB boundary).
+    pub memory_bytes: u64,
     /// Why loading failed.
     pub error: Option<String>,
     /// The file.
@@ -143,6 +149,11 @@ impl TableStatus {
         if rows >= total {
             self.set_state(LoadState::Verifying);
         }
+    }
+
+    /// The table is resident in `bytes` of memory ([`TableView::memory_bytes`]).
+    pub fn resident(&self, bytes: u64) {
+        self.memory.store(bytes, Ordering::Relaxed);
     }
 
     /// Move to `state`.
@@ -202,6 +213,7 @@ impl TableStatus {
                 done.min(bytes_total)
             },
             bytes_total,
+            memory_bytes: self.memory.load(Ordering::Relaxed),
             error: h.error,
             path: h.path,
             verify: self.verify,
@@ -256,6 +268,7 @@ impl DonorState {
                 }),
                 state: AtomicU8::new(LoadState::Loading.to_u8()),
                 rows_done: AtomicU64::new(0),
+                memory: AtomicU64::new(0),
             })
             .collect();
         Arc::new(Self {

@@ -384,6 +384,7 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
         Err(e) => return Err(failed(&cx, &p, si, e.to_string())),
     };
     cx.fd_store.keep(&table);
+    let memory = table.memory_bytes().len() as u64;
     let old = {
         let mut tables = cx.shared.tables_mut();
         match tables.iter().position(|t| t.id == id) {
@@ -399,6 +400,7 @@ pub async fn run(cx: SwapContext, p: Prepared) -> Result<(), SwapError> {
     // access error and learns the new one.
     retire(&cx, old).await;
     if let Some(i) = si {
+        cx.status.tables[i].resident(memory);
         cx.status.tables[i].replaced(p.req.path.clone(), p.rows, new, LoadState::Ready);
     }
     let took = began.elapsed();

@@ -95,4 +95,26 @@ pub struct Model {
     pub weights: Option<WeightsSource>,
     /// Fusion backend (default `cpu`).
     pub fusion: FusionBackend,
+    /// The checkpoint's `config.json`, whose Engram and fusion parameters
+    /// the node checks at start: `config` as given, else the one in the
+    /// directory of the `weights` checkpoint (used where it exists).
+    pub config_json: Option<ConfigJson>,
+}
+
+/// Where the checkpoint's `config.json` is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigJson {
+    /// Named by `config`: it must exist.
+    Named(PathBuf),
+    /// Beside the `weights` checkpoint: checked where it exists.
+    Beside(PathBuf),
+}
+
+impl ConfigJson {
+    /// The file.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            Self::Named(p) | Self::Beside(p) => p,
+        }
+    }
 }

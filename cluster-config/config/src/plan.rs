@@ -130,7 +130,8 @@ pub struct DonorPlan {
     pub name: String,
     /// `(table id, bytes)` for each table it holds.
     pub tables: Vec<(u32, u64)>,
-    /// Bytes of all its tables (rows x 264).
+    /// Bytes of all its tables as it holds them (rows x 264; file pages
+    /// with `map_files`; planar with a planar `host_layout`).
     pub table_bytes: u64,
     /// Headroom kept free, in bytes.
     pub headroom_bytes: u64,
@@ -203,14 +204,19 @@ pub struct Plan {
     pub nodes: Vec<NodePlan>,
 }
 
-/// The memory a table of `rows` takes on a donor: its rows back to back,
-/// or with `map_files` its file's pages (15 rows and slack to 4 KiB).
-fn resident_bytes(rows: u64, map_files: bool) -> u64 {
+/// The memory a table of `rows` takes on donor `d`: with `map_files` its
+/// file's pages (15 rows and slack to 4 KiB); else its rows, back to back
+/// or, for a planar `host_layout`, planar (values, then the scales from
+/// the next 4 KiB boundary). What the donor reports as
+/// `engram_donor_table_memory_bytes` once it serves the table.
+fn resident_bytes(rows: u64, d: &crate::Donor) -> u64 {
     use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
-    if map_files {
+    if d.map_files {
         rows.div_ceil(ROWS_PER_PAGE) * PAGE_BYTES
     } else {
-        rows * engram_protocol::ROW_BYTES as u64
+        d.host_layout
+            .rows_len(rows)
+            .unwrap_or(rows * engram_protocol::ROW_BYTES as u64)
     }
 }
 
@@ -345,7 +351,7 @@ impl DonorPlan {
             .tables
             .iter()
             .filter_map(|id| config.table(*id))
-            .map(|t| (t.id, resident_bytes(t.rows, d.map_files)))
+            .map(|t| (t.id, resident_bytes(t.rows, d)))
             .collect();
         let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
         // An RDMA donor keeps a check word beside every row, and a

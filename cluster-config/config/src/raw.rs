@@ -155,4 +155,5 @@ pub(crate) struct RawModel {
     pub weights: Option<Spanned<String>>,
     pub weights_seed: Option<Spanned<i64>>,
     pub fusion: Option<Spanned<String>>,
+    pub config: Option<Spanned<String>>,
 }

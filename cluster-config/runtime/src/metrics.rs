@@ -219,6 +219,20 @@ fn respond(
     r
 }
 
+/// CPU time this process has taken (user and system), in seconds: what
+/// the daemons report as their cost (`engram_donor_cpu_seconds_total`,
+/// the node's summary).
+pub fn process_cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given, which is plain data.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF needs nothing else.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

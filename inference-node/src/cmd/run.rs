@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
-use inference_node::metrics::NodeMetrics;
+use inference_node::metrics::{ModelSeries, NodeMetrics};
 use inference_node::model::node::{Backbone, InputChoice, NodeModel};
 use inference_node::model::summary::Seconds;
 use inference_node::model::{Draft, LoopSpec, MAX_BATCH, MAX_DRAFT_TIME, MAX_SPECULATE, Tokens};
@@ -139,12 +139,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ..LoopSpec::default()
     };
     announce(&args, &tokens, &spec, &nm);
-    let cpu_before = process_cpu_s();
-    let rx = start_loop(&args, nm, tokens, spec, trace)?;
+    let cpu_before = daemon_runtime::metrics::process_cpu_seconds();
+    let series = metrics.model.series(nm.slots().map(|s| s.table));
+    let rx = start_loop(&args, nm, tokens, spec, (trace, series))?;
     let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
     flushed.context("writing the trace")?;
     let mut summary = res?;
-    summary.cpu_s = process_cpu_s() - cpu_before;
+    summary.cpu_s = daemon_runtime::metrics::process_cpu_seconds() - cpu_before;
     drop(nm);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -223,7 +224,7 @@ fn start_loop(
     mut nm: NodeModel,
     tokens: Tokens,
     spec: LoopSpec,
-    mut trace: Option<std::io::BufWriter<std::fs::File>>,
+    (mut trace, mut series): (Option<std::io::BufWriter<std::fs::File>>, ModelSeries),
 ) -> Result<tokio::sync::oneshot::Receiver<LoopEnd>> {
     let stop = Arc::new(AtomicBool::new(false));
     super::stop_on_signals(stop.clone());
@@ -237,6 +238,7 @@ fn start_loop(
         .spawn(move || {
             let mut seconds = Seconds::default();
             let mut on_step = |r: &inference_node::model::StepRecord| -> std::io::Result<()> {
+                series.record(r);
                 if let Some(t) = trace.as_mut() {
                     serde_json::to_writer(&mut *t, r)?;
                     t.write_all(b"\n")?;
@@ -268,15 +270,4 @@ fn start_loop(
         })
         .context("starting the loop thread")?;
     Ok(rx)
-}
-
-/// CPU seconds this process has taken so far, user and system.
-fn process_cpu_s() -> f64 {
-    // SAFETY: getrusage fills the struct it is given.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return 0.0;
-    }
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
 }

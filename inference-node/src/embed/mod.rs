@@ -39,6 +39,7 @@ pub use ticket::{POSITION_BYTES, Served, Ticket};
 
 use crate::memory::Routers;
 use crate::metrics::NodeMetrics;
+use crate::model::check_config_json;
 use crate::model::fetch::{FetchCounts, fetch_rows};
 use crate::model::node::{SetupError, chunk_rows, layer_tables, token_map, usable_at_start};
 use crate::router::Router;
@@ -217,6 +218,7 @@ impl EmbeddedNode {
         let tables = layer_tables(&cfg, n, &model, &params)?;
         let (tokenizer, map) = token_map(&model)?;
         let map = tokenizer.map(|(_, m)| m).or(map);
+        check_config_json(&model, &params, map.as_ref())?;
         let pad = match &map {
             Some(m) => m.get(model.pad_token).map_or(0, i64::from),
             None => i64::from(model.pad_token),

@@ -13,9 +13,11 @@ use std::io::Write;
 use std::path::Path;
 
 use thiserror::Error;
-use tokenizers::Tokenizer;
-use unicode_normalization::UnicodeNormalization;
-use unicode_normalization::char::is_combining_mark;
+use tokenizers::normalizers::replace::{Replace, ReplacePattern};
+use tokenizers::normalizers::strip::{Strip, StripAccents};
+use tokenizers::normalizers::unicode::{NFD, NFKC};
+use tokenizers::normalizers::utils::{Lowercase, Sequence};
+use tokenizers::{NormalizedString, Normalizer, NormalizerWrapper, Tokenizer};
 
 /// Most raw ids a tokenizer or map may have.
 pub const MAX_RAW_VOCAB: usize = cluster_config::model::MAX_RAW_VOCAB as usize;
@@ -23,11 +25,6 @@ pub const MAX_RAW_VOCAB: usize = cluster_config::model::MAX_RAW_VOCAB as usize;
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// Largest map file read (8 bytes per line is ample for 7-digit ids).
 pub const MAX_MAP_BYTES: u64 = MAX_RAW_VOCAB as u64 * 9;
-
-/// V4.1's normalizer protects a lone space from `Strip` with this private-use
-/// sentinel and turns every sentinel back into a space at the end; doing the
-/// same keeps texts that hold U+E000 themselves identical to V4.1's keys.
-const SENTINEL: char = '\u{E000}';
 
 /// Why a token map cannot be built or loaded.
 #[derive(Debug, Error)]
@@ -76,46 +73,65 @@ pub struct TokenMap {
     compressed: u32,
 }
 
-/// V4.1's key normalizer: NFKC, NFD, drop combining marks, lowercase, every
-/// run of `[ \t\r\n]` to one space, then strip leading and trailing
-/// whitespace, except that a string that is exactly one space stays one.
-pub fn normalize(text: &str) -> String {
-    let nfkc: String = text.nfkc().collect();
-    let mut folded = String::with_capacity(nfkc.len());
-    for c in nfkc.nfd().filter(|c| !is_combining_mark(*c)) {
-        // Per character, as the tokenizers `Lowercase` normalizer does (no
-        // context-dependent final sigma).
-        folded.extend(c.to_lowercase());
+/// V4.1's key normalizer, built from the tokenizers library's own
+/// normalizers exactly as the engines build it (vLLM's
+/// `build_compressed_token_map`): NFKC, NFD, strip accents, lowercase,
+/// every run of `[ \t\r\n]` to one space, then strip leading and trailing
+/// whitespace, except that a string that is exactly one space stays one
+/// (protected from `Strip` by the private-use sentinel U+E000, which then
+/// turns back into a space wherever it is, as in V4.1).
+#[derive(Debug)]
+pub struct KeyNormalizer(Sequence);
+
+impl KeyNormalizer {
+    /// The normalizer; an error only if the tokenizers library refuses
+    /// one of its fixed patterns.
+    pub fn new() -> Result<Self, TokenMapError> {
+        let sentinel = "\u{E000}";
+        let re = |p: &str| ReplacePattern::Regex(p.to_string());
+        let replace = |p: ReplacePattern, with: &str| {
+            Replace::new(p, with)
+                .map(NormalizerWrapper::from)
+                .map_err(|e| TokenMapError::Tokenizer(format!("the key normalizer: {e}")))
+        };
+        Ok(Self(Sequence::new(vec![
+            NFKC.into(),
+            NFD.into(),
+            StripAccents.into(),
+            Lowercase.into(),
+            replace(re("[ \t\r\n]+"), " ")?,
+            replace(re("^ $"), sentinel)?,
+            Strip::new(true, true).into(),
+            replace(ReplacePattern::String(sentinel.to_string()), " ")?,
+        ])))
     }
-    let mut collapsed = String::with_capacity(folded.len());
-    let mut in_run = false;
-    for c in folded.chars() {
-        if matches!(c, ' ' | '\t' | '\r' | '\n') {
-            if !in_run {
-                collapsed.push(' ');
-            }
-            in_run = true;
-        } else {
-            collapsed.push(c);
-            in_run = false;
-        }
+
+    /// `text` normalized.
+    pub fn normalize(&self, text: &str) -> Result<String, TokenMapError> {
+        let mut n = NormalizedString::from(text);
+        self.0
+            .normalize(&mut n)
+            .map_err(|e| TokenMapError::Tokenizer(format!("normalizing {text:?}: {e}")))?;
+        Ok(n.get().to_string())
     }
-    if collapsed == " " {
-        return collapsed;
-    }
-    collapsed
-        .trim_matches(char::is_whitespace)
-        .replace(SENTINEL, " ")
 }
 
 /// The key of one decoded token (step 2 of the section): the raw token string
 /// for partial UTF-8, else the normalized text, else the text itself.
-fn key(text: String, raw_token: impl FnOnce() -> Option<String>) -> String {
+fn key(
+    norm: &KeyNormalizer,
+    text: String,
+    raw_token: impl FnOnce() -> Option<String>,
+) -> Result<String, TokenMapError> {
     if text.contains('\u{FFFD}') {
-        return raw_token().unwrap_or(text);
+        return Ok(raw_token().unwrap_or(text));
     }
-    let norm = normalize(&text);
-    if norm.is_empty() { text } else { norm }
+    let normalized = norm.normalize(&text)?;
+    Ok(if normalized.is_empty() {
+        text
+    } else {
+        normalized
+    })
 }
 
 impl TokenMap {
@@ -127,13 +143,14 @@ impl TokenMap {
         if n == 0 || n > MAX_RAW_VOCAB {
             return Err(TokenMapError::VocabSize(n));
         }
+        let norm = KeyNormalizer::new()?;
         let mut ids: HashMap<String, u32> = HashMap::with_capacity(n);
         let mut map = Vec::with_capacity(n);
         for t in 0..n as u32 {
             let text = tok
                 .decode(&[t], false)
                 .map_err(|e| TokenMapError::Tokenizer(format!("decoding id {t}: {e}")))?;
-            let k = key(text, || tok.id_to_token(t));
+            let k = key(&norm, text, || tok.id_to_token(t))?;
             let next = ids.len() as u32;
             map.push(*ids.entry(k).or_insert(next));
         }

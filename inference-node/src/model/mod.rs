@@ -25,6 +25,9 @@
 //! steps (prefill, batch, speculation); tests hold the loop to that.
 
 pub mod clock;
+mod config_json;
+pub mod deployment;
+pub(crate) use config_json::check as check_config_json;
 pub mod fetch;
 #[cfg(feature = "cuda")]
 pub mod gpu_clock;

@@ -141,6 +141,8 @@ impl NodeModel {
         let slots = super::v41_slots(t1, t14);
 
         let (tokenizer, map) = token_map(&model)?;
+        let loaded = tokenizer.as_ref().map(|(_, m)| m).or(map.as_ref());
+        super::config_json::check(&model, &params, loaded)?;
 
         let fusion = fusion_of(&config, &model).await?;
 

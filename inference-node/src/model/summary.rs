@@ -10,6 +10,7 @@ use daemon_runtime::latency::Latency;
 use serde::{Deserialize, Serialize};
 use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
 
+use super::deployment::{Deployment, deployment};
 use super::{BLOCKS, LoopSpec, StepKind, StepRecord, TableSlot};
 
 /// One table over the run.
@@ -38,8 +39,28 @@ pub struct TableSummary {
     /// Fetch time (ready - step start) over the decode steps.
     #[serde(skip)]
     pub fetch: Latency,
+    /// Rows the decode steps fetched, by source.
+    #[serde(default)]
+    pub rows_by_source: BTreeMap<String, u64>,
+    /// Rows of the decode steps whose fetch was in before its block
+    /// needed it (no stall): the prefetch's hits.
+    #[serde(default)]
+    pub rows_on_time: u64,
+    /// Rows of the decode steps.
+    #[serde(default)]
+    pub decode_rows: u64,
+    /// The decode steps' fetch time, in all, microseconds.
+    #[serde(default)]
+    pub fetch_us: f64,
+    /// The part of it hidden under the backbone's compute (fetch time
+    /// minus the stall it caused), microseconds.
+    #[serde(default)]
+    pub hidden_us: f64,
     /// Fetch-time p50, microseconds.
     pub fetch_p50_us: f64,
+    /// Fetch-time p95, microseconds.
+    #[serde(default)]
+    pub fetch_p95_us: f64,
     /// Fetch-time p99, microseconds.
     pub fetch_p99_us: f64,
     /// Fetch-time maximum, microseconds.
@@ -80,6 +101,9 @@ pub struct Summary {
     pub slowdown: f64,
     /// Stall per decode step: p50, microseconds.
     pub stall_p50_us: f64,
+    /// Stall per decode step: p95, microseconds.
+    #[serde(default)]
+    pub stall_p95_us: f64,
     /// Stall per decode step: p99, microseconds.
     pub stall_p99_us: f64,
     /// Stall per decode step: maximum, microseconds.
@@ -101,6 +125,9 @@ pub struct Summary {
     pub predicted_from_start_tokens_per_second: f64,
     /// Steps with a failed table.
     pub failed_steps: u64,
+    /// Seed 004's deployment figures over the decode steps.
+    #[serde(default)]
+    pub deployment: Deployment,
     /// Per table.
     pub tables: Vec<TableSummary>,
     #[serde(skip)]
@@ -154,6 +181,7 @@ impl Summary {
             tokens_per_second: 0.0,
             slowdown: 0.0,
             stall_p50_us: 0.0,
+            stall_p95_us: 0.0,
             stall_p99_us: 0.0,
             stall_max_us: 0.0,
             stalled_steps: 0,
@@ -163,6 +191,7 @@ impl Summary {
             measured_over_predicted: 0.0,
             predicted_from_start_tokens_per_second: 0.0,
             failed_steps: 0,
+            deployment: Deployment::default(),
             tables: slots
                 .iter()
                 .map(|s| TableSummary {
@@ -231,8 +260,23 @@ impl Summary {
         let mut tables = [(0.0, 0.0); 2];
         let mut from_start = [(0.0, 0.0); 2];
         let mut n = 0;
+        self.deployment.stall_ms += r.stall_us / 1e3;
         for (t, rec) in self.tables.iter_mut().zip(&r.tables).take(2) {
             t.fetch.record_us(rec.ready_us);
+            if let (Some(src), None) = (&rec.source, &rec.error) {
+                let rows = rec.unique_rows as u64;
+                // Counted in place: a name is cloned only the first time.
+                match t.rows_by_source.get_mut(src.as_str()) {
+                    Some(n) => *n += rows,
+                    None => {
+                        t.rows_by_source.insert(src.clone(), rows);
+                    }
+                }
+                t.decode_rows += rows;
+                t.rows_on_time += if rec.stall_us > 0.0 { 0 } else { rows };
+                t.fetch_us += rec.ready_us;
+                t.hidden_us += (rec.ready_us - rec.stall_us).max(0.0);
+            }
             if let Some(h) = rec.hops {
                 for (l, v) in t
                     .hops
@@ -300,11 +344,14 @@ impl Summary {
             self.predicted_from_start_tokens_per_second =
                 self.tokens as f64 / (self.predicted_from_start_ms / 1e3);
         }
+        self.deployment = deployment(&self.tables, self.tokens, self.deployment.stall_ms);
         self.stall_p50_us = self.stalls.quantile_us(0.5);
+        self.stall_p95_us = self.stalls.quantile_us(0.95);
         self.stall_p99_us = self.stalls.quantile_us(0.99);
         self.stall_max_us = self.stalls.quantile_us(1.0);
         for t in &mut self.tables {
             t.fetch_p50_us = t.fetch.quantile_us(0.5);
+            t.fetch_p95_us = t.fetch.quantile_us(0.95);
             t.fetch_p99_us = t.fetch.quantile_us(0.99);
             t.fetch_max_us = t.fetch.quantile_us(1.0);
             t.hops_p50_us = (t.hops[0].count() > 0).then(|| super::Hops {
@@ -333,10 +380,11 @@ impl Summary {
             );
         }
         s += &format!(
-            "measured:  {:.1} tokens/s, slowdown {:+.2}% vs no stall; stall p50 {:.0} us, p99 {:.0} us, max {:.0} us ({} of {} steps stalled); overrun {:.2} ms\n",
+            "measured:  {:.1} tokens/s, slowdown {:+.2}% vs no stall; stall p50 {:.0} us, p95 {:.0} us, p99 {:.0} us, max {:.0} us ({} of {} steps stalled); overrun {:.2} ms\n",
             self.tokens_per_second,
             self.slowdown * 100.0,
             self.stall_p50_us,
+            self.stall_p95_us,
             self.stall_p99_us,
             self.stall_max_us,
             self.stalled_steps,
@@ -353,6 +401,7 @@ impl Summary {
             "           ({:.1} tokens/s with every fetch timed from the step's start: overlapping overshoots added)\n",
             self.predicted_from_start_tokens_per_second,
         );
+        s += &self.deployment.render();
         for t in &self.tables {
             let sources: Vec<String> = t
                 .by_source
@@ -360,11 +409,12 @@ impl Summary {
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();
             s += &format!(
-                "table {} (layer {}, window {}W/40): fetch p50 {:.0} us p99 {:.0} us max {:.0} us; sources [{}]; hedges {} failovers {} late {} zeros {} failed {}\n",
+                "table {} (layer {}, window {}W/40): fetch p50 {:.0} us p95 {:.0} us p99 {:.0} us max {:.0} us; sources [{}]; hedges {} failovers {} late {} zeros {} failed {}\n",
                 t.table,
                 t.layer,
                 t.window_blocks,
                 t.fetch_p50_us,
+                t.fetch_p95_us,
                 t.fetch_p99_us,
                 t.fetch_max_us,
                 sources.join(" "),

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::ROW_BYTES;
-use engram_store::generate::{GenSpec, generate, table_shape};
-use engram_store::pack::pack;
+use engram_store::generate::{GenSpec, generate, generate_sparse, parse_rows, table_shape};
+use engram_store::pack::{PackSpec, pack};
 use engram_store::progress::Progress;
 use engram_store::table_file::TableFile;
 use engram_store::verify::add_page_sums;
@@ -31,6 +31,12 @@ pub struct GenArgs {
     /// Generator threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Write a sparse file: only the pages holding these rows (ids and
+    /// ranges A..B, comma-separated) carry their rows; every other page is
+    /// a hole of zero rows. The digest and page checksums are the table's,
+    /// so it verifies: how a full-size table is checked on a small disk.
+    #[arg(long, value_name = "ROWS")]
+    sparse_rows: Option<String>,
 }
 
 /// `memory-donor pack`.
@@ -46,6 +52,10 @@ pub struct PackArgs {
     hash_preset: Option<String>,
     #[arg(long)]
     hash_base: Option<u64>,
+    /// The checkpoint's config.json (default: the one in the checkpoint's
+    /// directory, if any): the table's rows and hashing are checked against it.
+    #[arg(long)]
+    config_json: Option<PathBuf>,
 }
 
 /// `memory-donor verify`.
@@ -86,6 +96,7 @@ pub fn gen_table(a: GenArgs) -> Result<()> {
         hash_preset,
         hash_base,
         threads: t,
+        sparse_rows,
     } = a;
     let (rows, hash_preset, hash_base) =
         table_shape(layer, rows, hash_preset, hash_base).map_err(anyhow::Error::msg)?;
@@ -98,8 +109,14 @@ pub fn gen_table(a: GenArgs) -> Result<()> {
         threads: t.unwrap_or_else(cores),
     };
     let mut p = Progress::stderr(format!("generating layer {layer}"), rows, ROW_BYTES as u64);
-    let meta = generate(&out, &spec, Some(&mut p))
-        .with_context(|| format!("generating {}", out.display()))?;
+    let meta = match sparse_rows {
+        Some(list) => {
+            let touched = parse_rows(&list).map_err(|e| anyhow::anyhow!("--sparse-rows: {e}"))?;
+            generate_sparse(&out, &spec, &touched, Some(&mut p))
+        }
+        None => generate(&out, &spec, Some(&mut p)),
+    }
+    .with_context(|| format!("generating {}", out.display()))?;
     p.finish();
     println!(
         "{}: layer {} rows {} digest {}",
@@ -119,8 +136,20 @@ pub fn pack_table(a: PackArgs) -> Result<()> {
         out,
         hash_preset,
         hash_base,
+        config_json,
     } = a;
-    let meta = pack(&checkpoint, layer, &out, hash_preset, hash_base, |rows| {
+    if config_json.is_none() && !engram_store::checkpoint::config_beside(&checkpoint).is_file() {
+        eprintln!(
+            "note: no config.json in the checkpoint's directory: the table is not checked \
+             against the model's engram parameters (name one with --config-json)"
+        );
+    }
+    let spec = PackSpec {
+        hash_preset,
+        hash_base,
+        config_json,
+    };
+    let meta = pack(&checkpoint, layer, &out, &spec, |rows| {
         Some(Progress::stderr(
             format!("packing layer {layer}"),
             rows,

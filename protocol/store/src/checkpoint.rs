@@ -127,3 +127,38 @@ impl CheckpointFiles {
         &self.root
     }
 }
+
+/// Where a checkpoint's `config.json` is: in the checkpoint's directory
+/// (the directory itself, or the one holding its file or index).
+pub fn config_beside(checkpoint: &Path) -> PathBuf {
+    let dir = if checkpoint.is_dir() {
+        checkpoint
+    } else {
+        checkpoint.parent().unwrap_or(Path::new("."))
+    };
+    dir.join("config.json")
+}
+
+/// Read and parse the `config.json` at `path` (at most
+/// [`MAX_CONFIG_BYTES`](engram_protocol::model_config::MAX_CONFIG_BYTES)).
+pub fn read_model_config(
+    path: &Path,
+) -> Result<engram_protocol::model_config::ModelConfig, CheckpointError> {
+    use engram_protocol::model_config::{MAX_CONFIG_BYTES, ModelConfig};
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len > MAX_CONFIG_BYTES {
+        return Err(CheckpointError::Layout {
+            path: path.to_path_buf(),
+            reason: format!("{len} bytes, more than the {MAX_CONFIG_BYTES} accepted"),
+        });
+    }
+    let bytes = std::fs::read(path).map_err(io)?;
+    ModelConfig::parse(&bytes).map_err(|e| CheckpointError::Layout {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}

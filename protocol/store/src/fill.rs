@@ -36,6 +36,10 @@ use crate::background::Background;
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
+mod mapped;
+pub(crate) use mapped::{hash_gathered, populate};
+pub use mapped::{hash_parallel, touch_mapped};
+
 /// Default segment: 4 MiB of rows (4,096 BLAKE3 chunks).
 pub const SEGMENT_BYTES: usize = 4 << 20;
 
@@ -59,6 +63,11 @@ pub struct FillOptions {
     /// Run the workers at this background priority (the caller's thread
     /// keeps its own): a load beside serving work on the same host.
     pub background: Option<Background>,
+    /// The destination is fresh zeroed memory (a new memfd or anonymous
+    /// mapping): where the file has a hole ([`crate::holes`]) nothing is
+    /// read or placed (the memory stays untouched, so a sparse table takes
+    /// only the pages it has data in), and zeros are hashed.
+    pub skip_holes: bool,
 }
 
 impl Default for FillOptions {
@@ -69,6 +78,7 @@ impl Default for FillOptions {
             digest: true,
             drop_behind: true,
             background: None,
+            skip_holes: false,
         }
     }
 }
@@ -281,105 +291,6 @@ pub(crate) fn run_segments<W>(
 /// Bytes of rows in one page of a table file (15 rows; the rest is slack).
 pub(crate) const PAGE_ROWS_BYTES: usize = ROWS_PER_PAGE as usize * ROW_BYTES;
 
-/// Rows gathered per hash update when hashing a mapped file: 64 KiB, in
-/// cache, wide enough for BLAKE3 to hash many chunks at once.
-const GATHER_BYTES: usize = 64 << 10;
-
-/// Go over a table file's pages mapped in memory (`pages`: the file's
-/// `pages` tensor, 4 KiB pages of 15 rows and their slack) on
-/// `opts.threads` threads, segment by segment as [`fill`] does, so that
-/// every page is read in (and locked, when the mapping was locked on
-/// fault); returns the digest of the rows when `opts.digest`. Nothing is
-/// placed: the rows stay where they are. To hash, each segment's rows are
-/// gathered 64 KiB at a time into a buffer in cache, since hashing the
-/// 3,960 bytes of each page on their own would keep BLAKE3 from hashing
-/// many chunks at once (measured here: twice as slow). Without a digest
-/// the pages are read in with `MADV_POPULATE_READ`.
-pub fn touch_mapped(
-    file: &TableFile,
-    pages: &[u8],
-    opts: FillOptions,
-    progress: Option<&mut Progress>,
-) -> Result<Option<TableDigest>, TableFileError> {
-    let rows = file.layout.rows;
-    let total = usize::try_from(rows * ROW_BYTES as u64).unwrap_or(usize::MAX);
-    let need = file.layout.pages.saturating_mul(PAGE_BYTES);
-    if (pages.len() as u64) < need || (total as u64) > file.layout.pages * PAGE_ROWS_BYTES as u64 {
-        return Err(io_error(
-            file,
-            "map",
-            format!("a mapping of {} bytes for {rows} rows", pages.len()),
-        ));
-    }
-    let segment = opts.segment.max(blake3::CHUNK_LEN).next_power_of_two();
-    let segments = total.div_ceil(segment).max(1);
-    if segments == 1 {
-        populate(pages);
-        let digest = opts.digest.then(|| {
-            let mut h = blake3::Hasher::new();
-            hash_gathered(pages, 0, total, &mut vec![0; GATHER_BYTES], &mut h);
-            TableDigest(*h.finalize().as_bytes())
-        });
-        if let Some(p) = progress {
-            p.update(rows);
-        }
-        return Ok(digest);
-    }
-    let row = ROW_BYTES;
-    let cvs = run_segments(
-        segments,
-        opts.threads,
-        progress,
-        || {
-            lower(opts.background);
-            vec![0u8; GATHER_BYTES]
-        },
-        |buf, s| {
-            let a = s * segment;
-            let b = (a + segment).min(total);
-            let started = (b.div_ceil(row).min(total / row) - a.div_ceil(row)) as u64;
-            if !opts.digest {
-                let first = a / PAGE_ROWS_BYTES * PAGE_BYTES as usize;
-                let last = b.div_ceil(PAGE_ROWS_BYTES) * PAGE_BYTES as usize;
-                populate(&pages[first..last.min(pages.len())]);
-                return Ok((started, None));
-            }
-            let mut h = blake3::Hasher::new();
-            h.set_input_offset(a as u64);
-            hash_gathered(pages, a, b, buf, &mut h);
-            Ok((started, Some(h.finalize_non_root())))
-        },
-    )?;
-    Ok(opts.digest.then(|| root(&cvs)))
-}
-
-/// Feed bytes `a..b` of the rows (back to back) to `h`, gathered from
-/// `pages` (the file's pages) through `buf`.
-pub(crate) fn hash_gathered(
-    pages: &[u8],
-    a: usize,
-    b: usize,
-    buf: &mut [u8],
-    h: &mut blake3::Hasher,
-) {
-    let page = PAGE_BYTES as usize;
-    let mut x = a;
-    while x < b {
-        let want = (b - x).min(buf.len());
-        let mut n = 0;
-        while n < want {
-            let at = x + n;
-            let off = at % PAGE_ROWS_BYTES;
-            let k = (PAGE_ROWS_BYTES - off).min(want - n);
-            let src = at / PAGE_ROWS_BYTES * page + off;
-            buf[n..n + k].copy_from_slice(&pages[src..src + k]);
-            n += k;
-        }
-        h.update(&buf[..want]);
-        x += want;
-    }
-}
-
 /// Lower a worker thread to `how`, when asked (a worker that cannot be
 /// lowered works on at its priority).
 fn lower(how: Option<Background>) {
@@ -388,60 +299,6 @@ fn lower(how: Option<Background>) {
     {
         tracing::debug!(error = %e, "a load worker stays at its priority");
     }
-}
-
-/// Read `bytes` (part of a mapping) into memory: `MADV_POPULATE_READ`,
-/// or one read a page where the kernel lacks it (before 5.14).
-pub(crate) fn populate(bytes: &[u8]) {
-    if bytes.is_empty() {
-        return;
-    }
-    // SAFETY: advice over memory this mapping owns; populating only reads.
-    let r = unsafe {
-        libc::madvise(
-            bytes.as_ptr().cast_mut().cast(),
-            bytes.len(),
-            libc::MADV_POPULATE_READ,
-        )
-    };
-    if r != 0 {
-        for p in bytes.iter().step_by(PAGE_BYTES as usize) {
-            // SAFETY: a read of a byte inside the slice.
-            unsafe { std::ptr::read_volatile(p) };
-        }
-    }
-}
-
-/// BLAKE3 of `bytes` on `threads` threads: subtrees of [`SEGMENT_BYTES`]
-/// hashed in parallel and merged (what `b3sum` does over a mapped file).
-/// The floor of a verified load: hashing alone, nothing read or placed.
-pub fn hash_parallel(bytes: &[u8], threads: usize) -> TableDigest {
-    let segments = bytes.len().div_ceil(SEGMENT_BYTES).max(1);
-    if segments == 1 {
-        return TableDigest(*blake3::hash(bytes).as_bytes());
-    }
-    let next = AtomicUsize::new(0);
-    let cvs: Mutex<Vec<ChainingValue>> = Mutex::new(vec![[0; 32]; segments]);
-    std::thread::scope(|scope| {
-        for _ in 0..threads.clamp(1, segments) {
-            scope.spawn(|| {
-                loop {
-                    let s = next.fetch_add(1, Ordering::Relaxed);
-                    if s >= segments {
-                        break;
-                    }
-                    let a = s * SEGMENT_BYTES;
-                    let b = (a + SEGMENT_BYTES).min(bytes.len());
-                    let cv = blake3::Hasher::new()
-                        .set_input_offset(a as u64)
-                        .update(&bytes[a..b])
-                        .finalize_non_root();
-                    cvs.lock()[s] = cv;
-                }
-            });
-        }
-    });
-    root(&cvs.into_inner())
 }
 
 /// The root of the left-balanced tree over equal subtrees (the last may
@@ -539,15 +396,23 @@ impl<'a> Worker<'a> {
                 &mut scratch[..]
             }
         };
-        let read = self.read_rows(r0 as u64, r1 as u64, mine);
-        let cv = read.and_then(|()| self.hash_segment(mine, (a, b), (r0, segments), opts));
-        if let (Ok(_), Dest::Planar { values, scales }) = (&cv, dest) {
+        let span = self.span(r0 as u64, r1 as u64);
+        let hole = opts.skip_holes
+            && span.is_some_and(|(off, len)| crate::holes::is_hole(self.file.std_file(), off, len));
+        let cv = if hole {
+            self.hash_segment(None, (a, b), (r0, segments), opts)
+        } else {
+            let read = self.read_rows(r0 as u64, r1 as u64, mine);
+            read.and_then(|()| self.hash_segment(Some(mine), (a, b), (r0, segments), opts))
+        };
+        if let (Ok(_), false, Dest::Planar { values, scales }) = (&cv, hole, dest) {
             scatter(mine, r0, values, scales);
         }
         self.scratch = scratch;
         let cv = cv?;
         if opts.drop_behind
-            && let Some((off, len)) = self.span(r0 as u64, r1 as u64)
+            && !hole
+            && let Some((off, len)) = span
         {
             advise(self.file, off, len, libc::POSIX_FADV_DONTNEED);
         }
@@ -555,11 +420,12 @@ impl<'a> Worker<'a> {
     }
 
     /// The chaining value of a segment (bytes `a..b` of the rows back to
-    /// back), whose rows from `r0` on are in `mine`; `None` when not
-    /// hashing or when the segment is the whole table.
+    /// back), whose rows from `r0` on are in `mine` (zeros where `None`:
+    /// a hole); `None` when not hashing or when the segment is the whole
+    /// table.
     fn hash_segment(
         &mut self,
-        mine: &[u8],
+        mine: Option<&[u8]>,
         (a, b): (usize, usize),
         (r0, segments): (usize, usize),
         opts: FillOptions,
@@ -578,7 +444,12 @@ impl<'a> Worker<'a> {
             h.update(&self.head[row - (r0 * row - a)..][..head]);
         }
         let body = b.saturating_sub(r0 * row);
-        h.update(&mine[..body]);
+        match mine {
+            Some(mine) => {
+                h.update(&mine[..body]);
+            }
+            None => crate::holes::hash_zeros(&mut h, body),
+        }
         Ok(Some(h.finalize_non_root()))
     }
 

@@ -35,6 +35,21 @@ pub struct GenSpec {
     pub threads: usize,
 }
 
+impl GenSpec {
+    /// The metadata of the table this makes (its digest to come), its
+    /// source naming the generator's seed and layer, then `note`.
+    fn meta(&self, note: String) -> TableMeta {
+        TableMeta {
+            layer: self.layer,
+            rows: self.rows,
+            digest: TableDigest([0; 32]),
+            hash_preset: self.hash_preset.clone(),
+            hash_base: self.hash_base,
+            source: format!("synthetic seed={} layer={}{note}", self.seed, self.layer),
+        }
+    }
+}
+
 /// The row count and hashing metadata of a table to generate: `rows` as
 /// given, or the sum of the layer's 24 primes when a hashing preset
 /// (`v41`) or base size is given; both at once must agree.
@@ -81,15 +96,7 @@ pub fn generate(
     spec: &GenSpec,
     mut progress: Option<&mut Progress>,
 ) -> Result<TableMeta, TableFileError> {
-    let meta = TableMeta {
-        layer: spec.layer,
-        rows: spec.rows,
-        digest: TableDigest([0; 32]),
-        hash_preset: spec.hash_preset.clone(),
-        hash_base: spec.hash_base,
-        source: format!("synthetic seed={} layer={}", spec.seed, spec.layer),
-    };
-    let mut writer = TableWriter::create(path, meta)?;
+    let mut writer = TableWriter::create(path, spec.meta(String::new()))?;
     let chunks = spec.rows.div_ceil(CHUNK_ROWS);
     let threads = spec.threads.clamp(1, 64) as u64;
     thread::scope(|s| {
@@ -139,6 +146,97 @@ pub fn generate(
     writer.finish()
 }
 
+/// Most pages a sparse table may hold data in (16 GiB of them).
+pub const MAX_SPARSE_PAGES: usize = 1 << 22;
+
+/// Parse `--sparse-rows`: row ids and ranges `A..B` (B excluded),
+/// separated by commas; at most [`MAX_SPARSE_PAGES`] x 15 rows in all.
+pub fn parse_rows(s: &str) -> Result<Vec<u64>, String> {
+    let max = MAX_SPARSE_PAGES as u64 * 15;
+    let mut rows = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let num = |t: &str| {
+            t.trim()
+                .replace('_', "")
+                .parse::<u64>()
+                .map_err(|_| format!("{item:?} is not a row id or a range A..B"))
+        };
+        let (a, b) = match item.split_once("..") {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let a = num(item)?;
+                (a, a.saturating_add(1))
+            }
+        };
+        if b <= a || b - a > max - rows.len() as u64 {
+            return Err(format!(
+                "{item:?}: an empty range, or more than {max} rows in all"
+            ));
+        }
+        rows.extend(a..b);
+    }
+    if rows.is_empty() {
+        return Err("no rows given".into());
+    }
+    Ok(rows)
+}
+
+/// Write the synthetic table `spec` to `path` as a sparse file: only the
+/// pages holding a row of `touched` carry their synthetic rows, every
+/// other page is a hole that reads as zero rows. The page checksums and
+/// the digest are those of exactly that table (zero rows included), so it
+/// is a valid table that verifies; a full-size V4.1 table made so takes a
+/// few MB of disk per page touched plus 1/512 of its size for the
+/// checksums. Returns the metadata written.
+pub fn generate_sparse(
+    path: &Path,
+    spec: &GenSpec,
+    touched: &[u64],
+    mut progress: Option<&mut Progress>,
+) -> Result<TableMeta, TableFileError> {
+    let bad = |what: String| TableFileError::Io {
+        path: path.to_path_buf(),
+        op: "generate a sparse table",
+        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+    };
+    if let Some(r) = touched.iter().find(|&&r| r >= spec.rows) {
+        return Err(bad(format!("row {r} is not below {} rows", spec.rows)));
+    }
+    let pages: std::collections::BTreeSet<u64> = touched.iter().map(|r| r / 15).collect();
+    if pages.len() > MAX_SPARSE_PAGES {
+        return Err(bad(format!(
+            "{} pages touched, more than the {MAX_SPARSE_PAGES} accepted",
+            pages.len()
+        )));
+    }
+    let note = format!(
+        " sparse: {} pages hold rows, the rest are zero",
+        pages.len()
+    );
+    let mut writer = TableWriter::create(path, spec.meta(note))?;
+    let total = engram_protocol::etab::pages_for(spec.rows);
+    let mut next = 0u64;
+    let mut buf = vec![0u8; 15 * ROW_BYTES];
+    for p in pages.into_iter().chain(std::iter::once(total)) {
+        writer.write_zero_pages(p - next)?;
+        if p == total {
+            break;
+        }
+        let first = p * 15;
+        let n = (spec.rows - first).min(15) as usize;
+        synthetic_rows(spec.seed, spec.layer, first, &mut buf[..n * ROW_BYTES]);
+        writer.write_rows(&buf[..n * ROW_BYTES])?;
+        next = p + 1;
+        if let Some(pr) = progress.as_deref_mut() {
+            pr.update(writer.rows_written());
+        }
+    }
+    if let Some(pr) = progress {
+        pr.update(writer.rows_written());
+    }
+    writer.finish()
+}
+
 /// A generated table of `rows` rows (layer 1, seed 9) in `dir`, for tests.
 #[cfg(test)]
 pub(crate) fn test_table(dir: &Path, rows: u64) -> std::path::PathBuf {
@@ -179,6 +277,65 @@ mod tests {
         assert!(table_shape(1, None, Some("v4".into()), None).is_err());
         assert!(table_shape(1, None, Some("v41".into()), Some(1000)).is_err());
         assert!(table_shape(1, None, None, Some(0)).is_err());
+    }
+
+    #[test]
+    fn sparse_row_lists_parse_and_are_bounded() {
+        assert_eq!(parse_rows("1, 5..8,1_000"), Ok(vec![1, 5, 6, 7, 1000]));
+        assert!(parse_rows("").is_err());
+        assert!(parse_rows("x").is_err());
+        assert!(parse_rows("5..5").is_err());
+        assert!(parse_rows("9..3").is_err());
+        assert!(parse_rows("0..18446744073709551615").is_err());
+        assert!(parse_rows("18446744073709551614").is_ok());
+    }
+
+    #[test]
+    fn sparse_tables_hold_the_touched_pages_and_zeros_and_verify() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rows = 3 * CHUNK_ROWS + 7;
+        let spec = GenSpec {
+            layer: 1,
+            rows,
+            seed: 3,
+            hash_preset: None,
+            hash_base: None,
+            threads: 1,
+        };
+        let touched = [0, 16, 17, CHUNK_ROWS * 2 + 5, rows - 1];
+        let path = dir.path().join("s.etab");
+        let meta = generate_sparse(&path, &spec, &touched, None).expect("sparse");
+        let t = TableFile::open(&path).expect("open");
+        assert_eq!(t.meta, meta);
+        assert_eq!(
+            t.layout.file_len(),
+            std::fs::metadata(&path).expect("stat").len()
+        );
+        let pages: Vec<u64> = touched.iter().map(|r| r / 15).collect();
+        let mut zero = vec![0u8; ROW_BYTES];
+        t.for_each_chunk(true, None, |first, chunk| {
+            for (i, row) in chunk.chunks_exact(ROW_BYTES).enumerate() {
+                let r = first + i as u64;
+                if pages.contains(&(r / 15)) {
+                    assert!(is_synthetic_row(3, 1, r, row), "row {r}");
+                } else {
+                    zero.copy_from_slice(row);
+                    assert!(zero.iter().all(|&b| b == 0), "row {r}");
+                }
+            }
+            Ok(())
+        })
+        .expect("every page matches its checksum");
+        assert_eq!(t.verify(None).expect("verify"), meta.digest);
+        // The digest is the table's: the same rows written densely hash alike.
+        let mut dense = engram_protocol::DigestBuilder::new();
+        t.for_each_chunk(false, None, |_, chunk| {
+            dense.update(chunk);
+            Ok(())
+        })
+        .expect("stream");
+        assert_eq!(dense.finish(), meta.digest);
+        assert!(generate_sparse(&path, &spec, &[rows], None).is_err());
     }
 
     #[test]

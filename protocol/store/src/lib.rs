@@ -19,6 +19,7 @@ pub mod background;
 pub mod checkpoint;
 pub mod fill;
 pub mod generate;
+pub mod holes;
 pub mod kept;
 pub mod kept_checks;
 pub mod numa;

@@ -9,6 +9,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use engram_protocol::etab::TableMeta;
+use engram_protocol::hashing::{HashParams, Preset};
+use engram_protocol::model_config::{ModelConfig, ModelConfigError, expect};
 use engram_protocol::row::{ROW_SCALES, ROW_VALUES};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use memmap2::Mmap;
@@ -148,15 +150,86 @@ fn parse_st<'a>(m: &'a Mmap, path: &Path) -> Result<SafeTensors<'a>, PackError> 
     })
 }
 
-/// Pack layer `layer` of `checkpoint` into `out`.
+/// How to label and check a packed table.
+#[derive(Debug, Clone, Default)]
+pub struct PackSpec {
+    /// Hashing preset to record (default: the one `config.json` or the
+    /// table's size implies).
+    pub hash_preset: Option<String>,
+    /// Hashing base size to record (default: `config.json`'s
+    /// `engram_vocab_size`, or V4.1's for a table of V4.1's size).
+    pub hash_base: Option<u64>,
+    /// The checkpoint's `config.json` (default: the one in the
+    /// checkpoint's directory, where there is one).
+    pub config_json: Option<PathBuf>,
+}
+
+/// The `config.json` `spec` names, or the one beside `checkpoint` (none
+/// when there is none there); an error when one is named and missing.
+fn model_config(checkpoint: &Path, spec: &PackSpec) -> Result<Option<ModelConfig>, PackError> {
+    let path = match &spec.config_json {
+        Some(p) => p.clone(),
+        None => {
+            let p = crate::checkpoint::config_beside(checkpoint);
+            if !p.is_file() {
+                return Ok(None);
+            }
+            p
+        }
+    };
+    Ok(Some(crate::checkpoint::read_model_config(&path)?))
+}
+
+/// Check layer `layer`'s `rows` against `config.json` (the table's rows,
+/// and the hashing they come from), and the recorded hashing against it;
+/// returns the hashing to record.
+fn check_config(
+    config: &ModelConfig,
+    layer: u32,
+    rows: u64,
+    spec: &PackSpec,
+) -> Result<(Option<String>, Option<u64>), ModelConfigError> {
+    let preset = if config.base == V41_HASH_BASE {
+        Preset::V41
+    } else {
+        Preset::from_base(config.base).map_err(|e| ModelConfigError::Mismatch {
+            field: "engram_vocab_size",
+            config: config.base.to_string(),
+            ours: e.to_string(),
+            what: "the hashing this build computes".into(),
+        })?
+    };
+    // A preset from an accepted base always has its parameters.
+    if let Ok(params) = HashParams::new(preset) {
+        config.check_hashing(&params)?;
+    }
+    let ours = config.rows_of(layer);
+    expect(
+        "engram_num_embeddings",
+        ours,
+        Some(rows),
+        format!("layer {layer}'s table in the checkpoint"),
+    )?;
+    if let Some(b) = spec.hash_base {
+        expect("engram_vocab_size", config.base, b, "--hash-base")?;
+    }
+    let name = spec
+        .hash_preset
+        .clone()
+        .or_else(|| preset.name().map(str::to_string));
+    Ok((name, Some(config.base)))
+}
+
+/// Pack layer `layer` of `checkpoint` into `out`, checked against the
+/// checkpoint's `config.json` where there is one.
 pub fn pack(
     checkpoint: &Path,
     layer: u32,
     out: &Path,
-    hash_preset: Option<String>,
-    hash_base: Option<u64>,
+    spec: &PackSpec,
     mut progress: impl FnMut(u64) -> Option<Progress>,
 ) -> Result<TableMeta, PackError> {
+    let config = model_config(checkpoint, spec)?;
     let (wname, sname) = tensor_names(layer);
     let files = locate(checkpoint, &[&wname, &sname])?;
     let (wmap, smap) = (map(&files[0])?, map(&files[1])?);
@@ -170,12 +243,27 @@ pub fn pack(
         });
     }
     let is_v41 = V41_TABLES.contains(&(layer, rows));
+    let (hash_preset, hash_base) = match &config {
+        Some(c) => check_config(c, layer, rows, spec).map_err(|e| PackError::Checkpoint {
+            path: spec
+                .config_json
+                .clone()
+                .unwrap_or_else(|| crate::checkpoint::config_beside(checkpoint)),
+            reason: e.to_string(),
+        })?,
+        None => (
+            spec.hash_preset
+                .clone()
+                .or_else(|| is_v41.then(|| "v41".to_string())),
+            spec.hash_base.or_else(|| is_v41.then_some(V41_HASH_BASE)),
+        ),
+    };
     let meta = TableMeta {
         layer,
         rows,
         digest: TableDigest([0; 32]),
-        hash_preset: hash_preset.or_else(|| is_v41.then(|| "v41".to_string())),
-        hash_base: hash_base.or_else(|| is_v41.then_some(V41_HASH_BASE)),
+        hash_preset,
+        hash_base,
         source: format!(
             "checkpoint {}",
             files[0]
@@ -222,182 +310,4 @@ pub fn pack(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::table_file::TableFile;
-    use safetensors::tensor::TensorView;
-
-    fn rows_data(rows: usize) -> (Vec<u8>, Vec<u8>) {
-        let mut table = vec![0u8; rows * ROW_BYTES];
-        engram_protocol::synthetic::synthetic_rows(2, 1, 0, &mut table);
-        let w = table
-            .chunks_exact(ROW_BYTES)
-            .flat_map(|r| r[..ROW_VALUES].to_vec())
-            .collect();
-        let s = table
-            .chunks_exact(ROW_BYTES)
-            .flat_map(|r| r[ROW_VALUES..].to_vec())
-            .collect();
-        (w, s)
-    }
-
-    fn write_st(path: &Path, tensors: Vec<(&str, Dtype, Vec<usize>, &[u8])>) {
-        let views: Vec<(String, TensorView<'_>)> = tensors
-            .into_iter()
-            .map(|(n, d, shape, data)| {
-                (
-                    n.to_string(),
-                    TensorView::new(d, shape, data).expect("view"),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, path).expect("write checkpoint");
-    }
-
-    fn packed_rows(path: &Path) -> Vec<u8> {
-        let t = TableFile::open(path).expect("open");
-        t.verify(None).expect("verify");
-        let mut out = Vec::new();
-        t.for_each_chunk(true, None, |_, r| {
-            out.extend_from_slice(r);
-            Ok(())
-        })
-        .expect("stream");
-        out
-    }
-
-    #[test]
-    fn packs_a_single_file_checkpoint() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let rows = 20_000;
-        let (w, s) = rows_data(rows);
-        let (wn, sn) = tensor_names(1);
-        let other = [0u8; 4];
-        let ck = dir.path().join("model.safetensors");
-        write_st(
-            &ck,
-            vec![
-                (&wn, Dtype::F8_E4M3, vec![rows, 256], &w),
-                (&sn, Dtype::F8_E8M0, vec![rows, 8], &s),
-                ("layers.0.attn.wq", Dtype::U8, vec![4], &other),
-            ],
-        );
-        let out = dir.path().join("l1.etab");
-        let meta = pack(dir.path(), 1, &out, None, None, |_| None).expect("pack");
-        assert_eq!(meta.rows, rows as u64);
-        assert_eq!(meta.hash_preset, None);
-        let mut want = vec![0u8; rows * ROW_BYTES];
-        engram_protocol::synthetic::synthetic_rows(2, 1, 0, &mut want);
-        assert_eq!(packed_rows(&out), want);
-        // The file itself works as well as its directory.
-        let out2 = dir.path().join("l1b.etab");
-        assert_eq!(
-            pack(&ck, 1, &out2, None, None, |_| None)
-                .expect("pack")
-                .digest,
-            meta.digest
-        );
-        // A layer the checkpoint lacks is a clear error.
-        let err = pack(&ck, 14, &out2, None, None, |_| None).expect_err("no layer 14");
-        assert!(
-            err.to_string().contains("layers.14.engram.embed.weight"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn packs_a_sharded_checkpoint() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let rows = 1000;
-        let (w, s) = rows_data(rows);
-        let (wn, sn) = tensor_names(14);
-        write_st(
-            &dir.path().join("model-00001-of-00002.safetensors"),
-            vec![(&wn, Dtype::F8_E4M3, vec![rows, 256], &w)],
-        );
-        write_st(
-            &dir.path().join("model-00002-of-00002.safetensors"),
-            vec![(&sn, Dtype::F8_E8M0, vec![rows, 8], &s)],
-        );
-        let index = format!(
-            r#"{{"metadata":{{"total_size":1}},"weight_map":{{"{wn}":"model-00001-of-00002.safetensors","{sn}":"model-00002-of-00002.safetensors"}}}}"#
-        );
-        std::fs::write(dir.path().join("model.safetensors.index.json"), index).expect("index");
-        let out = dir.path().join("l14.etab");
-        let meta = pack(
-            dir.path(),
-            14,
-            &out,
-            Some("custom".into()),
-            Some(123),
-            |_| None,
-        )
-        .expect("pack");
-        assert_eq!(meta.layer, 14);
-        assert_eq!(meta.hash_base, Some(123));
-        let mut want = vec![0u8; rows * ROW_BYTES];
-        engram_protocol::synthetic::synthetic_rows(2, 1, 0, &mut want);
-        assert_eq!(packed_rows(&out), want);
-    }
-
-    #[test]
-    fn refuses_bad_checkpoints() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let rows = 30;
-        let (mut w, s) = rows_data(rows);
-        let (wn, sn) = tensor_names(1);
-        let out = dir.path().join("o.etab");
-        let ck = dir.path().join("a.safetensors");
-        // Wrong dtype.
-        write_st(
-            &ck,
-            vec![
-                (&wn, Dtype::U8, vec![rows, 256], &w),
-                (&sn, Dtype::F8_E8M0, vec![rows, 8], &s),
-            ],
-        );
-        assert!(
-            pack(&ck, 1, &out, None, None, |_| None)
-                .expect_err("dtype")
-                .to_string()
-                .contains("expected F8_E4M3")
-        );
-        // Row counts that differ.
-        write_st(
-            &ck,
-            vec![
-                (&wn, Dtype::F8_E4M3, vec![rows, 256], &w),
-                (&sn, Dtype::F8_E8M0, vec![rows - 1, 8], &s[..(rows - 1) * 8]),
-            ],
-        );
-        assert!(pack(&ck, 1, &out, None, None, |_| None).is_err());
-        // A NaN code names its row.
-        w[7 * 256 + 3] = 0x7F;
-        write_st(
-            &ck,
-            vec![
-                (&wn, Dtype::F8_E4M3, vec![rows, 256], &w),
-                (&sn, Dtype::F8_E8M0, vec![rows, 8], &s),
-            ],
-        );
-        match pack(&ck, 1, &out, None, None, |_| None) {
-            Err(PackError::CorruptRow { row: 7, .. }) => {}
-            other => panic!("{other:?}"),
-        }
-        assert!(!out.exists(), "a failed pack leaves no table behind");
-        // An index that points outside the checkpoint.
-        let index =
-            format!(r#"{{"weight_map":{{"{wn}":"../x.safetensors","{sn}":"a.safetensors"}}}}"#);
-        let idx = dir.path().join("model.safetensors.index.json");
-        std::fs::write(&idx, index).expect("index");
-        assert!(
-            pack(&idx, 1, &out, None, None, |_| None)
-                .expect_err("traversal")
-                .to_string()
-                .contains("leaves")
-        );
-        // Not a safetensors file at all.
-        std::fs::write(&ck, b"garbage").expect("write");
-        assert!(pack(&ck, 1, &out, None, None, |_| None).is_err());
-    }
-}
+mod tests;

@@ -384,10 +384,35 @@ impl ResidentTable {
     /// first touch costs a fault in the middle of a lookup. The call holds
     /// the address space's lock (for reading) while it runs: a large table
     /// is populated a slice at a time ([`crate::background::slices`]).
+    ///
+    /// Only pages that exist are touched: a kept memfd's holes (a sparse
+    /// table's untouched rows) are left alone, since a read fault there
+    /// would give the memfd a zeroed page of its own and a 94 GiB table
+    /// that holds a few pages would take 94 GiB.
     pub fn populate_range(&self, range: std::ops::Range<usize>) {
-        if let Some(bytes) = self.memory_bytes().get(range) {
-            crate::fill::populate(bytes);
+        let map = &self.mem.map;
+        let end = range.end.min(map.len());
+        let start = range.start.min(end);
+        let ranges = match &self.kept {
+            Some(k) => crate::holes::data_extents(&k.file, start as u64..end as u64),
+            None => std::iter::once(start as u64..end as u64).collect(),
+        };
+        for r in ranges {
+            let page = PAGE_BYTES as usize;
+            let a = (r.start as usize / page * page).clamp(start / page * page, end);
+            let b = (r.end as usize)
+                .div_ceil(page)
+                .saturating_mul(page)
+                .min(end);
+            if a < b {
+                crate::fill::populate(&map[a..b]);
+            }
         }
+    }
+
+    /// Every page of the table's memory ([`Self::populate_range`] over it all).
+    pub fn populate(&self) {
+        self.populate_range(0..self.mem.map.len());
     }
 
     /// Drop this process's page-table entries for bytes `range` of the
@@ -899,6 +924,8 @@ fn fill_memory(
         threads: opts.threads.max(1),
         digest: !opts.trust_digest,
         background: opts.background,
+        // The memory is new: a hole in the file stays untouched there.
+        skip_holes: true,
         ..FillOptions::default()
     };
     let digest = match layout {

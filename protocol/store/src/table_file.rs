@@ -5,7 +5,7 @@
 //! made before page checksums existed.
 
 use std::fs::File;
-use std::io::{self, Write};
+use std::io::{self, Seek, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -390,6 +390,59 @@ impl TableWriter {
             }
         }
         self.rows_written += n;
+        Ok(())
+    }
+
+    /// Append `pages` whole pages of zero rows as a hole: nothing is
+    /// written (the file system reads them back as zeros), while the
+    /// digest and the page checksums count them as written. Only between
+    /// whole pages; the last page may be the table's partial one.
+    pub fn write_zero_pages(&mut self, pages: u64) -> Result<(), TableFileError> {
+        if pages == 0 {
+            return Ok(());
+        }
+        let left = self.meta.rows - self.rows_written;
+        let rows = pages.saturating_mul(ROWS_PER_PAGE).min(left);
+        if self.rows_in_page != 0 || pages > etab::pages_for(left) {
+            return Err(TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "write zero pages",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "not at a page boundary, or more pages than the header declares",
+                ),
+            });
+        }
+        let mut bytes = rows * ROW_BYTES as u64;
+        while bytes > 0 {
+            let n = bytes.min(crate::holes::ZEROS.len() as u64) as usize;
+            self.digest.update(&crate::holes::ZEROS[..n]);
+            bytes -= n as u64;
+        }
+        let zero = crate::holes::zero_page_checksum().to_le_bytes();
+        for _ in 0..pages {
+            self.sums.extend_from_slice(&zero);
+            if self.sums.len() == self.sums.capacity() {
+                self.flush_sums()?;
+            }
+        }
+        let Some(file) = self.file.as_mut() else {
+            return Err(TableFileError::Io {
+                path: self.tmp_path.clone(),
+                op: "write zero pages",
+                source: io::Error::other("writer already finished"),
+            });
+        };
+        // Seeking flushes what is buffered; the sums, written after the
+        // pages, give the file its length.
+        let skip = i64::try_from(pages * PAGE_BYTES).map_err(|_| TableFileError::Io {
+            path: self.tmp_path.clone(),
+            op: "write zero pages",
+            source: io::Error::other("too many pages"),
+        })?;
+        file.seek(io::SeekFrom::Current(skip))
+            .map_err(io_err(&self.tmp_path, "seek past zero pages"))?;
+        self.rows_written += rows;
         Ok(())
     }
 

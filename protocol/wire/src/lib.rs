@@ -25,6 +25,7 @@ pub mod etab;
 pub mod frame;
 pub mod hashing;
 pub mod messages;
+pub mod model_config;
 #[cfg(feature = "control")]
 pub mod node_api;
 pub mod ring;

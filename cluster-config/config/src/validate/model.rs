@@ -7,8 +7,8 @@ use engram_protocol::row::ROW_VALUES;
 
 use super::Ctx;
 use crate::model::{
-    FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES, Model, TokenMapSource,
-    WeightsSource,
+    ConfigJson, FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES, Model,
+    TokenMapSource, WeightsSource,
 };
 use crate::raw::RawModel;
 use toml::Spanned;
@@ -18,16 +18,23 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
     let m = raw.get_ref();
     let hashing = hashing(cx, m);
     let token_map = token_map(cx, m, base);
-    let vocab_max = i64::from(V41_COMPRESSED_VOCAB);
-    let compressed_vocab = match &m.compressed_vocab {
-        Some(v) => cx
-            .int(v, "model.compressed_vocab", 1, vocab_max)
-            .map(|v| v as u32),
-        None => (hashing == Preset::V41).then_some(V41_COMPRESSED_VOCAB),
-    };
+    let compressed_vocab = compressed_vocab(cx, m, hashing);
     let (pad_token, hidden, streams) = shapes(cx, raw);
     let weights = weights(cx, m, base);
     let fusion = fusion(cx, m);
+    let config_json = match (&m.config, &weights) {
+        (Some(c), _) => Some(ConfigJson::Named(cx.path(c, "model.config", base))),
+        (None, Some(WeightsSource::Checkpoint(w))) => Some(ConfigJson::Beside(
+            if w.extension()
+                .is_some_and(|e| e == "safetensors" || e == "json")
+            {
+                w.parent().unwrap_or(Path::new("/")).join("config.json")
+            } else {
+                w.join("config.json")
+            },
+        )),
+        (None, _) => None,
+    };
     Model {
         hashing,
         token_map,
@@ -37,7 +44,31 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
         streams,
         weights,
         fusion,
+        config_json,
     }
+}
+
+/// `compressed_vocab`: at most V4.1's 99,092 (the multipliers of every
+/// preset are drawn for it), and exactly that under `v41`, whose
+/// multipliers are V4.1's (default: 99,092 under `v41`, none otherwise).
+fn compressed_vocab(cx: &mut Ctx<'_>, m: &RawModel, hashing: Preset) -> Option<u32> {
+    let vocab_max = i64::from(V41_COMPRESSED_VOCAB);
+    let Some(v) = &m.compressed_vocab else {
+        return (hashing == Preset::V41).then_some(V41_COMPRESSED_VOCAB);
+    };
+    let n = cx.int(v, "model.compressed_vocab", 1, vocab_max)? as u32;
+    if hashing == Preset::V41 && n != V41_COMPRESSED_VOCAB {
+        cx.at(
+            v.span(),
+            "model.compressed_vocab",
+            format!(
+                "{n} contradicts the v41 preset: its multipliers are drawn for V4.1's \
+                 {V41_COMPRESSED_VOCAB} compressed ids, so a map of another size would hash \
+                 differently from the model"
+            ),
+        );
+    }
+    Some(n)
 }
 
 /// The hashing: `hash_preset` or `hash_base` (V4.1 by default).
@@ -212,6 +243,7 @@ mod tests {
                 streams: 4,
                 weights: Some(WeightsSource::Seed(7)),
                 fusion: FusionBackend::Cpu,
+                config_json: None,
             }
         );
     }
@@ -248,6 +280,38 @@ mod tests {
             m.token_map,
             TokenMapSource::Tokenizer(PathBuf::from("/etc/engram-rack/t.json"))
         );
+        assert_eq!(
+            m.config_json, None,
+            "no weights checkpoint, no config named"
+        );
+        // config.json: named, or beside the weights checkpoint.
+        let m = parse("[model]\nweights = \"/models/v41\"\nconfig = \"c/config.json\"\n")
+            .expect("valid")
+            .model
+            .expect("model");
+        assert_eq!(
+            m.config_json,
+            Some(ConfigJson::Named(PathBuf::from(
+                "/etc/engram-rack/c/config.json"
+            )))
+        );
+        for (weights, beside) in [
+            ("/models/v41", "/models/v41/config.json"),
+            ("/models/v41/model.safetensors", "/models/v41/config.json"),
+            (
+                "/models/v41/model.safetensors.index.json",
+                "/models/v41/config.json",
+            ),
+        ] {
+            let m = parse(&format!("[model]\nweights = \"{weights}\"\n"))
+                .expect("valid")
+                .model
+                .expect("model");
+            assert_eq!(
+                m.config_json,
+                Some(ConfigJson::Beside(PathBuf::from(beside)))
+            );
+        }
         // Weights are the model loop's: a config for an embedding engine leaves them out.
         let m = parse("[model]\nhash_preset = \"v41\"\n")
             .expect("valid without weights")
@@ -294,6 +358,18 @@ mod tests {
             6,
             "model.compressed_vocab",
             "out of range",
+        );
+        expect(
+            &format!("[model]\n{w}compressed_vocab = 99091\n"),
+            6,
+            "model.compressed_vocab",
+            "contradicts the v41 preset",
+        );
+        expect(
+            &format!("[model]\n{w}config = \"\"\n"),
+            6,
+            "model.config",
+            "empty",
         );
         expect(
             &format!("[model]\n{w}pad_token = -1\n"),

@@ -171,7 +171,8 @@ fn normalize_follows_the_section() {
         ("x\u{E000}", "x "),
         ("", ""),
     ] {
-        assert_eq!(normalize(text), want, "{text:?}");
+        let norm = KeyNormalizer::new().expect("normalizer");
+        assert_eq!(norm.normalize(text).expect("normalize"), want, "{text:?}");
     }
 }
 

@@ -36,6 +36,7 @@ fn the_tree_of_segments_is_blake3_of_the_rows() {
                     digest: true,
                     drop_behind: false,
                     background: (threads == 3).then_some(Background::Low),
+                    skip_holes: false,
                 };
                 let d = fill(&file, &mut got, opts, None).expect("fill");
                 assert!(got == want, "rows {rows} segment {segment}");
@@ -72,6 +73,7 @@ fn hashing_a_mapped_file_gathers_blake3_of_the_rows() {
                     digest: true,
                     drop_behind: false,
                     background: None,
+                    skip_holes: false,
                 };
                 let last = std::sync::Arc::new(AtomicU64::new(0));
                 let l2 = std::sync::Arc::clone(&last);
@@ -190,4 +192,42 @@ fn a_short_file_and_a_wrong_buffer_are_errors() {
     let mut got = vec![0u8; 1_000 * ROW_BYTES];
     let e = fill(&file, &mut got, FillOptions::default(), None).expect_err("short");
     assert!(e.to_string().contains("read pages"), "{e}");
+}
+
+#[test]
+fn a_sparse_files_holes_are_skipped_and_hashed_as_zeros() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sparse.etab");
+    let spec = crate::generate::GenSpec {
+        layer: 1,
+        rows: 5_000,
+        seed: 2,
+        hash_preset: None,
+        hash_base: None,
+        threads: 1,
+    };
+    crate::generate::generate_sparse(&path, &spec, &[14, 15, 2_000, 4_999], None).expect("gen");
+    let file = TableFile::open(&path).expect("open");
+    let want = sequential(&file);
+    let map = mapped(&file);
+    for segment in [1024usize, 4096, 65_536] {
+        for threads in [1, 3] {
+            let opts = FillOptions {
+                threads,
+                segment,
+                digest: true,
+                drop_behind: false,
+                skip_holes: true,
+                background: None,
+            };
+            let mut got = vec![0u8; want.len()];
+            let d = fill(&file, &mut got, opts, None).expect("fill");
+            assert!(got == want, "segment {segment}");
+            assert_eq!(d, Some(file.meta.digest), "segment {segment}");
+            let d = touch_mapped(&file, &map, opts, None).expect("touch");
+            assert_eq!(d, Some(file.meta.digest), "mapped, segment {segment}");
+            let v = crate::verify::verify(&file, threads, segment, None).expect("verify");
+            assert_eq!(v, file.meta.digest, "verify, segment {segment}");
+        }
+    }
 }

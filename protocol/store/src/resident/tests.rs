@@ -419,3 +419,68 @@ fn pages_populated_and_released_in_slices_keep_a_memfds_rows_and_no_others_are_r
         assert!(rows_ok(&t), "{backing:?}");
     }
 }
+
+#[test]
+fn a_sparse_table_loads_verified_in_every_backing_and_its_copy_stays_sparse() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sparse.etab");
+    let rows = 400_000u64;
+    let spec = GenSpec {
+        layer: 14,
+        rows,
+        seed: 6,
+        hash_preset: None,
+        hash_base: None,
+        threads: 1,
+    };
+    let touched = [3, 150_000, 150_014, rows - 1];
+    crate::generate::generate_sparse(&path, &spec, &touched, None).expect("sparse");
+    let planar = LoadOptions {
+        backing: Backing::Memfd,
+        planar: true,
+        mlock: MlockMode::Off,
+        ..LoadOptions::default()
+    };
+    let mut loaded = Vec::new();
+    for backing in [Backing::Anonymous, Backing::Memfd, Backing::Mapped] {
+        loaded.push(load_as(&path, backing, false).expect("verified load").0);
+    }
+    loaded.push(
+        ResidentTable::load_with(Some(3), &path, &planar, |_| None)
+            .expect("planar")
+            .0,
+    );
+    for t in &loaded {
+        for r in [
+            0,
+            3,
+            14,
+            15,
+            149_999,
+            150_000,
+            150_014,
+            150_015,
+            300_000,
+            rows - 1,
+        ] {
+            let row = t.row(r).expect("in range").to_vec();
+            if touched.iter().any(|x| x / 15 == r / 15) {
+                assert!(is_synthetic_row(6, 14, r, &row), "row {r}");
+            } else {
+                assert!(row.iter().all(|&b| b == 0), "row {r} is zero");
+            }
+        }
+        let Some(k) = t.kept() else { continue };
+        // Only the pages the touched rows were copied to exist in the memfd.
+        let len = k.file.metadata().expect("stat").len();
+        let data: u64 = crate::holes::data_extents(&k.file, 0..len)
+            .iter()
+            .map(|e| e.end - e.start)
+            .sum();
+        if data < len {
+            assert!(data <= 16 << 20, "{data} of {len} bytes hold data");
+        } else {
+            eprintln!("note: this kernel's memfd reports no holes");
+        }
+    }
+}

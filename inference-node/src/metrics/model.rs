@@ -1,0 +1,227 @@
+//! The model loop's deployment series (seed 004's figures, in /metrics as
+//! counters a dashboard divides): decoded tokens, row bytes by source,
+//! rows in before their block needed them and rows late, fetch time
+//! hidden under compute and fetch time stalled on, and each step's stall
+//! (a histogram for p50/p95/p99). The loop records through [`ModelSeries`],
+//! whose handles are taken once, so a step allocates nothing.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use super::{SourceOnly, TableLabels};
+use crate::model::{StepKind, StepRecord};
+
+/// A counter of seconds.
+type Seconds = Counter<f64, AtomicU64>;
+
+/// The model loop's series.
+#[derive(Debug)]
+pub struct ModelMetrics {
+    /// Positions decoded (prefill excluded).
+    pub tokens: Counter,
+    /// Row bytes the decode steps fetched, by source.
+    pub row_bytes: Family<SourceOnly, Counter>,
+    /// Rows of decode steps in before their block needed them.
+    pub rows_on_time: Family<TableLabels, Counter>,
+    /// Rows of decode steps their block waited for.
+    pub rows_late: Family<TableLabels, Counter>,
+    /// Fetch time hidden under the backbone's compute.
+    pub fetch_hidden_seconds: Family<TableLabels, Seconds>,
+    /// Fetch time the loop stalled on.
+    pub fetch_stalled_seconds: Family<TableLabels, Seconds>,
+    /// Each decode step's stall.
+    pub step_stall_seconds: Histogram,
+}
+
+impl Default for ModelMetrics {
+    fn default() -> Self {
+        Self {
+            tokens: Counter::default(),
+            row_bytes: Family::default(),
+            rows_on_time: Family::default(),
+            rows_late: Family::default(),
+            fetch_hidden_seconds: Family::default(),
+            fetch_stalled_seconds: Family::default(),
+            // 1 us .. ~0.5 s.
+            step_stall_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 20)),
+        }
+    }
+}
+
+impl ModelMetrics {
+    /// Register every series under `model_`.
+    pub(super) fn register(&self, r: &mut Registry) {
+        let r = r.sub_registry_with_prefix("model");
+        r.register(
+            "tokens",
+            "Positions the model loop decoded (prefill excluded)",
+            self.tokens.clone(),
+        );
+        r.register(
+            "row_bytes",
+            "Row bytes the decode steps fetched, by source (over tokens: bytes per token)",
+            self.row_bytes.clone(),
+        );
+        r.register(
+            "rows_on_time",
+            "Rows of decode steps in before their block needed them (the prefetch's hits)",
+            self.rows_on_time.clone(),
+        );
+        r.register(
+            "rows_late",
+            "Rows of decode steps their block waited for",
+            self.rows_late.clone(),
+        );
+        r.register("fetch_hidden_seconds", "Fetch time hidden under the backbone's compute (over hidden plus stalled: the overlap)", self.fetch_hidden_seconds.clone());
+        r.register(
+            "fetch_stalled_seconds",
+            "Fetch time the model loop stalled on",
+            self.fetch_stalled_seconds.clone(),
+        );
+        r.register(
+            "step_stall_seconds",
+            "Each decode step's stall",
+            self.step_stall_seconds.clone(),
+        );
+    }
+
+    /// The handles of tables `tables`, for [`ModelSeries::record`].
+    pub fn series(&self, tables: [u32; 2]) -> ModelSeries {
+        let labels = |t: u32| TableLabels {
+            table: t.to_string(),
+        };
+        ModelSeries {
+            tokens: self.tokens.clone(),
+            step_stall: self.step_stall_seconds.clone(),
+            tables: tables.map(|t| TableSeries {
+                table: t,
+                on_time: self.rows_on_time.get_or_create(&labels(t)).clone(),
+                late: self.rows_late.get_or_create(&labels(t)).clone(),
+                hidden: self.fetch_hidden_seconds.get_or_create(&labels(t)).clone(),
+                stalled: self.fetch_stalled_seconds.get_or_create(&labels(t)).clone(),
+            }),
+            row_bytes: self.row_bytes.clone(),
+            sources: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct TableSeries {
+    table: u32,
+    on_time: Counter,
+    late: Counter,
+    hidden: Seconds,
+    stalled: Seconds,
+}
+
+/// One loop's handles on the model series.
+#[derive(Debug)]
+pub struct ModelSeries {
+    tokens: Counter,
+    step_stall: Histogram,
+    tables: [TableSeries; 2],
+    row_bytes: Family<SourceOnly, Counter>,
+    /// Each source's bytes counter, taken the first time it serves.
+    sources: Vec<(String, Counter)>,
+}
+
+impl ModelSeries {
+    /// Count one step (decode steps only; prefill is not a token's cost).
+    pub fn record(&mut self, r: &StepRecord) {
+        if r.kind == StepKind::Prefill {
+            return;
+        }
+        // A joining sequence's prefill chunk may share a decode step.
+        let decoded = (r.positions.len() as u64).saturating_sub(r.prefilled);
+        self.tokens.inc_by(decoded);
+        self.step_stall.observe(r.stall_us / 1e6);
+        for rec in r.tables.iter().filter(|t| t.error.is_none()) {
+            let Some(t) = self.tables.iter().find(|t| t.table == rec.table) else {
+                continue;
+            };
+            let rows = rec.unique_rows as u64;
+            if rec.stall_us > 0.0 {
+                &t.late
+            } else {
+                &t.on_time
+            }
+            .inc_by(rows);
+            t.hidden
+                .inc_by((rec.ready_us - rec.stall_us).max(0.0) / 1e6);
+            t.stalled.inc_by(rec.stall_us.max(0.0) / 1e6);
+            if let Some(src) = &rec.source {
+                let bytes = rows * engram_protocol::ROW_BYTES as u64;
+                match self.sources.iter().find(|(s, _)| s == src) {
+                    Some((_, c)) => {
+                        c.inc_by(bytes);
+                    }
+                    None => {
+                        let c = self
+                            .row_bytes
+                            .get_or_create(&SourceOnly {
+                                source: src.clone(),
+                            })
+                            .clone();
+                        c.inc_by(bytes);
+                        self.sources.push((src.clone(), c));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::NodeMetrics;
+    use crate::model::{Checksum, PositionRecord, TableRecord};
+
+    #[test]
+    fn a_step_counts_tokens_bytes_hits_and_hidden_time() {
+        let m = NodeMetrics::new();
+        let mut series = m.model.series([1, 14]);
+        let table = |table: u32, source: &str, ready_us: f64, stall_us: f64| TableRecord {
+            table,
+            unique_rows: 24,
+            ready_us,
+            stall_us,
+            source: Some(source.into()),
+            ..TableRecord::default()
+        };
+        let mut rec = StepRecord {
+            kind: StepKind::Decode,
+            positions: vec![PositionRecord {
+                seq: 0,
+                index: 0,
+                id: 0,
+                checksum: Checksum::default(),
+            }],
+            tables: vec![table(1, "d", 200.0, 0.0), table(14, "ssd", 900.0, 400.0)],
+            stall_us: 400.0,
+            ..StepRecord::default()
+        };
+        series.record(&rec);
+        series.record(&rec);
+        rec.kind = StepKind::Prefill;
+        series.record(&rec);
+        let text = m.render();
+        for line in [
+            "engram_node_model_tokens_total 2",
+            "engram_node_model_row_bytes_total{source=\"d\"} 12672",
+            "engram_node_model_row_bytes_total{source=\"ssd\"} 12672",
+            "engram_node_model_rows_on_time_total{table=\"1\"} 48",
+            "engram_node_model_rows_late_total{table=\"14\"} 48",
+            "engram_node_model_fetch_hidden_seconds_total{table=\"14\"} 0.001",
+            "engram_node_model_fetch_stalled_seconds_total{table=\"14\"} 0.0008",
+            "engram_node_model_step_stall_seconds_count 2",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+    }
+}
