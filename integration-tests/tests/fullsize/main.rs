@@ -341,10 +341,10 @@ fn donor_rows(t: &Tables, addr: std::net::SocketAddr, name: &str) {
 
 /// The SSD copy's page reads (O_DIRECT where the file system allows).
 fn ssd_rows(t: &Tables) {
-    for i in 0..2 {
+    for (i, &layer) in LAYERS.iter().enumerate() {
         let pin = ExpectedTable {
             digest: t.digests[i],
-            layer: LAYERS[i],
+            layer,
             rows: t.rows[i],
         };
         let mut r =
@@ -424,13 +424,13 @@ fn start(config: &Config, name: &str) -> DonorProcess {
 /// Where each check read, per table: the byte offsets of its rows in each
 /// layout, printed so a run shows what it covered.
 fn offsets_covered(t: &Tables) {
-    for i in 0..2 {
+    for (i, layer) in LAYERS.iter().enumerate() {
         let rows = t.lookups(i);
         let max = |f: &dyn Fn(u64) -> u64| rows.iter().map(|&r| f(r)).max().unwrap_or(0);
         let scales_at = (t.rows[i] * 256).next_multiple_of(4096);
         eprintln!(
             "table {}: {} rows read; highest offsets: file {} , packed {} , planar values {} , planar scales {}",
-            LAYERS[i],
+            layer,
             rows.len(),
             max(&|r| 4096 + r / 15 * 4096 + r % 15 * 264),
             max(&|r| r * 264),
