@@ -103,10 +103,12 @@ typedef struct {
 } engram_served;
 
 // What `engram_view_info` says of a view. `data[0..len)` is
-// read-only memory, valid until the view is freed. When `packed` is 1
-// (always for a host-local donor's memory), row r starts at `r * 264`;
-// when 0 (a `local` copy served from its file's pages), 15 rows share
-// each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
+// read-only memory, valid until the view is freed. When `packed` is 1,
+// row r starts at `r * 264`; when `planar` is 1 (a host-local donor whose
+// tables are laid out for engines' host-table kernels), row r's 256
+// values start at `r * 256` and its 8 scale bytes at `scales_at + r * 8`;
+// when both are 0 (a `local` copy served from its file's pages), 15 rows
+// share each 4 KiB page: row r starts at `(r / 15) * 4096 + (r % 15) * 264`.
 typedef struct {
   // The first byte of the table's memory.
   const uint8_t *data;
@@ -125,8 +127,12 @@ typedef struct {
   // 1 when every process on the host maps this same memory (a
   // host-local donor's); 0 for this process's own copy.
   uint8_t shared;
-  // 1 when rows are back to back; 0 for 15 rows per 4 KiB page.
+  // 1 when rows are back to back; 0 for 15 rows per 4 KiB page or planar.
   uint8_t packed;
+  // 1 when the rows are planar (values, then scales at `scales_at`).
+  uint8_t planar;
+  // Where a planar table's scale bytes start in `data`; 0 otherwise.
+  uint64_t scales_at;
 } engram_table_info;
 
 // One layer's counters since the memory opened.
