@@ -427,7 +427,7 @@ fn offsets_covered(t: &Tables) {
     for (i, layer) in LAYERS.iter().enumerate() {
         let rows = t.lookups(i);
         let max = |f: &dyn Fn(u64) -> u64| rows.iter().map(|&r| f(r)).max().unwrap_or(0);
-        let scales_at = (t.rows[i] * 256).next_multiple_of(4096);
+        let scales_at = t.rows[i] * 256;
         eprintln!(
             "table {}: {} rows read; highest offsets: file {} , packed {} , planar values {} , planar scales {}",
             layer,

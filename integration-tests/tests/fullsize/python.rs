@@ -61,7 +61,7 @@ pub fn view_rows(t: &Tables, config: &Config) {
         let got = &v[LAYERS[i].to_string()];
         assert_eq!(got["layout"], "planar");
         assert_eq!(got["shared"], true);
-        let scales_at = (t.rows[i] * 256).next_multiple_of(4096);
+        let scales_at = t.rows[i] * 256;
         let rows = t.lookups(i);
         let answers = got["rows"].as_array().expect("rows");
         assert_eq!(answers.len(), rows.len());
