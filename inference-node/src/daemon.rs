@@ -473,7 +473,7 @@ impl BatchDriver for Batcher<'_> {
     fn after_step(&mut self, rec: Option<&StepRecord>, finished: &[u64]) {
         if let Some(rec) = rec {
             (self.ping)();
-            self.series.record(rec);
+            rec.count_in(&mut self.series);
             let mut in_step = 0u64;
             for (&tag, a) in &mut self.active {
                 let positions: Vec<_> = rec

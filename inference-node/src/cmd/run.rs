@@ -238,7 +238,7 @@ fn start_loop(
         .spawn(move || {
             let mut seconds = Seconds::default();
             let mut on_step = |r: &inference_node::model::StepRecord| -> std::io::Result<()> {
-                series.record(r);
+                r.count_in(&mut series);
                 if let Some(t) = trace.as_mut() {
                     serde_json::to_writer(&mut *t, r)?;
                     t.write_all(b"\n")?;

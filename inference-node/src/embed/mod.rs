@@ -218,7 +218,7 @@ impl EmbeddedNode {
         let tables = layer_tables(&cfg, n, &model, &params)?;
         let (tokenizer, map) = token_map(&model)?;
         let map = tokenizer.map(|(_, m)| m).or(map);
-        check_config_json(&model, &params, map.as_ref())?;
+        check_config_json(&model, &params, map.as_ref()).map_err(EmbedError::Config)?;
         let pad = match &map {
             Some(m) => m.get(model.pad_token).map_or(0, i64::from),
             None => i64::from(model.pad_token),
@@ -304,6 +304,16 @@ impl EmbeddedNode {
     /// The row counts of layers 1's and 14's tables.
     pub fn table_rows(&self) -> Result<[u64; 2], EmbedError> {
         Ok(self.open_state()?.table_rows)
+    }
+
+    /// What layers 1's and 14's tables do when every source failed
+    /// (their routes' `policy`).
+    pub fn policies(&self) -> Result<[cluster_config::Policy; 2], EmbedError> {
+        let open = self.open_state()?;
+        Ok([
+            open.routers[0].settings().policy,
+            open.routers[1].settings().policy,
+        ])
     }
 
     /// Where `/metrics` is served, if anywhere.

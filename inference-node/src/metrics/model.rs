@@ -2,8 +2,9 @@
 //! counters a dashboard divides): decoded tokens, row bytes by source,
 //! rows in before their block needed them and rows late, fetch time
 //! hidden under compute and fetch time stalled on, and each step's stall
-//! (a histogram for p50/p95/p99). The loop records through [`ModelSeries`],
-//! whose handles are taken once, so a step allocates nothing.
+//! (a histogram for p50/p95/p99). The loop records through [`ModelSeries`]
+//! (`StepRecord::count_in`), whose handles are taken once, so a step
+//! allocates nothing.
 
 use std::sync::atomic::AtomicU64;
 
@@ -13,7 +14,6 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use super::{SourceOnly, TableLabels};
-use crate::model::{StepKind, StepRecord};
 
 /// A counter of seconds.
 type Seconds = Counter<f64, AtomicU64>;
@@ -131,46 +131,45 @@ pub struct ModelSeries {
 }
 
 impl ModelSeries {
-    /// Count one step (decode steps only; prefill is not a token's cost).
-    pub fn record(&mut self, r: &StepRecord) {
-        if r.kind == StepKind::Prefill {
-            return;
-        }
-        // A joining sequence's prefill chunk may share a decode step.
-        let decoded = (r.positions.len() as u64).saturating_sub(r.prefilled);
+    /// Count one decode step: `decoded` positions (a joining sequence's
+    /// prefill chunk excluded) and the step's stall.
+    pub fn step(&mut self, decoded: u64, stall_s: f64) {
         self.tokens.inc_by(decoded);
-        self.step_stall.observe(r.stall_us / 1e6);
-        for rec in r.tables.iter().filter(|t| t.error.is_none()) {
-            let Some(t) = self.tables.iter().find(|t| t.table == rec.table) else {
-                continue;
-            };
-            let rows = rec.unique_rows as u64;
-            if rec.stall_us > 0.0 {
-                &t.late
-            } else {
-                &t.on_time
+        self.step_stall.observe(stall_s);
+    }
+
+    /// Count one table's fetch of a decode step: `rows` unique rows, in
+    /// `ready_us` from the step's start, of which `stall_us` its block
+    /// waited, served by `source`.
+    pub fn table(
+        &mut self,
+        table: u32,
+        rows: u64,
+        ready_us: f64,
+        stall_us: f64,
+        source: Option<&str>,
+    ) {
+        let Some(t) = self.tables.iter().find(|t| t.table == table) else {
+            return;
+        };
+        if stall_us > 0.0 { &t.late } else { &t.on_time }.inc_by(rows);
+        t.hidden.inc_by((ready_us - stall_us).max(0.0) / 1e6);
+        t.stalled.inc_by(stall_us.max(0.0) / 1e6);
+        let Some(src) = source else { return };
+        let bytes = rows * engram_protocol::ROW_BYTES as u64;
+        match self.sources.iter().find(|(s, _)| s == src) {
+            Some((_, c)) => {
+                c.inc_by(bytes);
             }
-            .inc_by(rows);
-            t.hidden
-                .inc_by((rec.ready_us - rec.stall_us).max(0.0) / 1e6);
-            t.stalled.inc_by(rec.stall_us.max(0.0) / 1e6);
-            if let Some(src) = &rec.source {
-                let bytes = rows * engram_protocol::ROW_BYTES as u64;
-                match self.sources.iter().find(|(s, _)| s == src) {
-                    Some((_, c)) => {
-                        c.inc_by(bytes);
-                    }
-                    None => {
-                        let c = self
-                            .row_bytes
-                            .get_or_create(&SourceOnly {
-                                source: src.clone(),
-                            })
-                            .clone();
-                        c.inc_by(bytes);
-                        self.sources.push((src.clone(), c));
-                    }
-                }
+            None => {
+                let c = self
+                    .row_bytes
+                    .get_or_create(&SourceOnly {
+                        source: src.to_owned(),
+                    })
+                    .clone();
+                c.inc_by(bytes);
+                self.sources.push((src.to_owned(), c));
             }
         }
     }
@@ -178,9 +177,8 @@ impl ModelSeries {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::metrics::NodeMetrics;
-    use crate::model::{Checksum, PositionRecord, TableRecord};
+    use crate::model::{Checksum, PositionRecord, StepKind, StepRecord, TableRecord};
 
     #[test]
     fn a_step_counts_tokens_bytes_hits_and_hidden_time() {
@@ -206,10 +204,10 @@ mod tests {
             stall_us: 400.0,
             ..StepRecord::default()
         };
-        series.record(&rec);
-        series.record(&rec);
+        rec.count_in(&mut series);
+        rec.count_in(&mut series);
         rec.kind = StepKind::Prefill;
-        series.record(&rec);
+        rec.count_in(&mut series);
         let text = m.render();
         for line in [
             "engram_node_model_tokens_total 2",

@@ -10,23 +10,23 @@ use cluster_config::model::{ConfigJson, Model};
 use engram_protocol::hashing::HashParams;
 use engram_protocol::model_config::{ModelConfig, ModelConfigError, expect};
 
-use super::node::SetupError;
 use crate::engram::TokenMap;
 use crate::engram::fusion::NORM_EPS;
 
 /// Check `model`'s `config.json` (none named, none beside the weights:
-/// nothing to check, `Ok(None)`); returns the file checked.
+/// nothing to check, `Ok(None)`); returns the file checked, or the first
+/// difference, naming the file (a configuration error to the caller).
 pub(crate) fn check(
     model: &Model,
     params: &HashParams,
     map: Option<&TokenMap>,
-) -> Result<Option<std::path::PathBuf>, SetupError> {
+) -> Result<Option<std::path::PathBuf>, String> {
     let path = match &model.config_json {
         None => return Ok(None),
         Some(ConfigJson::Beside(p)) if !p.is_file() => return Ok(None),
         Some(c) => c.path().to_path_buf(),
     };
-    let err = |e: String| SetupError::Config(format!("{}: {e}", path.display()));
+    let err = |e: String| format!("{}: {e}", path.display());
     let config =
         engram_store::checkpoint::read_model_config(&path).map_err(|e| err(e.to_string()))?;
     compare(&config, model, params, map).map_err(|e| err(e.to_string()))?;

@@ -26,8 +26,8 @@
 
 pub mod clock;
 mod config_json;
-pub mod deployment;
 pub(crate) use config_json::check as check_config_json;
+pub use summary::deployment;
 pub mod fetch;
 #[cfg(feature = "cuda")]
 pub mod gpu_clock;
@@ -466,6 +466,26 @@ impl StepKind {
 }
 
 impl StepRecord {
+    /// Count this step in the model loop's /metrics series (decode steps
+    /// only; prefill is not a token's cost).
+    pub fn count_in(&self, series: &mut crate::metrics::ModelSeries) {
+        if self.kind == StepKind::Prefill {
+            return;
+        }
+        // A joining sequence's prefill chunk may share a decode step.
+        let decoded = (self.positions.len() as u64).saturating_sub(self.prefilled);
+        series.step(decoded, self.stall_us / 1e6);
+        for t in self.tables.iter().filter(|t| t.error.is_none()) {
+            series.table(
+                t.table,
+                t.unique_rows as u64,
+                t.ready_us,
+                t.stall_us,
+                t.source.as_deref(),
+            );
+        }
+    }
+
     /// Decoded positions in it (none for prefill).
     pub fn decoded(&self) -> usize {
         if self.kind == StepKind::Prefill {

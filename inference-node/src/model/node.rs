@@ -142,7 +142,7 @@ impl NodeModel {
 
         let (tokenizer, map) = token_map(&model)?;
         let loaded = tokenizer.as_ref().map(|(_, m)| m).or(map.as_ref());
-        super::config_json::check(&model, &params, loaded)?;
+        super::config_json::check(&model, &params, loaded).map_err(SetupError::Config)?;
 
         let fusion = fusion_of(&config, &model).await?;
 

@@ -10,8 +10,10 @@ use daemon_runtime::latency::Latency;
 use serde::{Deserialize, Serialize};
 use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
 
-use super::deployment::{Deployment, deployment};
+pub mod deployment;
+
 use super::{BLOCKS, LoopSpec, StepKind, StepRecord, TableSlot};
+use deployment::{Deployment, deployment};
 
 /// One table over the run.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -304,6 +304,28 @@ mod tests {
         old[0]
     }
 
+    #[test]
+    fn a_sparse_files_holes_verify_as_zeros() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sparse.etab");
+        let spec = crate::generate::GenSpec {
+            layer: 1,
+            rows: 5_000,
+            seed: 2,
+            hash_preset: None,
+            hash_base: None,
+            threads: 1,
+        };
+        crate::generate::generate_sparse(&path, &spec, &[14, 15, 2_000, 4_999], None).expect("gen");
+        let file = TableFile::open(&path).expect("open");
+        for segment in [1024usize, 4096, 65_536] {
+            for threads in [1, 3] {
+                let v = verify(&file, threads, segment, None).expect("verify");
+                assert_eq!(v, file.meta.digest, "segment {segment}, {threads} threads");
+            }
+        }
+    }
+
     /// Every segmenting and thread count, on small segments.
     fn each_way(path: &Path, check: impl Fn(Result<TableDigest, TableFileError>)) {
         let file = TableFile::open(path).expect("open");

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::summary::TableSummary;
+use super::TableSummary;
 
 /// Seed 004's deployment figures: what the rows cost and how well their
 /// fetch hid under the backbone's compute, over the decode steps.
