@@ -56,7 +56,8 @@ impl CpuEngine {
     }
 
     /// Spin on `seq`'s done word of section `l` (the wait kernel's loop);
-    /// at the GPU's deadline, zeros and no status.
+    /// at the GPU's deadline, zeros and no status, and `seq` in the slot's
+    /// give-up word.
     pub fn wait(&self, seq: u64, l: u32, positions: u32) -> Answer {
         let sh = *self.ring.shape();
         let s = (seq % u64::from(sh.slots)) as u32;
@@ -75,6 +76,7 @@ impl CpuEngine {
             // host's with the client it waits for.
             std::thread::yield_now();
             if t0.elapsed() > limit {
+                self.ring.gave_up(seq);
                 let n = positions as usize * sh.columns as usize * ROW_BYTES;
                 return Answer {
                     status: None,

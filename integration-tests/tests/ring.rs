@@ -5,20 +5,22 @@
 //! are zeros with their status, requests in flight together are all
 //! served, a `kill -9` of the donor fails over to the SSD copy with no
 //! request lost, a frozen rack is answered (SSD or late zeros) before the
-//! GPU's deadline, and a client that goes leaves every wait to end at
-//! that deadline, never hanging.
+//! GPU's deadline, a client that goes leaves every wait to end at that
+//! deadline, never hanging, and requests without rows under a `fail`
+//! policy (the client's answer or the GPU's give-up) are faults in the
+//! header, where `zeros` gives none.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
-use engram_protocol::ring::{NO_ROW, SERVED_SSD, client_state};
+use engram_protocol::ring::{GPU_TIMEOUT, NO_ROW, SERVED_SSD, client_state};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use inference_node::embed::EmbeddedNode;
 use inference_node::ring::{RingMemory, RingOptions, Shape, Status, serve};
 use rack_harness::ring_engine::CpuEngine as Engine;
-use rack_harness::{DonorProcess, MODEL_SEED, model_rack};
+use rack_harness::{DonorProcess, MODEL_SEED, model_rack, model_rack_config};
 
 const POSITIONS: u32 = 64;
 
@@ -223,4 +225,88 @@ fn a_frozen_rack_is_answered_before_the_gpus_deadline() {
     }
     donor.signal(libc::SIGCONT);
     assert_eq!(statuses.len(), 40);
+}
+
+#[test]
+fn no_rows_under_the_fail_policy_are_faults_the_engine_sees_and_zeros_are_not() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut rack = model_rack_config(dir.path()).expect("rack");
+    // Donor `d` alone, no SSD copy: once it is gone no source is left.
+    let alone = |name: &str, policy: &str| {
+        let mut n = rack.node[0].clone();
+        n.name = name.into();
+        for r in &mut n.route {
+            r.sources = vec!["d".into()];
+            r.policy = Some(policy.into());
+            r.hard_timeout_ms = Some(300);
+        }
+        n
+    };
+    let (fails, zeros) = (alone("fails", "fail"), alone("zeros", "zeros"));
+    rack.node.extend([fails, zeros]);
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("write");
+    let donor = start_donor(&config);
+    let open = |name| Arc::new(EmbeddedNode::open(&config, name).expect("open"));
+    let (mem_fail, mem_zeros) = (open("fails"), open("zeros"));
+    let rows = mem_fail.table_rows().expect("rows");
+    let opts = RingOptions {
+        deadline: Duration::from_millis(150),
+        ..RingOptions::default()
+    };
+    let (mut eng_fail, fail_server) = served_ring(&mem_fail, opts);
+    let (mut eng_zeros, zeros_server) = served_ring(&mem_zeros, opts);
+    let mut rng = SplitMix64::new(5);
+    for eng in [&mut eng_fail, &mut eng_zeros] {
+        let ids = positions(&mut rng, 4, rows);
+        let seq = eng.publish(3, &ids);
+        assert_eq!(eng.wait(seq, 0, 4).status, Some(Status::Ok as u32));
+        assert_eq!(eng.wait(seq, 1, 4).status, Some(Status::Ok as u32));
+        assert_eq!(eng.ring.faults().0, 0, "rows came: no fault");
+    }
+    donor.signal(libc::SIGKILL);
+    drop(donor);
+    // Under `fail`: zeros on the engine's side, and a fault in the header
+    // naming the request.
+    let seq = eng_fail.publish(1, &positions(&mut rng, 4, rows));
+    let a = eng_fail.wait(seq, 0, 4);
+    assert!(a.rows.iter().all(|&b| b == 0));
+    let st = a.status.expect("answered before the GPU's deadline");
+    assert!(
+        st == Status::Failed as u32 || st == Status::Late as u32,
+        "{st}"
+    );
+    let (n, fseq, section, status) = eng_fail.ring.faults();
+    assert_eq!((n, fseq, section, status), (1, seq, 0, st));
+    // Under `zeros`: zeros too, and no fault.
+    let seq = eng_zeros.publish(1, &positions(&mut rng, 4, rows));
+    let a = eng_zeros.wait(seq, 0, 4);
+    assert!(a.rows.iter().all(|&b| b == 0));
+    assert_eq!(eng_zeros.ring.faults().0, 0);
+    // A wait that the GPU's deadline ended (the client stuck): the client
+    // turns the engine's give-up word into the table's policy.
+    eng_fail.ring.gave_up(seq + 100);
+    eng_zeros.ring.gave_up(seq + 100);
+    let t0 = Instant::now();
+    while eng_fail.ring.faults().0 < 2 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (n, fseq, _, status) = eng_fail.ring.faults();
+    assert_eq!((n, fseq, status), (2, seq + 100, GPU_TIMEOUT));
+    assert_eq!(
+        fail_server
+            .counters()
+            .gpu_timeouts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(eng_zeros.ring.faults().0, 0);
+    assert_eq!(
+        zeros_server
+            .counters()
+            .gpu_timeouts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
 }

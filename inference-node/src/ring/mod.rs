@@ -180,6 +180,29 @@ impl RingMemory {
             .load(Ordering::Acquire)
     }
 
+    /// The faults the client has counted (sections without rows under a
+    /// `fail` policy) and the last one's `(seq, section, status)`.
+    pub fn faults(&self) -> (u64, u64, u32, u32) {
+        let n = self.word(header::FAULTS as u64).load(Ordering::Acquire);
+        (
+            n,
+            self.word(header::FAULT_SEQ as u64).load(Ordering::Relaxed),
+            self.word32(header::FAULT_SECTION as u64)
+                .load(Ordering::Relaxed),
+            self.word32(header::FAULT_STATUS as u64)
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// What an engine's wait does when the GPU's deadline passes first:
+    /// write `seq` in its slot's give-up word, for the client to turn into
+    /// the table's policy. For tests and CPU engines.
+    pub fn gave_up(&self, seq: u64) {
+        let s = (seq % u64::from(self.shape.slots)) as u32;
+        self.word(self.shape.slot_at(s) + slot::GPU_GAVE_UP as u64)
+            .store(seq, Ordering::Release);
+    }
+
     /// What an engine's publish does, on the CPU: write `ids` (`[layer
     /// sections in mask][positions][columns]`, the sections `mask` names
     /// in order) into slot `seq % slots`, then publish `seq` (release).

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::ENGRAM_LAYERS;
-use engram_protocol::ring::{NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD};
+use engram_protocol::ring::{
+    GPU_TIMEOUT, NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD,
+};
 use engram_sync::Mutex;
 
 use super::{RingMemory, Status, client_state, header, slot};
@@ -65,6 +67,11 @@ pub struct RingCounters {
     pub bad_positions: AtomicU64,
     /// Requests the engine rewrote while they were read or served.
     pub stale: AtomicU64,
+    /// Sections whose wait passed the GPU's deadline (the engine's word).
+    pub gpu_timeouts: AtomicU64,
+    /// Faults: sections without rows whose table's policy is `fail`,
+    /// told to the engine through the header (it raises an error).
+    pub faults: AtomicU64,
 }
 
 /// One host client's rings and the thread that serves them all.
@@ -273,6 +280,11 @@ struct RingState {
     gone: Arc<AtomicBool>,
     /// The last request seen in each slot.
     seen: Vec<u64>,
+    /// The last GPU give-up seen in each slot.
+    gave_up: Vec<u64>,
+    /// Whether each layer section's table fails (policy `fail`) rather
+    /// than answering zeros when no rows come.
+    fails: [bool; 2],
     inflight: Vec<Inflight>,
 }
 
@@ -297,8 +309,10 @@ impl RingState {
     ) -> Result<Self, EmbedError> {
         let sh = *ring.shape();
         let tables = mem.table_rows()?;
+        let policies = mem.policies()?;
         let mut rows = [0u64; 2];
-        for (l, (id, n)) in sh.layer_ids.iter().zip(&mut rows).enumerate() {
+        let mut fails = [false; 2];
+        for (l, id) in sh.layer_ids.iter().enumerate() {
             if l >= sh.layers as usize {
                 break;
             }
@@ -307,7 +321,8 @@ impl RingState {
                     "the ring's layer section {l} is layer {id}: the Engram layers are 1 and 14"
                 ))
             })?;
-            *n = tables[slot];
+            rows[l] = tables[slot];
+            fails[l] = policies[slot] == cluster_config::Policy::Fail;
         }
         if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
             return Err(EmbedError::BadInput(
@@ -320,7 +335,18 @@ impl RingState {
         let deadline = opts.deadline.min(gpu.mul_f64(0.8));
         ring.word(header::CLIENT_DEADLINE_NS as u64)
             .store(deadline.as_nanos() as u64, Ordering::Relaxed);
+        let fail_sections = (0..sh.layers)
+            .filter(|&l| fails[l as usize])
+            .fold(0u32, |m, l| m | 1 << l);
+        ring.word32(header::FAIL_SECTIONS as u64)
+            .store(fail_sections, Ordering::Relaxed);
         ring.set_client(std::process::id(), client_state::SERVING);
+        let gave_up = (0..sh.slots)
+            .map(|s| {
+                ring.word(sh.slot_at(s) + slot::GPU_GAVE_UP as u64)
+                    .load(Ordering::Acquire)
+            })
+            .collect();
         let mut st = Self {
             mem,
             ring,
@@ -329,6 +355,8 @@ impl RingState {
             counters: Arc::default(),
             gone: Arc::default(),
             seen: vec![0; sh.slots as usize],
+            gave_up,
+            fails,
             inflight: Vec::new(),
         };
         st.adopt_answered();
@@ -342,7 +370,56 @@ impl RingState {
             .word(header::HEARTBEAT_NS as u64)
             .store(monotonic_ns(), Ordering::Release);
         let busy = self.take_requests();
-        busy | self.finish()
+        let busy = busy | self.finish();
+        self.take_gpu_timeouts();
+        busy
+    }
+
+    /// Record a fault for the engine: section `l` of request `seq` had no
+    /// rows and its table's policy is `fail`. The count is written last,
+    /// so an engine that sees it grow reads this fault's details.
+    fn fault(&self, seq: u64, l: u32, status: u32) {
+        self.counters.faults.fetch_add(1, Ordering::Relaxed);
+        let r = &self.ring;
+        r.word(header::FAULT_SEQ as u64)
+            .store(seq, Ordering::Relaxed);
+        r.word32(header::FAULT_SECTION as u64)
+            .store(l, Ordering::Relaxed);
+        r.word32(header::FAULT_STATUS as u64)
+            .store(status, Ordering::Relaxed);
+        r.word(header::FAULTS as u64)
+            .fetch_add(1, Ordering::Release);
+        tracing::error!(
+            seq,
+            section = l,
+            status,
+            "engine ring: a request had no rows and its table's policy is fail; the engine stops"
+        );
+    }
+
+    /// Waits that passed the GPU's deadline since the last pass: zeros on
+    /// the GPU, a fault where the table's policy is `fail`.
+    fn take_gpu_timeouts(&mut self) {
+        let sh = *self.ring.shape();
+        for s in 0..sh.slots {
+            let at = sh.slot_at(s) + slot::GPU_GAVE_UP as u64;
+            let seq = self.ring.word(at).load(Ordering::Acquire);
+            if seq <= self.gave_up[s as usize] {
+                continue;
+            }
+            self.gave_up[s as usize] = seq;
+            self.counters.gpu_timeouts.fetch_add(1, Ordering::Relaxed);
+            let mask = self
+                .ring
+                .word32(sh.slot_at(s) + slot::MASK as u64)
+                .load(Ordering::Relaxed);
+            let l = (0..sh.layers)
+                .find(|&l| mask & (1 << l) != 0 && self.fails[l as usize])
+                .or_else(|| (0..sh.layers).find(|&l| self.fails[l as usize]));
+            if let Some(l) = l {
+                self.fault(seq, l, GPU_TIMEOUT);
+            }
+        }
     }
 
     /// Requests already answered when the ring is attached (a client that
@@ -587,6 +664,9 @@ impl RingState {
             header::FAILED
         };
         self.ring.word(hdr as u64).fetch_add(1, Ordering::Relaxed);
+        if matches!(status, Status::Failed | Status::Late) && self.fails[l as usize] {
+            self.fault(f.seq, l, status as u32);
+        }
         let off = 4 * u64::from(l);
         self.ring
             .word32(base + slot::SERVED as u64 + off)

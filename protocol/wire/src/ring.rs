@@ -35,6 +35,11 @@
 //! | 80 | 8 | the client's own give-up age, ns | client |
 //! | 88 | 8 | requests served | client |
 //! | 96 | 8 | requests failed or given up | client |
+//! | 104 | 8 | faults: sections answered without rows whose table's policy is `fail` | client |
+//! | 112 | 8 | the last fault's request `seq` | client |
+//! | 120 | 4 | the last fault's layer section | client |
+//! | 124 | 4 | the last fault's status ([`Status`], or [`GPU_TIMEOUT`]) | client |
+//! | 128 | 4 | layer sections whose table's policy is `fail` (bit `i`: section `i`) | client |
 //!
 //! Slot `s` starts at `4096 + s * stride`:
 //!
@@ -47,6 +52,7 @@
 //! | 32 | 4 x 2 | status of each layer section ([`Status`]) | client |
 //! | 40 | 4 x 2 | how each was served ([`SERVED_SSD`] and friends) | client |
 //! | 48 | 8 | the GPU timer at publish (diagnostic) | engine |
+//! | 56 | 8 | the last `seq` whose wait passed the GPU's deadline | engine |
 //! | 64 | | ids: `i64 [layers][positions][columns]` (-1: no row) | engine |
 //! | | | rows: `[layers][positions][columns][264]` bytes, 64-aligned | client |
 
@@ -105,6 +111,17 @@ pub mod header {
     pub const SERVED: usize = 88;
     /// Requests failed.
     pub const FAILED: usize = 96;
+    /// Faults: sections answered without rows under a `fail` policy (the
+    /// count; the engine raises an error when it grows).
+    pub const FAULTS: usize = 104;
+    /// The last fault's request `seq`.
+    pub const FAULT_SEQ: usize = 112;
+    /// The last fault's layer section.
+    pub const FAULT_SECTION: usize = 120;
+    /// The last fault's status.
+    pub const FAULT_STATUS: usize = 124;
+    /// Layer sections whose table's policy is `fail` (a bit each).
+    pub const FAIL_SECTIONS: usize = 128;
 }
 
 /// Slot field offsets.
@@ -123,6 +140,9 @@ pub mod slot {
     pub const SERVED: usize = 40;
     /// The GPU timer at publish.
     pub const PUBLISHED_NS: usize = 48;
+    /// The last `seq` whose wait passed the GPU's deadline (the engine's
+    /// wait kernel writes it; the client turns it into the table's policy).
+    pub const GPU_GAVE_UP: usize = 56;
 }
 
 /// Client states in the header.
@@ -152,6 +172,11 @@ pub enum Status {
     /// The client gave up at its own deadline: zeros.
     Late = 4,
 }
+
+/// The status the engine's wait records for itself when the GPU's
+/// deadline passed before the client answered (zeros). Never written by a
+/// client; a fault's status when the client sees it under a `fail` policy.
+pub const GPU_TIMEOUT: u32 = 5;
 
 /// Served by the SSD copy (after a failover).
 pub const SERVED_SSD: u32 = 1;

@@ -15,15 +15,21 @@ like any kernel:
   (`ld.acquire.sys`) and the GPU timer (`%globaltimer`) until the
   section's done word says `seq` or the ring's GPU deadline passes, and
   records `(seq, status)` in GPU memory: the client's status, or
-  `STATUS_TIMEOUT`. A status that is not rows bumps a per-section counter
-  in GPU memory that the engine reads later, without a sync.
+  `STATUS_TIMEOUT` (then it writes `seq` in the slot's give-up word, for
+  the client). A status that is not rows bumps a per-section counter in
+  GPU memory that the engine reads later, without a sync.
 - `gather`: a grid reads `(seq, status)`, and gathers and dequantizes the
   slot's rows into the engine's output (bf16, or raw bytes), zeros where
   the status gives no rows: the same arithmetic as the engine's own lookup
   (`scale0_zero`: vLLM reads a scale byte of 0 as 0.0, SGLang as 2^-127).
 
 The host side never blocks: the rack client (a native thread, on the host
-or in this process) polls the request words and answers.
+or in this process) polls the request words and answers. Where a table's
+policy is `fail`, a request answered without rows (every source failed,
+the client's deadline, or the GPU's) is a fault: the client counts it in
+the ring's header, and `check()` (host memory only, no device sync; the
+plugins call it before every engine step) raises `RingFault`, which stops
+the engine instead of letting it serve tokens computed without their rows.
 
 On CPU (`TRITON_INTERPRET=1`) the same kernels run under Triton's
 interpreter: the release store is an atomic exchange, the acquire load a
@@ -37,18 +43,36 @@ import atexit
 import os
 import threading
 import time
+import weakref
 
+import numpy as np
 import torch
 
-from . import LAYERS, ROW_BYTES, BadInputError, _native
+from . import LAYERS, ROW_BYTES, BadInputError, NoSourceError, _native
 from . import cuda as _cuda
 
-__all__ = ["RingLookup", "FakeTimer", "STATUS_NAMES"]
+__all__ = ["RingLookup", "RingFault", "FakeTimer", "STATUS_NAMES", "check_all"]
 
 STATUS_OK, STATUS_ZEROS, STATUS_FAILED, STATUS_BAD_IDS, STATUS_LATE, STATUS_TIMEOUT = range(6)
 #: What each status means.
 STATUS_NAMES = ("ok", "zeros", "failed", "bad ids", "late", "timeout")
 HEADER_BYTES = 4096
+# Header words (PROTOCOL.md section 6), as int64 / int32 indices.
+_H64_HEARTBEAT, _H64_CLIENT_DEADLINE, _H64_FAULTS, _H64_FAULT_SEQ = 9, 10, 13, 14
+_H32_CLIENT_STATE, _H32_FAULT_SECTION, _H32_FAULT_STATUS, _H32_FAIL_SECTIONS = 17, 30, 31, 32
+_SLOT_GAVE_UP = 56
+#: A client whose heartbeat is older than this does not answer.
+_CLIENT_SILENT_NS = 1_000_000_000
+
+
+class RingFault(NoSourceError):
+    """A ring request had no rows and its table's policy is `fail` (the
+    client's answer, or the GPU's deadline with no client to answer): the
+    engine must stop rather than serve tokens computed without them."""
+
+
+#: Every ring of this process (`check_all`).
+_rings: "weakref.WeakSet[RingLookup]" = None  # type: ignore[assignment]
 
 
 def _interpret() -> bool:
@@ -136,6 +160,9 @@ def _wait(last, ring, state, fails, timer, deadline_ns, L: tl.constexpr,
         waited = _now(timer, FAKE) - start
     status = tl.load((base + 32 + 4 * L).to(tl.pointer_type(tl.int32)), volatile=True)
     status = tl.where(done == seq, status.to(tl.int64), 5)
+    # The GPU gave up: say so in the slot, for the client to turn into the
+    # table's policy (a fault under `fail`).
+    tl.store((base + 56).to(tl.pointer_type(tl.int64)), seq, mask=done != seq)
     tl.store(state + 2 * L, seq)
     tl.store(state + 2 * L + 1, status)
     bad = ((status != 0) & (status != 3)).to(tl.int64)
@@ -176,6 +203,16 @@ def _gather(ring, state, out, n, o_t, o_c, L: tl.constexpr, SLOTS: tl.constexpr,
         if not SCALE0_ZERO:
             v = tl.where(live[:, None], v, 0.0)
         tl.store(out + dst + cols[None, :], v.to(tl.bfloat16), mask=valid[:, None])
+
+
+_rings = weakref.WeakSet()
+
+
+def check_all() -> None:
+    """`check()` every ring of this process (what the plugins run before
+    each engine step)."""
+    for r in list(_rings):
+        r.check()
 
 
 def _kernels():
@@ -261,6 +298,16 @@ class RingLookup:
         #: timed out), counted on the device; read it when convenient.
         self.failures = torch.zeros(self.layers, dtype=torch.int64, device=self.device)
         self._timer_word = timer.word if timer is not None else self.counter
+        # The header as the host reads it: plain loads of mapped memory
+        # (numpy, not torch: no device context or dispatch mode sees them).
+        self._h64 = np.frombuffer(memoryview(self.native), dtype=np.int64, count=64)
+        self._h32 = np.frombuffer(memoryview(self.native), dtype=np.int32, count=128)
+        self._faults_seen = int(self._h64[_H64_FAULTS])
+        self._gave_up_words = np.frombuffer(memoryview(self.native), dtype=np.int64)
+        self._gave_up_at = np.array([(HEADER_BYTES + s * self.stride + _SLOT_GAVE_UP) // 8
+                                     for s in range(self.slots)], dtype=np.int64)
+        self._gave_up_seen = 0
+        _rings.add(self)
 
     def _map(self) -> torch.Tensor:
         """The ring as a uint8 tensor the kernels address: a CPU tensor over
@@ -333,6 +380,39 @@ class RingLookup:
             self.publish({s: ids[start:start + n]}, n)
             self.wait(s)
             self.gather(s, out[start:start + n], n, scale0_zero=scale0_zero)
+
+    def faults(self) -> int:
+        """Faults the client has counted in this ring's header."""
+        return int(self._h64[_H64_FAULTS])
+
+    def check(self) -> None:
+        """Raise `RingFault` when the client has counted a fault since the
+        last check, or when a wait passed the GPU's deadline under a `fail`
+        policy with no client answering (gone, or silent for a second).
+        Reads host memory only."""
+        faults = int(self._h64[_H64_FAULTS])
+        if faults > self._faults_seen:
+            new, self._faults_seen = faults - self._faults_seen, faults
+            seq = int(self._h64[_H64_FAULT_SEQ])
+            section = int(self._h32[_H32_FAULT_SECTION])
+            status = int(self._h32[_H32_FAULT_STATUS])
+            name = STATUS_NAMES[status] if 0 <= status < len(STATUS_NAMES) else str(status)
+            layer = self.layer_ids[section] if 0 <= section < len(self.layer_ids) else section
+            raise RingFault(f"engine ring: {new} request(s) had no rows under the table's fail "
+                            f"policy (the last: request {seq}, layer {layer}, {name}); "
+                            "the engine stops")
+        if not int(self._h32[_H32_FAIL_SECTIONS]):
+            return
+        gave_up = int(self._gave_up_words[self._gave_up_at].max())
+        if gave_up <= self._gave_up_seen:
+            return
+        self._gave_up_seen = gave_up
+        serving = int(self._h32[_H32_CLIENT_STATE]) == 1
+        silent = time.monotonic_ns() - int(self._h64[_H64_HEARTBEAT]) > _CLIENT_SILENT_NS
+        if not serving or silent:
+            raise RingFault(f"engine ring: request {gave_up} passed the GPU's deadline with no "
+                            "rack client answering, and the table's policy is fail; the "
+                            "engine stops")
 
     def close(self) -> None:
         """Stop the fake timer, if any."""

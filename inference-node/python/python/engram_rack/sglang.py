@@ -20,7 +20,9 @@ and gives it the rack's memory, with hooks in SGLang's `HookRegistry`:
   publishes every remote layer's ids (before block 0), so the layers only
   wait;
 - AROUND `EngramEmbedding._load_rows` and `initialize_dummy_weights`: the
-  loaders leave the rack's tables alone.
+  loaders leave the rack's tables alone;
+- BEFORE `ModelRunner.forward`: the rings' fault words (host memory): a
+  request that had no rows under a table's `fail` policy stops SGLang.
 
 Errors stop SGLang: a configuration or version error raises SystemExit
 from the plugin (SGLang logs and ignores exceptions there), and a table
@@ -45,6 +47,7 @@ GATHER = "sglang.kernels.ops.embeddings.engram_gather.engram_gather"
 HASHER_FORWARD = "sglang.srt.layers.engram.EngramHasher.forward"
 LOAD_ROWS = "sglang.srt.layers.engram.EngramEmbedding._load_rows"
 DUMMY = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
+RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 #: A remote table's stand-in address (never a real one: not canonical x86-64).
 _REMOTE_BASE = 0x7E00_0000_0000_0000
@@ -205,6 +208,13 @@ def dummy_without_rack_tables(original, model, *args, **kwargs):
             m._parameters["weight"], m._parameters["scale"] = w, s
 
 
+def check_rings(*args, **kwargs):
+    """Before each forward: raise the rings' faults (host memory only)."""
+    from .ring import check_all
+
+    check_all()
+
+
 def _install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -215,6 +225,7 @@ def _install() -> None:
     HookRegistry.register(HASHER_FORWARD, publish_after_hash, HookType.AFTER)
     HookRegistry.register(LOAD_ROWS, skip_rack_rows, HookType.AROUND)
     HookRegistry.register(DUMMY, dummy_without_rack_tables, HookType.AROUND)
+    HookRegistry.register(RUNNER_FORWARD, check_rings, HookType.BEFORE)
 
 
 def register() -> None:

@@ -17,7 +17,9 @@ graphs and async scheduling as they are:
   loaded.
 - its `lookup()`, for a table across the network: publish, wait and gather
   kernels on the engine ring (`engram_rack.ring`), served by the host's
-  rack client; no host sync, no Python on the rows' path.
+  rack client; no host sync, no Python on the rows' path. Before every
+  step the model runner checks the rings' fault words (host memory): a
+  request that had no rows under a table's `fail` policy stops vLLM.
 
 Each rank reads only its own tokens' rows (`dp_size` 1: no DP exchange),
 its TP head slice as vLLM shards heads. See docs/engines.md.
@@ -25,6 +27,7 @@ its TP head slice as vLLM shards heads. See docs/engines.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -44,6 +47,8 @@ MODEL_MODULES = (
     "vllm.models.deepseek_v41.amd.model",
 )
 COMMON = "vllm.models.deepseek_v41.common.engram"
+#: The model runner whose every step first checks the rings for faults.
+RUNNER = "vllm.v1.worker.gpu_model_runner"
 #: Positions one ring request carries (a longer step goes in turns).
 RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 
@@ -230,6 +235,7 @@ def install() -> type:
                 _class = rack_engram_class(base, embedding_class(common.ParallelEngramEmbedding))
         common.Engram = _class
         _patch_loaders()
+        _patch_runner()
         for name in MODEL_MODULES:
             mod = sys.modules.get(name)
             if mod is None:
@@ -257,6 +263,35 @@ def _patch_loaders() -> None:
         f = getattr(mod, "initialize_single_dummy_weight", None)
         if f is not None and not getattr(f, "engram_rack_wrapped", False):
             mod.initialize_single_dummy_weight = _skip_rack_tables(f)
+
+
+def _checked_step(execute_model):
+    """The model runner's step, after the rings' fault check (host memory
+    only): a request that had no rows under a `fail` policy stops vLLM
+    with the ring's error instead of serving tokens made without them."""
+    from .ring import check_all as _check_all
+
+    @functools.wraps(execute_model)
+    def step(self, *args, **kwargs):
+        _check_all()
+        return execute_model(self, *args, **kwargs)
+
+    step.engram_rack_wrapped = True
+    return step
+
+
+def _patch_runner() -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(RUNNER)
+    except Exception as e:  # noqa: BLE001 - a CPU-only build may not import it
+        log.debug("engram_rack: %s not imported (%s)", RUNNER, e)
+        return
+    cls = getattr(mod, "GPUModelRunner", None)
+    f = getattr(cls, "execute_model", None)
+    if f is not None and not getattr(f, "engram_rack_wrapped", False):
+        cls.execute_model = _checked_step(f)
 
 
 def copy_env_to_ray() -> None:

@@ -4,7 +4,9 @@ timer: rows of both scale rules equal the table file's, raw rows equal its
 bytes, DEAD and invalid ids give zeros, a long step goes in turns, both
 sections published by one kernel are each waited for, and with no client
 (never attached, or gone) every wait ends at the GPU's deadline with zeros
-and a failure counted on the device, never hanging."""
+and a failure counted on the device, never hanging; and a request with no
+rows under a `fail` policy raises `RingFault` at the engine's next check
+(host memory only), where the GPU's deadline with no client does too."""
 
 from __future__ import annotations
 
@@ -23,7 +25,13 @@ pytest.importorskip("triton")
 
 import engram_rack as er  # noqa: E402
 from engram_rack.engine import dequantize_rows  # noqa: E402
-from engram_rack.ring import STATUS_OK, STATUS_TIMEOUT, RingLookup  # noqa: E402
+from engram_rack.ring import (  # noqa: E402
+    STATUS_OK,
+    STATUS_TIMEOUT,
+    RingFault,
+    RingLookup,
+    check_all,
+)
 
 ROWS = {1: None, 14: None}
 
@@ -134,3 +142,37 @@ def test_no_client_or_a_gone_one_ends_every_wait_at_the_deadline(rack, served):
     assert ring.native.client_state == 2
     ring.lookup(1, ids, out, scale0_zero=True)
     assert (out == 0).all() and int(ring.failures[0]) == 2
+
+
+def test_no_rows_under_the_fail_policy_stop_the_engine_at_its_next_check(rack):
+    donor = rack.start()
+    mem = er.Memory(rack.config, "only-donor", metrics="off")  # donor d alone, policy fail
+    ring = RingLookup((1,), (0, 24), positions=4, device="cpu", deadline=2.0)
+    try:
+        handle = mem.serve_ring(ring.native)
+        ids = torch.zeros(2, 24, dtype=torch.int64)
+        out = torch.zeros(2, 24, 256, dtype=torch.bfloat16)
+        ring.lookup(1, ids, out, scale0_zero=True)
+        assert int(ring.state[1]) == STATUS_OK
+        check_all()  # rows came: nothing to raise
+        donor.stop()
+        ring.lookup(1, ids, out, scale0_zero=True)
+        assert (out == 0).all() and int(ring.state[1]) != STATUS_OK
+        with pytest.raises(RingFault, match=r"fail policy \(the last: request 2, layer 1"):
+            check_all()
+        check_all()  # each fault is raised once
+        assert ring.faults() == 1
+        # No client at all (gone): a wait that reaches the GPU's deadline is
+        # the engine's own fault to raise.
+        handle.close()
+        deadline = time.monotonic() + 10
+        while ring.native.client_state != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ring.lookup(1, ids, out, scale0_zero=True)
+        assert int(ring.state[1]) == STATUS_TIMEOUT
+        with pytest.raises(RingFault, match="request 3 passed the GPU's deadline"):
+            ring.check()
+        ring.check()
+    finally:
+        ring.close()
+        mem.close()

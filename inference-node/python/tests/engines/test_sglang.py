@@ -267,6 +267,7 @@ def test_registration_goes_through_sglangs_hook_registry(monkeypatch, rack, hook
     assert [t for t, _, _ in h[plugin.HOST_TABLE]] == [HookType.REPLACE]
     assert [t for t, _, _ in h[plugin.GATHER]] == [HookType.AROUND]
     assert [t for t, _, _ in h[plugin.HASHER_FORWARD]] == [HookType.AFTER]
+    assert [t for t, _, _ in h[plugin.RUNNER_FORWARD]] == [HookType.BEFORE]
     with pytest.raises(plugin.PluginError, match="not supported"):
         plugin.check_version("0.5.22")
     plugin.check_version(sglang.__version__)
@@ -305,3 +306,24 @@ def test_a_donor_serving_another_table_version_is_refused(rack, tables, hooks):
     rack.start(config=write_config(rack.dir / "other.toml", tables, port, l1="l1-other"))
     with pytest.raises(er.SetupError, match="another version"):
         Pair(rack, 1, "only-donor", hooks)
+
+
+def test_every_forward_first_raises_the_rings_faults(hooks):
+    """SGLang's `ModelRunner.forward` through the registry's BEFORE hook: a
+    fault counted since the last forward stops it with RingFault."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    from engram_rack.ring import RingFault, RingLookup
+
+    forward = _wrap_fn(lambda self, batch: batch, plugin.check_rings, HookType.BEFORE)
+    ring = RingLookup((14,), (0, 24), positions=2, device="cpu")
+    try:
+        assert forward(None, "batch") == "batch"
+        h64 = torch.frombuffer(memoryview(ring.native), dtype=torch.int64, count=16)
+        h64[14] = 9
+        h64[13] += 1
+        with pytest.raises(RingFault, match="request 9, layer 14"):
+            forward(None, "batch")
+        assert forward(None, "batch") == "batch"
+    finally:
+        ring.close()

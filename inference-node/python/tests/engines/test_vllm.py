@@ -341,3 +341,34 @@ def test_vllms_kernel_reads_a_scale_byte_of_0_as_0_where_the_reference_reads_2_t
     ours = er.dequantize(row)[0]
     assert vllm_values[0] == 0.0 and ours[0] == 2.0 ** -127
     np.testing.assert_array_equal(vllm_values[32:64], ours[32:64])  # byte 127: both 1.0
+
+
+def _fault(ring, seq: int) -> None:
+    """Count a fault in a ring's header as its client does (request `seq`,
+    section 0, status failed)."""
+    h64 = torch.frombuffer(memoryview(ring.native), dtype=torch.int64, count=16)
+    h64[14] = seq
+    h64[13] += 1
+
+
+def test_every_step_first_raises_the_rings_faults(monkeypatch, rack, vctx):
+    """vLLM's model runner, after install(): a step with no new fault runs
+    vLLM's own; a fault counted since (a request with no rows under the
+    `fail` policy) stops the step with RingFault before it runs."""
+    from vllm.v1.worker import gpu_model_runner as runner
+
+    from engram_rack.ring import RingFault, RingLookup
+
+    monkeypatch.setattr(runner.GPUModelRunner, "execute_model", lambda self, out: out)
+    plugin.install()
+    step = runner.GPUModelRunner.execute_model
+    assert getattr(step, "engram_rack_wrapped", False)
+    ring = RingLookup((1,), (0, 24), positions=2, device="cpu")
+    try:
+        assert step(None, "ran") == "ran"
+        _fault(ring, 7)
+        with pytest.raises(RingFault, match="request 7, layer 1"):
+            step(None, "ran")
+        assert step(None, "ran") == "ran"
+    finally:
+        ring.close()
