@@ -28,7 +28,7 @@ said=$(SYSTEMD_LOG_LEVEL=warning systemd-analyze verify --man=no --generators=no
   /usr/lib/systemd/system/engram-engines.service 2>&1)
 [ -z "$said" ] || { echo "$said"; exit 1; }
 engram-cluster check /etc/engram-rack/rack.toml
-man -w memory-donor-serve inference-node-serve engram-cluster-check >/dev/null
+ls /usr/share/man/man1/{memory-donor-serve,inference-node-serve,engram-cluster-check}.1.gz >/dev/null
 test -f /usr/share/bash-completion/completions/engram-cluster
 
 # A donor and a node from the installed binaries, as user engram-rack: a
