@@ -195,6 +195,13 @@ fn a_real_prometheus_answers_the_dashboard_and_alerts_on_a_donor_down() {
     ];
     let prometheus = Prometheus::start(&data, &jobs, &rules_fast()).expect("Prometheus starts");
     every_dashboard_query_answers(&prometheus, "rack up");
+    // Both daemons show their certificate and the CA's: two donors, one node.
+    for (job, series) in [("engram-donor", 4), ("engram-node", 2)] {
+        let q = format!(
+            "{{__name__=~\"engram_(donor|node)_certificate_expiry_timestamp_seconds\", job=\"{job}\"}}"
+        );
+        assert_eq!(prometheus.query(&q).expect("query").len(), series, "{q}");
+    }
 
     let killed = std::time::Instant::now();
     d1.signal(libc::SIGKILL);
