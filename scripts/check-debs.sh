@@ -80,6 +80,11 @@ kill -TERM "$donor"
 wait "$donor" || true  # runuser ends on the signal it passed on
 rm -rf "$smoke"
 
+# An upgrade (here the same packages again) keeps an edited config.
+echo '# edited here' >>/etc/engram-rack/rack.toml
+dpkg -i "${debs[@]}" >/dev/null
+grep -q '^# edited here$' /etc/engram-rack/rack.toml
+
 # Removing keeps the config and the data; purging removes the config only.
 touch /var/lib/engram-rack/tables/kept
 dpkg -r "${packages[@]}"
