@@ -6,7 +6,7 @@
 mod cmd;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -37,6 +37,12 @@ enum Cmd {
     Run(cmd::run::RunArgs),
     /// Compare GPU fusion with the CPU path and measure its throughput (needs --features cuda).
     GpuCheck(cmd::engram::GpuCheckArgs),
+    /// Write this command's man pages and shell completions into DIR (the packages ship them).
+    #[command(hide = true)]
+    Manuals {
+        /// Where `man/` and `completions/` go.
+        dir: std::path::PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -54,6 +60,7 @@ fn main() -> Result<()> {
         Cmd::Addresses(args) => cmd::engram::addresses(args),
         Cmd::TokenMap(args) => cmd::engram::token_map(args),
         Cmd::GpuCheck(args) => cmd::engram::gpu_check(&args),
+        Cmd::Manuals { dir } => Ok(cluster_config::manuals::write(Cli::command(), &dir)?),
     };
     match res {
         // Output piped into `head` and the like: the reader has what it wanted.

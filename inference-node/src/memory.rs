@@ -259,6 +259,9 @@ impl Routers {
             Some(files) => Some(NodeTls::load(&files)?),
             None => None,
         };
+        if let Some(tls) = &tls {
+            metrics.set_certificates(&tls.material());
+        }
         let built = build(config, node, metrics, &SourcePool::default(), tls.as_ref()).await?;
         // A donor that is down at startup starts excluded, not on a first lookup's time.
         for h in &built.fresh {

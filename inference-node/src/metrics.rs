@@ -30,6 +30,13 @@ pub struct SourceLabels {
     pub source: String,
 }
 
+/// Labels of the certificate series: `host` (the node's own) or `ca`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CertificateLabels {
+    /// `host` or `ca`.
+    pub certificate: String,
+}
+
 /// Labels of a per-source series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceOnly {
@@ -101,6 +108,9 @@ pub struct NodeMetrics {
     /// Each routed table's window at the node's token rate (what
     /// `engram-cluster plan` computes).
     pub table_window_seconds: Family<TableLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// End of validity of the node's certificate and the rack CA, in
+    /// seconds since the Unix epoch (with `[rack.tls]`).
+    pub certificate_expiry_timestamp_seconds: Family<CertificateLabels, Gauge>,
 }
 
 /// Labels of the RDMA series.
@@ -177,6 +187,7 @@ impl NodeMetrics {
             batch_sequences: Gauge::default(),
             model: ModelMetrics::default(),
             table_window_seconds: Family::default(),
+            certificate_expiry_timestamp_seconds: Family::default(),
         };
         {
             let mut r = m.registry.lock();
@@ -282,9 +293,32 @@ impl NodeMetrics {
                 "Each routed table's window at the node's token rate: the time its rows have before their block (engram-cluster plan's window)",
                 m.table_window_seconds.clone(),
             );
+            r.register(
+                "certificate_expiry_timestamp_seconds",
+                "End of validity of the node's certificate (host) and of the rack CA (ca), in seconds since the Unix epoch",
+                m.certificate_expiry_timestamp_seconds.clone(),
+            );
             m.model.register(&mut r);
         }
         m
+    }
+
+    /// Show when the certificates of `material` (the node's TLS material,
+    /// as loaded now) stop being valid.
+    pub fn set_certificates(&self, material: &cluster_config::tls::Material) {
+        for (which, der) in [
+            ("host", material.chain.first()),
+            ("ca", material.ca.first()),
+        ] {
+            if let Some(t) = der.and_then(|d| cluster_config::pki::not_after_unix(d)) {
+                let labels = CertificateLabels {
+                    certificate: which.into(),
+                };
+                self.certificate_expiry_timestamp_seconds
+                    .get_or_create(&labels)
+                    .set(t);
+            }
+        }
     }
 
     /// The text exposition of every series.

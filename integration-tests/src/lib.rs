@@ -16,6 +16,7 @@ pub mod forge;
 pub mod load;
 pub mod netns;
 pub mod pki;
+pub mod prometheus;
 pub mod proxy;
 pub mod rack_toml;
 pub mod realtext;

@@ -368,7 +368,7 @@ fn the_units_command_line_starts_the_daemon() {
     rack.node_mut("n").expect("node n").api = Some(format!("127.0.0.1:{port}"));
     rack.write(&config).expect("write");
     let mut words = exec.split_whitespace();
-    assert_eq!(words.next(), Some("/usr/local/bin/inference-node"));
+    assert_eq!(words.next(), Some("/usr/bin/inference-node"));
     let mut cmd = Command::new(bin("inference-node"));
     for w in words {
         match w {

@@ -6,7 +6,7 @@
 mod cmd;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -32,6 +32,12 @@ enum Cmd {
     Inspect(cmd::tables::InspectArgs),
     /// Load tables resident and serve lookups (TCP, TLS, QUIC, RDMA, the host socket).
     Serve(cmd::serve::ServeArgs),
+    /// Write this command's man pages and shell completions into DIR (the packages ship them).
+    #[command(hide = true)]
+    Manuals {
+        /// Where `man/` and `completions/` go.
+        dir: std::path::PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -41,5 +47,6 @@ fn main() -> Result<()> {
         Cmd::Verify(a) => cmd::tables::verify(a),
         Cmd::Inspect(a) => cmd::tables::inspect(a),
         Cmd::Serve(a) => cmd::serve::run(a),
+        Cmd::Manuals { dir } => Ok(cluster_config::manuals::write(Cli::command(), &dir)?),
     }
 }

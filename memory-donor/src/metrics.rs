@@ -10,7 +10,9 @@
 //! `connections_open`, `connections_accepted_total`,
 //! `connections_refused_total`, `table_state{table,layer,state}`,
 //! `table_rows{table,layer}`, `table_loaded_bytes{table,layer}`,
-//! `table_bytes{table,layer}`, `table_memory_bytes{table,layer}`, `draining`, `cpu_seconds_total`, `uptime_seconds`.
+//! `table_bytes{table,layer}`, `table_memory_bytes{table,layer}`, `draining`, `cpu_seconds_total`, `uptime_seconds`,
+//! `certificate_expiry_timestamp_seconds{certificate}` (with TLS: the donor's
+//! own certificate, `host`, and the rack CA's, `ca`, as now loaded).
 
 use std::sync::Arc;
 
@@ -102,8 +104,34 @@ impl Collector for DonorCollector {
             Some(&Unit::Seconds),
             MetricType::Gauge,
         )?)?;
+        if let Some(tls) = self.status.tls.get() {
+            encode_certificates(e, &tls.material())?;
+        }
         Ok(())
     }
+}
+
+/// When the certificates the donor serves with stop being valid: read from
+/// the material loaded now, so a rotation (SIGHUP) shows at the next scrape.
+fn encode_certificates(
+    e: &mut DescriptorEncoder<'_>,
+    material: &cluster_config::tls::Material,
+) -> Result<(), std::fmt::Error> {
+    let mut m = e.encode_descriptor(
+        "certificate_expiry_timestamp",
+        "End of validity of the donor's certificate (host) and of the rack CA (ca), in seconds since the Unix epoch.",
+        Some(&Unit::Seconds),
+        MetricType::Gauge,
+    )?;
+    for (which, der) in [
+        ("host", material.chain.first()),
+        ("ca", material.ca.first()),
+    ] {
+        if let Some(t) = der.and_then(|d| cluster_config::pki::not_after_unix(d)) {
+            ConstGauge::new(t).encode(m.encode_family(&[("certificate", which)])?)?;
+        }
+    }
+    Ok(())
 }
 
 impl DonorCollector {
@@ -307,6 +335,9 @@ mod tests {
             "engram_donor_table_state{table=\"7\",layer=\"1\",state=\"ready\"} 0",
             "engram_donor_table_loaded_bytes{table=\"7\",layer=\"1\"} 13200",
             "engram_donor_draining 0",
+            // Evictions show at 0 before the first, for rates over them.
+            "engram_donor_refusals_total{plane=\"data\",reason=\"preauth_evicted\"} 0",
+            "engram_donor_refusals_total{plane=\"control\",reason=\"preauth_evicted\"} 0",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");

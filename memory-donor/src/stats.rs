@@ -142,10 +142,15 @@ impl Stats {
         *m.entry((plane, reason)).or_default() += 1;
     }
 
-    /// Refusals so far, by plane and reason.
+    /// Refusals so far, by plane and reason; the pre-auth budget's
+    /// evictions from the start, at 0 until one happens, so a rate over
+    /// them (an alert, a dashboard) has a series to read.
     pub fn refusals(&self) -> Vec<((&'static str, &'static str), u64)> {
-        let m = self.refusals.lock();
-        m.iter().map(|(k, v)| (*k, *v)).collect()
+        let mut m = self.refusals.lock().clone();
+        for plane in ["data", "control"] {
+            m.entry((plane, "preauth_evicted")).or_default();
+        }
+        m.into_iter().collect()
     }
 
     /// A client session ended on an error, for `reason` (a short

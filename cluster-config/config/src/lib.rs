@@ -11,13 +11,15 @@
 //! systemd's readiness and watchdog protocol, the Prometheus `/metrics`
 //! endpoint, the bounded accept loop of their gRPC servers); `plan`, the capacity and timing plan
 //! `engram-cluster plan` prints; and `pki`, the rack CA and the hosts'
-//! certificates (`engram-cluster pki`, and the check of their files).
+//! certificates (`engram-cluster pki`, and the check of their files);
+//! and `manuals`, the man pages and shell completions of every command.
 //!
 //! Layers: `raw` (serde structs with spans) -> `validate` (rules, defaults,
 //! path resolution) -> [`Config`].
 
 #![warn(missing_docs)]
 
+pub mod manuals;
 pub mod model;
 pub mod pki;
 pub mod plan;

@@ -6,7 +6,7 @@ mod ops;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use cluster_config::pki::{self, CaFiles, Severity};
 use cluster_config::plan::{Latencies, Plan};
 use cluster_config::{Config, SourceRef};
@@ -52,6 +52,12 @@ enum Cmd {
     Pki {
         #[command(subcommand)]
         cmd: PkiCmd,
+    },
+    /// Write this command's man pages and shell completions into DIR (the packages ship them).
+    #[command(hide = true)]
+    Manuals {
+        /// Where `man/` and `completions/` go.
+        dir: PathBuf,
     },
 }
 
@@ -113,6 +119,13 @@ fn main() -> ExitCode {
                 days,
                 force,
             } => pki_issue(&config, days, force),
+        },
+        Cmd::Manuals { dir } => match cluster_config::manuals::write(Cli::command(), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{}: {e}", dir.display());
+                ExitCode::FAILURE
+            }
         },
     }
 }

@@ -453,6 +453,13 @@ fn set_validity(
 }
 
 /// A certificate's SANs (`dns:NAME`, `ip:ADDR`) and end of validity.
+/// A DER certificate's end of validity in seconds since the Unix epoch
+/// (what the donor's `/metrics` shows), when it parses.
+pub fn not_after_unix(der: &[u8]) -> Option<i64> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 fn summary(der: &[u8]) -> (Vec<String>, Option<String>) {
     match x509_parser::parse_x509_certificate(der) {
         Ok((_, cert)) => {

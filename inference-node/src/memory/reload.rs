@@ -88,9 +88,12 @@ impl Routers {
         // Bad ones are refused and the old ones stay (the rest still applies).
         match (&live.tls, config.tls_files(&node.name)) {
             (Some(tls), Some(files)) => match tls.reload(&files) {
-                Ok(m) => report
-                    .node
-                    .push(format!("TLS certificate reloaded ({})", m.identity)),
+                Ok(m) => {
+                    metrics.set_certificates(&m);
+                    report
+                        .node
+                        .push(format!("TLS certificate reloaded ({})", m.identity));
+                }
                 Err(e) => tracing::error!(
                     error = %e,
                     "reload: the new TLS certificate or key was refused; the old ones stay"
