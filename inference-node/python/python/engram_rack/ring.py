@@ -51,7 +51,7 @@ import torch
 from . import LAYERS, ROW_BYTES, BadInputError, NoSourceError, _native
 from . import cuda as _cuda
 
-__all__ = ["RingLookup", "RingFault", "FakeTimer", "STATUS_NAMES", "check_all"]
+__all__ = ["RingLookup", "HostRing", "RingFault", "FakeTimer", "STATUS_NAMES", "check_all"]
 
 STATUS_OK, STATUS_ZEROS, STATUS_FAILED, STATUS_BAD_IDS, STATUS_LATE, STATUS_TIMEOUT = range(6)
 #: What each status means.
@@ -418,3 +418,79 @@ class RingLookup:
         """Stop the fake timer, if any."""
         if self._timer is not None and isinstance(self._timer, FakeTimer):
             self._timer.stop()
+
+
+class HostRing:
+    """A ring the host publishes to itself: what an engine's scheduler uses
+    to fetch a prefill's rows from the rack before the forward pass (SGLang's
+    stager), through the same client as the GPU's rings. `fetch` publishes
+    from the CPU, polls the done word (sleeping between looks) and copies
+    the rows out; a long request goes in turns of `positions`.
+
+    Rows that do not come under a table's `fail` policy (every source
+    failed, or the client's deadline) raise `RingFault`; under `zeros` they
+    are zeros. With no client answering by `deadline`, `RingFault` too.
+    """
+
+    def __init__(self, layer_ids, *, positions: int = 1024, slots: int = 2,
+                 deadline: float = 1.0):
+        layer_ids = tuple(int(x) for x in layer_ids)
+        if not layer_ids or any(x not in LAYERS for x in layer_ids) or \
+                list(layer_ids) != sorted(set(layer_ids)):
+            raise BadInputError(f"layers {layer_ids}: one or both of {LAYERS}, in order")
+        self.layer_ids = layer_ids
+        ids = layer_ids + (0,) * (2 - len(layer_ids))
+        self.native = _native.Ring(int(slots), len(layer_ids), 24, int(positions), 0, ids,
+                                   int(deadline * 1e9))
+        (self.slots, self.layers, self.cols, self.positions, _, _, _) = self.native.shape
+        self.deadline = float(deadline)
+        self.rows_at = self.native.rows_at
+        self.seq = 0
+        self._bytes = np.frombuffer(memoryview(self.native), dtype=np.uint8)
+        self._h32 = np.frombuffer(memoryview(self.native), dtype=np.int32, count=128)
+        self._lock = threading.Lock()
+
+    def section(self, layer: int) -> int:
+        """The ring section of Engram layer `layer`."""
+        try:
+            return self.layer_ids.index(int(layer))
+        except ValueError:
+            raise BadInputError(f"layer {layer}: this ring carries {self.layer_ids}") from None
+
+    def fetch(self, layer: int, ids) -> np.ndarray:
+        """Layer `layer`'s packed rows (`[T, 24, 264]` uint8) of row ids
+        `ids` (`[T, 24]` integers; -1: no row, zeros)."""
+        a = np.ascontiguousarray(np.asarray(ids), dtype=np.int64)
+        if a.ndim != 2 or a.shape[1] != self.cols:
+            raise BadInputError(f"ids have shape {a.shape}; give (positions, {self.cols})")
+        s = self.section(layer)
+        out = np.zeros((a.shape[0], self.cols, ROW_BYTES), dtype=np.uint8)
+        with self._lock:
+            for start in range(0, a.shape[0], self.positions):
+                n = min(self.positions, a.shape[0] - start)
+                self._one(s, a[start:start + n], out[start:start + n])
+        return out
+
+    def _one(self, s: int, ids: np.ndarray, out: np.ndarray) -> None:
+        self.seq += 1
+        seq = self.seq
+        slot = seq % self.slots
+        self.native.publish(seq, 1 << s, ids.shape[0], ids.reshape(-1))
+        t0 = time.monotonic()
+        nap = 2e-5
+        while self.native.done(slot, s) != seq:
+            if time.monotonic() - t0 > self.deadline:
+                raise RingFault(f"engine ring: no rack client answered a prefill's rows within "
+                                f"{self.deadline:g} s (layer {self.layer_ids[s]})")
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+        status = self.native.status(slot, s)
+        fails = bool(int(self._h32[_H32_FAIL_SECTIONS]) & (1 << s))
+        if status in (STATUS_OK, STATUS_BAD_IDS, STATUS_ZEROS) or not fails:
+            at = self.native.slot_at(slot) + self.rows_at + s * self.positions * self.cols * ROW_BYTES
+            n = ids.shape[0] * self.cols * ROW_BYTES
+            out.reshape(-1)[:] = self._bytes[at:at + n]
+            return
+        raise RingFault(f"engine ring: a prefill's rows did not come (request {seq}, layer "
+                        f"{self.layer_ids[s]}, {STATUS_NAMES[status]}) and the table's policy "
+                        "is fail; the engine stops")

@@ -22,7 +22,15 @@ and gives it the rack's memory, with hooks in SGLang's `HookRegistry`:
 - AROUND `EngramEmbedding._load_rows` and `initialize_dummy_weights`: the
   loaders leave the rack's tables alone;
 - BEFORE `ModelRunner.forward`: the rings' fault words (host memory): a
-  request that had no rows under a table's `fail` policy stops SGLang.
+  request that had no rows under a table's `fail` policy stops SGLang;
+- REPLACE `EngramRowStager` with `RackRowStager` where a table is remote:
+  the scheduler hashes an extend batch's tokens on the CPU (SGLang's own
+  windows and hashing), fetches its remote rows from the rack through a
+  host ring (`engram_rack.ring.HostRing`) and a host-local table's from
+  the donor's memory, and copies them to the GPU on a side stream while
+  the previous forward runs; the layers only dequantize them, and no ring
+  request is published for that batch (`ENGRAM_RACK_STAGE_PREFILL=0`
+  leaves a prefill to the forward's ring instead).
 
 Errors stop SGLang: a configuration or version error raises SystemExit
 from the plugin (SGLang logs and ignores exceptions there), and a table
@@ -48,6 +56,10 @@ HASHER_FORWARD = "sglang.srt.layers.engram.EngramHasher.forward"
 LOAD_ROWS = "sglang.srt.layers.engram.EngramEmbedding._load_rows"
 DUMMY = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+STAGER = "sglang.srt.layers.engram_staging.EngramRowStager"
+#: Stage a prefill's remote rows in the scheduler (1, the default) or
+#: leave them to the forward's ring (0).
+STAGE_PREFILL = os.environ.get("ENGRAM_RACK_STAGE_PREFILL", "1") != "0"
 RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 #: A remote table's stand-in address (never a real one: not canonical x86-64).
 _REMOTE_BASE = 0x7E00_0000_0000_0000
@@ -171,9 +183,13 @@ def rack_gather(original, weight_ptr, scale_ptr, ids, out, dim, block_size, row_
 
 def publish_after_hash(result, *args, **kwargs):
     """AFTER `EngramHasher.forward`: publish every remote layer's ids
-    (`[T, layers, 24]`) in one kernel, before block 0."""
+    (`[T, layers, 24]`) in one kernel, before block 0 (none for a batch
+    whose rows the scheduler staged)."""
     ring = _ring
     if ring is None or result is None or result.ndim != 3:
+        return result
+    batch = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+    if getattr(batch, "engram_staged_rows", None) is not None:
         return result
     n = result.shape[0]
     if not 0 < n <= ring.positions:
@@ -208,6 +224,115 @@ def dummy_without_rack_tables(original, model, *args, **kwargs):
             m._parameters["weight"], m._parameters["scale"] = w, s
 
 
+def stager_class(base):
+    """`RackRowStager`: SGLang's `EngramRowStager` (`base`) for a model
+    whose Engram tables come from the rack, at least one across the
+    network (see the module's docs)."""
+    import torch
+
+    class RackRowStager(base):
+        def __init__(self, hasher, embeds, device):
+            from .ring import HostRing
+
+            self.hasher = hasher
+            self.device = device
+            self.layers = [e.host_table.layer for e in embeds]
+            # Host-local tables: SGLang's own gather from the donor's memory.
+            self.tables = [None if e.host_table.table is None
+                           else (e.weight.data.view(torch.uint8), e.scale.data.view(torch.uint8))
+                           for e in embeds]
+            remote = tuple(sorted(layer for layer, t in zip(self.layers, self.tables)
+                                  if t is None))
+            self.ring = HostRing(remote, positions=RING_POSITIONS * 2)
+            link().serve(self.ring)
+            self._pool = None
+            self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+        @property
+        def pool(self):
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(16)
+            return self._pool
+
+        @classmethod
+        def from_model(cls, model, hasher, device):
+            from sglang.srt.layers.engram import Engram
+            from sglang.srt.runtime_context import get_parallel
+
+            engrams = sorted((m for m in model.modules() if isinstance(m, Engram)),
+                             key=lambda m: m.layer_hash_index)
+            embeds = [m.embed for m in engrams]
+            ours = embeds and all(isinstance(e.host_table, RackHostTable) for e in embeds)
+            if not ours or not STAGE_PREFILL or \
+                    all(e.host_table.table is not None for e in embeds):
+                # Every table host-local (or none the rack's): SGLang's own.
+                return base.from_model(model, hasher, device)
+            if get_parallel().attn_cp_size > 1:
+                return None  # prefill CP hashes the whole prompt in the forward
+            for e in embeds:
+                e.staged_by_scheduler = True
+            return cls(hasher, embeds, torch.device(device))
+
+        def _gather(self, table, ids):
+            # Pinned where a GPU is (the copy to it is then asynchronous).
+            pin = self.copy_stream is not None
+            out = torch.empty((ids.numel(), table.shape[1]), dtype=table.dtype, pin_memory=pin)
+            step = max(1, -(-ids.numel() // 16))
+            jobs = [self.pool.submit(torch.index_select, table, 0, ids[i:i + step],
+                                     out=out[i:i + step])
+                    for i in range(0, ids.numel(), step)]
+            for j in jobs:
+                j.result()
+            return out
+
+        def rows(self, batch):
+            """Per Engram layer, the staged `(values [N, 256], scales [N, 8])`
+            uint8 host tensors of an extend batch, or None to leave the
+            lookup to the forward (what `stage` copies to the GPU)."""
+            if not batch.forward_mode.is_extend_without_speculative():
+                return None
+            windows = self._windows(batch)
+            if windows is None:
+                return None
+            ids, _ = self.hasher.hash_windows(*windows)
+            out = []
+            for i, (layer, table) in enumerate(zip(self.layers, self.tables)):
+                layer_ids = ids[:, i].reshape(-1)
+                if table is not None:
+                    out.append((self._gather(table[0], layer_ids),
+                                self._gather(table[1], layer_ids)))
+                    continue
+                packed = self.ring.fetch(layer, layer_ids.reshape(-1, 24).numpy())
+                packed = torch.from_numpy(packed.reshape(-1, 264))
+                out.append((packed[:, :256].contiguous(), packed[:, 256:].contiguous()))
+            return out
+
+        def stage(self, batch):
+            host = self.rows(batch)
+            if host is None:
+                return None
+            staged = []
+            for values, scales in host:
+                if self.copy_stream is None:
+                    staged.append((values, scales, None))
+                    continue
+                with torch.cuda.stream(self.copy_stream):
+                    if not values.is_pinned():
+                        values, scales = values.pin_memory(), scales.pin_memory()
+                    values = values.to(self.device, non_blocking=True)
+                    scales = scales.to(self.device, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record()
+                staged.append((values, scales, copied))
+            return staged
+
+    RackRowStager.__module__ = __name__
+    RackRowStager.__qualname__ = "RackRowStager"
+    return RackRowStager
+
+
 def check_rings(*args, **kwargs):
     """Before each forward: raise the rings' faults (host memory only)."""
     from .ring import check_all
@@ -226,6 +351,12 @@ def _install() -> None:
     HookRegistry.register(LOAD_ROWS, skip_rack_rows, HookType.AROUND)
     HookRegistry.register(DUMMY, dummy_without_rack_tables, HookType.AROUND)
     HookRegistry.register(RUNNER_FORWARD, check_rings, HookType.BEFORE)
+    import importlib
+
+    staging = importlib.import_module(STAGER.rsplit(".", 1)[0])
+    base = staging.EngramRowStager
+    if base.__module__ != __name__:
+        HookRegistry.register(STAGER, stager_class(base), HookType.REPLACE)
 
 
 def register() -> None:

@@ -27,6 +27,7 @@ import engram_rack as er  # noqa: E402
 from engram_rack.engine import dequantize_rows  # noqa: E402
 from engram_rack.ring import (  # noqa: E402
     STATUS_OK,
+    HostRing,
     STATUS_TIMEOUT,
     RingFault,
     RingLookup,
@@ -175,4 +176,27 @@ def test_no_rows_under_the_fail_policy_stop_the_engine_at_its_next_check(rack):
         ring.check()
     finally:
         ring.close()
+        mem.close()
+
+
+def test_a_host_ring_fetches_rows_in_turns_and_raises_when_none_come_under_fail(rack):
+    """The scheduler's host ring: rows equal the table's over several turns;
+    with the donor gone under `fail`, RingFault instead of zeros."""
+    donor = rack.start()
+    mem = er.Memory(rack.config, "only-donor", metrics="off")
+    ring = HostRing((1, 14), positions=16, deadline=5.0)
+    try:
+        handle = mem.serve_ring(ring.native)  # noqa: F841 - kept: dropping it lets the ring go
+        rng = np.random.default_rng(4)
+        for layer in (1, 14):
+            ids = rng.integers(0, table_rows(rack, layer), (37, 24))
+            ids[5] = -1
+            got = ring.fetch(layer, ids)
+            want = rack.rows(layer, np.clip(ids, 0, None)).reshape(37, 24, 264)
+            want[5] = 0
+            assert (got == want).all(), layer
+        donor.stop()
+        with pytest.raises(RingFault, match="prefill's rows did not come"):
+            ring.fetch(1, np.zeros((2, 24), dtype=np.int64))
+    finally:
         mem.close()

@@ -77,11 +77,12 @@ def hooks(monkeypatch):
 
 def _targets():
     import sglang.kernels.ops.embeddings.engram_gather as G
+    import sglang.srt.layers.engram_staging as ST
     import sglang.srt.model_loader.weight_utils as W
 
     return {"host": (SE, "_HostTable"), "gather": (G, "engram_gather"),
             "hash": (SE.EngramHasher, "forward"), "load": (SE.EngramEmbedding, "_load_rows"),
-            "dummy": (W, "initialize_dummy_weights")}
+            "dummy": (W, "initialize_dummy_weights"), "stager": (ST, "EngramRowStager")}
 
 
 def hf_config():
@@ -268,6 +269,7 @@ def test_registration_goes_through_sglangs_hook_registry(monkeypatch, rack, hook
     assert [t for t, _, _ in h[plugin.GATHER]] == [HookType.AROUND]
     assert [t for t, _, _ in h[plugin.HASHER_FORWARD]] == [HookType.AFTER]
     assert [t for t, _, _ in h[plugin.RUNNER_FORWARD]] == [HookType.BEFORE]
+    assert [t for t, _, _ in h[plugin.STAGER]] == [HookType.REPLACE]
     with pytest.raises(plugin.PluginError, match="not supported"):
         plugin.check_version("0.5.22")
     plugin.check_version(sglang.__version__)
@@ -327,3 +329,53 @@ def test_every_forward_first_raises_the_rings_faults(hooks):
         assert forward(None, "batch") == "batch"
     finally:
         ring.close()
+
+
+def test_a_prefills_remote_rows_are_staged_by_the_scheduler(rack, hooks):
+    """SGLang's scheduler stager, replaced where the tables are remote: an
+    extend batch's rows come from the rack before the forward, as SGLang's
+    own dequantization of staged rows reads them; decode batches are left
+    to the ring, and a staged batch publishes no ring request."""
+    import sglang.srt.layers.engram_staging as ST
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    rack.start()
+    p1 = Pair(rack, 1, "n", hooks)
+    p14 = Pair(rack, 14, "n", hooks, fresh=False)
+    assert p1.remote and p14.remote
+    assert ST.EngramRowStager.__name__ == "RackRowStager"
+    h = hasher(p1.layout)
+    stager = ST.EngramRowStager.from_model(nn.ModuleList([p14.rack, p1.rack]), h,
+                                          torch.device("cpu"))
+    assert stager is not None and p1.rack.embed.staged_by_scheduler
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, V41_COMPRESSED_VOCAB, 9).tolist()
+    b = rng.integers(0, V41_COMPRESSED_VOCAB, 600).tolist()  # two turns of the host ring
+    req = lambda ids: types.SimpleNamespace(full_untruncated_fill_ids=ids)  # noqa: E731
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[req(a), req(b)],
+                                  prefix_lens=[3, 0], extend_lens=[6, 600],
+                                  encoder_swa_reset=None)
+    staged = stager.stage(batch)
+    ids, _ = h.hash_windows(*windows([(a[:3], a[3:]), ([], b)]))
+    assert ids.shape[0] == 606
+    for i, layer in enumerate((1, 14)):
+        values, scales, copied = staged[i]
+        layer_ids = ids[:, i].reshape(-1)
+        want = rack.rows(layer, layer_ids.numpy()).reshape(-1, 264)
+        assert (values.numpy() == want[:, :256]).all() and (scales.numpy() == want[:, 256:]).all()
+        # SGLang's dequantization of staged rows: its gather, row k from row k.
+        n = layer_ids.numel()
+        out = torch.empty(n, 256, dtype=torch.bfloat16)
+        plugin.gather_on_cpu(values.data_ptr(), scales.data_ptr(), torch.arange(n), out, 256, 32)
+        ref = reference_rows(rack, layer, layer_ids)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    batch.forward_mode = ForwardMode.DECODE
+    assert stager.stage(batch) is None
+    ring = plugin._ring
+    before = int(ring.counter[0])
+    fb = types.SimpleNamespace(engram_staged_rows=staged)
+    plugin.publish_after_hash(ids[:4], None, None, fb)
+    assert int(ring.counter[0]) == before, "no ring request for a staged batch"
+    plugin.publish_after_hash(ids[:4], None, None, types.SimpleNamespace(engram_staged_rows=None))
+    assert int(ring.counter[0]) == before + 1
+    ring.pending.clear()
