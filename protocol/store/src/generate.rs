@@ -253,6 +253,23 @@ pub(crate) fn test_table(dir: &Path, rows: u64) -> std::path::PathBuf {
     path
 }
 
+/// A sparse generated table of 5,000 rows (layer 1, seed 2) in `dir` whose
+/// only written rows are 14, 15, 2,000 and 4,999: the rest are holes.
+#[cfg(test)]
+pub(crate) fn test_sparse_table(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("sparse.etab");
+    let spec = GenSpec {
+        layer: 1,
+        rows: 5_000,
+        seed: 2,
+        hash_preset: None,
+        hash_base: None,
+        threads: 1,
+    };
+    generate_sparse(&path, &spec, &[14, 15, 2_000, 4_999], None).expect("gen");
+    path
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

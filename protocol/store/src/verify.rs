@@ -307,16 +307,7 @@ mod tests {
     #[test]
     fn a_sparse_files_holes_verify_as_zeros() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("sparse.etab");
-        let spec = crate::generate::GenSpec {
-            layer: 1,
-            rows: 5_000,
-            seed: 2,
-            hash_preset: None,
-            hash_base: None,
-            threads: 1,
-        };
-        crate::generate::generate_sparse(&path, &spec, &[14, 15, 2_000, 4_999], None).expect("gen");
+        let path = crate::generate::test_sparse_table(dir.path());
         let file = TableFile::open(&path).expect("open");
         for segment in [1024usize, 4096, 65_536] {
             for threads in [1, 3] {

@@ -197,16 +197,7 @@ fn a_short_file_and_a_wrong_buffer_are_errors() {
 #[test]
 fn a_sparse_files_holes_are_skipped_and_hashed_as_zeros() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("sparse.etab");
-    let spec = crate::generate::GenSpec {
-        layer: 1,
-        rows: 5_000,
-        seed: 2,
-        hash_preset: None,
-        hash_base: None,
-        threads: 1,
-    };
-    crate::generate::generate_sparse(&path, &spec, &[14, 15, 2_000, 4_999], None).expect("gen");
+    let path = crate::generate::test_sparse_table(dir.path());
     let file = TableFile::open(&path).expect("open");
     let want = sequential(&file);
     let map = mapped(&file);
