@@ -250,6 +250,13 @@ def test_decode_prefill_and_mixed_batches_match_vllms_own_table(host_rack, vctx,
         "mixed": [(prompt[:5], [prompt[5]], ()), (prompt[:10], prompt[10:18], ()),
                   ([], prompt[:3], ())],
         "dead positions": [(prompt[:6], prompt[6:14], (1, 2, 5)), (prompt[:2], [prompt[2]], (0,))],
+        # MTP / speculative decoding: a verify step carries k + 1 positions
+        # per request (the last accepted token and k = 2 drafts) ...
+        "verify": [(prompt[:10], prompt[10:13], ()), (prompt[:4], prompt[4:7], ())],
+        # ... and after a rejected draft the next step starts from the
+        # accepted tokens only.
+        "after a rejection": [(prompt[:11], [prompt[11], prompt[12], prompt[13]], ()),
+                              (prompt[:5], prompt[5:8], ())],
     }
     for i, (name, seqs) in enumerate(cases.items()):
         hashes, mask = vllm_hashes(hs, seqs)
