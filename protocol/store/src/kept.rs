@@ -245,13 +245,15 @@ pub fn memfd_len(rows: u64, layout: KeptLayout) -> Option<u64> {
         .checked_add(TAIL)
 }
 
-/// The huge page size and how many bytes of reserved huge pages are free,
-/// from `/proc/meminfo`.
+/// The huge page size and how many bytes of the host's huge page pool are
+/// free, from `/proc/meminfo`: free pages less those already promised to
+/// mappings that have not touched them yet (`HugePages_Rsvd`).
 pub fn huge_pages_free() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let size = meminfo_field(&text, "Hugepagesize:")?.saturating_mul(1024);
     let free = meminfo_field(&text, "HugePages_Free:")?;
-    (size > 0).then_some((size, free.saturating_mul(size)))
+    let promised = meminfo_field(&text, "HugePages_Rsvd:").unwrap_or(0);
+    (size > 0).then_some((size, free.saturating_sub(promised).saturating_mul(size)))
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes.

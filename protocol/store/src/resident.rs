@@ -1024,12 +1024,28 @@ fn memfd_map(
     memory: &dyn Fn(std::io::Error) -> LoadError,
 ) -> Result<(MmapMut, Option<(std::fs::File, bool)>), LoadError> {
     let (f, flen, huge) = kept::create(rows, layout, true).map_err(|e| memory(e.into_io()))?;
+    match map_memfd(&f, flen) {
+        Ok(map) => Ok((map, Some((f, huge)))),
+        // Huge pages free when counted can be gone when mapped (another
+        // process reserved them, or the pool shrank): ordinary pages then.
+        Err(e) if huge => {
+            tracing::warn!("huge pages counted free could not be mapped ({e}); ordinary pages");
+            drop(f);
+            let (f, flen, _) =
+                kept::create(rows, layout, false).map_err(|e| memory(e.into_io()))?;
+            let map = map_memfd(&f, flen).map_err(memory)?;
+            Ok((map, Some((f, false))))
+        }
+        Err(e) => Err(memory(e)),
+    }
+}
+
+fn map_memfd(f: &std::fs::File, flen: u64) -> std::io::Result<MmapMut> {
     let flen = usize::try_from(flen)
-        .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
+        .map_err(|_| std::io::Error::other("larger than the address space"))?;
     // SAFETY: the memfd is ours alone until it is handed on, and its size
     // is fixed (sealed once filled).
-    let map = unsafe { memmap2::MmapOptions::new().len(flen).map_mut(&f) }.map_err(memory)?;
-    Ok((map, Some((f, huge))))
+    unsafe { memmap2::MmapOptions::new().len(flen).map_mut(f) }
 }
 
 /// A filled memfd's rows mapped again read-only: the writable mapping `map`

@@ -357,41 +357,6 @@ fn a_flipped_record_byte_is_refused() {
     assert!(e.to_string().contains("checksum"), "{e}");
 }
 
-/// Reserve `more` huge pages (root only); returns the count to restore.
-fn reserve_huge_pages(more: u64) -> Option<u64> {
-    let path = "/proc/sys/vm/nr_hugepages";
-    let now: u64 = std::fs::read_to_string(path).ok()?.trim().parse().ok()?;
-    std::fs::write(path, (now + more).to_string()).ok()?;
-    let (_, free) = kept::huge_pages_free()?;
-    (free >= more * (2 << 20)).then_some(now)
-}
-
-#[test]
-fn reserved_huge_pages_back_a_kept_table() {
-    let Some(before) = reserve_huge_pages(64) else {
-        eprintln!("skipped: cannot reserve huge pages (not root?)");
-        return;
-    };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, pin, opts) = kept_load(dir.path(), MlockMode::Try);
-    let loaded = ResidentTable::load_with(Some(1), &path, &opts, |_| None);
-    let adopted = loaded.as_ref().ok().map(|(t, _)| {
-        let f = t.kept().expect("kept").file.try_clone().expect("dup");
-        ResidentTable::adopt(1, f, &pin, false)
-    });
-    let _ = std::fs::write("/proc/sys/vm/nr_hugepages", before.to_string());
-    let (t, _) = loaded.expect("load");
-    assert_eq!(t.kept().expect("kept").pages, kept::Pages::HugeTlb);
-    let again = adopted.expect("adopted").expect("adopt");
-    assert_eq!(again.kept().expect("kept").pages, kept::Pages::HugeTlb);
-    for r in [0, 14, 15, 9_999] {
-        assert_eq!(
-            again.row(r).map(|x| x.to_vec()),
-            t.row(r).map(|x| x.to_vec())
-        );
-    }
-}
-
 #[test]
 fn pages_populated_and_released_in_slices_keep_a_memfds_rows_and_no_others_are_released() {
     let dir = tempfile::tempdir().expect("tempdir");
