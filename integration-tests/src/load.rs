@@ -3,7 +3,8 @@
 //! 32 in flight, looping over a file) and a writer (1 MiB buffered writes
 //! with an fsync every 8 MiB, as page writeback does, looping over a
 //! bounded file). Each runs on its own thread at the default I/O priority
-//! until stopped or dropped, counting the bytes it moved.
+//! until stopped or dropped, counting the bytes it moved and the longest
+//! the drive kept it waiting.
 
 use std::fs::File;
 use std::io;
@@ -28,6 +29,7 @@ pub struct Streamer {
     what: &'static str,
     stop: Arc<AtomicBool>,
     bytes: Arc<AtomicU64>,
+    longest_wait_us: Arc<AtomicU64>,
     thread: Option<JoinHandle<io::Result<()>>>,
 }
 
@@ -46,8 +48,8 @@ impl Streamer {
                 path.display()
             )));
         }
-        Self::start("sequential reader", move |stop, bytes| {
-            read_loop(&file, len, &stop, &bytes)
+        Self::start("sequential reader", move |stop, bytes, wait| {
+            read_loop(&file, len, &stop, (&bytes, &wait))
         })
     }
 
@@ -60,27 +62,44 @@ impl Streamer {
             .write(true)
             .open(path)?;
         let len = (file_bytes / CHUNK as u64).max(1) * CHUNK as u64;
-        Self::start("writer with fsync", move |stop, bytes| {
-            write_loop(&file, len, &stop, &bytes)
+        Self::start("writer with fsync", move |stop, bytes, wait| {
+            write_loop(&file, len, &stop, (&bytes, &wait))
         })
     }
 
     fn start(
         what: &'static str,
-        body: impl FnOnce(Arc<AtomicBool>, Arc<AtomicU64>) -> io::Result<()> + Send + 'static,
+        body: impl FnOnce(Arc<AtomicBool>, Arc<AtomicU64>, Arc<AtomicU64>) -> io::Result<()>
+        + Send
+        + 'static,
     ) -> io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let bytes = Arc::new(AtomicU64::new(0));
-        let (s, b) = (Arc::clone(&stop), Arc::clone(&bytes));
+        let longest_wait_us = Arc::new(AtomicU64::new(0));
+        let (s, b, w) = (
+            Arc::clone(&stop),
+            Arc::clone(&bytes),
+            Arc::clone(&longest_wait_us),
+        );
         let thread = std::thread::Builder::new()
             .name("io-load".into())
-            .spawn(move || body(s, b))?;
+            .spawn(move || body(s, b, w))?;
         Ok(Self {
             what,
             stop,
             bytes,
+            longest_wait_us,
             thread: Some(thread),
         })
+    }
+
+    /// The longest the drive kept this load waiting since the last call,
+    /// in microseconds: for the reader, the longest wait for any of its
+    /// reads in flight to complete; for the writer, its longest write or
+    /// fsync. A floor for what one read of another process's can take on
+    /// the same drive meanwhile.
+    pub fn take_longest_wait_us(&self) -> u64 {
+        self.longest_wait_us.swap(0, Ordering::Relaxed)
     }
 
     /// What it does, for reports.
@@ -158,7 +177,15 @@ impl Meter {
     }
 }
 
-fn read_loop(file: &File, len: u64, stop: &AtomicBool, bytes: &AtomicU64) -> io::Result<()> {
+/// What a load counts: bytes moved, and its longest wait in microseconds.
+type Counts<'a> = (&'a AtomicU64, &'a AtomicU64);
+
+fn waited(longest_us: &AtomicU64, since: Instant) {
+    let us = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
+    longest_us.fetch_max(us, Ordering::Relaxed);
+}
+
+fn read_loop(file: &File, len: u64, stop: &AtomicBool, counts: Counts) -> io::Result<()> {
     let layout = std::alloc::Layout::from_size_align(CHUNK * READS_IN_FLIGHT, 4096)
         .map_err(io::Error::other)?;
     // SAFETY: a non-zero size; freed below with the same layout, after every
@@ -167,7 +194,7 @@ fn read_loop(file: &File, len: u64, stop: &AtomicBool, bytes: &AtomicU64) -> io:
     if buf.is_null() {
         return Err(io::Error::other("out of memory"));
     }
-    let result = read_ring(file, len, buf, stop, bytes);
+    let result = read_ring(file, len, buf, stop, counts);
     // SAFETY: allocated above with this layout; no read is in flight.
     unsafe { std::alloc::dealloc(buf, layout) };
     result
@@ -178,7 +205,7 @@ fn read_ring(
     len: u64,
     buf: *mut u8,
     stop: &AtomicBool,
-    bytes: &AtomicU64,
+    (bytes, longest_us): Counts,
 ) -> io::Result<()> {
     let mut ring = io_uring::IoUring::new(READS_IN_FLIGHT as u32)?;
     let fd = io_uring::types::Fd(file.as_raw_fd());
@@ -203,8 +230,9 @@ fn read_ring(
     }
     let mut first_err = None;
     while in_flight > 0 {
+        let since = Instant::now();
         match ring.submit_and_wait(1) {
-            Ok(_) => {}
+            Ok(_) => waited(longest_us, since),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
@@ -230,10 +258,12 @@ fn read_ring(
     first_err.map_or(Ok(()), Err)
 }
 
-fn write_loop(file: &File, len: u64, stop: &AtomicBool, bytes: &AtomicU64) -> io::Result<()> {
+fn write_loop(file: &File, len: u64, stop: &AtomicBool, counts: Counts) -> io::Result<()> {
+    let (bytes, longest_us) = counts;
     let chunk = vec![0x5au8; CHUNK];
     let (mut at, mut since_sync) = (0u64, 0u64);
     while !stop.load(Ordering::Relaxed) {
+        let since = Instant::now();
         file.write_all_at(&chunk, at)?;
         at = (at + CHUNK as u64) % len;
         since_sync += CHUNK as u64;
@@ -241,6 +271,7 @@ fn write_loop(file: &File, len: u64, stop: &AtomicBool, bytes: &AtomicU64) -> io
             file.sync_data()?;
             since_sync = 0;
         }
+        waited(longest_us, since);
         bytes.fetch_add(CHUNK as u64, Ordering::Relaxed);
     }
     file.sync_data()
@@ -265,6 +296,8 @@ mod tests {
         }
         assert!(r.bytes() >= 8 * CHUNK as u64, "{}", r.bytes());
         assert!(w.bytes() >= 8 * CHUNK as u64, "{}", w.bytes());
+        // Each waited for its drive at least once, and a wait is taken once.
+        assert!(r.take_longest_wait_us() > 0 && w.take_longest_wait_us() > 0);
         r.stop().expect("reader ends cleanly");
         w.stop().expect("writer ends cleanly");
         // The writer's file never grows past its bound.
