@@ -111,6 +111,14 @@ pub struct NodeMetrics {
     /// End of validity of the node's certificate and the rack CA, in
     /// seconds since the Unix epoch (with `[rack.tls]`).
     pub certificate_expiry_timestamp_seconds: Family<CertificateLabels, Gauge>,
+    /// How long the engines' GPU waits on their rings spun, per layer
+    /// (from the rings' headers; each at its bucket's midpoint).
+    pub ring_gpu_wait_seconds: HistFamily<RingLabels>,
+    /// Ring waits that passed the GPU's deadline (zeros on the GPU).
+    pub ring_gpu_timeouts: Family<RingLabels, Counter>,
+    /// Ring faults: sections without rows under a `fail` policy, told to
+    /// the engine (it stops).
+    pub ring_faults: Family<RingLabels, Counter>,
 }
 
 /// Labels of the RDMA series.
@@ -136,6 +144,22 @@ pub struct SsdLabels {
     pub page_checksums: String,
     /// The reads' I/O priority (`realtime:4`, `best-effort:4`, `idle`).
     pub ioprio: String,
+}
+
+/// Labels of an engine-ring series: the Engram layer of the section.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RingLabels {
+    /// The Engram layer (1 or 14).
+    pub layer: String,
+}
+
+/// The engine's wait histogram as Prometheus buckets: each bound is a
+/// ring bucket's upper bound (PROTOCOL.md 6.1), so every bucket maps to
+/// one.
+fn ring_wait_histogram() -> Histogram {
+    let bounds = (0..engram_protocol::ring::WAIT_BUCKETS - 1)
+        .map(|b| engram_protocol::ring::wait_bucket_bounds(b).1 * 1e-9);
+    Histogram::new(bounds)
 }
 
 /// Labels of an error series.
@@ -188,6 +212,9 @@ impl NodeMetrics {
             model: ModelMetrics::default(),
             table_window_seconds: Family::default(),
             certificate_expiry_timestamp_seconds: Family::default(),
+            ring_gpu_wait_seconds: Family::new_with_constructor(ring_wait_histogram),
+            ring_gpu_timeouts: Family::default(),
+            ring_faults: Family::default(),
         };
         {
             let mut r = m.registry.lock();
@@ -297,6 +324,21 @@ impl NodeMetrics {
                 "certificate_expiry_timestamp_seconds",
                 "End of validity of the node's certificate (host) and of the rack CA (ca), in seconds since the Unix epoch",
                 m.certificate_expiry_timestamp_seconds.clone(),
+            );
+            r.register(
+                "ring_gpu_wait_seconds",
+                "How long the engines' GPU waits for ring rows spun, per Engram layer (the engine's histogram in the ring header, each wait at its bucket's midpoint)",
+                m.ring_gpu_wait_seconds.clone(),
+            );
+            r.register(
+                "ring_gpu_timeouts",
+                "Engine ring waits that passed the GPU's deadline (the GPU used zeros), per Engram layer",
+                m.ring_gpu_timeouts.clone(),
+            );
+            r.register(
+                "ring_faults",
+                "Engine ring sections without rows under the fail policy, told to the engine (it stops), per Engram layer",
+                m.ring_faults.clone(),
             );
             m.model.register(&mut r);
         }

@@ -65,6 +65,7 @@ impl CpuEngine {
         let limit = Duration::from_nanos(sh.gpu_deadline_ns);
         loop {
             if self.ring.done(s, l) == seq {
+                self.ring.waited(l, t0.elapsed().as_nanos() as u64);
                 return Answer {
                     status: Some(self.ring.status(s, l)),
                     served: self.ring.served(s, l),
@@ -76,6 +77,7 @@ impl CpuEngine {
             // host's with the client it waits for.
             std::thread::yield_now();
             if t0.elapsed() > limit {
+                self.ring.waited(l, t0.elapsed().as_nanos() as u64);
                 self.ring.gave_up(seq);
                 let n = positions as usize * sh.columns as usize * ROW_BYTES;
                 return Answer {

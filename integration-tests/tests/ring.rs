@@ -140,6 +140,50 @@ fn a_ring_is_served_with_the_tables_rows_and_every_status() {
     let a = eng.wait(seq, 0, 8);
     assert_eq!(a.status, Some(Status::Ok as u32));
     assert!(a.rows.iter().all(|&b| b == 0));
+    // Every wait the engine counted in the header reaches the node's
+    // histogram, per layer, in the same buckets.
+    let waits: Vec<u64> = (0..2).map(|l| eng.ring.waits(l).iter().sum()).collect();
+    assert_eq!(waits, [105, 104]);
+    let want = [
+        format!(
+            "engram_node_ring_gpu_wait_seconds_count{{layer=\"1\"}} {}",
+            waits[0]
+        ),
+        format!(
+            "engram_node_ring_gpu_wait_seconds_count{{layer=\"14\"}} {}",
+            waits[1]
+        ),
+    ];
+    let t0 = Instant::now();
+    let mut text = String::new();
+    while t0.elapsed() < Duration::from_secs(10) {
+        text = mem.metrics_text().expect("metrics");
+        if want.iter().all(|w| text.contains(w.as_str())) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        want.iter().all(|w| text.contains(w.as_str())),
+        "{want:?}\n{text}"
+    );
+    let fastest = eng
+        .ring
+        .waits(0)
+        .iter()
+        .position(|&n| n > 0)
+        .expect("a wait");
+    let le = engram_protocol::ring::wait_bucket_bounds(fastest).1 * 1e-9;
+    let below = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("engram_node_ring_gpu_wait_seconds_bucket{") && l.contains("layer=\"1\"")
+        })
+        .find(|l| l.contains(&format!("le=\"{le}\"")));
+    assert!(
+        below.is_some_and(|l| l.ends_with(&format!(" {}", eng.ring.waits(0)[fastest]))),
+        "bucket le={le}: {below:?}"
+    );
     server.stop();
     assert_eq!(eng.ring.client_state(), client_state::GONE);
 }

@@ -223,12 +223,12 @@ class Engines:
     """`inference-node engines` for a node of a config: the host's one rack
     client, on `socket`; killed on stop()."""
 
-    def __init__(self, config: Path, node: str, socket: Path):
+    def __init__(self, config: Path, node: str, socket: Path, metrics: str = "off"):
         self.socket = socket
         env = dict(os.environ, RUST_LOG="info")
         self.proc = subprocess.Popen(
             [binary("inference-node"), "engines", "--config", str(config), "--name", node,
-             "--socket", str(socket), "--metrics", "off"],
+             "--socket", str(socket), "--metrics", metrics],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
         )
         self.lines: list[str] = []

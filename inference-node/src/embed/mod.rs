@@ -557,6 +557,11 @@ impl EmbeddedNode {
         }))
     }
 
+    /// The node's metric series (shared with the rings this memory serves).
+    pub(crate) fn metrics(&self) -> Result<Arc<NodeMetrics>, EmbedError> {
+        Ok(Arc::clone(&self.open_state()?.metrics))
+    }
+
     /// The node's metrics in Prometheus text (what `/metrics` serves).
     pub fn metrics_text(&self) -> Result<String, EmbedError> {
         Ok(self.open_state()?.metrics.render())

@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 pub use engram_protocol::ring::{RingError, Shape, Status};
-use engram_protocol::ring::{client_state, header, slot};
+use engram_protocol::ring::{WAIT_BUCKETS, client_state, header, slot};
 pub use serve::{RingCounters, RingHandle, RingHub, RingOptions, RingServer, serve};
 
 /// A ring's memory, mapped read-write and shared with the engine.
@@ -142,6 +142,27 @@ impl RingMemory {
         debug_assert!(at.is_multiple_of(4) && (at as usize) + 4 <= self.len());
         // SAFETY: as `word`, 4-aligned.
         unsafe { &*(self.as_ptr().add(at as usize) as *const AtomicU32) }
+    }
+
+    /// The engine's side: count a wait of `ns` in section `l`'s histogram
+    /// (what the GPU's wait kernel does; one writer per section).
+    pub fn waited(&self, l: u32, ns: u64) {
+        if l >= self.shape.layers {
+            return;
+        }
+        let b = engram_protocol::ring::wait_bucket(ns) as u64;
+        let at = header::WAITS as u64 + 8 * (u64::from(l) * WAIT_BUCKETS as u64 + b);
+        self.word(at).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Section `l`'s wait histogram as the engine wrote it (PROTOCOL.md
+    /// 6.1): counts per bucket.
+    pub fn waits(&self, l: u32) -> [u64; WAIT_BUCKETS] {
+        if l >= self.shape.layers {
+            return [0; WAIT_BUCKETS];
+        }
+        let at = header::WAITS as u64 + 8 * (u64::from(l) * WAIT_BUCKETS as u64);
+        std::array::from_fn(|b| self.word(at + 8 * b as u64).load(Ordering::Relaxed))
     }
 
     /// Slot `s`'s request word.

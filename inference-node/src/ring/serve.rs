@@ -23,12 +23,14 @@ use std::time::{Duration, Instant};
 use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::ENGRAM_LAYERS;
 use engram_protocol::ring::{
-    GPU_TIMEOUT, NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD,
+    GPU_TIMEOUT, NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD, WAIT_BUCKETS,
+    wait_bucket_bounds,
 };
 use engram_sync::Mutex;
 
 use super::{RingMemory, Status, client_state, header, slot};
 use crate::embed::{EmbedError, EmbeddedNode, RowLayers, Served, Ticket};
+use crate::metrics::{NodeMetrics, RingLabels};
 
 /// How a ring is served.
 #[derive(Debug, Clone, Copy)]
@@ -286,7 +288,19 @@ struct RingState {
     /// than answering zeros when no rows come.
     fails: [bool; 2],
     inflight: Vec<Inflight>,
+    /// The node's series, with each section's labels.
+    metrics: Arc<NodeMetrics>,
+    labels: [RingLabels; 2],
+    /// The wait histograms as last read, and when.
+    waits_seen: [[u64; WAIT_BUCKETS]; 2],
+    waits_read: Instant,
 }
+
+/// How often a ring's wait histograms are read into the metrics.
+const WAITS_EVERY: Duration = Duration::from_millis(50);
+/// Most waits taken from one bucket at one reading: a header claiming more
+/// (no GPU waits that often) is not believed beyond it.
+const MOST_WAITS_READ: u64 = 1 << 16;
 
 /// CLOCK_MONOTONIC in ns: the same clock in every process on the host.
 fn monotonic_ns() -> u64 {
@@ -347,6 +361,11 @@ impl RingState {
                     .load(Ordering::Acquire)
             })
             .collect();
+        let metrics = mem.metrics()?;
+        let labels = sh.layer_ids.map(|id| RingLabels {
+            layer: id.to_string(),
+        });
+        let waits_seen = [ring.waits(0), ring.waits(1)];
         let mut st = Self {
             mem,
             ring,
@@ -358,6 +377,10 @@ impl RingState {
             gave_up,
             fails,
             inflight: Vec::new(),
+            metrics,
+            labels,
+            waits_seen,
+            waits_read: Instant::now(),
         };
         st.adopt_answered();
         Ok(st)
@@ -372,7 +395,33 @@ impl RingState {
         let busy = self.take_requests();
         let busy = busy | self.finish();
         self.take_gpu_timeouts();
+        if self.waits_read.elapsed() >= WAITS_EVERY {
+            self.take_waits();
+        }
         busy
+    }
+
+    /// The GPU's waits since the last reading into the node's histogram,
+    /// each at its bucket's midpoint. Counts that went back (a ring
+    /// rewritten) start over; a jump past [`MOST_WAITS_READ`] is clipped.
+    fn take_waits(&mut self) {
+        self.waits_read = Instant::now();
+        for l in 0..self.ring.shape().layers {
+            let now = self.ring.waits(l);
+            let seen = &mut self.waits_seen[l as usize];
+            let h = self
+                .metrics
+                .ring_gpu_wait_seconds
+                .get_or_create(&self.labels[l as usize]);
+            for (b, (&n, was)) in now.iter().zip(seen.iter_mut()).enumerate() {
+                let new = n.saturating_sub(*was).min(MOST_WAITS_READ);
+                *was = n;
+                let (lo, hi) = wait_bucket_bounds(b);
+                for _ in 0..new {
+                    h.observe((lo + hi) * 0.5e-9);
+                }
+            }
+        }
     }
 
     /// Record a fault for the engine: section `l` of request `seq` had no
@@ -380,6 +429,9 @@ impl RingState {
     /// so an engine that sees it grow reads this fault's details.
     fn fault(&self, seq: u64, l: u32, status: u32) {
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
+        if let Some(labels) = self.labels.get(l as usize) {
+            self.metrics.ring_faults.get_or_create(labels).inc();
+        }
         let r = &self.ring;
         r.word(header::FAULT_SEQ as u64)
             .store(seq, Ordering::Relaxed);
@@ -413,6 +465,12 @@ impl RingState {
                 .ring
                 .word32(sh.slot_at(s) + slot::MASK as u64)
                 .load(Ordering::Relaxed);
+            for l in (0..sh.layers).filter(|l| mask & (1 << l) != 0) {
+                self.metrics
+                    .ring_gpu_timeouts
+                    .get_or_create(&self.labels[l as usize])
+                    .inc();
+            }
             let l = (0..sh.layers)
                 .find(|&l| mask & (1 << l) != 0 && self.fails[l as usize])
                 .or_else(|| (0..sh.layers).find(|&l| self.fails[l as usize]));

@@ -122,6 +122,43 @@ pub mod header {
     pub const FAULT_STATUS: usize = 124;
     /// Layer sections whose table's policy is `fail` (a bit each).
     pub const FAIL_SECTIONS: usize = 128;
+    /// The GPU's waits, a histogram per layer section: `u64
+    /// [sections][WAIT_BUCKETS]`, bucket [`super::wait_bucket`] of each
+    /// wait's spin time (the engine's wait kernel adds one per wait).
+    pub const WAITS: usize = 1024;
+}
+
+/// Buckets of a section's wait histogram.
+pub const WAIT_BUCKETS: usize = 80;
+
+// The histograms fit the header, after its last other field.
+const _: () = assert!(
+    header::WAITS >= header::FAIL_SECTIONS + 4
+        && (header::WAITS + 8 * MAX_LAYERS as usize * WAIT_BUCKETS) as u64 <= HEADER_BYTES
+);
+
+/// The bucket of a wait of `ns` nanoseconds: 0 under 1,024 ns; then four
+/// to each power of two, by the two bits after the leading one; the last
+/// takes every longer wait.
+pub fn wait_bucket(ns: u64) -> usize {
+    if ns < 1024 {
+        return 0;
+    }
+    let e = 63 - ns.leading_zeros() as usize;
+    let m = ((ns >> (e - 2)) & 3) as usize;
+    (4 * (e - 10) + m + 1).min(WAIT_BUCKETS - 1)
+}
+
+/// Bucket `b`'s bounds in nanoseconds, `[low, high)` (the last bucket
+/// also takes every longer wait).
+pub fn wait_bucket_bounds(b: usize) -> (f64, f64) {
+    if b == 0 {
+        return (0.0, 1024.0);
+    }
+    let e = 10 + (b - 1) / 4;
+    let m = ((b - 1) % 4) as f64;
+    let p = (1u64 << e) as f64;
+    (p * (1.0 + m / 4.0), p * (1.0 + (m + 1.0) / 4.0))
 }
 
 /// Slot field offsets.
@@ -389,6 +426,39 @@ impl Shape {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_wait_falls_in_the_bucket_whose_bounds_hold_it() {
+        let mut last = 0;
+        for ns in (0..40).flat_map(|e| {
+            let p = 1u64 << e;
+            [
+                p - 1,
+                p,
+                p + p / 4 - 1,
+                p + p / 4,
+                p + p / 3,
+                p + p / 2,
+                p + 3 * p / 4,
+            ]
+        }) {
+            let b = wait_bucket(ns);
+            let (lo, hi) = wait_bucket_bounds(b);
+            let x = ns as f64;
+            assert!(b < WAIT_BUCKETS, "{ns}");
+            assert!(
+                lo <= x && (x < hi || b == WAIT_BUCKETS - 1),
+                "{ns} in {b}: {lo}..{hi}"
+            );
+            assert!(b >= last || ns < 1 << 10, "buckets grow with the wait");
+            last = b;
+        }
+        assert_eq!(wait_bucket(1023), 0);
+        assert_eq!(wait_bucket(1024), 1);
+        assert_eq!(wait_bucket(1280), 2);
+        assert_eq!(wait_bucket(2048), 5);
+        assert_eq!(wait_bucket(u64::MAX), WAIT_BUCKETS - 1);
+    }
 
     fn decode_shape() -> Shape {
         Shape {

@@ -51,7 +51,8 @@ import torch
 from . import LAYERS, ROW_BYTES, BadInputError, NoSourceError, _native
 from . import cuda as _cuda
 
-__all__ = ["RingLookup", "HostRing", "RingFault", "FakeTimer", "STATUS_NAMES", "check_all"]
+__all__ = ["RingLookup", "HostRing", "RingFault", "FakeTimer", "STATUS_NAMES", "check_all",
+           "WAIT_BUCKETS", "wait_bucket_bounds", "wait_quantile"]
 
 STATUS_OK, STATUS_ZEROS, STATUS_FAILED, STATUS_BAD_IDS, STATUS_LATE, STATUS_TIMEOUT = range(6)
 #: What each status means.
@@ -61,8 +62,33 @@ HEADER_BYTES = 4096
 _H64_HEARTBEAT, _H64_CLIENT_DEADLINE, _H64_FAULTS, _H64_FAULT_SEQ = 9, 10, 13, 14
 _H32_CLIENT_STATE, _H32_FAULT_SECTION, _H32_FAULT_STATUS, _H32_FAIL_SECTIONS = 17, 30, 31, 32
 _SLOT_GAVE_UP = 56
+#: The wait histograms: int64 [sections][WAIT_BUCKETS] from this offset.
+_WAITS_AT = 1024
+#: Buckets of a section's wait histogram (`wait_bucket_bounds`).
+WAIT_BUCKETS = 80
 #: A client whose heartbeat is older than this does not answer.
 _CLIENT_SILENT_NS = 1_000_000_000
+
+
+def wait_bucket_bounds(b: int) -> tuple[float, float]:
+    """Wait-histogram bucket `b`'s span in ns, `[low, high)` (the last
+    bucket also holds every longer wait): PROTOCOL.md section 6.1."""
+    if b == 0:
+        return 0.0, 1024.0
+    e, m = 10 + (b - 1) // 4, (b - 1) % 4
+    return 2.0 ** e * (1 + m / 4), 2.0 ** e * (1 + (m + 1) / 4)
+
+
+def wait_quantile(counts: np.ndarray, q: float) -> float:
+    """The `q` quantile (0 to 1) of a wait histogram, in ns: the upper
+    bound of the bucket it falls in (0.0 for no waits)."""
+    counts = np.asarray(counts).reshape(-1)
+    total = int(counts.sum())
+    if total == 0:
+        return 0.0
+    rank = max(1, int(np.ceil(q * total)))
+    b = int(np.searchsorted(np.cumsum(counts), rank))
+    return wait_bucket_bounds(b)[1]
 
 
 class RingFault(NoSourceError):
@@ -148,7 +174,7 @@ def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer,
 @triton.jit
 def _wait(last, ring, state, fails, timer, deadline_ns, L: tl.constexpr,
          SLOTS: tl.constexpr, STRIDE: tl.constexpr, INTERP: tl.constexpr,
-         FAKE: tl.constexpr):
+         FAKE: tl.constexpr, WAITS_AT: tl.constexpr, WAIT_BUCKETS: tl.constexpr):
     seq = tl.load(last + L)
     base = ring + 4096 + (seq % SLOTS) * STRIDE
     done_at = (base + 16 + 8 * L).to(tl.pointer_type(tl.int64))
@@ -160,6 +186,15 @@ def _wait(last, ring, state, fails, timer, deadline_ns, L: tl.constexpr,
         waited = _now(timer, FAKE) - start
     status = tl.load((base + 32 + 4 * L).to(tl.pointer_type(tl.int32)), volatile=True)
     status = tl.where(done == seq, status.to(tl.int64), 5)
+    # The wait's spin time in the header's histogram (PROTOCOL.md 6.1):
+    # its exponent and two bits after the leading one, read from the wait
+    # as a 32-bit float.
+    bits = waited.to(tl.float32).to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 127
+    bucket = tl.minimum(4 * (e - 10) + ((bits >> 21) & 3) + 1, WAIT_BUCKETS - 1)
+    bucket = tl.where(waited < 1024, 0, bucket)
+    hist = (ring + WAITS_AT + (L * WAIT_BUCKETS + bucket) * 8).to(tl.pointer_type(tl.int64))
+    tl.store(hist, tl.load(hist, volatile=True) + 1)
     # The GPU gave up: say so in the slot, for the client to turn into the
     # table's policy (a fault under `fail`).
     tl.store((base + 56).to(tl.pointer_type(tl.int64)), seq, mask=done != seq)
@@ -181,7 +216,9 @@ def _gather(ring, state, out, n, o_t, o_c, L: tl.constexpr, SLOTS: tl.constexpr,
     valid = r < n * LOCAL
     t = (r // LOCAL).to(tl.int64)
     c = (r % LOCAL).to(tl.int64)
-    live = valid & (c < COLS) & usable
+    # The request's status as a vector: a scalar bool in a mask is refused
+    # by newer Triton interpreters.
+    live = valid & (c < COLS) & ((tl.zeros([BLOCK_R], dtype=tl.int32) + usable.to(tl.int32)) != 0)
     row = rows + (t * COLS + c) * 264
     cols = tl.arange(0, 256)
     dst = t[:, None] * o_t + c[:, None] * o_c
@@ -348,7 +385,8 @@ class RingLookup:
         _kernels()[1][(1,)](
             self.last, self.memory, self.state, self.failures, self._timer_word,
             self.deadline_ns, L=section, SLOTS=self.slots, STRIDE=self.stride,
-            INTERP=self._interp, FAKE=self._timer is not None)
+            INTERP=self._interp, FAKE=self._timer is not None, WAITS_AT=_WAITS_AT,
+            WAIT_BUCKETS=WAIT_BUCKETS)
 
     def gather(self, section: int, out: torch.Tensor, n: int, *, scale0_zero: bool) -> None:
         """Launch the gather of the last request's `section` into `out`
@@ -380,6 +418,15 @@ class RingLookup:
             self.publish({s: ids[start:start + n]}, n)
             self.wait(s)
             self.gather(s, out[start:start + n], n, scale0_zero=scale0_zero)
+
+    def waits(self) -> np.ndarray:
+        """Each section's wait histogram so far (`[sections, WAIT_BUCKETS]`
+        counts; `wait_bucket_bounds` gives a bucket's span): how long the
+        GPU's waits spun. Reads host memory only."""
+        at = _WAITS_AT // 8
+        words = np.frombuffer(memoryview(self.native), dtype=np.int64,
+                              count=at + self.layers * WAIT_BUCKETS)
+        return words[at:].reshape(self.layers, WAIT_BUCKETS).copy()
 
     def faults(self) -> int:
         """Faults the client has counted in this ring's header."""

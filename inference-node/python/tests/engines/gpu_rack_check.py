@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from engram_rack import cuda as rcuda  # noqa: E402
 from engram_rack.engine import dequantize_rows  # noqa: E402
-from engram_rack.ring import FakeTimer, RingLookup  # noqa: E402
+from engram_rack.ring import FakeTimer, RingLookup, wait_quantile  # noqa: E402
 
 COLS = 24
 
@@ -207,9 +207,13 @@ def graphs_and_stalls(device, rows: int):
                 ok += int(torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)))
         resp.close()
         b0 = e_start.elapsed_time(e_b0) * 1e3
+        waits = ring.waits()[0]
         print(f"   RTT {rtt_us:3} us: block 0 {b0:6.1f} us; stall at block 1 p50 "
               f"{np.percentile(stalls, 50):6.1f} us, p99 {np.percentile(stalls, 99):6.1f} us; "
-              f"rows identical {ok}/10; failures {int(ring.failures.sum())}")
+              f"rows identical {ok}/10; failures {int(ring.failures.sum())}; the wait kernel's "
+              f"own histogram: {int(waits.sum())} waits, p50 <= "
+              f"{wait_quantile(waits, 0.5) / 1e3:.1f} us, p99 <= "
+              f"{wait_quantile(waits, 0.99) / 1e3:.1f} us")
         ring.close()
 
 
@@ -245,9 +249,12 @@ def deadlines(device):
     took = time.perf_counter() - t0
     resp.close()
     zeros = bool((out == 0).all())
+    waits = ring.waits()[0]
     print(f"   ended after {took * 1e3:.1f} ms (deadline 20 ms), zeros {zeros}, "
-          f"failures counted {int(ring.failures[0])}, status {int(ring.state[1])} (5: timeout)")
+          f"failures counted {int(ring.failures[0])}, status {int(ring.state[1])} (5: timeout), "
+          f"the wait in the header's histogram up to {wait_quantile(waits, 1.0) / 1e6:.1f} ms")
     assert zeros and int(ring.failures[0]) == 1
+    assert int(waits.sum()) == 1 and wait_quantile(waits, 1.0) > 20e6
     ring.close()
 
 

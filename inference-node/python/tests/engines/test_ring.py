@@ -30,8 +30,11 @@ from engram_rack.ring import (  # noqa: E402
     HostRing,
     STATUS_TIMEOUT,
     RingFault,
+    WAIT_BUCKETS,
     RingLookup,
     check_all,
+    wait_bucket_bounds,
+    wait_quantile,
 )
 
 ROWS = {1: None, 14: None}
@@ -133,9 +136,19 @@ def test_no_client_or_a_gone_one_ends_every_wait_at_the_deadline(rack, served):
     assert time.monotonic() - t0 < 30
     assert (out == 0).all()
     assert int(ring.state[1]) == STATUS_TIMEOUT and int(ring.failures[0]) == 1
+    # The wait is in the header's histogram, in a bucket at (or just past) the deadline.
+    waits = ring.waits()
+    assert waits.shape == (2, WAIT_BUCKETS) and int(waits.sum()) == 1
+    lo, hi = wait_bucket_bounds(int(waits[0].argmax()))
+    assert hi > ring.deadline_ns and lo <= ring.deadline_ns * 1.5, (lo, hi)
+    assert wait_quantile(waits[0], 0.5) == hi
     handle = mem.serve_ring(ring.native)
     ring.lookup(1, ids, out, scale0_zero=True)
     assert int(ring.state[1]) == STATUS_OK and bool((out != 0).any())
+    # The served wait counts too, shorter than the deadline.
+    waits = ring.waits()
+    assert int(waits[0].sum()) == 2 and int(waits[1].sum()) == 0
+    assert wait_quantile(waits[0], 0.0) <= hi
     handle.close()  # the client lets go
     deadline = time.monotonic() + 10
     while ring.native.client_state != 2 and time.monotonic() < deadline:
