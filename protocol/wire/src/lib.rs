@@ -3,7 +3,8 @@
 //! What it is: the 264-byte row encoding and its dequantization (`row`), the
 //! deterministic synthetic rows every test can check against (`synthetic`),
 //! the table version (`digest`), the `.etab` table file layout (`etab`),
-//! Engram row addressing from compressed token ids (`hashing`), and the
+//! Engram row addressing from compressed token ids (`hashing`), Qwen4Exp's
+//! n-gram table addressing from raw token ids (`qwen4exp`), and the
 //! data-plane frame codec (`frame` for framing, `messages` for payloads),
 //! and the data plane's client and server sessions as state machines
 //! (`session`).
@@ -28,6 +29,7 @@ pub mod messages;
 pub mod model_config;
 #[cfg(feature = "control")]
 pub mod node_api;
+pub mod qwen4exp;
 pub mod ring;
 pub mod row;
 pub mod session;
