@@ -36,6 +36,19 @@ pub struct GenSpec {
 }
 
 impl GenSpec {
+    /// `rows` synthetic rows of `layer` from `seed`, no hashing recorded,
+    /// on two threads.
+    pub fn new(layer: u32, rows: u64, seed: u64) -> Self {
+        Self {
+            layer,
+            rows,
+            seed,
+            hash_preset: None,
+            hash_base: None,
+            threads: 2,
+        }
+    }
+
     /// The metadata of the table this makes (its digest to come), its
     /// source naming the generator's seed and layer, then `note`.
     fn meta(&self, note: String) -> TableMeta {
@@ -259,12 +272,8 @@ pub(crate) fn test_table(dir: &Path, rows: u64) -> std::path::PathBuf {
 pub(crate) fn test_sparse_table(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("sparse.etab");
     let spec = GenSpec {
-        layer: 1,
-        rows: 5_000,
-        seed: 2,
-        hash_preset: None,
-        hash_base: None,
         threads: 1,
+        ..GenSpec::new(1, 5_000, 2)
     };
     generate_sparse(&path, &spec, &[14, 15, 2_000, 4_999], None).expect("gen");
     path

@@ -45,14 +45,7 @@ impl Drop for Reserved {
 
 fn table(dir: &std::path::Path) -> (std::path::PathBuf, ExpectedTable, LoadOptions) {
     let path = dir.join("t.etab");
-    let spec = GenSpec {
-        layer: 1,
-        rows: 10_000,
-        seed: 4,
-        hash_preset: None,
-        hash_base: None,
-        threads: 2,
-    };
+    let spec = GenSpec::new(1, 10_000, 4);
     let meta = generate(&path, &spec, None).expect("gen");
     let pin = ExpectedTable {
         digest: meta.digest,

@@ -6,14 +6,7 @@ use engram_protocol::synthetic::is_synthetic_row;
 
 fn table(dir: &Path) -> (std::path::PathBuf, TableDigest) {
     let path = dir.join("t.etab");
-    let spec = GenSpec {
-        layer: 1,
-        rows: 10_000,
-        seed: 4,
-        hash_preset: None,
-        hash_base: None,
-        threads: 2,
-    };
+    let spec = GenSpec::new(1, 10_000, 4);
     let meta = generate(&path, &spec, None).expect("gen");
     (path, meta.digest)
 }

@@ -47,14 +47,7 @@ const ROWS: u64 = 5_000;
 
 fn table(dir: &Path) -> (PathBuf, ExpectedTable) {
     let path = dir.join("t.etab");
-    let spec = GenSpec {
-        layer: 1,
-        rows: ROWS,
-        seed: 4,
-        hash_preset: None,
-        hash_base: None,
-        threads: 2,
-    };
+    let spec = GenSpec::new(1, ROWS, 4);
     let meta = generate(&path, &spec, None).expect("gen");
     let pin = ExpectedTable {
         digest: meta.digest,
