@@ -2,8 +2,10 @@
 `Qwen4ExpNGramEmbedding` (its multipliers, its prime layout and its
 `compute_ngram_ids`, CPU path) and, where SGLang is importable, SGLang's
 (`_build_layer_multipliers`, `_build_head_vocab_and_offsets`,
-`_hash_contexts`). It shares no code with the Rust side
-(`engram_protocol::qwen4exp`), whose test reads what this writes.
+`_hash_contexts`); and the bf16 values vLLM's Qwen4Exp table methods give
+rows of each encoding (FP8 with a per-tensor scale, BF16, NVFP4). It
+shares no code with the Rust side (`engram_protocol::qwen4exp`,
+`engram_protocol::encoding`), whose tests read what this writes.
 
 Usage:
   qwen4exp_reference.py write OUT_JSON   the cases, with vLLM's ids
@@ -136,6 +138,60 @@ def sglang_ids(case: dict) -> list[list[int]] | None:
     return rows
 
 
+# --- rows --------------------------------------------------------------------
+
+ROW_VALUES = 160
+
+
+def row_cases() -> list[dict]:
+    """Random rows of each encoding, NaN codes left out, with the table's
+    scale: FP8 with one F32 scale, BF16, NVFP4 with E4M3 block scales and a
+    global F32 scale."""
+    rng = np.random.default_rng(160)
+    out = []
+    for k in range(6):
+        fp8 = rng.integers(0, 256, ROW_VALUES).astype(np.uint8)
+        fp8[(fp8 & 0x7F) == 0x7F] = 0x3F
+        out.append({"encoding": f"fp8_per_tensorx{ROW_VALUES}",
+                    "scale": float(np.float32(rng.uniform(1e-4, 4.0) * (-1) ** k)),
+                    "row": fp8.tobytes().hex()})
+        bf = rng.standard_normal(ROW_VALUES).astype(np.float32)
+        bf16 = (bf.view(np.uint32) >> 16).astype(np.uint16)
+        out.append({"encoding": f"bf16x{ROW_VALUES}", "scale": 1.0,
+                    "row": bf16.astype("<u2").tobytes().hex()})
+        packed = rng.integers(0, 256, ROW_VALUES // 2).astype(np.uint8)
+        scales = rng.integers(0x20, 0x60, ROW_VALUES // 16).astype(np.uint8)
+        out.append({"encoding": f"nvfp4_e4m3_16x{ROW_VALUES}",
+                    "scale": float(np.float32(rng.uniform(1e-3, 2.0))),
+                    "row": (packed.tobytes() + scales.tobytes()).hex()})
+    return out
+
+
+def vllm_row(case: dict) -> list[int]:
+    """vLLM's bf16 values of one row (its FP8 method's `dequantize`, its
+    NVFP4 lookup's `dequantize_to_dtype`), as bf16 bit patterns."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        dequantize_to_dtype,
+    )
+    from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEFp8EmbeddingMethod
+
+    raw = torch.frombuffer(bytearray(bytes.fromhex(case["row"])), dtype=torch.uint8)
+    kind = case["encoding"].rsplit("x", 1)[0]
+    if kind == "fp8_per_tensor":
+        layer = types.SimpleNamespace(weight_scale=torch.tensor(case["scale"],
+                                                                dtype=torch.float32))
+        v = Qwen4ExpPLEFp8EmbeddingMethod().dequantize(
+            layer, raw.view(torch.float8_e4m3fn)[None, :], torch.bfloat16)[0]
+    elif kind == "bf16":
+        v = raw.view(torch.bfloat16)
+    else:
+        n = ROW_VALUES // 2
+        v = dequantize_to_dtype(raw[None, :n].clone(), raw[None, n:].clone(),
+                                torch.tensor(case["scale"], dtype=torch.float32),
+                                torch.bfloat16, swizzle=False)[0]
+    return v.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).tolist()
+
+
 def main() -> int:
     if len(sys.argv) != 3 or sys.argv[1] not in ("write", "check"):
         print(__doc__, file=sys.stderr)
@@ -145,8 +201,12 @@ def main() -> int:
         cs = cases()
         for c in cs:
             c["ids"] = vllm_ids(c)
+        rows = row_cases()
+        for r in rows:
+            r["bf16"] = vllm_row(r)
         doc = {"engine": "vllm", "config": cfg(0),
-               "layouts": {str(k): vllm_layout(k) for k in (0, 1)}, "cases": cs}
+               "layouts": {str(k): vllm_layout(k) for k in (0, 1)}, "cases": cs,
+               "rows": rows}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
             f.write("\n")
@@ -161,7 +221,13 @@ def main() -> int:
             if got != c["ids"]:
                 bad += 1
                 print(f"case {i}: {name}'s ids differ from the file's", file=sys.stderr)
-    print(f"{len(doc['cases'])} cases checked, {bad} differ")
+    for i, r in enumerate(doc.get("rows", [])):
+        if vllm_row(r) != r["bf16"]:
+            bad += 1
+            print(f"row {i} ({r['encoding']}): vLLM's values differ from the file's",
+                  file=sys.stderr)
+    print(f"{len(doc['cases'])} cases and {len(doc.get('rows', []))} rows checked, "
+          f"{bad} differ")
     return 1 if bad else 0
 
 

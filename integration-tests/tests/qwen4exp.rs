@@ -1,12 +1,14 @@
-//! Qwen4Exp's n-gram row ids against vLLM's own code:
+//! Qwen4Exp's n-gram row ids and row values against vLLM's own code:
 //! `data/qwen4exp-ids.json` holds cases and the ids vLLM's
-//! `Qwen4ExpNGramEmbedding` computed for them (written by
+//! `Qwen4ExpNGramEmbedding` computed for them, and rows of each encoding
+//! with the bf16 values vLLM's table methods give them (written by
 //! `python/qwen4exp_reference.py write`, which the engine suite runs again
-//! with `check` against vLLM's and SGLang's code). Every layout constant
-//! and every id must equal ours.
+//! with `check` against vLLM's and SGLang's code). Every layout constant,
+//! every id and every value must equal ours.
 
 use std::path::Path;
 
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
 use serde_json::Value;
 
@@ -26,10 +28,36 @@ fn i64s(v: &Value) -> Vec<i64> {
         .collect()
 }
 
+fn reference() -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/qwen4exp-ids.json");
+    serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json")
+}
+
+#[test]
+fn every_row_of_every_encoding_dequantizes_to_vllms_values() {
+    let doc = reference();
+    let rows = doc["rows"].as_array().expect("rows");
+    let mut kinds = std::collections::BTreeSet::new();
+    for (i, r) in rows.iter().enumerate() {
+        let enc = RowEncoding::parse(r["encoding"].as_str().expect("name")).expect("encoding");
+        let hex = r["row"].as_str().expect("row");
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|k| u8::from_str_radix(&hex[k..k + 2], 16).expect("hex"))
+            .collect();
+        let mut out = vec![0u16; enc.values()];
+        enc.dequantize_bf16(&bytes, r["scale"].as_f64().expect("scale") as f32, &mut out)
+            .expect("row");
+        let want: Vec<u16> = u64s(&r["bf16"]).iter().map(|&b| b as u16).collect();
+        assert_eq!(out, want, "row {i} ({})", enc.name());
+        kinds.insert(enc.name());
+    }
+    assert_eq!(kinds.len(), 3, "{kinds:?}");
+}
+
 #[test]
 fn every_case_gives_vllms_rows() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/qwen4exp-ids.json");
-    let doc: Value = serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+    let doc = reference();
     let c = &doc["config"];
     let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("config {k}"));
     let config = |layer_index| Qwen4ExpConfig {

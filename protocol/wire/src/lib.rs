@@ -1,6 +1,7 @@
 //! `engram-protocol`: the engram-rack contract.
 //!
 //! What it is: the 264-byte row encoding and its dequantization (`row`), the
+//! row encodings of every model's table (`encoding`), the
 //! deterministic synthetic rows every test can check against (`synthetic`),
 //! the table version (`digest`), the `.etab` table file layout (`etab`),
 //! Engram row addressing from compressed token ids (`hashing`), Qwen4Exp's
@@ -22,6 +23,7 @@
 pub mod control;
 pub mod decode;
 pub mod digest;
+pub mod encoding;
 pub mod etab;
 pub mod frame;
 pub mod hashing;
