@@ -59,6 +59,13 @@ fn open_table(path: &Path) -> Result<(File, TableDigest, TableLayout)> {
     let len = f.metadata()?.len();
     let (meta, layout) = read_header(len, |buf, off| f.read_exact_at(buf, off))
         .with_context(|| format!("{}", path.display()))?;
+    if meta.encoding != engram_protocol::encoding::RowEncoding::V41 {
+        bail!(
+            "{}: its rows are {}: this build serves V4.1's 264-byte rows only (docs/models.md)",
+            path.display(),
+            meta.encoding.name()
+        );
+    }
     Ok((f, meta.digest, layout))
 }
 

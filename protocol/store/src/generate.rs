@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::thread;
 
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::TableMeta;
 use engram_protocol::hashing::{HashParams, Preset};
 use engram_protocol::synthetic::synthetic_rows;
@@ -59,6 +60,8 @@ impl GenSpec {
             hash_preset: self.hash_preset.clone(),
             hash_base: self.hash_base,
             source: format!("synthetic seed={} layer={}{note}", self.seed, self.layer),
+            encoding: RowEncoding::V41,
+            tensor_scale: None,
         }
     }
 }

@@ -8,6 +8,7 @@ use crate::checkpoint::{CheckpointError, CheckpointFiles};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::TableMeta;
 use engram_protocol::hashing::{HashParams, Preset};
 use engram_protocol::model_config::{ModelConfig, ModelConfigError, expect};
@@ -271,6 +272,8 @@ pub fn pack(
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default()
         ),
+        encoding: RowEncoding::V41,
+        tensor_scale: None,
     };
     let mut writer = TableWriter::create(out, meta)?;
     let mut progress = progress(rows);

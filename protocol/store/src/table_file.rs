@@ -9,6 +9,7 @@ use std::io::{self, Seek, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::{
     self, EtabError, PAGE_BYTES, ROWS_PER_PAGE, SUM_BYTES, TableLayout, TableMeta, page_checksum,
 };
@@ -40,6 +41,18 @@ pub enum TableFileError {
         path: PathBuf,
         /// Why the header is not valid.
         source: EtabError,
+    },
+    /// A valid table of rows this build does not serve yet.
+    #[error(
+        "{path}: its rows are {encoding} ({row_bytes} bytes): this build serves V4.1's 264-byte rows only (docs/models.md)"
+    )]
+    Encoding {
+        /// The table file.
+        path: PathBuf,
+        /// The rows' encoding, by name.
+        encoding: String,
+        /// Bytes per row.
+        row_bytes: usize,
     },
     /// A row does not decode.
     #[error("{path}: row {row} is corrupt: {source}")]
@@ -155,6 +168,13 @@ impl TableFile {
                 source,
             },
         })?;
+        if meta.encoding != RowEncoding::V41 {
+            return Err(TableFileError::Encoding {
+                path: path.to_path_buf(),
+                encoding: meta.encoding.name(),
+                row_bytes: meta.encoding.row_bytes(),
+            });
+        }
         Ok(Self {
             path: path.to_path_buf(),
             meta,

@@ -17,12 +17,13 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::digest::TableDigest;
+use crate::encoding::RowEncoding;
 use crate::row::ROW_BYTES;
 
 /// Page size of the file layout and of one SSD read.
 pub const PAGE_BYTES: u64 = 4096;
-/// Rows packed into one page.
-pub const ROWS_PER_PAGE: u64 = 15;
+/// V4.1 rows packed into one page (15).
+pub const ROWS_PER_PAGE: u64 = PAGE_BYTES / ROW_BYTES as u64;
 /// Value of the `format` metadata key.
 pub const FORMAT_NAME: &str = "engram-etab";
 /// Value of the `format_version` metadata key.
@@ -98,6 +99,12 @@ pub struct TableMeta {
     pub hash_base: Option<u64>,
     /// Where the rows came from (free text, for people).
     pub source: String,
+    /// How the rows are encoded (V4.1's in every file written before other
+    /// encodings were).
+    pub encoding: RowEncoding,
+    /// The table's F32 scale, as its bits, for an encoding with one
+    /// ([`RowEncoding::has_tensor_scale`]); `None` otherwise.
+    pub tensor_scale: Option<u32>,
 }
 
 /// Where things are in a table file.
@@ -111,6 +118,10 @@ pub struct TableLayout {
     pub pages: u64,
     /// True when the file has the `page_xxh3` tensor.
     pub page_sums: bool,
+    /// Bytes per row.
+    pub row_bytes: u64,
+    /// Rows per 4 KiB page.
+    pub rows_per_page: u64,
 }
 
 /// The checksum of one 4 KiB page, as stored in `page_xxh3`: XXH3-64
@@ -119,9 +130,14 @@ pub fn page_checksum(page: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(page)
 }
 
-/// Pages needed for `rows` rows.
+/// Pages needed for `rows` V4.1 rows.
 pub const fn pages_for(rows: u64) -> u64 {
     rows.div_ceil(ROWS_PER_PAGE)
+}
+
+/// Rows of `encoding` in one page: as many whole rows as fit in 4 KiB.
+pub fn rows_per_page(encoding: RowEncoding) -> u64 {
+    PAGE_BYTES / encoding.row_bytes() as u64
 }
 
 impl TableLayout {
@@ -129,8 +145,8 @@ impl TableLayout {
     pub fn row_offset(&self, row: u64) -> Option<u64> {
         (row < self.rows).then(|| {
             self.data_start
-                + (row / ROWS_PER_PAGE) * PAGE_BYTES
-                + (row % ROWS_PER_PAGE) * ROW_BYTES as u64
+                + (row / self.rows_per_page) * PAGE_BYTES
+                + (row % self.rows_per_page) * self.row_bytes
         })
     }
 
@@ -138,8 +154,8 @@ impl TableLayout {
     pub fn row_page(&self, row: u64) -> Option<(u64, usize)> {
         (row < self.rows).then(|| {
             (
-                self.data_start + (row / ROWS_PER_PAGE) * PAGE_BYTES,
-                (row % ROWS_PER_PAGE) as usize * ROW_BYTES,
+                self.data_start + (row / self.rows_per_page) * PAGE_BYTES,
+                (row % self.rows_per_page * self.row_bytes) as usize,
             )
         })
     }
@@ -171,11 +187,20 @@ fn metadata_json(meta: &TableMeta) -> BTreeMap<&'static str, String> {
     let mut m = BTreeMap::new();
     m.insert("format", FORMAT_NAME.to_string());
     m.insert("format_version", FORMAT_VERSION.to_string());
-    m.insert("encoding", ENCODING.to_string());
+    // V4.1's rows keep the name every earlier file has.
+    let encoding = if meta.encoding == RowEncoding::V41 {
+        ENCODING.to_string()
+    } else {
+        meta.encoding.name()
+    };
+    m.insert("encoding", encoding);
     m.insert("layer", meta.layer.to_string());
     m.insert("rows", meta.rows.to_string());
-    m.insert("rows_per_page", ROWS_PER_PAGE.to_string());
-    m.insert("row_bytes", ROW_BYTES.to_string());
+    m.insert("rows_per_page", rows_per_page(meta.encoding).to_string());
+    m.insert("row_bytes", meta.encoding.row_bytes().to_string());
+    if let Some(bits) = meta.tensor_scale {
+        m.insert("tensor_scale", f32::from_bits(bits).to_string());
+    }
     m.insert("digest_blake3", meta.digest.to_hex());
     if let Some(p) = &meta.hash_preset {
         m.insert("hash_preset", p.clone());
@@ -214,7 +239,7 @@ pub fn encode_header_at(
 
 fn header_json(meta: &TableMeta, page_sums: bool) -> Result<Vec<u8>, EtabError> {
     validate_meta(meta)?;
-    let pages = pages_for(meta.rows);
+    let pages = meta.rows.div_ceil(rows_per_page(meta.encoding));
     let mut header = serde_json::json!({
         "__metadata__": metadata_json(meta),
         TENSOR_NAME: {
@@ -265,6 +290,42 @@ fn validate_meta(meta: &TableMeta) -> Result<(), EtabError> {
             key: "hash_preset",
             reason: format!("{p:?} is not 1..=64 letters, digits, '-' or '_'"),
         });
+    }
+    let e = meta.encoding;
+    if let Err(err) = e.new() {
+        return Err(EtabError::Metadata {
+            key: "encoding",
+            reason: err.to_string(),
+        });
+    }
+    if e.row_bytes() as u64 > PAGE_BYTES {
+        return Err(EtabError::Metadata {
+            key: "encoding",
+            reason: format!(
+                "{}: rows of {} bytes do not fit a {PAGE_BYTES}-byte page",
+                e.name(),
+                e.row_bytes()
+            ),
+        });
+    }
+    match (e.has_tensor_scale(), meta.tensor_scale.map(f32::from_bits)) {
+        (true, Some(x)) if x.is_finite() && x > 0.0 => {}
+        (true, got) => {
+            return Err(EtabError::Metadata {
+                key: "tensor_scale",
+                reason: format!(
+                    "{}: a positive finite scale is needed, got {got:?}",
+                    e.name()
+                ),
+            });
+        }
+        (false, None) => {}
+        (false, Some(_)) => {
+            return Err(EtabError::Metadata {
+                key: "tensor_scale",
+                reason: format!("{} rows have no table scale", e.name()),
+            });
+        }
     }
     Ok(())
 }
@@ -405,7 +466,8 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<(TableMeta, TableLayou
     let meta = parse_metadata(metadata)?;
     validate_meta(&meta)?;
 
-    let pages = pages_for(meta.rows);
+    let per_page = rows_per_page(meta.encoding);
+    let pages = meta.rows.div_ceil(per_page);
     let pages_value = top
         .remove(TENSOR_NAME)
         .ok_or_else(|| EtabError::Tensor(format!("expected tensor `{TENSOR_NAME}`")))?;
@@ -440,6 +502,8 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<(TableMeta, TableLayou
         rows: meta.rows,
         pages,
         page_sums,
+        row_bytes: meta.encoding.row_bytes() as u64,
+        rows_per_page: per_page,
     };
     if file_len != layout.file_len() {
         return Err(EtabError::FileSize {
@@ -463,9 +527,34 @@ fn parse_metadata(metadata: serde_json::Value) -> Result<TableMeta, EtabError> {
             reason: format!("{version} is not supported (this build reads {FORMAT_VERSION})"),
         });
     }
-    expect_eq(&m, "encoding", ENCODING)?;
-    expect_eq(&m, "rows_per_page", &ROWS_PER_PAGE.to_string())?;
-    expect_eq(&m, "row_bytes", &ROW_BYTES.to_string())?;
+    let name = meta_str(&m, "encoding")?;
+    let encoding = if name == ENCODING {
+        RowEncoding::V41
+    } else {
+        RowEncoding::parse(name).map_err(|e| EtabError::Metadata {
+            key: "encoding",
+            reason: e.to_string(),
+        })?
+    };
+    if encoding.row_bytes() as u64 > PAGE_BYTES {
+        return Err(EtabError::Metadata {
+            key: "encoding",
+            reason: format!("{name}: rows larger than a page"),
+        });
+    }
+    expect_eq(&m, "rows_per_page", &rows_per_page(encoding).to_string())?;
+    expect_eq(&m, "row_bytes", &encoding.row_bytes().to_string())?;
+    let tensor_scale = match m.get("tensor_scale") {
+        Some(s) => Some(
+            s.parse::<f32>()
+                .map_err(|_| EtabError::Metadata {
+                    key: "tensor_scale",
+                    reason: format!("{s:?} is not a number"),
+                })?
+                .to_bits(),
+        ),
+        None => None,
+    };
     let meta = TableMeta {
         layer: meta_num(&m, "layer")?,
         rows: meta_num(&m, "rows")?,
@@ -481,6 +570,8 @@ fn parse_metadata(metadata: serde_json::Value) -> Result<TableMeta, EtabError> {
             None => None,
         },
         source: m.get("source").cloned().unwrap_or_default(),
+        encoding,
+        tensor_scale,
     };
     Ok(meta)
 }

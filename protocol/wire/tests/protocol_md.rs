@@ -139,6 +139,7 @@ fn the_error_code_table_is_the_codecs() {
 /// The `.etab` header shown in section 2 is what the writer puts in a file.
 #[test]
 fn the_table_header_example_is_the_writers() {
+    use engram_protocol::encoding::RowEncoding;
     use engram_protocol::etab::{TableMeta, encode_header};
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../PROTOCOL.md"))
         .expect("PROTOCOL.md");
@@ -151,6 +152,8 @@ fn the_table_header_example_is_the_writers() {
         hash_preset: None,
         hash_base: None,
         source: "synthetic seed=1 layer=1".into(),
+        encoding: RowEncoding::V41,
+        tensor_scale: None,
     };
     let header = encode_header(&meta, true).expect("header");
     let json = std::str::from_utf8(&header[8..]).expect("utf8").trim_end();

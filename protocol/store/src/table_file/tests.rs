@@ -1,6 +1,7 @@
 //! Tests of `table_file`.
 
 use super::*;
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::synthetic::synthetic_rows;
 
 fn meta(rows: u64) -> TableMeta {
@@ -11,6 +12,8 @@ fn meta(rows: u64) -> TableMeta {
         hash_preset: None,
         hash_base: None,
         source: "test".into(),
+        encoding: RowEncoding::V41,
+        tensor_scale: None,
     }
 }
 
@@ -164,5 +167,30 @@ fn writer_refuses_wrong_row_counts() {
     assert!(
         !dir.path().join("x.etab.partial").exists(),
         "and leaves no partial file"
+    );
+}
+
+#[test]
+fn a_table_of_rows_this_build_does_not_serve_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("qwen.etab");
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let m = TableMeta {
+        encoding: fp8,
+        tensor_scale: Some(0.5f32.to_bits()),
+        ..meta(100)
+    };
+    let mut bytes = etab::encode_header(&m, false).expect("header");
+    bytes.resize(bytes.len() + 4 * PAGE_BYTES as usize, 0); // 25 rows a page
+    std::fs::write(&path, &bytes).expect("write");
+    let e = TableFile::open(&path).expect_err("not served");
+    assert!(
+        matches!(e, TableFileError::Encoding { row_bytes: 160, .. }),
+        "{e}"
+    );
+    let shown = e.to_string();
+    assert!(
+        shown.contains("fp8_per_tensorx160") && shown.contains("docs/models.md"),
+        "{shown}"
     );
 }

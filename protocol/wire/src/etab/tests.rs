@@ -10,6 +10,8 @@ fn meta(rows: u64) -> TableMeta {
         hash_preset: Some("v41".into()),
         hash_base: Some(16_000_000),
         source: "test".into(),
+        encoding: RowEncoding::V41,
+        tensor_scale: None,
     }
 }
 
@@ -107,6 +109,8 @@ fn row_offsets_never_straddle_pages() {
         rows: 31,
         pages: 3,
         page_sums: false,
+        row_bytes: 264,
+        rows_per_page: 15,
     };
     assert_eq!(layout.row_offset(0), Some(4096));
     assert_eq!(layout.row_offset(14), Some(4096 + 14 * 264));
@@ -202,4 +206,79 @@ fn the_safetensors_crate_opens_it() {
     let (_, md) = safetensors::SafeTensors::read_metadata(&file).expect("metadata");
     let md = md.metadata().clone().expect("has __metadata__");
     assert_eq!(md.get("rows").map(String::as_str), Some("40"));
+}
+
+#[test]
+fn tables_of_every_encoding_round_trip_with_pages_of_their_own_rows() {
+    let rows = 1000u64;
+    for (e, scale) in [
+        (RowEncoding::V41, None),
+        (RowEncoding::Fp8PerTensor { values: 160 }, Some(0.0123f32)),
+        (RowEncoding::Bf16 { values: 160 }, None),
+        (RowEncoding::Nvfp4 { values: 160 }, Some(2.5f32)),
+    ] {
+        let m = TableMeta {
+            encoding: e,
+            tensor_scale: scale.map(f32::to_bits),
+            ..meta(rows)
+        };
+        let h = encode_header(&m, true).expect("encodes");
+        let per_page = 4096 / e.row_bytes() as u64;
+        let pages = rows.div_ceil(per_page);
+        let (m2, layout) = parse(&h, h.len() as u64 + pages * (4096 + 8)).expect("parses");
+        assert_eq!(m2, m, "{}", e.name());
+        assert_eq!((layout.rows_per_page, layout.pages), (per_page, pages));
+        assert_eq!(layout.row_bytes, e.row_bytes() as u64);
+        let last = layout.row_offset(rows - 1).expect("in range");
+        assert!(last + layout.row_bytes <= layout.data_start + pages * 4096);
+        // Every row within its page.
+        for r in [0, per_page - 1, per_page, rows - 1] {
+            let (page, at) = layout.row_page(r).expect("in range");
+            assert!(at as u64 + layout.row_bytes <= 4096, "{}", e.name());
+            assert_eq!(page + at as u64, layout.row_offset(r).expect("in range"));
+        }
+        // V4.1's rows keep the name every earlier file has.
+        let json = std::str::from_utf8(&h[8..]).expect("utf8");
+        assert_eq!(
+            json.contains("\"e4m3_e8m0_32_row264\""),
+            e == RowEncoding::V41
+        );
+    }
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    for (e, scale, key) in [
+        (fp8, None, "tensor_scale"),
+        (fp8, Some(-1.0f32), "tensor_scale"),
+        (fp8, Some(f32::NAN), "tensor_scale"),
+        (RowEncoding::Bf16 { values: 160 }, Some(1.0), "tensor_scale"),
+        (RowEncoding::Bf16 { values: 4096 }, None, "encoding"),
+        (RowEncoding::Nvfp4 { values: 24 }, Some(1.0), "encoding"),
+    ] {
+        let m = TableMeta {
+            encoding: e,
+            tensor_scale: scale.map(f32::to_bits),
+            ..meta(10)
+        };
+        match encode_header(&m, false) {
+            Err(EtabError::Metadata { key: k, .. }) => assert_eq!(k, key, "{e:?} {scale:?}"),
+            other => panic!("{e:?} {scale:?}: {other:?}"),
+        }
+    }
+    // A header whose page geometry does not follow its rows is refused.
+    let m = TableMeta {
+        encoding: fp8,
+        tensor_scale: Some(1f32.to_bits()),
+        ..meta(10)
+    };
+    let h = encode_header(&m, false).expect("encodes");
+    let text = std::str::from_utf8(&h[8..]).expect("utf8");
+    let json = text.replace("\"rows_per_page\":\"25\"", "\"rows_per_page\":\"26\"");
+    assert_ne!(json, text);
+    let bad = [&h[..8], json.as_bytes()].concat();
+    assert!(matches!(
+        parse(&bad, h.len() as u64 + 4096),
+        Err(EtabError::Metadata {
+            key: "rows_per_page",
+            ..
+        })
+    ));
 }
