@@ -171,8 +171,26 @@ fn paced_draft_rejects_drafts_and_checks_the_outputs_kept() {
 
 #[test]
 fn drill_runs_a_chosen_drill_with_its_timeline_chart_and_summary() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let out = bench(&["drill", "--only", "kill-9"], dir.path(), "--dir");
+    // What is checked here is the command's output. The drill's own bounds
+    // on time are the drill tests' (integration-tests/tests/drills.rs), and
+    // as there, a run that misses only a bound on time (this VM stalls a
+    // process now and then) is run again, twice at most.
+    let mut runs = 0;
+    let (dir, out) = loop {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = bench(&["drill", "--only", "kill-9"], dir.path(), "--dir");
+        runs += 1;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let timing_only = text.contains("FAILED: ")
+            && text
+                .lines()
+                .filter(|l| l.trim_start().starts_with("FAILED: "))
+                .all(|l| l.contains("is over its bound"));
+        if out.status.success() || !timing_only || runs == 3 {
+            break (dir, out);
+        }
+        println!("a bound on time missed; running the drill again:\n{text}");
+    };
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
