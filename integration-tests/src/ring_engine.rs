@@ -16,6 +16,9 @@ pub struct CpuEngine {
     pub ring: Arc<RingMemory>,
     /// The last `seq` published.
     pub seq: u64,
+    /// The step tag the next requests carry (0: none), as an engine's
+    /// plugin sets it before each step.
+    pub step: u64,
 }
 
 /// What one layer section's wait came to.
@@ -35,7 +38,11 @@ pub struct Answer {
 impl CpuEngine {
     /// A stand-in for `ring`, nothing published yet.
     pub fn new(ring: Arc<RingMemory>) -> Self {
-        Self { ring, seq: 0 }
+        Self {
+            ring,
+            seq: 0,
+            step: 0,
+        }
     }
 
     /// Publish the next request: `ids[p][k]` is position `p`'s ids of the
@@ -49,6 +56,7 @@ impl CpuEngine {
                 flat.extend_from_slice(&p[k]);
             }
         }
+        self.ring.tag(self.seq, self.step);
         self.ring
             .publish(self.seq, mask, ids.len() as u32, &flat)
             .expect("publish");

@@ -18,7 +18,7 @@ use engram_protocol::ROW_BYTES;
 use engram_protocol::ring::{GPU_TIMEOUT, NO_ROW, SERVED_SSD, client_state};
 use engram_protocol::synthetic::{SplitMix64, first_mismatch};
 use inference_node::embed::EmbeddedNode;
-use inference_node::ring::{RingMemory, RingOptions, Shape, Status, serve};
+use inference_node::ring::{Fault, RingMemory, RingOptions, Shape, Status, serve};
 use rack_harness::ring_engine::CpuEngine as Engine;
 use rack_harness::{DonorProcess, MODEL_SEED, model_rack, model_rack_config};
 
@@ -311,7 +311,8 @@ fn no_rows_under_the_fail_policy_are_faults_the_engine_sees_and_zeros_are_not() 
     donor.signal(libc::SIGKILL);
     drop(donor);
     // Under `fail`: zeros on the engine's side, and a fault in the header
-    // naming the request.
+    // naming the request and the engine step it belongs to.
+    eng_fail.step = 7;
     let seq = eng_fail.publish(1, &positions(&mut rng, 4, rows));
     let a = eng_fail.wait(seq, 0, 4);
     assert!(a.rows.iter().all(|&b| b == 0));
@@ -322,6 +323,14 @@ fn no_rows_under_the_fail_policy_are_faults_the_engine_sees_and_zeros_are_not() 
     );
     let (n, fseq, section, status) = eng_fail.ring.faults();
     assert_eq!((n, fseq, section, status), (1, seq, 0, st));
+    let logged = Fault {
+        seq,
+        step: 7,
+        section: 0,
+        status: st,
+    };
+    assert_eq!(eng_fail.ring.fault(1), Some(logged));
+    assert_eq!(eng_fail.ring.fault(2), None, "no second fault yet");
     // Under `zeros`: zeros too, and no fault.
     let seq = eng_zeros.publish(1, &positions(&mut rng, 4, rows));
     let a = eng_zeros.wait(seq, 0, 4);
@@ -337,6 +346,10 @@ fn no_rows_under_the_fail_policy_are_faults_the_engine_sees_and_zeros_are_not() 
     }
     let (n, fseq, _, status) = eng_fail.ring.faults();
     assert_eq!((n, fseq, status), (2, seq + 100, GPU_TIMEOUT));
+    // The client never took that request, so it cannot say its step.
+    let f = eng_fail.ring.fault(2).expect("logged");
+    assert_eq!((f.seq, f.step, f.status), (seq + 100, 0, GPU_TIMEOUT));
+    assert_eq!(eng_fail.ring.fault(1), Some(logged), "still in the log");
     assert_eq!(
         fail_server
             .counters()

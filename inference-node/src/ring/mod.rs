@@ -14,9 +14,26 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use engram_protocol::ring::{
+    FAULT_LOG_ENTRIES, WAIT_BUCKETS, client_state, fault_entry, fault_entry_at, header, slot,
+};
 pub use engram_protocol::ring::{RingError, Shape, Status};
-use engram_protocol::ring::{WAIT_BUCKETS, client_state, header, slot};
 pub use serve::{RingCounters, RingHandle, RingHub, RingOptions, RingServer, serve};
+
+/// A fault the client logged (PROTOCOL.md section 6.1): section `section`
+/// of request `seq`, of the engine's step `step` (0: unknown), had no rows
+/// under a `fail` policy, for `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// The request.
+    pub seq: u64,
+    /// The engine step it belongs to (its step tag; 0: unknown).
+    pub step: u64,
+    /// The layer section.
+    pub section: u32,
+    /// Why: [`Status::Failed`], [`Status::Late`] or the GPU's timeout.
+    pub status: u32,
+}
 
 /// A ring's memory, mapped read-write and shared with the engine.
 #[derive(Debug)]
@@ -215,6 +232,46 @@ impl RingMemory {
         )
     }
 
+    /// Fault `n`'s entry in the header's fault log (counting from 1; the
+    /// log keeps the last [`FAULT_LOG_ENTRIES`]): `None` when the client
+    /// has not counted `n` faults yet, or `n` has been overwritten.
+    pub fn fault(&self, n: u64) -> Option<Fault> {
+        let count = self.word(header::FAULTS as u64).load(Ordering::Acquire);
+        if n == 0 || n > count || count - n >= FAULT_LOG_ENTRIES as u64 {
+            return None;
+        }
+        let at = fault_entry_at(n) as u64;
+        Some(Fault {
+            seq: self
+                .word(at + fault_entry::SEQ as u64)
+                .load(Ordering::Relaxed),
+            step: self
+                .word(at + fault_entry::STEP as u64)
+                .load(Ordering::Relaxed),
+            section: self
+                .word32(at + fault_entry::SECTION as u64)
+                .load(Ordering::Relaxed),
+            status: self
+                .word32(at + fault_entry::STATUS as u64)
+                .load(Ordering::Relaxed),
+        })
+    }
+
+    /// Slot `s`'s step tag (what the engine wrote with its request).
+    pub fn step_tag(&self, s: u32) -> u64 {
+        self.word(header::STEP_TAGS as u64 + 8 * u64::from(s % self.shape.slots))
+            .load(Ordering::Relaxed)
+    }
+
+    /// What an engine's publish does first when it tags its requests with
+    /// its step: write `step` as request `seq`'s step tag (before
+    /// [`publish`](Self::publish) of `seq`). For tests and CPU engines.
+    pub fn tag(&self, seq: u64, step: u64) {
+        let s = (seq % u64::from(self.shape.slots)) as u32;
+        self.word(header::STEP_TAGS as u64 + 8 * u64::from(s))
+            .store(step, Ordering::Relaxed);
+    }
+
     /// What an engine's wait does when the GPU's deadline passes first:
     /// write `seq` in its slot's give-up word, for the client to turn into
     /// the table's policy. For tests and CPU engines.
@@ -283,6 +340,28 @@ impl RingMemory {
         // SAFETY: the section's rows lie inside the slot.
         unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(at as usize), v.as_mut_ptr(), n) };
         v
+    }
+
+    /// Log a fault (the client's side): its entry, then the count, with a
+    /// release store, so an engine that reads the count sees the entry.
+    fn log_fault(&self, f: Fault) {
+        let n = self.word(header::FAULTS as u64).load(Ordering::Relaxed) + 1;
+        let at = fault_entry_at(n) as u64;
+        self.word(at + fault_entry::SEQ as u64)
+            .store(f.seq, Ordering::Relaxed);
+        self.word(at + fault_entry::STEP as u64)
+            .store(f.step, Ordering::Relaxed);
+        self.word32(at + fault_entry::SECTION as u64)
+            .store(f.section, Ordering::Relaxed);
+        self.word32(at + fault_entry::STATUS as u64)
+            .store(f.status, Ordering::Relaxed);
+        self.word(header::FAULT_SEQ as u64)
+            .store(f.seq, Ordering::Relaxed);
+        self.word32(header::FAULT_SECTION as u64)
+            .store(f.section, Ordering::Relaxed);
+        self.word32(header::FAULT_STATUS as u64)
+            .store(f.status, Ordering::Relaxed);
+        self.word(header::FAULTS as u64).store(n, Ordering::Release);
     }
 
     /// Mark the ring as no longer served (the client let go).

@@ -28,7 +28,7 @@ use engram_protocol::ring::{
 };
 use engram_sync::Mutex;
 
-use super::{RingMemory, Status, client_state, header, slot};
+use super::{Fault, RingMemory, Status, client_state, header, slot};
 use crate::embed::{EmbedError, EmbeddedNode, RowLayers, Served, Ticket};
 use crate::metrics::{NodeMetrics, RingLabels};
 
@@ -284,6 +284,8 @@ struct RingState {
     seen: Vec<u64>,
     /// The last GPU give-up seen in each slot.
     gave_up: Vec<u64>,
+    /// Each slot's last request taken and its step tag, `(seq, step)`.
+    tags: Vec<(u64, u64)>,
     /// Whether each layer section's table fails (policy `fail`) rather
     /// than answering zeros when no rows come.
     fails: [bool; 2],
@@ -377,6 +379,7 @@ impl RingState {
             gone: Arc::default(),
             seen: vec![0; sh.slots as usize],
             gave_up,
+            tags: vec![(0, 0); sh.slots as usize],
             fails,
             inflight: Vec::new(),
             metrics,
@@ -434,20 +437,24 @@ impl RingState {
         if let Some(labels) = self.labels.get(l as usize) {
             self.metrics.ring_faults.get_or_create(labels).inc();
         }
-        let r = &self.ring;
-        r.word(header::FAULT_SEQ as u64)
-            .store(seq, Ordering::Relaxed);
-        r.word32(header::FAULT_SECTION as u64)
-            .store(l, Ordering::Relaxed);
-        r.word32(header::FAULT_STATUS as u64)
-            .store(status, Ordering::Relaxed);
-        r.word(header::FAULTS as u64)
-            .fetch_add(1, Ordering::Release);
+        let s = (seq % u64::from(self.ring.shape().slots)) as usize;
+        let step = match self.tags[s] {
+            (tagged, step) if tagged == seq => step,
+            _ => 0,
+        };
+        self.ring.log_fault(Fault {
+            seq,
+            step,
+            section: l,
+            status,
+        });
         tracing::error!(
             seq,
+            step,
             section = l,
             status,
-            "engine ring: a request had no rows and its table's policy is fail; the engine stops"
+            "engine ring: a request had no rows and its table's policy is fail; the engine \
+             fails the step's requests"
         );
     }
 
@@ -528,11 +535,13 @@ impl RingState {
         let mask = mask & ((1 << sh.layers) - 1);
         let positions = positions.min(sh.positions);
         let (ids, bad) = self.read_ids(s, mask, positions);
-        // The engine may have moved on while the ids were read.
+        let step = self.ring.step_tag(s);
+        // The engine may have moved on while the ids and the tag were read.
         if self.ring.request(s) != seq {
             self.counters.stale.fetch_add(1, Ordering::Relaxed);
             return;
         }
+        self.tags[s as usize] = (seq, step);
         let mut f = Inflight {
             slot: s,
             seq,

@@ -89,3 +89,28 @@ fn memory_that_is_not_a_sealed_ring_is_refused() {
     let e = RingMemory::open(ring.file().try_clone().expect("dup")).expect_err("short");
     assert!(e.0.contains("bytes of memory"), "{e}");
 }
+
+#[test]
+fn the_fault_log_keeps_the_last_32_faults_with_their_step_tags() {
+    let ring = RingMemory::create(&shape()).expect("create");
+    let other = RingMemory::open(ring.file().try_clone().expect("dup")).expect("open");
+    ring.tag(9, 41);
+    assert_eq!(other.step_tag(9 % 4), 41);
+    assert_eq!(other.fault(1), None, "no fault yet");
+    let f = |n: u64| Fault {
+        seq: n,
+        step: 1000 + n,
+        section: (n % 2) as u32,
+        status: 2,
+    };
+    for n in 1..=40 {
+        ring.log_fault(f(n));
+        assert_eq!(other.fault(n), Some(f(n)));
+        assert_eq!(other.faults(), (n, n, (n % 2) as u32, 2));
+    }
+    // Faults 9 to 40 are in the log; 1 to 8 were overwritten.
+    assert_eq!(other.fault(8), None);
+    assert_eq!(other.fault(9), Some(f(9)));
+    assert_eq!(other.fault(41), None);
+    assert_eq!(other.fault(0), None);
+}

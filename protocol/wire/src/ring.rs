@@ -40,6 +40,9 @@
 //! | 120 | 4 | the last fault's layer section | client |
 //! | 124 | 4 | the last fault's status ([`Status`], or [`GPU_TIMEOUT`]) | client |
 //! | 128 | 4 | layer sections whose table's policy is `fail` (bit `i`: section `i`) | client |
+//! | 1024 | 8 x 80 x 2 | each section's wait histogram | engine |
+//! | 2304 | 32 x 32 | the fault log: fault `n` (counting from 1) in entry `(n - 1) % 32` | client |
+//! | 3328 | 8 x 64 | each slot's step tag: the engine step its request belongs to (0: none) | engine |
 //!
 //! Slot `s` starts at `4096 + s * stride`:
 //!
@@ -126,16 +129,51 @@ pub mod header {
     /// [sections][WAIT_BUCKETS]`, bucket [`super::wait_bucket`] of each
     /// wait's spin time (the engine's wait kernel adds one per wait).
     pub const WAITS: usize = 1024;
+    /// The fault log: [`FAULT_LOG_ENTRIES`](super::FAULT_LOG_ENTRIES)
+    /// entries of [`FAULT_ENTRY_BYTES`](super::FAULT_ENTRY_BYTES), fault
+    /// `n` (counting from 1) in entry `(n - 1) % FAULT_LOG_ENTRIES`, written
+    /// before the count says `n`: `seq` (u64), step tag (u64), section
+    /// (u32), status (u32), 8 bytes reserved.
+    pub const FAULT_LOG: usize = 2304;
+    /// Each slot's step tag (`u64 [MAX_SLOTS]`): the engine step the
+    /// slot's request belongs to, written by the engine before the request
+    /// word (0: no step, or an engine that does not tag its requests).
+    pub const STEP_TAGS: usize = 3328;
+}
+
+/// Entries in the header's fault log.
+pub const FAULT_LOG_ENTRIES: usize = 32;
+/// Bytes of a fault log entry.
+pub const FAULT_ENTRY_BYTES: usize = 32;
+
+/// A fault log entry's fields, as offsets inside the entry.
+pub mod fault_entry {
+    /// The request's `seq`.
+    pub const SEQ: usize = 0;
+    /// The request's step tag (0: unknown).
+    pub const STEP: usize = 8;
+    /// The layer section.
+    pub const SECTION: usize = 16;
+    /// The status ([`super::Status`], or [`super::GPU_TIMEOUT`]).
+    pub const STATUS: usize = 20;
 }
 
 /// Buckets of a section's wait histogram.
 pub const WAIT_BUCKETS: usize = 80;
 
-// The histograms fit the header, after its last other field.
+// The histograms, the fault log and the step tags fit the header, in
+// that order, after its last other field.
 const _: () = assert!(
     header::WAITS >= header::FAIL_SECTIONS + 4
-        && (header::WAITS + 8 * MAX_LAYERS as usize * WAIT_BUCKETS) as u64 <= HEADER_BYTES
+        && header::WAITS + 8 * MAX_LAYERS as usize * WAIT_BUCKETS <= header::FAULT_LOG
+        && header::FAULT_LOG + FAULT_LOG_ENTRIES * FAULT_ENTRY_BYTES <= header::STEP_TAGS
+        && (header::STEP_TAGS + 8 * MAX_SLOTS as usize) as u64 <= HEADER_BYTES
 );
+
+/// Where fault `n` (counting from 1) is logged in the header.
+pub fn fault_entry_at(n: u64) -> usize {
+    header::FAULT_LOG + ((n.max(1) - 1) % FAULT_LOG_ENTRIES as u64) as usize * FAULT_ENTRY_BYTES
+}
 
 /// The bucket of a wait of `ns` nanoseconds: 0 under 1,024 ns; then four
 /// to each power of two, by the two bits after the leading one; the last
