@@ -26,10 +26,13 @@ like any kernel:
 The host side never blocks: the rack client (a native thread, on the host
 or in this process) polls the request words and answers. Where a table's
 policy is `fail`, a request answered without rows (every source failed,
-the client's deadline, or the GPU's) is a fault: the client counts it in
-the ring's header, and `check()` (host memory only, no device sync; the
-plugins call it before every engine step) raises `RingFault`, which stops
-the engine instead of letting it serve tokens computed without their rows.
+the client's deadline, or the GPU's) is a fault: the client logs it in the
+ring's header with the request's **step tag** (the engine step it came
+from: `publish` copies it into the slot from a word in GPU memory that
+`set_step` fills before each step, with no host sync), and
+`take_faults()` (host memory only) returns the new ones, for the plugins
+to fail that step's requests (`engram_rack.faults`). `check()` raises
+`RingFault` for any instead, which stops the engine.
 
 On CPU (`TRITON_INTERPRET=1`) the same kernels run under Triton's
 interpreter: the release store is an atomic exchange, the acquire load a
@@ -44,6 +47,7 @@ import os
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,8 +55,9 @@ import torch
 from . import LAYERS, ROW_BYTES, BadInputError, NoSourceError, _native
 from . import cuda as _cuda
 
-__all__ = ["RingLookup", "HostRing", "RingFault", "FakeTimer", "STATUS_NAMES", "check_all",
-           "WAIT_BUCKETS", "wait_bucket_bounds", "wait_quantile"]
+__all__ = ["RingLookup", "HostRing", "RingFault", "Fault", "FakeTimer", "STATUS_NAMES",
+           "check_all", "collect_faults", "set_step", "IDLE_STEP", "WAIT_BUCKETS",
+           "wait_bucket_bounds", "wait_quantile"]
 
 STATUS_OK, STATUS_ZEROS, STATUS_FAILED, STATUS_BAD_IDS, STATUS_LATE, STATUS_TIMEOUT = range(6)
 #: What each status means.
@@ -66,6 +71,13 @@ _SLOT_GAVE_UP = 56
 _WAITS_AT = 1024
 #: Buckets of a section's wait histogram (`wait_bucket_bounds`).
 WAIT_BUCKETS = 80
+#: The fault log: entries of 32 bytes (seq, step, section, status), fault
+#: `n` in entry `(n - 1) % 32`; then each slot's step tag.
+_FAULT_LOG_AT, _FAULT_LOG_ENTRIES, _STEP_TAGS_AT = 2304, 32, 3328
+#: The step tag of work that serves no request (profile runs, graph
+#: capture, dummy batches): a fault there fails no request. Tags of real
+#: steps count from 1; 0 is a fault whose step the client cannot tell.
+IDLE_STEP = 1 << 62
 #: A client whose heartbeat is older than this does not answer.
 _CLIENT_SILENT_NS = 1_000_000_000
 
@@ -95,6 +107,74 @@ class RingFault(NoSourceError):
     """A ring request had no rows and its table's policy is `fail` (the
     client's answer, or the GPU's deadline with no client to answer): the
     engine must stop rather than serve tokens computed without them."""
+
+
+class Fault(NamedTuple):
+    """A fault the client logged: layer `layer`'s rows of ring request
+    `seq`, from engine step `step` (0: unknown), did not come, for
+    `status` (`STATUS_NAMES`)."""
+
+    seq: int
+    step: int
+    layer: int
+    status: int
+
+    def describe(self) -> str:
+        name = STATUS_NAMES[self.status] if 0 <= self.status < len(STATUS_NAMES) \
+            else str(self.status)
+        return f"request {self.seq}, layer {self.layer}, {name}"
+
+
+class _StepWord:
+    """The step tag a device's `publish` kernels copy into their slots: a
+    word in device memory, filled by a non-blocking copy from a ring of
+    pinned host words (64 deep: the host is never that many steps ahead
+    of the device), so setting it never waits for the device."""
+
+    DEPTH = 64
+
+    def __init__(self, device: torch.device):
+        # Until the first step: work that serves no request.
+        self.word = torch.full((1,), IDLE_STEP, dtype=torch.int64, device=device)
+        self.cpu = device.type == "cpu"
+        # `device="cpu"`: a model may be built inside a CUDA device context.
+        self.pinned = None if self.cpu else \
+            torch.zeros(self.DEPTH, dtype=torch.int64, device="cpu", pin_memory=True)
+        self.i = 0
+
+    def set(self, tag: int) -> None:
+        if self.cpu:
+            self.word.numpy()[0] = tag
+            return
+        k = self.i % self.DEPTH
+        self.i += 1
+        self.pinned.numpy()[k] = tag
+        self.word.copy_(self.pinned[k:k + 1], non_blocking=True)
+
+
+_step_words: dict = {}
+_step_lock = threading.Lock()
+
+
+def _step_word(device: torch.device) -> torch.Tensor:
+    with _step_lock:
+        w = _step_words.get(device)
+        if w is None:
+            w = _step_words[device] = _StepWord(device)
+        return w.word
+
+
+def set_step(tag: int) -> None:
+    """Tag the requests of the work launched from now on with engine step
+    `tag` (1 and up for real steps; `IDLE_STEP` for work that serves no
+    request). Call it on the stream the step runs on, outside graph
+    capture; it launches one small copy per device and never waits."""
+    if not 0 <= int(tag) < 1 << 63:
+        raise BadInputError(f"step tag {tag}: 0 to 2^63 - 1")
+    with _step_lock:
+        words = list(_step_words.values())
+    for w in words:
+        w.set(int(tag))
 
 
 #: Every ring of this process (`check_all`).
@@ -141,8 +221,8 @@ def _load_acquire(ptr, INTERP: tl.constexpr):
     return v
 
 @triton.jit
-def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer,
-            SLOTS: tl.constexpr, STRIDE: tl.constexpr, POS: tl.constexpr,
+def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer, step,
+            STEPS_AT: tl.constexpr, SLOTS: tl.constexpr, STRIDE: tl.constexpr, POS: tl.constexpr,
             COLS: tl.constexpr, FIRST: tl.constexpr, MASK: tl.constexpr,
             BLOCK: tl.constexpr, INTERP: tl.constexpr, FAKE: tl.constexpr):
     seq = tl.load(ctr) + 1
@@ -168,6 +248,8 @@ def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer,
         tl.store(last, seq)
     if MASK & 2:
         tl.store(last + 1, seq)
+    # The engine step this request belongs to, for the fault log.
+    tl.store((ring + STEPS_AT + (seq % SLOTS) * 8).to(tl.pointer_type(tl.int64)), tl.load(step))
     tl.debug_barrier()
     _store_release(base.to(tl.pointer_type(tl.int64)), seq, INTERP)
 
@@ -246,10 +328,18 @@ _rings = weakref.WeakSet()
 
 
 def check_all() -> None:
-    """`check()` every ring of this process (what the plugins run before
-    each engine step)."""
+    """`check()` every ring of this process: any fault stops the engine."""
     for r in list(_rings):
         r.check()
+
+
+def collect_faults() -> list[Fault]:
+    """Every ring's new faults (`take_faults`), what the plugins read
+    before each engine step to fail the requests of the steps they name."""
+    out: list[Fault] = []
+    for r in list(_rings):
+        out.extend(r.take_faults())
+    return out
 
 
 def _kernels():
@@ -335,11 +425,14 @@ class RingLookup:
         #: timed out), counted on the device; read it when convenient.
         self.failures = torch.zeros(self.layers, dtype=torch.int64, device=self.device)
         self._timer_word = timer.word if timer is not None else self.counter
+        #: The step tag `publish` copies into each request's slot (`set_step`).
+        self.step_word = _step_word(self.device)
         # The header as the host reads it: plain loads of mapped memory
         # (numpy, not torch: no device context or dispatch mode sees them).
         self._h64 = np.frombuffer(memoryview(self.native), dtype=np.int64, count=64)
         self._h32 = np.frombuffer(memoryview(self.native), dtype=np.int32, count=128)
         self._faults_seen = int(self._h64[_H64_FAULTS])
+        self._log = np.frombuffer(memoryview(self.native), dtype=np.int64, count=HEADER_BYTES // 8)
         self._gave_up_words = np.frombuffer(memoryview(self.native), dtype=np.int64)
         self._gave_up_at = np.array([(HEADER_BYTES + s * self.stride + _SLOT_GAVE_UP) // 8
                                      for s in range(self.slots)], dtype=np.int64)
@@ -376,7 +469,7 @@ class RingLookup:
         b = ids.get(1, a)
         _kernels()[0][(1,)](
             self.counter, self.last, self.memory, a, b, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            n, self._timer_word, SLOTS=self.slots, STRIDE=self.stride, POS=self.positions,
+            n, self._timer_word, self.step_word, STEPS_AT=_STEP_TAGS_AT, SLOTS=self.slots, STRIDE=self.stride, POS=self.positions,
             COLS=self.cols, FIRST=self.lo, MASK=mask, BLOCK=256, INTERP=self._interp,
             FAKE=self._timer is not None)
 
@@ -432,27 +525,32 @@ class RingLookup:
         """Faults the client has counted in this ring's header."""
         return int(self._h64[_H64_FAULTS])
 
-    def check(self) -> None:
-        """Raise `RingFault` when the client has counted a fault since the
-        last check, or when a wait passed the GPU's deadline under a `fail`
+    def take_faults(self) -> list[Fault]:
+        """The faults the client has logged since the last call, oldest
+        first (each with its request's step tag). Raises `RingFault` when
+        more came than the log keeps (32: whose requests they failed is
+        lost), or when a wait passed the GPU's deadline under a `fail`
         policy with no client answering (gone, or silent for a second).
         Reads host memory only."""
-        faults = int(self._h64[_H64_FAULTS])
-        if faults > self._faults_seen:
-            new, self._faults_seen = faults - self._faults_seen, faults
-            seq = int(self._h64[_H64_FAULT_SEQ])
-            section = int(self._h32[_H32_FAULT_SECTION])
-            status = int(self._h32[_H32_FAULT_STATUS])
-            name = STATUS_NAMES[status] if 0 <= status < len(STATUS_NAMES) else str(status)
-            layer = self.layer_ids[section] if 0 <= section < len(self.layer_ids) else section
-            raise RingFault(f"engine ring: {new} request(s) had no rows under the table's fail "
-                            f"policy (the last: request {seq}, layer {layer}, {name}); "
-                            "the engine stops")
+        count = int(self._h64[_H64_FAULTS])
+        out: list[Fault] = []
+        if count > self._faults_seen:
+            first, self._faults_seen = self._faults_seen + 1, count
+            if count - first >= _FAULT_LOG_ENTRIES:
+                raise RingFault(f"engine ring: {count - first + 1} requests had no rows under "
+                                f"the table's fail policy since the last step, more than the "
+                                f"ring's fault log keeps ({_FAULT_LOG_ENTRIES}); the engine stops")
+            for n in range(first, count + 1):
+                at = (_FAULT_LOG_AT + ((n - 1) % _FAULT_LOG_ENTRIES) * 32) // 8
+                seq, step, packed = (int(x) for x in self._log[at:at + 3])
+                section, status = packed & 0xFFFFFFFF, packed >> 32
+                layer = self.layer_ids[section] if 0 <= section < len(self.layer_ids) else section
+                out.append(Fault(seq, step, layer, status))
         if not int(self._h32[_H32_FAIL_SECTIONS]):
-            return
+            return out
         gave_up = int(self._gave_up_words[self._gave_up_at].max())
         if gave_up <= self._gave_up_seen:
-            return
+            return out
         self._gave_up_seen = gave_up
         serving = int(self._h32[_H32_CLIENT_STATE]) == 1
         silent = time.monotonic_ns() - int(self._h64[_H64_HEARTBEAT]) > _CLIENT_SILENT_NS
@@ -460,6 +558,16 @@ class RingLookup:
             raise RingFault(f"engine ring: request {gave_up} passed the GPU's deadline with no "
                             "rack client answering, and the table's policy is fail; the "
                             "engine stops")
+        return out
+
+    def check(self) -> None:
+        """Raise `RingFault` for any fault since the last check (see
+        `take_faults`): the engine stops. Reads host memory only."""
+        faults = self.take_faults()
+        if faults:
+            raise RingFault(f"engine ring: {len(faults)} request(s) had no rows under the "
+                            f"table's fail policy (the last: {faults[-1].describe()}); "
+                            "the engine stops")
 
     def close(self) -> None:
         """Stop the fake timer, if any."""
@@ -527,8 +635,11 @@ class HostRing:
         nap = 2e-5
         while self.native.done(slot, s) != seq:
             if time.monotonic() - t0 > self.deadline:
-                raise RingFault(f"engine ring: no rack client answered a prefill's rows within "
-                                f"{self.deadline:g} s (layer {self.layer_ids[s]})")
+                e = RingFault(f"engine ring: no rack client answered a prefill's rows within "
+                              f"{self.deadline:g} s (layer {self.layer_ids[s]})")
+                e.detail = f"prefill, layer {self.layer_ids[s]}, no rack client answered " \
+                    f"within {self.deadline:g} s"
+                raise e
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
         status = self.native.status(slot, s)
@@ -538,6 +649,8 @@ class HostRing:
             n = ids.shape[0] * self.cols * ROW_BYTES
             out.reshape(-1)[:] = self._bytes[at:at + n]
             return
-        raise RingFault(f"engine ring: a prefill's rows did not come (request {seq}, layer "
-                        f"{self.layer_ids[s]}, {STATUS_NAMES[status]}) and the table's policy "
-                        "is fail; the engine stops")
+        name = STATUS_NAMES[status] if 0 <= status < len(STATUS_NAMES) else str(status)
+        e = RingFault(f"engine ring: a prefill's rows did not come (request {seq}, layer "
+                      f"{self.layer_ids[s]}, {name}) and the table's policy is fail")
+        e.detail = f"prefill, layer {self.layer_ids[s]}, {name}"
+        raise e

@@ -21,8 +21,14 @@ and gives it the rack's memory, with hooks in SGLang's `HookRegistry`:
   wait;
 - AROUND `EngramEmbedding._load_rows` and `initialize_dummy_weights`: the
   loaders leave the rack's tables alone;
-- BEFORE `ModelRunner.forward`: the rings' fault words (host memory): a
-  request that had no rows under a table's `fail` policy stops SGLang;
+- BEFORE `ModelRunner.forward`: the rings' fault logs (host memory): the
+  requests of a step whose rows did not come under a table's `fail`
+  policy go to the fault board (`engram_rack.faults`); then this step's
+  ring requests are tagged with its batch's request ids;
+- AFTER `Scheduler._poll_timeout_aborts`: the leader of each group of
+  ranks that share a waiting queue turns the board's requests into
+  aborts with the rack's message (HTTP 503), which ride SGLang's own
+  broadcast so every rank drops them in the same iteration;
 - REPLACE `EngramRowStager` with `RackRowStager` where a table is remote:
   the scheduler hashes an extend batch's tokens on the CPU (SGLang's own
   windows and hashing), fetches its remote rows from the rack through a
@@ -30,7 +36,9 @@ and gives it the rack's memory, with hooks in SGLang's `HookRegistry`:
   the donor's memory, and copies them to the GPU on a side stream while
   the previous forward runs; the layers only dequantize them, and no ring
   request is published for that batch (`ENGRAM_RACK_STAGE_PREFILL=0`
-  leaves a prefill to the forward's ring instead).
+  leaves a prefill to the forward's ring instead). Rows that do not come
+  under `fail` fail the batch's requests through the board (zeros are
+  staged meanwhile).
 
 Errors stop SGLang: a configuration or version error raises SystemExit
 from the plugin (SGLang logs and ignores exceptions there), and a table
@@ -57,6 +65,7 @@ LOAD_ROWS = "sglang.srt.layers.engram.EngramEmbedding._load_rows"
 DUMMY = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 STAGER = "sglang.srt.layers.engram_staging.EngramRowStager"
+POLL_ABORTS = "sglang.srt.managers.scheduler.Scheduler._poll_timeout_aborts"
 #: Stage a prefill's remote rows in the scheduler (1, the default) or
 #: leave them to the forward's ring (0).
 STAGE_PREFILL = os.environ.get("ENGRAM_RACK_STAGE_PREFILL", "1") != "0"
@@ -304,7 +313,12 @@ def stager_class(base):
                     out.append((self._gather(table[0], layer_ids),
                                 self._gather(table[1], layer_ids)))
                     continue
-                packed = self.ring.fetch(layer, layer_ids.reshape(-1, 24).numpy())
+                from .ring import RingFault
+
+                try:
+                    packed = self.ring.fetch(layer, layer_ids.reshape(-1, 24).numpy())
+                except RingFault as e:
+                    packed = _fail_batch(batch, e, (layer_ids.numel() // 24, 24, 264))
                 packed = torch.from_numpy(packed.reshape(-1, 264))
                 out.append((packed[:, :256].contiguous(), packed[:, 256:].contiguous()))
             return out
@@ -333,11 +347,77 @@ def stager_class(base):
     return RackRowStager
 
 
-def check_rings(*args, **kwargs):
-    """Before each forward: raise the rings' faults (host memory only)."""
-    from .ring import check_all
+_steps = None
 
-    check_all()
+
+def steps():
+    """This process's step tags (`engram_rack.faults.Steps`)."""
+    global _steps
+    from .faults import Steps
+
+    with _lock:
+        if _steps is None:
+            _steps = Steps()
+        return _steps
+
+
+def check_rings(*args, **kwargs):
+    """Before each forward: the rings' new faults go to the fault board as
+    the failed steps' requests (host memory and a file append), then this
+    forward's ring requests are tagged with its batch's request ids."""
+    from .faults import route_faults
+
+    s = steps()
+    route_faults(s)
+    batch = args[1] if len(args) > 1 else kwargs.get("forward_batch")
+    rids = getattr(batch, "rids", None)
+    if rids:
+        s.begin(rids)
+    else:
+        s.idle()  # an idle DP batch, or a forward of no request
+
+
+def _fail_batch(batch, fault, shape):
+    """A staged prefill whose rows did not come under `fail`: its requests
+    go to the fault board and its rows are zeros; raises `fault` where no
+    request can be named or the board cannot take them."""
+    import numpy as np
+
+    from .faults import board
+
+    rids = [r.rid for r in getattr(batch, "reqs", None) or ()]
+    b = board()
+    detail = getattr(fault, "detail", None) or str(fault)
+    message = f"engram-rack: this request's Engram rows did not come ({detail}) and the " \
+        "table's policy is fail"
+    if not rids or b is None or not b.report(rids, message):
+        raise fault
+    log.error("engram_rack: a prefill's rows did not come; failing its %d request(s)", len(rids))
+    return np.zeros(shape, dtype=np.uint8)
+
+
+def board_aborts(result, *args, **kwargs):
+    """After the scheduler's own aborts are polled: the fault board's
+    requests as aborts with the rack's message (HTTP 503, as SGLang's own
+    timeouts), sent to every rank by SGLang's broadcast."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.io_struct import AbortReq
+
+    from .faults import board
+
+    b = board()
+    if b is None:
+        return result
+    out = list(result or [])
+    seen = set()
+    for rid, message in b.take():
+        if rid in seen:
+            continue
+        seen.add(rid)
+        out.append(AbortReq(rid=rid, abort_message=message, finished_reason={
+            "type": "abort", "status_code": HTTPStatus.SERVICE_UNAVAILABLE, "message": message}))
+    return out
 
 
 def _install() -> None:
@@ -351,6 +431,7 @@ def _install() -> None:
     HookRegistry.register(LOAD_ROWS, skip_rack_rows, HookType.AROUND)
     HookRegistry.register(DUMMY, dummy_without_rack_tables, HookType.AROUND)
     HookRegistry.register(RUNNER_FORWARD, check_rings, HookType.BEFORE)
+    HookRegistry.register(POLL_ABORTS, board_aborts, HookType.AFTER)
     import importlib
 
     staging = importlib.import_module(STAGER.rsplit(".", 1)[0])
@@ -370,6 +451,9 @@ def register() -> None:
         import sglang
 
         check_version(sglang.__version__)
+        from .faults import board
+
+        board(create=True)
         with _lock:
             if _registered:
                 return

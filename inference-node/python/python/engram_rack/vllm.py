@@ -17,9 +17,12 @@ graphs and async scheduling as they are:
   loaded.
 - its `lookup()`, for a table across the network: publish, wait and gather
   kernels on the engine ring (`engram_rack.ring`), served by the host's
-  rack client; no host sync, no Python on the rows' path. Before every
-  step the model runner checks the rings' fault words (host memory): a
-  request that had no rows under a table's `fail` policy stops vLLM.
+  rack client; no host sync, no Python on the rows' path. Each step's
+  ring requests carry the step's tag; before every step the model runner
+  reads the rings' fault logs (host memory) and posts the requests of a
+  step whose rows did not come under a table's `fail` policy to the fault
+  board, and the scheduler fails them with a retryable request error
+  (`engram_rack.faults`); vLLM serves on.
 
 Each rank reads only its own tokens' rows (`dp_size` 1: no DP exchange),
 its TP head slice as vLLM shards heads. See docs/engines.md.
@@ -49,6 +52,10 @@ MODEL_MODULES = (
 COMMON = "vllm.models.deepseek_v41.common.engram"
 #: The model runner whose every step first checks the rings for faults.
 RUNNER = "vllm.v1.worker.gpu_model_runner"
+#: The scheduler that fails the requests the fault board names.
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+#: The error code a request failed for its rows carries.
+ERROR_CODE = "engram_rack_no_rows"
 #: Positions one ring request carries (a longer step goes in turns).
 RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 
@@ -265,19 +272,74 @@ def _patch_loaders() -> None:
             mod.initialize_single_dummy_weight = _skip_rack_tables(f)
 
 
+_steps = None
+
+
+def steps():
+    """This process's step tags (`engram_rack.faults.Steps`)."""
+    global _steps
+    from .faults import Steps
+
+    with _lock:
+        if _steps is None:
+            _steps = Steps()
+        return _steps
+
+
 def _checked_step(execute_model):
-    """The model runner's step, after the rings' fault check (host memory
-    only): a request that had no rows under a `fail` policy stops vLLM
-    with the ring's error instead of serving tokens made without them."""
-    from .ring import check_all as _check_all
+    """The model runner's step: first the rings' new faults go to the
+    fault board as the failed steps' requests (host memory and a file
+    append), then this step's ring requests are tagged with its own
+    requests (one small copy, no wait)."""
+    from .faults import route_faults
 
     @functools.wraps(execute_model)
-    def step(self, *args, **kwargs):
-        _check_all()
-        return execute_model(self, *args, **kwargs)
+    def step(self, scheduler_output, *args, **kwargs):
+        s = steps()
+        route_faults(s)
+        s.begin(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+        return execute_model(self, scheduler_output, *args, **kwargs)
 
     step.engram_rack_wrapped = True
     return step
+
+
+def _idle_step(dummy_run):
+    """The model runner's dummy runs (profiling, graph capture, DP idle
+    batches): their ring requests serve no request."""
+
+    @functools.wraps(dummy_run)
+    def run(self, *args, **kwargs):
+        steps().idle()
+        return dummy_run(self, *args, **kwargs)
+
+    run.engram_rack_wrapped = True
+    return run
+
+
+def _failing_update(update_from_output):
+    """The scheduler's `update_from_output`, which first fails the requests
+    the fault board names (those this scheduler runs) with a retryable
+    request error: vLLM's own path for a request-level error, which
+    leaves the engine healthy."""
+    from vllm.outputs import RequestError
+
+    from .faults import board
+
+    @functools.wraps(update_from_output)
+    def update(self, scheduler_output, model_runner_output):
+        b = board()
+        if b is not None:
+            errors = self.grammar_compile_error_reqs  # vLLM 0.33's request-error map
+            for req_id, message in b.take():
+                req = self.requests.get(req_id)
+                if req is not None and not req.is_finished():
+                    errors[req_id] = RequestError(
+                        code=ERROR_CODE, message=message, retryable=True)
+        return update_from_output(self, scheduler_output, model_runner_output)
+
+    update.engram_rack_wrapped = True
+    return update
 
 
 def _patch_runner() -> None:
@@ -287,11 +349,18 @@ def _patch_runner() -> None:
         mod = importlib.import_module(RUNNER)
     except Exception as e:  # noqa: BLE001 - a CPU-only build may not import it
         log.debug("engram_rack: %s not imported (%s)", RUNNER, e)
-        return
-    cls = getattr(mod, "GPUModelRunner", None)
-    f = getattr(cls, "execute_model", None)
-    if f is not None and not getattr(f, "engram_rack_wrapped", False):
-        cls.execute_model = _checked_step(f)
+    else:
+        cls = getattr(mod, "GPUModelRunner", None)
+        f = getattr(cls, "execute_model", None)
+        if f is not None and not getattr(f, "engram_rack_wrapped", False):
+            cls.execute_model = _checked_step(f)
+        f = getattr(cls, "_dummy_run", None)
+        if f is not None and not getattr(f, "engram_rack_wrapped", False):
+            cls._dummy_run = _idle_step(f)
+    sched = importlib.import_module(SCHEDULER).Scheduler
+    f = sched.update_from_output
+    if not getattr(f, "engram_rack_wrapped", False):
+        sched.update_from_output = _failing_update(f)
 
 
 def copy_env_to_ray() -> None:
@@ -309,5 +378,8 @@ def register() -> None:
         log.debug("engram_rack: the rack is not configured; the plugin is off")
         return
     copy_env_to_ray()
+    from .faults import board
+
+    board(create=True)
     install()
     log.info("engram_rack: DeepSeek V4.1 Engram tables come from the rack")

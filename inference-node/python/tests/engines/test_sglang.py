@@ -310,25 +310,129 @@ def test_a_donor_serving_another_table_version_is_refused(rack, tables, hooks):
         Pair(rack, 1, "only-donor", hooks)
 
 
-def test_every_forward_first_raises_the_rings_faults(hooks):
-    """SGLang's `ModelRunner.forward` through the registry's BEFORE hook: a
-    fault counted since the last forward stops it with RingFault."""
+def _abort_on_a_rank(abort, reqs):
+    """SGLang's own `Scheduler.abort_request` applied to running requests
+    `reqs` (what every rank does with an abort the broadcast brought)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler import Scheduler
+
+    rank = types.SimpleNamespace(
+        chunked_req=None, mm_receiver=None, waiting_queue=[], dllm_config=None,
+        grammar_manager=types.SimpleNamespace(abort_requests=lambda r: None),
+        disaggregation_mode=DisaggregationMode.NULL, collect_inflight_reqs=lambda: reqs)
+    Scheduler.abort_request(rank, abort)
+
+
+def test_a_forward_without_its_rows_aborts_its_requests_and_sglang_serves_on(
+        rack, hooks, tmp_path, monkeypatch):
+    """`ModelRunner.forward` and `Scheduler._poll_timeout_aborts` through the
+    registry's BEFORE and AFTER hooks, with a ring served by a donor under
+    the `fail` policy: the donor freezes during the forward of r3, so
+    before the next forward its requests go to the fault board, and the
+    group leader's poll turns them into aborts with the rack's message
+    (HTTP 503) that SGLang's own `abort_request` applies on every rank;
+    r4 runs on. A fault no request can be named for stops SGLang."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    from engram_rack.ring import RingFault, RingLookup
+    from engram_rack import faults
+    from engram_rack.ring import STATUS_OK, RingFault, RingLookup
 
-    forward = _wrap_fn(lambda self, batch: batch, plugin.check_rings, HookType.BEFORE)
-    ring = RingLookup((14,), (0, 24), positions=2, device="cpu")
+    board = tmp_path / "board"
+    board.write_bytes(b"")
+    monkeypatch.setenv(faults.BOARD_ENV, str(board))
+    monkeypatch.setattr(plugin, "_steps", None)
+    donor = rack.start()
+    mem = er.Memory(rack.config, "only-donor", metrics="off")
+    ring = RingLookup((14,), (0, 24), positions=4, device="cpu", deadline=3.0)
+    handle = mem.serve_ring(ring.native)  # noqa: F841 - kept: dropping it lets the ring go
+
+    def model_forward(self, batch):
+        out = torch.zeros(2, 24, 256, dtype=torch.bfloat16)
+        ring.lookup(14, torch.zeros(2, 24, dtype=torch.int64), out, scale0_zero=False)
+        return int(ring.state[1])
+
+    forward = _wrap_fn(model_forward, plugin.check_rings, HookType.BEFORE)
+    poll = _wrap_fn(lambda self: [], plugin.board_aborts, HookType.AFTER)
+    batch = lambda *rids: types.SimpleNamespace(rids=list(rids))  # noqa: E731
     try:
-        assert forward(None, "batch") == "batch"
-        h64 = torch.frombuffer(memoryview(ring.native), dtype=torch.int64, count=16)
-        h64[14] = 9
-        h64[13] += 1
-        with pytest.raises(RingFault, match="request 9, layer 14"):
-            forward(None, "batch")
-        assert forward(None, "batch") == "batch"
+        assert forward(None, batch("r1", "r2")) == STATUS_OK
+        assert poll(None) == []
+        donor.hang()
+        assert forward(None, batch("r3")) != STATUS_OK
+        assert forward(None, types.SimpleNamespace(rids=None)) != STATUS_OK  # idle: fails none
+        donor.signal(signal.SIGCONT)
+        for _ in range(100):
+            if forward(None, batch("r4")) == STATUS_OK:
+                break
+        aborts = poll(None)
+        assert [a.rid for a in aborts] == ["r3"], aborts
+        assert all(isinstance(a, AbortReq) for a in aborts)
+        assert "rows did not come (request " in aborts[0].abort_message
+        assert poll(None) == [], "each is aborted once"
+        running = [types.SimpleNamespace(rid=r, to_finish=None, finished=lambda: False)
+                   for r in ("r3", "r4")]
+        _abort_on_a_rank(aborts[0], running)
+        r3, r4 = running
+        assert r3.to_finish is not None and r4.to_finish is None
+        assert r3.to_finish.status_code == HTTPStatus.SERVICE_UNAVAILABLE
+        assert r3.to_finish.message == aborts[0].abort_message
+        # A fault whose step the client could not tell (tag 0).
+        h64 = np.frombuffer(memoryview(ring.native), dtype=np.int64, count=512)
+        n = int(h64[13])
+        at = (2304 + (n % 32) * 32) // 8
+        h64[at], h64[at + 1], h64[at + 2] = 9, 0, 2 << 32
+        h64[13] = n + 1
+        with pytest.raises(RingFault, match="request 9, layer 14, failed"):
+            forward(None, batch("r5"))
     finally:
+        donor.signal(signal.SIGCONT)
         ring.close()
+        mem.close()
+
+
+def test_a_prefill_without_its_rows_fails_its_requests(rack, hooks, tmp_path, monkeypatch):
+    """The scheduler's stager with the donor frozen under `fail`: zeros are
+    staged and the batch's requests go to the fault board; with no board,
+    RingFault stops SGLang."""
+    import sglang.srt.layers.engram_staging as ST
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from engram_rack import faults
+    from engram_rack.ring import RingFault
+
+    board = tmp_path / "board"
+    board.write_bytes(b"")
+    monkeypatch.setenv(faults.BOARD_ENV, str(board))
+    donor = rack.start()
+    p1 = Pair(rack, 1, "only-donor", hooks)
+    p14 = Pair(rack, 14, "only-donor", hooks, fresh=False)
+    assert p1.remote and p14.remote
+    h = hasher(p1.layout)
+    stager = ST.EngramRowStager.from_model(nn.ModuleList([p14.rack, p1.rack]), h,
+                                          torch.device("cpu"))
+    tokens = list(range(10, 19))
+    req = lambda rid: types.SimpleNamespace(rid=rid, full_untruncated_fill_ids=tokens)  # noqa
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[req("p1"), req("p2")],
+                                  prefix_lens=[0, 0], extend_lens=[9, 9],
+                                  encoder_swa_reset=None)
+    try:
+        assert bool(stager.stage(batch)[0][0].any())
+        donor.hang()
+        staged = stager.stage(batch)
+        for values, scales, _ in staged:
+            assert values.shape == (18 * 24, 256) and not bool(values.any())
+            assert not bool(scales.any())
+        got = faults.board().take()
+        assert [r for r, _ in got] == ["p1", "p2"] * 2  # each layer's rows
+        assert "prefill, layer " in got[0][1]
+        monkeypatch.setenv(faults.BOARD_ENV, str(tmp_path / "gone" / "board"))
+        with pytest.raises(RingFault, match="prefill's rows did not come"):
+            stager.stage(batch)
+    finally:
+        donor.signal(signal.SIGCONT)
 
 
 def test_a_prefills_remote_rows_are_staged_by_the_scheduler(rack, hooks):

@@ -350,18 +350,131 @@ def test_vllms_kernel_reads_a_scale_byte_of_0_as_0_where_the_reference_reads_2_t
     np.testing.assert_array_equal(vllm_values[32:64], ours[32:64])  # byte 127: both 1.0
 
 
-def _fault(ring, seq: int) -> None:
-    """Count a fault in a ring's header as its client does (request `seq`,
-    section 0, status failed)."""
-    h64 = torch.frombuffer(memoryview(ring.native), dtype=torch.int64, count=16)
-    h64[14] = seq
-    h64[13] += 1
+def _scheduler(tmp_path):
+    """vLLM's own scheduler for a tiny model config (no weights, no
+    tokenizer): what fails a request on the engine core's side."""
+    import json
+
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}))
+    cache = CacheConfig(block_size=16)
+    cache.num_gpu_blocks = 64
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, max_model_len=512,
+                                 dtype="bfloat16"),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+                                         max_model_len=512, is_encoder_decoder=False),
+        cache_config=cache, device_config=DeviceConfig(device="cpu"))
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=16)
 
 
-def test_every_step_first_raises_the_rings_faults(monkeypatch, rack, vctx):
-    """vLLM's model runner, after install(): a step with no new fault runs
-    vLLM's own; a fault counted since (a request with no rows under the
-    `fail` policy) stops the step with RingFault before it runs."""
+def test_a_step_without_its_rows_fails_its_requests_and_vllm_serves_on(
+        monkeypatch, rack, vctx, tmp_path):
+    """vLLM's model runner and scheduler after install(), with a ring served
+    by a donor under the `fail` policy: the donor freezes during step 2,
+    so step 2's ring request has no rows; before step 3 the runner posts
+    step 2's requests (a, b) to the fault board, and vLLM's own scheduler
+    finishes them with a retryable request error, while c, scheduled
+    after, runs on; dummy runs (graph capture, profiling) fail nothing."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.worker import gpu_model_runner as runner
+
+    from engram_rack import faults
+    from engram_rack.ring import STATUS_OK, RingLookup
+
+    board = tmp_path / "board"
+    board.write_bytes(b"")
+    monkeypatch.setenv(faults.BOARD_ENV, str(board))
+    donor = rack.start()
+    mem = er.Memory(rack.config, "only-donor", metrics="off")
+    ring = RingLookup((1,), (0, 24), positions=4, device="cpu", deadline=3.0)
+    handle = mem.serve_ring(ring.native)  # noqa: F841 - kept: dropping it lets the ring go
+
+    def lookup():
+        out = torch.zeros(2, 24, 256, dtype=torch.bfloat16)
+        ring.lookup(1, torch.zeros(2, 24, dtype=torch.int64), out, scale0_zero=True)
+        return int(ring.state[1])
+
+    def execute_model(self, scheduler_output):
+        lookup()  # the forward's Engram layer
+        ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=[[7] for _ in ids])
+
+    def dummy_run(self, *args, **kwargs):
+        return lookup()
+
+    monkeypatch.setattr(runner.GPUModelRunner, "execute_model", execute_model)
+    monkeypatch.setattr(runner.GPUModelRunner, "_dummy_run", dummy_run)
+    monkeypatch.setattr(plugin, "_steps", None)
+    plugin.install()
+    step = runner.GPUModelRunner.execute_model
+    dummy = runner.GPUModelRunner._dummy_run
+    assert getattr(step, "engram_rack_wrapped", False)
+    sched = _scheduler(tmp_path)
+    assert getattr(type(sched).update_from_output, "engram_rack_wrapped", False)
+
+    def one_step():
+        out = sched.schedule()
+        return out, sched.update_from_output(out, step(None, out))
+
+    def finished(outputs):
+        return {o.request_id: o for v in outputs.values() for o in v.outputs
+                if o.finish_reason is not None}
+
+    try:
+        for r in "ab":
+            sched.add_request(Request(r, list(range(1, 20)), SamplingParams(max_tokens=8), None))
+        assert dummy(None) == STATUS_OK  # capture and profile runs: rows come
+        out, res = one_step()
+        assert set(out.num_scheduled_tokens) == {"a", "b"} and not finished(res)
+        donor.hang()
+        out, res = one_step()  # step 2: no rows (the donor is frozen)
+        assert int(ring.state[1]) != STATUS_OK and not finished(res)
+        assert dummy(None) != STATUS_OK  # a dummy run without rows: no request fails
+        donor.signal(signal.SIGCONT)
+        for _ in range(100):
+            if dummy(None) == STATUS_OK:
+                break
+        sched.add_request(Request("c", list(range(1, 20)), SamplingParams(max_tokens=8), None))
+        out, res = one_step()  # step 3: the runner posts step 2's requests first
+        assert set(out.num_scheduled_tokens) == {"a", "b", "c"}
+        assert int(ring.state[1]) == STATUS_OK
+        done = finished(res)
+        assert set(done) == {"a", "b"}, done
+        for o in done.values():
+            assert o.finish_reason.name == "ERROR"
+            assert o.error.code == plugin.ERROR_CODE and o.error.retryable
+            assert "rows did not come (request " in o.error.message
+            assert "policy is fail" in o.error.message
+        assert sched.requests["c"].status == RequestStatus.RUNNING
+        assert "a" not in sched.requests and "b" not in sched.requests
+        out, res = one_step()  # c serves on, alone
+        assert set(out.num_scheduled_tokens) == {"c"} and not finished(res)
+    finally:
+        donor.signal(signal.SIGCONT)
+        ring.close()
+        mem.close()
+
+
+def test_a_fault_no_request_can_be_named_for_stops_the_step(monkeypatch, rack, vctx):
+    """A fault whose step the client could not tell (tag 0: a request it
+    never took) stops the step with RingFault before it runs."""
     from vllm.v1.worker import gpu_model_runner as runner
 
     from engram_rack.ring import RingFault, RingLookup
@@ -369,12 +482,14 @@ def test_every_step_first_raises_the_rings_faults(monkeypatch, rack, vctx):
     monkeypatch.setattr(runner.GPUModelRunner, "execute_model", lambda self, out: out)
     plugin.install()
     step = runner.GPUModelRunner.execute_model
-    assert getattr(step, "engram_rack_wrapped", False)
     ring = RingLookup((1,), (0, 24), positions=2, device="cpu")
     try:
         assert step(None, "ran") == "ran"
-        _fault(ring, 7)
-        with pytest.raises(RingFault, match="request 7, layer 1"):
+        h64 = np.frombuffer(memoryview(ring.native), dtype=np.int64, count=512)
+        h64[2304 // 8] = 7  # the log's first entry: request 7, step 0, section 0, failed
+        h64[2304 // 8 + 2] = 2 << 32
+        h64[13] += 1
+        with pytest.raises(RingFault, match="request 7, layer 1, failed"):
             step(None, "ran")
         assert step(None, "ran") == "ran"
     finally:
