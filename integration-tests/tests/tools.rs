@@ -17,6 +17,74 @@ fn text(b: &[u8]) -> String {
 }
 
 #[test]
+fn inspect_shows_a_table_of_any_encoding_and_says_which_this_build_serves() {
+    use engram_protocol::encoding::RowEncoding;
+    use engram_protocol::etab::{self, TableMeta};
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A Qwen4Exp-shaped table: FP8 rows of 160 values, one table scale.
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let meta = TableMeta {
+        layer: 1,
+        rows: 1000,
+        digest: engram_protocol::TableDigest([7; 32]),
+        hash_preset: None,
+        hash_base: None,
+        source: "test".into(),
+        encoding: fp8,
+        tensor_scale: Some(0.5f32.to_bits()),
+    };
+    let mut bytes = etab::encode_header(&meta, false).expect("header");
+    bytes.resize(bytes.len() + 40 * 4096, 0); // 25 rows a page
+    let path = dir.path().join("qwen.etab");
+    std::fs::write(&path, &bytes).expect("write");
+    let p = path.display().to_string();
+    let out = run("memory-donor", &["inspect", &p, "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["encoding"], "fp8_per_tensorx160");
+    assert_eq!(v["row_bytes"], 160);
+    assert_eq!(v["rows_per_page"], 25);
+    assert_eq!(v["pages"], 40);
+    assert_eq!(v["tensor_scale"], 0.5);
+    assert_eq!(v["served"], false);
+    let out = run("memory-donor", &["inspect", &p]);
+    let shown = text(&out.stdout);
+    assert!(
+        shown.contains("served:      no") && shown.contains("160 bytes each"),
+        "{shown}"
+    );
+    // Serving tools refuse it by name.
+    let out = run("memory-donor", &["verify", &p]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("fp8_per_tensorx160"),
+        "{}",
+        text(&out.stderr)
+    );
+    // V4.1's tables: served, 264-byte rows, 15 a page.
+    let (v41, _) = gen_table(dir.path(), "t.etab", 14, 100, 5).expect("gen");
+    let out = run(
+        "memory-donor",
+        &["inspect", &v41.display().to_string(), "--json"],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(
+        (
+            &v["served"],
+            &v["row_bytes"],
+            &v["rows_per_page"],
+            &v["tensor_scale"]
+        ),
+        (
+            &serde_json::json!(true),
+            &serde_json::json!(264),
+            &serde_json::json!(15),
+            &serde_json::Value::Null
+        )
+    );
+}
+
+#[test]
 fn inspect_and_verify_report_the_table_and_catch_corruption() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, digest) = gen_table(dir.path(), "t.etab", 14, 1000, 5).expect("gen");

@@ -222,22 +222,29 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     Ok(())
 }
 
-/// Print a table's metadata.
+/// Print a table's metadata (of any row encoding; one this build does
+/// not serve says so).
 pub fn inspect(a: InspectArgs) -> Result<()> {
+    use engram_protocol::encoding::RowEncoding;
     let (file, json) = (a.file.as_path(), a.json);
-    let t = TableFile::open(file)?;
-    let m = &t.meta;
+    let (m, layout) = TableFile::read_meta(file)?;
+    let served = m.encoding == RowEncoding::V41;
+    let scale = m.tensor_scale.map(f32::from_bits);
     if json {
         let v = serde_json::json!({
             "path": file.display().to_string(),
             "format_version": engram_protocol::etab::FORMAT_VERSION,
-            "encoding": engram_protocol::etab::ENCODING,
+            "encoding": m.encoding.name(),
+            "row_bytes": layout.row_bytes,
+            "rows_per_page": layout.rows_per_page,
+            "tensor_scale": scale,
+            "served": served,
             "layer": m.layer,
             "rows": m.rows,
-            "pages": t.layout.pages,
-            "data_start": t.layout.data_start,
-            "file_len": t.layout.file_len(),
-            "page_checksums": t.has_page_sums().then_some("xxh3_64"),
+            "pages": layout.pages,
+            "data_start": layout.data_start,
+            "file_len": layout.file_len(),
+            "page_checksums": layout.page_sums.then_some("xxh3_64"),
             "digest": m.digest.to_hex(),
             "digest_prefix": format!("{:016x}", m.digest.prefix()),
             "hash_preset": m.hash_preset,
@@ -251,21 +258,30 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
             "format:      {} v{} ({})",
             engram_protocol::etab::FORMAT_NAME,
             engram_protocol::etab::FORMAT_VERSION,
-            engram_protocol::etab::ENCODING
+            m.encoding.name()
         );
+        if let Some(s) = scale {
+            println!("scale:       {s} (one per table)");
+        }
+        if !served {
+            println!(
+                "served:      no: this build serves V4.1's 264-byte rows only (docs/models.md)"
+            );
+        }
         println!("layer:       {}", m.layer);
         println!(
-            "rows:        {} ({:.2} GiB of rows)",
+            "rows:        {} ({:.2} GiB of rows, {} bytes each)",
             m.rows,
-            (m.rows * ROW_BYTES as u64) as f64 / (1u64 << 30) as f64
+            (m.rows * layout.row_bytes) as f64 / (1u64 << 30) as f64,
+            layout.row_bytes
         );
         println!(
-            "pages:       {} x 4096 bytes from offset {}",
-            t.layout.pages, t.layout.data_start
+            "pages:       {} x 4096 bytes from offset {}, {} rows each",
+            layout.pages, layout.data_start, layout.rows_per_page
         );
         println!(
             "checksums:   {}",
-            if t.has_page_sums() {
+            if layout.page_sums {
                 "XXH3-64 per page (page_xxh3)"
             } else {
                 "none (add with `memory-donor verify --write-page-checksums`)"

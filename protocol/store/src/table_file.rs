@@ -139,11 +139,20 @@ impl TableFile {
         Self::from_file(file, path)
     }
 
-    /// A table from a file already open (a swap opens its file once, by
-    /// descriptor, beneath the table directory): checks that it is a
-    /// regular file and its header against its size; `path` names it in
-    /// errors and logs.
-    pub fn from_file(file: File, path: &Path) -> Result<Self, TableFileError> {
+    /// A table file's header, of any row encoding (what `inspect` shows;
+    /// [`open`](Self::open) refuses the encodings this build does not
+    /// serve). Checks the header against the file's size.
+    pub fn read_meta(path: &Path) -> Result<(TableMeta, TableLayout), TableFileError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(io_err(path, "open"))?;
+        Self::header_of(&file, path)
+    }
+
+    fn header_of(file: &File, path: &Path) -> Result<(TableMeta, TableLayout), TableFileError> {
         let meta = file.metadata().map_err(io_err(path, "stat"))?;
         if !meta.is_file() {
             return Err(TableFileError::Io {
@@ -155,19 +164,27 @@ impl TableFile {
                 ),
             });
         }
-        let file_len = meta.len();
-        let (meta, layout) = etab::read_header(file_len, |buf, off| file.read_exact_at(buf, off))
-            .map_err(|e| match e {
-            etab::ReadHeaderError::Io(source) => TableFileError::Io {
-                path: path.to_path_buf(),
-                op: "read header",
-                source,
+        etab::read_header(meta.len(), |buf, off| file.read_exact_at(buf, off)).map_err(
+            |e| match e {
+                etab::ReadHeaderError::Io(source) => TableFileError::Io {
+                    path: path.to_path_buf(),
+                    op: "read header",
+                    source,
+                },
+                etab::ReadHeaderError::Format(source) => TableFileError::Format {
+                    path: path.to_path_buf(),
+                    source,
+                },
             },
-            etab::ReadHeaderError::Format(source) => TableFileError::Format {
-                path: path.to_path_buf(),
-                source,
-            },
-        })?;
+        )
+    }
+
+    /// A table from a file already open (a swap opens its file once, by
+    /// descriptor, beneath the table directory): checks that it is a
+    /// regular file and its header against its size; `path` names it in
+    /// errors and logs.
+    pub fn from_file(file: File, path: &Path) -> Result<Self, TableFileError> {
+        let (meta, layout) = Self::header_of(&file, path)?;
         if meta.encoding != RowEncoding::V41 {
             return Err(TableFileError::Encoding {
                 path: path.to_path_buf(),
