@@ -84,6 +84,125 @@ fn inspect_shows_a_table_of_any_encoding_and_says_which_this_build_serves() {
     );
 }
 
+/// A safetensors file of `tensors` (name, dtype, shape, bytes), written
+/// as its format says: a little-endian header length, the JSON header,
+/// then the bytes.
+fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, dtype, shape, bytes) in tensors {
+        let at = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, data.len()]}),
+        );
+    }
+    let mut h = serde_json::Value::Object(header).to_string().into_bytes();
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    std::fs::write(path, out).expect("write safetensors");
+}
+
+#[test]
+fn pack_makes_a_qwen4exp_table_from_its_row_shards() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 100 FP8 rows of 160 values in 3 shards of 34, 34 and 32 rows.
+    let rows: Vec<u8> = (0..100 * 160).map(|i| (i % 97) as u8).collect();
+    let p = "model.layers.0.ple.ple_embedding.ngram_embedding";
+    let mut tensors = vec![(
+        format!("{p}.weight_scale"),
+        "F32",
+        vec![],
+        0.25f32.to_le_bytes().to_vec(),
+    )];
+    for (i, (lo, hi)) in [(0, 34), (34, 68), (68, 100)].into_iter().enumerate() {
+        tensors.push((
+            format!("{p}.shard_{i}.weight"),
+            "F8_E4M3",
+            vec![hi - lo, 160],
+            rows[lo * 160..hi * 160].to_vec(),
+        ));
+    }
+    let named: Vec<_> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
+        .collect();
+    write_safetensors(&dir.path().join("model.safetensors"), &named);
+    let out = dir.path().join("ple.etab");
+    let (ck, o) = (dir.path().display().to_string(), out.display().to_string());
+    let args = [
+        "pack",
+        "--model",
+        "qwen4exp",
+        "--checkpoint",
+        &ck,
+        "--layer",
+        "1",
+        "--parts",
+        "3",
+        "--out",
+        &o,
+    ];
+    let run_out = run("memory-donor", &args);
+    assert!(run_out.status.success(), "{}", text(&run_out.stderr));
+    assert!(
+        text(&run_out.stdout).contains("rows 100 encoding fp8_per_tensorx160"),
+        "{}",
+        text(&run_out.stdout)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&run("memory-donor", &["inspect", &o, "--json"]).stdout)
+            .expect("json");
+    assert_eq!(
+        (&v["rows"], &v["tensor_scale"], &v["hash_preset"]),
+        (
+            &serde_json::json!(100),
+            &serde_json::json!(0.25),
+            &serde_json::json!("qwen4exp")
+        )
+    );
+    // Row 40 sits in page 1 (25 rows a page) at slot 15.
+    let bytes = std::fs::read(&out).expect("read");
+    let at = v["data_start"].as_u64().expect("start") as usize + 4096 + 15 * 160;
+    assert_eq!(&bytes[at..at + 160], &rows[40 * 160..41 * 160]);
+    // The wrong shard count is refused naming the shard, and no file is left.
+    std::fs::remove_file(&out).expect("rm");
+    let mut bad = args;
+    bad[8] = "4";
+    let r = run("memory-donor", &bad);
+    assert!(!r.status.success() && !out.exists());
+    assert!(text(&r.stderr).contains("shard 0"), "{}", text(&r.stderr));
+    // V4.1's options are refused for qwen4exp, and the shard options for V4.1.
+    let r = run("memory-donor", &[&args[..], &["--hash-base", "5"]].concat());
+    assert!(
+        text(&r.stderr).contains("--hash-base"),
+        "{}",
+        text(&r.stderr)
+    );
+    let r = run(
+        "memory-donor",
+        &[
+            "pack",
+            "--checkpoint",
+            &ck,
+            "--layer",
+            "1",
+            "--parts",
+            "3",
+            "--out",
+            &o,
+        ],
+    );
+    assert!(
+        text(&r.stderr).contains("--model qwen4exp"),
+        "{}",
+        text(&r.stderr)
+    );
+}
+
 #[test]
 fn inspect_and_verify_report_the_table_and_catch_corruption() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -6,6 +6,7 @@ use anyhow::{Context, Result, bail};
 use engram_protocol::ROW_BYTES;
 use engram_store::generate::{GenSpec, generate, generate_sparse, parse_rows, table_shape};
 use engram_store::pack::{PackSpec, pack};
+use engram_store::pack_ngram::{NgramPackSpec, pack_ngram};
 use engram_store::progress::Progress;
 use engram_store::table_file::TableFile;
 use engram_store::verify::add_page_sums;
@@ -56,6 +57,20 @@ pub struct PackArgs {
     /// directory, if any): the table's rows and hashing are checked against it.
     #[arg(long)]
     config_json: Option<PathBuf>,
+    /// The model family: `v41` (DeepSeek V4.1's Engram tables) or
+    /// `qwen4exp` (Qwen3.8-Flash-Next's n-gram table, from its row shards
+    /// and global scale: docs/models.md).
+    #[arg(long, default_value = "v41", value_parser = ["v41", "qwen4exp"])]
+    model: String,
+    /// qwen4exp: what comes before `ngram_embedding.` in the tensors'
+    /// names (default: the checkpoint's one n-gram table, or the one of
+    /// `layers.{layer - 1}.`).
+    #[arg(long)]
+    tensor_prefix: Option<String>,
+    /// qwen4exp: the shards the table is split into (default: the config's
+    /// `split_ngram_parts`, or 512).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    parts: Option<u64>,
 }
 
 /// `memory-donor verify`.
@@ -137,7 +152,42 @@ pub fn pack_table(a: PackArgs) -> Result<()> {
         hash_preset,
         hash_base,
         config_json,
+        model,
+        tensor_prefix,
+        parts,
     } = a;
+    if model == "qwen4exp" {
+        if hash_preset.is_some() || hash_base.is_some() {
+            bail!(
+                "--hash-preset and --hash-base are V4.1's: a qwen4exp table's hashing comes from its config.json"
+            );
+        }
+        let spec = NgramPackSpec {
+            layer,
+            tensor_prefix,
+            parts,
+            config_json,
+        };
+        let meta = pack_ngram(&checkpoint, &out, &spec, |rows, row_bytes| {
+            Some(Progress::stderr(
+                format!("packing layer {layer}"),
+                rows,
+                row_bytes,
+            ))
+        })?;
+        println!(
+            "{}: layer {} rows {} encoding {} digest {}",
+            out.display(),
+            meta.layer,
+            meta.rows,
+            meta.encoding.name(),
+            meta.digest
+        );
+        return Ok(());
+    }
+    if tensor_prefix.is_some() || parts.is_some() {
+        bail!("--tensor-prefix and --parts are for --model qwen4exp");
+    }
     if config_json.is_none() && !engram_store::checkpoint::config_beside(&checkpoint).is_file() {
         eprintln!(
             "note: no config.json in the checkpoint's directory: the table is not checked \

@@ -122,6 +122,11 @@ impl CheckpointFiles {
         })
     }
 
+    /// Every tensor name the index lists (`None` for a single file).
+    pub fn indexed_names(&self) -> Option<Vec<String>> {
+        self.index.as_ref().map(|i| i.keys().cloned().collect())
+    }
+
     /// The file or directory this checkpoint was read from.
     pub fn root(&self) -> &Path {
         &self.root

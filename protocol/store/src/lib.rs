@@ -24,6 +24,7 @@ pub mod kept;
 pub mod kept_checks;
 pub mod numa;
 pub mod pack;
+pub mod pack_ngram;
 pub mod progress;
 pub mod resident;
 pub mod resume;

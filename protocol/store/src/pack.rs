@@ -97,7 +97,7 @@ impl From<CheckpointError> for PackError {
     }
 }
 
-fn map(path: &Path) -> Result<Mmap, PackError> {
+pub(crate) fn map(path: &Path) -> Result<Mmap, PackError> {
     let file = File::open(path).map_err(|source| PackError::Io {
         path: path.into(),
         what: "open",

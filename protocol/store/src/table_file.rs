@@ -360,6 +360,10 @@ pub struct TableWriter {
     rows_written: u64,
     page: Vec<u8>,
     rows_in_page: usize,
+    /// Bytes of a row in the table's encoding.
+    row_bytes: usize,
+    /// Rows a page holds in the table's encoding.
+    rows_per_page: usize,
 }
 
 impl TableWriter {
@@ -371,7 +375,10 @@ impl TableWriter {
             source,
         };
         let header = etab::encode_header(&meta, true).map_err(fmt)?;
-        let sums_start = header.len() as u64 + etab::pages_for(meta.rows) * PAGE_BYTES;
+        let row_bytes = meta.encoding.row_bytes();
+        let rows_per_page = etab::rows_per_page(meta.encoding) as usize;
+        let pages = meta.rows.div_ceil(rows_per_page as u64);
+        let sums_start = header.len() as u64 + pages * PAGE_BYTES;
         let mut name = path
             .file_name()
             .map(|n| n.to_os_string())
@@ -396,6 +403,8 @@ impl TableWriter {
             rows_written: 0,
             page: vec![0u8; PAGE_BYTES as usize],
             rows_in_page: 0,
+            row_bytes,
+            rows_per_page,
         })
     }
 
@@ -404,10 +413,11 @@ impl TableWriter {
         self.rows_written
     }
 
-    /// Append whole rows, in row order.
+    /// Append whole rows (of the table's encoding), in row order.
     pub fn write_rows(&mut self, rows: &[u8]) -> Result<(), TableFileError> {
-        let n = (rows.len() / ROW_BYTES) as u64;
-        if !rows.len().is_multiple_of(ROW_BYTES) || self.rows_written + n > self.meta.rows {
+        let rb = self.row_bytes;
+        let n = (rows.len() / rb) as u64;
+        if !rows.len().is_multiple_of(rb) || self.rows_written + n > self.meta.rows {
             return Err(TableFileError::Io {
                 path: self.tmp_path.clone(),
                 op: "write rows",
@@ -418,11 +428,11 @@ impl TableWriter {
             });
         }
         self.digest.update(rows);
-        for row in rows.chunks_exact(ROW_BYTES) {
-            let at = self.rows_in_page * ROW_BYTES;
-            self.page[at..at + ROW_BYTES].copy_from_slice(row);
+        for row in rows.chunks_exact(rb) {
+            let at = self.rows_in_page * rb;
+            self.page[at..at + rb].copy_from_slice(row);
             self.rows_in_page += 1;
-            if self.rows_in_page == ROWS_PER_PAGE as usize {
+            if self.rows_in_page == self.rows_per_page {
                 self.flush_page()?;
             }
         }
@@ -439,8 +449,9 @@ impl TableWriter {
             return Ok(());
         }
         let left = self.meta.rows - self.rows_written;
-        let rows = pages.saturating_mul(ROWS_PER_PAGE).min(left);
-        if self.rows_in_page != 0 || pages > etab::pages_for(left) {
+        let rpp = self.rows_per_page as u64;
+        let rows = pages.saturating_mul(rpp).min(left);
+        if self.rows_in_page != 0 || pages > left.div_ceil(rpp) {
             return Err(TableFileError::Io {
                 path: self.tmp_path.clone(),
                 op: "write zero pages",
@@ -450,7 +461,7 @@ impl TableWriter {
                 ),
             });
         }
-        let mut bytes = rows * ROW_BYTES as u64;
+        let mut bytes = rows * self.row_bytes as u64;
         while bytes > 0 {
             let n = bytes.min(crate::holes::ZEROS.len() as u64) as usize;
             self.digest.update(&crate::holes::ZEROS[..n]);
@@ -499,7 +510,7 @@ impl TableWriter {
         if self.sums.len() == self.sums.capacity() {
             self.flush_sums()?;
         }
-        self.page[..self.rows_in_page * ROW_BYTES].fill(0);
+        self.page[..self.rows_in_page * self.row_bytes].fill(0);
         self.rows_in_page = 0;
         Ok(())
     }
