@@ -133,6 +133,15 @@ impl CheckpointFiles {
     }
 }
 
+/// The `config.json` to check a checkpoint against: the one `named`, or
+/// the one beside `checkpoint` where there is one (`None` otherwise).
+pub fn config_to_check(checkpoint: &Path, named: Option<&Path>) -> Option<PathBuf> {
+    match named {
+        Some(p) => Some(p.to_path_buf()),
+        None => Some(config_beside(checkpoint)).filter(|p| p.is_file()),
+    }
+}
+
 /// Where a checkpoint's `config.json` is: in the checkpoint's directory
 /// (the directory itself, or the one holding its file or index).
 pub fn config_beside(checkpoint: &Path) -> PathBuf {

@@ -168,15 +168,9 @@ pub struct PackSpec {
 /// The `config.json` `spec` names, or the one beside `checkpoint` (none
 /// when there is none there); an error when one is named and missing.
 fn model_config(checkpoint: &Path, spec: &PackSpec) -> Result<Option<ModelConfig>, PackError> {
-    let path = match &spec.config_json {
-        Some(p) => p.clone(),
-        None => {
-            let p = crate::checkpoint::config_beside(checkpoint);
-            if !p.is_file() {
-                return Ok(None);
-            }
-            p
-        }
+    let Some(path) = crate::checkpoint::config_to_check(checkpoint, spec.config_json.as_deref())
+    else {
+        return Ok(None);
     };
     Ok(Some(crate::checkpoint::read_model_config(&path)?))
 }

@@ -146,15 +146,9 @@ fn read_config(
     checkpoint: &Path,
     spec: &NgramPackSpec,
 ) -> Result<Option<serde_json::Value>, PackError> {
-    let path = match &spec.config_json {
-        Some(p) => p.clone(),
-        None => {
-            let p = crate::checkpoint::config_beside(checkpoint);
-            if !p.is_file() {
-                return Ok(None);
-            }
-            p
-        }
+    let Some(path) = crate::checkpoint::config_to_check(checkpoint, spec.config_json.as_deref())
+    else {
+        return Ok(None);
     };
     let io = |source| PackError::Io {
         path: path.clone(),

@@ -37,7 +37,7 @@ import threading
 from .ring import IDLE_STEP, Fault, RingFault, collect_faults, set_step
 
 __all__ = ["Steps", "FaultBoard", "BOARD_ENV", "MAX_BOARD_BYTES", "board", "route_faults",
-           "fault_message"]
+           "fault_message", "steps"]
 
 log = logging.getLogger("engram_rack")
 
@@ -176,8 +176,20 @@ class FaultBoard:
         return out
 
 
-_board: FaultBoard | None = None
 _board_lock = threading.Lock()
+_steps: Steps | None = None
+
+
+def steps() -> Steps:
+    """This process's step tags (what both engines' plugins use)."""
+    global _steps
+    with _board_lock:
+        if _steps is None:
+            _steps = Steps()
+        return _steps
+
+
+_board: FaultBoard | None = None
 
 
 def board(create: bool = False) -> FaultBoard | None:

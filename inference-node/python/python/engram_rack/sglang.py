@@ -347,25 +347,11 @@ def stager_class(base):
     return RackRowStager
 
 
-_steps = None
-
-
-def steps():
-    """This process's step tags (`engram_rack.faults.Steps`)."""
-    global _steps
-    from .faults import Steps
-
-    with _lock:
-        if _steps is None:
-            _steps = Steps()
-        return _steps
-
-
 def check_rings(*args, **kwargs):
     """Before each forward: the rings' new faults go to the fault board as
     the failed steps' requests (host memory and a file append), then this
     forward's ring requests are tagged with its batch's request ids."""
-    from .faults import route_faults
+    from .faults import route_faults, steps
 
     s = steps()
     route_faults(s)

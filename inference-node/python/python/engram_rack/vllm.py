@@ -272,26 +272,12 @@ def _patch_loaders() -> None:
             mod.initialize_single_dummy_weight = _skip_rack_tables(f)
 
 
-_steps = None
-
-
-def steps():
-    """This process's step tags (`engram_rack.faults.Steps`)."""
-    global _steps
-    from .faults import Steps
-
-    with _lock:
-        if _steps is None:
-            _steps = Steps()
-        return _steps
-
-
 def _checked_step(execute_model):
     """The model runner's step: first the rings' new faults go to the
     fault board as the failed steps' requests (host memory and a file
     append), then this step's ring requests are tagged with its own
     requests (one small copy, no wait)."""
-    from .faults import route_faults
+    from .faults import route_faults, steps
 
     @functools.wraps(execute_model)
     def step(self, scheduler_output, *args, **kwargs):
@@ -307,6 +293,8 @@ def _checked_step(execute_model):
 def _idle_step(dummy_run):
     """The model runner's dummy runs (profiling, graph capture, DP idle
     batches): their ring requests serve no request."""
+
+    from .faults import steps
 
     @functools.wraps(dummy_run)
     def run(self, *args, **kwargs):

@@ -343,7 +343,7 @@ def test_a_forward_without_its_rows_aborts_its_requests_and_sglang_serves_on(
     board = tmp_path / "board"
     board.write_bytes(b"")
     monkeypatch.setenv(faults.BOARD_ENV, str(board))
-    monkeypatch.setattr(plugin, "_steps", None)
+    monkeypatch.setattr(faults, "_steps", None)
     donor = rack.start()
     mem = er.Memory(rack.config, "only-donor", metrics="off")
     ring = RingLookup((14,), (0, 24), positions=4, device="cpu", deadline=3.0)

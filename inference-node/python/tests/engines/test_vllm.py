@@ -421,7 +421,7 @@ def test_a_step_without_its_rows_fails_its_requests_and_vllm_serves_on(
 
     monkeypatch.setattr(runner.GPUModelRunner, "execute_model", execute_model)
     monkeypatch.setattr(runner.GPUModelRunner, "_dummy_run", dummy_run)
-    monkeypatch.setattr(plugin, "_steps", None)
+    monkeypatch.setattr(faults, "_steps", None)
     plugin.install()
     step = runner.GPUModelRunner.execute_model
     dummy = runner.GPUModelRunner._dummy_run
