@@ -12,6 +12,7 @@ pub mod backend;
 pub mod fusion;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod ple;
 pub mod tokenmap;
 pub mod weights;
 
