@@ -226,7 +226,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     let threads = threads.map_or_else(engram_store::verify::default_threads, usize::from);
     let mut failed = 0;
     for f in &files {
-        let result = TableFile::open(f).and_then(|t| {
+        let result = TableFile::open_any(f).and_then(|t| {
             let what = if write_page_checksums && !t.has_page_sums() {
                 "adding page checksums to"
             } else {
@@ -235,7 +235,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
             let mut p = Progress::stderr(
                 format!("{what} {}", f.display()),
                 t.meta.rows,
-                ROW_BYTES as u64,
+                t.row_bytes() as u64,
             );
             let d = if write_page_checksums {
                 add_page_sums(f, Some(&mut p))?.digest
@@ -243,7 +243,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
                 t.verify_on(threads, Some(&mut p))?
             };
             p.finish();
-            let t = TableFile::open(f)?;
+            let t = TableFile::open_any(f)?;
             Ok((t, d))
         });
         match result {
@@ -272,13 +272,13 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     Ok(())
 }
 
-/// Print a table's metadata (of any row encoding; one this build does
-/// not serve says so).
+/// Print a table's metadata (of any row encoding; one the node does not
+/// read yet says so).
 pub fn inspect(a: InspectArgs) -> Result<()> {
     use engram_protocol::encoding::RowEncoding;
     let (file, json) = (a.file.as_path(), a.json);
     let (m, layout) = TableFile::read_meta(file)?;
-    let served = m.encoding == RowEncoding::V41;
+    let node_reads = m.encoding == RowEncoding::V41;
     let scale = m.tensor_scale.map(f32::from_bits);
     if json {
         let v = serde_json::json!({
@@ -288,7 +288,8 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
             "row_bytes": layout.row_bytes,
             "rows_per_page": layout.rows_per_page,
             "tensor_scale": scale,
-            "served": served,
+            "served": true,
+            "node_reads": node_reads,
             "layer": m.layer,
             "rows": m.rows,
             "pages": layout.pages,
@@ -313,9 +314,9 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         if let Some(s) = scale {
             println!("scale:       {s} (one per table)");
         }
-        if !served {
+        if !node_reads {
             println!(
-                "served:      no: this build serves V4.1's 264-byte rows only (docs/models.md)"
+                "served:      by donors, to clients of protocol version 2; the node reads V4.1's 264-byte rows only (docs/models.md)"
             );
         }
         println!("layer:       {}", m.layer);

@@ -28,7 +28,7 @@ use std::time::Duration;
 use blake3::hazmat::{
     ChainingValue, HasherExt, Mode, merge_subtrees_non_root, merge_subtrees_root,
 };
-use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
+use engram_protocol::etab::{PAGE_BYTES, TableLayout};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_sync::Mutex;
 
@@ -99,8 +99,8 @@ unsafe impl Send for Base {}
 // SAFETY: as above.
 unsafe impl Sync for Base {}
 
-/// Read every row of `file` into `dst` (exactly `rows * 264` bytes, rows
-/// back to back), on `opts.threads` threads; returns the digest of the
+/// Read every row of `file` into `dst` (exactly `rows * row_bytes`
+/// bytes, rows back to back; rows of any encoding), on `opts.threads` threads; returns the digest of the
 /// rows when `opts.digest`. Progress, in rows, goes to `progress` from
 /// the calling thread about every 25 ms.
 pub fn fill(
@@ -111,7 +111,7 @@ pub fn fill(
 ) -> Result<Option<TableDigest>, TableFileError> {
     let rows = file.layout.rows;
     let total = dst.len();
-    if total as u64 != rows * ROW_BYTES as u64 {
+    if total as u64 != rows * file.layout.row_bytes {
         return Err(io_error(
             file,
             "fill",
@@ -165,6 +165,7 @@ pub fn fill_planar(
     opts: FillOptions,
     progress: Option<&mut Progress>,
 ) -> Result<Option<TableDigest>, TableFileError> {
+    file.require_v41("a planar table")?;
     let rows = file.layout.rows;
     if values.len() as u64 != rows * VALUES as u64 || (scales.len() as u64) < rows * SCALES as u64 {
         return Err(io_error(
@@ -288,8 +289,11 @@ pub(crate) fn run_segments<W>(
     Ok(cvs.into_inner())
 }
 
-/// Bytes of rows in one page of a table file (15 rows; the rest is slack).
-pub(crate) const PAGE_ROWS_BYTES: usize = ROWS_PER_PAGE as usize * ROW_BYTES;
+/// Bytes of rows in one page of a table file (15 V4.1 rows; the rest is
+/// slack).
+pub(crate) fn page_rows_bytes(layout: &TableLayout) -> usize {
+    (layout.rows_per_page * layout.row_bytes) as usize
+}
 
 /// Lower a worker thread to `how`, when asked (a worker that cannot be
 /// lowered works on at its priority).
@@ -350,7 +354,7 @@ fn scatter(rows: &[u8], r0: usize, values: Base, scales: Base) {
 struct Worker<'a> {
     file: &'a TableFile,
     slack: Vec<u8>,
-    head: [u8; ROW_BYTES],
+    head: Vec<u8>,
     iov: Vec<libc::iovec>,
     /// A planar fill's rows, read and hashed here before they are scattered.
     scratch: Vec<u8>,
@@ -361,7 +365,7 @@ impl<'a> Worker<'a> {
         Self {
             file,
             slack: vec![0; PAGE_BYTES as usize],
-            head: [0; ROW_BYTES],
+            head: vec![0; file.layout.row_bytes as usize],
             iov: Vec::with_capacity(2 * PAGES_PER_CALL),
             scratch: Vec::new(),
         }
@@ -378,7 +382,7 @@ impl<'a> Worker<'a> {
         segments: usize,
         opts: FillOptions,
     ) -> Result<(u64, Option<ChainingValue>), TableFileError> {
-        let row = ROW_BYTES;
+        let row = self.file.layout.row_bytes as usize;
         let a = s * size;
         let b = (a + size).min(total);
         let r0 = a.div_ceil(row);
@@ -430,7 +434,7 @@ impl<'a> Worker<'a> {
         (r0, segments): (usize, usize),
         opts: FillOptions,
     ) -> Result<Option<ChainingValue>, TableFileError> {
-        let row = ROW_BYTES;
+        let row = self.file.layout.row_bytes as usize;
         if !opts.digest || segments <= 1 {
             return Ok(None);
         }
@@ -466,7 +470,8 @@ impl<'a> Worker<'a> {
 
     /// Read rows `r0..r1` into `dst` (their bytes, back to back).
     fn read_rows(&mut self, r0: u64, r1: u64, dst: &mut [u8]) -> Result<(), TableFileError> {
-        let per_page = ROWS_PER_PAGE;
+        let per_page = self.file.layout.rows_per_page;
+        let row = self.file.layout.row_bytes as usize;
         let mut r = r0;
         let mut at = 0usize;
         while r < r1 {
@@ -482,17 +487,17 @@ impl<'a> Worker<'a> {
             let mut want = 0usize;
             while r < r1 && pages < PAGES_PER_CALL {
                 let page_end = (r / per_page + 1) * per_page;
-                let run = (page_end.min(r1) - r) as usize * ROW_BYTES;
+                let run = (page_end.min(r1) - r) as usize * row;
                 self.iov.push(libc::iovec {
                     iov_base: dst[at..].as_mut_ptr().cast(),
                     iov_len: run,
                 });
                 at += run;
                 want += run;
-                r += (run / ROW_BYTES) as u64;
+                r += (run / row) as u64;
                 pages += 1;
                 if r < r1 && r == page_end {
-                    let slack = PAGE_BYTES as usize - ROWS_PER_PAGE as usize * ROW_BYTES;
+                    let slack = PAGE_BYTES as usize - per_page as usize * row;
                     self.iov.push(libc::iovec {
                         iov_base: self.slack.as_mut_ptr().cast(),
                         iov_len: slack,

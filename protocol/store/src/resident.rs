@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::PAGE_BYTES;
 use engram_protocol::{ROW_BYTES, TableDigest};
 use memmap2::{Mmap, MmapMut};
@@ -356,6 +357,10 @@ pub struct ResidentTable {
     pub digest: TableDigest,
     /// `digest.prefix()`, kept for the lookup path.
     pub digest_prefix: u64,
+    /// How its rows are encoded (V4.1's for a kept copy or file pages).
+    pub encoding: RowEncoding,
+    /// The table's F32 scale, as its bits, for an encoding with one.
+    pub tensor_scale: Option<u32>,
     /// Shared with whatever must keep the rows mapped beyond the table
     /// (an RDMA registration).
     mem: std::sync::Arc<Rows>,
@@ -373,6 +378,12 @@ impl ResidentTable {
             return None;
         }
         crate::rowref::row_in(&self.mem.map, self.mem.layout, row)
+    }
+
+    /// Bytes per row.
+    #[inline]
+    pub fn row_bytes(&self) -> usize {
+        self.mem.layout.row_bytes()
     }
 
     /// Map the pages of bytes `range` of the table's memory
@@ -448,10 +459,9 @@ impl ResidentTable {
     /// What a Welcome says of this table.
     pub fn info(&self) -> engram_protocol::messages::TableInfo {
         engram_protocol::messages::TableInfo {
-            table_id: self.id,
-            layer: self.layer,
-            rows: self.rows,
-            digest: self.digest,
+            encoding: self.encoding,
+            tensor_scale: self.tensor_scale,
+            ..engram_protocol::messages::TableInfo::v41(self.id, self.layer, self.rows, self.digest)
         }
     }
 
@@ -466,7 +476,7 @@ impl ResidentTable {
             let (values, scales) = self.mem.layout.offsets(row);
             let base = self.mem.map.as_ptr();
             let (start, len) = if self.mem.layout.whole_rows() {
-                (base.wrapping_add(values), ROW_BYTES)
+                (base.wrapping_add(values), self.mem.layout.row_bytes())
             } else {
                 prefetch_line(base.wrapping_add(scales));
                 (base.wrapping_add(values), kept::VALUE_BYTES as usize)
@@ -548,7 +558,7 @@ impl ResidentTable {
         opts: &LoadOptions,
         progress: impl FnOnce(&TableFile) -> Option<Progress>,
     ) -> Result<(Self, LoadReport), LoadError> {
-        Self::load_table(id, TableFile::open(path)?, opts, progress)
+        Self::load_table(id, TableFile::open_any(path)?, opts, progress)
     }
 
     /// [`ResidentTable::load_with`] for a table file already open.
@@ -568,13 +578,35 @@ impl ResidentTable {
         {
             return Err(LoadError::Pinned { path: shown, what });
         }
-        let planar = opts.planar && opts.backing == Backing::Memfd;
+        // Rows of another encoding than V4.1's: packed in private memory
+        // (not served from the file's pages, kept for the next process or
+        // shared on a host socket yet: docs/models.md).
+        let encoded = (file.meta.encoding != RowEncoding::V41).then(|| file.row_bytes());
+        let backing = match (encoded, opts.backing) {
+            (Some(_), b @ (Backing::Mapped | Backing::Memfd)) => {
+                tracing::warn!(
+                    table = %file.path.display(),
+                    encoding = %file.meta.encoding.name(),
+                    asked = ?b,
+                    "rows of this encoding are held in this process's own memory: not served \
+                     from the file's pages, not kept for the next process and not shared on \
+                     the host socket (docs/models.md)"
+                );
+                Backing::Anonymous
+            }
+            (_, b) => b,
+        };
+        let planar = encoded.is_none() && opts.planar && backing == Backing::Memfd;
         let kept_layout = if planar {
             KeptLayout::Planar
         } else {
             KeptLayout::Packed
         };
-        let bytes = kept_layout.rows_len(file.meta.rows).unwrap_or(u64::MAX);
+        let bytes = match encoded {
+            Some(row) => file.meta.rows.checked_mul(row as u64),
+            None => kept_layout.rows_len(file.meta.rows),
+        }
+        .unwrap_or(u64::MAX);
         let memory = |source| LoadError::Memory {
             path: shown.clone(),
             bytes,
@@ -582,14 +614,15 @@ impl ResidentTable {
         };
         let len = usize::try_from(bytes)
             .map_err(|_| memory(std::io::Error::other("larger than the address space")))?;
-        let (mut map, memfd) = match opts.backing {
+        let (mut map, memfd) = match backing {
             Backing::Mapped => return Self::load_mapped(id, file, opts, progress),
             Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
             Backing::Memfd => memfd_map(file.meta.rows, kept_layout, &memory)?,
         };
-        let layout = match kept_layout {
-            KeptLayout::Packed => RowLayout::Packed,
-            KeptLayout::Planar => RowLayout::Planar {
+        let layout = match (kept_layout, encoded) {
+            (KeptLayout::Packed, Some(row_bytes)) => RowLayout::Encoded { row_bytes },
+            (KeptLayout::Packed, None) => RowLayout::Packed,
+            (KeptLayout::Planar, _) => RowLayout::Planar {
                 scales_at: planar_scales_at(file.meta.rows, &memory)?,
             },
         };
@@ -630,6 +663,8 @@ impl ResidentTable {
             rows: file.meta.rows,
             digest,
             digest_prefix: digest.prefix(),
+            encoding: file.meta.encoding,
+            tensor_scale: file.meta.tensor_scale,
             mem: std::sync::Arc::new(Rows {
                 view,
                 ..Rows::copy(map, len, layout)
@@ -737,6 +772,8 @@ impl ResidentTable {
             rows: record.rows,
             digest: record.digest,
             digest_prefix: record.digest.prefix(),
+            encoding: RowEncoding::V41,
+            tensor_scale: None,
             mem: std::sync::Arc::new(Rows {
                 view,
                 ..Rows::copy(map, len, layout)
@@ -839,6 +876,8 @@ impl ResidentTable {
             rows: file.meta.rows,
             digest,
             digest_prefix: digest.prefix(),
+            encoding: RowEncoding::V41,
+            tensor_scale: None,
             mem: std::sync::Arc::new(Rows {
                 map,
                 len: span,

@@ -20,13 +20,19 @@ pub enum RowLayout {
         /// Where the scales start (right after the values).
         scales_at: usize,
     },
+    /// Rows of another encoding than V4.1's (docs/models.md), back to
+    /// back: row `r` at `r * row_bytes`.
+    Encoded {
+        /// Bytes per row.
+        row_bytes: usize,
+    },
 }
 
 impl RowLayout {
     /// Its name in messages and status (`packed`, `paged`, `planar`).
     pub fn name(self) -> &'static str {
         match self {
-            Self::Packed => "packed",
+            Self::Packed | Self::Encoded { .. } => "packed",
             Self::Paged => "paged",
             Self::Planar { .. } => "planar",
         }
@@ -49,10 +55,21 @@ impl RowLayout {
                 r * VALUE_BYTES as usize,
                 scales_at + r * SCALE_BYTES as usize,
             ),
+            // No scales apart: the whole row is its "values".
+            Self::Encoded { row_bytes } => (r * row_bytes, (r + 1) * row_bytes),
         }
     }
 
-    /// True when a row's 264 bytes are contiguous.
+    /// Bytes per row (264 but for [`Self::Encoded`]).
+    #[inline]
+    pub fn row_bytes(self) -> usize {
+        match self {
+            Self::Encoded { row_bytes } => row_bytes,
+            _ => ROW_BYTES,
+        }
+    }
+
+    /// True when a row's bytes are contiguous.
     pub fn whole_rows(self) -> bool {
         !matches!(self, Self::Planar { .. })
     }
@@ -73,23 +90,23 @@ pub enum RowRef<'a> {
 }
 
 impl<'a> RowRef<'a> {
-    /// The row's 256 values.
+    /// A V4.1 row's 256 values (a row of another encoding: all of it).
     pub fn values(&self) -> &'a [u8] {
         match *self {
-            Self::Whole(b) => &b[..VALUE_BYTES as usize],
+            Self::Whole(b) => b.get(..VALUE_BYTES as usize).unwrap_or(b),
             Self::Split { values, .. } => values,
         }
     }
 
-    /// The row's 8 scale bytes.
+    /// A V4.1 row's 8 scale bytes (a row of another encoding: none).
     pub fn scales(&self) -> &'a [u8] {
         match *self {
-            Self::Whole(b) => &b[VALUE_BYTES as usize..],
+            Self::Whole(b) => b.get(VALUE_BYTES as usize..).unwrap_or_default(),
             Self::Split { scales, .. } => scales,
         }
     }
 
-    /// Append the row's 264 bytes to `out` (one copy when whole).
+    /// Append the row's bytes to `out` (one copy when whole).
     #[inline]
     pub fn extend_into(&self, out: &mut Vec<u8>) {
         match *self {
@@ -101,7 +118,7 @@ impl<'a> RowRef<'a> {
         }
     }
 
-    /// Write the row's 264 bytes to `out` (exactly 264 bytes long).
+    /// Write the row's bytes to `out` (exactly the row's length).
     #[inline]
     pub fn write_to(&self, out: &mut [u8]) {
         match *self {
@@ -113,7 +130,7 @@ impl<'a> RowRef<'a> {
         }
     }
 
-    /// The row's 264 bytes in a vector of their own.
+    /// The row's bytes in a vector of their own.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(ROW_BYTES);
         self.extend_into(&mut v);
@@ -126,7 +143,9 @@ impl<'a> RowRef<'a> {
 pub(crate) fn row_in(map: &[u8], layout: RowLayout, row: u64) -> Option<RowRef<'_>> {
     let (values, scales) = layout.offsets(row);
     if layout.whole_rows() {
-        return map.get(values..values + ROW_BYTES).map(RowRef::Whole);
+        return map
+            .get(values..values + layout.row_bytes())
+            .map(RowRef::Whole);
     }
     Some(RowRef::Split {
         values: map.get(values..values + VALUE_BYTES as usize)?,

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 
 use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::{
-    self, EtabError, PAGE_BYTES, ROWS_PER_PAGE, SUM_BYTES, TableLayout, TableMeta, page_checksum,
+    self, EtabError, PAGE_BYTES, SUM_BYTES, TableLayout, TableMeta, page_checksum,
 };
-use engram_protocol::{DigestBuilder, ROW_BYTES, RowError, TableDigest};
+use engram_protocol::{DigestBuilder, RowError, TableDigest};
 use thiserror::Error;
 
 use crate::progress::Progress;
@@ -42,13 +42,15 @@ pub enum TableFileError {
         /// Why the header is not valid.
         source: EtabError,
     },
-    /// A valid table of rows this build does not serve yet.
+    /// A valid table of rows the reader does not take.
     #[error(
-        "{path}: its rows are {encoding} ({row_bytes} bytes): this build serves V4.1's 264-byte rows only (docs/models.md)"
+        "{path}: its rows are {encoding} ({row_bytes} bytes): {reader} takes V4.1's 264-byte rows only (docs/models.md)"
     )]
     Encoding {
         /// The table file.
         path: PathBuf,
+        /// What refused it.
+        reader: &'static str,
         /// The rows' encoding, by name.
         encoding: String,
         /// Bytes per row.
@@ -63,6 +65,18 @@ pub enum TableFileError {
         row: u64,
         /// Why the row does not decode.
         source: RowError,
+    },
+    /// A row of another encoding than V4.1's does not decode.
+    #[error("{path}: row {row} is corrupt ({encoding}): {source}")]
+    CorruptEncodedRow {
+        /// The table file.
+        path: PathBuf,
+        /// Index of the corrupt row.
+        row: u64,
+        /// The rows' encoding, by name.
+        encoding: String,
+        /// Why the row does not decode.
+        source: engram_protocol::encoding::EncodingError,
     },
     /// A page does not hash to its checksum in `page_xxh3`.
     #[error(
@@ -184,19 +198,74 @@ impl TableFile {
     /// regular file and its header against its size; `path` names it in
     /// errors and logs.
     pub fn from_file(file: File, path: &Path) -> Result<Self, TableFileError> {
+        let table = Self::from_file_any(file, path)?;
+        table.require_v41("this reader")?;
+        Ok(table)
+    }
+
+    /// [`Self::from_file`] for a reader of rows of any encoding (the
+    /// donor's packed load, `verify`): the rows' size and rows per page
+    /// are the file's own ([`TableLayout::row_bytes`]).
+    pub fn from_file_any(file: File, path: &Path) -> Result<Self, TableFileError> {
         let (meta, layout) = Self::header_of(&file, path)?;
-        if meta.encoding != RowEncoding::V41 {
-            return Err(TableFileError::Encoding {
-                path: path.to_path_buf(),
-                encoding: meta.encoding.name(),
-                row_bytes: meta.encoding.row_bytes(),
-            });
-        }
         Ok(Self {
             path: path.to_path_buf(),
             meta,
             layout,
             file,
+        })
+    }
+
+    /// [`Self::open`] for a reader of rows of any encoding.
+    pub fn open_any(path: &Path) -> Result<Self, TableFileError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(io_err(path, "open"))?;
+        Self::from_file_any(file, path)
+    }
+
+    /// Refuse a table whose rows are not V4.1's, naming its encoding and
+    /// `reader` (what refuses it): for the readers that handle V4.1's
+    /// rows only.
+    pub fn require_v41(&self, reader: &'static str) -> Result<(), TableFileError> {
+        if self.meta.encoding == RowEncoding::V41 {
+            return Ok(());
+        }
+        Err(TableFileError::Encoding {
+            path: self.path.clone(),
+            reader,
+            encoding: self.meta.encoding.name(),
+            row_bytes: self.meta.encoding.row_bytes(),
+        })
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.meta.encoding.row_bytes()
+    }
+
+    /// Check rows `first_row..` (whole rows, back to back) by the table's
+    /// encoding: the first that does not decode is the error.
+    pub fn check_rows(&self, first_row: u64, rows: &[u8]) -> Result<(), TableFileError> {
+        if self.meta.encoding == RowEncoding::V41 {
+            return engram_protocol::row::check_rows(rows).map_err(|(i, source)| {
+                TableFileError::CorruptRow {
+                    path: self.path.clone(),
+                    row: first_row + i as u64,
+                    source,
+                }
+            });
+        }
+        self.meta.encoding.check_rows(rows).map_err(|(i, source)| {
+            TableFileError::CorruptEncodedRow {
+                path: self.path.clone(),
+                row: first_row + i as u64,
+                encoding: self.meta.encoding.name(),
+                source,
+            }
         })
     }
 
@@ -266,7 +335,8 @@ impl TableFile {
         let mut progress = progress;
         let mut sums_buf = vec![0u8; (CHUNK_PAGES * SUM_BYTES) as usize];
         let mut pages_buf = vec![0u8; (CHUNK_PAGES * PAGE_BYTES) as usize];
-        let mut rows_buf = vec![0u8; (CHUNK_PAGES * ROWS_PER_PAGE) as usize * ROW_BYTES];
+        let (row, per_page) = (self.layout.row_bytes as usize, self.layout.rows_per_page);
+        let mut rows_buf = vec![0u8; (CHUNK_PAGES * per_page) as usize * row];
         let mut page = 0u64;
         while page < self.layout.pages {
             let n_pages = CHUNK_PAGES.min(self.layout.pages - page);
@@ -285,12 +355,12 @@ impl TableFile {
                 }
                 _ => None,
             };
-            let first_row = page * ROWS_PER_PAGE;
-            let n_rows = (n_pages * ROWS_PER_PAGE).min(self.layout.rows - first_row) as usize;
+            let first_row = page * per_page;
+            let n_rows = (n_pages * per_page).min(self.layout.rows - first_row) as usize;
             for (i, p) in buf.chunks_exact(PAGE_BYTES as usize).enumerate() {
-                let in_page = (n_rows - i * ROWS_PER_PAGE as usize).min(ROWS_PER_PAGE as usize);
-                let used = in_page * ROW_BYTES;
-                let dst = i * ROWS_PER_PAGE as usize * ROW_BYTES;
+                let in_page = (n_rows - i * per_page as usize).min(per_page as usize);
+                let used = in_page * row;
+                let dst = i * per_page as usize * row;
                 rows_buf[dst..dst + used].copy_from_slice(&p[..used]);
                 if let Some(sums) = sums {
                     let at = i * SUM_BYTES as usize;
@@ -316,7 +386,7 @@ impl TableFile {
                     });
                 }
             }
-            f(first_row, &rows_buf[..n_rows * ROW_BYTES])?;
+            f(first_row, &rows_buf[..n_rows * row])?;
             drop_cache(&self.file, offset, n_pages * PAGE_BYTES);
             page += n_pages;
             if let Some(p) = progress.as_deref_mut() {
@@ -610,7 +680,7 @@ impl TableWriter {
 /// page checksums wrote it, for those builds to read, and for tests of how
 /// such files are handled.
 pub fn remove_page_sums(path: &Path) -> Result<(), TableFileError> {
-    let table = TableFile::open(path)?;
+    let table = TableFile::open_any(path)?;
     if !table.has_page_sums() {
         return Ok(());
     }
@@ -646,4 +716,4 @@ impl Drop for TableWriter {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

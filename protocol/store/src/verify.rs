@@ -14,10 +14,10 @@
 //! reported at the first, as a front-to-back pass would.
 
 use blake3::hazmat::HasherExt;
-use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE, SUM_BYTES, page_checksum};
-use engram_protocol::{ROW_BYTES, TableDigest};
+use engram_protocol::TableDigest;
+use engram_protocol::etab::{PAGE_BYTES, SUM_BYTES, page_checksum};
 
-use crate::fill::{PAGE_ROWS_BYTES, hash_gathered, read_exact_at, root, run_segments};
+use crate::fill::{hash_gathered, page_rows_bytes, read_exact_at, root, run_segments};
 use crate::progress::Progress;
 use std::path::Path;
 
@@ -60,20 +60,14 @@ pub fn add_page_sums(
     path: &Path,
     progress: Option<&mut Progress>,
 ) -> Result<TableMeta, TableFileError> {
-    let table = TableFile::open(path)?;
+    let table = TableFile::open_any(path)?;
     if table.has_page_sums() {
         table.verify(progress)?;
         return Ok(table.meta);
     }
     let mut writer = TableWriter::create(path, table.meta.clone())?;
     table.for_each_chunk(true, progress, |first_row, rows| {
-        engram_protocol::row::check_rows(rows).map_err(|(i, source)| {
-            TableFileError::CorruptRow {
-                path: path.to_path_buf(),
-                row: first_row + i as u64,
-                source,
-            }
-        })?;
+        table.check_rows(first_row, rows)?;
         writer.write_rows(rows)
     })?;
     writer.finish_expecting(table.meta.digest)
@@ -93,19 +87,20 @@ pub fn verify(
     progress: Option<&mut Progress>,
 ) -> Result<TableDigest, TableFileError> {
     let rows = file.layout.rows;
-    let total =
-        usize::try_from(rows.saturating_mul(ROW_BYTES as u64)).map_err(|_| TableFileError::Io {
+    let total = usize::try_from(rows.saturating_mul(file.layout.row_bytes)).map_err(|_| {
+        TableFileError::Io {
             path: file.path.clone(),
             op: "verify",
             source: std::io::Error::other("larger than the address space"),
-        })?;
+        }
+    })?;
     let segment = segment.max(blake3::CHUNK_LEN).next_power_of_two();
     let segments = total.div_ceil(segment).max(1);
     let cvs = run_segments(
         segments,
         threads,
         progress,
-        || Worker::new(segment),
+        || Worker::new(segment, page_rows_bytes(&file.layout)),
         |w, s| w.segment(file, s * segment, ((s + 1) * segment).min(total), segments),
     )?;
     let actual = if segments == 1 {
@@ -139,13 +134,16 @@ struct Worker {
     pages: Vec<u8>,
     sums: Vec<u8>,
     gather: Vec<u8>,
+    /// Bytes of rows in a page.
+    page_rows: usize,
 }
 
 impl Worker {
-    fn new(segment: usize) -> Self {
+    fn new(segment: usize, page_rows: usize) -> Self {
         // A segment's rows lie in at most this many pages.
-        let pages = segment / PAGE_ROWS_BYTES + 2;
+        let pages = segment / page_rows + 2;
         Self {
+            page_rows,
             pages: vec![0; pages * PAGE_BYTES as usize],
             sums: vec![0; pages * SUM_BYTES as usize],
             gather: vec![0; GATHER_BYTES],
@@ -164,10 +162,11 @@ impl Worker {
     ) -> Result<(u64, Option<[u8; 32]>), TableFileError> {
         let layout = &file.layout;
         let page = PAGE_BYTES as usize;
+        let page_rows = self.page_rows;
         // The pages the bytes lie in, and those whose first row starts here.
-        let p0 = a / PAGE_ROWS_BYTES;
-        let p1 = (b.max(a + 1) - 1) / PAGE_ROWS_BYTES + 1;
-        let owned = a.div_ceil(PAGE_ROWS_BYTES)..b.div_ceil(PAGE_ROWS_BYTES).min(p1);
+        let p0 = a / page_rows;
+        let p1 = (b.max(a + 1) - 1) / page_rows + 1;
+        let owned = a.div_ceil(page_rows)..b.div_ceil(page_rows).min(p1);
         let buf = &mut self.pages[..(p1 - p0) * page];
         let offset = layout.data_start + (p0 * page) as u64;
         let hole = crate::holes::is_hole(file.std_file(), offset, buf.len() as u64);
@@ -182,7 +181,7 @@ impl Worker {
             }
             _ => None,
         };
-        let row = ROW_BYTES;
+        let row = layout.row_bytes as usize;
         let started = b.div_ceil(row).min(total_rows(file)) - a.div_ceil(row);
         if hole {
             // Zero pages: their rows decode and their slack is zero, so only
@@ -202,8 +201,8 @@ impl Worker {
         }
         for (i, p) in owned.clone().enumerate() {
             let bytes = &buf[(p - p0) * page..][..page];
-            let first = p as u64 * ROWS_PER_PAGE;
-            let used = (layout.rows - first).min(ROWS_PER_PAGE) as usize * ROW_BYTES;
+            let first = p as u64 * layout.rows_per_page;
+            let used = (layout.rows - first).min(layout.rows_per_page) as usize * row;
             if let Some(sums) = sums {
                 let at = i * SUM_BYTES as usize;
                 let expected = u64::from_le_bytes(
@@ -227,21 +226,21 @@ impl Worker {
                     page: p as u64,
                 });
             }
-            engram_protocol::row::check_rows(&bytes[..used]).map_err(|(r, source)| {
-                TableFileError::CorruptRow {
-                    path: file.path.clone(),
-                    row: first + r as u64,
-                    source,
-                }
-            })?;
+            file.check_rows(first, &bytes[..used])?;
         }
         let mut h = blake3::Hasher::new();
         if segments > 1 {
             h.set_input_offset(a as u64);
         }
         // `buf` starts at page p0, whose rows start p0 pages of rows in.
-        let base = p0 * PAGE_ROWS_BYTES;
-        hash_gathered(buf, a - base, b - base, &mut self.gather, &mut h);
+        let base = p0 * page_rows;
+        hash_gathered(
+            buf,
+            page_rows,
+            (a - base, b - base),
+            &mut self.gather,
+            &mut h,
+        );
         let cv = if segments > 1 {
             h.finalize_non_root()
         } else {
@@ -347,8 +346,13 @@ mod tests {
         let file = TableFile::open(&path).expect("open");
         let last = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let l2 = std::sync::Arc::clone(&last);
-        let mut p = Progress::new("verify", 2_000, ROW_BYTES as u64, Box::new(|_| {}))
-            .with_tap(move |d| l2.store(d, std::sync::atomic::Ordering::Relaxed));
+        let mut p = Progress::new(
+            "verify",
+            2_000,
+            engram_protocol::ROW_BYTES as u64,
+            Box::new(|_| {}),
+        )
+        .with_tap(move |d| l2.store(d, std::sync::atomic::Ordering::Relaxed));
         verify(&file, 2, 4 << 10, Some(&mut p)).expect("verifies");
         assert_eq!(last.load(std::sync::atomic::Ordering::Relaxed), 2_000);
     }

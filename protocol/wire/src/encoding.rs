@@ -169,6 +169,73 @@ impl RowEncoding {
         e.new()
     }
 
+    /// Its code on the wire (a version-2 Welcome's table entry,
+    /// PROTOCOL.md section 3.3): the kind, then the values per row.
+    pub fn wire_code(self) -> (u16, u16) {
+        let kind = match self {
+            Self::E4m3Ue8m0 { .. } => 1,
+            Self::Fp8PerTensor { .. } => 2,
+            Self::Bf16 { .. } => 3,
+            Self::Nvfp4 { .. } => 4,
+        };
+        // At most MAX_VALUES (4096): checked where an encoding is made.
+        (kind, self.values() as u16)
+    }
+
+    /// The encoding a wire code names, checked ([`Self::new`]); `None`
+    /// for a kind this build does not know or values it cannot have.
+    pub fn from_wire(kind: u16, values: u16) -> Option<Self> {
+        let values = u32::from(values);
+        let e = match kind {
+            1 => Self::E4m3Ue8m0 { values },
+            2 => Self::Fp8PerTensor { values },
+            3 => Self::Bf16 { values },
+            4 => Self::Nvfp4 { values },
+            _ => return None,
+        };
+        e.new().ok()
+    }
+
+    /// Check a buffer of whole rows of this encoding: every E4M3 byte
+    /// (values or block scales) is a number and every UE8M0 scale is not
+    /// the NaN 0xff (BF16 rows are taken as they are). The first bad row's
+    /// index is the error's.
+    pub fn check_rows(self, rows: &[u8]) -> Result<(), (usize, EncodingError)> {
+        let size = self.row_bytes();
+        if !rows.len().is_multiple_of(size) {
+            return Err((
+                rows.len() / size,
+                EncodingError::Length {
+                    got: rows.len() % size,
+                    out: self.values(),
+                    want: size,
+                    values: self.values(),
+                },
+            ));
+        }
+        let v = self.values();
+        let bad = |row: &[u8]| -> Option<usize> {
+            match self {
+                Self::E4m3Ue8m0 { .. } => row[..v]
+                    .iter()
+                    .position(|&c| is_nan_code(c))
+                    .or_else(|| row[v..].iter().position(|&s| s == 0xFF).map(|i| v + i)),
+                Self::Fp8PerTensor { .. } => row.iter().position(|&c| is_nan_code(c)),
+                Self::Bf16 { .. } => None,
+                Self::Nvfp4 { .. } => row[v / 2..]
+                    .iter()
+                    .position(|&c| is_nan_code(c))
+                    .map(|i| v / 2 + i),
+            }
+        };
+        for (i, row) in rows.chunks_exact(size).enumerate() {
+            if let Some(at) = bad(row) {
+                return Err((i, EncodingError::Nan { at }));
+            }
+        }
+        Ok(())
+    }
+
     /// One row's values as bf16 bits, as the engines compute them;
     /// `tensor_scale` is the table's F32 scale (ignored by encodings
     /// without one). V4.1's zero scale byte is 2^-127 here (SGLang's
@@ -285,6 +352,41 @@ mod tests {
                 .expect("row");
             assert_eq!(got, want);
         }
+    }
+
+    #[test]
+    fn rows_are_checked_by_their_own_encoding() {
+        let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+        let mut rows = vec![0x38u8; 3 * 160];
+        assert_eq!(fp8.check_rows(&rows), Ok(()));
+        rows[160 + 7] = 0x7F;
+        assert_eq!(
+            fp8.check_rows(&rows),
+            Err((1, EncodingError::Nan { at: 7 }))
+        );
+        assert!(fp8.check_rows(&rows[..100]).is_err(), "not whole rows");
+        // NVFP4: nibbles are never NaN; a scale byte is.
+        let nv = RowEncoding::Nvfp4 { values: 160 };
+        let mut rows = vec![0xFFu8; 90];
+        rows[80..].fill(0x38);
+        assert_eq!(nv.check_rows(&rows), Ok(()));
+        rows[85] = 0xFF;
+        assert_eq!(
+            nv.check_rows(&rows),
+            Err((0, EncodingError::Nan { at: 85 }))
+        );
+        // V4.1: a scale byte of 0xff.
+        let mut rows = vec![0u8; 2 * 264];
+        assert_eq!(RowEncoding::V41.check_rows(&rows), Ok(()));
+        rows[264 + 260] = 0xFF;
+        assert_eq!(
+            RowEncoding::V41.check_rows(&rows),
+            Err((1, EncodingError::Nan { at: 260 }))
+        );
+        assert_eq!(
+            RowEncoding::Bf16 { values: 160 }.check_rows(&[0xFF; 640]),
+            Ok(())
+        );
     }
 
     #[test]

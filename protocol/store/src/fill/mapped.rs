@@ -1,14 +1,14 @@
 //! Going over a table file mapped in memory (`map_files`): reading its
 //! pages in, and hashing its rows where they lie, on every core.
 
+use engram_protocol::TableDigest;
 use engram_protocol::etab::PAGE_BYTES;
-use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use blake3::hazmat::{ChainingValue, HasherExt};
 
-use super::{FillOptions, PAGE_ROWS_BYTES, SEGMENT_BYTES, io_error, root, run_segments};
+use super::{FillOptions, SEGMENT_BYTES, io_error, page_rows_bytes, root, run_segments};
 use crate::progress::Progress;
 use crate::table_file::{TableFile, TableFileError};
 
@@ -33,9 +33,10 @@ pub fn touch_mapped(
     progress: Option<&mut Progress>,
 ) -> Result<Option<TableDigest>, TableFileError> {
     let rows = file.layout.rows;
-    let total = usize::try_from(rows * ROW_BYTES as u64).unwrap_or(usize::MAX);
+    let page_rows = page_rows_bytes(&file.layout);
+    let total = usize::try_from(rows * file.layout.row_bytes).unwrap_or(usize::MAX);
     let need = file.layout.pages.saturating_mul(PAGE_BYTES);
-    if (pages.len() as u64) < need || (total as u64) > file.layout.pages * PAGE_ROWS_BYTES as u64 {
+    if (pages.len() as u64) < need || (total as u64) > file.layout.pages * page_rows as u64 {
         return Err(io_error(
             file,
             "map",
@@ -48,7 +49,8 @@ pub fn touch_mapped(
         populate(pages);
         let digest = opts.digest.then(|| {
             let mut h = blake3::Hasher::new();
-            hash_gathered(pages, 0, total, &mut vec![0; GATHER_BYTES], &mut h);
+            let mut buf = vec![0; GATHER_BYTES];
+            hash_gathered(pages, page_rows, (0, total), &mut buf, &mut h);
             TableDigest(*h.finalize().as_bytes())
         });
         if let Some(p) = progress {
@@ -56,7 +58,7 @@ pub fn touch_mapped(
         }
         return Ok(digest);
     }
-    let row = ROW_BYTES;
+    let row = file.layout.row_bytes as usize;
     let cvs = run_segments(
         segments,
         opts.threads,
@@ -69,8 +71,8 @@ pub fn touch_mapped(
             let a = s * segment;
             let b = (a + segment).min(total);
             let started = (b.div_ceil(row).min(total / row) - a.div_ceil(row)) as u64;
-            let first = a / PAGE_ROWS_BYTES * PAGE_BYTES as usize;
-            let last = (b.div_ceil(PAGE_ROWS_BYTES) * PAGE_BYTES as usize).min(pages.len());
+            let first = a / page_rows * PAGE_BYTES as usize;
+            let last = (b.div_ceil(page_rows) * PAGE_BYTES as usize).min(pages.len());
             // A hole reads as zeros: nothing to read in (faulting it would
             // fill the page cache with zeros), zeros to hash.
             let at = file.layout.data_start + first as u64;
@@ -86,7 +88,7 @@ pub fn touch_mapped(
             if hole {
                 crate::holes::hash_zeros(&mut h, b - a);
             } else {
-                hash_gathered(pages, a, b, buf, &mut h);
+                hash_gathered(pages, page_rows, (a, b), buf, &mut h);
             }
             Ok((started, Some(h.finalize_non_root())))
         },
@@ -95,11 +97,12 @@ pub fn touch_mapped(
 }
 
 /// Feed bytes `a..b` of the rows (back to back) to `h`, gathered from
-/// `pages` (the file's pages) through `buf`.
+/// `pages` (the file's pages, `page_rows` bytes of rows in each) through
+/// `buf`.
 pub(crate) fn hash_gathered(
     pages: &[u8],
-    a: usize,
-    b: usize,
+    page_rows: usize,
+    (a, b): (usize, usize),
     buf: &mut [u8],
     h: &mut blake3::Hasher,
 ) {
@@ -110,9 +113,9 @@ pub(crate) fn hash_gathered(
         let mut n = 0;
         while n < want {
             let at = x + n;
-            let off = at % PAGE_ROWS_BYTES;
-            let k = (PAGE_ROWS_BYTES - off).min(want - n);
-            let src = at / PAGE_ROWS_BYTES * page + off;
+            let off = at % page_rows;
+            let k = (page_rows - off).min(want - n);
+            let src = at / page_rows * page + off;
             buf[n..n + k].copy_from_slice(&pages[src..src + k]);
             n += k;
         }
