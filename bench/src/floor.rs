@@ -223,6 +223,7 @@ fn sizes_of(sections: usize, per: usize) -> Result<(usize, usize)> {
             table_id: i as u32,
             status: None,
             row_count: per as u32,
+            row_bytes: 0,
         })
         .collect();
     let mut ans = Vec::new();

@@ -40,12 +40,7 @@ fn handshake(listener: &TcpListener) -> (TcpStream, Vec<u8>) {
     let mut buf = Vec::new();
     read_frames(&mut s, &mut buf, 1);
     let mut w = Vec::new();
-    let tables = [TableInfo {
-        table_id: 1,
-        layer: 1,
-        rows: 1 << 20,
-        digest: DIGEST,
-    }];
+    let tables = [TableInfo::v41(1, 1, 1 << 20, DIGEST)];
     Welcome {
         version: 1,
         donor: "scripted",
@@ -361,6 +356,7 @@ fn rows_answer(frame: &[u8], fill: u8, flip: Option<usize>) -> Vec<u8> {
             table_id: 1,
             status: None,
             row_count: n,
+            row_bytes: 0,
         }],
     )
     .expect("rows");

@@ -67,13 +67,18 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// Welcome is left unread), with a 5 s read timeout: for tests that send
 /// what the client never would.
 pub fn hello_stream(addr: SocketAddr, node: &str) -> std::net::TcpStream {
+    hello_stream_at(addr, node, engram_protocol::PROTOCOL_VERSION)
+}
+
+/// [`hello_stream`] saying protocol `version`.
+pub fn hello_stream_at(addr: SocketAddr, node: &str, version: u16) -> std::net::TcpStream {
     use std::io::Write;
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");
     let mut hello = Vec::new();
     engram_protocol::Hello {
-        version: engram_protocol::PROTOCOL_VERSION,
+        version,
         node,
         credential: b"",
     }

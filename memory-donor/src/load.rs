@@ -214,7 +214,7 @@ fn load_progress(
     let what = format!("loading {}", t.path.display());
     let (status, total, notifier) = (Arc::clone(status), m.rows, Arc::clone(notifier));
     let mut last_pct = u64::MAX;
-    Progress::log(what, total, engram_protocol::ROW_BYTES as u64).with_tap(move |done| {
+    Progress::log(what, total, f.row_bytes() as u64).with_tap(move |done| {
         status.tables[i].progress(done, total);
         let pct = done * 100 / total.max(1);
         if pct != last_pct {

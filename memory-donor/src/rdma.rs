@@ -119,7 +119,9 @@ pub fn snapshot(tables: &[ResidentTable]) -> Vec<TableRef> {
             if !packed {
                 tracing::warn!(
                     table = t.id,
-                    "rdma: not offered: the table is served from its file's pages (map_files), where rows are not back to back; nodes read it over the other transports"
+                    layout = t.memory().layout().name(),
+                    encoding = %t.encoding.name(),
+                    "rdma: not offered: the table is served from its file's pages (map_files), where rows are not back to back, or its rows are not V4.1's 264 bytes (docs/models.md); nodes read it over the other transports"
                 );
             }
             packed

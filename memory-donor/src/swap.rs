@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use daemon_runtime::notify::Notifier;
+use engram_protocol::TableDigest;
 use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
-use engram_protocol::{ROW_BYTES, TableDigest};
 
 use crate::fdstore::FdStore;
 use crate::orders::{SwapAccepted, SwapError, SwapRequest};
@@ -240,7 +240,7 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest, file: File) -> Result<Prepare
         .try_clone()
         .map_err(|e| SwapError::BadFile(format!("{}: {e}", req.path.display())))?;
     let table_file =
-        TableFile::from_file(dup, &req.path).map_err(|e| SwapError::BadFile(e.to_string()))?;
+        TableFile::from_file_any(dup, &req.path).map_err(|e| SwapError::BadFile(e.to_string()))?;
     let m = &table_file.meta;
     let shown = req.path.display().to_string();
     if let Some(expected) = req.expected
@@ -268,7 +268,7 @@ pub fn prepare(cx: &SwapContext, req: SwapRequest, file: File) -> Result<Prepare
     let bytes = if cx.map_files {
         m.rows.div_ceil(ROWS_PER_PAGE) * PAGE_BYTES
     } else {
-        m.rows * ROW_BYTES as u64
+        m.rows * table_file.row_bytes() as u64
     };
     check_room(cx, &req, bytes, in_use, old_bytes)?;
     let accepted = SwapAccepted {
@@ -509,7 +509,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
             Progress::log(
                 format!("swap: loading {}", p.req.path.display()),
                 total,
-                ROW_BYTES as u64,
+                f.row_bytes() as u64,
             )
             .with_tap(move |done| {
                 if in_place && let Some(i) = si {
@@ -540,7 +540,7 @@ fn load(cx: &SwapContext, p: &Prepared, si: Option<usize>) -> Result<ResidentTab
         .file
         .try_clone()
         .map_err(|e| format!("{}: {e}", p.req.path.display()))?;
-    let file = TableFile::from_file(file, &p.req.path).map_err(|e| e.to_string())?;
+    let file = TableFile::from_file_any(file, &p.req.path).map_err(|e| e.to_string())?;
     let (table, _report) =
         ResidentTable::load_table(Some(id), file, &opts, progress).map_err(|e| e.to_string())?;
     Ok(table)

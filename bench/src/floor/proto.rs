@@ -131,6 +131,7 @@ impl<'a> Conn<'a> {
                         table_id: s.table_id,
                         status: None,
                         row_count: s.rows.len() as u32,
+                        row_bytes: 0,
                     });
                 }
                 let start = begin_rows(&mut self.out, id, &self.sections)?;

@@ -422,6 +422,9 @@ impl DonorClient {
             credential: hello_credential(opts).to_vec(),
             pinned: opts.pinned.clone(),
             max_rows: opts.max_rows,
+            // The node reads V4.1's rows: version 1, which every donor
+            // answers, old ones included (PROTOCOL.md 3.2).
+            version: engram_protocol::PROTOCOL_VERSION_V1,
         });
         let mut out = Vec::with_capacity(1024);
         proto.hello(&mut out)?;

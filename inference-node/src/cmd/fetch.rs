@@ -61,7 +61,7 @@ fn open_table(path: &Path) -> Result<(File, TableDigest, TableLayout)> {
         .with_context(|| format!("{}", path.display()))?;
     if meta.encoding != engram_protocol::encoding::RowEncoding::V41 {
         bail!(
-            "{}: its rows are {}: this build serves V4.1's 264-byte rows only (docs/models.md)",
+            "{}: its rows are {}: the node reads V4.1's 264-byte rows only (docs/models.md)",
             path.display(),
             meta.encoding.name()
         );

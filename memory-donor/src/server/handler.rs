@@ -4,10 +4,11 @@
 //! answers are appended to the connection's write buffer, and the buffers
 //! are reused, so a warm lookup allocates nothing.
 
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::messages::{begin_rows, finish_rows};
 use engram_protocol::session::server::{Refusal, Service};
 use engram_protocol::{
-    ErrorCode, ErrorFrame, Hello, PROTOCOL_VERSION, RowsSection, TableInfo, Welcome,
+    ErrorCode, ErrorFrame, Hello, PROTOCOL_VERSION_V1, ROW_BYTES, RowsSection, TableInfo, Welcome,
 };
 
 use std::sync::Arc;
@@ -27,6 +28,9 @@ pub struct Handler<'a> {
     chain: Option<super::Chain>,
     sections: Vec<RowsSection>,
     table_index: Vec<usize>,
+    /// The protocol version the client said (1 until its Hello): a
+    /// version-1 client sees and gets V4.1's tables only.
+    version: u16,
 }
 
 impl<'a> Handler<'a> {
@@ -40,7 +44,14 @@ impl<'a> Handler<'a> {
             chain: None,
             sections: Vec::new(),
             table_index: Vec::new(),
+            version: PROTOCOL_VERSION_V1,
         }
+    }
+
+    /// Whether this connection may see a table of `encoding`: a version-1
+    /// client knows V4.1's rows only.
+    fn sees(&self, encoding: RowEncoding) -> bool {
+        self.version > PROTOCOL_VERSION_V1 || encoding == RowEncoding::V41
     }
 
     /// The client proved `identity` with its certificate `chain`: its
@@ -150,9 +161,16 @@ impl<'a> Handler<'a> {
             Some(id) => id.clone(),
             None => hello.node.to_string(),
         };
-        let tables: Vec<TableInfo> = self.shared.tables().iter().map(|t| t.info()).collect();
+        self.version = hello.version;
+        let tables: Vec<TableInfo> = self
+            .shared
+            .tables()
+            .iter()
+            .filter(|t| self.sees(t.encoding))
+            .map(|t| t.info())
+            .collect();
         let welcome = Welcome {
-            version: PROTOCOL_VERSION,
+            version: hello.version,
             donor: &cfg.name,
             max_rows: cfg.limits.max_rows,
             max_payload: cfg.limits.max_payload,
@@ -173,8 +191,11 @@ impl<'a> Handler<'a> {
         let tables = shared.tables();
         self.sections.clear();
         self.table_index.clear();
+        let mut bytes = 0u64;
         for s in l.sections() {
-            let found = tables.iter().position(|t| t.id == s.table_id);
+            let found = tables
+                .iter()
+                .position(|t| t.id == s.table_id && self.sees(t.encoding));
             let status = match found {
                 None => Some(ErrorCode::UnknownTable),
                 Some(i) if tables[i].digest_prefix != s.digest_prefix => {
@@ -188,17 +209,31 @@ impl<'a> Handler<'a> {
             if let Some(code) = status {
                 self.shared.stats.error(code);
             }
-            let row_count = if status.is_none() {
-                s.rows.len() as u32
-            } else {
-                0
+            let (row_count, row_bytes) = match (status, found) {
+                (None, Some(i)) => {
+                    let size = tables[i].row_bytes();
+                    bytes += s.rows.len() as u64 * size as u64;
+                    // V4.1's rows say 0: their answers are as in version 1.
+                    let wire = if size == ROW_BYTES { 0 } else { size as u16 };
+                    (s.rows.len() as u32, wire)
+                }
+                _ => (0, 0),
             };
             self.sections.push(RowsSection {
                 table_id: s.table_id,
                 status,
                 row_count,
+                row_bytes,
             });
             self.table_index.push(found.unwrap_or(0));
+        }
+        // Rows of any size: an answer holds at most the bytes of
+        // `max_rows` V4.1 rows (PROTOCOL.md 3.4), so `max_payload` holds.
+        let cap = u64::from(self.config.limits.max_rows);
+        if bytes > cap * ROW_BYTES as u64 {
+            let msg = "the answer's rows exceed max_rows x 264 bytes";
+            self.error(out, id, ErrorCode::RequestTooLarge, None, cap, msg);
+            return;
         }
         let Ok(start) = begin_rows(out, id, &self.sections) else {
             self.error(out, id, ErrorCode::Internal, None, 0, "cannot encode Rows");

@@ -278,7 +278,7 @@ fn serve_client(client: &OwnedFd, shared: &Shared) -> io::Result<()> {
                     &json!({
                         "table": t.table,
                         "digest": digest,
-                        "unshared": "not in a sealed memfd (map_files, or a copy that could not be sealed): ask the donor over the network",
+                        "unshared": "not in a sealed memfd (map_files, rows of another encoding than V4.1's, or a copy that could not be sealed): ask the donor over the network",
                     }),
                     None,
                 )?,

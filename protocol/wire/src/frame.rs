@@ -19,8 +19,13 @@ pub const MAX_NAME: usize = 255;
 pub const MAX_CREDENTIAL: usize = 1024;
 /// Most tables one Welcome may list.
 pub const MAX_WELCOME_TABLES: usize = 1024;
-/// Bytes per table entry in Welcome.
+/// Bytes per table entry in a version-1 Welcome.
 pub const TABLE_INFO_LEN: usize = 48;
+/// Bytes per table entry in a version-2 Welcome (the encoding added).
+pub const TABLE_INFO_LEN_V2: usize = 64;
+/// Most tables a version-2 Welcome may list: its entries take the bytes
+/// 1,024 version-1 entries take, so the largest Welcome is the same.
+pub const MAX_WELCOME_TABLES_V2: usize = MAX_WELCOME_TABLES * TABLE_INFO_LEN / TABLE_INFO_LEN_V2;
 pub(crate) const WELCOME_HEAD_LEN: usize = 16;
 /// Largest Hello payload.
 pub const MAX_HELLO_PAYLOAD: usize = 12 + MAX_NAME + MAX_CREDENTIAL;
@@ -29,8 +34,12 @@ pub(crate) const MAX_FIXED_PAYLOAD: usize =
     WELCOME_HEAD_LEN + MAX_NAME + TABLE_INFO_LEN * MAX_WELCOME_TABLES;
 /// Bytes in every frame header.
 pub const HEADER_LEN: usize = 16;
-/// Data-plane protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Data-plane protocol version spoken by this build: its clients say 2
+/// (tables of any row encoding); its donors answer versions 1 and 2.
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The first version, V4.1's 264-byte rows only: what older clients say,
+/// and still answered.
+pub const PROTOCOL_VERSION_V1: u16 = 1;
 
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

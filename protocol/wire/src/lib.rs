@@ -41,6 +41,7 @@ pub use decode::{Decoded, Frame, decode};
 pub use digest::{DigestBuilder, TableDigest};
 pub use frame::{
     ErrorCode, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits, PROTOCOL_VERSION,
+    PROTOCOL_VERSION_V1,
 };
 pub use messages::{
     EncodeError, ErrorFrame, Goodbye, Hello, LookupRef, LookupSection, Region, RegionQuery,

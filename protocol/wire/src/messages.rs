@@ -4,10 +4,13 @@
 use thiserror::Error;
 
 use crate::digest::TableDigest;
+use crate::encoding::RowEncoding;
+use crate::frame::PROTOCOL_VERSION_V1;
 use crate::frame::WELCOME_HEAD_LEN;
 use crate::frame::{Cursor, ErrorCode, FrameError, FrameHeader, FrameKind, HEADER_LEN, Limits};
 pub use crate::frame::{
-    MAX_CREDENTIAL, MAX_HELLO_PAYLOAD, MAX_NAME, MAX_WELCOME_TABLES, TABLE_INFO_LEN,
+    MAX_CREDENTIAL, MAX_HELLO_PAYLOAD, MAX_NAME, MAX_WELCOME_TABLES, MAX_WELCOME_TABLES_V2,
+    TABLE_INFO_LEN, TABLE_INFO_LEN_V2,
 };
 use crate::row::ROW_BYTES;
 
@@ -202,20 +205,92 @@ pub struct TableInfo {
     pub rows: u64,
     /// Full digest (the version).
     pub digest: TableDigest,
+    /// How its rows are encoded (V4.1's in a version-1 Welcome).
+    pub encoding: RowEncoding,
+    /// The table's F32 scale, as its bits, for an encoding with one.
+    pub tensor_scale: Option<u32>,
 }
 
 impl TableInfo {
-    fn read(b: &[u8]) -> Option<Self> {
-        let table_id = u32::from_le_bytes(b.get(0..4)?.try_into().ok()?);
-        let layer = u32::from_le_bytes(b.get(4..8)?.try_into().ok()?);
-        let rows = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
-        let digest = TableDigest(b.get(16..48)?.try_into().ok()?);
-        Some(Self {
+    /// A table of V4.1's 264-byte rows.
+    pub fn v41(table_id: u32, layer: u32, rows: u64, digest: TableDigest) -> Self {
+        Self {
             table_id,
             layer,
             rows,
             digest,
-        })
+            encoding: RowEncoding::V41,
+            tensor_scale: None,
+        }
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.encoding.row_bytes()
+    }
+
+    /// An entry of a Welcome of `version` (48 bytes in version 1, 64 from
+    /// version 2 on); `None` when it does not parse or names an encoding
+    /// this build does not know.
+    fn read(b: &[u8], version: u16) -> Option<Self> {
+        let table_id = u32::from_le_bytes(b.get(0..4)?.try_into().ok()?);
+        let layer = u32::from_le_bytes(b.get(4..8)?.try_into().ok()?);
+        let rows = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
+        let digest = TableDigest(b.get(16..48)?.try_into().ok()?);
+        let mut t = Self::v41(table_id, layer, rows, digest);
+        if version <= PROTOCOL_VERSION_V1 {
+            return Some(t);
+        }
+        let u16_at = |i: usize| Some(u16::from_le_bytes(b.get(i..i + 2)?.try_into().ok()?));
+        let u32_at = |i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?));
+        t.encoding = RowEncoding::from_wire(u16_at(48)?, u16_at(50)?)?;
+        let (row_bytes, scale, reserved) = (u32_at(52)?, u32_at(56)?, u32_at(60)?);
+        if row_bytes as usize != t.encoding.row_bytes() || reserved != 0 {
+            return None;
+        }
+        t.tensor_scale = if t.encoding.has_tensor_scale() {
+            Some(scale)
+        } else if scale == 0 {
+            None
+        } else {
+            return None;
+        };
+        Some(t)
+    }
+
+    /// Append its entry for a Welcome of `version`.
+    fn write(&self, out: &mut Vec<u8>, version: u16) {
+        out.extend_from_slice(&self.table_id.to_le_bytes());
+        out.extend_from_slice(&self.layer.to_le_bytes());
+        out.extend_from_slice(&self.rows.to_le_bytes());
+        out.extend_from_slice(&self.digest.0);
+        if version <= PROTOCOL_VERSION_V1 {
+            return;
+        }
+        let (kind, values) = self.encoding.wire_code();
+        out.extend_from_slice(&kind.to_le_bytes());
+        out.extend_from_slice(&values.to_le_bytes());
+        out.extend_from_slice(&(self.row_bytes() as u32).to_le_bytes());
+        out.extend_from_slice(&self.tensor_scale.unwrap_or(0).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+    }
+}
+
+/// Bytes per Welcome table entry in `version`.
+fn table_info_len(version: u16) -> usize {
+    if version <= PROTOCOL_VERSION_V1 {
+        TABLE_INFO_LEN
+    } else {
+        TABLE_INFO_LEN_V2
+    }
+}
+
+/// Most tables a Welcome of `version` lists.
+fn max_welcome_tables(version: u16) -> usize {
+    if version <= PROTOCOL_VERSION_V1 {
+        MAX_WELCOME_TABLES
+    } else {
+        MAX_WELCOME_TABLES_V2
     }
 }
 
@@ -235,7 +310,8 @@ pub struct Welcome<'a> {
 }
 
 impl Welcome<'_> {
-    /// Append this Welcome as a frame.
+    /// Append this Welcome as a frame (a version-1 Welcome lists tables
+    /// of V4.1's rows only).
     pub fn encode(&self, out: &mut Vec<u8>, request_id: u64) -> Result<(), EncodeError> {
         check_len(
             self.donor.len(),
@@ -244,10 +320,18 @@ impl Welcome<'_> {
         )?;
         check_len(
             self.tables.len(),
-            MAX_WELCOME_TABLES,
-            "more than 1024 tables",
+            max_welcome_tables(self.version),
+            "more tables than a Welcome lists (1,024; 768 in version 2)",
         )?;
-        let len = WELCOME_HEAD_LEN + self.donor.len() + TABLE_INFO_LEN * self.tables.len();
+        if self.version <= PROTOCOL_VERSION_V1
+            && self.tables.iter().any(|t| t.encoding != RowEncoding::V41)
+        {
+            return Err(EncodeError(
+                "a version-1 Welcome lists tables of V4.1's rows only",
+            ));
+        }
+        let entry = table_info_len(self.version);
+        let len = WELCOME_HEAD_LEN + self.donor.len() + entry * self.tables.len();
         FrameHeader::write(out, FrameKind::Welcome, request_id, payload_len(len)?);
         out.extend_from_slice(&self.version.to_le_bytes());
         out.extend_from_slice(&(self.donor.len() as u16).to_le_bytes());
@@ -256,10 +340,7 @@ impl Welcome<'_> {
         out.extend_from_slice(&self.max_payload.to_le_bytes());
         out.extend_from_slice(self.donor.as_bytes());
         for t in self.tables {
-            out.extend_from_slice(&t.table_id.to_le_bytes());
-            out.extend_from_slice(&t.layer.to_le_bytes());
-            out.extend_from_slice(&t.rows.to_le_bytes());
-            out.extend_from_slice(&t.digest.0);
+            t.write(out, self.version);
         }
         Ok(())
     }
@@ -287,11 +368,18 @@ impl<'a> WelcomeRef<'a> {
         let n_tables = c.u32()? as usize;
         let max_rows = c.u32()?;
         let max_payload = c.u32()?;
-        if name_len > MAX_NAME || n_tables > MAX_WELCOME_TABLES {
+        if name_len > MAX_NAME || n_tables > max_welcome_tables(version) {
             return Err(c.malformed("name too long or too many tables"));
         }
         let donor = c.utf8(name_len)?;
-        let tables = c.bytes(n_tables * TABLE_INFO_LEN)?;
+        let entry = table_info_len(version);
+        let tables = c.bytes(n_tables * entry)?;
+        if tables
+            .chunks_exact(entry)
+            .any(|t| TableInfo::read(t, version).is_none())
+        {
+            return Err(c.malformed("a table entry with an unknown encoding"));
+        }
         c.end()?;
         Ok(Self {
             version,
@@ -304,14 +392,15 @@ impl<'a> WelcomeRef<'a> {
 
     /// The tables announced, in order.
     pub fn tables(&self) -> impl Iterator<Item = TableInfo> + 'a {
+        let version = self.version;
         self.tables
-            .chunks_exact(TABLE_INFO_LEN)
-            .filter_map(TableInfo::read)
+            .chunks_exact(table_info_len(version))
+            .filter_map(move |t| TableInfo::read(t, version))
     }
 
     /// Number of tables announced.
     pub fn table_count(&self) -> usize {
-        self.tables.len() / TABLE_INFO_LEN
+        self.tables.len() / table_info_len(self.version)
     }
 
     /// The announced table with this id, if any.
@@ -486,6 +575,19 @@ pub struct RowsSection {
     pub status: Option<ErrorCode>,
     /// Rows included for this section: the requested count when served, else 0.
     pub row_count: u32,
+    /// Bytes per row of a served section; 0 for V4.1's 264 (the wire's
+    /// form: always 0 on a version-1 connection, and for a failed section).
+    pub row_bytes: u16,
+}
+
+impl RowsSection {
+    /// Bytes per row of this section's rows.
+    pub fn row_size(&self) -> usize {
+        match self.row_bytes {
+            0 => ROW_BYTES,
+            n => usize::from(n),
+        }
+    }
 }
 
 /// Where an in-progress Rows frame starts in the output buffer.
@@ -513,14 +615,14 @@ pub fn begin_rows(
         return Err(EncodeError("a rows answer needs at least one section"));
     }
     let count = u32::try_from(sections.len()).map_err(|_| EncodeError("too many sections"))?;
-    let mut rows = 0usize;
+    let mut bytes = 0usize;
     for s in sections {
-        if s.status.is_some() && s.row_count != 0 {
+        if s.status.is_some() && (s.row_count != 0 || s.row_bytes != 0) {
             return Err(EncodeError("a failed section carries no rows"));
         }
-        rows += s.row_count as usize;
+        bytes += s.row_count as usize * s.row_size();
     }
-    let len = ROWS_HEAD_LEN + ROWS_SECTION_LEN * sections.len() + rows * ROW_BYTES;
+    let len = ROWS_HEAD_LEN + ROWS_SECTION_LEN * sections.len() + bytes;
     let start = out.len();
     out.reserve(HEADER_LEN + len);
     FrameHeader::write(out, FrameKind::Rows, request_id, payload_len(len)?);
@@ -530,7 +632,7 @@ pub fn begin_rows(
     for s in sections {
         out.extend_from_slice(&s.table_id.to_le_bytes());
         out.extend_from_slice(&s.status.map_or(0, ErrorCode::to_u16).to_le_bytes());
-        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&s.row_bytes.to_le_bytes());
         out.extend_from_slice(&s.row_count.to_le_bytes());
     }
     Ok(RowsStart {
@@ -580,24 +682,31 @@ impl<'a> RowsRef<'a> {
         }
         let sections = c.bytes(section_count as usize * ROWS_SECTION_LEN)?;
         let mut total_rows = 0u64;
+        let mut total_bytes = 0u64;
         for s in sections.chunks_exact(ROWS_SECTION_LEN) {
             let status = u16::from_le_bytes([s[4], s[5]]);
-            if s[6] != 0 || s[7] != 0 {
-                return Err(c.malformed("reserved field is not zero"));
-            }
+            let row_bytes = u16::from_le_bytes([s[6], s[7]]);
             let n = u64::from(u32::from_le_bytes([s[8], s[9], s[10], s[11]]));
-            if status != 0 && n != 0 {
+            if status != 0 && (n != 0 || row_bytes != 0) {
                 return Err(c.malformed("a failed section carries rows"));
             }
             total_rows += n;
+            total_bytes += n * if row_bytes == 0 {
+                ROW_BYTES as u64
+            } else {
+                u64::from(row_bytes)
+            };
         }
-        if total_rows > u64::from(limits.max_rows) {
+        // Rows of any size: at most the bytes of `max_rows` V4.1 rows.
+        if total_rows > u64::from(limits.max_rows)
+            || total_bytes > u64::from(limits.max_rows) * ROW_BYTES as u64
+        {
             return Err(FrameError::TooManyRows {
                 rows: total_rows,
                 max: limits.max_rows,
             });
         }
-        if c.remaining() as u64 != total_rows * ROW_BYTES as u64 {
+        if c.remaining() as u64 != total_bytes {
             return Err(c.malformed("row bytes do not match the section table"));
         }
         let data = c.rest();
@@ -635,17 +744,16 @@ impl<'a> RowsRef<'a> {
             let table_id = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
             let status = ErrorCode::from_u16(u16::from_le_bytes([s[4], s[5]]));
             let row_count = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
-            let n = (row_count as usize * ROW_BYTES).min(data.len());
+            let section = RowsSection {
+                table_id,
+                status,
+                row_count,
+                row_bytes: u16::from_le_bytes([s[6], s[7]]),
+            };
+            let n = (row_count as usize * section.row_size()).min(data.len());
             let (mine, rest) = data.split_at(n);
             data = rest;
-            (
-                RowsSection {
-                    table_id,
-                    status,
-                    row_count,
-                },
-                mine,
-            )
+            (section, mine)
         })
     }
 }
@@ -856,5 +964,108 @@ mod tests {
         keep_wide_units_warm();
         let _ = payload_checksum(&[]);
         assert!(!WIDE_WARM.get());
+    }
+
+    fn welcome(version: u16, tables: &[TableInfo]) -> Result<Vec<u8>, EncodeError> {
+        let mut out = Vec::new();
+        Welcome {
+            version,
+            donor: "d",
+            max_rows: 64,
+            max_payload: 1 << 20,
+            tables,
+        }
+        .encode(&mut out, 0)?;
+        Ok(out)
+    }
+
+    fn parse_welcome(frame: &[u8]) -> Result<Vec<TableInfo>, FrameError> {
+        let w = WelcomeRef::parse(&frame[HEADER_LEN..])?;
+        Ok(w.tables().collect())
+    }
+
+    /// A version-2 Welcome carries each table's encoding and scale; a
+    /// version-1 Welcome carries V4.1's tables only, as before.
+    #[test]
+    fn welcome_entries_carry_the_encoding_from_version_2() {
+        let d = TableDigest([7; 32]);
+        let qwen = TableInfo {
+            encoding: RowEncoding::Fp8PerTensor { values: 160 },
+            tensor_scale: Some(0.5f32.to_bits()),
+            ..TableInfo::v41(3, 1, 320_001_536, d)
+        };
+        let tables = [TableInfo::v41(1, 1, 100, d), qwen];
+        let v2 = welcome(2, &tables).expect("v2");
+        assert_eq!(v2.len(), HEADER_LEN + 16 + 1 + 2 * TABLE_INFO_LEN_V2);
+        assert_eq!(parse_welcome(&v2).expect("parses"), tables);
+        // The entry's bytes: kind 2, 160 values, 160 bytes, the scale.
+        let e = &v2[HEADER_LEN + 17 + TABLE_INFO_LEN_V2..];
+        assert_eq!(&e[48..52], &[2, 0, 160, 0]);
+        assert_eq!(&e[52..56], &160u32.to_le_bytes());
+        assert_eq!(&e[56..60], &0.5f32.to_bits().to_le_bytes());
+        assert!(welcome(1, &tables).is_err(), "version 1 lists V4.1 only");
+        let v1 = welcome(1, &tables[..1]).expect("v1");
+        assert_eq!(v1.len(), HEADER_LEN + 16 + 1 + TABLE_INFO_LEN);
+        assert_eq!(parse_welcome(&v1).expect("parses"), tables[..1]);
+        // An unknown encoding kind, a row size that is not the encoding's,
+        // a scale on an encoding without one: malformed.
+        let (first, second) = (HEADER_LEN + 17, HEADER_LEN + 17 + TABLE_INFO_LEN_V2);
+        for (at, byte) in [(second + 48, 9u8), (second + 52, 161), (first + 56, 1)] {
+            let mut bad = v2.clone();
+            bad[at] = byte;
+            assert!(parse_welcome(&bad).is_err(), "byte {at} = {byte}");
+        }
+        let too_many = vec![tables[0]; MAX_WELCOME_TABLES_V2 + 1];
+        assert!(welcome(2, &too_many).is_err());
+        assert!(welcome(1, &too_many).is_ok());
+    }
+
+    /// Rows of another size say so in their section entry (0 is V4.1's
+    /// 264), and an answer holds at most `max_rows` x 264 bytes of rows.
+    #[test]
+    fn rows_sections_carry_their_row_size() {
+        let sections = [
+            RowsSection {
+                table_id: 1,
+                status: None,
+                row_count: 2,
+                row_bytes: 0,
+            },
+            RowsSection {
+                table_id: 3,
+                status: None,
+                row_count: 3,
+                row_bytes: 160,
+            },
+            RowsSection {
+                table_id: 4,
+                status: Some(ErrorCode::UnknownTable),
+                row_count: 0,
+                row_bytes: 0,
+            },
+        ];
+        let mut out = Vec::new();
+        let start = begin_rows(&mut out, 9, &sections).expect("begin");
+        out.extend((0..2 * 264 + 3 * 160).map(|i| i as u8));
+        finish_rows(&mut out, start).expect("finish");
+        let limits = Limits::for_rows(64);
+        let r = RowsRef::parse(&out[HEADER_LEN..], &limits).expect("parses");
+        let got: Vec<_> = r.sections().collect();
+        assert_eq!(got[0].1.len(), 2 * 264);
+        assert_eq!(got[1].1.len(), 3 * 160);
+        assert_eq!(got[1].0, sections[1]);
+        assert_eq!(got[1].1[0], (2 * 264) as u8);
+        assert!(got[2].1.is_empty());
+        // 5 rows fit a cap of 5, but not in 4 x 264 bytes.
+        assert!(RowsRef::parse(&out[HEADER_LEN..], &Limits::for_rows(5)).is_ok());
+        assert!(matches!(
+            RowsRef::parse(&out[HEADER_LEN..], &Limits::for_rows(4)),
+            Err(FrameError::TooManyRows { .. })
+        ));
+        let failed_with_size = [RowsSection {
+            row_bytes: 160,
+            ..sections[2]
+        }];
+        assert!(begin_rows(&mut Vec::new(), 1, &failed_with_size).is_err());
     }
 }

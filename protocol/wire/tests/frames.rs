@@ -88,6 +88,7 @@ fn encode(o: &Owned, id: u64, out: &mut Vec<u8>) {
                     table_id: *t,
                     status: *status,
                     row_count: (data.len() / ROW_BYTES) as u32,
+                    row_bytes: 0,
                 })
                 .collect();
             let start = begin_rows(out, id, &heads).expect("begins");
@@ -168,12 +169,7 @@ fn text(max: usize) -> impl Strategy<Value = String> {
 
 fn owned() -> impl Strategy<Value = Owned> {
     let table = (any::<u32>(), any::<u32>(), any::<u64>(), any::<[u8; 32]>()).prop_map(
-        |(table_id, layer, rows, d)| TableInfo {
-            table_id,
-            layer,
-            rows,
-            digest: TableDigest(d),
-        },
+        |(table_id, layer, rows, d)| TableInfo::v41(table_id, layer, rows, TableDigest(d)),
     );
     let rows_section = prop_oneof![
         (any::<u32>(), 1usize..6).prop_flat_map(|(t, n)| {
@@ -580,6 +576,7 @@ fn structural_lies_are_malformed() {
             table_id: 1,
             status: None,
             row_count: 1,
+            row_bytes: 0,
         }],
     )
     .expect("ok");
@@ -599,7 +596,8 @@ fn structural_lies_are_malformed() {
             &[RowsSection {
                 table_id: 1,
                 status: Some(ErrorCode::Busy),
-                row_count: 1
+                row_count: 1,
+                row_bytes: 0,
             }]
         )
         .is_err()
@@ -612,6 +610,7 @@ fn structural_lies_are_malformed() {
             table_id: 1,
             status: None,
             row_count: 2,
+            row_bytes: 0,
         }],
     )
     .expect("ok");
@@ -635,6 +634,7 @@ fn default_limits_fit_the_default_caps() {
             table_id: 1,
             status: None,
             row_count: n,
+            row_bytes: 0,
         }],
     )
     .expect("ok");

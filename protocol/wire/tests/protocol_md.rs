@@ -6,7 +6,7 @@ use engram_protocol::messages::{
 };
 use engram_protocol::synthetic::synthetic_rows;
 use engram_protocol::{
-    Hello, Limits, PROTOCOL_VERSION, ROW_BYTES, TableDigest, TableInfo, Welcome,
+    Hello, Limits, PROTOCOL_VERSION_V1, ROW_BYTES, TableDigest, TableInfo, Welcome,
 };
 
 /// The hexdump in the code block that follows the paragraph starting with `**title**`.
@@ -42,7 +42,7 @@ fn the_worked_example_matches_the_encoders() {
 
     let mut hello = Vec::new();
     Hello {
-        version: PROTOCOL_VERSION,
+        version: PROTOCOL_VERSION_V1,
         node: "py-client",
         credential: b"",
     }
@@ -52,12 +52,7 @@ fn the_worked_example_matches_the_encoders() {
 
     let mut welcome = Vec::new();
     let limits = Limits::default();
-    let tables = [TableInfo {
-        table_id: 1,
-        layer: 1,
-        rows: 100,
-        digest,
-    }];
+    let tables = [TableInfo::v41(1, 1, 100, digest)];
     Welcome {
         version: 1,
         donor: "donor-a",
@@ -90,6 +85,7 @@ fn the_worked_example_matches_the_encoders() {
             table_id: 1,
             status: None,
             row_count: 2,
+            row_bytes: 0,
         }],
     )
     .expect("rows");

@@ -18,8 +18,8 @@ use crate::messages::{
     LookupSection, ROWS_HEAD_LEN, ROWS_SECTION_LEN, RowsRef, encode_lookup, encode_ping,
 };
 use crate::{
-    ErrorCode, Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Hello, Limits,
-    PROTOCOL_VERSION, ROW_BYTES, RegionQuery, TableDigest, TableInfo, decode,
+    ErrorCode, Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Hello, Limits, RegionQuery,
+    TableDigest, TableInfo, decode,
 };
 
 /// Why a donor could not serve a request: the session's verdicts, and its
@@ -143,6 +143,10 @@ pub struct ClientConfig {
     pub pinned: Vec<(u32, TableDigest)>,
     /// Largest lookup this client sends (rows); answers are bounded by it.
     pub max_rows: u32,
+    /// The protocol version it says in Hello: [`PROTOCOL_VERSION_V1`] for
+    /// tables of V4.1's rows (what every donor answers), 2 to see tables
+    /// of any encoding (PROTOCOL.md 3.3).
+    pub version: u16,
 }
 
 /// One section of a lookup: rows of one pinned table.
@@ -253,7 +257,7 @@ impl<T> ClientSession<T> {
     /// Encode the Hello (request id 0), the session's first frame.
     pub fn hello(&self, out: &mut Vec<u8>) -> Result<(), SessionError> {
         Hello {
-            version: PROTOCOL_VERSION,
+            version: self.config.version,
             node: &self.config.node,
             credential: &self.config.credential,
         }
@@ -282,15 +286,15 @@ impl<T> ClientSession<T> {
             return Err(SessionError::Protocol("a second Welcome".into()));
         }
         let (donor, tables, max_rows) = match parse(frame, &self.limits)?.1 {
-            Frame::Welcome(w) if w.version == PROTOCOL_VERSION => (
+            Frame::Welcome(w) if w.version == self.config.version => (
                 w.donor.to_string(),
                 w.tables().collect::<Vec<_>>(),
                 w.max_rows,
             ),
             Frame::Welcome(w) => {
                 return Err(SessionError::Protocol(format!(
-                    "donor speaks protocol version {}, this client {PROTOCOL_VERSION}",
-                    w.version
+                    "donor speaks protocol version {}, this client {}",
+                    w.version, self.config.version
                 )));
             }
             Frame::Error(e) => {
@@ -591,7 +595,7 @@ pub fn rows(
                 code,
             });
         }
-        if data.len() != req.rows.len() * ROW_BYTES || at + data.len() > out.len() {
+        if data.len() != req.rows.len() * s.row_size() || at + data.len() > out.len() {
             return Err(violation("Lookup (row count)"));
         }
         out[at..at + data.len()].copy_from_slice(data);

@@ -12,7 +12,7 @@
 
 use crate::{
     ErrorCode, ErrorFrame, Frame, FrameError, FrameHeader, FrameKind, HEADER_LEN, Hello, Limits,
-    LookupRef, PROTOCOL_VERSION, messages::encode_ping,
+    LookupRef, PROTOCOL_VERSION, PROTOCOL_VERSION_V1, messages::encode_ping,
 };
 
 use super::ReadBuf;
@@ -352,12 +352,12 @@ impl Rules {
         hello: &Hello<'_>,
         out: &mut Vec<u8>,
     ) -> Result<(), Closed> {
-        let refusal = if hello.version != PROTOCOL_VERSION {
+        let refusal = if !(PROTOCOL_VERSION_V1..=PROTOCOL_VERSION).contains(&hello.version) {
             Refusal {
                 code: ErrorCode::UnsupportedVersion,
                 detail: u64::from(PROTOCOL_VERSION),
                 message: format!(
-                    "this donor speaks protocol version {PROTOCOL_VERSION}, the client {}",
+                    "this donor speaks protocol versions {PROTOCOL_VERSION_V1} to {PROTOCOL_VERSION}, the client {}",
                     hello.version
                 ),
             }

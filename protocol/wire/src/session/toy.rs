@@ -48,15 +48,10 @@ impl Service for ToyDonor {
                 message: "wrong or missing credential".into(),
             });
         }
-        let tables = [TableInfo {
-            table_id: TABLE,
-            layer: LAYER,
-            rows: ROWS,
-            digest: digest(),
-        }];
+        let tables = [TableInfo::v41(TABLE, LAYER, ROWS, digest())];
         let limits = Limits::default();
         Welcome {
-            version: PROTOCOL_VERSION,
+            version: hello.version,
             donor: "toy",
             max_rows: limits.max_rows,
             max_payload: limits.max_payload,
@@ -92,6 +87,7 @@ impl Service for ToyDonor {
                     } else {
                         0
                     },
+                    row_bytes: 0,
                 }
             })
             .collect();
@@ -138,6 +134,7 @@ pub fn client_config() -> ClientConfig {
         credential: CREDENTIAL.to_vec(),
         pinned: vec![(TABLE, digest())],
         max_rows: 4_096,
+        version: PROTOCOL_VERSION,
     }
 }
 

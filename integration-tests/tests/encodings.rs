@@ -1,0 +1,212 @@
+//! A donor serving tables of other row encodings than V4.1's beside a
+//! V4.1 table (docs/models.md): a version-2 client sees each table's
+//! encoding in the Welcome and gets its rows at their own size, both
+//! tables in one Lookup; a version-1 client sees and gets the V4.1 table
+//! only; an answer's rows stay within `max_rows` x 264 bytes.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::Path;
+
+use engram_protocol::encoding::RowEncoding;
+use engram_protocol::etab::TableMeta;
+use engram_protocol::messages::{LookupSection, encode_lookup};
+use engram_protocol::synthetic::SplitMix64;
+use engram_protocol::{
+    ErrorCode, Frame, Limits, PROTOCOL_VERSION, PROTOCOL_VERSION_V1, ROW_BYTES, TableDigest,
+    TableInfo, decode,
+};
+use engram_store::table_file::{TableFile, TableWriter};
+use rack_harness::{DonorProcess, gen_table, hello_stream_at};
+
+/// A table of `rows` random rows of `encoding` (no NaN codes), layer
+/// `layer`, with a table scale where the encoding has one.
+fn encoded_table(dir: &Path, layer: u32, e: RowEncoding, rows: u64) -> (TableMeta, Vec<u8>) {
+    let path = dir.join(format!("layer{layer}.etab"));
+    let mut data = vec![0u8; rows as usize * e.row_bytes()];
+    let mut g = SplitMix64::new(u64::from(layer));
+    for b in data.chunks_mut(8) {
+        b.copy_from_slice(&g.next_u64().to_le_bytes()[..b.len()]);
+    }
+    data.iter_mut().for_each(|b| *b &= 0xFE);
+    let meta = TableMeta {
+        layer,
+        rows,
+        digest: TableDigest([0; 32]),
+        hash_preset: None,
+        hash_base: None,
+        source: "test rows".into(),
+        encoding: e,
+        tensor_scale: e.has_tensor_scale().then(|| 0.0123f32.to_bits()),
+    };
+    let mut w = TableWriter::create(&path, meta).expect("create");
+    w.write_rows(&data).expect("rows");
+    (w.finish().expect("finish"), data)
+}
+
+/// Say Hello at `version`, send `frames`, half-close, and read every
+/// frame the donor sends until it closes.
+fn exchange(addr: SocketAddr, version: u16, frames: &[u8]) -> Vec<u8> {
+    let mut s = hello_stream_at(addr, "enc", version);
+    s.write_all(frames).expect("write");
+    s.shutdown(std::net::Shutdown::Write).expect("half close");
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).expect("read");
+    all
+}
+
+fn lookup(sections: &[(u32, TableDigest, &[u64])]) -> Vec<u8> {
+    let s: Vec<LookupSection<'_>> = sections
+        .iter()
+        .map(|&(table_id, d, rows)| LookupSection {
+            table_id,
+            digest_prefix: d.prefix(),
+            rows,
+        })
+        .collect();
+    let mut out = Vec::new();
+    encode_lookup(&mut out, 7, &s).expect("lookup");
+    out
+}
+
+/// The Welcome's tables and the frames after it.
+fn welcome_then(answer: &[u8], version: u16) -> (Vec<TableInfo>, &[u8]) {
+    let limits = Limits::default();
+    let w = decode(answer, &limits).expect("valid").expect("a frame");
+    let Frame::Welcome(welcome) = w.frame else {
+        panic!("expected Welcome, got {:?}", w.frame);
+    };
+    assert_eq!(
+        welcome.version, version,
+        "the Welcome speaks the client's version"
+    );
+    (welcome.tables().collect(), &answer[w.len..])
+}
+
+#[test]
+fn rows_of_every_encoding_are_served_at_their_own_size() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (v41_path, v41_digest) = gen_table(dir.path(), "l1.etab", 1, 5_000, 3).expect("gen");
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let bf16 = RowEncoding::Bf16 { values: 160 };
+    let nvfp4 = RowEncoding::Nvfp4 { values: 160 };
+    let (m3, rows3) = encoded_table(dir.path(), 3, fp8, 2_000);
+    let (m4, rows4) = encoded_table(dir.path(), 4, bf16, 1_000);
+    let (m5, rows5) = encoded_table(dir.path(), 5, nvfp4, 3_000);
+    let paths: Vec<String> = [1, 3, 4, 5]
+        .iter()
+        .map(|l| {
+            dir.path()
+                .join(format!("layer{l}.etab"))
+                .display()
+                .to_string()
+        })
+        .collect();
+    let v41 = v41_path.display().to_string();
+    let donor = DonorProcess::start(&[
+        "--table",
+        &v41,
+        "--table",
+        &paths[1],
+        "--table",
+        &paths[2],
+        "--table",
+        &paths[3],
+        "--listen",
+        "127.0.0.1:0",
+        "--max-rows",
+        "48",
+    ])
+    .expect("donor starts");
+
+    // Version 2: every table, with its encoding and scale.
+    let ids: &[u64] = &[0, 7, 1_999];
+    let answer = exchange(
+        donor.addr,
+        PROTOCOL_VERSION,
+        &lookup(&[(3, m3.digest, ids), (1, v41_digest, &[4_999])]),
+    );
+    let (tables, rest) = welcome_then(&answer, PROTOCOL_VERSION);
+    let by_id = |id: u32| tables.iter().find(|t| t.table_id == id).copied();
+    assert_eq!(tables.len(), 4, "{tables:?}");
+    let t3 = by_id(3).expect("table 3");
+    assert_eq!((t3.encoding, t3.tensor_scale), (fp8, m3.tensor_scale));
+    assert_eq!((t3.rows, t3.digest), (2_000, m3.digest));
+    assert_eq!(by_id(4).expect("table 4").encoding, bf16);
+    assert_eq!(by_id(5).expect("table 5").row_bytes(), 90);
+    assert_eq!(by_id(1).expect("table 1").encoding, RowEncoding::V41);
+    let limits = Limits::for_rows(48);
+    let r = decode(rest, &limits).expect("valid").expect("rows");
+    let Frame::Rows(rows) = r.frame else {
+        panic!("expected Rows, got {:?}", r.frame);
+    };
+    let got: Vec<_> = rows.sections().collect();
+    assert_eq!(got[0].0.row_size(), 160);
+    for (k, &id) in ids.iter().enumerate() {
+        let want = &rows3[id as usize * 160..][..160];
+        assert_eq!(&got[0].1[k * 160..][..160], want, "fp8 row {id}");
+    }
+    assert_eq!(got[1].0.row_bytes, 0, "V4.1's rows say 0, as in version 1");
+    let file = TableFile::open(&v41_path).expect("open");
+    let mut want = Vec::new();
+    file.for_each_chunk(false, None, |first, chunk| {
+        if first <= 4_999 && 4_999 < first + (chunk.len() / ROW_BYTES) as u64 {
+            let at = (4_999 - first) as usize * ROW_BYTES;
+            want = chunk[at..at + ROW_BYTES].to_vec();
+        }
+        Ok(())
+    })
+    .expect("rows");
+    assert_eq!(got[1].1, &want[..]);
+
+    // BF16 and NVFP4 rows. 48 x 264 = 12,672 bytes hold 39 BF16 rows of
+    // 320 and two NVFP4 rows of 90; 40 BF16 rows (12,800) exceed them.
+    let fit: Vec<u64> = (0..39).collect();
+    let over: Vec<u64> = (0..40).collect();
+    let mut frames = lookup(&[(4, m4.digest, &fit), (5, m5.digest, &[2_999, 0])]);
+    frames.extend(lookup(&[(4, m4.digest, &over)]));
+    frames.extend(lookup(&[(5, m5.digest, &[1])]));
+    let answer = exchange(donor.addr, PROTOCOL_VERSION, &frames);
+    let (_, mut rest) = welcome_then(&answer, PROTOCOL_VERSION);
+    let mut answers = Vec::new();
+    while let Some(d) = decode(rest, &limits).expect("valid") {
+        answers.push(d.frame);
+        rest = &rest[d.len..];
+    }
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    let Frame::Rows(r) = answers[0] else {
+        panic!("rows: {:?}", answers[0]);
+    };
+    let s: Vec<_> = r.sections().collect();
+    assert_eq!(s[0].1, &rows4[..39 * 320]);
+    assert_eq!(&s[1].1[..90], &rows5[2_999 * 90..]);
+    assert_eq!(&s[1].1[90..], &rows5[..90]);
+    match answers[1] {
+        Frame::Error(e) => assert_eq!((e.code, e.detail), (ErrorCode::RequestTooLarge, 48)),
+        ref other => panic!("expected request_too_large, got {other:?}"),
+    }
+    let Frame::Rows(r) = answers[2] else {
+        panic!("the connection goes on: {:?}", answers[2]);
+    };
+    assert_eq!(r.sections().next().expect("one").1, &rows5[90..180]);
+
+    // Version 1: the V4.1 table only; the others are unknown to it.
+    let answer = exchange(
+        donor.addr,
+        PROTOCOL_VERSION_V1,
+        &lookup(&[(3, m3.digest, &[0]), (1, v41_digest, &[0])]),
+    );
+    let (tables, rest) = welcome_then(&answer, PROTOCOL_VERSION_V1);
+    assert_eq!(tables, [TableInfo::v41(1, 1, 5_000, v41_digest)]);
+    let r = decode(rest, &Limits::default())
+        .expect("valid")
+        .expect("rows");
+    let Frame::Rows(rows) = r.frame else {
+        panic!("expected Rows, got {:?}", r.frame);
+    };
+    let s: Vec<_> = rows.sections().collect();
+    assert_eq!(s[0].0.status, Some(ErrorCode::UnknownTable));
+    assert!(s[1].0.status.is_none() && s[1].1.len() == ROW_BYTES);
+    let log = donor.log();
+    assert!(log.contains("own memory"), "the fallback is said: {log}");
+}
