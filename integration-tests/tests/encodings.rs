@@ -210,3 +210,112 @@ fn rows_of_every_encoding_are_served_at_their_own_size() {
     let log = donor.log();
     assert!(log.contains("own memory"), "the fallback is said: {log}");
 }
+
+/// The node's donor client, saying version 2, reads rows of any encoding
+/// at their size, mixed with V4.1's in one lookup, through the frame
+/// buffer (small answers) and straight into the caller's buffer (large
+/// ones); saying version 1 it is refused a table of another encoding as
+/// missing. `inference-node fetch` fetches and verifies such rows.
+#[test]
+fn the_node_client_and_fetch_read_rows_of_any_encoding() {
+    use inference_node::{ClientError, ClientOptions, DonorClient, Request};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (v41_path, v41_digest) = gen_table(dir.path(), "l1.etab", 1, 5_000, 3).expect("gen");
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let (m3, rows3) = encoded_table(dir.path(), 3, fp8, 20_000);
+    let fp8_path = dir.path().join("layer3.etab").display().to_string();
+    let v41 = v41_path.display().to_string();
+    let donor = DonorProcess::start(&[
+        "--table",
+        &v41,
+        "--table",
+        &fp8_path,
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .expect("donor starts");
+    let v41_file = TableFile::open(&v41_path).expect("open");
+    let v41_row = |r: u64| {
+        let mut b = vec![0u8; ROW_BYTES];
+        let off = v41_file.layout.row_offset(r).expect("row");
+        std::os::unix::fs::FileExt::read_exact_at(v41_file.handle(), &mut b, off).expect("read");
+        b
+    };
+    rack_harness::runtime().block_on(async {
+        let mut opts = ClientOptions::new("enc-node", vec![(1, v41_digest), (3, m3.digest)]);
+        opts.version = PROTOCOL_VERSION;
+        let c = DonorClient::connect(donor.addr, &opts)
+            .await
+            .expect("connects");
+        assert_eq!((c.row_bytes(3), c.row_bytes(1)), (160, ROW_BYTES));
+        for (n3, n1) in [(3usize, 2usize), (600, 300)] {
+            // 3 + 2 rows: through the frame buffer; 600 + 300 (175 KB):
+            // straight into `out`.
+            let ids3: Vec<u64> = (0..n3 as u64).map(|i| (i * 7_919) % 20_000).collect();
+            let ids1: Vec<u64> = (0..n1 as u64).map(|i| (i * 13) % 5_000).collect();
+            let mut out = vec![0u8; n3 * 160 + n1 * ROW_BYTES];
+            let req = [
+                Request {
+                    table: 3,
+                    rows: &ids3,
+                },
+                Request {
+                    table: 1,
+                    rows: &ids1,
+                },
+            ];
+            c.lookup(&req, &mut out).await.expect("lookup");
+            for (k, &r) in ids3.iter().enumerate() {
+                assert_eq!(
+                    &out[k * 160..][..160],
+                    &rows3[r as usize * 160..][..160],
+                    "row {r}"
+                );
+            }
+            let v41_rows = &out[n3 * 160..];
+            for (k, &r) in ids1.iter().enumerate() {
+                assert_eq!(
+                    &v41_rows[k * ROW_BYTES..][..ROW_BYTES],
+                    &v41_row(r)[..],
+                    "row {r}"
+                );
+            }
+            let mut short = vec![0u8; out.len() - 1];
+            assert!(matches!(
+                c.lookup(&req, &mut short).await,
+                Err(ClientError::BadRequest(_))
+            ));
+        }
+        let v1 = ClientOptions::new("enc-node", vec![(3, m3.digest)]);
+        let e = DonorClient::connect(donor.addr, &v1).await.expect_err("v1");
+        assert!(
+            matches!(e, ClientError::TableMissing { table: 3, .. }),
+            "{e:?}"
+        );
+    });
+    let out = std::process::Command::new(rack_harness::bin("inference-node"))
+        .args([
+            "fetch",
+            "--donor",
+            &donor.addr.to_string(),
+            "--table",
+            &fp8_path,
+            "--table-id",
+            "3",
+            "--rows",
+            "0-99,19999",
+            "--verify",
+        ])
+        .output()
+        .expect("fetch runs");
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{se}");
+    assert!(se.contains("verified 101 rows"), "{se}");
+    assert!(
+        so.contains("row 19999: [") && so.contains("fp8_per_tensorx160"),
+        "{so}"
+    );
+}

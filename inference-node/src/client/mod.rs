@@ -77,6 +77,11 @@ pub struct ClientOptions {
     pub bind: Option<IpAddr>,
     /// Network interface the connection must use (`SO_BINDTODEVICE`).
     pub interface: Option<String>,
+    /// The protocol version said in Hello: 1 (the default; every donor
+    /// answers it, tables of V4.1's rows only) or
+    /// [`engram_protocol::PROTOCOL_VERSION`] (tables of any row encoding,
+    /// from donors of this build on: PROTOCOL.md 3.2).
+    pub version: u16,
 }
 
 /// What a TLS or QUIC client needs: the node's TLS state (the rack CA, its
@@ -124,6 +129,7 @@ impl ClientOptions {
             tls: None,
             bind: None,
             interface: None,
+            version: engram_protocol::PROTOCOL_VERSION_V1,
         }
     }
 }
@@ -422,9 +428,7 @@ impl DonorClient {
             credential: hello_credential(opts).to_vec(),
             pinned: opts.pinned.clone(),
             max_rows: opts.max_rows,
-            // The node reads V4.1's rows: version 1, which every donor
-            // answers, old ones included (PROTOCOL.md 3.2).
-            version: engram_protocol::PROTOCOL_VERSION_V1,
+            version: opts.version,
         });
         let mut out = Vec::with_capacity(1024);
         proto.hello(&mut out)?;
@@ -506,6 +510,22 @@ impl DonorClient {
     /// The tables the donor announced.
     pub fn tables(&self) -> &[TableInfo] {
         &self.tables
+    }
+
+    /// Bytes per row of table `table` as the donor announced it (264 for
+    /// V4.1's rows, and for a table the Welcome does not list).
+    pub fn row_bytes(&self, table: u32) -> usize {
+        match self.wire_row_bytes(table) {
+            0 => ROW_BYTES,
+            n => usize::from(n),
+        }
+    }
+
+    fn wire_row_bytes(&self, table: u32) -> u16 {
+        self.tables
+            .iter()
+            .find(|t| t.table_id == table)
+            .map_or(0, client::wire_row_bytes)
     }
 
     /// Most rows one lookup may carry on this connection.
@@ -669,8 +689,8 @@ impl DonorClient {
 
     /// Fetch rows of one or more pinned tables in one message, within the
     /// client's lookup timeout. `out` receives the rows back to back,
-    /// sections in order, 264 bytes each; its length must be exactly the
-    /// total row count times 264.
+    /// sections in order, each table's rows at its row size (264 bytes for
+    /// V4.1's; [`Self::row_bytes`]); its length must be exactly their sum.
     pub async fn lookup(
         &self,
         requests: &[Request<'_>],
@@ -711,12 +731,24 @@ impl DonorClient {
         out: &mut [u8],
         now: Instant,
     ) -> Result<(), ClientError> {
-        let total: usize = requests.iter().map(|r| r.rows.len()).sum();
-        if out.len() != total * ROW_BYTES {
+        // Each request's row size in the wire's form (0: V4.1's 264).
+        let mut sizes: smallvec::SmallVec<[u16; 2]> = smallvec::SmallVec::new();
+        let mut want = 0usize;
+        for r in requests {
+            let size = self.wire_row_bytes(r.table);
+            sizes.push(size);
+            want += r.rows.len()
+                * if size == 0 {
+                    ROW_BYTES
+                } else {
+                    usize::from(size)
+                };
+        }
+        if out.len() != want {
+            let total: usize = requests.iter().map(|r| r.rows.len()).sum();
             return Err(ClientError::BadRequest(format!(
-                "output buffer is {} bytes, {total} rows need {}",
+                "output buffer is {} bytes, {total} rows need {want}",
                 out.len(),
-                total * ROW_BYTES
             )));
         }
         // Inline: a lookup of one or two tables allocates nothing here.
@@ -737,8 +769,8 @@ impl DonorClient {
             .request_into(Kind::Lookup, encode, Some(direct), now)
             .await?;
         self.checked(match answer {
-            Answer::Frame(f) => client::rows(&self.inner.limits, &f, requests, out),
-            Answer::Placed(head) => client::placed(&head, requests),
+            Answer::Frame(f) => client::rows(&self.inner.limits, &f, requests, &sizes, out),
+            Answer::Placed(head) => client::placed(&head, requests, &sizes),
         })
     }
 

@@ -8,9 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::{TableLayout, read_header};
-use engram_protocol::row::{ROW_VALUES, dequantize_row_f32};
-use engram_protocol::{ROW_BYTES, RowBytes, TableDigest};
+use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, dequantize_row_f32};
+use engram_protocol::{ErrorCode, ROW_BYTES, RowBytes, TableDigest};
 use inference_node::rowlist::parse_rows;
 use inference_node::{ClientOptions, DonorClient, Request};
 
@@ -37,7 +38,8 @@ pub struct FetchArgs {
     /// Print each row as hex.
     #[arg(long, conflicts_with = "out")]
     hex: bool,
-    /// Write the raw 264-byte rows, in the order asked, to this file.
+    /// Write the raw rows (264 bytes each for V4.1's), in the order asked,
+    /// to this file.
     #[arg(long)]
     out: Option<PathBuf>,
     /// With --table: compare every fetched row with the local file.
@@ -59,14 +61,23 @@ fn open_table(path: &Path) -> Result<(File, TableDigest, TableLayout)> {
     let len = f.metadata()?.len();
     let (meta, layout) = read_header(len, |buf, off| f.read_exact_at(buf, off))
         .with_context(|| format!("{}", path.display()))?;
-    if meta.encoding != engram_protocol::encoding::RowEncoding::V41 {
-        bail!(
-            "{}: its rows are {}: the node reads V4.1's 264-byte rows only (docs/models.md)",
-            path.display(),
-            meta.encoding.name()
-        );
-    }
     Ok((f, meta.digest, layout))
+}
+
+/// Connect saying protocol version 2 (tables of any encoding), or 1 to a
+/// donor of an earlier build that refuses version 2.
+async fn connect(donor: SocketAddr, opts: &mut ClientOptions) -> Result<DonorClient> {
+    opts.version = engram_protocol::PROTOCOL_VERSION;
+    match DonorClient::connect(donor, opts).await {
+        Err(inference_node::ClientError::Refused {
+            code: ErrorCode::UnsupportedVersion,
+            ..
+        }) => {
+            opts.version = engram_protocol::PROTOCOL_VERSION_V1;
+            Ok(DonorClient::connect(donor, opts).await?)
+        }
+        other => Ok(other?),
+    }
 }
 
 pub async fn fetch(args: FetchArgs) -> Result<()> {
@@ -84,10 +95,19 @@ pub async fn fetch(args: FetchArgs) -> Result<()> {
         let c = cluster_config::read_credential(f)?;
         opts.credential = Some(c);
     }
-    let client = DonorClient::connect(args.donor, &opts).await?;
-    let mut data = vec![0u8; rows.len() * ROW_BYTES];
-    let chunk = client.max_rows() as usize;
-    for (ids, out) in rows.chunks(chunk).zip(data.chunks_mut(chunk * ROW_BYTES)) {
+    let client = connect(args.donor, &mut opts).await?;
+    let info = client
+        .tables()
+        .iter()
+        .find(|t| t.table_id == args.table_id)
+        .copied()
+        .context("the donor does not list the table")?;
+    let size = info.row_bytes();
+    let mut data = vec![0u8; rows.len() * size];
+    // At most max_rows rows and max_rows x 264 bytes a lookup (PROTOCOL.md 3.4).
+    let max = client.max_rows() as usize;
+    let chunk = max.min(max * ROW_BYTES / size).max(1);
+    for (ids, out) in rows.chunks(chunk).zip(data.chunks_mut(chunk * size)) {
         let req = [Request {
             table: args.table_id,
             rows: ids,
@@ -99,8 +119,8 @@ pub async fn fetch(args: FetchArgs) -> Result<()> {
     if args.verify
         && let Some((file, _, layout)) = &local
     {
-        let mut want = [0u8; ROW_BYTES];
-        for (id, got) in rows.iter().zip(data.chunks_exact(ROW_BYTES)) {
+        let mut want = vec![0u8; size];
+        for (id, got) in rows.iter().zip(data.chunks_exact(size)) {
             let off = layout
                 .row_offset(*id)
                 .context("row out of the local table's range")?;
@@ -125,10 +145,23 @@ pub async fn fetch(args: FetchArgs) -> Result<()> {
         return Ok(());
     }
     let mut so = std::io::stdout().lock();
-    for (id, row) in rows.iter().zip(data.chunks_exact(ROW_BYTES)) {
+    let scale = info.tensor_scale.map_or(1.0, f32::from_bits);
+    let mut bf16 = vec![0u16; info.encoding.values()];
+    for (id, row) in rows.iter().zip(data.chunks_exact(size)) {
         if args.hex {
             let hex: String = row.iter().map(|b| format!("{b:02x}")).collect();
             writeln!(so, "{id} {hex}")?;
+            continue;
+        }
+        if info.encoding != RowEncoding::V41 {
+            match info.encoding.dequantize_bf16(row, scale, &mut bf16) {
+                Ok(()) => {
+                    let vals: Vec<f32> =
+                        bf16.iter().take(8).map(|&b| bf16_bits_to_f32(b)).collect();
+                    writeln!(so, "row {id}: {vals:?} ... ({})", info.encoding.name())?;
+                }
+                Err(e) => writeln!(so, "row {id}: corrupt: {e}")?,
+            }
             continue;
         }
         let mut vals = [0f32; ROW_VALUES];

@@ -564,11 +564,15 @@ pub fn sections<'r>(
 }
 
 /// The rows of a whole answer to a Lookup of `requests`, checked
-/// against them, copied into `out` back to back.
+/// against them, copied into `out` back to back. `sizes[k]` is the row
+/// size request `k`'s table was announced with, in the wire's form (0 for
+/// V4.1's 264: [`wire_row_bytes`]); an empty `sizes` expects 264 bytes
+/// everywhere.
 pub fn rows(
     limits: &Limits,
     frame: &[u8],
     requests: &[Request<'_>],
+    sizes: &[u16],
     out: &mut [u8],
 ) -> Result<(), SessionError> {
     let rows: RowsRef<'_> = match parse(frame, limits)?.1 {
@@ -585,9 +589,13 @@ pub fn rows(
         return Err(violation("Lookup (section count)"));
     }
     let mut at = 0;
-    for ((s, data), req) in rows.sections().zip(requests) {
+    for (k, ((s, data), req)) in rows.sections().zip(requests).enumerate() {
         if s.table_id != req.table {
             return Err(violation("Lookup (section order)"));
+        }
+        let want = sizes.get(k).copied().unwrap_or(0);
+        if s.status.is_none() && s.row_bytes != want {
+            return Err(violation("Lookup (row size)"));
         }
         if let Some(code) = s.status {
             return Err(SessionError::Section {
@@ -607,7 +615,7 @@ pub fn rows(
 /// The head of a Rows answer (header, checksum, counts, sections) whose
 /// rows were read elsewhere (and checksummed there): its sections must
 /// be the request's, in order, each served with its row count.
-pub fn placed(head: &[u8], requests: &[Request<'_>]) -> Result<(), SessionError> {
+pub fn placed(head: &[u8], requests: &[Request<'_>], sizes: &[u16]) -> Result<(), SessionError> {
     let u32_at = |i: usize| {
         head.get(i..i + 4)
             .and_then(|b| <[u8; 4]>::try_from(b).ok())
@@ -626,10 +634,11 @@ pub fn placed(head: &[u8], requests: &[Request<'_>]) -> Result<(), SessionError>
         if table != req.table {
             return Err(violation("Lookup (section order)"));
         }
-        // Status (low half) and reserved (high half) are both 0 when
-        // served; a failed section has no rows, so its answer is never
-        // read this way.
-        if status != 0 || rows as usize != req.rows.len() {
+        // Status (low half) is 0 when served and the row size (high half)
+        // the table's; a failed section has no rows, so its answer is
+        // never read this way.
+        let want = u32::from(sizes.get(k).copied().unwrap_or(0)) << 16;
+        if status != want || rows as usize != req.rows.len() {
             return Err(violation("Lookup (row count)"));
         }
     }
@@ -657,6 +666,15 @@ pub fn region(limits: &Limits, frame: &[u8], table: u32) -> Result<crate::Region
             message: e.message.to_string(),
         }),
         _ => Err(violation("RegionQuery")),
+    }
+}
+
+/// A table's row size in a Rows section's form: 0 for V4.1's 264 bytes.
+pub fn wire_row_bytes(t: &TableInfo) -> u16 {
+    match t.row_bytes() {
+        crate::ROW_BYTES => 0,
+        // At most 4096 bytes (PROTOCOL.md 2).
+        n => n as u16,
     }
 }
 

@@ -117,7 +117,7 @@ fn pipelined_lookups_are_answered_in_order_with_the_right_rows_however_the_bytes
                 rows,
             }];
             let mut got = vec![0u8; rows.len() * ROW_BYTES];
-            client::rows(c.limits(), frame, &req, &mut got).expect("rows");
+            client::rows(c.limits(), frame, &req, &[], &mut got).expect("rows");
             assert_eq!(first_mismatch(toy::SEED, toy::LAYER, rows, &got), None);
             c.finish(*id);
         }
@@ -281,7 +281,7 @@ fn a_section_the_donor_cannot_serve_comes_back_typed() {
         table: toy::TABLE,
         rows: &[toy::ROWS],
     }];
-    let e = client::rows(c.limits(), &answer, &req, &mut [0u8; ROW_BYTES]).expect_err("range");
+    let e = client::rows(c.limits(), &answer, &req, &[], &mut [0u8; ROW_BYTES]).expect_err("range");
     assert_eq!(
         e,
         SessionError::Section {
@@ -305,8 +305,8 @@ fn a_corrupted_answer_is_corrupt_not_rows() {
         table: toy::TABLE,
         rows: &[4, 5],
     }];
-    let e =
-        client::rows(c.limits(), &answer, &req, &mut [0u8; 2 * ROW_BYTES]).expect_err("corrupt");
+    let e = client::rows(c.limits(), &answer, &req, &[], &mut [0u8; 2 * ROW_BYTES])
+        .expect_err("corrupt");
     assert!(matches!(e, SessionError::Corrupt(_)), "{e}");
 }
 
@@ -394,7 +394,7 @@ fn the_donor_refuses_what_breaks_the_rules_and_keeps_an_oversized_lookups_connec
         table: toy::TABLE,
         rows: &many,
     }];
-    let e = client::rows(c.limits(), answers[0], &req, &mut []).expect_err("too large");
+    let e = client::rows(c.limits(), answers[0], &req, &[], &mut []).expect_err("too large");
     assert!(
         matches!(
             e,
@@ -449,4 +449,48 @@ fn the_fuzz_corpus_holds_the_seeds_and_replays_clean() {
         }
     }
     assert!(replayed >= toy::seeds().len());
+}
+
+/// An answer whose sections' row sizes are not the ones the tables were
+/// announced with is a protocol violation, on both ways of reading it.
+#[test]
+fn rows_of_another_size_than_announced_are_refused() {
+    use crate::messages::{RowsSection, begin_rows, finish_rows};
+    let answer = |row_bytes: u16, n: usize| {
+        let mut out = Vec::new();
+        let s = [RowsSection {
+            table_id: 3,
+            status: None,
+            row_count: 2,
+            row_bytes,
+        }];
+        let start = begin_rows(&mut out, 1, &s).expect("begin");
+        out.extend(std::iter::repeat_n(0x38u8, 2 * n));
+        finish_rows(&mut out, start).expect("finish");
+        out
+    };
+    let rows = [4u64, 5];
+    let req = [Request {
+        table: 3,
+        rows: &rows,
+    }];
+    let limits = Limits::default();
+    let fp8 = answer(160, 160);
+    let mut out = [0u8; 320];
+    client::rows(&limits, &fp8, &req, &[160], &mut out).expect("announced size");
+    assert_eq!(out, [0x38; 320]);
+    let head = &fp8[..crate::HEADER_LEN + 16 + 12];
+    client::placed(head, &req, &[160]).expect("placed at the announced size");
+    // The table was announced with V4.1's rows (0), the answer says 160;
+    // and the other way round.
+    for (e, sizes) in [
+        (client::rows(&limits, &fp8, &req, &[0], &mut out), "264 announced"),
+        (client::placed(head, &req, &[0]), "264 announced, placed"),
+        (
+            client::rows(&limits, &answer(0, ROW_BYTES), &req, &[160], &mut [0; 528]),
+            "160 announced",
+        ),
+    ] {
+        assert!(matches!(e, Err(SessionError::Protocol(_))), "{sizes}: {e:?}");
+    }
 }

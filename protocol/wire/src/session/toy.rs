@@ -217,7 +217,7 @@ pub fn fuzz_client(bytes: &[u8]) {
                     rows: &[0],
                 }];
                 let mut rows = [0u8; ROW_BYTES];
-                let _ = crate::session::client::rows(c.limits(), frame, &requests, &mut rows);
+                let _ = crate::session::client::rows(c.limits(), frame, &requests, &[], &mut rows);
                 let _ = crate::session::client::pong(c.limits(), frame);
             }
             Ok(Incoming::Stale | Incoming::Goodbye) => {}
