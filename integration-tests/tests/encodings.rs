@@ -319,3 +319,56 @@ fn the_node_client_and_fetch_read_rows_of_any_encoding() {
         "{so}"
     );
 }
+
+/// The client written from PROTOCOL.md alone (Python) reads an NVFP4
+/// table's rows at version 2, and still V4.1's at version 1.
+#[test]
+fn the_python_client_from_protocol_md_reads_rows_of_any_encoding() {
+    if !rack_harness::python_has("xxhash") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (v41_path, v41_digest) = gen_table(dir.path(), "l1.etab", 1, 3_000, 4).expect("gen");
+    let nvfp4 = RowEncoding::Nvfp4 { values: 160 };
+    let (m5, rows5) = encoded_table(dir.path(), 5, nvfp4, 3_000);
+    let nv_path = dir.path().join("layer5.etab").display().to_string();
+    let donor = DonorProcess::start(&[
+        "--table",
+        &v41_path.display().to_string(),
+        "--table",
+        &nv_path,
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .expect("donor");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/engram_client.py");
+    let run = |table: &str, digest: TableDigest, version: &str| {
+        let out = std::process::Command::new("python3")
+            .args([
+                script,
+                &donor.addr.to_string(),
+                table,
+                &digest.to_hex(),
+                "0,17,2999",
+            ])
+            .args(["--version", version])
+            .output()
+            .expect("python");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let shown = run("5", m5.digest, "2");
+    let lines: Vec<&str> = shown.lines().collect();
+    assert_eq!(lines.len(), 3, "{shown}");
+    for (line, id) in lines.iter().zip([0usize, 17, 2999]) {
+        let hex: String = rows5[id * 90..][..90]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(*line, format!("{id} {hex}"));
+    }
+    let v1 = run("1", v41_digest, "1");
+    assert_eq!(v1.lines().count(), 3);
+    assert!(v1.lines().all(|l| l.len() > 2 * ROW_BYTES), "{v1}");
+}

@@ -484,13 +484,19 @@ fn rows_of_another_size_than_announced_are_refused() {
     // The table was announced with V4.1's rows (0), the answer says 160;
     // and the other way round.
     for (e, sizes) in [
-        (client::rows(&limits, &fp8, &req, &[0], &mut out), "264 announced"),
+        (
+            client::rows(&limits, &fp8, &req, &[0], &mut out),
+            "264 announced",
+        ),
         (client::placed(head, &req, &[0]), "264 announced, placed"),
         (
             client::rows(&limits, &answer(0, ROW_BYTES), &req, &[160], &mut [0; 528]),
             "160 announced",
         ),
     ] {
-        assert!(matches!(e, Err(SessionError::Protocol(_))), "{sizes}: {e:?}");
+        assert!(
+            matches!(e, Err(SessionError::Protocol(_))),
+            "{sizes}: {e:?}"
+        );
     }
 }
