@@ -136,6 +136,9 @@ pub struct TableEntry {
     pub rows: u64,
     /// The pinned version, 64 hex digits.
     pub digest: String,
+    /// Its rows' encoding, when not V4.1's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<String>,
 }
 
 impl TableEntry {
@@ -148,6 +151,7 @@ impl TableEntry {
             path: path.into(),
             rows,
             digest: digest.to_string(),
+            encoding: None,
         }
     }
 }

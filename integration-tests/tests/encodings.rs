@@ -372,3 +372,55 @@ fn the_python_client_from_protocol_md_reads_rows_of_any_encoding() {
     assert_eq!(v1.lines().count(), 3);
     assert!(v1.lines().all(|l| l.len() > 2 * ROW_BYTES), "{v1}");
 }
+
+/// A cluster config declares a table's encoding: the donor serves the
+/// FP8 table it names, and refuses to start on a file whose rows are of
+/// another encoding than the config says, before reading it.
+#[test]
+fn a_config_declares_each_tables_encoding_and_the_donor_holds_it_to_that() {
+    use rack_harness::rack_toml::{DonorEntry, RackToml, TableEntry};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let (m, rows) = encoded_table(dir.path(), 2, fp8, 4_000);
+    let path = dir.path().join("layer2.etab");
+    let config = |encoding: &str| {
+        let mut rack = RackToml::new("q");
+        rack.table = vec![TableEntry {
+            encoding: Some(encoding.into()),
+            ..TableEntry::new(2, &path, 4_000, m.digest)
+        }];
+        rack.donor = vec![DonorEntry::new("d", ["127.0.0.1:0".to_string()], [2])];
+        let file = dir.path().join(format!("{encoding}.toml"));
+        rack.write(&file).expect("config");
+        file.display().to_string()
+    };
+    let good = config("fp8_per_tensorx160");
+    let donor = DonorProcess::start(&["--config", &good, "--name", "d"]).expect("donor");
+    let answer = exchange(
+        donor.addr,
+        PROTOCOL_VERSION,
+        &lookup(&[(2, m.digest, &[3_999])]),
+    );
+    let (tables, rest) = welcome_then(&answer, PROTOCOL_VERSION);
+    assert_eq!(tables.len(), 1);
+    assert_eq!((tables[0].encoding, tables[0].rows), (fp8, 4_000));
+    let r = decode(rest, &Limits::default())
+        .expect("valid")
+        .expect("rows");
+    let Frame::Rows(r) = r.frame else {
+        panic!("expected Rows, got {:?}", r.frame);
+    };
+    assert_eq!(r.sections().next().expect("one").1, &rows[3_999 * 160..]);
+    drop(donor);
+    let bad = config("bf16x80");
+    let out = std::process::Command::new(rack_harness::bin("memory-donor"))
+        .args(["serve", "--config", &bad, "--name", "d"])
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("its rows are fp8_per_tensorx160 but the config says encoding = \"bf16x80\""),
+        "{err}"
+    );
+}

@@ -133,6 +133,7 @@ fn load_one(
     store: &FdStore,
 ) -> Result<(ResidentTable, Resumed), ServeError> {
     let t = &spec.tables[i];
+    check_encoding(t)?;
     let progress = |f: &TableFile| Some(load_progress(t, i, f, status, notifier));
     let opts = LoadOptions {
         pinned: t.pinned,
@@ -175,6 +176,28 @@ fn load_one(
     }
     warn_planar_pages(&table);
     Ok((table, resumed))
+}
+
+/// A table file whose rows are not of the encoding the config declares is
+/// refused before it is read (its header only; a file that cannot be read
+/// is left to the load, which says why).
+fn check_encoding(t: &TableSpec) -> Result<(), ServeError> {
+    let Some(want) = t.encoding else {
+        return Ok(());
+    };
+    match TableFile::read_meta(&t.path) {
+        Ok((meta, _)) if meta.encoding != want => Err(ServeError::Load(
+            engram_store::resident::LoadError::Pinned {
+                path: t.path.display().to_string(),
+                what: format!(
+                    "its rows are {} but the config says encoding = \"{}\"",
+                    meta.encoding.name(),
+                    want.name()
+                ),
+            },
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Loudly, once per table: a planar table (for engines' own kernels) that

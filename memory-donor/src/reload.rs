@@ -130,6 +130,7 @@ mod tests {
                     layer: id,
                     rows: 10,
                 }),
+                encoding: None,
             })
             .collect();
         s

@@ -27,6 +27,9 @@ pub struct TableSpec {
     pub path: PathBuf,
     /// What the config says the table is, if it says.
     pub pinned: Option<ExpectedTable>,
+    /// The rows' encoding the config declares, if it does: a file of
+    /// another encoding is refused before it is read.
+    pub encoding: Option<engram_protocol::encoding::RowEncoding>,
 }
 
 impl std::str::FromStr for TableSpec {
@@ -43,12 +46,14 @@ impl std::str::FromStr for TableSpec {
                     id: Some(id),
                     path: path.into(),
                     pinned: None,
+                    encoding: None,
                 })
             }
             _ => Ok(Self {
                 id: None,
                 path: s.into(),
                 pinned: None,
+                encoding: None,
             }),
         }
     }
@@ -277,6 +282,7 @@ impl ServeSpec {
                     layer: t.layer,
                     rows: t.rows,
                 }),
+                encoding: Some(t.encoding),
             })
             .collect();
         Ok(Self {
@@ -321,7 +327,8 @@ mod tests {
             Ok(TableSpec {
                 id: Some(7),
                 path: "/x/a.etab".into(),
-                pinned: None
+                pinned: None,
+                encoding: None,
             })
         );
         assert_eq!("a=b.etab".parse::<TableSpec>().map(|t| t.id), Ok(None));

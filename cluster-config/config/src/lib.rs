@@ -210,6 +210,10 @@ pub struct Table {
     pub rows: u64,
     /// The pinned version: a donor announcing another digest is never used.
     pub digest: TableDigest,
+    /// How its rows are encoded (`encoding`; default V4.1's
+    /// `e4m3_ue8m0_32x256`): a donor refuses a file of another encoding,
+    /// and only V4.1's tables may be routed by nodes yet (docs/models.md).
+    pub encoding: engram_protocol::encoding::RowEncoding,
 }
 
 /// How a donor's shared tables lie in memory (`host_layout`).

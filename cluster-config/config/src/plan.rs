@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use engram_protocol::encoding::RowEncoding;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -209,8 +210,13 @@ pub struct Plan {
 /// or, for a planar `host_layout`, planar (values, then the scales from
 /// the next 4 KiB boundary). What the donor reports as
 /// `engram_donor_table_memory_bytes` once it serves the table.
-fn resident_bytes(rows: u64, d: &crate::Donor) -> u64 {
+fn resident_bytes(rows: u64, d: &crate::Donor, encoding: RowEncoding) -> u64 {
     use engram_protocol::etab::{PAGE_BYTES, ROWS_PER_PAGE};
+    if encoding != RowEncoding::V41 {
+        // Rows of another encoding: packed, in the donor's own memory,
+        // whatever `map_files` and `host_layout` say (docs/models.md).
+        return rows.saturating_mul(encoding.row_bytes() as u64);
+    }
     if d.map_files {
         rows.div_ceil(ROWS_PER_PAGE) * PAGE_BYTES
     } else {
@@ -347,28 +353,33 @@ impl Plan {
 impl DonorPlan {
     /// What donor `d` of `config` needs.
     fn of(config: &Config, d: &crate::Donor) -> Self {
-        let tables: Vec<(u32, u64)> = d
-            .tables
+        let held: Vec<&crate::Table> = d.tables.iter().filter_map(|id| config.table(*id)).collect();
+        let tables: Vec<(u32, u64)> = held
             .iter()
-            .filter_map(|id| config.table(*id))
-            .map(|t| (t.id, resident_bytes(t.rows, d)))
+            .map(|t| (t.id, resident_bytes(t.rows, d, t.encoding)))
             .collect();
         let table_bytes: u64 = tables.iter().map(|t| t.1).sum();
         // An RDMA donor keeps a check word beside every row, and a
         // swap registers the new version's beside the old; tables
-        // served from their files' pages are not offered over RDMA.
+        // served from their files' pages, and tables of other encodings
+        // than V4.1's, are not offered over RDMA.
         let rdma = d.rdma.is_some() && !d.map_files;
-        let with_checks = |bytes: u64| {
-            if rdma {
-                bytes + bytes / engram_protocol::ROW_BYTES as u64 * crate::RDMA_CHECK_BYTES
+        let checks = |t: &crate::Table| {
+            if rdma && t.encoding == RowEncoding::V41 {
+                t.rows * crate::RDMA_CHECK_BYTES
             } else {
-                bytes
+                0
             }
         };
-        let largest = tables.iter().map(|t| with_checks(t.1)).max().unwrap_or(0);
+        let largest = held
+            .iter()
+            .zip(&tables)
+            .map(|(t, &(_, bytes))| bytes + checks(t))
+            .max()
+            .unwrap_or(0);
         let headroom_bytes = (d.headroom_gib * GIB) as u64;
         let ram_bytes = (d.ram_gib * GIB) as u64;
-        let rdma_check_bytes = with_checks(table_bytes) - table_bytes;
+        let rdma_check_bytes: u64 = held.iter().map(|t| checks(t)).sum();
         let registered_bytes = if rdma {
             table_bytes + rdma_check_bytes
         } else {
@@ -503,6 +514,37 @@ mod tests {
         lat.apply("donor-a=4000,big=4000").expect("latency");
         let n = &Plan::new(&c, &lat).nodes[0];
         assert!(close(n.extra_ms, 4.5), "{n:?}");
+    }
+
+    /// Qwen3.8-Flash-Next's table in FP8 (320,001,536 rows of 160 bytes,
+    /// 47.7 GiB) held beside V4.1's layer-1 table: packed at its own row
+    /// size whatever `map_files` says, and without RDMA check words.
+    #[test]
+    fn a_table_of_another_encoding_takes_its_own_row_size() {
+        for map_files in [false, true] {
+            let text = format!(
+                "version = 1\n[rack]\nname = \"r\"\ntls = {{}}\n\
+                 [[table]]\nid = 1\nlayer = 1\npath = \"/t1\"\nrows = 384006168\ndigest = \"{D}\"\n\
+                 [[table]]\nid = 2\nlayer = 1\npath = \"/q\"\nrows = 320001536\ndigest = \"{D}\"\n\
+                 encoding = \"fp8_per_tensorx160\"\n\
+                 [[donor]]\nname = \"d\"\nlisten = [{listen}]\n\
+                 tables = [1, 2]\nram_gib = 256.0\nheadroom_gib = 0\nmap_files = {map_files}\n",
+                listen = if map_files {
+                    "\"10.0.0.1:1\""
+                } else {
+                    "\"tls://10.0.0.1:1\", \"rdma://10.0.0.1:2\""
+                },
+            );
+            let c = Config::parse(&text, Path::new("/r.toml")).expect("valid");
+            let d = &Plan::new(&c, &Latencies::default()).donors[0];
+            assert_eq!(d.tables[1], (2, 320_001_536 * 160), "map_files {map_files}");
+            let gib = d.tables[1].1 as f64 / (1u64 << 30) as f64;
+            assert!((gib - 47.68).abs() < 0.01, "{gib}");
+            if !map_files {
+                assert_eq!(d.tables[0].1, 384_006_168 * 264);
+                assert_eq!(d.rdma_check_bytes, 384_006_168 * 8, "V4.1's rows only");
+            }
+        }
     }
 
     #[test]

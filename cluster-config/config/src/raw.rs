@@ -45,6 +45,7 @@ pub(crate) struct RawTable {
     pub path: Spanned<String>,
     pub rows: Spanned<i64>,
     pub digest: Spanned<String>,
+    pub encoding: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use engram_protocol::TableDigest;
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::MAX_ROWS;
 use engram_protocol::frame::{DEFAULT_MAX_ROWS, MAX_ROWS_CEILING};
 use engram_protocol::messages::{MAX_NAME, NO_TABLE};
@@ -224,6 +225,13 @@ fn tables(cx: &mut Ctx<'_>, raw: &[Spanned<RawTable>], base: &Path) -> Vec<Table
                 None
             }
         };
+        let encoding = match &t.encoding {
+            None => RowEncoding::V41,
+            Some(e) => RowEncoding::parse(e.get_ref()).unwrap_or_else(|err| {
+                cx.at(e.span(), k("encoding"), err.to_string());
+                RowEncoding::V41
+            }),
+        };
         // A table with a valid, new id is kept even when other fields are bad
         // (the config is refused anyway), so references to it raise no echoes.
         match id {
@@ -238,6 +246,7 @@ fn tables(cx: &mut Ctx<'_>, raw: &[Spanned<RawTable>], base: &Path) -> Vec<Table
                 path,
                 rows: rows.unwrap_or(1) as u64,
                 digest: digest.unwrap_or(TableDigest([0; 32])),
+                encoding,
             }),
             None => {}
         }

@@ -583,3 +583,37 @@ fn host_layout_is_planar_only_beside_a_host_socket_and_a_copy() {
     let mapped = planar.replacen("host_layout", "map_files = true\nhost_layout", 1);
     expect_in(&mapped, 27, "donor[0].host_layout", "map_files");
 }
+
+/// A table declares its rows' encoding (V4.1's by default); a name that is
+/// not one is refused at its line, and nodes route V4.1's tables only.
+#[test]
+fn a_table_declares_its_encoding_and_nodes_route_v41_tables_only() {
+    let c = parse(&good()).expect("valid");
+    assert_eq!(c.table(1).map(|t| t.encoding), Some(RowEncoding::V41));
+    let qwen = good().replacen(
+        "rows = 384016682\n",
+        "rows = 384016682\nencoding = \"nvfp4_e4m3_16x160\"\n",
+        1,
+    );
+    // Table 14 is routed by gpu-1: refused there, at the route's table.
+    let route_line = qwen.lines().position(|l| l == "table = 14").expect("route") + 1;
+    expect_in(&qwen, route_line, "route[1].table", "nvfp4_e4m3_16x160");
+    let unrouted = qwen.replacen(
+        "\n[[node.route]]\ntable = 14\nsources = [\"donor-a\", \"local\"]\n",
+        "\n",
+        1,
+    );
+    let c = parse(&unrouted).expect("a donor may serve it");
+    assert_eq!(
+        c.table(14).map(|t| t.encoding.row_bytes()),
+        Some(90),
+        "NVFP4: 80 bytes of values and 10 scales"
+    );
+    expect(
+        "rows = 384016682\n",
+        "rows = 384016682\nencoding = \"fp8x160\"\n",
+        18,
+        "table[1].encoding",
+        "is not a row encoding",
+    );
+}
