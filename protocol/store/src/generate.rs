@@ -269,6 +269,39 @@ pub(crate) fn test_table(dir: &Path, rows: u64) -> std::path::PathBuf {
     path
 }
 
+/// A table of `rows` rows of `encoding`, random bytes with bit 0 clear
+/// (so no byte is an E4M3 NaN code), written by the table writer.
+#[cfg(test)]
+pub(crate) fn write_encoded(
+    path: &Path,
+    encoding: RowEncoding,
+    rows: u64,
+    seed: u64,
+) -> (TableMeta, Vec<u8>) {
+    let mut data = vec![0u8; rows as usize * encoding.row_bytes()];
+    let mut g = engram_protocol::synthetic::SplitMix64::new(seed);
+    for b in data.chunks_mut(8) {
+        let x = g.next_u64().to_le_bytes();
+        b.copy_from_slice(&x[..b.len()]);
+    }
+    data.iter_mut().for_each(|b| *b &= 0xFE);
+    let m = TableMeta {
+        encoding,
+        tensor_scale: encoding.has_tensor_scale().then(|| 0.25f32.to_bits()),
+        layer: 1,
+        rows,
+        digest: TableDigest([0; 32]),
+        hash_preset: None,
+        hash_base: None,
+        source: "test".into(),
+    };
+    let mut w = TableWriter::create(path, m).expect("create");
+    for chunk in data.chunks(777 * encoding.row_bytes()) {
+        w.write_rows(chunk).expect("write");
+    }
+    (w.finish().expect("finish"), data)
+}
+
 /// A sparse generated table of 5,000 rows (layer 1, seed 2) in `dir` whose
 /// only written rows are 14, 15, 2,000 and 4,999: the rest are holes.
 #[cfg(test)]

@@ -716,4 +716,4 @@ impl Drop for TableWriter {
 }
 
 #[cfg(test)]
-pub(crate) mod tests;
+mod tests;

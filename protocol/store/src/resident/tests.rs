@@ -452,7 +452,7 @@ fn rows_of_another_encoding_load_packed_at_their_size() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("nvfp4.etab");
     let e = RowEncoding::Nvfp4 { values: 160 };
-    let (m, data) = crate::table_file::tests::write_encoded(&path, e, 2_000, 5);
+    let (m, data) = crate::generate::write_encoded(&path, e, 2_000, 5);
     for (backing, planar) in [
         (Backing::Anonymous, false),
         (Backing::Memfd, false),
