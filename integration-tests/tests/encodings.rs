@@ -424,3 +424,71 @@ fn a_config_declares_each_tables_encoding_and_the_donor_holds_it_to_that() {
         "{err}"
     );
 }
+
+/// `memory-donor gen --encoding` writes a synthetic table of another
+/// encoding (with its table scale) that `inspect` shows and `verify`
+/// passes; a scale for an encoding without one, and a name that is not an
+/// encoding, are refused.
+#[test]
+fn gen_writes_synthetic_tables_of_any_encoding() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("fp8.etab").display().to_string();
+    let generate = |extra: &[&str]| {
+        let mut args = vec![
+            "gen", "--layer", "2", "--rows", "3000", "--seed", "4", "--out", &out,
+        ];
+        args.extend_from_slice(extra);
+        std::process::Command::new(rack_harness::bin("memory-donor"))
+            .args(&args)
+            .output()
+            .expect("runs")
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let o = generate(&["--encoding", "fp8_per_tensorx160", "--tensor-scale", "0.5"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let run = |args: &[&str]| {
+        std::process::Command::new(rack_harness::bin("memory-donor"))
+            .args(args)
+            .output()
+            .expect("runs")
+    };
+    let o = run(&["inspect", &out, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(
+        (&v["encoding"], &v["tensor_scale"], &v["rows"]),
+        (
+            &serde_json::json!("fp8_per_tensorx160"),
+            &serde_json::json!(0.5),
+            &serde_json::json!(3000)
+        )
+    );
+    let o = run(&["verify", &out]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let file = TableFile::open_any(Path::new(&out)).expect("open");
+    let mut want = vec![0u8; 160];
+    engram_protocol::synthetic::synthetic_encoded_row(
+        RowEncoding::Fp8PerTensor { values: 160 },
+        4,
+        2,
+        2_999,
+        &mut want,
+    );
+    let mut got = vec![0u8; 160];
+    let at = file.layout.row_offset(2_999).expect("row");
+    std::os::unix::fs::FileExt::read_exact_at(file.handle(), &mut got, at).expect("read");
+    assert_eq!(got, want);
+    let o = generate(&["--encoding", "bf16x160", "--tensor-scale", "0.5"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o.stderr).contains("bf16x160 has no table scale"),
+        "{}",
+        text(&o.stderr)
+    );
+    let o = generate(&["--encoding", "fp9x160"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o.stderr).contains("is not a row encoding"),
+        "{}",
+        text(&o.stderr)
+    );
+}

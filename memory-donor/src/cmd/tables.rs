@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use engram_protocol::ROW_BYTES;
-use engram_store::generate::{GenSpec, generate, generate_sparse, parse_rows, table_shape};
+use engram_store::generate::{GenSpec, generate_as, generate_sparse, parse_rows, table_shape};
 use engram_store::pack::{PackSpec, pack};
 use engram_store::pack_ngram::{NgramPackSpec, pack_ngram};
 use engram_store::progress::Progress;
@@ -38,6 +38,14 @@ pub struct GenArgs {
     /// so it verifies: how a full-size table is checked on a small disk.
     #[arg(long, value_name = "ROWS")]
     sparse_rows: Option<String>,
+    /// The rows' encoding (default V4.1's `e4m3_ue8m0_32x256`), e.g.
+    /// `fp8_per_tensorx160`, `bf16x160` or `nvfp4_e4m3_16x160` for
+    /// Qwen3.8-Flash-Next-shaped tables (docs/models.md).
+    #[arg(long, conflicts_with_all = ["sparse_rows", "hash_preset", "hash_base"])]
+    encoding: Option<String>,
+    /// The table's F32 scale, for an encoding with one (default 1.0).
+    #[arg(long, requires = "encoding")]
+    tensor_scale: Option<f32>,
 }
 
 /// `memory-donor pack`.
@@ -112,7 +120,25 @@ pub fn gen_table(a: GenArgs) -> Result<()> {
         hash_base,
         threads: t,
         sparse_rows,
+        encoding,
+        tensor_scale,
     } = a;
+    let encoding = match encoding.as_deref() {
+        None => engram_protocol::encoding::RowEncoding::V41,
+        Some(name) => engram_protocol::encoding::RowEncoding::parse(name)
+            .map_err(|e| anyhow::anyhow!("--encoding: {e}"))?,
+    };
+    let tensor_scale = match (encoding.has_tensor_scale(), tensor_scale) {
+        (true, s) => {
+            let s = s.unwrap_or(1.0);
+            if !s.is_finite() || s <= 0.0 {
+                bail!("--tensor-scale {s}: a table scale is a positive finite number");
+            }
+            Some(s.to_bits())
+        }
+        (false, None) => None,
+        (false, Some(_)) => bail!("--tensor-scale: {} has no table scale", encoding.name()),
+    };
     let (rows, hash_preset, hash_base) =
         table_shape(layer, rows, hash_preset, hash_base).map_err(anyhow::Error::msg)?;
     let spec = GenSpec {
@@ -123,13 +149,17 @@ pub fn gen_table(a: GenArgs) -> Result<()> {
         hash_base,
         threads: t.unwrap_or_else(cores),
     };
-    let mut p = Progress::stderr(format!("generating layer {layer}"), rows, ROW_BYTES as u64);
+    let mut p = Progress::stderr(
+        format!("generating layer {layer}"),
+        rows,
+        encoding.row_bytes() as u64,
+    );
     let meta = match sparse_rows {
         Some(list) => {
             let touched = parse_rows(&list).map_err(|e| anyhow::anyhow!("--sparse-rows: {e}"))?;
             generate_sparse(&out, &spec, &touched, Some(&mut p))
         }
-        None => generate(&out, &spec, Some(&mut p)),
+        None => generate_as(&out, &spec, encoding, tensor_scale, Some(&mut p)),
     }
     .with_context(|| format!("generating {}", out.display()))?;
     p.finish();

@@ -10,7 +10,7 @@ use std::thread;
 use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::TableMeta;
 use engram_protocol::hashing::{HashParams, Preset};
-use engram_protocol::synthetic::synthetic_rows;
+use engram_protocol::synthetic::{synthetic_encoded_rows, synthetic_rows};
 use engram_protocol::{ROW_BYTES, TableDigest};
 
 use crate::progress::Progress;
@@ -53,15 +53,28 @@ impl GenSpec {
     /// The metadata of the table this makes (its digest to come), its
     /// source naming the generator's seed and layer, then `note`.
     fn meta(&self, note: String) -> TableMeta {
+        self.meta_as(note, RowEncoding::V41, None)
+    }
+
+    /// [`Self::meta`] for rows of `encoding`, with its table scale.
+    fn meta_as(&self, note: String, encoding: RowEncoding, tensor_scale: Option<u32>) -> TableMeta {
+        let named = if encoding == RowEncoding::V41 {
+            String::new()
+        } else {
+            format!(" encoding={}", encoding.name())
+        };
         TableMeta {
             layer: self.layer,
             rows: self.rows,
             digest: TableDigest([0; 32]),
             hash_preset: self.hash_preset.clone(),
             hash_base: self.hash_base,
-            source: format!("synthetic seed={} layer={}{note}", self.seed, self.layer),
-            encoding: RowEncoding::V41,
-            tensor_scale: None,
+            source: format!(
+                "synthetic seed={} layer={}{named}{note}",
+                self.seed, self.layer
+            ),
+            encoding,
+            tensor_scale,
         }
     }
 }
@@ -110,9 +123,43 @@ pub fn table_shape(
 pub fn generate(
     path: &Path,
     spec: &GenSpec,
+    progress: Option<&mut Progress>,
+) -> Result<TableMeta, TableFileError> {
+    generate_as(path, spec, RowEncoding::V41, None, progress)
+}
+
+/// [`generate`] with rows of `encoding`
+/// ([`engram_protocol::synthetic::synthetic_encoded_row`]) and, for an
+/// encoding with one, the table scale `tensor_scale` (an F32's bits;
+/// refused for an encoding without one, required for one with one).
+pub fn generate_as(
+    path: &Path,
+    spec: &GenSpec,
+    encoding: RowEncoding,
+    tensor_scale: Option<u32>,
     mut progress: Option<&mut Progress>,
 ) -> Result<TableMeta, TableFileError> {
-    let mut writer = TableWriter::create(path, spec.meta(String::new()))?;
+    if encoding.has_tensor_scale() != tensor_scale.is_some() {
+        return Err(TableFileError::Io {
+            path: path.to_path_buf(),
+            op: "generate",
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{} {} a table scale",
+                    encoding.name(),
+                    if encoding.has_tensor_scale() {
+                        "needs"
+                    } else {
+                        "has no"
+                    }
+                ),
+            ),
+        });
+    }
+    let row_bytes = encoding.row_bytes();
+    let meta = spec.meta_as(String::new(), encoding, tensor_scale);
+    let mut writer = TableWriter::create(path, meta)?;
     let chunks = spec.rows.div_ceil(CHUNK_ROWS);
     let threads = spec.threads.clamp(1, 64) as u64;
     thread::scope(|s| {
@@ -132,8 +179,8 @@ pub fn generate(
                     let Ok(mut buf) = erx.recv() else { return };
                     let first = chunk * CHUNK_ROWS;
                     let n = CHUNK_ROWS.min(rows - first) as usize;
-                    buf.resize(n * ROW_BYTES, 0);
-                    synthetic_rows(seed, layer, first, &mut buf);
+                    buf.resize(n * row_bytes, 0);
+                    synthetic_encoded_rows(encoding, seed, layer, first, &mut buf);
                     if ftx.send(buf).is_err() {
                         return;
                     }
@@ -144,7 +191,7 @@ pub fn generate(
         for tx in &empty_tx {
             for _ in 0..2 {
                 // Cannot fail: the generator holds the receiver until it is done.
-                let _ = tx.send(Vec::with_capacity(CHUNK_ROWS as usize * ROW_BYTES));
+                let _ = tx.send(Vec::with_capacity(CHUNK_ROWS as usize * row_bytes));
             }
         }
         for chunk in 0..chunks {
@@ -320,6 +367,50 @@ mod tests {
     use super::*;
     use crate::table_file::TableFile;
     use engram_protocol::synthetic::is_synthetic_row;
+
+    /// A generated table of another encoding holds that encoding's
+    /// synthetic rows and its table scale, and verifies; a scale where the
+    /// encoding has none (or none where it has one) is refused.
+    #[test]
+    fn tables_of_any_encoding_are_generated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let spec = GenSpec::new(2, 70_000, 5);
+        let e = RowEncoding::Nvfp4 { values: 160 };
+        let path = dir.path().join("nv.etab");
+        let scale = Some(0.5f32.to_bits());
+        let m = generate_as(&path, &spec, e, scale, None).expect("gen");
+        assert_eq!((m.encoding, m.tensor_scale, m.rows), (e, scale, 70_000));
+        assert!(
+            m.source.contains("encoding=nvfp4_e4m3_16x160"),
+            "{}",
+            m.source
+        );
+        let t = TableFile::open_any(&path).expect("open");
+        assert_eq!(t.verify_on(2, None).expect("verifies"), m.digest);
+        let mut want = vec![0u8; 70_000 * 90];
+        synthetic_encoded_rows(e, 5, 2, 0, &mut want);
+        let mut got = Vec::new();
+        t.for_each_chunk(false, None, |_, rows| {
+            got.extend_from_slice(rows);
+            Ok(())
+        })
+        .expect("rows");
+        assert_eq!(got, want);
+        let bf16 = RowEncoding::Bf16 { values: 160 };
+        assert!(generate_as(&path, &spec, bf16, scale, None).is_err());
+        assert!(generate_as(&path, &spec, e, None, None).is_err());
+        // V4.1's rows through the same path are `generate`'s, byte for byte.
+        let a = generate(&dir.path().join("a.etab"), &spec, None).expect("gen");
+        let b = generate_as(
+            &dir.path().join("b.etab"),
+            &spec,
+            RowEncoding::V41,
+            None,
+            None,
+        )
+        .expect("gen");
+        assert_eq!(a, b);
+    }
 
     #[test]
     fn table_shape_follows_the_preset() {

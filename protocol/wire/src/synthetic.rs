@@ -82,10 +82,122 @@ pub fn first_mismatch(seed: u64, layer: u32, ids: &[u64], bytes: &[u8]) -> Optio
         .map(|(r, _)| *r)
 }
 
+/// Fill `out` (exactly one row of `encoding`) with the synthetic row
+/// `(seed, layer, row)` of that encoding. V4.1's rows are
+/// [`synthetic_row`]'s. Every row decodes: FP8 codes are never NaN (the
+/// NaN codes' lowest bit flipped, as V4.1's); BF16 values have magnitudes
+/// in `2^-7 .. 2^1`; NVFP4's nibbles are any, its E4M3 block scales in
+/// `0.5 .. 1`. Returns false (and leaves `out`) when `out` is not one row.
+pub fn synthetic_encoded_row(
+    encoding: crate::encoding::RowEncoding,
+    seed: u64,
+    layer: u32,
+    row: u64,
+    out: &mut [u8],
+) -> bool {
+    use crate::encoding::RowEncoding;
+    if out.len() != encoding.row_bytes() {
+        return false;
+    }
+    if encoding == RowEncoding::V41 {
+        return <&mut RowBytes>::try_from(out).is_ok_and(|r| {
+            synthetic_row(seed, layer, row, r);
+            true
+        });
+    }
+    let (kind, _) = encoding.wire_code();
+    let key = mix64(seed ^ mix64(u64::from(layer) ^ 0x656E_6772_616D_0000 ^ u64::from(kind) << 48));
+    let mut rng = SplitMix64::new(mix64(key ^ row));
+    for chunk in out.chunks_mut(8) {
+        let x = rng.next_u64().to_le_bytes();
+        chunk.copy_from_slice(&x[..chunk.len()]);
+    }
+    let v = encoding.values();
+    match encoding {
+        RowEncoding::E4m3Ue8m0 { .. } => {
+            for c in out[..v].iter_mut() {
+                *c ^= u8::from(is_nan_code(*c));
+            }
+            for s in out[v..].iter_mut() {
+                *s = 120 + (*s & 7);
+            }
+        }
+        RowEncoding::Fp8PerTensor { .. } => {
+            for c in out.iter_mut() {
+                *c ^= u8::from(is_nan_code(*c));
+            }
+        }
+        RowEncoding::Bf16 { .. } => {
+            for b in out.chunks_exact_mut(2) {
+                let r = u16::from_le_bytes([b[0], b[1]]);
+                // Sign, a biased exponent of 120 to 127, 7 mantissa bits.
+                let x = (r & 0x8000) | ((120 + ((r >> 7) & 7)) << 7) | (r & 0x7F);
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        RowEncoding::Nvfp4 { .. } => {
+            for s in out[v / 2..].iter_mut() {
+                // E4M3 exponent 6: 0.5 .. 0.9375.
+                *s = 0x30 | (*s & 7);
+            }
+        }
+    }
+    true
+}
+
+/// [`synthetic_encoded_row`] for rows `first_row..` back to back in `out`.
+pub fn synthetic_encoded_rows(
+    encoding: crate::encoding::RowEncoding,
+    seed: u64,
+    layer: u32,
+    first_row: u64,
+    out: &mut [u8],
+) {
+    for (i, chunk) in out.chunks_exact_mut(encoding.row_bytes()).enumerate() {
+        synthetic_encoded_row(encoding, seed, layer, first_row + i as u64, chunk);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::row::check_row;
+
+    /// Every encoding's synthetic rows decode, differ row to row, and
+    /// V4.1's are the V4.1 generator's.
+    #[test]
+    fn encoded_rows_decode_and_v41_is_unchanged() {
+        use crate::encoding::RowEncoding;
+        for e in [
+            RowEncoding::V41,
+            RowEncoding::Fp8PerTensor { values: 160 },
+            RowEncoding::Bf16 { values: 160 },
+            RowEncoding::Nvfp4 { values: 160 },
+        ] {
+            let mut rows = vec![0u8; 500 * e.row_bytes()];
+            synthetic_encoded_rows(e, 3, 2, 1_000, &mut rows);
+            assert_eq!(e.check_rows(&rows), Ok(()), "{}", e.name());
+            let mut out = vec![0u16; e.values()];
+            for r in rows.chunks_exact(e.row_bytes()) {
+                e.dequantize_bf16(r, 1.0, &mut out).expect("decodes");
+                let finite = out
+                    .iter()
+                    .all(|&b| crate::row::bf16_bits_to_f32(b).is_finite());
+                assert!(finite, "{}", e.name());
+            }
+            assert_ne!(
+                rows[..e.row_bytes()],
+                rows[e.row_bytes()..2 * e.row_bytes()]
+            );
+            let mut one = vec![0u8; e.row_bytes()];
+            assert!(synthetic_encoded_row(e, 3, 2, 1_007, &mut one));
+            assert_eq!(one, rows[7 * e.row_bytes()..8 * e.row_bytes()]);
+            assert!(!synthetic_encoded_row(e, 3, 2, 0, &mut one[1..]));
+        }
+        let mut a = vec![0u8; ROW_BYTES];
+        synthetic_encoded_row(RowEncoding::V41, 9, 1, 5, &mut a);
+        assert!(is_synthetic_row(9, 1, 5, &a));
+    }
 
     #[test]
     fn rows_are_deterministic_and_distinct() {
