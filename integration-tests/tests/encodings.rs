@@ -492,3 +492,82 @@ fn gen_writes_synthetic_tables_of_any_encoding() {
         text(&o.stderr)
     );
 }
+
+/// Over TLS and QUIC (the rack's own certificates), the node's client at
+/// version 2 reads FP8 rows beside V4.1's exactly as over TCP: the same
+/// session bytes in another carrier.
+#[test]
+fn tls_and_quic_carry_rows_of_any_encoding() {
+    use cluster_config::{Config, Transport};
+    use inference_node::client::{ClientOptions, DonorClient, Request, TlsClient};
+    use inference_node::tls::NodeTls;
+    use rack_harness::rack_toml::{
+        DonorEntry, NodeEntry, RackToml, RouteEntry, TableEntry, TlsSection,
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (v41_path, v41_digest) = gen_table(dir.path(), "l1.etab", 1, 3_000, 6).expect("gen");
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let (m2, rows2) = encoded_table(dir.path(), 2, fp8, 6_000);
+    let port = || rack_harness::free_port().expect("port");
+    let mut rack = RackToml::new("q");
+    rack.rack.tls = Some(TlsSection::default());
+    rack.table = vec![
+        TableEntry::new(1, &v41_path, 3_000, v41_digest),
+        TableEntry {
+            encoding: Some(fp8.name()),
+            ..TableEntry::new(2, dir.path().join("layer2.etab"), 6_000, m2.digest)
+        },
+    ];
+    let listen = [
+        format!("tls://127.0.0.1:{}", port()),
+        format!("quic://127.0.0.1:{}", port()),
+    ];
+    rack.donor = vec![DonorEntry {
+        clients: Some(vec!["n".into()]),
+        ..DonorEntry::new("d", listen, [1, 2])
+    }];
+    rack.node = vec![NodeEntry::new("n", vec![RouteEntry::new(1, ["d"])])];
+    let path = dir.path().join("rack.toml");
+    rack.write(&path).expect("config");
+    rack_harness::rack_pki(&path).expect("pki");
+    let config = Config::load(&path).expect("valid");
+    let donor = DonorProcess::serving(&path, "d").expect("donor");
+    let files = config.tls_files("n").expect("tls files");
+    let ids2: Vec<u64> = (0..400).map(|i| (i * 577) % 6_000).collect();
+    let ids1: Vec<u64> = vec![0, 2_999];
+    rack_harness::runtime().block_on(async {
+        for t in [Transport::Tls, Transport::Quic] {
+            let mut o = ClientOptions::new("n", vec![(1, v41_digest), (2, m2.digest)]);
+            o.transport = t;
+            o.version = PROTOCOL_VERSION;
+            o.connect_timeout = std::time::Duration::from_secs(10);
+            o.tls = Some(TlsClient {
+                tls: NodeTls::load(&files).expect("node material"),
+                server_name: cluster_config::tls::server_name("d").expect("name"),
+            });
+            let addr = donor.endpoint(t).expect("endpoint");
+            let c = DonorClient::connect(addr, &o).await.expect("connects");
+            let mut out = vec![0u8; ids2.len() * 160 + ids1.len() * ROW_BYTES];
+            let req = [
+                Request {
+                    table: 2,
+                    rows: &ids2,
+                },
+                Request {
+                    table: 1,
+                    rows: &ids1,
+                },
+            ];
+            c.lookup(&req, &mut out).await.expect("lookup");
+            for (k, &r) in ids2.iter().enumerate() {
+                let want = &rows2[r as usize * 160..][..160];
+                assert_eq!(&out[k * 160..][..160], want, "{t:?} row {r}");
+            }
+            let v41 = &out[ids2.len() * 160..];
+            assert!(
+                engram_protocol::synthetic::first_mismatch(6, 1, &ids1, v41).is_none(),
+                "{t:?}"
+            );
+        }
+    });
+}
