@@ -208,7 +208,10 @@ fn rows_of_every_encoding_are_served_at_their_own_size() {
     assert_eq!(s[0].0.status, Some(ErrorCode::UnknownTable));
     assert!(s[1].0.status.is_none() && s[1].1.len() == ROW_BYTES);
     let log = donor.log();
-    assert!(log.contains("own memory"), "the fallback is said: {log}");
+    assert!(
+        log.contains("held packed in a memfd"),
+        "what it lacks is said: {log}"
+    );
 }
 
 /// The node's donor client, saying version 2, reads rows of any encoding

@@ -508,3 +508,86 @@ fn a_donor_serving_file_pages_exits_when_its_file_is_opened_for_writing() {
     );
     open_w().expect("the lease is gone with the donor");
 }
+
+/// A table of another encoding than V4.1's (FP8 rows of 160 bytes) is
+/// held in a memfd even under `--map-files`, kept in the store with a
+/// version 3 record, and a killed donor serves it again without reading
+/// its file, to a client of protocol version 2.
+#[test]
+fn a_killed_donor_serves_its_kept_table_of_another_encoding_again() {
+    use engram_protocol::encoding::RowEncoding;
+    use engram_protocol::synthetic::synthetic_encoded_row;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("fp8.etab");
+    let out = std::process::Command::new(rack_harness::bin("memory-donor"))
+        .args(["gen", "--layer", "1", "--rows", "200000", "--seed", "5"])
+        .args(["--encoding", "fp8_per_tensorx160", "--tensor-scale", "0.5"])
+        .arg("--out")
+        .arg(&path)
+        .output()
+        .expect("gen");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let digest = engram_store::table_file::TableFile::open_any(&path)
+        .expect("open")
+        .meta
+        .digest;
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let serves = |donor: &DonorProcess| {
+        runtime().block_on(async {
+            let mut o = ClientOptions::new("t", vec![(2, digest)]);
+            o.version = engram_protocol::PROTOCOL_VERSION;
+            let c = DonorClient::connect(donor.addr, &o).await.expect("connect");
+            let mut got = vec![0u8; 5 * 160];
+            let req = [Request {
+                table: 2,
+                rows: &SAMPLE[..5],
+            }];
+            c.lookup(&req, &mut got).await.expect("lookup");
+            for (k, &r) in SAMPLE[..5].iter().enumerate() {
+                let mut want = vec![0u8; 160];
+                synthetic_encoded_row(fp8, 5, 1, r, &mut want);
+                assert_eq!(&got[k * 160..][..160], &want[..], "row {r}");
+            }
+        });
+    };
+    let notify = NotifySocket::bind(dir.path()).expect("notify");
+    let table = format!("2={}", path.display());
+    let args = ["--table", &table, "--listen", "127.0.0.1:0", "--map-files"];
+    let (first, _) = start(&notify, &args);
+    let name = kept::name(2, &digest);
+    assert_eq!(
+        stored(&notify, std::slice::from_ref(&name)),
+        vec![name.clone()],
+        "the memfd is kept, not the file's mark"
+    );
+    assert!(
+        first.log().contains("held packed in a memfd"),
+        "{}",
+        first.log()
+    );
+    serves(&first);
+    kill9(first);
+    // A donor that read the file now would refuse it.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = engram_store::table_file::TableFile::open_any(&path).expect("open");
+        let at = f.layout.data_start;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|w| w.write_all_at(&[0x5a; 4096], at))
+            .expect("overwrite");
+    }
+    let (second, _) = start(&notify, &args);
+    let log = second.log();
+    assert!(
+        log.contains("table adopted from the fd store"),
+        "the restart adopts:\n{log}"
+    );
+    assert!(!log.contains("progress: loading"), "no load:\n{log}");
+    serves(&second);
+}

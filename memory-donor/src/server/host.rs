@@ -219,14 +219,22 @@ fn snapshot(shared: &Shared, told: &[Told]) -> io::Result<Vec<(Told, Option<Shar
             digest: t.digest,
             generation: t.kept().map(|k| k.record.generation),
         };
+        // Rows of another encoding than V4.1's are not handed out: clients
+        // of this socket read V4.1's rows (docs/models.md).
         let copy = match t.kept() {
-            Some(k) if !told.contains(&now) && kept::seal_for_sharing(&k.file) => Some(Shareable {
-                file: reopen_read_only(&k.file)?,
-                bytes: k.file.metadata()?.len(),
-                layer: t.layer,
-                rows: t.rows,
-                layout: k.record.layout,
-            }),
+            Some(k)
+                if !told.contains(&now)
+                    && t.encoding == engram_protocol::encoding::RowEncoding::V41
+                    && kept::seal_for_sharing(&k.file) =>
+            {
+                Some(Shareable {
+                    file: reopen_read_only(&k.file)?,
+                    bytes: k.file.metadata()?.len(),
+                    layer: t.layer,
+                    rows: t.rows,
+                    layout: k.record.layout,
+                })
+            }
             _ => None,
         };
         out.push((now, copy));

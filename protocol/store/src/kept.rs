@@ -18,7 +18,14 @@
 //! | 32 | 32 | table digest (BLAKE3) |
 //! | 64 | 8 | generation (random, one per load) |
 //! | 72 | 8 | load time, Unix milliseconds |
-//! | 80 | 8 | XXH3-64 of bytes 0..80 |
+//! | 80 | 8 | XXH3-64 of bytes 0..80 (record versions 1 and 2) |
+//!
+//! Record version 3 holds rows of another encoding than V4.1's, packed at
+//! their own size ([`KeptLayout::Encoded`]; docs/models.md): bytes 80..96
+//! are the encoding (its wire kind u16 and values u16, PROTOCOL.md 3.3),
+//! the table's F32 scale as its bits (u32), and a u32 that is 1 when the
+//! table has one; the XXH3-64 of bytes 0..96 follows at 96. Builds that
+//! read only versions 1 and 2 refuse such a copy.
 //!
 //! The record is written after the last row, so a copy whose load was cut
 //! short has none and is refused. The size is sealed (`F_SEAL_SHRINK`,
@@ -44,10 +51,14 @@ const VERSION: u32 = 1;
 /// only version 1 refuses such a copy instead of serving its bytes as
 /// packed rows.
 const VERSION_LAYOUT: u32 = 2;
+/// The record's version for rows of another encoding than V4.1's.
+const VERSION_ENCODED: u32 = 3;
 /// Flag bit: the rows are planar.
 const PLANAR: u32 = 2;
-/// Bytes the record takes (then its checksum).
+/// Bytes a version 1 or 2 record takes (then its checksum).
 const RECORD: usize = 80;
+/// Bytes a version 3 record takes (then its checksum).
+const RECORD_ENCODED: usize = 96;
 /// The tail the record lives in.
 const TAIL: u64 = 4096;
 /// The seals every kept memfd carries.
@@ -89,13 +100,22 @@ pub enum KeptLayout {
     /// at `rows * 256`), so an engine hands this memory to its own lookup
     /// as it is.
     Planar,
+    /// Rows of another encoding than V4.1's, back to back at their own
+    /// size (row `r` at `r * row_bytes`), with the table's scale where the
+    /// encoding has one. Never named in a config: a table's file says it.
+    Encoded {
+        /// How the rows are encoded.
+        encoding: engram_protocol::encoding::RowEncoding,
+        /// The table's F32 scale, as its bits.
+        tensor_scale: Option<u32>,
+    },
 }
 
 impl KeptLayout {
     /// Its name in configs, messages and status.
     pub fn name(self) -> &'static str {
         match self {
-            Self::Packed => "packed",
+            Self::Packed | Self::Encoded { .. } => "packed",
             Self::Planar => "planar",
         }
     }
@@ -114,6 +134,7 @@ impl KeptLayout {
         match self {
             Self::Packed => rows.checked_mul(ROW_BYTES as u64),
             Self::Planar => planar_scales_at(rows)?.checked_add(rows.checked_mul(SCALE_BYTES)?),
+            Self::Encoded { encoding, .. } => rows.checked_mul(encoding.row_bytes() as u64),
         }
     }
 }
@@ -136,12 +157,13 @@ impl Record {
         name(self.id, &self.digest)
     }
 
-    fn encode(&self) -> [u8; RECORD + 8] {
-        let mut b = [0u8; RECORD + 8];
+    fn encode(&self) -> [u8; RECORD_ENCODED + 8] {
+        let mut b = [0u8; RECORD_ENCODED + 8];
         b[0..8].copy_from_slice(MAGIC);
         let (version, planar) = match self.layout {
             KeptLayout::Packed => (VERSION, 0),
             KeptLayout::Planar => (VERSION_LAYOUT, PLANAR),
+            KeptLayout::Encoded { .. } => (VERSION_ENCODED, 0),
         };
         b[8..12].copy_from_slice(&version.to_le_bytes());
         b[12..16].copy_from_slice(&self.id.to_le_bytes());
@@ -151,8 +173,22 @@ impl Record {
         b[32..64].copy_from_slice(&self.digest.0);
         b[64..72].copy_from_slice(&self.generation.to_le_bytes());
         b[72..80].copy_from_slice(&self.loaded_unix_ms.to_le_bytes());
-        let sum = twox_hash::XxHash3_64::oneshot(&b[..RECORD]);
-        b[RECORD..].copy_from_slice(&sum.to_le_bytes());
+        let end = match self.layout {
+            KeptLayout::Encoded {
+                encoding,
+                tensor_scale,
+            } => {
+                let (kind, values) = encoding.wire_code();
+                b[80..82].copy_from_slice(&kind.to_le_bytes());
+                b[82..84].copy_from_slice(&values.to_le_bytes());
+                b[84..88].copy_from_slice(&tensor_scale.unwrap_or(0).to_le_bytes());
+                b[88..92].copy_from_slice(&u32::from(tensor_scale.is_some()).to_le_bytes());
+                RECORD_ENCODED
+            }
+            _ => RECORD,
+        };
+        let sum = twox_hash::XxHash3_64::oneshot(&b[..end]);
+        b[end..end + 8].copy_from_slice(&sum.to_le_bytes());
         b
     }
 
@@ -163,30 +199,52 @@ impl Record {
             x.copy_from_slice(&b[i..i + 8]);
             u64::from_le_bytes(x)
         };
-        if b.len() < RECORD + 8 || &b[0..8] != MAGIC {
+        if b.len() < RECORD_ENCODED + 8 || &b[0..8] != MAGIC {
             return Err(KeptError::NoRecord);
         }
         let version = u32_at(8);
-        if version != VERSION && version != VERSION_LAYOUT {
-            return Err(KeptError::Bad(format!(
-                "record version {version} (this build reads {VERSION} and {VERSION_LAYOUT})"
-            )));
-        }
-        if twox_hash::XxHash3_64::oneshot(&b[..RECORD]) != u64_at(RECORD) {
+        let end = match version {
+            VERSION | VERSION_LAYOUT => RECORD,
+            VERSION_ENCODED => RECORD_ENCODED,
+            _ => {
+                return Err(KeptError::Bad(format!(
+                    "record version {version} (this build reads {VERSION} to {VERSION_ENCODED})"
+                )));
+            }
+        };
+        if twox_hash::XxHash3_64::oneshot(&b[..end]) != u64_at(end) {
             return Err(KeptError::Bad(
                 "the record's checksum does not match".into(),
             ));
         }
+        let encoded = if version == VERSION_ENCODED {
+            let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+            let encoding =
+                engram_protocol::encoding::RowEncoding::from_wire(u16_at(80), u16_at(82))
+                    .ok_or_else(|| KeptError::Bad("the record names an unknown encoding".into()))?;
+            let tensor_scale = (u32_at(88) == 1).then(|| u32_at(84));
+            if tensor_scale.is_some() != encoding.has_tensor_scale() {
+                return Err(KeptError::Bad(
+                    "the record's table scale does not fit its encoding".into(),
+                ));
+            }
+            Some(KeptLayout::Encoded {
+                encoding,
+                tensor_scale,
+            })
+        } else {
+            None
+        };
         let mut digest = [0u8; 32];
         digest.copy_from_slice(&b[32..64]);
         Ok(Self {
             id: u32_at(12),
             layer: u32_at(16),
             verified: u32_at(20) & 1 == 1,
-            layout: if version == VERSION_LAYOUT && u32_at(20) & PLANAR != 0 {
-                KeptLayout::Planar
-            } else {
-                KeptLayout::Packed
+            layout: match encoded {
+                Some(layout) => layout,
+                None if version == VERSION_LAYOUT && u32_at(20) & PLANAR != 0 => KeptLayout::Planar,
+                None => KeptLayout::Packed,
             },
             rows: u64_at(24),
             digest: TableDigest(digest),
@@ -354,7 +412,7 @@ pub(crate) fn memfd(flags: libc::c_uint) -> Result<File, KeptError> {
 /// writable) and seal the memfd's size. Call after the last row is in.
 pub fn finish(file: &File, map: &mut [u8], record: &Record) -> Result<(), KeptError> {
     let at = map.len() - TAIL as usize;
-    map[at..at + RECORD + 8].copy_from_slice(&record.encode());
+    map[at..at + RECORD_ENCODED + 8].copy_from_slice(&record.encode());
     seal(file)
 }
 
@@ -505,7 +563,7 @@ pub fn inspect(file: &File) -> Result<(Record, u64), KeptError> {
             "{len} bytes: too small to hold a record"
         )));
     }
-    let mut tail = [0u8; RECORD + 8];
+    let mut tail = [0u8; RECORD_ENCODED + 8];
     file.read_exact_at(&mut tail, len - TAIL)
         .map_err(os("reading the record"))?;
     let record = Record::decode(&tail)?;
@@ -616,6 +674,54 @@ mod tests {
         assert!(memfd_len(u64::MAX / 200, KeptLayout::Planar).is_none());
     }
 
+    /// Rows of another encoding: a version 3 record with the encoding and
+    /// the table scale, a memfd sized by their row size; a record whose
+    /// encoding is not one, or whose scale does not fit it, is refused.
+    #[test]
+    fn encoded_records_are_version_3_and_size_their_memfd() {
+        use engram_protocol::encoding::RowEncoding;
+        let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+        let layout = KeptLayout::Encoded {
+            encoding: fp8,
+            tensor_scale: Some(0.5f32.to_bits()),
+        };
+        let r = Record {
+            id: 2,
+            layer: 1,
+            rows: 1000,
+            digest: TableDigest([5; 32]),
+            generation: 7,
+            loaded_unix_ms: 8,
+            verified: true,
+            layout,
+        };
+        let b = r.encode();
+        assert_eq!(&b[8..12], &3u32.to_le_bytes());
+        assert_eq!(Record::decode(&b).expect("decode"), r);
+        assert_eq!(layout.rows_len(1000), Some(160_000));
+        assert_eq!(layout.name(), "packed");
+        let (f, len, _) = create(1000, layout, false).expect("memfd");
+        assert_eq!(len, memfd_len(1000, layout).expect("len"));
+        seal(&f).expect("seal");
+        f.write_all_at(&b, len - TAIL).expect("write");
+        assert_eq!(inspect(&f).expect("inspect"), (r, len));
+        let resum = |b: &mut [u8; RECORD_ENCODED + 8]| {
+            let sum = twox_hash::XxHash3_64::oneshot(&b[..RECORD_ENCODED]);
+            b[RECORD_ENCODED..].copy_from_slice(&sum.to_le_bytes());
+        };
+        let mut unknown = b;
+        unknown[80] = 9;
+        resum(&mut unknown);
+        assert!(Record::decode(&unknown).is_err(), "kind 9");
+        let mut no_scale = b;
+        no_scale[88] = 0;
+        resum(&mut no_scale);
+        assert!(Record::decode(&no_scale).is_err(), "FP8 without its scale");
+        let mut flipped = b;
+        flipped[84] ^= 1;
+        assert!(Record::decode(&flipped).is_err(), "checksum");
+    }
+
     #[test]
     fn planar_records_are_version_2_and_size_their_memfd() {
         let r = Record {
@@ -642,21 +748,21 @@ mod tests {
         let mut old = b;
         old[8..12].copy_from_slice(&1u32.to_le_bytes());
         let sum = twox_hash::XxHash3_64::oneshot(&old[..RECORD]);
-        old[RECORD..].copy_from_slice(&sum.to_le_bytes());
+        old[RECORD..RECORD + 8].copy_from_slice(&sum.to_le_bytes());
         assert_eq!(
             Record::decode(&old).expect("decode").layout,
             KeptLayout::Packed
         );
         // A future version is refused by name.
         let mut new = b;
-        new[8..12].copy_from_slice(&3u32.to_le_bytes());
+        new[8..12].copy_from_slice(&4u32.to_le_bytes());
         let sum = twox_hash::XxHash3_64::oneshot(&new[..RECORD]);
-        new[RECORD..].copy_from_slice(&sum.to_le_bytes());
+        new[RECORD..RECORD + 8].copy_from_slice(&sum.to_le_bytes());
         assert!(
             Record::decode(&new)
-                .expect_err("v3")
+                .expect_err("v4")
                 .to_string()
-                .contains("record version 3")
+                .contains("record version 4")
         );
         // Past 64 GiB of values: the real V4.1 table.
         let rows = 384_016_682u64;

@@ -578,35 +578,35 @@ impl ResidentTable {
         {
             return Err(LoadError::Pinned { path: shown, what });
         }
-        // Rows of another encoding than V4.1's: packed in private memory
-        // (not served from the file's pages, kept for the next process or
-        // shared on a host socket yet: docs/models.md).
-        let encoded = (file.meta.encoding != RowEncoding::V41).then(|| file.row_bytes());
+        // Rows of another encoding than V4.1's: packed at their own size,
+        // in a memfd the next process may adopt where a copy or the file's
+        // pages were asked for (not served from the file's pages, shared
+        // on a host socket or offered over RDMA yet: docs/models.md).
+        let encoded = (file.meta.encoding != RowEncoding::V41).then_some(KeptLayout::Encoded {
+            encoding: file.meta.encoding,
+            tensor_scale: file.meta.tensor_scale,
+        });
         let backing = match (encoded, opts.backing) {
             (Some(_), b @ (Backing::Mapped | Backing::Memfd)) => {
                 tracing::warn!(
                     table = %file.path.display(),
                     encoding = %file.meta.encoding.name(),
                     asked = ?b,
-                    "rows of this encoding are held in this process's own memory: not served \
-                     from the file's pages, not kept for the next process and not shared on \
-                     the host socket (docs/models.md)"
+                    "rows of this encoding are held packed in a memfd (kept across restarts): \
+                     not served from the file's pages, not shared on the host socket and not \
+                     offered over RDMA (docs/models.md)"
                 );
-                Backing::Anonymous
+                Backing::Memfd
             }
             (_, b) => b,
         };
         let planar = encoded.is_none() && opts.planar && backing == Backing::Memfd;
-        let kept_layout = if planar {
-            KeptLayout::Planar
-        } else {
-            KeptLayout::Packed
+        let kept_layout = match encoded {
+            Some(layout) => layout,
+            None if planar => KeptLayout::Planar,
+            None => KeptLayout::Packed,
         };
-        let bytes = match encoded {
-            Some(row) => file.meta.rows.checked_mul(row as u64),
-            None => kept_layout.rows_len(file.meta.rows),
-        }
-        .unwrap_or(u64::MAX);
+        let bytes = kept_layout.rows_len(file.meta.rows).unwrap_or(u64::MAX);
         let memory = |source| LoadError::Memory {
             path: shown.clone(),
             bytes,
@@ -619,13 +619,8 @@ impl ResidentTable {
             Backing::Anonymous => (MmapMut::map_anon(len).map_err(memory)?, None),
             Backing::Memfd => memfd_map(file.meta.rows, kept_layout, &memory)?,
         };
-        let layout = match (kept_layout, encoded) {
-            (KeptLayout::Packed, Some(row_bytes)) => RowLayout::Encoded { row_bytes },
-            (KeptLayout::Packed, None) => RowLayout::Packed,
-            (KeptLayout::Planar, _) => RowLayout::Planar {
-                scales_at: planar_scales_at(file.meta.rows, &memory)?,
-            },
-        };
+        let layout = row_layout(kept_layout, file.meta.rows)
+            .ok_or_else(|| memory(std::io::Error::other("larger than the address space")))?;
         let mlock_err = |source| LoadError::Mlock {
             path: shown.clone(),
             bytes,
@@ -748,13 +743,13 @@ impl ResidentTable {
             .rows_len(record.rows)
             .and_then(|l| usize::try_from(l).ok())
             .ok_or_else(too_big)?;
-        let layout = match record.layout {
-            KeptLayout::Packed => RowLayout::Packed,
-            KeptLayout::Planar => RowLayout::Planar {
-                scales_at: kept::planar_scales_at(record.rows)
-                    .and_then(|a| usize::try_from(a).ok())
-                    .ok_or_else(too_big)?,
-            },
+        let layout = row_layout(record.layout, record.rows).ok_or_else(too_big)?;
+        let (encoding, tensor_scale) = match record.layout {
+            KeptLayout::Encoded {
+                encoding,
+                tensor_scale,
+            } => (encoding, tensor_scale),
+            _ => (RowEncoding::V41, None),
         };
         // SAFETY: the memfd's size is sealed, so the mapping cannot lose
         // pages under us; it is mapped read-only.
@@ -772,8 +767,8 @@ impl ResidentTable {
             rows: record.rows,
             digest: record.digest,
             digest_prefix: record.digest.prefix(),
-            encoding: RowEncoding::V41,
-            tensor_scale: None,
+            encoding,
+            tensor_scale,
             mem: std::sync::Arc::new(Rows {
                 view,
                 ..Rows::copy(map, len, layout)
@@ -786,6 +781,20 @@ impl ResidentTable {
             mark: None,
         })
     }
+}
+
+/// Where the rows of `rows` lie in memory kept in `layout`; `None` when
+/// that does not fit the address space.
+fn row_layout(layout: KeptLayout, rows: u64) -> Option<RowLayout> {
+    Some(match layout {
+        KeptLayout::Packed => RowLayout::Packed,
+        KeptLayout::Planar => RowLayout::Planar {
+            scales_at: usize::try_from(kept::planar_scales_at(rows)?).ok()?,
+        },
+        KeptLayout::Encoded { encoding, .. } => RowLayout::Encoded {
+            row_bytes: encoding.row_bytes(),
+        },
+    })
 }
 
 /// The digest a load computed (if it did) against the header's; the
@@ -1030,17 +1039,6 @@ fn keep(
         file: f,
         record,
     })
-}
-
-/// Where a planar table of `rows` rows keeps its scales, as an offset in
-/// this address space.
-fn planar_scales_at(
-    rows: u64,
-    memory: &dyn Fn(std::io::Error) -> LoadError,
-) -> Result<usize, LoadError> {
-    kept::planar_scales_at(rows)
-        .and_then(|a| usize::try_from(a).ok())
-        .ok_or_else(|| memory(std::io::Error::other("larger than the address space")))
 }
 
 /// Prefetch the cache line at `p` (a hint: never faults).

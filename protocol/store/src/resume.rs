@@ -30,6 +30,7 @@ use crate::resident::{
     Backing, ExpectedTable, FileMark, LoadError, LoadOptions, MlockMode, ResidentTable,
 };
 use crate::table_file::TableFile;
+use engram_protocol::encoding::RowEncoding;
 
 /// Copies a previous process kept (the donor's view of systemd's fd store).
 pub trait KeptCopies {
@@ -110,7 +111,11 @@ pub fn resume_or_load(
     // to compare it with.
     if let Some(want) = kept.may_hold().then(|| expected(opts, path)).flatten() {
         let id = id.unwrap_or(want.layer);
-        if opts.backing == Backing::Mapped {
+        // A table of another encoding than V4.1's is kept in a memfd even
+        // where its file's pages were asked for (ResidentTable::load_table).
+        let encoded =
+            || TableFile::read_meta(path).is_ok_and(|(m, _)| m.encoding != RowEncoding::V41);
+        if opts.backing == Backing::Mapped && !encoded() {
             known = kept.take_file(id, &want, verify);
         } else if let Some(table) = kept.take(id, &want, verify, opts.rdma_view) {
             let verified = table.kept().is_some_and(|k| k.record.verified);
@@ -164,7 +169,7 @@ pub fn resume_or_load(
 /// What the table at `path` must be: the pin, else its file's header.
 fn expected(opts: &LoadOptions, path: &Path) -> Option<ExpectedTable> {
     opts.pinned.or_else(|| {
-        let f = TableFile::open(path).ok()?;
+        let f = TableFile::open_any(path).ok()?;
         Some(ExpectedTable {
             digest: f.meta.digest,
             layer: f.meta.layer,

@@ -443,16 +443,33 @@ fn a_sparse_table_loads_verified_in_every_backing_and_its_copy_stays_sparse() {
     }
 }
 
-/// A table of another encoding is held packed at its own row size, in
-/// private memory even where a memfd or the file's pages were asked for
-/// (it is not kept, shared or served from its file yet), planar or not.
+/// A table of another encoding is held packed at its own row size: in a
+/// memfd the next process adopts (record version 3, its encoding and
+/// scale with it) where a copy or the file's pages were asked for, planar
+/// or not; in private memory where that was asked for.
 #[test]
-fn rows_of_another_encoding_load_packed_at_their_size() {
+fn rows_of_another_encoding_load_packed_at_their_size_and_are_adopted() {
     use engram_protocol::encoding::RowEncoding;
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("nvfp4.etab");
     let e = RowEncoding::Nvfp4 { values: 160 };
     let (m, data) = crate::generate::write_encoded(&path, e, 2_000, 5);
+    let layout = KeptLayout::Encoded {
+        encoding: e,
+        tensor_scale: m.tensor_scale,
+    };
+    let rows_ok = |t: &ResidentTable| {
+        for r in [0u64, 44, 45, 1_999] {
+            let row = t.row(r).expect("in range").to_vec();
+            assert_eq!(row, data[r as usize * 90..][..90], "row {r}");
+        }
+        assert!(t.row(2_000).is_none());
+        assert_eq!((t.encoding, t.tensor_scale), (e, m.tensor_scale));
+        assert_eq!(t.row_bytes(), 90);
+        assert_eq!(t.memory().layout(), RowLayout::Encoded { row_bytes: 90 });
+        let info = t.info();
+        assert_eq!((info.encoding, info.tensor_scale), (e, m.tensor_scale));
+    };
     for (backing, planar) in [
         (Backing::Anonymous, false),
         (Backing::Memfd, false),
@@ -468,18 +485,24 @@ fn rows_of_another_encoding_load_packed_at_their_size() {
         let (t, report) = ResidentTable::load_with(Some(3), &path, &opts, |_| None).expect("load");
         assert!(report.verified);
         assert_eq!((t.id, t.rows, t.digest), (3, 2_000, m.digest));
-        assert_eq!((t.encoding, t.tensor_scale), (e, m.tensor_scale));
-        assert_eq!(t.row_bytes(), 90);
-        assert!(t.kept().is_none(), "not kept: {backing:?}");
-        assert_eq!(t.memory().layout(), RowLayout::Encoded { row_bytes: 90 });
         assert_eq!(t.bytes(), 2_000 * 90);
-        for r in [0u64, 44, 45, 1_999] {
-            let row = t.row(r).expect("in range").to_vec();
-            assert_eq!(row, data[r as usize * 90..][..90], "row {r}");
-        }
-        assert!(t.row(2_000).is_none());
-        let info = t.info();
-        assert_eq!((info.encoding, info.tensor_scale), (e, m.tensor_scale));
         assert!(t.file_mark().is_none(), "not its file's pages");
+        rows_ok(&t);
+        let Some(k) = t.kept() else {
+            assert_eq!(backing, Backing::Anonymous);
+            continue;
+        };
+        assert_eq!(k.record.layout, layout, "{backing:?}");
+        // The next process adopts it, encoding and scale included.
+        let f = k.file.try_clone().expect("dup");
+        let pin = ExpectedTable {
+            digest: m.digest,
+            layer: 1,
+            rows: 2_000,
+        };
+        drop(t);
+        let again = ResidentTable::adopt(3, f, &pin, false).expect("adopt");
+        rows_ok(&again);
+        assert_eq!(again.kept().expect("kept").record.layout, layout);
     }
 }
