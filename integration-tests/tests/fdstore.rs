@@ -79,6 +79,18 @@ fn stored(notify: &NotifySocket, want: &[String]) -> Vec<String> {
     }
 }
 
+/// Overwrite the first page of rows of the table file at `path`.
+fn overwrite_first_page(path: &std::path::Path) {
+    use std::os::unix::fs::FileExt;
+    let f = engram_store::table_file::TableFile::open_any(path).expect("open");
+    let at = f.layout.data_start;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|w| w.write_all_at(&[0x5a; 4096], at))
+        .expect("overwrite");
+}
+
 fn kill9(mut donor: DonorProcess) {
     donor.signal(libc::SIGKILL);
     assert!(donor.wait(Duration::from_secs(10)).is_some());
@@ -116,16 +128,7 @@ fn a_killed_donor_serves_its_kept_table_again_without_reading_the_file() {
     // Overwrite the file's first page of rows: a donor that read the file
     // now would refuse it (its rows no longer hash to its digest), and
     // serve no row 0 of the generator's.
-    {
-        use std::os::unix::fs::FileExt;
-        let f = engram_store::table_file::TableFile::open(&path).expect("open");
-        let at = f.layout.data_start;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .and_then(|w| w.write_all_at(&[0x5a; 4096], at))
-            .expect("overwrite");
-    }
+    overwrite_first_page(&path);
 
     let (second, warm) = start(&notify, &args);
     let log = second.log();
@@ -572,16 +575,7 @@ fn a_killed_donor_serves_its_kept_table_of_another_encoding_again() {
     serves(&first);
     kill9(first);
     // A donor that read the file now would refuse it.
-    {
-        use std::os::unix::fs::FileExt;
-        let f = engram_store::table_file::TableFile::open_any(&path).expect("open");
-        let at = f.layout.data_start;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .and_then(|w| w.write_all_at(&[0x5a; 4096], at))
-            .expect("overwrite");
-    }
+    overwrite_first_page(&path);
     let (second, _) = start(&notify, &args);
     let log = second.log();
     assert!(

@@ -122,6 +122,18 @@ fn io_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(io::Error) -> Tab
     }
 }
 
+/// Open `path` for reading, non-blocking, so that a FIFO or a device named
+/// as a table opens at once (and is refused by the header check) instead
+/// of waiting for a writer.
+fn open_file(path: &Path) -> Result<File, TableFileError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io_err(path, "open"))
+}
+
 /// An open table file whose header has been checked.
 #[derive(Debug)]
 pub struct TableFile {
@@ -140,30 +152,17 @@ impl TableFile {
         &self.file
     }
 
-    /// Open a table file and check its header against its size.
+    /// Open a table file of V4.1's rows and check its header against its
+    /// size ([`Self::open_any`] for rows of any encoding).
     pub fn open(path: &Path) -> Result<Self, TableFileError> {
-        use std::os::unix::fs::OpenOptionsExt;
-        // Non-blocking, so that a FIFO or a device named as a table opens at
-        // once (and is refused below) instead of waiting for a writer.
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(path)
-            .map_err(io_err(path, "open"))?;
-        Self::from_file(file, path)
+        Self::from_file(open_file(path)?, path)
     }
 
     /// A table file's header, of any row encoding (what `inspect` shows;
     /// [`open`](Self::open) refuses the encodings this build does not
     /// serve). Checks the header against the file's size.
     pub fn read_meta(path: &Path) -> Result<(TableMeta, TableLayout), TableFileError> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(path)
-            .map_err(io_err(path, "open"))?;
-        Self::header_of(&file, path)
+        Self::header_of(&open_file(path)?, path)
     }
 
     fn header_of(file: &File, path: &Path) -> Result<(TableMeta, TableLayout), TableFileError> {
@@ -218,13 +217,7 @@ impl TableFile {
 
     /// [`Self::open`] for a reader of rows of any encoding.
     pub fn open_any(path: &Path) -> Result<Self, TableFileError> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(path)
-            .map_err(io_err(path, "open"))?;
-        Self::from_file_any(file, path)
+        Self::from_file_any(open_file(path)?, path)
     }
 
     /// Refuse a table whose rows are not V4.1's, naming its encoding and
