@@ -161,6 +161,7 @@ fn load_one(
         How::Adopted => {
             let record = table.kept().map(|k| k.record);
             st.opened(table.id, table.layer, table.rows, table.digest);
+            st.row_bytes(table.row_bytes());
             st.progress(table.rows, table.rows);
             let age_s = record.map_or(0, |r| {
                 engram_store::kept::unix_ms().saturating_sub(r.loaded_unix_ms) / 1000
@@ -234,6 +235,7 @@ fn load_progress(
     let m = &f.meta;
     let id = t.id.unwrap_or(m.layer);
     status.tables[i].opened(id, m.layer, m.rows, m.digest);
+    status.tables[i].row_bytes(f.row_bytes());
     let what = format!("loading {}", t.path.display());
     let (status, total, notifier) = (Arc::clone(status), m.rows, Arc::clone(notifier));
     let mut last_pct = u64::MAX;

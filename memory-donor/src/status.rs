@@ -86,6 +86,8 @@ struct Header {
     rows: u64,
     digest: Option<TableDigest>,
     error: Option<String>,
+    /// Bytes per row, once known (0 until then: V4.1's 264 is shown).
+    row_bytes: u64,
 }
 
 /// One table's load, updated by the loader and read by anyone.
@@ -141,6 +143,11 @@ impl TableStatus {
         h.layer = layer;
         h.rows = rows;
         h.digest = Some(digest);
+    }
+
+    /// Its rows are `n` bytes each (another encoding than V4.1's).
+    pub fn row_bytes(&self, n: usize) {
+        self.header().row_bytes = n as u64;
     }
 
     /// `rows` rows are in memory; all of them moves the table to verifying.
@@ -199,8 +206,13 @@ impl TableStatus {
     pub fn view(&self) -> TableView {
         let h = self.header().clone();
         let state = self.state();
-        let bytes_total = h.rows * ROW_BYTES as u64;
-        let done = self.rows_done.load(Ordering::Relaxed) * ROW_BYTES as u64;
+        let row = if h.row_bytes == 0 {
+            ROW_BYTES as u64
+        } else {
+            h.row_bytes
+        };
+        let bytes_total = h.rows * row;
+        let done = self.rows_done.load(Ordering::Relaxed) * row;
         TableView {
             id: h.id.unwrap_or(0),
             layer: h.layer,
@@ -385,6 +397,9 @@ mod tests {
         assert_eq!(t.state(), LoadState::Verifying);
         t.set_state(LoadState::Ready);
         assert_eq!(t.view().bytes_done, 100 * 264);
+        // Rows of another encoding count at their size.
+        t.row_bytes(160);
+        assert_eq!(t.view().bytes_total, 100 * 160);
         t.failed("boom".into());
         assert_eq!(t.view().error.as_deref(), Some("boom"));
     }
