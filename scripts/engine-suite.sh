@@ -16,8 +16,9 @@ VLLM=${ENGRAM_VLLM_VERSION:-0.33.0}
 SGLANG=${ENGRAM_SGLANG_VERSION:-0.5.23}
 WHEELS=target/engine-wheels
 
-# The donors and the PKI tool the tests' rack starts.
-cargo build --release -p memory-donor -p cluster-config
+# What the tests start: the donors, the PKI tool, and `inference-node
+# engines` behind the engine socket.
+cargo build --release -p memory-donor -p cluster-config -p inference-node
 
 venv() { # name, requirement
     local dir=$VENVS/$1
