@@ -536,7 +536,8 @@ fn tls_and_quic_carry_rows_of_any_encoding() {
     let config = Config::load(&path).expect("valid");
     let donor = DonorProcess::serving(&path, "d").expect("donor");
     let files = config.tls_files("n").expect("tls files");
-    let ids2: Vec<u64> = (0..400).map(|i| (i * 577) % 6_000).collect();
+    // 1,000 FP8 rows: an answer of 160 KB, more than one TLS buffer.
+    let ids2: Vec<u64> = (0..1_000).map(|i| (i * 577) % 6_000).collect();
     let ids1: Vec<u64> = vec![0, 2_999];
     rack_harness::runtime().block_on(async {
         for t in [Transport::Tls, Transport::Quic] {
@@ -561,7 +562,12 @@ fn tls_and_quic_carry_rows_of_any_encoding() {
                     rows: &ids1,
                 },
             ];
-            c.lookup(&req, &mut out).await.expect("lookup");
+            // Two lookups pipelined on the one connection.
+            let mut again = out.clone();
+            let (a, b) = tokio::join!(c.lookup(&req, &mut out), c.lookup(&req, &mut again));
+            a.expect("lookup");
+            b.expect("pipelined lookup");
+            assert_eq!(out, again);
             for (k, &r) in ids2.iter().enumerate() {
                 let want = &rows2[r as usize * 160..][..160];
                 assert_eq!(&out[k * 160..][..160], want, "{t:?} row {r}");

@@ -386,6 +386,10 @@ pub struct DonorClient {
     donor: String,
     addr: SocketAddr,
     tables: Vec<TableInfo>,
+    /// Each pinned table's row size in the wire's form (0: V4.1's 264),
+    /// from the Welcome once: a lookup scans the pins, never the Welcome's
+    /// whole list.
+    row_sizes: Vec<(u32, u16)>,
     lookup_timeout: Duration,
 }
 
@@ -471,6 +475,17 @@ impl DonorClient {
         };
         proto.welcome(&frame)?;
         let (donor, tables) = (proto.donor().to_string(), proto.tables().to_vec());
+        let row_sizes = opts
+            .pinned
+            .iter()
+            .map(|&(table, _)| {
+                let size = tables
+                    .iter()
+                    .find(|t| t.table_id == table)
+                    .map_or(0, client::wire_row_bytes);
+                (table, size)
+            })
+            .collect();
         let inner = Inner {
             // The Hello went out whole: nothing is left to finish.
             writer: tokio::sync::Mutex::new(ws),
@@ -487,6 +502,7 @@ impl DonorClient {
             donor,
             addr,
             tables,
+            row_sizes,
             lookup_timeout: opts.lookup_timeout,
         })
     }
@@ -512,8 +528,8 @@ impl DonorClient {
         &self.tables
     }
 
-    /// Bytes per row of table `table` as the donor announced it (264 for
-    /// V4.1's rows, and for a table the Welcome does not list).
+    /// Bytes per row of pinned table `table` as the donor announced it
+    /// (264 for V4.1's rows, and for a table not pinned).
     pub fn row_bytes(&self, table: u32) -> usize {
         match self.wire_row_bytes(table) {
             0 => ROW_BYTES,
@@ -522,10 +538,10 @@ impl DonorClient {
     }
 
     fn wire_row_bytes(&self, table: u32) -> u16 {
-        self.tables
+        self.row_sizes
             .iter()
-            .find(|t| t.table_id == table)
-            .map_or(0, client::wire_row_bytes)
+            .find(|&&(t, _)| t == table)
+            .map_or(0, |&(_, size)| size)
     }
 
     /// Most rows one lookup may carry on this connection.
