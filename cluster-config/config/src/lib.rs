@@ -726,6 +726,12 @@ pub const PLAINTEXT_WHY: &str = "plaintext carries rows, credentials and control
      address, or set rack.plaintext = \"allow\" to accept it";
 
 impl Config {
+    /// The model family the rack serves (`[model] family`; DeepSeek V4.1's
+    /// without a `[model]` table).
+    pub fn family(&self) -> model::Family {
+        self.model.as_ref().map(|m| m.family).unwrap_or_default()
+    }
+
     /// Whether a plaintext service (plain TCP data, a control plane without
     /// TLS, /metrics, the node API) may bind `addr`: loopback always, any
     /// address only with `rack.plaintext = "allow"`. The daemons apply this

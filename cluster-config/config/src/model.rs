@@ -75,9 +75,82 @@ impl fmt::Display for FusionBackend {
     }
 }
 
+/// Which model family a rack serves (`[model] family`): what its n-gram
+/// tables' rows are and how the node hashes tokens to them
+/// (docs/models.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Family {
+    /// DeepSeek V4.1's Engram (`deepseek_v41`, the default): tables of
+    /// 264-byte rows (`e4m3_ue8m0_32x256`), 24 rows a token per table.
+    #[default]
+    DeepseekV41,
+    /// Qwen4Exp's PLE n-gram table (`qwen4exp`, Qwen3.8-Flash-Next): rows
+    /// of FP8 with a table scale, BF16 or NVFP4, 16 a token.
+    Qwen4Exp,
+}
+
+impl Family {
+    /// Every family, in the order docs list them.
+    pub const ALL: [Self; 2] = [Self::DeepseekV41, Self::Qwen4Exp];
+
+    /// Its name in a config.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::DeepseekV41 => "deepseek_v41",
+            Self::Qwen4Exp => "qwen4exp",
+        }
+    }
+
+    /// The family named `s`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == s)
+    }
+
+    /// Whether a table of rows in `encoding` can be this family's n-gram
+    /// table.
+    pub fn accepts(self, encoding: engram_protocol::encoding::RowEncoding) -> bool {
+        use engram_protocol::encoding::RowEncoding;
+        match self {
+            Self::DeepseekV41 => encoding == RowEncoding::V41,
+            Self::Qwen4Exp => !matches!(encoding, RowEncoding::E4m3Ue8m0 { .. }),
+        }
+    }
+
+    /// Rows a token needs from each of its tables: V4.1's 24 (orders 2 to
+    /// 4 x 8 heads), Qwen3.8-Flash-Next's 16 (orders 2 and 3 x 8 heads).
+    pub fn rows_per_token(self) -> usize {
+        match self {
+            Self::DeepseekV41 => engram_protocol::hashing::COLUMNS,
+            Self::Qwen4Exp => {
+                (engram_protocol::qwen4exp::QWEN38_NGRAM_SIZE - 1)
+                    * engram_protocol::qwen4exp::QWEN38_HEADS_PER_NGRAM
+            }
+        }
+    }
+
+    /// The encodings its tables may have, for messages.
+    pub fn encodings(self) -> &'static str {
+        match self {
+            Self::DeepseekV41 => "e4m3_ue8m0_32x256",
+            Self::Qwen4Exp => "fp8_per_tensorxN, bf16xN or nvfp4_e4m3_16xN",
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The validated `[model]` table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Model {
+    /// The model family (default `deepseek_v41`).
+    pub family: Family,
+    /// The end-of-sequence token id a Qwen4Exp n-gram window restarts at
+    /// (`eos_token`; required under `qwen4exp`, refused otherwise).
+    pub eos_token: Option<u32>,
     /// Hashing preset (default `v41`).
     pub hashing: Preset,
     /// Token map source.

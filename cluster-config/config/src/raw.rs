@@ -145,6 +145,8 @@ pub(crate) struct RawRoute {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawModel {
+    pub family: Option<Spanned<String>>,
+    pub eos_token: Option<Spanned<i64>>,
     pub hash_preset: Option<Spanned<String>>,
     pub hash_base: Option<Spanned<i64>>,
     pub tokenizer: Option<Spanned<String>>,

@@ -167,6 +167,8 @@ fn build(cx: &mut Ctx<'_>, raw: &RawConfig, base: &Path) -> Config {
     let donors = donors(cx, &raw.donors, &tables, default_transport, base);
     let nodes = node::nodes(cx, &raw.nodes, &tables, &donors, base);
     let model = raw.model.as_ref().map(|m| model::model(cx, m, base));
+    let family = model.as_ref().map(|m| m.family).unwrap_or_default();
+    model::routes_fit_family(cx, &raw.nodes, &tables, family);
     security::one_namespace(cx, raw);
     security::check(cx, raw, tls.as_ref(), plaintext, &donors, &nodes);
     Config {

@@ -7,8 +7,8 @@ use engram_protocol::row::ROW_VALUES;
 
 use super::Ctx;
 use crate::model::{
-    ConfigJson, FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES, Model,
-    TokenMapSource, WeightsSource,
+    ConfigJson, Family, FusionBackend, MAX_HIDDEN, MAX_RAW_VOCAB, MAX_STREAMS, MAX_WKV_BYTES,
+    Model, TokenMapSource, WeightsSource,
 };
 use crate::raw::RawModel;
 use toml::Spanned;
@@ -16,6 +16,7 @@ use toml::Spanned;
 /// Validate `[model]`.
 pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> Model {
     let m = raw.get_ref();
+    let (family, eos_token) = family(cx, m);
     let hashing = hashing(cx, m);
     let token_map = token_map(cx, m, base);
     let compressed_vocab = compressed_vocab(cx, m, hashing);
@@ -36,6 +37,8 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
         (None, _) => None,
     };
     Model {
+        family,
+        eos_token,
         hashing,
         token_map,
         compressed_vocab,
@@ -45,6 +48,108 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
         weights,
         fusion,
         config_json,
+    }
+}
+
+/// `family` (default `deepseek_v41`) and `eos_token`: required under
+/// `qwen4exp` (its n-gram window restarts there), refused under V4.1,
+/// whose hashing keys are refused under `qwen4exp` in turn.
+fn family(cx: &mut Ctx<'_>, m: &RawModel) -> (Family, Option<u32>) {
+    let family = match &m.family {
+        None => Family::default(),
+        Some(f) => Family::parse(f.get_ref()).unwrap_or_else(|| {
+            let known: Vec<_> = Family::ALL
+                .iter()
+                .map(|f| format!("{:?}", f.name()))
+                .collect();
+            cx.at(
+                f.span(),
+                "model.family",
+                format!("{:?} is not one of {}", f.get_ref(), known.join(", ")),
+            );
+            Family::default()
+        }),
+    };
+    let eos = super::opt_int(
+        cx,
+        &m.eos_token,
+        "model.eos_token",
+        0,
+        i64::from(MAX_RAW_VOCAB) - 1,
+    )
+    .map(|v| v as u32);
+    match family {
+        Family::DeepseekV41 => {
+            if let Some(e) = &m.eos_token {
+                cx.at(
+                    e.span(),
+                    "model.eos_token",
+                    "deepseek_v41 pads with pad_token; eos_token is for family = \"qwen4exp\"",
+                );
+            }
+        }
+        Family::Qwen4Exp => {
+            let v41_only = [
+                ("hash_preset", m.hash_preset.as_ref().map(|v| v.span())),
+                ("hash_base", m.hash_base.as_ref().map(|v| v.span())),
+                ("token_map", m.token_map.as_ref().map(|v| v.span())),
+                ("tokenizer", m.tokenizer.as_ref().map(|v| v.span())),
+                (
+                    "compressed_vocab",
+                    m.compressed_vocab.as_ref().map(|v| v.span()),
+                ),
+                ("pad_token", m.pad_token.as_ref().map(|v| v.span())),
+            ];
+            for (key, span) in v41_only {
+                if let Some(span) = span {
+                    cx.at(
+                        span,
+                        format!("model.{key}"),
+                        format!("{key} is DeepSeek V4.1's; qwen4exp hashes raw ids with its own constants (docs/models.md)"),
+                    );
+                }
+            }
+            if eos.is_none() && m.eos_token.is_none() {
+                let span = m.family.as_ref().map(|f| f.span()).unwrap_or_default();
+                cx.at(
+                    span,
+                    "model.eos_token",
+                    "family = \"qwen4exp\" needs eos_token (its config.json's eos_token_id): an n-gram window restarts at it",
+                );
+            }
+        }
+    }
+    (family, eos)
+}
+
+/// Every node route's table must be of the encoding `family`'s tables
+/// have (a V4.1 node reads 264-byte rows; a Qwen4Exp node its own).
+pub(super) fn routes_fit_family(
+    cx: &mut Ctx<'_>,
+    raw: &[Spanned<crate::raw::RawNode>],
+    tables: &[crate::Table],
+    family: Family,
+) {
+    for (i, n) in raw.iter().enumerate() {
+        for (j, r) in n.get_ref().routes.iter().enumerate() {
+            let r = r.get_ref();
+            let id = *r.table.get_ref();
+            let Some(t) = tables.iter().find(|t| i64::from(t.id) == id) else {
+                continue; // Reported by the route's own rules.
+            };
+            if !family.accepts(t.encoding) {
+                cx.at(
+                    r.table.span(),
+                    format!("node[{i}].route[{j}].table"),
+                    format!(
+                        "table {id}'s rows are {}, but [model] family = {:?} reads {} (docs/models.md)",
+                        t.encoding.name(),
+                        family.name(),
+                        family.encodings()
+                    ),
+                );
+            }
+        }
     }
 }
 
@@ -235,6 +340,8 @@ mod tests {
         assert_eq!(
             m,
             Model {
+                family: Family::DeepseekV41,
+                eos_token: None,
                 hashing: Preset::V41,
                 token_map: TokenMapSource::None,
                 compressed_vocab: Some(99_092),

@@ -291,17 +291,6 @@ fn route(
         );
         return None;
     };
-    if table.encoding != engram_protocol::encoding::RowEncoding::V41 {
-        cx.at(
-            r.table.span(),
-            rk("table"),
-            format!(
-                "table {id}'s rows are {}: nodes route tables of V4.1's rows only yet (donors serve it to clients of protocol version 2; docs/models.md)",
-                table.encoding.name()
-            ),
-        );
-        return None;
-    }
     let sources = sources(cx, r, (i, j), table, donors);
     let ssd_path = match &r.ssd_path {
         Some(p) => cx.path(p, &rk("ssd_path"), base),

@@ -585,9 +585,10 @@ fn host_layout_is_planar_only_beside_a_host_socket_and_a_copy() {
 }
 
 /// A table declares its rows' encoding (V4.1's by default); a name that is
-/// not one is refused at its line, and nodes route V4.1's tables only.
+/// not one is refused at its line, and a node routes only tables of the
+/// `[model] family`'s encoding (V4.1's by default).
 #[test]
-fn a_table_declares_its_encoding_and_nodes_route_v41_tables_only() {
+fn a_table_declares_its_encoding_and_nodes_route_their_familys_tables() {
     let c = parse(&good()).expect("valid");
     assert_eq!(c.table(1).map(|t| t.encoding), Some(RowEncoding::V41));
     let qwen = good().replacen(
@@ -598,6 +599,12 @@ fn a_table_declares_its_encoding_and_nodes_route_v41_tables_only() {
     // Table 14 is routed by gpu-1: refused there, at the route's table.
     let route_line = qwen.lines().position(|l| l == "table = 14").expect("route") + 1;
     expect_in(&qwen, route_line, "route[1].table", "nvfp4_e4m3_16x160");
+    expect_in(
+        &qwen,
+        route_line,
+        "route[1].table",
+        "family = \"deepseek_v41\"",
+    );
     let unrouted = qwen.replacen(
         "\n[[node.route]]\ntable = 14\nsources = [\"donor-a\", \"local\"]\n",
         "\n",
@@ -616,4 +623,61 @@ fn a_table_declares_its_encoding_and_nodes_route_v41_tables_only() {
         "table[1].encoding",
         "is not a row encoding",
     );
+}
+
+/// `[model] family = "qwen4exp"`: its routes take tables of FP8, BF16 or
+/// NVFP4 rows and refuse V4.1's; it needs `eos_token` and refuses V4.1's
+/// hashing keys; an unknown family is named at its line.
+#[test]
+fn a_qwen4exp_family_routes_its_own_tables_and_needs_an_eos_token() {
+    use crate::model::Family;
+    let both = good().replace(
+        "rows = 384016682\n",
+        "rows = 384016682\nencoding = \"fp8_per_tensorx160\"\n",
+    );
+    let qwen = format!("{both}\n[model]\nfamily = \"qwen4exp\"\neos_token = 248044\n");
+    // Table 1 (V4.1's rows) is routed too: refused under qwen4exp.
+    let route_line = qwen.lines().position(|l| l == "table = 1").expect("route") + 1;
+    expect_in(&qwen, route_line, "route[0].table", "e4m3_ue8m0_32x256");
+    let drop1 = qwen
+        .split("\n[[node.route]]\n")
+        .filter(|part| !part.starts_with("table = 1\n"))
+        .collect::<Vec<_>>()
+        .join("\n[[node.route]]\n");
+    let c = parse(&drop1).expect("a qwen4exp node routes its FP8 table");
+    assert_eq!(c.family(), Family::Qwen4Exp);
+    assert_eq!(c.model.as_ref().and_then(|m| m.eos_token), Some(248_044));
+    let no_eos = drop1.replacen("eos_token = 248044\n", "", 1);
+    let line = no_eos
+        .lines()
+        .position(|l| l.starts_with("family"))
+        .expect("family")
+        + 1;
+    expect_in(&no_eos, line, "model.eos_token", "needs eos_token");
+    let hashed = drop1.replacen(
+        "eos_token = 248044\n",
+        "eos_token = 248044\npad_token = 2\n",
+        1,
+    );
+    let line = hashed
+        .lines()
+        .position(|l| l.starts_with("pad_token"))
+        .expect("pad")
+        + 1;
+    expect_in(&hashed, line, "model.pad_token", "DeepSeek V4.1's");
+    let v41_eos = good() + "\n[model]\neos_token = 1\n";
+    let line = v41_eos
+        .lines()
+        .position(|l| l.starts_with("eos_token"))
+        .expect("eos")
+        + 1;
+    expect_in(&v41_eos, line, "model.eos_token", "qwen4exp");
+    let odd = good() + "\n[model]\nfamily = \"llama\"\n";
+    let line = odd
+        .lines()
+        .position(|l| l.starts_with("family"))
+        .expect("family")
+        + 1;
+    expect_in(&odd, line, "model.family", "\"qwen4exp\"");
+    assert_eq!(parse(&good()).expect("valid").family(), Family::DeepseekV41);
 }
