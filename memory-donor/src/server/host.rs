@@ -219,22 +219,14 @@ fn snapshot(shared: &Shared, told: &[Told]) -> io::Result<Vec<(Told, Option<Shar
             digest: t.digest,
             generation: t.kept().map(|k| k.record.generation),
         };
-        // Rows of another encoding than V4.1's are not handed out: clients
-        // of this socket read V4.1's rows (docs/models.md).
         let copy = match t.kept() {
-            Some(k)
-                if !told.contains(&now)
-                    && t.encoding == engram_protocol::encoding::RowEncoding::V41
-                    && kept::seal_for_sharing(&k.file) =>
-            {
-                Some(Shareable {
-                    file: reopen_read_only(&k.file)?,
-                    bytes: k.file.metadata()?.len(),
-                    layer: t.layer,
-                    rows: t.rows,
-                    layout: k.record.layout,
-                })
-            }
+            Some(k) if !told.contains(&now) && kept::seal_for_sharing(&k.file) => Some(Shareable {
+                file: reopen_read_only(&k.file)?,
+                bytes: k.file.metadata()?.len(),
+                layer: t.layer,
+                rows: t.rows,
+                layout: k.record.layout,
+            }),
             _ => None,
         };
         out.push((now, copy));
@@ -254,9 +246,18 @@ fn table_message(t: &Told, c: &Shareable, digest: &str) -> serde_json::Value {
         "layout": c.layout.name(),
         "bytes": c.bytes,
     });
-    if c.layout == kept::KeptLayout::Planar {
-        m["values_at"] = json!(0);
-        m["scales_at"] = json!(kept::planar_scales_at(c.rows).unwrap_or_default());
+    match c.layout {
+        kept::KeptLayout::Planar => {
+            m["values_at"] = json!(0);
+            m["scales_at"] = json!(kept::planar_scales_at(c.rows).unwrap_or_default());
+        }
+        // Rows of another encoding: packed at their own size, which a
+        // client of V4.1's rows alone refuses (the record names it too).
+        kept::KeptLayout::Encoded { encoding, .. } => {
+            m["encoding"] = json!(encoding.name());
+            m["row_bytes"] = json!(encoding.row_bytes());
+        }
+        kept::KeptLayout::Packed => {}
     }
     m
 }
@@ -286,7 +287,7 @@ fn serve_client(client: &OwnedFd, shared: &Shared) -> io::Result<()> {
                     &json!({
                         "table": t.table,
                         "digest": digest,
-                        "unshared": "not in a sealed memfd (map_files, rows of another encoding than V4.1's, or a copy that could not be sealed): ask the donor over the network",
+                        "unshared": "not in a sealed memfd (map_files, or a copy that could not be sealed): ask the donor over the network",
                     }),
                     None,
                 )?,

@@ -580,8 +580,9 @@ impl ResidentTable {
         }
         // Rows of another encoding than V4.1's: packed at their own size,
         // in a memfd the next process may adopt where a copy or the file's
-        // pages were asked for (not served from the file's pages, shared
-        // on a host socket or offered over RDMA yet: docs/models.md).
+        // pages were asked for (shared on the host socket like any kept
+        // copy; not served from the file's pages or offered over RDMA yet:
+        // docs/models.md).
         let encoded = (file.meta.encoding != RowEncoding::V41).then_some(KeptLayout::Encoded {
             encoding: file.meta.encoding,
             tensor_scale: file.meta.tensor_scale,
@@ -593,8 +594,7 @@ impl ResidentTable {
                     encoding = %file.meta.encoding.name(),
                     asked = ?b,
                     "rows of this encoding are held packed in a memfd (kept across restarts): \
-                     not served from the file's pages, not shared on the host socket and not \
-                     offered over RDMA (docs/models.md)"
+                     not served from the file's pages and not offered over RDMA (docs/models.md)"
                 );
                 Backing::Memfd
             }

@@ -39,6 +39,7 @@ use std::time::Duration;
 
 use daemon_runtime::hostsock::{HOST_PROTOCOL, MAX_MESSAGE, connect, readable, recv};
 use engram_protocol::TableDigest;
+use engram_protocol::encoding::RowEncoding;
 use engram_store::kept;
 use engram_store::resident::{ExpectedTable, ResidentTable};
 use engram_sync::{Mutex, RwLock};
@@ -482,7 +483,8 @@ fn table_message(
         return Ok(()); // Being readied already.
     }
     let layout = field("layout").and_then(|v| v.as_str()).unwrap_or("packed");
-    match map_table(table, file, want, layout) {
+    let encoding = field("encoding").and_then(|v| v.as_str());
+    match map_table(table, file, want, layout, encoding) {
         Ok(t) => install(name, table, generation, t, st),
         Err(e) => {
             remove(st, table);
@@ -505,25 +507,43 @@ fn remove(st: &State, table: u32) {
 
 /// Map a table's descriptor: only a memfd sealed against writes, shrinking
 /// and growing, whose record names the pinned version.
-/// The message's `layout` must be one this build reads and the one the
-/// memfd's own record names.
+/// The message's `layout` (and `encoding`, for rows of another encoding
+/// than V4.1's) must be one this build reads and the one the memfd's own
+/// record names.
 fn map_table(
     table: u32,
     file: File,
     want: &ExpectedTable,
     layout: &str,
+    encoding: Option<&str>,
 ) -> Result<ResidentTable, String> {
     if !kept::is_sealed_read_only(&file) {
         return Err("its memory is not sealed against writes and resizing".into());
     }
     let said = kept::KeptLayout::parse(layout)
         .ok_or_else(|| format!("layout {layout:?} (this build reads packed and planar)"))?;
+    let said_encoding = match encoding {
+        None => RowEncoding::V41,
+        Some(name) => RowEncoding::parse(name).map_err(|e| e.to_string())?,
+    };
     let t = ResidentTable::adopt(table, file, want, false).map_err(|e| e.to_string())?;
     let record = t.kept().map(|k| k.record.layout);
-    if record != Some(said) {
+    let matches = match record {
+        Some(kept::KeptLayout::Encoded { encoding, .. }) => {
+            said == kept::KeptLayout::Packed && said_encoding == encoding
+        }
+        Some(r) => r == said && said_encoding == RowEncoding::V41,
+        None => false,
+    };
+    if !matches {
+        let named = |l: Option<kept::KeptLayout>, e: RowEncoding| match l {
+            Some(l) => format!("{} rows of {}", l.name(), e.name()),
+            None => "none".into(),
+        };
         return Err(format!(
-            "the message says {layout} rows but the memory's record says {}",
-            record.map_or("none", kept::KeptLayout::name)
+            "the message says {} but the memory's record says {}",
+            named(Some(said), said_encoding),
+            named(record, t.encoding)
         ));
     }
     Ok(t)
