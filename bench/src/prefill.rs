@@ -276,6 +276,7 @@ fn settings(table: u32) -> RouteSettings {
     let w = Duration::from_millis(10);
     RouteSettings {
         table,
+        encoding: engram_protocol::encoding::RowEncoding::V41,
         window: cluster_config::window(w, cluster_config::window_blocks(layer, layers)),
         grace: Duration::from_micros(100),
         hard_timeout: Duration::from_millis(100),

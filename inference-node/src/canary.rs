@@ -1,9 +1,11 @@
 //! `inference-node canary`: the node's memory under a token-paced load of
 //! random rows, as an operator's check that a rack serves a node: every
 //! table's router is built from the cluster config exactly as the model
-//! loop builds it, one 24-row lookup per table per token at the node's
-//! rate (both tables at once, as a token does), with a status line each
-//! second and a summary at the end. The node's `/metrics` is served
+//! loop builds it, one lookup per table per token at the node's rate of
+//! the rows a token needs (the `[model] family`'s: 24 for V4.1, 16 for
+//! Qwen3.8-Flash-Next; each table's rows at its encoding's size), every
+//! table at once, as a token does, with a status line each second and a
+//! summary at the end. The node's `/metrics` is served
 //! meanwhile when configured.
 
 use std::collections::BTreeMap;
@@ -12,7 +14,6 @@ use std::time::Duration;
 
 use cluster_config::Config;
 use daemon_runtime::latency::Latency;
-use engram_protocol::ROW_BYTES;
 use engram_protocol::synthetic::SplitMix64;
 use tokio::time::Instant;
 
@@ -89,6 +90,7 @@ pub async fn run(
         .or_else(|| config.node(name).map(|n| n.tokens_per_second))
         .unwrap_or(100.0);
     let token = Duration::from_secs_f64(1.0 / rate.max(1e-3));
+    let per_token = config.family().rows_per_token();
     let routers: Vec<(Arc<Router>, u64)> = memory
         .routers()
         .iter()
@@ -97,7 +99,10 @@ pub async fn run(
     let mut reports: Vec<TableReport> = vec![TableReport::default(); routers.len()];
     let mut bufs: Vec<(Vec<u64>, Vec<u8>)> = routers
         .iter()
-        .map(|_| (vec![0; 24], vec![0; 24 * ROW_BYTES]))
+        .map(|(r, _)| {
+            let size = r.settings().encoding.row_bytes();
+            (vec![0; per_token], vec![0; per_token * size])
+        })
         .collect();
     let mut rng = SplitMix64::new(spec.seed);
     let start = Instant::now();

@@ -31,6 +31,7 @@ use crate::router::{RouteSettings, Router, SourceHealth};
 use crate::source::ssd::{SsdError, SsdOptions, SsdReader};
 use crate::source::{ControlTls, DonorSource, LocalRam, RowSource, SsdSource};
 use crate::tls::NodeTls;
+use engram_protocol::encoding::RowEncoding;
 
 /// Why the memory could not be set up or reloaded.
 #[derive(Debug, Error)]
@@ -61,6 +62,18 @@ pub enum MemoryError {
         table: u32,
         /// Why the local copy cannot be loaded.
         source: LoadError,
+    },
+    /// A table's copy holds rows of another encoding than the config says.
+    #[error("table {table}: {path}: its rows are {found} but the config says encoding = {said:?}")]
+    Encoding {
+        /// The table id.
+        table: u32,
+        /// The copy's file.
+        path: PathBuf,
+        /// The copy's encoding.
+        found: String,
+        /// The config's.
+        said: String,
     },
     /// Something failed that should not (a thread could not start).
     #[error("table {table}: {message}")]
@@ -425,6 +438,16 @@ async fn build(
                 opts.tls = spec.tls.clone();
                 opts.bind = spec.bind;
                 opts.interface = spec.interface.clone();
+                // Version 1 while every pinned table has V4.1's rows (any
+                // donor answers it); version 2 for a table of another
+                // encoding, which only a donor speaking it can serve.
+                if spec.pinned.iter().any(|&(id, _)| {
+                    config
+                        .table(id)
+                        .is_some_and(|t| t.encoding != RowEncoding::V41)
+                }) {
+                    opts.version = engram_protocol::PROTOCOL_VERSION;
+                }
                 let rdma = spec.rdma.and_then(|addr| {
                     rdma_path(&d.name, addr, &spec, &pinned_tables(&spec), metrics)
                 });
@@ -528,6 +551,7 @@ async fn build(
             .set(window.as_secs_f64());
         let settings = RouteSettings {
             table: table.id,
+            encoding: table.encoding,
             window,
             grace: route.grace,
             hard_timeout: route.hard_timeout,
@@ -563,6 +587,7 @@ async fn open_copy(
         let local = blocking(id, move || LocalRam::load(id, &path, pin, trust))
             .await?
             .map_err(|source| MemoryError::Local { table: id, source })?;
+        check_copy_encoding(table, &spec.path, local.encoding())?;
         tracing::info!(table = id, path = %spec.path.display(), "local copy loaded");
         Arc::new(local)
     } else {
@@ -575,6 +600,7 @@ async fn open_copy(
         let reader = blocking(id, move || SsdReader::open(&path, Some(pin), trust, opts))
             .await?
             .map_err(|source| MemoryError::Ssd { table: id, source })?;
+        check_copy_encoding(table, &spec.path, reader.encoding())?;
         tracing::info!(table = id, path = %spec.path.display(), engine = reader.engine_name(), direct = reader.is_direct(), page_checksums = reader.checks_pages(), ioprio = %reader.ioprio(), "SSD copy ready");
         let src = SsdSource::new(id, reader, metrics.ssd_engine.clone())
             .map_err(|source| MemoryError::Ssd { table: id, source })?;
@@ -587,6 +613,24 @@ async fn open_copy(
         node.breaker_failures,
         breaker_gauge(metrics, &name),
     )))
+}
+
+/// A copy's rows must be of the encoding the config declares for its
+/// table (the router sizes and checks rows by it).
+fn check_copy_encoding(
+    table: &Table,
+    path: &std::path::Path,
+    found: RowEncoding,
+) -> Result<(), MemoryError> {
+    if found == table.encoding {
+        return Ok(());
+    }
+    Err(MemoryError::Encoding {
+        table: table.id,
+        path: path.to_path_buf(),
+        found: found.name(),
+        said: table.encoding.name(),
+    })
 }
 
 fn breaker_gauge(metrics: &NodeMetrics, source: &str) -> prometheus_client::metrics::gauge::Gauge {

@@ -674,3 +674,61 @@ async fn a_replica_lost_mid_sweep_costs_its_chunks_a_failover_not_the_sweep() {
     assert_eq!(a.calls() + b.calls(), 40 + f.failovers);
     assert_eq!(f.sources, vec![Arc::<str>::from("a"), Arc::from("b")]);
 }
+
+/// A table of another encoding (FP8, NVFP4): the router sizes the lookup
+/// at its row size, discards an answer with an E4M3 NaN code by that
+/// encoding's rule (a value for FP8, a block scale for NVFP4) and fails
+/// over; a buffer sized for V4.1's rows is a bad request; zeros by policy
+/// are zero bytes of the encoding's size.
+#[tokio::test(start_paused = true)]
+async fn rows_of_another_encoding_are_sized_and_checked_by_it() {
+    use engram_protocol::encoding::RowEncoding;
+    use engram_protocol::synthetic::synthetic_encoded_row;
+    for e in [
+        RowEncoding::Fp8PerTensor { values: 160 },
+        RowEncoding::Nvfp4 { values: 160 },
+    ] {
+        let a = Fake::encoded("a", Fault::BadBytes(us(10)), e);
+        let b = Fake::encoded("b", Fault::Ok(us(30)), e);
+        let s = inference_node::router::RouteSettings {
+            encoding: e,
+            ..settings(Hedge::Off, Policy::Fail)
+        };
+        let r = rig(&[&a, &b], s);
+        let mut out = vec![0u8; ROWS.len() * e.row_bytes()];
+        let f = r.router.fetch(&ROWS, &mut out).await.expect("b answers");
+        assert_eq!((f.source.as_deref(), f.failovers), (Some("b"), 1), "{e:?}");
+        let mut want = vec![0u8; e.row_bytes()];
+        for (&row, got) in ROWS.iter().zip(out.chunks_exact(e.row_bytes())) {
+            assert!(synthetic_encoded_row(e, SEED, 1, row, &mut want));
+            assert_eq!(got, &want[..], "{e:?} row {row}");
+        }
+        assert_eq!(
+            metric(
+                &r,
+                "engram_node_checksum_failures_total{table=\"1\",source=\"a\"}"
+            ),
+            "1",
+            "{e:?}"
+        );
+        let mut v41_sized = vec![0u8; ROWS.len() * engram_protocol::ROW_BYTES];
+        let err = r
+            .router
+            .fetch(&ROWS, &mut v41_sized)
+            .await
+            .expect_err("bad size");
+        assert!(matches!(err, RouterError::BadRequest { .. }), "{err}");
+        // Zeros by policy: every source fails, the rows are zero bytes.
+        a.set(Fault::Fail(us(5), SourceError::Unavailable("down".into())));
+        b.set(Fault::Fail(us(5), SourceError::Unavailable("down".into())));
+        let s = inference_node::router::RouteSettings {
+            encoding: e,
+            ..settings(Hedge::Off, Policy::Zeros)
+        };
+        let z = rig(&[&a, &b], s);
+        let mut out = vec![0xAAu8; ROWS.len() * e.row_bytes()];
+        let f = z.router.fetch(&ROWS, &mut out).await.expect("zeros");
+        assert!(f.is_zeros());
+        assert!(out.iter().all(|&x| x == 0), "{e:?}");
+    }
+}

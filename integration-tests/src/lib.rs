@@ -111,6 +111,25 @@ pub fn gen_hashed_table(
     gen_with(dir, name, layer, &["--hash-base", &base.to_string()], seed)
 }
 
+/// Generate a synthetic table of rows in `encoding` (`gen --encoding`;
+/// FP8's table scale 0.0123): every row is
+/// `engram_protocol::synthetic::synthetic_encoded_row(encoding, seed, layer, row)`.
+pub fn gen_encoded_table(
+    dir: &Path,
+    name: &str,
+    layer: u32,
+    encoding: engram_protocol::encoding::RowEncoding,
+    rows: u64,
+    seed: u64,
+) -> Result<(PathBuf, TableDigest)> {
+    let (rows, name_of) = (rows.to_string(), encoding.name());
+    let mut size = vec!["--rows", &rows, "--encoding", &name_of];
+    if encoding.has_tensor_scale() {
+        size.extend(["--tensor-scale", "0.0123"]);
+    }
+    gen_with(dir, name, layer, &size, seed)
+}
+
 fn gen_with(
     dir: &Path,
     name: &str,

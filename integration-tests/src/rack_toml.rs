@@ -442,6 +442,12 @@ impl LinkEntry {
 /// `[model]`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ModelSection {
+    /// The model family (`deepseek_v41` when absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub family: Option<String>,
+    /// A Qwen4Exp model's end-of-sequence id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eos_token: Option<u32>,
     /// A named hashing preset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hash_preset: Option<String>,

@@ -104,6 +104,8 @@ mod tests {
 
     fn model(config_json: Option<ConfigJson>) -> Model {
         Model {
+            family: cluster_config::model::Family::DeepseekV41,
+            eos_token: None,
             hashing: Preset::V41,
             token_map: TokenMapSource::None,
             compressed_vocab: Some(99_092),

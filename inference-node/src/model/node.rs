@@ -443,6 +443,15 @@ pub(crate) fn layer_tables(
 ) -> Result<[u32; 2], SetupError> {
     let cfg = |s: String| SetupError::Config(s);
     let name = &node.name;
+    if model.family != cluster_config::model::Family::DeepseekV41 {
+        return Err(cfg(format!(
+            "{}: [model] family = {:?}: the token loop, the libraries and the engine ring run DeepSeek V4.1's model; \
+             a {} rack's rows are served by its donors and this node's routes (`inference-node canary`; docs/models.md)",
+            config.path.display(),
+            model.family.name(),
+            model.family.name()
+        )));
+    }
     let mut table_of = [None, None];
     for (slot, lh) in table_of.iter_mut().zip(&params.layers) {
         let t = node

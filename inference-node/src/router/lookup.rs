@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use engram_protocol::ROW_BYTES;
+use engram_protocol::encoding::RowEncoding;
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
@@ -20,6 +20,19 @@ use super::{
 };
 use super::{Miss, MissReason};
 use crate::source::{FetchJob, FetchSlot, SourceError, SourceKind};
+
+/// Check an answer's rows by their encoding's rule (V4.1's: no NaN
+/// scale or value code; the others': no NaN code), naming the first bad
+/// row.
+fn check_answer(encoding: RowEncoding, rows: &[u8]) -> Result<(), SourceError> {
+    if encoding == RowEncoding::V41 {
+        return engram_protocol::row::check_rows(rows)
+            .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")));
+    }
+    encoding
+        .check_rows(rows)
+        .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
+}
 
 /// Rotate the donors among `order` left by `k` (modulo their count), the
 /// other sources (the node's own copies) staying where they are: `[a, b,
@@ -187,15 +200,16 @@ impl<'r> Lookup<'r> {
         stripe: Option<usize>,
     ) -> Result<Self, RouterError> {
         let s = &st.settings;
+        let row_bytes = s.encoding.row_bytes();
         if let Some(out_len) = out_len
-            && out_len != rows.len() * ROW_BYTES
+            && out_len != rows.len() * row_bytes
         {
             return Err(RouterError::BadRequest {
                 table: s.table,
                 message: format!(
                     "output buffer is {out_len} bytes, {} rows need {}",
                     rows.len(),
-                    rows.len() * ROW_BYTES
+                    rows.len() * row_bytes
                 ),
             });
         }
@@ -297,7 +311,8 @@ impl<'r> Lookup<'r> {
         a: Answered,
         out: &mut Out<'_>,
     ) -> Result<Option<Fetched>, RouterError> {
-        let len = self.rows.len() * ROW_BYTES;
+        let encoding = self.st.settings.encoding;
+        let len = self.rows.len() * encoding.row_bytes();
         let Answered {
             source,
             hedge,
@@ -314,8 +329,7 @@ impl<'r> Lookup<'r> {
                     self.rows.len()
                 )));
             }
-            engram_protocol::row::check_rows(&job.buf)
-                .map_err(|(at, e)| SourceError::Corrupt(format!("row {at}: {e}")))
+            check_answer(encoding, &job.buf)
         });
         let a = Attempt {
             source,
@@ -393,7 +407,7 @@ impl<'r> Lookup<'r> {
                 })
             }
             Policy::Zeros => {
-                out.zeros(self.rows.len() * ROW_BYTES);
+                out.zeros(self.rows.len() * st.settings.encoding.row_bytes());
                 router.table.zeros.inc();
                 router.warn_zeros(self.rows.len(), &self.failed);
                 Ok(Fetched {
@@ -447,7 +461,7 @@ impl<'r> Lookup<'r> {
         } else {
             self.hard
         };
-        let (job, mut slot) = self.router.job(st.settings.table, self.rows, until);
+        let (job, mut slot) = self.router.job(&st.settings, self.rows, until);
         Arc::clone(&st.sources[i].source).fetch_job(job, &mut slot);
         self.inflight.push(InFlight {
             slot,

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
-use engram_protocol::ROW_BYTES;
+use engram_protocol::encoding::RowEncoding;
 use engram_sync::{Mutex, RwLock};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
@@ -57,6 +57,10 @@ pub const COPY_READ_LIMIT: Duration = Duration::from_secs(1);
 pub struct RouteSettings {
     /// Table id.
     pub table: u32,
+    /// How the table's rows are encoded (V4.1's 264-byte rows, or another
+    /// model's): a lookup's rows are this encoding's row size each, and an
+    /// answer is checked by its rule.
+    pub encoding: RowEncoding,
     /// The table's window at the node's token rate.
     pub window: Duration,
     /// Added to the window to make the deadline.
@@ -345,7 +349,12 @@ impl Router {
 
     /// A fetch of `rows` of `table` by `deadline`, and a slot to run it
     /// in, from the pool when it has them (nothing allocated then).
-    fn job(&self, table: u32, rows: &[u64], deadline: Instant) -> (FetchJob, FetchSlot) {
+    fn job(
+        &self,
+        settings: &RouteSettings,
+        rows: &[u64],
+        deadline: Instant,
+    ) -> (FetchJob, FetchSlot) {
         let (mut list, mut buf, slot) = {
             let mut p = self.pool();
             (
@@ -356,9 +365,9 @@ impl Router {
         };
         list.clear();
         list.extend_from_slice(rows);
-        buf.resize(rows.len() * ROW_BYTES, 0);
+        buf.resize(rows.len() * settings.encoding.row_bytes(), 0);
         let job = FetchJob {
-            table,
+            table: settings.table,
             rows: list,
             buf,
             deadline,
@@ -392,14 +401,15 @@ impl Router {
         }
     }
 
-    /// Fetch `rows` of the table into `out` (`rows.len() * 264` bytes).
+    /// Fetch `rows` of the table into `out` (`rows.len()` times the
+    /// table's row size: 264 bytes for V4.1's).
     pub async fn fetch(&self, rows: &[u64], out: &mut [u8]) -> Result<Fetched, RouterError> {
         self.lookup(rows, Out::Slice(out), None).await
     }
 
     /// [`Router::fetch`] without the last copy: on success `out` is
-    /// replaced by the buffer the winning source filled (`rows.len() * 264`
-    /// bytes), and the buffer it held goes to the router's pool for the
+    /// replaced by the buffer the winning source filled (`rows.len()` rows
+    /// at the table's row size), and the buffer it held goes to the router's pool for the
     /// next lookups. A caller that keeps passing the same `Vec` gets the
     /// rows copied once, by the source (from the socket's frame, the SSD
     /// page, or local RAM), and allocates nothing.

@@ -34,6 +34,11 @@ impl LocalRam {
         })
     }
 
+    /// How its rows are encoded.
+    pub fn encoding(&self) -> engram_protocol::encoding::RowEncoding {
+        self.table.encoding
+    }
+
     /// Copy rows out; no await point, so it is also the synchronous API.
     pub fn read(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
         let t = &self.table;

@@ -20,7 +20,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use engram_protocol::ROW_BYTES;
 use engram_protocol::TableDigest;
 use engram_store::resident::{ResidentTable, RowLayout, RowRef};
 use thiserror::Error;
@@ -153,7 +152,7 @@ pub struct FetchJob {
     pub table: u32,
     /// The rows, in order.
     pub rows: Vec<u64>,
-    /// Filled with the rows (`rows.len() * 264` bytes) when the fetch goes
+    /// Filled with the rows (`rows.len()` times the table's row size) when the fetch goes
     /// well; empty when the source could not keep it.
     pub buf: Vec<u8>,
     /// Fail by then.
@@ -188,7 +187,7 @@ pub type ProbeFuture<'a> =
 /// A source that copies rows out of memory it holds (the node's own RAM,
 /// a donor's mapped memory): no await point, so its fetch runs inline.
 pub(crate) trait Gather: Send + Sync + 'static {
-    /// Copy `rows` of `table` into `out` (264 bytes each).
+    /// Copy `rows` of `table` into `out` (each at the table's row size).
     fn gather(&self, table: u32, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError>;
 }
 
@@ -205,7 +204,8 @@ pub(crate) fn gather_fetch<'a, G: Gather>(
     })
 }
 
-/// Copy `rows` of `t` into `out` (`rows.len() * 264` bytes, checked):
+/// Copy `rows` of `t` into `out` (`rows.len()` times the table's row
+/// size, checked):
 /// every row's cache lines asked for first, then the copies, so their
 /// memory latencies overlap.
 pub(crate) fn gather_rows(
@@ -213,13 +213,14 @@ pub(crate) fn gather_rows(
     rows: &[u64],
     out: &mut [u8],
 ) -> Result<(), SourceError> {
-    if out.len() != rows.len() * ROW_BYTES {
+    let size = t.row_bytes();
+    if out.len() != rows.len() * size {
         return Err(SourceError::BadRequest("output buffer size".into()));
     }
     for &r in rows {
         t.prefetch(r);
     }
-    for (&r, dst) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
+    for (&r, dst) in rows.iter().zip(out.chunks_exact_mut(size)) {
         let row = t.row(r).ok_or_else(|| {
             SourceError::BadRequest(format!("row {r} is out of range ({} rows)", t.rows))
         })?;
@@ -260,7 +261,7 @@ pub trait RowSource: Send + Sync + fmt::Debug + 'static {
     /// Never blocks; called on the node's runtime. Default: nothing.
     fn warm(&self) {}
 
-    /// Fill `buf` (`rows.len() * 264` bytes) with the rows of `table`, in
+    /// Fill `buf` (`rows.len()` times the table's row size) with the rows of `table`, in
     /// order, or fail by `deadline`; the buffer comes back either way
     /// (empty if the source could not keep it), so the caller's buffers
     /// are reused from lookup to lookup.

@@ -230,6 +230,11 @@ impl RdmaPath {
         out: &mut [u8],
         deadline: Instant,
     ) -> Result<RdmaOutcome, SourceError> {
+        // Rows of another encoding than V4.1's are not offered over RDMA
+        // (docs/models.md): such a table's lookups take the stream.
+        if client.row_bytes(table) != ROW_BYTES {
+            return Ok(RdmaOutcome::UseStream);
+        }
         if out.len() != rows.len() * ROW_BYTES {
             return Err(SourceError::BadRequest(format!(
                 "output buffer is {} bytes, {} rows need {}",

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cluster_config::{Hedge, Policy};
-use engram_protocol::synthetic::{first_mismatch, synthetic_row};
+use engram_protocol::synthetic::{first_mismatch, synthetic_encoded_row, synthetic_row};
 use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_sync::Mutex;
 use inference_node::metrics::NodeMetrics;
@@ -43,6 +43,8 @@ pub struct Fake {
     pub kind: SourceKind,
     /// Where the last buffer it filled lives (its address).
     pub filled: AtomicUsize,
+    /// The rows it serves (V4.1's unless set).
+    pub encoding: engram_protocol::encoding::RowEncoding,
 }
 
 impl Fake {
@@ -56,7 +58,20 @@ impl Fake {
             calls: AtomicU32::new(0),
             kind: SourceKind::Donor,
             filled: AtomicUsize::new(0),
+            encoding: engram_protocol::encoding::RowEncoding::V41,
         })
+    }
+
+    /// A donor fake serving rows of `encoding`
+    /// (`synthetic_encoded_row(encoding, SEED, 1, row)`).
+    pub fn encoded(
+        name: &str,
+        fault: Fault,
+        encoding: engram_protocol::encoding::RowEncoding,
+    ) -> Arc<Self> {
+        let mut f = Arc::into_inner(Self::new(name, fault)).expect("just made");
+        f.encoding = encoding;
+        Arc::new(f)
     }
 
     /// A fake of the node's own copy (kind `ssd`).
@@ -104,12 +119,26 @@ impl RowSource for Fake {
                 match fault {
                     Fault::Ok(d) | Fault::BadBytes(d) => {
                         tokio::time::sleep(d).await;
-                        for (r, o) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
-                            let o: &mut [u8; ROW_BYTES] = o.try_into().expect("row");
-                            synthetic_row(SEED, 1, *r, o);
+                        let e = self.encoding;
+                        if e == engram_protocol::encoding::RowEncoding::V41 {
+                            for (r, o) in rows.iter().zip(out.chunks_exact_mut(ROW_BYTES)) {
+                                let o: &mut [u8; ROW_BYTES] = o.try_into().expect("row");
+                                synthetic_row(SEED, 1, *r, o);
+                            }
+                        } else {
+                            for (r, o) in rows.iter().zip(out.chunks_exact_mut(e.row_bytes())) {
+                                synthetic_encoded_row(e, SEED, 1, *r, o);
+                            }
                         }
                         if matches!(fault, Fault::BadBytes(_)) {
-                            out[5] = 0x7F; // an E4M3 NaN: corrupt
+                            // An E4M3 NaN where the encoding has E4M3 codes:
+                            // a value (V4.1, FP8) or a block scale (NVFP4).
+                            let at = if e == engram_protocol::encoding::RowEncoding::V41 {
+                                5
+                            } else {
+                                e.row_bytes() - 1
+                            };
+                            out[at] = 0x7F;
                         }
                         Ok(())
                     }
@@ -150,6 +179,7 @@ pub fn us(n: u64) -> Duration {
 pub fn settings(hedge: Hedge, policy: Policy) -> RouteSettings {
     RouteSettings {
         table: TABLE,
+        encoding: engram_protocol::encoding::RowEncoding::V41,
         window: us(250),
         grace: us(50),
         hard_timeout: us(2_000),

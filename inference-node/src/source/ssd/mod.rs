@@ -31,8 +31,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cluster_config::{SsdIo, SsdIoprio};
+use engram_protocol::TableDigest;
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::etab::TableLayout;
-use engram_protocol::{ROW_BYTES, TableDigest};
 use engram_store::resident::ExpectedTable;
 use engram_store::table_file::{TableFile, TableFileError};
 use engram_sync::Mutex;
@@ -134,6 +135,7 @@ pub struct SsdReader {
     path: PathBuf,
     file: Arc<File>,
     layout: TableLayout,
+    encoding: RowEncoding,
     digest: TableDigest,
     sums: Option<Arc<[u64]>>,
     direct: bool,
@@ -177,7 +179,7 @@ impl SsdReader {
         opts: SsdOptions,
         new_ring: RingFactory,
     ) -> Result<Self, SsdError> {
-        let table = TableFile::open(path)?;
+        let table = TableFile::open_any(path)?;
         if let Some(pin) = pin
             && let Some(what) = pin.mismatch(&table.meta)
         {
@@ -217,6 +219,7 @@ impl SsdReader {
             path: path.to_path_buf(),
             file,
             layout: table.layout,
+            encoding: table.meta.encoding,
             digest: table.meta.digest,
             sums,
             direct,
@@ -251,6 +254,7 @@ impl SsdReader {
             path: self.path.clone(),
             file: self.file.clone(),
             layout: self.layout,
+            encoding: self.encoding,
             digest: self.digest,
             sums: self.sums.clone(),
             direct: self.direct,
@@ -310,6 +314,11 @@ impl SsdReader {
         self.layout.rows
     }
 
+    /// How the copy's rows are encoded.
+    pub fn encoding(&self) -> RowEncoding {
+        self.encoding
+    }
+
     /// Pages that did not match their checksum so far.
     pub fn checksum_failures(&self) -> u64 {
         self.checksum_failures
@@ -324,14 +333,16 @@ impl SsdReader {
         }
     }
 
-    /// Read `rows` into `out` (`rows.len() * 264` bytes), in order.
+    /// Read `rows` into `out` (`rows.len()` times the copy's row size), in
+    /// order.
     pub fn read(&mut self, rows: &[u64], out: &mut [u8]) -> Result<(), SourceError> {
-        if out.len() != rows.len() * ROW_BYTES {
+        let len = self.encoding.row_bytes();
+        if out.len() != rows.len() * len {
             return Err(SourceError::BadRequest("output buffer size".into()));
         }
         for (chunk, out) in rows
             .chunks(MAX_IN_FLIGHT)
-            .zip(out.chunks_mut(MAX_IN_FLIGHT * ROW_BYTES))
+            .zip(out.chunks_mut(MAX_IN_FLIGHT * len))
         {
             self.plan.clear();
             for &r in chunk {
@@ -347,6 +358,7 @@ impl SsdReader {
                     offset,
                     page,
                     in_page,
+                    len,
                     sum,
                 });
             }

@@ -3,7 +3,6 @@
 
 use std::alloc::Layout;
 
-use engram_protocol::ROW_BYTES;
 use engram_protocol::etab::{PAGE_BYTES, page_checksum};
 
 /// One page, in bytes.
@@ -72,6 +71,8 @@ pub(crate) struct PageRead {
     pub page: u64,
     /// The row's offset inside the page.
     pub in_page: usize,
+    /// The row's size (the table's encoding's).
+    pub len: usize,
     /// The page's checksum from the file's `page_xxh3` tensor, if it has one.
     pub sum: Option<u64>,
 }
@@ -107,9 +108,9 @@ impl std::fmt::Display for PageError {
 
 impl PageRead {
     /// Check a read's result (`n` bytes landed in `page`) and copy the row
-    /// into `row` (264 bytes).
+    /// into `row` ([`Self::len`] bytes).
     pub(crate) fn take_row(&self, page: &[u8], n: usize, row: &mut [u8]) -> Result<(), PageError> {
-        if n < self.in_page + ROW_BYTES || n > page.len() {
+        if n < self.in_page + self.len || n > page.len() || row.len() != self.len {
             return Err(PageError::Io(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 format!("short read at {}: {n} bytes", self.offset),
@@ -126,7 +127,7 @@ impl PageRead {
                 });
             }
         }
-        row.copy_from_slice(&page[self.in_page..self.in_page + ROW_BYTES]);
+        row.copy_from_slice(&page[self.in_page..self.in_page + self.len]);
         Ok(())
     }
 }

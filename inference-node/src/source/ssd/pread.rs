@@ -13,13 +13,16 @@ use std::sync::Arc;
 use std::sync::mpsc;
 
 use cluster_config::SsdIoprio;
-use engram_protocol::ROW_BYTES;
 use engram_sync::Mutex;
 
 use super::ioprio;
 use super::pages::{PAGE, PageError, PageRead, Pages};
 
-type Answer = (u64, usize, Result<[u8; ROW_BYTES], PageError>);
+/// One row's bytes: inline for every encoding's rows up to 320 bytes (no
+/// allocation a read), on the heap beyond.
+type RowBuf = smallvec::SmallVec<[u8; 320]>;
+
+type Answer = (u64, usize, Result<RowBuf, PageError>);
 
 /// A pool of pread threads over one file.
 #[derive(Debug)]
@@ -110,7 +113,17 @@ impl PreadPool {
             }
             answered += 1;
             match res {
-                Ok(row) => out[i * ROW_BYTES..(i + 1) * ROW_BYTES].copy_from_slice(&row),
+                Ok(row) => {
+                    let len = row.len();
+                    match out.get_mut(i * len..(i + 1) * len) {
+                        Some(dst) => dst.copy_from_slice(&row),
+                        None => {
+                            first_err = first_err.or(Some(PageError::Io(std::io::Error::other(
+                                "output buffer size",
+                            ))))
+                        }
+                    }
+                }
                 Err(e) => first_err = first_err.or(Some(e)),
             }
         }
@@ -126,7 +139,7 @@ fn reader_thread(file: &File, jobs: &Mutex<mpsc::Receiver<Job>>, done: &mpsc::Se
         };
         let buf = page.page_mut(0);
         let res = read_page(file, buf, job.read.offset).and_then(|n| {
-            let mut row = [0u8; ROW_BYTES];
+            let mut row = RowBuf::from_elem(0, job.read.len);
             job.read.take_row(buf, n, &mut row).map(|()| row)
         });
         if done.send((job.generation, job.index, res)).is_err() {

@@ -15,7 +15,6 @@
 
 use std::os::fd::RawFd;
 
-use engram_protocol::ROW_BYTES;
 use io_uring::{IoUring, opcode, squeue, types};
 
 use super::pages::{PAGE, PageError, PageRead, Pages};
@@ -216,7 +215,8 @@ impl UringEngine {
             let taken = if res < 0 {
                 Err(PageError::Io(std::io::Error::from_raw_os_error(-res)))
             } else {
-                let row = &mut out[i * ROW_BYTES..(i + 1) * ROW_BYTES];
+                let len = plan[i].len;
+                let row = &mut out[i * len..(i + 1) * len];
                 plan[i].take_row(self.pages.page_mut(i), res as usize, row)
             };
             if let Err(e) = taken {

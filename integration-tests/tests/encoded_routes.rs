@@ -1,0 +1,223 @@
+//! A node routing tables of other encodings than V4.1's (docs/models.md):
+//! under `[model] family = "qwen4exp"` its routers read an FP8 table and an
+//! NVFP4 table from a donor over TCP (protocol version 2), from a
+//! host-local donor's shared memfd, from the node's SSD copy and from its
+//! local copy, every row as the generator made it; a copy whose rows are
+//! of another encoding than the config says is refused at start.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cluster_config::Config;
+use engram_protocol::TableDigest;
+use engram_protocol::encoding::RowEncoding;
+use engram_protocol::synthetic::{SplitMix64, synthetic_encoded_row};
+use engram_store::table_file::{TableFile, TableWriter};
+use inference_node::memory::{MemoryError, Routers};
+use inference_node::metrics::NodeMetrics;
+use rack_harness::rack_toml::{
+    DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry,
+};
+use rack_harness::{DonorProcess, free_port, gen_encoded_table, runtime as rt};
+
+const ROWS: u64 = 20_000;
+const FP8: RowEncoding = RowEncoding::Fp8PerTensor { values: 160 };
+const NVFP4: RowEncoding = RowEncoding::Nvfp4 { values: 160 };
+/// (table id = layer, encoding, seed).
+const TABLES: [(u32, RowEncoding, u64); 2] = [(1, FP8, 7), (2, NVFP4, 8)];
+
+/// The rows `ids` of table `(layer, encoding, seed)` as generated.
+fn expected(layer: u32, encoding: RowEncoding, seed: u64, ids: &[u64]) -> Vec<u8> {
+    let size = encoding.row_bytes();
+    let mut out = vec![0u8; ids.len() * size];
+    for (&r, row) in ids.iter().zip(out.chunks_exact_mut(size)) {
+        assert!(synthetic_encoded_row(encoding, seed, layer, r, row));
+    }
+    out
+}
+
+/// Both tables; donor `d` on loopback TCP, donor `h` on TCP and a host
+/// socket; one node per source, each routing both tables to it alone.
+fn rack(dir: &Path) -> (Config, Vec<(u32, TableDigest)>) {
+    let mut toml = RackToml::new("q");
+    let mut digests = Vec::new();
+    for (id, encoding, seed) in TABLES {
+        let name = format!("t{id}.etab");
+        let (path, digest) = gen_encoded_table(dir, &name, id, encoding, ROWS, seed).expect("gen");
+        digests.push((id, digest));
+        toml.table.push(TableEntry {
+            encoding: Some(encoding.name()),
+            ..TableEntry::new(id, path, ROWS, digest)
+        });
+    }
+    let port = || format!("127.0.0.1:{}", free_port().expect("port"));
+    let socket = format!("unix://{}", dir.join("h.sock").display());
+    toml.donor = vec![
+        DonorEntry::new("d", [port()], [1, 2]),
+        DonorEntry::new("h", [port(), socket], [1, 2]),
+    ];
+    toml.node = ["d", "h", "ssd", "local"]
+        .into_iter()
+        .map(|src| NodeEntry {
+            tokens_per_second: Some(1.0),
+            probe_interval_ms: Some(100),
+            lookup_timeout_ms: Some(2000),
+            ..NodeEntry::new(
+                format!("via-{src}"),
+                vec![
+                    RouteEntry::new(1, [src]).hedge("off"),
+                    RouteEntry::new(2, [src]).hedge("off"),
+                ],
+            )
+        })
+        .collect();
+    toml.model = Some(ModelSection {
+        family: Some("qwen4exp".into()),
+        eos_token: Some(248_044),
+        ..ModelSection::default()
+    });
+    let path = dir.join("rack.toml");
+    toml.write(&path).expect("config");
+    (Config::load(&path).expect("valid config"), digests)
+}
+
+#[test]
+fn a_qwen4exp_node_reads_fp8_and_nvfp4_rows_from_every_source() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, _) = rack(dir.path());
+    let path = config.path.display().to_string();
+    let _d = DonorProcess::start(&["--config", &path, "--name", "d"]).expect("donor d");
+    let h = DonorProcess::start(&["--config", &path, "--name", "h"]).expect("donor h");
+    rt().block_on(async {
+        for source in ["d", "h", "ssd", "local"] {
+            let metrics = Arc::new(NodeMetrics::new());
+            let node = format!("via-{source}");
+            let mem = Routers::from_config(&config, &node, &metrics)
+                .await
+                .unwrap_or_else(|e| panic!("{node}: {e}"));
+            for (id, encoding, seed) in TABLES {
+                let router = mem.router(id).expect("router");
+                assert_eq!(router.settings().encoding, encoding);
+                for (i, n) in [1usize, 16, 48, 500].into_iter().enumerate() {
+                    let mut g = SplitMix64::new(u64::from(id) * 100 + i as u64);
+                    let rows: Vec<u64> = (0..n).map(|_| g.below(ROWS)).collect();
+                    let mut out = vec![0u8; n * encoding.row_bytes()];
+                    // A host-local donor's mapping may come after the first lookups.
+                    let t0 = Instant::now();
+                    let f = loop {
+                        match router.fetch(&rows, &mut out).await {
+                            Ok(f) => break f,
+                            Err(e) if t0.elapsed() > Duration::from_secs(10) => {
+                                panic!("{node}, table {id}, {n} rows: {e}")
+                            }
+                            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                        }
+                    };
+                    assert_eq!(f.source.as_deref(), Some(source), "{node} table {id}");
+                    assert!(
+                        out == expected(id, encoding, seed, &rows),
+                        "{node}, table {id} ({}), {n} rows: not the generator's rows",
+                        encoding.name()
+                    );
+                }
+            }
+        }
+    });
+    // `inference-node canary` on the same node: 16 rows a token (Qwen4Exp's
+    // family) from both tables, every lookup answered by the donor.
+    rt().block_on(async {
+        let spec = inference_node::canary::CanarySpec {
+            tokens: Some(50),
+            tokens_per_second: Some(1000.0),
+            seed: 3,
+        };
+        let metrics = Arc::new(NodeMetrics::new());
+        let reports = inference_node::canary::run(
+            &config,
+            "via-d",
+            &spec,
+            metrics,
+            |_| (),
+            std::future::pending(),
+        )
+        .await
+        .expect("canary");
+        assert_eq!(reports.len(), 2);
+        for (table, r) in reports {
+            assert_eq!(r.lookups, 50, "table {table}");
+            assert_eq!(r.by_source.get("d"), Some(&50), "table {table}: {r:?}");
+            assert_eq!(r.failed + r.zeros, 0, "table {table}");
+        }
+    });
+    // The host-local donor handed its tables over: it answered no lookup.
+    let log = h.log();
+    assert!(
+        !log.contains("not shared"),
+        "the encoded tables are shared: {log}"
+    );
+}
+
+#[test]
+fn a_copy_of_another_encoding_than_the_config_says_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, _) = rack(dir.path());
+    // The same 160-byte rows, said to be BF16 (80 values): the same digest
+    // and rows, so only the encoding tells them apart.
+    let fp8 = config.table(1).expect("table 1").path.clone();
+    let src = TableFile::open_any(&fp8).expect("open");
+    let mut meta = src.meta.clone();
+    meta.encoding = RowEncoding::Bf16 { values: 80 };
+    meta.tensor_scale = None;
+    let other = dir.path().join("bf16.etab");
+    let mut w = TableWriter::create(&other, meta).expect("create");
+    let all: Vec<u64> = (0..ROWS).collect();
+    w.write_rows(&expected(1, FP8, 7, &all)).expect("write");
+    let written = w.finish().expect("finish");
+    assert_eq!(
+        written.digest, src.meta.digest,
+        "the digest covers the rows"
+    );
+    let text = std::fs::read_to_string(&config.path).expect("read");
+    let edited = text.replace(&fp8.display().to_string(), &other.display().to_string());
+    std::fs::write(&config.path, edited).expect("write");
+    let config = Config::load(&config.path).expect("valid config");
+    rt().block_on(async {
+        for node in ["via-ssd", "via-local"] {
+            let metrics = Arc::new(NodeMetrics::new());
+            let e = Routers::from_config(&config, node, &metrics)
+                .await
+                .expect_err("refused");
+            assert!(
+                matches!(e, MemoryError::Encoding { table: 1, .. }),
+                "{node}: {e}"
+            );
+            let msg = e.to_string();
+            assert!(
+                msg.contains("bf16x80") && msg.contains("fp8_per_tensorx160"),
+                "{msg}"
+            );
+        }
+    });
+}
+
+/// The token loop and the libraries run V4.1's model: a Qwen4Exp rack's
+/// node refuses to build them, naming the family, instead of hashing its
+/// tokens as V4.1's.
+#[test]
+fn the_v41_model_loop_refuses_a_qwen4exp_rack_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, _) = rack(dir.path());
+    let metrics = NodeMetrics::new();
+    let built = rt().block_on(inference_node::model::node::NodeModel::from_config(
+        &config, "via-ssd", None, &metrics,
+    ));
+    let Err(e) = built else {
+        panic!("a qwen4exp rack's node built V4.1's model loop");
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("family = \"qwen4exp\"") && msg.contains("inference-node canary"),
+        "{msg}"
+    );
+}
