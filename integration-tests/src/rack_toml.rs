@@ -139,6 +139,9 @@ pub struct TableEntry {
     /// Its rows' encoding, when not V4.1's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub encoding: Option<String>,
+    /// Its rows' table scale, for an encoding with one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor_scale: Option<f64>,
 }
 
 impl TableEntry {
@@ -152,6 +155,7 @@ impl TableEntry {
             rows,
             digest: digest.to_string(),
             encoding: None,
+            tensor_scale: None,
         }
     }
 }

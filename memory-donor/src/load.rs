@@ -186,17 +186,30 @@ fn check_encoding(t: &TableSpec) -> Result<(), ServeError> {
     let Some(want) = t.encoding else {
         return Ok(());
     };
-    match TableFile::read_meta(&t.path) {
-        Ok((meta, _)) if meta.encoding != want => Err(ServeError::Load(
+    let refuse = |what: String| {
+        Err(ServeError::Load(
             engram_store::resident::LoadError::Pinned {
                 path: t.path.display().to_string(),
-                what: format!(
-                    "its rows are {} but the config says encoding = \"{}\"",
-                    meta.encoding.name(),
-                    want.name()
-                ),
+                what,
             },
+        ))
+    };
+    match TableFile::read_meta(&t.path) {
+        Ok((meta, _)) if meta.encoding != want => refuse(format!(
+            "its rows are {} but the config says encoding = \"{}\"",
+            meta.encoding.name(),
+            want.name()
         )),
+        // The digest covers the rows, not the scale they are read with.
+        Ok((meta, _)) if t.tensor_scale.is_some() && meta.tensor_scale != t.tensor_scale => {
+            refuse(format!(
+                "its table scale is {} but the config says tensor_scale = {}",
+                meta.tensor_scale
+                    .map_or("none".into(), |b| f32::from_bits(b).to_string()),
+                t.tensor_scale
+                    .map_or("none".into(), |b| f32::from_bits(b).to_string())
+            ))
+        }
         _ => Ok(()),
     }
 }

@@ -131,6 +131,7 @@ mod tests {
                     rows: 10,
                 }),
                 encoding: None,
+                tensor_scale: None,
             })
             .collect();
         s

@@ -30,6 +30,9 @@ pub struct TableSpec {
     /// The rows' encoding the config declares, if it does: a file of
     /// another encoding is refused before it is read.
     pub encoding: Option<engram_protocol::encoding::RowEncoding>,
+    /// The table scale the config declares (an F32's bits), if it does: a
+    /// file with another is refused before it is read.
+    pub tensor_scale: Option<u32>,
 }
 
 impl std::str::FromStr for TableSpec {
@@ -47,6 +50,7 @@ impl std::str::FromStr for TableSpec {
                     path: path.into(),
                     pinned: None,
                     encoding: None,
+                    tensor_scale: None,
                 })
             }
             _ => Ok(Self {
@@ -54,6 +58,7 @@ impl std::str::FromStr for TableSpec {
                 path: s.into(),
                 pinned: None,
                 encoding: None,
+                tensor_scale: None,
             }),
         }
     }
@@ -283,6 +288,7 @@ impl ServeSpec {
                     rows: t.rows,
                 }),
                 encoding: Some(t.encoding),
+                tensor_scale: t.tensor_scale.map(f32::to_bits),
             })
             .collect();
         Ok(Self {
@@ -329,6 +335,7 @@ mod tests {
                 path: "/x/a.etab".into(),
                 pinned: None,
                 encoding: None,
+                tensor_scale: None,
             })
         );
         assert_eq!("a=b.etab".parse::<TableSpec>().map(|t| t.id), Ok(None));

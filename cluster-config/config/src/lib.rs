@@ -212,8 +212,13 @@ pub struct Table {
     pub digest: TableDigest,
     /// How its rows are encoded (`encoding`; default V4.1's
     /// `e4m3_ue8m0_32x256`): a donor refuses a file of another encoding,
-    /// and only V4.1's tables may be routed by nodes yet (docs/models.md).
+    /// and a node routes only its `[model] family`'s (docs/models.md).
     pub encoding: engram_protocol::encoding::RowEncoding,
+    /// The table scale its rows are read with (`tensor_scale`; only for an
+    /// encoding with one, such as FP8's): a donor refuses a file with
+    /// another, and a Qwen4Exp node dequantizes with it. The digest covers
+    /// the rows, not this.
+    pub tensor_scale: Option<f32>,
 }
 
 /// How a donor's shared tables lie in memory (`host_layout`).

@@ -46,6 +46,7 @@ pub(crate) struct RawTable {
     pub rows: Spanned<i64>,
     pub digest: Spanned<String>,
     pub encoding: Option<Spanned<String>>,
+    pub tensor_scale: Option<Spanned<f64>>,
 }
 
 #[derive(Debug, Deserialize)]

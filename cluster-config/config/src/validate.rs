@@ -234,6 +234,27 @@ fn tables(cx: &mut Ctx<'_>, raw: &[Spanned<RawTable>], base: &Path) -> Vec<Table
                 RowEncoding::V41
             }),
         };
+        let tensor_scale = t.tensor_scale.as_ref().and_then(|s| {
+            let v = *s.get_ref();
+            if !encoding.has_tensor_scale() {
+                cx.at(
+                    s.span(),
+                    k("tensor_scale"),
+                    format!("{} rows have no table scale", encoding.name()),
+                );
+                return None;
+            }
+            let f = v as f32;
+            if !(f.is_finite() && f > 0.0) {
+                cx.at(
+                    s.span(),
+                    k("tensor_scale"),
+                    format!("{v} is not a table scale (a positive finite f32)"),
+                );
+                return None;
+            }
+            Some(f)
+        });
         // A table with a valid, new id is kept even when other fields are bad
         // (the config is refused anyway), so references to it raise no echoes.
         match id {
@@ -249,6 +270,7 @@ fn tables(cx: &mut Ctx<'_>, raw: &[Spanned<RawTable>], base: &Path) -> Vec<Table
                 rows: rows.unwrap_or(1) as u64,
                 digest: digest.unwrap_or(TableDigest([0; 32])),
                 encoding,
+                tensor_scale,
             }),
             None => {}
         }

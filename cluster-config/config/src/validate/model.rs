@@ -53,7 +53,8 @@ pub(super) fn model(cx: &mut Ctx<'_>, raw: &Spanned<RawModel>, base: &Path) -> M
 
 /// `family` (default `deepseek_v41`) and `eos_token`: required under
 /// `qwen4exp` (its n-gram window restarts there), refused under V4.1,
-/// whose hashing keys are refused under `qwen4exp` in turn.
+/// whose hashing keys are refused under `qwen4exp` in turn (but
+/// `hash_base`, there Qwen4Exp's `ngram_vocab_size_base`).
 fn family(cx: &mut Ctx<'_>, m: &RawModel) -> (Family, Option<u32>) {
     let family = match &m.family {
         None => Family::default(),
@@ -91,7 +92,6 @@ fn family(cx: &mut Ctx<'_>, m: &RawModel) -> (Family, Option<u32>) {
         Family::Qwen4Exp => {
             let v41_only = [
                 ("hash_preset", m.hash_preset.as_ref().map(|v| v.span())),
-                ("hash_base", m.hash_base.as_ref().map(|v| v.span())),
                 ("token_map", m.token_map.as_ref().map(|v| v.span())),
                 ("tokenizer", m.tokenizer.as_ref().map(|v| v.span())),
                 (

@@ -672,6 +672,24 @@ fn a_qwen4exp_family_routes_its_own_tables_and_needs_an_eos_token() {
         .expect("eos")
         + 1;
     expect_in(&v41_eos, line, "model.eos_token", "qwen4exp");
+    // A table scale for an encoding with one; refused for one without,
+    // or when it is no scale.
+    let scaled = drop1.replacen(
+        "encoding = \"fp8_per_tensorx160\"\n",
+        "encoding = \"fp8_per_tensorx160\"\ntensor_scale = 0.0123\n",
+        1,
+    );
+    let c = parse(&scaled).expect("a table scale");
+    assert_eq!(c.table(14).and_then(|t| t.tensor_scale), Some(0.0123));
+    let line = scaled
+        .lines()
+        .position(|l| l.starts_with("tensor_scale"))
+        .expect("scale")
+        + 1;
+    let zero = scaled.replacen("tensor_scale = 0.0123", "tensor_scale = 0.0", 1);
+    expect_in(&zero, line, "table[1].tensor_scale", "not a table scale");
+    let bf16 = scaled.replacen("fp8_per_tensorx160", "bf16x160", 1);
+    expect_in(&bf16, line, "table[1].tensor_scale", "no table scale");
     let odd = good() + "\n[model]\nfamily = \"llama\"\n";
     let line = odd
         .lines()
