@@ -233,7 +233,10 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
             shared: &shared,
             tokenizer: &tokenizer,
             metrics: &cx.metrics,
-            series: cx.metrics.model.series(nm.slots().map(|s| s.table)),
+            series: cx
+                .metrics
+                .model
+                .series(&nm.slots().map(|s| (s.table, engram_protocol::ROW_BYTES))),
             slots: nm.slots(),
             spec: spec.clone(),
             active: BTreeMap::new(),
@@ -429,7 +432,7 @@ impl BatchDriver for Batcher<'_> {
                 tag,
                 Active {
                     events: w.events,
-                    summary: Summary::new(&request, self.slots, w_step),
+                    summary: Summary::new(&request, &self.slots, w_step),
                     prefill_left: w.prefill as usize,
                     speculate: w.speculate > 0,
                     steps: 0,

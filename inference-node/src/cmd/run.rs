@@ -9,10 +9,14 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
+use cluster_config::model::Family;
 use inference_node::metrics::{ModelSeries, NodeMetrics};
+use inference_node::model::ngram::node::NgramNode;
 use inference_node::model::node::{Backbone, InputChoice, NodeModel};
 use inference_node::model::summary::Seconds;
-use inference_node::model::{Draft, LoopSpec, MAX_BATCH, MAX_DRAFT_TIME, MAX_SPECULATE, Tokens};
+use inference_node::model::{
+    Draft, LoopSpec, MAX_BATCH, MAX_DRAFT_TIME, MAX_SPECULATE, StepRecord,
+};
 
 /// Arguments of `run`.
 #[derive(clap::Args, Debug)]
@@ -115,9 +119,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )),
         None => None,
     };
-    let nm = NodeModel::from_config(&config, &args.name, args.tokens_per_second, &metrics)
-        .await
-        .with_context(|| format!("node {:?} cannot start", args.name))?;
     let input = match (&args.input, &args.ids) {
         (Some(p), _) => InputChoice::Text(p.clone()),
         (None, Some(p)) => InputChoice::Ids(p.clone()),
@@ -127,9 +128,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .tokens
         .map_or(0, |t| t.div_ceil(args.batch as u64) as usize);
     let min_len = (per_seq + args.prefill).saturating_mul(args.batch);
-    let tokens = nm.tokens(&input, min_len)?;
-    let spec = LoopSpec {
-        tokens_per_second: nm.tokens_per_second(),
+    let mut spec = LoopSpec {
         max_tokens: args.tokens,
         batch: args.batch,
         prefill: args.prefill,
@@ -138,15 +137,69 @@ pub async fn run(args: RunArgs) -> Result<()> {
         warm_lead: std::time::Duration::from_micros(args.warm_us),
         ..LoopSpec::default()
     };
-    announce(&args, &tokens, &spec, &nm);
     let cpu_before = daemon_runtime::metrics::process_cpu_seconds();
-    let series = metrics.model.series(nm.slots().map(|s| s.table));
-    let rx = start_loop(&args, nm, tokens, spec, (trace, series))?;
-    let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
+    let (res, flushed) = if config.family() == Family::Qwen4Exp {
+        let nn = NgramNode::from_config(&config, &args.name, args.tokens_per_second, &metrics)
+            .await
+            .with_context(|| format!("node {:?} cannot start", args.name))?;
+        if args.backbone != Backbone::Cpu {
+            bail!("--backbone gpu runs DeepSeek V4.1's loop only (docs/models.md)");
+        }
+        let raw = nn.tokens(&input, min_len)?;
+        spec.tokens_per_second = nn.tokens_per_second();
+        let origin = match &input {
+            InputChoice::Ids(p) => p.display().to_string(),
+            _ => "the built-in text's ids".into(),
+        };
+        announce(&args, raw.len(), &origin, &spec, "cpu (Qwen4Exp PLE)");
+        let slot = nn.slot();
+        let row_bytes = nn.memory().router(slot.table).map_or(0, |r| r.row_bytes());
+        let series = metrics.model.series(&[(slot.table, row_bytes)]);
+        let rx = start_loop(
+            &args,
+            nn,
+            (trace, series),
+            Box::new(move |nn: &mut NgramNode, stop, on_step| {
+                nn.run(
+                    tokio::runtime::Handle::current(),
+                    &raw,
+                    &spec,
+                    stop,
+                    on_step,
+                )
+            }),
+        )?;
+        let (res, flushed, nn) = rx.await.context("the loop thread ended without a result")?;
+        drop(nn);
+        (res, flushed)
+    } else {
+        let nm = NodeModel::from_config(&config, &args.name, args.tokens_per_second, &metrics)
+            .await
+            .with_context(|| format!("node {:?} cannot start", args.name))?;
+        let tokens = nm.tokens(&input, min_len)?;
+        spec.tokens_per_second = nm.tokens_per_second();
+        let origin = tokens.origin.clone();
+        announce(&args, tokens.raw.len(), &origin, &spec, nm.fusion_name());
+        let series = metrics
+            .model
+            .series(&nm.slots().map(|s| (s.table, engram_protocol::ROW_BYTES)));
+        let backbone = args.backbone;
+        let rx = start_loop(
+            &args,
+            nm,
+            (trace, series),
+            Box::new(move |nm: &mut NodeModel, stop, on_step| {
+                let handle = tokio::runtime::Handle::current();
+                nm.run(handle, &tokens, &spec, backbone, stop, on_step)
+            }),
+        )?;
+        let (res, flushed, nm) = rx.await.context("the loop thread ended without a result")?;
+        drop(nm);
+        (res, flushed)
+    };
     flushed.context("writing the trace")?;
     let mut summary = res?;
     summary.cpu_s = daemon_runtime::metrics::process_cpu_seconds() - cpu_before;
-    drop(nm);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -186,14 +239,14 @@ fn checked_draft(args: &RunArgs) -> Result<Option<Draft>> {
 }
 
 /// What the run is about to do, on stderr.
-fn announce(args: &RunArgs, tokens: &Tokens, spec: &LoopSpec, nm: &NodeModel) {
+fn announce(args: &RunArgs, tokens: usize, origin: &str, spec: &LoopSpec, fusion: &str) {
     let draft = spec.draft;
     eprintln!(
         "running {} tokens from {} at {} tokens/s (fusion: {}, batch {}, prefill {}, speculate {}{})",
-        args.tokens.map_or(tokens.raw.len() as u64, |t| t),
-        tokens.origin,
+        args.tokens.map_or(tokens as u64, |t| t),
+        origin,
         spec.tokens_per_second,
-        nm.fusion_name(),
+        fusion,
         spec.batch,
         spec.prefill,
         spec.speculate,
@@ -211,33 +264,42 @@ fn announce(args: &RunArgs, tokens: &Tokens, spec: &LoopSpec, nm: &NodeModel) {
 
 /// What the loop thread hands back: the summary, the trace's flush, and
 /// the node (dropped on the caller's runtime).
-type LoopEnd = (
+type LoopEnd<N> = (
     Result<inference_node::model::Summary, inference_node::model::LoopError>,
     std::io::Result<()>,
-    NodeModel,
+    N,
 );
 
-/// Run the model loop on a thread of its own (the I/O stays on this
-/// runtime), with the trace, progress and per-second lines.
-fn start_loop(
+/// The loop of a node, run on its thread: the node, the stop flag and
+/// the per-step callback in, the summary out.
+type LoopFn<N> = dyn FnOnce(
+        &mut N,
+        &AtomicBool,
+        &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
+    ) -> Result<inference_node::model::Summary, inference_node::model::LoopError>
+    + Send;
+
+/// Run a node's model loop (`run_loop`) on a thread of its own (the I/O
+/// stays on this runtime, whose handle the thread enters), with the
+/// trace, progress and per-second lines.
+fn start_loop<N: Send + 'static>(
     args: &RunArgs,
-    mut nm: NodeModel,
-    tokens: Tokens,
-    spec: LoopSpec,
+    mut node: N,
     (mut trace, mut series): (Option<std::io::BufWriter<std::fs::File>>, ModelSeries),
-) -> Result<tokio::sync::oneshot::Receiver<LoopEnd>> {
+    run_loop: Box<LoopFn<N>>,
+) -> Result<tokio::sync::oneshot::Receiver<LoopEnd<N>>> {
     let stop = Arc::new(AtomicBool::new(false));
     super::stop_on_signals(stop.clone());
     let handle = tokio::runtime::Handle::current();
     let quiet = args.quiet;
-    let backbone = args.backbone;
     let progress = args.progress_every.map(std::num::NonZeroU64::get);
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("model-loop".into())
         .spawn(move || {
+            let _entered = handle.enter();
             let mut seconds = Seconds::default();
-            let mut on_step = |r: &inference_node::model::StepRecord| -> std::io::Result<()> {
+            let mut on_step = |r: &StepRecord| -> std::io::Result<()> {
                 r.count_in(&mut series);
                 if let Some(t) = trace.as_mut() {
                     serde_json::to_writer(&mut *t, r)?;
@@ -260,13 +322,13 @@ fn start_loop(
                 }
                 Ok(())
             };
-            let res = nm.run(handle, &tokens, &spec, backbone, &stop, &mut on_step);
+            let res = run_loop(&mut node, &stop, &mut on_step);
             if let (Some(last), false) = (seconds.finish(), quiet) {
                 eprintln!("{}", last.line());
             }
             let flushed = trace.as_mut().map_or(Ok(()), Write::flush);
             // The receiver only goes away when the process is ending.
-            let _ = tx.send((res, flushed, nm));
+            let _ = tx.send((res, flushed, node));
         })
         .context("starting the loop thread")?;
     Ok(rx)

@@ -456,7 +456,7 @@ impl EmbeddedNode {
         let open = self.open_state()?;
         crate::model::fetch::spawn_warm(
             &self.shared.handle,
-            open.routers.clone(),
+            open.routers.to_vec(),
             Arc::clone(&self.shared.counts),
             lead,
         );

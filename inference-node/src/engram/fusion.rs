@@ -61,6 +61,9 @@ pub enum FusionError {
     /// The GPU backend is not available or failed.
     #[error("gpu: {0}")]
     Gpu(String),
+    /// Qwen4Exp's PLE fusion refused its parameters or inputs.
+    #[error(transparent)]
+    Ple(#[from] crate::engram::ple::PleError),
 }
 
 /// A fusion backend.

@@ -89,21 +89,26 @@ impl ModelMetrics {
         );
     }
 
-    /// The handles of tables `tables`, for [`ModelSeries::record`].
-    pub fn series(&self, tables: [u32; 2]) -> ModelSeries {
+    /// The handles of tables `tables` (each with its row size in bytes:
+    /// 264 for V4.1's), for [`ModelSeries::record`].
+    pub fn series(&self, tables: &[(u32, usize)]) -> ModelSeries {
         let labels = |t: u32| TableLabels {
             table: t.to_string(),
         };
         ModelSeries {
             tokens: self.tokens.clone(),
             step_stall: self.step_stall_seconds.clone(),
-            tables: tables.map(|t| TableSeries {
-                table: t,
-                on_time: self.rows_on_time.get_or_create(&labels(t)).clone(),
-                late: self.rows_late.get_or_create(&labels(t)).clone(),
-                hidden: self.fetch_hidden_seconds.get_or_create(&labels(t)).clone(),
-                stalled: self.fetch_stalled_seconds.get_or_create(&labels(t)).clone(),
-            }),
+            tables: tables
+                .iter()
+                .map(|&(t, row_bytes)| TableSeries {
+                    table: t,
+                    row_bytes: row_bytes as u64,
+                    on_time: self.rows_on_time.get_or_create(&labels(t)).clone(),
+                    late: self.rows_late.get_or_create(&labels(t)).clone(),
+                    hidden: self.fetch_hidden_seconds.get_or_create(&labels(t)).clone(),
+                    stalled: self.fetch_stalled_seconds.get_or_create(&labels(t)).clone(),
+                })
+                .collect(),
             row_bytes: self.row_bytes.clone(),
             sources: Vec::new(),
         }
@@ -113,6 +118,7 @@ impl ModelMetrics {
 #[derive(Debug)]
 struct TableSeries {
     table: u32,
+    row_bytes: u64,
     on_time: Counter,
     late: Counter,
     hidden: Seconds,
@@ -124,7 +130,7 @@ struct TableSeries {
 pub struct ModelSeries {
     tokens: Counter,
     step_stall: Histogram,
-    tables: [TableSeries; 2],
+    tables: Vec<TableSeries>,
     row_bytes: Family<SourceOnly, Counter>,
     /// Each source's bytes counter, taken the first time it serves.
     sources: Vec<(String, Counter)>,
@@ -156,7 +162,7 @@ impl ModelSeries {
         t.hidden.inc_by((ready_us - stall_us).max(0.0) / 1e6);
         t.stalled.inc_by(stall_us.max(0.0) / 1e6);
         let Some(src) = source else { return };
-        let bytes = rows * engram_protocol::ROW_BYTES as u64;
+        let bytes = rows * t.row_bytes;
         match self.sources.iter().find(|(s, _)| s == src) {
             Some((_, c)) => {
                 c.inc_by(bytes);
@@ -183,7 +189,7 @@ mod tests {
     #[test]
     fn a_step_counts_tokens_bytes_hits_and_hidden_time() {
         let m = NodeMetrics::new();
-        let mut series = m.model.series([1, 14]);
+        let mut series = m.model.series(&[(1, 264), (14, 264)]);
         let table = |table: u32, source: &str, ready_us: f64, stall_us: f64| TableRecord {
             table,
             unique_rows: 24,

@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
 use std::time::{Duration, Instant};
 
-use engram_protocol::ROW_BYTES;
 use engram_sync::{Condvar, Mutex};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
@@ -82,17 +81,17 @@ pub(crate) struct FetchCounts {
 /// Fetches through one router per slot.
 pub struct RouterFetcher {
     handle: Handle,
-    routers: [Arc<Router>; 2],
+    routers: Vec<Arc<Router>>,
     origin: Instant,
     chunk_rows: usize,
     counts: Arc<FetchCounts>,
-    lanes: [Arc<Lane>; 2],
+    lanes: Vec<Arc<Lane>>,
     /// Whether each lane has a fetch the loop has not waited for (a second
     /// fetch of that table meanwhile, a draft prefetch's, runs as a task
     /// of its own).
-    busy: [bool; 2],
+    busy: Vec<bool>,
     /// Fetches given back ([`Fetcher::recycle`]), for the next job.
-    spare: [Option<Fetch>; 2],
+    spare: Vec<Option<Fetch>>,
     warmer: Warmer,
 }
 
@@ -106,19 +105,20 @@ impl std::fmt::Debug for RouterFetcher {
 }
 
 impl RouterFetcher {
-    /// Fetch through `routers` (layer 1's, layer 14's) on `handle`, timing on
+    /// Fetch through `routers` (one per slot: V4.1's layer 1's and layer
+    /// 14's, a Qwen4Exp node's one table's) on `handle`, timing on
     /// a clock whose zero is `origin`; a wide fetch is a sweep of chunks of
-    /// at most `chunk_rows` rows ([`fetch_rows`]). Starts both lanes' tasks
+    /// at most `chunk_rows` rows ([`fetch_rows`]). Starts every lane's task
     /// and the warm-up's; dropping the fetcher ends them.
     pub fn new(
         handle: Handle,
-        routers: [Arc<Router>; 2],
+        routers: Vec<Arc<Router>>,
         origin: Instant,
         chunk_rows: usize,
     ) -> Self {
         let chunk_rows = chunk_rows.max(1);
         let counts = Arc::new(FetchCounts::default());
-        let lanes = [Arc::new(Lane::default()), Arc::new(Lane::default())];
+        let lanes: Vec<Arc<Lane>> = routers.iter().map(|_| Arc::new(Lane::default())).collect();
         for (lane, router) in lanes.iter().zip(&routers) {
             lane.alive.store(true, Ordering::Release);
             handle.spawn(run_lane(
@@ -130,6 +130,7 @@ impl RouterFetcher {
             ));
         }
         let warmer = Warmer::new(&handle, routers.clone(), Arc::clone(&counts));
+        let n = routers.len();
         Self {
             handle,
             routers,
@@ -137,8 +138,8 @@ impl RouterFetcher {
             chunk_rows,
             counts,
             lanes,
-            busy: [false; 2],
-            spare: [None, None],
+            busy: vec![false; n],
+            spare: (0..n).map(|_| None).collect(),
             warmer,
         }
     }
@@ -250,7 +251,7 @@ pub fn stripe_rows(rows: usize, replicas: usize, cap: usize) -> usize {
 /// [`STRIPE_DEPTH`] lanes per replica, lane `j` asking the table's `j`-th
 /// admissible donor first (each chunk is a lookup of its own: checked,
 /// failed over and timed out alone). The rows come back in the order asked
-/// (`rows.len() * 264` bytes); `ready` is left for the caller to stamp on
+/// (`rows.len()` rows at the table's row size); `ready` is left for the caller to stamp on
 /// its own clock.
 pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
     let replicas = router.replicas().max(1);
@@ -261,9 +262,10 @@ pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
         return f;
     }
     let mut f = Fetch::default();
-    let mut bytes = vec![0; rows.len() * ROW_BYTES];
+    let row_bytes = router.row_bytes();
+    let mut bytes = vec![0; rows.len() * row_bytes];
     let results = {
-        let chunks = Mutex::new(rows.chunks(size).zip(bytes.chunks_mut(size * ROW_BYTES)));
+        let chunks = Mutex::new(rows.chunks(size).zip(bytes.chunks_mut(size * row_bytes)));
         let lane = |stripe: usize| {
             let chunks = &chunks;
             async move {
@@ -291,7 +293,7 @@ pub async fn fetch_rows(router: &Router, rows: &[u64], chunk: usize) -> Fetch {
 pub async fn fetch_message(router: &Router, rows: &[u64], f: &mut Fetch) {
     let res = router.fetch_vec(rows, &mut f.bytes).await;
     // A failed fetch (its error recorded) still has its size.
-    f.bytes.resize(rows.len() * ROW_BYTES, 0);
+    f.bytes.resize(rows.len() * router.row_bytes(), 0);
     merge(f, res);
 }
 
@@ -432,15 +434,18 @@ struct WarmState {
 pub(crate) struct Warmer {
     state: Arc<WarmState>,
     counts: Arc<FetchCounts>,
+    /// Fetches a step starts (one per router).
+    per_step: u64,
 }
 
 impl Warmer {
     /// The warm-up task for `routers` on `handle`, waiting on `counts`.
     pub(crate) fn new(
         handle: &Handle,
-        routers: [Arc<Router>; 2],
+        routers: Vec<Arc<Router>>,
         counts: Arc<FetchCounts>,
     ) -> Self {
+        let per_step = routers.len() as u64;
         let state = Arc::new(WarmState {
             go: Notify::new(),
             stop: AtomicBool::new(false),
@@ -460,13 +465,17 @@ impl Warmer {
                 warm_poll(&routers, &c, want, until).await;
             }
         });
-        Self { state, counts }
+        Self {
+            state,
+            counts,
+            per_step,
+        }
     }
 
     /// Warm the path to the next fetches, due in about `lead`.
     pub(crate) fn warm(&self, lead: Duration) {
         let s = &self.state;
-        let want = self.counts.started.load(Ordering::Acquire) + 2;
+        let want = self.counts.started.load(Ordering::Acquire) + self.per_step;
         let until = (Instant::now() + lead + WARM_HOLD).saturating_duration_since(s.base);
         s.want.store(want, Ordering::Release);
         s.until_ns.store(
@@ -489,7 +498,7 @@ impl Drop for Warmer {
 /// calls): as [`Warmer::warm`] does.
 pub(crate) fn spawn_warm(
     handle: &Handle,
-    routers: [Arc<Router>; 2],
+    routers: Vec<Arc<Router>>,
     counts: Arc<FetchCounts>,
     lead: Duration,
 ) {
@@ -504,7 +513,7 @@ pub(crate) fn spawn_warm(
 /// is in flight, or `until()` has passed. The node's loop does this before
 /// each step; the embedded memory's `warm` too.
 async fn warm_poll(
-    routers: &[Arc<Router>; 2],
+    routers: &[Arc<Router>],
     counts: &FetchCounts,
     want: impl Fn() -> u64,
     until: impl Fn() -> Instant,

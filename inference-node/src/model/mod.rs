@@ -26,6 +26,7 @@
 
 pub mod clock;
 mod config_json;
+pub mod ngram;
 pub(crate) use config_json::check as check_config_json;
 pub use summary::deployment;
 pub mod fetch;
@@ -62,6 +63,8 @@ pub struct TableSlot {
     pub layer: u32,
     /// Its window in blocks (seed 000: 1 for layer 1, 13 for layer 14).
     pub window_blocks: u32,
+    /// Bytes per row (264 for V4.1's; a Qwen4Exp table's encoding's).
+    pub row_bytes: usize,
 }
 
 /// The two V4.1 slots for tables `t1` (layer 1) and `t14` (layer 14).
@@ -71,6 +74,7 @@ pub fn v41_slots(t1: u32, t14: u32) -> [TableSlot; 2] {
         table,
         layer,
         window_blocks: cluster_config::window_blocks(layer, layers),
+        row_bytes: engram_protocol::ROW_BYTES,
     };
     [slot(t1, layers[0]), slot(t14, layers[1])]
 }
@@ -551,7 +555,7 @@ pub fn run<C: Clock, F: Fetcher>(
             limit: None,
         })?;
     }
-    let mut summary = Summary::new(spec, slots, lp.w);
+    let mut summary = Summary::new(spec, &slots, lp.w);
     // One record, written over by each step (its buffers reused).
     let mut rec = StepRecord::default();
     while !stop.load(Ordering::Relaxed) && lp.step(&mut rec)? {

@@ -299,7 +299,7 @@ impl NodeModel {
         let clock = RealClock::start();
         let mut fetcher = RouterFetcher::new(
             handle,
-            self.routers.clone(),
+            self.routers.to_vec(),
             clock.origin(),
             self.chunk_rows,
         );
@@ -335,7 +335,8 @@ impl NodeModel {
         stop: &AtomicBool,
         on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
     ) -> Result<Summary, LoopError> {
-        let mut fetcher = RouterFetcher::new(handle, self.routers.clone(), origin, self.chunk_rows);
+        let mut fetcher =
+            RouterFetcher::new(handle, self.routers.to_vec(), origin, self.chunk_rows);
         super::run(
             clock,
             &mut fetcher,
@@ -516,8 +517,8 @@ pub(crate) fn token_map(model: &Model) -> Result<LoadedMap, SetupError> {
 
 /// Refuse to start when a table has no source it could use now.
 pub(crate) fn usable_at_start(
-    routers: &[Arc<Router>; 2],
-    slots: &[TableSlot; 2],
+    routers: &[Arc<Router>],
+    slots: &[TableSlot],
 ) -> Result<(), SetupError> {
     for (r, s) in routers.iter().zip(slots) {
         let sources = r.sources();

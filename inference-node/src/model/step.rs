@@ -639,7 +639,7 @@ fn rows_of(out: &mut Vec<u64>, work: &[Work], l: usize, group: Option<u32>) {
 /// `t0` and the `stall`), the sources that answered and how, taken from
 /// the fetch `f` (its error moved out). The source's name is written over
 /// the last step's, whose memory is kept.
-fn fill_record(
+pub(super) fn fill_record(
     rec: &mut TableRecord,
     slot: TableSlot,
     (w, t0, stall): (Duration, Duration, Duration),

@@ -15,6 +15,10 @@ pub mod deployment;
 use super::{BLOCKS, LoopSpec, StepKind, StepRecord, TableSlot};
 use deployment::{Deployment, deployment};
 
+fn v41_row_bytes() -> usize {
+    engram_protocol::ROW_BYTES
+}
+
 /// One table over the run.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TableSummary {
@@ -24,6 +28,9 @@ pub struct TableSummary {
     pub layer: u32,
     /// Its window in blocks.
     pub window_blocks: u32,
+    /// Bytes per row (264 for V4.1's).
+    #[serde(default = "v41_row_bytes")]
+    pub row_bytes: usize,
     /// Steps served, by source (`a+b` for a wide fetch that used several).
     pub by_source: BTreeMap<String, u64>,
     /// Steps whose fetch failed.
@@ -169,7 +176,7 @@ pub struct Summary {
 
 impl Summary {
     /// An empty summary.
-    pub fn new(spec: &LoopSpec, slots: [TableSlot; 2], w: Duration) -> Self {
+    pub fn new(spec: &LoopSpec, slots: &[TableSlot], w: Duration) -> Self {
         Self {
             target_tokens_per_second: spec.tokens_per_second,
             positions_per_step: spec.batch * (spec.speculate + 1),
@@ -200,6 +207,7 @@ impl Summary {
                     table: s.table,
                     layer: s.layer,
                     window_blocks: s.window_blocks,
+                    row_bytes: s.row_bytes,
                     ..TableSummary::default()
                 })
                 .collect(),

@@ -319,6 +319,11 @@ impl Router {
         self.state.read().clone()
     }
 
+    /// Bytes per row of its table (its encoding's: 264 for V4.1's).
+    pub fn row_bytes(&self) -> usize {
+        self.state.read().settings.encoding.row_bytes()
+    }
+
     /// Its settings now.
     pub fn settings(&self) -> RouteSettings {
         self.state().settings.clone()

@@ -26,9 +26,9 @@ pub struct Deployment {
 
 /// The deployment figures of `tables` over `tokens` decoded tokens.
 pub(crate) fn deployment(tables: &[TableSummary], tokens: u64, stall_ms: f64) -> Deployment {
-    let row = engram_protocol::ROW_BYTES as f64;
     let mut bytes_per_token = BTreeMap::new();
     for t in tables {
+        let row = t.row_bytes as f64;
         for (src, rows) in &t.rows_by_source {
             *bytes_per_token.entry(src.clone()).or_insert(0.0) += *rows as f64 * row;
         }
@@ -79,6 +79,7 @@ mod tests {
             rows_on_time: on_time,
             fetch_us,
             hidden_us,
+            row_bytes: 264,
             ..TableSummary::default()
         };
         let d = deployment(
@@ -91,6 +92,15 @@ mod tests {
         );
         assert_eq!(d.bytes_per_token["a"], 24.0 * 264.0);
         assert_eq!(d.bytes_per_token["ssd"], 24.0 * 264.0);
+        // A table of other rows counts its own size (Qwen4Exp's FP8: 160).
+        let fp8 = TableSummary {
+            row_bytes: 160,
+            ..t("b", 160, 160, 1.0, 1.0)
+        };
+        assert_eq!(
+            deployment(&[fp8], 10, 0.0).bytes_per_token["b"],
+            16.0 * 160.0
+        );
         assert_eq!(d.prefetch_hit_rate, 0.75);
         assert_eq!(d.overlap, 0.5);
         assert_eq!(d.stall_ms, 1.5);

@@ -1,0 +1,237 @@
+//! A Qwen4Exp node's loop built from the cluster config: its one PLE
+//! table's route, the `[model]` table (`family = "qwen4exp"`, its
+//! `eos_token`, `hash_base` for Qwen4Exp's `ngram_vocab_size_base`, the
+//! PLE shape in `hidden` and `streams`, `weights_seed`), the rows fetched
+//! through the node's routers.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use cluster_config::Config;
+use cluster_config::model::{Family, WeightsSource};
+use engram_protocol::hashing::Preset;
+use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
+use engram_store::table_file::TableFile;
+
+use super::NgramModel;
+use crate::memory::Routers;
+use crate::metrics::NodeMetrics;
+use crate::model::clock::RealClock;
+use crate::model::fetch::RouterFetcher;
+use crate::model::input;
+use crate::model::node::{InputChoice, SetupError, chunk_rows, usable_at_start};
+use crate::model::{LoopError, LoopSpec, StepRecord, Summary, TableSlot};
+use crate::router::Router;
+
+/// A Qwen4Exp node's model loop, ready to run.
+#[derive(Debug)]
+pub struct NgramNode {
+    memory: Routers,
+    router: Arc<Router>,
+    model: NgramModel,
+    chunk_rows: usize,
+    tokens_per_second: f64,
+}
+
+impl NgramNode {
+    /// Build node `name` of `config` at `tokens_per_second` (default: the
+    /// node's own): check `[model]` and the table against each other,
+    /// build the memory, and refuse to start when the table has no usable
+    /// source. Must run inside a tokio runtime.
+    pub async fn from_config(
+        config: &Config,
+        name: &str,
+        tokens_per_second: Option<f64>,
+        metrics: &NodeMetrics,
+    ) -> Result<Self, SetupError> {
+        let cfg = |s: String| SetupError::Config(s);
+        let at = config.path.display();
+        let model = match &config.model {
+            Some(m) if m.family == Family::Qwen4Exp => m.clone(),
+            _ => {
+                return Err(cfg(format!(
+                    "{at}: the Qwen4Exp loop needs [model] family = \"qwen4exp\""
+                )));
+            }
+        };
+        let node = config
+            .node(name)
+            .ok_or_else(|| cfg(format!("node {name:?} is not in {at}")))?;
+        let rate = tokens_per_second.unwrap_or(node.tokens_per_second);
+        if !(rate.is_finite() && rate > 0.0 && rate <= 100_000.0) {
+            return Err(cfg(format!(
+                "{rate} tokens/s is not a rate (0 < rate <= 100000)"
+            )));
+        }
+        let [route] = node.routes.as_slice() else {
+            return Err(cfg(format!(
+                "{at}: node {name:?} routes {} tables; a Qwen4Exp node reads one, its PLE layer's",
+                node.routes.len()
+            )));
+        };
+        let table = config
+            .table(route.table)
+            .ok_or_else(|| cfg(format!("table {} is not in {at}", route.table)))?;
+        let eos = model
+            .eos_token
+            .ok_or_else(|| cfg(format!("{at}: [model] needs eos_token")))?;
+        let base = match model.hashing {
+            Preset::Base(b) => b,
+            _ => QWEN38_BASE,
+        };
+        let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
+            base,
+            ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
+        })
+        .map_err(|e| cfg(format!("{at}: [model]: {e}")))?;
+        if table.rows != hashing.padded_rows {
+            return Err(cfg(format!(
+                "table {} has {} rows but Qwen4Exp's hashing (ngram_vocab_size_base {base}) addresses {}: \
+                 generate it with `memory-donor gen --rows {} --encoding {}` or set [model] hash_base to the table's",
+                table.id,
+                table.rows,
+                hashing.padded_rows,
+                hashing.padded_rows,
+                table.encoding.name()
+            )));
+        }
+        let scale = table_scale(table, route.ssd_path.as_path())?;
+        let seed = match &model.weights {
+            Some(WeightsSource::Seed(s)) => *s,
+            Some(WeightsSource::Checkpoint(p)) => {
+                return Err(cfg(format!(
+                    "{at}: [model] weights = {:?}: a Qwen4Exp checkpoint's PLE weights are not read yet; \
+                     give weights_seed = N for seeded ones (docs/models.md)",
+                    p.display()
+                )));
+            }
+            None => {
+                return Err(cfg(format!(
+                    "{at}: the loop fuses, so [model] needs weights_seed = N"
+                )));
+            }
+        };
+        let slot = TableSlot {
+            table: table.id,
+            layer: table.layer,
+            window_blocks: cluster_config::window_blocks(table.layer, [table.layer]),
+            row_bytes: table.encoding.row_bytes(),
+        };
+        let shape = (model.hidden as usize, model.streams as usize);
+        let ngram = NgramModel::synthetic(hashing, table.encoding, scale, slot, shape, seed)
+            .map_err(|e| SetupError::Fusion(e.to_string()))?;
+        let memory = Routers::from_config(config, name, metrics).await?;
+        let router = memory
+            .router(table.id)
+            .cloned()
+            .ok_or_else(|| cfg(format!("table {} has no router", table.id)))?;
+        usable_at_start(std::slice::from_ref(&router), &[slot])?;
+        Ok(Self {
+            memory,
+            router,
+            model: ngram,
+            chunk_rows: chunk_rows(config),
+            tokens_per_second: rate,
+        })
+    }
+
+    /// The run's raw ids, repeated until there are at least `min_len`:
+    /// the built-in text's (a word tokenizer's ids) or an ids file's; text
+    /// needs the model's tokenizer, which the node does not read yet.
+    pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Vec<u32>, SetupError> {
+        let mut raw = match input {
+            InputChoice::Builtin => input::builtin()?.raw,
+            InputChoice::Ids(p) => input::read_ids(p)?,
+            InputChoice::InlineIds(ids) => ids.clone(),
+            InputChoice::Text(_) | InputChoice::InlineText(_) => {
+                return Err(SetupError::Config(
+                    "a Qwen4Exp node takes token ids (--ids FILE): its tokenizer is not read yet"
+                        .into(),
+                ));
+            }
+        };
+        let vocab = self.model.hashing().config.vocab;
+        if let Some((i, &t)) = raw
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| u64::from(t) >= vocab)
+        {
+            return Err(SetupError::Config(format!(
+                "token {i} is id {t}, outside the vocabulary (ids are 0..{vocab})"
+            )));
+        }
+        let n = raw.len();
+        let min_len = min_len.min(input::MAX_TOKENS);
+        while raw.len() < min_len {
+            let k = (min_len - raw.len()).min(n);
+            raw.extend_from_within(..k);
+        }
+        Ok(raw)
+    }
+
+    /// The table the loop reads.
+    pub fn slot(&self) -> TableSlot {
+        self.model.slot()
+    }
+
+    /// The target rate.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens_per_second
+    }
+
+    /// The memory (every router of the node).
+    pub fn memory(&self) -> &Routers {
+        &self.memory
+    }
+
+    /// Run the loop on this thread (not a runtime thread: it sleeps and
+    /// blocks), fetching on `handle`'s runtime.
+    pub fn run(
+        &mut self,
+        handle: tokio::runtime::Handle,
+        raw: &[u32],
+        spec: &LoopSpec,
+        stop: &AtomicBool,
+        on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
+    ) -> Result<Summary, LoopError> {
+        let clock = RealClock::start();
+        let mut fetcher = RouterFetcher::new(
+            handle,
+            vec![self.router.clone()],
+            clock.origin(),
+            self.chunk_rows,
+        );
+        super::run(&clock, &mut fetcher, &self.model, raw, spec, stop, on_step)
+    }
+}
+
+/// The table scale `table`'s rows are read with: the config's
+/// `tensor_scale`, else the header of the node's copy of the file at
+/// `copy` (its SSD copy's path, the table's by default); none for an
+/// encoding without one.
+fn table_scale(table: &cluster_config::Table, copy: &std::path::Path) -> Result<f32, SetupError> {
+    if !table.encoding.has_tensor_scale() {
+        return Ok(1.0);
+    }
+    if let Some(s) = table.tensor_scale {
+        return Ok(s);
+    }
+    let from = |p: &std::path::Path| {
+        TableFile::read_meta(p)
+            .ok()
+            .filter(|(m, _)| m.digest == table.digest && m.encoding == table.encoding)
+            .and_then(|(m, _)| m.tensor_scale)
+    };
+    from(copy)
+        .or_else(|| from(&table.path))
+        .map(f32::from_bits)
+        .ok_or_else(|| {
+            SetupError::Config(format!(
+                "table {}: {} rows are read with a table scale: set [[table]] tensor_scale \
+                 (`memory-donor inspect FILE` prints it), or keep the table's file at {}",
+                table.id,
+                table.encoding.name(),
+                copy.display()
+            ))
+        })
+}
