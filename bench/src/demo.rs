@@ -43,6 +43,11 @@ pub struct DemoArgs {
     /// no failover (the run fails on one).
     #[arg(long)]
     host_local: bool,
+    /// The model the rack serves: DeepSeek V4.1's two tables, or
+    /// Qwen3.8-Flash-Next's (Qwen4Exp) one PLE table of FP8 rows, fused
+    /// by its PLE layer (docs/models.md).
+    #[arg(long, value_enum, default_value_t = rack::ModelKind::DeepseekV41)]
+    model: rack::ModelKind,
     /// The node's --warm-us (how long before each step it wakes the path
     /// to the step's rows; 0: off); default: the node's.
     #[arg(long, value_name = "US")]
@@ -105,6 +110,11 @@ fn demo(args: &DemoArgs, pids: &mut Started) -> Result<()> {
     let t_all = Instant::now();
     let dir = rack::work_dir(&args.dir)?;
     let tables = tables(args, &dir)?;
+    if args.model == rack::ModelKind::Qwen4Exp && args.real.real_text {
+        bail!(
+            "--real-text runs DeepSeek V4.1's tokenizer: a Qwen4Exp rack decodes the built-in text's ids"
+        );
+    }
     let text = args.real.node_text(&dir)?;
     println!("   {}", args.real.describe(text.as_ref()));
     let config = rack_config(&dir, &tables, args.host_local, text.as_ref())?;
@@ -166,20 +176,37 @@ fn check_host_local(steps: &[StepRecord], killed: f64, restarted: f64) -> Result
 /// Generate the table pair, or reuse the one in `dir` while its digests match.
 fn tables(args: &DemoArgs, dir: &Path) -> Result<TablePair> {
     let t = Instant::now();
-    let tables = rack::table_pair(dir, args.hash_base)?;
-    let mb = tables.tables[0].rows as f64 * ROW_BYTES as f64 / 1e6;
-    println!(
-        "1. tables (hash base {}): layer 1 and layer 14, {} and {} rows ({mb:.0} MB each), {} in {:.1} s",
-        args.hash_base,
-        tables.tables[0].rows,
-        tables.tables[1].rows,
-        if tables.reused {
-            "already there (digests match), reused"
-        } else {
-            "generated"
-        },
-        rack::since(t),
-    );
+    let tables = rack::model_tables(dir, args.hash_base, args.model)?;
+    let how = if tables.reused {
+        "already there (digests match), reused"
+    } else {
+        "generated"
+    };
+    match args.model {
+        rack::ModelKind::DeepseekV41 => {
+            let mb = tables.tables[0].rows as f64 * ROW_BYTES as f64 / 1e6;
+            println!(
+                "1. tables (hash base {}): layer 1 and layer 14, {} and {} rows ({mb:.0} MB each), {how} in {:.1} s",
+                args.hash_base,
+                tables.tables[0].rows,
+                tables.tables[1].rows,
+                rack::since(t),
+            );
+        }
+        rack::ModelKind::Qwen4Exp => {
+            let e = rack::QWEN_ENCODING;
+            let mb = tables.tables[0].rows as f64 * e.row_bytes() as f64 / 1e6;
+            println!(
+                "1. table (Qwen4Exp, ngram_vocab_size_base {}): the PLE layer's, {} rows of {} ({} bytes, table scale {}; {mb:.0} MB), {how} in {:.1} s",
+                args.hash_base,
+                tables.tables[0].rows,
+                e.name(),
+                e.row_bytes(),
+                rack::QWEN_SCALE,
+                rack::since(t),
+            );
+        }
+    }
     Ok(tables)
 }
 
@@ -216,6 +243,10 @@ fn rack_config(
         tokenizer: text.map(|t| t.tokenizer.clone()),
     };
     let rk = rack::write_config(dir, tables, &spec)?;
+    let which = match tables.model {
+        rack::ModelKind::DeepseekV41 => "both tables",
+        rack::ModelKind::Qwen4Exp => "the PLE table",
+    };
     println!("2. rack config {}:", rk.config.display());
     println!(
         "   its PKI in {}: a CA and a certificate per donor and node (engram-cluster pki init, pki issue); data and control planes over TLS",
@@ -223,8 +254,8 @@ fn rack_config(
     );
     for d in &rk.donors {
         println!(
-            "   {} serves both tables on {} (control plane {})",
-            d.name, d.listen, d.control
+            "   {} serves {} on {} (control plane {})",
+            d.name, which, d.listen, d.control
         );
     }
     if host_local {
@@ -235,9 +266,9 @@ fn rack_config(
         );
     }
     println!(
-        "   node \"rack\" routes both tables to donor-a, then donor-b, then its SSD copy; probes every 500 ms"
+        "   node \"rack\" routes {which} to donor-a, then donor-b, then its SSD copy; probes every 500 ms"
     );
-    println!("   node \"ref\" reads both tables into its own RAM (the reference)");
+    println!("   node \"ref\" reads {which} into its own RAM (the reference)");
     Ok(rk.config)
 }
 
@@ -334,7 +365,7 @@ impl Demo<'_> {
             d.wait_ready(READY_TIMEOUT)?;
         }
         println!(
-            "4. donor-a (pid {}) and donor-b (pid {}) loaded both tables, verified their digests and are ready ({:.1} s after start)",
+            "4. donor-a (pid {}) and donor-b (pid {}) loaded their tables, verified their digests and are ready ({:.1} s after start)",
             donor_a.pid(),
             donor_b.pid(),
             rack::since(t)

@@ -27,6 +27,10 @@ pub const SEED: u64 = 7;
 /// token's budget even at 1000 tokens/s.
 pub const HIDDEN: u32 = 16;
 pub const STREAMS: u32 = 4;
+/// Channels per stream of a Qwen4Exp rack's PLE layer: its `kv_proj`
+/// (`(4 x 16 + 16) x 16 x 160` values) keeps the CPU fusion far below a
+/// token's budget.
+pub const QWEN_HIDDEN: u32 = 16;
 
 /// One generated table file.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -41,13 +45,35 @@ pub struct TableFile {
     pub digest: String,
 }
 
-/// Layers 1 and 14, sized by one hashing base.
+/// Which model's tables a rack serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ModelKind {
+    /// DeepSeek V4.1: two tables (layers 1 and 14) of 264-byte rows.
+    #[default]
+    #[value(name = "deepseek_v41")]
+    DeepseekV41,
+    /// Qwen3.8-Flash-Next (Qwen4Exp): one PLE table (layer 1) of FP8 rows
+    /// with a table scale, 160 bytes each.
+    #[value(name = "qwen4exp")]
+    Qwen4Exp,
+}
+
+/// The Qwen4Exp table's encoding and scale in a generated rack.
+pub const QWEN_ENCODING: engram_protocol::encoding::RowEncoding =
+    engram_protocol::encoding::RowEncoding::Fp8PerTensor { values: 160 };
+/// Its table scale.
+pub const QWEN_SCALE: f32 = 0.0123;
+
+/// A model's tables, sized by one hashing base: V4.1's layers 1 and 14, or
+/// Qwen4Exp's one PLE table.
 #[derive(Debug, Clone)]
 pub struct TablePair {
-    /// The hashing base both are sized by.
+    /// The hashing base they are sized by.
     pub base: u64,
-    /// Layer 1's, then layer 14's.
-    pub tables: [TableFile; 2],
+    /// The model they are for.
+    pub model: ModelKind,
+    /// Layer 1's, then layer 14's (V4.1); the PLE table (Qwen4Exp).
+    pub tables: Vec<TableFile>,
     /// Whether they were already there (digest recorded at generation
     /// equal to the file's).
     pub reused: bool,
@@ -90,6 +116,12 @@ pub fn work_dir(dir: &Path) -> Result<PathBuf> {
 /// (written after each generation) records the digest each file has,
 /// otherwise freshly generated with `memory-donor gen --hash-base`.
 pub fn table_pair(dir: &Path, base: u64) -> Result<TablePair> {
+    model_tables(dir, base, ModelKind::DeepseekV41)
+}
+
+/// [`table_pair`] for `model`: V4.1's pair, or Qwen4Exp's one FP8 table
+/// (generated with `memory-donor gen --rows --encoding`).
+pub fn model_tables(dir: &Path, base: u64, model: ModelKind) -> Result<TablePair> {
     let manifest_path = dir.join("tables.json");
     let mut manifest: BTreeMap<String, String> = std::fs::read(&manifest_path)
         .ok()
@@ -97,21 +129,33 @@ pub fn table_pair(dir: &Path, base: u64) -> Result<TablePair> {
         .unwrap_or_default();
     let mut reused = true;
     let mut tables = Vec::new();
-    for layer in [1u32, 14] {
-        let name = format!("layer{layer}-base{base}-seed{SEED}.etab");
+    let layers: &[u32] = match model {
+        ModelKind::DeepseekV41 => &[1, 14],
+        ModelKind::Qwen4Exp => &[1],
+    };
+    for &layer in layers {
+        let name = match model {
+            ModelKind::DeepseekV41 => format!("layer{layer}-base{base}-seed{SEED}.etab"),
+            ModelKind::Qwen4Exp => format!("qwen4exp-layer{layer}-base{base}-seed{SEED}.etab"),
+        };
         let path = dir.join(&name);
         let known = manifest.get(&name).cloned();
         let found = match (&known, path.is_file()) {
-            (Some(d), true) => inspect(&path)
-                .ok()
-                .filter(|i| &i.digest == d && i.layer == layer && i.hash_base == Some(base)),
+            (Some(d), true) => inspect(&path).ok().filter(|i| {
+                &i.digest == d
+                    && i.layer == layer
+                    && match model {
+                        ModelKind::DeepseekV41 => i.hash_base == Some(base),
+                        ModelKind::Qwen4Exp => Some(i.rows) == qwen_rows(base).ok(),
+                    }
+            }),
             _ => None,
         };
         let info = match found {
             Some(i) => i,
             None => {
                 reused = false;
-                generate(&path, layer, base)?;
+                generate(&path, layer, base, model)?;
                 let i = inspect(&path)?;
                 manifest.insert(name, i.digest.clone());
                 std::fs::write(&manifest_path, serde_json::to_vec_pretty(&manifest)?)
@@ -126,22 +170,53 @@ pub fn table_pair(dir: &Path, base: u64) -> Result<TablePair> {
             digest: info.digest,
         });
     }
-    let [t1, t14]: [TableFile; 2] = tables
-        .try_into()
-        .map_err(|_| anyhow::anyhow!("two layers make two tables"))?;
     Ok(TablePair {
         base,
-        tables: [t1, t14],
+        model,
+        tables,
         reused,
     })
 }
 
+/// Rows of the Qwen4Exp table the hashing addresses with
+/// `ngram_vocab_size_base` `base` (padded as the checkpoint pads them).
+pub fn qwen_rows(base: u64) -> Result<u64> {
+    Ok(qwen_hashing(base, 0)?.padded_rows)
+}
+
+fn qwen_hashing(base: u64, eos: u32) -> Result<engram_protocol::qwen4exp::Qwen4ExpHashing> {
+    use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
+    Ok(Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base,
+        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
+    })?)
+}
+
+/// The end-of-sequence id of a generated Qwen4Exp rack: the built-in
+/// word tokenizer's id of `.`, so that each sentence of the built-in text
+/// is an n-gram segment of its own.
+pub fn qwen_eos() -> Result<u32> {
+    let tok =
+        inference_node::model::input::word_tokenizer(inference_node::model::input::BUILTIN_TEXT)?;
+    tok.token_to_id(".")
+        .context("the built-in text has no \".\" token")
+}
+
 /// `memory-donor gen` as a registered child (so an interrupt stops it too).
-fn generate(path: &Path, layer: u32, base: u64) -> Result<()> {
+fn generate(path: &Path, layer: u32, base: u64, model: ModelKind) -> Result<()> {
     let mut cmd = Command::new(bin("memory-donor"));
-    cmd.args(["gen", "--layer", &layer.to_string()])
-        .args(["--hash-base", &base.to_string()])
-        .args(["--seed", &SEED.to_string()])
+    cmd.args(["gen", "--layer", &layer.to_string()]);
+    match model {
+        ModelKind::DeepseekV41 => {
+            cmd.args(["--hash-base", &base.to_string()]);
+        }
+        ModelKind::Qwen4Exp => {
+            cmd.args(["--rows", &qwen_rows(base)?.to_string()])
+                .args(["--encoding", &QWEN_ENCODING.name()])
+                .args(["--tensor-scale", &QWEN_SCALE.to_string()]);
+        }
+    }
+    cmd.args(["--seed", &SEED.to_string()])
         .arg("--out")
         .arg(path);
     let mut generator = Child::spawn("memory-donor gen", cmd, Stdio::null())?;
@@ -239,16 +314,21 @@ pub fn host_socket(dir: &Path, name: &str) -> PathBuf {
 
 /// Write `dir/rack.toml` for `tables` as `spec` says.
 pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<Rack> {
-    let [t1, t14] = &tables.tables;
     let mut rack = RackToml::new("local");
     if spec.transport.is_secure() {
         rack.rack.tls = Some(TlsSection::default());
     }
-    rack.table = [(1, t1), (14, t14)]
-        .into_iter()
-        .map(|(id, t)| TableEntry {
+    let qwen = tables.model == ModelKind::Qwen4Exp;
+    // Each table's id is its layer (1 and 14; Qwen4Exp's 1).
+    let ids: Vec<u32> = tables.tables.iter().map(|t| t.layer).collect();
+    rack.table = tables
+        .tables
+        .iter()
+        .map(|t| TableEntry {
             layer: t.layer,
-            ..TableEntry::new(id, &t.path, t.rows, &t.digest)
+            encoding: qwen.then(|| QWEN_ENCODING.name()),
+            tensor_scale: qwen.then_some(f64::from(QWEN_SCALE)),
+            ..TableEntry::new(t.layer, &t.path, t.rows, &t.digest)
         })
         .collect();
     let mut donors = Vec::new();
@@ -272,7 +352,7 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
             ..DonorEntry::new(
                 *name,
                 std::iter::once(listen.to_string()).chain(host),
-                [1, 14],
+                ids.iter().copied(),
             )
         });
         donors.push(DonorAddrs {
@@ -284,13 +364,25 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
     rack.node = spec
         .nodes
         .iter()
-        .map(|n| node_entry(n, [t1, t14], spec))
+        .map(|n| node_entry(n, &tables.tables, spec))
         .collect();
-    rack.model = Some(ModelSection {
-        fusion: Some("cpu".into()),
-        tokenizer: spec.tokenizer.as_ref().map(|t| t.display().to_string()),
-        compressed_vocab: spec.tokenizer.as_ref().map(|_| V41_COMPRESSED_VOCAB),
-        ..ModelSection::synthetic(tables.base, 1, HIDDEN, STREAMS)
+    rack.model = Some(match tables.model {
+        ModelKind::DeepseekV41 => ModelSection {
+            fusion: Some("cpu".into()),
+            tokenizer: spec.tokenizer.as_ref().map(|t| t.display().to_string()),
+            compressed_vocab: spec.tokenizer.as_ref().map(|_| V41_COMPRESSED_VOCAB),
+            ..ModelSection::synthetic(tables.base, 1, HIDDEN, STREAMS)
+        },
+        ModelKind::Qwen4Exp => {
+            if spec.tokenizer.is_some() {
+                bail!("a Qwen4Exp rack decodes token ids: its tokenizer is not read yet");
+            }
+            ModelSection {
+                family: Some("qwen4exp".into()),
+                eos_token: Some(qwen_eos()?),
+                ..ModelSection::synthetic(tables.base, 1, QWEN_HIDDEN, STREAMS)
+            }
+        }
     });
     let config = dir.join("rack.toml");
     rack.write(&config)?;
@@ -302,18 +394,18 @@ pub fn write_config(dir: &Path, tables: &TablePair, spec: &RackSpec) -> Result<R
     Ok(Rack { config, donors })
 }
 
-/// Node `n`'s entry: a route to each of `tables` (layers 1 and 14) with
-/// the table's file as its SSD copy.
-fn node_entry(n: &NodeSpec, tables: [&TableFile; 2], spec: &RackSpec) -> NodeEntry {
-    let route = |id, t: &TableFile| RouteEntry {
+/// Node `n`'s entry: a route to each of `tables` (its id is its layer)
+/// with the table's file as its SSD copy.
+fn node_entry(n: &NodeSpec, tables: &[TableFile], spec: &RackSpec) -> NodeEntry {
+    let route = |t: &TableFile| RouteEntry {
         trust_digest: Some(spec.trust_copies),
         ssd_ioprio: n.ssd_ioprio.map(Into::into),
-        ..RouteEntry::new(id, n.sources.iter().copied()).ssd_path(&t.path)
+        ..RouteEntry::new(t.layer, n.sources.iter().copied()).ssd_path(&t.path)
     };
     NodeEntry {
         tokens_per_second: Some(100.0),
         probe_interval_ms: Some(spec.probe_interval_ms),
-        ..NodeEntry::new(n.name, vec![route(1, tables[0]), route(14, tables[1])])
+        ..NodeEntry::new(n.name, tables.iter().map(route).collect())
     }
 }
 

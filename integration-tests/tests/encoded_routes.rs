@@ -5,6 +5,7 @@
 //! local copy, every row as the generator made it; a copy whose rows are
 //! of another encoding than the config says is refused at start.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -220,4 +221,98 @@ fn the_v41_model_loop_refuses_a_qwen4exp_rack_by_name() {
         msg.contains("family = \"qwen4exp\"") && msg.contains("inference-node canary"),
         "{msg}"
     );
+}
+
+/// `inference-node run` on a Qwen4Exp rack: the token loop hashes the
+/// built-in text's ids, reads the FP8 table through a real donor and fuses
+/// with the PLE layer; a run prefilling its first 20 positions and a batch
+/// of 2 give, position for position, the outputs of the same sequences
+/// decoded token by token from the node's local RAM copy.
+#[test]
+fn the_qwen4exp_loop_runs_on_a_real_rack_as_on_local_ram() {
+    use rack_harness::drill::NodeRun;
+    use rack_harness::drill::report::checksums;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hashing = engram_protocol::qwen4exp::Qwen4ExpHashing::new(
+        engram_protocol::qwen4exp::Qwen4ExpConfig {
+            base: 1_000,
+            ..engram_protocol::qwen4exp::Qwen4ExpConfig::qwen38_flash_next(7)
+        },
+    )
+    .expect("hashing");
+    let rows = hashing.padded_rows;
+    let (path, digest) = gen_encoded_table(dir.path(), "ple.etab", 1, FP8, rows, 5).expect("gen");
+    let mut toml = RackToml::new("q");
+    toml.table = vec![TableEntry {
+        encoding: Some(FP8.name()),
+        tensor_scale: Some(0.0123),
+        ..TableEntry::new(1, &path, rows, digest)
+    }];
+    toml.donor = vec![DonorEntry::new(
+        "d",
+        [format!("127.0.0.1:{}", free_port().expect("port"))],
+        [1],
+    )];
+    let node = |name: &str, sources: &[&str]| NodeEntry {
+        probe_interval_ms: Some(100),
+        ..NodeEntry::new(
+            name,
+            vec![RouteEntry::new(1, sources.iter().copied()).hedge("off")],
+        )
+    };
+    toml.node = vec![node("rack", &["d", "ssd"]), node("ref", &["local"])];
+    toml.model = Some(ModelSection {
+        family: Some("qwen4exp".into()),
+        eos_token: Some(7),
+        hash_base: Some(1_000),
+        hidden: Some(16),
+        streams: Some(4),
+        weights_seed: Some(3),
+        ..ModelSection::default()
+    });
+    let config = dir.path().join("rack.toml");
+    toml.write(&config).expect("config");
+    let path = config.display().to_string();
+    let _d = DonorProcess::start(&["--config", &path, "--name", "d"]).expect("donor");
+    let run = |node: &str, stem: &str, extra: &[&str]| {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        NodeRun::start_with(&config, node, 200, 1000.0, &dir.path().join(stem), &extra)
+            .expect("node")
+            .finish(Duration::from_secs(120))
+            .expect("finish")
+    };
+    let reference = run("ref", "ref", &[]);
+    assert!(reference.success, "{}", reference.log);
+    assert!(reference.log.contains("Qwen4Exp PLE"), "{}", reference.log);
+    let want = checksums(&reference.steps);
+    assert_eq!(want.len(), 200);
+    let prefilled = run("rack", "prefill", &["--prefill", "20"]);
+    assert!(prefilled.success, "{}", prefilled.log);
+    let got = checksums(&prefilled.steps);
+    // 20 prefilled, then 200 decoded: the first 200 are the reference's.
+    for (k, v) in &want {
+        assert_eq!(got.get(k), Some(v), "position {k:?}");
+    }
+    let sources: BTreeSet<String> = prefilled
+        .steps
+        .iter()
+        .filter_map(|s| s.tables[0].source.clone())
+        .collect();
+    assert!(sources.contains("d"), "{sources:?}");
+    assert!(
+        prefilled.steps.iter().all(|s| s.tables[0].rows % 16 == 0),
+        "16 rows a position"
+    );
+    // A batch of 2: each sequence decoded alone gives the same outputs.
+    let batch = run("rack", "batch", &["--batch", "2"]);
+    assert!(batch.success, "{}", batch.log);
+    let got = checksums(&batch.steps);
+    let first = got
+        .iter()
+        .filter(|((seq, _), _)| *seq == 0)
+        .collect::<Vec<_>>();
+    assert_eq!(first.len(), 100);
+    for ((_, index), v) in first {
+        assert_eq!(want.get(&(0, *index)), Some(v), "sequence 0 at {index}");
+    }
 }
