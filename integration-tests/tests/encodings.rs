@@ -376,9 +376,10 @@ fn the_python_client_from_protocol_md_reads_rows_of_any_encoding() {
     assert!(v1.lines().all(|l| l.len() > 2 * ROW_BYTES), "{v1}");
 }
 
-/// A cluster config declares a table's encoding: the donor serves the
-/// FP8 table it names, and refuses to start on a file whose rows are of
-/// another encoding than the config says, before reading it.
+/// A cluster config declares a table's encoding (and table scale): the
+/// donor serves the FP8 table it names, and refuses to start on a file
+/// whose rows are of another encoding, or whose table scale is another,
+/// than the config says, before reading it.
 #[test]
 fn a_config_declares_each_tables_encoding_and_the_donor_holds_it_to_that() {
     use rack_harness::rack_toml::{DonorEntry, RackToml, TableEntry};
@@ -386,18 +387,19 @@ fn a_config_declares_each_tables_encoding_and_the_donor_holds_it_to_that() {
     let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
     let (m, rows) = encoded_table(dir.path(), 2, fp8, 4_000);
     let path = dir.path().join("layer2.etab");
-    let config = |encoding: &str| {
+    let config = |encoding: &str, scale: Option<f64>| {
         let mut rack = RackToml::new("q");
         rack.table = vec![TableEntry {
             encoding: Some(encoding.into()),
+            tensor_scale: scale,
             ..TableEntry::new(2, &path, 4_000, m.digest)
         }];
         rack.donor = vec![DonorEntry::new("d", ["127.0.0.1:0".to_string()], [2])];
-        let file = dir.path().join(format!("{encoding}.toml"));
+        let file = dir.path().join(format!("{encoding}-{scale:?}.toml"));
         rack.write(&file).expect("config");
         file.display().to_string()
     };
-    let good = config("fp8_per_tensorx160");
+    let good = config("fp8_per_tensorx160", Some(0.0123));
     let donor = DonorProcess::start(&["--config", &good, "--name", "d"]).expect("donor");
     let answer = exchange(
         donor.addr,
@@ -415,15 +417,23 @@ fn a_config_declares_each_tables_encoding_and_the_donor_holds_it_to_that() {
     };
     assert_eq!(r.sections().next().expect("one").1, &rows[3_999 * 160..]);
     drop(donor);
-    let bad = config("bf16x80");
-    let out = std::process::Command::new(rack_harness::bin("memory-donor"))
-        .args(["serve", "--config", &bad, "--name", "d"])
-        .output()
-        .expect("runs");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let refused = |config: String| {
+        let out = std::process::Command::new(rack_harness::bin("memory-donor"))
+            .args(["serve", "--config", &config, "--name", "d"])
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{err}");
+        err
+    };
+    let err = refused(config("bf16x80", None));
     assert!(
         err.contains("its rows are fp8_per_tensorx160 but the config says encoding = \"bf16x80\""),
+        "{err}"
+    );
+    let err = refused(config("fp8_per_tensorx160", Some(0.5)));
+    assert!(
+        err.contains("its table scale is 0.0123 but the config says tensor_scale = 0.5"),
         "{err}"
     );
 }
