@@ -41,6 +41,10 @@ pub struct DrillArgs {
     /// and the mapping of a new generation take longer.
     #[arg(long, default_value_t = rack_harness::drill::BASE)]
     base: u64,
+    /// The model the rack serves: DeepSeek V4.1's two tables, or
+    /// Qwen3.8-Flash-Next's (Qwen4Exp) one PLE table of FP8 rows.
+    #[arg(long, value_enum, default_value_t = crate::rack::ModelKind::DeepseekV41)]
+    model: crate::rack::ModelKind,
 }
 
 /// One drill's line in `drills.json`.
@@ -74,7 +78,11 @@ pub fn run(args: &DrillArgs) -> Result<()> {
         opts.tokens(SECONDS),
         args.dir.display()
     );
-    let env = Env::prepare_with(&args.dir, opts.tokens(SECONDS), args.base)?;
+    let model = match args.model {
+        crate::rack::ModelKind::DeepseekV41 => rack_harness::drill::Model::DeepseekV41,
+        crate::rack::ModelKind::Qwen4Exp => rack_harness::drill::Model::Qwen4Exp,
+    };
+    let env = Env::prepare_model(&args.dir, opts.tokens(SECONDS), args.base, model)?;
     println!(
         "prepared in {:.1} s; one SSD fetch of a step's rows takes at most {:.2} ms here\n",
         t.elapsed().as_secs_f64(),

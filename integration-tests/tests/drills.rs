@@ -32,6 +32,24 @@ fn env() -> &'static Env {
     })
 }
 
+/// A Qwen4Exp rack's tables and reference (one PLE table of FP8 rows).
+fn qwen_env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let tmp = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let dir = tmp
+            .join(format!("drills-{}", std::process::id()))
+            .join("qwen4exp");
+        Env::prepare_model(
+            &dir,
+            OPTS.tokens(SECONDS),
+            rack_harness::drill::BASE,
+            rack_harness::drill::Model::Qwen4Exp,
+        )
+        .expect("the Qwen4Exp drills' tables and reference")
+    })
+}
+
 /// Remove the work directories of earlier runs whose process is gone (about
 /// 1 GB each: tables, configs, logs). The newest run's stays for a look
 /// after a failure until the next run.
@@ -62,6 +80,11 @@ fn remove_stale(tmp: &std::path::Path) {
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn drill(name: &str) -> Report {
+    drill_on(env, name)
+}
+
+/// Drill `name` on the rack of `env()`'s tables.
+fn drill_on(env: fn() -> &'static Env, name: &str) -> Report {
     let _alone = ONE_AT_A_TIME.lock();
     let f = drills::find(name).expect("a drill of that name");
     let run = || match f(env(), &OPTS) {
@@ -101,6 +124,26 @@ const TIMING_RUNS: usize = 3;
 #[test]
 fn drill_kill_9() {
     drill("kill-9");
+}
+
+/// The drills on a Qwen4Exp rack (`engram-bench drill --model qwen4exp`
+/// runs them all): a kill of the primary with its mapping serving, a swap
+/// to another version and back, both donors down with policy zeros (the
+/// outputs after zeros differ for the next 9 positions, through the
+/// convolution, and nowhere else).
+#[test]
+fn qwen4exp_drill_kill_9_host() {
+    drill_on(qwen_env, "kill-9-host");
+}
+
+#[test]
+fn qwen4exp_drill_swap_host() {
+    drill_on(qwen_env, "swap-host");
+}
+
+#[test]
+fn qwen4exp_drill_all_down_zeros() {
+    drill_on(qwen_env, "all-down-zeros");
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! local copy, every row as the generator made it; a copy whose rows are
 //! of another encoding than the config says is refused at start.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -157,6 +157,41 @@ fn a_qwen4exp_node_reads_fp8_and_nvfp4_rows_from_every_source() {
         !log.contains("not shared"),
         "the encoded tables are shared: {log}"
     );
+    // Its host socket's messages as PROTOCOL.md 5 writes them: packed rows
+    // with the encoding and row size named, a sealed memfd of exactly the
+    // rows (in whole pages) and its 4 KiB record, the record at version 3.
+    let socket = dir.path().join("h.sock");
+    let sock = daemon_runtime::hostsock::connect(&socket).expect("connect");
+    let mut buf = vec![0u8; daemon_runtime::hostsock::MAX_MESSAGE + 1];
+    let mut seen = BTreeMap::new();
+    for _ in 0..8 {
+        let (n, fd) =
+            daemon_runtime::hostsock::recv(std::os::fd::AsRawFd::as_raw_fd(&sock), &mut buf)
+                .expect("recv");
+        let msg: serde_json::Value = serde_json::from_slice(&buf[..n]).expect("json");
+        if let Some(f) = fd {
+            seen.insert(msg["table"].as_u64().expect("table"), (msg, f));
+        }
+        if seen.len() == 2 {
+            break;
+        }
+    }
+    for (id, encoding, _) in TABLES {
+        let (msg, file) = &seen[&u64::from(id)];
+        assert_eq!(msg["layout"], "packed", "{msg}");
+        assert_eq!(msg["encoding"], encoding.name().as_str(), "{msg}");
+        assert_eq!(msg["row_bytes"], encoding.row_bytes(), "{msg}");
+        let len = file.metadata().expect("meta").len();
+        assert_eq!(msg["bytes"], len, "{msg}");
+        // The rows, rounded up to whole pages, then the record's page.
+        let rows_len = (ROWS * encoding.row_bytes() as u64).div_ceil(4096) * 4096;
+        assert_eq!(len, rows_len + 4096, "{msg}");
+        assert!(engram_store::kept::is_sealed_read_only(file));
+        let mut version = [0u8; 4];
+        std::os::unix::fs::FileExt::read_exact_at(file, &mut version, len - 4096 + 8)
+            .expect("record");
+        assert_eq!(u32::from_le_bytes(version), 3, "record version 3");
+    }
 }
 
 #[test]

@@ -15,7 +15,10 @@
 //!    the rest of the step's blocks after;
 //! 4. fuse: each position's rows dequantized into its n-gram embedding,
 //!    `kv_proj`, the gate and the convolution over the sequence's last
-//!    inputs ([`crate::engram::ple`]), its state kept for the next step;
+//!    inputs ([`crate::engram::ple`]), its state kept for the next step (a
+//!    failed fetch's positions are fused as zero rows, as policy `zeros`
+//!    serves them, so the state stays in step; their outputs, and the next
+//!    9 positions' through the convolution, differ from the model's);
 //! 5. checksum each position's output and write the step's record, the
 //!    same records and summary as V4.1's loop writes.
 //!
@@ -255,8 +258,8 @@ pub fn run<C: Clock, F: Fetcher>(
             }
             let at = s.range.start + s.next;
             let mine = &ids[s.ids_at..s.ids_at + s.n * heads];
+            rowbuf.clear();
             if f.error.is_none() {
-                rowbuf.clear();
                 for id in mine {
                     let i = unique.binary_search(id).map_err(|_| LoopError::Rows {
                         step,
@@ -271,25 +274,22 @@ pub fn run<C: Clock, F: Fetcher>(
                             })?;
                     rowbuf.extend_from_slice(row);
                 }
-                sums.clear();
-                model
-                    .fuse(
-                        &mut s.state,
-                        &rowbuf,
-                        &raw[at..at + s.n],
-                        spec.hidden_seed,
-                        &mut sums,
-                    )
-                    .map_err(|error| LoopError::Fusion { step, error })?;
             } else {
-                // No rows: the positions are recorded unfused, as V4.1's are.
-                sums.clear();
-                let mut h = vec![0f32; model.ple.channels()];
-                for &id in &raw[at..at + s.n] {
-                    initial_state(spec.hidden_seed, id, &mut h);
-                    sums.push(checksum(&h));
-                }
+                // No rows: fused as zero rows (what policy `zeros` serves),
+                // so that the sequence's convolution state stays in step
+                // with its positions.
+                rowbuf.resize(mine.len() * size, 0);
             }
+            sums.clear();
+            model
+                .fuse(
+                    &mut s.state,
+                    &rowbuf,
+                    &raw[at..at + s.n],
+                    spec.hidden_seed,
+                    &mut sums,
+                )
+                .map_err(|error| LoopError::Fusion { step, error })?;
             for (k, sum) in sums.iter().enumerate() {
                 rec.positions.push(PositionRecord {
                     seq: s.tag,

@@ -166,7 +166,7 @@ pub(super) fn restart_new_generation(
             None
         };
         let ready = restart_fresh(&mut rack, &mut run, donor)?;
-        let took = await_generations(&run, donor, before, 2.0, Instant::now())?;
+        let took = await_generations(&run, donor, before, env.tables.len() as f64, Instant::now())?;
         if took.is_some() {
             run.event(format!("{donor}'s new generation served"));
         }
@@ -259,7 +259,7 @@ pub(super) fn swap(env: &Env, o: &Opts, drill: Named, host: bool) -> Result<Repo
     };
     let since = Instant::now();
     let (back_asked, back) = swap_both(&rack, &mut run, env, "donor-a", Version::Pinned)?;
-    let took = await_generations(&run, "donor-a", before, 2.0, since)?;
+    let took = await_generations(&run, "donor-a", before, env.tables.len() as f64, since)?;
     if took.is_some() {
         run.event("donor-a's new generation mapped");
     }

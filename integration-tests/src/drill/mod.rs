@@ -62,6 +62,96 @@ pub const SCHED_ALLOWANCE_US: f64 = 5_000.0;
 /// Progress lines every this many steps (the resolution of "at token N").
 pub const PROGRESS_EVERY: u64 = 5;
 
+/// Which model's rack the drills run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Model {
+    /// DeepSeek V4.1: tables 1 and 14, 264-byte rows.
+    #[default]
+    DeepseekV41,
+    /// Qwen4Exp (Qwen3.8-Flash-Next): one PLE table (id and layer 1) of
+    /// FP8 rows with table scale [`QWEN_SCALE`], its end-of-sequence id
+    /// [`QWEN_EOS`].
+    Qwen4Exp,
+}
+
+/// The encoding of a Qwen4Exp drill table.
+pub const QWEN_ENCODING: engram_protocol::encoding::RowEncoding =
+    engram_protocol::encoding::RowEncoding::Fp8PerTensor { values: 160 };
+/// Its table scale.
+pub const QWEN_SCALE: f32 = 0.0123;
+/// The end-of-sequence id of a Qwen4Exp drill rack: one the built-in
+/// text's word-level ids hold, so that its segments restart.
+pub const QWEN_EOS: u32 = 7;
+
+impl Model {
+    /// Its tables' ids (= their layers).
+    pub fn tables(self) -> &'static [u32] {
+        match self {
+            Self::DeepseekV41 => &[1, 14],
+            Self::Qwen4Exp => &[1],
+        }
+    }
+
+    /// Positions after one served without rows (zeros, or failed) whose
+    /// outputs it changes too: Qwen4Exp's convolution reads each
+    /// sequence's last `(kernel - 1) x dilation` = 9 inputs; V4.1 fuses
+    /// each position alone.
+    pub fn carry(self) -> u32 {
+        match self {
+            Self::DeepseekV41 => 0,
+            Self::Qwen4Exp => 9,
+        }
+    }
+
+    /// Bytes per row of its tables.
+    pub fn row_bytes(self) -> usize {
+        match self {
+            Self::DeepseekV41 => ROW_BYTES,
+            Self::Qwen4Exp => QWEN_ENCODING.row_bytes(),
+        }
+    }
+
+    /// Rows of table `layer` with hashing base `base`, and the file
+    /// `memory-donor gen` writes for it with `seed`.
+    fn table(
+        self,
+        dir: &Path,
+        name: &str,
+        layer: u32,
+        base: u64,
+        seed: u64,
+    ) -> Result<(PathBuf, u64, engram_protocol::TableDigest)> {
+        match self {
+            Self::DeepseekV41 => {
+                let params = HashParams::new(Preset::from_base(base)?)?;
+                let rows = params
+                    .layers
+                    .iter()
+                    .find(|l| l.layer == layer)
+                    .map(|l| l.rows)
+                    .context("a V4.1 layer")?;
+                let (path, digest) = gen_hashed_table(dir, name, layer, base, seed)?;
+                Ok((path, rows, digest))
+            }
+            Self::Qwen4Exp => {
+                let rows = qwen_hashing(base)?.padded_rows;
+                let (path, digest) =
+                    crate::gen_encoded_table(dir, name, layer, QWEN_ENCODING, rows, seed)?;
+                Ok((path, rows, digest))
+            }
+        }
+    }
+}
+
+/// Qwen4Exp's hashing with `ngram_vocab_size_base` `base`.
+fn qwen_hashing(base: u64) -> Result<engram_protocol::qwen4exp::Qwen4ExpHashing> {
+    use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
+    Ok(Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base,
+        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(QWEN_EOS))
+    })?)
+}
+
 /// One table file.
 #[derive(Debug, Clone)]
 pub struct TableFile {
@@ -82,10 +172,10 @@ pub struct TableFile {
 pub struct Env {
     /// Work directory.
     pub dir: PathBuf,
-    /// The pinned tables, layer 1 then layer 14.
-    pub tables: [TableFile; 2],
-    /// Another version of both.
-    pub other: [TableFile; 2],
+    /// The pinned tables, layer 1 then layer 14 (Qwen4Exp: its one).
+    pub tables: Vec<TableFile>,
+    /// Another version of each.
+    pub other: Vec<TableFile>,
     /// Position `(seq, index)` -> checksum of its fused output, from local RAM.
     pub reference: BTreeMap<(u32, u32), inference_node::model::Checksum>,
     /// Longest fetch of a step's rows from the SSD copy in a paced
@@ -95,6 +185,8 @@ pub struct Env {
     pub max_tokens: u64,
     /// The tables' hashing base ([`BASE`] unless asked otherwise).
     pub base: u64,
+    /// The model the rack serves.
+    pub model: Model,
 }
 
 impl Env {
@@ -107,15 +199,19 @@ impl Env {
     /// [`Self::prepare`] with tables of hashing base `base` (larger
     /// tables: a load, and the mapping of a new generation, take longer).
     pub fn prepare_with(dir: &Path, max_tokens: u64, base: u64) -> Result<Self> {
+        Self::prepare_model(dir, max_tokens, base, Model::DeepseekV41)
+    }
+
+    /// [`Self::prepare_with`] for a rack of `model`'s tables.
+    pub fn prepare_model(dir: &Path, max_tokens: u64, base: u64, model: Model) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = std::fs::canonicalize(dir)?;
         NetNs::remove_stale();
-        let params = HashParams::new(Preset::from_base(base)?)?;
-        let make = |seed: u64, tag: &str| -> Result<[TableFile; 2]> {
+        let make = |seed: u64, tag: &str| -> Result<Vec<TableFile>> {
             let mut out = Vec::new();
-            for (i, layer) in [1u32, 14].into_iter().enumerate() {
+            for &layer in model.tables() {
                 let name = format!("{tag}-layer{layer}.etab");
-                let (path, digest) = gen_hashed_table(&dir, &name, layer, base, seed)?;
+                let (path, rows, digest) = model.table(&dir, &name, layer, base, seed)?;
                 // On disk before the node reads it with O_DIRECT: a read of
                 // pages still dirty in the page cache waits for their
                 // writeback (tens of milliseconds on a fresh VM), which is
@@ -126,12 +222,11 @@ impl Env {
                 out.push(TableFile {
                     id: layer,
                     path,
-                    rows: params.layers[i].rows,
+                    rows,
                     digest: digest.to_string(),
                 });
             }
-            let [a, b]: [TableFile; 2] = out.try_into().map_err(|_| anyhow::anyhow!("two"))?;
-            Ok([a, b])
+            Ok(out)
         };
         let tables = make(SEED, "pinned")?;
         let other = make(OTHER_SEED, "other")?;
@@ -143,6 +238,7 @@ impl Env {
             ssd_fetch_us: 0.0,
             max_tokens,
             base,
+            model,
         };
         // The reference and the calibration run side by side.
         let plan = Plan::new("prepare");
@@ -330,9 +426,14 @@ fn rack_config(
         let operators = if plan.control { &["ops-1"][..] } else { &[] };
         rack.rack.tls = Some(TlsSection::with_operators(operators.iter().copied()));
     }
+    let qwen = env.model == Model::Qwen4Exp;
     rack.table = tables
         .iter()
-        .map(|f| TableEntry::new(f.id, &f.path, f.rows, &f.digest))
+        .map(|f| TableEntry {
+            encoding: qwen.then(|| QWEN_ENCODING.name()),
+            tensor_scale: qwen.then_some(f64::from(QWEN_SCALE)),
+            ..TableEntry::new(f.id, &f.path, f.rows, &f.digest)
+        })
         .collect();
     rack.donor = donors.iter().map(|d| donor_entry(env, plan, d)).collect();
     rack.node = nodes
@@ -348,9 +449,16 @@ fn rack_config(
             )
         })
         .collect();
-    rack.model = Some(ModelSection {
-        fusion: Some("cpu".into()),
-        ..ModelSection::synthetic(env.base, 5, 16, 4)
+    rack.model = Some(match env.model {
+        Model::DeepseekV41 => ModelSection {
+            fusion: Some("cpu".into()),
+            ..ModelSection::synthetic(env.base, 5, 16, 4)
+        },
+        Model::Qwen4Exp => ModelSection {
+            family: Some("qwen4exp".into()),
+            eos_token: Some(QWEN_EOS),
+            ..ModelSection::synthetic(env.base, 5, 16, 4)
+        },
     });
     rack
 }
@@ -377,7 +485,7 @@ fn donor_entry(env: &Env, plan: &Plan, d: &DonorAddrs) -> DonorEntry {
     let advertise = std::iter::once(format!("{scheme}://{}", d.advertise)).chain(quic);
     // Room for both tables and a swap's new version beside them, however
     // large `Env::base` makes them.
-    let tables = env.tables.iter().map(|t| t.rows).sum::<u64>() * ROW_BYTES as u64;
+    let tables = env.tables.iter().map(|t| t.rows).sum::<u64>() * env.model.row_bytes() as u64;
     let ram_gib = (tables as f64 * 2.0 / f64::from(1u32 << 30)).max(1.0);
     DonorEntry {
         advertise: Some(advertise.collect()),
@@ -388,7 +496,11 @@ fn donor_entry(env: &Env, plan: &Plan, d: &DonorAddrs) -> DonorEntry {
         hello_timeout_ms: Some(plan.hello_timeout_ms),
         drain_timeout_ms: Some(2000),
         control: d.control.map(|c| c.to_string()),
-        ..DonorEntry::new(d.name, listen.chain(host), [1, 14])
+        ..DonorEntry::new(
+            d.name,
+            listen.chain(host),
+            env.model.tables().iter().copied(),
+        )
     }
 }
 

@@ -210,8 +210,11 @@ fn the_step_waits_for_its_rows_at_the_ple_layers_block() {
     );
 }
 
+/// A failed fetch's positions are fused as zero rows (the state kept in
+/// step): recorded with the table's error, their outputs those of zero
+/// rows, not the table's.
 #[test]
-fn a_failed_fetch_is_recorded_and_nothing_is_fused_from_it() {
+fn a_failed_fetch_is_recorded_and_fused_as_zero_rows() {
     let m = model(FP8);
     let raw = tokens();
     let clock = FakeClock::default();
@@ -220,9 +223,41 @@ fn a_failed_fetch_is_recorded_and_nothing_is_fused_from_it() {
     let (summary, out, steps) = run_with(&m, &raw[..5], &spec(1, 0), &mut f, &clock);
     assert_eq!(summary.failed_steps, 5);
     assert!(steps.iter().all(|s| s.tables[0].error.is_some()));
-    assert_eq!(out.len(), 5, "the positions are recorded, unfused");
+    assert_eq!(out.len(), 5, "the positions are recorded");
     let fused = outputs(&m, &raw[..5], &spec(1, 0));
     assert!(out.iter().all(|(k, v)| fused.get(k) != Some(v)));
+    // The outputs of a fetch that answered zero rows.
+    struct Zeros<'a>(Rows<'a>);
+    impl Fetcher for Zeros<'_> {
+        type Pending = (Vec<u64>, Duration);
+        fn start(&mut self, slot: usize, rows: &[u64], sweep: bool) -> Self::Pending {
+            self.0.start(slot, rows, sweep)
+        }
+        fn wait(&mut self, p: Self::Pending) -> Fetch {
+            let mut f = self.0.wait(p);
+            f.bytes.fill(0);
+            f.zeros = true;
+            f
+        }
+    }
+    let clock = FakeClock::default();
+    let mut z = Zeros(Rows::new(&clock, FP8));
+    let stop = AtomicBool::new(false);
+    let mut zero = Outputs::new();
+    run(
+        &clock,
+        &mut z,
+        &m,
+        &raw[..5],
+        &spec(1, 0),
+        &stop,
+        &mut |r| {
+            zero.extend(r.positions.iter().map(|p| ((p.seq, p.index), p.checksum)));
+            Ok(())
+        },
+    )
+    .expect("run");
+    assert_eq!(out, zero);
 }
 
 #[test]

@@ -35,6 +35,14 @@ fn options(config: &Config, node: &str, donor: &str) -> Result<ClientOptions> {
     let pinned = config.tables.iter().map(|t| (t.id, t.digest)).collect();
     let mut o = ClientOptions::new(node, pinned);
     o.transport = Transport::Quic;
+    // A table of another encoding than V4.1's is read at version 2.
+    if config
+        .tables
+        .iter()
+        .any(|t| t.encoding != engram_protocol::encoding::RowEncoding::V41)
+    {
+        o.version = engram_protocol::PROTOCOL_VERSION;
+    }
     o.connect_timeout = Duration::from_secs(5);
     let files = config
         .tls_files(node)
@@ -68,7 +76,7 @@ pub(super) fn forged_then_dial(
             Err(e) => return (Err(e.to_string()), 0),
         };
         let took = t0.elapsed();
-        let mut out = vec![0u8; rows.len() * engram_protocol::ROW_BYTES];
+        let mut out = vec![0u8; rows.len() * c.row_bytes(table.id)];
         let req = [Request {
             table: table.id,
             rows: &rows,
