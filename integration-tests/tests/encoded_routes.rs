@@ -237,9 +237,9 @@ fn a_copy_of_another_encoding_than_the_config_says_is_refused() {
     });
 }
 
-/// The token loop and the libraries run V4.1's model: a Qwen4Exp rack's
-/// node refuses to build them, naming the family, instead of hashing its
-/// tokens as V4.1's.
+/// The node daemon's loop and the libraries run V4.1's model: a Qwen4Exp
+/// rack's node refuses to build V4.1's, naming the family and the command
+/// that runs its own, instead of hashing its tokens as V4.1's.
 #[test]
 fn the_v41_model_loop_refuses_a_qwen4exp_rack_by_name() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -253,7 +253,7 @@ fn the_v41_model_loop_refuses_a_qwen4exp_rack_by_name() {
     };
     let msg = e.to_string();
     assert!(
-        msg.contains("family = \"qwen4exp\"") && msg.contains("inference-node canary"),
+        msg.contains("family = \"qwen4exp\"") && msg.contains("inference-node run"),
         "{msg}"
     );
 }

@@ -446,10 +446,9 @@ pub(crate) fn layer_tables(
     let name = &node.name;
     if model.family != cluster_config::model::Family::DeepseekV41 {
         return Err(cfg(format!(
-            "{}: [model] family = {:?}: the token loop, the libraries and the engine ring run DeepSeek V4.1's model; \
-             a {} rack's rows are served by its donors and this node's routes (`inference-node canary`; docs/models.md)",
+            "{}: [model] family = {:?}: the node daemon, the libraries and the engine ring run DeepSeek V4.1's model; \
+             this rack's model runs in `inference-node run` and its rows in `inference-node canary` (docs/models.md)",
             config.path.display(),
-            model.family.name(),
             model.family.name()
         )));
     }
