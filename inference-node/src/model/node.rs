@@ -126,12 +126,7 @@ impl NodeModel {
             .find(|n| n.name == name)
             .ok_or_else(|| cfg(format!("node {name:?} is not in {}", config.path.display())))?;
         if let Some(r) = tokens_per_second {
-            if !(r.is_finite() && r > 0.0 && r <= 100_000.0) {
-                return Err(cfg(format!(
-                    "{r} tokens/s is not a rate (0 < rate <= 100000)"
-                )));
-            }
-            node.tokens_per_second = r;
+            node.tokens_per_second = checked_rate(r)?;
         }
         let rate = node.tokens_per_second;
         let node = node.clone();
@@ -512,6 +507,17 @@ pub(crate) fn token_map(model: &Model) -> Result<LoadedMap, SetupError> {
         }
         TokenMapSource::None => (None, None),
     })
+}
+
+/// A token rate asked for on the command line, checked.
+pub(crate) fn checked_rate(r: f64) -> Result<f64, SetupError> {
+    if r.is_finite() && r > 0.0 && r <= 100_000.0 {
+        Ok(r)
+    } else {
+        Err(SetupError::Config(format!(
+            "{r} tokens/s is not a rate (0 < rate <= 100000)"
+        )))
+    }
 }
 
 /// Refuse to start when a table has no source it could use now.

@@ -19,7 +19,7 @@ use crate::metrics::NodeMetrics;
 use crate::model::clock::RealClock;
 use crate::model::fetch::RouterFetcher;
 use crate::model::input;
-use crate::model::node::{InputChoice, SetupError, chunk_rows, usable_at_start};
+use crate::model::node::{InputChoice, SetupError, checked_rate, chunk_rows, usable_at_start};
 use crate::model::{LoopError, LoopSpec, StepRecord, Summary, TableSlot};
 use crate::router::Router;
 
@@ -57,12 +57,7 @@ impl NgramNode {
         let node = config
             .node(name)
             .ok_or_else(|| cfg(format!("node {name:?} is not in {at}")))?;
-        let rate = tokens_per_second.unwrap_or(node.tokens_per_second);
-        if !(rate.is_finite() && rate > 0.0 && rate <= 100_000.0) {
-            return Err(cfg(format!(
-                "{rate} tokens/s is not a rate (0 < rate <= 100000)"
-            )));
-        }
+        let rate = checked_rate(tokens_per_second.unwrap_or(node.tokens_per_second))?;
         let [route] = node.routes.as_slice() else {
             return Err(cfg(format!(
                 "{at}: node {name:?} routes {} tables; a Qwen4Exp node reads one, its PLE layer's",
