@@ -527,3 +527,73 @@ with safe_open(sys.argv[1], framework="numpy") as f:
     assert_eq!(f[5], hex(&last));
     assert_eq!((f[6], f[7]), ("uint64", "True"), "page checksums");
 }
+
+/// `inference-node addresses --config` on a `qwen4exp` rack prints each
+/// position's 16 row ids as Qwen4Exp's hashing gives them (an EOS inside
+/// the ids restarts the window), never V4.1's; compressed ids are refused.
+#[test]
+fn addresses_of_a_qwen4exp_rack_are_its_own_hashings() {
+    use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
+    use rack_harness::rack_toml::ModelSection;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base: 1_000,
+        ..Qwen4ExpConfig::qwen38_flash_next(7)
+    })
+    .expect("hashing");
+    let mut rack = RackToml::new("q");
+    rack.table = vec![TableEntry {
+        encoding: Some("fp8_per_tensorx160".into()),
+        ..TableEntry::new(
+            1,
+            dir.path().join("t.etab"),
+            hashing.padded_rows,
+            "00".repeat(32),
+        )
+    }];
+    rack.donor = vec![DonorEntry::new("d", ["127.0.0.1:0".to_string()], [1])];
+    rack.model = Some(ModelSection {
+        family: Some("qwen4exp".into()),
+        eos_token: Some(7),
+        hash_base: Some(1_000),
+        ..ModelSection::default()
+    });
+    let config = dir.path().join("rack.toml");
+    rack.write(&config).expect("config");
+    let c = config.display().to_string();
+    let ids = [5i64, 9, 7, 11, 13, 5, 9];
+    let list = "5,9,7,11,13,5,9";
+    let out = run(
+        "inference-node",
+        &["addresses", "--config", &c, "--token-ids", list, "--json"],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let want = hashing.ids(&[], &ids).expect("ids");
+    let got: Vec<u64> = v["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .flat_map(|r| r.as_array().expect("a position's rows").clone())
+        .map(|x| x.as_u64().expect("a row id"))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(v["rows"].as_array().map(Vec::len), Some(ids.len()));
+    let out = run(
+        "inference-node",
+        &["addresses", "--config", &c, "--token-ids", list],
+    );
+    let t = text(&out.stdout);
+    assert!(t.starts_with("qwen4exp: 16 rows a token"), "{t}");
+    assert_eq!(t.lines().count(), 1 + ids.len(), "{t}");
+    let out = run(
+        "inference-node",
+        &["addresses", "--config", &c, "--compressed-ids", list],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("raw ids"),
+        "{}",
+        text(&out.stderr)
+    );
+}

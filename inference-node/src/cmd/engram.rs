@@ -100,6 +100,9 @@ pub fn addresses(args: AddressArgs) -> Result<()> {
     let (preset, map) = match &args.config {
         Some(path) => {
             let c = cluster_config::Config::load(path)?;
+            if c.family() == cluster_config::model::Family::Qwen4Exp {
+                return qwen4exp_addresses(&c, &args);
+            }
             let m = c
                 .model
                 .with_context(|| format!("{} has no [model] table", path.display()))?;
@@ -148,6 +151,50 @@ pub fn addresses(args: AddressArgs) -> Result<()> {
         writeln!(so, "{}", to_json(&ids, &rows))?;
     } else {
         write!(so, "{}", to_table(&params, pad, &ids, &rows))?;
+    }
+    Ok(())
+}
+
+/// `addresses` on a `qwen4exp` rack: each position's 16 row ids of its
+/// PLE table, hashed from raw ids as the engines hash them (an EOS starts
+/// a new window).
+fn qwen4exp_addresses(c: &cluster_config::Config, args: &AddressArgs) -> Result<()> {
+    use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
+    let m = c.model.as_ref().context("no [model] table")?;
+    let eos = m.eos_token.context("[model] needs eos_token")?;
+    let base = match m.hashing {
+        Preset::Base(b) => b,
+        _ => QWEN38_BASE,
+    };
+    let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base,
+        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
+    })?;
+    let ids = match (&args.compressed_ids, &args.token_ids) {
+        (Some(_), _) => bail!("a qwen4exp rack hashes raw ids: give --token-ids"),
+        (None, Some(list)) => parse_ids(list)?,
+        (None, None) => bail!("give --token-ids"),
+    };
+    let heads = hashing.heads();
+    let rows = hashing.ids(&[], &ids)?;
+    let mut so = std::io::stdout().lock();
+    if args.json {
+        let per: Vec<&[u64]> = rows.chunks(heads).collect();
+        writeln!(
+            so,
+            "{}",
+            serde_json::json!({"family": "qwen4exp", "ids": ids, "rows": per})
+        )?;
+        return Ok(());
+    }
+    writeln!(
+        so,
+        "qwen4exp: {heads} rows a token (orders 2 to {} x {} heads), ngram_vocab_size_base {base}, eos {eos}, {} rows",
+        hashing.config.ngram_size, hashing.config.heads_per_ngram, hashing.padded_rows
+    )?;
+    for (i, (id, r)) in ids.iter().zip(rows.chunks(heads)).enumerate() {
+        let list: Vec<String> = r.iter().map(u64::to_string).collect();
+        writeln!(so, "position {i} (id {id}): {}", list.join(" "))?;
     }
     Ok(())
 }
