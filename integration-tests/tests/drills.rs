@@ -127,10 +127,21 @@ fn drill_kill_9() {
 }
 
 /// The drills on a Qwen4Exp rack (`engram-bench drill --model qwen4exp`
-/// runs them all): a kill of the primary with its mapping serving, a swap
-/// to another version and back, both donors down with policy zeros (the
-/// outputs after zeros differ for the next 9 positions, through the
-/// convolution, and nowhere else).
+/// runs them all): a kill of the primary over QUIC, and over TLS with 16
+/// sequences prefilling 256 positions each (FP8 answers over 64 KiB), a
+/// kill with its mapping serving, a swap to another version and back, both
+/// donors down with policy zeros (the outputs after zeros differ for the
+/// next 9 positions, through the convolution, and nowhere else).
+#[test]
+fn qwen4exp_drill_kill_9_quic() {
+    drill_on(qwen_env, "kill-9-quic");
+}
+
+#[test]
+fn qwen4exp_drill_kill_9_tls_batch() {
+    drill_on(qwen_env, "kill-9-tls-batch");
+}
+
 #[test]
 fn qwen4exp_drill_kill_9_host() {
     drill_on(qwen_env, "kill-9-host");

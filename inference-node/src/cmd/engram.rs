@@ -159,17 +159,9 @@ pub fn addresses(args: AddressArgs) -> Result<()> {
 /// PLE table, hashed from raw ids as the engines hash them (an EOS starts
 /// a new window).
 fn qwen4exp_addresses(c: &cluster_config::Config, args: &AddressArgs) -> Result<()> {
-    use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
     let m = c.model.as_ref().context("no [model] table")?;
-    let eos = m.eos_token.context("[model] needs eos_token")?;
-    let base = match m.hashing {
-        Preset::Base(b) => b,
-        _ => QWEN38_BASE,
-    };
-    let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
-        base,
-        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
-    })?;
+    let hashing = inference_node::model::ngram::node::hashing_of(m).map_err(anyhow::Error::msg)?;
+    let (base, eos) = (hashing.config.base, hashing.config.eos);
     let ids = match (&args.compressed_ids, &args.token_ids) {
         (Some(_), _) => bail!("a qwen4exp rack hashes raw ids: give --token-ids"),
         (None, Some(list)) => parse_ids(list)?,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use cluster_config::Config;
-use cluster_config::model::{Family, WeightsSource};
+use cluster_config::model::{Family, Model, WeightsSource};
 use engram_protocol::hashing::Preset;
 use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
 use engram_store::table_file::TableFile;
@@ -67,18 +67,8 @@ impl NgramNode {
         let table = config
             .table(route.table)
             .ok_or_else(|| cfg(format!("table {} is not in {at}", route.table)))?;
-        let eos = model
-            .eos_token
-            .ok_or_else(|| cfg(format!("{at}: [model] needs eos_token")))?;
-        let base = match model.hashing {
-            Preset::Base(b) => b,
-            _ => QWEN38_BASE,
-        };
-        let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
-            base,
-            ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
-        })
-        .map_err(|e| cfg(format!("{at}: [model]: {e}")))?;
+        let hashing = hashing_of(&model).map_err(|e| cfg(format!("{at}: {e}")))?;
+        let base = hashing.config.base;
         if table.rows != hashing.padded_rows {
             return Err(cfg(format!(
                 "table {} has {} rows but Qwen4Exp's hashing (ngram_vocab_size_base {base}) addresses {}: \
@@ -198,6 +188,22 @@ impl NgramNode {
         );
         super::run(&clock, &mut fetcher, &self.model, raw, spec, stop, on_step)
     }
+}
+
+/// The Qwen4Exp hashing a `qwen4exp` rack's `[model]` says: its
+/// `eos_token`, and `hash_base` as `ngram_vocab_size_base` (Qwen3.8's
+/// 20,000,000 without one); Qwen3.8-Flash-Next's other constants.
+pub fn hashing_of(model: &Model) -> Result<Qwen4ExpHashing, String> {
+    let eos = model.eos_token.ok_or("[model] needs eos_token")?;
+    let base = match model.hashing {
+        Preset::Base(b) => b,
+        _ => QWEN38_BASE,
+    };
+    Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base,
+        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
+    })
+    .map_err(|e| format!("[model]: {e}"))
 }
 
 /// The table scale `table`'s rows are read with: the config's
