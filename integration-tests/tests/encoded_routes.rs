@@ -351,3 +351,78 @@ fn the_qwen4exp_loop_runs_on_a_real_rack_as_on_local_ram() {
         assert_eq!(want.get(&(0, *index)), Some(v), "sequence 0 at {index}");
     }
 }
+
+/// The library an engine of any family opens (`inference_node::embed::
+/// NodeTables`): on the Qwen4Exp rack it names each table's encoding, row
+/// size and rows; it looks rows up by id at their own size through a donor
+/// over TCP (repeats and the order asked kept); a host-local donor's table
+/// maps here as that donor's memory, rows back to back, each the
+/// generator's; wrong calls are refused by name.
+#[test]
+fn node_tables_give_an_engine_the_rows_of_any_encoding() {
+    use inference_node::embed::{EmbedError, MetricsAt, NodeTables, OpenOptions, RowLayout};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, _) = rack(dir.path());
+    let path = config.path.display().to_string();
+    let _d = DonorProcess::start(&["--config", &path, "--name", "d"]).expect("donor d");
+    let _h = DonorProcess::start(&["--config", &path, "--name", "h"]).expect("donor h");
+    let opts = OpenOptions {
+        metrics: MetricsAt::Off,
+    };
+    let via_d = NodeTables::open(&config.path, "via-d", &opts).expect("open via-d");
+    let info = via_d.tables().expect("tables");
+    assert_eq!(info.len(), 2);
+    for ((id, encoding, seed), t) in TABLES.into_iter().zip(&info) {
+        assert_eq!((t.table, t.layer, t.rows), (id, id, ROWS));
+        assert_eq!((t.encoding, t.row_bytes), (encoding, encoding.row_bytes()));
+        let rows = [5, ROWS - 1, 5, 0, 77];
+        let mut out = vec![0u8; rows.len() * t.row_bytes];
+        let served = via_d
+            .lookup(id, &rows, &mut out, Some(Duration::from_secs(5)))
+            .expect("lookup");
+        assert_eq!(served.sources, ["d"]);
+        assert_eq!(served.rows, 4, "a repeated id is fetched once");
+        assert!(out == expected(id, encoding, seed, &rows), "table {id}");
+        // Bad calls: the table's row size, its row count, a routed table.
+        let e = via_d
+            .lookup(id, &rows, &mut out[1..], None)
+            .expect_err("short");
+        assert!(matches!(e, EmbedError::BadInput(_)), "{e}");
+        let e = via_d
+            .lookup(id, &[ROWS], &mut out[..t.row_bytes], None)
+            .expect_err("past the end");
+        assert!(e.to_string().contains("past table"), "{e}");
+    }
+    let e = via_d
+        .lookup(9, &[1], &mut [0; 160], None)
+        .expect_err("unrouted");
+    assert!(e.to_string().contains("not routed"), "{e}");
+    let e = via_d
+        .table_view(1, Duration::ZERO)
+        .expect_err("no host-local donor");
+    assert!(matches!(e, EmbedError::NoSource(_)), "{e}");
+    via_d.close(Duration::from_secs(1));
+    assert!(matches!(via_d.tables(), Err(EmbedError::Closed)));
+
+    let via_h = NodeTables::open(&config.path, "via-h", &opts).expect("open via-h");
+    for (id, encoding, seed) in TABLES {
+        let view = via_h
+            .table_view(id, Duration::from_secs(10))
+            .expect("the host-local donor's table");
+        assert!(view.shared());
+        assert_eq!(view.encoding(), encoding);
+        assert_eq!(view.row_bytes(), encoding.row_bytes());
+        assert_eq!(
+            view.layout(),
+            RowLayout::Encoded {
+                row_bytes: encoding.row_bytes()
+            }
+        );
+        let all: Vec<u64> = (0..ROWS).collect();
+        let n = ROWS as usize * encoding.row_bytes();
+        assert!(
+            view.bytes()[..n] == expected(id, encoding, seed, &all)[..],
+            "table {id}: the donor's memory is the table's rows back to back"
+        );
+    }
+}

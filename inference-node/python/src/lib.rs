@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 use std::sync::mpsc::{Sender, channel};
 use std::time::Duration;
 
+use engram_protocol::encoding::RowEncoding;
 use engram_sync::Mutex;
 use inference_node::embed::{
     self, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, RowLayout, Segment,
@@ -70,6 +71,19 @@ fn err(e: EmbedError) -> PyErr {
         EmbedError::Closed => ClosedError::new_err(m),
         EmbedError::Internal(_) => EngramError::new_err(m),
     }
+}
+
+/// Where `/metrics` goes: None (the config's address), "off" or IP:PORT.
+fn metrics_at(metrics: Option<&str>) -> PyResult<MetricsAt> {
+    Ok(match metrics {
+        None => MetricsAt::Config,
+        Some("off") => MetricsAt::Off,
+        Some(a) => MetricsAt::Addr(a.parse().map_err(|_| {
+            bad(format!(
+                "metrics {a:?} is not \"off\" or an IP:PORT address"
+            ))
+        })?),
+    })
 }
 
 fn bad(m: String) -> PyErr {
@@ -198,15 +212,7 @@ impl Memory {
         node: String,
         metrics: Option<String>,
     ) -> PyResult<Self> {
-        let metrics = match metrics.as_deref() {
-            None => MetricsAt::Config,
-            Some("off") => MetricsAt::Off,
-            Some(a) => MetricsAt::Addr(a.parse().map_err(|_| {
-                bad(format!(
-                    "metrics {a:?} is not \"off\" or an IP:PORT address"
-                ))
-            })?),
-        };
+        let metrics = metrics_at(metrics.as_deref())?;
         let inner = py
             .detach(|| EmbeddedNode::open_with(&config, &node, &OpenOptions { metrics }))
             .map_err(err)?;
@@ -410,6 +416,107 @@ impl Memory {
     }
 }
 
+/// A node's tables for an engine of any model family (see
+/// `engram_rack.Tables`): what each is, rows by id, host-local views.
+#[pyclass(name = "Tables", module = "engram_rack._native", frozen)]
+struct Tables {
+    inner: Arc<embed::NodeTables>,
+}
+
+#[pymethods]
+impl Tables {
+    /// Open node `node` of the cluster config `config`. `metrics`: None
+    /// (the node's address in the config), "off", or "IP:PORT".
+    #[staticmethod]
+    #[pyo3(signature = (config, node, metrics=None))]
+    fn open(
+        py: Python<'_>,
+        config: PathBuf,
+        node: String,
+        metrics: Option<String>,
+    ) -> PyResult<Self> {
+        let metrics = metrics_at(metrics.as_deref())?;
+        let inner = py
+            .detach(|| embed::NodeTables::open(&config, &node, &OpenOptions { metrics }))
+            .map_err(err)?;
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The node's name.
+    #[getter]
+    fn node(&self) -> String {
+        self.inner.node().to_string()
+    }
+
+    /// Every routed table: dicts of table, layer, rows, row_bytes,
+    /// encoding, values, tensor_scale and policy.
+    fn tables<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        let mut out = Vec::new();
+        for t in self.inner.tables().map_err(err)? {
+            let d = pyo3::types::PyDict::new(py);
+            d.set_item("table", t.table)?;
+            d.set_item("layer", t.layer)?;
+            d.set_item("rows", t.rows)?;
+            d.set_item("row_bytes", t.row_bytes)?;
+            d.set_item("encoding", t.encoding.name())?;
+            d.set_item("values", t.encoding.values())?;
+            d.set_item("tensor_scale", t.tensor_scale)?;
+            d.set_item("policy", t.policy.to_string())?;
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    /// Table `table`'s rows `ids` (a uint64 buffer) into `out` (a writable
+    /// uint8 buffer of len(ids) x row_bytes), waiting (GIL released) at
+    /// most `timeout` seconds.
+    #[pyo3(signature = (table, ids, out, timeout=None))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        table: u32,
+        ids: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Served> {
+        let t = self::timeout(timeout)?;
+        let i = buffer::<u64>(ids, "ids", "row ids are uint64 (numpy.uint64)", false)?;
+        let o = buffer::<u8>(out, "out", ROWS, true)?;
+        apart(&i, &o)?;
+        // SAFETY: both held for the call; the caller does not write them meanwhile.
+        let (is, os) = unsafe { (slice(&i), slice_mut(&o)) };
+        let s = py
+            .detach(|| self.inner.lookup(table, is, os, t))
+            .map_err(err)?;
+        Ok(s.into())
+    }
+
+    /// Table `table` as this process maps it (a host-local donor's memory,
+    /// or the node's own copy): a read-only buffer. Waits up to `wait`
+    /// seconds for a host socket to hand it over.
+    #[pyo3(signature = (table, wait=5.0))]
+    fn table_view(&self, py: Python<'_>, table: u32, wait: f64) -> PyResult<TableView> {
+        let w = timeout(Some(wait))?.unwrap_or_default();
+        let inner = py.detach(|| self.inner.table_view(table, w)).map_err(err)?;
+        Ok(TableView { inner })
+    }
+
+    /// The node's metric series, Prometheus' text format.
+    fn metrics_text(&self) -> PyResult<String> {
+        self.inner.metrics_text().map_err(err)
+    }
+
+    /// Let lookups in flight end (at most `drain` seconds), then stop.
+    #[pyo3(signature = (drain=2.0))]
+    fn close(&self, py: Python<'_>, drain: f64) -> PyResult<()> {
+        let d = timeout(Some(drain))?.unwrap_or_default();
+        py.detach(|| self.inner.close(d));
+        Ok(())
+    }
+}
+
 /// A table's mapped memory (see `engram_rack.Memory.table_view`): a
 /// read-only buffer that holds the memory while any view of it lives.
 #[pyclass(name = "TableView", module = "engram_rack._native", frozen)]
@@ -482,6 +589,24 @@ impl TableView {
     #[getter]
     fn layout(&self) -> &'static str {
         self.inner.layout().name()
+    }
+
+    /// Bytes per row (264 but for an encoded table's).
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+
+    /// How its rows are encoded (e.g. "fp8_per_tensorx160").
+    #[getter]
+    fn encoding(&self) -> String {
+        self.inner.encoding().name()
+    }
+
+    /// Its F32 scale, for an encoding with one (None for the others).
+    #[getter]
+    fn tensor_scale(&self) -> Option<f32> {
+        self.inner.tensor_scale()
     }
 
     /// Where a planar table's scale bytes start (None for the others).
@@ -571,6 +696,23 @@ struct Served {
     messages: u32,
     rows: usize,
     elapsed: f64,
+}
+
+impl From<embed::Served> for Served {
+    fn from(s: embed::Served) -> Self {
+        Self {
+            layer: s.layer,
+            table: s.table,
+            sources: s.sources,
+            hedges: s.hedges,
+            failovers: s.failovers,
+            late: s.late,
+            zeros: s.zeros,
+            messages: s.messages,
+            rows: s.rows,
+            elapsed: s.elapsed.as_secs_f64(),
+        }
+    }
 }
 
 #[pymethods]
@@ -667,18 +809,7 @@ impl Ticket {
         // rows are being written (the GIL is released meanwhile).
         let dst = unsafe { slice_mut(&buf) };
         let s = py.detach(|| self.inner.wait(layer, dst, t)).map_err(err)?;
-        Ok(Served {
-            layer: s.layer,
-            table: s.table,
-            sources: s.sources,
-            hedges: s.hedges,
-            failovers: s.failovers,
-            late: s.late,
-            zeros: s.zeros,
-            messages: s.messages,
-            rows: s.rows,
-            elapsed: s.elapsed.as_secs_f64(),
-        })
+        Ok(s.into())
     }
 
     /// Call `callback()` (with the GIL, on a notifier thread) once
@@ -711,38 +842,53 @@ fn dequantize_f32(py: Python<'_>, rows: &Bound<'_, PyAny>, out: &Bound<'_, PyAny
 
 /// Dequantize rows into `out` as bf16 bit patterns (a uint16 or int16
 /// buffer: numpy has no bfloat16; view a torch bfloat16 tensor as int16).
+/// Rows are V4.1's (264 bytes) unless `encoding` names another (e.g.
+/// "fp8_per_tensorx160", with the table's `tensor_scale`).
 #[pyfunction]
+#[pyo3(signature = (rows, out, encoding=None, tensor_scale=None))]
 fn dequantize_bf16(
     py: Python<'_>,
     rows: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
+    encoding: Option<&str>,
+    tensor_scale: Option<f32>,
 ) -> PyResult<()> {
+    let encoding = encoding
+        .map(|e| RowEncoding::parse(e).map_err(|e| bad(e.to_string())))
+        .transpose()?;
     let r = buffer::<u8>(rows, "rows", ROWS, false)?;
-    let o = match buffer::<u16>(out, "out", BF16, true) {
-        Ok(o) => o,
+    let run = |os: &mut [u16]| {
+        // SAFETY: held for the call; the caller does not write it meanwhile.
+        let rs = unsafe { slice(&r) };
+        py.detach(|| match encoding {
+            Some(e) => embed::dequantize_encoded_bf16(e, tensor_scale, rs, os),
+            None => embed::dequantize_bf16(rs, os),
+        })
+        .map_err(err)
+    };
+    match buffer::<u16>(out, "out", BF16, true) {
+        Ok(o) => {
+            apart(&r, &o)?;
+            // SAFETY: held for the call.
+            run(unsafe { slice_mut(&o) })
+        }
         Err(e) => {
             // Same bits, other sign convention: reinterpret an int16 buffer.
             let signed = buffer::<i16>(out, "out", BF16, true).map_err(|_| e)?;
             apart(&r, &signed)?;
             // SAFETY: held for the call; i16 and u16 share size and alignment.
-            let os = unsafe {
+            run(unsafe {
                 std::slice::from_raw_parts_mut(signed.buf_ptr().cast::<u16>(), signed.item_count())
-            };
-            // SAFETY: as above.
-            let rs = unsafe { slice(&r) };
-            return py.detach(|| embed::dequantize_bf16(rs, os)).map_err(err);
+            })
         }
-    };
-    apart(&r, &o)?;
-    // SAFETY: both held for the call.
-    let (rs, os) = unsafe { (slice(&r), slice_mut(&o)) };
-    py.detach(|| embed::dequantize_bf16(rs, os)).map_err(err)
+    }
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Memory>()?;
+    m.add_class::<Tables>()?;
     m.add_class::<Ticket>()?;
     m.add_class::<Served>()?;
     m.add_class::<TableView>()?;

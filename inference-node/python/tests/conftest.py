@@ -8,6 +8,7 @@ target/release); build them first with `cargo build --release --workspace`.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -127,14 +128,30 @@ class Rack:
 
 
 def read_rows(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Rows of an .etab file: a safetensors header, then 4 KiB pages of 15 rows."""
+    """Rows of an .etab file: a safetensors header, then 4 KiB pages of
+    whole rows (15 of V4.1's 264 bytes; an encoded table's header says its
+    `row_bytes` and `rows_per_page`): (len(ids), row_bytes) uint8."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     header = int.from_bytes(bytes(data[:8]), "little")
+    meta = json.loads(bytes(data[8:8 + header]))["__metadata__"]
+    size, per_page = int(meta.get("row_bytes", 264)), int(meta.get("rows_per_page", 15))
     start = 8 + header
     ids = np.asarray(ids, dtype=np.uint64).ravel()
-    offsets = start + (ids // 15) * 4096 + (ids % 15) * 264
-    idx = offsets[:, None].astype(np.int64) + np.arange(264)[None, :]
+    offsets = start + (ids // per_page) * 4096 + (ids % per_page) * size
+    idx = offsets[:, None].astype(np.int64) + np.arange(size)[None, :]
     return np.asarray(data[idx])
+
+
+def gen_encoded(dir: Path, name: str, layer: int, seed: int, rows: int, encoding: str,
+                tensor_scale: float | None = None) -> tuple[Path, str]:
+    """A synthetic table of `encoding` (`memory-donor gen --encoding`): (path, digest)."""
+    path = dir / name
+    cmd = [binary("memory-donor"), "gen", "--layer", str(layer), "--seed", str(seed),
+           "--rows", str(rows), "--encoding", encoding, "--out", str(path)]
+    if tensor_scale is not None:
+        cmd += ["--tensor-scale", repr(tensor_scale)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
+    return path, out[-1]
 
 
 @pytest.fixture(scope="session")

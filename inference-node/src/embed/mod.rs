@@ -17,6 +17,7 @@
 //! flight end, for a bounded time, then stops the probes and the thread.
 
 pub mod batch;
+pub mod tables;
 mod ticket;
 
 use std::net::SocketAddr;
@@ -26,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cluster_config::Config;
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::hashing::{COLUMNS, ENGRAM_LAYERS, HashParams};
 use engram_protocol::row::{ROW_VALUES, bf16_bits_to_f32, dequantize_row_bf16};
 use engram_protocol::{ROW_BYTES, RowBytes};
@@ -35,6 +37,7 @@ use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 pub use batch::{CONTEXT, MAX_SEGMENTS, NO_ROW, NO_TOKEN, Segment};
+pub use tables::{NodeTables, TableInfo};
 pub use ticket::{POSITION_BYTES, Served, Ticket};
 
 use crate::memory::Routers;
@@ -170,12 +173,7 @@ struct Shared {
     /// Fetches started ever and in flight now (what a warm-up and a
     /// close wait for).
     counts: Arc<FetchCounts>,
-    io: engram_sync::Mutex<
-        Option<(
-            tokio::sync::oneshot::Sender<()>,
-            std::thread::JoinHandle<()>,
-        )>,
-    >,
+    io: IoThread,
 }
 
 /// A node embedded in an engine process: its routers, I/O thread and
@@ -195,17 +193,7 @@ impl EmbeddedNode {
     /// Open node `node` of the cluster config at `config`.
     pub fn open_with(config: &Path, node: &str, opts: &OpenOptions) -> Result<Self, EmbedError> {
         let cfg = Config::load(config).map_err(|e| EmbedError::Config(e.to_string()))?;
-        let n = cfg.node(node).ok_or_else(|| {
-            EmbedError::Config(format!(
-                "node {node:?} is not in {} (nodes: {})",
-                config.display(),
-                cfg.nodes
-                    .iter()
-                    .map(|n| n.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        })?;
+        let n = find_node(&cfg, config, node)?;
         let model = cfg.model.clone().ok_or_else(|| {
             EmbedError::Config(format!(
                 "{}: the Engram memory needs a [model] table: its hashing \
@@ -225,17 +213,7 @@ impl EmbeddedNode {
         };
         let addressing = Addressing { params, map, pad };
         let tokens_per_second = n.tokens_per_second;
-        let metrics_at = match opts.metrics {
-            MetricsAt::Config => n.metrics,
-            MetricsAt::Off => None,
-            MetricsAt::Addr(a) => {
-                // The loopback rule `check` applies to the config's address.
-                cfg.plaintext_bind("metrics: /metrics", a)
-                    .map_err(EmbedError::Config)?;
-                Some(a)
-            }
-        };
-
+        let metrics_at = metrics_address(&cfg, n, opts)?;
         let (handle, stop_tx, thread) = io_thread()?;
 
         let name = node.to_string();
@@ -513,27 +491,10 @@ impl EmbeddedNode {
                     "layer {layer} has no Engram table (layers: {ENGRAM_LAYERS:?})"
                 ))
             })?;
-        let table = open.tables[slot];
-        // Only a host-local donor's table is worth waiting for.
-        let wait = if open.memory.may_view(table) {
-            wait
-        } else {
-            Duration::ZERO
-        };
-        let until = Instant::now() + wait;
-        loop {
-            if let Some(v) = open.memory.table_view(table) {
-                return Ok(v);
-            }
-            if Instant::now() >= until {
-                return Err(EmbedError::NoSource(format!(
-                    "layer {layer}'s table {table} is not in this process's memory: \
-                     no donor on this host shares it through its host socket at the \
-                     pinned version, and the node has no local copy of it"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        view_of(&open.memory, open.tables[slot], wait).map_err(|e| match e {
+            EmbedError::NoSource(m) => EmbedError::NoSource(format!("layer {layer}'s {m}")),
+            e => e,
+        })
     }
 
     /// Each layer's counters since the memory opened.
@@ -574,25 +535,18 @@ impl EmbeddedNode {
     pub fn close(&self, drain: Duration) {
         let open = self.shared.state.write().take();
         let Some(open) = open else { return };
-        let until = Instant::now() + drain;
-        while self.shared.counts.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
-            std::thread::sleep(Duration::from_micros(500));
-        }
-        // Drop the memory (its connections, probe tasks) on its runtime.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
-        self.shared.handle.spawn(async move {
-            if let Some(t) = &open.metrics_task {
-                t.abort();
-            }
-            drop(open);
-            let _ = tx.send(());
-        });
-        let _ = rx.recv_timeout(Duration::from_secs(1));
-        let io = self.shared.io.lock().take();
-        if let Some((stop, thread)) = io {
-            let _ = stop.send(());
-            let _ = thread.join();
-        }
+        drain_and_stop(
+            &self.shared.handle,
+            &self.shared.counts,
+            &self.shared.io,
+            drain,
+            move || {
+                if let Some(t) = &open.metrics_task {
+                    t.abort();
+                }
+                drop(open);
+            },
+        );
     }
 }
 
@@ -650,19 +604,7 @@ async fn build(
     };
     let table_rows = [rows_of(tables[0])?, rows_of(tables[1])?];
     usable_at_start(&routers, &crate::model::v41_slots(tables[0], tables[1]))?;
-    let (metrics_addr, metrics_task) = match metrics_at {
-        Some(a) => {
-            let (bound, task) = crate::memory::serve_metrics(a, metrics.clone())
-                .await
-                .map_err(|e| {
-                    SetupError::Config(format!(
-                        "node {name:?}: binding the metrics address {a}: {e}"
-                    ))
-                })?;
-            (Some(bound), Some(task))
-        }
-        None => (None, None),
-    };
+    let (metrics_addr, metrics_task) = serve_at(metrics_at, &metrics, &name).await?;
     Ok(Open {
         memory,
         routers,
@@ -705,6 +647,47 @@ pub fn dequantize_bf16(rows: &[u8], out: &mut [u16]) -> Result<(), EmbedError> {
 }
 
 /// Check the sizes, then call `f` on every row with its index.
+/// Dequantize rows of `encoding` (`rows.len()` a multiple of its row
+/// size) into `out` as bf16 bit patterns, as the engines compute them;
+/// `tensor_scale` is the table's F32 scale (ignored by encodings without
+/// one; required by those with one).
+pub fn dequantize_encoded_bf16(
+    encoding: RowEncoding,
+    tensor_scale: Option<f32>,
+    rows: &[u8],
+    out: &mut [u16],
+) -> Result<(), EmbedError> {
+    let (size, values) = (encoding.row_bytes(), encoding.values());
+    let scale = match (encoding.has_tensor_scale(), tensor_scale) {
+        (true, None) => {
+            return Err(EmbedError::BadInput(format!(
+                "{} rows need their table's tensor_scale",
+                encoding.name()
+            )));
+        }
+        (_, s) => s.unwrap_or(1.0),
+    };
+    if !rows.len().is_multiple_of(size) || out.len() != rows.len() / size * values {
+        return Err(EmbedError::BadInput(format!(
+            "{} bytes of {} rows ({size} bytes each) and an output of {} values \
+             ({values} per row)",
+            rows.len(),
+            encoding.name(),
+            out.len()
+        )));
+    }
+    for (i, (row, o)) in rows
+        .chunks_exact(size)
+        .zip(out.chunks_exact_mut(values))
+        .enumerate()
+    {
+        encoding
+            .dequantize_bf16(row, scale, o)
+            .map_err(|e| EmbedError::BadInput(format!("row {i}: {e}")))?;
+    }
+    Ok(())
+}
+
 fn each_row(
     rows: &[u8],
     out_len: usize,
@@ -731,6 +714,121 @@ fn each_row(
     }
     Ok(())
 }
+
+/// Node `node` of `cfg` (read from `path`), or which nodes there are.
+fn find_node<'a>(
+    cfg: &'a Config,
+    path: &Path,
+    node: &str,
+) -> Result<&'a cluster_config::Node, EmbedError> {
+    cfg.node(node).ok_or_else(|| {
+        EmbedError::Config(format!(
+            "node {node:?} is not in {} (nodes: {})",
+            path.display(),
+            cfg.nodes
+                .iter()
+                .map(|n| n.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
+}
+
+/// Where `/metrics` is served, as `opts` asks for node `n`.
+fn metrics_address(
+    cfg: &Config,
+    n: &cluster_config::Node,
+    opts: &OpenOptions,
+) -> Result<Option<SocketAddr>, EmbedError> {
+    Ok(match opts.metrics {
+        MetricsAt::Config => n.metrics,
+        MetricsAt::Off => None,
+        MetricsAt::Addr(a) => {
+            // The loopback rule `check` applies to the config's address.
+            cfg.plaintext_bind("metrics: /metrics", a)
+                .map_err(EmbedError::Config)?;
+            Some(a)
+        }
+    })
+}
+
+/// Serve `/metrics` at `at`, if anywhere: the bound address and the task.
+async fn serve_at(
+    at: Option<SocketAddr>,
+    metrics: &Arc<NodeMetrics>,
+    name: &str,
+) -> Result<(Option<SocketAddr>, Option<JoinHandle<()>>), SetupError> {
+    let Some(a) = at else { return Ok((None, None)) };
+    let (bound, task) = crate::memory::serve_metrics(a, metrics.clone())
+        .await
+        .map_err(|e| {
+            SetupError::Config(format!(
+                "node {name:?}: binding the metrics address {a}: {e}"
+            ))
+        })?;
+    Ok((Some(bound), Some(task)))
+}
+
+/// Table `table`'s memory as this process maps it (see
+/// [`EmbeddedNode::table_view`]), waiting up to `wait` when a host-local
+/// donor may hand it over.
+fn view_of(memory: &Routers, table: u32, wait: Duration) -> Result<TableView, EmbedError> {
+    // Only a host-local donor's table is worth waiting for.
+    let wait = if memory.may_view(table) {
+        wait
+    } else {
+        Duration::ZERO
+    };
+    let until = Instant::now() + wait;
+    loop {
+        if let Some(v) = memory.table_view(table) {
+            return Ok(v);
+        }
+        if Instant::now() >= until {
+            return Err(EmbedError::NoSource(format!(
+                "table {table} is not in this process's memory: \
+                 no donor on this host shares it through its host socket at the \
+                 pinned version, and the node has no local copy of it"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Let fetches in flight end (at most `drain`), run `drop_open` on the
+/// I/O runtime (the memory's connections and tasks live there), then stop
+/// the I/O thread.
+fn drain_and_stop(
+    handle: &Handle,
+    counts: &FetchCounts,
+    io: &IoThread,
+    drain: Duration,
+    drop_open: impl FnOnce() + Send + 'static,
+) {
+    let until = Instant::now() + drain;
+    while counts.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+    handle.spawn(async move {
+        drop_open();
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(Duration::from_secs(1));
+    let io = io.lock().take();
+    if let Some((stop, thread)) = io {
+        let _ = stop.send(());
+        let _ = thread.join();
+    }
+}
+
+/// The I/O thread's stop signal and handle, until closed.
+type IoThread = engram_sync::Mutex<
+    Option<(
+        tokio::sync::oneshot::Sender<()>,
+        std::thread::JoinHandle<()>,
+    )>,
+>;
 
 /// The I/O thread (`engram-io`): a current-thread runtime that runs the
 /// memory's fetches until told to stop; its handle, the stop, the thread.

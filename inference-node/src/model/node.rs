@@ -442,7 +442,7 @@ pub(crate) fn layer_tables(
     if model.family != cluster_config::model::Family::DeepseekV41 {
         return Err(cfg(format!(
             "{}: [model] family = {:?}: the node daemon, the libraries and the engine ring run DeepSeek V4.1's model; \
-             this rack's model runs in `inference-node run` and its rows in `inference-node canary` (docs/models.md)",
+             this rack's model runs in `inference-node run`, its rows in `inference-node canary`, and an engine opens its tables with `engram_rack.Tables` (docs/models.md)",
             config.path.display(),
             model.family.name()
         )));

@@ -396,6 +396,21 @@ impl TableView {
         self.table.memory().layout()
     }
 
+    /// Bytes per row (264 but for an encoded table's).
+    pub fn row_bytes(&self) -> usize {
+        self.layout().row_bytes()
+    }
+
+    /// How its rows are encoded.
+    pub fn encoding(&self) -> engram_protocol::encoding::RowEncoding {
+        self.table.encoding
+    }
+
+    /// Its F32 scale, for an encoding with one.
+    pub fn tensor_scale(&self) -> Option<f32> {
+        self.table.tensor_scale.map(f32::from_bits)
+    }
+
     /// Where row `row` starts in [`Self::bytes`] when its 264 bytes are
     /// contiguous (packed or paged), or `None` past the end or for a
     /// planar table ([`Self::offsets`]).

@@ -17,6 +17,11 @@ Every routing rule of the node daemon applies (deadlines, hedging, circuit
 breakers, failover to the SSD copy, table-version pins), with the same
 metrics. See docs/engines.md in the repository for where the calls go in a
 V4.1 forward pass.
+
+`Tables(config, node)` is the same rack for a model of any family (a
+Qwen4Exp rack's n-gram table, rows of any encoding): the engine hashes,
+the rack gives rows by id, and a host-local donor's table maps here as
+its memory (docs/models.md).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ._native import (
 
 __all__ = [
     "Memory",
+    "Tables",
     "Ticket",
     "Served",
     "TableView",
@@ -374,6 +380,99 @@ class Memory:
         """Let fetches in flight end (at most `drain` seconds), then stop the
         probes, the metrics server and the I/O thread. Idempotent."""
         self._m.close(drain)
+
+
+class Tables:
+    """A node's tables for an engine of any model family: `Tables(config,
+    node)` opens them as `Memory` does (every source opened and probed,
+    copies checked), but knows no model's hashing: the engine brings row
+    ids. `tables` says what each is (rows, row_bytes, encoding, values,
+    tensor_scale, policy); `lookup` gives rows by id at their own size;
+    `table_view` maps a host-local donor's table (rows back to back), which
+    an engine's own host-table kernel reads in place. Thread-safe; use as
+    a context manager, or call close().
+    """
+
+    __slots__ = ("_t", "_info")
+
+    def __init__(self, config: str | PathLike, node: str, *, metrics: str | None = None):
+        self._t = _native.Tables.open(str(config), str(node), metrics)
+        self._info = {t["table"]: t for t in self._t.tables()}
+
+    def __enter__(self) -> "Tables":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"engram_rack.Tables(node={self._t.node!r}, tables={sorted(self._info)})"
+
+    @property
+    def node(self) -> str:
+        """The node's name in the config."""
+        return self._t.node
+
+    @property
+    def tables(self) -> list[dict]:
+        """Every routed table, in the config's route order."""
+        return [dict(t) for t in self._info.values()]
+
+    def table(self, table: int) -> dict:
+        """What table `table` is (BadInputError when the node does not route it)."""
+        try:
+            return dict(self._info[int(table)])
+        except KeyError:
+            raise BadInputError(f"table {table} is not routed by node {self.node!r} "
+                                f"(tables: {sorted(self._info)})") from None
+
+    def lookup(self, table: int, ids, out=None, timeout: float | None = None) -> np.ndarray:
+        """Rows `ids` (any shape of non-negative integers) of table `table`,
+        shaped `ids.shape + (row_bytes,)` uint8 (or written into `out`);
+        repeated ids are fetched once. Raises NoSourceError when every
+        source failed under a `fail` policy, DeadlineExceeded past `timeout`."""
+        info = self.table(table)
+        a = np.asarray(ids)
+        if a.dtype.kind not in "iu":
+            raise BadInputError(f"row ids must be integers, got dtype {a.dtype}")
+        if a.size == 0:
+            raise BadInputError("no row ids")
+        if a.dtype.kind == "i" and int(a.min()) < 0:
+            raise BadInputError(f"row id {int(a.min())} is negative")
+        flat = np.ascontiguousarray(a.reshape(-1), dtype=np.uint64)
+        shape = a.shape + (info["row_bytes"],)
+        if out is None:
+            out = np.empty(shape, dtype=np.uint8)
+        self._t.lookup(int(table), flat, out, timeout)
+        return out
+
+    def table_view(self, table: int, wait: float = 5.0) -> TableView:
+        """Table `table` as this process maps it: a host-local donor's
+        memory (one copy for the host; `shared`), else the node's own copy;
+        NoSourceError when neither holds it. Read-only."""
+        return self._t.table_view(int(table), wait)
+
+    def dequantize(self, table: int, rows, out=None) -> np.ndarray:
+        """Rows of table `table` (uint8, last axis row_bytes) to their values
+        as bf16 bit patterns (uint16, last axis `values`), as the engines
+        compute them (the table's tensor_scale applied)."""
+        info = self.table(table)
+        r = np.ascontiguousarray(np.asarray(rows))
+        if r.dtype != np.uint8 or r.ndim == 0 or r.shape[-1] != info["row_bytes"]:
+            raise BadInputError(f"rows must be uint8 with a last axis of {info['row_bytes']}, "
+                                f"got {r.dtype} {r.shape}")
+        if out is None:
+            out = np.empty(r.shape[:-1] + (info["values"],), dtype=np.uint16)
+        _native.dequantize_bf16(r, out, info["encoding"], info["tensor_scale"])
+        return out
+
+    def metrics(self) -> str:
+        """The node's metric series, Prometheus' text format."""
+        return self._t.metrics_text()
+
+    def close(self, drain: float = 2.0) -> None:
+        """Let lookups in flight end (at most `drain` seconds), then stop. Idempotent."""
+        self._t.close(drain)
 
 
 def dequantize(rows, out=None, dtype="float32") -> np.ndarray:

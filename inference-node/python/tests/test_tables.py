@@ -1,0 +1,133 @@
+"""engram_rack.Tables on a Qwen4Exp rack (docs/models.md): one table of
+each encoding (FP8 with its table scale, BF16, NVFP4), a donor over TCP and
+a host-local donor; rows by id equal the table files' at their own row
+size, a host-local donor's table maps here as its memory, values are the
+engines', and bad calls are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engram_rack as er
+from conftest import Donor, free_port, gen_encoded, read_rows
+
+ROWS = 3000
+#: table id = layer: (encoding, table scale, seed).
+TABLES = {1: ("fp8_per_tensorx160", 0.5, 5), 2: ("bf16x160", None, 6),
+          3: ("nvfp4_e4m3_16x160", 0.25, 7)}
+
+
+@pytest.fixture
+def qwen_rack(tmp_path):
+    """Donor `d` (TCP) and `h` (TCP and a host socket) serving all three
+    tables; node `via-d` routes them to d, `via-h` to h, `ref` to local RAM."""
+    text = 'version = 1\n[rack]\nname = "q"\n'
+    paths = {}
+    for t, (enc, scale, seed) in TABLES.items():
+        path, digest = gen_encoded(tmp_path, f"t{t}.etab", t, seed, ROWS, enc, scale)
+        paths[t] = path
+        text += (f'[[table]]\nid = {t}\nlayer = {t}\npath = "{path}"\nrows = {ROWS}\n'
+                 f'digest = "{digest}"\nencoding = "{enc}"\n'
+                 + (f"tensor_scale = {scale}\n" if scale is not None else ""))
+    sock = tmp_path / "h.sock"
+    text += (f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{free_port()}"]\ntables = [1, 2, 3]\n'
+             'ram_gib = 1.0\nmax_rows = 500\n'
+             f'[[donor]]\nname = "h"\nlisten = ["127.0.0.1:{free_port()}", "unix://{sock}"]\n'
+             'tables = [1, 2, 3]\nram_gib = 1.0\nmax_rows = 500\n')
+    for node, src in (("via-d", "d"), ("via-h", "h"), ("ref", "local")):
+        text += f'[[node]]\nname = "{node}"\ntokens_per_second = 100\nprobe_interval_ms = 200\n'
+        for t in TABLES:
+            text += f'[[node.route]]\ntable = {t}\nsources = ["{src}"]\nhedge = "off"\n'
+    text += '[model]\nfamily = "qwen4exp"\neos_token = 7\nhash_base = 1000\n'
+    config = tmp_path / "rack.toml"
+    config.write_text(text)
+    donors = [Donor(config, "d"), Donor(config, "h")]
+    yield config, paths
+    for d in donors:
+        d.stop()
+
+
+def test_rows_by_id_of_every_encoding_are_the_table_files(qwen_rack):
+    config, paths = qwen_rack
+    rng = np.random.default_rng(3)
+    with er.Tables(config, "via-d", metrics="off") as t:
+        info = {x["table"]: x for x in t.tables}
+        assert {k: (v["encoding"], v["row_bytes"], v["rows"]) for k, v in info.items()} == {
+            1: ("fp8_per_tensorx160", 160, ROWS), 2: ("bf16x160", 320, ROWS),
+            3: ("nvfp4_e4m3_16x160", 90, ROWS)}
+        assert info[1]["tensor_scale"] == 0.5 and info[2]["tensor_scale"] is None
+        for table in TABLES:
+            # A batch of 5 positions x 16 heads (Qwen4Exp's rows a token), repeats included.
+            ids = rng.integers(0, ROWS, (5, 16))
+            ids[0, 1] = ids[0, 0]
+            rows = t.lookup(table, ids, timeout=5)
+            assert rows.shape == (5, 16, info[table]["row_bytes"])
+            want = read_rows(paths[table], ids.ravel()).reshape(rows.shape)
+            np.testing.assert_array_equal(rows, want)
+
+
+def test_a_host_local_donors_table_maps_here_as_its_rows(qwen_rack):
+    config, paths = qwen_rack
+    with er.Tables(config, "via-h", metrics="off") as t:
+        for table, (enc, scale, _) in TABLES.items():
+            v = t.table_view(table, wait=10)
+            assert v.shared and v.layout == "packed" and v.encoding == enc
+            assert v.tensor_scale == scale
+            size = v.row_bytes
+            mem = np.frombuffer(v, dtype=np.uint8)[:ROWS * size].reshape(ROWS, size)
+            np.testing.assert_array_equal(mem, read_rows(paths[table], np.arange(ROWS)))
+            assert v.offset(17) == 17 * size
+            with pytest.raises(ValueError):
+                mem[0, 0] = 1  # the donor's memory is read-only here
+    with er.Tables(config, "via-d", metrics="off") as t:
+        with pytest.raises(er.NoSourceError, match="not in this process's memory"):
+            t.table_view(1, wait=0)
+
+
+def _e4m3(codes: np.ndarray) -> np.ndarray:
+    """E4M3FN codes to float32 (no NaN code in a generated table)."""
+    c = codes.astype(np.int32)
+    e, m = (c >> 3) & 15, (c & 7).astype(np.float32)
+    mag = np.where(e == 0, m * 2.0 ** -9, (8 + m) * 2.0 ** (e.astype(np.float32) - 10))
+    return np.where(c >> 7, -mag, mag).astype(np.float32)
+
+
+def test_values_are_the_engines(qwen_rack):
+    """FP8: each code times the table scale (0.5: exact in bf16); BF16:
+    the row's own bits."""
+    config, paths = qwen_rack
+    with er.Tables(config, "ref", metrics="off") as t:
+        ids = np.arange(0, ROWS, 97)
+        fp8 = t.lookup(1, ids)
+        got = t.dequantize(1, fp8)
+        want = (_e4m3(fp8) * np.float32(0.5)).view(np.uint32) >> 16
+        np.testing.assert_array_equal(got, want.astype(np.uint16))
+        bf = t.lookup(2, ids)
+        np.testing.assert_array_equal(t.dequantize(2, bf), bf.view(np.uint16))
+        assert t.dequantize(3, t.lookup(3, ids)).shape == (len(ids), 160)
+
+
+def test_bad_calls_are_refused_by_name(qwen_rack):
+    config, _ = qwen_rack
+    with er.Tables(config, "via-d", metrics="off") as t:
+        with pytest.raises(er.BadInputError, match="not routed"):
+            t.lookup(9, [1])
+        with pytest.raises(er.BadInputError, match="negative"):
+            t.lookup(1, [-1])
+        with pytest.raises(er.BadInputError, match="past table 1"):
+            t.lookup(1, [ROWS])
+        with pytest.raises(er.BadInputError, match="bytes"):
+            t.lookup(1, [1, 2], out=np.zeros((2, 150), np.uint8))
+        with pytest.raises(er.BadInputError, match="integers"):
+            t.lookup(1, [1.5])
+        with pytest.raises(er.BadInputError, match="last axis of 90"):
+            t.dequantize(3, np.zeros((1, 160), np.uint8))
+    with pytest.raises(er.ConfigError, match="node \"nope\""):
+        er.Tables(config, "nope")
+    # V4.1's memory names what opens this rack.
+    with pytest.raises(er.ConfigError, match="engram_rack.Tables"):
+        er.Memory(config, "via-d", metrics="off")
+    t.close()
+    with pytest.raises(er.ClosedError):
+        t.lookup(1, [1])
