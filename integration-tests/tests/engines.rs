@@ -206,3 +206,100 @@ fn the_python_package_passes_its_tests() {
     let status = cmd.status().expect("run pytest");
     assert!(status.success(), "the engram_rack pytest suite failed");
 }
+
+/// The C library's tables for any model family, on a Qwen4Exp rack (an
+/// FP8 table with its scale and an NVFP4 table): each described, its rows
+/// by id the generator's (checked by hash), a host-local donor's table
+/// mapped with its row size, bad calls refused.
+#[test]
+fn the_c_library_gives_a_qwen4exp_racks_rows_of_any_encoding() {
+    use engram_protocol::encoding::RowEncoding;
+    use engram_protocol::synthetic::synthetic_encoded_row;
+    use rack_harness::rack_toml::{DonorEntry, ModelSection};
+    let dir = tempfile::tempdir().expect("tempdir");
+    const ROWS: u64 = 4_000;
+    let tables = [
+        (
+            1,
+            RowEncoding::Fp8PerTensor { values: 160 },
+            3,
+            Some(0.0123),
+        ),
+        (2, RowEncoding::Nvfp4 { values: 160 }, 4, Some(0.0123)),
+    ];
+    let mut toml = RackToml::new("q");
+    for (id, enc, seed, scale) in tables {
+        let (path, digest) = rack_harness::gen_encoded_table(
+            dir.path(),
+            &format!("t{id}.etab"),
+            id,
+            enc,
+            ROWS,
+            seed,
+        )
+        .expect("gen");
+        toml.table.push(TableEntry {
+            encoding: Some(enc.name()),
+            tensor_scale: scale,
+            ..TableEntry::new(id, path, ROWS, digest)
+        });
+    }
+    let sock = dir.path().join("h.sock");
+    let port = || format!("127.0.0.1:{}", rack_harness::free_port().expect("port"));
+    toml.donor = vec![DonorEntry::new(
+        "h",
+        [port(), format!("unix://{}", s(&sock))],
+        [1, 2],
+    )];
+    toml.node = vec![
+        NodeEntry::new(
+            "via-h",
+            vec![RouteEntry::new(1, ["h"]), RouteEntry::new(2, ["h"])],
+        ),
+        NodeEntry::new(
+            "ssd",
+            vec![RouteEntry::new(1, ["ssd"]), RouteEntry::new(2, ["ssd"])],
+        ),
+    ];
+    toml.model = Some(ModelSection {
+        family: Some("qwen4exp".into()),
+        eos_token: Some(7),
+        ..ModelSection::default()
+    });
+    let config = write_rack(dir.path(), &toml);
+    let _donor = DonorProcess::start(&["--config", &s(&config), "--name", "h"]).expect("donor");
+    let prog = compile(
+        "inference-node/capi/tests/c/engram_test.c",
+        &dir.path().join("engram_test"),
+    );
+    let fnv = |b: &[u8]| {
+        b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+            (h ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    let c = s(&config);
+    for (node, shared) in [("via-h", "1"), ("ssd", "0")] {
+        let text = c_test(&prog, &["tables", &c, node, shared]);
+        for (id, enc, seed, _) in tables {
+            let mut want = Vec::new();
+            for r in [0, 7, ROWS - 1, 7] {
+                let mut row = vec![0u8; enc.row_bytes()];
+                assert!(synthetic_encoded_row(enc, seed, id, r, &mut row));
+                want.extend_from_slice(&row);
+            }
+            let line = format!(
+                "table {id}: layer {id}, {ROWS} rows of {} bytes, {}",
+                enc.row_bytes(),
+                enc.name()
+            );
+            assert!(text.contains(&line), "{node}: {line}\n{text}");
+            let hash = format!("rows-fnv {:016x}", fnv(&want));
+            assert!(text.contains(&hash), "{node}, table {id}: {hash}\n{text}");
+        }
+        assert_eq!(
+            text.matches("view shared 1, packed 1").count(),
+            if shared == "1" { 2 } else { 0 },
+            "{text}"
+        );
+    }
+}

@@ -57,6 +57,9 @@ typedef enum {
 // A node's Engram memory. Opaque.
 typedef struct engram_memory engram_memory;
 
+// A node's tables, for an engine of any model family. Opaque.
+typedef struct engram_node_tables engram_node_tables;
+
 // Both layers' rows of one prefetch, on their way. Opaque.
 typedef struct engram_ticket engram_ticket;
 
@@ -133,6 +136,9 @@ typedef struct {
   uint8_t planar;
   // Where a planar table's scale bytes start in `data`; 0 otherwise.
   uint64_t scales_at;
+  // Bytes per row: 264, or an encoded table's (a Qwen4Exp table's 160,
+  // 320 or 90), whose rows lie back to back (`packed` is 1).
+  uint64_t row_bytes;
 } engram_table_info;
 
 // One layer's counters since the memory opened.
@@ -158,6 +164,29 @@ typedef struct {
   // Fetches that failed (policy `fail`).
   uint64_t failed;
 } engram_layer_stats;
+
+// What one routed table is (`engram_node_tables_info`).
+typedef struct {
+  // The table id.
+  uint32_t table;
+  // The model layer.
+  uint32_t layer;
+  // Rows in the table (ids at or past this are refused).
+  uint64_t rows;
+  // Bytes per row.
+  uint32_t row_bytes;
+  // Values per row, dequantized.
+  uint32_t values;
+  // The rows' encoding, NUL-terminated (e.g. "fp8_per_tensorx160").
+  char encoding[32];
+  // 1 when the encoding has a table scale (`tensor_scale` is it).
+  uint8_t has_tensor_scale;
+  // 1 when a lookup whose sources all failed gives zeros (policy
+  // `zeros`); 0 for `fail`.
+  uint8_t zeros_policy;
+  // The table's F32 scale, for an encoding with one; 1.0 otherwise.
+  float tensor_scale;
+} engram_table_desc;
 
 #ifdef __cplusplus
 extern "C" {
@@ -379,6 +408,91 @@ engram_status engram_stats(const engram_memory *mem, engram_layer_stats *stats);
 // `mem` as for `engram_close`; `buf` holds `cap` writable bytes; `needed`
 // is NULL or writable.
 engram_status engram_metrics(const engram_memory *mem, char *buf, size_t cap, size_t *needed);
+
+// Open node `node` of the cluster config at `config` for an engine of
+// any model family (flags: `ENGRAM_METRICS_OFF`). On success `*out` owns
+// new tables (free them with `engram_node_tables_free`).
+//
+// # Safety
+// `config` and `node` are NUL-terminated strings; `out` points to
+// writable storage for one pointer.
+engram_status engram_node_tables_open(const char *config,
+                                      const char *node,
+                                      uint32_t flags,
+                                      engram_node_tables **out);
+
+// How many tables the node routes, into `*count`.
+//
+// # Safety
+// `t` is NULL or tables not yet freed; `count` is writable.
+engram_status engram_node_tables_count(const engram_node_tables *t, size_t *count);
+
+// What the `index`-th routed table is (in the config's route order), into
+// `*desc`.
+//
+// # Safety
+// `t` as for `engram_node_tables_count`; `desc` is writable.
+engram_status engram_node_tables_info(const engram_node_tables *t,
+                                      size_t index,
+                                      engram_table_desc *desc);
+
+// Table `table`'s rows `ids[0..n_ids)` into `out` (`out_len` must be
+// `n_ids` x the table's row size), in the order asked (repeated ids are
+// fetched once), waiting at most `timeout_us` (`ENGRAM_NO_DEADLINE`:
+// until the fetch ends); `served` (may be NULL) says how.
+//
+// # Safety
+// `t` as for `engram_node_tables_count`; the arrays hold the lengths
+// given; `served` is NULL or writable.
+engram_status engram_node_tables_lookup(const engram_node_tables *t,
+                                        uint32_t table,
+                                        const uint64_t *ids,
+                                        size_t n_ids,
+                                        uint8_t *out,
+                                        size_t out_len,
+                                        int64_t timeout_us,
+                                        engram_served *served);
+
+// Table `table` as this process maps it (a host-local donor's memory, or
+// the node's own copy), waiting up to `wait_ms` for a host socket to hand
+// it over; read it with `engram_view_info` (an encoded table's rows lie
+// back to back, `row_bytes` each) and free it with `engram_view_free`.
+//
+// # Safety
+// `t` as for `engram_node_tables_count`; `out` points to writable storage
+// for one pointer.
+engram_status engram_node_tables_view(const engram_node_tables *t,
+                                      uint32_t table,
+                                      uint64_t wait_ms,
+                                      engram_view **out);
+
+// Close: let lookups in flight end (at most `drain_ms`), then stop. The
+// handle stays valid (calls return `ENGRAM_CLOSED`) until freed.
+//
+// # Safety
+// `t` as for `engram_node_tables_count`.
+engram_status engram_node_tables_close(engram_node_tables *t, uint64_t drain_ms);
+
+// Free tables (closing them first, with a 2 s drain). NULL is a no-op.
+//
+// # Safety
+// `t` is NULL or tables not yet freed; no other thread uses them during
+// or after this call.
+void engram_node_tables_free(engram_node_tables *t);
+
+// Dequantize `rows_len` bytes of rows of encoding `encoding` (a name, as
+// `engram_table_desc.encoding`) into `out` as bf16 bit patterns
+// (`out_len` must be rows x values), as the engines compute them;
+// `tensor_scale` is the table's scale (for an encoding with one).
+//
+// # Safety
+// `encoding` is a NUL-terminated string; the arrays hold the lengths given.
+engram_status engram_dequantize_encoded_bf16(const char *encoding,
+                                             float tensor_scale,
+                                             const uint8_t *rows,
+                                             size_t rows_len,
+                                             uint16_t *out,
+                                             size_t out_len);
 
 #ifdef __cplusplus
 }  // extern "C"

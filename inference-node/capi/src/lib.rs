@@ -27,8 +27,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use inference_node::embed::{
-    self, CONTEXT, EmbedError, EmbeddedNode, MetricsAt, OpenOptions, RowLayout, Segment, Ticket,
+    self, CONTEXT, EmbedError, EmbeddedNode, MetricsAt, NodeTables, OpenOptions, RowLayout,
+    Segment, Ticket,
 };
+
+mod tables;
+pub use tables::*;
 
 /// What a call came to.
 #[repr(C)]
@@ -129,6 +133,9 @@ pub struct engram_table_info {
     pub planar: u8,
     /// Where a planar table's scale bytes start in `data`; 0 otherwise.
     pub scales_at: u64,
+    /// Bytes per row: 264, or an encoded table's (a Qwen4Exp table's 160,
+    /// 320 or 90), whose rows lie back to back (`packed` is 1).
+    pub row_bytes: u64,
 }
 
 /// One sequence's part of a batch: `len` positions, after `context`, the
@@ -656,30 +663,35 @@ pub unsafe extern "C" fn engram_wait(
             Ok(s) => {
                 // SAFETY: NULL or writable (the caller's promise).
                 if let Some(dst) = unsafe { served.as_mut() } {
-                    let mut source = [0 as c_char; 64];
-                    let name = s.sources.first().map_or("", String::as_str);
-                    for (d, &b) in source.iter_mut().zip(name.as_bytes().iter().take(63)) {
-                        *d = b as c_char;
-                    }
-                    *dst = engram_served {
-                        layer: s.layer,
-                        table: s.table,
-                        source,
-                        sources: s.sources.len() as u32,
-                        hedges: s.hedges,
-                        failovers: s.failovers,
-                        messages: s.messages,
-                        late: u8::from(s.late),
-                        zeros: u8::from(s.zeros),
-                        rows: s.rows as u64,
-                        elapsed_ns: s.elapsed.as_nanos().min(u128::from(u64::MAX)) as u64,
-                    };
+                    *dst = served_of(&s);
                 }
                 ENGRAM_OK
             }
             Err(e) => fail(e),
         }
     })
+}
+
+/// What C is told of how rows were served.
+fn served_of(s: &embed::Served) -> engram_served {
+    let mut source = [0 as c_char; 64];
+    let name = s.sources.first().map_or("", String::as_str);
+    for (d, &b) in source.iter_mut().zip(name.as_bytes().iter().take(63)) {
+        *d = b as c_char;
+    }
+    engram_served {
+        layer: s.layer,
+        table: s.table,
+        source,
+        sources: s.sources.len() as u32,
+        hedges: s.hedges,
+        failovers: s.failovers,
+        messages: s.messages,
+        late: u8::from(s.late),
+        zeros: u8::from(s.zeros),
+        rows: s.rows as u64,
+        elapsed_ns: s.elapsed.as_nanos().min(u128::from(u64::MAX)) as u64,
+    }
 }
 
 /// 1 when `layer`'s fetch has ended, 0 when not, -1 on a bad argument.
@@ -826,6 +838,7 @@ pub unsafe extern "C" fn engram_view_info(
                 RowLayout::Planar { scales_at } => scales_at as u64,
                 _ => 0,
             },
+            row_bytes: v.row_bytes() as u64,
         };
         // SAFETY: `info` is writable (the caller's promise).
         unsafe { info.write(i) };

@@ -72,7 +72,7 @@ def test_a_host_local_donors_table_maps_here_as_its_rows(qwen_rack):
     with er.Tables(config, "via-h", metrics="off") as t:
         for table, (enc, scale, _) in TABLES.items():
             v = t.table_view(table, wait=10)
-            assert v.shared and v.layout == "packed" and v.encoding == enc
+            assert v.shared and v.packed and v.layout == "packed" and v.encoding == enc
             assert v.tensor_scale == scale
             size = v.row_bytes
             mem = np.frombuffer(v, dtype=np.uint8)[:ROWS * size].reshape(ROWS, size)
@@ -80,6 +80,12 @@ def test_a_host_local_donors_table_maps_here_as_its_rows(qwen_rack):
             assert v.offset(17) == 17 * size
             with pytest.raises(ValueError):
                 mem[0, 0] = 1  # the donor's memory is read-only here
+    # The node's own local copy: this process's memory, rows back to back too.
+    with er.Tables(config, "ref", metrics="off") as t:
+        v = t.table_view(3, wait=0)
+        assert not v.shared and v.packed and v.row_bytes == 90
+        mem = np.frombuffer(v, dtype=np.uint8)[:ROWS * 90].reshape(ROWS, 90)
+        np.testing.assert_array_equal(mem, read_rows(paths[3], np.arange(ROWS)))
     with er.Tables(config, "via-d", metrics="off") as t:
         with pytest.raises(er.NoSourceError, match="not in this process's memory"):
             t.table_view(1, wait=0)

@@ -385,10 +385,10 @@ impl TableView {
         self.shared
     }
 
-    /// True when rows are back to back; false for 15 rows to a 4 KiB page
-    /// or planar.
+    /// True when rows are back to back (V4.1's, or an encoded table's at
+    /// its own row size); false for a file's pages or planar.
     pub fn packed(&self) -> bool {
-        self.table.memory().is_packed()
+        matches!(self.layout(), RowLayout::Packed | RowLayout::Encoded { .. })
     }
 
     /// How the rows lie in [`Self::bytes`].

@@ -11,6 +11,7 @@
  *   engram_test leak CONFIG NODE LOOKUPS
  *   engram_test view CONFIG NODE L1.etab L14.etab SHARED
  *   engram_test rowids CONFIG NODE
+ *   engram_test tables CONFIG NODE SHARED
  */
 #include <dirent.h>
 #include <math.h>
@@ -514,9 +515,82 @@ static int cmd_rowids(char **a, int n) {
     return failures ? 1 : 0;
 }
 
+static uint64_t fnv64(const uint8_t *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* A node's tables for any model family: each routed table described, rows
+ * by id at its own row size (printed as an FNV-1a hash the caller checks
+ * against the generator), a host-local donor's table mapped (SHARED 1: the
+ * view's rows are the lookup's), values dequantized, bad calls refused. */
+static int cmd_tables(char **a, int n) {
+    if (n != 3) return 2;
+    int shared = atoi(a[2]);
+    engram_node_tables *t = NULL;
+    engram_status s = engram_node_tables_open(a[0], a[1], ENGRAM_METRICS_OFF, &t);
+    if (s != ENGRAM_OK) die(s, "node_tables_open");
+    size_t count = 0;
+    if ((s = engram_node_tables_count(t, &count)) != ENGRAM_OK) die(s, "count");
+    for (size_t i = 0; i < count; i++) {
+        engram_table_desc d;
+        if ((s = engram_node_tables_info(t, i, &d)) != ENGRAM_OK) die(s, "info");
+        uint64_t ids[4] = {0, 7, d.rows - 1, 7};
+        uint8_t *rows = malloc(100 * (size_t)d.row_bytes);
+        s = engram_node_tables_lookup(t, d.table, ids, 4, rows, 4 * (size_t)d.row_bytes, 5000000, NULL);
+        if (s != ENGRAM_OK) die(s, "lookup");
+        EXPECT(memcmp(rows + d.row_bytes, rows + 3 * (size_t)d.row_bytes, d.row_bytes) == 0, "a repeated id");
+        printf("table %u: layer %u, %llu rows of %u bytes, %s, scale %g, rows-fnv %016llx\n", d.table, d.layer,
+               (unsigned long long)d.rows, d.row_bytes, d.encoding, d.has_tensor_scale ? d.tensor_scale : 0.0,
+               (unsigned long long)fnv64(rows, 4 * (size_t)d.row_bytes));
+        uint16_t *values = malloc(d.values * sizeof(uint16_t));
+        s = engram_dequantize_encoded_bf16(d.encoding, d.tensor_scale, rows, d.row_bytes, values, d.values);
+        EXPECT(s == ENGRAM_OK, "dequantize: %s", engram_last_error());
+        s = engram_dequantize_encoded_bf16(d.encoding, d.tensor_scale, rows, d.row_bytes - 1, values, d.values);
+        EXPECT(s == ENGRAM_BAD_INPUT, "a part row refused");
+        free(values);
+        /* Bad calls: the table's row size, its rows, a table not routed. */
+        EXPECT(engram_node_tables_lookup(t, d.table, ids, 4, rows, 4 * (size_t)d.row_bytes - 1, -1, NULL) ==
+                   ENGRAM_BAD_INPUT, "a short output refused");
+        uint64_t past = d.rows;
+        EXPECT(engram_node_tables_lookup(t, d.table, &past, 1, rows, d.row_bytes, -1, NULL) == ENGRAM_BAD_INPUT,
+               "a row past the table refused");
+        EXPECT(engram_node_tables_lookup(t, 999, ids, 1, rows, d.row_bytes, -1, NULL) == ENGRAM_BAD_INPUT,
+               "an unrouted table refused");
+        engram_view *v = NULL;
+        s = engram_node_tables_view(t, d.table, shared ? 5000 : 0, &v);
+        if (shared) {
+            if (s != ENGRAM_OK) die(s, "view");
+            engram_table_info info;
+            if ((s = engram_view_info(v, &info)) != ENGRAM_OK) die(s, "view_info");
+            uint64_t first[100];
+            for (int r = 0; r < 100; r++) first[r] = (uint64_t)r;
+            s = engram_node_tables_lookup(t, d.table, first, 100, rows, 100 * (size_t)d.row_bytes, -1, NULL);
+            if (s != ENGRAM_OK) die(s, "lookup 100");
+            EXPECT(info.shared == 1 && info.packed == 1 && info.row_bytes == d.row_bytes, "a donor's packed rows");
+            EXPECT(info.len >= 100 * (size_t)d.row_bytes && memcmp(info.data, rows, 100 * (size_t)d.row_bytes) == 0,
+                   "the view's rows are the lookup's");
+            printf("table %u: view shared %u, packed %u, row_bytes %llu\n", d.table, info.shared, info.packed,
+                   (unsigned long long)info.row_bytes);
+            engram_view_free(v);
+        } else {
+            EXPECT(s == ENGRAM_NO_SOURCE && v == NULL, "no view without a host-local donor: %s", engram_status_name(s));
+        }
+        free(rows);
+    }
+    engram_table_desc d;
+    EXPECT(engram_node_tables_info(t, count, &d) == ENGRAM_BAD_INPUT, "an index past the tables refused");
+    engram_node_tables_close(t, 1000);
+    EXPECT(engram_node_tables_count(t, &count) == ENGRAM_CLOSED, "closed");
+    engram_node_tables_free(t);
+    engram_node_tables_free(NULL);
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak|view|rowids ARGS...\n", argv[0]);
+        fprintf(stderr, "usage: %s rows|dequant|failover|deadline|badinput|leak|view|rowids|tables ARGS...\n", argv[0]);
         return 2;
     }
     char **a = argv + 2;
@@ -530,6 +604,7 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[1], "leak") == 0) rc = cmd_leak(a, n);
     else if (strcmp(argv[1], "view") == 0) rc = cmd_view(a, n);
     else if (strcmp(argv[1], "rowids") == 0) rc = cmd_rowids(a, n);
+    else if (strcmp(argv[1], "tables") == 0) rc = cmd_tables(a, n);
     if (rc == 2) fprintf(stderr, "bad arguments for %s\n", argv[1]);
     return rc;
 }
