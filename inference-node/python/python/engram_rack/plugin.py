@@ -1,5 +1,6 @@
 """What both engine plugins share: whether the rack is asked for, and this
-process's one link to it (`engram_rack.host.HostLink`)."""
+process's one link to it (`engram_rack.host.HostLink` for V4.1's tables,
+`engram_rack.Tables` for a model of another family's)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ log = logging.getLogger("engram_rack.plugin")
 
 _lock = threading.Lock()
 _link = None
+_tables = None
 
 
 class PluginError(RuntimeError):
@@ -74,6 +76,30 @@ def link():
         return _link
 
 
+def tables():
+    """This process's `engram_rack.Tables` for the rack's node (a model of
+    any family: the engine hashes, the rack's tables give rows), opened on
+    first use. Only global rank 0 serves /metrics."""
+    global _tables
+    with _lock:
+        if _tables is None:
+            found = settings()
+            if found is None or "config" not in found:
+                raise PluginError(
+                    "this model's tables are opened by each engine process: set "
+                    "ENGRAM_RACK_CONFIG and ENGRAM_RACK_NODE (the host's engine socket, "
+                    "ENGRAM_RACK_SOCKET, serves DeepSeek V4.1's tables only)")
+            from . import Tables
+
+            metrics = os.environ.get("ENGRAM_RACK_METRICS") or None
+            if global_rank() != 0:
+                metrics = "off"
+            _tables = Tables(found["config"], found["node"], metrics=metrics)
+            log.info("engram_rack: node %s's tables %s", found["node"],
+                     [(t["table"], t["layer"], t["encoding"]) for t in _tables.tables])
+        return _tables
+
+
 def device():
     """The device this process's engine runs on: its current CUDA device,
     or the CPU where there is none."""
@@ -85,9 +111,11 @@ def device():
 
 
 def reset() -> None:
-    """Forget this process's link (tests)."""
-    global _link
+    """Forget this process's link and tables (tests)."""
+    global _link, _tables
     with _lock:
         if _link is not None:
             _link.close()
-        _link = None
+        if _tables is not None:
+            _tables.close()
+        _link = _tables = None

@@ -26,6 +26,9 @@ graphs and async scheduling as they are:
 
 Each rank reads only its own tokens' rows (`dp_size` 1: no DP exchange),
 its TP head slice as vLLM shards heads. See docs/engines.md.
+
+Qwen4Exp's PLE n-gram table comes from the rack too
+(`engram_rack.vllm_qwen4exp`, docs/models.md).
 """
 
 from __future__ import annotations
@@ -242,6 +245,9 @@ def install() -> type:
                 _class = rack_engram_class(base, embedding_class(common.ParallelEngramEmbedding))
         common.Engram = _class
         _patch_loaders()
+        from . import vllm_qwen4exp
+
+        vllm_qwen4exp.install(_count_rack_tables)
         _patch_runner()
         for name in MODEL_MODULES:
             mod = sys.modules.get(name)
@@ -370,4 +376,5 @@ def register() -> None:
 
     board(create=True)
     install()
-    log.info("engram_rack: DeepSeek V4.1 Engram tables come from the rack")
+    log.info("engram_rack: DeepSeek V4.1's Engram tables and Qwen4Exp's PLE tables come "
+             "from the rack")

@@ -169,6 +169,7 @@ def fake_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(s))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: _sync("torch.cuda.synchronize"))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing() is not None)
 
 
 def guard_host_reads(monkeypatch):

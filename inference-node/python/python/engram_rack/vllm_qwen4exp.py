@@ -1,0 +1,282 @@
+"""engram_rack inside vLLM: Qwen4Exp's PLE n-gram table from the rack.
+
+Installed by `engram_rack.vllm.install()` beside V4.1's hooks. vLLM's
+`Qwen4ExpNGramEmbedding` (NVIDIA and AMD) picks its table's storage class
+by `engram_config.cpu_offload`: pinned host memory looked up through UVA,
+or device memory. With the rack on, both names are bound to
+`RackPLEEmbedding`, vLLM's own `Qwen4ExpPLEPinnedHostEmbedding` whose
+weight is not a pinned copy loaded from the checkpoint but the rack's
+table as this host maps it: a host-local donor's memfd (one copy for every
+process on the host), or the node's `local` copy. Everything else is
+vLLM's: the hashing, the side-stream prefetch (`start_prefetch`, an eager
+break under CUDA graphs), vLLM's own lookup kernel reading the rows
+through UVA, the ETP reduction, the dequantization. The checkpoint's
+table shards are skipped (the rack has the rows); its global scale, where
+it has one, must equal the rack table's `tensor_scale`.
+
+Which rack table: the one whose `layer` is the PLE layer's model layer
+(`ple_layer_ids`, 1-based), from `engram_rack.Tables` on the node
+`ENGRAM_RACK_CONFIG` and `ENGRAM_RACK_NODE` name. Encodings: FP8 with a
+per-tensor scale (`fp8_per_tensorx{head_dim}`, vLLM's FP8 method) and
+BF16 (`bf16x{head_dim}`, its unquantized method). Not yet: NVFP4 (vLLM
+reads its values and block scales from two arrays; the rack keeps them in
+one row), a table only across the network (vLLM reads host memory; V4.1's
+engine ring carries 264-byte rows only), the host engine socket.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import logging
+import sys
+import threading
+import warnings
+
+from . import plugin as _plugin
+from .plugin import PluginError
+
+log = logging.getLogger("engram_rack.vllm")
+
+#: vLLM's modules that build a Qwen4Exp n-gram embedding, and the module
+#: whose name the PLE layer builds it by (None: the same).
+NGRAM_MODULES = (
+    ("vllm.models.qwen4_exp.nvidia.ngram_embedding", "vllm.models.qwen4_exp.nvidia.ple_layer"),
+    ("vllm.models.qwen4_exp.amd.ple_layer", None),
+)
+COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+#: Model classes whose weight loading counts the rack's table as loaded.
+MODEL_MODULES = ("vllm.models.qwen4_exp.nvidia.model", "vllm.models.qwen4_exp.amd.model")
+
+#: The model layer of the PLE layer being built (set by `RackNGramEmbedding`).
+_building: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "engram_rack_ple_layer", default=None)
+
+_lock = threading.Lock()
+_classes: dict[str, type] = {}
+
+
+def ple_layer(config, ple_dense_layer_id: int) -> int:
+    """The model layer (1-based, as `ple_layer_ids`) of PLE layer index
+    `ple_dense_layer_id` (vLLM's index into the sorted ids)."""
+    ids = sorted(set(int(x) for x in (getattr(config, "ple_layer_ids", None) or ())))
+    if not 0 <= int(ple_dense_layer_id) < len(ids):
+        raise PluginError(f"PLE layer index {ple_dense_layer_id}: the model's ple_layer_ids "
+                          f"are {ids}")
+    return ids[int(ple_dense_layer_id)]
+
+
+def rack_table(layer: int) -> dict:
+    """The rack table of model layer `layer` (PluginError when the node
+    routes none)."""
+    found = [t for t in _plugin.tables().tables if t["layer"] == layer]
+    if not found:
+        have = [(t["table"], t["layer"]) for t in _plugin.tables().tables]
+        raise PluginError(f"PLE layer {layer}: the node routes no table of that layer "
+                          f"(tables, layers: {have}); give the table layer = {layer}")
+    return found[0]
+
+
+def host_view(layer: int, table: int):
+    """Table `table` as this host maps it, or PluginError saying why not."""
+    from . import EngramError
+
+    try:
+        return _plugin.tables().table_view(table, wait=10.0)
+    except EngramError as e:
+        raise PluginError(
+            f"PLE layer {layer}: {e}. vLLM reads a Qwen4Exp table from host memory: route "
+            "it to a donor on this host (its host socket) or to the node's `local` copy "
+            "(rows across the network reach vLLM through the engine ring, which carries "
+            "V4.1's rows only)") from None
+
+
+def _encoding_for(dtype, width: int) -> str:
+    import torch
+
+    if dtype == torch.float8_e4m3fn:
+        return f"fp8_per_tensorx{width}"
+    if dtype == torch.bfloat16:
+        return f"bf16x{width}"
+    if dtype == torch.uint8:
+        raise PluginError("an NVFP4 PLE table (values and block scales in two arrays, as vLLM "
+                          "reads them) is not served by engram_rack yet: use the FP8 or BF16 table")
+    raise PluginError(f"a PLE table of {dtype} rows: engram_rack serves FP8 (per-tensor scale) "
+                      "and BF16 tables")
+
+
+def _discard(param, loaded_weight, *args, **kwargs) -> None:
+    """The checkpoint's table shards stay on disk: the rack serves them."""
+
+
+def embedding_class(base):
+    """`RackPLEEmbedding`: vLLM's pinned-host PLE table over the rack's."""
+    import numpy as np
+    import torch
+
+    from . import cuda as _cuda
+
+    class RackPLEEmbedding(base):
+        """One PLE table, ETP-sharded as vLLM shards it, over the rack's memory."""
+
+        def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype, padding_size,
+                     prefix, embedding_method, num_ngram_heads: int = 1,
+                     max_total_tokens: int = 0, data_parallel_rank: int = 0,
+                     reduce_results: bool = True) -> None:
+            layer = _building.get()
+            if layer is None:
+                raise PluginError(f"{prefix}: a PLE table built outside a Qwen4Exp n-gram "
+                                  "embedding (engram_rack cannot tell its layer)")
+            self.rack_layer = layer
+            self.rack_table = rack_table(layer)
+            self._rack_view = None
+            self.device = _plugin.device()
+            # vLLM's base classes, not the pinned class's constructor (whose
+            # UVA check and view are for pinned memory: the rack maps its own).
+            Qwen4ExpPLEEmbedding = base.__mro__[1]
+            Qwen4ExpPLEEmbedding.__init__(
+                self, num_embeddings, embedding_dim, params_dtype=params_dtype,
+                padding_size=padding_size, prefix=prefix, embedding_method=embedding_method,
+                num_ngram_heads=num_ngram_heads, max_total_tokens=max_total_tokens,
+                data_parallel_rank=data_parallel_rank, reduce_results=reduce_results)
+            self._uva_weight = self._device_rows()
+            self._prefetch_stream = None
+            self._prefetch_buffer = None
+            self._prefetch_alloc_lock = threading.Lock()
+            self._prefetch_rows = max_total_tokens * self.etp_data_parallel_size
+            self._num_ngram_heads = num_ngram_heads
+            self._output_dim = num_ngram_heads * self.embedding_dim
+            self._adopt_scale()
+
+        def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype):
+            """This rank's rows of the rack's table (no copy): rows
+            [org_vocab_start_index, + num_embeddings) of its memory."""
+            want = _encoding_for(dtype, embedding_dim)
+            t = self.rack_table
+            if t["encoding"] != want:
+                raise PluginError(f"PLE layer {self.rack_layer}: vLLM reads {want} rows "
+                                  f"(its {type(getattr(self, 'quant_method', None)).__name__}), the rack's table "
+                                  f"{t['table']} is {t['encoding']}")
+            lo = self.shard_indices.org_vocab_start_index
+            if lo + num_embeddings > t["rows"]:
+                raise PluginError(
+                    f"PLE layer {self.rack_layer}: vLLM's table has "
+                    f"{getattr(self, 'num_embeddings_padded', num_embeddings)} rows (this rank: {num_embeddings} from "
+                    f"{lo}), the rack's table {t['table']} {t['rows']}: its hashing "
+                    "(ngram_vocab_size_base, make_ngram_vocab_size_divisible_by) is not the model's")
+            if self._rack_view is None:
+                self._rack_view = host_view(self.rack_layer, t["table"])
+            view = self._rack_view
+            size = view.row_bytes
+            array = np.frombuffer(view, dtype=np.uint8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only memory, on purpose
+                rows = torch.from_numpy(array)[lo * size:(lo + num_embeddings) * size]
+            self._rack_span = (int(array.ctypes.data) + lo * size, num_embeddings * size)
+            return rows.view(num_embeddings, size).view(dtype)
+
+        def _device_rows(self):
+            """The rows as this process's device reads them: the CPU
+            tensor itself, or a device view over the same memory
+            (registered read-only once, or through the host's page tables)."""
+            how = _cuda.host_table_access(self.device)
+            if how == "cpu":
+                return self.weight.data
+            if how == "copy":
+                raise PluginError("ENGRAM_RACK_HOST_REGISTER=copy is for V4.1's tables; a PLE "
+                                  "table is read where the rack maps it")
+            address, nbytes = self._rack_span
+            if how == "read-only":
+                _cuda.register(address, nbytes, read_only=True)
+            raw = _cuda.device_view(address, (nbytes,), torch.uint8, self.device)
+            return raw.view(self.weight.shape[0], -1).view(self.weight.dtype)
+
+        def _adopt_scale(self) -> None:
+            """The table's global scale is the rack table's; a checkpoint's
+            must equal it; the table is counted as loaded."""
+            for p in (self.weight, getattr(self, "weight_scale", None)):
+                if p is not None:
+                    p.engram_rack = True
+            self.weight.weight_loader = _discard
+            scale = getattr(self, "weight_scale", None)
+            if scale is None:
+                return
+            value = self.rack_table["tensor_scale"]
+            scale.data.fill_(value)
+            layer, table = self.rack_layer, self.rack_table["table"]
+
+            def check(param, loaded_weight, *args, **kwargs):
+                got = float(loaded_weight.reshape(-1)[0])
+                if got != float(param.reshape(-1)[0]):
+                    raise PluginError(f"PLE layer {layer}: the checkpoint's weight_scale is "
+                                      f"{got}, the rack's table {table} {value}: they are not "
+                                      "the same table")
+
+            scale.weight_loader = check
+
+    RackPLEEmbedding.__module__ = __name__
+    return RackPLEEmbedding
+
+
+def ngram_class(base):
+    """A subclass of a module's `Qwen4ExpNGramEmbedding` that tells the
+    table it builds which model layer it is."""
+
+    class RackNGramEmbedding(base):
+        """vLLM's Qwen4Exp n-gram embedding over the rack's table."""
+
+        def __init__(self, config, *args, **kwargs):
+            dense = kwargs.get("ple_dense_layer_id", args[1] if len(args) > 1 else None)
+            token = _building.set(ple_layer(config, dense))
+            try:
+                super().__init__(config, *args, **kwargs)
+            finally:
+                _building.reset(token)
+
+    RackNGramEmbedding.__module__ = __name__
+    return RackNGramEmbedding
+
+
+def install(count_rack_tables) -> None:
+    """Bind vLLM's Qwen4Exp table classes to the rack's (idempotent).
+    `count_rack_tables` wraps a model's `load_weights`."""
+    try:
+        common = importlib.import_module(COMMON)
+    except Exception as e:  # noqa: BLE001 - a build without Qwen4Exp
+        log.debug("engram_rack: %s not imported (%s)", COMMON, e)
+        return
+    with _lock:
+        if "embedding" not in _classes:
+            _classes["embedding"] = embedding_class(common.Qwen4ExpPLEPinnedHostEmbedding)
+    rack = _classes["embedding"]
+    for name, builder in NGRAM_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a platform's module may not import
+            log.debug("engram_rack: %s not imported (%s)", name, e)
+            continue
+        mod.Qwen4ExpPLEPinnedHostEmbedding = rack
+        mod.Qwen4ExpPLEDeviceEmbedding = rack
+        cls = mod.Qwen4ExpNGramEmbedding
+        if cls.__module__ != __name__:
+            with _lock:
+                cls = _classes.setdefault(name, ngram_class(cls))
+        mod.Qwen4ExpNGramEmbedding = cls
+        if builder is not None:
+            try:
+                importlib.import_module(builder).Qwen4ExpNGramEmbedding = cls
+            except Exception as e:  # noqa: BLE001
+                log.debug("engram_rack: %s not imported (%s)", builder, e)
+    for name in MODEL_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 - a platform's module may not import
+                log.debug("engram_rack: %s not imported (%s)", name, e)
+                continue
+        for cls in vars(mod).values():
+            lw = getattr(cls, "load_weights", None) if isinstance(cls, type) else None
+            if lw is not None and cls.__name__.startswith("Qwen4Exp") \
+                    and not getattr(lw, "engram_rack_wrapped", False):
+                cls.load_weights = count_rack_tables(lw)

@@ -1,0 +1,276 @@
+"""engram_rack.vllm against vLLM's own Qwen4Exp n-gram embedding, on CPU.
+
+vLLM's `Qwen4ExpNGramEmbedding` with its table loaded from a checkpoint
+(the table's rows cut into `split_ngram_parts` shards and its global
+scale, through vLLM's own `load_weights`) is the reference; the same
+class built after `engram_rack.vllm.install()` reads the rack's table: a
+host-local donor's memory (or the node's local copy), through vLLM's own
+pinned-host lookup kernel (Triton's interpreter) and its side-stream
+prefetch (streams faked on CPU). Embeddings must be bit-identical for
+decode, a chunked prefill, a first chunk, a mixed batch and EOS tokens
+inside a sequence, for FP8 (per-tensor scale) and BF16 tables; what the
+plugin cannot serve is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import contextlib  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+vllm = pytest.importorskip("vllm")
+N = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding")
+C = pytest.importorskip("vllm.models.qwen4_exp.common.ngram_embedding")
+
+import emulation  # noqa: E402
+from conftest import Donor, free_port, gen_encoded, point_plugins_at, read_rows  # noqa: E402
+
+from engram_rack import plugin as rack_plugin  # noqa: E402
+from engram_rack import vllm as plugin  # noqa: E402
+
+VOCAB = 248_320
+BASE = 1_000
+EOS = 248_044
+HEAD_DIM = 160
+HEADS = 16
+PARTS = 4
+SCALE = 0.0123
+LAYER = 3  # the PLE layer's model layer (ple_layer_ids, 1-based)
+MAX_TOKENS = 64
+
+#: What vLLM's config says of the table -> the rack table's encoding.
+DTYPES = {"float8_e4m3fn": "fp8_per_tensorx160", None: "bf16x160"}
+
+
+@pytest.fixture(scope="module")
+def vctx():
+    """vLLM's config (the engram table in host memory) and a one-rank group."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.engram import EngramConfig
+    from vllm.distributed import parallel_state as ps
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.engram_config = EngramConfig(cpu_offload=True)
+    with set_current_vllm_config(cfg):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ps.initialize_model_parallel(1, 1)
+        yield cfg
+
+
+def hf_config(dtype, base=BASE):
+    return types.SimpleNamespace(
+        ngram_size=3, heads_per_ngram=8, eos_token_id=EOS, vocab_size=VOCAB,
+        split_ngram_parts=PARTS, seed=1234, ngram_vocab_size_base=base,
+        make_ngram_vocab_size_divisible_by=128, ple_embedding_dtype=dtype,
+        ple_layer_ids=[LAYER, 9])
+
+
+def table_rows(base=BASE) -> int:
+    """vLLM's rows for PLE layer index 0 (its layout, padded to 128)."""
+    _, _, total = N.Qwen4ExpNGramEmbedding._make_vocab_layout(
+        ngram_vocab_size_base=base, ngram_heads=HEADS, ple_dense_layer_id=0)
+    return -(-total // 128) * 128
+
+
+@pytest.fixture(params=list(DTYPES), ids=["fp8", "bf16"])
+def qwen_rack(request, tmp_path):
+    """One PLE table (model layer 3) of the model's encoding; donor `h` on
+    TCP and a host socket; nodes `hl` (h), `own` (a local copy) and `far`
+    (donor `d` across the network only)."""
+    dtype = request.param
+    enc = DTYPES[dtype]
+    rows = table_rows()
+    scale = SCALE if enc.startswith("fp8") else None
+    path, digest = gen_encoded(tmp_path, "ple.etab", LAYER, 9, rows, enc, scale)
+    sock = tmp_path / "h.sock"
+    text = (
+        'version = 1\n[rack]\nname = "q"\n'
+        f'[[table]]\nid = 1\nlayer = {LAYER}\npath = "{path}"\nrows = {rows}\n'
+        f'digest = "{digest}"\nencoding = "{enc}"\n'
+        + (f"tensor_scale = {scale}\n" if scale else "")
+        + f'[[donor]]\nname = "h"\nlisten = ["127.0.0.1:{free_port()}", "unix://{sock}"]\n'
+        'tables = [1]\nram_gib = 1.0\n'
+        f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{free_port()}"]\ntables = [1]\nram_gib = 1.0\n'
+    )
+    for node, src in (("hl", "h"), ("own", "local"), ("far", "d")):
+        text += (f'[[node]]\nname = "{node}"\ntokens_per_second = 100\n'
+                 f'[[node.route]]\ntable = 1\nsources = ["{src}"]\n')
+    text += f'[model]\nfamily = "qwen4exp"\neos_token = {EOS}\nhash_base = {BASE}\n'
+    config = tmp_path / "rack.toml"
+    config.write_text(text)
+    donors = [Donor(config, "h"), Donor(config, "d")]
+    rack = types.SimpleNamespace(config=config, path=path, dtype=dtype, scale=scale, rows=rows)
+    yield rack
+    rack_plugin.reset()
+    for d in donors:
+        d.stop()
+
+
+@contextlib.contextmanager
+def vllms_own_classes():
+    """vLLM's own table and n-gram classes in its module (the reference),
+    whatever the plugin bound there."""
+    saved = {k: getattr(N, k) for k in ("Qwen4ExpPLEDeviceEmbedding",
+                                        "Qwen4ExpPLEPinnedHostEmbedding",
+                                        "Qwen4ExpNGramEmbedding")}
+    ngram = saved["Qwen4ExpNGramEmbedding"]
+    own = ngram.__mro__[1] if ngram.__module__ == "engram_rack.vllm_qwen4exp" else ngram
+    N.Qwen4ExpPLEDeviceEmbedding = C.Qwen4ExpPLEDeviceEmbedding
+    N.Qwen4ExpPLEPinnedHostEmbedding = C.Qwen4ExpPLEDeviceEmbedding
+    N.Qwen4ExpNGramEmbedding = own
+    try:
+        yield own
+    finally:
+        for k, v in saved.items():
+            setattr(N, k, v)
+
+
+def build(dtype, base=BASE):
+    """vLLM's n-gram embedding as its PLE layer builds it (bf16 default)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return N.Qwen4ExpNGramEmbedding(hf_config(dtype, base), HEADS * HEAD_DIM, 0, MAX_TOKENS,
+                                        data_parallel_rank=0,
+                                        prefix=f"model.layers.{LAYER - 1}.ple")
+    finally:
+        torch.set_default_dtype(default)
+
+
+def checkpoint(rack):
+    """The table as a checkpoint holds it: `split_ngram_parts` row shards
+    (and the FP8 table's global scale)."""
+    rows = read_rows(rack.path, np.arange(rack.rows))
+    t = torch.from_numpy(np.ascontiguousarray(rows))
+    t = t.view(torch.float8_e4m3fn) if rack.dtype else t.view(torch.bfloat16)
+    size = -(-rack.rows // PARTS)
+    out = [(f"ngram_embedding.shard_{i}.weight", t[i * size:(i + 1) * size].clone())
+           for i in range(PARTS)]
+    if rack.scale:
+        out.append(("ngram_embedding.weight_scale", torch.tensor([rack.scale])))
+    return out
+
+
+def batch(requests):
+    """`requests` = [(context, tokens)] -> input_ids, query_start_loc and
+    ngram_context (the two tokens before each chunk, EOS before a start)."""
+    ids, starts, ctx = [], [0], []
+    for context, tokens in requests:
+        ids += tokens
+        starts.append(len(ids))
+        ctx.append(([EOS, EOS] + list(context))[-2:])
+    return torch.tensor(ids), torch.tensor(starts, dtype=torch.int32), torch.tensor(ctx)
+
+
+def typed_byte_pointers(monkeypatch):
+    """vLLM's pinned lookup kernel declares its table and output as uint8
+    pointers (`tl.pointer_type(tl.uint8)`): compiled for a GPU it reads any
+    row type as bytes. Triton's interpreter ignores the declaration and
+    would load FP8 values; launched with the same tensors viewed as bytes
+    it runs as the GPU does (the kernel itself unchanged)."""
+    kernel = C._lookup_ple_embedding_from_pinned_kernel
+
+    class AsBytes:
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+
+            def run(weight, ids, output, *args, **kwargs):
+                return launch(weight.view(torch.uint8), ids, output.view(torch.uint8),
+                              *args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(C, "_lookup_ple_embedding_from_pinned_kernel", AsBytes())
+
+
+def same(a, b) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("node", ["hl", "own"])
+def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_rack, node,
+                                                                     monkeypatch):
+    rack = qwen_rack
+    emulation.fake_streams(monkeypatch)
+    typed_byte_pointers(monkeypatch)
+    with vllms_own_classes():
+        ref = build(rack.dtype)
+    assert type(ref.ngram_embedding) is C.Qwen4ExpPLEDeviceEmbedding
+    ref.load_weights(checkpoint(rack))
+    point_plugins_at(rack, node)
+    rack_plugin.reset()
+    plugin.install()
+    got = build(rack.dtype)
+    emb = got.ngram_embedding
+    assert type(emb).__name__ == "RackPLEEmbedding" and emb.supports_prefetch
+    # The table is the rack's memory, not a copy: a host-local donor's
+    # (shared by every process on the host) or the node's own.
+    view = rack_plugin.tables().table_view(1)
+    assert view.shared == (node == "hl")
+    assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
+    assert not emb.weight.is_pinned()
+    # The checkpoint's shards are skipped; its scale is the table's.
+    loaded = got.load_weights(checkpoint(rack))
+    assert "ngram_embedding.weight" in loaded
+    if rack.scale:
+        assert float(emb.weight_scale) == float(ref.ngram_embedding.weight_scale)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB, 30).tolist()
+    prompt[12] = prompt[20] = prompt[21] = EOS  # EOS inside, two in a row
+    cases = {
+        "decode": [(prompt[:k], [prompt[k]]) for k in (3, 13, 22)],
+        "first chunk": [([], prompt[:9])],
+        "chunked prefill": [(prompt[:9], prompt[9:25])],
+        "mixed": [(prompt[:5], [prompt[5]]), (prompt[:10], prompt[10:24]), ([], prompt[:3])],
+        "after an EOS": [(prompt[:21], prompt[21:30])],
+    }
+    for name, requests in cases.items():
+        ids, qsl, ctx = batch(requests)
+        hidden = torch.zeros(len(ids), 8, dtype=torch.bfloat16)
+        assert torch.equal(got.compute_ngram_ids(ids, qsl, ctx), ref.compute_ngram_ids(ids, qsl, ctx))
+        got.start_prefetch(ids, qsl, ctx)
+        out = got(hidden, ids, qsl, ctx)
+        want = ref(hidden, ids, qsl, ctx)
+        assert out.shape == (len(ids), HEADS * HEAD_DIM), name
+        assert same(out, want), name
+        values = emb.dequantize(out.view(len(ids), HEADS, HEAD_DIM), torch.bfloat16)
+        assert same(values, ref.ngram_embedding.dequantize(
+            want.view(len(ids), HEADS, HEAD_DIM), torch.bfloat16)), name
+        assert bool((values != 0).any()), name
+
+
+def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
+    rack = qwen_rack
+    plugin.install()
+    other = "bf16x160" if rack.dtype else "fp8_per_tensorx160"
+
+    def refused(node, dtype, match, base=BASE):
+        point_plugins_at(rack, node)
+        rack_plugin.reset()
+        with pytest.raises(plugin.PluginError, match=match):
+            build(dtype, base)
+
+    # A table across the network only: vLLM reads host memory.
+    refused("far", rack.dtype, "not in this process's memory")
+    # The model's encoding is not the table's; NVFP4; another hashing.
+    refused("hl", None if rack.dtype else "float8_e4m3fn", other)
+    refused("hl", "nvfp4", "NVFP4")
+    refused("hl", rack.dtype, "hashing", base=2 * BASE)
+    if rack.scale:
+        # A checkpoint of another table version (its scale differs).
+        point_plugins_at(rack, "hl")
+        rack_plugin.reset()
+        got = build(rack.dtype)
+        with pytest.raises(plugin.PluginError, match="not the same table"):
+            got.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
