@@ -42,7 +42,7 @@ for engine in vllm sglang; do
     echo "== $engine $("$py" -c "import $engine; print($engine.__version__)"), torch $("$py" -c 'import torch; print(torch.__version__)')"
     (cd inference-node/python/tests &&
         ENGRAM_BIN_DIR="$PWD/../../../target/release" "$py" -m pytest -v -p no:cacheprovider \
-            -W ignore::DeprecationWarning engines/test_engine.py engines/test_ring.py engines/test_faults.py engines/test_qwen4exp.py "engines/test_$engine.py" "engines/test_${engine}_gpu.py") || status=1
+            -W ignore::DeprecationWarning engines/test_engine.py engines/test_ring.py engines/test_faults.py engines/test_qwen4exp.py "engines/test_$engine.py" "engines/test_${engine}_gpu.py" "engines/test_${engine}_qwen4exp.py") || status=1
 done
 if [ "${ENGRAM_ENGINE_CLEAN:-0}" = 1 ]; then
     rm -rf "$VENVS"

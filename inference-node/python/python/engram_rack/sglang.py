@@ -40,6 +40,9 @@ and gives it the rack's memory, with hooks in SGLang's `HookRegistry`:
   under `fail` fail the batch's requests through the board (zeros are
   staged meanwhile).
 
+Qwen4Exp's PLE n-gram table comes from the rack too
+(`engram_rack.sglang_qwen4exp`, docs/models.md).
+
 Errors stop SGLang: a configuration or version error raises SystemExit
 from the plugin (SGLang logs and ignores exceptions there), and a table
 the rack cannot give fails the model's construction. See docs/engines.md.
@@ -221,16 +224,21 @@ def skip_rack_rows(original, self, *args, **kwargs):
 
 
 def dummy_without_rack_tables(original, model, *args, **kwargs):
-    """AROUND `initialize_dummy_weights`: the rack's tables are left out."""
+    """AROUND `initialize_dummy_weights`: the rack's tables (and a PLE
+    table's scale) are left out."""
+    from .sglang_qwen4exp import held_for_dummy, restore
+
     held = []
     for m in model.modules():
         if isinstance(getattr(m, "host_table", None), RackHostTable):
             held.append((m, m._parameters.pop("weight", None), m._parameters.pop("scale", None)))
+    ple = held_for_dummy(model)
     try:
         return original(model, *args, **kwargs)
     finally:
         for m, w, s in held:
             m._parameters["weight"], m._parameters["scale"] = w, s
+        restore(ple)
 
 
 def stager_class(base):
@@ -418,6 +426,9 @@ def _install() -> None:
     HookRegistry.register(DUMMY, dummy_without_rack_tables, HookType.AROUND)
     HookRegistry.register(RUNNER_FORWARD, check_rings, HookType.BEFORE)
     HookRegistry.register(POLL_ABORTS, board_aborts, HookType.AFTER)
+    from . import sglang_qwen4exp
+
+    sglang_qwen4exp.install(HookRegistry, HookType)
     import importlib
 
     staging = importlib.import_module(STAGER.rsplit(".", 1)[0])
@@ -448,4 +459,5 @@ def register() -> None:
     except PluginError as e:
         log.critical("engram_rack: %s", e)
         raise SystemExit(f"engram_rack: {e}") from e
-    log.info("engram_rack: DeepSeek V4.1 Engram tables come from the rack")
+    log.info("engram_rack: DeepSeek V4.1's Engram tables and Qwen4Exp's PLE tables come "
+             "from the rack")
