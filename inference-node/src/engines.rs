@@ -5,12 +5,16 @@
 //! probes) and serves a `SOCK_SEQPACKET` Unix socket (PROTOCOL.md
 //! section 6):
 //!
-//! - to each engine it hands, per Engram layer, the host-local donor's
-//!   table memory when there is one (a read-only memfd, as the donor's own
-//!   host socket does; planar when the donor lays it out for engines), or
-//!   says the table is remote;
+//! - to each engine it hands, per table, the host-local donor's table
+//!   memory when there is one (a read-only memfd, as the donor's own host
+//!   socket does; planar when the donor lays it out for engines; an
+//!   encoded table's rows back to back at its row size), or says the
+//!   table is remote;
 //! - it takes the engine's rings (memfds the engine made and registered
-//!   with its GPU) and serves each on a thread of its own ([`serve`]);
+//!   with its GPU) and serves each on a thread of its own ([`serve`]):
+//!   DeepSeek V4.1's tables only. A rack of another model family
+//!   ([`EngineMemory::Tables`]) hands over its host-local tables and
+//!   refuses rings, by name;
 //! - when the engine closes the socket, its rings stop being served.
 //!
 //! Every engine is checked by its credentials (`SO_PEERCRED`) against the
@@ -33,7 +37,7 @@ use daemon_runtime::hostsock::{
 use engram_store::resident::RowLayout;
 use serde_json::json;
 
-use crate::embed::EmbeddedNode;
+use crate::embed::{EmbeddedNode, NodeTables};
 use crate::ring::{RingHandle, RingHub, RingMemory, RingOptions};
 
 /// The engine protocol's version.
@@ -44,6 +48,29 @@ pub const MAX_ENGINES: usize = 64;
 pub const MAX_RINGS: usize = 8;
 /// How often threads look for the stop flag.
 const WATCH: Duration = Duration::from_millis(50);
+/// Tables an engine is told of at most (before `synced`).
+pub const MAX_TABLES: usize = 64;
+
+/// What an engine socket serves.
+#[derive(Debug, Clone)]
+pub enum EngineMemory {
+    /// DeepSeek V4.1's memory: both Engram tables, host-local ones handed
+    /// over, remote ones through the engines' rings.
+    V41(Arc<EmbeddedNode>),
+    /// A node's tables of any model family: host-local ones handed over;
+    /// rings refused (they carry V4.1's rows).
+    Tables(Arc<NodeTables>),
+}
+
+impl EngineMemory {
+    /// Let fetches in flight end (at most `drain`), then stop.
+    pub fn close(&self, drain: Duration) {
+        match self {
+            Self::V41(m) => m.close(drain),
+            Self::Tables(t) => t.close(drain),
+        }
+    }
+}
 
 /// Who may connect (the peer's credentials).
 pub use daemon_runtime::hostsock::Access as EngineAccess;
@@ -79,14 +106,24 @@ impl EngineListener {
     /// that thread keeps making passes (a watchdog's ping).
     pub fn run(
         &self,
-        mem: &Arc<EmbeddedNode>,
+        mem: &EngineMemory,
         stop: &Arc<AtomicBool>,
         alive: &dyn Fn(),
     ) -> io::Result<()> {
-        let hub = Arc::new(RingHub::start(Arc::clone(mem), self.ring).map_err(io::Error::other)?);
+        let hub = match mem {
+            EngineMemory::V41(m) => Some(Arc::new(
+                RingHub::start(Arc::clone(m), self.ring).map_err(io::Error::other)?,
+            )),
+            EngineMemory::Tables(_) => None,
+        };
         let open = Arc::new(AtomicUsize::new(0));
         while !stop.load(Ordering::Relaxed) {
-            if hub.alive(Duration::from_secs(1)) {
+            let live = match (&hub, mem) {
+                (Some(h), _) => h.alive(Duration::from_secs(1)),
+                (None, EngineMemory::Tables(t)) => !t.is_closed(),
+                (None, EngineMemory::V41(_)) => false,
+            };
+            if live {
                 alive();
             }
             if !readable(self.fd.as_raw_fd(), WATCH) {
@@ -106,7 +143,7 @@ impl EngineListener {
             }
             // SAFETY: a new descriptor only we own.
             let client = unsafe { OwnedFd::from_raw_fd(c) };
-            self.admit(client, (mem, &hub), stop, &open);
+            self.admit(client, (mem, hub.as_ref()), stop, &open);
         }
         Ok(())
     }
@@ -115,7 +152,7 @@ impl EngineListener {
     fn admit(
         &self,
         client: OwnedFd,
-        (mem, hub): (&Arc<EmbeddedNode>, &Arc<RingHub>),
+        (mem, hub): (&EngineMemory, Option<&Arc<RingHub>>),
         stop: &Arc<AtomicBool>,
         open: &Arc<AtomicUsize>,
     ) {
@@ -148,12 +185,12 @@ impl EngineListener {
             uid = cred.uid,
             "engine socket: engine attached"
         );
-        let (mem, stop, count) = (Arc::clone(mem), Arc::clone(stop), Arc::clone(open));
-        let (hub, ring) = (Arc::clone(hub), self.ring);
+        let (mem, stop, count) = (mem.clone(), Arc::clone(stop), Arc::clone(open));
+        let (hub, ring) = (hub.cloned(), self.ring);
         let spawned = std::thread::Builder::new()
             .name(format!("engine-{}", cred.pid))
             .spawn(move || {
-                if let Err(e) = serve_engine(&client, (&mem, &hub), ring, &stop) {
+                if let Err(e) = serve_engine(&client, (&mem, hub.as_deref()), ring, &stop) {
                     tracing::debug!(pid = cred.pid, error = %e, "engine socket: engine ended");
                 }
                 tracing::info!(pid = cred.pid, "engine socket: engine detached");
@@ -176,12 +213,15 @@ impl Drop for EngineListener {
 /// closes the socket or the node stops.
 fn serve_engine(
     client: &OwnedFd,
-    (mem, hub): (&Arc<EmbeddedNode>, &RingHub),
+    (mem, hub): (&EngineMemory, Option<&RingHub>),
     ring: RingOptions,
     stop: &AtomicBool,
 ) -> io::Result<()> {
     let fd = client.as_raw_fd();
-    hello(fd, mem, ring)?;
+    match mem {
+        EngineMemory::V41(m) => hello(fd, m, ring)?,
+        EngineMemory::Tables(t) => hello_tables(fd, t, ring)?,
+    }
     let mut rings: Vec<RingHandle> = Vec::new();
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
     while !stop.load(Ordering::Relaxed) {
@@ -193,7 +233,18 @@ fn serve_engine(
             return Ok(()); // The engine closed.
         }
         let reply = match parse(&buf[..n]) {
-            Some(m) if m.get("ring").is_some() => attach(hub, file, &mut rings),
+            Some(m) if m.get("ring").is_some() => match (hub, mem) {
+                (Some(hub), _) => attach(hub, file, &mut rings),
+                (None, EngineMemory::Tables(t)) => json!({
+                    "ring": "refused",
+                    "why": format!(
+                        "this rack's model ([model] family = {:?}) is served from host-local \
+                         tables only: the engine ring carries DeepSeek V4.1's rows",
+                        t.family().map(|f| f.name()).unwrap_or("?")
+                    )
+                }),
+                (None, EngineMemory::V41(_)) => json!({"ring": "refused", "why": "no ring thread"}),
+            },
             _ => {
                 json!({"refused": "a message this node does not know (it takes {\"ring\": ...} with a memfd)"})
             }
@@ -249,6 +300,54 @@ fn hello(fd: i32, mem: &EmbeddedNode, ring: RingOptions) -> io::Result<()> {
     send(fd, &json!({"synced": true}), None)
 }
 
+/// The first messages for a node's tables of any family: the node (with
+/// its family), then one per routed table (its memory with a descriptor
+/// when a host-local donor's is mapped here, else "remote", with its
+/// encoding either way), then `synced`.
+fn hello_tables(fd: i32, t: &NodeTables, ring: RingOptions) -> io::Result<()> {
+    let closed = |_| io::Error::other("the node's tables are closed");
+    let (family, info) = (t.family().map_err(closed)?, t.tables().map_err(closed)?);
+    send(
+        fd,
+        &json!({
+            "engram_engine": ENGINE_PROTOCOL,
+            "node": t.node(),
+            "family": family.name(),
+            "layers": info.iter().map(|i| i.layer).collect::<Vec<_>>(),
+            "tables": info.iter().map(|i| i.table).collect::<Vec<_>>(),
+            "rows": info.iter().map(|i| i.rows).collect::<Vec<_>>(),
+            "ring_deadline_ns": ring.deadline.as_nanos() as u64,
+            "pid": std::process::id(),
+        }),
+        None,
+    )?;
+    for i in info.iter().take(MAX_TABLES) {
+        let shared = t
+            .table_view(i.table, Duration::from_secs(2))
+            .ok()
+            .filter(|v| v.shared());
+        let memory = shared.as_ref().and_then(|v| v.file().map(|f| (v, f)));
+        match memory.map(|(v, f)| (v, reopen_read_only(f))) {
+            Some((v, Ok(file))) => send(fd, &table_message(v), Some(file.as_raw_fd()))?,
+            _ => {
+                let mut m = json!({
+                    "table": i.table,
+                    "layer": i.layer,
+                    "rows": i.rows,
+                    "remote": true,
+                    "encoding": i.encoding.name(),
+                    "row_bytes": i.row_bytes,
+                });
+                if let Some(s) = i.tensor_scale {
+                    m["tensor_scale"] = json!(s);
+                }
+                send(fd, &m, None)?
+            }
+        }
+    }
+    send(fd, &json!({"synced": true}), None)
+}
+
 /// What an engine is told of a host-local table's memory.
 fn table_message(v: &crate::embed::TableView) -> serde_json::Value {
     let mut m = json!({
@@ -259,7 +358,12 @@ fn table_message(v: &crate::embed::TableView) -> serde_json::Value {
         "generation": v.generation().unwrap_or_default(),
         "bytes": v.bytes().len(),
         "layout": v.layout().name(),
+        "encoding": v.encoding().name(),
+        "row_bytes": v.row_bytes(),
     });
+    if let Some(s) = v.tensor_scale() {
+        m["tensor_scale"] = json!(s);
+    }
     if let RowLayout::Planar { scales_at } = v.layout() {
         m["values_at"] = json!(0);
         m["scales_at"] = json!(scales_at);
@@ -309,6 +413,8 @@ pub struct EngineTable {
     /// message that came with it, or `None`: the table is remote (rows
     /// come through a ring).
     pub memory: Option<(File, serde_json::Value)>,
+    /// The node's message of it (a remote table's too).
+    pub message: serde_json::Value,
 }
 
 /// An engine's end of the engine socket: what the node has, and its rings.
@@ -318,7 +424,7 @@ pub struct EngineClient {
     /// The node's first message (`node`, `layers`, `tables`, `rows`,
     /// `ring_deadline_ns`).
     pub hello: serde_json::Value,
-    /// Each Engram layer's table.
+    /// Each table the node told of (V4.1's: layers 1 and 14).
     pub tables: Vec<EngineTable>,
 }
 
@@ -343,8 +449,10 @@ impl EngineClient {
             if m.get("synced").is_some() {
                 break;
             }
-            if tables.len() >= 2 {
-                return Err(io::Error::other("more than two tables before synced"));
+            if tables.len() >= MAX_TABLES {
+                return Err(io::Error::other(format!(
+                    "more than {MAX_TABLES} tables before synced"
+                )));
             }
             let num = |k: &str| m.get(k).and_then(|v| v.as_u64()).unwrap_or_default() as u32;
             let memory = match (m.get("remote").is_some(), file) {
@@ -355,6 +463,7 @@ impl EngineClient {
                 layer: num("layer"),
                 table: num("table"),
                 memory,
+                message: m,
             });
         }
         Ok(Self {

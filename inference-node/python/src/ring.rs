@@ -261,25 +261,14 @@ impl EngineLink {
         self.inner.hello.to_string()
     }
 
-    /// Each Engram layer's table: (layer, table id, message as JSON text,
-    /// whether its memory is here). Remote tables come through rings.
+    /// Each table the node told of: (layer, table id, message as JSON
+    /// text, whether its memory is here). Remote tables come through rings.
     #[getter]
     fn tables(&self) -> Vec<(u32, u32, String, bool)> {
         self.inner
             .tables
             .iter()
-            .map(|t| {
-                let msg = t.memory.as_ref().map_or_else(
-                    || {
-                        format!(
-                            "{{\"layer\":{},\"table\":{},\"remote\":true}}",
-                            t.layer, t.table
-                        )
-                    },
-                    |(_, m)| m.to_string(),
-                );
-                (t.layer, t.table, msg, t.memory.is_some())
-            })
+            .map(|t| (t.layer, t.table, t.message.to_string(), t.memory.is_some()))
             .collect()
     }
 
@@ -291,7 +280,11 @@ impl EngineLink {
             .tables
             .iter()
             .find(|t| t.layer == layer)
-            .ok_or_else(|| bad(format!("layer {layer}: the node has no such Engram layer")))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "layer {layer}: the node has no table of that layer"
+                ))
+            })?;
         let (file, _) = t.memory.as_ref().ok_or_else(|| {
             bad(format!(
                 "layer {layer}'s table is remote on this host: read it through a ring"

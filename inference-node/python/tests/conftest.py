@@ -320,3 +320,54 @@ def _close_plugin_links():
         return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def ple_rack(dir: Path, layer: int, rows: int, encoding: str, scale: float | None, eos: int,
+             hash_base: int):
+    """A Qwen4Exp rack of one PLE table (model layer `layer`, table id 1):
+    donor `h` on TCP and a host socket and donor `d` on TCP, both started;
+    nodes `hl` (h), `own` (a local copy) and `far` (d only). Returns
+    (config, table path, donors)."""
+    path, digest = gen_encoded(dir, "ple.etab", layer, 9, rows, encoding, scale)
+    sock = dir / "h.sock"
+    text = (
+        'version = 1\n[rack]\nname = "q"\n'
+        f'[[table]]\nid = 1\nlayer = {layer}\npath = "{path}"\nrows = {rows}\n'
+        f'digest = "{digest}"\nencoding = "{encoding}"\n'
+        + (f"tensor_scale = {scale}\n" if scale else "")
+        + f'[[donor]]\nname = "h"\nlisten = ["127.0.0.1:{free_port()}", "unix://{sock}"]\n'
+        'tables = [1]\nram_gib = 1.0\n'
+        f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{free_port()}"]\ntables = [1]\nram_gib = 1.0\n'
+    )
+    for node, src in (("hl", "h"), ("own", "local"), ("far", "d")):
+        text += (f'[[node]]\nname = "{node}"\ntokens_per_second = 100\n'
+                 f'[[node.route]]\ntable = 1\nsources = ["{src}"]\n')
+    text += f'[model]\nfamily = "qwen4exp"\neos_token = {eos}\nhash_base = {hash_base}\n'
+    config = dir / "rack.toml"
+    config.write_text(text)
+    return config, path, [Donor(config, "h"), Donor(config, "d")]
+
+
+def plug(rack, node: str) -> None:
+    """Point the engine plugins at `node` of `rack.config`; "socket": the
+    host's engine socket for node `hl` (`inference-node engines`, kept in
+    `rack.engines`)."""
+    from engram_rack import plugin as rack_plugin
+
+    socket = None
+    if node == "socket":
+        rack.engines = Engines(rack.config, "hl", rack.config.parent / "engines.sock")
+        socket, node = rack.engines.socket, "hl"
+    point_plugins_at(rack, node, socket)
+    rack_plugin.reset()
+
+
+def mapping_of(address: int) -> str:
+    """The file mapped at `address` in this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return rest[-1].strip() if len(rest) == 5 else ""
+    return ""

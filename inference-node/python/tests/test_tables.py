@@ -6,11 +6,13 @@ engines', and bad calls are refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import engram_rack as er
-from conftest import Donor, free_port, gen_encoded, read_rows
+from conftest import Donor, Engines, free_port, gen_encoded, read_rows
 
 ROWS = 3000
 #: table id = layer: (encoding, table scale, seed).
@@ -137,3 +139,39 @@ def test_bad_calls_are_refused_by_name(qwen_rack):
     t.close()
     with pytest.raises(er.ClosedError):
         t.lookup(1, [1])
+
+
+def test_the_engine_socket_hands_over_a_qwen4exp_racks_host_local_tables(qwen_rack, tmp_path):
+    """`inference-node engines` on a Qwen4Exp rack: the family named, each
+    host-local table's memory handed over (mapped here: the table file's
+    rows back to back, with its encoding and scale), a remote table named
+    as such with its encoding; a ring is refused by name."""
+    from engram_rack import _native
+    from engram_rack.engine_socket import EngineTables
+
+    config, paths = qwen_rack
+    here = Engines(config, "via-h", tmp_path / "e-h.sock")
+    far = Engines(config, "via-d", tmp_path / "e-d.sock")
+    try:
+        t = EngineTables(here.socket)
+        assert t.hello["family"] == "qwen4exp" and t.node == "via-h"
+        info = {x["table"]: x for x in t.tables}
+        for table, (enc, scale, _) in TABLES.items():
+            assert (info[table]["encoding"], info[table]["tensor_scale"]) == (enc, scale)
+            v = t.table_view(table)
+            assert v.shared and v.packed and v.encoding == enc and v.row_bytes == info[table]["row_bytes"]
+            mem = np.frombuffer(v, dtype=np.uint8)[:ROWS * v.row_bytes].reshape(ROWS, v.row_bytes)
+            np.testing.assert_array_equal(mem, read_rows(paths[table], np.arange(ROWS)))
+        link = _native.EngineLink(str(here.socket))
+        reply = json.loads(link.attach(_native.Ring(4, 1, 3, 8, 0, (1, 0), 2_000_000_000)))
+        assert reply["ring"] == "refused" and "qwen4exp" in reply["why"], reply
+        remote = EngineTables(far.socket)
+        assert {x["table"]: x["encoding"] for x in remote.tables} == {
+            k: v[0] for k, v in TABLES.items()}
+        with pytest.raises(er.NoSourceError, match="not in this process's memory"):
+            remote.table_view(1)
+        with pytest.raises(er.SetupError, match="engine ring"):
+            remote.lookup(1, [0])
+    finally:
+        here.stop()
+        far.stop()

@@ -1,6 +1,7 @@
 //! `inference-node engines`: the host's one rack client for its engine
 //! processes (every GPU rank of vLLM or SGLang on the host): opens the
-//! node's Engram memory once and serves the engine socket
+//! node's Engram memory once (a rack of another model family than V4.1:
+//! its tables, host-local ones handed over) and serves the engine socket
 //! (`inference_node::engines`). Says `ready engines=PATH` on stderr and
 //! READY=1 to systemd once the socket is bound; SIGTERM or SIGINT stops it
 //! (every ring it serves then says its client is gone, and each engine's
@@ -12,9 +13,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use cluster_config::model::Family;
 use daemon_runtime::notify::Notifier;
-use inference_node::embed::{EmbeddedNode, MetricsAt, OpenOptions};
-use inference_node::engines::{EngineAccess, EngineListener};
+use inference_node::embed::{EmbeddedNode, MetricsAt, NodeTables, OpenOptions};
+use inference_node::engines::{EngineAccess, EngineListener, EngineMemory};
 use inference_node::ring::RingOptions;
 
 /// Arguments of `engines`.
@@ -57,12 +59,20 @@ pub async fn run(args: EnginesArgs) -> Result<()> {
     };
     let config = args.config.clone();
     let name = args.name.clone();
+    // V4.1's memory (its rings too), or any other family's tables.
+    let family = cluster_config::Config::load(&args.config)
+        .map(|c| c.family())
+        .unwrap_or_default();
     let mem = tokio::task::spawn_blocking(move || {
-        EmbeddedNode::open_with(&config, &name, &OpenOptions { metrics })
+        let opts = OpenOptions { metrics };
+        match family {
+            Family::DeepseekV41 => EmbeddedNode::open_with(&config, &name, &opts)
+                .map(|m| EngineMemory::V41(Arc::new(m))),
+            _ => NodeTables::open(&config, &name, &opts).map(|t| EngineMemory::Tables(Arc::new(t))),
+        }
     })
     .await?
     .with_context(|| format!("node {:?} cannot start", args.name))?;
-    let mem = Arc::new(mem);
     if let Some(dir) = args.socket.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -84,7 +94,7 @@ pub async fn run(args: EnginesArgs) -> Result<()> {
     tracing::info!(socket = %listener.path().display(), node = args.name, "serving engines");
     let notifier = Notifier::from_env().unwrap_or_else(|_| Notifier::disabled());
     let _ = notifier.ready(&format!("serving engines on {}", listener.path().display()));
-    let m = Arc::clone(&mem);
+    let m = mem.clone();
     let s = Arc::clone(&stop);
     // WATCHDOG=1 at half the interval systemd set, while the ring thread
     // keeps making passes.

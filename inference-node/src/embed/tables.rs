@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use cluster_config::model::Family;
 use cluster_config::{Config, Policy};
 use engram_protocol::encoding::RowEncoding;
 use engram_sync::RwLock;
@@ -67,6 +68,8 @@ pub struct NodeTables {
 
 #[derive(Debug)]
 struct OpenTables {
+    /// The rack's model family.
+    family: Family,
     /// Held for its sources and probe loops (its drop stops them).
     memory: Routers,
     routers: Vec<Arc<Router>>,
@@ -124,6 +127,16 @@ impl NodeTables {
     /// The config file it was opened from.
     pub fn config_path(&self) -> &Path {
         &self.config
+    }
+
+    /// The rack's model family (`[model] family`).
+    pub fn family(&self) -> Result<Family, EmbedError> {
+        Ok(self.open_state()?.family)
+    }
+
+    /// Whether [`Self::close`] has run.
+    pub fn is_closed(&self) -> bool {
+        self.open_state().is_err()
     }
 
     /// Every table the node routes, in the config's route order.
@@ -305,6 +318,7 @@ async fn build(
     usable_at_start(&routers, &slots)?;
     let metrics_task = serve_at(metrics_at, &metrics, &name).await?.1;
     Ok(OpenTables {
+        family: cfg.family(),
         memory,
         routers,
         info,

@@ -196,3 +196,4 @@ class HostLink:
         self._handles.clear()
         if self._mem is not None:
             self._mem.close()
+

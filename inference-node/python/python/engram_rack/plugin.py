@@ -77,25 +77,30 @@ def link():
 
 
 def tables():
-    """This process's `engram_rack.Tables` for the rack's node (a model of
-    any family: the engine hashes, the rack's tables give rows), opened on
-    first use. Only global rank 0 serves /metrics."""
+    """This process's tables of the rack's node (a model of any family:
+    the engine hashes, the rack's tables give rows), opened on first use:
+    through the host's engine socket (`ENGRAM_RACK_SOCKET`: its host-local
+    tables, `engram_rack.engine_socket.EngineTables`) or this process's own
+    `engram_rack.Tables` (only global rank 0 then serves /metrics)."""
     global _tables
     with _lock:
         if _tables is None:
             found = settings()
-            if found is None or "config" not in found:
-                raise PluginError(
-                    "this model's tables are opened by each engine process: set "
-                    "ENGRAM_RACK_CONFIG and ENGRAM_RACK_NODE (the host's engine socket, "
-                    "ENGRAM_RACK_SOCKET, serves DeepSeek V4.1's tables only)")
-            from . import Tables
+            if found is None:
+                raise PluginError("the rack is not configured (ENGRAM_RACK_SOCKET or "
+                                  "ENGRAM_RACK_CONFIG)")
+            if "socket" in found:
+                from .engine_socket import EngineTables
 
-            metrics = os.environ.get("ENGRAM_RACK_METRICS") or None
-            if global_rank() != 0:
-                metrics = "off"
-            _tables = Tables(found["config"], found["node"], metrics=metrics)
-            log.info("engram_rack: node %s's tables %s", found["node"],
+                _tables = EngineTables(found["socket"])
+            else:
+                from . import Tables
+
+                metrics = os.environ.get("ENGRAM_RACK_METRICS") or None
+                if global_rank() != 0:
+                    metrics = "off"
+                _tables = Tables(found["config"], found["node"], metrics=metrics)
+            log.info("engram_rack: node %s's tables %s", _tables.node,
                      [(t["table"], t["layer"], t["encoding"]) for t in _tables.tables])
         return _tables
 

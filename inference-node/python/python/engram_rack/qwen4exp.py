@@ -54,6 +54,7 @@ def encoding_for(dtype, width: int) -> str:
         return f"bf16x{width}"
     if dtype == torch.uint8:
         raise PluginError("an NVFP4 PLE table (values and block scales in two arrays, as the "
-                          "engines read them) is not served by engram_rack yet: use the FP8 or BF16 table")
+                          "engines read them) is not served by engram_rack yet: use the FP8 "
+                          "or BF16 table")
     raise PluginError(f"a PLE table of {dtype} rows: engram_rack serves FP8 (per-tensor scale) "
                       "and BF16 tables")

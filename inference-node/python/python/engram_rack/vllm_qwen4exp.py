@@ -15,13 +15,14 @@ table shards are skipped (the rack has the rows); its global scale, where
 it has one, must equal the rack table's `tensor_scale`.
 
 Which rack table: the one whose `layer` is the PLE layer's model layer
-(`ple_layer_ids`, 1-based), from `engram_rack.Tables` on the node
-`ENGRAM_RACK_CONFIG` and `ENGRAM_RACK_NODE` name. Encodings: FP8 with a
+(`ple_layer_ids`, 1-based), among the node's tables
+(`engram_rack.plugin.tables()`: the host's engine socket, or this
+process's own `engram_rack.Tables`). Encodings: FP8 with a
 per-tensor scale (`fp8_per_tensorx{head_dim}`, vLLM's FP8 method) and
 BF16 (`bf16x{head_dim}`, its unquantized method). Not yet: NVFP4 (vLLM
 reads its values and block scales from two arrays; the rack keeps them in
 one row), a table only across the network (vLLM reads host memory; V4.1's
-engine ring carries 264-byte rows only), the host engine socket.
+engine ring carries 264-byte rows only).
 """
 
 from __future__ import annotations
@@ -106,16 +107,17 @@ def embedding_class(base):
             want = encoding_for(dtype, embedding_dim)
             t = self.rack_table
             if t["encoding"] != want:
-                raise PluginError(f"PLE layer {self.rack_layer}: vLLM reads {want} rows "
-                                  f"(its {type(getattr(self, 'quant_method', None)).__name__}), the rack's table "
-                                  f"{t['table']} is {t['encoding']}")
+                method = type(getattr(self, "quant_method", None)).__name__
+                raise PluginError(f"PLE layer {self.rack_layer}: vLLM reads {want} rows (its "
+                                  f"{method}), the rack's table {t['table']} is {t['encoding']}")
             lo = self.shard_indices.org_vocab_start_index
             if lo + num_embeddings > t["rows"]:
+                total = getattr(self, "num_embeddings_padded", num_embeddings)
                 raise PluginError(
-                    f"PLE layer {self.rack_layer}: vLLM's table has "
-                    f"{getattr(self, 'num_embeddings_padded', num_embeddings)} rows (this rank: {num_embeddings} from "
-                    f"{lo}), the rack's table {t['table']} {t['rows']}: its hashing "
-                    "(ngram_vocab_size_base, make_ngram_vocab_size_divisible_by) is not the model's")
+                    f"PLE layer {self.rack_layer}: vLLM's table has {total} rows (this rank: "
+                    f"{num_embeddings} from {lo}), the rack's table {t['table']} {t['rows']}: "
+                    "its hashing (ngram_vocab_size_base, make_ngram_vocab_size_divisible_by) "
+                    "is not the model's")
             if self._rack_view is None:
                 self._rack_view = host_view(self.rack_layer, t["table"])
             view = self._rack_view

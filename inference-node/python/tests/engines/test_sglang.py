@@ -80,9 +80,18 @@ def _targets():
     import sglang.srt.layers.engram_staging as ST
     import sglang.srt.model_loader.weight_utils as W
 
-    return {"host": (SE, "_HostTable"), "gather": (G, "engram_gather"),
-            "hash": (SE.EngramHasher, "forward"), "load": (SE.EngramEmbedding, "_load_rows"),
-            "dummy": (W, "initialize_dummy_weights"), "stager": (ST, "EngramRowStager")}
+    targets = {"host": (SE, "_HostTable"), "gather": (G, "engram_gather"),
+               "hash": (SE.EngramHasher, "forward"), "load": (SE.EngramEmbedding, "_load_rows"),
+               "dummy": (W, "initialize_dummy_weights"), "stager": (ST, "EngramRowStager")}
+    try:  # the plugin's Qwen4Exp hooks (engram_rack.sglang_qwen4exp), where SGLang has it
+        import sglang.srt.models.qwen4_exp as Q
+        import sglang.srt.models.qwen4_exp_ple_table as QT
+    except ImportError:
+        return targets
+    return {**targets, "ple init": (Q.Qwen4ExpNGramEmbedding, "__init__"),
+            "ple table": (Q, "allocate_ple_host_table"),
+            "ple table source": (QT, "allocate_ple_host_table"),
+            "ple load": (Q.Qwen4ExpForConditionalGeneration, "load_weights")}
 
 
 def hf_config():

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 sglang = pytest.importorskip("sglang")
 S = pytest.importorskip("sglang.srt.models.qwen4_exp")
 
-from conftest import Donor, free_port, gen_encoded, point_plugins_at, read_rows  # noqa: E402
+from conftest import mapping_of, ple_rack, plug, read_rows  # noqa: E402
 
 from engram_rack import plugin as rack_plugin  # noqa: E402
 from engram_rack import sglang as plugin  # noqa: E402
@@ -98,24 +98,7 @@ def qwen_rack(request, tmp_path):
     ref = build(hf_config(dtype, tmp_path / "ref"))  # SGLang's own, before any hook
     rows = ref.ngram_embedding.weight.shape[0]
     scale = SCALE if dtype else None
-    path, digest = gen_encoded(tmp_path, "ple.etab", LAYER, 9, rows, enc, scale)
-    sock = tmp_path / "h.sock"
-    text = (
-        'version = 1\n[rack]\nname = "q"\n'
-        f'[[table]]\nid = 1\nlayer = {LAYER}\npath = "{path}"\nrows = {rows}\n'
-        f'digest = "{digest}"\nencoding = "{enc}"\n'
-        + (f"tensor_scale = {scale}\n" if scale else "")
-        + f'[[donor]]\nname = "h"\nlisten = ["127.0.0.1:{free_port()}", "unix://{sock}"]\n'
-        'tables = [1]\nram_gib = 1.0\n'
-        f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{free_port()}"]\ntables = [1]\nram_gib = 1.0\n'
-    )
-    for node, src in (("hl", "h"), ("own", "local"), ("far", "d")):
-        text += (f'[[node]]\nname = "{node}"\ntokens_per_second = 100\n'
-                 f'[[node.route]]\ntable = 1\nsources = ["{src}"]\n')
-    text += f'[model]\nfamily = "qwen4exp"\neos_token = {EOS}\nhash_base = {BASE}\n'
-    config = tmp_path / "rack.toml"
-    config.write_text(text)
-    donors = [Donor(config, "h"), Donor(config, "d")]
+    config, path, donors = ple_rack(tmp_path, LAYER, rows, enc, scale, EOS, BASE)
     # The reference's table: the checkpoint's shards, written as SGLang's loader does.
     data = read_rows(path, np.arange(rows))
     t = torch.from_numpy(np.ascontiguousarray(data))
@@ -131,6 +114,8 @@ def qwen_rack(request, tmp_path):
                                  shards=shards, tmp=tmp_path)
     yield rack
     rack_plugin.reset()
+    if getattr(rack, "engines", None) is not None:
+        rack.engines.stop()
     for d in donors:
         d.stop()
 
@@ -157,19 +142,21 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("node", ["hl", "own"])
+@pytest.mark.parametrize("node", ["hl", "own", "socket"])
 def test_lookups_equal_sglangs_own_offloaded_table(qwen_rack, hooks, node):
     rack = qwen_rack
-    point_plugins_at(rack, node)
-    rack_plugin.reset()
+    plug(rack, node)
     cfg = hf_config(rack.dtype, rack.tmp / "rack")
     cfg.ple_offload_embedding = False  # the plugin offloads: the rack's memory is host memory
     got = build(cfg)
     emb = got.ngram_embedding
     assert type(emb) is S.Qwen4ExpPinnedHostEmbedding and emb.engram_rack["table"] == 1
     view = rack_plugin.tables().table_view(1)
-    assert view.shared == (node == "hl")
-    assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
+    assert view.shared == (node != "own")
+    if node == "socket":  # a mapping of its own of the donor's memfd
+        assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
+    else:
+        assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
     assert same(emb.weight_scale, rack.ref.ngram_embedding.weight_scale)
     rng = np.random.default_rng(8)
     prompt = rng.integers(0, VOCAB, 30).tolist()
@@ -193,8 +180,7 @@ def test_lookups_equal_sglangs_own_offloaded_table(qwen_rack, hooks, node):
 
 def test_the_loader_skips_the_racks_rows_and_checks_its_scale(qwen_rack, hooks):
     rack = qwen_rack
-    point_plugins_at(rack, "hl")
-    rack_plugin.reset()
+    plug(rack, "hl")
     model = S.Qwen4ExpForConditionalGeneration.__new__(S.Qwen4ExpForConditionalGeneration)
     torch.nn.Module.__init__(model)
     model.add_module("ple", build(hf_config(rack.dtype, rack.tmp / "m")))
@@ -221,8 +207,7 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(qwen_rack, hooks):
     other = "bf16x160" if rack.dtype else "fp8_per_tensorx160"
 
     def refused(node, dtype, match, base=BASE):
-        point_plugins_at(rack, node)
-        rack_plugin.reset()
+        plug(rack, node)
         with pytest.raises(plugin.PluginError, match=match):
             build(hf_config(dtype, rack.tmp / "x", base))
 

@@ -31,7 +31,7 @@ N = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ngram_embedding")
 C = pytest.importorskip("vllm.models.qwen4_exp.common.ngram_embedding")
 
 import emulation  # noqa: E402
-from conftest import Donor, free_port, gen_encoded, point_plugins_at, read_rows  # noqa: E402
+from conftest import free_port, mapping_of, ple_rack, plug, read_rows  # noqa: E402
 
 from engram_rack import plugin as rack_plugin  # noqa: E402
 from engram_rack import vllm as plugin  # noqa: E402
@@ -92,27 +92,12 @@ def qwen_rack(request, tmp_path):
     enc = DTYPES[dtype]
     rows = table_rows()
     scale = SCALE if enc.startswith("fp8") else None
-    path, digest = gen_encoded(tmp_path, "ple.etab", LAYER, 9, rows, enc, scale)
-    sock = tmp_path / "h.sock"
-    text = (
-        'version = 1\n[rack]\nname = "q"\n'
-        f'[[table]]\nid = 1\nlayer = {LAYER}\npath = "{path}"\nrows = {rows}\n'
-        f'digest = "{digest}"\nencoding = "{enc}"\n'
-        + (f"tensor_scale = {scale}\n" if scale else "")
-        + f'[[donor]]\nname = "h"\nlisten = ["127.0.0.1:{free_port()}", "unix://{sock}"]\n'
-        'tables = [1]\nram_gib = 1.0\n'
-        f'[[donor]]\nname = "d"\nlisten = ["127.0.0.1:{free_port()}"]\ntables = [1]\nram_gib = 1.0\n'
-    )
-    for node, src in (("hl", "h"), ("own", "local"), ("far", "d")):
-        text += (f'[[node]]\nname = "{node}"\ntokens_per_second = 100\n'
-                 f'[[node.route]]\ntable = 1\nsources = ["{src}"]\n')
-    text += f'[model]\nfamily = "qwen4exp"\neos_token = {EOS}\nhash_base = {BASE}\n'
-    config = tmp_path / "rack.toml"
-    config.write_text(text)
-    donors = [Donor(config, "h"), Donor(config, "d")]
+    config, path, donors = ple_rack(tmp_path, LAYER, rows, enc, scale, EOS, BASE)
     rack = types.SimpleNamespace(config=config, path=path, dtype=dtype, scale=scale, rows=rows)
     yield rack
     rack_plugin.reset()
+    if getattr(rack, "engines", None) is not None:
+        rack.engines.stop()
     for d in donors:
         d.stop()
 
@@ -198,7 +183,7 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("node", ["hl", "own"])
+@pytest.mark.parametrize("node", ["hl", "own", "socket"])
 def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_rack, node,
                                                                      monkeypatch):
     rack = qwen_rack
@@ -208,8 +193,7 @@ def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_
         ref = build(rack.dtype)
     assert type(ref.ngram_embedding) is C.Qwen4ExpPLEDeviceEmbedding
     ref.load_weights(checkpoint(rack))
-    point_plugins_at(rack, node)
-    rack_plugin.reset()
+    plug(rack, node)
     plugin.install()
     got = build(rack.dtype)
     emb = got.ngram_embedding
@@ -217,8 +201,11 @@ def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_
     # The table is the rack's memory, not a copy: a host-local donor's
     # (shared by every process on the host) or the node's own.
     view = rack_plugin.tables().table_view(1)
-    assert view.shared == (node == "hl")
-    assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
+    assert view.shared == (node != "own")
+    if node == "socket":  # a mapping of its own of the donor's memfd
+        assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
+    else:
+        assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
     assert not emb.weight.is_pinned()
     # The checkpoint's shards are skipped; its scale is the table's.
     loaded = got.load_weights(checkpoint(rack))
@@ -256,8 +243,7 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
     other = "bf16x160" if rack.dtype else "fp8_per_tensorx160"
 
     def refused(node, dtype, match, base=BASE):
-        point_plugins_at(rack, node)
-        rack_plugin.reset()
+        plug(rack, node)
         with pytest.raises(plugin.PluginError, match=match):
             build(dtype, base)
 
@@ -269,8 +255,7 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
     refused("hl", rack.dtype, "hashing", base=2 * BASE)
     if rack.scale:
         # A checkpoint of another table version (its scale differs).
-        point_plugins_at(rack, "hl")
-        rack_plugin.reset()
+        plug(rack, "hl")
         got = build(rack.dtype)
         with pytest.raises(plugin.PluginError, match="not the same table"):
             got.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
