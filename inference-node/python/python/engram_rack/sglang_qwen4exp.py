@@ -97,18 +97,16 @@ def allocate(original, shape, dtype, backend: str = "pinned", table_dir=None, ta
     view = host_view(table["layer"], table["table"])
     size = view.row_bytes
     array = np.frombuffer(view, dtype=np.uint8)
-    address = int(array.ctypes.data) + lo * size
     how = _cuda.host_table_access(_plugin.device())
     if how == "copy":
         raise PluginError("ENGRAM_RACK_HOST_REGISTER=copy is for V4.1's tables; a PLE table "
                           "is read where the rack maps it")
-    if how == "read-only":
-        _cuda.register(address, rows * size, read_only=True)
+    if how == "read-only":  # the whole mapping, once per process (as V4.1's tables)
+        _cuda.register(int(array.ctypes.data), array.nbytes, read_only=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only memory, on purpose
         out = torch.from_numpy(array)[lo * size:(lo + rows) * size]
     out = out.view(rows, size).view(dtype)
-    out._engram_rack_view = view  # the mapping lives while the table does
     return out
 
 

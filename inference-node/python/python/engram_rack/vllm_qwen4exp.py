@@ -126,6 +126,9 @@ def embedding_class(base):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # read-only memory, on purpose
                 rows = torch.from_numpy(array)[lo * size:(lo + num_embeddings) * size]
+            # The whole mapping is registered (once per process, as V4.1's
+            # tables are); this rank reads its span of it.
+            self._rack_map = (int(array.ctypes.data), array.nbytes)
             self._rack_span = (int(array.ctypes.data) + lo * size, num_embeddings * size)
             return rows.view(num_embeddings, size).view(dtype)
 
@@ -141,7 +144,7 @@ def embedding_class(base):
                                   "table is read where the rack maps it")
             address, nbytes = self._rack_span
             if how == "read-only":
-                _cuda.register(address, nbytes, read_only=True)
+                _cuda.register(*self._rack_map, read_only=True)
             raw = _cuda.device_view(address, (nbytes,), torch.uint8, self.device)
             return raw.view(self.weight.shape[0], -1).view(self.weight.dtype)
 

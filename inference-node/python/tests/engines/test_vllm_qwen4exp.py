@@ -259,3 +259,85 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
         got = build(rack.dtype)
         with pytest.raises(plugin.PluginError, match="not the same table"):
             got.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
+
+
+RANK = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+import numpy as np, torch
+from _pytest.monkeypatch import MonkeyPatch
+rank, port, config, table, dtype = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+dtype = None if dtype == "none" else dtype
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.config.engram import EngramConfig
+from vllm.distributed import parallel_state as ps
+import emulation
+import test_vllm_qwen4exp as T
+from conftest import read_rows
+mp = MonkeyPatch()
+emulation.fake_streams(mp)
+T.typed_byte_pointers(mp)
+cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+cfg.engram_config = EngramConfig(cpu_offload=True)
+cfg.parallel_config.tensor_parallel_size = 2
+os.environ.update(ENGRAM_RACK_CONFIG=config, ENGRAM_RACK_NODE="hl", ENGRAM_RACK_METRICS="off")
+with set_current_vllm_config(cfg):
+    ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel(2, 1)
+    from engram_rack import vllm as plugin
+    plugin.install()
+    got = T.build(dtype)
+    emb = got.ngram_embedding
+    assert type(emb).__name__ == "RackPLEEmbedding"
+    rows = T.table_rows()
+    lo, hi = emb.shard_indices.org_vocab_start_index, emb.shard_indices.org_vocab_end_index
+    assert (lo, hi) == ((0, rows // 2), (rows // 2, rows))[rank], (rank, lo, hi)
+    assert emb.weight.shape[0] == rows // 2
+    full = torch.from_numpy(np.ascontiguousarray(read_rows(table, np.arange(rows))))
+    full = full.view(torch.float8_e4m3fn) if dtype else full.view(torch.bfloat16)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, T.VOCAB, 24).tolist()
+    prompt[9] = T.EOS
+    for requests in ([(prompt[:5], [prompt[5]]), (prompt[:10], prompt[10:20])],
+                     [([], prompt[:12])]):
+        ids, qsl, ctx = T.batch(requests)
+        got.start_prefetch(ids, qsl, ctx)
+        out = got(torch.zeros(len(ids), 8, dtype=torch.bfloat16), ids, qsl, ctx)
+        # Each rank's rows, reduced over the two: every row, whichever rank owns it.
+        want = full[got.compute_ngram_ids(ids, qsl, ctx)].flatten(-2)
+        assert T.same(out, want), rank
+    ps.get_tp_group().barrier()
+print("ok", rank, flush=True)
+"""
+
+
+def test_two_etp_ranks_each_map_their_rows_and_reduce_to_the_table(qwen_rack):
+    """vLLM with TP = ETP = 2 (two gloo ranks): each rank's table is its
+    half of the rack's (rows [0, R/2) and [R/2, R)) over the donor's
+    memory, and vLLM's own ETP reduction gives every row of the table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rack = qwen_rack
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), str(rack.config),
+                               str(rack.path), rack.dtype or "none"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=str(here))
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.returncode, *p.communicate(timeout=600)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+    for p, (_, out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("ok"), err[-3000:]
