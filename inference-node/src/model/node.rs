@@ -441,7 +441,7 @@ pub(crate) fn layer_tables(
     let name = &node.name;
     if model.family != cluster_config::model::Family::DeepseekV41 {
         return Err(cfg(format!(
-            "{}: [model] family = {:?}: the node daemon, the libraries and the engine ring run DeepSeek V4.1's model; \
+            "{}: [model] family = {:?}: the node daemon, V4.1's memory (engram_rack.Memory, engram_open) and the engine ring run DeepSeek V4.1's model; \
              this rack's model runs in `inference-node run`, its rows in `inference-node canary`, and an engine opens its tables with `engram_rack.Tables` (docs/models.md)",
             config.path.display(),
             model.family.name()
