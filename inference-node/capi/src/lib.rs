@@ -396,16 +396,7 @@ pub unsafe extern "C" fn engram_open_ex(
             // SAFETY: the caller's promise.
             Ok((c, unsafe { text(node, "node") }?))
         }));
-        if flags & !ENGRAM_METRICS_OFF != 0 {
-            return bad(&format!("unknown flags {flags:#x}"));
-        }
-        let opts = OpenOptions {
-            metrics: if flags & ENGRAM_METRICS_OFF != 0 {
-                MetricsAt::Off
-            } else {
-                MetricsAt::Config
-            },
-        };
+        let opts = tri!(open_options(flags));
         match EmbeddedNode::open_with(Path::new(config), node, &opts) {
             Ok(m) => {
                 // SAFETY: `out` is writable (the caller's promise), checked non-NULL.
@@ -415,6 +406,59 @@ pub unsafe extern "C" fn engram_open_ex(
             Err(e) => fail(e),
         }
     })
+}
+
+/// What `flags` ask of an open (`ENGRAM_METRICS_OFF`), or a bad flag.
+fn open_options(flags: u32) -> Result<OpenOptions, engram_status> {
+    if flags & !ENGRAM_METRICS_OFF != 0 {
+        return Err(bad(&format!("unknown flags {flags:#x}")));
+    }
+    Ok(OpenOptions {
+        metrics: if flags & ENGRAM_METRICS_OFF != 0 {
+            MetricsAt::Off
+        } else {
+            MetricsAt::Config
+        },
+    })
+}
+
+/// Hand a view to the caller through `out` (checked non-NULL).
+///
+/// # Safety
+/// `out` points to writable storage for one pointer.
+unsafe fn give_view(
+    view: Result<embed::TableView, EmbedError>,
+    out: *mut *mut engram_view,
+) -> engram_status {
+    match view {
+        Ok(v) => {
+            // SAFETY: `out` is writable (the caller's promise).
+            unsafe { *out = Box::into_raw(Box::new(engram_view { inner: v })) };
+            ENGRAM_OK
+        }
+        Err(e) => fail(e),
+    }
+}
+
+/// Rows `rows[..rows_len]` dequantized by `f` into `out[..out_len]`.
+///
+/// # Safety
+/// The arrays hold the lengths given.
+unsafe fn dequantize_with<T>(
+    rows: *const u8,
+    rows_len: usize,
+    out: *mut T,
+    out_len: usize,
+    f: impl FnOnce(&[u8], &mut [T]) -> Result<(), EmbedError>,
+) -> engram_status {
+    // SAFETY: the caller's promises.
+    let r = tri!(unsafe { borrow(rows, rows_len, "rows") });
+    // SAFETY: as above.
+    let o = tri!(unsafe { borrow_mut(out, out_len, "out") });
+    match f(r, o) {
+        Ok(()) => ENGRAM_OK,
+        Err(e) => fail(e),
+    }
 }
 
 /// Close: refuse new calls, let fetches in flight end (at most `drain_ms`),
@@ -792,13 +836,12 @@ pub unsafe extern "C" fn engram_table_view(
         if out.is_null() {
             return bad("out is NULL");
         }
-        match m.inner.table_view(layer, Duration::from_millis(wait_ms)) {
-            Ok(v) => {
-                // SAFETY: `out` is writable (the caller's promise).
-                unsafe { *out = Box::into_raw(Box::new(engram_view { inner: v })) };
-                ENGRAM_OK
-            }
-            Err(e) => fail(e),
+        // SAFETY: `out` is writable (the caller's promise), checked non-NULL.
+        unsafe {
+            give_view(
+                m.inner.table_view(layer, Duration::from_millis(wait_ms)),
+                out,
+            )
         }
     })
 }
@@ -891,16 +934,8 @@ pub unsafe extern "C" fn engram_dequantize_f32(
     out: *mut f32,
     out_len: usize,
 ) -> engram_status {
-    guard(|| {
-        // SAFETY: the caller's promises.
-        let r = tri!(unsafe { borrow(rows, rows_len, "rows") });
-        // SAFETY: as above.
-        let o = tri!(unsafe { borrow_mut(out, out_len, "out") });
-        match embed::dequantize_f32(r, o) {
-            Ok(()) => ENGRAM_OK,
-            Err(e) => fail(e),
-        }
-    })
+    // SAFETY: the caller's promises.
+    guard(|| unsafe { dequantize_with(rows, rows_len, out, out_len, embed::dequantize_f32) })
 }
 
 /// As `engram_dequantize_f32`, into bf16 bit patterns.
@@ -914,16 +949,8 @@ pub unsafe extern "C" fn engram_dequantize_bf16(
     out: *mut u16,
     out_len: usize,
 ) -> engram_status {
-    guard(|| {
-        // SAFETY: the caller's promises.
-        let r = tri!(unsafe { borrow(rows, rows_len, "rows") });
-        // SAFETY: as above.
-        let o = tri!(unsafe { borrow_mut(out, out_len, "out") });
-        match embed::dequantize_bf16(r, o) {
-            Ok(()) => ENGRAM_OK,
-            Err(e) => fail(e),
-        }
-    })
+    // SAFETY: the caller's promises.
+    guard(|| unsafe { dequantize_with(rows, rows_len, out, out_len, embed::dequantize_bf16) })
 }
 
 /// Each layer's counters into `stats[0]` (layer 1) and `stats[1]` (layer 14).

@@ -9,8 +9,8 @@ use std::time::Duration;
 use engram_protocol::encoding::RowEncoding;
 
 use super::{
-    ENGRAM_METRICS_OFF, MetricsAt, NodeTables, OpenOptions, bad, borrow, borrow_mut, engram_served,
-    engram_status, engram_view, fail, guard, guard_or, served_of, text,
+    NodeTables, bad, borrow, borrow_mut, dequantize_with, engram_served, engram_status,
+    engram_view, fail, give_view, guard, guard_or, open_options, served_of, text,
 };
 use engram_status::*;
 
@@ -73,15 +73,9 @@ pub unsafe extern "C" fn engram_node_tables_open(
             Ok(n) => n,
             Err(s) => return s,
         };
-        if flags & !ENGRAM_METRICS_OFF != 0 {
-            return bad(&format!("unknown flags {flags:#x}"));
-        }
-        let opts = OpenOptions {
-            metrics: if flags & ENGRAM_METRICS_OFF != 0 {
-                MetricsAt::Off
-            } else {
-                MetricsAt::Config
-            },
+        let opts = match open_options(flags) {
+            Ok(o) => o,
+            Err(s) => return s,
         };
         match NodeTables::open(Path::new(config), node, &opts) {
             Ok(t) => {
@@ -255,13 +249,12 @@ pub unsafe extern "C" fn engram_node_tables_view(
         if out.is_null() {
             return bad("out is NULL");
         }
-        match t.inner.table_view(table, Duration::from_millis(wait_ms)) {
-            Ok(v) => {
-                // SAFETY: `out` is writable (the caller's promise).
-                unsafe { *out = Box::into_raw(Box::new(engram_view { inner: v })) };
-                ENGRAM_OK
-            }
-            Err(e) => fail(e),
+        // SAFETY: `out` is writable (the caller's promise), checked non-NULL.
+        unsafe {
+            give_view(
+                t.inner.table_view(table, Duration::from_millis(wait_ms)),
+                out,
+            )
         }
     })
 }
@@ -331,18 +324,10 @@ pub unsafe extern "C" fn engram_dequantize_encoded_bf16(
             Err(e) => return bad(&e.to_string()),
         };
         // SAFETY: the caller's promises.
-        let r = match unsafe { borrow(rows, rows_len, "rows") } {
-            Ok(r) => r,
-            Err(s) => return s,
-        };
-        // SAFETY: as above.
-        let o = match unsafe { borrow_mut(out, out_len, "out") } {
-            Ok(o) => o,
-            Err(s) => return s,
-        };
-        match inference_node::embed::dequantize_encoded_bf16(e, Some(tensor_scale), r, o) {
-            Ok(()) => ENGRAM_OK,
-            Err(e) => fail(e),
+        unsafe {
+            dequantize_with(rows, rows_len, out, out_len, |r, o| {
+                inference_node::embed::dequantize_encoded_bf16(e, Some(tensor_scale), r, o)
+            })
         }
     })
 }

@@ -214,28 +214,11 @@ impl EmbeddedNode {
         let addressing = Addressing { params, map, pad };
         let tokens_per_second = n.tokens_per_second;
         let metrics_at = metrics_address(&cfg, n, opts)?;
-        let (handle, stop_tx, thread) = io_thread()?;
-
         let name = node.to_string();
         let chunk = chunk_rows(&cfg);
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        handle.spawn(async move {
-            let _ = tx.send(build(cfg, name, tables, addressing, chunk, metrics_at).await);
-        });
-        let built = rx
-            .recv()
-            .unwrap_or_else(|_| Err(SetupError::Config("the I/O thread ended".into())));
-        let open = match built {
-            Ok(o) => o,
-            Err(e) => {
-                let _ = stop_tx.send(());
-                let _ = thread.join();
-                return Err(match e {
-                    SetupError::Config(m) => EmbedError::Config(m),
-                    e => EmbedError::Setup(format!("node {node:?} cannot start: {e}")),
-                });
-            }
-        };
+        let (open, handle, io) = open_on_io_thread(node, async move {
+            build(cfg, name, tables, addressing, chunk, metrics_at).await
+        })?;
         Ok(Self {
             shared: Shared {
                 node: node.to_string(),
@@ -245,7 +228,7 @@ impl EmbeddedNode {
                 state: RwLock::new(Some(Arc::new(open))),
                 counters: Arc::default(),
                 counts: Arc::default(),
-                io: engram_sync::Mutex::new(Some((stop_tx, thread))),
+                io: engram_sync::Mutex::new(Some(io)),
             },
         })
     }
@@ -822,13 +805,42 @@ fn drain_and_stop(
     }
 }
 
+/// The I/O thread's stop signal and handle.
+type IoParts = (
+    tokio::sync::oneshot::Sender<()>,
+    std::thread::JoinHandle<()>,
+);
+
 /// The I/O thread's stop signal and handle, until closed.
-type IoThread = engram_sync::Mutex<
-    Option<(
-        tokio::sync::oneshot::Sender<()>,
-        std::thread::JoinHandle<()>,
-    )>,
->;
+type IoThread = engram_sync::Mutex<Option<IoParts>>;
+
+/// Start an I/O thread and build `node`'s open state on it with `build`:
+/// the state, the runtime's handle and the thread (stopped again when the
+/// build fails, whose error says the node cannot start).
+fn open_on_io_thread<T: Send + 'static>(
+    node: &str,
+    build: impl Future<Output = Result<T, SetupError>> + Send + 'static,
+) -> Result<(T, Handle, IoParts), EmbedError> {
+    let (handle, stop_tx, thread) = io_thread()?;
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = tx.send(build.await);
+    });
+    let built = rx
+        .recv()
+        .unwrap_or_else(|_| Err(SetupError::Config("the I/O thread ended".into())));
+    match built {
+        Ok(o) => Ok((o, handle, (stop_tx, thread))),
+        Err(e) => {
+            let _ = stop_tx.send(());
+            let _ = thread.join();
+            Err(match e {
+                SetupError::Config(m) => EmbedError::Config(m),
+                e => EmbedError::Setup(format!("node {node:?} cannot start: {e}")),
+            })
+        }
+    }
+}
 
 /// The I/O thread (`engram-io`): a current-thread runtime that runs the
 /// memory's fetches until told to stop; its handle, the stop, the thread.

@@ -25,7 +25,7 @@ use engram_sync::RwLock;
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use super::{EmbedError, OpenOptions, Served, TableView, io_thread, metrics_address, serve_at};
+use super::{EmbedError, OpenOptions, Served, TableView, metrics_address, serve_at};
 use crate::memory::Routers;
 use crate::metrics::NodeMetrics;
 use crate::model::TableSlot;
@@ -85,33 +85,16 @@ impl NodeTables {
         let cfg = Config::load(config).map_err(|e| EmbedError::Config(e.to_string()))?;
         let n = super::find_node(&cfg, config, node)?;
         let metrics_at = metrics_address(&cfg, n, opts)?;
-        let (handle, stop_tx, thread) = io_thread()?;
         let name = node.to_string();
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        handle.spawn(async move {
-            let _ = tx.send(build(cfg, name, metrics_at).await);
-        });
-        let built = rx
-            .recv()
-            .unwrap_or_else(|_| Err(SetupError::Config("the I/O thread ended".into())));
-        let open = match built {
-            Ok(o) => o,
-            Err(e) => {
-                let _ = stop_tx.send(());
-                let _ = thread.join();
-                return Err(match e {
-                    SetupError::Config(m) => EmbedError::Config(m),
-                    e => EmbedError::Setup(format!("node {node:?} cannot start: {e}")),
-                });
-            }
-        };
+        let (open, handle, io) =
+            super::open_on_io_thread(node, async move { build(cfg, name, metrics_at).await })?;
         Ok(Self {
             node: node.to_string(),
             config: config.to_path_buf(),
             handle,
             state: RwLock::new(Some(Arc::new(open))),
             counts: Arc::default(),
-            io: engram_sync::Mutex::new(Some((stop_tx, thread))),
+            io: engram_sync::Mutex::new(Some(io)),
         })
     }
 
@@ -216,18 +199,13 @@ impl NodeTables {
             let at = unique.binary_search(r).unwrap_or(0) * rb;
             o.copy_from_slice(&fetch.bytes[at..at + rb]);
         }
-        Ok(Served {
-            layer: info.layer,
+        Ok(Served::of(
+            info.layer,
             table,
-            sources: fetch.sources.iter().map(|s| s.to_string()).collect(),
-            hedges: fetch.hedges,
-            failovers: fetch.failovers,
-            late: fetch.late,
-            zeros: fetch.zeros,
-            messages: fetch.messages,
-            rows: unique.len(),
-            elapsed: started.elapsed(),
-        })
+            &fetch,
+            unique.len(),
+            started.elapsed(),
+        ))
     }
 
     /// Table `table`'s memory as this process maps it: a host-local

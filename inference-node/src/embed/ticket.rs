@@ -133,6 +133,31 @@ pub struct Served {
     pub elapsed: Duration,
 }
 
+impl Served {
+    /// How `fetch` served `rows` distinct rows of `table` (layer `layer`)
+    /// in `elapsed`.
+    pub(crate) fn of(
+        layer: u32,
+        table: u32,
+        fetch: &Fetch,
+        rows: usize,
+        elapsed: Duration,
+    ) -> Self {
+        Self {
+            layer,
+            table,
+            sources: fetch.sources.iter().map(|s| s.to_string()).collect(),
+            hedges: fetch.hedges,
+            failovers: fetch.failovers,
+            late: fetch.late,
+            zeros: fetch.zeros,
+            messages: fetch.messages,
+            rows,
+            elapsed,
+        }
+    }
+}
+
 /// Per-layer counters of a memory's lookups, since it opened.
 #[derive(Debug, Default)]
 pub(crate) struct LayerCounters {
@@ -282,18 +307,13 @@ impl Ticket {
             return Err(EmbedError::NoSource(e.clone()));
         }
         self.scatter(slot, &fetch.bytes, out);
-        Ok(Served {
+        Ok(Served::of(
             layer,
-            table: self.tables[slot],
-            sources: fetch.sources.iter().map(|s| s.to_string()).collect(),
-            hedges: fetch.hedges,
-            failovers: fetch.failovers,
-            late: fetch.late,
-            zeros: fetch.zeros,
-            messages: fetch.messages,
-            rows: fetch.bytes.len() / ROW_BYTES,
-            elapsed: *took,
-        })
+            self.tables[slot],
+            fetch,
+            fetch.bytes.len() / ROW_BYTES,
+            *took,
+        ))
     }
 
     /// Distinct rows (as fetched) -> every position's 24 rows, in place.

@@ -247,24 +247,36 @@ def install() -> type:
         _patch_loaders()
         from . import vllm_qwen4exp
 
-        vllm_qwen4exp.install(_count_rack_tables)
+        vllm_qwen4exp.install()
         _patch_runner()
-        for name in MODEL_MODULES:
-            mod = sys.modules.get(name)
-            if mod is None:
-                try:
-                    mod = importlib.import_module(name)
-                except Exception as e:  # noqa: BLE001 - a platform's module may not import
-                    log.debug("engram_rack: %s not imported (%s)", name, e)
-                    continue
+        for mod in wrap_model_loaders(MODEL_MODULES, "DeepseekV41"):
             if hasattr(mod, "Engram"):
                 mod.Engram = _class
-            for cls in vars(mod).values():
-                lw = getattr(cls, "load_weights", None) if isinstance(cls, type) else None
-                if lw is not None and cls.__name__.startswith("DeepseekV41") \
-                        and not getattr(lw, "engram_rack_wrapped", False):
-                    cls.load_weights = _count_rack_tables(lw)
+        wrap_model_loaders(vllm_qwen4exp.MODEL_MODULES, "Qwen4Exp")
     return _class
+
+
+def wrap_model_loaders(names, prefix: str) -> list:
+    """The modules `names` that import here, their model classes named
+    `prefix...` counting the rack's tables as loaded (`_count_rack_tables`)."""
+    import importlib
+
+    mods = []
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 - a platform's module may not import
+                log.debug("engram_rack: %s not imported (%s)", name, e)
+                continue
+        mods.append(mod)
+        for cls in vars(mod).values():
+            lw = getattr(cls, "load_weights", None) if isinstance(cls, type) else None
+            if lw is not None and cls.__name__.startswith(prefix) \
+                    and not getattr(lw, "engram_rack_wrapped", False):
+                cls.load_weights = _count_rack_tables(lw)
+    return mods
 
 
 def _patch_loaders() -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextvars
 import importlib
 import logging
-import sys
 import threading
 import warnings
 
@@ -194,9 +193,9 @@ def ngram_class(base):
     return RackNGramEmbedding
 
 
-def install(count_rack_tables) -> None:
-    """Bind vLLM's Qwen4Exp table classes to the rack's (idempotent).
-    `count_rack_tables` wraps a model's `load_weights`."""
+def install() -> None:
+    """Bind vLLM's Qwen4Exp table classes to the rack's (idempotent); the
+    model classes' loaders are wrapped by `engram_rack.vllm`."""
     try:
         common = importlib.import_module(COMMON)
     except Exception as e:  # noqa: BLE001 - a build without Qwen4Exp
@@ -224,16 +223,3 @@ def install(count_rack_tables) -> None:
                 importlib.import_module(builder).Qwen4ExpNGramEmbedding = cls
             except Exception as e:  # noqa: BLE001
                 log.debug("engram_rack: %s not imported (%s)", builder, e)
-    for name in MODEL_MODULES:
-        mod = sys.modules.get(name)
-        if mod is None:
-            try:
-                mod = importlib.import_module(name)
-            except Exception as e:  # noqa: BLE001 - a platform's module may not import
-                log.debug("engram_rack: %s not imported (%s)", name, e)
-                continue
-        for cls in vars(mod).values():
-            lw = getattr(cls, "load_weights", None) if isinstance(cls, type) else None
-            if lw is not None and cls.__name__.startswith("Qwen4Exp") \
-                    and not getattr(lw, "engram_rack_wrapped", False):
-                cls.load_weights = count_rack_tables(lw)
