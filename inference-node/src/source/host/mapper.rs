@@ -195,10 +195,13 @@ fn ready(name: &str, table: u32, m: Arc<Mapped>, st: &State, retiring: &mut Vec<
             return;
         }
         q.wanted.remove(&table);
-        st.maps.write().insert(table, Arc::clone(&m))
+        // Counted under the maps' lock: whoever sees the new generation
+        // also sees it counted.
+        let mut maps = st.maps.write();
+        st.count_generation();
+        maps.insert(table, Arc::clone(&m))
     };
     st.other.lock().remove(&table);
-    st.count_generation();
     tracing::info!(
         donor = name,
         table,

@@ -414,11 +414,16 @@ fn install(name: &str, table: u32, generation: u64, t: ResidentTable, st: &State
     }
     tracing::info!(donor = name, table, generation, "host socket: table mapped");
     st.mapper.forget(table);
-    let old = st.maps.write().insert(table, Arc::clone(&m));
+    let old = {
+        // Counted under the maps' lock: whoever sees the mapping also
+        // sees it counted.
+        let mut maps = st.maps.write();
+        st.count_generation();
+        maps.insert(table, Arc::clone(&m))
+    };
     // Only once the pinned version is mapped: a lookup in
     // between still hears of the other one.
     st.other.lock().remove(&table);
-    st.count_generation();
     if let Some(old) = old {
         st.mapper.retire(old);
     }
