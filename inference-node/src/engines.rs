@@ -11,10 +11,9 @@
 //!   encoded table's rows back to back at its row size), or says the
 //!   table is remote;
 //! - it takes the engine's rings (memfds the engine made and registered
-//!   with its GPU) and serves each on a thread of its own ([`serve`]):
-//!   DeepSeek V4.1's tables only. A rack of another model family
-//!   ([`EngineMemory::Tables`]) hands over its host-local tables and
-//!   refuses rings, by name;
+//!   with its GPU) and serves them all on one thread ([`RingHub`]): V4.1's
+//!   rings of 264-byte rows, or, on a rack of another model family
+//!   ([`EngineMemory::Tables`]), rings of its tables' own row size;
 //! - when the engine closes the socket, its rings stop being served.
 //!
 //! Every engine is checked by its credentials (`SO_PEERCRED`) against the
@@ -51,26 +50,11 @@ const WATCH: Duration = Duration::from_millis(50);
 /// Tables an engine is told of at most (before `synced`).
 pub const MAX_TABLES: usize = 64;
 
-/// What an engine socket serves.
-#[derive(Debug, Clone)]
-pub enum EngineMemory {
-    /// DeepSeek V4.1's memory: both Engram tables, host-local ones handed
-    /// over, remote ones through the engines' rings.
-    V41(Arc<EmbeddedNode>),
-    /// A node's tables of any model family: host-local ones handed over;
-    /// rings refused (they carry V4.1's rows).
-    Tables(Arc<NodeTables>),
-}
-
-impl EngineMemory {
-    /// Let fetches in flight end (at most `drain`), then stop.
-    pub fn close(&self, drain: Duration) {
-        match self {
-            Self::V41(m) => m.close(drain),
-            Self::Tables(t) => t.close(drain),
-        }
-    }
-}
+/// What an engine socket serves: V4.1's memory (host-local tables handed
+/// over, remote ones through the engines' rings), or a node's tables of any
+/// family (host-local ones handed over, every one through rings of its row
+/// size).
+pub use crate::embed::NodeMemory as EngineMemory;
 
 /// Who may connect (the peer's credentials).
 pub use daemon_runtime::hostsock::Access as EngineAccess;
@@ -110,20 +94,10 @@ impl EngineListener {
         stop: &Arc<AtomicBool>,
         alive: &dyn Fn(),
     ) -> io::Result<()> {
-        let hub = match mem {
-            EngineMemory::V41(m) => Some(Arc::new(
-                RingHub::start(Arc::clone(m), self.ring).map_err(io::Error::other)?,
-            )),
-            EngineMemory::Tables(_) => None,
-        };
+        let hub = Arc::new(RingHub::start(mem.clone(), self.ring).map_err(io::Error::other)?);
         let open = Arc::new(AtomicUsize::new(0));
         while !stop.load(Ordering::Relaxed) {
-            let live = match (&hub, mem) {
-                (Some(h), _) => h.alive(Duration::from_secs(1)),
-                (None, EngineMemory::Tables(t)) => !t.is_closed(),
-                (None, EngineMemory::V41(_)) => false,
-            };
-            if live {
+            if hub.alive(Duration::from_secs(1)) {
                 alive();
             }
             if !readable(self.fd.as_raw_fd(), WATCH) {
@@ -143,7 +117,7 @@ impl EngineListener {
             }
             // SAFETY: a new descriptor only we own.
             let client = unsafe { OwnedFd::from_raw_fd(c) };
-            self.admit(client, (mem, hub.as_ref()), stop, &open);
+            self.admit(client, (mem, &hub), stop, &open);
         }
         Ok(())
     }
@@ -152,7 +126,7 @@ impl EngineListener {
     fn admit(
         &self,
         client: OwnedFd,
-        (mem, hub): (&EngineMemory, Option<&Arc<RingHub>>),
+        (mem, hub): (&EngineMemory, &Arc<RingHub>),
         stop: &Arc<AtomicBool>,
         open: &Arc<AtomicUsize>,
     ) {
@@ -186,11 +160,11 @@ impl EngineListener {
             "engine socket: engine attached"
         );
         let (mem, stop, count) = (mem.clone(), Arc::clone(stop), Arc::clone(open));
-        let (hub, ring) = (hub.cloned(), self.ring);
+        let (hub, ring) = (Arc::clone(hub), self.ring);
         let spawned = std::thread::Builder::new()
             .name(format!("engine-{}", cred.pid))
             .spawn(move || {
-                if let Err(e) = serve_engine(&client, (&mem, hub.as_deref()), ring, &stop) {
+                if let Err(e) = serve_engine(&client, (&mem, &hub), ring, &stop) {
                     tracing::debug!(pid = cred.pid, error = %e, "engine socket: engine ended");
                 }
                 tracing::info!(pid = cred.pid, "engine socket: engine detached");
@@ -213,7 +187,7 @@ impl Drop for EngineListener {
 /// closes the socket or the node stops.
 fn serve_engine(
     client: &OwnedFd,
-    (mem, hub): (&EngineMemory, Option<&RingHub>),
+    (mem, hub): (&EngineMemory, &RingHub),
     ring: RingOptions,
     stop: &AtomicBool,
 ) -> io::Result<()> {
@@ -233,18 +207,7 @@ fn serve_engine(
             return Ok(()); // The engine closed.
         }
         let reply = match parse(&buf[..n]) {
-            Some(m) if m.get("ring").is_some() => match (hub, mem) {
-                (Some(hub), _) => attach(hub, file, &mut rings),
-                (None, EngineMemory::Tables(t)) => json!({
-                    "ring": "refused",
-                    "why": format!(
-                        "this rack's model ([model] family = {:?}) is served from host-local \
-                         tables only: the engine ring carries DeepSeek V4.1's rows",
-                        t.family().map(|f| f.name()).unwrap_or("?")
-                    )
-                }),
-                (None, EngineMemory::V41(_)) => json!({"ring": "refused", "why": "no ring thread"}),
-            },
+            Some(m) if m.get("ring").is_some() => attach(hub, file, &mut rings),
             _ => {
                 json!({"refused": "a message this node does not know (it takes {\"ring\": ...} with a memfd)"})
             }

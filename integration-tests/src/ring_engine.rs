@@ -6,7 +6,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engram_protocol::ROW_BYTES;
 use inference_node::ring::RingMemory;
 
 /// The engine's side of one ring.
@@ -87,7 +86,7 @@ impl CpuEngine {
             if t0.elapsed() > limit {
                 self.ring.waited(l, t0.elapsed().as_nanos() as u64);
                 self.ring.gave_up(seq);
-                let n = positions as usize * sh.columns as usize * ROW_BYTES;
+                let n = positions as usize * sh.columns as usize * sh.row_bytes as usize;
                 return Answer {
                     status: None,
                     served: 0,

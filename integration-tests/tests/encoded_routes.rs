@@ -426,3 +426,124 @@ fn node_tables_give_an_engine_the_rows_of_any_encoding() {
         );
     }
 }
+
+/// The engine ring at a table's own row size (PROTOCOL.md 6.1, version 2):
+/// a CPU stand-in for an engine's kernels publishes Qwen4Exp-shaped
+/// requests (16 ids a position) into rings of FP8's 160-byte and NVFP4's
+/// 90-byte rows, served from `NodeTables` through a donor over TCP and
+/// through a host-local donor's memfd; every live position's rows are the
+/// generator's, DEAD ones zeros, an id past the table zeros its position
+/// with status "bad ids"; a ring of another row size, of a layer the node
+/// does not route, or of two tables of two row sizes is refused by name.
+#[test]
+fn engine_rings_carry_rows_of_any_encoding_from_node_tables() {
+    use engram_protocol::ring::NO_ROW;
+    use inference_node::embed::{MetricsAt, NodeMemory, NodeTables, OpenOptions};
+    use inference_node::ring::{RingHub, RingMemory, RingOptions, Shape, Status};
+    use rack_harness::ring_engine::CpuEngine;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, _) = rack(dir.path());
+    let path = config.path.display().to_string();
+    let _d = DonorProcess::start(&["--config", &path, "--name", "d"]).expect("donor d");
+    let _h = DonorProcess::start(&["--config", &path, "--name", "h"]).expect("donor h");
+    let opts = OpenOptions {
+        metrics: MetricsAt::Off,
+    };
+    const COLUMNS: usize = 16;
+    let shape = |layer: u32, row_bytes: usize| Shape {
+        slots: 4,
+        layers: 1,
+        columns: COLUMNS as u32,
+        positions: 32,
+        first_column: 0,
+        layer_ids: [layer, 0],
+        gpu_deadline_ns: 5_000_000_000,
+        row_bytes: row_bytes as u32,
+    };
+    for node in ["via-d", "via-h"] {
+        let tables = Arc::new(NodeTables::open(&config.path, node, &opts).expect("open"));
+        let hub = RingHub::start(
+            NodeMemory::Tables(Arc::clone(&tables)),
+            RingOptions::default(),
+        )
+        .expect("hub");
+        let mut rng = SplitMix64::new(11);
+        for (id, encoding, seed) in TABLES {
+            let size = encoding.row_bytes();
+            let ring = Arc::new(RingMemory::create(&shape(id, size)).expect("ring"));
+            assert_eq!(ring.shape().row_bytes as usize, size);
+            let handle = hub.add(Arc::clone(&ring)).expect("served");
+            let mut eng = CpuEngine::new(ring);
+            for round in 0..20 {
+                let n = 1 + rng.below(32) as usize;
+                let dead = rng.below(n as u64) as usize;
+                let past = (round % 5 == 4).then(|| (dead + 1) % n);
+                let ids: Vec<Vec<Vec<i64>>> = (0..n)
+                    .map(|p| {
+                        let mut v: Vec<i64> = if p == dead && n > 1 {
+                            vec![NO_ROW; COLUMNS]
+                        } else {
+                            (0..COLUMNS).map(|_| rng.below(ROWS) as i64).collect()
+                        };
+                        if past == Some(p) && p != dead {
+                            v[3] = ROWS as i64;
+                        }
+                        vec![v]
+                    })
+                    .collect();
+                let seq = eng.publish(1, &ids);
+                let a = eng.wait(seq, 0, n as u32);
+                let bad = past.is_some_and(|p| p != dead || n == 1);
+                let want = if bad { Status::BadIds } else { Status::Ok };
+                assert_eq!(
+                    a.status,
+                    Some(want as u32),
+                    "{node}, table {id}, round {round}"
+                );
+                for (p, pos) in ids.iter().enumerate() {
+                    let got = &a.rows[p * COLUMNS * size..(p + 1) * COLUMNS * size];
+                    let zero = pos[0][0] == NO_ROW || pos[0].contains(&(ROWS as i64));
+                    if zero {
+                        assert!(
+                            got.iter().all(|&b| b == 0),
+                            "{node}, table {id}: position {p}"
+                        );
+                    } else {
+                        let rows: Vec<u64> = pos[0].iter().map(|&r| r as u64).collect();
+                        assert!(
+                            got == expected(id, encoding, seed, &rows),
+                            "{node}, table {id}, round {round}, position {p}"
+                        );
+                    }
+                }
+            }
+            let c = handle.counters();
+            assert_eq!(c.requests.load(std::sync::atomic::Ordering::Relaxed), 20);
+        }
+        // Refused by name: V4.1's row size on an FP8 table, a layer not
+        // routed, two sections of two row sizes.
+        let refuse = |s: Shape| {
+            let ring = Arc::new(RingMemory::create(&s).expect("ring"));
+            hub.add(ring).expect_err("refused").to_string()
+        };
+        let e = refuse(shape(1, 264));
+        assert!(
+            e.contains("264 bytes") && e.contains("fp8_per_tensorx160"),
+            "{e}"
+        );
+        let e = refuse(shape(7, 160));
+        assert!(
+            e.contains("layer 7") && e.contains("table 1 (layer 1)"),
+            "{e}"
+        );
+        let e = refuse(Shape {
+            layers: 2,
+            layer_ids: [1, 2],
+            ..shape(1, 160)
+        });
+        assert!(e.contains("table 2") && e.contains("90"), "{e}");
+        drop(hub);
+        tables.close(Duration::from_secs(1));
+    }
+}

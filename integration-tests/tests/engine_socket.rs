@@ -79,6 +79,7 @@ fn ring_of(rank: u32) -> Arc<RingMemory> {
         first_column: rank * 3,
         layer_ids: [14, 0],
         gpu_deadline_ns: 300_000_000,
+        row_bytes: 264,
     };
     Arc::new(RingMemory::create(&shape).expect("ring"))
 }
@@ -220,6 +221,7 @@ fn a_user_not_allowed_is_refused_and_bad_rings_are_refused() {
         first_column: 0,
         layer_ids: [7, 0],
         gpu_deadline_ns: 1_000_000,
+        row_bytes: 264,
     };
     let ring = RingMemory::create(&odd).expect("ring");
     let reply = client

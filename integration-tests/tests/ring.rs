@@ -33,6 +33,7 @@ fn shape() -> Shape {
         first_column: 0,
         layer_ids: [1, 14],
         gpu_deadline_ns: 2_000_000_000,
+        row_bytes: 264,
     }
 }
 
@@ -78,7 +79,8 @@ fn served_ring(
     opts: RingOptions,
 ) -> (Engine, inference_node::ring::RingServer) {
     let ring = Arc::new(RingMemory::create(&shape()).expect("ring"));
-    let server = serve(Arc::clone(mem), Arc::clone(&ring), opts).expect("serve");
+    let mem = inference_node::embed::NodeMemory::V41(Arc::clone(mem));
+    let server = serve(mem, Arc::clone(&ring), opts).expect("serve");
     (Engine::new(ring), server)
 }
 

@@ -225,24 +225,8 @@ impl Memory {
     /// Serve `ring` from this memory, on this process's ring thread (one
     /// for all its rings): for an engine with no host client.
     fn serve_ring(&self, py: Python<'_>, ring: &ring::Ring) -> PyResult<ring::RingHandle> {
-        let r = Arc::clone(&ring.inner);
-        let mem = Arc::clone(&self.inner);
-        let handle = py.detach(|| {
-            let mut hub = self.hub.lock();
-            if hub.is_none() {
-                *hub = Some(inference_node::ring::RingHub::start(
-                    mem,
-                    inference_node::ring::RingOptions::default(),
-                )?);
-            }
-            match hub.as_ref() {
-                Some(h) => h.add(r),
-                None => Err(EmbedError::Internal("no ring thread".into())),
-            }
-        });
-        Ok(ring::RingHandle {
-            inner: Mutex::new(Some(handle.map_err(err)?)),
-        })
+        let mem = embed::NodeMemory::V41(Arc::clone(&self.inner));
+        ring::serve_on(py, &self.hub, mem, ring)
     }
 
     /// Row ids of `ids` (int64 buffer) cut into `segments` [(len, context)],
@@ -421,6 +405,8 @@ impl Memory {
 #[pyclass(name = "Tables", module = "engram_rack._native", frozen)]
 struct Tables {
     inner: Arc<embed::NodeTables>,
+    /// The thread that serves this process's rings, once one is served.
+    hub: Mutex<Option<inference_node::ring::RingHub>>,
 }
 
 #[pymethods]
@@ -441,7 +427,16 @@ impl Tables {
             .map_err(err)?;
         Ok(Self {
             inner: Arc::new(inner),
+            hub: Mutex::new(None),
         })
+    }
+
+    /// Serve `ring` (of a routed table's layer and row size) from these
+    /// tables, on this process's ring thread: for an engine with no host
+    /// client.
+    fn serve_ring(&self, py: Python<'_>, ring: &ring::Ring) -> PyResult<ring::RingHandle> {
+        let mem = embed::NodeMemory::Tables(Arc::clone(&self.inner));
+        ring::serve_on(py, &self.hub, mem, ring)
     }
 
     /// The node's name.

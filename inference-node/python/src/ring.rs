@@ -24,11 +24,13 @@ pub(crate) struct Ring {
 #[pymethods]
 impl Ring {
     /// A new ring: `slots` requests in flight at most, `layers` sections
-    /// (`layer_ids`: the Engram layer of each, 0 for an unused second),
-    /// `columns` ids per position per layer from `first_column`,
-    /// `positions` per request at most, and the GPU's deadline in ns.
+    /// (`layer_ids`: the model layer of each section's table, 0 for an
+    /// unused second), `columns` ids per position per layer from
+    /// `first_column`, `positions` per request at most, the GPU's deadline
+    /// in ns, and bytes per row (264: V4.1's).
     #[new]
-    #[pyo3(signature = (slots, layers, columns, positions, first_column, layer_ids, gpu_deadline_ns))]
+    #[pyo3(signature = (slots, layers, columns, positions, first_column, layer_ids, gpu_deadline_ns, row_bytes=264))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         slots: u32,
         layers: u32,
@@ -37,6 +39,7 @@ impl Ring {
         first_column: u32,
         layer_ids: (u32, u32),
         gpu_deadline_ns: u64,
+        row_bytes: u32,
     ) -> PyResult<Self> {
         let shape = Shape {
             slots,
@@ -46,6 +49,7 @@ impl Ring {
             first_column,
             layer_ids: [layer_ids.0, layer_ids.1],
             gpu_deadline_ns,
+            row_bytes,
         };
         let inner = RingMemory::create(&shape).map_err(|e| bad(e.to_string()))?;
         Ok(Self {
@@ -84,6 +88,12 @@ impl Ring {
             (s.layer_ids[0], s.layer_ids[1]),
             s.gpu_deadline_ns,
         )
+    }
+
+    /// Bytes per row.
+    #[getter]
+    fn row_bytes(&self) -> u32 {
+        self.inner.shape().row_bytes
     }
 
     /// A slot's stride in bytes.
@@ -314,6 +324,32 @@ impl EngineLink {
     fn fileno(&self) -> i32 {
         self.inner.socket().as_raw_fd()
     }
+}
+
+/// Serve `ring` from `mem` on the ring thread in `hub` (started on first
+/// use: one for all of a memory's rings).
+pub(crate) fn serve_on(
+    py: Python<'_>,
+    hub: &Mutex<Option<ring::RingHub>>,
+    mem: inference_node::embed::NodeMemory,
+    ring: &Ring,
+) -> PyResult<RingHandle> {
+    let r = Arc::clone(&ring.inner);
+    let handle = py.detach(|| {
+        let mut hub = hub.lock();
+        if hub.is_none() {
+            *hub = Some(ring::RingHub::start(mem, ring::RingOptions::default())?);
+        }
+        match hub.as_ref() {
+            Some(h) => h.add(r),
+            None => Err(inference_node::embed::EmbedError::Internal(
+                "no ring thread".into(),
+            )),
+        }
+    });
+    Ok(RingHandle {
+        inner: Mutex::new(Some(handle.map_err(err)?)),
+    })
 }
 
 fn setup(path: &std::path::Path, e: &std::io::Error) -> PyErr {

@@ -105,6 +105,35 @@ pub enum MetricsAt {
     Addr(SocketAddr),
 }
 
+/// A node's memory of either kind, for what serves engines (the engine
+/// socket, the engine rings): DeepSeek V4.1's, with its hashing and its two
+/// Engram tables, or the tables of a rack of any family.
+#[derive(Debug, Clone)]
+pub enum NodeMemory {
+    /// DeepSeek V4.1's memory.
+    V41(Arc<EmbeddedNode>),
+    /// A node's tables of any model family (rows of any size).
+    Tables(Arc<NodeTables>),
+}
+
+impl NodeMemory {
+    /// Let fetches in flight end (at most `drain`), then stop.
+    pub fn close(&self, drain: Duration) {
+        match self {
+            Self::V41(m) => m.close(drain),
+            Self::Tables(t) => t.close(drain),
+        }
+    }
+
+    /// Whether it has been closed.
+    pub fn is_closed(&self) -> bool {
+        match self {
+            Self::V41(m) => m.is_closed(),
+            Self::Tables(t) => t.is_closed(),
+        }
+    }
+}
+
 /// Which layers a row-id prefetch ([`EmbeddedNode::prefetch_rows`]) carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RowLayers {
@@ -337,66 +366,15 @@ impl EmbeddedNode {
             RowLayers::Both => vec![0, 1],
             RowLayers::One(layer) => vec![ticket::slot_of(layer)?],
         };
-        let stride = slots.len() * width;
-        if rows.is_empty() || !rows.len().is_multiple_of(stride) {
-            return Err(EmbedError::BadInput(format!(
-                "{} row ids are not whole positions of {} layer(s) x {width} columns",
-                rows.len(),
-                slots.len()
-            )));
-        }
-        let positions = rows.len() / stride;
-        if positions > crate::engram::addresses::MAX_POSITIONS {
-            return Err(EmbedError::BadInput(format!(
-                "{positions} positions is more than the {} one call takes",
-                crate::engram::addresses::MAX_POSITIONS
-            )));
-        }
-        let mut live = Vec::with_capacity(positions);
-        let mut all: [Vec<u64>; 2] = Default::default();
-        for (p, pos) in rows.chunks_exact(stride).enumerate() {
-            let dead = pos.iter().all(|&r| r == NO_ROW);
-            live.push(!dead);
-            if dead {
-                continue;
-            }
-            for (k, &slot) in slots.iter().enumerate() {
-                for (c, &r) in pos[k * width..(k + 1) * width].iter().enumerate() {
-                    if r >= open.table_rows[slot] {
-                        let what = if r == NO_ROW {
-                            "NO_ROW beside live row ids (a DEAD position has NO_ROW in every column)"
-                                .to_string()
-                        } else {
-                            format!(
-                                "row {r}, past table {}'s {} rows",
-                                open.tables[slot], open.table_rows[slot]
-                            )
-                        };
-                        return Err(EmbedError::BadInput(format!(
-                            "position {p}, layer {}, column {}: {what}",
-                            ENGRAM_LAYERS[slot],
-                            columns.start + c
-                        )));
-                    }
-                    all[slot].push(r);
-                }
-            }
-        }
-        let mut present = [false; 2];
-        let mut index: [Vec<u32>; 2] = Default::default();
-        let mut unique: [Option<Vec<u64>>; 2] = Default::default();
-        for &slot in &slots {
-            present[slot] = true;
-            let mut u = all[slot].clone();
-            u.sort_unstable();
-            u.dedup();
-            index[slot] = all[slot]
-                .iter()
-                .map(|r| u.binary_search(r).unwrap_or(0) as u32)
-                .collect();
-            unique[slot] = Some(u);
-        }
-        let ticket = Ticket::with_columns(live, index, open.tables, width, present);
+        let plan = ticket::plan_rows(
+            rows,
+            &slots,
+            width,
+            columns.start,
+            (ENGRAM_LAYERS, open.tables, open.table_rows),
+        )?;
+        let ticket = Ticket::with_columns(plan.live, plan.index, open.tables, width, plan.present);
+        let unique = plan.unique;
         self.start(&open, ticket, unique)
     }
 

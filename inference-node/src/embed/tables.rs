@@ -208,6 +208,81 @@ impl NodeTables {
         ))
     }
 
+    /// One or two tables' rows of a batch, without waiting: `rows` holds
+    /// positions of `tables.len() x columns` ids (each table's `columns`
+    /// in turn); a position whose ids are all [`super::NO_ROW`] is DEAD
+    /// (zeros). One fetch per table starts at once (repeats fetched once);
+    /// take each table's rows with [`super::Ticket::wait`] of its layer,
+    /// position after position at the table's row size. The tables must
+    /// be of one row size and of two layers.
+    pub fn prefetch(
+        &self,
+        tables: &[u32],
+        rows: &[u64],
+        columns: usize,
+    ) -> Result<super::Ticket, EmbedError> {
+        let open = self.open_state()?;
+        if tables.is_empty() || tables.len() > 2 {
+            return Err(EmbedError::BadInput(format!(
+                "{} tables in one prefetch: give one or two",
+                tables.len()
+            )));
+        }
+        if rows.len() > MAX_LOOKUP_ROWS {
+            return Err(EmbedError::BadInput(format!(
+                "{} row ids: give at most {MAX_LOOKUP_ROWS}",
+                rows.len()
+            )));
+        }
+        let mut at = [0usize; 2];
+        let (mut layers, mut ids, mut bound) = ([0u32; 2], [0u32; 2], [0u64; 2]);
+        for (s, &t) in tables.iter().enumerate() {
+            let (k, info) = open.find(t)?;
+            (at[s], layers[s], ids[s], bound[s]) = (k, info.layer, t, info.rows);
+        }
+        let row_bytes = open.info[at[0]].row_bytes;
+        if tables.len() == 2 {
+            let other = &open.info[at[1]];
+            if other.row_bytes != row_bytes || layers[0] == layers[1] {
+                return Err(EmbedError::BadInput(format!(
+                    "tables {} and {}: one prefetch takes tables of one row size ({} and {} \
+                     bytes) and of two layers ({} and {})",
+                    ids[0], ids[1], row_bytes, other.row_bytes, layers[0], layers[1]
+                )));
+            }
+        }
+        let slots: Vec<usize> = (0..tables.len()).collect();
+        let plan = super::ticket::plan_rows(rows, &slots, columns, 0, (layers, ids, bound))?;
+        let ticket = super::Ticket::with_columns(plan.live, plan.index, ids, columns, plan.present)
+            .sized(layers, row_bytes);
+        let started = Instant::now();
+        for (slot, unique) in plan.unique.into_iter().enumerate() {
+            let Some(unique) = unique else { continue };
+            if unique.is_empty() {
+                ticket.done[slot].finish(crate::model::Fetch::default(), Duration::ZERO);
+                continue;
+            }
+            let router = Arc::clone(&open.routers[at[slot]]);
+            let chunk = open.chunk_rows;
+            self.counts.in_flight.fetch_add(1, Ordering::AcqRel);
+            self.counts.started.fetch_add(1, Ordering::AcqRel);
+            let guard = super::Unfinished {
+                done: Arc::clone(&ticket.done[slot]),
+                counts: Arc::clone(&self.counts),
+            };
+            self.handle.spawn(async move {
+                let f = fetch_rows(&router, &unique, chunk).await;
+                guard.done.finish(f, started.elapsed());
+            });
+        }
+        Ok(ticket)
+    }
+
+    /// The node's metric series (for a ring's client).
+    pub(crate) fn metrics(&self) -> Result<Arc<NodeMetrics>, EmbedError> {
+        Ok(Arc::clone(&self.open_state()?.metrics))
+    }
+
     /// Table `table`'s memory as this process maps it: a host-local
     /// donor's (one copy for the host, rows back to back at their own size
     /// for an encoded table), or else the node's own `local` copy. Waits up

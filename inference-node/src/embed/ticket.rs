@@ -185,7 +185,8 @@ impl LayerCounters {
     }
 }
 
-/// Both layers' rows of one batch, on their way.
+/// Both layers' rows of one batch, on their way (or one or two tables'
+/// rows of any row size: [`super::NodeTables::prefetch`]).
 #[derive(Debug)]
 pub struct Ticket {
     pub(crate) live: Vec<bool>,
@@ -196,6 +197,100 @@ pub struct Ticket {
     columns: usize,
     /// The layers it fetches (a row-id prefetch may carry one).
     present: [bool; 2],
+    /// The model layer of each slot (V4.1's: 1 and 14).
+    layers: [u32; 2],
+    /// Bytes per row (V4.1's: 264).
+    row_bytes: usize,
+}
+
+/// A row-id batch planned: which positions are live, and per slot each
+/// id's index among the slot's distinct ids (what one fetch asks for).
+#[derive(Debug)]
+pub(crate) struct RowPlan {
+    pub live: Vec<bool>,
+    pub index: [Vec<u32>; 2],
+    /// Each present slot's distinct ids, sorted (`None`: slot not asked).
+    pub unique: [Option<Vec<u64>>; 2],
+    pub present: [bool; 2],
+}
+
+/// Plan `rows`, positions of `slots.len() x width` ids (the slots'
+/// columns in order, each `width` wide, starting at column `first`): a
+/// position of [`super::NO_ROW`] only is DEAD; an id at or past its slot's
+/// `bound`, or a no-row id beside live ones, is refused by position, the
+/// slot's model layer (`layers`), column and table (`tables`).
+pub(crate) fn plan_rows(
+    rows: &[u64],
+    slots: &[usize],
+    width: usize,
+    first: usize,
+    (layers, tables, bound): ([u32; 2], [u32; 2], [u64; 2]),
+) -> Result<RowPlan, EmbedError> {
+    let stride = slots.len() * width;
+    if rows.is_empty() || stride == 0 || !rows.len().is_multiple_of(stride) {
+        return Err(EmbedError::BadInput(format!(
+            "{} row ids are not whole positions of {} layer(s) x {width} columns",
+            rows.len(),
+            slots.len()
+        )));
+    }
+    let positions = rows.len() / stride;
+    if positions > crate::engram::addresses::MAX_POSITIONS {
+        return Err(EmbedError::BadInput(format!(
+            "{positions} positions is more than the {} one call takes",
+            crate::engram::addresses::MAX_POSITIONS
+        )));
+    }
+    let mut live = Vec::with_capacity(positions);
+    let mut all: [Vec<u64>; 2] = Default::default();
+    for (p, pos) in rows.chunks_exact(stride).enumerate() {
+        let dead = pos.iter().all(|&r| r == super::NO_ROW);
+        live.push(!dead);
+        if dead {
+            continue;
+        }
+        for (k, &slot) in slots.iter().enumerate() {
+            for (c, &r) in pos[k * width..(k + 1) * width].iter().enumerate() {
+                if r >= bound[slot] {
+                    let what = if r == super::NO_ROW {
+                        "NO_ROW beside live row ids (a DEAD position has NO_ROW in every column)"
+                            .to_string()
+                    } else {
+                        format!(
+                            "row {r}, past table {}'s {} rows",
+                            tables[slot], bound[slot]
+                        )
+                    };
+                    return Err(EmbedError::BadInput(format!(
+                        "position {p}, layer {}, column {}: {what}",
+                        layers[slot],
+                        first + c
+                    )));
+                }
+                all[slot].push(r);
+            }
+        }
+    }
+    let mut present = [false; 2];
+    let mut index: [Vec<u32>; 2] = Default::default();
+    let mut unique: [Option<Vec<u64>>; 2] = Default::default();
+    for &slot in slots {
+        present[slot] = true;
+        let mut u = all[slot].clone();
+        u.sort_unstable();
+        u.dedup();
+        index[slot] = all[slot]
+            .iter()
+            .map(|r| u.binary_search(r).unwrap_or(0) as u32)
+            .collect();
+        unique[slot] = Some(u);
+    }
+    Ok(RowPlan {
+        live,
+        index,
+        unique,
+        present,
+    })
 }
 
 /// The slot of an Engram layer (0 for layer 1, 1 for layer 14).
@@ -231,19 +326,43 @@ impl Ticket {
             done: Default::default(),
             columns,
             present,
+            layers: ENGRAM_LAYERS,
+            row_bytes: ROW_BYTES,
+        }
+    }
+
+    /// The same ticket over tables of model layers `layers` (one per slot)
+    /// and rows of `row_bytes` bytes.
+    pub(crate) fn sized(self, layers: [u32; 2], row_bytes: usize) -> Self {
+        Self {
+            layers,
+            row_bytes,
+            ..self
         }
     }
 
     /// The slot of `layer`, when this ticket fetches it.
     fn slot(&self, layer: u32) -> Result<usize, EmbedError> {
-        let slot = slot_of(layer)?;
-        if !self.present[slot] {
-            return Err(EmbedError::BadInput(format!(
-                "this ticket fetched layer {}'s rows only, not layer {layer}'s",
-                ENGRAM_LAYERS[1 - slot]
-            )));
+        if let Some(s) = (0..2).find(|&s| self.present[s] && self.layers[s] == layer) {
+            return Ok(s);
         }
-        Ok(slot)
+        if self.layers == ENGRAM_LAYERS {
+            // A layer V4.1 has no table of says so first.
+            slot_of(layer)?;
+        }
+        let have: Vec<String> = (0..2)
+            .filter(|&s| self.present[s])
+            .map(|s| self.layers[s].to_string())
+            .collect();
+        Err(EmbedError::BadInput(format!(
+            "this ticket fetched layer {}'s rows only, not layer {layer}'s",
+            have.join(" and ")
+        )))
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
     }
 
     /// Rows per position per layer (24, or the columns a row-id prefetch asked).
@@ -257,9 +376,9 @@ impl Ticket {
     }
 
     /// Bytes a layer's rows take in the caller's buffer: positions x
-    /// columns (24) x 264.
+    /// columns (24) x row bytes (264).
     pub fn bytes(&self) -> usize {
-        self.live.len() * self.columns * ROW_BYTES
+        self.live.len() * self.columns * self.row_bytes
     }
 
     /// Whether `layer`'s rows have arrived (or its fetch has failed).
@@ -289,11 +408,12 @@ impl Ticket {
         let slot = self.slot(layer)?;
         if out.len() != self.bytes() {
             return Err(EmbedError::BadInput(format!(
-                "the row buffer has {} bytes; {} positions need {} (positions x {} rows x {ROW_BYTES} bytes)",
+                "the row buffer has {} bytes; {} positions need {} (positions x {} rows x {} bytes)",
                 out.len(),
                 self.positions(),
                 self.bytes(),
-                self.columns
+                self.columns,
+                self.row_bytes
             )));
         }
         let Some((fetch, took)) = self.done[slot].wait(deadline) else {
@@ -311,7 +431,7 @@ impl Ticket {
             layer,
             self.tables[slot],
             fetch,
-            fetch.bytes.len() / ROW_BYTES,
+            fetch.bytes.len() / self.row_bytes,
             *took,
         ))
     }
@@ -319,13 +439,17 @@ impl Ticket {
     /// Distinct rows (as fetched) -> every position's 24 rows, in place.
     fn scatter(&self, slot: usize, fetched: &[u8], out: &mut [u8]) {
         let mut cols = self.index[slot].chunks_exact(self.columns);
-        let per_position = self.columns * ROW_BYTES;
+        let rb = self.row_bytes;
+        let per_position = self.columns * rb;
         for (live, dst) in self.live.iter().zip(out.chunks_exact_mut(per_position)) {
             match live.then(|| cols.next()).flatten() {
                 Some(idx) => {
-                    for (&i, row) in idx.iter().zip(dst.chunks_exact_mut(ROW_BYTES)) {
-                        let at = i as usize * ROW_BYTES;
-                        row.copy_from_slice(&fetched[at..at + ROW_BYTES]);
+                    for (&i, row) in idx.iter().zip(dst.chunks_exact_mut(rb)) {
+                        let at = i as usize * rb;
+                        match fetched.get(at..at + rb) {
+                            Some(r) => row.copy_from_slice(r),
+                            None => row.fill(0),
+                        }
                     }
                 }
                 None => dst.fill(0),

@@ -113,9 +113,10 @@ impl RingMemory {
             .len(len as usize)
             .map_raw(&file)
             .map_err(io("mapping the ring"))?;
-        let mut h = [0u8; 64];
-        // SAFETY: the mapping is at least 4 KiB; a copy of the header.
-        unsafe { std::ptr::copy_nonoverlapping(map.as_ptr(), h.as_mut_ptr(), 64) };
+        let mut h = [0u8; engram_protocol::ring::ENGINE_HEADER_BYTES];
+        // SAFETY: the mapping is at least 4 KiB; a copy of the header's
+        // engine-written part.
+        unsafe { std::ptr::copy_nonoverlapping(map.as_ptr(), h.as_mut_ptr(), h.len()) };
         let shape = Shape::decode(&h, len)?;
         Ok(Self { map, file, shape })
     }
@@ -334,7 +335,7 @@ impl RingMemory {
     /// client wrote them: for tests and CPU engines, after the done word.
     pub fn rows(&self, s: u32, l: u32, positions: u32) -> Vec<u8> {
         let sh = &self.shape;
-        let n = positions.min(sh.positions) as usize * sh.columns as usize * 264;
+        let n = positions.min(sh.positions) as usize * sh.columns as usize * sh.row_bytes as usize;
         let at = sh.slot_at(s.min(sh.slots - 1)) + sh.layer_rows_at(l.min(sh.layers - 1));
         let mut v = vec![0u8; n];
         // SAFETY: the section's rows lie inside the slot.

@@ -1,7 +1,8 @@
 //! The rings' client: one native thread per host client (per
 //! [`RingHub`]) polls the request words of every ring it serves, starts
-//! each request's fetch on the node's Engram memory (one message per table,
-//! as any prefetch), writes the rows into the slot when they come, then
+//! each request's fetch on the node's memory (V4.1's Engram memory, or a
+//! node's tables of any family at their own row size: [`NodeMemory`]; one
+//! message per table, as any prefetch), writes the rows into the slot when they come, then
 //! its status, then publishes the done word (release). No Python and no
 //! CUDA call on this path: an engine whose main thread waits in its engine
 //! loop cannot stall it, and it runs the same during graph capture.
@@ -22,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use engram_protocol::ROW_BYTES;
 use engram_protocol::hashing::ENGRAM_LAYERS;
+use engram_protocol::ring::Shape;
 use engram_protocol::ring::{
     GPU_TIMEOUT, NO_ROW, SERVED_FAILOVER, SERVED_HEDGED, SERVED_LATE, SERVED_SSD, WAIT_BUCKETS,
     wait_bucket_bounds,
@@ -29,7 +31,7 @@ use engram_protocol::ring::{
 use engram_sync::Mutex;
 
 use super::{Fault, RingMemory, Status, client_state, header, slot};
-use crate::embed::{EmbedError, EmbeddedNode, RowLayers, Served, Ticket};
+use crate::embed::{EmbedError, NodeMemory, RowLayers, Served, Ticket};
 use crate::metrics::{NodeMetrics, RingLabels};
 
 /// How a ring is served.
@@ -79,7 +81,7 @@ pub struct RingCounters {
 /// One host client's rings and the thread that serves them all.
 #[derive(Debug)]
 pub struct RingHub {
-    mem: Arc<EmbeddedNode>,
+    mem: NodeMemory,
     opts: RingOptions,
     added: Arc<Mutex<Vec<RingState>>>,
     stop: Arc<AtomicBool>,
@@ -123,8 +125,9 @@ impl Drop for RingHandle {
 }
 
 impl RingHub {
-    /// A hub serving from `mem`, its thread started.
-    pub fn start(mem: Arc<EmbeddedNode>, opts: RingOptions) -> Result<Self, EmbedError> {
+    /// A hub serving from `mem` (V4.1's memory, or any family's tables),
+    /// its thread started.
+    pub fn start(mem: NodeMemory, opts: RingOptions) -> Result<Self, EmbedError> {
         let added = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let pass = Arc::new(AtomicU64::new(monotonic_ns()));
@@ -152,7 +155,7 @@ impl RingHub {
 
     /// Serve `ring` too: checked against the node's tables first.
     pub fn add(&self, ring: Arc<RingMemory>) -> Result<RingHandle, EmbedError> {
-        let st = RingState::new(Arc::clone(&self.mem), Arc::clone(&ring), self.opts)?;
+        let st = RingState::new(self.mem.clone(), Arc::clone(&ring), self.opts)?;
         let handle = RingHandle {
             gone: Arc::clone(&st.gone),
             counters: Arc::clone(&st.counters),
@@ -206,7 +209,7 @@ impl RingServer {
 
 /// Serve `ring` from `mem` on a thread of its own.
 pub fn serve(
-    mem: Arc<EmbeddedNode>,
+    mem: NodeMemory,
     ring: Arc<RingMemory>,
     opts: RingOptions,
 ) -> Result<RingServer, EmbedError> {
@@ -273,10 +276,12 @@ struct Inflight {
 
 #[derive(Debug)]
 struct RingState {
-    mem: Arc<EmbeddedNode>,
+    mem: NodeMemory,
     ring: Arc<RingMemory>,
     /// Rows in each layer section's table.
     rows: [u64; 2],
+    /// Each layer section's table id.
+    tables: [u32; 2],
     opts: RingOptions,
     counters: Arc<RingCounters>,
     gone: Arc<AtomicBool>,
@@ -320,33 +325,13 @@ fn monotonic_ns() -> u64 {
 impl RingState {
     /// A ring's state, checked against the node's tables, its header told
     /// who serves it and when it gives up.
-    fn new(
-        mem: Arc<EmbeddedNode>,
-        ring: Arc<RingMemory>,
-        opts: RingOptions,
-    ) -> Result<Self, EmbedError> {
+    fn new(mem: NodeMemory, ring: Arc<RingMemory>, opts: RingOptions) -> Result<Self, EmbedError> {
         let sh = *ring.shape();
-        let tables = mem.table_rows()?;
-        let policies = mem.policies()?;
-        let mut rows = [0u64; 2];
-        let mut fails = [false; 2];
-        for (l, id) in sh.layer_ids.iter().enumerate() {
-            if l >= sh.layers as usize {
-                break;
-            }
-            let slot = ENGRAM_LAYERS.iter().position(|x| x == id).ok_or_else(|| {
-                EmbedError::BadInput(format!(
-                    "the ring's layer section {l} is layer {id}: the Engram layers are 1 and 14"
-                ))
-            })?;
-            rows[l] = tables[slot];
-            fails[l] = policies[slot] == cluster_config::Policy::Fail;
-        }
-        if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
-            return Err(EmbedError::BadInput(
-                "a ring's two layer sections are layer 1's, then layer 14's".into(),
-            ));
-        }
+        let RingTables {
+            rows,
+            fails,
+            tables,
+        } = ring_tables(&mem, &sh)?;
         // The client gives up before the GPU does, so the GPU reads its
         // zeros and status, not its own deadline.
         let gpu = Duration::from_nanos(sh.gpu_deadline_ns);
@@ -365,7 +350,10 @@ impl RingState {
                     .load(Ordering::Acquire)
             })
             .collect();
-        let metrics = mem.metrics()?;
+        let metrics = match &mem {
+            NodeMemory::V41(m) => m.metrics()?,
+            NodeMemory::Tables(t) => t.metrics()?,
+        };
         let labels = sh.layer_ids.map(|id| RingLabels {
             layer: id.to_string(),
         });
@@ -374,6 +362,7 @@ impl RingState {
             mem,
             ring,
             rows,
+            tables,
             opts: RingOptions { deadline, ..opts },
             counters: Arc::default(),
             gone: Arc::default(),
@@ -553,12 +542,7 @@ impl RingState {
         };
         let live = ids.iter().any(|&r| r != crate::embed::NO_ROW);
         if mask != 0 && live {
-            let layers = match (mask, sh.layers) {
-                (3, _) => RowLayers::Both,
-                (m, _) => RowLayers::One(sh.layer_ids[m.trailing_zeros() as usize]),
-            };
-            let cols = sh.first_column as usize..(sh.first_column + sh.columns) as usize;
-            match self.mem.prefetch_rows(&ids, layers, cols) {
+            match self.prefetch(&ids, mask) {
                 Ok(t) => f.ticket = Some(t),
                 Err(e) => {
                     tracing::warn!(error = %e, "engine ring: a request could not start");
@@ -575,6 +559,29 @@ impl RingState {
             return;
         }
         self.inflight.push(f);
+    }
+
+    /// Start the fetch of the sections in `mask` (`ids` as
+    /// [`Self::read_ids`] gives them).
+    fn prefetch(&self, ids: &[u64], mask: u32) -> Result<Ticket, EmbedError> {
+        let sh = self.ring.shape();
+        match &self.mem {
+            NodeMemory::V41(m) => {
+                let layers = match mask {
+                    3 => RowLayers::Both,
+                    m => RowLayers::One(sh.layer_ids[m.trailing_zeros() as usize]),
+                };
+                let cols = sh.first_column as usize..(sh.first_column + sh.columns) as usize;
+                m.prefetch_rows(ids, layers, cols)
+            }
+            NodeMemory::Tables(t) => {
+                let tables: Vec<u32> = (0..sh.layers)
+                    .filter(|l| mask & (1 << l) != 0)
+                    .map(|l| self.tables[l as usize])
+                    .collect();
+                t.prefetch(&tables, ids, sh.columns as usize)
+            }
+        }
     }
 
     /// Slot `s`'s ids of the sections in `mask`, per position the
@@ -699,7 +706,7 @@ impl RingState {
     fn rows_of(&self, f: &Inflight, l: u32) -> &mut [u8] {
         let sh = self.ring.shape();
         let at = sh.slot_at(f.slot) + sh.layer_rows_at(l);
-        let n = f.positions as usize * sh.columns as usize * ROW_BYTES;
+        let n = f.positions as usize * sh.columns as usize * sh.row_bytes as usize;
         // SAFETY: the section's first `positions` rows lie inside the slot;
         // until its done word is published only this thread writes them,
         // and the engine reads them only after.
@@ -747,6 +754,85 @@ impl RingState {
             .word(base + slot::DONE as u64 + 8 * u64::from(l))
             .store(f.seq, Ordering::Release);
     }
+}
+
+/// What a ring's sections are in the node's memory.
+struct RingTables {
+    /// Rows of each section's table.
+    rows: [u64; 2],
+    /// Whether each section's table's policy is `fail`.
+    fails: [bool; 2],
+    /// Each section's table id.
+    tables: [u32; 2],
+}
+
+/// A ring's sections checked against the node's memory: V4.1's memory
+/// takes rings of 264-byte rows whose sections are layers 1 and 14 (in
+/// that order); a node's tables, rings whose sections are the layers of
+/// tables it routes, of the ring's row size.
+fn ring_tables(mem: &NodeMemory, sh: &Shape) -> Result<RingTables, EmbedError> {
+    let bad = |m: String| Err(EmbedError::BadInput(m));
+    let mut out = RingTables {
+        rows: [0; 2],
+        fails: [false; 2],
+        tables: [0; 2],
+    };
+    let used = &sh.layer_ids[..sh.layers as usize];
+    match mem {
+        NodeMemory::V41(m) => {
+            if sh.row_bytes as usize != ROW_BYTES {
+                return bad(format!(
+                    "the ring's rows are {} bytes; DeepSeek V4.1's are {ROW_BYTES}",
+                    sh.row_bytes
+                ));
+            }
+            let (rows, policies, tables) = (m.table_rows()?, m.policies()?, m.tables()?);
+            for (l, id) in used.iter().enumerate() {
+                let slot = ENGRAM_LAYERS.iter().position(|x| x == id).ok_or_else(|| {
+                    EmbedError::BadInput(format!(
+                        "the ring's layer section {l} is layer {id}: the Engram layers are 1 and 14"
+                    ))
+                })?;
+                out.rows[l] = rows[slot];
+                out.fails[l] = policies[slot] == cluster_config::Policy::Fail;
+                out.tables[l] = tables[slot];
+            }
+            if sh.layers == 2 && sh.layer_ids[0] >= sh.layer_ids[1] {
+                return bad("a ring's two layer sections are layer 1's, then layer 14's".into());
+            }
+        }
+        NodeMemory::Tables(t) => {
+            let info = t.tables()?;
+            for (l, id) in used.iter().enumerate() {
+                let Some(table) = info.iter().find(|x| x.layer == *id) else {
+                    let have: Vec<String> = info
+                        .iter()
+                        .map(|x| format!("table {} (layer {})", x.table, x.layer))
+                        .collect();
+                    return bad(format!(
+                        "the ring's layer section {l} is layer {id}: the node routes {}",
+                        have.join(", ")
+                    ));
+                };
+                if table.row_bytes != sh.row_bytes as usize {
+                    return bad(format!(
+                        "the ring's rows are {} bytes; table {}'s ({}) are {}",
+                        sh.row_bytes,
+                        table.table,
+                        table.encoding.name(),
+                        table.row_bytes
+                    ));
+                }
+                out.rows[l] = table.rows;
+                out.fails[l] = table.policy == cluster_config::Policy::Fail;
+                out.tables[l] = table.table;
+            }
+            if sh.layers == 2 && sh.layer_ids[0] == sh.layer_ids[1] {
+                return bad("a ring's two layer sections are two layers' tables".into());
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The `SERVED_*` bits of an answer.

@@ -12,6 +12,7 @@ fn shape() -> Shape {
         first_column: 21,
         layer_ids: [1, 14],
         gpu_deadline_ns: 5_000_000,
+        row_bytes: 264,
     }
 }
 

@@ -19,13 +19,13 @@
 //! | offset | bytes | field | written by |
 //! | --- | --- | --- | --- |
 //! | 0 | 8 | magic `ENGRRING` | engine |
-//! | 8 | 4 | version (1) | engine |
+//! | 8 | 4 | version (1: rows of 264 bytes; 2: the row size at 132) | engine |
 //! | 12 | 4 | slots (1 to 64) | engine |
 //! | 16 | 4 | layers (1 or 2) | engine |
 //! | 20 | 4 | columns per position per layer (1 to 24) | engine |
 //! | 24 | 4 | positions a slot holds at most | engine |
 //! | 28 | 4 | the first column (columns `first..first + columns`) | engine |
-//! | 32 | 8 | the layers' Engram layer ids, `u32` each (unused: 0) | engine |
+//! | 32 | 8 | the sections' model layers, `u32` each (unused: 0) | engine |
 //! | 40 | 8 | slot stride in bytes | engine |
 //! | 48 | 8 | ring bytes | engine |
 //! | 56 | 8 | the GPU's deadline, ns from publish | engine |
@@ -40,6 +40,7 @@
 //! | 120 | 4 | the last fault's layer section | client |
 //! | 124 | 4 | the last fault's status ([`Status`], or [`GPU_TIMEOUT`]) | client |
 //! | 128 | 4 | layer sections whose table's policy is `fail` (bit `i`: section `i`) | client |
+//! | 132 | 4 | bytes per row (version 2 only: 1 to 16,384) | engine |
 //! | 1024 | 8 x 80 x 2 | each section's wait histogram | engine |
 //! | 2304 | 32 x 32 | the fault log: fault `n` (counting from 1) in entry `(n - 1) % 32` | client |
 //! | 3328 | 8 x 64 | each slot's step tag: the engine step its request belongs to (0: none) | engine |
@@ -57,14 +58,26 @@
 //! | 48 | 8 | the GPU timer at publish (diagnostic) | engine |
 //! | 56 | 8 | the last `seq` whose wait passed the GPU's deadline | engine |
 //! | 64 | | ids: `i64 [layers][positions][columns]` (-1: no row) | engine |
-//! | | | rows: `[layers][positions][columns][264]` bytes, 64-aligned | client |
+//! | | | rows: `[layers][positions][columns][row bytes]`, 64-aligned | client |
+//!
+//! A ring of DeepSeek V4.1's 264-byte rows is version 1, byte for byte as
+//! it always was; a ring of another row size (a table of another encoding:
+//! `engram_protocol::encoding`) is version 2 and states its row size.
 
 use crate::row::ROW_BYTES;
 
 /// The ring's magic.
 pub const MAGIC: &[u8; 8] = b"ENGRRING";
-/// The layout version this build reads and writes.
+/// The layout version of a ring of V4.1's 264-byte rows.
 pub const VERSION: u32 = 1;
+/// The layout version of a ring that states its row size (at
+/// [`header::ROW_BYTES`]).
+pub const VERSION_SIZED: u32 = 2;
+/// Most bytes a ring's row may have (a BF16 row of 8,192 values).
+pub const MAX_ROW_BYTES: u32 = 16_384;
+/// Bytes of the header the engine writes: its first 64, then up to the
+/// row size's word.
+pub const ENGINE_HEADER_BYTES: usize = 136;
 /// The header's size (the slots start here).
 pub const HEADER_BYTES: u64 = 4096;
 /// Most slots a ring may have.
@@ -125,6 +138,8 @@ pub mod header {
     pub const FAULT_STATUS: usize = 124;
     /// Layer sections whose table's policy is `fail` (a bit each).
     pub const FAIL_SECTIONS: usize = 128;
+    /// Bytes per row (version 2).
+    pub const ROW_BYTES: usize = 132;
     /// The GPU's waits, a histogram per layer section: `u64
     /// [sections][WAIT_BUCKETS]`, bucket [`super::wait_bucket`] of each
     /// wait's spin time (the engine's wait kernel adds one per wait).
@@ -164,7 +179,8 @@ pub const WAIT_BUCKETS: usize = 80;
 // The histograms, the fault log and the step tags fit the header, in
 // that order, after its last other field.
 const _: () = assert!(
-    header::WAITS >= header::FAIL_SECTIONS + 4
+    header::WAITS >= header::ROW_BYTES + 4
+        && header::ROW_BYTES + 4 == ENGINE_HEADER_BYTES
         && header::WAITS + 8 * MAX_LAYERS as usize * WAIT_BUCKETS <= header::FAULT_LOG
         && header::FAULT_LOG + FAULT_LOG_ENTRIES * FAULT_ENTRY_BYTES <= header::STEP_TAGS
         && (header::STEP_TAGS + 8 * MAX_SLOTS as usize) as u64 <= HEADER_BYTES
@@ -275,10 +291,13 @@ pub struct Shape {
     pub positions: u32,
     /// The first column.
     pub first_column: u32,
-    /// The Engram layer of each section (0: unused).
+    /// The model layer of each section's table (0: unused): V4.1's
+    /// Engram layers 1 and 14, or the layer of a table of another family.
     pub layer_ids: [u32; 2],
     /// The GPU's deadline, ns from publish.
     pub gpu_deadline_ns: u64,
+    /// Bytes per row: 264 (V4.1's, a version 1 ring), or another table's.
+    pub row_bytes: u32,
 }
 
 /// Why a ring's header is refused.
@@ -308,6 +327,12 @@ impl Shape {
                 "columns {}..{} (within 0..{MAX_COLUMNS})",
                 self.first_column,
                 self.first_column + self.columns
+            ));
+        }
+        if !(1..=MAX_ROW_BYTES).contains(&self.row_bytes) {
+            return bad(format!(
+                "rows of {} bytes (1 to {MAX_ROW_BYTES})",
+                self.row_bytes
             ));
         }
         if !(1..=MAX_POSITIONS).contains(&self.positions) {
@@ -347,7 +372,7 @@ impl Shape {
     fn rows_len(&self) -> Option<u64> {
         u64::from(self.positions)
             .checked_mul(u64::from(self.columns))?
-            .checked_mul(ROW_BYTES as u64)
+            .checked_mul(u64::from(self.row_bytes))
     }
 
     /// Where a slot's rows start, from the slot's start.
@@ -390,13 +415,24 @@ impl Shape {
         self.rows_at().unwrap_or(0) + u64::from(l) * self.rows_len().unwrap_or(0)
     }
 
-    /// The header's engine-written part.
-    pub fn encode(&self) -> Result<[u8; 64], RingError> {
+    /// The layout version of a ring of this shape: 1 for V4.1's rows, 2
+    /// for any other size.
+    pub fn version(&self) -> u32 {
+        if self.row_bytes as usize == ROW_BYTES {
+            VERSION
+        } else {
+            VERSION_SIZED
+        }
+    }
+
+    /// The header's engine-written part (the bytes between 64 and 132 are
+    /// the client's, zero in a new ring).
+    pub fn encode(&self) -> Result<[u8; ENGINE_HEADER_BYTES], RingError> {
         self.check()?;
-        let mut h = [0u8; 64];
+        let mut h = [0u8; ENGINE_HEADER_BYTES];
         h[0..8].copy_from_slice(MAGIC);
-        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        let put32 = |h: &mut [u8; 64], at: usize, v: u32| {
+        h[8..12].copy_from_slice(&self.version().to_le_bytes());
+        let put32 = |h: &mut [u8; ENGINE_HEADER_BYTES], at: usize, v: u32| {
             h[at..at + 4].copy_from_slice(&v.to_le_bytes());
         };
         put32(&mut h, header::SLOTS, self.slots);
@@ -412,12 +448,16 @@ impl Shape {
         h[header::BYTES..header::BYTES + 8].copy_from_slice(&bytes.to_le_bytes());
         h[header::GPU_DEADLINE_NS..header::GPU_DEADLINE_NS + 8]
             .copy_from_slice(&self.gpu_deadline_ns.to_le_bytes());
+        if self.version() == VERSION_SIZED {
+            put32(&mut h, header::ROW_BYTES, self.row_bytes);
+        }
         Ok(h)
     }
 
-    /// Read and check a header (at least its first 64 bytes) of a ring
-    /// `len` bytes long: the magic, the version, the bounds, and the
-    /// stride and size it states against the ones its shape gives.
+    /// Read and check a header (at least its first
+    /// [`ENGINE_HEADER_BYTES`]; 64 do for a version 1 ring) of a ring `len`
+    /// bytes long: the magic, the version, the bounds, and the stride and
+    /// size it states against the ones its shape gives.
     pub fn decode(h: &[u8], len: u64) -> Result<Self, RingError> {
         if h.len() < 64 || &h[0..8] != MAGIC {
             return Err(RingError("no ring header (magic ENGRRING)".into()));
@@ -428,12 +468,22 @@ impl Shape {
             b.copy_from_slice(&h[at..at + 8]);
             u64::from_le_bytes(b)
         };
-        if u32_at(8) != VERSION {
-            return Err(RingError(format!(
-                "layout version {} (this build reads {VERSION})",
-                u32_at(8)
-            )));
-        }
+        let row_bytes = match u32_at(8) {
+            VERSION => ROW_BYTES as u32,
+            VERSION_SIZED if h.len() >= ENGINE_HEADER_BYTES => u32_at(header::ROW_BYTES),
+            VERSION_SIZED => {
+                return Err(RingError(format!(
+                    "a version {VERSION_SIZED} header of {} bytes (its row size is at {})",
+                    h.len(),
+                    header::ROW_BYTES
+                )));
+            }
+            v => {
+                return Err(RingError(format!(
+                    "layout version {v} (this build reads {VERSION} and {VERSION_SIZED})"
+                )));
+            }
+        };
         let shape = Self {
             slots: u32_at(header::SLOTS),
             layers: u32_at(header::LAYERS),
@@ -442,6 +492,7 @@ impl Shape {
             first_column: u32_at(header::FIRST_COLUMN),
             layer_ids: [u32_at(header::LAYER_IDS), u32_at(header::LAYER_IDS + 4)],
             gpu_deadline_ns: u64_at(header::GPU_DEADLINE_NS),
+            row_bytes,
         };
         shape.check()?;
         let (stride, bytes) = (u64_at(header::STRIDE), u64_at(header::BYTES));
@@ -507,6 +558,7 @@ mod tests {
             first_column: 0,
             layer_ids: [1, 14],
             gpu_deadline_ns: 50_000_000,
+            row_bytes: ROW_BYTES as u32,
         }
     }
 
@@ -525,6 +577,77 @@ mod tests {
         assert_eq!(s.layer_rows_at(1), s.rows_at().unwrap() + 256 * 24 * 264);
         assert!(s.layer_rows_at(1) + 256 * 24 * 264 <= s.stride().unwrap());
         assert_eq!(s.slot_at(3), 4096 + 3 * 3_346_432);
+    }
+
+    #[test]
+    fn a_ring_of_another_row_size_states_it_and_v41_rings_stay_version_1() {
+        // V4.1's ring: version 1, nothing at the row size's word.
+        let v41 = decode_shape();
+        let h = v41.encode().expect("encode");
+        assert_eq!(&h[8..12], &1u32.to_le_bytes());
+        assert_eq!(&h[header::ROW_BYTES..header::ROW_BYTES + 4], &[0; 4]);
+        // A version 1 header is read from its first 64 bytes, as always.
+        let len = v41.bytes().expect("bytes");
+        assert_eq!(Shape::decode(&h[..64], len).expect("v1"), v41);
+        // Qwen4Exp's FP8 rows: 16 of 160 bytes a position, one section.
+        let q = Shape {
+            layers: 1,
+            columns: 16,
+            layer_ids: [3, 0],
+            row_bytes: 160,
+            ..v41
+        };
+        let h = q.encode().expect("encode");
+        assert_eq!(&h[8..12], &2u32.to_le_bytes());
+        assert_eq!(
+            &h[header::ROW_BYTES..header::ROW_BYTES + 4],
+            &160u32.to_le_bytes()
+        );
+        let len = q.bytes().expect("bytes");
+        assert_eq!(Shape::decode(&h, len).expect("v2"), q);
+        // 256 x 16 x 8 bytes of ids; the rows at their own size.
+        assert_eq!(q.rows_at(), Some(64 + 32_768));
+        assert_eq!(
+            q.stride(),
+            Some((64 + 32_768 + 256 * 16 * 160u64).next_multiple_of(4096))
+        );
+        // NVFP4's 90-byte rows: offsets follow the size, unaligned rows.
+        let n = Shape { row_bytes: 90, ..q };
+        assert_eq!(
+            n.layer_rows_at(0) + 90 * 16 * 256,
+            n.rows_at().unwrap() + 368_640
+        );
+        // A version 2 header cut at 64 bytes, or of a size out of bounds.
+        assert!(
+            Shape::decode(&h[..64], len)
+                .expect_err("short")
+                .0
+                .contains("row size")
+        );
+        let mut z = h;
+        z[header::ROW_BYTES..header::ROW_BYTES + 4].copy_from_slice(&0u32.to_le_bytes());
+        assert!(
+            Shape::decode(&z, len)
+                .expect_err("zero")
+                .0
+                .contains("rows of 0 bytes")
+        );
+        assert!(
+            Shape {
+                row_bytes: 20_000,
+                ..q
+            }
+            .check()
+            .is_err()
+        );
+        // A version 2 header stating 264 describes V4.1's layout too.
+        let mut w = v41.encode().expect("encode");
+        w[8..12].copy_from_slice(&2u32.to_le_bytes());
+        w[header::ROW_BYTES..header::ROW_BYTES + 4].copy_from_slice(&264u32.to_le_bytes());
+        assert_eq!(
+            Shape::decode(&w, v41.bytes().unwrap()).expect("v2 of 264"),
+            v41
+        );
     }
 
     #[test]
