@@ -432,8 +432,9 @@ fn node_tables_give_an_engine_the_rows_of_any_encoding() {
 /// requests (16 ids a position) into rings of FP8's 160-byte and NVFP4's
 /// 90-byte rows, served from `NodeTables` through a donor over TCP and
 /// through a host-local donor's memfd; every live position's rows are the
-/// generator's, DEAD ones zeros, an id past the table zeros its position
-/// with status "bad ids"; a ring of another row size, of a layer the node
+/// generator's, DEAD ones zeros, a -1 beside live ids zeros that row alone
+/// (an ETP rank's shard), an id past the table zeros its position with
+/// status "bad ids"; a ring of another row size, of a layer the node
 /// does not route, or of two tables of two row sizes is refused by name.
 #[test]
 fn engine_rings_carry_rows_of_any_encoding_from_node_tables() {
@@ -488,6 +489,9 @@ fn engine_rings_carry_rows_of_any_encoding_from_node_tables() {
                         };
                         if past == Some(p) && p != dead {
                             v[3] = ROWS as i64;
+                        } else if p != dead && p % 3 == 1 {
+                            // A rank's shard: some of the position's rows.
+                            v[5] = NO_ROW;
                         }
                         vec![v]
                     })
@@ -510,11 +514,15 @@ fn engine_rings_carry_rows_of_any_encoding_from_node_tables() {
                             "{node}, table {id}: position {p}"
                         );
                     } else {
-                        let rows: Vec<u64> = pos[0].iter().map(|&r| r as u64).collect();
-                        assert!(
-                            got == expected(id, encoding, seed, &rows),
-                            "{node}, table {id}, round {round}, position {p}"
-                        );
+                        for (c, &r) in pos[0].iter().enumerate() {
+                            let row = &got[c * size..(c + 1) * size];
+                            let want = if r == NO_ROW {
+                                vec![0; size]
+                            } else {
+                                expected(id, encoding, seed, &[r as u64])
+                            };
+                            assert!(row == want, "{node}, table {id}, round {round}, {p}/{c}");
+                        }
                     }
                 }
             }

@@ -7,6 +7,7 @@ engines', and bad calls are refused by name."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -145,7 +146,8 @@ def test_the_engine_socket_hands_over_a_qwen4exp_racks_host_local_tables(qwen_ra
     """`inference-node engines` on a Qwen4Exp rack: the family named, each
     host-local table's memory handed over (mapped here: the table file's
     rows back to back, with its encoding and scale), a remote table named
-    as such with its encoding; a ring is refused by name."""
+    as such with its encoding; a ring of V4.1's row size is refused by
+    name, one of the table's served (`test_rings_of_a_tables_row_size...`)."""
     from engram_rack import _native
     from engram_rack.engine_socket import EngineTables
 
@@ -164,7 +166,7 @@ def test_the_engine_socket_hands_over_a_qwen4exp_racks_host_local_tables(qwen_ra
             np.testing.assert_array_equal(mem, read_rows(paths[table], np.arange(ROWS)))
         link = _native.EngineLink(str(here.socket))
         reply = json.loads(link.attach(_native.Ring(4, 1, 3, 8, 0, (1, 0), 2_000_000_000)))
-        assert reply["ring"] == "refused" and "qwen4exp" in reply["why"], reply
+        assert reply["ring"] == "refused" and "fp8_per_tensorx160" in reply["why"], reply
         remote = EngineTables(far.socket)
         assert {x["table"]: x["encoding"] for x in remote.tables} == {
             k: v[0] for k, v in TABLES.items()}
@@ -172,6 +174,58 @@ def test_the_engine_socket_hands_over_a_qwen4exp_racks_host_local_tables(qwen_ra
             remote.table_view(1)
         with pytest.raises(er.SetupError, match="engine ring"):
             remote.lookup(1, [0])
+        # Rings of the table's row size: served by the host's client.
+        _ring_rows(remote.serve, paths, via="the engine socket")
     finally:
         here.stop()
         far.stop()
+
+
+def _ring_rows(serve, paths, via: str) -> None:
+    """Through `serve` (a Tables' or an engine socket's), a ring per table
+    at its row size (version 2, PROTOCOL.md 6.1) published from the CPU as
+    a GPU's kernel does: 16 ids a position, one DEAD position, a -1 beside
+    live ids (an ETP rank's shard): rows equal the table file's, zeros
+    where none was asked."""
+    from engram_rack import _native
+
+    rng = np.random.default_rng(9)
+    for table in TABLES:
+        size = {1: 160, 2: 320, 3: 90}[table]
+        ring = _native.Ring(4, 1, 16, 8, 0, (table, 0), 5_000_000_000, size)
+        assert ring.row_bytes == size
+        serve(ring)
+        mem = np.frombuffer(memoryview(ring), dtype=np.uint8)
+        for seq in range(1, 7):
+            n = 1 + seq % 8
+            ids = rng.integers(0, ROWS, (n, 16))
+            ids[0, 2] = -1
+            if n > 2:
+                ids[1] = -1
+            ring.publish(seq, 1, n, np.ascontiguousarray(ids.ravel(), dtype=np.int64))
+            slot = seq % 4
+            deadline = time.monotonic() + 10
+            while ring.done(slot, 0) != seq:
+                assert time.monotonic() < deadline, f"{via}: table {table}, request {seq}"
+                time.sleep(1e-4)
+            assert ring.status(slot, 0) == 0, via
+            at = ring.slot_at(slot) + ring.rows_at
+            got = mem[at:at + n * 16 * size].reshape(n, 16, size)
+            want = read_rows(paths[table], np.where(ids < 0, 0, ids).ravel()).reshape(n, 16, size)
+            want[ids < 0] = 0
+            np.testing.assert_array_equal(got, want, err_msg=f"{via}: table {table}")
+
+
+def test_rings_of_a_tables_row_size_carry_its_rows(qwen_rack):
+    """`Tables.serve`: this process's own client serves rings of every
+    encoding's row size, from a donor over TCP; a ring of another size,
+    or of a layer not routed, is refused by name."""
+    from engram_rack import _native
+
+    config, paths = qwen_rack
+    with er.Tables(config, "via-d", metrics="off") as t:
+        _ring_rows(t.serve, paths, via="Tables")
+        with pytest.raises(er.BadInputError, match="264 bytes"):
+            t.serve(_native.Ring(2, 1, 16, 8, 0, (1, 0), 1_000_000_000))
+        with pytest.raises(er.BadInputError, match="layer 7"):
+            t.serve(_native.Ring(2, 1, 16, 8, 0, (7, 0), 1_000_000_000, 160))

@@ -369,8 +369,7 @@ impl EmbeddedNode {
         let plan = ticket::plan_rows(
             rows,
             &slots,
-            width,
-            columns.start,
+            (width, columns.start, false),
             (ENGRAM_LAYERS, open.tables, open.table_rows),
         )?;
         let ticket = Ticket::with_columns(plan.live, plan.index, open.tables, width, plan.present);

@@ -210,8 +210,9 @@ impl NodeTables {
 
     /// One or two tables' rows of a batch, without waiting: `rows` holds
     /// positions of `tables.len() x columns` ids (each table's `columns`
-    /// in turn); a position whose ids are all [`super::NO_ROW`] is DEAD
-    /// (zeros). One fetch per table starts at once (repeats fetched once);
+    /// in turn); an id of [`super::NO_ROW`] asks for no row (zeros: an
+    /// engine rank that owns a shard of a table's rows asks for those
+    /// only). One fetch per table starts at once (repeats fetched once);
     /// take each table's rows with [`super::Ticket::wait`] of its layer,
     /// position after position at the table's row size. The tables must
     /// be of one row size and of two layers.
@@ -252,7 +253,8 @@ impl NodeTables {
             }
         }
         let slots: Vec<usize> = (0..tables.len()).collect();
-        let plan = super::ticket::plan_rows(rows, &slots, columns, 0, (layers, ids, bound))?;
+        let plan =
+            super::ticket::plan_rows(rows, &slots, (columns, 0, true), (layers, ids, bound))?;
         let ticket = super::Ticket::with_columns(plan.live, plan.index, ids, columns, plan.present)
             .sized(layers, row_bytes);
         let started = Instant::now();

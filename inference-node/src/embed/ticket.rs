@@ -214,16 +214,20 @@ pub(crate) struct RowPlan {
     pub present: [bool; 2],
 }
 
+/// Where a row asked with [`super::NO_ROW`] beside live ids points in a
+/// sparse plan: past every fetch, so it is written as zeros.
+const NO_INDEX: u32 = u32::MAX;
+
 /// Plan `rows`, positions of `slots.len() x width` ids (the slots'
 /// columns in order, each `width` wide, starting at column `first`): a
 /// position of [`super::NO_ROW`] only is DEAD; an id at or past its slot's
-/// `bound`, or a no-row id beside live ones, is refused by position, the
-/// slot's model layer (`layers`), column and table (`tables`).
+/// `bound` is refused by position, the slot's model layer (`layers`),
+/// column and table (`tables`), and so is a no-row id beside live ones
+/// unless `sparse` (then that row alone is zeros).
 pub(crate) fn plan_rows(
     rows: &[u64],
     slots: &[usize],
-    width: usize,
-    first: usize,
+    (width, first, sparse): (usize, usize, bool),
     (layers, tables, bound): ([u32; 2], [u32; 2], [u64; 2]),
 ) -> Result<RowPlan, EmbedError> {
     let stride = slots.len() * width;
@@ -251,6 +255,10 @@ pub(crate) fn plan_rows(
         }
         for (k, &slot) in slots.iter().enumerate() {
             for (c, &r) in pos[k * width..(k + 1) * width].iter().enumerate() {
+                if sparse && r == super::NO_ROW {
+                    all[slot].push(r);
+                    continue;
+                }
                 if r >= bound[slot] {
                     let what = if r == super::NO_ROW {
                         "NO_ROW beside live row ids (a DEAD position has NO_ROW in every column)"
@@ -276,12 +284,19 @@ pub(crate) fn plan_rows(
     let mut unique: [Option<Vec<u64>>; 2] = Default::default();
     for &slot in slots {
         present[slot] = true;
-        let mut u = all[slot].clone();
+        let mut u: Vec<u64> = all[slot]
+            .iter()
+            .copied()
+            .filter(|&r| r != super::NO_ROW)
+            .collect();
         u.sort_unstable();
         u.dedup();
         index[slot] = all[slot]
             .iter()
-            .map(|r| u.binary_search(r).unwrap_or(0) as u32)
+            .map(|r| match u.binary_search(r) {
+                Ok(i) => i as u32,
+                Err(_) => NO_INDEX,
+            })
             .collect();
         unique[slot] = Some(u);
     }
@@ -446,7 +461,8 @@ impl Ticket {
                 Some(idx) => {
                     for (&i, row) in idx.iter().zip(dst.chunks_exact_mut(rb)) {
                         let at = i as usize * rb;
-                        match fetched.get(at..at + rb) {
+                        // A sparse plan's no-row id: zeros.
+                        match fetched.get(at..at + rb).filter(|_| i != NO_INDEX) {
                             Some(r) => row.copy_from_slice(r),
                             None => row.fill(0),
                         }

@@ -586,8 +586,8 @@ impl RingState {
 
     /// Slot `s`'s ids of the sections in `mask`, per position the
     /// sections' columns in order (what `prefetch_rows` takes), checked:
-    /// a position with any id out of range, or a no-row id beside live
-    /// ones, becomes DEAD; the mask of sections where that happened.
+    /// a position with any id out of range, or (V4.1's) a no-row id beside
+    /// live ones, becomes DEAD; the mask of sections where that happened.
     fn read_ids(&self, s: u32, mask: u32, positions: u32) -> (Vec<u64>, u32) {
         let sh = *self.ring.shape();
         let base = sh.slot_at(s);
@@ -597,6 +597,7 @@ impl RingState {
         let mut out = vec![crate::embed::NO_ROW; positions as usize * per];
         let mut bad = 0u32;
         let mut raw = vec![0i64; cols];
+        let whole = matches!(self.mem, NodeMemory::V41(_));
         for p in 0..positions {
             let mut ok = true;
             let mut dead = true;
@@ -624,7 +625,9 @@ impl RingState {
                     dst[k * cols + c] = id as u64;
                 }
             }
-            let partial = dst.contains(&crate::embed::NO_ROW);
+            // V4.1's positions are whole; a table of another family's
+            // (a version 2 ring) may ask for some of a position's rows.
+            let partial = whole && dst.contains(&crate::embed::NO_ROW);
             if !dead && (!ok || partial) {
                 if ok {
                     bad |= mask;

@@ -389,15 +389,18 @@ class Tables:
     ids. `tables` says what each is (rows, row_bytes, encoding, values,
     tensor_scale, policy); `lookup` gives rows by id at their own size;
     `table_view` maps a host-local donor's table (rows back to back), which
-    an engine's own host-table kernel reads in place. Thread-safe; use as
-    a context manager, or call close().
+    an engine's own host-table kernel reads in place; `serve` serves an
+    engine ring of a table's row size (`engram_rack.ring.RingLookup`), whose
+    rows a GPU gathers with no host sync. Thread-safe; use as a context
+    manager, or call close().
     """
 
-    __slots__ = ("_t", "_info")
+    __slots__ = ("_t", "_info", "_handles")
 
     def __init__(self, config: str | PathLike, node: str, *, metrics: str | None = None):
         self._t = _native.Tables.open(str(config), str(node), metrics)
         self._info = {t["table"]: t for t in self._t.tables()}
+        self._handles: list = []
 
     def __enter__(self) -> "Tables":
         return self
@@ -470,8 +473,20 @@ class Tables:
         """The node's metric series, Prometheus' text format."""
         return self._t.metrics_text()
 
+    def serve(self, ring):
+        """Serve `ring` (a `RingLookup`, `HostRing` or `_native.Ring` whose
+        sections are routed tables' layers, of their row size) on this
+        process's ring thread; served until close(). Returns its handle
+        (`counters()`). BadInputError names what does not fit."""
+        handle = self._t.serve_ring(getattr(ring, "native", ring))
+        self._handles.append(handle)
+        return handle
+
     def close(self, drain: float = 2.0) -> None:
         """Let lookups in flight end (at most `drain` seconds), then stop. Idempotent."""
+        for h in self._handles:
+            h.close()
+        self._handles.clear()
         self._t.close(drain)
 
 

@@ -44,9 +44,10 @@ class MappedTable(mmap.mmap):
 class EngineTables:
     """`engram_rack.Tables`' interface over the host's engine socket
     (`inference-node engines` on a rack of another model family than
-    V4.1): what each table is, and the host-local ones mapped here. Rows
-    by id are not offered: across the network they come through the
-    engine ring, which carries V4.1's rows."""
+    V4.1): what each table is, the host-local ones mapped here, and rings
+    (`serve`) served by the host's client at the tables' row size. Rows by
+    id with a blocking call are not offered: an engine's rows come through
+    its rings."""
 
     def __init__(self, socket: str):
         self._link = _native.EngineLink(str(socket))
@@ -90,9 +91,20 @@ class EngineTables:
         raise NoSourceError(f"table {table} went")
 
     def lookup(self, table: int, ids, out=None, timeout=None):
-        raise SetupError("rows by id across the network come through the engine ring, which "
-                         "carries DeepSeek V4.1's rows: open the node's tables in this process "
-                         "(engram_rack.Tables) for lookups")
+        raise SetupError("through the engine socket rows come by engine ring (serve a "
+                         "engram_rack.ring.RingLookup or HostRing); for blocking lookups by id "
+                         "open the node's tables in this process (engram_rack.Tables)")
+
+    def serve(self, ring) -> dict:
+        """Have the host's client serve `ring` (its sections routed tables'
+        layers, of their row size) while this link is open; SetupError
+        with the client's reason when it refuses."""
+        if self._link is None:
+            raise SetupError("the engine socket link is closed")
+        reply = json.loads(self._link.attach(getattr(ring, "native", ring)))
+        if reply.get("ring") != "serving":
+            raise SetupError(f"the host's rack client refused a ring: {reply.get('why', reply)}")
+        return reply
 
     def close(self, drain: float = 2.0) -> None:
         self._link = None

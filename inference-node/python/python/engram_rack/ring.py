@@ -221,9 +221,9 @@ def _load_acquire(ptr, INTERP: tl.constexpr):
     return v
 
 @triton.jit
-def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer, step,
+def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer, step, own_lo, own_hi,
             STEPS_AT: tl.constexpr, SLOTS: tl.constexpr, STRIDE: tl.constexpr, POS: tl.constexpr,
-            COLS: tl.constexpr, FIRST: tl.constexpr, MASK: tl.constexpr,
+            COLS: tl.constexpr, FIRST: tl.constexpr, MASK: tl.constexpr, SHARD: tl.constexpr,
             BLOCK: tl.constexpr, INTERP: tl.constexpr, FAKE: tl.constexpr):
     seq = tl.load(ctr) + 1
     tl.store(ctr, seq)
@@ -236,8 +236,11 @@ def _publish(ctr, last, ring, ids0, ids1, st0, sc0, st1, sc1, n, timer, step,
         t = (k // COLS).to(tl.int64)
         c = (k % COLS).to(tl.int64)
         if MASK & 1:
-            v = tl.load(ids0 + t * st0 + (FIRST + c) * sc0, mask=valid, other=-1)
-            tl.store(ids + t * COLS + c, v.to(tl.int64), mask=valid)
+            v = tl.load(ids0 + t * st0 + (FIRST + c) * sc0, mask=valid, other=-1).to(tl.int64)
+            if SHARD:
+                # An ETP rank asks for the rows it owns only (-1: none).
+                v = tl.where((v >= own_lo) & (v < own_hi), v, -1)
+            tl.store(ids + t * COLS + c, v, mask=valid)
         if MASK & 2:
             v = tl.load(ids1 + t * st1 + (FIRST + c) * sc1, mask=valid, other=-1)
             tl.store(ids + (POS + t) * COLS + c, v.to(tl.int64), mask=valid)
@@ -324,6 +327,26 @@ def _gather(ring, state, out, n, o_t, o_c, L: tl.constexpr, SLOTS: tl.constexpr,
         tl.store(out + dst + cols[None, :], v.to(tl.bfloat16), mask=valid[:, None])
 
 
+@triton.jit
+def _gather_bytes(ring, state, out, n, o_t, o_c, L: tl.constexpr, SLOTS: tl.constexpr,
+                  STRIDE: tl.constexpr, ROWS_AT: tl.constexpr, COLS: tl.constexpr,
+                  ROW: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A ring of any row size: the rows' bytes as they are (the engine's
+    own kernels dequantize them), zeros where the status gives none."""
+    seq = tl.load(state + 2 * L)
+    status = tl.load(state + 2 * L + 1)
+    usable = (status == 0) | (status == 3)
+    k = tl.program_id(0).to(tl.int64)
+    t = k // COLS
+    c = k % COLS
+    row = ring + 4096 + (seq % SLOTS) * STRIDE + ROWS_AT + k * ROW
+    d = tl.arange(0, BLOCK_D)
+    inside = d < ROW
+    live = inside & ((tl.zeros([BLOCK_D], dtype=tl.int32) + usable.to(tl.int32)) != 0)
+    b = tl.load(row + d, mask=live, other=0)
+    tl.store(out + t * o_t + c * o_c + d, b, mask=inside)
+
+
 _rings = weakref.WeakSet()
 
 
@@ -343,8 +366,8 @@ def collect_faults() -> list[Fault]:
 
 
 def _kernels():
-    """The three kernels (compiled on first launch)."""
-    return _publish, _wait, _gather
+    """The kernels (compiled on first launch)."""
+    return _publish, _wait, _gather, _gather_bytes
 
 
 class FakeTimer:
@@ -374,12 +397,29 @@ class FakeTimer:
             self._thread.join()
 
 
+def _layers(layer_ids, row_bytes: int) -> tuple[int, ...]:
+    """A ring's sections' layers, checked: V4.1's Engram layers in order,
+    or (another row size) one or two model layers of routed tables."""
+    layer_ids = tuple(int(x) for x in layer_ids)
+    if int(row_bytes) == ROW_BYTES:
+        if not layer_ids or any(x not in LAYERS for x in layer_ids) or \
+                list(layer_ids) != sorted(set(layer_ids)):
+            raise BadInputError(f"layers {layer_ids}: one or both of {LAYERS}, in order")
+    elif not 1 <= len(layer_ids) <= 2 or len(set(layer_ids)) != len(layer_ids) or \
+            any(x <= 0 for x in layer_ids):
+        raise BadInputError(f"layers {layer_ids}: one or two model layers (1-based)")
+    return layer_ids
+
+
 class RingLookup:
     """One rank's rows through a ring (see the module's docs).
 
     `layer_ids`: the ring's sections' Engram layers (`(1, 14)`, `(1,)` or
     `(14,)`); `columns`: this rank's columns `[lo, hi)` of the 24 (hi past
-    24: padded heads, zeros); `positions`: the most one request carries (a
+    24: padded heads, zeros). A table of another family (`row_bytes` not
+    264: a version 2 ring, PROTOCOL.md 6.1) has sections of its own model
+    layers and `columns` `(0, C)`, C rows a position (16 for Qwen4Exp), and
+    its rows come as bytes (`lookup_rows`); `positions`: the most one request carries (a
     longer step goes in turns of this many); `slots`: requests in flight
     at most; `deadline`: the GPU's, in seconds. Serve the ring with
     `link.serve(lookup.native)` (the host's client, or this process's
@@ -387,22 +427,24 @@ class RingLookup:
     """
 
     def __init__(self, layer_ids, columns, *, positions: int, device, slots: int = 8,
-                 deadline: float = 0.05, timer: FakeTimer | None = None):
-        layer_ids = tuple(int(x) for x in layer_ids)
-        if not layer_ids or any(x not in LAYERS for x in layer_ids) or \
-                list(layer_ids) != sorted(set(layer_ids)):
-            raise BadInputError(f"layers {layer_ids}: one or both of {LAYERS}, in order")
+                 deadline: float = 0.05, timer: FakeTimer | None = None,
+                 row_bytes: int = ROW_BYTES):
+        layer_ids = _layers(layer_ids, row_bytes)
         lo, hi = (int(c) for c in columns)
         real_hi = min(hi, 24)
         if not 0 <= lo < real_hi:
             raise BadInputError(f"columns ({lo}, {hi}): a rank owns at least one of the 24")
+        if row_bytes != ROW_BYTES and (lo, hi) != (0, real_hi):
+            raise BadInputError(f"columns ({lo}, {hi}): a table of {row_bytes}-byte rows is read "
+                                "whole, (0, rows a position), at most 24")
+        self.row_bytes = int(row_bytes)
         self.layer_ids = layer_ids
         self.lo, self.hi, self.real_hi = lo, hi, real_hi
         self.positions = int(positions)
         self.device = torch.device(device)
         ids = layer_ids + (0,) * (2 - len(layer_ids))
         self.native = _native.Ring(int(slots), len(layer_ids), real_hi - lo, self.positions, lo,
-                                   ids, int(deadline * 1e9))
+                                   ids, int(deadline * 1e9), self.row_bytes)
         (self.slots, self.layers, self.cols, _, _, _, self.deadline_ns) = self.native.shape
         self.stride = self.native.stride
         self.rows_at = self.native.rows_at
@@ -456,10 +498,14 @@ class RingLookup:
         except ValueError:
             raise BadInputError(f"layer {layer}: this ring carries {self.layer_ids}") from None
 
-    def publish(self, ids: dict[int, torch.Tensor], n: int) -> None:
+    def publish(self, ids: dict[int, torch.Tensor], n: int, own: tuple[int, int] | None = None) -> None:
         """Publish a request of `n` positions: `ids[section]` is `[T, 24]`
         (any integer dtype, any strides; this rank's columns are read).
-        Launches one kernel; returns at once."""
+        `own`: the ids `[lo, hi)` this rank owns of a table of another
+        family (the rest asked as -1: zeros). Launches one kernel; returns
+        at once."""
+        if own is not None and self.row_bytes == ROW_BYTES:
+            raise BadInputError("V4.1's rings split a table by columns, not by ids")
         if not 0 < n <= self.positions:
             raise BadInputError(f"{n} positions: a request carries 1 to {self.positions}")
         mask = 0
@@ -469,8 +515,9 @@ class RingLookup:
         b = ids.get(1, a)
         _kernels()[0][(1,)](
             self.counter, self.last, self.memory, a, b, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            n, self._timer_word, self.step_word, STEPS_AT=_STEP_TAGS_AT, SLOTS=self.slots, STRIDE=self.stride, POS=self.positions,
-            COLS=self.cols, FIRST=self.lo, MASK=mask, BLOCK=256, INTERP=self._interp,
+            n, self._timer_word, self.step_word, *(own or (0, 0)), STEPS_AT=_STEP_TAGS_AT,
+            SLOTS=self.slots, STRIDE=self.stride, POS=self.positions, COLS=self.cols,
+            FIRST=self.lo, MASK=mask, SHARD=own is not None, BLOCK=256, INTERP=self._interp,
             FAKE=self._timer is not None)
 
     def wait(self, section: int) -> None:
@@ -485,6 +532,8 @@ class RingLookup:
         """Launch the gather of the last request's `section` into `out`
         (`[n, hi - lo, 256]` bf16, or `[n, hi - lo, 264]` uint8 raw rows;
         any strides whose last is 1)."""
+        if self.row_bytes != ROW_BYTES:
+            raise BadInputError(f"a ring of {self.row_bytes}-byte rows gives bytes: gather_rows")
         local = self.hi - self.lo
         packed = out.dtype == torch.uint8
         width = ROW_BYTES if packed else 256
@@ -499,6 +548,42 @@ class RingLookup:
             SLOTS=self.slots, STRIDE=self.stride,
             ROWS_AT=self.rows_at + section * self.positions * self.cols * ROW_BYTES,
             COLS=self.cols, LOCAL=local, PACKED=packed, SCALE0_ZERO=scale0_zero, BLOCK_R=block)
+
+    def gather_rows(self, section: int, out: torch.Tensor, n: int) -> None:
+        """Launch the gather of the last request's `section` into `out`,
+        the rows' bytes as they are: `[>= n, columns, row_bytes]` uint8 (or
+        a view of any dtype of that many bytes a row), unit last stride."""
+        if out.dtype != torch.uint8:
+            out = out.view(torch.uint8)
+        if out.ndim != 3 or out.shape[0] < n or out.shape[1] != self.cols or \
+                out.shape[2] != self.row_bytes or out.stride(2) != 1:
+            raise BadInputError(f"out must be uint8 [>= {n}, {self.cols}, {self.row_bytes}] with "
+                                f"unit last stride, got {tuple(out.shape)} strides {out.stride()}")
+        if n == 0:
+            return
+        _kernels()[3][(n * self.cols,)](
+            self.memory, self.state, out, n, out.stride(0), out.stride(1), L=section,
+            SLOTS=self.slots, STRIDE=self.stride,
+            ROWS_AT=self.rows_at + section * self.positions * self.cols * self.row_bytes,
+            COLS=self.cols, ROW=self.row_bytes, BLOCK_D=triton.next_power_of_2(self.row_bytes))
+
+    def lookup_rows(self, layer: int, ids: torch.Tensor, out: torch.Tensor,
+                    own: tuple[int, int] | None = None) -> None:
+        """A table of another family: rows `ids` (`[T, columns]`) of
+        model layer `layer`'s table into `out` (`[T, columns, row_bytes]`
+        bytes, or any dtype viewed as such), in turns of at most
+        `positions`: publish, wait, gather each. Kernels only. `own`: the
+        ids this rank owns (`[lo, hi)`; the rest are zeros, for vLLM's ETP
+        reduction)."""
+        s = self.section(layer)
+        total = ids.shape[0]
+        raw = out.view(torch.uint8).reshape(total, self.cols, self.row_bytes) \
+            if out.dtype != torch.uint8 or out.ndim != 3 else out
+        for start in range(0, total, self.positions):
+            n = min(self.positions, total - start)
+            self.publish({s: ids[start:start + n]}, n, own)
+            self.wait(s)
+            self.gather_rows(s, raw[start:start + n], n)
 
     def lookup(self, layer: int, ids: torch.Tensor, out: torch.Tensor, *,
                scale0_zero: bool) -> None:
@@ -588,15 +673,16 @@ class HostRing:
     """
 
     def __init__(self, layer_ids, *, positions: int = 1024, slots: int = 2,
-                 deadline: float = 1.0):
-        layer_ids = tuple(int(x) for x in layer_ids)
-        if not layer_ids or any(x not in LAYERS for x in layer_ids) or \
-                list(layer_ids) != sorted(set(layer_ids)):
-            raise BadInputError(f"layers {layer_ids}: one or both of {LAYERS}, in order")
+                 deadline: float = 1.0, row_bytes: int = ROW_BYTES, columns: int = 24):
+        layer_ids = _layers(layer_ids, row_bytes)
+        if not 1 <= int(columns) <= 24 or (row_bytes == ROW_BYTES and int(columns) != 24):
+            raise BadInputError(f"{columns} rows a position: V4.1's 24, or 1 to 24 of a table "
+                                "of another family")
         self.layer_ids = layer_ids
+        self.row_bytes = int(row_bytes)
         ids = layer_ids + (0,) * (2 - len(layer_ids))
-        self.native = _native.Ring(int(slots), len(layer_ids), 24, int(positions), 0, ids,
-                                   int(deadline * 1e9))
+        self.native = _native.Ring(int(slots), len(layer_ids), int(columns), int(positions), 0,
+                                   ids, int(deadline * 1e9), self.row_bytes)
         (self.slots, self.layers, self.cols, self.positions, _, _, _) = self.native.shape
         self.deadline = float(deadline)
         self.rows_at = self.native.rows_at
@@ -613,13 +699,14 @@ class HostRing:
             raise BadInputError(f"layer {layer}: this ring carries {self.layer_ids}") from None
 
     def fetch(self, layer: int, ids) -> np.ndarray:
-        """Layer `layer`'s packed rows (`[T, 24, 264]` uint8) of row ids
-        `ids` (`[T, 24]` integers; -1: no row, zeros)."""
+        """Layer `layer`'s packed rows (`[T, 24, 264]` uint8; a table of
+        another family: `[T, columns, row_bytes]`) of row ids `ids` (`[T,
+        columns]` integers; -1: no row, zeros)."""
         a = np.ascontiguousarray(np.asarray(ids), dtype=np.int64)
         if a.ndim != 2 or a.shape[1] != self.cols:
             raise BadInputError(f"ids have shape {a.shape}; give (positions, {self.cols})")
         s = self.section(layer)
-        out = np.zeros((a.shape[0], self.cols, ROW_BYTES), dtype=np.uint8)
+        out = np.zeros((a.shape[0], self.cols, self.row_bytes), dtype=np.uint8)
         with self._lock:
             for start in range(0, a.shape[0], self.positions):
                 n = min(self.positions, a.shape[0] - start)
@@ -645,8 +732,9 @@ class HostRing:
         status = self.native.status(slot, s)
         fails = bool(int(self._h32[_H32_FAIL_SECTIONS]) & (1 << s))
         if status in (STATUS_OK, STATUS_BAD_IDS, STATUS_ZEROS) or not fails:
-            at = self.native.slot_at(slot) + self.rows_at + s * self.positions * self.cols * ROW_BYTES
-            n = ids.shape[0] * self.cols * ROW_BYTES
+            rb = self.row_bytes
+            at = self.native.slot_at(slot) + self.rows_at + s * self.positions * self.cols * rb
+            n = ids.shape[0] * self.cols * rb
             out.reshape(-1)[:] = self._bytes[at:at + n]
             return
         name = STATUS_NAMES[status] if 0 <= status < len(STATUS_NAMES) else str(status)
