@@ -351,13 +351,16 @@ def ple_rack(dir: Path, layer: int, rows: int, encoding: str, scale: float | Non
 def plug(rack, node: str) -> None:
     """Point the engine plugins at `node` of `rack.config`; "socket": the
     host's engine socket for node `hl` (`inference-node engines`, kept in
-    `rack.engines`)."""
+    `rack.engines`), "NODE-socket" for node NODE."""
     from engram_rack import plugin as rack_plugin
 
     socket = None
-    if node == "socket":
-        rack.engines = Engines(rack.config, "hl", rack.config.parent / "engines.sock")
-        socket, node = rack.engines.socket, "hl"
+    if node == "socket" or node.endswith("-socket"):
+        node = "hl" if node == "socket" else node[:-len("-socket")]
+        if getattr(rack, "engines", None) is not None:
+            rack.engines.stop()
+        rack.engines = Engines(rack.config, node, rack.config.parent / f"engines-{node}.sock")
+        socket = rack.engines.socket
     point_plugins_at(rack, node, socket)
     rack_plugin.reset()
 

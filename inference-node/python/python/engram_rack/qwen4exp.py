@@ -29,18 +29,21 @@ def rack_table(layer: int) -> dict:
     return found[0]
 
 
-def host_view(layer: int, table: int):
-    """Table `table` as this host maps it, or PluginError saying why not."""
-    from . import EngramError
+def host_view(layer: int, table: int, remote_ok: bool = False):
+    """Table `table` as this host maps it; where no donor on this host
+    shares it and the node has no local copy, None when `remote_ok` (its
+    rows then come through an engine ring), else PluginError saying why."""
+    from . import EngramError, NoSourceError
 
     try:
         return _plugin.tables().table_view(table, wait=10.0)
+    except NoSourceError as e:
+        if remote_ok:
+            return None
+        raise PluginError(f"PLE layer {layer}: {e}. route it to a donor on this host (its host "
+                          "socket) or to the node's `local` copy") from None
     except EngramError as e:
-        raise PluginError(
-            f"PLE layer {layer}: {e}. the engine reads a Qwen4Exp table from host memory: route "
-            "it to a donor on this host (its host socket) or to the node's `local` copy "
-            "(rows across the network reach an engine through the engine ring, which carries "
-            "V4.1's rows only)") from None
+        raise PluginError(f"PLE layer {layer}: {e}") from None
 
 
 def encoding_for(dtype, width: int) -> str:

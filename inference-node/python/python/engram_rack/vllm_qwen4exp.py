@@ -14,6 +14,16 @@ through UVA, the ETP reduction, the dequantization. The checkpoint's
 table shards are skipped (the rack has the rows); its global scale, where
 it has one, must equal the rack table's `tensor_scale`.
 
+A table only across the network (no donor on this host, no local copy)
+keeps no rows here: vLLM's lookup, on its prefetch side stream, goes
+through an engine ring of the table's row size instead
+(`engram_rack.ring.RingLookup.lookup_rows`: publish the ids, wait, gather
+the rows' bytes into vLLM's prefetch buffer; kernels only, no host sync),
+served by the host's client or this process's own; each ETP rank asks
+for the rows it owns (the rest zeros), and vLLM's reduction and
+dequantization run unchanged. Rows that do not come are zeros, or under a
+`fail` policy a fault that fails the step's requests, as V4.1's rings.
+
 Which rack table: the one whose `layer` is the PLE layer's model layer
 (`ple_layer_ids`, 1-based), among the node's tables
 (`engram_rack.plugin.tables()`: the host's engine socket, or this
@@ -21,8 +31,7 @@ process's own `engram_rack.Tables`). Encodings: FP8 with a
 per-tensor scale (`fp8_per_tensorx{head_dim}`, vLLM's FP8 method) and
 BF16 (`bf16x{head_dim}`, its unquantized method). Not yet: NVFP4 (vLLM
 reads its values and block scales from two arrays; the rack keeps them in
-one row), a table only across the network (vLLM reads host memory; V4.1's
-engine ring carries 264-byte rows only).
+one row).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import contextvars
 import importlib
 import logging
+import os
 import threading
 import warnings
 
@@ -38,6 +48,10 @@ from .plugin import PluginError
 from .qwen4exp import encoding_for, host_view, ple_layer, rack_table
 
 log = logging.getLogger("engram_rack.vllm")
+
+#: Positions one ring request of a remote PLE table carries (a longer
+#: batch goes in turns).
+RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 
 #: vLLM's modules that build a Qwen4Exp n-gram embedding, and the module
 #: whose name the PLE layer builds it by (None: the same).
@@ -82,6 +96,9 @@ def embedding_class(base):
             self.rack_layer = layer
             self.rack_table = rack_table(layer)
             self._rack_view = None
+            #: The engine ring of a table only across the network (None:
+            #: the table is in this host's memory).
+            self.rack_ring = None
             self.device = _plugin.device()
             # vLLM's base classes, not the pinned class's constructor (whose
             # UVA check and view are for pinned memory: the rack maps its own).
@@ -92,6 +109,8 @@ def embedding_class(base):
                 num_ngram_heads=num_ngram_heads, max_total_tokens=max_total_tokens,
                 data_parallel_rank=data_parallel_rank, reduce_results=reduce_results)
             self._uva_weight = self._device_rows()
+            if self.rack_ring is False:
+                self._start_ring(num_ngram_heads)
             self._prefetch_stream = None
             self._prefetch_buffer = None
             self._prefetch_alloc_lock = threading.Lock()
@@ -118,7 +137,11 @@ def embedding_class(base):
                     "its hashing (ngram_vocab_size_base, make_ngram_vocab_size_divisible_by) "
                     "is not the model's")
             if self._rack_view is None:
-                self._rack_view = host_view(self.rack_layer, t["table"])
+                self._rack_view = host_view(self.rack_layer, t["table"], remote_ok=True)
+            if self._rack_view is None:
+                # Across the network only: no rows here, a ring brings them.
+                self.rack_ring = False
+                return torch.empty(0, embedding_dim, dtype=dtype)
             view = self._rack_view
             size = view.row_bytes
             array = np.frombuffer(view, dtype=np.uint8)
@@ -131,10 +154,52 @@ def embedding_class(base):
             self._rack_span = (int(array.ctypes.data) + lo * size, num_embeddings * size)
             return rows.view(num_embeddings, size).view(dtype)
 
+        def _start_ring(self, heads: int) -> None:
+            """The ring this rank's rows come through (served by the host's
+            client, or this process's tables)."""
+            from .ring import RingLookup
+
+            if not 1 <= heads <= 24:
+                raise PluginError(f"PLE layer {self.rack_layer}: {heads} n-gram heads; an engine "
+                                  "ring carries 1 to 24 rows a position")
+            t = self.rack_table
+            self.rack_ring = RingLookup((self.rack_layer,), (0, heads), positions=RING_POSITIONS,
+                                        device=self.device, row_bytes=t["row_bytes"])
+            _plugin.tables().serve(self.rack_ring)
+            lo = self.shard_indices.org_vocab_start_index
+            hi = self.shard_indices.org_vocab_end_index
+            self._rack_own = None if self.tp_size == 1 else (int(lo), int(hi))
+            log.info("engram_rack: PLE layer %d reads table %d (%s) through an engine ring",
+                     self.rack_layer, t["table"], t["encoding"])
+
+        def _lookup(self, input_ids, output=None):
+            """vLLM's lookup over host memory, or the ring's kernels for a
+            table across the network: this rank's rows (the ids it owns)
+            as bytes into vLLM's lookup dtype, zeros for the rest."""
+            if not self.rack_ring:
+                return super()._lookup(input_ids, output)
+            shape = (*input_ids.shape, self.embedding_dim)
+            dtype = self.embedding_method.lookup_dtype(self)
+            if output is None:
+                output = torch.empty(shape, dtype=dtype, device=input_ids.device)
+            elif tuple(output.shape) != shape or output.dtype != dtype:
+                raise ValueError("PLE prefetch output must match the input shape and lookup dtype")
+            heads = self.rack_ring.cols
+            ids = input_ids.reshape(-1, heads)
+            if ids.shape[0]:
+                rows = output.view(ids.shape[0], heads, self.embedding_dim)
+                self.rack_ring.lookup_rows(self.rack_layer, ids, rows, own=self._rack_own)
+            return output
+
         def _device_rows(self):
             """The rows as this process's device reads them: the CPU
             tensor itself, or a device view over the same memory
-            (registered read-only once, or through the host's page tables)."""
+            (registered read-only once, or through the host's page tables).
+            For a table across the network, no rows, on the device (vLLM
+            places its prefetch stream and buffer by it)."""
+            if self.rack_ring is False:
+                return torch.empty((0, self.embedding_dim), dtype=self.weight.dtype,
+                                   device=self.device)
             how = _cuda.host_table_access(self.device)
             if how == "cpu":
                 return self.weight.data

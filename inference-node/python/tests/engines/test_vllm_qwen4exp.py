@@ -93,7 +93,8 @@ def qwen_rack(request, tmp_path):
     rows = table_rows()
     scale = SCALE if enc.startswith("fp8") else None
     config, path, donors = ple_rack(tmp_path, LAYER, rows, enc, scale, EOS, BASE)
-    rack = types.SimpleNamespace(config=config, path=path, dtype=dtype, scale=scale, rows=rows)
+    rack = types.SimpleNamespace(config=config, path=path, dtype=dtype, scale=scale, rows=rows,
+                                 donors=donors)
     yield rack
     rack_plugin.reset()
     if getattr(rack, "engines", None) is not None:
@@ -183,9 +184,12 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("node", ["hl", "own", "socket"])
+@pytest.mark.parametrize("node", ["hl", "own", "socket", "far", "far-socket"])
 def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_rack, node,
                                                                      monkeypatch):
+    """`far`: the table only across the network (donor `d` over TCP), its
+    rows through an engine ring served by this process's own `Tables` or
+    (`far-socket`) the host's `inference-node engines`."""
     rack = qwen_rack
     emulation.fake_streams(monkeypatch)
     typed_byte_pointers(monkeypatch)
@@ -198,14 +202,20 @@ def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_
     got = build(rack.dtype)
     emb = got.ngram_embedding
     assert type(emb).__name__ == "RackPLEEmbedding" and emb.supports_prefetch
-    # The table is the rack's memory, not a copy: a host-local donor's
-    # (shared by every process on the host) or the node's own.
-    view = rack_plugin.tables().table_view(1)
-    assert view.shared == (node != "own")
-    if node == "socket":  # a mapping of its own of the donor's memfd
-        assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
+    if node.startswith("far"):
+        # No rows here: an engine ring of the table's row size brings them.
+        assert emb.rack_ring.row_bytes == HEAD_DIM * (1 if rack.dtype else 2)
+        assert emb.weight.shape[0] == 0
     else:
-        assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
+        # The table is the rack's memory, not a copy: a host-local donor's
+        # (shared by every process on the host) or the node's own.
+        assert not emb.rack_ring
+        view = rack_plugin.tables().table_view(1)
+        assert view.shared == (node != "own")
+        if node == "socket":  # a mapping of its own of the donor's memfd
+            assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
+        else:
+            assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
     assert not emb.weight.is_pinned()
     # The checkpoint's shards are skipped; its scale is the table's.
     loaded = got.load_weights(checkpoint(rack))
@@ -237,6 +247,33 @@ def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_
         assert bool((values != 0).any()), name
 
 
+def test_a_remote_tables_rows_that_do_not_come_are_a_fault_not_wrong_rows(vctx, qwen_rack,
+                                                                          monkeypatch):
+    """The table across the network only, its donor killed: the ring's
+    answer (every source failed, policy `fail`) gives zeros on the device,
+    counted there, and a fault in the ring's log naming the PLE layer, for
+    the plugin to fail the step's requests."""
+    from engram_rack import ring as rack_ring
+
+    rack = qwen_rack
+    emulation.fake_streams(monkeypatch)
+    plug(rack, "far")
+    plugin.install()
+    got = build(rack.dtype)
+    emb = got.ngram_embedding
+    ids, qsl, ctx = batch([([], list(range(100, 109)))])
+    hidden = torch.zeros(len(ids), 8, dtype=torch.bfloat16)
+    got.start_prefetch(ids, qsl, ctx)
+    assert bool((got(hidden, ids, qsl, ctx) != 0).any())
+    rack.donors[1].stop()  # donor `d`, the table's only source
+    got.start_prefetch(ids, qsl, ctx)
+    out = got(hidden, ids, qsl, ctx)
+    assert not bool((out.view(torch.uint8) != 0).any())
+    assert int(emb.rack_ring.failures.sum()) == 1
+    faults = emb.rack_ring.take_faults()
+    assert [(f.layer, rack_ring.STATUS_NAMES[f.status]) for f in faults] == [(LAYER, "failed")]
+
+
 def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
     rack = qwen_rack
     plugin.install()
@@ -247,8 +284,6 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
         with pytest.raises(plugin.PluginError, match=match):
             build(dtype, base)
 
-    # A table across the network only: vLLM reads host memory.
-    refused("far", rack.dtype, "not in this process's memory")
     # The model's encoding is not the table's; NVFP4; another hashing.
     refused("hl", None if rack.dtype else "float8_e4m3fn", other)
     refused("hl", "nvfp4", "NVFP4")
@@ -267,7 +302,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import numpy as np, torch
 from _pytest.monkeypatch import MonkeyPatch
-rank, port, config, table, dtype = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+rank, port, config, table, dtype, node = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 dtype = None if dtype == "none" else dtype
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.config.engram import EngramConfig
@@ -281,7 +316,7 @@ T.typed_byte_pointers(mp)
 cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
 cfg.engram_config = EngramConfig(cpu_offload=True)
 cfg.parallel_config.tensor_parallel_size = 2
-os.environ.update(ENGRAM_RACK_CONFIG=config, ENGRAM_RACK_NODE="hl", ENGRAM_RACK_METRICS="off")
+os.environ.update(ENGRAM_RACK_CONFIG=config, ENGRAM_RACK_NODE=node, ENGRAM_RACK_METRICS="off")
 with set_current_vllm_config(cfg):
     ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
@@ -294,7 +329,10 @@ with set_current_vllm_config(cfg):
     rows = T.table_rows()
     lo, hi = emb.shard_indices.org_vocab_start_index, emb.shard_indices.org_vocab_end_index
     assert (lo, hi) == ((0, rows // 2), (rows // 2, rows))[rank], (rank, lo, hi)
-    assert emb.weight.shape[0] == rows // 2
+    if node == "far":  # the rank asks its ring for the rows it owns only
+        assert emb.weight.shape[0] == 0 and emb._rack_own == (lo, hi)
+    else:
+        assert emb.weight.shape[0] == rows // 2
     full = torch.from_numpy(np.ascontiguousarray(read_rows(table, np.arange(rows))))
     full = full.view(torch.float8_e4m3fn) if dtype else full.view(torch.bfloat16)
     rng = np.random.default_rng(3)
@@ -313,10 +351,13 @@ print("ok", rank, flush=True)
 """
 
 
-def test_two_etp_ranks_each_map_their_rows_and_reduce_to_the_table(qwen_rack):
+@pytest.mark.parametrize("node", ["hl", "far"])
+def test_two_etp_ranks_each_map_their_rows_and_reduce_to_the_table(qwen_rack, node):
     """vLLM with TP = ETP = 2 (two gloo ranks): each rank's table is its
     half of the rack's (rows [0, R/2) and [R/2, R)) over the donor's
-    memory, and vLLM's own ETP reduction gives every row of the table."""
+    memory, or (`far`) its half through its engine ring (the rows it
+    owns asked, the rest zeros), and vLLM's own ETP reduction gives every
+    row of the table."""
     import subprocess
     import sys
     from pathlib import Path
@@ -325,9 +366,10 @@ def test_two_etp_ranks_each_map_their_rows_and_reduce_to_the_table(qwen_rack):
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent),
                                                        os.environ.get("PYTHONPATH", "")]))
+    env.pop("ENGRAM_RACK_SOCKET", None)  # each rank opens the node's tables itself
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), str(rack.config),
-                               str(rack.path), rack.dtype or "none"],
+                               str(rack.path), rack.dtype or "none", node],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               cwd=str(here))
              for r in range(2)]
