@@ -19,17 +19,25 @@ the rack on:
   `ngram_embedding.shard_N` rows are skipped (the rack has them; its memory
   is read-only) and a `weight_scale` in the checkpoint must equal the rack
   table's;
-- `initialize_dummy_weights` leaves the rack's table and scale alone.
+- `initialize_dummy_weights` leaves the rack's table and scale alone;
+- a table only across the network (no donor on this host, no local copy)
+  keeps no rows here: AROUND `Qwen4ExpPinnedHostEmbedding.gather`, its
+  rows come through an engine ring of the table's row size
+  (`engram_rack.ring.RingLookup.lookup_rows`: kernels only, on SGLang's
+  prefetch stream or inside its captured graphs), each TP rank asking for
+  the rows it owns, widened to bf16 as SGLang's gather kernel does (zeros
+  for the rest); SGLang's reduction and scale run unchanged. Rows that do
+  not come are zeros, or under a `fail` policy a fault that fails the
+  step's requests, as V4.1's rings.
 
-Encodings: FP8 with a per-tensor scale and BF16 (SGLang's two). A table
-only across the network is refused by name (SGLang reads host memory;
-the engine ring carries V4.1's rows only).
+Encodings: FP8 with a per-tensor scale and BF16 (SGLang's two).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import re
 import warnings
 
@@ -43,6 +51,9 @@ MODULE = "sglang.srt.models.qwen4_exp"
 NGRAM_INIT = f"{MODULE}.Qwen4ExpNGramEmbedding.__init__"
 ALLOCATE = f"{MODULE}.allocate_ple_host_table"
 LOAD = f"{MODULE}.Qwen4ExpForConditionalGeneration.load_weights"
+GATHER = f"{MODULE}.Qwen4ExpPinnedHostEmbedding.gather"
+#: Positions one ring request of a remote PLE table carries.
+RING_POSITIONS = int(os.environ.get("ENGRAM_RACK_RING_POSITIONS", "512") or 512)
 _SHARD = re.compile(r"(.*)\.ngram_embedding\.shard_\d+\.weight$")
 
 _building: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -67,8 +78,52 @@ def ngram_init(original, self, config, embedding_dim, ple_layer_index: int = 0,
         _building.reset(token)
     emb = self.ngram_embedding
     emb.engram_rack = table
+    emb.engram_ring = None
     if table["tensor_scale"] is not None:
         emb.weight_scale.fill_(table["tensor_scale"])
+    if table.get("remote"):
+        _start_ring(emb, table, int(self.ngram_heads))
+
+
+def _start_ring(emb, table: dict, heads: int) -> None:
+    """The engine ring a remote table's rows come through, served by the
+    host's client or this process's tables."""
+    from .ring import RingLookup
+
+    if not 1 <= heads <= 24:
+        raise PluginError(f"PLE layer {table['layer']}: {heads} n-gram heads; an engine ring "
+                          "carries 1 to 24 rows a position")
+    emb.engram_ring = RingLookup((table["layer"],), (0, heads), positions=RING_POSITIONS,
+                                 device=_plugin.device(), row_bytes=table["row_bytes"])
+    _plugin.tables().serve(emb.engram_ring)
+    lo = emb.shard_indices.org_vocab_start_index
+    hi = emb.shard_indices.org_vocab_end_index
+    emb.engram_own = None if emb.tp_size == 1 else (int(lo), int(hi))
+    log.info("engram_rack: PLE layer %d reads table %d (%s) through an engine ring",
+             table["layer"], table["table"], table["encoding"])
+
+
+def gather(original, self, input_ids, out=None):
+    """AROUND `Qwen4ExpPinnedHostEmbedding.gather`: a remote table's rows
+    through its ring (SGLang's own kernel over host memory otherwise)."""
+    ring = getattr(self, "engram_ring", None)
+    if ring is None:
+        return original(self, input_ids, out)
+    import torch
+
+    shape = (*input_ids.shape, self.embedding_dim)
+    output = self.allocate_output(shape, input_ids.device) if out is None else out
+    if tuple(output.shape) != shape or output.dtype != torch.bfloat16:
+        raise ValueError(f"invalid PLE output {tuple(output.shape)} {output.dtype}: "
+                         f"{shape} bfloat16")
+    ids = input_ids.reshape(-1, ring.cols)
+    if ids.shape[0]:
+        raw = torch.empty((ids.shape[0], ring.cols, ring.row_bytes), dtype=torch.uint8,
+                          device=input_ids.device)
+        ring.lookup_rows(self.engram_rack["layer"], ids, raw, own=self.engram_own)
+        rows = raw.view(self.weight.dtype).view(ids.shape[0], ring.cols, self.embedding_dim)
+        output.view(ids.shape[0], ring.cols, self.embedding_dim).copy_(rows)
+    return output
 
 
 def allocate(original, shape, dtype, backend: str = "pinned", table_dir=None, tag=None):
@@ -94,7 +149,11 @@ def allocate(original, shape, dtype, backend: str = "pinned", table_dir=None, ta
             f"PLE layer {table['layer']}: SGLang's table has {rows} rows from {lo}, the rack's "
             f"table {table['table']} {table['rows']}: its hashing (ngram_vocab_size_base, "
             "make_ngram_vocab_size_divisible_by) is not the model's")
-    view = host_view(table["layer"], table["table"])
+    view = host_view(table["layer"], table["table"], remote_ok=True)
+    if view is None:
+        # Across the network only: no rows here, a ring brings them.
+        table["remote"] = True
+        return torch.empty(0, width, dtype=dtype)
     size = view.row_bytes
     array = np.frombuffer(view, dtype=np.uint8)
     how = _cuda.host_table_access(_plugin.device())
@@ -163,3 +222,4 @@ def install(registry, hook_type) -> None:
     registry.register(NGRAM_INIT, ngram_init, hook_type.AROUND)
     registry.register(ALLOCATE, allocate, hook_type.AROUND)
     registry.register(LOAD, load_weights, hook_type.AROUND)
+    registry.register(GATHER, gather, hook_type.AROUND)

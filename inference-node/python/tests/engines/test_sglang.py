@@ -91,7 +91,8 @@ def _targets():
     return {**targets, "ple init": (Q.Qwen4ExpNGramEmbedding, "__init__"),
             "ple table": (Q, "allocate_ple_host_table"),
             "ple table source": (QT, "allocate_ple_host_table"),
-            "ple load": (Q.Qwen4ExpForConditionalGeneration, "load_weights")}
+            "ple load": (Q.Qwen4ExpForConditionalGeneration, "load_weights"),
+            "ple gather": (Q.Qwen4ExpPinnedHostEmbedding, "gather")}
 
 
 def hf_config():

@@ -65,7 +65,7 @@ def hooks():
 
     cls = S.Qwen4ExpNGramEmbedding
     saved = (cls.__init__, S.allocate_ple_host_table,
-             S.Qwen4ExpForConditionalGeneration.load_weights)
+             S.Qwen4ExpForConditionalGeneration.load_weights, S.Qwen4ExpPinnedHostEmbedding.gather)
     HookRegistry.reset()
     ple.install(HookRegistry, HookType)
     HookRegistry.apply_hooks()
@@ -73,6 +73,7 @@ def hooks():
     cls.__init__, S.allocate_ple_host_table = saved[0], saved[1]
     T.allocate_ple_host_table = saved[1]
     S.Qwen4ExpForConditionalGeneration.load_weights = saved[2]
+    S.Qwen4ExpPinnedHostEmbedding.gather = saved[3]
     HookRegistry.reset()
 
 
@@ -111,7 +112,7 @@ def qwen_rack(request, tmp_path):
     if scale:
         ref.ngram_embedding.weight_scale.fill_(scale)
     rack = types.SimpleNamespace(config=config, dtype=dtype, scale=scale, ref=ref, rows=rows,
-                                 shards=shards, tmp=tmp_path)
+                                 shards=shards, tmp=tmp_path, donors=donors)
     yield rack
     rack_plugin.reset()
     if getattr(rack, "engines", None) is not None:
@@ -142,8 +143,11 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("node", ["hl", "own", "socket"])
+@pytest.mark.parametrize("node", ["hl", "own", "socket", "far", "far-socket"])
 def test_lookups_equal_sglangs_own_offloaded_table(qwen_rack, hooks, node):
+    """`far`: the table only across the network (donor `d` over TCP), its
+    rows through an engine ring served by this process's own `Tables` or
+    (`far-socket`) the host's `inference-node engines`."""
     rack = qwen_rack
     plug(rack, node)
     cfg = hf_config(rack.dtype, rack.tmp / "rack")
@@ -151,12 +155,18 @@ def test_lookups_equal_sglangs_own_offloaded_table(qwen_rack, hooks, node):
     got = build(cfg)
     emb = got.ngram_embedding
     assert type(emb) is S.Qwen4ExpPinnedHostEmbedding and emb.engram_rack["table"] == 1
-    view = rack_plugin.tables().table_view(1)
-    assert view.shared == (node != "own")
-    if node == "socket":  # a mapping of its own of the donor's memfd
-        assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
+    if node.startswith("far"):
+        # No rows here: an engine ring of the table's row size brings them.
+        assert emb.engram_ring.row_bytes == HEAD_DIM * (1 if rack.dtype else 2)
+        assert emb.weight.shape[0] == 0
     else:
-        assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
+        assert emb.engram_ring is None
+        view = rack_plugin.tables().table_view(1)
+        assert view.shared == (node != "own")
+        if node == "socket":  # a mapping of its own of the donor's memfd
+            assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
+        else:
+            assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
     assert same(emb.weight_scale, rack.ref.ngram_embedding.weight_scale)
     rng = np.random.default_rng(8)
     prompt = rng.integers(0, VOCAB, 30).tolist()
@@ -211,6 +221,26 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(qwen_rack, hooks):
         with pytest.raises(plugin.PluginError, match=match):
             build(hf_config(dtype, rack.tmp / "x", base))
 
-    refused("far", rack.dtype, "not in this process's memory")
     refused("hl", None if rack.dtype else "float8_e4m3fn", other)
     refused("hl", rack.dtype, "hashing", base=2 * BASE)
+
+
+def test_a_remote_tables_rows_that_do_not_come_are_a_fault_not_wrong_rows(qwen_rack, hooks):
+    """The table across the network only, its donor killed: zeros from
+    the ring's gather, counted on the device, and a fault naming the PLE
+    layer in the ring's log (policy `fail`), for the plugin to fail the
+    step's requests."""
+    from engram_rack import ring as rack_ring
+
+    rack = qwen_rack
+    plug(rack, "far")
+    cfg = hf_config(rack.dtype, rack.tmp / "rack")
+    emb = build(cfg).ngram_embedding
+    ids = torch.randint(0, rack.rows, (5, HEADS))
+    assert bool((emb(ids) != 0).any())
+    rack.donors[1].stop()  # donor `d`, the table's only source
+    out = emb(ids)
+    assert not bool((out.view(torch.int16) != 0).any())
+    assert int(emb.engram_ring.failures.sum()) == 1
+    faults = emb.engram_ring.take_faults()
+    assert [(f.layer, rack_ring.STATUS_NAMES[f.status]) for f in faults] == [(LAYER, "failed")]
