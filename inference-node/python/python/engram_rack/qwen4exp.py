@@ -56,8 +56,7 @@ def encoding_for(dtype, width: int) -> str:
     if dtype == torch.bfloat16:
         return f"bf16x{width}"
     if dtype == torch.uint8:
-        raise PluginError("an NVFP4 PLE table (values and block scales in two arrays, as vLLM "
-                          "reads them; SGLang does not offload NVFP4) is not served by "
-                          "engram_rack yet: use the FP8 or BF16 table")
+        raise PluginError("an NVFP4 PLE table is served to vLLM's NVFP4 method only (SGLang "
+                          "does not offload NVFP4 tables): use the FP8 or BF16 table")
     raise PluginError(f"a PLE table of {dtype} rows: engram_rack serves FP8 (per-tensor scale) "
                       "and BF16 tables")

@@ -29,9 +29,12 @@ Which rack table: the one whose `layer` is the PLE layer's model layer
 (`engram_rack.plugin.tables()`: the host's engine socket, or this
 process's own `engram_rack.Tables`). Encodings: FP8 with a
 per-tensor scale (`fp8_per_tensorx{head_dim}`, vLLM's FP8 method) and
-BF16 (`bf16x{head_dim}`, its unquantized method). Not yet: NVFP4 (vLLM
-reads its values and block scales from two arrays; the rack keeps them in
-one row).
+BF16 (`bf16x{head_dim}`, its unquantized method), NVFP4
+(`nvfp4_e4m3_16x{head_dim}`, its NVFP4 method: vLLM reads values and block
+scales from two arrays, the rack keeps them in one row; the lookup copies
+this rank's rows' bytes with vLLM's own byte-copy kernel, or takes them
+from the ring, then decodes them with vLLM's own NVFP4 kernel, its global
+`weight_scale_2` the rack table's `tensor_scale`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ NGRAM_MODULES = (
     ("vllm.models.qwen4_exp.amd.ple_layer", None),
 )
 COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+#: vLLM's NVFP4 table method (values and block scales in two arrays).
+NVFP4_METHOD = "Qwen4ExpPLENvFp4EmbeddingMethod"
 #: Model classes whose weight loading counts the rack's table as loaded.
 MODEL_MODULES = ("vllm.models.qwen4_exp.nvidia.model", "vllm.models.qwen4_exp.amd.model")
 
@@ -69,6 +74,10 @@ _building: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 _lock = threading.Lock()
 _classes: dict[str, type] = {}
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _discard(param, loaded_weight, *args, **kwargs) -> None:
@@ -96,6 +105,8 @@ def embedding_class(base):
             self.rack_layer = layer
             self.rack_table = rack_table(layer)
             self._rack_view = None
+            self._rack_nvfp4 = False
+            self._rack_own = None
             #: The engine ring of a table only across the network (None:
             #: the table is in this host's memory).
             self.rack_ring = None
@@ -121,8 +132,16 @@ def embedding_class(base):
 
         def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype):
             """This rank's rows of the rack's table (no copy): rows
-            [org_vocab_start_index, + num_embeddings) of its memory."""
-            want = encoding_for(dtype, embedding_dim)
+            [org_vocab_start_index, + num_embeddings) of its memory. An
+            NVFP4 table's values and block scales are asked for apart
+            (vLLM's two arrays): each is its span of the rack's rows."""
+            nvfp4 = type(getattr(self, "quant_method", None)).__name__ == NVFP4_METHOD
+            self._rack_nvfp4 = nvfp4
+            if nvfp4:
+                values = embedding_dim * (2 if dtype == torch.uint8 else 16)
+                want = f"nvfp4_e4m3_16x{values}"
+            else:
+                want = encoding_for(dtype, embedding_dim)
             t = self.rack_table
             if t["encoding"] != want:
                 method = type(getattr(self, "quant_method", None)).__name__
@@ -136,7 +155,7 @@ def embedding_class(base):
                     f"{num_embeddings} from {lo}), the rack's table {t['table']} {t['rows']}: "
                     "its hashing (ngram_vocab_size_base, make_ngram_vocab_size_divisible_by) "
                     "is not the model's")
-            if self._rack_view is None:
+            if self._rack_view is None and self.rack_ring is None:
                 self._rack_view = host_view(self.rack_layer, t["table"], remote_ok=True)
             if self._rack_view is None:
                 # Across the network only: no rows here, a ring brings them.
@@ -152,7 +171,39 @@ def embedding_class(base):
             # tables are); this rank reads its span of it.
             self._rack_map = (int(array.ctypes.data), array.nbytes)
             self._rack_span = (int(array.ctypes.data) + lo * size, num_embeddings * size)
-            return rows.view(num_embeddings, size).view(dtype)
+            self._rack_rows = rows.view(num_embeddings, size)
+            if nvfp4:  # values first in a row, then the block scales
+                at = 0 if dtype == torch.uint8 else values // 2
+                return self._rack_rows[:, at:at + embedding_dim].view(dtype)
+            return self._rack_rows.view(dtype)
+
+        def _nvfp4_rows(self, ids, output) -> None:
+            """An NVFP4 table's rows, decoded as vLLM decodes them: this
+            rank's rows' bytes (vLLM's own byte-copy kernel over the rack's
+            memory, or the ring), then vLLM's own NVFP4 kernel over them
+            (their values and block scales apart, as it reads them)."""
+            n = ids.numel()
+            row = self.rack_table["row_bytes"]
+            raw = torch.empty((n, row), dtype=torch.uint8, device=ids.device)
+            if self.rack_ring:
+                heads = self.rack_ring.cols
+                self.rack_ring.lookup_rows(self.rack_layer, ids.reshape(-1, heads),
+                                           raw.view(-1, heads, row), own=self._rack_own)
+            else:
+                C = importlib.import_module(COMMON)
+                C._lookup_ple_embedding_from_pinned_kernel[(n,)](
+                    self._uva_weight, ids.reshape(-1), raw, row,
+                    self.shard_indices.org_vocab_start_index,
+                    self.shard_indices.org_vocab_end_index,
+                    BLOCK_D=triton_next_pow2(row))
+            dim = self.embedding_dim
+            values = raw[:, :dim // 2].contiguous()
+            scales = raw[:, dim // 2:].contiguous()
+            C = importlib.import_module(COMMON)
+            C._lookup_nvfp4_ple_embedding_kernel[(n,)](
+                values, scales, self.weight_scale_2,
+                torch.arange(n, dtype=torch.int64, device=ids.device),
+                output.view(n, dim), dim, 0, n, BLOCK_D=triton_next_pow2(dim))
 
         def _start_ring(self, heads: int) -> None:
             """The ring this rank's rows come through (served by the host's
@@ -176,7 +227,7 @@ def embedding_class(base):
             """vLLM's lookup over host memory, or the ring's kernels for a
             table across the network: this rank's rows (the ids it owns)
             as bytes into vLLM's lookup dtype, zeros for the rest."""
-            if not self.rack_ring:
+            if not self.rack_ring and not self._rack_nvfp4:
                 return super()._lookup(input_ids, output)
             shape = (*input_ids.shape, self.embedding_dim)
             dtype = self.embedding_method.lookup_dtype(self)
@@ -184,11 +235,15 @@ def embedding_class(base):
                 output = torch.empty(shape, dtype=dtype, device=input_ids.device)
             elif tuple(output.shape) != shape or output.dtype != dtype:
                 raise ValueError("PLE prefetch output must match the input shape and lookup dtype")
+            if not input_ids.numel():
+                return output
+            if self._rack_nvfp4:
+                self._nvfp4_rows(input_ids.long(), output)
+                return output
             heads = self.rack_ring.cols
             ids = input_ids.reshape(-1, heads)
-            if ids.shape[0]:
-                rows = output.view(ids.shape[0], heads, self.embedding_dim)
-                self.rack_ring.lookup_rows(self.rack_layer, ids, rows, own=self._rack_own)
+            rows = output.view(ids.shape[0], heads, self.embedding_dim)
+            self.rack_ring.lookup_rows(self.rack_layer, ids, rows, own=self._rack_own)
             return output
 
         def _device_rows(self):
@@ -202,7 +257,7 @@ def embedding_class(base):
                                    device=self.device)
             how = _cuda.host_table_access(self.device)
             if how == "cpu":
-                return self.weight.data
+                return self._rack_rows if self._rack_nvfp4 else self.weight.data
             if how == "copy":
                 raise PluginError("ENGRAM_RACK_HOST_REGISTER=copy is for V4.1's tables; a PLE "
                                   "table is read where the rack maps it")
@@ -210,26 +265,35 @@ def embedding_class(base):
             if how == "read-only":
                 _cuda.register(*self._rack_map, read_only=True)
             raw = _cuda.device_view(address, (nbytes,), torch.uint8, self.device)
-            return raw.view(self.weight.shape[0], -1).view(self.weight.dtype)
+            rows = raw.view(self._rack_rows.shape[0], -1)
+            return rows if self._rack_nvfp4 else rows.view(self.weight.dtype)
 
         def _adopt_scale(self) -> None:
-            """The table's global scale is the rack table's; a checkpoint's
-            must equal it; the table is counted as loaded."""
-            for p in (self.weight, getattr(self, "weight_scale", None)):
+            """The table's global scale is the rack table's (FP8's
+            `weight_scale`, NVFP4's `weight_scale_2`); a checkpoint's must
+            equal it; the table (NVFP4's block scales too) is counted as
+            loaded and skipped."""
+            rows = [self.weight] + ([self.weight_scale] if self._rack_nvfp4 else [])
+            name = "weight_scale_2" if self._rack_nvfp4 else "weight_scale"
+            scale = getattr(self, name, None)
+            for p in rows + [scale]:
                 if p is not None:
                     p.engram_rack = True
-            self.weight.weight_loader = _discard
-            scale = getattr(self, "weight_scale", None)
+            for p in rows:
+                p.weight_loader = _discard
             if scale is None:
                 return
             value = self.rack_table["tensor_scale"]
+            if value is None:
+                raise PluginError(f"PLE layer {self.rack_layer}: vLLM's table has a global "
+                                  f"{name}, the rack's table {self.rack_table['table']} none")
             scale.data.fill_(value)
             layer, table = self.rack_layer, self.rack_table["table"]
 
             def check(param, loaded_weight, *args, **kwargs):
                 got = float(loaded_weight.reshape(-1)[0])
                 if got != float(param.reshape(-1)[0]):
-                    raise PluginError(f"PLE layer {layer}: the checkpoint's weight_scale is "
+                    raise PluginError(f"PLE layer {layer}: the checkpoint's {name} is "
                                       f"{got}, the rack's table {table} {value}: they are not "
                                       "the same table")
 

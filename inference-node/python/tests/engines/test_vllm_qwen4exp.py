@@ -8,8 +8,11 @@ host-local donor's memory (or the node's local copy), through vLLM's own
 pinned-host lookup kernel (Triton's interpreter) and its side-stream
 prefetch (streams faked on CPU). Embeddings must be bit-identical for
 decode, a chunked prefill, a first chunk, a mixed batch and EOS tokens
-inside a sequence, for FP8 (per-tensor scale) and BF16 tables; what the
-plugin cannot serve is refused by name.
+inside a sequence, for FP8 (per-tensor scale), BF16 and NVFP4 tables; what
+the plugin cannot serve is refused by name. (The NVFP4 table's global scale
+is a power of two: vLLM's NVFP4 kernel, which the plugin runs, then gives
+exact products, where Triton's interpreter would truncate a cast to bf16
+that a GPU and vLLM's CPU decoding round.)
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ HEAD_DIM = 160
 HEADS = 16
 PARTS = 4
 SCALE = 0.0123
+NVFP4_SCALE = 0.25
 LAYER = 3  # the PLE layer's model layer (ple_layer_ids, 1-based)
 MAX_TOKENS = 64
 
 #: What vLLM's config says of the table -> the rack table's encoding.
-DTYPES = {"float8_e4m3fn": "fp8_per_tensorx160", None: "bf16x160"}
+DTYPES = {"float8_e4m3fn": "fp8_per_tensorx160", None: "bf16x160", "nvfp4": "nvfp4_e4m3_16x160"}
+#: Bytes a row of each.
+ROW_BYTES = {"float8_e4m3fn": 160, None: 320, "nvfp4": 90}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,7 @@ def table_rows(base=BASE) -> int:
     return -(-total // 128) * 128
 
 
-@pytest.fixture(params=list(DTYPES), ids=["fp8", "bf16"])
+@pytest.fixture(params=list(DTYPES), ids=["fp8", "bf16", "nvfp4"])
 def qwen_rack(request, tmp_path):
     """One PLE table (model layer 3) of the model's encoding; donor `h` on
     TCP and a host socket; nodes `hl` (h), `own` (a local copy) and `far`
@@ -91,7 +97,7 @@ def qwen_rack(request, tmp_path):
     dtype = request.param
     enc = DTYPES[dtype]
     rows = table_rows()
-    scale = SCALE if enc.startswith("fp8") else None
+    scale = {"fp8_per_tensorx160": SCALE, "nvfp4_e4m3_16x160": NVFP4_SCALE}.get(enc)
     config, path, donors = ple_rack(tmp_path, LAYER, rows, enc, scale, EOS, BASE)
     rack = types.SimpleNamespace(config=config, path=path, dtype=dtype, scale=scale, rows=rows,
                                  donors=donors)
@@ -139,8 +145,15 @@ def checkpoint(rack):
     (and the FP8 table's global scale)."""
     rows = read_rows(rack.path, np.arange(rack.rows))
     t = torch.from_numpy(np.ascontiguousarray(rows))
-    t = t.view(torch.float8_e4m3fn) if rack.dtype else t.view(torch.bfloat16)
     size = -(-rack.rows // PARTS)
+    if rack.dtype == "nvfp4":  # packed values and block scales, sharded alike
+        parts = {"weight": t[:, :HEAD_DIM // 2], "weight_scale": t[:, HEAD_DIM // 2:].view(
+            torch.float8_e4m3fn)}
+        out = [(f"ngram_embedding.shard_{i}.{k}", v[i * size:(i + 1) * size].clone())
+               for i in range(PARTS) for k, v in parts.items()]
+        out.append(("ngram_embedding.weight_scale_2", torch.tensor([rack.scale])))
+        return out
+    t = t.view(torch.float8_e4m3fn) if rack.dtype else t.view(torch.bfloat16)
     out = [(f"ngram_embedding.shard_{i}.weight", t[i * size:(i + 1) * size].clone())
            for i in range(PARTS)]
     if rack.scale:
@@ -204,7 +217,7 @@ def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_
     assert type(emb).__name__ == "RackPLEEmbedding" and emb.supports_prefetch
     if node.startswith("far"):
         # No rows here: an engine ring of the table's row size brings them.
-        assert emb.rack_ring.row_bytes == HEAD_DIM * (1 if rack.dtype else 2)
+        assert emb.rack_ring.row_bytes == ROW_BYTES[rack.dtype]
         assert emb.weight.shape[0] == 0
     else:
         # The table is the rack's memory, not a copy: a host-local donor's
@@ -214,14 +227,17 @@ def test_embeddings_equal_vllms_own_table_loaded_from_the_checkpoint(vctx, qwen_
         assert view.shared == (node != "own")
         if node == "socket":  # a mapping of its own of the donor's memfd
             assert mapping_of(emb.weight.data_ptr()).startswith("/memfd:")
-        else:
+        else:  # an NVFP4 table's values start each row, its block scales after them
             assert emb.weight.data_ptr() == np.frombuffer(view, dtype=np.uint8).ctypes.data
+            if rack.dtype == "nvfp4":
+                assert emb.weight_scale.data_ptr() == emb.weight.data_ptr() + HEAD_DIM // 2
     assert not emb.weight.is_pinned()
     # The checkpoint's shards are skipped; its scale is the table's.
     loaded = got.load_weights(checkpoint(rack))
     assert "ngram_embedding.weight" in loaded
     if rack.scale:
-        assert float(emb.weight_scale) == float(ref.ngram_embedding.weight_scale)
+        name = "weight_scale_2" if rack.dtype == "nvfp4" else "weight_scale"
+        assert float(getattr(emb, name)) == float(getattr(ref.ngram_embedding, name))
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, VOCAB, 30).tolist()
     prompt[12] = prompt[20] = prompt[21] = EOS  # EOS inside, two in a row
@@ -277,7 +293,9 @@ def test_a_remote_tables_rows_that_do_not_come_are_a_fault_not_wrong_rows(vctx, 
 def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
     rack = qwen_rack
     plugin.install()
-    other = "bf16x160" if rack.dtype else "fp8_per_tensorx160"
+    other = {"float8_e4m3fn": "bf16x160", None: "fp8_per_tensorx160",
+             "nvfp4": "fp8_per_tensorx160"}[rack.dtype]
+    model = {"float8_e4m3fn": None, None: "float8_e4m3fn", "nvfp4": "float8_e4m3fn"}
 
     def refused(node, dtype, match, base=BASE):
         plug(rack, node)
@@ -285,15 +303,17 @@ def test_what_the_plugin_cannot_serve_is_refused_by_name(vctx, qwen_rack):
             build(dtype, base)
 
     # The model's encoding is not the table's; NVFP4; another hashing.
-    refused("hl", None if rack.dtype else "float8_e4m3fn", other)
-    refused("hl", "nvfp4", "NVFP4")
+    refused("hl", model[rack.dtype], other)
+    if rack.dtype != "nvfp4":
+        refused("hl", "nvfp4", "nvfp4_e4m3_16x160")
     refused("hl", rack.dtype, "hashing", base=2 * BASE)
     if rack.scale:
         # A checkpoint of another table version (its scale differs).
         plug(rack, "hl")
         got = build(rack.dtype)
         with pytest.raises(plugin.PluginError, match="not the same table"):
-            got.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
+            name = "weight_scale_2" if rack.dtype == "nvfp4" else "weight_scale"
+            got.load_weights([(f"ngram_embedding.{name}", torch.tensor([0.5]))])
 
 
 RANK = """
@@ -334,7 +354,14 @@ with set_current_vllm_config(cfg):
     else:
         assert emb.weight.shape[0] == rows // 2
     full = torch.from_numpy(np.ascontiguousarray(read_rows(table, np.arange(rows))))
-    full = full.view(torch.float8_e4m3fn) if dtype else full.view(torch.bfloat16)
+    if dtype == "nvfp4":  # vLLM's own decoding of the table's rows
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+            dequantize_to_dtype)
+        full = dequantize_to_dtype(full[:, :80].contiguous(),
+                                   full[:, 80:].contiguous().view(torch.float8_e4m3fn),
+                                   torch.tensor([T.NVFP4_SCALE]), torch.bfloat16, swizzle=False)
+    else:
+        full = full.view(torch.float8_e4m3fn) if dtype else full.view(torch.bfloat16)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, T.VOCAB, 24).tolist()
     prompt[9] = T.EOS
@@ -345,6 +372,10 @@ with set_current_vllm_config(cfg):
         out = got(torch.zeros(len(ids), 8, dtype=torch.bfloat16), ids, qsl, ctx)
         # Each rank's rows, reduced over the two: every row, whichever rank owns it.
         want = full[got.compute_ngram_ids(ids, qsl, ctx)].flatten(-2)
+        if want.dtype == torch.bfloat16:
+            # vLLM sums decoded rows over the ranks (the owner's and the
+            # other's zeros), which makes a -0 value +0.
+            want = want + torch.zeros_like(want)
         assert T.same(out, want), rank
     ps.get_tp_group().barrier()
 print("ok", rank, flush=True)
