@@ -352,6 +352,27 @@ fn the_qwen4exp_loop_runs_on_a_real_rack_as_on_local_ram() {
     }
 }
 
+/// The rack with both donors started, and options that open a node
+/// without a /metrics listener.
+fn started_rack(
+    dir: &Path,
+) -> (
+    Config,
+    [DonorProcess; 2],
+    inference_node::embed::OpenOptions,
+) {
+    let (config, _) = rack(dir);
+    let path = config.path.display().to_string();
+    let start = |name: &str| {
+        DonorProcess::start(&["--config", &path, "--name", name]).expect("donor starts")
+    };
+    let donors = [start("d"), start("h")];
+    let opts = inference_node::embed::OpenOptions {
+        metrics: inference_node::embed::MetricsAt::Off,
+    };
+    (config, donors, opts)
+}
+
 /// The library an engine of any family opens (`inference_node::embed::
 /// NodeTables`): on the Qwen4Exp rack it names each table's encoding, row
 /// size and rows; it looks rows up by id at their own size through a donor
@@ -360,15 +381,9 @@ fn the_qwen4exp_loop_runs_on_a_real_rack_as_on_local_ram() {
 /// generator's; wrong calls are refused by name.
 #[test]
 fn node_tables_give_an_engine_the_rows_of_any_encoding() {
-    use inference_node::embed::{EmbedError, MetricsAt, NodeTables, OpenOptions, RowLayout};
+    use inference_node::embed::{EmbedError, NodeTables, RowLayout};
     let dir = tempfile::tempdir().expect("tempdir");
-    let (config, _) = rack(dir.path());
-    let path = config.path.display().to_string();
-    let _d = DonorProcess::start(&["--config", &path, "--name", "d"]).expect("donor d");
-    let _h = DonorProcess::start(&["--config", &path, "--name", "h"]).expect("donor h");
-    let opts = OpenOptions {
-        metrics: MetricsAt::Off,
-    };
+    let (config, _donors, opts) = started_rack(dir.path());
     let via_d = NodeTables::open(&config.path, "via-d", &opts).expect("open via-d");
     let info = via_d.tables().expect("tables");
     assert_eq!(info.len(), 2);
@@ -439,18 +454,12 @@ fn node_tables_give_an_engine_the_rows_of_any_encoding() {
 #[test]
 fn engine_rings_carry_rows_of_any_encoding_from_node_tables() {
     use engram_protocol::ring::NO_ROW;
-    use inference_node::embed::{MetricsAt, NodeMemory, NodeTables, OpenOptions};
+    use inference_node::embed::{NodeMemory, NodeTables};
     use inference_node::ring::{RingHub, RingMemory, RingOptions, Shape, Status};
     use rack_harness::ring_engine::CpuEngine;
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let (config, _) = rack(dir.path());
-    let path = config.path.display().to_string();
-    let _d = DonorProcess::start(&["--config", &path, "--name", "d"]).expect("donor d");
-    let _h = DonorProcess::start(&["--config", &path, "--name", "h"]).expect("donor h");
-    let opts = OpenOptions {
-        metrics: MetricsAt::Off,
-    };
+    let (config, _donors, opts) = started_rack(dir.path());
     const COLUMNS: usize = 16;
     let shape = |layer: u32, row_bytes: usize| Shape {
         slots: 4,
