@@ -488,6 +488,21 @@ impl Tables {
         Ok(s.into())
     }
 
+    /// Start tables `tables`' fetches of `rows` (a uint64 buffer: positions
+    /// of len(tables) x `columns` ids; NO_ROW: no row), returning at once.
+    fn prefetch(
+        &self,
+        tables: Vec<u32>,
+        rows: &Bound<'_, PyAny>,
+        columns: usize,
+    ) -> PyResult<Ticket> {
+        let rows = buffer::<u64>(rows, "rows", "row ids are uint64 (numpy.uint64)", false)?;
+        // SAFETY: held for the call, with the GIL.
+        let rows_s = unsafe { slice(&rows) };
+        let inner = self.inner.prefetch(&tables, rows_s, columns).map_err(err)?;
+        Ok(Ticket { inner })
+    }
+
     /// Table `table` as this process maps it (a host-local donor's memory,
     /// or the node's own copy): a read-only buffer. Waits up to `wait`
     /// seconds for a host socket to hand it over.
@@ -780,6 +795,12 @@ impl Ticket {
     #[getter]
     fn columns(&self) -> usize {
         self.inner.columns()
+    }
+
+    /// Bytes per row (264, or another table's).
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
     }
 
     /// Whether `layer`'s fetch has ended.

@@ -70,6 +70,35 @@ def test_rows_by_id_of_every_encoding_are_the_table_files(qwen_rack):
             np.testing.assert_array_equal(rows, want)
 
 
+def test_a_prefetch_returns_at_once_and_its_ticket_gives_the_rows(qwen_rack):
+    """`Tables.prefetch`: a ticket at the table's row size; `rows`, and
+    `wait_async` under asyncio, give the table file's rows, zeros where -1
+    asked for none."""
+    import asyncio
+
+    config, paths = qwen_rack
+    rng = np.random.default_rng(4)
+    with er.Tables(config, "via-d", metrics="off") as t:
+        for table in TABLES:
+            info = t.table(table)
+            ids = rng.integers(0, ROWS, (6, 16))
+            ids[2, 3] = -1
+            ticket = t.prefetch(table, ids)
+            assert (ticket.positions, ticket.columns, ticket.row_bytes) == (6, 16, info["row_bytes"])
+            want = read_rows(paths[table], np.where(ids < 0, 0, ids).ravel()).reshape(
+                6, 16, info["row_bytes"])
+            want[ids < 0] = 0
+            np.testing.assert_array_equal(ticket.rows(info["layer"], timeout=5), want)
+            out = ticket.row_buffer()
+            again = t.prefetch(table, ids)
+            asyncio.run(again.wait_async(info["layer"], out, timeout=5))
+            np.testing.assert_array_equal(out, want)
+        with pytest.raises(er.BadInputError, match="past table 1"):
+            t.prefetch(1, [[ROWS]])
+        with pytest.raises(er.BadInputError, match="shape"):
+            t.prefetch(1, [1, 2])
+
+
 def test_a_host_local_donors_table_maps_here_as_its_rows(qwen_rack):
     config, paths = qwen_rack
     with er.Tables(config, "via-h", metrics="off") as t:

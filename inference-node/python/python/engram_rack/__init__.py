@@ -122,7 +122,8 @@ def _context(context) -> list[int]:
 
 
 class Ticket:
-    """Both layers' rows of one prefetch, on their way."""
+    """Both layers' rows of one prefetch, on their way (or, from
+    `Tables.prefetch`, one table's rows at its own row size)."""
 
     __slots__ = ("_t",)
 
@@ -136,8 +137,13 @@ class Ticket:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one layer's rows: positions x columns x 264."""
+        """Bytes of one layer's rows: positions x columns x row_bytes."""
         return self._t.nbytes
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row: 264, or the table's own (`Tables.prefetch`)."""
+        return self._t.row_bytes
 
     @property
     def columns(self) -> int:
@@ -146,8 +152,8 @@ class Ticket:
         return self._t.columns
 
     def row_buffer(self) -> np.ndarray:
-        """A (positions, columns, 264) uint8 array for one layer's rows."""
-        return np.zeros((self.positions, self.columns, ROW_BYTES), dtype=np.uint8)
+        """A (positions, columns, row_bytes) uint8 array for one layer's rows."""
+        return np.zeros((self.positions, self.columns, self.row_bytes), dtype=np.uint8)
 
     def ready(self, layer: int) -> bool:
         """Whether `layer`'s fetch has ended (without waiting)."""
@@ -192,8 +198,8 @@ class Ticket:
         return self._t.wait(layer, out, 0.0)
 
     def rows(self, layer: int, timeout: float | None = None) -> np.ndarray:
-        """`wait` into a new (positions, columns, 264) uint8 array, and return it."""
-        out = np.empty((self.positions, self.columns, ROW_BYTES), dtype=np.uint8)
+        """`wait` into a new (positions, columns, row_bytes) uint8 array, and return it."""
+        out = np.empty((self.positions, self.columns, self.row_bytes), dtype=np.uint8)
         self._t.wait(layer, out, timeout)
         return out
 
@@ -448,6 +454,26 @@ class Tables:
             out = np.empty(shape, dtype=np.uint8)
         self._t.lookup(int(table), flat, out, timeout)
         return out
+
+    def prefetch(self, table: int, ids) -> Ticket:
+        """Start table `table`'s fetch of rows `ids` ((positions, columns)
+        integers; -1: no row, zeros there), returning at once; repeats are
+        fetched once. Take the rows with the ticket's `rows(layer)`,
+        `wait(layer, out)` or `wait_async(layer, out)` (asyncio), `layer`
+        being the table's (`table(t)["layer"]`): (positions, columns,
+        row_bytes) uint8."""
+        info = self.table(table)
+        a = np.asarray(ids)
+        if a.dtype.kind not in "iu":
+            raise BadInputError(f"row ids must be integers, got dtype {a.dtype}")
+        if a.ndim != 2 or a.size == 0:
+            raise BadInputError(f"ids have shape {a.shape}; give (positions, columns)")
+        if a.dtype.kind == "i":
+            if int(a.min()) < -1:
+                raise BadInputError(f"row id {int(a.min())} is negative (only -1, no row, is)")
+            a = np.where(a < 0, np.uint64(NO_ROW), a.astype(np.uint64, copy=False))
+        flat = np.ascontiguousarray(a, dtype=np.uint64).reshape(-1)
+        return Ticket(self._t.prefetch([info["table"]], flat, a.shape[1]))
 
     def table_view(self, table: int, wait: float = 5.0) -> TableView:
         """Table `table` as this process maps it: a host-local donor's
