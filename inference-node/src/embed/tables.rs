@@ -170,19 +170,19 @@ impl NodeTables {
         let router = Arc::clone(&open.routers[k]);
         let chunk = open.chunk_rows;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let asked = unique.clone();
+        let n = unique.len();
         self.counts.in_flight.fetch_add(1, Ordering::AcqRel);
         let counts = Arc::clone(&self.counts);
+        // The ids go to the fetch and come back with its rows.
         self.handle.spawn(async move {
-            let f = fetch_rows(&router, &asked, chunk).await;
+            let f = fetch_rows(&router, &unique, chunk).await;
             counts.in_flight.fetch_sub(1, Ordering::AcqRel);
-            let _ = tx.send(f);
+            let _ = tx.send((f, unique));
         });
-        let fetch = match timeout {
+        let (fetch, unique) = match timeout {
             Some(t) => rx.recv_timeout(t).map_err(|e| match e {
                 std::sync::mpsc::RecvTimeoutError::Timeout => EmbedError::Timeout(format!(
-                    "table {table}'s {} rows did not arrive within {t:?}",
-                    unique.len()
+                    "table {table}'s {n} rows did not arrive within {t:?}"
                 )),
                 std::sync::mpsc::RecvTimeoutError::Disconnected => EmbedError::Closed,
             })?,
