@@ -5,7 +5,8 @@
 # host-table gather bandwidth by page size against GPU memory, the ring
 # inside replayed CUDA graphs behind a synthetic block 0 under injected
 # round trips (stall at block 1, p50 and p99), a memory-ordering stress
-# test, deadlines firing, rows bit for bit (docs/engines.md, "What only a
+# test, deadlines firing, rows bit for bit, rings of any row size (Qwen4Exp's,
+# an ETP rank's shard, in a CUDA graph) (docs/engines.md, "What only a
 # GPU shows"). A few minutes on one H100.
 #
 # It installs the engram_rack wheel found in target/engine-wheels (build it
