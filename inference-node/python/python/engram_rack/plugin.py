@@ -54,6 +54,21 @@ def global_rank() -> int:
     return 0
 
 
+def _configured() -> dict:
+    """`settings()`, or PluginError when the rack is not configured."""
+    found = settings()
+    if found is None:
+        raise PluginError("the rack is not configured (ENGRAM_RACK_SOCKET or "
+                          "ENGRAM_RACK_CONFIG)")
+    return found
+
+
+def _metrics() -> str | None:
+    """Where this process serves /metrics: `ENGRAM_RACK_METRICS` on global
+    rank 0, nowhere on the others."""
+    return (os.environ.get("ENGRAM_RACK_METRICS") or None) if global_rank() == 0 else "off"
+
+
 def link():
     """This process's link to the rack (`engram_rack.host.HostLink`),
     opened on first use. Without a host client only global rank 0 serves
@@ -63,14 +78,7 @@ def link():
         if _link is None:
             from .host import HostLink
 
-            found = settings()
-            if found is None:
-                raise PluginError("the rack is not configured (ENGRAM_RACK_SOCKET or "
-                                  "ENGRAM_RACK_CONFIG)")
-            metrics = os.environ.get("ENGRAM_RACK_METRICS") or None
-            if global_rank() != 0:
-                metrics = "off"
-            _link = HostLink(metrics=metrics, **found)
+            _link = HostLink(metrics=_metrics(), **_configured())
             log.info("engram_rack: %s rack client, tables %s", _link.mode,
                      _link.hello.get("tables"))
         return _link
@@ -85,10 +93,7 @@ def tables():
     global _tables
     with _lock:
         if _tables is None:
-            found = settings()
-            if found is None:
-                raise PluginError("the rack is not configured (ENGRAM_RACK_SOCKET or "
-                                  "ENGRAM_RACK_CONFIG)")
+            found = _configured()
             if "socket" in found:
                 from .engine_socket import EngineTables
 
@@ -96,10 +101,7 @@ def tables():
             else:
                 from . import Tables
 
-                metrics = os.environ.get("ENGRAM_RACK_METRICS") or None
-                if global_rank() != 0:
-                    metrics = "off"
-                _tables = Tables(found["config"], found["node"], metrics=metrics)
+                _tables = Tables(found["config"], found["node"], metrics=_metrics())
             log.info("engram_rack: node %s's tables %s", _tables.node,
                      [(t["table"], t["layer"], t["encoding"]) for t in _tables.tables])
         return _tables

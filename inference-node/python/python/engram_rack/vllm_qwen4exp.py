@@ -76,10 +76,6 @@ _lock = threading.Lock()
 _classes: dict[str, type] = {}
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _discard(param, loaded_weight, *args, **kwargs) -> None:
     """The checkpoint's table shards stay on disk: the rack serves them."""
 
@@ -182,6 +178,9 @@ def embedding_class(base):
             rank's rows' bytes (vLLM's own byte-copy kernel over the rack's
             memory, or the ring), then vLLM's own NVFP4 kernel over them
             (their values and block scales apart, as it reads them)."""
+            from triton import next_power_of_2
+
+            C = importlib.import_module(COMMON)
             n = ids.numel()
             row = self.rack_table["row_bytes"]
             raw = torch.empty((n, row), dtype=torch.uint8, device=ids.device)
@@ -190,20 +189,18 @@ def embedding_class(base):
                 self.rack_ring.lookup_rows(self.rack_layer, ids.reshape(-1, heads),
                                            raw.view(-1, heads, row), own=self._rack_own)
             else:
-                C = importlib.import_module(COMMON)
                 C._lookup_ple_embedding_from_pinned_kernel[(n,)](
                     self._uva_weight, ids.reshape(-1), raw, row,
                     self.shard_indices.org_vocab_start_index,
                     self.shard_indices.org_vocab_end_index,
-                    BLOCK_D=triton_next_pow2(row))
+                    BLOCK_D=next_power_of_2(row))
             dim = self.embedding_dim
             values = raw[:, :dim // 2].contiguous()
             scales = raw[:, dim // 2:].contiguous()
-            C = importlib.import_module(COMMON)
             C._lookup_nvfp4_ple_embedding_kernel[(n,)](
                 values, scales, self.weight_scale_2,
                 torch.arange(n, dtype=torch.int64, device=ids.device),
-                output.view(n, dim), dim, 0, n, BLOCK_D=triton_next_pow2(dim))
+                output.view(n, dim), dim, 0, n, BLOCK_D=next_power_of_2(dim))
 
         def _start_ring(self, heads: int) -> None:
             """The ring this rank's rows come through (served by the host's
