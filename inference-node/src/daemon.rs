@@ -7,7 +7,12 @@
 //! runs a one-token self-check through the real serving path (routers,
 //! fusion) before each systemd watchdog ping, so a wedged loop misses its
 //! watchdog. The gRPC side (`engram.node.v1.EngramNode`) only queues work
-//! and reads state.
+//! and reads state. The loop is the config's model family's
+//! ([`ServedModel`]: DeepSeek V4.1's or Qwen4Exp's).
+
+mod served;
+
+pub use served::{Admission, ServedModel};
 
 use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
@@ -25,7 +30,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::model::input::MAX_TOKENS;
-use crate::model::node::{Backbone, InputChoice, InputTokenizer, NodeModel};
+use crate::model::node::{Backbone, InputChoice};
 use crate::model::{
     BatchDriver, LoopSpec, MAX_SPECULATE, PositionRecord, SeqSpec, StepKind, StepRecord, Summary,
     TableSlot,
@@ -79,8 +84,12 @@ pub struct Daemon {
     orders: SyncSender<Order>,
     shared: Arc<Shared>,
     routers: Vec<Arc<Router>>,
-    slots: [TableSlot; 2],
+    slots: Vec<TableSlot>,
     fusion: &'static str,
+    /// Why a request may not speculate (`None`: it may).
+    no_speculation: Option<&'static str>,
+    /// Why a request may not give text (`None`: it may).
+    no_text: Option<&'static str>,
 }
 
 /// What the loop thread needs besides the model.
@@ -102,9 +111,10 @@ impl Daemon {
     /// Start the loop thread over `nm`. The thread ends when every handle
     /// is dropped.
     pub fn start(
-        nm: NodeModel,
+        nm: impl Into<ServedModel>,
         cx: LoopContext,
     ) -> std::io::Result<(Self, std::thread::JoinHandle<()>)> {
+        let nm = nm.into();
         let (tx, rx) = sync_channel(QUEUE_DEPTH);
         let shared = Arc::new(Shared {
             queued: AtomicU32::new(0),
@@ -117,9 +127,11 @@ impl Daemon {
         let d = Self {
             orders: tx,
             shared: shared.clone(),
-            routers: nm.routers().to_vec(),
+            routers: nm.routers(),
             slots: nm.slots(),
             fusion: nm.fusion_name(),
+            no_speculation: nm.no_speculation(),
+            no_text: nm.no_text(),
         };
         let t = std::thread::Builder::new()
             .name("model-loop".into())
@@ -180,7 +192,7 @@ type HeldReload = (
     tokio::sync::oneshot::Sender<Result<String, String>>,
 );
 
-fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopContext) {
+fn worker(mut nm: ServedModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopContext) {
     let period = cx
         .notifier
         .watchdog()
@@ -189,8 +201,8 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .map(|ms| Instant::now() + Duration::from_millis(ms));
-    let check_tokens = nm.tokens(&InputChoice::Builtin, 0).ok();
-    let tokenizer = nm.input_tokenizer();
+    let tokenizer = nm.admission();
+    let check_tokens = tokenizer.tokens(&InputChoice::Builtin, 0).ok();
     let mut last_ping: Option<Instant> = None;
     let mut waiting: VecDeque<Waiting> = VecDeque::new();
     let mut held: Option<HeldReload> = None;
@@ -233,10 +245,12 @@ fn worker(mut nm: NodeModel, rx: Receiver<Order>, shared: Arc<Shared>, cx: LoopC
             shared: &shared,
             tokenizer: &tokenizer,
             metrics: &cx.metrics,
-            series: cx
-                .metrics
-                .model
-                .series(&nm.slots().map(|s| (s.table, engram_protocol::ROW_BYTES))),
+            series: cx.metrics.model.series(
+                &nm.slots()
+                    .iter()
+                    .map(|s| (s.table, s.row_bytes))
+                    .collect::<Vec<_>>(),
+            ),
             slots: nm.slots(),
             spec: spec.clone(),
             active: BTreeMap::new(),
@@ -263,7 +277,7 @@ fn ping(cx: &LoopContext, last: &mut Option<Instant>, period: Duration) {
 
 /// Idle: prove the serving path with one token, then ping the watchdog.
 fn self_check(
-    nm: &mut NodeModel,
+    nm: &mut ServedModel,
     cx: &LoopContext,
     tokens: Option<&crate::model::Tokens>,
     last_ping: &mut Option<Instant>,
@@ -275,17 +289,14 @@ fn self_check(
         max_tokens: Some(1),
         ..LoopSpec::default()
     };
-    let stop = AtomicBool::new(false);
-    match nm.run(cx.handle.clone(), t, &spec, cx.backbone, &stop, &mut |_| {
-        Ok(())
-    }) {
+    match nm.run_check(cx.handle.clone(), t, &spec, cx.backbone) {
         Ok(_) => ping(cx, last_ping, period),
         Err(e) => tracing::warn!(error = %e, "self-check failed; no watchdog ping"),
     }
 }
 
 fn apply_reload(
-    nm: &mut NodeModel,
+    nm: &mut ServedModel,
     cx: &LoopContext,
     shared: &Shared,
     config: &Config,
@@ -334,11 +345,11 @@ struct Batcher<'a> {
     waiting: &'a mut VecDeque<Waiting>,
     held: &'a mut Option<HeldReload>,
     shared: &'a Shared,
-    tokenizer: &'a InputTokenizer,
+    tokenizer: &'a Admission,
     metrics: &'a crate::metrics::NodeMetrics,
     /// The model loop's deployment series.
     series: crate::metrics::ModelSeries,
-    slots: [TableSlot; 2],
+    slots: Vec<TableSlot>,
     spec: LoopSpec,
     active: BTreeMap<u64, Active>,
     next_tag: &'a mut u64,
@@ -608,6 +619,9 @@ impl api::engram_node_server::EngramNode for Daemon {
         }
         let r = req.into_inner();
         let input = match r.input {
+            Some(api::generate_request::Input::Text(_)) if self.no_text.is_some() => {
+                return Err(Status::invalid_argument(self.no_text.unwrap_or_default()));
+            }
             Some(api::generate_request::Input::Text(t)) if !t.trim().is_empty() => {
                 InputChoice::InlineText(t)
             }
@@ -627,6 +641,9 @@ impl api::engram_node_server::EngramNode for Daemon {
                 "max_tokens {} is over {MAX_REQUEST_TOKENS}",
                 r.max_tokens
             )));
+        }
+        if let Some(why) = self.no_speculation.filter(|_| r.speculate > 0) {
+            return Err(Status::invalid_argument(why));
         }
         if r.prefill > MAX_PREFILL || r.speculate as usize > MAX_SPECULATE {
             return Err(Status::invalid_argument(format!(

@@ -237,7 +237,7 @@ fn a_copy_of_another_encoding_than_the_config_says_is_refused() {
     });
 }
 
-/// The node daemon's loop and the libraries run V4.1's model: a Qwen4Exp
+/// V4.1's model loop and the libraries run V4.1's model: a Qwen4Exp
 /// rack's node refuses to build V4.1's, naming the family and the command
 /// that runs its own, instead of hashing its tokens as V4.1's.
 #[test]

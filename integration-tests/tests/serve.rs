@@ -3,7 +3,8 @@
 //! step by step (fused outputs identical to `inference-node run`), each
 //! table's sources and state, bad requests refused, SIGHUP applying a new
 //! config live and refusing an invalid one, watchdog pings from the
-//! serving path (and none once it is stalled), and SIGTERM draining.
+//! serving path (and none once it is stalled), and SIGTERM draining; on a
+//! Qwen4Exp rack, that family's loop behind the same API.
 
 use std::path::Path;
 use std::process::Command;
@@ -13,7 +14,12 @@ use engram_protocol::node_api::engram_node_client::EngramNodeClient;
 use engram_protocol::node_api::{
     GenerateRequest, TablesRequest, TablesResponse, generate_event, generate_request,
 };
-use rack_harness::{DonorProcess, NotifySocket, bin, model_rack, model_rack_config};
+use rack_harness::rack_toml::{
+    DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry,
+};
+use rack_harness::{
+    DonorProcess, NotifySocket, bin, free_port, gen_encoded_table, model_rack, model_rack_config,
+};
 
 const TEXT: &str = "The rack hums in the corner of the room. The node asks for the rows early, \
                     and the rows are ready before the block needs them.";
@@ -364,7 +370,7 @@ fn the_units_command_line_starts_the_daemon() {
     let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
         .expect("donor starts");
     // The unit serves the config's api address: give node `n` a free one.
-    let port = rack_harness::free_port().expect("port");
+    let port = free_port().expect("port");
     rack.node_mut("n").expect("node n").api = Some(format!("127.0.0.1:{port}"));
     rack.write(&config).expect("write");
     let mut words = exec.split_whitespace();
@@ -541,4 +547,245 @@ fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
         steps,
         "never more than max_batch = 2"
     );
+}
+
+/// A Qwen4Exp rack (`[model] family = "qwen4exp"`): one PLE table of FP8
+/// rows on a donor; node `n` reads it from the donor (the SSD copy
+/// behind), node `ref` from its local RAM copy.
+fn qwen_rack(dir: &Path) -> (std::path::PathBuf, RackToml) {
+    use engram_protocol::encoding::RowEncoding;
+    use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base: 1_000,
+        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(QWEN_EOS))
+    })
+    .expect("hashing");
+    let rows = hashing.padded_rows;
+    let (path, digest) = gen_encoded_table(dir, "ple.etab", 1, fp8, rows, 5).expect("gen");
+    let mut toml = RackToml::new("q");
+    toml.table = vec![TableEntry {
+        encoding: Some(fp8.name()),
+        tensor_scale: Some(0.0123),
+        ..TableEntry::new(1, &path, rows, digest)
+    }];
+    toml.donor = vec![DonorEntry::new(
+        "d",
+        [format!("127.0.0.1:{}", free_port().expect("port"))],
+        [1],
+    )];
+    let node = |name: &str, sources: &[&str]| NodeEntry {
+        probe_interval_ms: Some(100),
+        tokens_per_second: Some(200.0),
+        max_batch: Some(2),
+        prefill_budget: Some(8),
+        ..NodeEntry::new(
+            name,
+            vec![RouteEntry::new(1, sources.iter().copied()).hedge("off")],
+        )
+    };
+    toml.node = vec![node("n", &["d", "ssd"]), node("ref", &["local"])];
+    toml.model = Some(ModelSection {
+        family: Some("qwen4exp".into()),
+        eos_token: Some(QWEN_EOS),
+        hash_base: Some(1_000),
+        hidden: Some(16),
+        streams: Some(4),
+        weights_seed: Some(3),
+        ..ModelSection::default()
+    });
+    let config = dir.join("rack.toml");
+    toml.write(&config).expect("config");
+    (config, toml)
+}
+
+const QWEN_EOS: u32 = 7;
+
+fn ids_request(ids: Vec<u32>, max_tokens: u64, prefill: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::Ids(
+            engram_protocol::node_api::TokenIds { ids },
+        )),
+        max_tokens,
+        prefill,
+        speculate: 0,
+    }
+}
+
+/// The daemon on a Qwen4Exp rack serves Qwen4Exp's loop: raw token ids in,
+/// 16 rows a position from the donor, each sequence's PLE state carried
+/// across its steps (and across the batch it shares with another), the
+/// outputs those of `inference-node run` on the node's local copy; what
+/// the family cannot do (text without its tokenizer, speculation, ids past
+/// the vocabulary) is refused by name; reload, the self-check's watchdog
+/// pings and SIGTERM as on a V4.1 rack.
+#[test]
+fn the_daemon_serves_a_qwen4exp_rack() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, mut rack) = qwen_rack(dir.path());
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    let mut node = serve(&config, &notify, &[("WATCHDOG_USEC", "1000000")]);
+    notify
+        .wait_line(Duration::from_secs(30), "READY=1")
+        .expect("READY=1");
+    let addr = node.addr;
+    // 50 ids of a small vocabulary (n-grams repeat), an EOS inside.
+    let ids: Vec<u32> = (0..50u32)
+        .map(|i| {
+            if i == 21 {
+                QWEN_EOS
+            } else {
+                100 + (i * 7) % 13
+            }
+        })
+        .collect();
+    let other: Vec<u32> = (0..40u32).map(|i| 3_000 + (i * 11) % 17).collect();
+    let first = rt().block_on(async {
+        let t = tables(addr).await;
+        assert_eq!(t.tokens_per_second, 200.0);
+        assert_eq!(t.fusion, "cpu (Qwen4Exp PLE)");
+        assert_eq!(t.tables.len(), 1);
+        assert_eq!((t.tables[0].table, t.tables[0].layer), (1, 1));
+        let names: Vec<&str> = t.tables[0]
+            .sources
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(names, ["d", "ssd"]);
+
+        let alone = generate(addr, ids_request(ids.clone(), 40, 0)).await;
+        assert_eq!((alone.sums.len(), alone.tokens), (40, 40));
+        assert!(
+            alone.sources.iter().all(|s| s == "d"),
+            "{:?}",
+            alone.sources
+        );
+        assert!(
+            alone
+                .steps
+                .iter()
+                .all(|&(rows, own, _)| rows == 16 && own == 1)
+        );
+
+        // `run` over the same ids from the local copy: the same outputs.
+        let file = dir.path().join("ids.txt");
+        let text: Vec<String> = ids.iter().map(u32::to_string).collect();
+        std::fs::write(&file, text.join(" ")).expect("ids");
+        let trace = dir.path().join("ref.jsonl");
+        let out = Command::new(bin("inference-node"))
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .args(["--name", "ref", "--quiet", "--tokens", "40"])
+            .arg("--ids")
+            .arg(&file)
+            .arg("--trace")
+            .arg(&trace)
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let reference: Vec<String> = std::fs::read_to_string(&trace)
+            .expect("trace")
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("json");
+                v["positions"][0]["checksum"]
+                    .as_str()
+                    .expect("sum")
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(alone.sums, reference);
+
+        // Two at once, one prefilling in chunks of the budget: each as alone.
+        let other_alone = generate(addr, ids_request(other.clone(), 20, 12)).await;
+        assert_eq!(other_alone.sums.len(), 32);
+        let (a, b) = tokio::join!(
+            generate(addr, ids_request(ids.clone(), 40, 0)),
+            generate(addr, ids_request(other.clone(), 20, 12)),
+        );
+        assert_eq!(a.sums, alone.sums);
+        assert_eq!(b.sums, other_alone.sums);
+        let shared = [&a, &b]
+            .into_iter()
+            .flat_map(|g| g.steps.iter())
+            .filter(|&&(rows, own, _)| rows as usize > own * 16)
+            .count();
+        assert!(shared > 10, "{shared} shared steps");
+        assert!(
+            b.steps.iter().all(|&(_, own, _)| own <= 8),
+            "the prefill came in chunks of 8: {:?}",
+            b.steps
+        );
+
+        // What Qwen4Exp's loop cannot do is refused by name.
+        let mut c = client(addr).await;
+        for (req, want) in [
+            (text_request(5), "token ids"),
+            (
+                GenerateRequest {
+                    speculate: 1,
+                    ..ids_request(ids.clone(), 5, 0)
+                },
+                "V4.1",
+            ),
+        ] {
+            let e = c.generate(req).await.expect_err("refused");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains(want), "{}", e.message());
+        }
+        // An id past the vocabulary: the stream ends with the reason.
+        let mut s = c
+            .generate(ids_request(vec![1, 248_320], 2, 0))
+            .await
+            .expect("queued")
+            .into_inner();
+        let e = s.message().await.expect_err("refused at admission");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("vocabulary"), "{}", e.message());
+        alone.sums
+    });
+
+    // Idle, the self-check runs Qwen4Exp's loop and pings the watchdog.
+    notify
+        .wait(Duration::from_secs(10), |m| {
+            m.iter()
+                .filter(|(_, s)| s.lines().any(|l| l == "WATCHDOG=1"))
+                .count()
+                >= 2
+        })
+        .expect("watchdog pings while healthy");
+
+    // SIGHUP applies a new rate; a changed table scale needs a restart.
+    rack.node_mut("n").expect("node n").tokens_per_second = Some(100.0);
+    rack.write(&config).expect("write");
+    node.signal(libc::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    rt().block_on(async {
+        while tables(addr).await.tokens_per_second != 100.0 {
+            assert!(Instant::now() < deadline, "the reload was not applied");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    rack.table[0].tensor_scale = Some(0.5);
+    rack.write(&config).expect("write");
+    node.signal(libc::SIGHUP);
+    node.wait_line(Duration::from_secs(10), |l| {
+        l.contains("restart the node").then_some(())
+    })
+    .expect("refusal logged");
+    rt().block_on(async {
+        let g = generate(addr, ids_request(ids.clone(), 5, 0)).await;
+        assert_eq!(g.sums, first[..5], "still serving, as before");
+    });
+
+    node.signal(libc::SIGTERM);
+    let status = node.wait(Duration::from_secs(15)).expect("exits");
+    assert!(status.success(), "{}", node.log());
 }

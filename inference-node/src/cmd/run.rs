@@ -151,7 +151,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             InputChoice::Ids(p) => p.display().to_string(),
             _ => "the built-in text's ids".into(),
         };
-        announce(&args, raw.len(), &origin, &spec, "cpu (Qwen4Exp PLE)");
+        announce(&args, raw.len(), &origin, &spec, nn.fusion_name());
         let slot = nn.slot();
         let row_bytes = nn.memory().router(slot.table).map_or(0, |r| r.row_bytes());
         let series = metrics.model.series(&[(slot.table, row_bytes)]);

@@ -1,6 +1,6 @@
 //! `inference-node serve`: the node daemon. Builds the node's model from
-//! the cluster config (every source opened, digests checked, donors
-//! probed), serves `engram.node.v1.EngramNode` and `grpc.health.v1` on the
+//! the cluster config (its `[model] family`'s loop: DeepSeek V4.1's or
+//! Qwen4Exp's; every source opened, digests checked, donors probed), serves `engram.node.v1.EngramNode` and `grpc.health.v1` on the
 //! node's `api` address and `/metrics` on its `metrics` address, then says
 //! READY=1. SIGHUP re-reads the config and applies what can change live
 //! (between sequences); SIGTERM drains: new sequences are refused, the
@@ -17,9 +17,9 @@ use daemon_runtime::logging::LogLevel;
 use daemon_runtime::notify::Notifier;
 use engram_protocol::node_api::SERVICE_NAME;
 use engram_protocol::node_api::engram_node_server::EngramNodeServer;
-use inference_node::daemon::{Daemon, LoopContext};
+use inference_node::daemon::{Daemon, LoopContext, ServedModel};
 use inference_node::metrics::NodeMetrics;
-use inference_node::model::node::{Backbone, NodeModel};
+use inference_node::model::node::Backbone;
 use tokio::signal::unix::{SignalKind, signal};
 use tonic_health::ServingStatus;
 
@@ -75,11 +75,13 @@ pub async fn run(args: ServeArgs, log: LogLevel) -> Result<()> {
     let (listener, bound) = bind_api(args.listen.unwrap_or(node.api)).await?;
 
     let nm = tokio::select! {
-        nm = NodeModel::from_config(&config, &args.name, None, &metrics) => nm
+        nm = ServedModel::from_config(&config, &args.name, &metrics) => nm
             .with_context(|| format!("node {:?} cannot start", args.name))?,
         _ = term.recv() => return stopped_early(&notifier),
         _ = int.recv() => return stopped_early(&notifier),
     };
+    nm.check_backbone(args.backbone)
+        .with_context(|| format!("node {:?} cannot start", args.name))?;
     let (daemon, worker) = Daemon::start(
         nm,
         LoopContext {

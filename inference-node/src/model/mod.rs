@@ -612,12 +612,35 @@ pub fn run_batch<C: Clock, F: Fetcher>(
         &slots,
     )?;
     let mut lp = step::TokenLoop::new(clock, fetcher, fusion, params, slots, &spec);
+    drive(&mut lp, driver)
+}
+
+/// A loop that runs a continuous batch: sequences join and leave between
+/// its steps (V4.1's [`step::TokenLoop`], Qwen4Exp's [`ngram`] loop).
+pub(crate) trait Batched {
+    /// Sequences in the loop, finished ones included until [`Batched::retire`].
+    fn running(&self) -> usize;
+    /// A sequence joins at the next step.
+    fn admit(&mut self, s: SeqSpec) -> Result<(), LoopError>;
+    /// Take sequence `tag` out, finished or not.
+    fn remove(&mut self, tag: u64);
+    /// Run the next step, its record written over `rec`; `false` when no
+    /// position was left to run.
+    fn step(&mut self, rec: &mut StepRecord) -> Result<bool, LoopError>;
+    /// Take the finished sequences out; their tags.
+    fn retire(&mut self) -> Vec<u64>;
+}
+
+/// Step `lp` while `driver` has sequences for it: before each step the
+/// driver's cancellations and admissions, after it the record and the
+/// sequences that finished.
+fn drive(lp: &mut dyn Batched, driver: &mut dyn BatchDriver) -> Result<(), LoopError> {
     let mut rec = StepRecord::default();
     loop {
         for tag in driver.cancelled() {
             lp.remove(tag);
         }
-        let running = lp.sequences().len();
+        let running = lp.running();
         for s in driver.admit(running) {
             if s.speculate > MAX_SPECULATE {
                 return Err(LoopError::Spec(format!(
@@ -627,12 +650,12 @@ pub fn run_batch<C: Clock, F: Fetcher>(
             }
             lp.admit(s)?;
         }
-        if lp.sequences().is_empty() {
+        if lp.running() == 0 {
             return Ok(());
         }
         let ran = lp.step(&mut rec)?;
         let finished = lp.retire();
-        if !ran && !lp.sequences().is_empty() {
+        if !ran && lp.running() > 0 {
             return Err(LoopError::Spec(
                 "a step had no position to run while sequences were unfinished".into(),
             ));

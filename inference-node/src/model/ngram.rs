@@ -26,6 +26,8 @@
 //! however the positions are grouped into steps (prefill or decode, one
 //! sequence or a batch): tests hold the loop to that.
 
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use engram_protocol::encoding::RowEncoding;
@@ -35,8 +37,8 @@ use engram_protocol::synthetic::SplitMix64;
 
 use super::clock::Clock;
 use super::{
-    BLOCKS, Fetcher, LoopError, LoopSpec, MAX_BATCH, PositionRecord, StepKind, StepRecord, Summary,
-    TableRecord, TableSlot, checksum, initial_state, us,
+    BLOCKS, BatchDriver, Fetcher, LoopError, LoopSpec, MAX_BATCH, PositionRecord, SeqSpec,
+    StepKind, StepRecord, Summary, TableRecord, TableSlot, Tokens, checksum, initial_state, us,
 };
 use crate::engram::FusionError;
 use crate::engram::ple::{PleError, PleLayer, PleState};
@@ -152,15 +154,321 @@ impl NgramModel {
 
 /// One sequence of the loop.
 struct Seq {
-    /// Its number in position records.
-    tag: u32,
-    range: std::ops::Range<usize>,
+    /// Its number in position records (the batch index for `run`, the
+    /// request's for the daemon).
+    tag: u64,
+    tokens: Arc<Tokens>,
+    range: Range<usize>,
+    /// Next position (from `range.start`).
     next: usize,
+    /// Positions prefilled before it decodes (in one step, or in chunks of
+    /// the prefill budget beside decoding sequences).
+    prefill: usize,
+    /// Most positions it decodes (`None`: to its input's end).
+    limit: Option<u64>,
+    decoded: u64,
     state: PleState,
     /// Its positions this step: `next..next + n`.
     n: usize,
+    /// Whether they are prefilled.
+    prefilling: bool,
     /// Where its row ids start in the step's list.
     ids_at: usize,
+}
+
+impl Seq {
+    fn prefilling(&self) -> bool {
+        self.next < self.prefill
+    }
+
+    fn done(&self) -> bool {
+        self.next >= self.range.len() || self.limit.is_some_and(|l| self.decoded >= l)
+    }
+}
+
+/// The Qwen4Exp loop between steps: its sequences, each with its PLE
+/// state, and buffers reused from step to step.
+pub(super) struct NgramLoop<'a, C, F: Fetcher> {
+    clock: &'a C,
+    fetcher: &'a mut F,
+    model: &'a NgramModel,
+    spec: &'a LoopSpec,
+    /// The step time at the target rate.
+    w: Duration,
+    seqs: Vec<Seq>,
+    step: u64,
+    decoded: u64,
+    ids: Vec<u64>,
+    unique: Vec<u64>,
+    rowbuf: Vec<u8>,
+    sums: Vec<super::Checksum>,
+}
+
+impl<'a, C: Clock, F: Fetcher> NgramLoop<'a, C, F> {
+    /// A loop with no sequence yet (the spec already checked).
+    pub(super) fn new(
+        clock: &'a C,
+        fetcher: &'a mut F,
+        model: &'a NgramModel,
+        spec: &'a LoopSpec,
+    ) -> Self {
+        Self {
+            clock,
+            fetcher,
+            model,
+            spec,
+            w: Duration::from_secs_f64(1.0 / spec.tokens_per_second),
+            seqs: Vec::new(),
+            step: 0,
+            decoded: 0,
+            ids: Vec::new(),
+            unique: Vec::new(),
+            rowbuf: Vec::new(),
+            sums: Vec::new(),
+        }
+    }
+
+    /// This step's positions of each sequence: a prefilling one's prefill
+    /// (whole, or what the prefill budget leaves while others decode),
+    /// else one, within its limit and the run's `max_tokens`; their row
+    /// ids into `self.ids`. The number of positions.
+    fn plan(&mut self) -> Result<usize, LoopError> {
+        self.ids.clear();
+        let decoders = self.seqs.iter().any(|q| !q.prefilling() && !q.done());
+        let mut budget = if decoders && self.spec.prefill_budget > 0 {
+            self.spec.prefill_budget
+        } else {
+            usize::MAX
+        };
+        let mut room = self
+            .spec
+            .max_tokens
+            .map_or(u64::MAX, |m| m.saturating_sub(self.decoded));
+        let window = self.model.hashing.config.ngram_size.saturating_sub(1);
+        let mut positions = 0;
+        for s in &mut self.seqs {
+            let left = s.range.len().saturating_sub(s.next);
+            s.prefilling = s.prefilling();
+            s.n = if s.prefilling {
+                let n = (s.prefill - s.next).min(budget).min(left);
+                budget -= n;
+                n
+            } else if s.done() || room == 0 {
+                0
+            } else {
+                room -= 1;
+                left.min(1)
+            };
+            s.ids_at = self.ids.len();
+            if s.n == 0 {
+                continue;
+            }
+            let at = s.range.start + s.next;
+            // The hashing reads the last `window` tokens before `at`.
+            let from = at.saturating_sub(window).max(s.range.start);
+            let ctx = &s.tokens.compressed;
+            let got = self
+                .model
+                .hashing
+                .ids(&ctx[from..at], &ctx[at..at + s.n])
+                .map_err(|e| LoopError::Spec(format!("position {at}: {e}")))?;
+            self.ids.extend_from_slice(&got);
+            positions += s.n;
+        }
+        Ok(positions)
+    }
+
+    /// Run the next step, its record written over `rec`; `false` when no
+    /// sequence has a position left to run.
+    pub(super) fn step(&mut self, rec: &mut StepRecord) -> Result<bool, LoopError> {
+        // 1. This step's positions and their rows.
+        let positions = self.plan()?;
+        if positions == 0 {
+            return Ok(false);
+        }
+        let step = self.step;
+        let prefilled: usize = self.seqs.iter().filter(|s| s.prefilling).map(|s| s.n).sum();
+        let sweep = prefilled == positions;
+        self.unique.clear();
+        self.unique.extend_from_slice(&self.ids);
+        self.unique.sort_unstable();
+        self.unique.dedup();
+        // 2. The fetch, then 3. the blocks up to the PLE layer's.
+        if !self.spec.warm_lead.is_zero() {
+            self.fetcher.warm(self.spec.warm_lead);
+        }
+        let (clock, w, slot) = (self.clock, self.w, self.model.slot);
+        let t0 = clock.now();
+        let pending = self.fetcher.start(0, &self.unique, sweep);
+        let block_start = t0 + w * slot.layer / BLOCKS;
+        clock.sleep_until(block_start);
+        let mut f = self.fetcher.wait(pending);
+        clock.sleep_until(f.ready);
+        let stall = f.ready.saturating_sub(block_start);
+        // 4. Fusion, sequence by sequence (each carries its state).
+        let fused_from = clock.now();
+        rec.positions.clear();
+        let size = self.model.encoding.row_bytes();
+        let heads = self.model.rows_per_token();
+        for s in &mut self.seqs {
+            if s.n == 0 {
+                continue;
+            }
+            let at = s.range.start + s.next;
+            let mine = &self.ids[s.ids_at..s.ids_at + s.n * heads];
+            self.rowbuf.clear();
+            if f.error.is_none() {
+                for id in mine {
+                    let i = self.unique.binary_search(id).map_err(|_| LoopError::Rows {
+                        step,
+                        what: format!("row {id} was not fetched"),
+                    })?;
+                    let row =
+                        f.bytes
+                            .get(i * size..(i + 1) * size)
+                            .ok_or_else(|| LoopError::Rows {
+                                step,
+                                what: format!(
+                                    "{} bytes for {} rows",
+                                    f.bytes.len(),
+                                    self.unique.len()
+                                ),
+                            })?;
+                    self.rowbuf.extend_from_slice(row);
+                }
+            } else {
+                // No rows: fused as zero rows (what policy `zeros` serves),
+                // so that the sequence's convolution state stays in step
+                // with its positions.
+                self.rowbuf.resize(mine.len() * size, 0);
+            }
+            self.sums.clear();
+            let raw = &s.tokens.raw[at..at + s.n];
+            self.model
+                .fuse(
+                    &mut s.state,
+                    &self.rowbuf,
+                    raw,
+                    self.spec.hidden_seed,
+                    &mut self.sums,
+                )
+                .map_err(|error| LoopError::Fusion { step, error })?;
+            for (k, sum) in self.sums.iter().enumerate() {
+                rec.positions.push(PositionRecord {
+                    seq: s.tag as u32,
+                    index: (s.next + k) as u32,
+                    id: raw[k],
+                    checksum: *sum,
+                });
+            }
+            s.next += s.n;
+            if !s.prefilling {
+                s.decoded += s.n as u64;
+                self.decoded += s.n as u64;
+            }
+        }
+        let fused = clock.now().saturating_sub(fused_from);
+        // The blocks after the PLE layer's, then 5. the record.
+        let end = t0 + w + stall;
+        clock.sleep_until(end);
+        let now = clock.now();
+        rec.step = step;
+        rec.kind = if sweep {
+            StepKind::Prefill
+        } else {
+            StepKind::Decode
+        };
+        rec.start_us = us(t0);
+        rec.draft_us = 0.0;
+        rec.w_us = us(w);
+        rec.tables.resize_with(1, TableRecord::default);
+        super::step::fill_record(
+            &mut rec.tables[0],
+            slot,
+            (w, t0, stall),
+            (self.ids.len(), self.unique.len()),
+            None,
+            &mut f,
+        );
+        self.fetcher.recycle(0, f);
+        rec.stall_us = us(stall);
+        rec.overrun_us = us(now.saturating_sub(end));
+        rec.time_us = us(now.saturating_sub(t0));
+        rec.fusion_us = us(fused);
+        rec.rejected = 0;
+        rec.wasted_bytes = 0;
+        rec.prefilled = prefilled as u64;
+        self.step += 1;
+        Ok(true)
+    }
+}
+
+impl<C: Clock, F: Fetcher> super::Batched for NgramLoop<'_, C, F> {
+    fn running(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// A sequence joins at the next step, its PLE state fresh.
+    fn admit(&mut self, s: SeqSpec) -> Result<(), LoopError> {
+        if s.speculate > 0 {
+            return Err(LoopError::Spec(SPECULATION.into()));
+        }
+        if s.range.end > s.tokens.raw.len().min(s.tokens.compressed.len()) {
+            return Err(LoopError::Spec(format!(
+                "positions {:?} of {} tokens",
+                s.range,
+                s.tokens.raw.len()
+            )));
+        }
+        self.seqs.push(Seq {
+            tag: s.tag,
+            tokens: s.tokens,
+            range: s.range,
+            next: 0,
+            prefill: s.prefill,
+            limit: s.limit,
+            decoded: 0,
+            state: PleState::default(),
+            n: 0,
+            prefilling: false,
+            ids_at: 0,
+        });
+        Ok(())
+    }
+
+    fn remove(&mut self, tag: u64) {
+        self.seqs.retain(|s| s.tag != tag);
+    }
+
+    fn step(&mut self, rec: &mut StepRecord) -> Result<bool, LoopError> {
+        NgramLoop::step(self, rec)
+    }
+
+    fn retire(&mut self) -> Vec<u64> {
+        let done = self
+            .seqs
+            .iter()
+            .filter(|s| s.done())
+            .map(|s| s.tag)
+            .collect();
+        self.seqs.retain(|s| !s.done());
+        done
+    }
+}
+
+/// Why a Qwen4Exp sequence cannot speculate.
+pub const SPECULATION: &str =
+    "speculation and draft stand-ins run in DeepSeek V4.1's loop only (docs/models.md)";
+
+/// `raw` (token ids below the hashing's vocabulary) as the loop's input:
+/// the hashing reads raw ids, so the compressed ids are the raw ones.
+pub fn raw_tokens(raw: Vec<u32>, origin: String) -> Tokens {
+    Tokens {
+        compressed: raw.iter().map(|&t| i64::from(t)).collect(),
+        raw,
+        pad: -1,
+        origin,
+    }
 }
 
 /// Run the Qwen4Exp loop over `raw` (token ids, below the hashing's
@@ -179,168 +487,51 @@ pub fn run<C: Clock, F: Fetcher>(
     on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
 ) -> Result<Summary, LoopError> {
     check(spec, raw.len(), model)?;
-    let w = Duration::from_secs_f64(1.0 / spec.tokens_per_second);
-    let slot = model.slot;
-    let mut seqs: Vec<Seq> = super::step::split(raw.len(), spec.batch)
+    let tokens = Arc::new(raw_tokens(raw.to_vec(), String::new()));
+    let mut lp = NgramLoop::new(clock, fetcher, model, spec);
+    for (tag, range) in super::step::split(raw.len(), spec.batch)
         .into_iter()
         .enumerate()
-        .map(|(tag, range)| Seq {
-            tag: tag as u32,
-            range,
-            next: 0,
-            state: PleState::default(),
-            n: 0,
-            ids_at: 0,
-        })
-        .collect();
-    let ctx: Vec<i64> = raw.iter().map(|&t| i64::from(t)).collect();
-    let mut summary = Summary::new(spec, &[slot], w);
-    let (mut ids, mut unique, mut rowbuf) = (Vec::new(), Vec::new(), Vec::new());
+    {
+        super::Batched::admit(
+            &mut lp,
+            SeqSpec {
+                tag: tag as u64,
+                tokens: tokens.clone(),
+                range,
+                prefill: spec.prefill,
+                speculate: 0,
+                limit: None,
+            },
+        )?;
+    }
+    let mut summary = Summary::new(spec, &[model.slot], lp.w);
     let mut rec = StepRecord::default();
-    let (mut step, mut decoded) = (0u64, 0u64);
-    let size = model.encoding.row_bytes();
-    let heads = model.rows_per_token();
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        // 1. This step's positions and their rows.
-        let first = step == 0 && spec.prefill > 0;
-        ids.clear();
-        let mut positions = 0;
-        for s in &mut seqs {
-            let left = s.range.len() - s.next;
-            let room = spec
-                .max_tokens
-                .map_or(usize::MAX, |m| m.saturating_sub(decoded) as usize);
-            s.n = if first {
-                spec.prefill.min(left)
-            } else {
-                left.min(1).min(room)
-            };
-            s.ids_at = ids.len();
-            if s.n == 0 {
-                continue;
-            }
-            let at = s.range.start + s.next;
-            let got = model
-                .hashing
-                .ids(&ctx[s.range.start..at], &ctx[at..at + s.n])
-                .map_err(|e| LoopError::Spec(format!("position {at}: {e}")))?;
-            ids.extend_from_slice(&got);
-            positions += s.n;
-        }
-        if positions == 0 {
-            break;
-        }
-        if !first {
-            decoded += seqs.iter().filter(|s| s.n > 0).count() as u64;
-        }
-        unique.clear();
-        unique.extend_from_slice(&ids);
-        unique.sort_unstable();
-        unique.dedup();
-        // 2. The fetch, then 3. the blocks up to the PLE layer's.
-        if !spec.warm_lead.is_zero() {
-            fetcher.warm(spec.warm_lead);
-        }
-        let t0 = clock.now();
-        let pending = fetcher.start(0, &unique, first);
-        let block_start = t0 + w * slot.layer / BLOCKS;
-        clock.sleep_until(block_start);
-        let mut f = fetcher.wait(pending);
-        clock.sleep_until(f.ready);
-        let stall = f.ready.saturating_sub(block_start);
-        // 4. Fusion, sequence by sequence (each carries its state).
-        let fused_from = clock.now();
-        rec.positions.clear();
-        let mut sums = Vec::with_capacity(positions);
-        for s in &mut seqs {
-            if s.n == 0 {
-                continue;
-            }
-            let at = s.range.start + s.next;
-            let mine = &ids[s.ids_at..s.ids_at + s.n * heads];
-            rowbuf.clear();
-            if f.error.is_none() {
-                for id in mine {
-                    let i = unique.binary_search(id).map_err(|_| LoopError::Rows {
-                        step,
-                        what: format!("row {id} was not fetched"),
-                    })?;
-                    let row =
-                        f.bytes
-                            .get(i * size..(i + 1) * size)
-                            .ok_or_else(|| LoopError::Rows {
-                                step,
-                                what: format!("{} bytes for {} rows", f.bytes.len(), unique.len()),
-                            })?;
-                    rowbuf.extend_from_slice(row);
-                }
-            } else {
-                // No rows: fused as zero rows (what policy `zeros` serves),
-                // so that the sequence's convolution state stays in step
-                // with its positions.
-                rowbuf.resize(mine.len() * size, 0);
-            }
-            sums.clear();
-            model
-                .fuse(
-                    &mut s.state,
-                    &rowbuf,
-                    &raw[at..at + s.n],
-                    spec.hidden_seed,
-                    &mut sums,
-                )
-                .map_err(|error| LoopError::Fusion { step, error })?;
-            for (k, sum) in sums.iter().enumerate() {
-                rec.positions.push(PositionRecord {
-                    seq: s.tag,
-                    index: (s.next + k) as u32,
-                    id: raw[at + k],
-                    checksum: *sum,
-                });
-            }
-            s.next += s.n;
-        }
-        let fused = clock.now().saturating_sub(fused_from);
-        // The blocks after the PLE layer's, then 5. the record.
-        let end = t0 + w + stall;
-        clock.sleep_until(end);
-        let now = clock.now();
-        rec.step = step;
-        rec.kind = if first {
-            StepKind::Prefill
-        } else {
-            StepKind::Decode
-        };
-        rec.start_us = us(t0);
-        rec.draft_us = 0.0;
-        rec.w_us = us(w);
-        rec.tables.resize_with(1, TableRecord::default);
-        let needed = ids.len();
-        super::step::fill_record(
-            &mut rec.tables[0],
-            slot,
-            (w, t0, stall),
-            (needed, unique.len()),
-            None,
-            &mut f,
-        );
-        fetcher.recycle(0, f);
-        rec.stall_us = us(stall);
-        rec.overrun_us = us(now.saturating_sub(end));
-        rec.time_us = us(now.saturating_sub(t0));
-        rec.fusion_us = us(fused);
-        rec.rejected = 0;
-        rec.wasted_bytes = 0;
-        rec.prefilled = if first { positions as u64 } else { 0 };
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) && lp.step(&mut rec)? {
         summary.add(&rec);
         on_step(&rec)?;
-        step += 1;
-        if spec.max_tokens.is_some_and(|m| decoded >= m) {
-            break;
-        }
     }
     summary.finish(clock.now());
     Ok(summary)
+}
+
+/// Run a continuous batch of Qwen4Exp sequences (see [`super::run_batch`]):
+/// each joins with a fresh PLE state and its own prefill and limit.
+pub fn run_batch<C: Clock, F: Fetcher>(
+    clock: &C,
+    fetcher: &mut F,
+    model: &NgramModel,
+    spec: &LoopSpec,
+    driver: &mut dyn BatchDriver,
+) -> Result<(), LoopError> {
+    let spec = LoopSpec {
+        max_tokens: None,
+        batch: 1,
+        ..spec.clone()
+    };
+    check(&spec, 1, model)?;
+    let mut lp = NgramLoop::new(clock, fetcher, model, &spec);
+    super::drive(&mut lp, driver)
 }
 
 /// Refuse a spec this loop cannot run.
@@ -355,10 +546,7 @@ fn check(spec: &LoopSpec, tokens: usize, model: &NgramModel) -> Result<(), LoopE
         return Err(LoopError::Spec(format!("batch must be 1..={MAX_BATCH}")));
     }
     if spec.speculate > 0 || spec.draft.is_some() {
-        return Err(LoopError::Spec(
-            "speculation and draft stand-ins run in DeepSeek V4.1's loop only (docs/models.md)"
-                .into(),
-        ));
+        return Err(LoopError::Spec(SPECULATION.into()));
     }
     if tokens < spec.batch {
         return Err(LoopError::Spec(format!(

@@ -441,9 +441,9 @@ pub(crate) fn layer_tables(
     let name = &node.name;
     if model.family != cluster_config::model::Family::DeepseekV41 {
         return Err(cfg(format!(
-            "{}: [model] family = {:?}: the node daemon and V4.1's memory (engram_rack.Memory, engram_open) run DeepSeek V4.1's model; \
-             this rack's model runs in `inference-node run`, its rows in `inference-node canary`, and an engine opens its tables with `engram_rack.Tables` \
-             (or `inference-node engines`), its rings at the tables' row size (docs/models.md)",
+            "{}: [model] family = {:?}: this loop and V4.1's memory (engram_rack.Memory, engram_open) run DeepSeek V4.1's model; \
+             this rack's model runs in `inference-node run` and `inference-node serve`, its rows in `inference-node canary`, and an engine opens \
+             its tables with `engram_rack.Tables` (or `inference-node engines`), its rings at the tables' row size (docs/models.md)",
             config.path.display(),
             model.family.name()
         )));

@@ -196,28 +196,6 @@ impl<'a, C: Clock, F: Fetcher> TokenLoop<'a, C, F> {
         Ok(())
     }
 
-    /// Sequences in the loop, finished ones included until [`TokenLoop::retire`].
-    pub(crate) fn sequences(&self) -> &[Seq<'a>] {
-        &self.seqs
-    }
-
-    /// Take sequence `tag` out, finished or not.
-    pub(crate) fn remove(&mut self, tag: u64) {
-        self.seqs.retain(|s| s.tag != tag);
-    }
-
-    /// Take the finished sequences out; their tags.
-    pub(crate) fn retire(&mut self) -> Vec<u64> {
-        let done: Vec<u64> = self
-            .seqs
-            .iter()
-            .filter(|s| s.done())
-            .map(|s| s.tag)
-            .collect();
-        self.seqs.retain(|s| !s.done());
-        done
-    }
-
     /// Run the next step, its record written over `rec` (whose buffers
     /// it reuses); `false` once the input (or `max_tokens`) is done.
     pub(super) fn step(&mut self, rec: &mut StepRecord) -> Result<bool, LoopError> {
@@ -617,6 +595,35 @@ impl<'a, C: Clock, F: Fetcher> TokenLoop<'a, C, F> {
                     checksum: checksum(&self.hidden[p * n..(p + 1) * n]),
                 }),
         );
+    }
+}
+
+impl<C: Clock, F: Fetcher> super::Batched for TokenLoop<'_, C, F> {
+    fn running(&self) -> usize {
+        self.seqs.len()
+    }
+
+    fn admit(&mut self, s: SeqSpec) -> Result<(), LoopError> {
+        TokenLoop::admit(self, s)
+    }
+
+    fn remove(&mut self, tag: u64) {
+        self.seqs.retain(|s| s.tag != tag);
+    }
+
+    fn step(&mut self, rec: &mut StepRecord) -> Result<bool, LoopError> {
+        TokenLoop::step(self, rec)
+    }
+
+    fn retire(&mut self) -> Vec<u64> {
+        let done = self
+            .seqs
+            .iter()
+            .filter(|s| s.done())
+            .map(|s| s.tag)
+            .collect();
+        self.seqs.retain(|s| !s.done());
+        done
     }
 }
 

@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use cluster_config::Config;
 use cluster_config::model::{Family, Model, WeightsSource};
+use engram_protocol::encoding::RowEncoding;
 use engram_protocol::hashing::Preset;
 use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
 use engram_store::table_file::TableFile;
@@ -20,7 +21,7 @@ use crate::model::clock::RealClock;
 use crate::model::fetch::RouterFetcher;
 use crate::model::input;
 use crate::model::node::{InputChoice, SetupError, checked_rate, chunk_rows, usable_at_start};
-use crate::model::{LoopError, LoopSpec, StepRecord, Summary, TableSlot};
+use crate::model::{BatchDriver, LoopError, LoopSpec, StepRecord, Summary, TableSlot, Tokens};
 use crate::router::Router;
 
 /// A Qwen4Exp node's model loop, ready to run.
@@ -29,8 +30,98 @@ pub struct NgramNode {
     memory: Routers,
     router: Arc<Router>,
     model: NgramModel,
+    layout: Layout,
     chunk_rows: usize,
+}
+
+/// What node `name` of a config says of its Qwen4Exp loop, checked.
+#[derive(Debug, Clone, PartialEq)]
+struct Layout {
+    model: Model,
+    slot: TableSlot,
+    scale: f32,
+    seed: u64,
     tokens_per_second: f64,
+    max_batch: u32,
+    prefill_budget: usize,
+}
+
+/// Check `[model]` and node `name`'s one route against each other: the
+/// family, the table's rows against the hashing's, its table scale and
+/// the PLE weights' seed.
+fn layout(
+    config: &Config,
+    name: &str,
+    tokens_per_second: Option<f64>,
+) -> Result<(Layout, Qwen4ExpHashing, RowEncoding), SetupError> {
+    let cfg = |s: String| SetupError::Config(s);
+    let at = config.path.display();
+    let model = match &config.model {
+        Some(m) if m.family == Family::Qwen4Exp => m.clone(),
+        _ => {
+            return Err(cfg(format!(
+                "{at}: the Qwen4Exp loop needs [model] family = \"qwen4exp\""
+            )));
+        }
+    };
+    let node = config
+        .node(name)
+        .ok_or_else(|| cfg(format!("node {name:?} is not in {at}")))?;
+    let rate = checked_rate(tokens_per_second.unwrap_or(node.tokens_per_second))?;
+    let [route] = node.routes.as_slice() else {
+        return Err(cfg(format!(
+            "{at}: node {name:?} routes {} tables; a Qwen4Exp node reads one, its PLE layer's",
+            node.routes.len()
+        )));
+    };
+    let table = config
+        .table(route.table)
+        .ok_or_else(|| cfg(format!("table {} is not in {at}", route.table)))?;
+    let hashing = hashing_of(&model).map_err(|e| cfg(format!("{at}: {e}")))?;
+    let base = hashing.config.base;
+    if table.rows != hashing.padded_rows {
+        return Err(cfg(format!(
+            "table {} has {} rows but Qwen4Exp's hashing (ngram_vocab_size_base {base}) addresses {}: \
+             generate it with `memory-donor gen --rows {} --encoding {}` or set [model] hash_base to the table's",
+            table.id,
+            table.rows,
+            hashing.padded_rows,
+            hashing.padded_rows,
+            table.encoding.name()
+        )));
+    }
+    let scale = table_scale(table, route.ssd_path.as_path())?;
+    let seed = match &model.weights {
+        Some(WeightsSource::Seed(s)) => *s,
+        Some(WeightsSource::Checkpoint(p)) => {
+            return Err(cfg(format!(
+                "{at}: [model] weights = {:?}: a Qwen4Exp checkpoint's PLE weights are not read yet; \
+                 give weights_seed = N for seeded ones (docs/models.md)",
+                p.display()
+            )));
+        }
+        None => {
+            return Err(cfg(format!(
+                "{at}: the loop fuses, so [model] needs weights_seed = N"
+            )));
+        }
+    };
+    let slot = TableSlot {
+        table: table.id,
+        layer: table.layer,
+        window_blocks: cluster_config::window_blocks(table.layer, [table.layer]),
+        row_bytes: table.encoding.row_bytes(),
+    };
+    let layout = Layout {
+        model,
+        slot,
+        scale,
+        seed,
+        tokens_per_second: rate,
+        max_batch: node.max_batch,
+        prefill_budget: node.prefill_budget,
+    };
+    Ok((layout, hashing, table.encoding))
 }
 
 impl NgramNode {
@@ -44,79 +135,24 @@ impl NgramNode {
         tokens_per_second: Option<f64>,
         metrics: &NodeMetrics,
     ) -> Result<Self, SetupError> {
-        let cfg = |s: String| SetupError::Config(s);
-        let at = config.path.display();
-        let model = match &config.model {
-            Some(m) if m.family == Family::Qwen4Exp => m.clone(),
-            _ => {
-                return Err(cfg(format!(
-                    "{at}: the Qwen4Exp loop needs [model] family = \"qwen4exp\""
-                )));
-            }
-        };
-        let node = config
-            .node(name)
-            .ok_or_else(|| cfg(format!("node {name:?} is not in {at}")))?;
-        let rate = checked_rate(tokens_per_second.unwrap_or(node.tokens_per_second))?;
-        let [route] = node.routes.as_slice() else {
-            return Err(cfg(format!(
-                "{at}: node {name:?} routes {} tables; a Qwen4Exp node reads one, its PLE layer's",
-                node.routes.len()
-            )));
-        };
-        let table = config
-            .table(route.table)
-            .ok_or_else(|| cfg(format!("table {} is not in {at}", route.table)))?;
-        let hashing = hashing_of(&model).map_err(|e| cfg(format!("{at}: {e}")))?;
-        let base = hashing.config.base;
-        if table.rows != hashing.padded_rows {
-            return Err(cfg(format!(
-                "table {} has {} rows but Qwen4Exp's hashing (ngram_vocab_size_base {base}) addresses {}: \
-                 generate it with `memory-donor gen --rows {} --encoding {}` or set [model] hash_base to the table's",
-                table.id,
-                table.rows,
-                hashing.padded_rows,
-                hashing.padded_rows,
-                table.encoding.name()
-            )));
-        }
-        let scale = table_scale(table, route.ssd_path.as_path())?;
-        let seed = match &model.weights {
-            Some(WeightsSource::Seed(s)) => *s,
-            Some(WeightsSource::Checkpoint(p)) => {
-                return Err(cfg(format!(
-                    "{at}: [model] weights = {:?}: a Qwen4Exp checkpoint's PLE weights are not read yet; \
-                     give weights_seed = N for seeded ones (docs/models.md)",
-                    p.display()
-                )));
-            }
-            None => {
-                return Err(cfg(format!(
-                    "{at}: the loop fuses, so [model] needs weights_seed = N"
-                )));
-            }
-        };
-        let slot = TableSlot {
-            table: table.id,
-            layer: table.layer,
-            window_blocks: cluster_config::window_blocks(table.layer, [table.layer]),
-            row_bytes: table.encoding.row_bytes(),
-        };
-        let shape = (model.hidden as usize, model.streams as usize);
-        let ngram = NgramModel::synthetic(hashing, table.encoding, scale, slot, shape, seed)
-            .map_err(|e| SetupError::Fusion(e.to_string()))?;
+        let (layout, hashing, encoding) = layout(config, name, tokens_per_second)?;
+        let (m, slot) = (&layout.model, layout.slot);
+        let shape = (m.hidden as usize, m.streams as usize);
+        let ngram =
+            NgramModel::synthetic(hashing, encoding, layout.scale, slot, shape, layout.seed)
+                .map_err(|e| SetupError::Fusion(e.to_string()))?;
         let memory = Routers::from_config(config, name, metrics).await?;
         let router = memory
-            .router(table.id)
+            .router(slot.table)
             .cloned()
-            .ok_or_else(|| cfg(format!("table {} has no router", table.id)))?;
+            .ok_or_else(|| SetupError::Config(format!("table {} has no router", slot.table)))?;
         usable_at_start(std::slice::from_ref(&router), &[slot])?;
         Ok(Self {
             memory,
             router,
             model: ngram,
+            layout,
             chunk_rows: chunk_rows(config),
-            tokens_per_second: rate,
         })
     }
 
@@ -124,34 +160,57 @@ impl NgramNode {
     /// the built-in text's (a word tokenizer's ids) or an ids file's; text
     /// needs the model's tokenizer, which the node does not read yet.
     pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Vec<u32>, SetupError> {
-        let mut raw = match input {
-            InputChoice::Builtin => input::builtin()?.raw,
-            InputChoice::Ids(p) => input::read_ids(p)?,
-            InputChoice::InlineIds(ids) => ids.clone(),
-            InputChoice::Text(_) | InputChoice::InlineText(_) => {
-                return Err(SetupError::Config(
-                    "a Qwen4Exp node takes token ids (--ids FILE): its tokenizer is not read yet"
-                        .into(),
-                ));
-            }
-        };
-        let vocab = self.model.hashing().config.vocab;
-        if let Some((i, &t)) = raw
-            .iter()
-            .enumerate()
-            .find(|&(_, &t)| u64::from(t) >= vocab)
-        {
-            return Err(SetupError::Config(format!(
-                "token {i} is id {t}, outside the vocabulary (ids are 0..{vocab})"
-            )));
+        Ok(self.input().tokens(input, min_len)?.raw)
+    }
+
+    /// What turns a request's input into the loop's tokens, apart from the
+    /// node (the daemon admits requests while the loop runs).
+    pub fn input(&self) -> NgramInput {
+        NgramInput {
+            vocab: self.model.hashing().config.vocab,
         }
-        let n = raw.len();
-        let min_len = min_len.min(input::MAX_TOKENS);
-        while raw.len() < min_len {
-            let k = (min_len - raw.len()).min(n);
-            raw.extend_from_within(..k);
+    }
+
+    /// Apply a new config between sequences: what its route changes (see
+    /// `Routers::reload`), the node's token rate and prefill budget. The
+    /// `[model]` table, the table and its scale need a restart. All or
+    /// nothing.
+    pub fn reload(
+        &mut self,
+        handle: &tokio::runtime::Handle,
+        config: &Config,
+        name: &str,
+        metrics: &NodeMetrics,
+    ) -> Result<String, String> {
+        let (new, _, _) = layout(config, name, None).map_err(|e| e.to_string())?;
+        let old = &self.layout;
+        if new.model != old.model {
+            return Err("the [model] table changed: restart the node to apply it".into());
         }
-        Ok(raw)
+        if (new.slot, new.scale.to_bits()) != (old.slot, old.scale.to_bits()) {
+            return Err(format!(
+                "the PLE table changed (table {} of scale {} -> table {} of scale {}): restart the node to apply it",
+                old.slot.table, old.scale, new.slot.table, new.scale
+            ));
+        }
+        let report = handle
+            .block_on(self.memory.reload(config, name, metrics))
+            .map_err(|e| e.to_string())?;
+        let mut changes = report.to_string();
+        if new.tokens_per_second != old.tokens_per_second {
+            changes.push_str(&format!(
+                "; tokens/s {} -> {}",
+                old.tokens_per_second, new.tokens_per_second
+            ));
+        }
+        if new.prefill_budget != old.prefill_budget {
+            changes.push_str(&format!(
+                "; prefill budget {} -> {}",
+                old.prefill_budget, new.prefill_budget
+            ));
+        }
+        self.layout = new;
+        Ok(changes)
     }
 
     /// The table the loop reads.
@@ -161,12 +220,33 @@ impl NgramNode {
 
     /// The target rate.
     pub fn tokens_per_second(&self) -> f64 {
-        self.tokens_per_second
+        self.layout.tokens_per_second
+    }
+
+    /// Most sequences the daemon batches (the node's `max_batch`).
+    pub fn max_batch(&self) -> u32 {
+        self.layout.max_batch
+    }
+
+    /// Prefill positions a batch step takes beside decoding sequences (the
+    /// node's `prefill_budget`).
+    pub fn prefill_budget(&self) -> usize {
+        self.layout.prefill_budget
+    }
+
+    /// The fusion's name.
+    pub fn fusion_name(&self) -> &'static str {
+        FUSION
     }
 
     /// The memory (every router of the node).
     pub fn memory(&self) -> &Routers {
         &self.memory
+    }
+
+    /// The one router, the PLE table's.
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
     }
 
     /// Run the loop on this thread (not a runtime thread: it sleeps and
@@ -180,13 +260,79 @@ impl NgramNode {
         on_step: &mut dyn FnMut(&StepRecord) -> std::io::Result<()>,
     ) -> Result<Summary, LoopError> {
         let clock = RealClock::start();
-        let mut fetcher = RouterFetcher::new(
+        let mut fetcher = self.fetcher(handle, &clock);
+        super::run(&clock, &mut fetcher, &self.model, raw, spec, stop, on_step)
+    }
+
+    /// Run a continuous batch on this thread (see [`super::run_batch`]),
+    /// fetching on `handle`'s runtime.
+    pub fn run_batch(
+        &mut self,
+        handle: tokio::runtime::Handle,
+        spec: &LoopSpec,
+        driver: &mut dyn BatchDriver,
+    ) -> Result<(), LoopError> {
+        let clock = RealClock::start();
+        let mut fetcher = self.fetcher(handle, &clock);
+        super::run_batch(&clock, &mut fetcher, &self.model, spec, driver)
+    }
+
+    fn fetcher(&self, handle: tokio::runtime::Handle, clock: &RealClock) -> RouterFetcher {
+        RouterFetcher::new(
             handle,
             vec![self.router.clone()],
             clock.origin(),
             self.chunk_rows,
-        );
-        super::run(&clock, &mut fetcher, &self.model, raw, spec, stop, on_step)
+        )
+    }
+}
+
+/// The fusion a Qwen4Exp node runs.
+pub const FUSION: &str = "cpu (Qwen4Exp PLE)";
+
+/// Why a Qwen4Exp node refuses text.
+pub const NO_TEXT: &str = "a Qwen4Exp node takes token ids (--ids FILE, or a request's ids): its tokenizer is not read yet";
+
+/// A Qwen4Exp node's input: raw token ids below the vocabulary.
+#[derive(Debug, Clone)]
+pub struct NgramInput {
+    vocab: u64,
+}
+
+impl NgramInput {
+    /// `input`'s ids (the built-in text's are a word tokenizer's), checked
+    /// against the vocabulary and repeated until there are at least
+    /// `min_len`; text needs the model's tokenizer, which the node does
+    /// not read yet.
+    pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Tokens, SetupError> {
+        let (mut raw, origin) = match input {
+            InputChoice::Builtin => (input::builtin()?.raw, "the built-in text's ids".into()),
+            InputChoice::Ids(p) => (input::read_ids(p)?, p.display().to_string()),
+            InputChoice::InlineIds(ids) => (ids.clone(), "the request's ids".into()),
+            InputChoice::Text(_) | InputChoice::InlineText(_) => {
+                return Err(SetupError::Config(NO_TEXT.into()));
+            }
+        };
+        let vocab = self.vocab;
+        if let Some((i, &t)) = raw
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| u64::from(t) >= vocab)
+        {
+            return Err(SetupError::Config(format!(
+                "token {i} is id {t}, outside the vocabulary (ids are 0..{vocab})"
+            )));
+        }
+        let n = raw.len();
+        if n == 0 {
+            return Err(SetupError::Config("no token ids".into()));
+        }
+        let min_len = min_len.min(input::MAX_TOKENS);
+        while raw.len() < min_len {
+            let k = (min_len - raw.len()).min(n);
+            raw.extend_from_within(..k);
+        }
+        Ok(super::raw_tokens(raw, origin))
     }
 }
 

@@ -1,5 +1,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use engram_protocol::qwen4exp::Qwen4ExpConfig;
@@ -300,4 +302,123 @@ fn a_spec_it_cannot_run_is_refused() {
     .expect_err("id")
     .to_string();
     assert!(e.contains("248320"), "{e}");
+}
+
+/// The daemon's continuous batch: two decoders from step 0 (one of them
+/// cancelled at step 6), a sequence joining at step 3 that prefills 20
+/// positions in chunks of the budget beside them, and a limit on each.
+struct Join {
+    tokens: Arc<Tokens>,
+    step: usize,
+    records: Vec<StepRecord>,
+    finished: Vec<(usize, u64)>,
+}
+
+impl BatchDriver for Join {
+    fn admit(&mut self, _running: usize) -> Vec<SeqSpec> {
+        let seq = |tag: u64, range: Range<usize>, prefill, limit| SeqSpec {
+            tag,
+            tokens: Arc::clone(&self.tokens),
+            range,
+            prefill,
+            speculate: 0,
+            limit: Some(limit),
+        };
+        match self.step {
+            0 => vec![seq(0, 0..60, 0, 12), seq(1, 30..60, 0, 20)],
+            3 => vec![seq(2, 10..60, 20, 5)],
+            _ => Vec::new(),
+        }
+    }
+
+    fn cancelled(&mut self) -> Vec<u64> {
+        if self.step == 6 { vec![1] } else { Vec::new() }
+    }
+
+    fn after_step(&mut self, rec: Option<&StepRecord>, finished: &[u64]) {
+        self.finished
+            .extend(finished.iter().map(|&t| (self.step, t)));
+        self.step += 1;
+        self.records.extend(rec.cloned());
+    }
+}
+
+#[test]
+fn sequences_join_and_leave_a_batch_and_fuse_as_alone() {
+    let m = model(FP8);
+    let raw = tokens();
+    let clock = FakeClock::default();
+    let mut f = Rows::new(&clock, FP8);
+    let batch = LoopSpec {
+        prefill_budget: 8,
+        ..spec(1, 0)
+    };
+    let mut driver = Join {
+        tokens: Arc::new(raw_tokens(raw.clone(), String::new())),
+        step: 0,
+        records: Vec::new(),
+        finished: Vec::new(),
+    };
+    run_batch(&clock, &mut f, &m, &batch, &mut driver).expect("the batch runs");
+    let per_seq = |tag: u32| -> Outputs {
+        driver
+            .records
+            .iter()
+            .flat_map(|r| &r.positions)
+            .filter(|p| p.seq == tag)
+            .map(|p| ((0, p.index), p.checksum))
+            .collect()
+    };
+    // Each sequence's outputs are those of its tokens run alone.
+    for (tag, from, n) in [(0u32, 0usize, 12usize), (1, 30, 6), (2, 10, 25)] {
+        let got = per_seq(tag);
+        assert_eq!(got.len(), n, "sequence {tag}");
+        let alone = outputs(&m, &raw[from..from + n], &spec(1, 0));
+        assert_eq!(got, alone, "sequence {tag}");
+    }
+    // The joiner's 20 prefill positions came 8, 8 and 4 beside both decoders.
+    let chunks: Vec<(u64, usize)> = driver
+        .records
+        .iter()
+        .filter(|r| r.prefilled > 0)
+        .map(|r| (r.prefilled, r.positions.len()))
+        .collect();
+    assert_eq!(chunks, vec![(8, 10), (8, 10), (4, 6)], "{chunks:?}");
+    assert!(driver.records.iter().all(|r| r.kind == StepKind::Decode));
+    // Sequence 0 ends at its limit; 1 left when cancelled (not finished).
+    assert!(driver.finished.contains(&(11, 0)), "{:?}", driver.finished);
+    assert!(driver.finished.iter().all(|&(_, t)| t != 1));
+    assert!(driver.finished.iter().any(|&(_, t)| t == 2));
+}
+
+#[test]
+fn a_batch_refuses_a_speculating_sequence() {
+    struct Speculate(Arc<Tokens>);
+    impl BatchDriver for Speculate {
+        fn admit(&mut self, running: usize) -> Vec<SeqSpec> {
+            if running > 0 {
+                return Vec::new();
+            }
+            vec![SeqSpec {
+                tag: 0,
+                tokens: self.0.clone(),
+                range: 0..10,
+                prefill: 0,
+                speculate: 1,
+                limit: None,
+            }]
+        }
+        fn cancelled(&mut self) -> Vec<u64> {
+            Vec::new()
+        }
+        fn after_step(&mut self, _: Option<&StepRecord>, _: &[u64]) {}
+    }
+    let m = model(FP8);
+    let clock = FakeClock::default();
+    let mut f = Rows::new(&clock, FP8);
+    let mut d = Speculate(Arc::new(raw_tokens(tokens(), String::new())));
+    let e = run_batch(&clock, &mut f, &m, &spec(1, 0), &mut d)
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("V4.1"), "{e}");
 }
