@@ -120,6 +120,38 @@ async fn generate(addr: std::net::SocketAddr, req: GenerateRequest) -> Generated
     g
 }
 
+/// `inference-node run --config CONFIG --quiet ARGS`: each step's first
+/// position's checksum, from its trace.
+fn run_sums(config: &Path, args: &[&std::ffi::OsStr]) -> Vec<String> {
+    let trace = config.with_file_name("run-trace.jsonl");
+    let out = Command::new(bin("inference-node"))
+        .arg("run")
+        .arg("--config")
+        .arg(config)
+        .arg("--quiet")
+        .args(args)
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(&trace)
+        .expect("trace")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            v["positions"][0]["checksum"]
+                .as_str()
+                .expect("sum")
+                .to_string()
+        })
+        .collect()
+}
+
 fn text_request(max_tokens: u64) -> GenerateRequest {
     GenerateRequest {
         input: Some(generate_request::Input::Text(TEXT.into())),
@@ -176,34 +208,17 @@ fn the_daemon_serves_sequences_reports_tables_reloads_and_drains() {
         // `run` over the same text fuses the same outputs.
         let input = dir.path().join("text.txt");
         std::fs::write(&input, TEXT).expect("text");
-        let trace = dir.path().join("ref.jsonl");
-        let out = Command::new(bin("inference-node"))
-            .arg("run")
-            .arg("--config")
-            .arg(&config)
-            .args(["--name", "ref", "--quiet", "--tokens", "40"])
-            .arg("--input")
-            .arg(&input)
-            .arg("--trace")
-            .arg(&trace)
-            .output()
-            .expect("run");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let reference = run_sums(
+            &config,
+            &[
+                "--name".as_ref(),
+                "ref".as_ref(),
+                "--tokens".as_ref(),
+                "40".as_ref(),
+                "--input".as_ref(),
+                input.as_os_str(),
+            ],
         );
-        let reference: Vec<String> = std::fs::read_to_string(&trace)
-            .expect("trace")
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).expect("json");
-                v["positions"][0]["checksum"]
-                    .as_str()
-                    .expect("sum")
-                    .to_string()
-            })
-            .collect();
         assert_eq!(sums, reference);
 
         // Bad requests are refused with a reason.
@@ -657,11 +672,9 @@ fn the_daemon_serves_a_qwen4exp_rack() {
 
         let alone = generate(addr, ids_request(ids.clone(), 40, 0)).await;
         assert_eq!((alone.sums.len(), alone.tokens), (40, 40));
-        assert!(
-            alone.sources.iter().all(|s| s == "d"),
-            "{:?}",
-            alone.sources
-        );
+        // From the donor (a step late for it may fail over to the SSD copy).
+        let from_donor = alone.sources.iter().filter(|s| *s == "d").count();
+        assert!(from_donor > 30, "{:?}", alone.sources);
         assert!(
             alone
                 .steps
@@ -673,34 +686,17 @@ fn the_daemon_serves_a_qwen4exp_rack() {
         let file = dir.path().join("ids.txt");
         let text: Vec<String> = ids.iter().map(u32::to_string).collect();
         std::fs::write(&file, text.join(" ")).expect("ids");
-        let trace = dir.path().join("ref.jsonl");
-        let out = Command::new(bin("inference-node"))
-            .arg("run")
-            .arg("--config")
-            .arg(&config)
-            .args(["--name", "ref", "--quiet", "--tokens", "40"])
-            .arg("--ids")
-            .arg(&file)
-            .arg("--trace")
-            .arg(&trace)
-            .output()
-            .expect("run");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let reference = run_sums(
+            &config,
+            &[
+                "--name".as_ref(),
+                "ref".as_ref(),
+                "--tokens".as_ref(),
+                "40".as_ref(),
+                "--ids".as_ref(),
+                file.as_os_str(),
+            ],
         );
-        let reference: Vec<String> = std::fs::read_to_string(&trace)
-            .expect("trace")
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).expect("json");
-                v["positions"][0]["checksum"]
-                    .as_str()
-                    .expect("sum")
-                    .to_string()
-            })
-            .collect();
         assert_eq!(alone.sums, reference);
 
         // Two at once, one prefilling in chunks of the budget: each as alone.
@@ -785,6 +781,53 @@ fn the_daemon_serves_a_qwen4exp_rack() {
         assert_eq!(g.sums, first[..5], "still serving, as before");
     });
 
+    node.signal(libc::SIGTERM);
+    let status = node.wait(Duration::from_secs(15)).expect("exits");
+    assert!(status.success(), "{}", node.log());
+}
+
+/// With `[model] tokenizer` a Qwen4Exp node takes text: the tokenizer's
+/// raw ids, the same outputs as a request of those ids; `run --input`
+/// reads text the same way.
+#[test]
+fn a_qwen4exp_node_with_its_tokenizer_takes_text() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, mut rack) = qwen_rack(dir.path());
+    let tok = inference_node::model::input::word_tokenizer(TEXT).expect("tokenizer");
+    let file = dir.path().join("tokenizer.json");
+    tok.save(&file, false).expect("save");
+    rack.model.as_mut().expect("model").tokenizer = Some(file.display().to_string());
+    rack.write(&config).expect("write");
+    let ids = tok.encode(TEXT, false).expect("encode").get_ids().to_vec();
+    assert!(ids.len() > 20 && ids.iter().all(|&i| i < 1_000), "{ids:?}");
+    let _donor = DonorProcess::start(&["--config", &config.display().to_string(), "--name", "d"])
+        .expect("donor starts");
+    let notify = NotifySocket::bind(dir.path()).expect("notify socket");
+    let mut node = serve(&config, &notify, &[]);
+    notify
+        .wait_line(Duration::from_secs(30), "READY=1")
+        .expect("READY=1");
+    let sums = rt().block_on(async {
+        let text = generate(node.addr, text_request(20)).await;
+        let by_ids = generate(node.addr, ids_request(ids.clone(), 20, 0)).await;
+        assert_eq!(text.sums.len(), 20);
+        assert_eq!(text.sums, by_ids.sums);
+        text.sums
+    });
+    let input = dir.path().join("text.txt");
+    std::fs::write(&input, TEXT).expect("text");
+    let reference = run_sums(
+        &config,
+        &[
+            "--name".as_ref(),
+            "ref".as_ref(),
+            "--tokens".as_ref(),
+            "20".as_ref(),
+            "--input".as_ref(),
+            input.as_os_str(),
+        ],
+    );
+    assert_eq!(sums, reference);
     node.signal(libc::SIGTERM);
     let status = node.wait(Duration::from_secs(15)).expect("exits");
     assert!(status.success(), "{}", node.log());

@@ -145,12 +145,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         if args.backbone != Backbone::Cpu {
             bail!("--backbone gpu runs DeepSeek V4.1's loop only (docs/models.md)");
         }
-        let raw = nn.tokens(&input, min_len)?;
+        let tokens = nn.input().tokens(&input, min_len)?;
+        let (raw, origin) = (tokens.raw, tokens.origin);
         spec.tokens_per_second = nn.tokens_per_second();
-        let origin = match &input {
-            InputChoice::Ids(p) => p.display().to_string(),
-            _ => "the built-in text's ids".into(),
-        };
         announce(&args, raw.len(), &origin, &spec, nn.fusion_name());
         let slot = nn.slot();
         let row_bytes = nn.memory().router(slot.table).map_or(0, |r| r.row_bytes());

@@ -154,7 +154,10 @@ impl ServedModel {
     pub fn no_text(&self) -> Option<&'static str> {
         match self {
             Self::V41(_) => None,
-            Self::Qwen4Exp(_) => Some(crate::model::ngram::node::NO_TEXT),
+            Self::Qwen4Exp(m) if !m.input().takes_text() => {
+                Some(crate::model::ngram::node::NO_TEXT)
+            }
+            Self::Qwen4Exp(_) => None,
         }
     }
 

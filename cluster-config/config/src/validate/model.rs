@@ -93,7 +93,6 @@ fn family(cx: &mut Ctx<'_>, m: &RawModel) -> (Family, Option<u32>) {
             let v41_only = [
                 ("hash_preset", m.hash_preset.as_ref().map(|v| v.span())),
                 ("token_map", m.token_map.as_ref().map(|v| v.span())),
-                ("tokenizer", m.tokenizer.as_ref().map(|v| v.span())),
                 (
                     "compressed_vocab",
                     m.compressed_vocab.as_ref().map(|v| v.span()),

@@ -665,6 +665,26 @@ fn a_qwen4exp_family_routes_its_own_tables_and_needs_an_eos_token() {
         .expect("pad")
         + 1;
     expect_in(&hashed, line, "model.pad_token", "DeepSeek V4.1's");
+    // Its tokenizer (raw ids, no token map): taken.
+    let tokenized = drop1.replacen(
+        "eos_token = 248044\n",
+        "eos_token = 248044\ntokenizer = \"/models/q/tokenizer.json\"\n",
+        1,
+    );
+    let c = parse(&tokenized).expect("a qwen4exp tokenizer");
+    assert_eq!(
+        c.model.as_ref().map(|m| m.token_map.clone()),
+        Some(crate::model::TokenMapSource::Tokenizer(
+            "/models/q/tokenizer.json".into()
+        ))
+    );
+    let mapped = tokenized.replacen("tokenizer =", "token_map =", 1);
+    let line = mapped
+        .lines()
+        .position(|l| l.starts_with("token_map"))
+        .expect("map")
+        + 1;
+    expect_in(&mapped, line, "model.token_map", "DeepSeek V4.1's");
     let v41_eos = good() + "\n[model]\neos_token = 1\n";
     let line = v41_eos
         .lines()

@@ -8,18 +8,20 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use cluster_config::Config;
-use cluster_config::model::{Family, Model, WeightsSource};
+use cluster_config::model::{Family, Model, TokenMapSource, WeightsSource};
 use engram_protocol::encoding::RowEncoding;
 use engram_protocol::hashing::Preset;
 use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
 use engram_store::table_file::TableFile;
+use tokenizers::Tokenizer;
 
 use super::NgramModel;
+use crate::engram::tokenmap::load_tokenizer;
 use crate::memory::Routers;
 use crate::metrics::NodeMetrics;
 use crate::model::clock::RealClock;
 use crate::model::fetch::RouterFetcher;
-use crate::model::input;
+use crate::model::input::{self, InputError};
 use crate::model::node::{InputChoice, SetupError, checked_rate, chunk_rows, usable_at_start};
 use crate::model::{BatchDriver, LoopError, LoopSpec, StepRecord, Summary, TableSlot, Tokens};
 use crate::router::Router;
@@ -32,6 +34,8 @@ pub struct NgramNode {
     model: NgramModel,
     layout: Layout,
     chunk_rows: usize,
+    /// `[model] tokenizer`: text in, the model's raw ids out.
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 /// What node `name` of a config says of its Qwen4Exp loop, checked.
@@ -141,6 +145,22 @@ impl NgramNode {
         let ngram =
             NgramModel::synthetic(hashing, encoding, layout.scale, slot, shape, layout.seed)
                 .map_err(|e| SetupError::Fusion(e.to_string()))?;
+        let tokenizer = match &m.token_map {
+            TokenMapSource::Tokenizer(p) => {
+                let tok = load_tokenizer(p).map_err(InputError::from)?;
+                let vocab = ngram.hashing().config.vocab;
+                let n = tok.get_vocab_size(true) as u64;
+                if n > vocab {
+                    return Err(SetupError::Config(format!(
+                        "{}: {n} tokens, more than the model's vocabulary of {vocab}: \
+                         is it this model's tokenizer?",
+                        p.display()
+                    )));
+                }
+                Some(Arc::new(tok))
+            }
+            _ => None,
+        };
         let memory = Routers::from_config(config, name, metrics).await?;
         let router = memory
             .router(slot.table)
@@ -153,12 +173,12 @@ impl NgramNode {
             model: ngram,
             layout,
             chunk_rows: chunk_rows(config),
+            tokenizer,
         })
     }
 
-    /// The run's raw ids, repeated until there are at least `min_len`:
-    /// the built-in text's (a word tokenizer's ids) or an ids file's; text
-    /// needs the model's tokenizer, which the node does not read yet.
+    /// The run's raw ids, repeated until there are at least `min_len`
+    /// (see [`NgramInput::tokens`]).
     pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Vec<u32>, SetupError> {
         Ok(self.input().tokens(input, min_len)?.raw)
     }
@@ -168,6 +188,7 @@ impl NgramNode {
     pub fn input(&self) -> NgramInput {
         NgramInput {
             vocab: self.model.hashing().config.vocab,
+            tokenizer: self.tokenizer.clone(),
         }
     }
 
@@ -290,29 +311,52 @@ impl NgramNode {
 /// The fusion a Qwen4Exp node runs.
 pub const FUSION: &str = "cpu (Qwen4Exp PLE)";
 
-/// Why a Qwen4Exp node refuses text.
-pub const NO_TEXT: &str = "a Qwen4Exp node takes token ids (--ids FILE, or a request's ids): its tokenizer is not read yet";
+/// Why a Qwen4Exp node without a tokenizer refuses text.
+pub const NO_TEXT: &str = "a Qwen4Exp node without [model] tokenizer takes token ids \
+                           (--ids FILE, or a request's ids): set tokenizer to the model's tokenizer.json for text";
 
-/// A Qwen4Exp node's input: raw token ids below the vocabulary.
+/// A Qwen4Exp node's input: raw token ids below the vocabulary, given or
+/// from the model's tokenizer.
 #[derive(Debug, Clone)]
 pub struct NgramInput {
     vocab: u64,
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl NgramInput {
-    /// `input`'s ids (the built-in text's are a word tokenizer's), checked
-    /// against the vocabulary and repeated until there are at least
-    /// `min_len`; text needs the model's tokenizer, which the node does
-    /// not read yet.
+    /// Whether text is taken (`[model] tokenizer` is set).
+    pub fn takes_text(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// `input`'s ids, checked against the vocabulary and repeated until
+    /// there are at least `min_len`: text through the model's tokenizer
+    /// (refused without one); the built-in text through it too, or without
+    /// one a word tokenizer's ids.
     pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Tokens, SetupError> {
+        let encode = |text: &str, origin: String| -> Result<(Vec<u32>, String), SetupError> {
+            let tok = self
+                .tokenizer
+                .as_ref()
+                .ok_or_else(|| SetupError::Config(NO_TEXT.into()))?;
+            let enc = tok
+                .encode(text, false)
+                .map_err(|e| InputError::Tokenizer(e.to_string()))?;
+            Ok((enc.get_ids().to_vec(), origin))
+        };
         let (mut raw, origin) = match input {
+            InputChoice::Builtin if self.tokenizer.is_some() => {
+                encode(input::BUILTIN_TEXT, "the built-in text".into())?
+            }
             InputChoice::Builtin => (input::builtin()?.raw, "the built-in text's ids".into()),
             InputChoice::Ids(p) => (input::read_ids(p)?, p.display().to_string()),
             InputChoice::InlineIds(ids) => (ids.clone(), "the request's ids".into()),
-            InputChoice::Text(_) | InputChoice::InlineText(_) => {
-                return Err(SetupError::Config(NO_TEXT.into()));
-            }
+            InputChoice::Text(p) => encode(&input::read_text(p)?, p.display().to_string())?,
+            InputChoice::InlineText(t) => encode(t, "the request's text".into())?,
         };
+        if raw.len() > input::MAX_TOKENS {
+            return Err(InputError::TooMany.into());
+        }
         let vocab = self.vocab;
         if let Some((i, &t)) = raw
             .iter()
@@ -325,7 +369,7 @@ impl NgramInput {
         }
         let n = raw.len();
         if n == 0 {
-            return Err(SetupError::Config("no token ids".into()));
+            return Err(InputError::Empty.into());
         }
         let min_len = min_len.min(input::MAX_TOKENS);
         while raw.len() < min_len {
