@@ -906,6 +906,46 @@ pub fn model_rack(dir: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The end-of-sequence id of [`qwen_rack_config`]'s model.
+pub const QWEN_EOS: u32 = 7;
+
+/// A Qwen4Exp rack (`[model] family = "qwen4exp"`, EOS [`QWEN_EOS`],
+/// `hash_base` 1,000, a PLE layer of 4 streams of 16 channels, weights
+/// seed 3): one PLE table of FP8 rows (table scale 0.0123) that its
+/// hashing addresses, on donor `d` (loopback TCP); no node yet.
+pub fn qwen_rack_config(dir: &Path) -> Result<RackToml> {
+    use engram_protocol::encoding::RowEncoding;
+    use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
+    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
+    let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
+        base: 1_000,
+        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(QWEN_EOS))
+    })?;
+    let rows = hashing.padded_rows;
+    let (path, digest) = gen_encoded_table(dir, "ple.etab", 1, fp8, rows, 5)?;
+    let mut toml = RackToml::new("q");
+    toml.table = vec![TableEntry {
+        encoding: Some(fp8.name()),
+        tensor_scale: Some(0.0123),
+        ..TableEntry::new(1, &path, rows, digest)
+    }];
+    toml.donor = vec![DonorEntry::new(
+        "d",
+        [format!("127.0.0.1:{}", free_port()?)],
+        [1],
+    )];
+    toml.model = Some(ModelSection {
+        family: Some("qwen4exp".into()),
+        eos_token: Some(QWEN_EOS),
+        hash_base: Some(1_000),
+        hidden: Some(16),
+        streams: Some(4),
+        weights_seed: Some(3),
+        ..ModelSection::default()
+    });
+    Ok(toml)
+}
+
 /// A TCP connection to `to` from the loopback address `from` (any of
 /// 127.0.0.0/8, so a test can look like many hosts), or `None`.
 pub fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> Option<std::net::TcpStream> {

@@ -268,26 +268,7 @@ fn the_qwen4exp_loop_runs_on_a_real_rack_as_on_local_ram() {
     use rack_harness::drill::NodeRun;
     use rack_harness::drill::report::checksums;
     let dir = tempfile::tempdir().expect("tempdir");
-    let hashing = engram_protocol::qwen4exp::Qwen4ExpHashing::new(
-        engram_protocol::qwen4exp::Qwen4ExpConfig {
-            base: 1_000,
-            ..engram_protocol::qwen4exp::Qwen4ExpConfig::qwen38_flash_next(7)
-        },
-    )
-    .expect("hashing");
-    let rows = hashing.padded_rows;
-    let (path, digest) = gen_encoded_table(dir.path(), "ple.etab", 1, FP8, rows, 5).expect("gen");
-    let mut toml = RackToml::new("q");
-    toml.table = vec![TableEntry {
-        encoding: Some(FP8.name()),
-        tensor_scale: Some(0.0123),
-        ..TableEntry::new(1, &path, rows, digest)
-    }];
-    toml.donor = vec![DonorEntry::new(
-        "d",
-        [format!("127.0.0.1:{}", free_port().expect("port"))],
-        [1],
-    )];
+    let mut toml = rack_harness::qwen_rack_config(dir.path()).expect("rack");
     let node = |name: &str, sources: &[&str]| NodeEntry {
         probe_interval_ms: Some(100),
         ..NodeEntry::new(
@@ -296,15 +277,6 @@ fn the_qwen4exp_loop_runs_on_a_real_rack_as_on_local_ram() {
         )
     };
     toml.node = vec![node("rack", &["d", "ssd"]), node("ref", &["local"])];
-    toml.model = Some(ModelSection {
-        family: Some("qwen4exp".into()),
-        eos_token: Some(7),
-        hash_base: Some(1_000),
-        hidden: Some(16),
-        streams: Some(4),
-        weights_seed: Some(3),
-        ..ModelSection::default()
-    });
     let config = dir.path().join("rack.toml");
     toml.write(&config).expect("config");
     let path = config.display().to_string();
@@ -563,4 +535,109 @@ fn engine_rings_carry_rows_of_any_encoding_from_node_tables() {
         drop(hub);
         tables.close(Duration::from_secs(1));
     }
+}
+
+/// `[model] weights` on a Qwen4Exp rack: the PLE layer's tensors read from
+/// a checkpoint under vLLM's names (`model.language_model.layers.{L-1}.ple.
+/// key_proj.weight`, `value_proj`, the three norms, `conv1d`). A checkpoint
+/// holding the weights `weights_seed = 3` draws fuses exactly as the seed
+/// does; its `config.json` is checked against the node (a hidden size other
+/// than `[model] hidden` is refused by name); a checkpoint without the
+/// table's layer is refused naming the tensors looked for.
+#[test]
+fn the_qwen4exp_loop_reads_its_ple_weights_from_a_checkpoint() {
+    use inference_node::engram::weights::PleWeights;
+    use rack_harness::drill::NodeRun;
+    use rack_harness::drill::report::checksums;
+    use safetensors::tensor::TensorView;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut toml = rack_harness::qwen_rack_config(dir.path()).expect("rack");
+    toml.node = vec![NodeEntry::new("ref", vec![RouteEntry::new(1, ["local"])])];
+    let seeded = dir.path().join("seeded.toml");
+    toml.write(&seeded).expect("config");
+    // The checkpoint: [model] hidden 16, streams 4; 16 rows of 160 values.
+    let (h, c, d, k) = (16usize, 64usize, 2560usize, 4usize);
+    let w = PleWeights::from_seed(3, (h, 4), d, k).expect("weights");
+    let bytes = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|b| b.to_le_bytes()).collect() };
+    let p = "model.language_model.layers.0.ple";
+    let tensors = [
+        ("key_proj.weight", vec![c, d], bytes(&w.kv_proj[..c * d])),
+        ("value_proj.weight", vec![h, d], bytes(&w.kv_proj[c * d..])),
+        ("norm_key.weight", vec![c], bytes(&w.norm_key)),
+        ("norm_query.weight", vec![c], bytes(&w.norm_query)),
+        ("norm_conv.weight", vec![c], bytes(&w.norm_conv)),
+        ("conv1d.weight", vec![c, 1, k], bytes(&w.conv)),
+    ];
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir(&ckpt).expect("dir");
+    let write = |prefix: &str| {
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, shape, data)| {
+                let v =
+                    TensorView::new(safetensors::Dtype::BF16, shape.clone(), data).expect("view");
+                (format!("{prefix}.{n}"), v)
+            })
+            .collect();
+        let b = safetensors::serialize(views, None::<std::collections::HashMap<String, String>>)
+            .expect("serialize");
+        std::fs::write(ckpt.join("model.safetensors"), b).expect("write");
+    };
+    write(p);
+    let model = toml.model.as_mut().expect("model");
+    model.weights_seed = None;
+    model.weights = Some(ckpt.display().to_string());
+    let from_ckpt = dir.path().join("ckpt.toml");
+    toml.write(&from_ckpt).expect("config");
+    let run = |config: &Path, stem: &str| {
+        NodeRun::start_with(config, "ref", 60, 1000.0, &dir.path().join(stem), &[])
+            .expect("node")
+            .finish(Duration::from_secs(120))
+            .expect("finish")
+    };
+    let a = run(&seeded, "seeded");
+    assert!(a.success, "{}", a.log);
+    let want = checksums(&a.steps);
+    assert_eq!(want.len(), 60);
+    // Its config.json agrees (the fields it has are compared).
+    let config_json = |hidden: u64| {
+        let v = serde_json::json!({"text_config": {
+            "hidden_size": hidden, "hc_count": 4, "ple_embed_dim": 2560,
+            "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8,
+            "vocab_size": 248_320, "ngram_vocab_size_base": 1_000,
+            "eos_token_id": [rack_harness::QWEN_EOS, 248_046], "rms_norm_eps": 1e-6,
+            "ple_layer_ids": [1, 9]}});
+        std::fs::write(ckpt.join("config.json"), v.to_string()).expect("config.json");
+    };
+    config_json(16);
+    let b = run(&from_ckpt, "ckpt");
+    assert!(b.success, "{}", b.log);
+    assert_eq!(
+        checksums(&b.steps),
+        want,
+        "the checkpoint's weights fuse as the seed's"
+    );
+    assert!(b.log.contains("config.json agrees"), "{}", b.log);
+    // Refusals at start: the run exits 1 saying why.
+    let refused = || {
+        let out = std::process::Command::new(rack_harness::bin("inference-node"))
+            .arg("run")
+            .arg("--config")
+            .arg(&from_ckpt)
+            .args(["--name", "ref", "--tokens", "1", "--quiet"])
+            .output()
+            .expect("run");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    config_json(32);
+    let log = refused();
+    assert!(log.contains("`hidden_size` is 32"), "{log}");
+    config_json(16);
+    write("model.language_model.layers.4.ple");
+    let log = refused();
+    assert!(
+        log.contains("no PLE layer 1") && log.contains("model.layers.0.ple.key_proj.weight"),
+        "{log}"
+    );
 }

@@ -14,11 +14,10 @@ use engram_protocol::node_api::engram_node_client::EngramNodeClient;
 use engram_protocol::node_api::{
     GenerateRequest, TablesRequest, TablesResponse, generate_event, generate_request,
 };
-use rack_harness::rack_toml::{
-    DonorEntry, ModelSection, NodeEntry, RackToml, RouteEntry, TableEntry,
-};
+use rack_harness::rack_toml::{NodeEntry, RackToml, RouteEntry};
 use rack_harness::{
-    DonorProcess, NotifySocket, bin, free_port, gen_encoded_table, model_rack, model_rack_config,
+    DonorProcess, NotifySocket, QWEN_EOS, bin, free_port, model_rack, model_rack_config,
+    qwen_rack_config,
 };
 
 const TEXT: &str = "The rack hums in the corner of the room. The node asks for the rows early, \
@@ -564,31 +563,10 @@ fn concurrent_requests_share_steps_and_fuse_what_each_fuses_alone() {
     );
 }
 
-/// A Qwen4Exp rack (`[model] family = "qwen4exp"`): one PLE table of FP8
-/// rows on a donor; node `n` reads it from the donor (the SSD copy
-/// behind), node `ref` from its local RAM copy.
+/// [`qwen_rack_config`] with node `n` reading the donor (the SSD copy
+/// behind) and node `ref` its local RAM copy, written to `dir/rack.toml`.
 fn qwen_rack(dir: &Path) -> (std::path::PathBuf, RackToml) {
-    use engram_protocol::encoding::RowEncoding;
-    use engram_protocol::qwen4exp::{Qwen4ExpConfig, Qwen4ExpHashing};
-    let fp8 = RowEncoding::Fp8PerTensor { values: 160 };
-    let hashing = Qwen4ExpHashing::new(Qwen4ExpConfig {
-        base: 1_000,
-        ..Qwen4ExpConfig::qwen38_flash_next(u64::from(QWEN_EOS))
-    })
-    .expect("hashing");
-    let rows = hashing.padded_rows;
-    let (path, digest) = gen_encoded_table(dir, "ple.etab", 1, fp8, rows, 5).expect("gen");
-    let mut toml = RackToml::new("q");
-    toml.table = vec![TableEntry {
-        encoding: Some(fp8.name()),
-        tensor_scale: Some(0.0123),
-        ..TableEntry::new(1, &path, rows, digest)
-    }];
-    toml.donor = vec![DonorEntry::new(
-        "d",
-        [format!("127.0.0.1:{}", free_port().expect("port"))],
-        [1],
-    )];
+    let mut toml = qwen_rack_config(dir).expect("rack");
     let node = |name: &str, sources: &[&str]| NodeEntry {
         probe_interval_ms: Some(100),
         tokens_per_second: Some(200.0),
@@ -600,21 +578,10 @@ fn qwen_rack(dir: &Path) -> (std::path::PathBuf, RackToml) {
         )
     };
     toml.node = vec![node("n", &["d", "ssd"]), node("ref", &["local"])];
-    toml.model = Some(ModelSection {
-        family: Some("qwen4exp".into()),
-        eos_token: Some(QWEN_EOS),
-        hash_base: Some(1_000),
-        hidden: Some(16),
-        streams: Some(4),
-        weights_seed: Some(3),
-        ..ModelSection::default()
-    });
     let config = dir.join("rack.toml");
     toml.write(&config).expect("config");
     (config, toml)
 }
-
-const QWEN_EOS: u32 = 7;
 
 fn ids_request(ids: Vec<u32>, max_tokens: u64, prefill: u32) -> GenerateRequest {
     GenerateRequest {
@@ -702,10 +669,11 @@ fn the_daemon_serves_a_qwen4exp_rack() {
         // Two at once, one prefilling in chunks of the budget: each as alone.
         let other_alone = generate(addr, ids_request(other.clone(), 20, 12)).await;
         assert_eq!(other_alone.sums.len(), 32);
-        let (a, b) = tokio::join!(
-            generate(addr, ids_request(ids.clone(), 40, 0)),
-            generate(addr, ids_request(other.clone(), 20, 12)),
-        );
+        // The second joins while the first decodes (40 steps of 5 ms).
+        let (a, b) = tokio::join!(generate(addr, ids_request(ids.clone(), 40, 0)), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            generate(addr, ids_request(other.clone(), 20, 12)).await
+        });
         assert_eq!(a.sums, alone.sums);
         assert_eq!(b.sums, other_alone.sums);
         let shared = [&a, &b]

@@ -164,6 +164,139 @@ impl FusionWeights {
     }
 }
 
+/// One Qwen4Exp PLE layer's weights as vLLM's `Qwen4ExpPLELayer` holds
+/// them, bf16 bits: `kv_proj` (the checkpoint's `key_proj` `[C][D]` then
+/// `value_proj` `[H][D]`, as vLLM's merged projection stacks them), the
+/// three grouped norms' weights `[C]` and the depthwise convolution's
+/// `[C][kernel]` (`conv1d.weight`, `[C, 1, kernel]` in the checkpoint).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PleWeights {
+    /// `[C + H][D]`.
+    pub kv_proj: Vec<u16>,
+    /// `norm_key.weight`.
+    pub norm_key: Vec<u16>,
+    /// `norm_query.weight`.
+    pub norm_query: Vec<u16>,
+    /// `norm_conv.weight`.
+    pub norm_conv: Vec<u16>,
+    /// `conv1d.weight`.
+    pub conv: Vec<u16>,
+}
+
+/// Where a Qwen4Exp checkpoint keeps PLE layer `layer`'s tensors (layer
+/// ids 1-based, as `ple_layer_ids`; decoder layer `layer - 1`): under the
+/// multimodal model's `model.language_model.`, the text model's `model.`,
+/// or bare.
+fn ple_prefixes(layer: u32) -> [String; 3] {
+    let i = layer.saturating_sub(1);
+    [
+        format!("model.language_model.layers.{i}.ple"),
+        format!("model.layers.{i}.ple"),
+        format!("layers.{i}.ple"),
+    ]
+}
+
+impl PleWeights {
+    /// Deterministic weights from `seed` for `streams` streams of
+    /// `hidden` channels, an n-gram embedding of `dim` values and a
+    /// convolution `kernel` wide (tests and demos): the norms' weights
+    /// within 0.1 of 0 (vLLM's norms scale by `1 + weight`), the
+    /// convolution's within 0.5, `kv_proj` within `1 / sqrt(dim)`; every
+    /// value a bf16 value.
+    pub fn from_seed(
+        seed: u64,
+        (hidden, streams): (usize, usize),
+        dim: usize,
+        kernel: usize,
+    ) -> Result<Self, WeightsError> {
+        let c = hidden
+            .checked_mul(streams)
+            .filter(|&c| c > 0 && c <= 1 << 16)
+            .ok_or_else(|| WeightsError::Shape(format!("{streams} streams of {hidden}")))?;
+        let mut g = SplitMix64::new(seed ^ 0x51e5_7a11);
+        let mut draw = |n: usize, amp: f32| -> Vec<u16> {
+            (0..n)
+                .map(|_| {
+                    let u = (g.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+                    f32_to_bf16_bits((u * 2.0 - 1.0) * amp)
+                })
+                .collect()
+        };
+        let (norm_key, norm_query, norm_conv) = (draw(c, 0.1), draw(c, 0.1), draw(c, 0.1));
+        let conv = draw(c * kernel, 0.5);
+        let kv_proj = draw((c + hidden) * dim, 1.0 / (dim as f32).sqrt());
+        Ok(Self {
+            kv_proj,
+            norm_key,
+            norm_query,
+            norm_conv,
+            conv,
+        })
+    }
+
+    /// Load PLE layer `layer` (1-based) of `streams` streams of `hidden`
+    /// channels, its n-gram embedding `dim` values, its convolution
+    /// `kernel` wide, from a checkpoint (a safetensors file, its directory
+    /// or its index): tensors `{prefix}.key_proj.weight`,
+    /// `{prefix}.value_proj.weight`, `{prefix}.norm_key.weight`,
+    /// `{prefix}.norm_query.weight`, `{prefix}.norm_conv.weight` and
+    /// `{prefix}.conv1d.weight`, BF16 as vLLM holds them (F32 and F16 are
+    /// rounded to bf16, as vLLM's loader copies them; an F8_E4M3 projection
+    /// with a `weight_scale_inv` is dequantized to bf16, where vLLM would
+    /// run an FP8 GEMM).
+    pub fn from_checkpoint(
+        checkpoint: &Path,
+        layer: u32,
+        (hidden, streams): (usize, usize),
+        dim: usize,
+        kernel: usize,
+    ) -> Result<Self, WeightsError> {
+        let c = hidden
+            .checked_mul(streams)
+            .filter(|&c| c > 0 && c <= 1 << 20)
+            .ok_or_else(|| WeightsError::Shape(format!("{streams} streams of {hidden}")))?;
+        let proj_bytes = (c + hidden) as u64 * dim as u64 * 4;
+        if proj_bytes > MAX_WKV_BYTES || dim == 0 || !(1..=16).contains(&kernel) {
+            return Err(WeightsError::Shape(format!(
+                "a [{c} + {hidden}, {dim}] projection (at most {MAX_WKV_BYTES} bytes in f32) \
+                 and a kernel of {kernel} (1 to 16)"
+            )));
+        }
+        let mut ck = Checkpoint::open(checkpoint)?;
+        let mut prefix = None;
+        for p in ple_prefixes(layer) {
+            if ck.has(&format!("{p}.key_proj.weight"))? {
+                prefix = Some(p);
+                break;
+            }
+        }
+        let p = prefix.ok_or_else(|| WeightsError::Checkpoint {
+            path: ck.files.root().to_path_buf(),
+            reason: format!(
+                "no PLE layer {layer}: none of {} is present",
+                ple_prefixes(layer)
+                    .map(|p| format!("`{p}.key_proj.weight`"))
+                    .join(", ")
+            ),
+        })?;
+        let mut bf16 = |name: &str, rows: usize, cols: usize| -> Result<Vec<u16>, WeightsError> {
+            let full = format!("{p}.{name}");
+            let scales = [format!("{full}_scale_inv"), format!("{full}_scale")];
+            let v = ck.matrix(&full, &scales, rows, cols)?;
+            Ok(v.into_iter().map(f32_to_bf16_bits).collect())
+        };
+        let mut kv_proj = bf16("key_proj.weight", c, dim)?;
+        kv_proj.extend(bf16("value_proj.weight", hidden, dim)?);
+        Ok(Self {
+            kv_proj,
+            norm_key: bf16("norm_key.weight", c, 1)?,
+            norm_query: bf16("norm_query.weight", c, 1)?,
+            norm_conv: bf16("norm_conv.weight", c, 1)?,
+            conv: bf16("conv1d.weight", c, kernel)?,
+        })
+    }
+}
+
 /// The files of a checkpoint, mapped on demand.
 struct Checkpoint {
     files: CheckpointFiles,
@@ -185,6 +318,15 @@ impl Checkpoint {
             files: CheckpointFiles::open(path)?,
             maps: BTreeMap::new(),
         })
+    }
+
+    /// Whether the checkpoint holds tensor `name`.
+    fn has(&mut self, name: &str) -> Result<bool, WeightsError> {
+        let Some(file) = self.file_of(name)? else {
+            return Ok(false);
+        };
+        let m = self.mapped(&file)?;
+        Ok(parse(m, &file)?.tensor(name).is_ok())
     }
 
     /// The file holding `name`, or `None` when the index does not list it.
@@ -246,7 +388,13 @@ impl Checkpoint {
             .tensor(name)
             .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
         let shape = t.shape();
-        if !(shape == [rows, cols] || shape == [rows * cols]) {
+        // [rows, cols], flat, or with unit dimensions between (a depthwise
+        // convolution's [C, 1, kernel]).
+        let inner: Vec<usize> = shape.iter().skip(1).copied().filter(|&d| d != 1).collect();
+        let fits = shape == [rows * cols]
+            || (shape.first() == Some(&rows)
+                && (inner == [cols] || (cols == 1 && inner.is_empty())));
+        if !fits {
             return Err(err(format!(
                 "tensor `{name}` has shape {shape:?}, expected [{rows}, {cols}]"
             )));

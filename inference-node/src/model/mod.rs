@@ -631,6 +631,13 @@ pub(crate) trait Batched {
     fn retire(&mut self) -> Vec<u64>;
 }
 
+/// Take the sequences `done` says are finished out of `seqs`; their tags.
+pub(crate) fn retire<S>(seqs: &mut Vec<S>, done: fn(&S) -> bool, tag: fn(&S) -> u64) -> Vec<u64> {
+    let out = seqs.iter().filter(|s| done(s)).map(tag).collect();
+    seqs.retain(|s| !done(s));
+    out
+}
+
 /// Step `lp` while `driver` has sequences for it: before each step the
 /// driver's cancellations and admissions, after it the record and the
 /// sequences that finished.

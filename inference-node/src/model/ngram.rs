@@ -33,7 +33,6 @@ use std::time::Duration;
 use engram_protocol::encoding::RowEncoding;
 use engram_protocol::qwen4exp::Qwen4ExpHashing;
 use engram_protocol::row::f32_to_bf16_bits;
-use engram_protocol::synthetic::SplitMix64;
 
 use super::clock::Clock;
 use super::{
@@ -42,6 +41,7 @@ use super::{
 };
 use crate::engram::FusionError;
 use crate::engram::ple::{PleError, PleLayer, PleState};
+use crate::engram::weights::PleWeights;
 
 /// A Qwen4Exp model as the loop runs it: its hashing, its table's rows and
 /// its PLE layer's parameters.
@@ -56,11 +56,11 @@ pub struct NgramModel {
     slot: TableSlot,
 }
 
-/// The convolution of Qwen4Exp's PLE layer: kernel 4, dilation the
-/// n-gram size (3).
-const KERNEL: usize = 4;
-/// RMSNorm's epsilon.
-const EPS: f32 = 1e-6;
+/// The convolution of Qwen4Exp's PLE layer: kernel 4 (`ple_conv_kernel_size`),
+/// dilation the n-gram size (3).
+pub const KERNEL: usize = 4;
+/// RMSNorm's epsilon (`rms_norm_eps`).
+pub const EPS: f32 = 1e-6;
 
 impl NgramModel {
     /// The model whose table is `slot`'s (rows of `encoding`, table scale
@@ -76,29 +76,49 @@ impl NgramModel {
         (h, streams): (usize, usize),
         seed: u64,
     ) -> Result<Self, FusionError> {
-        let c = h
-            .checked_mul(streams)
-            .filter(|&c| c > 0 && c <= 1 << 16)
-            .ok_or_else(|| PleError(format!("{streams} streams of {h} channels")))?;
         let d = hashing.heads() * encoding.values();
-        let mut g = SplitMix64::new(seed ^ 0x51e5_7a11);
-        let mut draw = |n: usize, amp: f32| -> Vec<u16> {
-            (0..n)
-                .map(|_| {
-                    let u = (g.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-                    f32_to_bf16_bits((u * 2.0 - 1.0) * amp)
-                })
-                .collect()
-        };
-        let (nk, nq, nc) = (draw(c, 0.1), draw(c, 0.1), draw(c, 0.1));
-        let conv = draw(c * KERNEL, 0.5);
-        let kv_proj = draw((c + h) * d, 1.0 / (d as f32).sqrt());
+        let weights = PleWeights::from_seed(seed, (h, streams), d, KERNEL)
+            .map_err(|e| PleError(e.to_string()))?;
+        Self::new(hashing, encoding, scale, slot, (h, streams), weights)
+    }
+
+    /// The model whose table is `slot`'s (rows of `encoding`, table scale
+    /// `scale`), hashed by `hashing`, its PLE layer `streams` streams of
+    /// `h` channels with `weights` (a checkpoint's: [`PleWeights::from_checkpoint`]).
+    pub fn new(
+        hashing: Qwen4ExpHashing,
+        encoding: RowEncoding,
+        scale: f32,
+        slot: TableSlot,
+        (h, streams): (usize, usize),
+        weights: PleWeights,
+    ) -> Result<Self, FusionError> {
         let dilation = hashing.config.ngram_size;
-        let ple = PleLayer::new(h, streams, KERNEL, dilation, EPS, &nk, &nq, &nc, &conv)?;
+        let w = &weights;
+        let ple = PleLayer::new(
+            h,
+            streams,
+            KERNEL,
+            dilation,
+            EPS,
+            &w.norm_key,
+            &w.norm_query,
+            &w.norm_conv,
+            &w.conv,
+        )?;
+        let d = hashing.heads() * encoding.values();
+        if w.kv_proj.len() != (ple.channels() + h) * d {
+            return Err(PleError(format!(
+                "kv_proj has {} values, not [{} + {h}] x {d}",
+                w.kv_proj.len(),
+                ple.channels()
+            ))
+            .into());
+        }
         Ok(Self {
             hashing,
             ple,
-            kv_proj,
+            kv_proj: weights.kv_proj,
             encoding,
             scale,
             slot,
@@ -445,14 +465,7 @@ impl<C: Clock, F: Fetcher> super::Batched for NgramLoop<'_, C, F> {
     }
 
     fn retire(&mut self) -> Vec<u64> {
-        let done = self
-            .seqs
-            .iter()
-            .filter(|s| s.done())
-            .map(|s| s.tag)
-            .collect();
-        self.seqs.retain(|s| !s.done());
-        done
+        super::retire(&mut self.seqs, Seq::done, |s| s.tag)
     }
 }
 

@@ -198,20 +198,13 @@ impl NodeModel {
             .block_on(self.memory.reload(config, name, metrics))
             .map_err(|e| e.to_string())?;
         let mut changes = report.to_string();
-        if node.tokens_per_second != self.tokens_per_second {
-            changes.push_str(&format!(
-                "; tokens/s {} -> {}",
-                self.tokens_per_second, node.tokens_per_second
-            ));
-            self.tokens_per_second = node.tokens_per_second;
-        }
-        if node.prefill_budget != self.prefill_budget {
-            changes.push_str(&format!(
-                "; prefill budget {} -> {}",
-                self.prefill_budget, node.prefill_budget
-            ));
-            self.prefill_budget = node.prefill_budget;
-        }
+        pace_changes(
+            &mut changes,
+            (self.tokens_per_second, self.prefill_budget),
+            (node.tokens_per_second, node.prefill_budget),
+        );
+        self.tokens_per_second = node.tokens_per_second;
+        self.prefill_budget = node.prefill_budget;
         Ok(changes)
     }
 
@@ -508,6 +501,17 @@ pub(crate) fn token_map(model: &Model) -> Result<LoadedMap, SetupError> {
         }
         TokenMapSource::None => (None, None),
     })
+}
+
+/// What a reload changes of a node's pace, `(tokens/s, prefill budget)`
+/// from `old` to `new`, said after `changes`.
+pub(crate) fn pace_changes(changes: &mut String, old: (f64, usize), new: (f64, usize)) {
+    if new.0 != old.0 {
+        changes.push_str(&format!("; tokens/s {} -> {}", old.0, new.0));
+    }
+    if new.1 != old.1 {
+        changes.push_str(&format!("; prefill budget {} -> {}", old.1, new.1));
+    }
 }
 
 /// A token rate asked for on the command line, checked.

@@ -616,14 +616,7 @@ impl<C: Clock, F: Fetcher> super::Batched for TokenLoop<'_, C, F> {
     }
 
     fn retire(&mut self) -> Vec<u64> {
-        let done = self
-            .seqs
-            .iter()
-            .filter(|s| s.done())
-            .map(|s| s.tag)
-            .collect();
-        self.seqs.retain(|s| !s.done());
-        done
+        super::retire(&mut self.seqs, Seq::done, |s| s.tag)
     }
 }
 

@@ -275,3 +275,79 @@ fn seeded_weights_are_deterministic_and_bf16_valued() {
     assert!(FusionShape::new(0, 4).is_err());
     assert!(FusionShape::new(65_536, 64).is_err());
 }
+
+/// A Qwen4Exp PLE layer's tensors under `prefix`, as a checkpoint holds
+/// `w` (2 streams of 8, an embedding of 32 values, kernel 4): the
+/// projection split into key and value, the norms in F32, the convolution
+/// `[C, 1, kernel]`.
+fn ple_tensors(prefix: &str, w: &PleWeights) -> Vec<T> {
+    let (c, h, d, k) = (16, 8, 32, 4);
+    let raw = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|b| b.to_le_bytes()).collect() };
+    let f32_of = |v: &[u16]| -> Vec<u8> {
+        let f: Vec<f32> = v.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+        f32s(&f)
+    };
+    let t = |name: &str, dtype, shape: Vec<usize>, data| T {
+        name: format!("{prefix}.{name}"),
+        dtype,
+        shape,
+        data,
+    };
+    vec![
+        t(
+            "key_proj.weight",
+            Dtype::BF16,
+            vec![c, d],
+            raw(&w.kv_proj[..c * d]),
+        ),
+        t(
+            "value_proj.weight",
+            Dtype::BF16,
+            vec![h, d],
+            raw(&w.kv_proj[c * d..]),
+        ),
+        t("norm_key.weight", Dtype::F32, vec![c], f32_of(&w.norm_key)),
+        t(
+            "norm_query.weight",
+            Dtype::BF16,
+            vec![c],
+            raw(&w.norm_query),
+        ),
+        t("norm_conv.weight", Dtype::BF16, vec![c], raw(&w.norm_conv)),
+        t("conv1d.weight", Dtype::BF16, vec![c, 1, k], raw(&w.conv)),
+    ]
+}
+
+#[test]
+fn a_ple_layer_loads_from_a_qwen4exp_checkpoint_as_vllm_names_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let want = PleWeights::from_seed(9, (8, 2), 32, 4).expect("seeded");
+    assert_eq!(want.kv_proj.len(), (16 + 8) * 32);
+    // The multimodal model's names (PLE layer 3: decoder layer 2), and
+    // the text model's.
+    for prefix in ["model.language_model.layers.2.ple", "model.layers.2.ple"] {
+        let path = dir.path().join("m.safetensors");
+        write(&path, &ple_tensors(prefix, &want));
+        let got = PleWeights::from_checkpoint(&path, 3, (8, 2), 32, 4).expect("loads");
+        assert_eq!(got, want, "{prefix}");
+        // Another layer's tensors are not this one's.
+        let e = PleWeights::from_checkpoint(&path, 1, (8, 2), 32, 4).expect_err("layer 1");
+        assert!(e.to_string().contains("no PLE layer 1"), "{e}");
+    }
+    // Another shape than [model] says, a tensor missing: named.
+    let path = dir.path().join("m.safetensors");
+    let e = PleWeights::from_checkpoint(&path, 3, (8, 2), 48, 4).expect_err("dim");
+    assert!(
+        e.to_string()
+            .contains("key_proj.weight` has shape [16, 32]"),
+        "{e}"
+    );
+    let mut cut = ple_tensors("model.layers.2.ple", &want);
+    cut.retain(|t| !t.name.ends_with("conv1d.weight"));
+    write(&path, &cut);
+    let e = PleWeights::from_checkpoint(&path, 3, (8, 2), 32, 4).expect_err("conv");
+    assert!(e.to_string().contains("conv1d.weight"), "{e}");
+    // Bounds before any read.
+    let e = PleWeights::from_checkpoint(&path, 3, (8, 2), 32, 40).expect_err("kernel");
+    assert!(e.to_string().contains("kernel of 40"), "{e}");
+}

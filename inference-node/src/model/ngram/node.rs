@@ -15,14 +15,17 @@ use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
 use engram_store::table_file::TableFile;
 use tokenizers::Tokenizer;
 
-use super::NgramModel;
+use super::{EPS, KERNEL, NgramModel};
 use crate::engram::tokenmap::load_tokenizer;
+use crate::engram::weights::PleWeights;
 use crate::memory::Routers;
 use crate::metrics::NodeMetrics;
 use crate::model::clock::RealClock;
 use crate::model::fetch::RouterFetcher;
 use crate::model::input::{self, InputError};
-use crate::model::node::{InputChoice, SetupError, checked_rate, chunk_rows, usable_at_start};
+use crate::model::node::{
+    InputChoice, SetupError, checked_rate, chunk_rows, pace_changes, usable_at_start,
+};
 use crate::model::{BatchDriver, LoopError, LoopSpec, StepRecord, Summary, TableSlot, Tokens};
 use crate::router::Router;
 
@@ -44,7 +47,7 @@ struct Layout {
     model: Model,
     slot: TableSlot,
     scale: f32,
-    seed: u64,
+    weights: WeightsSource,
     tokens_per_second: f64,
     max_batch: u32,
     prefill_budget: usize,
@@ -95,21 +98,12 @@ fn layout(
         )));
     }
     let scale = table_scale(table, route.ssd_path.as_path())?;
-    let seed = match &model.weights {
-        Some(WeightsSource::Seed(s)) => *s,
-        Some(WeightsSource::Checkpoint(p)) => {
-            return Err(cfg(format!(
-                "{at}: [model] weights = {:?}: a Qwen4Exp checkpoint's PLE weights are not read yet; \
-                 give weights_seed = N for seeded ones (docs/models.md)",
-                p.display()
-            )));
-        }
-        None => {
-            return Err(cfg(format!(
-                "{at}: the loop fuses, so [model] needs weights_seed = N"
-            )));
-        }
-    };
+    let weights = model.weights.clone().ok_or_else(|| {
+        cfg(format!(
+            "{at}: the loop fuses, so [model] needs PLE weights: \
+             `weights = \"CHECKPOINT\"` or `weights_seed = N`"
+        ))
+    })?;
     let slot = TableSlot {
         table: table.id,
         layer: table.layer,
@@ -120,7 +114,7 @@ fn layout(
         model,
         slot,
         scale,
-        seed,
+        weights,
         tokens_per_second: rate,
         max_batch: node.max_batch,
         prefill_budget: node.prefill_budget,
@@ -142,9 +136,26 @@ impl NgramNode {
         let (layout, hashing, encoding) = layout(config, name, tokens_per_second)?;
         let (m, slot) = (&layout.model, layout.slot);
         let shape = (m.hidden as usize, m.streams as usize);
-        let ngram =
-            NgramModel::synthetic(hashing, encoding, layout.scale, slot, shape, layout.seed)
-                .map_err(|e| SetupError::Fusion(e.to_string()))?;
+        let fusion = |e: &dyn std::fmt::Display| SetupError::Fusion(e.to_string());
+        let ngram = match &layout.weights {
+            WeightsSource::Seed(seed) => {
+                NgramModel::synthetic(hashing, encoding, layout.scale, slot, shape, *seed)
+                    .map_err(|e| fusion(&e))?
+            }
+            WeightsSource::Checkpoint(p) => {
+                let dim = hashing.heads() * encoding.values();
+                check_config_json(m, &hashing, slot.layer, dim).map_err(SetupError::Config)?;
+                let (p, layer) = (p.clone(), slot.layer);
+                let weights = tokio::task::spawn_blocking(move || {
+                    PleWeights::from_checkpoint(&p, layer, shape, dim, KERNEL)
+                })
+                .await
+                .map_err(|e| fusion(&e))?
+                .map_err(|e| fusion(&e))?;
+                NgramModel::new(hashing, encoding, layout.scale, slot, shape, weights)
+                    .map_err(|e| fusion(&e))?
+            }
+        };
         let tokenizer = match &m.token_map {
             TokenMapSource::Tokenizer(p) => {
                 let tok = load_tokenizer(p).map_err(InputError::from)?;
@@ -218,18 +229,11 @@ impl NgramNode {
             .block_on(self.memory.reload(config, name, metrics))
             .map_err(|e| e.to_string())?;
         let mut changes = report.to_string();
-        if new.tokens_per_second != old.tokens_per_second {
-            changes.push_str(&format!(
-                "; tokens/s {} -> {}",
-                old.tokens_per_second, new.tokens_per_second
-            ));
-        }
-        if new.prefill_budget != old.prefill_budget {
-            changes.push_str(&format!(
-                "; prefill budget {} -> {}",
-                old.prefill_budget, new.prefill_budget
-            ));
-        }
+        pace_changes(
+            &mut changes,
+            (old.tokens_per_second, old.prefill_budget),
+            (new.tokens_per_second, new.prefill_budget),
+        );
         self.layout = new;
         Ok(changes)
     }
@@ -394,6 +398,92 @@ pub fn hashing_of(model: &Model) -> Result<Qwen4ExpHashing, String> {
         ..Qwen4ExpConfig::qwen38_flash_next(u64::from(eos))
     })
     .map_err(|e| format!("[model]: {e}"))
+}
+
+/// Check the PLE weights' checkpoint's `config.json` (its `text_config`
+/// where the PLE fields are; the one `[model] config` names, else the one
+/// beside the checkpoint, if any) against the node: the hashing's
+/// constants, the table's layer among `ple_layer_ids`, `[model]`'s shape
+/// and the fusion's constants. A field the file does not have is not
+/// compared; a difference is refused, naming the field.
+fn check_config_json(
+    model: &Model,
+    hashing: &Qwen4ExpHashing,
+    layer: u32,
+    dim: usize,
+) -> Result<(), String> {
+    use cluster_config::model::ConfigJson;
+    let path = match &model.config_json {
+        None => return Ok(()),
+        Some(ConfigJson::Beside(p)) if !p.is_file() => return Ok(()),
+        Some(c) => c.path().to_path_buf(),
+    };
+    let err = |e: String| format!("{}: {e}", path.display());
+    let len = std::fs::metadata(&path)
+        .map_err(|e| err(e.to_string()))?
+        .len();
+    if len > engram_protocol::model_config::MAX_CONFIG_BYTES {
+        return Err(err(format!("{len} bytes: too large for a config")));
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).map_err(|e| err(e.to_string()))?)
+            .map_err(|e| err(format!("not JSON: {e}")))?;
+    let c = v
+        .get("text_config")
+        .filter(|t| t.get("ngram_vocab_size_base").is_some())
+        .unwrap_or(&v);
+    let q = &hashing.config;
+    let ints: [(&str, u64, &str); 9] = [
+        ("hidden_size", u64::from(model.hidden), "[model] hidden"),
+        ("hc_count", u64::from(model.streams), "[model] streams"),
+        ("ple_embed_dim", dim as u64, "16 rows of the table's values"),
+        (
+            "ple_conv_kernel_size",
+            KERNEL as u64,
+            "this build's convolution",
+        ),
+        ("ngram_size", q.ngram_size as u64, "Qwen4Exp's hashing"),
+        (
+            "heads_per_ngram",
+            q.heads_per_ngram as u64,
+            "Qwen4Exp's hashing",
+        ),
+        ("vocab_size", q.vocab, "Qwen4Exp's hashing"),
+        ("ngram_vocab_size_base", q.base, "[model] hash_base"),
+        ("eos_token_id", q.eos, "[model] eos_token"),
+    ];
+    for (key, want, what) in ints {
+        let Some(got) = c.get(key) else { continue };
+        // eos_token_id may list several ids; the node's must be among them.
+        let ok = match got {
+            serde_json::Value::Array(a) if key == "eos_token_id" => {
+                a.iter().any(|x| x.as_u64() == Some(want))
+            }
+            other => other.as_u64() == Some(want),
+        };
+        if !ok {
+            return Err(err(format!(
+                "`{key}` is {got}, but {what} gives {want}: the PLE layer would be computed \
+                 differently from the model's, so this is refused"
+            )));
+        }
+    }
+    if let Some(got) = c.get("rms_norm_eps")
+        && got.as_f64().map(|e| e as f32) != Some(EPS)
+    {
+        return Err(err(format!(
+            "`rms_norm_eps` is {got}, but this build's PLE norms use {EPS}"
+        )));
+    }
+    if let Some(ids) = c.get("ple_layer_ids").and_then(serde_json::Value::as_array)
+        && !ids.iter().any(|x| x.as_u64() == Some(u64::from(layer)))
+    {
+        return Err(err(format!(
+            "the PLE table is layer {layer}'s, not one of `ple_layer_ids` {ids:?}"
+        )));
+    }
+    tracing::info!(config = %path.display(), "the checkpoint's config.json agrees with the node's PLE layer");
+    Ok(())
 }
 
 /// The table scale `table`'s rows are read with: the config's
