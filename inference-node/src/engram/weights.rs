@@ -183,6 +183,29 @@ pub struct PleWeights {
     pub conv: Vec<u16>,
 }
 
+/// The channels `C` of a PLE layer of `streams` streams of `hidden`,
+/// once its shape is checked: `C` within the fusion's bound, its
+/// projection `[C + hidden, dim]` within `MAX_WKV_BYTES` in f32, a kernel
+/// of 1 to 16.
+fn ple_channels(
+    (hidden, streams): (usize, usize),
+    dim: usize,
+    kernel: usize,
+) -> Result<usize, WeightsError> {
+    let c = hidden
+        .checked_mul(streams)
+        .filter(|&c| c > 0 && c <= 1 << 20)
+        .ok_or_else(|| WeightsError::Shape(format!("{streams} streams of {hidden}")))?;
+    let proj_bytes = (c + hidden) as u64 * dim as u64 * 4;
+    if proj_bytes > MAX_WKV_BYTES || dim == 0 || !(1..=16).contains(&kernel) {
+        return Err(WeightsError::Shape(format!(
+            "a [{c} + {hidden}, {dim}] projection (at most {MAX_WKV_BYTES} bytes in f32) \
+             and a kernel of {kernel} (1 to 16)"
+        )));
+    }
+    Ok(c)
+}
+
 /// Where a Qwen4Exp checkpoint keeps PLE layer `layer`'s tensors (layer
 /// ids 1-based, as `ple_layer_ids`; decoder layer `layer - 1`): under the
 /// multimodal model's `model.language_model.`, the text model's `model.`,
@@ -209,10 +232,7 @@ impl PleWeights {
         dim: usize,
         kernel: usize,
     ) -> Result<Self, WeightsError> {
-        let c = hidden
-            .checked_mul(streams)
-            .filter(|&c| c > 0 && c <= 1 << 16)
-            .ok_or_else(|| WeightsError::Shape(format!("{streams} streams of {hidden}")))?;
+        let c = ple_channels((hidden, streams), dim, kernel)?;
         let mut g = SplitMix64::new(seed ^ 0x51e5_7a11);
         let mut draw = |n: usize, amp: f32| -> Vec<u16> {
             (0..n)
@@ -251,17 +271,7 @@ impl PleWeights {
         dim: usize,
         kernel: usize,
     ) -> Result<Self, WeightsError> {
-        let c = hidden
-            .checked_mul(streams)
-            .filter(|&c| c > 0 && c <= 1 << 20)
-            .ok_or_else(|| WeightsError::Shape(format!("{streams} streams of {hidden}")))?;
-        let proj_bytes = (c + hidden) as u64 * dim as u64 * 4;
-        if proj_bytes > MAX_WKV_BYTES || dim == 0 || !(1..=16).contains(&kernel) {
-            return Err(WeightsError::Shape(format!(
-                "a [{c} + {hidden}, {dim}] projection (at most {MAX_WKV_BYTES} bytes in f32) \
-                 and a kernel of {kernel} (1 to 16)"
-            )));
-        }
+        let c = ple_channels((hidden, streams), dim, kernel)?;
         let mut ck = Checkpoint::open(checkpoint)?;
         let mut prefix = None;
         for p in ple_prefixes(layer) {
