@@ -17,6 +17,7 @@ mod paced_contention;
 mod paced_draft;
 mod paced_host;
 mod paced_join;
+mod ple;
 mod prefill;
 mod rack;
 mod realtext;
@@ -69,6 +70,8 @@ enum Cmd {
     Ssd(ssd::SsdArgs),
     /// What a real text does to the rows (V4 tokenizer, V4.1 hashing): repeats per n-gram order, LRU and static hot-set hits by size, batch deduplication, SSD pages per token.
     Locality(realtext::LocalityArgs),
+    /// A Qwen4Exp PLE layer on the node's CPU a token: kv_proj with the weight prepared once against converting it per call, then the gate and convolution.
+    Ple(ple::PleArgs),
     /// Seed 000's timing model for one V4.1 token: windows, overshoot, tokens/s, slowdown.
     Model(model::ModelArgs),
     /// (internal) Write a sample heatmap and timeline (SVG and PNG) to look at.
@@ -97,6 +100,7 @@ fn main() -> Result<()> {
         Cmd::EnginesRustSide(a) => engines::rust_side(&a),
         Cmd::Floor(a) => floor::run(&a),
         Cmd::Checksum(a) => checksum::run(&a),
+        Cmd::Ple(a) => ple::run(&a),
         Cmd::Layout(a) => layout::run(&a),
         Cmd::Ssd(a) => ssd::run(&a),
         Cmd::Locality(a) => realtext::locality(&a),

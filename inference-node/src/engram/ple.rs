@@ -84,6 +84,40 @@ pub struct PleLayer {
     conv: Vec<f32>,
 }
 
+/// A `kv_proj` weight prepared for [`PleLayer::project_with`]: its bf16
+/// values input by input (`[D][C + H]`), so that one input's weights for
+/// every output are contiguous.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvProj {
+    outs: usize,
+    d: usize,
+    by_input: Vec<u16>,
+}
+
+/// Tokens [`PleLayer::project_with`] projects per pass over the weight.
+const PROJECT_BLOCK: usize = 8;
+
+impl KvProj {
+    /// Prepare `weight` (`[outs][D]`, bf16 bits, as a checkpoint stores a
+    /// linear layer).
+    pub fn new(weight: &[u16], outs: usize) -> Result<Self, PleError> {
+        if outs == 0 || weight.is_empty() || !weight.len().is_multiple_of(outs) {
+            return Err(PleError(format!(
+                "a kv_proj of {} values for {outs} outputs",
+                weight.len()
+            )));
+        }
+        let d = weight.len() / outs;
+        let mut by_input = vec![0u16; weight.len()];
+        for (o, row) in weight.chunks_exact(d).enumerate() {
+            for (k, &b) in row.iter().enumerate() {
+                by_input[k * outs + o] = b;
+            }
+        }
+        Ok(Self { outs, d, by_input })
+    }
+}
+
 /// A sequence's convolution state: its last `(kernel - 1) x dilation`
 /// inputs, oldest first (`[window][C]`, bf16 bits); empty for a new one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -185,21 +219,30 @@ impl PleLayer {
     /// `weight` (`[C + H][D]`, as a checkpoint stores a linear layer) to its
     /// keys `[n][C]` and value `[n][H]`, accumulated in f32 in order and
     /// rounded once (a CPU or GPU matmul may sum in another order: results
-    /// can differ in the last bf16 step).
+    /// can differ in the last bf16 step). A loop that projects every step
+    /// prepares the weight once ([`KvProj`], [`PleLayer::project_with`]).
     pub fn project(
         &self,
         embeddings: &[u16],
         weight: &[u16],
     ) -> Result<(Vec<u16>, Vec<u16>), PleError> {
+        self.project_with(embeddings, &KvProj::new(weight, self.channels() + self.h)?)
+    }
+
+    /// [`PleLayer::project`] with the weight prepared: the same sums, each
+    /// output's in the same order, so the same bits.
+    pub fn project_with(
+        &self,
+        embeddings: &[u16],
+        kv: &KvProj,
+    ) -> Result<(Vec<u16>, Vec<u16>), PleError> {
         let (c, h) = (self.channels(), self.h);
-        let outs = c + h;
-        if weight.is_empty() || !weight.len().is_multiple_of(outs) {
+        let (outs, d) = (kv.outs, kv.d);
+        if outs != c + h {
             return Err(PleError(format!(
-                "a kv_proj of {} values for {outs} outputs",
-                weight.len()
+                "a kv_proj of {outs} outputs for {c} + {h} channels"
             )));
         }
-        let d = weight.len() / outs;
         if !embeddings.len().is_multiple_of(d) {
             return Err(PleError(format!(
                 "{} embedding values, rows of {d}",
@@ -207,22 +250,28 @@ impl PleLayer {
             )));
         }
         let n = embeddings.len() / d;
-        let w: Vec<f32> = weight.iter().map(|&b| bf16_bits_to_f32(b)).collect();
         let (mut key, mut value) = (Vec::with_capacity(n * c), Vec::with_capacity(n * h));
-        for t in 0..n {
-            let e: Vec<f32> = embeddings[t * d..(t + 1) * d]
-                .iter()
-                .map(|&b| bf16_bits_to_f32(b))
-                .collect();
-            for o in 0..outs {
-                let row = &w[o * d..(o + 1) * d];
-                let acc: f32 = row.iter().zip(&e).map(|(a, b)| a * b).sum();
-                let bits = f32_to_bf16_bits(acc);
-                if o < c {
-                    key.push(bits);
-                } else {
-                    value.push(bits);
+        // Every output accumulates its D products in order (from -0.0, as
+        // an iterator's sum does), all outputs side by side: the inner loop
+        // runs across outputs, so it vectorizes without reordering a sum.
+        // Tokens go in blocks that share each pass over the weight (read
+        // from memory once a block, not once a token).
+        let mut acc = vec![-0.0f32; PROJECT_BLOCK * outs];
+        for block in embeddings.chunks(PROJECT_BLOCK * d) {
+            let tokens = block.len() / d;
+            let acc = &mut acc[..tokens * outs];
+            acc.fill(-0.0);
+            for (k, col) in kv.by_input.chunks_exact(outs).enumerate() {
+                for (t, a) in acc.chunks_exact_mut(outs).enumerate() {
+                    let e = bf16_bits_to_f32(block[t * d + k]);
+                    for (a, &w) in a.iter_mut().zip(col) {
+                        *a += bf16_bits_to_f32(w) * e;
+                    }
                 }
+            }
+            for a in acc.chunks_exact(outs) {
+                key.extend(a[..c].iter().map(|&x| f32_to_bf16_bits(x)));
+                value.extend(a[c..].iter().map(|&x| f32_to_bf16_bits(x)));
             }
         }
         Ok((key, value))

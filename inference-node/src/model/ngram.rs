@@ -40,7 +40,7 @@ use super::{
     StepKind, StepRecord, Summary, TableRecord, TableSlot, Tokens, checksum, initial_state, us,
 };
 use crate::engram::FusionError;
-use crate::engram::ple::{PleError, PleLayer, PleState};
+use crate::engram::ple::{KvProj, PleError, PleLayer, PleState};
 use crate::engram::weights::PleWeights;
 
 /// A Qwen4Exp model as the loop runs it: its hashing, its table's rows and
@@ -49,8 +49,8 @@ use crate::engram::weights::PleWeights;
 pub struct NgramModel {
     hashing: Qwen4ExpHashing,
     ple: PleLayer,
-    /// `kv_proj`: `[C + H][heads x values]`, bf16 bits.
-    kv_proj: Vec<u16>,
+    /// `kv_proj` (`[C + H][heads x values]`), prepared.
+    kv_proj: KvProj,
     encoding: RowEncoding,
     scale: f32,
     slot: TableSlot,
@@ -115,10 +115,11 @@ impl NgramModel {
             ))
             .into());
         }
+        let kv_proj = KvProj::new(&weights.kv_proj, ple.channels() + h)?;
         Ok(Self {
             hashing,
             ple,
-            kv_proj: weights.kv_proj,
+            kv_proj,
             encoding,
             scale,
             slot,
@@ -140,19 +141,26 @@ impl NgramModel {
         &self.hashing
     }
 
-    /// Fuse `n` positions of one sequence: their rows (`n x heads` rows of
-    /// the table's encoding, in the order of their ids) and raw ids, its
-    /// state carried; each position's output checksum into `out`.
+    /// Project positions' rows (`heads` rows of the table's encoding each,
+    /// in the order of their ids; any sequences' positions together, as
+    /// each position's projection is its own): their keys `[n][C]` and
+    /// values `[n][H]`.
+    fn project(&self, rows: &[u8]) -> Result<(Vec<u16>, Vec<u16>), FusionError> {
+        let emb = PleLayer::embed(self.encoding, rows, self.scale)?;
+        Ok(self.ple.project_with(&emb, &self.kv_proj)?)
+    }
+
+    /// Fuse `n` positions of one sequence from their keys and values
+    /// ([`NgramModel::project`]) and raw ids, its state carried; each
+    /// position's output checksum into `out`.
     fn fuse(
         &self,
         state: &mut PleState,
-        rows: &[u8],
+        (key, value): (&[u16], &[u16]),
         ids: &[u32],
         hidden_seed: u64,
         out: &mut Vec<super::Checksum>,
     ) -> Result<(), FusionError> {
-        let emb = PleLayer::embed(self.encoding, rows, self.scale)?;
-        let (key, value) = self.ple.project(&emb, &self.kv_proj)?;
         let c = self.ple.channels();
         let mut h32 = vec![0f32; c];
         let mut hidden = Vec::with_capacity(ids.len() * c);
@@ -160,7 +168,7 @@ impl NgramModel {
             initial_state(hidden_seed, id, &mut h32);
             hidden.extend(h32.iter().map(|&v| f32_to_bf16_bits(v)));
         }
-        let o = self.ple.forward(state, &key, &value, &hidden)?;
+        let o = self.ple.forward(state, key, value, &hidden)?;
         for t in o.out.chunks_exact(c) {
             let f: Vec<f32> = t
                 .iter()
@@ -325,49 +333,53 @@ impl<'a, C: Clock, F: Fetcher> NgramLoop<'a, C, F> {
         let mut f = self.fetcher.wait(pending);
         clock.sleep_until(f.ready);
         let stall = f.ready.saturating_sub(block_start);
-        // 4. Fusion, sequence by sequence (each carries its state).
+        // 4. Fusion: every position's rows projected together, then
+        // sequence by sequence (each carries its state).
         let fused_from = clock.now();
         rec.positions.clear();
         let size = self.model.encoding.row_bytes();
         let heads = self.model.rows_per_token();
+        self.rowbuf.clear();
+        if f.error.is_none() {
+            for id in &self.ids {
+                let i = self.unique.binary_search(id).map_err(|_| LoopError::Rows {
+                    step,
+                    what: format!("row {id} was not fetched"),
+                })?;
+                let row = f
+                    .bytes
+                    .get(i * size..(i + 1) * size)
+                    .ok_or_else(|| LoopError::Rows {
+                        step,
+                        what: format!("{} bytes for {} rows", f.bytes.len(), self.unique.len()),
+                    })?;
+                self.rowbuf.extend_from_slice(row);
+            }
+        } else {
+            // No rows: fused as zero rows (what policy `zeros` serves), so
+            // that each sequence's convolution state stays in step with its
+            // positions.
+            self.rowbuf.resize(self.ids.len() * size, 0);
+        }
+        let (key, value) = self
+            .model
+            .project(&self.rowbuf)
+            .map_err(|error| LoopError::Fusion { step, error })?;
+        // Each position's key is `C` values, its value `H` (positions > 0).
+        let (c, h) = (key.len() / positions, value.len() / positions);
         for s in &mut self.seqs {
             if s.n == 0 {
                 continue;
             }
             let at = s.range.start + s.next;
-            let mine = &self.ids[s.ids_at..s.ids_at + s.n * heads];
-            self.rowbuf.clear();
-            if f.error.is_none() {
-                for id in mine {
-                    let i = self.unique.binary_search(id).map_err(|_| LoopError::Rows {
-                        step,
-                        what: format!("row {id} was not fetched"),
-                    })?;
-                    let row =
-                        f.bytes
-                            .get(i * size..(i + 1) * size)
-                            .ok_or_else(|| LoopError::Rows {
-                                step,
-                                what: format!(
-                                    "{} bytes for {} rows",
-                                    f.bytes.len(),
-                                    self.unique.len()
-                                ),
-                            })?;
-                    self.rowbuf.extend_from_slice(row);
-                }
-            } else {
-                // No rows: fused as zero rows (what policy `zeros` serves),
-                // so that the sequence's convolution state stays in step
-                // with its positions.
-                self.rowbuf.resize(mine.len() * size, 0);
-            }
+            let p0 = s.ids_at / heads;
+            let mine = (&key[p0 * c..(p0 + s.n) * c], &value[p0 * h..(p0 + s.n) * h]);
             self.sums.clear();
             let raw = &s.tokens.raw[at..at + s.n];
             self.model
                 .fuse(
                     &mut s.state,
-                    &self.rowbuf,
+                    mine,
                     raw,
                     self.spec.hidden_seed,
                     &mut self.sums,

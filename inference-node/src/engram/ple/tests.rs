@@ -194,3 +194,64 @@ fn a_tokens_embedding_is_its_rows_dequantized_in_order() {
     nan[3] = 0x7F;
     assert!(PleLayer::embed(fp8, &nan, 0.5).is_err());
 }
+
+/// The prepared projection sums each output's products in the same order
+/// as a row's in-order sum: the same bits, zeros and signs included.
+#[test]
+fn the_prepared_projection_gives_the_bits_of_each_rows_in_order_sum() {
+    let (h, streams, d, n) = (4, 3, 40, 5);
+    let c = h * streams;
+    let ones = vec![f32_to_bf16_bits(0.0); c];
+    let conv = vec![f32_to_bf16_bits(0.0); c * 4];
+    let layer = PleLayer::new(h, streams, 4, 3, 1e-6, &ones, &ones, &ones, &conv).expect("layer");
+    let mut g = engram_protocol::synthetic::SplitMix64::new(3);
+    let mut draw = |k: usize| -> Vec<u16> {
+        (0..k)
+            .map(|i| {
+                let u = (g.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+                // Some exact zeros of either sign among the values.
+                match i % 17 {
+                    0 => 0x8000,
+                    1 => 0,
+                    _ => f32_to_bf16_bits((u * 2.0 - 1.0) * 3.0),
+                }
+            })
+            .collect()
+    };
+    let weight = draw((c + h) * d);
+    let mut emb = draw(n * d);
+    // A token of zero rows (a failed fetch's): every product a signed zero.
+    emb[..d].fill(0x8000);
+    let (key, value) = layer.project(&emb, &weight).expect("project");
+    let mut want = Vec::new();
+    for t in 0..n {
+        for row in weight.chunks_exact(d) {
+            let sum: f32 = row
+                .iter()
+                .zip(&emb[t * d..(t + 1) * d])
+                .map(|(&w, &e)| bf16_bits_to_f32(w) * bf16_bits_to_f32(e))
+                .sum();
+            want.push(f32_to_bf16_bits(sum));
+        }
+    }
+    let got: Vec<u16> = (0..n)
+        .flat_map(|t| {
+            key[t * c..(t + 1) * c]
+                .iter()
+                .chain(&value[t * h..(t + 1) * h])
+                .copied()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(got, want);
+    assert!(
+        got.contains(&0x8000) || got.contains(&0),
+        "signed zeros were exercised"
+    );
+    let prepared = KvProj::new(&weight, c + h).expect("prepared");
+    assert_eq!(
+        layer.project_with(&emb, &prepared).expect("with"),
+        (key, value)
+    );
+    assert!(KvProj::new(&weight, c + h + 1).is_err());
+}
