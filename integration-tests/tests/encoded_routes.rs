@@ -640,4 +640,11 @@ fn the_qwen4exp_loop_reads_its_ple_weights_from_a_checkpoint() {
         log.contains("no PLE layer 1") && log.contains("model.layers.0.ple.key_proj.weight"),
         "{log}"
     );
+    // The PLE fusion has no GPU path in the node: `fusion = "gpu"` is
+    // refused rather than run on the CPU unsaid.
+    write(p);
+    toml.model.as_mut().expect("model").fusion = Some("gpu".into());
+    toml.write(&from_ckpt).expect("config");
+    let log = refused();
+    assert!(log.contains("CPU only"), "{log}");
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use cluster_config::Config;
-use cluster_config::model::{Family, Model, TokenMapSource, WeightsSource};
+use cluster_config::model::{Family, FusionBackend, Model, TokenMapSource, WeightsSource};
 use engram_protocol::encoding::RowEncoding;
 use engram_protocol::hashing::Preset;
 use engram_protocol::qwen4exp::{QWEN38_BASE, Qwen4ExpConfig, Qwen4ExpHashing};
@@ -98,6 +98,18 @@ fn layout(
         )));
     }
     let scale = table_scale(table, route.ssd_path.as_path())?;
+    match model.fusion {
+        FusionBackend::Cpu => {}
+        FusionBackend::Gpu => {
+            return Err(cfg(format!(
+                "{at}: [model] fusion = \"gpu\": Qwen4Exp's PLE fusion runs on the node's CPU only \
+                 (the engines run it on their GPUs; docs/models.md): set fusion = \"cpu\" or \"gpu-or-cpu\""
+            )));
+        }
+        FusionBackend::GpuOrCpu => tracing::warn!(
+            "[model] fusion = \"gpu-or-cpu\": Qwen4Exp's PLE fusion runs on the CPU (it has no GPU path in the node)"
+        ),
+    }
     let weights = model.weights.clone().ok_or_else(|| {
         cfg(format!(
             "{at}: the loop fuses, so [model] needs PLE weights: \
