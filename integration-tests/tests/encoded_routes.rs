@@ -633,6 +633,15 @@ fn the_qwen4exp_loop_reads_its_ple_weights_from_a_checkpoint() {
     config_json(32);
     let log = refused();
     assert!(log.contains("`hidden_size` is 32"), "{log}");
+    // The table as the second PLE layer: its rows would hash as another
+    // layer's.
+    let second = serde_json::json!({"hidden_size": 16, "ple_layer_ids": [0, 1]});
+    std::fs::write(ckpt.join("config.json"), second.to_string()).expect("config.json");
+    let log = refused();
+    assert!(
+        log.contains("PLE layer 1 of `ple_layer_ids` [0, 1]"),
+        "{log}"
+    );
     config_json(16);
     write("model.language_model.layers.4.ple");
     let log = refused();

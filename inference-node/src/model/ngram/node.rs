@@ -487,12 +487,27 @@ fn check_config_json(
             "`rms_norm_eps` is {got}, but this build's PLE norms use {EPS}"
         )));
     }
-    if let Some(ids) = c.get("ple_layer_ids").and_then(serde_json::Value::as_array)
-        && !ids.iter().any(|x| x.as_u64() == Some(u64::from(layer)))
-    {
-        return Err(err(format!(
-            "the PLE table is layer {layer}'s, not one of `ple_layer_ids` {ids:?}"
-        )));
+    if let Some(ids) = c.get("ple_layer_ids").and_then(serde_json::Value::as_array) {
+        let mut ids: Vec<u64> = ids.iter().filter_map(serde_json::Value::as_u64).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        // The hashing's layer index is the table's place among the PLE
+        // layers; the node hashes as the first's (Qwen3.8-Flash-Next has one).
+        match ids.iter().position(|&l| l == u64::from(layer)) {
+            Some(i) if i as u64 == q.layer_index => {}
+            Some(i) => {
+                return Err(err(format!(
+                    "the PLE table is layer {layer}'s, PLE layer {i} of `ple_layer_ids` {ids:?}: \
+                     this node hashes as PLE layer {} (the first), so its rows would be another layer's",
+                    q.layer_index
+                )));
+            }
+            None => {
+                return Err(err(format!(
+                    "the PLE table is layer {layer}'s, not one of `ple_layer_ids` {ids:?}"
+                )));
+            }
+        }
     }
     tracing::info!(config = %path.display(), "the checkpoint's config.json agrees with the node's PLE layer");
     Ok(())
