@@ -106,9 +106,8 @@ fn layout(
                  (the engines run it on their GPUs; docs/models.md): set fusion = \"cpu\" or \"gpu-or-cpu\""
             )));
         }
-        FusionBackend::GpuOrCpu => tracing::warn!(
-            "[model] fusion = \"gpu-or-cpu\": Qwen4Exp's PLE fusion runs on the CPU (it has no GPU path in the node)"
-        ),
+        // Said once, at start (`NgramNode::from_config`).
+        FusionBackend::GpuOrCpu => {}
     }
     let weights = model.weights.clone().ok_or_else(|| {
         cfg(format!(
@@ -146,6 +145,11 @@ impl NgramNode {
         metrics: &NodeMetrics,
     ) -> Result<Self, SetupError> {
         let (layout, hashing, encoding) = layout(config, name, tokens_per_second)?;
+        if layout.model.fusion == FusionBackend::GpuOrCpu {
+            tracing::warn!(
+                "[model] fusion = \"gpu-or-cpu\": Qwen4Exp's PLE fusion runs on the CPU (it has no GPU path in the node)"
+            );
+        }
         let (m, slot) = (&layout.model, layout.slot);
         let shape = (m.hidden as usize, m.streams as usize);
         let fusion = |e: &dyn std::fmt::Display| SetupError::Fusion(e.to_string());
@@ -198,12 +202,6 @@ impl NgramNode {
             chunk_rows: chunk_rows(config),
             tokenizer,
         })
-    }
-
-    /// The run's raw ids, repeated until there are at least `min_len`
-    /// (see [`NgramInput::tokens`]).
-    pub fn tokens(&self, input: &InputChoice, min_len: usize) -> Result<Vec<u32>, SetupError> {
-        Ok(self.input().tokens(input, min_len)?.raw)
     }
 
     /// What turns a request's input into the loop's tokens, apart from the
